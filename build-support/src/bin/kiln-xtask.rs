@@ -1,0 +1,113 @@
+//! `cargo xtask`: provisions Kiln's native libraries on first use, then runs cargo.
+//!
+//! ```text
+//! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
+//! cargo xtask test [ARGS]      setup, then `cargo test --workspace ARGS`
+//! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
+//! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
+//! cargo xtask env              print shell `export` lines for the provisioned libraries
+//! ```
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+
+use kiln_build::{setup, Setup};
+
+const USAGE: &str = "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | cargo ARGS | env>";
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format(|buf, record| writeln!(buf, "kiln: {}", record.args()))
+        .init();
+    let mut args = std::env::args_os().skip(1);
+    let Some(command) = args.next() else {
+        eprintln!("{USAGE}");
+        return ExitCode::from(2);
+    };
+    let rest: Vec<OsString> = args.collect();
+    let cargo_args: Vec<OsString> = match command.to_str() {
+        Some("setup") | Some("env") => Vec::new(),
+        Some("test") => ["test", "--workspace"]
+            .into_iter()
+            .map(OsString::from)
+            .chain(rest.iter().cloned())
+            .collect(),
+        Some("run") => std::iter::once(OsString::from("run"))
+            .chain(rest.iter().cloned())
+            .collect(),
+        Some("cargo") if !rest.is_empty() => rest.clone(),
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+
+    let ready = match setup(&workspace_root()) {
+        Ok(ready) => ready,
+        Err(error) => {
+            eprintln!("error: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match command.to_str() {
+        Some("setup") => {
+            describe(&ready);
+            ExitCode::SUCCESS
+        }
+        Some("env") => {
+            for (key, value) in ready.cargo_env() {
+                println!("export {key}='{value}'");
+            }
+            ExitCode::SUCCESS
+        }
+        _ => run_cargo(&ready, &cargo_args),
+    }
+}
+
+/// The workspace this binary was built from (cargo sets `CARGO_MANIFEST_DIR` for
+/// `cargo run`; the compile-time value is the fallback).
+fn workspace_root() -> PathBuf {
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    manifest.parent().map(PathBuf::from).unwrap_or(manifest)
+}
+
+fn describe(ready: &Setup) {
+    println!("virtualenv   {}", ready.venv.python.display());
+    println!(
+        "libtorch     {} ({}{})",
+        ready.libtorch.root.display(),
+        ready.libtorch.version,
+        if ready.libtorch.has_cuda() {
+            ", CUDA build"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "tensorflow   {} ({})",
+        ready.tensorflow.c_api.display(),
+        ready.tensorflow.version
+    );
+    println!("pkg-config   {}", ready.layout.pkgconfig().display());
+}
+
+fn run_cargo(ready: &Setup, args: &[OsString]) -> ExitCode {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(&cargo)
+        .args(args)
+        .envs(ready.cargo_env())
+        .current_dir(workspace_root())
+        .status();
+    match status {
+        Ok(status) if status.success() => ExitCode::SUCCESS,
+        Ok(status) => ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)),
+        Err(error) => {
+            eprintln!("error: cannot run {}: {error}", cargo.to_string_lossy());
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,35 @@
+//! Finds, provisions and links Kiln's native libraries.
+//!
+//! Kiln links libtorch (through `tch`) and the TensorFlow C API (through
+//! `tensorflow`). Both come from PyPI wheels installed into a project-local
+//! virtualenv (`.kiln/venv`), or from directories the user names with
+//! `LIBTORCH` / `LIBTENSORFLOW`. This crate is used in two places:
+//!
+//! - by `cargo xtask` (the `kiln-xtask` binary), which provisions the virtualenv
+//!   on first use with [`setup`], then runs cargo;
+//! - by each Kiln build script, through [`build_script`], which puts the
+//!   libraries' real directories on the binaries' rpath so nothing needs
+//!   `LD_LIBRARY_PATH`, and keeps `libtorch_cuda` linked.
+//!
+//! It has no native dependency and no `unsafe` code.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod cxx;
+mod error;
+mod layout;
+mod libtorch;
+mod link;
+mod provision;
+mod setup;
+mod tensorflow;
+pub mod versions;
+
+pub use cxx::configure_cxx;
+pub use error::{BuildError, Result};
+pub use layout::Layout;
+pub use libtorch::Libtorch;
+pub use link::{build_script, Native};
+pub use provision::{ensure_venv, existing_venv, find_python, pip_install, Venv};
+pub use setup::{setup, Setup};
+pub use tensorflow::Tensorflow;

@@ -1,0 +1,428 @@
+//! The project virtualenv: created on first use, verified, reused afterwards.
+//!
+//! A virtualenv is trusted only when its marker file exists and names the exact
+//! requirement list of [`PYTHON_REQUIREMENTS`]; the marker is written last, so an
+//! install cut short (disk full, network down, Ctrl-C) is discarded and redone
+//! on the next run instead of being mistaken for a good one.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use sha2::{Digest, Sha256};
+
+use crate::error::{BuildError, Result};
+use crate::layout::Layout;
+use crate::versions::{PYTHON_REQUIREMENTS, VENV_SIZE_GB};
+
+/// A verified project virtualenv.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Venv {
+    /// Its interpreter.
+    pub python: PathBuf,
+    /// Its `site-packages` directory (holds `torch/`, `tensorflow/`, `sklearn/`).
+    pub site_packages: PathBuf,
+}
+
+/// Fingerprint of the requirement list, stored in the marker.
+fn requirements_fingerprint() -> String {
+    let mut hasher = Sha256::new();
+    for req in PYTHON_REQUIREMENTS {
+        hasher.update(req.as_bytes());
+        hasher.update(b"\n");
+    }
+    hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Returns the virtualenv if it is complete and current, without changing anything.
+pub fn existing_venv(layout: &Layout) -> Option<Venv> {
+    let marker = fs::read_to_string(layout.venv_marker()).ok()?;
+    let mut lines = marker.lines();
+    if lines.next()? != requirements_fingerprint() {
+        return None;
+    }
+    let site_packages = PathBuf::from(lines.next()?);
+    let python = layout.venv_python();
+    (python.exists() && site_packages.join("torch").is_dir()).then_some(Venv {
+        python,
+        site_packages,
+    })
+}
+
+/// Makes sure the project virtualenv exists with exactly the pinned packages.
+///
+/// Holds a lock on `.kiln/provision.lock` while it works, so two commands started
+/// together do not install twice. Progress goes to stderr; pip's own output goes
+/// to `.kiln/pip.log`.
+pub fn ensure_venv(layout: &Layout) -> Result<Venv> {
+    fs::create_dir_all(layout.root()).map_err(|e| BuildError::io("creating", layout.root(), e))?;
+    let lock_path = layout.root().join("provision.lock");
+    let lock =
+        fs::File::create(&lock_path).map_err(|e| BuildError::io("creating", &lock_path, e))?;
+    lock.lock()
+        .map_err(|e| BuildError::io("locking", &lock_path, e))?;
+
+    if let Some(venv) = existing_venv(layout) {
+        return Ok(venv);
+    }
+    let venv_dir = layout.venv();
+    if venv_dir.exists() {
+        log::info!(
+            "discarding the incomplete or outdated virtualenv at {}",
+            venv_dir.display()
+        );
+        fs::remove_dir_all(&venv_dir).map_err(|e| BuildError::io("removing", &venv_dir, e))?;
+    }
+    check_free_space(layout.root())?;
+
+    let python = find_python()?;
+    log::info!(
+        "creating the project virtualenv at {} with {} (first run only)",
+        venv_dir.display(),
+        python.display()
+    );
+    create_venv(&python, &venv_dir)?;
+
+    let venv_python = layout.venv_python();
+    log::info!(
+        "installing {} from PyPI (about {VENV_SIZE_GB} GB; a few minutes the first time, pip log: {})",
+        PYTHON_REQUIREMENTS.join(" "),
+        layout.pip_log().display()
+    );
+    pip_install(&venv_python, PYTHON_REQUIREMENTS, &layout.pip_log())?;
+
+    let site_packages = verify_imports(&venv_python)?;
+    write_marker(layout, &site_packages)?;
+    log::info!("virtualenv ready");
+    Ok(Venv {
+        python: venv_python,
+        site_packages,
+    })
+}
+
+fn check_free_space(dir: &Path) -> Result<()> {
+    let Ok(free) = fs4::available_space(dir) else {
+        return Ok(()); // unknown: let the install itself find out
+    };
+    let needed = VENV_SIZE_GB * 1_000_000_000;
+    if free < needed {
+        return Err(BuildError::DiskFull {
+            dir: dir.to_path_buf(),
+            detail: format!("only {:.1} GB free", free as f64 / 1e9),
+            needed_gb: VENV_SIZE_GB,
+        });
+    }
+    Ok(())
+}
+
+/// The interpreter named by `KILN_PYTHON`, else `python3` on `PATH`, checked to be 3.10+.
+pub fn find_python() -> Result<PathBuf> {
+    let name = std::env::var_os("KILN_PYTHON").unwrap_or_else(|| "python3".into());
+    let output = Command::new(&name)
+        .args([
+            "-c",
+            "import sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.executable)",
+        ])
+        .output()
+        .map_err(|_| BuildError::PythonNotFound {
+            looked_for: name.to_string_lossy().into_owned(),
+        })?;
+    if !output.status.success() {
+        return Err(BuildError::PythonNotFound {
+            looked_for: name.to_string_lossy().into_owned(),
+        });
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let mut lines = stdout.lines();
+    let version = lines.next().unwrap_or_default().trim().to_owned();
+    let exe = lines
+        .next()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(&name));
+    let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if major != 3 || minor < 10 {
+        return Err(BuildError::PythonTooOld {
+            python: exe,
+            found: version,
+        });
+    }
+    Ok(exe)
+}
+
+fn create_venv(python: &Path, venv_dir: &Path) -> Result<()> {
+    let output = Command::new(python)
+        .args(["-m", "venv"])
+        .arg(venv_dir)
+        .output()
+        .map_err(|e| BuildError::Command {
+            command: format!("{} -m venv", python.display()),
+            detail: e.to_string(),
+        })?;
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let all = format!("{stdout}{stderr}");
+    if all.contains("No space left on device") {
+        return Err(BuildError::DiskFull {
+            dir: venv_dir.to_path_buf(),
+            detail: last_line(&all),
+            needed_gb: VENV_SIZE_GB,
+        });
+    }
+    if !output.status.success() {
+        if all.contains("ensurepip") || all.contains("No module named venv") {
+            return Err(BuildError::NoPip {
+                python: python.to_path_buf(),
+                detail: last_line(&all),
+            });
+        }
+        return Err(BuildError::Command {
+            command: format!("{} -m venv {}", python.display(), venv_dir.display()),
+            detail: all.trim().to_owned(),
+        });
+    }
+    let pip = Command::new(venv_dir.join("bin/python"))
+        .args(["-m", "pip", "--version"])
+        .output();
+    match pip {
+        Ok(out) if out.status.success() => Ok(()),
+        Ok(out) => Err(BuildError::NoPip {
+            python: python.to_path_buf(),
+            detail: last_line(&String::from_utf8_lossy(&out.stderr)),
+        }),
+        Err(e) => Err(BuildError::NoPip {
+            python: python.to_path_buf(),
+            detail: e.to_string(),
+        }),
+    }
+}
+
+/// Runs `pip install` with output to `log`, and turns a failure into the error that explains it.
+pub fn pip_install(python: &Path, requirements: &[&str], log: &Path) -> Result<()> {
+    let log_file = fs::File::create(log).map_err(|e| BuildError::io("creating", log, e))?;
+    let log_err = log_file
+        .try_clone()
+        .map_err(|e| BuildError::io("opening", log, e))?;
+    let status = Command::new(python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--no-input",
+            "--progress-bar",
+            "off",
+        ])
+        .args(requirements)
+        .stdin(Stdio::null())
+        .stdout(log_file)
+        .stderr(log_err)
+        .status()
+        .map_err(|e| BuildError::Command {
+            command: format!("{} -m pip install", python.display()),
+            detail: e.to_string(),
+        })?;
+    if status.success() {
+        return Ok(());
+    }
+    let mut text = String::new();
+    if let Ok(mut f) = fs::File::open(log) {
+        // A log that cannot be read only loses detail from the message.
+        let _ = f.read_to_string(&mut text);
+    }
+    Err(classify_pip_failure(
+        &text,
+        &requirements.join(" "),
+        &status.to_string(),
+        log,
+        python.parent().unwrap_or(python),
+    ))
+}
+
+/// Reads pip's output and names the cause a user can act on.
+fn classify_pip_failure(
+    text: &str,
+    packages: &str,
+    status: &str,
+    log: &Path,
+    dir: &Path,
+) -> BuildError {
+    const DISK: &[&str] = &[
+        "No space left on device",
+        "[Errno 28]",
+        "Disk quota exceeded",
+    ];
+    const NETWORK: &[&str] = &[
+        "Failed to establish a new connection",
+        "NewConnectionError",
+        "Temporary failure in name resolution",
+        "Name or service not known",
+        "Network is unreachable",
+        "Connection refused",
+        "ConnectTimeoutError",
+        "Read timed out",
+        "ProxyError",
+        "SSLError",
+        "Max retries exceeded",
+    ];
+    let find = |needles: &[&str]| {
+        text.lines()
+            .find(|line| needles.iter().any(|n| line.contains(n)))
+            .map(|line| line.trim().to_owned())
+    };
+    if let Some(line) = find(DISK) {
+        return BuildError::DiskFull {
+            dir: dir.to_path_buf(),
+            detail: line,
+            needed_gb: VENV_SIZE_GB,
+        };
+    }
+    if let Some(line) = find(NETWORK) {
+        return BuildError::RegistryUnreachable {
+            packages: packages.to_owned(),
+            detail: line,
+            log: log.to_path_buf(),
+        };
+    }
+    let tail: Vec<&str> = text.lines().rev().take(15).collect();
+    BuildError::PipFailed {
+        packages: packages.to_owned(),
+        status: status.to_owned(),
+        tail: tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+        log: log.to_path_buf(),
+    }
+}
+
+/// Imports every pinned package once, so a broken install is caught here and not in a test.
+fn verify_imports(python: &Path) -> Result<PathBuf> {
+    let output = Command::new(python)
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .args([
+            "-c",
+            "import sysconfig, torch, tensorflow, sklearn, safetensors; \
+             print(sysconfig.get_path('purelib'))",
+        ])
+        .output()
+        .map_err(|e| BuildError::Command {
+            command: format!("{} -c 'import torch, tensorflow'", python.display()),
+            detail: e.to_string(),
+        })?;
+    if !output.status.success() {
+        return Err(BuildError::Command {
+            command: format!(
+                "{} -c 'import torch, tensorflow, sklearn, safetensors'",
+                python.display()
+            ),
+            detail: last_lines(&String::from_utf8_lossy(&output.stderr), 10),
+        });
+    }
+    let site = String::from_utf8_lossy(&output.stdout).trim().to_owned();
+    Ok(PathBuf::from(site))
+}
+
+fn write_marker(layout: &Layout, site_packages: &Path) -> Result<()> {
+    let marker = layout.venv_marker();
+    let tmp = marker.with_extension("tmp");
+    let content = format!(
+        "{}\n{}\n{}\n",
+        requirements_fingerprint(),
+        site_packages.display(),
+        PYTHON_REQUIREMENTS.join(" ")
+    );
+    fs::write(&tmp, content).map_err(|e| BuildError::io("writing", &tmp, e))?;
+    fs::rename(&tmp, &marker).map_err(|e| BuildError::io("renaming", &marker, e))
+}
+
+fn last_line(text: &str) -> String {
+    text.lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("")
+        .trim()
+        .to_owned()
+}
+
+fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().rev().take(n).collect();
+    lines.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pip_offline_is_reported_as_registry_unreachable() {
+        let log = "Collecting torch==2.11.0\n  WARNING: Retrying (Retry(total=4)) after connection broken by \
+                   'NewConnectionError(...: Failed to establish a new connection: [Errno 101] Network is unreachable')\n\
+                   ERROR: Could not find a version that satisfies the requirement torch==2.11.0 (from versions: none)\n";
+        let err = classify_pip_failure(
+            log,
+            "torch==2.11.0",
+            "exit status: 1",
+            Path::new("/x/pip.log"),
+            Path::new("/x"),
+        );
+        assert!(
+            matches!(err, BuildError::RegistryUnreachable { .. }),
+            "{err}"
+        );
+        assert!(err
+            .to_string()
+            .contains("cannot reach the Python package index"));
+    }
+
+    #[test]
+    fn pip_enospc_is_reported_as_disk_full() {
+        let log = "Installing collected packages: torch\nERROR: Could not install packages due to an OSError: \
+                   [Errno 28] No space left on device\n";
+        let err = classify_pip_failure(
+            log,
+            "torch",
+            "exit status: 1",
+            Path::new("/x/pip.log"),
+            Path::new("/x"),
+        );
+        assert!(matches!(err, BuildError::DiskFull { .. }), "{err}");
+    }
+
+    #[test]
+    fn other_pip_failures_keep_the_tail() {
+        let log = "ERROR: No matching distribution found for torch==9.9.9\n";
+        let err = classify_pip_failure(
+            log,
+            "torch==9.9.9",
+            "exit status: 1",
+            Path::new("/x/pip.log"),
+            Path::new("/x"),
+        );
+        match err {
+            BuildError::PipFailed { tail, .. } => assert!(tail.contains("torch==9.9.9")),
+            other => panic!("unexpected {other}"),
+        }
+    }
+
+    #[test]
+    fn marker_for_other_requirements_is_not_trusted() {
+        let dir = std::env::temp_dir().join(format!("kiln-build-marker-{}", std::process::id()));
+        let layout = Layout::new(&dir);
+        fs::create_dir_all(layout.venv().join("bin")).unwrap();
+        fs::write(layout.venv_python(), "").unwrap();
+        let site = dir.join("site");
+        fs::create_dir_all(site.join("torch")).unwrap();
+        fs::write(
+            layout.venv_marker(),
+            format!("deadbeef\n{}\n", site.display()),
+        )
+        .unwrap();
+        assert_eq!(existing_venv(&layout), None);
+        write_marker(&layout, &site).unwrap();
+        assert_eq!(existing_venv(&layout).map(|v| v.site_packages), Some(site));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

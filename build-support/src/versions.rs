@@ -1,0 +1,25 @@
+//! The pinned versions of everything Kiln links or provisions.
+
+/// libtorch version `tch` 0.24 (`torch-sys` 0.24) is written against.
+pub const TORCH_VERSION: &str = "2.11.0";
+/// TensorFlow version whose C API the `tensorflow` 0.21 crate is used with.
+pub const TENSORFLOW_VERSION: &str = "2.21.0";
+
+/// The Python packages of the project virtualenv, exactly pinned.
+///
+/// torch and tensorflow-cpu carry the native libraries; scikit-learn ships the
+/// UCI digits data set; safetensors reads and writes checkpoints in reference
+/// scripts. Changing this list re-provisions the virtualenv.
+pub const PYTHON_REQUIREMENTS: &[&str] = &[
+    "torch==2.11.0",
+    "tensorflow-cpu==2.21.0",
+    "scikit-learn==1.9.1",
+    "safetensors==0.8.0",
+];
+
+/// Disk space the virtualenv takes once installed, rounded up, in GB.
+pub const VENV_SIZE_GB: u64 = 7;
+
+/// `_GLIBCXX_USE_CXX11_ABI` of the libtorch and TensorFlow 2.x wheels; C++ that
+/// exchanges standard-library types with them must be compiled with the same value.
+pub const CXX11_ABI: u8 = 1;

@@ -1,0 +1,72 @@
+//! Kiln's custom C++ (and, with the `cuda` feature, CUDA) ops.
+//!
+//! The C++ sources under `src/` are compiled by the build script with `cc`
+//! (flags from kiln-build: C++17, libtorch's `_GLIBCXX_USE_CXX11_ABI`) and bridged
+//! with `cxx` in a private module. A C++ exception never crosses into Rust as an
+//! abort: each bridged function that can throw returns `Result`, and the wrappers
+//! here turn the exception into [`kiln_core::Error::Backend`] with its message.
+//!
+//! ```
+//! assert_eq!(kiln_ops::checked_numel(&[2, 3, 4])?, 24);
+//! assert!(kiln_ops::checked_numel(&[2, -1]).is_err());
+//! # Ok::<(), kiln_core::Error>(())
+//! ```
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+#[allow(unsafe_code)]
+mod bridge;
+
+use kiln_core::{Error, Result};
+
+/// The `_GLIBCXX_USE_CXX11_ABI` value the C++ code was compiled with.
+pub fn cxx11_abi() -> i32 {
+    bridge::ffi::cxx11_abi()
+}
+
+/// The number of elements of a shape, computed and validated in C++.
+///
+/// A negative dimension or an element count beyond `i64` is an
+/// [`Error::Backend`] carrying the C++ exception's message.
+pub fn checked_numel(dims: &[i64]) -> Result<i64> {
+    bridge::ffi::checked_numel(dims).map_err(|e| cxx_error("checked_numel", e))
+}
+
+/// A C++ exception caught by the bridge, as a Kiln error.
+fn cxx_error(op: &str, exception: cxx::Exception) -> Error {
+    Error::backend("kiln-ops", op, exception.what())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compiled_with_libtorchs_abi() {
+        assert_eq!(cxx11_abi(), i32::from(kiln_build_abi()));
+    }
+
+    fn kiln_build_abi() -> u8 {
+        // The value kiln-build passed to the compiler, recorded by build.rs.
+        env!("KILN_CXX11_ABI").parse().unwrap()
+    }
+
+    #[test]
+    fn numel_matches_hand_computed_values() {
+        assert_eq!(checked_numel(&[]).unwrap(), 1);
+        assert_eq!(checked_numel(&[7]).unwrap(), 7);
+        assert_eq!(checked_numel(&[2, 0, 5]).unwrap(), 0);
+        assert_eq!(checked_numel(&[3, 4, 5]).unwrap(), 60);
+    }
+
+    #[test]
+    fn exceptions_come_back_as_backend_errors() {
+        let err = checked_numel(&[2, -3]).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Backend { .. }), "{text}");
+        assert!(text.contains("dimension 1 is -3, expected >= 0"), "{text}");
+
+        let err = checked_numel(&[i64::MAX, 2]).unwrap_err().to_string();
+        assert!(err.contains("overflows int64 at dimension 1"), "{err}");
+    }
+}

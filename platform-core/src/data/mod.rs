@@ -1,0 +1,78 @@
+//! Datasets, batches and data loaders.
+
+mod dataset;
+mod digits;
+mod loader;
+mod rng;
+mod split;
+
+pub use dataset::InMemoryDataset;
+pub use digits::load_digits;
+pub use loader::SequentialLoader;
+pub use split::{train_test_split, Split};
+
+use crate::error::Result;
+use crate::tensor::HostTensor;
+
+/// Random access to a finite collection of samples.
+///
+/// Contract: [`get`](Dataset::get) with `index >= len()` returns
+/// [`Error::InvalidArgument`](crate::Error::InvalidArgument); it never panics.
+pub trait Dataset: Send + Sync {
+    /// One sample, e.g. an `(input, target)` pair.
+    type Item: Send;
+
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    /// Whether there are no samples.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The sample at `index`.
+    fn get(&self, index: usize) -> Result<Self::Item>;
+}
+
+/// A mini-batch: inputs and targets with a leading batch dimension.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// Model inputs, `[batch, ...]`.
+    pub inputs: HostTensor,
+    /// Targets, `[batch]` or `[batch, ...]`.
+    pub targets: HostTensor,
+}
+
+/// Produces the mini-batches of one epoch.
+///
+/// Contract:
+///
+/// * The order is deterministic: the same loader configuration (including
+///   its seed) and the same `epoch` yield the same batches; different epochs
+///   of a shuffling loader yield different orders.
+/// * Every epoch visits each sample at most once (exactly once unless the
+///   loader drops an incomplete last batch).
+/// * Failures, including those in worker threads of parallel loaders, surface
+///   as `Err` items; the iterator never hangs or panics because of them.
+///
+/// ```
+/// use kiln_core::{DataLoader, HostTensor, InMemoryDataset, SequentialLoader};
+///
+/// let x = HostTensor::new((0..10).map(|v| v as f32).collect(), [5, 2])?;
+/// let y = HostTensor::new(vec![0i64, 1, 0, 1, 0], [5])?;
+/// let loader = SequentialLoader::new(InMemoryDataset::new(x, y)?, 2)?;
+/// assert_eq!(loader.num_batches(), 3);
+/// let sizes: Vec<usize> = loader
+///     .batches(0)
+///     .map(|b| b.map(|b| b.targets.numel()))
+///     .collect::<Result<_, _>>()?;
+/// assert_eq!(sizes, [2, 2, 1]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub trait DataLoader {
+    /// Number of batches [`batches`](DataLoader::batches) yields per epoch.
+    fn num_batches(&self) -> usize;
+
+    /// The batches of epoch `epoch`.
+    fn batches(&self, epoch: u64) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_>;
+}

@@ -1,0 +1,222 @@
+//! Element types of tensors.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::error::{Error, Result};
+
+/// The element type of a tensor.
+///
+/// ```
+/// use kiln_core::DType;
+///
+/// let dt: DType = "float".parse()?;
+/// assert_eq!(dt, DType::F32);
+/// assert_eq!(dt.to_string(), "float32");
+/// assert_eq!(dt.size_in_bytes(), 4);
+/// assert_eq!(dt.safetensors_name(), "F32");
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DType {
+    /// Unsigned 8-bit integer (`u8`).
+    U8,
+    /// Signed 32-bit integer (`i32`).
+    I32,
+    /// Signed 64-bit integer (`i64`), the usual index and label type.
+    I64,
+    /// 32-bit float (`f32`), the usual parameter type.
+    F32,
+    /// 64-bit float (`f64`).
+    F64,
+}
+
+/// Every dtype, in declaration order.
+const ALL: [DType; 5] = [DType::U8, DType::I32, DType::I64, DType::F32, DType::F64];
+
+impl DType {
+    /// Size of one element in bytes.
+    pub const fn size_in_bytes(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::I32 | DType::F32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Whether this is a floating-point type.
+    pub const fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64)
+    }
+
+    /// PyTorch-style lowercase name: `"uint8"`, `"int32"`, `"int64"`, `"float32"`, `"float64"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::U8 => "uint8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+        }
+    }
+
+    /// Name used in safetensors headers: `"U8"`, `"I32"`, `"I64"`, `"F32"`, `"F64"`.
+    pub const fn safetensors_name(self) -> &'static str {
+        match self {
+            DType::U8 => "U8",
+            DType::I32 => "I32",
+            DType::I64 => "I64",
+            DType::F32 => "F32",
+            DType::F64 => "F64",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = Error;
+
+    /// Parses a PyTorch name (`"float32"`), a Rust name (`"f32"`), a C-style alias
+    /// (`"float"`, `"double"`, `"int"`, `"long"`) or a safetensors name (`"F32"`);
+    /// matching ignores ASCII case.
+    fn from_str(s: &str) -> Result<Self> {
+        let lower = s.trim().to_ascii_lowercase();
+        let dtype = match lower.as_str() {
+            "uint8" | "u8" => DType::U8,
+            "int32" | "i32" | "int" => DType::I32,
+            "int64" | "i64" | "long" => DType::I64,
+            "float32" | "f32" | "float" => DType::F32,
+            "float64" | "f64" | "double" => DType::F64,
+            _ => {
+                let names: Vec<&str> = ALL.iter().map(|d| d.name()).collect();
+                return Err(Error::invalid_argument(
+                    "dtype",
+                    format!(
+                        "unknown dtype `{s}`; expected one of {} \
+                         (or u8, i32, i64, f32, f64, int, long, float, double)",
+                        names.join(", ")
+                    ),
+                ));
+            }
+        };
+        Ok(dtype)
+    }
+}
+
+mod sealed {
+    /// Prevents implementations of [`Element`](super::Element) outside this crate.
+    pub trait Sealed {}
+    impl Sealed for u8 {}
+    impl Sealed for i32 {}
+    impl Sealed for i64 {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
+/// A Rust type that can be stored in a [`HostTensor`](crate::HostTensor).
+///
+/// Implemented for `u8`, `i32`, `i64`, `f32` and `f64`; sealed.
+///
+/// ```
+/// use kiln_core::{DType, Element};
+///
+/// assert_eq!(<f32 as Element>::DTYPE, DType::F32);
+/// assert_eq!(<i64 as Element>::DTYPE, DType::I64);
+/// ```
+pub trait Element:
+    sealed::Sealed + bytemuck::Pod + Copy + Send + Sync + fmt::Debug + PartialEq + 'static
+{
+    /// The dtype corresponding to this Rust type.
+    const DTYPE: DType;
+}
+
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+}
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_float_flags() {
+        let sizes: Vec<usize> = ALL.iter().map(|d| d.size_in_bytes()).collect();
+        assert_eq!(sizes, vec![1, 4, 8, 4, 8]);
+        let floats: Vec<bool> = ALL.iter().map(|d| d.is_float()).collect();
+        assert_eq!(floats, vec![false, false, false, true, true]);
+        assert_eq!(std::mem::size_of::<i64>(), DType::I64.size_in_bytes());
+    }
+
+    #[test]
+    fn names_and_display() {
+        let names: Vec<String> = ALL.iter().map(ToString::to_string).collect();
+        assert_eq!(names, ["uint8", "int32", "int64", "float32", "float64"]);
+        let st: Vec<&str> = ALL.iter().map(|d| d.safetensors_name()).collect();
+        assert_eq!(st, ["U8", "I32", "I64", "F32", "F64"]);
+    }
+
+    #[test]
+    fn parse_accepts_names_and_aliases() -> Result<()> {
+        for d in ALL {
+            assert_eq!(d.name().parse::<DType>()?, d);
+            assert_eq!(d.safetensors_name().parse::<DType>()?, d);
+        }
+        let cases = [
+            ("u8", DType::U8),
+            ("i32", DType::I32),
+            ("int", DType::I32),
+            ("i64", DType::I64),
+            ("long", DType::I64),
+            ("f32", DType::F32),
+            ("float", DType::F32),
+            ("f64", DType::F64),
+            ("double", DType::F64),
+            (" Float32 ", DType::F32),
+        ];
+        for (s, d) in cases {
+            assert_eq!(s.parse::<DType>()?, d, "parsing {s:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn parse_rejects_unknown_and_lists_allowed() {
+        let err = "float16"
+            .parse::<DType>()
+            .expect_err("float16 is not supported");
+        let msg = err.to_string();
+        assert!(matches!(err, Error::InvalidArgument { ref name, .. } if name == "dtype"));
+        assert!(msg.contains("`float16`"), "{msg}");
+        assert!(
+            msg.contains("uint8, int32, int64, float32, float64"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn element_dtypes() {
+        assert_eq!(<u8 as Element>::DTYPE, DType::U8);
+        assert_eq!(<i32 as Element>::DTYPE, DType::I32);
+        assert_eq!(<i64 as Element>::DTYPE, DType::I64);
+        assert_eq!(<f32 as Element>::DTYPE, DType::F32);
+        assert_eq!(<f64 as Element>::DTYPE, DType::F64);
+    }
+}

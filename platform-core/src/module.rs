@@ -1,0 +1,297 @@
+//! Trainable functions.
+
+use crate::backend::{Backend, Mode};
+use crate::error::{Error, Result};
+use crate::state_dict::StateDict;
+
+/// A trainable function: forward, train/eval mode, and named parameters and
+/// buffers with PyTorch state-dict names (`"layers.0.weight"`).
+///
+/// Implementors provide [`forward`](Module::forward), the mode accessors,
+/// [`named_parameters`](Module::named_parameters) and
+/// [`load_state_dict`](Module::load_state_dict); the rest have defaults.
+///
+/// ```
+/// use kiln_core::{Backend, Mode, Module, Result, StateDict};
+///
+/// /// Returns its input unchanged; has no parameters.
+/// struct Identity {
+///     mode: Mode,
+/// }
+///
+/// impl<B: Backend> Module<B> for Identity {
+///     fn forward(&self, input: &B::Tensor) -> Result<B::Tensor> {
+///         // Moving a tensor to the device it is on is a cheap no-op copy of the handle.
+///         B::to_device(input, B::device(input))
+///     }
+///     fn mode(&self) -> Mode {
+///         self.mode
+///     }
+///     fn set_mode(&mut self, mode: Mode) {
+///         self.mode = mode;
+///     }
+///     fn named_parameters(&self) -> Vec<(String, B::Tensor)> {
+///         Vec::new()
+///     }
+///     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+///         state.check_compatible(&StateDict::new())
+///     }
+/// }
+/// ```
+pub trait Module<B: Backend> {
+    /// Applies the module to one input.
+    fn forward(&self, input: &B::Tensor) -> Result<B::Tensor>;
+
+    /// Applies the module to several inputs.
+    ///
+    /// The default accepts exactly one input and calls [`forward`](Module::forward);
+    /// any other count is [`Error::InvalidArgument`].
+    fn forward_many(&self, inputs: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
+        match inputs {
+            [input] => Ok(vec![self.forward(input)?]),
+            _ => Err(Error::invalid_argument(
+                "inputs",
+                format!("this module takes exactly 1 input, got {}", inputs.len()),
+            )),
+        }
+    }
+
+    /// The current mode.
+    fn mode(&self) -> Mode;
+
+    /// Sets the mode of this module and all its submodules.
+    fn set_mode(&mut self, mode: Mode);
+
+    /// Switches to [`Mode::Train`].
+    fn train(&mut self) {
+        self.set_mode(Mode::Train);
+    }
+
+    /// Switches to [`Mode::Eval`].
+    fn eval(&mut self) {
+        self.set_mode(Mode::Eval);
+    }
+
+    /// Trainable tensors with their dotted names, in a stable order.
+    ///
+    /// The tensors are handles sharing storage with the module (as in PyTorch),
+    /// so an optimizer can update them in place.
+    fn named_parameters(&self) -> Vec<(String, B::Tensor)>;
+
+    /// Non-trainable state saved in checkpoints (e.g. batch-norm running
+    /// statistics), with dotted names. Defaults to none.
+    fn named_buffers(&self) -> Vec<(String, B::Tensor)> {
+        Vec::new()
+    }
+
+    /// Host copies of all parameters and buffers.
+    ///
+    /// Fails if a name appears twice or a copy to the host fails.
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut state = StateDict::new();
+        for (name, tensor) in self
+            .named_parameters()
+            .into_iter()
+            .chain(self.named_buffers())
+        {
+            let host = B::to_host(&tensor)?;
+            if state.insert(name.as_str(), host).is_some() {
+                return Err(Error::invalid_argument(
+                    name,
+                    "appears more than once among the module's parameters and buffers",
+                ));
+            }
+        }
+        Ok(state)
+    }
+
+    /// Replaces all parameters and buffers with the entries of `state`.
+    ///
+    /// Contract: all-or-nothing. Every entry is validated before anything is
+    /// written, so on error the module is unchanged. A missing key fails with
+    /// [`Error::MissingKey`]; a mis-shaped or mis-typed entry fails with an
+    /// error naming the key and both shapes (or dtypes), as
+    /// [`StateDict::expect_entry`] produces.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
+
+    /// Total number of parameter elements.
+    fn num_parameters(&self) -> usize {
+        self.named_parameters()
+            .iter()
+            .map(|(_, t)| B::shape(t).numel())
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::tensor::HostTensor;
+    use crate::testing::RefBackend;
+
+    /// `y[i] = weight[i] * x[i] + bias[i]`, counting calls in a buffer.
+    struct Affine {
+        weight: HostTensor,
+        bias: HostTensor,
+        calls: HostTensor,
+        mode: Mode,
+    }
+
+    impl Affine {
+        fn new(weight: Vec<f32>, bias: Vec<f32>) -> Result<Self> {
+            let n = weight.len();
+            Ok(Affine {
+                weight: HostTensor::new(weight, [n])?,
+                bias: HostTensor::new(bias, [n])?,
+                calls: HostTensor::scalar(0i64),
+                mode: Mode::default(),
+            })
+        }
+    }
+
+    impl Module<RefBackend> for Affine {
+        fn forward(&self, input: &HostTensor) -> Result<HostTensor> {
+            let x = input.as_slice::<f32>()?;
+            let w = self.weight.as_slice::<f32>()?;
+            let b = self.bias.as_slice::<f32>()?;
+            if input.shape() != self.weight.shape() {
+                return Err(Error::ShapeMismatch {
+                    context: "Affine::forward".into(),
+                    expected: self.weight.shape().to_string(),
+                    actual: input.shape().to_string(),
+                });
+            }
+            let y = x
+                .iter()
+                .zip(w)
+                .zip(b)
+                .map(|((x, w), b)| w * x + b)
+                .collect();
+            HostTensor::new(y, input.shape())
+        }
+
+        fn mode(&self) -> Mode {
+            self.mode
+        }
+
+        fn set_mode(&mut self, mode: Mode) {
+            self.mode = mode;
+        }
+
+        fn named_parameters(&self) -> Vec<(String, HostTensor)> {
+            vec![
+                ("weight".into(), self.weight.clone()),
+                ("bias".into(), self.bias.clone()),
+            ]
+        }
+
+        fn named_buffers(&self) -> Vec<(String, HostTensor)> {
+            vec![("calls".into(), self.calls.clone())]
+        }
+
+        fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+            let w = state.expect_entry("weight", self.weight.shape(), DType::F32)?;
+            let b = state.expect_entry("bias", self.bias.shape(), DType::F32)?;
+            let c = state.expect_entry("calls", (), DType::I64)?;
+            (self.weight, self.bias, self.calls) = (w.clone(), b.clone(), c.clone());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn forward_and_forward_many() -> Result<()> {
+        let m = Affine::new(vec![2.0, -1.0], vec![0.5, 0.0])?;
+        let x = HostTensor::new(vec![3.0f32, 4.0], [2])?;
+        let y = m.forward(&x)?;
+        assert_eq!(y.as_slice::<f32>()?, &[6.5, -4.0]);
+
+        let ys = m.forward_many(std::slice::from_ref(&x))?;
+        assert_eq!(ys, vec![y]);
+
+        for n in [0, 2] {
+            let inputs = vec![x.clone(); n];
+            let err = m.forward_many(&inputs).expect_err("needs one input");
+            assert_eq!(
+                err.to_string(),
+                format!("invalid argument `inputs`: this module takes exactly 1 input, got {n}")
+            );
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn train_and_eval_switch_mode() -> Result<()> {
+        let mut m = Affine::new(vec![1.0], vec![0.0])?;
+        assert_eq!(Module::<RefBackend>::mode(&m), Mode::Train);
+        Module::<RefBackend>::eval(&mut m);
+        assert_eq!(Module::<RefBackend>::mode(&m), Mode::Eval);
+        Module::<RefBackend>::train(&mut m);
+        assert_eq!(Module::<RefBackend>::mode(&m), Mode::Train);
+        Ok(())
+    }
+
+    #[test]
+    fn default_state_dict_and_num_parameters() -> Result<()> {
+        let m = Affine::new(vec![1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0])?;
+        assert_eq!(Module::<RefBackend>::num_parameters(&m), 6);
+        let sd = Module::<RefBackend>::state_dict(&m)?;
+        let keys: Vec<&str> = sd.keys().map(String::as_str).collect();
+        assert_eq!(keys, ["bias", "calls", "weight"]);
+        assert_eq!(
+            sd.get("bias").map(HostTensor::to_f64_vec),
+            Some(vec![4.0, 5.0, 6.0])
+        );
+        assert_eq!(sd.get("calls"), Some(&HostTensor::scalar(0i64)));
+        Ok(())
+    }
+
+    #[test]
+    fn duplicate_names_are_rejected() -> Result<()> {
+        struct Dup(HostTensor);
+        impl Module<RefBackend> for Dup {
+            fn forward(&self, input: &HostTensor) -> Result<HostTensor> {
+                Ok(input.clone())
+            }
+            fn mode(&self) -> Mode {
+                Mode::Eval
+            }
+            fn set_mode(&mut self, _mode: Mode) {}
+            fn named_parameters(&self) -> Vec<(String, HostTensor)> {
+                vec![("w".into(), self.0.clone()), ("w".into(), self.0.clone())]
+            }
+            fn load_state_dict(&mut self, _state: &StateDict) -> Result<()> {
+                Ok(())
+            }
+        }
+        let err = Dup(HostTensor::scalar(1.0f32))
+            .state_dict()
+            .expect_err("duplicate");
+        assert!(err
+            .to_string()
+            .starts_with("invalid argument `w`: appears more than once"));
+        Ok(())
+    }
+
+    #[test]
+    fn load_state_dict_round_trip_and_atomicity() -> Result<()> {
+        let source = Affine::new(vec![1.0, 2.0], vec![3.0, 4.0])?;
+        let mut target = Affine::new(vec![0.0, 0.0], vec![0.0, 0.0])?;
+        let sd = Module::<RefBackend>::state_dict(&source)?;
+        target.load_state_dict(&sd)?;
+        assert_eq!(target.weight.as_slice::<f32>()?, &[1.0, 2.0]);
+        assert_eq!(target.bias.as_slice::<f32>()?, &[3.0, 4.0]);
+
+        // A bad later entry leaves the earlier ones unapplied.
+        let mut bad = sd.clone();
+        bad.insert("weight", HostTensor::new(vec![9.0f32, 9.0], [2])?);
+        bad.insert("bias", HostTensor::new(vec![9.0f32; 3], [3])?);
+        let err = target.load_state_dict(&bad).expect_err("bias shape");
+        assert_eq!(
+            err.to_string(),
+            "state dict entry `bias`: expected shape [2], got [3]"
+        );
+        assert_eq!(target.weight.as_slice::<f32>()?, &[1.0, 2.0]);
+        Ok(())
+    }
+}

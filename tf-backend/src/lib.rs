@@ -1,0 +1,25 @@
+//! Kiln's TensorFlow backend, through the TensorFlow C API ([`tensorflow`] crate).
+//!
+//! This crate converts between [`kiln_core::HostTensor`] and TensorFlow tensors
+//! ([`TfTensor`] for any supported dtype, [`to_tf`] / [`from_tf`] for a known one)
+//! and turns TensorFlow's [`tensorflow::Status`] into [`kiln_core::Error::Backend`].
+//!
+//! ```no_run
+//! use kiln_core::HostTensor;
+//! use kiln_tf::TfTensor;
+//!
+//! let host = HostTensor::new(vec![1i64, 2, 3], [3])?;
+//! let tf = TfTensor::from_host(&host)?;
+//! assert_eq!(tf.to_host()?, host);
+//! # Ok::<(), kiln_core::Error>(())
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod convert;
+mod error;
+mod runtime;
+
+pub use convert::{from_tf, to_tf, TfTensor};
+pub use error::tf_error;
+pub use runtime::{check_runtime_version, runtime_version, TENSORFLOW_VERSION};

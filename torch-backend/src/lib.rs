@@ -1,0 +1,32 @@
+//! Kiln's libtorch backend, through [`tch`].
+//!
+//! [`TorchBackend`] implements [`kiln_core::Backend`] with `tch::Tensor` as its
+//! tensor type. Every libtorch call made here uses tch's fallible `f_*` form, so a
+//! libtorch error (a C++ exception on the other side) comes back as
+//! [`kiln_core::Error::Backend`] carrying libtorch's message, never as a panic.
+//!
+//! ```no_run
+//! use kiln_core::{Backend, Device, HostTensor};
+//! use kiln_torch::TorchBackend;
+//!
+//! let host = HostTensor::new(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?;
+//! let tensor = TorchBackend::from_host(&host, Device::Cpu)?;
+//! let back = TorchBackend::to_host(&tensor)?;
+//! assert_eq!(back, host);
+//! # Ok::<(), kiln_core::Error>(())
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod backend;
+mod convert;
+mod device;
+mod error;
+
+pub use backend::TorchBackend;
+pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch};
+pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
+pub use error::torch_error;
+
+/// The libtorch version this crate is built for.
+pub const LIBTORCH_VERSION: &str = "2.11.0";
