@@ -34,10 +34,14 @@ fn parse_args() -> Result<Args> {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--data" => args.data = PathBuf::from(value()?),
-            "--epochs" => args.epochs = value()?.parse().context("--epochs takes a whole number")?,
+            "--epochs" => {
+                args.epochs = value()?.parse().context("--epochs takes a whole number")?
+            }
             "--seed" => args.seed = value()?.parse().context("--seed takes a whole number")?,
             "--device" => args.device = value()?.parse()?,
-            other => bail!("unknown flag {other}; flags: --data PATH --epochs N --seed S --device cpu|cuda:N"),
+            other => bail!(
+                "unknown flag {other}; flags: --data PATH --epochs N --seed S --device cpu|cuda:N"
+            ),
         }
     }
     Ok(args)
@@ -49,9 +53,11 @@ fn main() -> Result<()> {
     TorchBackend::manual_seed(args.seed);
     log::info!("CUDA available to libtorch: {}", cuda_is_available());
 
-    let (features, labels) = load_digits(&args.data)
-        .with_context(|| "the digits data set comes with the project virtualenv: run `cargo xtask setup`")?;
-    let ((train_x, train_y), (test_x, test_y)) = train_test_split(&features, &labels, 0.2, args.seed)?;
+    let (features, labels) = load_digits(&args.data).with_context(|| {
+        "the digits data set comes with the project virtualenv: run `cargo xtask setup`"
+    })?;
+    let ((train_x, train_y), (test_x, test_y)) =
+        train_test_split(&features, &labels, 0.2, args.seed)?;
     println!(
         "digits: {} training and {} held-out images of 8x8 pixels, 10 classes",
         train_x.dims()[0],
@@ -95,7 +101,8 @@ fn main() -> Result<()> {
             );
         }
     }
-    let accuracy = tch::no_grad(|| model.forward(&test_x).accuracy_for_logits(&test_y)).double_value(&[]);
+    let accuracy =
+        tch::no_grad(|| model.forward(&test_x).accuracy_for_logits(&test_y)).double_value(&[]);
     println!(
         "held-out accuracy: {:.2}% ({} epochs in {:.2}s on {device})",
         100.0 * accuracy,

@@ -1,6 +1,8 @@
 //! Proof that the native links hold: a libtorch op, a TensorFlow session, and both
 //! in one process, with values checked by hand.
 
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
 use tensorflow::{Graph, Session, SessionOptions, SessionRunArgs, Tensor};
 
 /// `[[1, 2], [3, 4]] @ [[5, 6], [7, 8]] = [[19, 22], [43, 50]]`.
@@ -18,7 +20,8 @@ fn tf_mul_add(x: &[f32], y: &[f32]) -> Vec<f32> {
     let mut graph = Graph::new();
     let placeholder = |graph: &mut Graph, name: &str| {
         let mut op = graph.new_operation("Placeholder", name).unwrap();
-        op.set_attr_type("dtype", tensorflow::DataType::Float).unwrap();
+        op.set_attr_type("dtype", tensorflow::DataType::Float)
+            .unwrap();
         op.finish().unwrap()
     };
     let px = placeholder(&mut graph, "x");
@@ -68,7 +71,10 @@ fn both_libraries_in_one_process() {
     assert_eq!(torch_matmul(), vec![19.0, 22.0, 43.0, 50.0]);
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     assert!(maps.contains("libtorch_cpu.so"), "libtorch not mapped");
-    assert!(maps.contains("libtensorflow_cc.so") || maps.contains("libtensorflow.so"), "TensorFlow not mapped");
+    assert!(
+        maps.contains("libtensorflow_cc.so") || maps.contains("libtensorflow.so"),
+        "TensorFlow not mapped"
+    );
 }
 
 #[test]
@@ -99,7 +105,9 @@ fn libtorch_cuda_is_linked_and_cuda_reported() {
         return;
     }
     assert!(available);
-    let a = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0]).view([2, 2]).to_device(tch::Device::Cuda(0));
+    let a = tch::Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0])
+        .view([2, 2])
+        .to_device(tch::Device::Cuda(0));
     let c = a.matmul(&a).to_device(tch::Device::Cpu);
     let mut out = vec![0.0f32; 4];
     c.copy_data(&mut out, 4);

@@ -1,6 +1,8 @@
 //! `HostTensor` <-> `tensorflow::Tensor` for every supported dtype, with shape and
 //! values preserved, and the conversions that cannot hold rejected with typed errors.
 
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
 use kiln_core::{DType, Error, HostTensor};
 use kiln_tf::{from_tf, to_tf, TfTensor};
 use tensorflow::{DataType, Graph, Session, SessionOptions, SessionRunArgs, Tensor};
@@ -10,8 +12,16 @@ fn samples() -> Vec<HostTensor> {
         HostTensor::new(vec![0u8, 1, 127, 255, 42, 7], [2, 3]).unwrap(),
         HostTensor::new(vec![i32::MIN, -1, 0, 1, i32::MAX, 12345], [3, 2]).unwrap(),
         HostTensor::new(vec![i64::MIN, -7, 0, 9, i64::MAX, 1 << 40], [1, 2, 3]).unwrap(),
-        HostTensor::new(vec![-1.5f32, 0.0, f32::MIN_POSITIVE, 3.25, f32::MAX, -0.0], [6]).unwrap(),
-        HostTensor::new(vec![std::f64::consts::PI, -2.0, 1e-300, 1e300, 0.5, -0.25], [2, 1, 3]).unwrap(),
+        HostTensor::new(
+            vec![-1.5f32, 0.0, f32::MIN_POSITIVE, 3.25, f32::MAX, -0.0],
+            [6],
+        )
+        .unwrap(),
+        HostTensor::new(
+            vec![std::f64::consts::PI, -2.0, 1e-300, 1e300, 0.5, -0.25],
+            [2, 1, 3],
+        )
+        .unwrap(),
         HostTensor::scalar(3.5f64),
         HostTensor::new(Vec::<f32>::new(), [0, 4]).unwrap(),
     ]
@@ -41,7 +51,9 @@ fn typed_conversion_keeps_row_major_order() {
 fn wrong_dtype_is_a_typed_error() {
     let host = HostTensor::new(vec![1i64, 2], [2]).unwrap();
     match to_tf::<f32>(&host).unwrap_err() {
-        Error::DTypeMismatch { expected, actual, .. } => {
+        Error::DTypeMismatch {
+            expected, actual, ..
+        } => {
             assert_eq!((expected, actual), (DType::F32, DType::I64))
         }
         other => panic!("expected DTypeMismatch, got {other}"),
@@ -51,7 +63,17 @@ fn wrong_dtype_is_a_typed_error() {
 #[test]
 fn element_count_mismatch_is_a_typed_error() {
     let err = HostTensor::new(vec![1u8; 7], [2, 4]).unwrap_err();
-    assert!(matches!(err, Error::ElementCount { expected: 8, actual: 7, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::ElementCount {
+                expected: 8,
+                actual: 7,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 /// A tensor converted from the host goes through a real session: `Square`, values by hand.
@@ -78,7 +100,10 @@ fn converted_tensor_feeds_a_session() {
     let fetch = args.request_fetch(&sq, 0);
     session.run(&mut args).unwrap();
     let out = from_tf(&args.fetch::<f64>(fetch).unwrap()).unwrap();
-    assert_eq!(out, HostTensor::new(vec![2.25f64, 4.0, 0.0, 9.0], [2, 2]).unwrap());
+    assert_eq!(
+        out,
+        HostTensor::new(vec![2.25f64, 4.0, 0.0, 9.0], [2, 2]).unwrap()
+    );
 }
 
 #[test]
@@ -91,6 +116,15 @@ fn tensorflow_errors_carry_the_native_message() {
         .map_err(|status| kiln_tf::tf_error("building a graph", status))
         .unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, Error::Backend { backend: "tensorflow", .. }), "{text}");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                backend: "tensorflow",
+                ..
+            }
+        ),
+        "{text}"
+    );
     assert!(text.contains("NoSuchOpInTensorFlow"), "{text}");
 }

@@ -75,7 +75,6 @@ impl Backend for TorchBackend {
                 actual: Self::shape(loss).to_string(),
             });
         }
-        loss.f_backward()
-            .map_err(|e| torch_error("backward", e))
+        loss.f_backward().map_err(|e| torch_error("backward", e))
     }
 }

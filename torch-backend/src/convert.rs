@@ -64,7 +64,9 @@ pub fn from_tch(tensor: &Tensor) -> Result<HostTensor> {
         DType::I64 => copy_out::<i64>(&cpu, shape),
         DType::F32 => copy_out::<f32>(&cpu, shape),
         DType::F64 => copy_out::<f64>(&cpu, shape),
-        other => Err(Error::unsupported(format!("copying {other} tensors from libtorch"))),
+        other => Err(Error::unsupported(format!(
+            "copying {other} tensors from libtorch"
+        ))),
     }
 }
 

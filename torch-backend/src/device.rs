@@ -17,7 +17,10 @@ pub fn device_to_tch(device: Device) -> Result<tch::Device> {
                     reason: if count == 0 {
                         "libtorch sees no CUDA device on this machine".to_owned()
                     } else {
-                        format!("libtorch sees {count} CUDA device(s), cuda:0 to cuda:{}", count - 1)
+                        format!(
+                            "libtorch sees {count} CUDA device(s), cuda:0 to cuda:{}",
+                            count - 1
+                        )
                     },
                 });
             }

@@ -1,6 +1,8 @@
 //! `HostTensor` <-> `tch::Tensor` for every supported dtype, with shape and values
 //! preserved, and the conversions that cannot hold rejected with typed errors.
 
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
 use kiln_core::{Backend, DType, Device, Error, HostTensor};
 use kiln_torch::{from_tch, to_tch, TorchBackend};
 
@@ -9,8 +11,16 @@ fn samples() -> Vec<HostTensor> {
         HostTensor::new(vec![0u8, 1, 127, 255, 42, 7], [2, 3]).unwrap(),
         HostTensor::new(vec![i32::MIN, -1, 0, 1, i32::MAX, 12345], [3, 2]).unwrap(),
         HostTensor::new(vec![i64::MIN, -7, 0, 9, i64::MAX, 1 << 40], [1, 2, 3]).unwrap(),
-        HostTensor::new(vec![-1.5f32, 0.0, f32::MIN_POSITIVE, 3.25, f32::MAX, -0.0], [6]).unwrap(),
-        HostTensor::new(vec![std::f64::consts::PI, -2.0, 1e-300, 1e300, 0.5, -0.25], [2, 1, 3]).unwrap(),
+        HostTensor::new(
+            vec![-1.5f32, 0.0, f32::MIN_POSITIVE, 3.25, f32::MAX, -0.0],
+            [6],
+        )
+        .unwrap(),
+        HostTensor::new(
+            vec![std::f64::consts::PI, -2.0, 1e-300, 1e300, 0.5, -0.25],
+            [2, 1, 3],
+        )
+        .unwrap(),
         HostTensor::scalar(3.5f64),
         HostTensor::new(Vec::<f32>::new(), [0, 4]).unwrap(),
     ]
@@ -39,7 +49,10 @@ fn values_land_where_libtorch_expects_them() {
     let made = tch::Tensor::arange(6, (tch::Kind::Float, tch::Device::Cpu)).view([3, 2]);
     let back = from_tch(&made).unwrap();
     assert_eq!(back.dims(), &[3, 2]);
-    assert_eq!(back.as_slice::<f32>().unwrap(), &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+    assert_eq!(
+        back.as_slice::<f32>().unwrap(),
+        &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    );
 }
 
 #[test]
@@ -64,7 +77,9 @@ fn unsupported_dtype_is_a_typed_error() {
 fn element_count_mismatch_is_a_typed_error() {
     let err = HostTensor::new(vec![1.0f32; 5], [2, 3]).unwrap_err();
     match err {
-        Error::ElementCount { expected, actual, .. } => assert_eq!((expected, actual), (6, 5)),
+        Error::ElementCount {
+            expected, actual, ..
+        } => assert_eq!((expected, actual), (6, 5)),
         other => panic!("expected ElementCount, got {other}"),
     }
 }
@@ -74,7 +89,9 @@ fn wrong_dtype_access_is_a_typed_error() {
     let tensor = to_tch(&HostTensor::new(vec![1i32, 2], [2]).unwrap(), Device::Cpu).unwrap();
     let host = from_tch(&tensor).unwrap();
     match host.as_slice::<f32>().unwrap_err() {
-        Error::DTypeMismatch { expected, actual, .. } => {
+        Error::DTypeMismatch {
+            expected, actual, ..
+        } => {
             assert_eq!((expected, actual), (DType::F32, DType::I32))
         }
         other => panic!("expected DTypeMismatch, got {other}"),
@@ -87,7 +104,10 @@ fn missing_cuda_device_is_a_typed_error() {
     let count = TorchBackend::cuda_device_count();
     let err = TorchBackend::from_host(&host, Device::Cuda(count + 3)).unwrap_err();
     assert!(matches!(err, Error::DeviceUnavailable { .. }), "{err}");
-    assert!(err.to_string().contains(&format!("cuda:{}", count + 3)), "{err}");
+    assert!(
+        err.to_string().contains(&format!("cuda:{}", count + 3)),
+        "{err}"
+    );
 }
 
 #[test]
@@ -99,16 +119,31 @@ fn libtorch_errors_carry_the_native_message() {
         .map_err(|e| kiln_torch::torch_error("matmul", e))
         .unwrap_err();
     let text = err.to_string();
-    assert!(matches!(err, Error::Backend { backend: "torch", .. }), "{text}");
-    assert!(text.contains("matmul") && text.contains("2x3") && text.contains("4x5"), "{text}");
+    assert!(
+        matches!(
+            err,
+            Error::Backend {
+                backend: "torch",
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("matmul") && text.contains("2x3") && text.contains("4x5"),
+        "{text}"
+    );
 }
 
 #[test]
 fn backward_computes_hand_derived_gradients() {
     // d/dx sum(x^2) = 2x
-    let x = to_tch(&HostTensor::new(vec![1.0f64, -2.0, 0.5], [3]).unwrap(), Device::Cpu)
-        .unwrap()
-        .set_requires_grad(true);
+    let x = to_tch(
+        &HostTensor::new(vec![1.0f64, -2.0, 0.5], [3]).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap()
+    .set_requires_grad(true);
     let loss = (&x * &x).sum(tch::Kind::Double);
     TorchBackend::backward(&loss).unwrap();
     let grad = from_tch(&x.grad()).unwrap();
