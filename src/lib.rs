@@ -1,8 +1,8 @@
 //! Kiln: train neural networks from Rust on libtorch or TensorFlow.
 //!
 //! This facade re-exports the backend-neutral API of [`kiln_core`] and, behind
-//! features, the backends: `torch` ([`kiln_torch`], libtorch through tch), `tf`
-//! ([`kiln_tf`], the TensorFlow C API) and `ops` ([`kiln_ops`], custom C++ ops).
+//! features, the backends: `torch` (`kiln-torch`, libtorch through tch), `tf`
+//! (`kiln-tf`, the TensorFlow C API) and `ops` (`kiln-ops`, custom C++ ops).
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
 //!
