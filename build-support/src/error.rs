@@ -44,8 +44,8 @@ pub enum BuildError {
     /// pip could not reach the package index.
     #[error(
         "cannot reach the Python package index to install {packages}: {detail}. Check the network \
-         or proxy (pip honours PIP_INDEX_URL, HTTPS_PROXY), or point LIBTORCH and LIBTENSORFLOW at \
-         existing installs. Full pip log: {log}"
+         or proxy (pip honours PIP_INDEX_URL and HTTPS_PROXY); only the first run needs PyPI, later \
+         runs reuse .kiln/venv. Full pip log: {log}"
     )]
     RegistryUnreachable {
         /// The requirement list being installed.

@@ -176,9 +176,13 @@ fn create_venv(python: &Path, venv_dir: &Path) -> Result<()> {
     }
     if !output.status.success() {
         if all.contains("ensurepip") || all.contains("No module named venv") {
+            let detail = all
+                .lines()
+                .find(|l| l.contains("ensurepip") || l.contains("No module named"))
+                .map_or_else(|| last_line(&all), |l| l.trim().to_owned());
             return Err(BuildError::NoPip {
                 python: python.to_path_buf(),
-                detail: last_line(&all),
+                detail,
             });
         }
         return Err(BuildError::Command {

@@ -6,7 +6,7 @@
 use kiln_core::{Backend, DType, Device, Error, HostTensor};
 use kiln_torch::{from_tch, to_tch, TorchBackend};
 
-pub fn samples() -> Vec<HostTensor> {
+fn samples() -> Vec<HostTensor> {
     vec![
         HostTensor::new(vec![0u8, 1, 127, 255, 42, 7], [2, 3]).unwrap(),
         HostTensor::new(vec![i32::MIN, -1, 0, 1, i32::MAX, 12345], [3, 2]).unwrap(),
