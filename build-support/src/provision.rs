@@ -244,7 +244,7 @@ pub fn pip_install(python: &Path, requirements: &[&str], log: &Path) -> Result<(
         &requirements.join(" "),
         &status.to_string(),
         log,
-        python.parent().unwrap_or(python),
+        python.parent().and_then(Path::parent).unwrap_or(python),
     ))
 }
 
