@@ -109,6 +109,21 @@ impl FromStr for DType {
     }
 }
 
+/// Serialized as the PyTorch-style name (`"float32"`).
+impl serde::Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+/// Accepts every spelling [`DType::from_str`] accepts.
+impl<'de> serde::Deserialize<'de> for DType {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = <std::borrow::Cow<'de, str>>::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 mod sealed {
     /// Prevents implementations of [`Element`](super::Element) outside this crate.
     pub trait Sealed {}
@@ -209,6 +224,19 @@ mod tests {
             msg.contains("uint8, int32, int64, float32, float64"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn serde_uses_torch_names() -> Result<()> {
+        let json = serde_json::to_string(&[DType::F32, DType::I64])
+            .map_err(|e| Error::invalid_argument("json", e.to_string()))?;
+        assert_eq!(json, r#"["float32","int64"]"#);
+        let back: Vec<DType> = serde_json::from_str(r#"["float32", "long", "U8"]"#)
+            .map_err(|e| Error::invalid_argument("json", e.to_string()))?;
+        assert_eq!(back, [DType::F32, DType::I64, DType::U8]);
+        let err = serde_json::from_str::<DType>(r#""bf16""#).expect_err("unknown");
+        assert!(err.to_string().contains("unknown dtype `bf16`"), "{err}");
+        Ok(())
     }
 
     #[test]

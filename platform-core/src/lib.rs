@@ -7,7 +7,16 @@
 //!   and where computation runs;
 //! * [`Backend`], [`Module`], [`Optimizer`] and [`LrScheduler`]: the traits
 //!   training code is generic over;
-//! * [`StateDict`]: named tensors as saved in checkpoints;
+//! * [`Layer`]: declarative model definitions that know their output shapes
+//!   and their PyTorch-compatible parameter names, shapes and initial
+//!   distributions ([`ParamSpec`]), built natively by each backend;
+//! * [`Loss`], [`OptimizerConfig`] (with [`ParamGroup`]s and [`GradClip`])
+//!   and [`SchedulerConfig`]: what to train with, as serde-readable configs
+//!   with PyTorch's defaults; the schedulers themselves ([`StepLr`],
+//!   [`OneCycleLr`], [`ReduceLrOnPlateau`], ...) reproduce
+//!   `torch.optim.lr_scheduler`;
+//! * [`StateDict`]: named tensors as saved in checkpoints, read and written
+//!   as safetensors files ([`StateDict::save_safetensors`]);
 //! * [`Dataset`], [`DataLoader`] and friends, including a reader for
 //!   scikit-learn's digits data ([`load_digits`]);
 //! * [`Error`] and [`Result`], shared by all Kiln crates.
@@ -28,8 +37,12 @@ mod data;
 mod device;
 mod dtype;
 mod error;
+mod loss;
+mod model;
 mod module;
 mod optim;
+mod safetensors;
+mod schedule;
 mod shape;
 mod state_dict;
 mod tensor;
@@ -44,8 +57,27 @@ pub use data::{
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{BoxedSource, Error, Result};
+pub use loss::{
+    BceWithLogitsConfig, CrossEntropyConfig, Loss, NllConfig, Reduction, SmoothL1Config,
+};
+pub use model::{
+    fan_in_and_fan_out, AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig,
+    ConvTranspose2dConfig, EmbeddingConfig, FanMode, GeluApproximation, GroupNormConfig, Init,
+    InitDistribution, Layer, LayerNormConfig, LinearConfig, Nonlinearity, ParamKind, ParamSpec,
+    Pool2dConfig,
+};
 pub use module::Module;
-pub use optim::{LrScheduler, Optimizer};
+pub use optim::{
+    assign_groups, AdagradConfig, AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig,
+    ParamGroup, ParamSelector, RmsPropConfig, SgdConfig,
+};
+pub use schedule::{
+    AnnealStrategy, CosineAnnealingLr, CosineAnnealingLrConfig, CosineAnnealingWarmRestarts,
+    CosineAnnealingWarmRestartsConfig, ExponentialLr, ExponentialLrConfig, LinearLr,
+    LinearLrConfig, LrScheduler, MultiStepLr, MultiStepLrConfig, OneCycleLr, OneCycleLrConfig,
+    PerGroup, PlateauMode, ReduceLrOnPlateau, ReduceLrOnPlateauConfig, SchedulerConfig, StepLr,
+    StepLrConfig, ThresholdMode,
+};
 pub use shape::Shape;
 pub use state_dict::StateDict;
 pub use tensor::HostTensor;

@@ -32,6 +32,14 @@ pub fn dtype_from_kind(kind: Kind) -> Result<DType> {
     }
 }
 
+/// Whether a libtorch kind holds floating-point values.
+pub(crate) fn is_float_kind(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Half | Kind::Float | Kind::Double | Kind::BFloat16
+    )
+}
+
 /// Copies a host tensor into a new libtorch tensor on `device`.
 pub fn to_tch(host: &HostTensor, device: Device) -> Result<Tensor> {
     let target = device_to_tch(device)?;
@@ -45,6 +53,20 @@ pub fn to_tch(host: &HostTensor, device: Device) -> Result<Tensor> {
     tensor
         .f_to_device(target)
         .map_err(|e| torch_error(&format!("copying a tensor to {device}"), e))
+}
+
+/// Copies a host tensor to `device` through page-locked (pinned) host memory with a
+/// non-blocking copy, so the transfer overlaps with work already queued on the GPU.
+/// On the CPU this is [`to_tch`].
+pub fn to_tch_pinned(host: &HostTensor, device: Device) -> Result<Tensor> {
+    let target = device_to_tch(device)?;
+    if target == tch::Device::Cpu {
+        return to_tch(host, device);
+    }
+    let cpu = to_tch(host, Device::Cpu)?;
+    cpu.f_pin_memory(target)
+        .and_then(|pinned| pinned.f_to_device_(target, pinned.kind(), true, false))
+        .map_err(|e| torch_error(&format!("pinned copy to {device}"), e))
 }
 
 /// Copies a libtorch tensor (any device, any layout) into a contiguous host tensor.

@@ -20,13 +20,23 @@
 
 mod backend;
 mod convert;
+mod custom;
 mod device;
 mod error;
+mod loss;
+mod model;
+mod optim;
+mod script;
 
 pub use backend::TorchBackend;
-pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch};
+pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};
+pub use custom::{Chain, TchModule};
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
 pub use error::torch_error;
+pub use loss::compute_loss;
+pub use model::TorchModel;
+pub use optim::{clip_grad_norm, clip_grad_value, TorchOptimizer};
+pub use script::ScriptModule;
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";

@@ -1,0 +1,78 @@
+//! Helpers shared by the integration tests that compare with Python PyTorch.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The project's virtualenv interpreter (`.kiln/venv/bin/python`, made by
+/// `cargo xtask`), or `None` with a message saying the test is skipped.
+pub fn python(test: &str) -> Option<PathBuf> {
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.kiln/venv/bin/python");
+    if python.exists() {
+        Some(python)
+    } else {
+        eprintln!(
+            "SKIPPED {test}: {} does not exist; run `cargo xtask setup` to create the \
+             project virtualenv with PyTorch and safetensors",
+            python.display()
+        );
+        None
+    }
+}
+
+/// Path of a committed reference script under `tests/reference/`.
+pub fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/reference")
+        .join(name)
+}
+
+/// Runs `python script args...` and returns its standard output; panics with
+/// the script's standard error if it fails.
+pub fn run(python: &Path, script_name: &str, args: &[&std::ffi::OsStr]) -> String {
+    let script = script(script_name);
+    let output = Command::new(python)
+        .arg(&script)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", python.display()));
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n{}",
+        script.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).expect("script output is UTF-8")
+}
+
+/// A fresh, empty directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kiln-core-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create temp dir");
+        TempDir(dir)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `a` and `b` agree to `rel` relative tolerance (exactly equal values always agree).
+pub fn close(a: f64, b: f64, rel: f64) -> bool {
+    a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
+}

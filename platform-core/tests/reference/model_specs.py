@@ -1,0 +1,249 @@
+"""Reference for kiln_core::Layer: builds the equivalent torch.nn modules.
+
+Usage: python model_specs.py REQUEST.json
+
+REQUEST.json holds Kiln layers and initialisers as Kiln serializes them:
+
+    {"models": [{"name": ..., "layer": <Layer>, "input": [dims], "input_dtype": "float32"|"int64"}],
+     "shapes": [{"name": ..., "layer": <Layer>, "input": [dims], "input_dtype": ...}],
+     "inits":  [{"name": ..., "init": <Init>, "shape": [dims]}]}
+
+Prints one JSON object:
+
+    {"models": {name: {"state": [{"name", "shape", "dtype", "init", "zero_rows"}],
+                       "output": [dims] | null, "error": str | null}},
+     "shapes": {name: {"output": [dims] | null, "error": str | null}},
+     "inits":  {name: {"init": <distribution> | null, "error": str | null}}}
+
+`state` is `model.state_dict()` in order. `init` is the distribution torch itself drew
+each entry from, recorded by intercepting the in-place Tensor methods that torch.nn.init
+and the modules' reset_parameters() call (uniform_, normal_, fill_, zero_); the last
+call on a tensor wins, as it does for the values.
+"""
+
+import json
+import sys
+
+import torch
+from torch import nn
+
+RECORDED = {}
+
+
+def _record(method, describe):
+    original = getattr(torch.Tensor, method)
+
+    def wrapper(self, *args, **kwargs):
+        # Views (such as an embedding's padding row) do not replace the whole
+        # tensor's distribution; zero rows are detected from the values instead.
+        if self._base is None:
+            RECORDED[self.data_ptr()] = describe(*args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(torch.Tensor, method, wrapper)
+
+
+_record("uniform_", lambda a=0.0, b=1.0, **_: {"type": "uniform", "low": float(a), "high": float(b)})
+_record("normal_", lambda mean=0.0, std=1.0, **_: {"type": "normal", "mean": float(mean), "std": float(std)})
+_record("fill_", lambda value, **_: {"type": "constant", "value": float(value)})
+_record("zero_", lambda **_: {"type": "constant", "value": 0.0})
+
+
+def apply_init(tensor, init):
+    kind = init["type"]
+    if kind == "zeros":
+        nn.init.zeros_(tensor)
+    elif kind == "ones":
+        nn.init.ones_(tensor)
+    elif kind == "constant":
+        nn.init.constant_(tensor, init["value"])
+    elif kind == "uniform":
+        nn.init.uniform_(tensor, init["low"], init["high"])
+    elif kind == "normal":
+        nn.init.normal_(tensor, init["mean"], init["std"])
+    elif kind == "xavier_uniform":
+        nn.init.xavier_uniform_(tensor, gain=init["gain"])
+    elif kind == "xavier_normal":
+        nn.init.xavier_normal_(tensor, gain=init["gain"])
+    elif kind == "kaiming_uniform":
+        nn.init.kaiming_uniform_(tensor, a=init["a"], mode=init["mode"], nonlinearity=init["nonlinearity"])
+    elif kind == "kaiming_normal":
+        nn.init.kaiming_normal_(tensor, a=init["a"], mode=init["mode"], nonlinearity=init["nonlinearity"])
+    else:
+        raise ValueError(f"unknown init {kind}")
+
+
+class Residual(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return x + self.block(x)
+
+
+class SelfAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention (same parameters) called with query = key = value."""
+
+    def __init__(self, embed_dim, num_heads, dropout, bias, causal):
+        super().__init__(embed_dim, num_heads, dropout=dropout, bias=bias, batch_first=True)
+        self.causal = causal
+
+    def forward(self, x):
+        mask = None
+        if self.causal:
+            seq = x.shape[1]
+            mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)
+        out, _ = super().forward(x, x, x, attn_mask=mask, need_weights=False)
+        return out
+
+
+def with_inits(module, spec):
+    with torch.no_grad():
+        if spec.get("weight_init") is not None:
+            apply_init(module.weight, spec["weight_init"])
+        if spec.get("bias_init") is not None and module.bias is not None:
+            apply_init(module.bias, spec["bias_init"])
+    return module
+
+
+def pool_args(spec):
+    stride = spec.get("stride")
+    return dict(
+        kernel_size=tuple(spec["kernel_size"]),
+        stride=None if stride is None else tuple(stride),
+        padding=tuple(spec.get("padding", [0, 0])),
+    )
+
+
+def build(spec):
+    kind = spec["type"]
+    if kind == "linear":
+        return with_inits(nn.Linear(spec["in_features"], spec["out_features"], bias=spec["bias"]), spec)
+    if kind == "conv1d":
+        m = nn.Conv1d(spec["in_channels"], spec["out_channels"], spec["kernel_size"], stride=spec["stride"],
+                      padding=spec["padding"], dilation=spec["dilation"], groups=spec["groups"], bias=spec["bias"])
+        return with_inits(m, spec)
+    if kind == "conv2d":
+        m = nn.Conv2d(spec["in_channels"], spec["out_channels"], tuple(spec["kernel_size"]),
+                      stride=tuple(spec["stride"]), padding=tuple(spec["padding"]),
+                      dilation=tuple(spec["dilation"]), groups=spec["groups"], bias=spec["bias"])
+        return with_inits(m, spec)
+    if kind == "conv_transpose2d":
+        m = nn.ConvTranspose2d(spec["in_channels"], spec["out_channels"], tuple(spec["kernel_size"]),
+                               stride=tuple(spec["stride"]), padding=tuple(spec["padding"]),
+                               output_padding=tuple(spec["output_padding"]), groups=spec["groups"],
+                               bias=spec["bias"], dilation=tuple(spec["dilation"]))
+        return with_inits(m, spec)
+    if kind == "max_pool2d":
+        return nn.MaxPool2d(**pool_args(spec))
+    if kind == "avg_pool2d":
+        return nn.AvgPool2d(**pool_args(spec))
+    if kind == "adaptive_avg_pool2d":
+        return nn.AdaptiveAvgPool2d(tuple(spec["output_size"]))
+    if kind in ("batch_norm1d", "batch_norm2d"):
+        cls = nn.BatchNorm1d if kind == "batch_norm1d" else nn.BatchNorm2d
+        return cls(spec["num_features"], eps=spec["eps"], momentum=spec["momentum"], affine=spec["affine"],
+                   track_running_stats=spec["track_running_stats"])
+    if kind == "layer_norm":
+        return nn.LayerNorm(spec["normalized_shape"], eps=spec["eps"],
+                            elementwise_affine=spec["elementwise_affine"], bias=spec["bias"])
+    if kind == "group_norm":
+        return nn.GroupNorm(spec["num_groups"], spec["num_channels"], eps=spec["eps"], affine=spec["affine"])
+    if kind == "dropout":
+        return nn.Dropout(spec["p"])
+    if kind == "embedding":
+        m = nn.Embedding(spec["num_embeddings"], spec["embedding_dim"], padding_idx=spec.get("padding_idx"))
+        if spec.get("weight_init") is not None:
+            with torch.no_grad():
+                apply_init(m.weight, spec["weight_init"])
+                if m.padding_idx is not None:
+                    m.weight[m.padding_idx].fill_(0)
+        return m
+    if kind == "flatten":
+        return nn.Flatten(spec["start_dim"], spec["end_dim"])
+    if kind == "relu":
+        return nn.ReLU()
+    if kind == "leaky_relu":
+        return nn.LeakyReLU(spec["negative_slope"])
+    if kind == "gelu":
+        return nn.GELU(approximate=spec["approximate"])
+    if kind == "silu":
+        return nn.SiLU()
+    if kind == "tanh":
+        return nn.Tanh()
+    if kind == "sigmoid":
+        return nn.Sigmoid()
+    if kind == "softmax":
+        return nn.Softmax(dim=spec["dim"])
+    if kind == "log_softmax":
+        return nn.LogSoftmax(dim=spec["dim"])
+    if kind == "multi_head_self_attention":
+        return SelfAttention(spec["embed_dim"], spec["num_heads"], spec["dropout"], spec["bias"], spec["causal"])
+    if kind == "sequential":
+        return nn.Sequential(*[build(child) for child in spec["layers"]])
+    if kind == "residual":
+        return Residual(build(spec["block"]))
+    raise ValueError(f"unknown layer type {kind}")
+
+
+def run_forward(model, case):
+    dtype = torch.int64 if case.get("input_dtype") == "int64" else torch.float32
+    x = torch.zeros(case["input"], dtype=dtype)
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(x)
+        return {"output": list(out.shape), "error": None}
+    except Exception as e:  # torch reports bad shapes with several exception types
+        return {"output": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def describe_state(model):
+    state = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        dist = RECORDED.get(t.data_ptr())
+        zero_rows = []
+        if t.dim() == 2 and dist is not None and dist["type"] != "constant":
+            zero_rows = [i for i in range(t.shape[0]) if bool((t[i] == 0).all())]
+        state.append({
+            "name": name,
+            "shape": list(t.shape),
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "init": dist,
+            "zero_rows": zero_rows,
+        })
+    return state
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        request = json.load(f)
+    torch.manual_seed(0)
+    result = {"models": {}, "shapes": {}, "inits": {}}
+    for case in request.get("models", []):
+        RECORDED.clear()
+        model = build(case["layer"])
+        entry = {"state": describe_state(model)}
+        entry.update(run_forward(model, case))
+        result["models"][case["name"]] = entry
+    for case in request.get("shapes", []):
+        try:
+            model = build(case["layer"])
+        except Exception as e:
+            result["shapes"][case["name"]] = {"output": None, "error": f"{type(e).__name__}: {e}"}
+            continue
+        result["shapes"][case["name"]] = run_forward(model, case)
+    for case in request.get("inits", []):
+        t = torch.empty(case["shape"])
+        RECORDED.pop(t.data_ptr(), None)
+        try:
+            apply_init(t, case["init"])
+            result["inits"][case["name"]] = {"init": RECORDED.get(t.data_ptr()), "error": None}
+        except Exception as e:
+            result["inits"][case["name"]] = {"init": None, "error": f"{type(e).__name__}: {e}"}
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

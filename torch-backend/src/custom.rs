@@ -1,0 +1,266 @@
+//! The escape hatch: user code over `tch` as a Kiln [`Module`], and [`Chain`] to
+//! mix such modules with built ones.
+
+use kiln_core::{Device, Error, Mode, Module, Result, StateDict};
+use tch::{nn, TchError, Tensor};
+
+use crate::backend::TorchBackend;
+use crate::convert::{dtype_from_kind, to_tch};
+use crate::device::device_to_tch;
+use crate::error::torch_error;
+
+type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send + Sync;
+
+/// Any `tch` code as a Kiln module: a closure built over a [`nn::Path`] of its own
+/// [`nn::VarStore`]. The closure gets the input and whether the module is training.
+/// Variables that require grad are its parameters; the others are buffers.
+///
+/// ```no_run
+/// use kiln_core::{Device, Module};
+/// use kiln_torch::TchModule;
+/// use tch::nn::Module as _;
+///
+/// let block = TchModule::new(Device::Cpu, |p| {
+///     let lin = tch::nn::linear(p / "proj", 16, 16, Default::default());
+///     move |x: &tch::Tensor, _train: bool| Ok(lin.forward(x).tanh() + x)
+/// })?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub struct TchModule {
+    vs: nn::VarStore,
+    forward: Box<ForwardFn>,
+    mode: Mode,
+}
+
+impl std::fmt::Debug for TchModule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TchModule")
+            .field("variables", &self.sorted_variables().len())
+            .field("mode", &self.mode)
+            .finish()
+    }
+}
+
+impl TchModule {
+    /// Creates the variable store on `device` and lets `build` declare variables
+    /// under its root path and return the forward closure.
+    pub fn new<F>(device: Device, build: impl FnOnce(&nn::Path<'_>) -> F) -> Result<Self>
+    where
+        F: Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send + Sync + 'static,
+    {
+        let vs = nn::VarStore::new(device_to_tch(device)?);
+        let forward = build(&vs.root());
+        Ok(Self {
+            vs,
+            forward: Box::new(forward),
+            mode: Mode::Train,
+        })
+    }
+
+    /// The variable store the closure's variables live in.
+    pub fn var_store(&self) -> &nn::VarStore {
+        &self.vs
+    }
+
+    fn sorted_variables(&self) -> Vec<(String, Tensor)> {
+        let mut vars: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        vars
+    }
+}
+
+impl Module<TorchBackend> for TchModule {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        (self.forward)(input, self.mode.is_train())
+            .map_err(|e| torch_error("custom module forward", e))
+    }
+
+    fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    fn set_mode(&mut self, mode: Mode) {
+        self.mode = mode;
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.sorted_variables()
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect()
+    }
+
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.sorted_variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect()
+    }
+
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let vars = self.sorted_variables();
+        copy_state(&vars, state, device_of(&self.vs))
+    }
+}
+
+fn device_of(vs: &nn::VarStore) -> Device {
+    crate::device::device_from_tch(vs.device()).unwrap_or(Device::Cpu)
+}
+
+/// Strictly copies `state` into `targets` (names, shapes); all or nothing.
+pub(crate) fn copy_state(
+    targets: &[(String, Tensor)],
+    state: &StateDict,
+    device: Device,
+) -> Result<()> {
+    let mut values = Vec::with_capacity(targets.len());
+    for (name, tensor) in targets {
+        let host = state.get(name).ok_or_else(|| Error::MissingKey {
+            key: name.clone(),
+            available: state.len(),
+        })?;
+        let expected: Vec<usize> = tensor.size().iter().map(|&d| d as usize).collect();
+        if host.dims() != expected.as_slice() {
+            return Err(Error::ShapeMismatch {
+                context: format!("state dict entry {name}"),
+                expected: format!("{expected:?}"),
+                actual: host.shape().to_string(),
+            });
+        }
+        values.push(to_tch(
+            &host.to_dtype(dtype_from_kind(tensor.kind())?),
+            device,
+        )?);
+    }
+    if let Some(extra) = state.keys().find(|k| !targets.iter().any(|(n, _)| n == *k)) {
+        return Err(Error::invalid_argument(
+            extra.clone(),
+            "unexpected key: not in this module",
+        ));
+    }
+    tch::no_grad(|| -> Result<()> {
+        for ((name, tensor), value) in targets.iter().zip(values) {
+            let mut target = tensor.shallow_clone();
+            target
+                .f_copy_(&value)
+                .map_err(|e| torch_error(&format!("loading {name}"), e))?;
+        }
+        Ok(())
+    })
+}
+
+/// Modules applied in order, each under its own name prefix (`"<name>.<param>"`),
+/// so built layers, TorchScript models and [`TchModule`]s compose.
+#[derive(Default)]
+pub struct Chain {
+    children: Vec<(String, Box<dyn Module<TorchBackend> + Send>)>,
+}
+
+impl std::fmt::Debug for Chain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.children.iter().map(|(n, _)| n))
+            .finish()
+    }
+}
+
+impl Chain {
+    /// An empty chain.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a module under `name` (must not contain `.` and must be unique).
+    pub fn push(
+        mut self,
+        name: impl Into<String>,
+        module: impl Module<TorchBackend> + Send + 'static,
+    ) -> Result<Self> {
+        let name = name.into();
+        if name.is_empty() || name.contains('.') || self.children.iter().any(|(n, _)| *n == name) {
+            return Err(Error::invalid_argument(
+                "name",
+                format!("`{name}` must be non-empty, without `.`, and unique in the chain"),
+            ));
+        }
+        self.children.push((name, Box::new(module)));
+        Ok(self)
+    }
+}
+
+fn prefixed(
+    name: &str,
+    items: Vec<(String, Tensor)>,
+) -> impl Iterator<Item = (String, Tensor)> + '_ {
+    items
+        .into_iter()
+        .map(move |(n, t)| (format!("{name}.{n}"), t))
+}
+
+impl Module<TorchBackend> for Chain {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let mut x = input.shallow_clone();
+        for (_, child) in &self.children {
+            x = child.forward(&x)?;
+        }
+        Ok(x)
+    }
+
+    fn mode(&self) -> Mode {
+        self.children.first().map_or(Mode::Train, |(_, c)| c.mode())
+    }
+
+    fn set_mode(&mut self, mode: Mode) {
+        for (_, child) in &mut self.children {
+            child.set_mode(mode);
+        }
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.children
+            .iter()
+            .flat_map(|(n, c)| prefixed(n, c.named_parameters()).collect::<Vec<_>>())
+            .collect()
+    }
+
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.children
+            .iter()
+            .flat_map(|(n, c)| prefixed(n, c.named_buffers()).collect::<Vec<_>>())
+            .collect()
+    }
+
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        // Split by child first and check that every key belongs to one.
+        let mut parts: Vec<StateDict> = self.children.iter().map(|_| StateDict::new()).collect();
+        for (key, value) in state.iter() {
+            let (child, rest) = key.split_once('.').unwrap_or((key.as_str(), ""));
+            let index = self
+                .children
+                .iter()
+                .position(|(n, _)| n == child)
+                .ok_or_else(|| {
+                    Error::invalid_argument(
+                        key.clone(),
+                        "unexpected key: no child module of that name",
+                    )
+                })?;
+            parts[index].insert(rest.to_owned(), value.clone());
+        }
+        // All-or-nothing across children: keep the old values to restore on failure.
+        let old: Vec<StateDict> = self
+            .children
+            .iter()
+            .map(|(_, c)| c.state_dict())
+            .collect::<Result<_>>()?;
+        for i in 0..self.children.len() {
+            if let Err(error) = self.children[i].1.load_state_dict(&parts[i]) {
+                for (j, previous) in old.iter().enumerate().take(i) {
+                    self.children[j].1.load_state_dict(previous)?;
+                }
+                return Err(error);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,91 @@
+//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), with AMSGrad.
+
+use kiln_core::{AdamConfig, AdamWConfig};
+use tch::{TchError, Tensor};
+
+use super::{state_tensor, with_weight_decay, GroupHyper, ParamSlot};
+
+/// Adam with PyTorch's coupled weight decay (added to the gradient).
+pub(crate) fn update_adam(
+    slot: &mut ParamSlot,
+    grad: &Tensor,
+    config: &AdamConfig,
+    hyper: &GroupHyper,
+) -> Result<(), TchError> {
+    let grad = with_weight_decay(grad, &slot.tensor, hyper.weight_decay)?;
+    adam_step(
+        slot,
+        &grad,
+        config.betas,
+        config.eps,
+        config.amsgrad,
+        hyper.lr,
+    )
+}
+
+/// AdamW: decoupled weight decay, `param *= 1 - lr * weight_decay`, then Adam.
+pub(crate) fn update_adamw(
+    slot: &mut ParamSlot,
+    grad: &Tensor,
+    config: &AdamWConfig,
+    hyper: &GroupHyper,
+) -> Result<(), TchError> {
+    if hyper.weight_decay != 0.0 {
+        let _ = slot
+            .tensor
+            .f_mul_scalar_(1.0 - hyper.lr * hyper.weight_decay)?;
+    }
+    adam_step(
+        slot,
+        grad,
+        config.betas,
+        config.eps,
+        config.amsgrad,
+        hyper.lr,
+    )
+}
+
+fn adam_step(
+    slot: &mut ParamSlot,
+    grad: &Tensor,
+    (beta1, beta2): (f64, f64),
+    eps: f64,
+    amsgrad: bool,
+    lr: f64,
+) -> Result<(), TchError> {
+    let step = slot.step as i32;
+    let zeros = |p: &Tensor| p.f_zeros_like();
+    // exp_avg = lerp(exp_avg, grad, 1 - beta1)
+    let _ = state_tensor(slot, "exp_avg", zeros)?.f_lerp_(grad, 1.0 - beta1)?;
+    // exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    let sq = state_tensor(slot, "exp_avg_sq", zeros)?;
+    let _ = sq.f_mul_scalar_(beta2)?;
+    let _ = sq.f_add_(&grad.f_mul_scalar(1.0 - beta2)?.f_mul(grad)?)?;
+    let exp_avg_sq = sq.shallow_clone();
+
+    let bias_correction1 = 1.0 - beta1.powi(step);
+    let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();
+    let step_size = lr / bias_correction1;
+    let second_moment = if amsgrad {
+        let max = state_tensor(slot, "max_exp_avg_sq", zeros)?;
+        let updated = max.f_maximum(&exp_avg_sq)?;
+        max.f_copy_(&updated)?;
+        updated
+    } else {
+        exp_avg_sq
+    };
+    let denom = second_moment
+        .f_sqrt()?
+        .f_div_scalar(bias_correction2_sqrt)?
+        .f_add_scalar(eps)?;
+    let exp_avg = slot
+        .state
+        .get("exp_avg")
+        .map(Tensor::shallow_clone)
+        .ok_or_else(|| TchError::Kind("exp_avg missing".into()))?;
+    // param += -step_size * (exp_avg / denom)
+    let _ = slot
+        .tensor
+        .f_add_(&exp_avg.f_div(&denom)?.f_mul_scalar(-step_size)?)?;
+    Ok(())
+}

@@ -1,0 +1,78 @@
+//! Gradient clipping (`torch.nn.utils.clip_grad_norm_`, `clip_grad_value_`).
+
+use kiln_core::{Error, Result};
+use tch::Tensor;
+
+use crate::error::torch_error;
+
+/// Scales all gradients so that their joint `norm_type`-norm is at most
+/// `max_norm`, and returns the norm before clipping (as PyTorch does).
+/// `norm_type` may be `f64::INFINITY`.
+pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
+    if !(norm_type > 0.0) {
+        return Err(Error::invalid_argument(
+            "norm_type",
+            format!("must be > 0, got {norm_type}"),
+        ));
+    }
+    let grads = defined_grads(params)?;
+    if grads.is_empty() {
+        return Ok(0.0);
+    }
+    let fail = |e| torch_error("clip_grad_norm", e);
+    tch::no_grad(|| {
+        let norms = grads
+            .iter()
+            .map(|g| {
+                g.f_norm_scalaropt_dtype(norm_type, tch::Kind::Double)
+                    .map_err(fail)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stacked = Tensor::f_stack(&norms, 0).map_err(fail)?;
+        let total = if norm_type.is_infinite() {
+            stacked.f_max().map_err(fail)?
+        } else {
+            stacked
+                .f_norm_scalaropt_dtype(norm_type, tch::Kind::Double)
+                .map_err(fail)?
+        };
+        let total = total.f_double_value(&[]).map_err(fail)?;
+        let coef = max_norm / (total + 1e-6);
+        if coef < 1.0 {
+            for grad in &grads {
+                let mut grad = grad.shallow_clone();
+                let _ = grad.f_mul_scalar_(coef).map_err(fail)?;
+            }
+        }
+        Ok(total)
+    })
+}
+
+/// Clamps every gradient element to `[-clip_value, clip_value]`.
+pub fn clip_grad_value(params: &[&Tensor], clip_value: f64) -> Result<()> {
+    if !(clip_value >= 0.0) {
+        return Err(Error::invalid_argument(
+            "clip_value",
+            format!("must be >= 0, got {clip_value}"),
+        ));
+    }
+    for grad in defined_grads(params)? {
+        let mut grad = grad;
+        let _ = tch::no_grad(|| grad.f_clamp_(-clip_value, clip_value))
+            .map_err(|e| torch_error("clip_grad_value", e))?;
+    }
+    Ok(())
+}
+
+fn defined_grads(params: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let mut out = Vec::with_capacity(params.len());
+    for p in params {
+        let grad = p
+            .f_grad()
+            .map_err(|e| torch_error("reading a gradient", e))?;
+        if grad.defined() {
+            out.push(grad);
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,384 @@
+//! Optimizers on libtorch tensors, with PyTorch's update rules (`torch.optim`,
+//! single-tensor form), parameter groups and state that saves and restores.
+
+mod adagrad;
+mod adam;
+mod clip;
+mod rmsprop;
+mod sgd;
+
+use std::collections::BTreeMap;
+
+use kiln_core::{
+    assign_groups, Error, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict,
+};
+use tch::Tensor;
+
+use crate::backend::TorchBackend;
+use crate::convert::{from_tch, to_tch};
+use crate::device::device_from_tch;
+use crate::error::torch_error;
+
+pub use clip::{clip_grad_norm, clip_grad_value};
+
+/// Per-group hyper-parameters that schedulers and groups change.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GroupHyper {
+    pub(crate) name: String,
+    pub(crate) lr: f64,
+    pub(crate) weight_decay: f64,
+}
+
+/// One parameter the optimizer updates, with its per-parameter state.
+#[derive(Debug)]
+pub(crate) struct ParamSlot {
+    pub(crate) name: String,
+    pub(crate) tensor: Tensor,
+    pub(crate) group: usize,
+    /// Number of steps taken for this parameter (PyTorch's `state["step"]`).
+    pub(crate) step: u64,
+    /// Named state tensors (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...),
+    /// created lazily on the first step, as PyTorch does.
+    pub(crate) state: BTreeMap<&'static str, Tensor>,
+}
+
+/// An optimizer over named libtorch parameters.
+///
+/// ```no_run
+/// use kiln_core::{AdamConfig, OptimizerConfig, Optimizer};
+/// use kiln_torch::TorchOptimizer;
+///
+/// let w = tch::Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+/// let mut opt = TorchOptimizer::new(
+///     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
+///     vec![("w".to_owned(), w.shallow_clone())],
+///     &[],
+/// )?;
+/// let loss = (&w - 1.0).square().sum(tch::Kind::Float);
+/// loss.backward();
+/// opt.step()?;
+/// opt.zero_grad()?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct TorchOptimizer {
+    config: OptimizerConfig,
+    groups: Vec<GroupHyper>,
+    params: Vec<ParamSlot>,
+}
+
+impl TorchOptimizer {
+    /// An optimizer for `params` (as returned by `Module::named_parameters`).
+    ///
+    /// `groups` assign parameters to groups with their own learning rate and weight
+    /// decay; parameters no group selects form a last, default group with the
+    /// config's values. A parameter that does not require grad is an error naming it.
+    pub fn new(
+        config: OptimizerConfig,
+        params: Vec<(String, Tensor)>,
+        groups: &[ParamGroup],
+    ) -> Result<Self> {
+        config.validate()?;
+        let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
+        let assignment = assign_groups(&names, groups)?;
+        let (base_lr, base_wd) = (config.lr(), config.weight_decay());
+        let mut hypers: Vec<GroupHyper> = groups
+            .iter()
+            .map(|g| GroupHyper {
+                name: g.name.clone(),
+                lr: g.lr.unwrap_or(base_lr),
+                weight_decay: g.weight_decay.unwrap_or(base_wd),
+            })
+            .collect();
+        if assignment.iter().any(|&g| g == groups.len()) {
+            hypers.push(GroupHyper {
+                name: "default".to_owned(),
+                lr: base_lr,
+                weight_decay: base_wd,
+            });
+        }
+        let mut slots = Vec::with_capacity(params.len());
+        for ((name, tensor), group) in params.into_iter().zip(assignment) {
+            if !tensor.requires_grad() {
+                return Err(Error::invalid_argument(
+                    name,
+                    "parameter does not require grad; freeze it by leaving it out of the optimizer",
+                ));
+            }
+            slots.push(ParamSlot {
+                name,
+                tensor,
+                group,
+                step: 0,
+                state: BTreeMap::new(),
+            });
+        }
+        Ok(Self {
+            config,
+            groups: hypers,
+            params: slots,
+        })
+    }
+
+    /// The configuration this optimizer runs.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// Learning rate of each parameter group, in group order.
+    pub fn group_learning_rates(&self) -> Vec<f64> {
+        self.groups.iter().map(|g| g.lr).collect()
+    }
+
+    /// Sets the learning rate of group `index`.
+    pub fn set_group_learning_rate(&mut self, index: usize, lr: f64) -> Result<()> {
+        let count = self.groups.len();
+        let group = self
+            .groups
+            .get_mut(index)
+            .ok_or_else(|| Error::invalid_argument("index", format!("group {index} of {count}")))?;
+        group.lr = lr;
+        Ok(())
+    }
+
+    /// Names of the parameter groups, in order.
+    pub fn group_names(&self) -> Vec<String> {
+        self.groups.iter().map(|g| g.name.clone()).collect()
+    }
+
+    /// The parameters, for gradient clipping.
+    pub fn parameters(&self) -> Vec<&Tensor> {
+        self.params.iter().map(|p| &p.tensor).collect()
+    }
+
+    /// Every parameter's gradient, checked before anything changes so that a step
+    /// either updates all parameters or none.
+    fn gradients(&self) -> Result<Vec<Option<Tensor>>> {
+        self.params
+            .iter()
+            .map(|slot| {
+                let grad = slot.tensor.f_grad().map_err(|e| {
+                    torch_error(&format!("reading the gradient of {}", slot.name), e)
+                })?;
+                if !grad.defined() {
+                    return Ok(None);
+                }
+                if grad.size() != slot.tensor.size() {
+                    return Err(Error::ShapeMismatch {
+                        context: format!("gradient of {}", slot.name),
+                        expected: format!("{:?}", slot.tensor.size()),
+                        actual: format!("{:?}", grad.size()),
+                    });
+                }
+                if grad.device() != slot.tensor.device() {
+                    return Err(Error::DeviceMismatch {
+                        context: format!("gradient of {}", slot.name),
+                        expected: device_from_tch(slot.tensor.device())?,
+                        actual: device_from_tch(grad.device())?,
+                    });
+                }
+                Ok(Some(grad))
+            })
+            .collect()
+    }
+}
+
+impl Optimizer<TorchBackend> for TorchOptimizer {
+    fn step(&mut self) -> Result<()> {
+        if !matches!(
+            self.config,
+            OptimizerConfig::Sgd(_)
+                | OptimizerConfig::Adam(_)
+                | OptimizerConfig::AdamW(_)
+                | OptimizerConfig::RmsProp(_)
+                | OptimizerConfig::Adagrad(_)
+        ) {
+            return Err(Error::unsupported(format!(
+                "optimizer {:?} on libtorch",
+                self.config
+            )));
+        }
+        let grads = self.gradients()?;
+        let config = self.config.clone();
+        let groups = self.groups.clone();
+        tch::no_grad(|| -> Result<()> {
+            for (slot, grad) in self.params.iter_mut().zip(grads) {
+                // PyTorch skips parameters that received no gradient.
+                let Some(grad) = grad else { continue };
+                let hyper = &groups[slot.group];
+                slot.step += 1;
+                let result = match &config {
+                    OptimizerConfig::Sgd(c) => sgd::update(slot, &grad, c, hyper),
+                    OptimizerConfig::Adam(c) => adam::update_adam(slot, &grad, c, hyper),
+                    OptimizerConfig::AdamW(c) => adam::update_adamw(slot, &grad, c, hyper),
+                    OptimizerConfig::RmsProp(c) => rmsprop::update(slot, &grad, c, hyper),
+                    OptimizerConfig::Adagrad(c) => adagrad::update(slot, &grad, c, hyper),
+                    _ => Ok(()), // rejected above
+                };
+                result.map_err(|e| torch_error(&format!("optimizer step for {}", slot.name), e))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        for slot in &mut self.params {
+            let mut grad = slot
+                .tensor
+                .f_grad()
+                .map_err(|e| torch_error("zero_grad", e))?;
+            if grad.defined() {
+                let _ = grad
+                    .f_detach_()
+                    .and_then(|mut g| g.f_zero_())
+                    .map_err(|e| {
+                        torch_error(&format!("zeroing the gradient of {}", slot.name), e)
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.groups.first().map_or(0.0, |g| g.lr)
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) {
+        for group in &mut self.groups {
+            group.lr = lr;
+        }
+    }
+
+    /// Keys: `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
+    /// `group.<i>.lr` and `group.<i>.weight_decay` (f64 scalars).
+    fn state_dict(&self) -> Result<StateDict> {
+        let mut out = StateDict::new();
+        for slot in &self.params {
+            out.insert(
+                format!("state.{}.step", slot.name),
+                HostTensor::scalar(slot.step as i64),
+            );
+            for (key, tensor) in &slot.state {
+                out.insert(format!("state.{}.{key}", slot.name), from_tch(tensor)?);
+            }
+        }
+        for (i, group) in self.groups.iter().enumerate() {
+            out.insert(format!("group.{i}.lr"), HostTensor::scalar(group.lr));
+            out.insert(
+                format!("group.{i}.weight_decay"),
+                HostTensor::scalar(group.weight_decay),
+            );
+        }
+        Ok(out)
+    }
+
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        // Read and check everything first; change nothing unless all of it is good.
+        let mut steps = Vec::with_capacity(self.params.len());
+        let mut buffers = Vec::with_capacity(self.params.len());
+        for slot in &self.params {
+            let step_key = format!("state.{}.step", slot.name);
+            let step = match state.get(&step_key) {
+                Some(t) => t
+                    .to_dtype(kiln_core::DType::I64)
+                    .as_slice::<i64>()?
+                    .first()
+                    .copied()
+                    .unwrap_or(0),
+                None => 0,
+            };
+            steps.push(u64::try_from(step).map_err(|_| {
+                Error::invalid_argument(step_key.clone(), format!("negative step count {step}"))
+            })?);
+            let prefix = format!("state.{}.", slot.name);
+            let mut slot_buffers = BTreeMap::new();
+            for (key, host) in state.iter() {
+                let Some(buffer) = key.strip_prefix(&prefix) else {
+                    continue;
+                };
+                if buffer == "step" {
+                    continue;
+                }
+                let name = state_buffer_name(buffer).ok_or_else(|| {
+                    Error::invalid_argument(key.clone(), "unknown optimizer state buffer")
+                })?;
+                if host.dims() != slot_dims(&slot.tensor).as_slice() {
+                    return Err(Error::ShapeMismatch {
+                        context: format!("optimizer state {key}"),
+                        expected: format!("{:?}", slot.tensor.size()),
+                        actual: host.shape().to_string(),
+                    });
+                }
+                let device = device_from_tch(slot.tensor.device())?;
+                slot_buffers.insert(name, to_tch(host, device)?);
+            }
+            buffers.push(slot_buffers);
+        }
+        let mut groups = self.groups.clone();
+        for (i, group) in groups.iter_mut().enumerate() {
+            if let Some(lr) = state.get(&format!("group.{i}.lr")) {
+                group.lr = lr.to_f64_vec().first().copied().unwrap_or(group.lr);
+            }
+            if let Some(wd) = state.get(&format!("group.{i}.weight_decay")) {
+                group.weight_decay = wd
+                    .to_f64_vec()
+                    .first()
+                    .copied()
+                    .unwrap_or(group.weight_decay);
+            }
+        }
+        for ((slot, step), state) in self.params.iter_mut().zip(steps).zip(buffers) {
+            slot.step = step;
+            slot.state = state;
+        }
+        self.groups = groups;
+        Ok(())
+    }
+}
+
+fn slot_dims(tensor: &Tensor) -> Vec<usize> {
+    tensor.size().iter().map(|&d| d as usize).collect()
+}
+
+/// The known state buffer names (a `&'static str` keeps the slots' maps cheap).
+fn state_buffer_name(name: &str) -> Option<&'static str> {
+    [
+        "momentum_buffer",
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "square_avg",
+        "grad_avg",
+        "sum",
+    ]
+    .into_iter()
+    .find(|known| *known == name)
+}
+
+/// The state tensor `key` of a slot, created with `init` on first use.
+pub(crate) fn state_tensor<'a>(
+    slot: &'a mut ParamSlot,
+    key: &'static str,
+    init: impl FnOnce(&Tensor) -> std::result::Result<Tensor, tch::TchError>,
+) -> std::result::Result<&'a mut Tensor, tch::TchError> {
+    if !slot.state.contains_key(key) {
+        let value = init(&slot.tensor)?;
+        slot.state.insert(key, value);
+    }
+    // Inserted just above when missing.
+    slot.state
+        .get_mut(key)
+        .ok_or_else(|| tch::TchError::Kind(format!("optimizer state {key} missing")))
+}
+
+/// `grad + weight_decay * param` (PyTorch's coupled L2 penalty), or the gradient itself.
+pub(crate) fn with_weight_decay(
+    grad: &Tensor,
+    param: &Tensor,
+    weight_decay: f64,
+) -> std::result::Result<Tensor, tch::TchError> {
+    if weight_decay == 0.0 {
+        return Ok(grad.shallow_clone());
+    }
+    grad.f_add(&param.f_mul_scalar(weight_decay)?)
+}
