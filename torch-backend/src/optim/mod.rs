@@ -249,6 +249,28 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         }
     }
 
+    fn learning_rates(&self) -> Vec<f64> {
+        self.groups.iter().map(|g| g.lr).collect()
+    }
+
+    fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        if lrs.len() != self.groups.len() {
+            return Err(Error::invalid_argument(
+                "lrs",
+                format!(
+                    "this optimizer has {} parameter group(s) ({}), got {} learning rates",
+                    self.groups.len(),
+                    self.group_names().join(", "),
+                    lrs.len()
+                ),
+            ));
+        }
+        for (group, lr) in self.groups.iter_mut().zip(lrs) {
+            group.lr = *lr;
+        }
+        Ok(())
+    }
+
     /// Keys: `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
     /// `group.<i>.lr` and `group.<i>.weight_decay` (f64 scalars).
     fn state_dict(&self) -> Result<StateDict> {

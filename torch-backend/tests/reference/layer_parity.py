@@ -1,0 +1,69 @@
+"""Reference for kiln-torch's layer parity tests: forward outputs and gradients of the
+torch.nn modules equivalent to Kiln layer definitions.
+
+Usage: python layer_parity.py CASES.json OUT_DIR
+
+CASES.json is a list of {"name", "layer": <kiln Layer as JSON>, "input": [dims],
+"input_dtype": "float32" | "int64", "high": int (int64 inputs draw from [0, high)),
+"train": bool, "seed": int}. For each case OUT_DIR/<name>.safetensors holds:
+
+    state.<key>   the module's state_dict before the forward pass
+    input         the input
+    weight        w in the scalar loss sum(output * w)
+    output        the forward output
+    grad.input    d loss / d input (float inputs only)
+    grad.<param>  d loss / d parameter
+    after.<key>   the state_dict after the forward pass (running statistics)
+
+The modules are built by platform-core's model_specs.py, the reference for Kiln layers.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "..", "platform-core", "tests", "reference"))
+from model_specs import build  # noqa: E402
+
+
+def run_case(case, out_dir):
+    torch.manual_seed(case["seed"])
+    model = build(case["layer"])
+    model.train(case["train"])
+    state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if case.get("input_dtype") == "int64":
+        x = torch.randint(0, case["high"], case["input"], dtype=torch.int64)
+    else:
+        x = torch.randn(case["input"], dtype=torch.float32, requires_grad=True)
+    out = model(x)
+    w = torch.randn(out.shape, dtype=out.dtype)
+    (out * w).sum().backward()
+    tensors = dict(state)
+    tensors["input"] = x.detach().clone()
+    tensors["weight"] = w
+    tensors["output"] = out.detach().clone()
+    if x.is_floating_point():
+        tensors["grad.input"] = x.grad.clone()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            tensors[f"grad.{name}"] = p.grad.clone()
+    for k, v in model.state_dict().items():
+        tensors[f"after.{k}"] = v.detach().clone().contiguous()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, case["name"] + ".safetensors"))
+
+
+def main():
+    cases_path, out_dir = sys.argv[1], sys.argv[2]
+    with open(cases_path) as f:
+        cases = json.load(f)
+    torch.set_num_threads(1)
+    for case in cases:
+        run_case(case, out_dir)
+
+
+if __name__ == "__main__":
+    main()
