@@ -9,7 +9,7 @@ use crate::convert::{dtype_from_kind, to_tch};
 use crate::device::device_to_tch;
 use crate::error::torch_error;
 
-type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send + Sync;
+type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send;
 
 /// Any `tch` code as a Kiln module: a closure built over a [`nn::Path`] of its own
 /// [`nn::VarStore`]. The closure gets the input and whether the module is training.
@@ -46,7 +46,7 @@ impl TchModule {
     /// under its root path and return the forward closure.
     pub fn new<F>(device: Device, build: impl FnOnce(&nn::Path<'_>) -> F) -> Result<Self>
     where
-        F: Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send + Sync + 'static,
+        F: Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send + 'static,
     {
         let vs = nn::VarStore::new(device_to_tch(device)?);
         let forward = build(&vs.root());
@@ -253,8 +253,8 @@ impl Module<TorchBackend> for Chain {
             .iter()
             .map(|(_, c)| c.state_dict())
             .collect::<Result<_>>()?;
-        for i in 0..self.children.len() {
-            if let Err(error) = self.children[i].1.load_state_dict(&parts[i]) {
+        for (i, part) in parts.iter().enumerate() {
+            if let Err(error) = self.children[i].1.load_state_dict(part) {
                 for (j, previous) in old.iter().enumerate().take(i) {
                     self.children[j].1.load_state_dict(previous)?;
                 }

@@ -305,7 +305,7 @@ fn a_failed_step_leaves_parameters_unchanged() {
     let before = model.state_dict().unwrap();
     let (_, last) = model.named_parameters().pop().unwrap();
     let mut grad = last.grad();
-    let _ = grad.set_data(&tch::Tensor::zeros(
+    grad.set_data(&tch::Tensor::zeros(
         [7],
         (tch::Kind::Float, tch::Device::Cpu),
     ));

@@ -9,7 +9,7 @@ use crate::error::torch_error;
 /// `max_norm`, and returns the norm before clipping (as PyTorch does).
 /// `norm_type` may be `f64::INFINITY`.
 pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
-    if !(norm_type > 0.0) {
+    if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::invalid_argument(
             "norm_type",
             format!("must be > 0, got {norm_type}"),
@@ -50,7 +50,7 @@ pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Resu
 
 /// Clamps every gradient element to `[-clip_value, clip_value]`.
 pub fn clip_grad_value(params: &[&Tensor], clip_value: f64) -> Result<()> {
-    if !(clip_value >= 0.0) {
+    if clip_value.is_nan() || clip_value < 0.0 {
         return Err(Error::invalid_argument(
             "clip_value",
             format!("must be >= 0, got {clip_value}"),

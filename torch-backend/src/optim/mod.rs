@@ -90,7 +90,7 @@ impl TorchOptimizer {
                 weight_decay: g.weight_decay.unwrap_or(base_wd),
             })
             .collect();
-        if assignment.iter().any(|&g| g == groups.len()) {
+        if assignment.contains(&groups.len()) {
             hypers.push(GroupHyper {
                 name: "default".to_owned(),
                 lr: base_lr,

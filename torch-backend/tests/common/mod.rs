@@ -67,12 +67,12 @@ pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol:
     let mut worst = (0.0f64, 0usize);
     for (i, (x, y)) in a.iter().zip(&e).enumerate() {
         let err = (x - y).abs() / y.abs().max(1.0);
-        if !(err <= worst.0) {
+        if err.is_nan() || err > worst.0 {
             worst = (err, i);
         }
     }
     assert!(
-        worst.0 <= tol,
+        !worst.0.is_nan() && worst.0 <= tol,
         "{what}: element {} is {} but PyTorch gives {} (relative error {:.3e} > {tol:.0e})",
         worst.1,
         a[worst.1],
