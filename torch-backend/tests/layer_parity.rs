@@ -308,31 +308,39 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
     std::fs::write(&request_path, serde_json::to_vec(&request).unwrap()).unwrap();
     common::run_reference(&python, "layer_parity.py", &[&request_path, &dir]);
 
-    for case in &cases {
+    for (device, tol) in common::devices() {
+        for case in &cases {
+            check_case(case, &dir, device, tol);
+        }
+    }
+}
+
+fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
+    {
         let reference = common::load(&dir.join(format!("{}.safetensors", case.name)));
-        let mut model = TorchModel::new(&case.layer, Device::Cpu).unwrap();
+        let mut model = TorchModel::new(&case.layer, device).unwrap();
         model
             .load_state_dict(&common::strip(&reference, "state."))
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
         model.set_mode(if case.train { Mode::Train } else { Mode::Eval });
 
         let input_host = reference.get("input").unwrap();
-        let mut input = to_tch(input_host, Device::Cpu).unwrap();
+        let mut input = to_tch(input_host, device).unwrap();
         if case.int_high.is_none() {
             input = input.set_requires_grad(true);
         }
         let output = model
             .forward(&input)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        let what = |part: &str| format!("{} {part}", case.name);
+        let what = |part: &str| format!("{} on {device}: {part}", case.name);
         common::assert_close(
             &what("output"),
             &from_tch(&output).unwrap(),
             reference.get("output").unwrap(),
-            1e-5,
+            tol,
         );
 
-        let w = to_tch(reference.get("weight").unwrap(), Device::Cpu).unwrap();
+        let w = to_tch(reference.get("weight").unwrap(), device).unwrap();
         let loss = (&output * &w).sum(tch::Kind::Float);
         <TorchBackend as kiln_core::Backend>::backward(&loss).unwrap();
         if case.int_high.is_none() {
@@ -340,7 +348,7 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
                 &what("grad input"),
                 &from_tch(&input.grad()).unwrap(),
                 reference.get("grad.input").unwrap(),
-                1e-5,
+                tol,
             );
         }
         let params = model.named_parameters();
@@ -360,7 +368,7 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
                 &what(&format!("grad {name}")),
                 &from_tch(&param.grad()).unwrap(),
                 expected,
-                1e-5,
+                tol,
             );
         }
         let after = common::strip(&reference, "after.");
@@ -385,7 +393,7 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
                 &what(&format!("{name} after forward")),
                 actual,
                 expected,
-                1e-5,
+                tol,
             );
         }
     }

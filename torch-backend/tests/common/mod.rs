@@ -80,3 +80,17 @@ pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol:
         worst.0
     );
 }
+
+/// The devices the parity suites run on, with their tolerance: the CPU always
+/// (1e-5), and `cuda:0` when libtorch sees a GPU. On CUDA, cuDNN convolutions use
+/// TF32 by default (as in PyTorch), which rounds inputs to 10 mantissa bits, so
+/// the GPU tolerance is 2e-3.
+pub fn devices() -> Vec<(kiln_core::Device, f64)> {
+    let mut devices = vec![(kiln_core::Device::Cpu, 1e-5)];
+    if kiln_torch::cuda_device_count() > 0 {
+        devices.push((kiln_core::Device::Cuda(0), 2e-3));
+    } else {
+        eprintln!("parity suite: no CUDA device, CPU only");
+    }
+    devices
+}
