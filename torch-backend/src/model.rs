@@ -162,7 +162,7 @@ pub struct TorchModel {
 impl TorchModel {
     /// Builds `spec` on `device` with its initialisers (PyTorch's defaults where
     /// none is given), drawing from libtorch's generator (seed it with
-    /// [`Backend::manual_seed`] for reproducible weights). Starts in training mode.
+    /// [`kiln_core::Backend::manual_seed`] for reproducible weights). Starts in training mode.
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         spec.validate()?;
         let target = device_to_tch(device)?;
