@@ -308,7 +308,7 @@ fn verify_imports(python: &Path) -> Result<PathBuf> {
         .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .args([
             "-c",
-            "import sysconfig, torch, tensorflow, sklearn, safetensors; \
+            "import sysconfig, torch, tensorflow, sklearn, safetensors, tensorboard; \
              print(sysconfig.get_path('purelib'))",
         ])
         .output()

@@ -9,12 +9,13 @@ pub const TENSORFLOW_VERSION: &str = "2.21.0";
 ///
 /// torch and tensorflow-cpu carry the native libraries; scikit-learn ships the
 /// UCI digits data set; safetensors reads and writes checkpoints in reference
-/// scripts. Changing this list re-provisions the virtualenv.
+/// scripts; tensorboard reads back the event files Kiln writes. Changing this list re-provisions the virtualenv.
 pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "torch==2.11.0",
     "tensorflow-cpu==2.21.0",
     "scikit-learn==1.9.1",
     "safetensors==0.8.0",
+    "tensorboard==2.21.0",
 ];
 
 /// Disk space the virtualenv takes once installed, rounded up, in GB.

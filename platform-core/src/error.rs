@@ -154,6 +154,27 @@ pub enum Error {
         /// How many entries the state dict holds.
         available: usize,
     },
+
+    /// A configuration file that cannot be used.
+    #[error("config {path}: {reason}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, naming the key and the allowed values.
+        reason: String,
+    },
+
+    /// Training produced a NaN or infinite loss; training stopped there.
+    #[error(
+        "the loss at step {step} is {value}: training stopped (lower the learning rate, clip \
+         gradients, or check the data); checkpoints written before it are intact"
+    )]
+    NonFiniteLoss {
+        /// The optimizer step whose loss was not finite (1-based).
+        step: u64,
+        /// The loss value.
+        value: f64,
+    },
 }
 
 /// Formats an optional byte offset as `" at byte N"` or nothing.

@@ -33,11 +33,16 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod checkpoint;
+mod config;
 mod data;
 mod device;
 mod dtype;
 mod error;
+mod learner;
+mod logger;
 mod loss;
+mod metric;
 mod model;
 mod module;
 mod optim;
@@ -50,15 +55,36 @@ mod tensor;
 mod testing;
 
 pub use backend::{Backend, Mode};
+pub use checkpoint::{
+    checkpoint_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, CHECKPOINT_FORMAT,
+};
+pub use config::{
+    metric_by_name, BackendKind, DataConfig, DatasetKind, EarlyStoppingConfig, LoggingConfig,
+    RunConfig,
+};
 pub use data::{
-    load_digits, train_test_split, Batch, DataLoader, Dataset, InMemoryDataset, SequentialLoader,
-    Split,
+    load_csv, load_digits, load_mnist, load_mnist_images, load_mnist_labels, one_hot, read_idx,
+    train_test_split, Batch, Collate, Compose, CsvOptions, DataLoader, Dataset, EpochSampler,
+    InMemoryDataset, IndexableDataset, LabelColumn, LabelKind, MapDataset, Mnist, Normalize,
+    PrefetchLoader, RandomCrop, RandomHorizontalFlip, SequentialLoader, Split, StackCollate,
+    ToFloat, Transform, TransformRng, TransformedDataset,
 };
 pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{BoxedSource, Error, Result};
+pub use learner::{
+    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, TrainBackend, Trainer,
+    TrainerConfig, TrainingState,
+};
+pub use logger::{
+    plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,
+    ProgressSink, TensorBoardSink,
+};
 pub use loss::{
     BceWithLogitsConfig, CrossEntropyConfig, Loss, NllConfig, Reduction, SmoothL1Config,
+};
+pub use metric::{
+    Accuracy, LossMetric, MeanAbsoluteError, Metric, Precision, Recall, TopKAccuracy, F1,
 };
 pub use model::{
     fan_in_and_fan_out, AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig,

@@ -27,6 +27,7 @@ mod loss;
 mod model;
 mod optim;
 mod script;
+mod train;
 
 pub use backend::TorchBackend;
 pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};

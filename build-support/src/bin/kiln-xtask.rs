@@ -4,6 +4,7 @@
 //! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
 //! cargo xtask test [ARGS]      setup, then `cargo test --workspace ARGS`
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
+//! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
 //! ```
@@ -15,7 +16,8 @@ use std::process::{Command, ExitCode};
 
 use kiln_build::{setup, Setup};
 
-const USAGE: &str = "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | cargo ARGS | env>";
+const USAGE: &str =
+    "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | kiln [ARGS] | cargo ARGS | env>";
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
@@ -35,6 +37,11 @@ fn main() -> ExitCode {
             .chain(rest.iter().cloned())
             .collect(),
         Some("run") => std::iter::once(OsString::from("run"))
+            .chain(rest.iter().cloned())
+            .collect(),
+        Some("kiln") => ["run", "--release", "--quiet", "--bin", "kiln", "--"]
+            .into_iter()
+            .map(OsString::from)
             .chain(rest.iter().cloned())
             .collect(),
         Some("cargo") if !rest.is_empty() => rest.clone(),

@@ -1,7 +1,8 @@
 //! A single-threaded data loader.
 
+use crate::data::collate::StackCollate;
 use crate::data::dataset::InMemoryDataset;
-use crate::data::rng::{permutation, SplitMix64};
+use crate::data::rng::epoch_order;
 use crate::data::{Batch, DataLoader, Dataset};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
@@ -79,14 +80,7 @@ where
     /// The sample indices of epoch `epoch`, in the order they are batched
     /// (including any dropped tail).
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        let n = self.dataset.len();
-        match self.seed {
-            None => (0..n).collect(),
-            Some(seed) => {
-                let epoch_key = SplitMix64::new(epoch).next_u64();
-                permutation(n, seed ^ epoch_key)
-            }
-        }
+        epoch_order(self.dataset.len(), self.seed, epoch)
     }
 
     /// Number of samples yielded per epoch.
@@ -121,6 +115,7 @@ where
             dataset: &self.dataset,
             order,
             batch_size: self.batch_size,
+            epoch,
             next: 0,
         })
     }
@@ -131,6 +126,7 @@ struct BatchIter<'a, D> {
     dataset: &'a D,
     order: Vec<usize>,
     batch_size: usize,
+    epoch: u64,
     next: usize,
 }
 
@@ -148,7 +144,7 @@ where
         }
         let indices = &indices[..indices.len().min(self.batch_size)];
         self.next = start + indices.len();
-        Some(collate(self.dataset, indices))
+        Some(collate(self.dataset, indices, self.epoch))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -157,21 +153,16 @@ where
     }
 }
 
-/// Fetches the samples at `indices` and stacks them into a batch.
-fn collate<D>(dataset: &D, indices: &[usize]) -> Result<Batch>
+/// Fetches the samples at `indices` (as seen in `epoch`) and stacks them into a batch.
+fn collate<D>(dataset: &D, indices: &[usize], epoch: u64) -> Result<Batch>
 where
     D: Dataset<Item = (HostTensor, HostTensor)>,
 {
-    let (inputs, targets): (Vec<HostTensor>, Vec<HostTensor>) = indices
+    let samples = indices
         .iter()
-        .map(|&i| dataset.get(i))
-        .collect::<Result<Vec<_>>>()?
-        .into_iter()
-        .unzip();
-    Ok(Batch {
-        inputs: HostTensor::stack(&inputs)?,
-        targets: HostTensor::stack(&targets)?,
-    })
+        .map(|&i| dataset.get_for_epoch(i, epoch))
+        .collect::<Result<Vec<_>>>()?;
+    StackCollate::stack(samples)
 }
 
 #[cfg(test)]

@@ -1,15 +1,45 @@
 //! Datasets, batches and data loaders.
+//!
+//! * [`Dataset`] gives random access to samples; [`InMemoryDataset`] holds
+//!   them as tensor rows, [`IndexableDataset`] adapts any `ai-dataloader`
+//!   dataset, [`MapDataset`] and [`TransformedDataset`] derive new ones.
+//! * [`DataLoader`] turns a dataset into the mini-batches of an epoch:
+//!   [`SequentialLoader`] in the calling thread, [`PrefetchLoader`] with
+//!   background worker threads and a bounded queue.
+//! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
+//!   raw or gzip), [`load_csv`].
+//! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
+//!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`].
 
+mod collate;
+mod csv;
 mod dataset;
 mod digits;
+mod indexable;
 mod loader;
+mod map;
+mod mnist;
+mod prefetch;
 mod rng;
+mod source;
 mod split;
+mod transform;
 
+pub use collate::{Collate, StackCollate};
+pub use csv::{load_csv, CsvOptions, LabelColumn, LabelKind};
 pub use dataset::InMemoryDataset;
 pub use digits::load_digits;
+pub use indexable::{EpochSampler, IndexableDataset};
 pub use loader::SequentialLoader;
+pub use map::{MapDataset, TransformedDataset};
+pub use mnist::{load_mnist, load_mnist_images, load_mnist_labels, read_idx, Mnist};
+pub use prefetch::PrefetchLoader;
 pub use split::{train_test_split, Split};
+pub use transform::{
+    one_hot, Compose, Normalize, RandomCrop, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
+};
+
+use std::sync::Arc;
 
 use crate::error::Result;
 use crate::tensor::HostTensor;
@@ -32,6 +62,34 @@ pub trait Dataset: Send + Sync {
 
     /// The sample at `index`.
     fn get(&self, index: usize) -> Result<Self::Item>;
+
+    /// The sample at `index` as seen in epoch `epoch` of a loader.
+    ///
+    /// Loaders call this rather than [`get`](Dataset::get) so that datasets
+    /// with random augmentation ([`TransformedDataset`]) draw different but
+    /// reproducible randomness every epoch, whichever thread loads the
+    /// sample. The default ignores `epoch`; wrappers forward it.
+    fn get_for_epoch(&self, index: usize, epoch: u64) -> Result<Self::Item> {
+        let _ = epoch;
+        self.get(index)
+    }
+}
+
+/// A shared dataset, so that several loaders (or threads) can read one copy.
+impl<D: Dataset + ?Sized> Dataset for Arc<D> {
+    type Item = D::Item;
+
+    fn len(&self) -> usize {
+        (**self).len()
+    }
+
+    fn get(&self, index: usize) -> Result<Self::Item> {
+        (**self).get(index)
+    }
+
+    fn get_for_epoch(&self, index: usize, epoch: u64) -> Result<Self::Item> {
+        (**self).get_for_epoch(index, epoch)
+    }
 }
 
 /// A mini-batch: inputs and targets with a leading batch dimension.

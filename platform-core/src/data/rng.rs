@@ -52,6 +52,27 @@ pub(crate) fn permutation(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// The sample order of epoch `epoch` of a loader shuffling with `seed`, or
+/// `0..n` without a seed. Every loader uses this, so two loaders with the same
+/// seed visit the samples in the same order.
+pub(crate) fn epoch_order(n: usize, seed: Option<u64>, epoch: u64) -> Vec<usize> {
+    match seed {
+        None => (0..n).collect(),
+        Some(seed) => {
+            let epoch_key = SplitMix64::new(epoch).next_u64();
+            permutation(n, seed ^ epoch_key)
+        }
+    }
+}
+
+/// A seed for the randomness of sample `index` in epoch `epoch` under `seed`:
+/// each input goes through a SplitMix64 step, so nearby values give unrelated seeds.
+pub(crate) fn sample_seed(seed: u64, epoch: u64, index: u64) -> u64 {
+    let a = SplitMix64::new(seed).next_u64();
+    let b = SplitMix64::new(a ^ epoch).next_u64();
+    SplitMix64::new(b ^ index).next_u64()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -85,6 +106,32 @@ mod tests {
         // each of 5 buckets expects 200 hits
         assert!(seen.iter().all(|&c| (120..280).contains(&c)), "{seen:?}");
         assert_eq!(rng.below(1), 0);
+    }
+
+    #[test]
+    fn epoch_order_depends_on_seed_and_epoch_only() {
+        assert_eq!(epoch_order(5, None, 3), vec![0, 1, 2, 3, 4]);
+        let a = epoch_order(30, Some(9), 0);
+        assert_eq!(a, epoch_order(30, Some(9), 0));
+        assert_ne!(a, epoch_order(30, Some(9), 1));
+        assert_ne!(a, epoch_order(30, Some(10), 0));
+        // epoch 0's key is the first SplitMix64 output for seed 0
+        let key = SplitMix64::new(0).next_u64();
+        assert_eq!(a, permutation(30, 9 ^ key));
+    }
+
+    #[test]
+    fn sample_seeds_differ_per_argument() {
+        let base = sample_seed(1, 2, 3);
+        assert_eq!(base, sample_seed(1, 2, 3));
+        let others = [
+            sample_seed(0, 2, 3),
+            sample_seed(1, 3, 3),
+            sample_seed(1, 2, 4),
+            // swapping epoch and index must not collide
+            sample_seed(1, 3, 2),
+        ];
+        assert!(others.iter().all(|&s| s != base), "{others:?}");
     }
 
     #[test]

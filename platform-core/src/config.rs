@@ -1,0 +1,334 @@
+//! A whole training run described in one TOML file: the `kiln train` config.
+//!
+//! ```toml
+//! seed = 0
+//! backend = "torch"          # or "tensorflow"
+//! device = "cpu"             # or "cuda:0"
+//! output_dir = "runs/digits-cnn"
+//!
+//! [model]                    # a kiln_core::Layer
+//! type = "sequential"
+//! layers = [
+//!   { type = "conv2d", in_channels = 1, out_channels = 32, kernel_size = 3, padding = 1 },
+//!   { type = "relu" },
+//!   { type = "flatten" },
+//!   { type = "linear", in_features = 2048, out_features = 10 },
+//! ]
+//!
+//! [data]
+//! dataset = "digits"         # digits | mnist | csv
+//! batch_size = 64
+//!
+//! [training]                 # a kiln_core::TrainerConfig
+//! epochs = 20
+//!
+//! [optimizer]                # a kiln_core::OptimizerConfig
+//! type = "adamw"
+//! lr = 0.002
+//!
+//! [loss]                     # a kiln_core::Loss
+//! type = "cross_entropy"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{CheckpointPolicy, MonitorMode};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::learner::TrainerConfig;
+use crate::loss::Loss;
+use crate::metric::{Accuracy, MeanAbsoluteError, Metric, Precision, Recall, TopKAccuracy, F1};
+use crate::model::Layer;
+use crate::optim::{OptimizerConfig, ParamGroup};
+use crate::schedule::SchedulerConfig;
+
+/// Which engine runs the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// libtorch through tch.
+    #[default]
+    Torch,
+    /// The TensorFlow C API.
+    Tensorflow,
+}
+
+/// Where the examples come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DatasetKind {
+    /// The UCI handwritten digits (8x8) that scikit-learn's wheel ships; `path`
+    /// defaults to the project's `.kiln/data/digits.csv.gz`.
+    Digits,
+    /// MNIST IDX files (raw or gzip) in the directory `path`; its test split is
+    /// the validation set.
+    Mnist,
+    /// A CSV file `path` of numeric features and an integer label column.
+    Csv,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The data section: the dataset, how it is split, batched and shaped.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// The source.
+    pub dataset: DatasetKind,
+    /// The file or directory (required for `mnist` and `csv`).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// CSV only: the label column's name or 0-based index (default: the last column).
+    #[serde(default)]
+    pub label_column: Option<String>,
+    /// CSV only: whether the first line names the columns.
+    #[serde(default = "yes")]
+    pub has_header: bool,
+    /// Fraction held out for validation (when the dataset has no test split).
+    #[serde(default = "fifth")]
+    pub val_fraction: f64,
+    /// Examples per batch.
+    #[serde(default = "batch")]
+    pub batch_size: usize,
+    /// Background loader threads (0 loads on the training thread).
+    #[serde(default)]
+    pub workers: usize,
+    /// Shape of one example as the model takes it (e.g. `[1, 8, 8]`); default flat.
+    #[serde(default)]
+    pub input_shape: Option<Vec<usize>>,
+    /// Features are divided by this (16 for digits, 255 for MNIST).
+    #[serde(default = "unit")]
+    pub scale: f64,
+    /// Drop the last incomplete training batch.
+    #[serde(default)]
+    pub drop_last: bool,
+}
+
+fn fifth() -> f64 {
+    0.2
+}
+fn batch() -> usize {
+    64
+}
+fn unit() -> f64 {
+    1.0
+}
+
+/// Early stopping settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStoppingConfig {
+    /// The metric watched (`val_loss`, `val_accuracy`, ...).
+    pub monitor: String,
+    /// Whether smaller or larger is better.
+    #[serde(default)]
+    pub mode: MonitorMode,
+    /// Epochs without improvement before stopping.
+    #[serde(default = "five")]
+    pub patience: u64,
+    /// The least change that counts as an improvement.
+    #[serde(default)]
+    pub min_delta: f64,
+}
+
+fn five() -> u64 {
+    5
+}
+
+/// Where metrics go, besides the log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// `steps.csv` and `epochs.csv` in the output directory.
+    #[serde(default = "yes")]
+    pub csv: bool,
+    /// TensorBoard event files in `<output_dir>/tensorboard`.
+    #[serde(default = "yes")]
+    pub tensorboard: bool,
+    /// A progress bar per epoch (plain lines when not on a terminal).
+    #[serde(default = "yes")]
+    pub progress: bool,
+    /// PNG plots of the training and validation curves at the end.
+    #[serde(default = "yes")]
+    pub plots: bool,
+    /// Extra metrics on validation: `accuracy`, `top5_accuracy`, `precision`,
+    /// `recall`, `f1`, `mae`.
+    #[serde(default = "accuracy")]
+    pub metrics: Vec<String>,
+}
+
+fn accuracy() -> Vec<String> {
+    vec!["accuracy".to_owned()]
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self {
+            csv: true,
+            tensorboard: true,
+            progress: true,
+            plots: true,
+            metrics: accuracy(),
+        }
+    }
+}
+
+/// A whole run: model, data, optimisation, outputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// The seed of everything random in the run.
+    #[serde(default)]
+    pub seed: u64,
+    /// The engine.
+    #[serde(default)]
+    pub backend: BackendKind,
+    /// The device, `"cpu"` or `"cuda:N"`.
+    #[serde(default, with = "device_string")]
+    pub device: Device,
+    /// Where checkpoints, metrics and plots go.
+    pub output_dir: PathBuf,
+    /// The model definition.
+    pub model: Layer,
+    /// The data.
+    pub data: DataConfig,
+    /// The loop.
+    #[serde(default)]
+    pub training: TrainerConfig,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Parameter groups with their own learning rate or weight decay.
+    #[serde(default)]
+    pub param_groups: Vec<ParamGroup>,
+    /// The learning-rate schedule.
+    #[serde(default)]
+    pub schedule: Option<SchedulerConfig>,
+    /// The loss.
+    pub loss: Loss,
+    /// When to checkpoint and what to keep.
+    #[serde(default)]
+    pub checkpoint: CheckpointPolicy,
+    /// Early stopping.
+    #[serde(default)]
+    pub early_stopping: Option<EarlyStoppingConfig>,
+    /// Metric outputs.
+    #[serde(default)]
+    pub logging: LoggingConfig,
+}
+
+mod device_string {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::device::Device;
+
+    pub(super) fn serialize<S: Serializer>(device: &Device, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&device.to_string())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl RunConfig {
+    /// Parses a TOML config; errors name the file, the key and what is allowed
+    /// (serde's messages list the accepted variants and fields).
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self> {
+        let bad = |reason: String| Error::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(|e| bad(e.to_string()))?;
+        // The path to the failing key (`optimizer.type`) leads the message; toml's
+        // own message after it shows the line.
+        let config: RunConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            let key = e.path().to_string();
+            bad(format!("key `{key}`: {}", e.into_inner()))
+        })?;
+        config.validate().map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(config)
+    }
+
+    /// Reads and parses a TOML config file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Checks every section's values.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        self.training.validate()?;
+        self.optimizer.validate()?;
+        self.loss.validate()?;
+        self.checkpoint.validate()?;
+        if let Some(schedule) = &self.schedule {
+            schedule.validate()?;
+        }
+        if !(0.0..1.0).contains(&self.data.val_fraction) {
+            return Err(Error::invalid_argument(
+                "data.val_fraction",
+                format!("must be in [0, 1), got {}", self.data.val_fraction),
+            ));
+        }
+        if self.data.path.is_none() && self.data.dataset != DatasetKind::Digits {
+            return Err(Error::invalid_argument(
+                "data.path",
+                format!("dataset = \"{:?}\" needs a path", self.data.dataset).to_lowercase(),
+            ));
+        }
+        if self.data.batch_size == 0 {
+            return Err(Error::invalid_argument(
+                "data.batch_size",
+                "must be at least 1",
+            ));
+        }
+        if self.data.scale == 0.0 || !self.data.scale.is_finite() {
+            return Err(Error::invalid_argument(
+                "data.scale",
+                "must be a finite, non-zero number",
+            ));
+        }
+        for metric in &self.logging.metrics {
+            if metric_by_name(metric).is_none() {
+                return Err(Error::invalid_argument(
+                    "logging.metrics",
+                    format!("unknown metric `{metric}`; allowed: accuracy, top5_accuracy, precision, recall, f1, mae"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A factory for the validation metric called `name` in a config: `accuracy`,
+/// `topK_accuracy` (`top5_accuracy`, any K >= 1), `precision`, `recall`, `f1`
+/// (macro averages) or `mae`; `None` for any other name.
+pub fn metric_by_name(name: &str) -> Option<Box<dyn Fn() -> Box<dyn Metric> + Send>> {
+    fn factory<M: Metric + Clone + 'static>(proto: M) -> Box<dyn Fn() -> Box<dyn Metric> + Send> {
+        Box::new(move || Box::new(proto.clone()))
+    }
+    Some(match name {
+        "accuracy" => factory(Accuracy::new()),
+        "precision" => factory(Precision::new()),
+        "recall" => factory(Recall::new()),
+        "f1" => factory(F1::new()),
+        "mae" => factory(MeanAbsoluteError::new()),
+        other => {
+            let k = other
+                .strip_prefix("top")?
+                .strip_suffix("_accuracy")?
+                .parse()
+                .ok()?;
+            factory(TopKAccuracy::new(k).ok()?)
+        }
+    })
+}

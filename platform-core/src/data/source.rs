@@ -1,0 +1,114 @@
+//! Opening data files that may be gzip-compressed.
+
+use std::fs::File;
+use std::io::{self, BufReader, Cursor, Read};
+use std::path::Path;
+
+use flate2::read::MultiGzDecoder;
+
+use crate::error::{Error, Result};
+
+/// The first two bytes of every gzip stream.
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+
+/// A readable data file, decompressed on the fly if it is gzip.
+pub(crate) struct Source {
+    reader: Box<dyn Read>,
+    /// Whether the file is gzip-compressed.
+    pub(crate) gzip: bool,
+}
+
+impl Source {
+    /// Opens `path`; a file starting with the gzip magic bytes `1f 8b` is
+    /// decompressed, whatever its name.
+    pub(crate) fn open(path: &Path) -> Result<Self> {
+        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut head = [0u8; 2];
+        let mut got = 0;
+        while got < head.len() {
+            match file.read(&mut head[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(path, e)),
+            }
+        }
+        let gzip = got == 2 && head == GZIP_MAGIC;
+        let replay = Cursor::new(head[..got].to_vec()).chain(file);
+        let reader: Box<dyn Read> = if gzip {
+            Box::new(BufReader::new(MultiGzDecoder::new(BufReader::new(replay))))
+        } else {
+            Box::new(BufReader::new(replay))
+        };
+        Ok(Source { reader, gzip })
+    }
+
+    /// Reads up to `limit` bytes into `buf`, stopping early at the end of
+    /// the data. On failure (e.g. corrupt gzip data) returns the error and
+    /// leaves the bytes read before it in `buf`.
+    pub(crate) fn read_up_to(&mut self, limit: u64, buf: &mut Vec<u8>) -> io::Result<()> {
+        (&mut self.reader).take(limit).read_to_end(buf).map(|_| ())
+    }
+
+    /// Reads everything that is left into `buf` (with the same failure rule).
+    pub(crate) fn read_rest(&mut self, buf: &mut Vec<u8>) -> io::Result<()> {
+        self.reader.read_to_end(buf).map(|_| ())
+    }
+}
+
+/// The message for a read error at some point in a (possibly compressed) file.
+pub(crate) fn read_error_reason(gzip: bool, e: &io::Error) -> String {
+    if gzip {
+        format!("cannot decompress gzip data: {e}")
+    } else {
+        format!("cannot read: {e}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flate2::write::GzEncoder;
+    use flate2::Compression;
+    use std::io::Write;
+
+    fn temp_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("kiln-core-source-{}-{name}", std::process::id()));
+        std::fs::write(&path, bytes).expect("write temp file");
+        path
+    }
+
+    #[test]
+    fn detects_gzip_by_content_not_name() -> Result<()> {
+        let mut enc = GzEncoder::new(Vec::new(), Compression::default());
+        enc.write_all(b"hello gzip").expect("compress");
+        let gz = enc.finish().expect("compress");
+        // a compressed file without .gz and a plain one with .gz
+        let a = temp_file("plain-name", &gz);
+        let b = temp_file("raw.gz", b"hello raw");
+        let c = temp_file("one-byte", b"x");
+        let d = temp_file("empty", b"");
+        for (path, gzip, text) in [
+            (&a, true, &b"hello gzip"[..]),
+            (&b, false, &b"hello raw"[..]),
+            (&c, false, &b"x"[..]),
+            (&d, false, &b""[..]),
+        ] {
+            let mut src = Source::open(path)?;
+            assert_eq!(src.gzip, gzip, "{}", path.display());
+            let mut buf = Vec::new();
+            src.read_up_to(3, &mut buf).expect("read");
+            src.read_rest(&mut buf).expect("read");
+            assert_eq!(buf, text);
+        }
+        for p in [a, b, c, d] {
+            let _ = std::fs::remove_file(p);
+        }
+        let err = Source::open(Path::new("/nonexistent/kiln/x"))
+            .err()
+            .expect("missing");
+        assert!(matches!(err, Error::Io { .. }), "{err}");
+        Ok(())
+    }
+}

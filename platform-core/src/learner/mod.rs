@@ -1,0 +1,9 @@
+//! The training loop and its hooks (like burn-train's `learner`).
+
+mod backend;
+mod callback;
+mod trainer;
+
+pub use backend::TrainBackend;
+pub use callback::{Callback, EarlyStopping, Flow};
+pub use trainer::{EpochRecord, ScheduleInterval, Trainer, TrainerConfig, TrainingState};

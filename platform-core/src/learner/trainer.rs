@@ -1,0 +1,530 @@
+//! The training loop: `fit`, `evaluate`, `predict`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::backend::TrainBackend;
+use super::callback::{Callback, Flow};
+use crate::backend::Mode;
+use crate::checkpoint::{Checkpoint, Checkpointer};
+use crate::data::DataLoader;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::logger::{History, MetricSink};
+use crate::loss::Loss;
+use crate::metric::{LossMetric, Metric};
+use crate::model::Layer;
+use crate::module::Module;
+use crate::optim::{GradClip, Optimizer};
+use crate::schedule::LrScheduler;
+use crate::tensor::HostTensor;
+
+/// When the learning-rate schedule advances.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleInterval {
+    /// After every optimizer step (warm-up, one-cycle).
+    Step,
+    /// After every epoch (PyTorch's usual `scheduler.step()` per epoch).
+    #[default]
+    Epoch,
+}
+
+/// How to train, independent of the model and the data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Epochs to train for.
+    #[serde(default = "ten")]
+    pub epochs: u64,
+    /// Stop after this many optimizer steps, if reached before `epochs`.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
+    /// Micro-batches whose gradients add up before each optimizer step (>= 1).
+    #[serde(default = "one")]
+    pub accumulate: u64,
+    /// Gradient clipping before each optimizer step.
+    #[serde(default)]
+    pub clip: Option<GradClip>,
+    /// The run's seed: initial weights, data order and dropout derive from it
+    /// (in a config file: the top-level `seed`).
+    #[serde(skip)]
+    pub seed: u64,
+    /// Where the model and batches live (in a config file: the top-level `device`).
+    #[serde(skip)]
+    pub device: Device,
+    /// When the schedule advances.
+    #[serde(default)]
+    pub schedule_interval: ScheduleInterval,
+    /// Log the running training loss every this many steps (0: only per epoch).
+    #[serde(default = "fifty")]
+    pub log_every: u64,
+}
+
+fn ten() -> u64 {
+    10
+}
+fn one() -> u64 {
+    1
+}
+fn fifty() -> u64 {
+    50
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            max_steps: None,
+            accumulate: 1,
+            clip: None,
+            seed: 0,
+            device: Device::Cpu,
+            schedule_interval: ScheduleInterval::Epoch,
+            log_every: 50,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Rejects settings that cannot work, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.accumulate == 0 {
+            return Err(Error::invalid_argument("accumulate", "must be at least 1"));
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return Err(Error::invalid_argument("epochs", "must be at least 1"));
+        }
+        if let Some(clip) = &self.clip {
+            clip.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// A model, its optimizer and schedule, and where training stands: what a
+/// checkpoint saves and `fit` advances.
+pub struct TrainingState<B: TrainBackend> {
+    /// The model.
+    pub model: B::Model,
+    /// Its optimizer.
+    pub optimizer: B::Optim,
+    /// The learning-rate schedule, if any.
+    pub scheduler: Option<Box<dyn LrScheduler + Send>>,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// The epoch in progress (0-based).
+    pub epoch: u64,
+    /// Micro-batches of `epoch` already consumed.
+    pub batch_in_epoch: u64,
+}
+
+impl<B: TrainBackend> std::fmt::Debug for TrainingState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainingState")
+            .field("step", &self.step)
+            .field("epoch", &self.epoch)
+            .field("batch_in_epoch", &self.batch_in_epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: TrainBackend> TrainingState<B> {
+    /// A fresh state at step 0.
+    pub fn new(
+        model: B::Model,
+        optimizer: B::Optim,
+        scheduler: Option<Box<dyn LrScheduler + Send>>,
+    ) -> Self {
+        Self {
+            model,
+            optimizer,
+            scheduler,
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+        }
+    }
+
+    /// Restores model, optimizer, schedule and position from a checkpoint.
+    /// Nothing changes if any part does not fit.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        if checkpoint.backend != B::NAME {
+            log::info!(
+                "resuming a checkpoint written by the {} backend on {}",
+                checkpoint.backend,
+                B::NAME
+            );
+        }
+        let old_model = self.model.state_dict()?;
+        self.model.load_state_dict(&checkpoint.model)?;
+        if let Err(e) = self.optimizer.load_state_dict(&checkpoint.optimizer) {
+            self.model.load_state_dict(&old_model)?;
+            return Err(e);
+        }
+        if let (Some(scheduler), Some(state)) = (self.scheduler.as_mut(), &checkpoint.scheduler) {
+            scheduler.load_state(state)?;
+            self.optimizer.set_learning_rates(scheduler.lrs())?;
+        }
+        self.step = checkpoint.step;
+        self.epoch = checkpoint.epoch;
+        self.batch_in_epoch = checkpoint.batch_in_epoch;
+        Ok(())
+    }
+}
+
+/// The metrics of one epoch, by name.
+pub type EpochRecord = BTreeMap<String, f64>;
+
+/// The training loop, generic over the backend: callbacks, metric sinks,
+/// checkpoints, gradient accumulation and clipping, and a schedule.
+pub struct Trainer<B: TrainBackend> {
+    config: TrainerConfig,
+    loss: Loss,
+    metrics: Vec<Box<dyn Fn() -> Box<dyn Metric> + Send>>,
+    callbacks: Vec<Box<dyn Callback>>,
+    sinks: Vec<Box<dyn MetricSink>>,
+    checkpointer: Option<Checkpointer>,
+    model_definition: Option<Layer>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: TrainBackend> std::fmt::Debug for Trainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("config", &self.config)
+            .field("loss", &self.loss)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
+/// resumed run draws exactly what an uninterrupted one would.
+fn step_seed(seed: u64, step: u64) -> u64 {
+    let mut z =
+        (seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// A trainer minimising `loss`.
+    pub fn new(config: TrainerConfig, loss: Loss) -> Result<Self> {
+        config.validate()?;
+        loss.validate()?;
+        Ok(Self {
+            config,
+            loss,
+            metrics: Vec::new(),
+            callbacks: Vec::new(),
+            sinks: Vec::new(),
+            checkpointer: None,
+            model_definition: None,
+            _backend: std::marker::PhantomData,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// Adds a metric computed on validation (and `evaluate`) batches; `make`
+    /// creates a fresh one per evaluation.
+    pub fn with_metric(mut self, make: impl Fn() -> Box<dyn Metric> + Send + 'static) -> Self {
+        self.metrics.push(Box::new(make));
+        self
+    }
+
+    /// Adds a callback.
+    pub fn with_callback(mut self, callback: impl Callback + 'static) -> Self {
+        self.callbacks.push(Box::new(callback));
+        self
+    }
+
+    /// Adds a metric sink (CSV, TensorBoard, progress, log).
+    pub fn with_sink(mut self, sink: impl MetricSink + 'static) -> Self {
+        self.sinks.push(Box::new(sink));
+        self
+    }
+
+    /// Saves checkpoints with `checkpointer`; `definition` is recorded in them.
+    pub fn with_checkpointer(
+        mut self,
+        checkpointer: Checkpointer,
+        definition: Option<Layer>,
+    ) -> Self {
+        self.checkpointer = Some(checkpointer);
+        self.model_definition = definition;
+        self
+    }
+
+    fn checkpoint(&self, state: &TrainingState<B>, metrics: &EpochRecord) -> Result<Checkpoint> {
+        Ok(Checkpoint {
+            model: state.model.state_dict()?,
+            optimizer: state.optimizer.state_dict()?,
+            step: state.step,
+            epoch: state.epoch,
+            batch_in_epoch: state.batch_in_epoch,
+            seed: self.config.seed,
+            backend: B::NAME.to_owned(),
+            model_definition: self.model_definition.clone(),
+            scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
+            metrics: metrics.clone(),
+        })
+    }
+
+    fn save_checkpoint(&mut self, state: &TrainingState<B>, metrics: &EpochRecord) -> Result<()> {
+        if self.checkpointer.is_none() {
+            return Ok(());
+        }
+        // Everything logged up to this step is on disk before the checkpoint that
+        // a resumed run continues from.
+        for sink in &mut self.sinks {
+            sink.flush()?;
+        }
+        let checkpoint = self.checkpoint(state, metrics)?;
+        if let Some(checkpointer) = self.checkpointer.as_mut() {
+            checkpointer.save(&checkpoint)?;
+        }
+        Ok(())
+    }
+
+    /// Trains `state` on `train` until `epochs` or `max_steps`, validating on
+    /// `val` after every epoch; continues from `state`'s position (so a restored
+    /// state resumes mid-epoch). Returns the per-epoch metrics of this call.
+    ///
+    /// A non-finite loss stops training with [`Error::NonFiniteLoss`] naming the
+    /// step; the checkpoints already written stay as they were.
+    pub fn fit(
+        &mut self,
+        state: &mut TrainingState<B>,
+        train: &dyn DataLoader,
+        val: Option<&dyn DataLoader>,
+    ) -> Result<History> {
+        let mut history = History::new();
+        let accumulate = self.config.accumulate;
+        let device = self.config.device;
+        'epochs: while state.epoch < self.config.epochs {
+            state.model.set_mode(Mode::Train);
+            let mut epoch_loss = LossMetric::new("loss");
+            let batches = train.num_batches() as u64;
+            for sink in &mut self.sinks {
+                sink.start_epoch(
+                    state.epoch,
+                    Some(batches.saturating_sub(state.batch_in_epoch)),
+                )?;
+            }
+            let mut micro = 0u64;
+            let skip = state.batch_in_epoch as usize;
+            for batch in train.batches(state.epoch).skip(skip) {
+                if self.config.max_steps.is_some_and(|m| state.step >= m) {
+                    break 'epochs;
+                }
+                let batch = batch?;
+                if micro == 0 {
+                    B::manual_seed(step_seed(self.config.seed, state.step));
+                    state.optimizer.zero_grad()?;
+                }
+                let inputs = B::from_host(&batch.inputs, device)?;
+                let targets = B::from_host(&batch.targets, device)?;
+                let output = state.model.forward(&inputs)?;
+                let loss = B::loss(&self.loss, &output, &targets)?;
+                let value = B::item(&loss)?;
+                if !value.is_finite() {
+                    return Err(Error::NonFiniteLoss {
+                        step: state.step + 1,
+                        value,
+                    });
+                }
+                let scaled = if accumulate > 1 {
+                    B::scale(&loss, 1.0 / accumulate as f64)?
+                } else {
+                    loss
+                };
+                B::backward(&scaled)?;
+                let rows = batch.targets.dims().first().copied().unwrap_or(1);
+                epoch_loss.update_value(value, rows);
+                for sink in &mut self.sinks {
+                    sink.log_batch(rows, value)?;
+                }
+                micro += 1;
+                state.batch_in_epoch += 1;
+                if micro < accumulate {
+                    continue;
+                }
+                micro = 0;
+                if let Some(clip) = &self.config.clip {
+                    B::clip_gradients(&state.model.named_parameters(), clip)?;
+                }
+                state.optimizer.step()?;
+                state.step += 1;
+                if self.config.schedule_interval == ScheduleInterval::Step {
+                    if let Some(s) = state.scheduler.as_mut() {
+                        let lrs = s.step()?;
+                        state.optimizer.set_learning_rates(&lrs)?;
+                    }
+                }
+                let row = [
+                    ("loss".to_owned(), value),
+                    ("lr".to_owned(), state.optimizer.learning_rate()),
+                ];
+                for sink in &mut self.sinks {
+                    sink.log_step(state.step, &row)?;
+                }
+                let mut stop = false;
+                for cb in &mut self.callbacks {
+                    stop |= cb.on_step_end(state.step, value)? == Flow::Stop;
+                }
+                if self
+                    .checkpointer
+                    .as_ref()
+                    .is_some_and(|c| c.due_after_step(state.step))
+                {
+                    self.save_checkpoint(state, &EpochRecord::new())?;
+                }
+                if stop {
+                    break 'epochs;
+                }
+            }
+            // The epoch is over: metrics, schedule, callbacks, checkpoint.
+            let mut record = EpochRecord::new();
+            record.insert("loss".to_owned(), epoch_loss.compute()?);
+            record.insert("lr".to_owned(), state.optimizer.learning_rate());
+            if let Some(val) = val {
+                for (name, value) in self.evaluate(&mut state.model, val)? {
+                    record.insert(format!("val_{name}"), value);
+                }
+            }
+            if self.config.schedule_interval == ScheduleInterval::Epoch {
+                if let Some(s) = state.scheduler.as_mut() {
+                    let lrs = match record.get("val_loss") {
+                        Some(metric) if s.name() == "ReduceLROnPlateau" => {
+                            s.step_with_metric(*metric)?
+                        }
+                        _ => s.step()?,
+                    };
+                    state.optimizer.set_learning_rates(&lrs)?;
+                }
+            }
+            let flat: Vec<(String, f64)> = record.iter().map(|(k, v)| (k.clone(), *v)).collect();
+            for sink in &mut self.sinks {
+                sink.log_epoch(state.epoch, &flat)?;
+            }
+            let mut stop = false;
+            for cb in &mut self.callbacks {
+                stop |= cb.on_epoch_end(state.epoch, &record)? == Flow::Stop;
+            }
+            let finished_epoch = state.epoch;
+            state.epoch += 1;
+            state.batch_in_epoch = 0;
+            if self
+                .checkpointer
+                .as_ref()
+                .is_some_and(|c| c.due_after_epoch(finished_epoch))
+            {
+                self.save_checkpoint(state, &record)?;
+            }
+            history.record(finished_epoch, &flat)?;
+            if stop {
+                break;
+            }
+        }
+        for sink in &mut self.sinks {
+            sink.finish()?;
+        }
+        Ok(history)
+    }
+
+    /// The loss and every metric over `loader`, in eval mode and without
+    /// gradients; the model's mode is restored afterwards.
+    pub fn evaluate(
+        &self,
+        model: &mut B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<(String, f64)>> {
+        let mode = model.mode();
+        model.set_mode(Mode::Eval);
+        let result = self.evaluate_inner(model, loader);
+        model.set_mode(mode);
+        result
+    }
+
+    fn evaluate_inner(
+        &self,
+        model: &B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<(String, f64)>> {
+        let mut loss = LossMetric::new("loss");
+        let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
+        for batch in loader.batches(0) {
+            let batch = batch?;
+            let (value, output) = B::no_grad(|| -> Result<(f64, HostTensor)> {
+                let inputs = B::from_host(&batch.inputs, self.config.device)?;
+                let targets = B::from_host(&batch.targets, self.config.device)?;
+                let output = model.forward(&inputs)?;
+                let value = B::item(&B::loss(&self.loss, &output, &targets)?)?;
+                Ok((value, B::to_host(&output)?))
+            })?;
+            loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
+            for metric in &mut metrics {
+                metric.update(&output, &batch.targets)?;
+            }
+        }
+        let mut out = vec![("loss".to_owned(), loss.compute()?)];
+        for metric in &metrics {
+            out.push((metric.name().to_owned(), metric.compute()?));
+        }
+        Ok(out)
+    }
+
+    /// The model's outputs for every batch of `loader`, in eval mode.
+    pub fn predict(
+        &self,
+        model: &mut B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<HostTensor>> {
+        let mode = model.mode();
+        model.set_mode(Mode::Eval);
+        let result = loader
+            .batches(0)
+            .map(|batch| {
+                let batch = batch?;
+                B::no_grad(|| {
+                    B::to_host(&model.forward(&B::from_host(&batch.inputs, self.config.device)?)?)
+                })
+            })
+            .collect();
+        model.set_mode(mode);
+        result
+    }
+
+    /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]).
+    pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
+        let checkpoint = Checkpoint::load(path)?;
+        state.restore(&checkpoint)?;
+        log::info!(
+            "resumed from {} at step {} (epoch {}, batch {})",
+            path.display(),
+            checkpoint.step,
+            checkpoint.epoch,
+            checkpoint.batch_in_epoch
+        );
+        Ok(checkpoint)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_per_step_and_repeat_per_seed() {
+        assert_eq!(step_seed(7, 3), step_seed(7, 3));
+        assert_ne!(step_seed(7, 3), step_seed(7, 4));
+        assert_ne!(step_seed(7, 3), step_seed(8, 3));
+    }
+}

@@ -1,0 +1,205 @@
+//! Checkpoint files: round trip, readable by Python's safetensors, atomic writes
+//! (a failed or interrupted write leaves the previous checkpoint loadable), typed
+//! errors for truncated, foreign and damaged files, and the keep-last / keep-best
+//! policy.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_core::{
+    Checkpoint, CheckpointPolicy, Checkpointer, Error, HostTensor, Layer, LinearConfig,
+    MonitorMode, StateDict,
+};
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kiln-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+fn sample(step: u64, val_loss: f64) -> Checkpoint {
+    let model: StateDict = [
+        (
+            "0.weight".to_owned(),
+            HostTensor::new(vec![0.5f32, -1.0, 2.0, 0.25], [2, 2]).expect("tensor"),
+        ),
+        (
+            "0.bias".to_owned(),
+            HostTensor::new(vec![step as f32, 1.0], [2]).expect("tensor"),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let optimizer: StateDict = [
+        (
+            "state.0.weight.step".to_owned(),
+            HostTensor::scalar(step as i64),
+        ),
+        ("group.0.lr".to_owned(), HostTensor::scalar(0.01f64)),
+    ]
+    .into_iter()
+    .collect();
+    Checkpoint {
+        model,
+        optimizer,
+        step,
+        epoch: step / 10,
+        batch_in_epoch: step % 10,
+        seed: 42,
+        backend: "torch".to_owned(),
+        model_definition: Some(Layer::from(LinearConfig::new(2, 2))),
+        scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),
+        metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),
+    }
+}
+
+#[test]
+fn round_trip_keeps_everything() {
+    let dir = scratch("roundtrip");
+    let path = dir.join("c.safetensors");
+    let original = sample(17, 0.25);
+    original.save(&path).expect("save");
+    assert_eq!(Checkpoint::load(&path).expect("load"), original);
+}
+
+#[test]
+fn python_reads_a_checkpoint() {
+    let Some(python) = common::python("python_reads_a_checkpoint") else {
+        return;
+    };
+    let dir = scratch("python");
+    let path = dir.join("c.safetensors");
+    sample(3, 1.5).save(&path).expect("save");
+    let script = dir.join("read.py");
+    std::fs::write(
+        &script,
+        "import sys, json\nfrom safetensors import safe_open\n\
+         with safe_open(sys.argv[1], 'pt') as f:\n    \
+         m = f.metadata(); print(json.dumps({'keys': sorted(f.keys()), 'step': m['kiln.step'], \
+         'bias': f.get_tensor('model.0.bias').tolist()}))\n",
+    )
+    .expect("script");
+    let out = std::process::Command::new(python)
+        .arg(&script)
+        .arg(&path)
+        .output()
+        .expect("python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["step"], "3");
+    assert_eq!(v["bias"], serde_json::json!([3.0, 1.0]));
+    assert_eq!(
+        v["keys"],
+        serde_json::json!([
+            "model.0.bias",
+            "model.0.weight",
+            "optimizer.group.0.lr",
+            "optimizer.state.0.weight.step"
+        ])
+    );
+}
+
+#[test]
+fn truncated_foreign_and_damaged_files_are_named_errors() {
+    let dir = scratch("errors");
+    let good = dir.join("good.safetensors");
+    sample(1, 0.0).save(&good).expect("save");
+    let bytes = std::fs::read(&good).expect("read");
+
+    let truncated = dir.join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() - 7]).expect("write");
+    let err = Checkpoint::load(&truncated).expect_err("truncated");
+    assert!(matches!(err, Error::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("truncated.safetensors"), "{err}");
+
+    let plain = dir.join("plain.safetensors");
+    sample(1, 0.0)
+        .model
+        .save_safetensors(&plain, &BTreeMap::new())
+        .expect("save");
+    let err = Checkpoint::load(&plain).expect_err("foreign").to_string();
+    assert!(err.contains("not a Kiln checkpoint"), "{err}");
+
+    let missing =
+        Checkpoint::load(Path::new("/nonexistent/ckpt.safetensors")).expect_err("missing");
+    assert!(matches!(missing, Error::Io { .. }), "{missing}");
+}
+
+#[test]
+fn a_failed_write_leaves_the_previous_checkpoint_loadable() {
+    let dir = scratch("atomic");
+    let mut checkpointer =
+        Checkpointer::new(&dir, CheckpointPolicy::default()).expect("checkpointer");
+    checkpointer.save(&sample(1, 0.5)).expect("first save");
+    // Make the second write fail midway: its target name is taken by a directory.
+    std::fs::create_dir_all(dir.join("step-00000002.safetensors")).expect("blocker");
+    assert!(checkpointer.save(&sample(2, 0.4)).is_err());
+    let last = Checkpoint::load(&Checkpointer::last_path(&dir)).expect("last still loads");
+    assert_eq!(last.step, 1);
+    // No temporary file is left looking like a checkpoint.
+    let names: Vec<String> = std::fs::read_dir(&dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".safetensors") && !n.starts_with("step-00000002"))
+        .collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| n == "last.safetensors" || n == "step-00000001.safetensors"),
+        "{names:?}"
+    );
+}
+
+#[test]
+fn keeps_the_last_and_the_best() {
+    let dir = scratch("policy");
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(1),
+        every_n_epochs: None,
+        keep_last: 2,
+        keep_best: 1,
+        monitor: Some("val_loss".to_owned()),
+        mode: MonitorMode::Min,
+    };
+    let mut checkpointer = Checkpointer::new(&dir, policy).expect("checkpointer");
+    for (step, loss) in [(1, 0.9), (2, 0.3), (3, 0.5), (4, 0.6), (5, 0.7)] {
+        checkpointer.save(&sample(step, loss)).expect("save");
+    }
+    let mut kept: Vec<String> = std::fs::read_dir(&dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    kept.sort();
+    assert_eq!(
+        kept,
+        [
+            "last.safetensors",
+            "step-00000002.safetensors",
+            "step-00000004.safetensors",
+            "step-00000005.safetensors"
+        ]
+    );
+    assert_eq!(
+        checkpointer.best(),
+        Some(dir.join("step-00000002.safetensors").as_path())
+    );
+    assert_eq!(
+        Checkpoint::load(&Checkpointer::last_path(&dir))
+            .expect("last")
+            .step,
+        5
+    );
+    assert!(CheckpointPolicy {
+        keep_last: 0,
+        ..CheckpointPolicy::default()
+    }
+    .validate()
+    .is_err());
+}

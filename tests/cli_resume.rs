@@ -1,0 +1,350 @@
+//! The `kiln` CLI end to end: train from a config, get killed by a real signal
+//! mid-run, resume from the last checkpoint, and reproduce the per-step losses
+//! of an uninterrupted run bitwise. Also: inspect, eval and predict, and a
+//! config error that names the key.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln::core::Checkpoint;
+
+const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+
+/// One `kiln` run at a time: the runs compare numbers bitwise, and concurrent
+/// runs competing for the two cores were seen to perturb the last bits.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir =
+        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small, quick run: an MLP with dropout on the digits, checkpoints every 5 steps.
+fn config(dir: &Path, workers: usize) -> PathBuf {
+    let text = format!(
+        r#"
+seed = 3
+output_dir = "{out}"
+
+[data]
+dataset = "digits"
+batch_size = 32
+workers = {workers}
+scale = 16.0
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "linear", in_features = 64, out_features = 64 }},
+  {{ type = "relu" }},
+  {{ type = "dropout", p = 0.2 }},
+  {{ type = "linear", in_features = 64, out_features = 10 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.003
+
+[schedule]
+type = "step_lr"
+step_size = 1
+gamma = 0.7
+
+[training]
+epochs = 3
+log_every = 5
+
+[checkpoint]
+every_n_steps = 5
+keep_last = 3
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join("default-out").display()
+    );
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn digits_available() -> bool {
+    let ok = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(".kiln/data/digits.csv.gz")
+        .exists();
+    if !ok {
+        eprintln!("SKIPPED: the digits data set is not provisioned; run `cargo xtask setup`");
+    }
+    ok
+}
+
+fn kiln(args: &[&str]) -> std::process::Output {
+    let out = Command::new(KILN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kiln {args:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// The `loss` column of steps.csv, as written (exact decimal of the f64).
+fn losses(run: &Path) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(run.join("steps.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == "loss").unwrap();
+    lines
+        .map(|l| {
+            let cells: Vec<&str> = l.split(',').collect();
+            (cells[0].to_owned(), cells[col].to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn killed_run_resumes_bitwise() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("resume");
+    let cfg = config(&dir, 2);
+    let cfg = cfg.to_str().unwrap();
+    let (a, b) = (dir.join("uninterrupted"), dir.join("killed"));
+    // Long enough that the kill at step 20 lands well before the end.
+    kiln(&[
+        "train",
+        "--config",
+        cfg,
+        "--output",
+        a.to_str().unwrap(),
+        "--epochs",
+        "10",
+    ]);
+    let reference = losses(&a);
+    assert!(
+        reference.len() > 50,
+        "expected a few epochs of steps, got {}",
+        reference.len()
+    );
+
+    // Start the same run, and SIGKILL it once a checkpoint past step 20 exists.
+    let mut child = Command::new(KILN)
+        .args([
+            "train",
+            "--config",
+            cfg,
+            "--output",
+            b.to_str().unwrap(),
+            "--epochs",
+            "10",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let target = b.join("checkpoints/step-00000020.safetensors");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !target.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint appeared at {}",
+            target.display()
+        );
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before it could be killed");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL: no chance to clean up
+    child.wait().unwrap();
+    let last = b.join("checkpoints/last.safetensors");
+    let checkpoint = Checkpoint::load(&last).expect("the last checkpoint must load after a kill");
+    // The kill may land between writing step 20 and pointing `last` at it.
+    assert!(checkpoint.step >= 15 && checkpoint.step < reference.len() as u64);
+
+    kiln(&[
+        "train",
+        "--config",
+        cfg,
+        "--output",
+        b.to_str().unwrap(),
+        "--epochs",
+        "10",
+        "--resume",
+        "auto",
+    ]);
+    let resumed = losses(&b);
+    assert_eq!(
+        resumed.len(),
+        reference.len(),
+        "steps.csv rows after resume"
+    );
+    for (r, e) in resumed.iter().zip(&reference) {
+        assert_eq!(
+            r, e,
+            "step {}: resumed loss differs from the uninterrupted run",
+            e.0
+        );
+    }
+}
+
+#[test]
+fn loader_order_does_not_depend_on_workers() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("workers");
+    let cfg = config(&dir, 0);
+    let (one, four) = (dir.join("w1"), dir.join("w4"));
+    kiln(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        one.to_str().unwrap(),
+        "--workers",
+        "1",
+        "--max-steps",
+        "30",
+    ]);
+    kiln(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        four.to_str().unwrap(),
+        "--workers",
+        "4",
+        "--max-steps",
+        "30",
+    ]);
+    assert_eq!(losses(&one), losses(&four));
+}
+
+#[test]
+fn inspect_eval_predict_and_config_errors() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("tools");
+    let cfg = config(&dir, 0);
+    let cfg = cfg.to_str().unwrap();
+    let out = dir.join("run");
+    kiln(&[
+        "train",
+        "--config",
+        cfg,
+        "--output",
+        out.to_str().unwrap(),
+        "--epochs",
+        "2",
+    ]);
+    let last = out.join("checkpoints/last.safetensors");
+    let table = String::from_utf8(kiln(&["inspect", last.to_str().unwrap()]).stdout).unwrap();
+    assert!(
+        table.contains("model.0.weight") && table.contains("[64, 64]"),
+        "{table}"
+    );
+    assert!(
+        table.contains("optimizer.state.0.weight.exp_avg"),
+        "{table}"
+    );
+
+    let metrics = String::from_utf8(
+        kiln(&[
+            "eval",
+            "--config",
+            cfg,
+            "--checkpoint",
+            last.to_str().unwrap(),
+        ])
+        .stdout,
+    )
+    .unwrap();
+    let accuracy: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("accuracy"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(accuracy > 0.8, "{metrics}");
+
+    let predictions = dir.join("predictions.csv");
+    kiln(&[
+        "predict",
+        "--config",
+        cfg,
+        "--checkpoint",
+        last.to_str().unwrap(),
+        "--output",
+        predictions.to_str().unwrap(),
+    ]);
+    let text = std::fs::read_to_string(&predictions).unwrap();
+    let rows: Vec<&str> = text.lines().skip(1).collect();
+    assert_eq!(rows.len(), 360);
+    let correct = rows
+        .iter()
+        .filter(|r| {
+            let c: Vec<&str> = r.split(',').collect();
+            c[1] == c[2]
+        })
+        .count() as f64
+        / 360.0;
+    assert!(
+        (correct - accuracy).abs() < 1e-6, // eval prints six decimals
+        "predict and eval agree: {correct} vs {accuracy}"
+    );
+
+    // A typo in the config names the key and the allowed values.
+    let bad = dir.join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(cfg)
+            .unwrap()
+            .replace("type = \"adam\"", "type = \"adm\""),
+    )
+    .unwrap();
+    let out = Command::new(KILN)
+        .args(["train", "--config", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("adm") && err.contains("adamw") && err.contains("optimizer"),
+        "{err}"
+    );
+
+    // A file that is not a checkpoint.
+    let out = Command::new(KILN).args(["inspect", cfg]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("config.toml"));
+}
