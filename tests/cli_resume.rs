@@ -348,3 +348,52 @@ fn inspect_eval_predict_and_config_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.toml"));
 }
+
+/// The shipped config runs as the README's first command runs it (fewer epochs),
+/// and leaves every output a user expects.
+#[test]
+fn the_shipped_config_trains_and_writes_every_output() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("shipped");
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/configs/digits-cnn.toml");
+    let out = kiln(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--output",
+        dir.to_str().unwrap(),
+        "--epochs",
+        "3",
+        "--no-progress",
+    ]);
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let accuracy: f64 = stdout
+        .split("accuracy ")
+        .nth(1)
+        .and_then(|rest| rest.split('%').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(accuracy > 90.0, "{stdout}");
+    for file in [
+        "steps.csv",
+        "epochs.csv",
+        "curves.png",
+        "model.safetensors",
+        "config.toml",
+        "checkpoints/last.safetensors",
+    ] {
+        assert!(dir.join(file).is_file(), "{file} missing");
+    }
+    let events = std::fs::read_dir(dir.join("tensorboard")).unwrap().count();
+    assert_eq!(events, 1, "one TensorBoard event file");
+    let epochs = std::fs::read_to_string(dir.join("epochs.csv")).unwrap();
+    assert_eq!(
+        epochs.lines().count(),
+        4,
+        "a header and three epochs:\n{epochs}"
+    );
+}

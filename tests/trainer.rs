@@ -1,0 +1,166 @@
+//! The generic Trainer on the torch backend: gradient accumulation equals one big
+//! batch, a non-finite loss stops training naming the step and leaves the
+//! checkpoints intact, early stopping, evaluate and predict.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use kiln::core::{
+    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, Error, InMemoryDataset, Layer,
+    LinearConfig, Loss, MonitorMode, OptimizerConfig, SequentialLoader, SgdConfig, TrainBackend,
+    Trainer, TrainerConfig, TrainingState,
+};
+use kiln::prelude::*;
+use kiln::torch::TorchBackend as B;
+
+fn spec() -> Layer {
+    Layer::sequential([
+        LinearConfig::new(3, 8).into(),
+        Layer::Tanh,
+        LinearConfig::new(8, 1).into(),
+    ])
+}
+
+/// y = x0 - 2 x1 + 0.5 x2 on 64 fixed points.
+fn data(poison_row: Option<usize>) -> (HostTensor, HostTensor) {
+    let mut x = Vec::new();
+    let mut y = Vec::new();
+    for i in 0..64 {
+        let row = [
+            ((i * 7) % 13) as f32 / 13.0,
+            ((i * 5) % 11) as f32 / 11.0,
+            ((i * 3) % 7) as f32 / 7.0,
+        ];
+        y.push(row[0] - 2.0 * row[1] + 0.5 * row[2]);
+        x.extend(row);
+    }
+    if let Some(r) = poison_row {
+        x[r * 3] = f32::NAN;
+    }
+    (
+        HostTensor::new(x, [64, 3]).unwrap(),
+        HostTensor::new(y, [64, 1]).unwrap(),
+    )
+}
+
+fn state(seed: u64) -> TrainingState<B> {
+    B::manual_seed(seed);
+    let model = B::build_model(&spec(), Device::Cpu).unwrap();
+    let opt = B::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[]).unwrap();
+    TrainingState::new(model, opt, None)
+}
+
+fn loader(batch: usize, poison: Option<usize>) -> SequentialLoader {
+    let (x, y) = data(poison);
+    SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), batch).unwrap()
+}
+
+#[test]
+fn accumulating_two_half_batches_equals_one_batch() {
+    // Same initial weights by copying (the generator is shared with parallel tests).
+    let mut whole = state(1);
+    let mut halves = state(1);
+    halves
+        .model
+        .load_state_dict(&whole.model.state_dict().unwrap())
+        .unwrap();
+    let config = TrainerConfig {
+        epochs: 3,
+        ..TrainerConfig::default()
+    };
+    Trainer::<B>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .fit(&mut whole, &loader(32, None), None)
+        .unwrap();
+    let accumulate = TrainerConfig {
+        accumulate: 2,
+        ..config
+    };
+    Trainer::<B>::new(accumulate, Loss::mse())
+        .unwrap()
+        .fit(&mut halves, &loader(16, None), None)
+        .unwrap();
+    assert_eq!(whole.step, 6);
+    assert_eq!(halves.step, 6, "one optimizer step per two micro-batches");
+    let (a, b) = (
+        whole.model.state_dict().unwrap(),
+        halves.model.state_dict().unwrap(),
+    );
+    for (name, t) in a.iter() {
+        assert!(
+            t.allclose(b.get(name).unwrap(), 1e-6, 1e-6),
+            "{name} differs"
+        );
+    }
+}
+
+#[test]
+fn a_nan_loss_stops_training_at_its_step_and_keeps_the_checkpoints() {
+    let dir = std::env::temp_dir().join(format!("kiln-nan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(1),
+        every_n_epochs: None,
+        ..CheckpointPolicy::default()
+    };
+    let mut trainer = Trainer::<B>::new(
+        TrainerConfig {
+            epochs: 2,
+            ..TrainerConfig::default()
+        },
+        Loss::mse(),
+    )
+    .unwrap()
+    .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()));
+    let mut s = state(2);
+    // Row 40 is in the third batch of 16 of the first epoch: step 3.
+    let err = trainer
+        .fit(&mut s, &loader(16, Some(40)), None)
+        .unwrap_err();
+    match err {
+        Error::NonFiniteLoss { step, value } => {
+            assert_eq!(step, 3);
+            assert!(value.is_nan());
+        }
+        other => panic!("expected NonFiniteLoss, got {other}"),
+    }
+    let last = Checkpoint::load(&Checkpointer::last_path(&dir)).unwrap();
+    assert_eq!(last.step, 2, "the last good checkpoint is intact");
+    assert!(last
+        .model
+        .iter()
+        .all(|(_, t)| t.to_f64_vec().iter().all(|v| v.is_finite())));
+}
+
+#[test]
+fn early_stopping_evaluate_and_predict() {
+    let mut s = state(3);
+    let (x, y) = data(None);
+    let val = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 64).unwrap();
+    // Patience 0-like: stop as soon as val_loss fails to improve by a large margin.
+    let mut trainer = Trainer::<B>::new(
+        TrainerConfig {
+            epochs: 50,
+            ..TrainerConfig::default()
+        },
+        Loss::mse(),
+    )
+    .unwrap()
+    .with_callback(EarlyStopping::new("val_loss", MonitorMode::Min, 1, 10.0));
+    let history = trainer.fit(&mut s, &loader(16, None), Some(&val)).unwrap();
+    assert_eq!(
+        history.len(),
+        2,
+        "the first epoch sets the best, the second cannot beat it by 10"
+    );
+    let metrics = trainer.evaluate(&mut s.model, &val).unwrap();
+    let loss = metrics.iter().find(|(k, _)| k == "loss").unwrap().1;
+    assert!((loss - history.last("val_loss").unwrap()).abs() < 1e-12);
+    let predictions = trainer.predict(&mut s.model, &val).unwrap();
+    assert_eq!(predictions.len(), 1);
+    assert_eq!(predictions[0].dims(), &[64, 1]);
+    assert_eq!(
+        s.model.mode(),
+        Mode::Train,
+        "evaluate and predict restore the mode"
+    );
+}
