@@ -85,6 +85,30 @@ progress = false
     path
 }
 
+/// Per-step losses of two runs agree. Exactly, as a rule; but across processes
+/// libtorch's CPU kernels were seen to differ in the last bit now and then (two
+/// uninterrupted runs of one config included) while other processes loaded the two
+/// cores, and a last-bit difference then grows slowly over the following steps.
+/// So the check allows 1e-4 relative: any real resume fault (a wrong data
+/// position, optimizer or schedule state) changes the losses far more than that.
+/// The in-process trainer test (`tests/trainer.rs`) checks resume bitwise.
+fn assert_same_run(actual: &[(String, String)], expected: &[(String, String)], what: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}: number of steps");
+    let mut exact = 0;
+    for ((step, a), (_, e)) in actual.iter().zip(expected) {
+        let (a, e): (f64, f64) = (a.parse().unwrap(), e.parse().unwrap());
+        exact += usize::from(a == e);
+        assert!(
+            (a - e).abs() <= 1e-4 * e.abs(),
+            "{what}: step {step} loss {a} vs {e}"
+        );
+    }
+    eprintln!(
+        "{what}: {exact} of {} step losses bitwise equal",
+        expected.len()
+    );
+}
+
 fn digits_available() -> bool {
     let ok = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join(".kiln/data/digits.csv.gz")
@@ -204,13 +228,7 @@ fn killed_run_resumes_bitwise() {
         reference.len(),
         "steps.csv rows after resume"
     );
-    for (r, e) in resumed.iter().zip(&reference) {
-        assert_eq!(
-            r, e,
-            "step {}: resumed loss differs from the uninterrupted run",
-            e.0
-        );
-    }
+    assert_same_run(&resumed, &reference, "resumed");
 }
 
 #[test]
@@ -244,7 +262,7 @@ fn loader_order_does_not_depend_on_workers() {
         "--max-steps",
         "30",
     ]);
-    assert_eq!(losses(&one), losses(&four));
+    assert_same_run(&losses(&four), &losses(&one), "4 workers vs 1");
 }
 
 #[test]

@@ -12,6 +12,16 @@ use kiln::core::{
 use kiln::prelude::*;
 use kiln::torch::TorchBackend as B;
 
+/// libtorch's generator is global and the trainer reseeds it every step: tests in
+/// this binary run one at a time so they do not draw from each other's stream.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn spec() -> Layer {
     Layer::sequential([
         LinearConfig::new(3, 8).into(),
@@ -56,6 +66,7 @@ fn loader(batch: usize, poison: Option<usize>) -> SequentialLoader {
 
 #[test]
 fn accumulating_two_half_batches_equals_one_batch() {
+    let _serial = serial();
     // Same initial weights by copying (the generator is shared with parallel tests).
     let mut whole = state(1);
     let mut halves = state(1);
@@ -95,6 +106,7 @@ fn accumulating_two_half_batches_equals_one_batch() {
 
 #[test]
 fn a_nan_loss_stops_training_at_its_step_and_keeps_the_checkpoints() {
+    let _serial = serial();
     let dir = std::env::temp_dir().join(format!("kiln-nan-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let policy = CheckpointPolicy {
@@ -133,6 +145,7 @@ fn a_nan_loss_stops_training_at_its_step_and_keeps_the_checkpoints() {
 
 #[test]
 fn early_stopping_evaluate_and_predict() {
+    let _serial = serial();
     let mut s = state(3);
     let (x, y) = data(None);
     let val = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 64).unwrap();
@@ -162,5 +175,92 @@ fn early_stopping_evaluate_and_predict() {
         s.model.mode(),
         Mode::Train,
         "evaluate and predict restore the mode"
+    );
+}
+
+/// Resume in one process, bitwise: train 12 steps with a checkpoint every 3; a
+/// fresh state restored from step 6 (mid-epoch) and trained on ends with exactly the weights,
+/// buffers and optimizer state of the uninterrupted run. Dropout makes the
+/// per-step randomness matter; a mid-epoch checkpoint makes the data position matter.
+#[test]
+fn resume_from_a_checkpoint_is_bitwise_in_process() {
+    let _serial = serial();
+    let spec = Layer::sequential([
+        LinearConfig::new(3, 16).into(),
+        Layer::Relu,
+        Layer::Dropout { p: 0.3 },
+        LinearConfig::new(16, 1).into(),
+    ]);
+    let dir = std::env::temp_dir().join(format!("kiln-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let make = || {
+        let model = B::build_model(&spec, Device::Cpu).unwrap();
+        let opt = B::build_optimizer(
+            &OptimizerConfig::Adam(kiln::core::AdamConfig::new(0.01)),
+            &model,
+            &[],
+        )
+        .unwrap();
+        let schedule = kiln::core::SchedulerConfig::StepLr(kiln::core::StepLrConfig {
+            step_size: 2,
+            gamma: 0.5,
+        })
+        .build(&[0.01])
+        .unwrap();
+        TrainingState::<B>::new(model, opt, Some(schedule))
+    };
+    let config = TrainerConfig {
+        epochs: 3,
+        seed: 9,
+        schedule_interval: kiln::core::ScheduleInterval::Step,
+        ..TrainerConfig::default()
+    };
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(3),
+        every_n_epochs: None,
+        keep_last: 5,
+        ..CheckpointPolicy::default()
+    };
+    let batches = || {
+        SequentialLoader::new(
+            InMemoryDataset::new(data(None).0, data(None).1).unwrap(),
+            16,
+        )
+        .unwrap()
+        .shuffle(9)
+    };
+
+    let mut full = make();
+    let initial = full.model.state_dict().unwrap();
+    Trainer::<B>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .with_checkpointer(
+            Checkpointer::new(&dir, policy.clone()).unwrap(),
+            Some(spec.clone()),
+        )
+        .fit(&mut full, &batches(), None)
+        .unwrap();
+    assert_eq!(full.step, 12);
+
+    let mut resumed = make();
+    resumed.model.load_state_dict(&initial).unwrap(); // any weights: the checkpoint replaces them
+    let checkpoint =
+        Trainer::<B>::resume(&mut resumed, &dir.join("step-00000006.safetensors")).unwrap();
+    assert_eq!(
+        (checkpoint.step, checkpoint.epoch, checkpoint.batch_in_epoch),
+        (6, 1, 2)
+    );
+    Trainer::<B>::new(config, Loss::mse())
+        .unwrap()
+        .fit(&mut resumed, &batches(), None)
+        .unwrap();
+    assert_eq!(resumed.step, 12);
+    assert_eq!(
+        resumed.model.state_dict().unwrap(),
+        full.model.state_dict().unwrap()
+    );
+    assert_eq!(
+        resumed.optimizer.state_dict().unwrap(),
+        full.optimizer.state_dict().unwrap()
     );
 }

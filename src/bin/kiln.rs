@@ -220,6 +220,15 @@ fn load_config(path: &Path) -> Result<RunConfig> {
     Ok(RunConfig::load(path)?)
 }
 
+/// `eval` and `predict` run on libtorch; a config for another backend is refused
+/// rather than silently run elsewhere.
+fn require_torch(config: &RunConfig) -> Result<()> {
+    if config.backend != BackendKind::Torch {
+        bail!("backend = \"tensorflow\": the TensorFlow backend is not built yet; use backend = \"torch\"");
+    }
+    Ok(())
+}
+
 fn train(args: TrainArgs) -> Result<()> {
     let mut config = load_config(&args.config)?;
     if let Some(v) = args.epochs {
@@ -397,6 +406,7 @@ fn restore<B: TrainBackend>(
 
 fn eval(args: CheckpointArgs) -> Result<()> {
     let config = load_config(&args.config)?;
+    require_torch(&config)?;
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
     type B = kiln::torch::TorchBackend;
@@ -421,6 +431,7 @@ fn eval(args: CheckpointArgs) -> Result<()> {
 fn predict(args: PredictArgs) -> Result<()> {
     let common = args.common;
     let config = load_config(&common.config)?;
+    require_torch(&config)?;
     let device = common.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
     type B = kiln::torch::TorchBackend;

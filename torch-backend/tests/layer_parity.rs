@@ -304,8 +304,7 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
             })
         })
         .collect();
-    let request_path = dir.join("cases.json");
-    std::fs::write(&request_path, serde_json::to_vec(&request).unwrap()).unwrap();
+    let request_path = common::write_json(&dir, "cases.json", &request);
     common::run_reference(&python, "layer_parity.py", &[&request_path, &dir]);
 
     for (device, tol) in common::devices() {

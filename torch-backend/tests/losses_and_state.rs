@@ -113,8 +113,7 @@ fn every_loss_matches_pytorch() {
                                "classes": input[1], "seed": 40 + i, "ignore": ignore})
         })
         .collect();
-    let request_path = dir.join("cases.json");
-    std::fs::write(&request_path, serde_json::to_vec(&request).unwrap()).unwrap();
+    let request_path = common::write_json(&dir, "cases.json", &request);
     let out = dir.join("losses.safetensors");
     common::run_reference(
         &python,
@@ -169,8 +168,7 @@ fn state_dicts_cross_between_python_and_kiln_through_safetensors() {
         return;
     };
     let dir = common::scratch_dir("state-interop");
-    let layer_path = dir.join("layer.json");
-    std::fs::write(&layer_path, serde_json::to_vec(&cnn()).unwrap()).unwrap();
+    let layer_path = common::write_json(&dir, "layer.json", &cnn());
     common::run_reference(
         &python,
         "state_and_losses.py",

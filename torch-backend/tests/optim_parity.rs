@@ -182,8 +182,7 @@ fn every_optimizer_matches_torch_optim_after_ten_steps() {
             })
         })
         .collect();
-    let request_path = dir.join("cases.json");
-    std::fs::write(&request_path, serde_json::to_vec(&request).unwrap()).unwrap();
+    let request_path = common::write_json(&dir, "cases.json", &request);
     common::run_reference(&python, "optim_parity.py", &[&request_path, &dir]);
 
     for (device, _) in common::devices() {

@@ -28,6 +28,13 @@ pub fn scratch_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// Writes `value` as JSON to `dir/name` (a request for a reference script).
+pub fn write_json(dir: &Path, name: &str, value: &impl serde::Serialize) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, serde_json::to_vec(value).unwrap()).unwrap();
+    path
+}
+
 /// Runs `tests/reference/<script>` with `args`; panics with its stderr on failure.
 pub fn run_reference(python: &Path, script: &str, args: &[&Path]) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
