@@ -264,3 +264,47 @@ fn resume_from_a_checkpoint_is_bitwise_in_process() {
         full.optimizer.state_dict().unwrap()
     );
 }
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_naming_file_and_key() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-mismatch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(1),
+        every_n_epochs: None,
+        ..CheckpointPolicy::default()
+    };
+    let mut s = state(4);
+    Trainer::<B>::new(
+        TrainerConfig {
+            epochs: 1,
+            max_steps: Some(1),
+            ..TrainerConfig::default()
+        },
+        Loss::mse(),
+    )
+    .unwrap()
+    .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()))
+    .fit(&mut s, &loader(16, None), None)
+    .unwrap();
+    // A wider model cannot take these weights.
+    let wide = Layer::sequential([
+        LinearConfig::new(3, 9).into(),
+        Layer::Tanh,
+        LinearConfig::new(9, 1).into(),
+    ]);
+    let model = B::build_model(&wide, Device::Cpu).unwrap();
+    let opt = B::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[]).unwrap();
+    let mut other = TrainingState::<B>::new(model, opt, None);
+    let before = other.model.state_dict().unwrap();
+    let last = Checkpointer::last_path(&dir);
+    let err = Trainer::<B>::resume(&mut other, &last).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::Checkpoint { .. }), "{text}");
+    assert!(
+        text.contains("last.safetensors") && text.contains("0.weight") && text.contains("[9, 3]"),
+        "{text}"
+    );
+    assert_eq!(other.model.state_dict().unwrap(), before, "nothing changed");
+}

@@ -65,9 +65,9 @@ pub use config::{
 pub use data::{
     load_csv, load_digits, load_mnist, load_mnist_images, load_mnist_labels, one_hot, read_idx,
     train_test_split, Batch, Collate, Compose, CsvOptions, DataLoader, Dataset, EpochSampler,
-    InMemoryDataset, IndexableDataset, LabelColumn, LabelKind, MapDataset, Mnist, Normalize,
-    PrefetchLoader, RandomCrop, RandomHorizontalFlip, SequentialLoader, Split, StackCollate,
-    ToFloat, Transform, TransformRng, TransformedDataset,
+    InMemoryDataset, IndexableDataset, IterableDataset, IterableLoader, LabelColumn, LabelKind,
+    MapDataset, Mnist, Normalize, PrefetchLoader, RandomCrop, RandomHorizontalFlip,
+    SequentialLoader, Split, StackCollate, ToFloat, Transform, TransformRng, TransformedDataset,
 };
 pub use device::Device;
 pub use dtype::{DType, Element};

@@ -502,10 +502,15 @@ impl<B: TrainBackend> Trainer<B> {
         result
     }
 
-    /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]).
+    /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]);
+    /// a checkpoint of another model is [`Error::Checkpoint`] naming the file and
+    /// the first key or shape that does not fit.
     pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
         let checkpoint = Checkpoint::load(path)?;
-        state.restore(&checkpoint)?;
+        state.restore(&checkpoint).map_err(|e| Error::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!("does not fit this model and optimizer: {e}"),
+        })?;
         log::info!(
             "resumed from {} at step {} (epoch {}, batch {})",
             path.display(),
