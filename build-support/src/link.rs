@@ -1,5 +1,8 @@
 //! What build scripts print so that binaries, tests and examples find the native
 //! libraries at run time without `LD_LIBRARY_PATH`.
+//!
+//! This module runs inside build scripts, whose protocol with cargo is standard
+//! output (`cargo:` lines), hence `println!` here rather than `log`.
 
 use std::env;
 use std::fs;
