@@ -39,7 +39,7 @@ fn main() -> ExitCode {
         Some("run") => std::iter::once(OsString::from("run"))
             .chain(rest.iter().cloned())
             .collect(),
-        Some("kiln") => ["run", "--release", "--quiet", "--bin", "kiln", "--"]
+        Some("kiln") => ["run", "--release", "--bin", "kiln", "--"]
             .into_iter()
             .map(OsString::from)
             .chain(rest.iter().cloned())
