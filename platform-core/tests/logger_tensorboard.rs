@@ -118,3 +118,36 @@ fn sinks_started_together_get_their_own_files() {
         .expect_err("step beyond i64");
     assert!(err.to_string().contains("int64"), "{err}");
 }
+
+/// A resumed run's sink purges what the interrupted run logged after the
+/// checkpoint, as TensorBoard shows it: every step once, the later value winning.
+#[test]
+fn a_resumed_run_does_not_show_steps_twice() {
+    let Some(python) = common::python("a_resumed_run_does_not_show_steps_twice") else {
+        return;
+    };
+    let dir = common::TempDir::new("tensorboard-resume");
+    let mut first = TensorBoardSink::new(dir.path()).expect("first run");
+    for step in 1..=10u64 {
+        first
+            .log_step(step, &[("loss".into(), step as f64)])
+            .expect("log");
+    }
+    first.finish().expect("finish");
+    // Killed after step 10, resumed from the checkpoint at step 6.
+    let mut resumed = TensorBoardSink::resume(dir.path(), 6).expect("resumed run");
+    for step in 7..=12u64 {
+        resumed
+            .log_step(step, &[("loss".into(), 100.0 + step as f64)])
+            .expect("log");
+    }
+    resumed.finish().expect("finish");
+
+    let stdout = common::run(&python, "logger_tensorboard.py", &[dir.path().as_os_str()]);
+    let back: ReadBack = serde_json::from_str(&stdout).expect("script prints JSON");
+    assert_eq!(back.files.len(), 2);
+    let expected: Vec<(i64, f64)> = (1..=12)
+        .map(|s| (s, if s <= 6 { s as f64 } else { 100.0 + s as f64 }))
+        .collect();
+    assert_eq!(back.scalars["loss"], expected);
+}

@@ -339,7 +339,11 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         });
     }
     if config.logging.tensorboard {
-        trainer = trainer.with_sink(kiln::core::TensorBoardSink::new(out.join("tensorboard"))?);
+        let dir = out.join("tensorboard");
+        trainer = trainer.with_sink(match &resume_from {
+            Some(_) => kiln::core::TensorBoardSink::resume(dir, state.step)?,
+            None => kiln::core::TensorBoardSink::new(dir)?,
+        });
     }
     if config.logging.progress {
         trainer = trainer.with_sink(kiln::core::ProgressSink::new());

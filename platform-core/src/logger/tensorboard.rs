@@ -83,6 +83,27 @@ impl TensorBoardSink {
         Ok(sink)
     }
 
+    /// Like [`new`](Self::new), for a run resumed after step `from_step`: the new
+    /// file starts with a `SessionLog.START` event at `from_step + 1`, which makes
+    /// TensorBoard drop what the interrupted run logged after its checkpoint
+    /// (its "purge orphaned data"), so no step shows twice.
+    pub fn resume(dir: impl AsRef<Path>, from_step: u64) -> Result<Self> {
+        let mut sink = Self::new(dir)?;
+        let step = i64::try_from(from_step.saturating_add(1)).map_err(|_| {
+            Error::invalid_argument(
+                "from_step",
+                format!("{from_step} does not fit an int64 step"),
+            )
+        })?;
+        let mut event = Vec::new();
+        encode_event_header(&mut event, wall_time(), step);
+        // Event.session_log (field 7) = SessionLog { status (field 1) = START (1) }.
+        encode_bytes_field(&mut event, 7, &[0x08, 0x01]);
+        sink.write_record(&event)?;
+        sink.flush()?;
+        Ok(sink)
+    }
+
     /// The event file being written.
     pub fn path(&self) -> &Path {
         &self.path
