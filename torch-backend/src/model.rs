@@ -247,7 +247,7 @@ impl TorchModel {
         self.load_state_dict(&state)
     }
 
-    fn check_input(&self, input: &Tensor) -> Result<()> {
+    fn check_device(&self, input: &Tensor) -> Result<()> {
         let device = device_from_tch(input.device())?;
         if device != self.device {
             return Err(Error::DeviceMismatch {
@@ -256,9 +256,17 @@ impl TorchModel {
                 actual: device,
             });
         }
-        let dims: Vec<usize> = input.size().iter().map(|&d| d as usize).collect();
-        self.spec.output_shape(&dims)?;
         Ok(())
+    }
+
+    /// Why libtorch rejected `input`: the definition's shape check names the
+    /// layer and both shapes; libtorch's own message when the shapes are fine.
+    fn explain_failure(&self, input: &Tensor, error: TchError) -> Error {
+        let dims: Vec<usize> = input.size().iter().map(|&d| d as usize).collect();
+        match self.spec.output_shape(&dims) {
+            Err(shape_error) => shape_error,
+            Ok(_) => torch_error("forward", error),
+        }
     }
 
     fn tensor(&self, index: usize) -> &Tensor {
@@ -616,10 +624,13 @@ fn build(layer: &Layer, prefix: &str, index: &HashMap<&str, usize>) -> Result<No
 }
 
 impl Module<TorchBackend> for TorchModel {
+    /// Shapes are checked by libtorch as the layers run; only on failure does the
+    /// definition's shape inference run, to name the layer and both shapes
+    /// (the training step does no shape bookkeeping of its own).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        self.check_input(input)?;
+        self.check_device(input)?;
         self.run(&self.root, input, self.mode.is_train())
-            .map_err(|e| torch_error("forward", e))
+            .map_err(|e| self.explain_failure(input, e))
     }
 
     fn mode(&self) -> Mode {

@@ -355,3 +355,17 @@ fn tch_closures_mix_with_built_layers() {
     chain.load_state_dict(&before).unwrap();
     assert_eq!(chain.state_dict().unwrap(), before);
 }
+
+#[test]
+fn a_wrong_input_shape_names_the_layer_and_both_shapes() {
+    let model = TorchModel::new(&cnn(), Device::Cpu).unwrap();
+    // 12x12 images flatten to 144 per channel-pooled map, not the 100 the head expects.
+    let x = tch::Tensor::zeros([2, 1, 12, 12], (tch::Kind::Float, tch::Device::Cpu));
+    let err = model.forward(&x).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::ShapeMismatch { .. }), "{text}");
+    assert!(
+        text.contains("5") && text.contains("Linear") && text.contains("144"),
+        "{text}"
+    );
+}

@@ -199,15 +199,19 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             )));
         }
         let grads = self.gradients()?;
-        let config = self.config.clone();
-        let groups = self.groups.clone();
+        // Disjoint borrows: the slots change, the config and groups are only read.
+        let Self {
+            config,
+            groups,
+            params,
+        } = self;
         tch::no_grad(|| -> Result<()> {
-            for (slot, grad) in self.params.iter_mut().zip(grads) {
+            for (slot, grad) in params.iter_mut().zip(grads) {
                 // PyTorch skips parameters that received no gradient.
                 let Some(grad) = grad else { continue };
                 let hyper = &groups[slot.group];
                 slot.step += 1;
-                let result = match &config {
+                let result = match &*config {
                     OptimizerConfig::Sgd(c) => sgd::update(slot, &grad, c, hyper),
                     OptimizerConfig::Adam(c) => adam::update_adam(slot, &grad, c, hyper),
                     OptimizerConfig::AdamW(c) => adam::update_adamw(slot, &grad, c, hyper),
