@@ -73,7 +73,7 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{BoxedSource, Error, Result};
 pub use learner::{
-    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, TrainBackend, Trainer,
+    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, StepPlan, TrainBackend, Trainer,
     TrainerConfig, TrainingState,
 };
 pub use logger::{

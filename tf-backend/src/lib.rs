@@ -16,10 +16,22 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod backend;
 mod convert;
+mod engine;
 mod error;
+mod graph;
+mod layers;
+mod loss;
+mod model;
+mod optim;
 mod runtime;
+mod saved_model;
 
+pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
 pub use error::tf_error;
+pub use model::TfModel;
+pub use optim::TfOptimizer;
 pub use runtime::{check_runtime_version, runtime_version, TENSORFLOW_VERSION};
+pub use saved_model::{SavedModel, SignatureInfo, TensorDType, TensorSpec};

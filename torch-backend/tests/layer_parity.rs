@@ -7,15 +7,11 @@
 
 mod common;
 
-use kiln_core::{
-    AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig, Device,
-    EmbeddingConfig, GeluApproximation, GroupNormConfig, Layer, LayerNormConfig, LinearConfig,
-    Mode, Module, Pool2dConfig,
-};
+use kiln_core::{Device, Layer, Mode, Module};
 use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
 
 struct Case {
-    name: &'static str,
+    name: String,
     layer: Layer,
     input: Vec<usize>,
     /// Indices below this bound for int64 inputs; `None` for float inputs.
@@ -23,263 +19,22 @@ struct Case {
     train: bool,
 }
 
-fn case(name: &'static str, layer: impl Into<Layer>, input: &[usize], train: bool) -> Case {
-    Case {
-        name,
-        layer: layer.into(),
-        input: input.to_vec(),
-        int_high: None,
-        train,
-    }
-}
-
+/// One case per layer kind and option, shared with the cross-backend suite:
+/// `tests/fixtures/layer_cases.json` at the workspace root.
 fn cases() -> Vec<Case> {
-    let conv2d = Conv2dConfig::new(4, 6, [3, 3]);
-    let mut cases = vec![
-        case("linear", LinearConfig::new(7, 5), &[4, 7], true),
-        case(
-            "linear_3d_no_bias",
-            LinearConfig::new(6, 3).with_bias(false),
-            &[2, 5, 6],
-            true,
-        ),
-        case(
-            "conv1d",
-            Conv1dConfig::new(3, 4, 3).with_stride(2).with_padding(1),
-            &[2, 3, 11],
-            true,
-        ),
-        case(
-            "conv1d_groups_dilation",
-            Conv1dConfig::new(4, 6, 3).with_groups(2).with_dilation(2),
-            &[2, 4, 12],
-            true,
-        ),
-        case(
-            "conv2d",
-            conv2d.clone().with_padding([1, 1]),
-            &[2, 4, 9, 8],
-            true,
-        ),
-        case(
-            "conv2d_stride_dilation_groups",
-            conv2d
-                .with_stride([2, 1])
-                .with_dilation([1, 2])
-                .with_groups(2),
-            &[2, 4, 10, 11],
-            true,
-        ),
-        case(
-            "conv_transpose2d",
-            ConvTranspose2dConfig::new(4, 3, [3, 3])
-                .with_stride([2, 2])
-                .with_padding([1, 1])
-                .with_output_padding([1, 1]),
-            &[2, 4, 5, 6],
-            true,
-        ),
-        case(
-            "max_pool2d",
-            Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
-            &[2, 3, 8, 9],
-            true,
-        ),
-        case(
-            "max_pool2d_stride_padding",
-            Layer::MaxPool2d(
-                Pool2dConfig::new([3, 3])
-                    .with_stride([2, 2])
-                    .with_padding([1, 1]),
-            ),
-            &[2, 3, 9, 9],
-            true,
-        ),
-        case(
-            "avg_pool2d_padding",
-            Layer::AvgPool2d(
-                Pool2dConfig::new([3, 3])
-                    .with_stride([2, 2])
-                    .with_padding([1, 1]),
-            ),
-            &[2, 3, 9, 8],
-            true,
-        ),
-        case(
-            "adaptive_avg_pool2d",
-            Layer::AdaptiveAvgPool2d {
-                output_size: [3, 2],
-            },
-            &[2, 3, 7, 5],
-            true,
-        ),
-        case(
-            "batch_norm1d_train",
-            Layer::BatchNorm1d(BatchNormConfig::new(5)),
-            &[8, 5],
-            true,
-        ),
-        case(
-            "batch_norm1d_3d_eval",
-            Layer::BatchNorm1d(BatchNormConfig::new(5)),
-            &[4, 5, 6],
-            false,
-        ),
-        case(
-            "batch_norm2d_train",
-            Layer::BatchNorm2d(BatchNormConfig::new(3).with_momentum(0.3)),
-            &[4, 3, 5, 5],
-            true,
-        ),
-        case(
-            "batch_norm2d_eval",
-            Layer::BatchNorm2d(BatchNormConfig::new(3)),
-            &[4, 3, 5, 5],
-            false,
-        ),
-        case(
-            "batch_norm2d_no_running_stats_eval",
-            Layer::BatchNorm2d(
-                BatchNormConfig::new(3)
-                    .with_track_running_stats(false)
-                    .with_affine(false),
-            ),
-            &[4, 3, 5, 5],
-            false,
-        ),
-        case("layer_norm", LayerNormConfig::new([6]), &[3, 4, 6], true),
-        case(
-            "layer_norm_2d_no_affine",
-            LayerNormConfig::new([4, 6]).with_elementwise_affine(false),
-            &[3, 4, 6],
-            true,
-        ),
-        case(
-            "group_norm",
-            GroupNormConfig::new(2, 6),
-            &[3, 6, 4, 5],
-            true,
-        ),
-        case("dropout_eval", Layer::Dropout { p: 0.5 }, &[4, 10], false),
-        case(
-            "flatten",
-            Layer::Flatten {
-                start_dim: 1,
-                end_dim: -1,
-            },
-            &[2, 3, 4, 5],
-            true,
-        ),
-        case(
-            "flatten_middle",
-            Layer::Flatten {
-                start_dim: 1,
-                end_dim: 2,
-            },
-            &[2, 3, 4, 5],
-            true,
-        ),
-        case("relu", Layer::Relu, &[4, 9], true),
-        case(
-            "leaky_relu",
-            Layer::LeakyRelu {
-                negative_slope: 0.2,
-            },
-            &[4, 9],
-            true,
-        ),
-        case(
-            "gelu",
-            Layer::Gelu {
-                approximate: GeluApproximation::None,
-            },
-            &[4, 9],
-            true,
-        ),
-        case(
-            "gelu_tanh",
-            Layer::Gelu {
-                approximate: GeluApproximation::Tanh,
-            },
-            &[4, 9],
-            true,
-        ),
-        case("silu", Layer::Silu, &[4, 9], true),
-        case("tanh", Layer::Tanh, &[4, 9], true),
-        case("sigmoid", Layer::Sigmoid, &[4, 9], true),
-        case("softmax", Layer::Softmax { dim: -1 }, &[4, 9], true),
-        case("softmax_dim1", Layer::Softmax { dim: 1 }, &[2, 5, 3], true),
-        case("log_softmax", Layer::LogSoftmax { dim: -1 }, &[4, 9], true),
-        case("attention", AttentionConfig::new(16, 4), &[2, 7, 16], true),
-        case(
-            "attention_causal",
-            AttentionConfig::new(16, 2).with_causal(true),
-            &[3, 6, 16],
-            true,
-        ),
-        case(
-            "attention_eval",
-            AttentionConfig::new(8, 2).with_causal(true),
-            &[2, 5, 8],
-            false,
-        ),
-        case(
-            "cnn",
-            Layer::sequential([
-                Conv2dConfig::new(1, 8, [3, 3]).with_padding([1, 1]).into(),
-                Layer::BatchNorm2d(BatchNormConfig::new(8)),
-                Layer::Relu,
-                Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
-                Conv2dConfig::new(8, 8, [3, 3]).into(),
-                Layer::Silu,
-                Layer::AdaptiveAvgPool2d {
-                    output_size: [2, 2],
-                },
-                Layer::Flatten {
-                    start_dim: 1,
-                    end_dim: -1,
-                },
-                LinearConfig::new(32, 10).into(),
-                Layer::LogSoftmax { dim: 1 },
-            ]),
-            &[4, 1, 10, 10],
-            true,
-        ),
-        case(
-            "residual_mlp",
-            Layer::sequential([
-                LinearConfig::new(12, 12).into(),
-                Layer::residual(Layer::sequential([
-                    LinearConfig::new(12, 12).into(),
-                    Layer::Tanh,
-                ])),
-                LayerNormConfig::new([12]).into(),
-            ]),
-            &[5, 12],
-            true,
-        ),
-        case(
-            "transformer_block",
-            Layer::transformer_encoder_block(16, 4, 32, true, 0.0),
-            &[2, 8, 16],
-            true,
-        ),
-    ];
-    cases.push(Case {
-        name: "embedding",
-        layer: EmbeddingConfig::new(11, 6).into(),
-        input: vec![3, 5],
-        int_high: Some(11),
-        train: true,
-    });
-    cases.push(Case {
-        name: "embedding_padding_idx",
-        layer: EmbeddingConfig::new(9, 4).with_padding_idx(0).into(),
-        input: vec![4, 6],
-        int_high: Some(9),
-        train: true,
-    });
-    cases
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/layer_cases.json");
+    let text = std::fs::read_to_string(path).unwrap();
+    let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    values
+        .into_iter()
+        .map(|v| Case {
+            name: v["name"].as_str().unwrap().to_owned(),
+            layer: serde_json::from_value(v["layer"].clone()).unwrap(),
+            input: serde_json::from_value(v["input"].clone()).unwrap(),
+            int_high: serde_json::from_value(v["int_high"].clone()).unwrap(),
+            train: v["train"].as_bool().unwrap(),
+        })
+        .collect()
 }
 
 #[test]
@@ -412,3 +167,4 @@ fn dropout_in_training_zeroes_about_p_and_scales_the_rest() {
         "kept values are scaled by 1/(1-p)"
     );
 }
+

@@ -7,6 +7,21 @@ use crate::loss::Loss;
 use crate::model::Layer;
 use crate::module::Module;
 use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
+use crate::tensor::HostTensor;
+
+/// What one training micro-batch does, for [`TrainBackend::train_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct StepPlan<'a> {
+    /// The loss to minimise.
+    pub loss: &'a Loss,
+    /// Factor applied to the loss before differentiation (`1 / accumulate`
+    /// with gradient accumulation, otherwise 1).
+    pub scale: f64,
+    /// Whether this micro-batch ends an accumulation: clip, then step the optimizer.
+    pub apply: bool,
+    /// Gradient clipping applied before the optimizer step (only when `apply`).
+    pub clip: Option<&'a GradClip>,
+}
 
 /// A backend the [`Trainer`](super::Trainer) can drive: it builds models and
 /// optimizers from Kiln definitions and computes losses, so one training script
@@ -41,4 +56,59 @@ pub trait TrainBackend: Backend {
 
     /// Runs `f` without recording operations for autograd (evaluation).
     fn no_grad<T>(f: impl FnOnce() -> T) -> T;
+
+    /// One training micro-batch: forward in the model's mode, loss, backward of
+    /// `loss * plan.scale` (gradients accumulate), and, when `plan.apply`,
+    /// gradient clipping and one optimizer step. Returns the unscaled loss.
+    ///
+    /// Contract: when the loss is not finite, nothing changes (no gradient is
+    /// accumulated, no parameter or optimizer state is updated) and the value is
+    /// returned for the caller to report.
+    ///
+    /// The default runs the eager sequence (`forward`, [`loss`](Self::loss),
+    /// [`item`](Self::item), [`Backend::backward`], [`clip_gradients`](Self::clip_gradients),
+    /// [`Optimizer::step`]). Graph backends override it to run the whole step
+    /// as one compiled program.
+    fn train_step(
+        model: &mut Self::Model,
+        optimizer: &mut Self::Optim,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        let output = model.forward(inputs)?;
+        let loss = Self::loss(plan.loss, &output, targets)?;
+        let value = Self::item(&loss)?;
+        if !value.is_finite() {
+            return Ok(value);
+        }
+        let scaled = if plan.scale == 1.0 {
+            loss
+        } else {
+            Self::scale(&loss, plan.scale)?
+        };
+        Self::backward(&scaled)?;
+        if plan.apply {
+            if let Some(clip) = plan.clip {
+                Self::clip_gradients(&model.named_parameters(), clip)?;
+            }
+            optimizer.step()?;
+        }
+        Ok(value)
+    }
+
+    /// The loss value and the model's output on one batch, without gradients
+    /// (the model's current mode is used; the trainer sets eval mode).
+    fn eval_step(
+        model: &Self::Model,
+        loss: &Loss,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        Self::no_grad(|| {
+            let output = model.forward(inputs)?;
+            let value = Self::item(&Self::loss(loss, &output, targets)?)?;
+            Ok((value, Self::to_host(&output)?))
+        })
+    }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::backend::TrainBackend;
+use super::backend::{StepPlan, TrainBackend};
 use super::callback::{Callback, Flow};
 use crate::backend::Mode;
 use crate::checkpoint::{Checkpoint, Checkpointer};
@@ -331,21 +331,30 @@ impl<B: TrainBackend> Trainer<B> {
                 }
                 let inputs = B::from_host(&batch.inputs, device)?;
                 let targets = B::from_host(&batch.targets, device)?;
-                let output = state.model.forward(&inputs)?;
-                let loss = B::loss(&self.loss, &output, &targets)?;
-                let value = B::item(&loss)?;
+                let apply = micro + 1 >= accumulate;
+                let plan = StepPlan {
+                    loss: &self.loss,
+                    scale: if accumulate > 1 {
+                        1.0 / accumulate as f64
+                    } else {
+                        1.0
+                    },
+                    apply,
+                    clip: self.config.clip.as_ref(),
+                };
+                let value = B::train_step(
+                    &mut state.model,
+                    &mut state.optimizer,
+                    &inputs,
+                    &targets,
+                    &plan,
+                )?;
                 if !value.is_finite() {
                     return Err(Error::NonFiniteLoss {
                         step: state.step + 1,
                         value,
                     });
                 }
-                let scaled = if accumulate > 1 {
-                    B::scale(&loss, 1.0 / accumulate as f64)?
-                } else {
-                    loss
-                };
-                B::backward(&scaled)?;
                 let rows = batch.targets.dims().first().copied().unwrap_or(1);
                 epoch_loss.update_value(value, rows);
                 for sink in &mut self.sinks {
@@ -353,14 +362,10 @@ impl<B: TrainBackend> Trainer<B> {
                 }
                 micro += 1;
                 state.batch_in_epoch += 1;
-                if micro < accumulate {
+                if !apply {
                     continue;
                 }
                 micro = 0;
-                if let Some(clip) = &self.config.clip {
-                    B::clip_gradients(&state.model.named_parameters(), clip)?;
-                }
-                state.optimizer.step()?;
                 state.step += 1;
                 if self.config.schedule_interval == ScheduleInterval::Step {
                     if let Some(s) = state.scheduler.as_mut() {
@@ -462,13 +467,9 @@ impl<B: TrainBackend> Trainer<B> {
         let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
         for batch in loader.batches(0) {
             let batch = batch?;
-            let (value, output) = B::no_grad(|| -> Result<(f64, HostTensor)> {
-                let inputs = B::from_host(&batch.inputs, self.config.device)?;
-                let targets = B::from_host(&batch.targets, self.config.device)?;
-                let output = model.forward(&inputs)?;
-                let value = B::item(&B::loss(&self.loss, &output, &targets)?)?;
-                Ok((value, B::to_host(&output)?))
-            })?;
+            let inputs = B::from_host(&batch.inputs, self.config.device)?;
+            let targets = B::from_host(&batch.targets, self.config.device)?;
+            let (value, output) = B::eval_step(model, &self.loss, &inputs, &targets)?;
             loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
             for metric in &mut metrics {
                 metric.update(&output, &batch.targets)?;

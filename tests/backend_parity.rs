@@ -1,0 +1,446 @@
+//! The two engines agree: the same definition, weights and batches give the same
+//! forward outputs and gradients (1e-5) on libtorch and on TensorFlow, and the same
+//! losses after 50 steps of SGD and of Adam (1e-4), for an MLP, a CNN with batch
+//! norm and a transformer block. Checkpoints move between the backends mid-run.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use kiln::core::{
+    AdamConfig, Backend, BatchNormConfig, Checkpoint, Conv2dConfig, CrossEntropyConfig, Layer,
+    LinearConfig, Loss, Module, Optimizer, OptimizerConfig, Pool2dConfig, Reduction, SgdConfig,
+    StateDict, StepPlan, TrainBackend,
+};
+use kiln::prelude::*;
+use kiln::tf::{TfBackend, TfModel};
+use kiln::torch::TorchBackend;
+
+/// Both generators are global: tests in this binary run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Deterministic pseudo-random floats in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+struct Case {
+    name: &'static str,
+    spec: Layer,
+    input: Vec<usize>,
+    loss: Loss,
+    /// Regression target dims (after the batch), or `None` for class indices.
+    target: Option<Vec<usize>>,
+    classes: usize,
+}
+
+fn cases() -> Vec<Case> {
+    let ce = Loss::CrossEntropy(CrossEntropyConfig::default());
+    vec![
+        Case {
+            name: "mlp",
+            spec: Layer::sequential([
+                LinearConfig::new(20, 32).into(),
+                Layer::Relu,
+                LinearConfig::new(32, 32).into(),
+                Layer::Tanh,
+                LinearConfig::new(32, 5).into(),
+            ]),
+            input: vec![16, 20],
+            loss: ce.clone(),
+            target: None,
+            classes: 5,
+        },
+        Case {
+            name: "cnn_batchnorm",
+            spec: Layer::sequential([
+                Conv2dConfig::new(1, 8, [3, 3]).with_padding([1, 1]).into(),
+                Layer::BatchNorm2d(BatchNormConfig::new(8)),
+                Layer::Relu,
+                Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+                Conv2dConfig::new(8, 8, [3, 3]).into(),
+                Layer::BatchNorm2d(BatchNormConfig::new(8)),
+                Layer::Relu,
+                Layer::Flatten {
+                    start_dim: 1,
+                    end_dim: -1,
+                },
+                LinearConfig::new(8 * 2 * 2, 10).into(),
+            ]),
+            input: vec![16, 1, 8, 8],
+            loss: ce,
+            target: None,
+            classes: 10,
+        },
+        Case {
+            name: "transformer_block",
+            spec: Layer::transformer_encoder_block(32, 4, 64, false, 0.0),
+            input: vec![4, 6, 32],
+            loss: Loss::Mse {
+                reduction: Reduction::Mean,
+            },
+            target: Some(vec![6, 32]),
+            classes: 0,
+        },
+    ]
+}
+
+fn batch(case: &Case, seed: u64) -> (HostTensor, HostTensor) {
+    let n: usize = case.input.iter().product();
+    let x = HostTensor::new(noise(n, seed), case.input.clone()).unwrap();
+    let rows = case.input[0];
+    let y = match &case.target {
+        Some(dims) => {
+            let mut shape = vec![rows];
+            shape.extend(dims);
+            let m: usize = shape.iter().product();
+            HostTensor::new(noise(m, seed + 1000), shape).unwrap()
+        }
+        None => {
+            let labels: Vec<i64> = noise(rows, seed + 1000)
+                .iter()
+                .map(|v| ((v + 1.0) * 0.5 * case.classes as f32) as i64 % case.classes as i64)
+                .collect();
+            HostTensor::new(labels, [rows]).unwrap()
+        }
+    };
+    (x, y)
+}
+
+fn max_diff(a: &HostTensor, b: &HostTensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    a.to_f64_vec()
+        .iter()
+        .zip(b.to_f64_vec())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// Torch gradients of every parameter, by name, after one backward.
+fn torch_gradients(
+    model: &kiln::torch::TorchModel,
+    loss: &Loss,
+    x: &HostTensor,
+    y: &HostTensor,
+) -> (f64, StateDict) {
+    let out = model
+        .forward(&TorchBackend::from_host(x, Device::Cpu).unwrap())
+        .unwrap();
+    let target = TorchBackend::from_host(y, Device::Cpu).unwrap();
+    let l = TorchBackend::loss(loss, &out, &target).unwrap();
+    let value = TorchBackend::item(&l).unwrap();
+    TorchBackend::backward(&l).unwrap();
+    let mut grads = StateDict::new();
+    for (name, p) in Module::<TorchBackend>::named_parameters(model) {
+        grads.insert(name, kiln::torch::from_tch(&p.grad()).unwrap());
+    }
+    (value, grads)
+}
+
+/// A torch model and a TensorFlow model with the torch model's initial weights.
+fn pair(case: &Case) -> (kiln::torch::TorchModel, TfModel) {
+    TorchBackend::manual_seed(7);
+    let torch = TorchBackend::build_model(&case.spec, Device::Cpu).unwrap();
+    let mut tf = TfBackend::build_model(&case.spec, Device::Cpu).unwrap();
+    tf.load_state_dict(&torch.state_dict().unwrap()).unwrap();
+    (torch, tf)
+}
+
+/// Every layer kind of the torch layer-parity suite (`tests/fixtures/layer_cases.json`):
+/// forward output and every parameter gradient of `sum(output * probe)` agree.
+#[test]
+fn every_layer_agrees_forward_and_gradients() {
+    let _serial = serial();
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/layer_cases.json"
+    ))
+    .unwrap();
+    let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    let mut failures = Vec::new();
+    for v in values {
+        let name = v["name"].as_str().unwrap().to_owned();
+        let spec: Layer = serde_json::from_value(v["layer"].clone()).unwrap();
+        let input: Vec<usize> = serde_json::from_value(v["input"].clone()).unwrap();
+        let int_high: Option<usize> = serde_json::from_value(v["int_high"].clone()).unwrap();
+        let train = v["train"].as_bool().unwrap();
+        TorchBackend::manual_seed(3);
+        let mut torch = TorchBackend::build_model(&spec, Device::Cpu).unwrap();
+        let mut tf = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+        tf.load_state_dict(&torch.state_dict().unwrap()).unwrap();
+        let mode = if train { Mode::Train } else { Mode::Eval };
+        torch.set_mode(mode);
+        tf.set_mode(mode);
+        let n: usize = input.iter().product();
+        let x = match int_high {
+            Some(high) => HostTensor::new(
+                noise(n, 5)
+                    .iter()
+                    .map(|v| ((v + 1.0) * 0.5 * high as f32) as i64 % high as i64)
+                    .collect::<Vec<_>>(),
+                input.clone(),
+            )
+            .unwrap(),
+            None => HostTensor::new(noise(n, 5), input.clone()).unwrap(),
+        };
+        let t_out = TorchBackend::to_host(
+            &torch
+                .forward(&TorchBackend::from_host(&x, Device::Cpu).unwrap())
+                .unwrap(),
+        )
+        .unwrap();
+        // A probe target makes MSE's gradient a fixed linear function of the output.
+        let probe = HostTensor::new(noise(t_out.numel(), 9), t_out.dims().to_vec()).unwrap();
+        let loss = Loss::Mse {
+            reduction: Reduction::Sum,
+        };
+        let has_parameters = !Module::<TorchBackend>::named_parameters(&torch).is_empty();
+        let t_grads = if has_parameters {
+            torch_gradients(&torch, &loss, &x, &probe).1
+        } else {
+            StateDict::new()
+        };
+        let f_out = tf
+            .forward(&TfBackend::from_host(&x, Device::Cpu).unwrap())
+            .unwrap()
+            .to_host()
+            .unwrap();
+        let f_grads = tf.gradients(
+            &loss,
+            &TfBackend::from_host(&x, Device::Cpu).unwrap(),
+            &TfBackend::from_host(&probe, Device::Cpu).unwrap(),
+        );
+        let f_grads = match f_grads {
+            Ok((_, g)) => g,
+            Err(e) => {
+                failures.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let mut worst = max_diff(&t_out, &f_out);
+        let forward = worst;
+        for (key, t) in t_grads.iter() {
+            match f_grads.get(key) {
+                Some(f) => worst = worst.max(max_diff(t, f) / (1.0 + t.to_f64_vec().iter().fold(0.0f64, |m, v| m.max(v.abs())))),
+                None => failures.push(format!("{name}: no TensorFlow gradient for {key}")),
+            }
+        }
+        eprintln!("{name:<28} forward {forward:.1e}  worst (grads relative to 1 + max|grad|) {worst:.1e}");
+        if worst > 1e-5 {
+            failures.push(format!("{name}: differs by {worst:.2e}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn forward_and_gradients_agree_within_1e5() {
+    let _serial = serial();
+    for case in cases() {
+        let (mut torch, mut tf) = pair(&case);
+        let (x, y) = batch(&case, 1);
+        for mode in [Mode::Train, Mode::Eval] {
+            torch.set_mode(mode);
+            tf.set_mode(mode);
+            let t_out = TorchBackend::to_host(
+                &torch
+                    .forward(&TorchBackend::from_host(&x, Device::Cpu).unwrap())
+                    .unwrap(),
+            )
+            .unwrap();
+            let f_out = tf
+                .forward(&TfBackend::from_host(&x, Device::Cpu).unwrap())
+                .unwrap()
+                .to_host()
+                .unwrap();
+            let d = max_diff(&t_out, &f_out);
+            eprintln!("{} {mode:?}: forward max |diff| {d:.2e}", case.name);
+            assert!(d < 1e-5, "{} {mode:?} forward differs by {d}", case.name);
+        }
+        // Batch norm's running statistics moved in both train-mode forwards: still equal.
+        let (ts, fs) = (torch.state_dict().unwrap(), tf.state_dict().unwrap());
+        for (key, t) in ts.iter() {
+            let d = max_diff(t, fs.get(key).unwrap());
+            assert!(d < 1e-5, "{}: {key} differs by {d} after forward", case.name);
+        }
+        torch.set_mode(Mode::Train);
+        tf.set_mode(Mode::Train);
+        let (t_loss, t_grads) = torch_gradients(&torch, &case.loss, &x, &y);
+        let (f_loss, f_grads) = tf
+            .gradients(
+                &case.loss,
+                &TfBackend::from_host(&x, Device::Cpu).unwrap(),
+                &TfBackend::from_host(&y, Device::Cpu).unwrap(),
+            )
+            .unwrap();
+        assert!((t_loss - f_loss).abs() < 1e-5, "{}: loss {t_loss} vs {f_loss}", case.name);
+        assert_eq!(
+            t_grads.keys().collect::<Vec<_>>(),
+            f_grads.keys().collect::<Vec<_>>(),
+            "{}: the same parameters get gradients",
+            case.name
+        );
+        let mut worst = 0.0f64;
+        for (key, t) in t_grads.iter() {
+            let d = max_diff(t, f_grads.get(key).unwrap());
+            worst = worst.max(d);
+            assert!(d < 1e-5, "{}: gradient of {key} differs by {d}", case.name);
+        }
+        eprintln!("{}: loss {t_loss:.6}, gradients max |diff| {worst:.2e}", case.name);
+    }
+}
+
+/// Losses of `steps` training steps through `B::train_step` on fixed batches.
+fn train<B: TrainBackend>(
+    model: &mut B::Model,
+    optimizer: &mut B::Optim,
+    case: &Case,
+    steps: u64,
+    first_batch: u64,
+) -> Vec<f64> {
+    (0..steps)
+        .map(|i| {
+            let (x, y) = batch(case, (first_batch + i) % 5 + 1);
+            optimizer.zero_grad().unwrap();
+            let plan = StepPlan {
+                loss: &case.loss,
+                scale: 1.0,
+                apply: true,
+                clip: None,
+            };
+            B::train_step(
+                model,
+                optimizer,
+                &B::from_host(&x, Device::Cpu).unwrap(),
+                &B::from_host(&y, Device::Cpu).unwrap(),
+                &plan,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+fn optimizer_name(config: &OptimizerConfig) -> &'static str {
+    match config {
+        OptimizerConfig::Sgd(_) => "sgd",
+        OptimizerConfig::Adam(_) => "adam",
+        _ => "other",
+    }
+}
+
+#[test]
+fn fifty_steps_of_sgd_and_adam_agree_within_1e4() {
+    let _serial = serial();
+    let optimizers = [
+        OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)),
+        OptimizerConfig::Adam(AdamConfig::new(1e-3)),
+    ];
+    for case in cases() {
+        for config in &optimizers {
+            let (mut torch, mut tf) = pair(&case);
+            let mut t_opt = TorchBackend::build_optimizer(config, &torch, &[]).unwrap();
+            let mut f_opt = TfBackend::build_optimizer(config, &tf, &[]).unwrap();
+            let runs_before = tf.session_runs().unwrap();
+            let t_losses = train::<TorchBackend>(&mut torch, &mut t_opt, &case, 50, 10);
+            let f_losses = train::<TfBackend>(&mut tf, &mut f_opt, &case, 50, 10);
+            assert_eq!(
+                tf.session_runs().unwrap() - runs_before,
+                50,
+                "one session run per training step"
+            );
+            let worst = t_losses
+                .iter()
+                .zip(&f_losses)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            eprintln!(
+                "{} {}: loss {:.5} -> {:.5}, max |diff| over 50 steps {worst:.2e}",
+                case.name,
+                optimizer_name(config),
+                t_losses[0],
+                t_losses[49]
+            );
+            assert!(
+                t_losses[49] < t_losses[0],
+                "{} {}: training reduces the loss",
+                case.name,
+                optimizer_name(config)
+            );
+            assert!(worst < 1e-4, "{} {}: losses differ by {worst}", case.name, optimizer_name(config));
+        }
+    }
+}
+
+#[test]
+fn checkpoints_resume_across_backends() {
+    let _serial = serial();
+    let case = &cases()[1]; // the CNN: parameters, buffers and Adam state all move
+    let config = OptimizerConfig::Adam(AdamConfig::new(1e-3));
+    let dir = std::env::temp_dir().join(format!("kiln-cross-backend-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+
+    // Reference: 20 steps on torch alone.
+    let (mut torch, _) = pair(case);
+    let mut t_opt = TorchBackend::build_optimizer(&config, &torch, &[]).unwrap();
+    let reference = train::<TorchBackend>(&mut torch, &mut t_opt, case, 20, 0);
+
+    // 10 steps on torch, checkpoint, 10 more on TensorFlow; and the reverse.
+    for (first, second) in [("torch", "tensorflow"), ("tensorflow", "torch")] {
+        let (mut torch, mut tf) = pair(case);
+        let mut t_opt = TorchBackend::build_optimizer(&config, &torch, &[]).unwrap();
+        let mut f_opt = TfBackend::build_optimizer(&config, &tf, &[]).unwrap();
+        let mut losses = Vec::new();
+        let path = dir.join(format!("{first}.safetensors"));
+        let checkpoint = |model: StateDict, optimizer: StateDict, backend: &str| Checkpoint {
+            model,
+            optimizer,
+            step: 10,
+            epoch: 0,
+            batch_in_epoch: 10,
+            seed: 7,
+            backend: backend.to_owned(),
+            model_definition: Some(case.spec.clone()),
+            scheduler: None,
+            metrics: Default::default(),
+        };
+        if first == "torch" {
+            losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 0));
+            checkpoint(torch.state_dict().unwrap(), t_opt.state_dict().unwrap(), first)
+                .save(&path)
+                .unwrap();
+            let loaded = Checkpoint::load(&path).unwrap();
+            tf.load_state_dict(&loaded.model).unwrap();
+            f_opt.load_state_dict(&loaded.optimizer).unwrap();
+            losses.extend(train::<TfBackend>(&mut tf, &mut f_opt, case, 10, 10));
+        } else {
+            losses.extend(train::<TfBackend>(&mut tf, &mut f_opt, case, 10, 0));
+            checkpoint(tf.state_dict().unwrap(), f_opt.state_dict().unwrap(), first)
+                .save(&path)
+                .unwrap();
+            let loaded = Checkpoint::load(&path).unwrap();
+            torch.load_state_dict(&loaded.model).unwrap();
+            t_opt.load_state_dict(&loaded.optimizer).unwrap();
+            losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 10));
+        }
+        let worst = reference
+            .iter()
+            .zip(&losses)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        eprintln!("{first} -> {second}: loss curve max |diff| vs torch alone {worst:.2e}");
+        assert!(worst < 1e-4, "{first} -> {second}: losses differ by {worst}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,139 @@
+//! Helpers for the tests that compare kiln-tf with Python TensorFlow.
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use kiln_core::HostTensor;
+use serde_json::Value;
+
+/// The project virtualenv's interpreter, set at build time by kiln-build
+/// (`KILN_VENV_PYTHON`), or `None` with a message saying the test is skipped.
+pub fn python(test: &str) -> Option<PathBuf> {
+    let python = option_env!("KILN_VENV_PYTHON").map(PathBuf::from);
+    match python {
+        Some(p) if p.exists() => Some(p),
+        _ => {
+            eprintln!("SKIPPED {test}: no project virtualenv; run `cargo xtask setup` first");
+            None
+        }
+    }
+}
+
+/// A fresh directory under the target's temporary directory.
+pub fn scratch_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `tests/reference/<script>` with `args`; panics with its stderr on failure.
+pub fn run_reference(python: &Path, script: &str, args: &[&Path]) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/reference")
+        .join(script);
+    let output = Command::new(python)
+        .arg(&path)
+        .args(args)
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
+    assert!(
+        output.status.success(),
+        "{} failed:\n{}",
+        path.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Reads a JSON file.
+pub fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A tensor written by a reference script as `{"shape", "dtype", "data"}`.
+pub fn tensor(value: &Value) -> HostTensor {
+    let shape: Vec<usize> = value["shape"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
+    let data = value["data"].as_array().unwrap();
+    match value["dtype"].as_str().unwrap() {
+        "float32" => {
+            let v: Vec<f32> = data.iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            HostTensor::new(v, shape).unwrap()
+        }
+        "float64" => {
+            let v: Vec<f64> = data.iter().map(|x| x.as_f64().unwrap()).collect();
+            HostTensor::new(v, shape).unwrap()
+        }
+        "int32" => {
+            let v: Vec<i32> = data.iter().map(|x| x.as_i64().unwrap() as i32).collect();
+            HostTensor::new(v, shape).unwrap()
+        }
+        "int64" => {
+            let v: Vec<i64> = data.iter().map(|x| x.as_i64().unwrap()).collect();
+            HostTensor::new(v, shape).unwrap()
+        }
+        other => panic!("no host type for reference dtype {other}"),
+    }
+}
+
+/// A tensor as a reference script reads it.
+pub fn tensor_json(t: &HostTensor) -> Value {
+    let dtype = match t.dtype() {
+        kiln_core::DType::F32 => "float32",
+        kiln_core::DType::F64 => "float64",
+        kiln_core::DType::I32 => "int32",
+        kiln_core::DType::I64 => "int64",
+        other => panic!("no reference dtype for {other}"),
+    };
+    serde_json::json!({
+        "shape": t.dims(),
+        "dtype": dtype,
+        "data": t.to_f64_vec(),
+    })
+}
+
+/// Asserts `actual` is within `tol` of `expected` elementwise, relative to
+/// max(1, |expected|), naming `what` and the worst element on failure.
+pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol: f64) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
+    assert_eq!(actual.dtype(), expected.dtype(), "{what}: dtype");
+    let (a, e) = (actual.to_f64_vec(), expected.to_f64_vec());
+    let mut worst = (0.0f64, 0usize);
+    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
+        let err = (x - y).abs() / y.abs().max(1.0);
+        if err.is_nan() || err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    assert!(
+        !worst.0.is_nan() && worst.0 <= tol,
+        "{what}: element {} is {} but TensorFlow gives {} (relative error {:.3e} > {tol:.0e})",
+        worst.1,
+        a[worst.1],
+        e[worst.1],
+        worst.0
+    );
+}
+
+/// Copies a directory tree.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let dst = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &dst);
+        } else {
+            std::fs::copy(entry.path(), &dst).unwrap();
+        }
+    }
+}
