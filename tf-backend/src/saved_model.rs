@@ -6,6 +6,7 @@ mod saver_def;
 mod signature;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsStr;
 use std::fmt;
 use std::fs;
 use std::io;
@@ -374,8 +375,8 @@ impl SavedModel {
     /// number; it is returned as is, NaN included.
     ///
     /// The signature is expected to apply the optimizer itself (see the
-    /// [type documentation](SavedModel#fine-tuning) for the Python side): this is [`run`](Self::run)
-    /// plus picking out the loss.
+    /// [type documentation](SavedModel#fine-tuning) for the Python side): this is
+    /// [`run`](Self::run) plus picking out the loss.
     pub fn train_step(&self, signature: &str, inputs: &[(&str, &HostTensor)]) -> Result<f64> {
         let info = &self.lookup(signature)?.info;
         let loss = match info.output(LOSS_OUTPUT) {
@@ -451,7 +452,7 @@ impl SavedModel {
                 format!("{} does not name a directory to create", dest.display()),
             ));
         };
-        self.check_destination(dest, parent)?;
+        self.check_destination(dest, parent, dest_name)?;
 
         let staging = parent.join(format!(
             "{}-{}",
@@ -480,13 +481,13 @@ impl SavedModel {
         Ok(())
     }
 
-    fn check_destination(&self, dest: &Path, parent: &Path) -> Result<()> {
+    /// Refuses a destination inside (or equal to) the SavedModel's own directory, a
+    /// file, or a non-empty directory; creates the parent directory.
+    fn check_destination(&self, dest: &Path, parent: &Path, dest_name: &OsStr) -> Result<()> {
         fs::create_dir_all(parent).map_err(|e| Error::io(parent, e))?;
         let source = fs::canonicalize(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
         let parent = fs::canonicalize(parent).map_err(|e| Error::io(parent, e))?;
-        if parent.starts_with(&source)
-            || source.starts_with(parent.join(dest.file_name().unwrap_or_default()))
-        {
+        if parent.starts_with(&source) || source.starts_with(parent.join(dest_name)) {
             return Err(Error::invalid_argument(
                 "dir",
                 format!(
