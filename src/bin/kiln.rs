@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::{
     load_digits, train_test_split, BackendKind, Checkpoint, Checkpointer, DataLoader, DatasetKind,
@@ -39,9 +39,10 @@ enum Command {
     Eval(CheckpointArgs),
     /// Write a checkpoint's predictions for the validation split as CSV.
     Predict(PredictArgs),
-    /// Show what is inside a checkpoint, as a table.
+    /// Show what is inside a checkpoint (a table of tensors) or a TensorFlow
+    /// SavedModel directory (its signatures with input and output names, dtypes and shapes).
     Inspect {
-        /// The checkpoint file.
+        /// A checkpoint file, or a SavedModel directory.
         checkpoint: PathBuf,
     },
 }
@@ -63,6 +64,9 @@ struct TrainArgs {
     /// Override `seed`.
     #[arg(long)]
     seed: Option<u64>,
+    /// Override `backend` (torch, tensorflow).
+    #[arg(long, value_parser = parse_backend)]
+    backend: Option<BackendKind>,
     /// Override `output_dir`.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -220,13 +224,14 @@ fn load_config(path: &Path) -> Result<RunConfig> {
     Ok(RunConfig::load(path)?)
 }
 
-/// `eval` and `predict` run on libtorch; a config for another backend is refused
-/// rather than silently run elsewhere.
-fn require_torch(config: &RunConfig) -> Result<()> {
-    if config.backend != BackendKind::Torch {
-        bail!("backend = \"tensorflow\": the TensorFlow backend is not built yet; use backend = \"torch\"");
+fn parse_backend(value: &str) -> std::result::Result<BackendKind, String> {
+    match value {
+        "torch" => Ok(BackendKind::Torch),
+        "tensorflow" | "tf" => Ok(BackendKind::Tensorflow),
+        other => Err(format!(
+            "unknown backend `{other}`; expected `torch` or `tensorflow`"
+        )),
     }
-    Ok(())
 }
 
 fn train(args: TrainArgs) -> Result<()> {
@@ -242,6 +247,9 @@ fn train(args: TrainArgs) -> Result<()> {
     }
     if let Some(v) = args.seed {
         config.seed = v;
+    }
+    if let Some(v) = args.backend {
+        config.backend = v;
     }
     if let Some(v) = args.output {
         config.output_dir = v;
@@ -263,9 +271,7 @@ fn train(args: TrainArgs) -> Result<()> {
         .with_context(|| format!("config {}", args.config.display()))?;
     match config.backend {
         BackendKind::Torch => train_on::<kiln::torch::TorchBackend>(&config, args.resume.as_deref()),
-        BackendKind::Tensorflow => bail!(
-            "backend = \"tensorflow\": the TensorFlow training backend is not built yet; use backend = \"torch\""
-        ),
+        BackendKind::Tensorflow => train_on::<kiln::tf::TfBackend>(&config, args.resume.as_deref()),
     }
 }
 
@@ -410,12 +416,17 @@ fn restore<B: TrainBackend>(
 
 fn eval(args: CheckpointArgs) -> Result<()> {
     let config = load_config(&args.config)?;
-    require_torch(&config)?;
+    match config.backend {
+        BackendKind::Torch => eval_on::<kiln::torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => eval_on::<kiln::tf::TfBackend>(&args, &config),
+    }
+}
+
+fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
-    type B = kiln::torch::TorchBackend;
-    let mut model = restore::<B>(&checkpoint, &config, device)?;
-    let val = loader(load_data(&config)?.val, &config, false)?;
+    let mut model = restore::<B>(&checkpoint, config, device)?;
+    let val = loader(load_data(config)?.val, config, false)?;
     let mut training = config.training.clone();
     training.device = device;
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
@@ -433,16 +444,21 @@ fn eval(args: CheckpointArgs) -> Result<()> {
 }
 
 fn predict(args: PredictArgs) -> Result<()> {
-    let common = args.common;
-    let config = load_config(&common.config)?;
-    require_torch(&config)?;
+    let config = load_config(&args.common.config)?;
+    match config.backend {
+        BackendKind::Torch => predict_on::<kiln::torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => predict_on::<kiln::tf::TfBackend>(&args, &config),
+    }
+}
+
+fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+    let common = &args.common;
     let device = common.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
-    type B = kiln::torch::TorchBackend;
-    let mut model = restore::<B>(&checkpoint, &config, device)?;
-    let (x, y) = load_data(&config)?.val;
+    let mut model = restore::<B>(&checkpoint, config, device)?;
+    let (x, y) = load_data(config)?.val;
     let labels = y.as_slice::<i64>()?.to_vec();
-    let val = loader((x, y), &config, false)?;
+    let val = loader((x, y), config, false)?;
     let mut training = config.training.clone();
     training.device = device;
     let outputs =
@@ -489,6 +505,11 @@ fn predict(args: PredictArgs) -> Result<()> {
 }
 
 fn inspect(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        let model = kiln::tf::SavedModel::load(path)?;
+        print!("{}", model.describe());
+        return Ok(());
+    }
     let checkpoint = Checkpoint::load(path)?;
     println!("checkpoint  {}", path.display());
     println!("backend     {}", checkpoint.backend);

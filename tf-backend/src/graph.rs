@@ -428,18 +428,6 @@ impl Builder {
             Ok(())
         })
     }
-    /// One-hot float rows of `depth` for integer `indices`.
-    pub(crate) fn one_hot(&mut self, indices: &Output, index_type: DataType, depth: usize) -> Result<Output> {
-        let d = self.constant(&[depth as i32], &[])?;
-        let on = self.scalar(1.0)?;
-        let off = self.scalar(0.0)?;
-        self.op("OneHot", &[indices, &d, &on, &off], &|nd| {
-            nd.set_attr_type("T", DataType::Float)?;
-            nd.set_attr_type("TI", index_type)?;
-            nd.set_attr_int("axis", -1)?;
-            Ok(())
-        })
-    }
     /// Uniform `[0, 1)` floats of the shape given by the int32 tensor `shape`,
     /// from the stateless generator keyed by an int64 `[2]` `seed`.
     pub(crate) fn stateless_uniform(&mut self, shape: &Output, seed: &Output) -> Result<Output> {

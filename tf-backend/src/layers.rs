@@ -482,7 +482,19 @@ impl Ctx<'_> {
             Layer::Tanh => self.elementwise(x, |b, v| b.unary("Tanh", v)),
             Layer::Sigmoid => self.elementwise(x, |b, v| b.unary("Sigmoid", v)),
             Layer::Softmax { dim } => self.along(x, *dim, |b, v| b.softmax(v)),
-            Layer::LogSoftmax { dim } => self.along(x, *dim, |b, v| b.log_softmax(v)),
+            Layer::LogSoftmax { dim } => {
+                let rank = x.dims.len() as isize + 1;
+                let d = if *dim < 0 { dim + rank } else { *dim };
+                if d == 0 {
+                    return Err(Error::unsupported(
+                        "LogSoftmax over the batch dimension on TensorFlow",
+                    ));
+                }
+                let classes = x.dims[d as usize - 1];
+                self.along(x, *dim, move |b, v| {
+                    crate::loss::log_softmax_last(b, v, rank as usize, classes)
+                })
+            }
             Layer::MultiHeadSelfAttention(c) => self.attention(x, prefix, c),
             Layer::Sequential { layers } => {
                 let mut v = x;
