@@ -444,3 +444,146 @@ fn checkpoints_resume_across_backends() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn max_state_diff(a: &StateDict, b: &StateDict) -> f64 {
+    a.iter()
+        .map(|(key, t)| max_diff(t, b.get(key).unwrap_or_else(|| panic!("no {key}"))))
+        .fold(0.0, f64::max)
+}
+
+/// Every optimizer and option, parameter groups, gradient accumulation and both
+/// kinds of clipping: parameters and optimizer state after 20 steps agree.
+#[test]
+fn every_optimizer_groups_accumulation_and_clipping_agree() {
+    use kiln::core::{
+        AdagradConfig, AdamWConfig, GradClip, ParamGroup, ParamSelector, RmsPropConfig,
+    };
+    let _serial = serial();
+    let case = &cases()[0];
+    let configs = [
+        OptimizerConfig::Sgd(SgdConfig::new(0.05).with_weight_decay(0.01)),
+        OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9).with_nesterov(true)),
+        OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.8).with_dampening(0.3)),
+        OptimizerConfig::Adam(AdamConfig::new(1e-2).with_weight_decay(0.01)),
+        OptimizerConfig::Adam(AdamConfig::new(1e-2).with_amsgrad(true)),
+        OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1)),
+        OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1).with_amsgrad(true)),
+        OptimizerConfig::RmsProp(RmsPropConfig::new(1e-3)),
+        OptimizerConfig::RmsProp(
+            RmsPropConfig::new(1e-3)
+                .with_momentum(0.9)
+                .with_centered(true)
+                .with_weight_decay(0.01),
+        ),
+        OptimizerConfig::Adagrad(
+            AdagradConfig::new(0.05)
+                .with_lr_decay(0.01)
+                .with_initial_accumulator_value(0.1),
+        ),
+    ];
+    let groups = [ParamGroup::new("head", ParamSelector::Prefix("4.".to_owned())).with_lr(0.02)];
+    let clips = [
+        None,
+        Some(GradClip::Norm {
+            max_norm: 0.5,
+            norm_type: 2.0,
+        }),
+        Some(GradClip::Value { clip_value: 0.01 }),
+    ];
+    for (i, config) in configs.iter().enumerate() {
+        let clip = clips[i % clips.len()].clone();
+        let accumulate = if i % 2 == 0 { 1 } else { 2 };
+        let group_list: &[ParamGroup] = if i % 3 == 1 { &groups } else { &[] };
+        let (mut torch, mut tf) = pair(case);
+        let mut t_opt = TorchBackend::build_optimizer(config, &torch, group_list).unwrap();
+        let mut f_opt = TfBackend::build_optimizer(config, &tf, group_list).unwrap();
+        let mut worst_loss = 0.0f64;
+        for step in 0..20u64 {
+            t_opt.zero_grad().unwrap();
+            f_opt.zero_grad().unwrap();
+            for micro in 0..accumulate {
+                let (x, y) = batch(case, step * 2 + micro + 1);
+                let plan = StepPlan {
+                    loss: &case.loss,
+                    scale: 1.0 / accumulate as f64,
+                    apply: micro + 1 == accumulate,
+                    clip: clip.as_ref(),
+                };
+                let a = TorchBackend::train_step(
+                    &mut torch,
+                    &mut t_opt,
+                    &TorchBackend::from_host(&x, Device::Cpu).unwrap(),
+                    &TorchBackend::from_host(&y, Device::Cpu).unwrap(),
+                    &plan,
+                )
+                .unwrap();
+                let b = TfBackend::train_step(
+                    &mut tf,
+                    &mut f_opt,
+                    &TfBackend::from_host(&x, Device::Cpu).unwrap(),
+                    &TfBackend::from_host(&y, Device::Cpu).unwrap(),
+                    &plan,
+                )
+                .unwrap();
+                worst_loss = worst_loss.max((a - b).abs());
+            }
+        }
+        let params = max_state_diff(&torch.state_dict().unwrap(), &tf.state_dict().unwrap());
+        let state = max_state_diff(&t_opt.state_dict().unwrap(), &f_opt.state_dict().unwrap());
+        eprintln!(
+            "{config:?} clip {clip:?} accumulate {accumulate} groups {}: loss {worst_loss:.1e}, params {params:.1e}, state {state:.1e}",
+            group_list.len()
+        );
+        assert!(
+            worst_loss < 1e-5 && params < 1e-5 && state < 1e-4,
+            "{config:?}: loss {worst_loss}, params {params}, state {state}"
+        );
+    }
+}
+
+/// A batch whose loss is not finite changes nothing on the TensorFlow backend:
+/// the update ops (batch-norm statistics included) depend on an in-graph
+/// assertion that the loss is finite.
+#[test]
+fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
+    let _serial = serial();
+    let spec = Layer::sequential([
+        LinearConfig::new(6, 8).into(),
+        Layer::BatchNorm1d(BatchNormConfig::new(8)),
+        LinearConfig::new(8, 2).into(),
+    ]);
+    let loss = Loss::Mse {
+        reduction: Reduction::Mean,
+    };
+    TfBackend::manual_seed(1);
+    let mut tf = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+    let mut opt =
+        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &tf, &[])
+            .unwrap();
+    let plan = StepPlan {
+        loss: &loss,
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    let x = HostTensor::new(noise(24, 1), [4, 6]).unwrap();
+    let y = HostTensor::new(noise(8, 2), [4, 2]).unwrap();
+    let to_tf = |h: &HostTensor| TfBackend::from_host(h, Device::Cpu).unwrap();
+    TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&y), &plan).unwrap();
+    let (model_before, opt_before) = (tf.state_dict().unwrap(), opt.state_dict().unwrap());
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut values = noise(8, 2);
+        values[3] = bad;
+        let poisoned = HostTensor::new(values, [4, 2]).unwrap();
+        let value =
+            TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&poisoned), &plan)
+                .unwrap();
+        assert!(!value.is_finite(), "the non-finite loss is reported: {value}");
+        assert_eq!(tf.state_dict().unwrap(), model_before);
+        assert_eq!(opt.state_dict().unwrap(), opt_before);
+    }
+    // And training goes on.
+    let value = TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&y), &plan).unwrap();
+    assert!(value.is_finite());
+    assert_ne!(tf.state_dict().unwrap(), model_before);
+}
