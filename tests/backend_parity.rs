@@ -233,11 +233,18 @@ fn every_layer_agrees_forward_and_gradients() {
         let forward = worst;
         for (key, t) in t_grads.iter() {
             match f_grads.get(key) {
-                Some(f) => worst = worst.max(max_diff(t, f) / (1.0 + t.to_f64_vec().iter().fold(0.0f64, |m, v| m.max(v.abs())))),
+                Some(f) => {
+                    worst = worst.max(
+                        max_diff(t, f)
+                            / (1.0 + t.to_f64_vec().iter().fold(0.0f64, |m, v| m.max(v.abs()))),
+                    )
+                }
                 None => failures.push(format!("{name}: no TensorFlow gradient for {key}")),
             }
         }
-        eprintln!("{name:<28} forward {forward:.1e}  worst (grads relative to 1 + max|grad|) {worst:.1e}");
+        eprintln!(
+            "{name:<28} forward {forward:.1e}  worst (grads relative to 1 + max|grad|) {worst:.1e}"
+        );
         if worst > 1e-5 {
             failures.push(format!("{name}: differs by {worst:.2e}"));
         }
@@ -273,7 +280,11 @@ fn forward_and_gradients_agree_within_1e5() {
         let (ts, fs) = (torch.state_dict().unwrap(), tf.state_dict().unwrap());
         for (key, t) in ts.iter() {
             let d = max_diff(t, fs.get(key).unwrap());
-            assert!(d < 1e-5, "{}: {key} differs by {d} after forward", case.name);
+            assert!(
+                d < 1e-5,
+                "{}: {key} differs by {d} after forward",
+                case.name
+            );
         }
         torch.set_mode(Mode::Train);
         tf.set_mode(Mode::Train);
@@ -285,7 +296,11 @@ fn forward_and_gradients_agree_within_1e5() {
                 &TfBackend::from_host(&y, Device::Cpu).unwrap(),
             )
             .unwrap();
-        assert!((t_loss - f_loss).abs() < 1e-5, "{}: loss {t_loss} vs {f_loss}", case.name);
+        assert!(
+            (t_loss - f_loss).abs() < 1e-5,
+            "{}: loss {t_loss} vs {f_loss}",
+            case.name
+        );
         assert_eq!(
             t_grads.keys().collect::<Vec<_>>(),
             f_grads.keys().collect::<Vec<_>>(),
@@ -298,7 +313,10 @@ fn forward_and_gradients_agree_within_1e5() {
             worst = worst.max(d);
             assert!(d < 1e-5, "{}: gradient of {key} differs by {d}", case.name);
         }
-        eprintln!("{}: loss {t_loss:.6}, gradients max |diff| {worst:.2e}", case.name);
+        eprintln!(
+            "{}: loss {t_loss:.6}, gradients max |diff| {worst:.2e}",
+            case.name
+        );
     }
 }
 
@@ -378,7 +396,12 @@ fn fifty_steps_of_sgd_and_adam_agree_within_1e4() {
                 case.name,
                 optimizer_name(config)
             );
-            assert!(worst < 1e-4, "{} {}: losses differ by {worst}", case.name, optimizer_name(config));
+            assert!(
+                worst < 1e-4,
+                "{} {}: losses differ by {worst}",
+                case.name,
+                optimizer_name(config)
+            );
         }
     }
 }
@@ -417,9 +440,13 @@ fn checkpoints_resume_across_backends() {
         };
         if first == "torch" {
             losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 0));
-            checkpoint(torch.state_dict().unwrap(), t_opt.state_dict().unwrap(), first)
-                .save(&path)
-                .unwrap();
+            checkpoint(
+                torch.state_dict().unwrap(),
+                t_opt.state_dict().unwrap(),
+                first,
+            )
+            .save(&path)
+            .unwrap();
             let loaded = Checkpoint::load(&path).unwrap();
             tf.load_state_dict(&loaded.model).unwrap();
             f_opt.load_state_dict(&loaded.optimizer).unwrap();
@@ -440,7 +467,10 @@ fn checkpoints_resume_across_backends() {
             .map(|(a, b)| (a - b).abs())
             .fold(0.0, f64::max);
         eprintln!("{first} -> {second}: loss curve max |diff| vs torch alone {worst:.2e}");
-        assert!(worst < 1e-4, "{first} -> {second}: losses differ by {worst}");
+        assert!(
+            worst < 1e-4,
+            "{first} -> {second}: losses differ by {worst}"
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -467,7 +497,11 @@ fn every_optimizer_groups_accumulation_and_clipping_agree() {
         OptimizerConfig::Adam(AdamConfig::new(1e-2).with_weight_decay(0.01)),
         OptimizerConfig::Adam(AdamConfig::new(1e-2).with_amsgrad(true)),
         OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1)),
-        OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1).with_amsgrad(true)),
+        OptimizerConfig::AdamW(
+            AdamWConfig::new(1e-2)
+                .with_weight_decay(0.1)
+                .with_amsgrad(true),
+        ),
         OptimizerConfig::RmsProp(RmsPropConfig::new(1e-3)),
         OptimizerConfig::RmsProp(
             RmsPropConfig::new(1e-3)
@@ -491,7 +525,7 @@ fn every_optimizer_groups_accumulation_and_clipping_agree() {
         Some(GradClip::Value { clip_value: 0.01 }),
     ];
     for (i, config) in configs.iter().enumerate() {
-        let clip = clips[i % clips.len()].clone();
+        let clip = clips[i % clips.len()];
         let accumulate = if i % 2 == 0 { 1 } else { 2 };
         let group_list: &[ParamGroup] = if i % 3 == 1 { &groups } else { &[] };
         let (mut torch, mut tf) = pair(case);
@@ -576,9 +610,11 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
         values[3] = bad;
         let poisoned = HostTensor::new(values, [4, 2]).unwrap();
         let value =
-            TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&poisoned), &plan)
-                .unwrap();
-        assert!(!value.is_finite(), "the non-finite loss is reported: {value}");
+            TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&poisoned), &plan).unwrap();
+        assert!(
+            !value.is_finite(),
+            "the non-finite loss is reported: {value}"
+        );
         assert_eq!(tf.state_dict().unwrap(), model_before);
         assert_eq!(opt.state_dict().unwrap(), opt_before);
     }

@@ -8,11 +8,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const KILN: &str = env!("CARGO_BIN_EXE_kiln");
-const CONFIG: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/configs/digits-cnn.toml");
+const CONFIG: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/examples/configs/digits-cnn.toml"
+);
 
 fn scratch(name: &str) -> PathBuf {
-    let dir =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-tf-{name}-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("cli-tf-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
@@ -143,11 +146,17 @@ fn a_run_started_on_torch_resumes_on_tensorflow() {
 fn inspect_lists_a_keras_savedmodels_signatures() {
     let python = PathBuf::from(env!("KILN_VENV_PYTHON"));
     if !python.exists() {
-        eprintln!("SKIPPED inspect_lists_a_keras_savedmodels_signatures: no {}", python.display());
+        eprintln!(
+            "SKIPPED inspect_lists_a_keras_savedmodels_signatures: no {}",
+            python.display()
+        );
         return;
     }
     let dir = scratch("inspect");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tf-backend/tests/reference/saved_models.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tf-backend/tests/reference/saved_models.py"
+    );
     let status = Command::new(&python)
         .args([script, "export", dir.to_str().unwrap()])
         .env("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -270,7 +270,9 @@ fn train(args: TrainArgs) -> Result<()> {
         .validate()
         .with_context(|| format!("config {}", args.config.display()))?;
     match config.backend {
-        BackendKind::Torch => train_on::<kiln::torch::TorchBackend>(&config, args.resume.as_deref()),
+        BackendKind::Torch => {
+            train_on::<kiln::torch::TorchBackend>(&config, args.resume.as_deref())
+        }
         BackendKind::Tensorflow => train_on::<kiln::tf::TfBackend>(&config, args.resume.as_deref()),
     }
 }

@@ -155,11 +155,10 @@ impl TrainBackend for TfBackend {
             let l = crate::loss::build_loss(b, loss, &o, &odims, &t, target.dtype(), &tdims)?;
             programs.programs.insert(key.clone(), (o, t, l));
         }
-        let (o, t, l) = programs
-            .programs
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| Error::backend("tensorflow", "computing a loss", "program missing"))?;
+        let (o, t, l) =
+            programs.programs.get(&key).cloned().ok_or_else(|| {
+                Error::backend("tensorflow", "computing a loss", "program missing")
+            })?;
         let mut out = programs.engine.run(
             &[(&o, output), (&t, target)],
             &[(&l, DataType::Float)],
@@ -208,15 +207,7 @@ impl TrainBackend for TfBackend {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        optimizer.train_step(
-            model,
-            inputs,
-            targets,
-            plan.loss,
-            plan.scale,
-            plan.apply,
-            plan.clip,
-        )
+        optimizer.train_step(model, inputs, targets, plan)
     }
 
     /// Forward and loss as one session run.
@@ -231,13 +222,25 @@ impl TrainBackend for TfBackend {
         let mut engine = lock(&engine_arc)?;
         let forward = model.forward_program(&mut engine, inputs, train)?;
         let tdims = dims_of(targets);
-        let key = format!("{loss:?}|{train}|{:?}|{tdims:?}|{}", dims_of(inputs), targets.dtype());
+        let key = format!(
+            "{loss:?}|{train}|{:?}|{tdims:?}|{}",
+            dims_of(inputs),
+            targets.dtype()
+        );
         if !engine.evals.contains_key(&key) {
             let mut odims = vec![-1i64];
             odims.extend(&forward.output_dims);
             let b = &mut engine.b;
             let t = b.placeholder(targets.data_type(), Some(&tdims))?;
-            let l = crate::loss::build_loss(b, loss, &forward.output, &odims, &t, targets.dtype(), &tdims)?;
+            let l = crate::loss::build_loss(
+                b,
+                loss,
+                &forward.output,
+                &odims,
+                &t,
+                targets.dtype(),
+                &tdims,
+            )?;
             engine.evals.insert(key.clone(), (t, l));
         }
         let (t, l) = engine
@@ -258,7 +261,11 @@ impl TrainBackend for TfBackend {
             "running an evaluation step",
         )?;
         let [value, output] = out.as_slice() else {
-            return Err(Error::backend("tensorflow", "evaluation", "missing outputs"));
+            return Err(Error::backend(
+                "tensorflow",
+                "evaluation",
+                "missing outputs",
+            ));
         };
         Ok((Self::item(value)?, output.to_host()?))
     }

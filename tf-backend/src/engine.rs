@@ -44,7 +44,11 @@ pub(crate) fn tf_dtype(dtype: DType) -> Result<DataType> {
         DType::I64 => DataType::Int64,
         DType::I32 => DataType::Int32,
         DType::U8 => DataType::UInt8,
-        other => return Err(Error::unsupported(format!("{other} variables on TensorFlow"))),
+        other => {
+            return Err(Error::unsupported(format!(
+                "{other} variables on TensorFlow"
+            )))
+        }
     })
 }
 
@@ -76,8 +80,18 @@ pub(crate) struct Engine {
     pub(crate) forwards: HashMap<(Vec<i64>, DType, bool), Forward>,
     /// Evaluation programs (target placeholder, loss) by signature.
     pub(crate) evals: HashMap<String, (Output, Output)>,
-    /// Gradient programs (forward, target placeholder, loss, gradients by name) by signature.
-    pub(crate) gradient_programs: HashMap<String, (Forward, Output, Output, Vec<(String, Output)>)>,
+    /// Gradient programs by signature.
+    pub(crate) gradient_programs: HashMap<String, GradientProgram>,
+}
+
+/// A compiled loss-and-gradients pass (`TfModel::gradients`).
+#[derive(Debug, Clone)]
+pub(crate) struct GradientProgram {
+    pub(crate) forward: Forward,
+    pub(crate) target: Output,
+    pub(crate) loss: Output,
+    /// Each parameter's gradient, by state-dict name.
+    pub(crate) grads: Vec<(String, Output)>,
 }
 
 /// A compiled forward pass.
@@ -181,9 +195,7 @@ impl Engine {
         for op in targets {
             args.add_target(op);
         }
-        session
-            .run(&mut args)
-            .map_err(|s| tf_error(context, s))?;
+        session.run(&mut args).map_err(|s| tf_error(context, s))?;
         tokens
             .into_iter()
             .map(|(token, dtype)| {
@@ -194,9 +206,7 @@ impl Engine {
                     DataType::Int64 => TfTensor::I64(args.fetch(token).map_err(fail)?),
                     DataType::Int32 => TfTensor::I32(args.fetch(token).map_err(fail)?),
                     DataType::UInt8 => TfTensor::U8(args.fetch(token).map_err(fail)?),
-                    other => {
-                        return Err(Error::unsupported(format!("fetching {other} tensors")))
-                    }
+                    other => return Err(Error::unsupported(format!("fetching {other} tensors"))),
                 })
             })
             .collect()
@@ -231,4 +241,3 @@ impl Engine {
         Ok(())
     }
 }
-

@@ -86,7 +86,11 @@ impl Builder {
 
     /// An op of type `T` (float) with the given inputs.
     fn float_op(&mut self, ty: &str, inputs: &[&Output]) -> Result<Output> {
-        self.op(ty, inputs, &|nd| Ok(nd.set_attr_type("T", DataType::Float)?))
+        self.op(
+            ty,
+            inputs,
+            &|nd| Ok(nd.set_attr_type("T", DataType::Float)?),
+        )
     }
 
     // ----- sources -----
@@ -116,7 +120,11 @@ impl Builder {
     /// A placeholder of `dtype`; `dims` of `None` leaves the shape unknown,
     /// `Some(-1)` entries leave one dimension unknown.
     pub(crate) fn placeholder(&mut self, dtype: DataType, dims: Option<&[i64]>) -> Result<Output> {
-        let shape = dims.map(|d| TfShape::from(Some(d.iter().map(|&x| (x >= 0).then_some(x)).collect::<Vec<_>>())));
+        let shape = dims.map(|d| {
+            TfShape::from(Some(
+                d.iter().map(|&x| (x >= 0).then_some(x)).collect::<Vec<_>>(),
+            ))
+        });
         self.op("Placeholder", &[], &|nd| {
             nd.set_attr_type("dtype", dtype)?;
             if let Some(shape) = &shape {
@@ -129,8 +137,15 @@ impl Builder {
     // ----- resource variables -----
 
     /// A resource variable handle with a unique shared name.
-    pub(crate) fn var_handle(&mut self, name: &str, dtype: DataType, dims: &[u64]) -> Result<Output> {
-        let shape = TfShape::from(Some(dims.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>()));
+    pub(crate) fn var_handle(
+        &mut self,
+        name: &str,
+        dtype: DataType,
+        dims: &[u64],
+    ) -> Result<Output> {
+        let shape = TfShape::from(Some(
+            dims.iter().map(|&d| Some(d as i64)).collect::<Vec<_>>(),
+        ));
         let shared = name.to_owned();
         self.op("VarHandleOp", &[], &|nd| {
             nd.set_attr_type("dtype", dtype)?;
@@ -142,7 +157,9 @@ impl Builder {
 
     /// The variable's current value.
     pub(crate) fn read(&mut self, handle: &Output, dtype: DataType) -> Result<Output> {
-        self.op("ReadVariableOp", &[handle], &|nd| Ok(nd.set_attr_type("dtype", dtype)?))
+        self.op("ReadVariableOp", &[handle], &|nd| {
+            Ok(nd.set_attr_type("dtype", dtype)?)
+        })
     }
 
     /// The variable's value, read after every op in `after` ran.
@@ -152,10 +169,15 @@ impl Builder {
         dtype: DataType,
         after: &[&Operation],
     ) -> Result<Output> {
-        Ok(out0(&self.op_with("ReadVariableOp", &[handle], after, &|nd| {
-            nd.set_attr_type("dtype", dtype)?;
-            Ok(())
-        })?))
+        Ok(out0(&self.op_with(
+            "ReadVariableOp",
+            &[handle],
+            after,
+            &|nd| {
+                nd.set_attr_type("dtype", dtype)?;
+                Ok(())
+            },
+        )?))
     }
 
     /// `variable = value`, after `control`.
@@ -254,7 +276,12 @@ impl Builder {
         self.reshape_to(x, &shape, dtype)
     }
     /// Reshapes to a shape given as an int32 tensor.
-    pub(crate) fn reshape_to(&mut self, x: &Output, shape: &Output, dtype: DataType) -> Result<Output> {
+    pub(crate) fn reshape_to(
+        &mut self,
+        x: &Output,
+        shape: &Output,
+        dtype: DataType,
+    ) -> Result<Output> {
         self.op("Reshape", &[x, shape], &|nd| {
             nd.set_attr_type("T", dtype)?;
             nd.set_attr_type("Tshape", DataType::Int32)?;
@@ -325,9 +352,9 @@ impl Builder {
             nd.set_attr_type("Tidx", DataType::Int32)?;
             nd.finish()
         };
-        Ok(out0(
-            &build(&mut self.graph).map_err(|s| tf_error("adding TensorFlow op ConcatV2", s))?,
-        ))
+        Ok(out0(&build(&mut self.graph).map_err(|s| {
+            tf_error("adding TensorFlow op ConcatV2", s)
+        })?))
     }
     /// `x[..., begin:begin+size, ...]` on every axis (`-1` size: to the end).
     pub(crate) fn slice(&mut self, x: &Output, begin: &[i32], size: &[i32]) -> Result<Output> {
@@ -352,7 +379,13 @@ impl Builder {
     // ----- reductions -----
 
     /// A reduction (`Sum`, `Mean`, `Max`) over `axes`.
-    pub(crate) fn reduce(&mut self, ty: &str, x: &Output, axes: &[i32], keep: bool) -> Result<Output> {
+    pub(crate) fn reduce(
+        &mut self,
+        ty: &str,
+        x: &Output,
+        axes: &[i32],
+        keep: bool,
+    ) -> Result<Output> {
         let a = self.ints(axes)?;
         self.op(ty, &[x, &a], &|nd| {
             nd.set_attr_type("T", DataType::Float)?;
@@ -379,7 +412,13 @@ impl Builder {
         })
     }
     /// Batched `a @ b` (leading dimensions equal), with optional adjoints.
-    pub(crate) fn batch_matmul(&mut self, a: &Output, b: &Output, ta: bool, tb: bool) -> Result<Output> {
+    pub(crate) fn batch_matmul(
+        &mut self,
+        a: &Output,
+        b: &Output,
+        ta: bool,
+        tb: bool,
+    ) -> Result<Output> {
         self.op("BatchMatMulV2", &[a, b], &|nd| {
             nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_bool("adj_x", ta)?;
@@ -396,7 +435,13 @@ impl Builder {
         self.unary("LogSoftmax", x)
     }
     /// NHWC convolution with `VALID` padding; the filter is `[kh, kw, in, out]`.
-    pub(crate) fn conv2d(&mut self, x: &Output, filter: &Output, strides: [i64; 2], dilations: [i64; 2]) -> Result<Output> {
+    pub(crate) fn conv2d(
+        &mut self,
+        x: &Output,
+        filter: &Output,
+        strides: [i64; 2],
+        dilations: [i64; 2],
+    ) -> Result<Output> {
         self.op("Conv2D", &[x, filter], &|nd| {
             nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_int_list("strides", &[1, strides[0], strides[1], 1])?;
@@ -407,7 +452,13 @@ impl Builder {
         })
     }
     /// NHWC pooling (`MaxPool` or `AvgPool`) with `VALID` padding.
-    pub(crate) fn pool(&mut self, ty: &str, x: &Output, kernel: [i64; 2], strides: [i64; 2]) -> Result<Output> {
+    pub(crate) fn pool(
+        &mut self,
+        ty: &str,
+        x: &Output,
+        kernel: [i64; 2],
+        strides: [i64; 2],
+    ) -> Result<Output> {
         self.op(ty, &[x], &|nd| {
             nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_int_list("ksize", &[1, kernel[0], kernel[1], 1])?;
@@ -418,7 +469,12 @@ impl Builder {
         })
     }
     /// Rows of `params` picked by integer `indices` (axis 0).
-    pub(crate) fn gather(&mut self, params: &Output, indices: &Output, index_type: DataType) -> Result<Output> {
+    pub(crate) fn gather(
+        &mut self,
+        params: &Output,
+        indices: &Output,
+        index_type: DataType,
+    ) -> Result<Output> {
         let axis = self.constant(&[0i32], &[])?;
         self.op("GatherV2", &[params, indices, &axis], &|nd| {
             nd.set_attr_type("Tparams", DataType::Float)?;
@@ -458,7 +514,7 @@ impl Builder {
         let build = |graph: &mut Graph| -> std::result::Result<Operation, Status> {
             let mut nd = graph.new_operation("Assert", &name)?;
             nd.add_input(condition.clone());
-            nd.add_input_list(&[text.clone()]);
+            nd.add_input_list(std::slice::from_ref(&text));
             nd.set_attr_type_list("T", &[DataType::String])?;
             nd.set_attr_int("summarize", 3)?;
             nd.finish()
@@ -468,7 +524,9 @@ impl Builder {
 
     /// Whether every element of the float tensor `x` (of rank `rank`) is finite.
     pub(crate) fn all_finite(&mut self, x: &Output, rank: usize) -> Result<Output> {
-        let finite = self.op("IsFinite", &[x], &|nd| Ok(nd.set_attr_type("T", DataType::Float)?))?;
+        let finite = self.op("IsFinite", &[x], &|nd| {
+            Ok(nd.set_attr_type("T", DataType::Float)?)
+        })?;
         let axes: Vec<i32> = (0..rank as i32).collect();
         let a = self.ints(&axes)?;
         self.op("All", &[&finite, &a], &|nd| {
@@ -491,76 +549,5 @@ impl Builder {
                     s.to_string(),
                 )
             })
-    }
-}
-
-#[cfg(test)]
-mod probe {
-    use super::*;
-
-    /// Lists which ops TensorFlow's C++ gradient registry can differentiate.
-    #[test]
-    #[ignore = "diagnostic"]
-    fn gradient_registry() {
-        let mut b = Builder::new();
-        let x = b.placeholder(DataType::Float, Some(&[2, 4, 4, 3])).unwrap();
-        let w = b.placeholder(DataType::Float, Some(&[2, 2, 3, 3])).unwrap();
-        let m = b.placeholder(DataType::Float, Some(&[3, 3])).unwrap();
-        let idx = b.placeholder(DataType::Int64, Some(&[2])).unwrap();
-        let cases: Vec<(&str, Box<dyn Fn(&mut Builder) -> Result<Output>>)> = vec![
-            ("Erf", Box::new(|b: &mut Builder| b.unary("Erf", &x))),
-            ("BatchMatMulV2", Box::new(|b: &mut Builder| b.batch_matmul(&x, &x, false, true))),
-            ("GatherV2", Box::new(|b: &mut Builder| b.gather(&m, &idx, DataType::Int64))),
-            ("PadV2", Box::new(|b: &mut Builder| b.pad(&x, &[[0, 0], [1, 1], [1, 1], [0, 0]], -1.0))),
-            ("Pad", Box::new(|b: &mut Builder| b.pad(&x, &[[0, 0], [1, 1], [1, 1], [0, 0]], 0.0))),
-            ("StopGradient", Box::new(|b: &mut Builder| { let s = b.stop_gradient(&x)?; b.add(&s, &x) })),
-            ("LeakyRelu", Box::new(|b: &mut Builder| b.leaky_relu(&x, 0.1))),
-            ("Conv2D", Box::new(|b: &mut Builder| b.conv2d(&x, &w, [1, 1], [1, 1]))),
-            ("Conv2D dilated", Box::new(|b: &mut Builder| b.conv2d(&x, &w, [1, 1], [2, 2]))),
-            ("MaxPool", Box::new(|b: &mut Builder| b.pool("MaxPool", &x, [2, 2], [2, 2]))),
-            ("AvgPool", Box::new(|b: &mut Builder| b.pool("AvgPool", &x, [2, 2], [2, 2]))),
-            ("Split", Box::new(|b: &mut Builder| Ok(b.split(&x, 3, 3)?[1].clone()))),
-            ("ConcatV2", Box::new(|b: &mut Builder| b.concat(&[x.clone(), x.clone()], 3))),
-            ("Slice", Box::new(|b: &mut Builder| b.slice(&x, &[0, 0, 0, 0], &[-1, 2, 2, -1]))),
-            ("ReverseV2", Box::new(|b: &mut Builder| b.reverse(&x, &[1, 2]))),
-            ("Softmax", Box::new(|b: &mut Builder| b.softmax(&x))),
-            ("LogSoftmax", Box::new(|b: &mut Builder| b.log_softmax(&x))),
-            ("SquaredDifference", Box::new(|b: &mut Builder| b.squared_difference(&x, &x))),
-            ("Rsqrt", Box::new(|b: &mut Builder| b.unary("Rsqrt", &x))),
-            ("Max", Box::new(|b: &mut Builder| b.reduce("Max", &x, &[3], true))),
-            ("Mean", Box::new(|b: &mut Builder| b.reduce("Mean", &x, &[1, 2], true))),
-            ("Abs", Box::new(|b: &mut Builder| b.unary("Abs", &x))),
-            ("Softplus", Box::new(|b: &mut Builder| b.unary("Softplus", &x))),
-            ("Log1p", Box::new(|b: &mut Builder| b.unary("Log1p", &x))),
-            ("Minimum", Box::new(|b: &mut Builder| b.minimum(&x, &x))),
-            ("Sigmoid", Box::new(|b: &mut Builder| b.unary("Sigmoid", &x))),
-            ("Transpose", Box::new(|b: &mut Builder| b.transpose(&x, &[0, 3, 1, 2]))),
-        ];
-        for (name, make) in cases {
-            let y = match make(&mut b) {
-                Ok(y) => y,
-                Err(e) => {
-                    eprintln!("{name}: cannot build: {e}");
-                    continue;
-                }
-            };
-            let s = b.sum_all(&y, 0).and_then(|_| b.reduce("Sum", &y, &[], false));
-            let _ = s;
-            let total = {
-                let shape = b.shape_of(&y, DataType::Float).unwrap();
-                let _ = shape;
-                let flat = b.reshape(&y, &[-1], DataType::Float).unwrap();
-                b.reduce("Sum", &flat, &[0], false).unwrap()
-            };
-            let mut report = Vec::new();
-            for xs in [&x, &w, &m] {
-                match b.graph.add_gradients(None, &[total.clone()], &[xs.clone()], None) {
-                    Ok(_) => report.push("ok".to_owned()),
-                    Err(e) if e.to_string().contains("unreachable") => {}
-                    Err(e) => report.push(format!("NO GRADIENT: {e}")),
-                }
-            }
-            eprintln!("{name}: {report:?}");
-        }
     }
 }

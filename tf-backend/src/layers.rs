@@ -51,11 +51,19 @@ pub(crate) struct Update {
 }
 
 /// Adds the ops of `updates`, each running after `after`.
-pub(crate) fn add_updates(b: &mut Builder, updates: &[Update], after: &[&Operation]) -> Result<Vec<Operation>> {
+pub(crate) fn add_updates(
+    b: &mut Builder,
+    updates: &[Update],
+    after: &[&Operation],
+) -> Result<Vec<Operation>> {
     updates
         .iter()
         .map(|u| {
-            let ty = if u.add { "AssignAddVariableOp" } else { "AssignVariableOp" };
+            let ty = if u.add {
+                "AssignAddVariableOp"
+            } else {
+                "AssignVariableOp"
+            };
             let dtype = u.dtype;
             b.op_with(ty, &[&u.handle, &u.value], after, &|nd| {
                 nd.set_attr_type("dtype", dtype)?;
@@ -93,7 +101,13 @@ impl Ctx<'_> {
         let (handle, dtype) = self
             .handles
             .get(name)
-            .ok_or_else(|| Error::backend("tensorflow", "building the model", format!("no variable `{name}`")))?
+            .ok_or_else(|| {
+                Error::backend(
+                    "tensorflow",
+                    "building the model",
+                    format!("no variable `{name}`"),
+                )
+            })?
             .clone();
         let read = self.b.read(&handle, dtype)?;
         self.reads.insert(name.to_owned(), read.clone());
@@ -149,7 +163,8 @@ impl Ctx<'_> {
         let flat = if x.dims.len() == 1 {
             x.out.clone()
         } else {
-            self.b.reshape(&x.out, &[-1, in_features as i32], DataType::Float)?
+            self.b
+                .reshape(&x.out, &[-1, in_features as i32], DataType::Float)?
         };
         let mut y = self.b.matmul(&flat, &w, false, true)?;
         if let Some(bias) = self.opt_param(bias)? {
@@ -162,27 +177,48 @@ impl Ctx<'_> {
         if x.dims.len() > 1 {
             y = self.b.reshape(&y, &batched(&dims), DataType::Float)?;
         }
-        Ok(Val { out: y, dims, nhwc: false })
+        Ok(Val {
+            out: y,
+            dims,
+            nhwc: false,
+        })
     }
 
     /// Pads (or crops, for negative amounts) the spatial dims of an `NHWC` value.
-    fn pad_spatial(&mut self, x: &Output, h: i64, w: i64, pads: [[i64; 2]; 2], value: f32) -> Result<(Output, i64, i64)> {
+    fn pad_spatial(
+        &mut self,
+        x: &Output,
+        h: i64,
+        w: i64,
+        pads: [[i64; 2]; 2],
+        value: f32,
+    ) -> Result<(Output, i64, i64)> {
         let pos = |p: i64| p.max(0) as i32;
         let mut out = x.clone();
         if pads.iter().flatten().any(|&p| p > 0) {
             out = self.b.pad(
                 &out,
-                &[[0, 0], [pos(pads[0][0]), pos(pads[0][1])], [pos(pads[1][0]), pos(pads[1][1])], [0, 0]],
+                &[
+                    [0, 0],
+                    [pos(pads[0][0]), pos(pads[0][1])],
+                    [pos(pads[1][0]), pos(pads[1][1])],
+                    [0, 0],
+                ],
                 value,
             )?;
         }
-        let (mut nh, mut nw) = (h + pads[0][0].max(0) + pads[0][1].max(0), w + pads[1][0].max(0) + pads[1][1].max(0));
+        let (mut nh, mut nw) = (
+            h + pads[0][0].max(0) + pads[0][1].max(0),
+            w + pads[1][0].max(0) + pads[1][1].max(0),
+        );
         if pads.iter().flatten().any(|&p| p < 0) {
             let crop = |p: i64| (-p).max(0);
             let begin = [0, crop(pads[0][0]) as i32, crop(pads[1][0]) as i32, 0];
             nh -= crop(pads[0][0]) + crop(pads[0][1]);
             nw -= crop(pads[1][0]) + crop(pads[1][1]);
-            out = self.b.slice(&out, &begin, &[-1, nh as i32, nw as i32, -1])?;
+            out = self
+                .b
+                .slice(&out, &begin, &[-1, nh as i32, nw as i32, -1])?;
         }
         Ok((out, nh, nw))
     }
@@ -193,16 +229,36 @@ impl Ctx<'_> {
     /// Dilation is applied by inserting zeros into the filter: TensorFlow's
     /// oneDNN filter-gradient kernel rejects dilated convolutions on the CPU.
     #[allow(clippy::too_many_arguments)]
-    fn grouped_conv(&mut self, x: &Output, filter: &Output, filter_dims: [i64; 4], groups: usize, strides: [i64; 2], dilations: [i64; 2]) -> Result<Output> {
+    fn grouped_conv(
+        &mut self,
+        x: &Output,
+        filter: &Output,
+        filter_dims: [i64; 4],
+        groups: usize,
+        strides: [i64; 2],
+        dilations: [i64; 2],
+    ) -> Result<Output> {
         let filter = if dilations == [1, 1] {
             filter.clone()
         } else {
             let [kh, kw, ci, co] = filter_dims.map(|d| d as i32);
             let [dh, dw] = dilations.map(|d| d as i32);
-            let spread = self.b.reshape(filter, &[kh, 1, kw, 1, ci, co], DataType::Float)?;
-            let padded = self.b.pad(&spread, &[[0, 0], [0, dh - 1], [0, 0], [0, dw - 1], [0, 0], [0, 0]], 0.0)?;
-            let flat = self.b.reshape(&padded, &[kh * dh, kw * dw, ci, co], DataType::Float)?;
-            self.b.slice(&flat, &[0, 0, 0, 0], &[(kh - 1) * dh + 1, (kw - 1) * dw + 1, ci, co])?
+            let spread = self
+                .b
+                .reshape(filter, &[kh, 1, kw, 1, ci, co], DataType::Float)?;
+            let padded = self.b.pad(
+                &spread,
+                &[[0, 0], [0, dh - 1], [0, 0], [0, dw - 1], [0, 0], [0, 0]],
+                0.0,
+            )?;
+            let flat = self
+                .b
+                .reshape(&padded, &[kh * dh, kw * dw, ci, co], DataType::Float)?;
+            self.b.slice(
+                &flat,
+                &[0, 0, 0, 0],
+                &[(kh - 1) * dh + 1, (kw - 1) * dw + 1, ci, co],
+            )?
         };
         if groups == 1 {
             return self.b.conv2d(x, &filter, strides, [1, 1]);
@@ -218,10 +274,21 @@ impl Ctx<'_> {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn conv2d(&mut self, x: Val, prefix: &str, out_channels: i64, kernel: [i64; 2], stride: [i64; 2], padding: [i64; 2], dilation: [i64; 2], groups: usize) -> Result<Val> {
+    fn conv2d(
+        &mut self,
+        x: Val,
+        prefix: &str,
+        out_channels: i64,
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+        dilation: [i64; 2],
+        groups: usize,
+    ) -> Result<Val> {
         let x = self.nhwc(x)?;
         let (h, w) = (x.dims[1], x.dims[2]);
-        let (padded, h, w) = self.pad_spatial(&x.out, h, w, [[padding[0]; 2], [padding[1]; 2]], 0.0)?;
+        let (padded, h, w) =
+            self.pad_spatial(&x.out, h, w, [[padding[0]; 2], [padding[1]; 2]], 0.0)?;
         let weight = self.param(&join(prefix, "weight"))?;
         // [out, in/g, kh, kw] -> [kh, kw, in/g, out]
         let filter = self.b.transpose(&weight, &[2, 3, 1, 0])?;
@@ -233,7 +300,11 @@ impl Ctx<'_> {
         }
         let oh = (h - dilation[0] * (kernel[0] - 1) - 1) / stride[0] + 1;
         let ow = (w - dilation[1] * (kernel[1] - 1) - 1) / stride[1] + 1;
-        Ok(Val { out: y, dims: vec![out_channels, oh, ow], nhwc: true })
+        Ok(Val {
+            out: y,
+            dims: vec![out_channels, oh, ow],
+            nhwc: true,
+        })
     }
 
     /// Builds `layer` on `x`; `prefix` is its state-dict path.
@@ -262,22 +333,58 @@ impl Ctx<'_> {
                 // [N, C, L] -> [N, C, 1, L], a convolution with a [k] -> [1, k] kernel.
                 let x = self.nchw(x)?;
                 let (ch, len) = (x.dims[0], x.dims[1]);
-                let as2d = self.b.reshape(&x.out, &[-1, ch as i32, 1, len as i32], DataType::Float)?;
+                let as2d =
+                    self.b
+                        .reshape(&x.out, &[-1, ch as i32, 1, len as i32], DataType::Float)?;
                 let weight = self.param(&p("weight"))?;
-                let w4 = self.b.reshape(&weight, &[c.out_channels as i32, (c.in_channels / c.groups) as i32, 1, c.kernel_size as i32], DataType::Float)?;
+                let w4 = self.b.reshape(
+                    &weight,
+                    &[
+                        c.out_channels as i32,
+                        (c.in_channels / c.groups) as i32,
+                        1,
+                        c.kernel_size as i32,
+                    ],
+                    DataType::Float,
+                )?;
                 let filter = self.b.transpose(&w4, &[2, 3, 1, 0])?;
                 let nhwc = self.b.transpose(&as2d, &[0, 2, 3, 1])?;
-                let (padded, _, _) = self.pad_spatial(&nhwc, 1, len, [[0, 0], [c.padding as i64; 2]], 0.0)?;
-                let filter_dims = [1, c.kernel_size as i64, (c.in_channels / c.groups) as i64, c.out_channels as i64];
-                let mut y = self.grouped_conv(&padded, &filter, filter_dims, c.groups, [1, c.stride as i64], [1, c.dilation as i64])?;
+                let (padded, _, _) =
+                    self.pad_spatial(&nhwc, 1, len, [[0, 0], [c.padding as i64; 2]], 0.0)?;
+                let filter_dims = [
+                    1,
+                    c.kernel_size as i64,
+                    (c.in_channels / c.groups) as i64,
+                    c.out_channels as i64,
+                ];
+                let mut y = self.grouped_conv(
+                    &padded,
+                    &filter,
+                    filter_dims,
+                    c.groups,
+                    [1, c.stride as i64],
+                    [1, c.dilation as i64],
+                )?;
                 if let Some(bias) = self.opt_param(&p("bias"))? {
                     y = self.b.add(&y, &bias)?;
                 }
-                let out_len = (len + 2 * c.padding as i64 - c.dilation as i64 * (c.kernel_size as i64 - 1) - 1) / c.stride as i64 + 1;
+                let out_len = (len + 2 * c.padding as i64
+                    - c.dilation as i64 * (c.kernel_size as i64 - 1)
+                    - 1)
+                    / c.stride as i64
+                    + 1;
                 // [N, 1, L', O] -> [N, O, L']
-                let y = self.b.reshape(&y, &[-1, out_len as i32, c.out_channels as i32], DataType::Float)?;
+                let y = self.b.reshape(
+                    &y,
+                    &[-1, out_len as i32, c.out_channels as i32],
+                    DataType::Float,
+                )?;
                 let y = self.b.transpose(&y, &[0, 2, 1])?;
-                Ok(Val { out: y, dims: vec![c.out_channels as i64, out_len], nhwc: false })
+                Ok(Val {
+                    out: y,
+                    dims: vec![c.out_channels as i64, out_len],
+                    nhwc: false,
+                })
             }
             Layer::ConvTranspose2d(c) => {
                 let x = self.nhwc(x)?;
@@ -291,16 +398,38 @@ impl Ctx<'_> {
                 let mut z = x.out.clone();
                 let (mut zh, mut zw) = (h, w);
                 if sh > 1 || sw > 1 {
-                    let r = self.b.reshape(&z, &[-1, h as i32, 1, w as i32, 1, cin as i32], DataType::Float)?;
-                    let padded = self.b.pad(&r, &[[0, 0], [0, 0], [0, sh as i32 - 1], [0, 0], [0, sw as i32 - 1], [0, 0]], 0.0)?;
-                    let flat = self.b.reshape(&padded, &[-1, (h * sh) as i32, (w * sw) as i32, cin as i32], DataType::Float)?;
+                    let r = self.b.reshape(
+                        &z,
+                        &[-1, h as i32, 1, w as i32, 1, cin as i32],
+                        DataType::Float,
+                    )?;
+                    let padded = self.b.pad(
+                        &r,
+                        &[
+                            [0, 0],
+                            [0, 0],
+                            [0, sh as i32 - 1],
+                            [0, 0],
+                            [0, sw as i32 - 1],
+                            [0, 0],
+                        ],
+                        0.0,
+                    )?;
+                    let flat = self.b.reshape(
+                        &padded,
+                        &[-1, (h * sh) as i32, (w * sw) as i32, cin as i32],
+                        DataType::Float,
+                    )?;
                     zh = (h - 1) * sh + 1;
                     zw = (w - 1) * sw + 1;
-                    z = self.b.slice(&flat, &[0, 0, 0, 0], &[-1, zh as i32, zw as i32, -1])?;
+                    z = self
+                        .b
+                        .slice(&flat, &[0, 0, 0, 0], &[-1, zh as i32, zw as i32, -1])?;
                 }
                 let lo_h = dh * (kh - 1) - ph;
                 let lo_w = dw * (kw - 1) - pw;
-                let (padded, _, _) = self.pad_spatial(&z, zh, zw, [[lo_h, lo_h + oph], [lo_w, lo_w + opw]], 0.0)?;
+                let (padded, _, _) =
+                    self.pad_spatial(&z, zh, zw, [[lo_h, lo_h + oph], [lo_w, lo_w + opw]], 0.0)?;
                 // weight [in, out/g, kh, kw]: flip spatially -> [kh, kw, in, out/g]
                 let weight = self.param(&p("weight"))?;
                 let flipped = self.b.reverse(&weight, &[2, 3])?;
@@ -310,14 +439,30 @@ impl Ctx<'_> {
                 let out_per_group = c.out_channels as i64 / c.groups as i64;
                 let in_per_group = cin / c.groups as i64;
                 let mut y = if c.groups == 1 {
-                    self.grouped_conv(&padded, &filter, [kh, kw, cin, out_per_group], 1, [1, 1], [dh, dw])?
+                    self.grouped_conv(
+                        &padded,
+                        &filter,
+                        [kh, kw, cin, out_per_group],
+                        1,
+                        [1, 1],
+                        [dh, dw],
+                    )?
                 } else {
                     let xs = self.b.split(&padded, 3, c.groups)?;
                     let fs = self.b.split(&filter, 2, c.groups)?;
                     let parts = xs
                         .iter()
                         .zip(&fs)
-                        .map(|(x, f)| self.grouped_conv(x, f, [kh, kw, in_per_group, out_per_group], 1, [1, 1], [dh, dw]))
+                        .map(|(x, f)| {
+                            self.grouped_conv(
+                                x,
+                                f,
+                                [kh, kw, in_per_group, out_per_group],
+                                1,
+                                [1, 1],
+                                [dh, dw],
+                            )
+                        })
                         .collect::<Result<Vec<_>>>()?;
                     self.b.concat(&parts, 3)?
                 };
@@ -326,7 +471,11 @@ impl Ctx<'_> {
                 }
                 let oh = (h - 1) * sh - 2 * ph + dh * (kh - 1) + oph + 1;
                 let ow = (w - 1) * sw - 2 * pw + dw * (kw - 1) + opw + 1;
-                Ok(Val { out: y, dims: vec![c.out_channels as i64, oh, ow], nhwc: true })
+                Ok(Val {
+                    out: y,
+                    dims: vec![c.out_channels as i64, oh, ow],
+                    nhwc: true,
+                })
             }
             Layer::MaxPool2d(c) | Layer::AvgPool2d(c) => {
                 let max = matches!(layer, Layer::MaxPool2d(_));
@@ -336,11 +485,21 @@ impl Ctx<'_> {
                 let stride = c.stride.unwrap_or(c.kernel_size).map(|v| v as i64);
                 let pad = c.padding.map(|v| v as i64);
                 let fill = if max { f32::NEG_INFINITY } else { 0.0 };
-                let (padded, h, w) = self.pad_spatial(&x.out, h, w, [[pad[0]; 2], [pad[1]; 2]], fill)?;
-                let y = self.b.pool(if max { "MaxPool" } else { "AvgPool" }, &padded, kernel, stride)?;
+                let (padded, h, w) =
+                    self.pad_spatial(&x.out, h, w, [[pad[0]; 2], [pad[1]; 2]], fill)?;
+                let y = self.b.pool(
+                    if max { "MaxPool" } else { "AvgPool" },
+                    &padded,
+                    kernel,
+                    stride,
+                )?;
                 let oh = (h - kernel[0]) / stride[0] + 1;
                 let ow = (w - kernel[1]) / stride[1] + 1;
-                Ok(Val { out: y, dims: vec![ch, oh, ow], nhwc: true })
+                Ok(Val {
+                    out: y,
+                    dims: vec![ch, oh, ow],
+                    nhwc: true,
+                })
             }
             Layer::AdaptiveAvgPool2d { output_size } => {
                 // y = P_h x P_w^T with PyTorch's bins [floor(i*H/o), ceil((i+1)*H/o)).
@@ -351,14 +510,24 @@ impl Ctx<'_> {
                 let ph = self.pool_matrix(h, oh)?; // [oh, h]
                 let rows = self.b.reshape(&x.out, &[-1, w as i32], DataType::Float)?;
                 let a = self.b.matmul(&rows, &pw, false, true)?; // [N*C*H, ow]
-                let a = self.b.reshape(&a, &[-1, h as i32, ow as i32], DataType::Float)?;
+                let a = self
+                    .b
+                    .reshape(&a, &[-1, h as i32, ow as i32], DataType::Float)?;
                 let a = self.b.transpose(&a, &[0, 2, 1])?; // [N*C, ow, H]
                 let a = self.b.reshape(&a, &[-1, h as i32], DataType::Float)?;
                 let y = self.b.matmul(&a, &ph, false, true)?; // [N*C*ow, oh]
-                let y = self.b.reshape(&y, &[-1, ow as i32, oh as i32], DataType::Float)?;
+                let y = self
+                    .b
+                    .reshape(&y, &[-1, ow as i32, oh as i32], DataType::Float)?;
                 let y = self.b.transpose(&y, &[0, 2, 1])?;
-                let y = self.b.reshape(&y, &[-1, ch as i32, oh as i32, ow as i32], DataType::Float)?;
-                Ok(Val { out: y, dims: vec![ch, oh, ow], nhwc: false })
+                let y =
+                    self.b
+                        .reshape(&y, &[-1, ch as i32, oh as i32, ow as i32], DataType::Float)?;
+                Ok(Val {
+                    out: y,
+                    dims: vec![ch, oh, ow],
+                    nhwc: false,
+                })
             }
             Layer::BatchNorm1d(c) | Layer::BatchNorm2d(c) => self.batch_norm(x, prefix, c),
             Layer::LayerNorm(c) => {
@@ -382,13 +551,21 @@ impl Ctx<'_> {
                 if let Some(bias) = self.opt_param(&p("bias"))? {
                     y = self.b.add(&y, &bias)?;
                 }
-                Ok(Val { out: y, dims: x.dims, nhwc: false })
+                Ok(Val {
+                    out: y,
+                    dims: x.dims,
+                    nhwc: false,
+                })
             }
             Layer::GroupNorm(c) => {
                 let x = self.nchw(x)?;
                 let ch = x.dims[0];
                 let per_group: i64 = x.dims.iter().product::<i64>() / c.num_groups as i64;
-                let grouped = self.b.reshape(&x.out, &[-1, c.num_groups as i32, per_group as i32], DataType::Float)?;
+                let grouped = self.b.reshape(
+                    &x.out,
+                    &[-1, c.num_groups as i32, per_group as i32],
+                    DataType::Float,
+                )?;
                 let mean = self.b.reduce("Mean", &grouped, &[2], true)?;
                 let var_terms = self.b.squared_difference(&grouped, &mean)?;
                 let var = self.b.reduce("Mean", &var_terms, &[2], true)?;
@@ -396,7 +573,9 @@ impl Ctx<'_> {
                 let var_eps = self.b.add_scalar(&var, c.eps as f32)?;
                 let inv = self.b.unary("Rsqrt", &var_eps)?;
                 let normed = self.b.mul(&centred, &inv)?;
-                let mut y = self.b.reshape(&normed, &batched(&x.dims), DataType::Float)?;
+                let mut y = self
+                    .b
+                    .reshape(&normed, &batched(&x.dims), DataType::Float)?;
                 let mut bshape = vec![ch as i32];
                 bshape.extend(std::iter::repeat_n(1, x.dims.len() - 1));
                 if let Some(weight) = self.opt_param(&p("weight"))? {
@@ -407,7 +586,11 @@ impl Ctx<'_> {
                     let b = self.b.reshape(&bias, &bshape, DataType::Float)?;
                     y = self.b.add(&y, &b)?;
                 }
-                Ok(Val { out: y, dims: x.dims, nhwc: false })
+                Ok(Val {
+                    out: y,
+                    dims: x.dims,
+                    nhwc: false,
+                })
             }
             Layer::Dropout { p: prob } => self.dropout(x, *prob),
             Layer::Embedding(c) => {
@@ -416,9 +599,13 @@ impl Ctx<'_> {
                 let table = match c.padding_idx {
                     // The padding row gets no gradient: w * keep + stop_gradient(w) * (1 - keep).
                     Some(row) => {
-                        let keep: Vec<f32> = (0..c.num_embeddings).map(|i| if i == row { 0.0 } else { 1.0 }).collect();
+                        let keep: Vec<f32> = (0..c.num_embeddings)
+                            .map(|i| if i == row { 0.0 } else { 1.0 })
+                            .collect();
                         let keep = self.b.constant(&keep, &[c.num_embeddings as u64, 1])?;
-                        let drop: Vec<f32> = (0..c.num_embeddings).map(|i| if i == row { 1.0 } else { 0.0 }).collect();
+                        let drop: Vec<f32> = (0..c.num_embeddings)
+                            .map(|i| if i == row { 1.0 } else { 0.0 })
+                            .collect();
                         let drop = self.b.constant(&drop, &[c.num_embeddings as u64, 1])?;
                         let live = self.b.mul(&weight, &keep)?;
                         let frozen = self.b.stop_gradient(&weight)?;
@@ -430,7 +617,11 @@ impl Ctx<'_> {
                 let y = self.b.gather(&table, &x.out, DataType::Int64)?;
                 let mut dims = x.dims.clone();
                 dims.push(c.embedding_dim as i64);
-                Ok(Val { out: y, dims, nhwc: false })
+                Ok(Val {
+                    out: y,
+                    dims,
+                    nhwc: false,
+                })
             }
             Layer::Flatten { start_dim, end_dim } => {
                 let x = self.nchw(x)?;
@@ -446,7 +637,11 @@ impl Ctx<'_> {
                 let y = self.b.reshape(&x.out, &i32s(&shape), DataType::Float)?;
                 // With start_dim 0 the batch merges into the first dimension.
                 let dims = shape[1..].to_vec();
-                Ok(Val { out: y, dims, nhwc: false })
+                Ok(Val {
+                    out: y,
+                    dims,
+                    nhwc: false,
+                })
             }
             Layer::Relu => self.elementwise(x, |b, v| b.unary("Relu", v)),
             Layer::LeakyRelu { negative_slope } => {
@@ -460,7 +655,8 @@ impl Ctx<'_> {
                     let x3 = b.mul(&x3, v)?;
                     let inner = b.mul_scalar(&x3, 0.044715)?;
                     let inner = b.add(v, &inner)?;
-                    let inner = b.mul_scalar(&inner, (2.0f64 / std::f64::consts::PI).sqrt() as f32)?;
+                    let inner =
+                        b.mul_scalar(&inner, (2.0f64 / std::f64::consts::PI).sqrt() as f32)?;
                     let t = b.unary("Tanh", &inner)?;
                     let t = b.add_scalar(&t, 1.0)?;
                     let half = b.mul_scalar(v, 0.5)?;
@@ -511,19 +707,35 @@ impl Ctx<'_> {
                     (self.nchw(x)?, self.nchw(y)?)
                 };
                 let out = self.b.add(&x.out, &y.out)?;
-                Ok(Val { out, dims: x.dims, nhwc: x.nhwc })
+                Ok(Val {
+                    out,
+                    dims: x.dims,
+                    nhwc: x.nhwc,
+                })
             }
-            other => Err(Error::unsupported(format!("layer {} on TensorFlow", other.kind()))),
+            other => Err(Error::unsupported(format!(
+                "layer {} on TensorFlow",
+                other.kind()
+            ))),
         }
     }
 
-    fn elementwise(&mut self, x: Val, f: impl FnOnce(&mut Builder, &Output) -> Result<Output>) -> Result<Val> {
+    fn elementwise(
+        &mut self,
+        x: Val,
+        f: impl FnOnce(&mut Builder, &Output) -> Result<Output>,
+    ) -> Result<Val> {
         let out = f(self.b, &x.out)?;
         Ok(Val { out, ..x })
     }
 
     /// Applies a last-axis op along logical dimension `dim`.
-    fn along(&mut self, x: Val, dim: isize, f: impl FnOnce(&mut Builder, &Output) -> Result<Output>) -> Result<Val> {
+    fn along(
+        &mut self,
+        x: Val,
+        dim: isize,
+        f: impl FnOnce(&mut Builder, &Output) -> Result<Output>,
+    ) -> Result<Val> {
         let x = self.nchw(x)?;
         let rank = x.dims.len() as isize + 1;
         let d = if dim < 0 { dim + rank } else { dim };
@@ -535,7 +747,11 @@ impl Ctx<'_> {
         let moved = self.b.transpose(&x.out, &perm)?;
         let y = f(self.b, &moved)?;
         let out = self.b.transpose(&y, &perm)?;
-        Ok(Val { out, dims: x.dims, nhwc: false })
+        Ok(Val {
+            out,
+            dims: x.dims,
+            nhwc: false,
+        })
     }
 
     /// `[out, size]` averaging matrix of adaptive pooling.
@@ -580,7 +796,14 @@ impl Ctx<'_> {
             2 => (x, None),
             3 => {
                 let t = self.b.transpose(&x.out, &[0, 2, 1])?;
-                (Val { out: t, dims: x.dims.clone(), nhwc: false }, Some(vec![0, 2, 1]))
+                (
+                    Val {
+                        out: t,
+                        dims: x.dims.clone(),
+                        nhwc: false,
+                    },
+                    Some(vec![0, 2, 1]),
+                )
             }
             _ => (self.nhwc(x)?, None),
         };
@@ -596,7 +819,10 @@ impl Ctx<'_> {
             }
             (mean, var)
         } else {
-            (self.param(&p("running_mean"))?, self.param(&p("running_var"))?)
+            (
+                self.param(&p("running_mean"))?,
+                self.param(&p("running_var"))?,
+            )
         };
         let centred = self.b.sub(&x.out, &mean)?;
         let var_eps = self.b.add_scalar(&var, c.eps as f32)?;
@@ -611,12 +837,23 @@ impl Ctx<'_> {
         if let Some(perm) = channels_last {
             y = self.b.transpose(&y, &perm)?;
         }
-        Ok(Val { out: y, dims: x.dims, nhwc: x.nhwc })
+        Ok(Val {
+            out: y,
+            dims: x.dims,
+            nhwc: x.nhwc,
+        })
     }
 
     /// `running = (1 - m) running + m batch` (unbiased variance) and
     /// `num_batches_tracked += 1`, as assignments run with the training step.
-    fn running_stat_updates(&mut self, prefix: &str, c: &kiln_core::BatchNormConfig, x: &Output, mean: &Output, var: &Output) -> Result<()> {
+    fn running_stat_updates(
+        &mut self,
+        prefix: &str,
+        c: &kiln_core::BatchNormConfig,
+        x: &Output,
+        mean: &Output,
+        var: &Output,
+    ) -> Result<()> {
         let p = |name: &str| join(prefix, name);
         let m = c.momentum as f32;
         let mean = self.b.stop_gradient(mean)?;
@@ -634,17 +871,31 @@ impl Ctx<'_> {
         let unbiased = self.b.mul(&var, &correction)?;
         for (name, batch) in [("running_mean", mean), ("running_var", unbiased)] {
             let (handle, _) = self.handles.get(&p(name)).cloned().ok_or_else(|| {
-                Error::backend("tensorflow", "building batch norm", format!("no variable `{}`", p(name)))
+                Error::backend(
+                    "tensorflow",
+                    "building batch norm",
+                    format!("no variable `{}`", p(name)),
+                )
             })?;
             let old = self.b.read(&handle, DataType::Float)?;
             let keep = self.b.mul_scalar(&old, 1.0 - m)?;
             let new = self.b.mul_scalar(&batch, m)?;
             let updated = self.b.add(&keep, &new)?;
-            self.updates.push(Update { handle, value: updated, dtype: DataType::Float, add: false });
+            self.updates.push(Update {
+                handle,
+                value: updated,
+                dtype: DataType::Float,
+                add: false,
+            });
         }
         if let Some((handle, _)) = self.handles.get(&p("num_batches_tracked")).cloned() {
             let one = self.b.constant(&[1i64], &[])?;
-            self.updates.push(Update { handle, value: one, dtype: DataType::Int64, add: true });
+            self.updates.push(Update {
+                handle,
+                value: one,
+                dtype: DataType::Int64,
+                add: true,
+            });
         }
         Ok(())
     }
@@ -655,15 +906,26 @@ impl Ctx<'_> {
         let (seq, embed) = (x.dims[0], x.dims[1]);
         let heads = c.num_heads as i64;
         let head_dim = embed / heads;
-        let qkv = self.linear(x.clone(), &p("in_proj_weight"), &p("in_proj_bias"), 3 * embed)?;
+        let qkv = self.linear(
+            x.clone(),
+            &p("in_proj_weight"),
+            &p("in_proj_bias"),
+            3 * embed,
+        )?;
         let parts = self.b.split(&qkv.out, 2, 3)?;
         let mut split = |t: &Output| -> Result<Output> {
-            let r = self.b.reshape(t, &[-1, seq as i32, heads as i32, head_dim as i32], DataType::Float)?;
+            let r = self.b.reshape(
+                t,
+                &[-1, seq as i32, heads as i32, head_dim as i32],
+                DataType::Float,
+            )?;
             self.b.transpose(&r, &[0, 2, 1, 3])
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
         let scores = self.b.batch_matmul(&q, &k, false, true)?;
-        let mut scores = self.b.mul_scalar(&scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
+        let mut scores = self
+            .b
+            .mul_scalar(&scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
         if c.causal {
             let mut mask = vec![0f32; (seq * seq) as usize];
             for i in 0..seq {
@@ -676,13 +938,26 @@ impl Ctx<'_> {
         }
         let weights = self.b.softmax(&scores)?;
         let weights = self
-            .dropout(Val { out: weights, dims: vec![heads, seq, seq], nhwc: false }, c.dropout)?
+            .dropout(
+                Val {
+                    out: weights,
+                    dims: vec![heads, seq, seq],
+                    nhwc: false,
+                },
+                c.dropout,
+            )?
             .out;
         let attended = self.b.batch_matmul(&weights, &v, false, false)?;
         let merged = self.b.transpose(&attended, &[0, 2, 1, 3])?;
-        let merged = self.b.reshape(&merged, &[-1, seq as i32, embed as i32], DataType::Float)?;
+        let merged = self
+            .b
+            .reshape(&merged, &[-1, seq as i32, embed as i32], DataType::Float)?;
         self.linear(
-            Val { out: merged, dims: vec![seq, embed], nhwc: false },
+            Val {
+                out: merged,
+                dims: vec![seq, embed],
+                nhwc: false,
+            },
             &p("out_proj.weight"),
             &p("out_proj.bias"),
             embed,

@@ -362,7 +362,12 @@ fn move_class_last(b: &mut Builder, x: &Output, rank: usize) -> Result<Output> {
 /// entries on the last axis). TensorFlow's C++ gradient of `LogSoftmax` sums
 /// over axis 1, which is the last axis only for rank 2, so a higher-rank `x`
 /// goes through `[-1, C]` and back.
-pub(crate) fn log_softmax_last(b: &mut Builder, x: &Output, rank: usize, classes: i64) -> Result<Output> {
+pub(crate) fn log_softmax_last(
+    b: &mut Builder,
+    x: &Output,
+    rank: usize,
+    classes: i64,
+) -> Result<Output> {
     if rank <= 2 {
         return b.log_softmax(x);
     }

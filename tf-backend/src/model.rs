@@ -12,7 +12,7 @@ use tensorflow::{DataType, Output};
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
-use crate::engine::{next_stream, seed_tensor, tf_dtype, Engine, Forward, Var};
+use crate::engine::{next_stream, seed_tensor, tf_dtype, Engine, Forward, GradientProgram, Var};
 use crate::layers::{Ctx, Val};
 
 /// A model built from a Kiln [`Layer`] definition as a TensorFlow graph.
@@ -48,9 +48,13 @@ pub struct TfModel {
 
 /// Locks an engine; a poisoned lock (a panic elsewhere) is an error, not a panic.
 pub(crate) fn lock(engine: &Mutex<Engine>) -> Result<MutexGuard<'_, Engine>> {
-    engine
-        .lock()
-        .map_err(|_| Error::backend("tensorflow", "locking the model's session", "a thread panicked while holding it"))
+    engine.lock().map_err(|_| {
+        Error::backend(
+            "tensorflow",
+            "locking the model's session",
+            "a thread panicked while holding it",
+        )
+    })
 }
 
 impl TfModel {
@@ -110,28 +114,63 @@ impl TfModel {
     /// and the loss value; one session run, nothing is updated (batch-norm
     /// running statistics included). Parameters the loss does not depend on
     /// are left out.
-    pub fn gradients(&self, loss: &kiln_core::Loss, inputs: &TfTensor, targets: &TfTensor) -> Result<(f64, StateDict)> {
+    pub fn gradients(
+        &self,
+        loss: &kiln_core::Loss,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+    ) -> Result<(f64, StateDict)> {
         let train = self.mode.is_train();
         let mut engine = lock(&self.engine)?;
         self.forward_program(&mut engine, inputs, train)?;
-        let sample: Vec<i64> = inputs.shape().dims().iter().skip(1).map(|&d| d as i64).collect();
+        let sample: Vec<i64> = inputs
+            .shape()
+            .dims()
+            .iter()
+            .skip(1)
+            .map(|&d| d as i64)
+            .collect();
         let mut tdims: Vec<i64> = targets.shape().dims().iter().map(|&d| d as i64).collect();
         if let Some(first) = tdims.first_mut() {
             *first = -1;
         }
-        let key = format!("{loss:?}|{train}|{sample:?}|{}|{tdims:?}|{}", inputs.dtype(), targets.dtype());
+        let key = format!(
+            "{loss:?}|{train}|{sample:?}|{}|{tdims:?}|{}",
+            inputs.dtype(),
+            targets.dtype()
+        );
         if !engine.gradient_programs.contains_key(&key) {
-            let forward = build_forward(&mut engine, &self.spec, &self.handles(), &sample, inputs.data_type(), train)?;
+            let forward = build_forward(
+                &mut engine,
+                &self.spec,
+                &self.handles(),
+                &sample,
+                inputs.data_type(),
+                train,
+            )?;
             let b = &mut engine.b;
             let t = b.placeholder(targets.data_type(), Some(&tdims))?;
             let mut odims = vec![-1i64];
             odims.extend(&forward.output_dims);
-            let l = crate::loss::build_loss(b, loss, &forward.output, &odims, &t, targets.dtype(), &tdims)?;
+            let l = crate::loss::build_loss(
+                b,
+                loss,
+                &forward.output,
+                &odims,
+                &t,
+                targets.dtype(),
+                &tdims,
+            )?;
             let names: Vec<(String, Output)> = self
                 .vars
                 .iter()
                 .filter(|v| v.kind == ParamKind::Parameter)
-                .filter_map(|v| forward.reads.get(&v.name).map(|r| (v.name.clone(), r.clone())))
+                .filter_map(|v| {
+                    forward
+                        .reads
+                        .get(&v.name)
+                        .map(|r| (v.name.clone(), r.clone()))
+                })
                 .collect();
             let xs: Vec<Output> = names.iter().map(|(_, r)| r.clone()).collect();
             let grads = b.gradients(&l, &xs)?;
@@ -140,9 +179,22 @@ impl TfModel {
                 .zip(grads)
                 .filter_map(|((n, _), g)| g.map(|g| (n, g)))
                 .collect();
-            engine.gradient_programs.insert(key.clone(), (forward, t, l, named));
+            engine.gradient_programs.insert(
+                key.clone(),
+                GradientProgram {
+                    forward,
+                    target: t,
+                    loss: l,
+                    grads: named,
+                },
+            );
         }
-        let (forward, t, l, named) = engine
+        let GradientProgram {
+            forward,
+            target: t,
+            loss: l,
+            grads: named,
+        } = engine
             .gradient_programs
             .get(&key)
             .cloned()
@@ -178,7 +230,12 @@ impl TfModel {
     }
 
     /// The forward program for inputs like `input` in `train` mode, built on first use.
-    pub(crate) fn forward_program(&self, engine: &mut Engine, input: &TfTensor, train: bool) -> Result<Forward> {
+    pub(crate) fn forward_program(
+        &self,
+        engine: &mut Engine,
+        input: &TfTensor,
+        train: bool,
+    ) -> Result<Forward> {
         let dims = input.shape().dims().to_vec();
         let Some((_, sample)) = dims.split_first() else {
             return Err(Error::ShapeMismatch {
@@ -206,7 +263,14 @@ impl TfModel {
                 actual: input.dtype(),
             });
         }
-        let mut program = build_forward(engine, &self.spec, &self.handles(), &sample, input.data_type(), train)?;
+        let mut program = build_forward(
+            engine,
+            &self.spec,
+            &self.handles(),
+            &sample,
+            input.data_type(),
+            train,
+        )?;
         program.update_ops = crate::layers::add_updates(&mut engine.b, &program.updates, &[])?;
         engine.forwards.insert(key, program.clone());
         Ok(program)
@@ -236,7 +300,11 @@ pub(crate) fn build_forward(
     input_dtype: DataType,
     train: bool,
 ) -> Result<Forward> {
-    let saved = engine.b.set_scope(if train { "train_forward" } else { "eval_forward" });
+    let saved = engine.b.set_scope(if train {
+        "train_forward"
+    } else {
+        "eval_forward"
+    });
     let mut shape = vec![-1i64];
     shape.extend(sample);
     let input = engine.b.placeholder(input_dtype, Some(&shape));
@@ -282,8 +350,12 @@ fn init_value(spec: &ParamSpec) -> Result<HostTensor> {
     let mut rng = SplitMix(seed ^ draw.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x1234_5678);
     let mut values: Vec<f64> = match spec.init {
         InitDistribution::Constant { value } => vec![value; n],
-        InitDistribution::Uniform { low, high } => (0..n).map(|_| low + (high - low) * rng.uniform()).collect(),
-        InitDistribution::Normal { mean, std } => (0..n).map(|_| mean + std * rng.normal()).collect(),
+        InitDistribution::Uniform { low, high } => {
+            (0..n).map(|_| low + (high - low) * rng.uniform()).collect()
+        }
+        InitDistribution::Normal { mean, std } => {
+            (0..n).map(|_| mean + std * rng.normal()).collect()
+        }
     };
     if let Some(row) = spec.zero_row {
         let width = spec.shape.get(1..).map_or(1, |d| d.iter().product());
@@ -331,7 +403,12 @@ impl Module<TfBackend> for TfModel {
             feeds.push((ph, seed));
         }
         let targets: Vec<_> = program.update_ops.iter().collect();
-        let mut out = engine.run(&feeds, &[(&program.output, DataType::Float)], &targets, "running the forward pass")?;
+        let mut out = engine.run(
+            &feeds,
+            &[(&program.output, DataType::Float)],
+            &targets,
+            "running the forward pass",
+        )?;
         out.pop()
             .ok_or_else(|| Error::backend("tensorflow", "running the forward pass", "no output"))
     }
@@ -382,7 +459,10 @@ impl Module<TfBackend> for TfModel {
             }
             values.push(host.to_dtype(var.dtype));
         }
-        if let Some(extra) = state.keys().find(|k| !self.vars.iter().any(|v| &v.name == *k)) {
+        if let Some(extra) = state
+            .keys()
+            .find(|k| !self.vars.iter().any(|v| &v.name == *k))
+        {
             return Err(Error::invalid_argument(
                 extra.as_str(),
                 format!(

@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{
-    assign_groups, DType, Error, GradClip, HostTensor, Loss, Module, Optimizer, OptimizerConfig,
-    ParamGroup, ParamKind, Reduction, Result, StateDict,
+    assign_groups, AdamConfig, AdamWConfig, DType, Error, GradClip, HostTensor, Loss, Module,
+    Optimizer, OptimizerConfig, ParamGroup, ParamKind, Reduction, Result, StateDict, StepPlan,
 };
 use tensorflow::{DataType, Operation, Output};
 
@@ -111,7 +111,11 @@ fn state_names(config: &OptimizerConfig) -> Result<Vec<&'static str>> {
             v
         }
         OptimizerConfig::Adagrad(_) => vec!["sum"],
-        other => return Err(Error::unsupported(format!("optimizer {other:?} on TensorFlow"))),
+        other => {
+            return Err(Error::unsupported(format!(
+                "optimizer {other:?} on TensorFlow"
+            )))
+        }
     })
 }
 
@@ -121,7 +125,11 @@ impl TfOptimizer {
     pub fn new(config: OptimizerConfig, model: &TfModel, groups: &[ParamGroup]) -> Result<Self> {
         config.validate()?;
         let names = state_names(&config)?;
-        let params: Vec<&Var> = model.vars.iter().filter(|v| v.kind == ParamKind::Parameter).collect();
+        let params: Vec<&Var> = model
+            .vars
+            .iter()
+            .filter(|v| v.kind == ParamKind::Parameter)
+            .collect();
         let param_names: Vec<String> = params.iter().map(|v| v.name.clone()).collect();
         let assignment = assign_groups(&param_names, groups)?;
         let (base_lr, base_wd) = (config.lr(), config.weight_decay());
@@ -147,7 +155,13 @@ impl TfOptimizer {
         for (var, group) in params.into_iter().zip(assignment) {
             let mut state = Vec::new();
             for key in &names {
-                let sv = guard.add_var("optim", &format!("{}.{key}", var.name), DType::F32, &var.dims, ParamKind::Buffer)?;
+                let sv = guard.add_var(
+                    "optim",
+                    &format!("{}.{key}", var.name),
+                    DType::F32,
+                    &var.dims,
+                    ParamKind::Buffer,
+                )?;
                 let init = full(state_init(&config, key) as f32, &var.dims)?;
                 inits.push((sv.clone(), init));
                 state.push((*key, sv));
@@ -213,11 +227,31 @@ impl TfOptimizer {
             OptimizerConfig::Sgd(c) => {
                 let first = self.step == 0;
                 // buf = m_eff * buf + d_eff * d_p; the first step copies d_p.
-                let (m_eff, d_eff) = if first { (0.0, 1.0) } else { (c.momentum, 1.0 - c.dampening) };
-                (group(&|_| [0.0, 0.0]), [m_eff as f32, d_eff as f32, 0.0, 0.0])
+                let (m_eff, d_eff) = if first {
+                    (0.0, 1.0)
+                } else {
+                    (c.momentum, 1.0 - c.dampening)
+                };
+                (
+                    group(&|_| [0.0, 0.0]),
+                    [m_eff as f32, d_eff as f32, 0.0, 0.0],
+                )
             }
-            OptimizerConfig::Adam(c) => adam_coefs(c.betas, c.eps, t, &group),
-            OptimizerConfig::AdamW(c) => adam_coefs(c.betas, c.eps, t, &group),
+            OptimizerConfig::Adam(AdamConfig { betas, eps, .. })
+            | OptimizerConfig::AdamW(AdamWConfig { betas, eps, .. }) => {
+                // step_size = lr / (1 - beta1^t); AdamW's decay factor 1 - lr * wd.
+                let bc1 = 1.0 - betas.0.powi(t);
+                let bc2 = 1.0 - betas.1.powi(t);
+                (
+                    group(&|g| [g.lr / bc1, 1.0 - g.lr * g.weight_decay]),
+                    [
+                        betas.0.powi(t) as f32,
+                        betas.1.powi(t) as f32,
+                        (eps * bc2.sqrt()) as f32,
+                        bc2.sqrt() as f32,
+                    ],
+                )
+            }
             OptimizerConfig::Adagrad(c) => {
                 let decay = 1.0 + (t as f64 - 1.0) * c.lr_decay;
                 (group(&|g| [g.lr / decay, 0.0]), [0.0; 4])
@@ -241,7 +275,12 @@ impl TfOptimizer {
     }
 
     /// Adds the update ops of every parameter, given its gradient (or `None`).
-    fn add_update_ops(&self, b: &mut Builder, grads: &[Option<Output>], after: &[&Operation]) -> Result<Vec<Operation>> {
+    fn add_update_ops(
+        &self,
+        b: &mut Builder,
+        grads: &[Option<Output>],
+        after: &[&Operation],
+    ) -> Result<Vec<Operation>> {
         let mut ops = Vec::new();
         for (slot, grad) in self.slots.iter().zip(grads) {
             // PyTorch skips parameters that received no gradient.
@@ -259,10 +298,22 @@ impl TfOptimizer {
             .iter()
             .find(|(k, _)| *k == key)
             .map(|(_, v)| v.handle.clone())
-            .ok_or_else(|| Error::backend("tensorflow", "building the optimizer", format!("no {key} state for {}", slot.name)))
+            .ok_or_else(|| {
+                Error::backend(
+                    "tensorflow",
+                    "building the optimizer",
+                    format!("no {key} state for {}", slot.name),
+                )
+            })
     }
 
-    fn update_one(&self, b: &mut Builder, slot: &Slot, grad: &Output, after: &[&Operation]) -> Result<Vec<Operation>> {
+    fn update_one(
+        &self,
+        b: &mut Builder,
+        slot: &Slot,
+        grad: &Output,
+        after: &[&Operation],
+    ) -> Result<Vec<Operation>> {
         let [lr, wd, ga, _gb] = self.coefs.group[slot.group].clone();
         let [c0, c1, _, _] = self.coefs.global.clone();
         let p = &slot.var.handle;
@@ -282,18 +333,28 @@ impl TfOptimizer {
             OptimizerConfig::Sgd(c) => {
                 let d_p = coupled(b)?;
                 if c.momentum == 0.0 {
-                    ops.push(b.op_with("ResourceApplyGradientDescent", &[p, &lr, &d_p], after, &float)?);
+                    ops.push(b.op_with(
+                        "ResourceApplyGradientDescent",
+                        &[p, &lr, &d_p],
+                        after,
+                        &float,
+                    )?);
                 } else if c.dampening == 0.0 {
                     // TensorFlow's momentum update is PyTorch's when dampening is 0
                     // (its first step also leaves buf = d_p).
                     let buf = Self::state_handle(slot, "momentum_buffer")?;
                     let m = b.scalar(c.momentum as f32)?;
                     let nesterov = c.nesterov;
-                    ops.push(b.op_with("ResourceApplyMomentum", &[p, &buf, &lr, &d_p, &m], after, &|nd| {
-                        float(nd)?;
-                        nd.set_attr_bool("use_nesterov", nesterov)?;
-                        Ok(())
-                    })?);
+                    ops.push(b.op_with(
+                        "ResourceApplyMomentum",
+                        &[p, &buf, &lr, &d_p, &m],
+                        after,
+                        &|nd| {
+                            float(nd)?;
+                            nd.set_attr_bool("use_nesterov", nesterov)?;
+                            Ok(())
+                        },
+                    )?);
                 } else {
                     let buf_h = Self::state_handle(slot, "momentum_buffer")?;
                     let buf = b.read_after(&buf_h, DataType::Float, after)?;
@@ -307,11 +368,20 @@ impl TfOptimizer {
                     } else {
                         buf_new
                     };
-                    ops.push(b.op_with("ResourceApplyGradientDescent", &[p, &lr, &update], after, &float)?);
+                    ops.push(b.op_with(
+                        "ResourceApplyGradientDescent",
+                        &[p, &lr, &update],
+                        after,
+                        &float,
+                    )?);
                 }
             }
-            OptimizerConfig::Adam(c) => ops.extend(self.adam(b, slot, grad, &param, after, c.betas, c.amsgrad, true)?),
-            OptimizerConfig::AdamW(c) => ops.extend(self.adam(b, slot, grad, &param, after, c.betas, c.amsgrad, false)?),
+            OptimizerConfig::Adam(c) => {
+                ops.extend(self.adam(b, slot, grad, &param, after, c.betas, c.amsgrad, true)?)
+            }
+            OptimizerConfig::AdamW(c) => {
+                ops.extend(self.adam(b, slot, grad, &param, after, c.betas, c.amsgrad, false)?)
+            }
             OptimizerConfig::RmsProp(c) => {
                 let g = coupled(b)?;
                 let sa_h = Self::state_handle(slot, "square_avg")?;
@@ -347,19 +417,33 @@ impl TfOptimizer {
                 } else {
                     ratio
                 };
-                ops.push(b.op_with("ResourceApplyGradientDescent", &[p, &lr, &update], after, &float)?);
+                ops.push(b.op_with(
+                    "ResourceApplyGradientDescent",
+                    &[p, &lr, &update],
+                    after,
+                    &float,
+                )?);
             }
             OptimizerConfig::Adagrad(c) => {
                 let g = coupled(b)?;
                 let sum = Self::state_handle(slot, "sum")?;
                 let eps = b.scalar(c.eps as f32)?;
-                ops.push(b.op_with("ResourceApplyAdagradV2", &[p, &sum, &ga, &eps, &g], after, &|nd| {
-                    float(nd)?;
-                    nd.set_attr_bool("update_slots", true)?;
-                    Ok(())
-                })?);
+                ops.push(b.op_with(
+                    "ResourceApplyAdagradV2",
+                    &[p, &sum, &ga, &eps, &g],
+                    after,
+                    &|nd| {
+                        float(nd)?;
+                        nd.set_attr_bool("update_slots", true)?;
+                        Ok(())
+                    },
+                )?);
             }
-            other => return Err(Error::unsupported(format!("optimizer {other:?} on TensorFlow"))),
+            other => {
+                return Err(Error::unsupported(format!(
+                    "optimizer {other:?} on TensorFlow"
+                )))
+            }
         }
         Ok(ops)
     }
@@ -368,7 +452,17 @@ impl TfOptimizer {
     /// fed `epsilon * sqrt(1 - beta2^t)`, which makes its update PyTorch's
     /// `lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + epsilon)`.
     #[allow(clippy::too_many_arguments)]
-    fn adam(&self, b: &mut Builder, slot: &Slot, grad: &Output, param: &Output, after: &[&Operation], betas: (f64, f64), amsgrad: bool, coupled: bool) -> Result<Vec<Operation>> {
+    fn adam(
+        &self,
+        b: &mut Builder,
+        slot: &Slot,
+        grad: &Output,
+        param: &Output,
+        after: &[&Operation],
+        betas: (f64, f64),
+        amsgrad: bool,
+        coupled: bool,
+    ) -> Result<Vec<Operation>> {
         let [lr, wd, step_size, decay_factor] = self.coefs.group[slot.group].clone();
         let [beta1_power, beta2_power, eps_hat, bc2_sqrt] = self.coefs.global.clone();
         let p = &slot.var.handle;
@@ -401,7 +495,18 @@ impl TfOptimizer {
             let b2 = b.scalar(betas.1 as f32)?;
             ops.push(b.op_with(
                 "ResourceApplyAdam",
-                &[p, &m, &v, &beta1_power, &beta2_power, &lr, &b1, &b2, &eps_hat, &g],
+                &[
+                    p,
+                    &m,
+                    &v,
+                    &beta1_power,
+                    &beta2_power,
+                    &lr,
+                    &b1,
+                    &b2,
+                    &eps_hat,
+                    &g,
+                ],
                 &dep_refs,
                 &|nd| {
                     nd.set_attr_type("T", DataType::Float)?;
@@ -437,14 +542,23 @@ impl TfOptimizer {
         let neg = b.mul_scalar(&step_size, -1.0)?;
         let delta = b.mul(&ratio, &neg)?;
         let p_new = b.add(&base, &delta)?;
-        for (h, value) in [(&m, &m_new), (&v, &v_new), (&vmax_h, &vmax_new), (p, &p_new)] {
+        for (h, value) in [
+            (&m, &m_new),
+            (&v, &v_new),
+            (&vmax_h, &vmax_new),
+            (p, &p_new),
+        ] {
             ops.push(b.assign(h, value, DataType::Float, &dep_refs)?);
         }
         Ok(ops)
     }
 
     /// Clips `grads` in the graph as `torch.nn.utils.clip_grad_*_` would.
-    fn clip(b: &mut Builder, grads: Vec<Option<Output>>, clip: &GradClip) -> Result<Vec<Option<Output>>> {
+    fn clip(
+        b: &mut Builder,
+        grads: Vec<Option<Output>>,
+        clip: &GradClip,
+    ) -> Result<Vec<Option<Output>>> {
         match clip {
             GradClip::Value { clip_value } => grads
                 .into_iter()
@@ -458,7 +572,10 @@ impl TfOptimizer {
                     .transpose()
                 })
                 .collect(),
-            GradClip::Norm { max_norm, norm_type } => {
+            GradClip::Norm {
+                max_norm,
+                norm_type,
+            } => {
                 let mut norms = Vec::new();
                 for g in &grads {
                     let Some(g) = g else { continue };
@@ -521,7 +638,13 @@ impl TfOptimizer {
         }
         let mut inits = Vec::new();
         for slot in &mut self.slots {
-            let var = engine.add_var("grad", &slot.name, DType::F32, &slot.var.dims, ParamKind::Buffer)?;
+            let var = engine.add_var(
+                "grad",
+                &slot.name,
+                DType::F32,
+                &slot.var.dims,
+                ParamKind::Buffer,
+            )?;
             inits.push((var.clone(), full(0f32, &slot.var.dims)?));
             slot.accum = Some(var);
         }
@@ -548,12 +671,25 @@ impl TfOptimizer {
 
     /// Runs one training micro-batch on `model` (see
     /// [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step)): one session run.
-    pub(crate) fn train_step(&mut self, model: &TfModel, inputs: &TfTensor, targets: &TfTensor, loss: &Loss, scale: f64, apply: bool, clip: Option<&GradClip>) -> Result<f64> {
+    pub(crate) fn train_step(
+        &mut self,
+        model: &TfModel,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        let (loss, scale, apply, clip) = (plan.loss, plan.scale, plan.apply, plan.clip);
         if !Arc::ptr_eq(&self.engine, &model.engine) {
-            return Err(Error::invalid_argument("optimizer", "this optimizer was built for another model"));
+            return Err(Error::invalid_argument(
+                "optimizer",
+                "this optimizer was built for another model",
+            ));
         }
         if matches!(loss_reduction(loss), Reduction::None) {
-            return Err(Error::invalid_argument("loss", "training needs a scalar loss; reduction `none` gives one value per element"));
+            return Err(Error::invalid_argument(
+                "loss",
+                "training needs a scalar loss; reduction `none` gives one value per element",
+            ));
         }
         let engine_arc = Arc::clone(&self.engine);
         let mut engine = lock(&engine_arc)?;
@@ -572,7 +708,16 @@ impl TfOptimizer {
         if !self.programs.contains_key(&key) {
             // Validate shapes with the definition's own error messages first.
             model.forward_program(&mut engine, inputs, train)?;
-            let program = self.build_step(&mut engine, model, inputs, targets, loss, apply, clip, train)?;
+            let program = self.build_step(
+                &mut engine,
+                model,
+                inputs,
+                targets,
+                loss,
+                apply,
+                clip,
+                train,
+            )?;
             self.programs.insert(key.clone(), program);
         }
         let program = self
@@ -590,11 +735,22 @@ impl TfOptimizer {
             feeds.push((ph.clone(), seed_tensor()?));
         }
         if let Some(ph) = &program.scale {
-            feeds.push((ph.clone(), TfTensor::from_host(&HostTensor::scalar(scale as f32))?));
+            feeds.push((
+                ph.clone(),
+                TfTensor::from_host(&HostTensor::scalar(scale as f32))?,
+            ));
         }
         let feed_refs: Vec<(&Output, &TfTensor)> = feeds.iter().map(|(o, t)| (o, t)).collect();
-        let loss_out = program.loss.clone().ok_or_else(|| Error::backend("tensorflow", "training step", "no loss output"))?;
-        let result = engine.run(&feed_refs, &[(&loss_out, DataType::Float)], &[&program.run], "running the training step");
+        let loss_out = program
+            .loss
+            .clone()
+            .ok_or_else(|| Error::backend("tensorflow", "training step", "no loss output"))?;
+        let result = engine.run(
+            &feed_refs,
+            &[(&loss_out, DataType::Float)],
+            &[&program.run],
+            "running the training step",
+        );
         match result {
             Ok(values) => {
                 if apply {
@@ -605,14 +761,22 @@ impl TfOptimizer {
                 }
                 let value = values
                     .first()
-                    .map(|t| t.to_host().map(|h| h.to_f64_vec().first().copied().unwrap_or(f64::NAN)))
+                    .map(|t| {
+                        t.to_host()
+                            .map(|h| h.to_f64_vec().first().copied().unwrap_or(f64::NAN))
+                    })
                     .transpose()?
                     .unwrap_or(f64::NAN);
                 Ok(value)
             }
             Err(e) if e.to_string().contains(NON_FINITE) => {
                 // Nothing was applied; report the loss itself (one more run, forward only).
-                let values = engine.run(&feed_refs, &[(&loss_out, DataType::Float)], &[], "evaluating a non-finite loss")?;
+                let values = engine.run(
+                    &feed_refs,
+                    &[(&loss_out, DataType::Float)],
+                    &[],
+                    "evaluating a non-finite loss",
+                )?;
                 Ok(values
                     .first()
                     .and_then(|t| t.to_host().ok())
@@ -624,9 +788,32 @@ impl TfOptimizer {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn build_step(&self, engine: &mut Engine, model: &TfModel, inputs: &TfTensor, targets: &TfTensor, loss: &Loss, apply: bool, clip: Option<&GradClip>, train: bool) -> Result<Program> {
-        let sample: Vec<i64> = inputs.shape().dims().iter().skip(1).map(|&d| d as i64).collect();
-        let forward = build_forward(engine, model.spec(), &model.handles(), &sample, inputs.data_type(), train)?;
+    fn build_step(
+        &self,
+        engine: &mut Engine,
+        model: &TfModel,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        loss: &Loss,
+        apply: bool,
+        clip: Option<&GradClip>,
+        train: bool,
+    ) -> Result<Program> {
+        let sample: Vec<i64> = inputs
+            .shape()
+            .dims()
+            .iter()
+            .skip(1)
+            .map(|&d| d as i64)
+            .collect();
+        let forward = build_forward(
+            engine,
+            model.spec(),
+            &model.handles(),
+            &sample,
+            inputs.data_type(),
+            train,
+        )?;
         let b = &mut engine.b;
         let saved = b.set_scope("train_step");
         let result = (|| -> Result<Program> {
@@ -635,13 +822,28 @@ impl TfOptimizer {
             let target = b.placeholder(targets.data_type(), Some(&tdims))?;
             let mut odims = vec![-1i64];
             odims.extend(&forward.output_dims);
-            let loss_out = crate::loss::build_loss(b, loss, &forward.output, &odims, &target, targets.dtype(), &tdims)?;
+            let loss_out = crate::loss::build_loss(
+                b,
+                loss,
+                &forward.output,
+                &odims,
+                &target,
+                targets.dtype(),
+                &tdims,
+            )?;
             let scale = scalar_ph(b)?;
             let scaled = b.mul(&loss_out, &scale)?;
-            let xs: Vec<Option<Output>> = self.slots.iter().map(|s| forward.reads.get(&s.name).cloned()).collect();
+            let xs: Vec<Option<Output>> = self
+                .slots
+                .iter()
+                .map(|s| forward.reads.get(&s.name).cloned())
+                .collect();
             let present: Vec<Output> = xs.iter().flatten().cloned().collect();
             let mut found = b.gradients(&scaled, &present)?.into_iter();
-            let grads: Vec<Option<Output>> = xs.iter().map(|x| x.as_ref().and_then(|_| found.next().flatten())).collect();
+            let grads: Vec<Option<Output>> = xs
+                .iter()
+                .map(|x| x.as_ref().and_then(|_| found.next().flatten()))
+                .collect();
             let finite = b.all_finite(&loss_out, 0)?;
             let guard = b.assert(&finite, NON_FINITE)?;
             let mut ops = add_updates(b, &forward.updates, &[&guard])?;
@@ -669,10 +871,15 @@ impl TfOptimizer {
             } else {
                 for (slot, g) in self.slots.iter().zip(&grads) {
                     if let (Some(g), Some(acc)) = (g, &slot.accum) {
-                        ops.push(b.op_with("AssignAddVariableOp", &[&acc.handle, g], &[&guard], &|nd| {
-                            nd.set_attr_type("dtype", DataType::Float)?;
-                            Ok(())
-                        })?);
+                        ops.push(b.op_with(
+                            "AssignAddVariableOp",
+                            &[&acc.handle, g],
+                            &[&guard],
+                            &|nd| {
+                                nd.set_attr_type("dtype", DataType::Float)?;
+                                Ok(())
+                            },
+                        )?);
                     }
                 }
             }
@@ -698,40 +905,32 @@ impl TfOptimizer {
         let grads = self
             .slots
             .iter()
-            .map(|s| s.accum.as_ref().map(|acc| b.read(&acc.handle, DataType::Float)).transpose())
+            .map(|s| {
+                s.accum
+                    .as_ref()
+                    .map(|acc| b.read(&acc.handle, DataType::Float))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>>>()?;
         let updates = self.add_update_ops(b, &grads, &[])?;
         let refs: Vec<&Operation> = updates.iter().collect();
         let zeroing = self.zero_accumulators(b, &refs)?;
         let all: Vec<&Operation> = updates.iter().chain(&zeroing).collect();
         let run = b.group(&all)?;
-        Ok(Program { input: None, target: None, seed: None, scale: None, loss: None, run })
+        Ok(Program {
+            input: None,
+            target: None,
+            seed: None,
+            scale: None,
+            loss: None,
+            run,
+        })
     }
 }
 
 /// A float32 tensor of `dims` filled with `value`.
 fn full(value: f32, dims: &[usize]) -> Result<HostTensor> {
     HostTensor::new(vec![value; dims.iter().product()], dims.to_vec())
-}
-
-fn adam_coefs(
-    (beta1, beta2): (f64, f64),
-    eps: f64,
-    t: i32,
-    group: &dyn Fn(&dyn Fn(&GroupHyper) -> [f64; 2]) -> Vec<[f32; 4]>,
-) -> (Vec<[f32; 4]>, [f32; 4]) {
-    let bc1 = 1.0 - beta1.powi(t);
-    let bc2 = 1.0 - beta2.powi(t);
-    let per_group = group(&|g| [g.lr / bc1, 1.0 - g.lr * g.weight_decay]);
-    (
-        per_group,
-        [
-            beta1.powi(t) as f32,
-            beta2.powi(t) as f32,
-            (eps * bc2.sqrt()) as f32,
-            bc2.sqrt() as f32,
-        ],
-    )
 }
 
 fn loss_reduction(loss: &Loss) -> Reduction {
@@ -758,7 +957,8 @@ impl Optimizer<TfBackend> for TfOptimizer {
         let mut engine = lock(&engine_arc)?;
         if !self.programs.contains_key("apply_accumulated") {
             let program = self.build_apply_accumulated(&mut engine)?;
-            self.programs.insert("apply_accumulated".to_owned(), program);
+            self.programs
+                .insert("apply_accumulated".to_owned(), program);
         }
         let feeds = self.coefficient_feeds()?;
         let feed_refs: Vec<(&Output, &TfTensor)> = feeds.iter().map(|(o, t)| (o, t)).collect();
@@ -823,7 +1023,11 @@ impl Optimizer<TfBackend> for TfOptimizer {
     /// `group.<i>.lr` / `group.<i>.weight_decay`.
     fn state_dict(&self) -> Result<StateDict> {
         let mut out = StateDict::new();
-        let state_vars: Vec<Var> = self.slots.iter().flat_map(|s| s.state.iter().map(|(_, v)| v.clone())).collect();
+        let state_vars: Vec<Var> = self
+            .slots
+            .iter()
+            .flat_map(|s| s.state.iter().map(|(_, v)| v.clone()))
+            .collect();
         let values = if self.step > 0 {
             lock(&self.engine)?.read_vars(&state_vars)?
         } else {
@@ -831,7 +1035,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
         };
         let mut values = values.into_iter();
         for slot in &self.slots {
-            out.insert(format!("state.{}.step", slot.name), HostTensor::scalar(self.step as i64));
+            out.insert(
+                format!("state.{}.step", slot.name),
+                HostTensor::scalar(self.step as i64),
+            );
             for (key, _) in &slot.state {
                 if let Some(value) = values.next() {
                     out.insert(format!("state.{}.{key}", slot.name), value);
@@ -840,7 +1047,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
         }
         for (i, group) in self.groups.iter().enumerate() {
             out.insert(format!("group.{i}.lr"), HostTensor::scalar(group.lr));
-            out.insert(format!("group.{i}.weight_decay"), HostTensor::scalar(group.weight_decay));
+            out.insert(
+                format!("group.{i}.weight_decay"),
+                HostTensor::scalar(group.weight_decay),
+            );
         }
         Ok(out)
     }
@@ -852,10 +1062,17 @@ impl Optimizer<TfBackend> for TfOptimizer {
         for slot in &self.slots {
             let key = format!("state.{}.step", slot.name);
             let s = match state.get(&key) {
-                Some(t) => t.to_dtype(DType::I64).as_slice::<i64>()?.first().copied().unwrap_or(0),
+                Some(t) => t
+                    .to_dtype(DType::I64)
+                    .as_slice::<i64>()?
+                    .first()
+                    .copied()
+                    .unwrap_or(0),
                 None => 0,
             };
-            let s = u64::try_from(s).map_err(|_| Error::invalid_argument(key.clone(), format!("negative step count {s}")))?;
+            let s = u64::try_from(s).map_err(|_| {
+                Error::invalid_argument(key.clone(), format!("negative step count {s}"))
+            })?;
             match step {
                 None => step = Some(s),
                 Some(prev) if prev != s => {
@@ -870,7 +1087,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
             for (k, _) in state.iter() {
                 if let Some(buffer) = k.strip_prefix(&prefix) {
                     if buffer != "step" && !slot.state.iter().any(|(name, _)| *name == buffer) {
-                        return Err(Error::invalid_argument(k.clone(), "unknown optimizer state buffer"));
+                        return Err(Error::invalid_argument(
+                            k.clone(),
+                            "unknown optimizer state buffer",
+                        ));
                     }
                 }
             }
@@ -898,7 +1118,11 @@ impl Optimizer<TfBackend> for TfOptimizer {
                 group.lr = lr.to_f64_vec().first().copied().unwrap_or(group.lr);
             }
             if let Some(wd) = state.get(&format!("group.{i}.weight_decay")) {
-                group.weight_decay = wd.to_f64_vec().first().copied().unwrap_or(group.weight_decay);
+                group.weight_decay = wd
+                    .to_f64_vec()
+                    .first()
+                    .copied()
+                    .unwrap_or(group.weight_decay);
             }
         }
         let vars: Vec<&Var> = writes.iter().map(|(v, _)| v).collect();
@@ -909,4 +1133,3 @@ impl Optimizer<TfBackend> for TfOptimizer {
         Ok(())
     }
 }
-

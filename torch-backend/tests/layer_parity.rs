@@ -22,7 +22,10 @@ struct Case {
 /// One case per layer kind and option, shared with the cross-backend suite:
 /// `tests/fixtures/layer_cases.json` at the workspace root.
 fn cases() -> Vec<Case> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/layer_cases.json");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/layer_cases.json"
+    );
     let text = std::fs::read_to_string(path).unwrap();
     let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
     values
@@ -167,4 +170,3 @@ fn dropout_in_training_zeroes_about_p_and_scales_the_rest() {
         "kept values are scaled by 1/(1-p)"
     );
 }
-
