@@ -623,3 +623,98 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
     assert!(value.is_finite());
     assert_ne!(tf.state_dict().unwrap(), model_before);
 }
+
+/// TensorFlow models draw their initial weights from PyTorch's distributions,
+/// reproducibly from the backend's seed.
+#[test]
+fn tensorflow_initialisation_follows_pytorch_defaults_and_the_seed() {
+    let _serial = serial();
+    let spec: Layer = LinearConfig::new(256, 128).into();
+    TfBackend::manual_seed(11);
+    let a = TfBackend::build_model(&spec, Device::Cpu)
+        .unwrap()
+        .state_dict()
+        .unwrap();
+    TfBackend::manual_seed(11);
+    let b = TfBackend::build_model(&spec, Device::Cpu)
+        .unwrap()
+        .state_dict()
+        .unwrap();
+    assert_eq!(a, b, "the same seed gives the same weights");
+    TfBackend::manual_seed(12);
+    let c = TfBackend::build_model(&spec, Device::Cpu)
+        .unwrap()
+        .state_dict()
+        .unwrap();
+    assert_ne!(a, c);
+    // nn.Linear: kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)), bias likewise.
+    let bound = 1.0 / 256f64.sqrt();
+    let w = a.get("weight").unwrap().to_f64_vec();
+    assert!(w.iter().all(|v| v.abs() <= bound));
+    let mean = w.iter().sum::<f64>() / w.len() as f64;
+    let var = w.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / w.len() as f64;
+    assert!(mean.abs() < 0.05 * bound, "mean {mean}");
+    assert!(
+        (var / (bound * bound / 3.0) - 1.0).abs() < 0.05,
+        "variance {var} vs {}",
+        bound * bound / 3.0
+    );
+    assert!(a
+        .get("bias")
+        .unwrap()
+        .to_f64_vec()
+        .iter()
+        .all(|v| v.abs() <= bound));
+}
+
+/// Bad input to the TensorFlow backend is a typed error naming what was expected.
+#[test]
+fn tensorflow_errors_name_what_was_expected() {
+    let _serial = serial();
+    let case = &cases()[0];
+    let mut tf = TfBackend::build_model(&case.spec, Device::Cpu).unwrap();
+    let x = TfBackend::from_host(
+        &HostTensor::new(vec![0f32; 48], [16, 3]).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap();
+    let err = tf.forward(&x).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "0 (Linear): expected shape [*, 20], got [16, 3]"
+    );
+    let x64 = TfBackend::from_host(
+        &HostTensor::new(vec![0f64; 40], [2, 20]).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap();
+    assert!(matches!(
+        tf.forward(&x64).unwrap_err(),
+        kiln::Error::DTypeMismatch { .. }
+    ));
+    assert!(matches!(
+        TfBackend::build_model(&case.spec, Device::Cuda(0)).unwrap_err(),
+        kiln::Error::DeviceUnavailable { .. }
+    ));
+    let mut bad = tf.state_dict().unwrap();
+    let before = bad.clone();
+    bad.insert("4.bias", HostTensor::new(vec![0f32; 3], [3]).unwrap());
+    assert_eq!(
+        tf.load_state_dict(&bad).unwrap_err().to_string(),
+        "state dict entry `4.bias`: expected shape [5], got [3]"
+    );
+    assert_eq!(
+        tf.state_dict().unwrap(),
+        before,
+        "a failed load changes nothing"
+    );
+    let out = TfBackend::from_host(
+        &HostTensor::new(vec![0f32; 10], [2, 5]).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap();
+    assert!(matches!(
+        TfBackend::backward(&out).unwrap_err(),
+        kiln::Error::Unsupported { .. }
+    ));
+}
