@@ -39,7 +39,6 @@ const DEFAULT_IGNORE_INDEX: i64 = -100;
 /// and [`Error::Unsupported`] for a loss this backend does not build. A class
 /// index outside `[0, C)` that is not `ignore_index` fails the session run
 /// that evaluates the loss or its gradient (PyTorch raises there too).
-#[allow(dead_code)]
 pub(crate) fn build_loss(
     b: &mut Builder,
     loss: &Loss,
