@@ -1,10 +1,25 @@
-//! Compiles the C++ ops with cc (flags from kiln-build) and generates the cxx bridge.
+//! Compiles the C++ ops with cc against libtorch (flags from kiln-build), generates
+//! the cxx bridge, and links the ops a second time as `libkiln_ops.so` for Python.
 
 fn main() {
-    let mut build = cxx_build::bridge("src/bridge.rs");
-    kiln_build::configure_cxx(&mut build);
-    build.file("src/ops.cc").compile("kiln_ops");
-    for path in ["src/bridge.rs", "src/ops.cc", "include/ops.h"] {
+    kiln_build::build_script(kiln_build::Native {
+        torch: true,
+        tensorflow: false,
+    });
+    let ops = kiln_build::TorchOps::new("kiln_ops")
+        .bridge("src/bridge.rs")
+        .bridge_source("src/ops.cc")
+        .op_source("src/torch_ops.cc")
+        .compile()
+        .unwrap_or_else(|e| {
+            println!("cargo:warning=kiln-ops: {e}");
+            std::process::exit(1);
+        });
+    println!(
+        "cargo:rustc-env=KILN_OPS_TORCH_LIBRARY={}",
+        ops.shared_library.display()
+    );
+    for path in ["include/ops.h", "include/kernels.h"] {
         println!("cargo:rerun-if-changed={path}");
     }
 }

@@ -95,7 +95,7 @@ fn canonical(path: &Path) -> Result<PathBuf> {
 
 /// The real (symlink-free) libtorch `lib/` directory: `$ORIGIN` in libtorch's own
 /// rpath must resolve inside the wheel to find the CUDA runtime wheels beside it.
-fn torch_lib_dir() -> Result<PathBuf> {
+pub(crate) fn torch_lib_dir() -> Result<PathBuf> {
     let from_deps = [
         "DEP_KILN_LIBTORCH_LIB",
         "DEP_KILN_TORCH_LIBTORCH_LIB",

@@ -3,6 +3,9 @@
 #pragma once
 
 #include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
 #include "rust/cxx.h"
 
 namespace kiln::ops {
@@ -14,5 +17,16 @@ std::int32_t cxx11_abi();
 // Number of elements of a shape; throws std::invalid_argument for a negative
 // dimension and std::overflow_error when the product does not fit in int64.
 std::int64_t checked_numel(rust::Slice<const std::int64_t> dims);
+
+// 1; calling it keeps the object file with the TORCH_LIBRARY registrations linked.
+int torch_ops_registered();
+
+// The `kiln::` ops through libtorch's dispatcher (CPU or CUDA kernel, autograd).
+// They return a new tensor the caller owns; a c10::Error becomes a
+// std::runtime_error with the message (without libtorch's backtrace).
+at::Tensor* bias_gelu(const at::Tensor* x, const at::Tensor* bias);
+at::Tensor* softmax_xent(const at::Tensor* logits, const at::Tensor* target,
+                         double label_smoothing);
+at::Tensor* swish(const at::Tensor* x, const at::Tensor* beta);
 
 }  // namespace kiln::ops

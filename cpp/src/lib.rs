@@ -16,8 +16,11 @@
 
 #[allow(unsafe_code)]
 mod bridge;
+mod torch;
 
 use kiln_core::{Error, Result};
+
+pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY};
 
 /// The `_GLIBCXX_USE_CXX11_ABI` value the C++ code was compiled with.
 pub fn cxx11_abi() -> i32 {

@@ -1,5 +1,7 @@
 #include "kiln-ops/include/ops.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -23,6 +25,48 @@ std::int64_t checked_numel(rust::Slice<const std::int64_t> dims) {
     numel *= d;
   }
   return numel;
+}
+
+namespace {
+
+c10::OperatorHandle find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Runs `f`, returning its tensor on the heap; libtorch's errors lose their backtrace.
+template <typename F>
+at::Tensor* owned(F&& f) {
+  try {
+    return new at::Tensor(f());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+at::Tensor* bias_gelu(const at::Tensor* x, const at::Tensor* bias) {
+  return owned([&] {
+    static auto op =
+        find("kiln::bias_gelu").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+    return op.call(*x, *bias);
+  });
+}
+
+at::Tensor* softmax_xent(const at::Tensor* logits, const at::Tensor* target,
+                         double label_smoothing) {
+  return owned([&] {
+    static auto op = find("kiln::softmax_xent")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+    return op.call(*logits, *target, label_smoothing);
+  });
+}
+
+at::Tensor* swish(const at::Tensor* x, const at::Tensor* beta) {
+  return owned([&] {
+    static auto op = find("kiln::swish").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+    return op.call(*x, *beta);
+  });
 }
 
 }  // namespace kiln::ops
