@@ -1,0 +1,26 @@
+//! Step 1 of adding an op: compile its C++ with kiln-build's helper, which sets
+//! C++17, libtorch's ABI flag and include paths, generates the cxx bridge, links
+//! the archive whole (so `TORCH_LIBRARY` registrations survive) and also builds
+//! `libsquared_relu.so` for Python's `torch.ops.load_library`.
+
+fn main() {
+    // The libraries' directories on the binaries' rpath.
+    kiln_build::build_script(kiln_build::Native {
+        torch: true,
+        tensorflow: false,
+    });
+    let ops = kiln_build::TorchOps::new("squared_relu")
+        .bridge("src/ffi.rs")
+        .bridge_source("cpp/bridge.cc")
+        .op_source("cpp/squared_relu.cc")
+        .compile()
+        .unwrap_or_else(|e| {
+            println!("cargo:warning={e}");
+            std::process::exit(1);
+        });
+    println!(
+        "cargo:rustc-env=SQUARED_RELU_LIBRARY={}",
+        ops.shared_library.display()
+    );
+    println!("cargo:rerun-if-changed=cpp/bridge.h");
+}
