@@ -20,15 +20,14 @@ use crate::link::torch_lib_dir;
 /// static archive linked whole (so the static registrations are never dropped).
 ///
 /// ```no_run
-/// // build.rs of a crate with its own op (see examples/custom-op)
-/// fn main() {
-///     let ops = kiln_build::TorchOps::new("my_ops")
-///         .bridge("src/lib.rs")
-///         .op_source("src/my_op.cc")
-///         .compile()
-///         .unwrap_or_else(|e| panic!("{e}"));
-///     println!("cargo:rustc-env=MY_OPS_LIBRARY={}", ops.shared_library.display());
-/// }
+/// // in build.rs of a crate with its own op (see examples/custom-op)
+/// let ops = kiln_build::TorchOps::new("my_ops")
+///     .bridge("src/ffi.rs")
+///     .bridge_source("cpp/bridge.cc")
+///     .op_source("cpp/my_op.cc")
+///     .compile()
+///     .unwrap_or_else(|e| panic!("{e}"));
+/// println!("cargo:rustc-env=MY_OPS_LIBRARY={}", ops.shared_library.display());
 /// ```
 #[derive(Debug, Clone)]
 pub struct TorchOps {
@@ -88,8 +87,14 @@ impl TorchOps {
     /// Compiles everything and emits cargo's link directives.
     pub fn compile(self) -> Result<OpsArtifacts> {
         let lib = torch_lib_dir()?;
-        let root = lib.parent().map(Path::to_path_buf).unwrap_or_else(|| lib.clone());
-        let includes = [root.join("include"), root.join("include/torch/csrc/api/include")];
+        let root = lib
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| lib.clone());
+        let includes = [
+            root.join("include"),
+            root.join("include/torch/csrc/api/include"),
+        ];
         let out_dir = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
 
         // The op objects, compiled once, go into both the archive and the .so.

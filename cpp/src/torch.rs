@@ -19,7 +19,10 @@ pub fn register() -> bool {
 }
 
 /// Wraps a tensor the bridge returned.
-fn adopt(op: &str, result: std::result::Result<*mut ffi::Tensor, cxx::Exception>) -> Result<Tensor> {
+fn adopt(
+    op: &str,
+    result: std::result::Result<*mut ffi::Tensor, cxx::Exception>,
+) -> Result<Tensor> {
     let ptr = result.map_err(|e| cxx_error(op, e))?;
     // SAFETY: the C++ side returned `new at::Tensor(...)`, which is what a tch
     // `C_tensor` pointer is; the new `Tensor` owns it and frees it with `delete`.
@@ -51,7 +54,11 @@ pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 /// Per-row softmax cross-entropy with label smoothing, as one kernel:
 /// `logits [N, C]`, int64 `target [N]`, result `[N]` (take its mean for
 /// `F.cross_entropy(logits, target, label_smoothing=...)`). Differentiable in `logits`.
-pub fn softmax_cross_entropy(logits: &Tensor, target: &Tensor, label_smoothing: f64) -> Result<Tensor> {
+pub fn softmax_cross_entropy(
+    logits: &Tensor,
+    target: &Tensor,
+    label_smoothing: f64,
+) -> Result<Tensor> {
     // SAFETY: both pointers are live `at::Tensor`s borrowed for the call.
     #[allow(unsafe_code)]
     let result = unsafe { ffi::softmax_xent(raw(logits), raw(target), label_smoothing) };

@@ -27,7 +27,7 @@ fn numeric_grad(f: &dyn Fn(&[Tensor]) -> f64, inputs: &[Tensor], which: usize) -
     let mut grad = vec![0f64; flat.size()[0] as usize];
     for (i, g) in grad.iter_mut().enumerate() {
         let eval = |delta: f64| {
-            let mut moved: Vec<Tensor> = inputs.iter().map(Tensor::copy).collect();
+            let moved: Vec<Tensor> = inputs.iter().map(Tensor::copy).collect();
             let m = moved[which].view([-1]);
             let v = m.double_value(&[i as i64]);
             let _ = m.get(i as i64).fill_(v + delta);
@@ -79,7 +79,10 @@ fn gradients_match_finite_differences() {
     );
     check_against_finite_differences(
         "softmax_xent",
-        vec![Tensor::randn([4, 6], d), Tensor::from_slice(&[1i64, 0, 5, 2])],
+        vec![
+            Tensor::randn([4, 6], d),
+            Tensor::from_slice(&[1i64, 0, 5, 2]),
+        ],
         &[0],
         &|t| kiln_ops::softmax_cross_entropy(&t[0], &t[1], 0.15).unwrap(),
     );
@@ -94,7 +97,8 @@ fn gradients_match_finite_differences() {
 /// Output and gradients of op and reference on the same float32 leaves.
 fn compare(name: &str, leaves: &[Tensor], op: Tensor, reference: Tensor, tol: f64) {
     let probe = op.randn_like();
-    let grads = |y: &Tensor| Tensor::run_backward(&[(y * &probe).sum(Kind::Float)], leaves, true, false);
+    let grads =
+        |y: &Tensor| Tensor::run_backward(&[(y * &probe).sum(Kind::Float)], leaves, true, false);
     let forward = max_diff(&op, &reference);
     let (a, b) = (grads(&op), grads(&reference));
     eprintln!("{name}: forward {forward:.2e}");
@@ -187,7 +191,10 @@ fn python() -> Option<PathBuf> {
     if python.exists() {
         Some(python)
     } else {
-        eprintln!("SKIPPED: the project virtualenv ({}) is missing", python.display());
+        eprintln!(
+            "SKIPPED: the project virtualenv ({}) is missing",
+            python.display()
+        );
         None
     }
 }
@@ -195,7 +202,9 @@ fn python() -> Option<PathBuf> {
 fn tensor(value: &serde_json::Value, kind: Kind) -> Tensor {
     let shape: Vec<i64> = serde_json::from_value(value["shape"].clone()).unwrap();
     let data: Vec<f64> = serde_json::from_value(value["data"].clone()).unwrap();
-    Tensor::from_slice(&data).to_kind(kind).view(shape.as_slice())
+    Tensor::from_slice(&data)
+        .to_kind(kind)
+        .view(shape.as_slice())
 }
 
 #[test]
@@ -204,7 +213,10 @@ fn torchscript_round_trip_through_python() {
     assert!(kiln_ops::register());
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ops-ts-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/reference/torchscript_ops.py");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/reference/torchscript_ops.py"
+    );
     let out = std::process::Command::new(&python)
         .args([script, kiln_ops::TORCH_LIBRARY, dir.to_str().unwrap()])
         .output()

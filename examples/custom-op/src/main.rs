@@ -9,8 +9,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use kiln_core::{
-    load_digits, train_test_split, AdamConfig, Backend, DataLoader, Device, InMemoryDataset,
-    Loss, Module, Optimizer, OptimizerConfig, SequentialLoader,
+    load_digits, train_test_split, AdamConfig, Backend, DataLoader, Device, InMemoryDataset, Loss,
+    Module, Optimizer, OptimizerConfig, SequentialLoader,
 };
 use kiln_example_custom_op::squared_relu;
 use kiln_torch::{compute_loss, to_tch, TchModule, TorchBackend, TorchOptimizer};
@@ -31,8 +31,8 @@ fn main() -> Result<()> {
         let hidden = nn::linear(p / "0", 64, 128, Default::default());
         let out = nn::linear(p / "2", 128, 10, Default::default());
         move |x: &tch::Tensor, _train: bool| {
-            let h = squared_relu(&x.apply(&hidden))
-                .map_err(|e| tch::TchError::Kind(e.to_string()))?;
+            let h =
+                squared_relu(&x.apply(&hidden)).map_err(|e| tch::TchError::Kind(e.to_string()))?;
             Ok(h.apply(&out))
         }
     })?;
@@ -67,6 +67,9 @@ fn main() -> Result<()> {
         .sum(tch::Kind::Int64)
         .int64_value(&[]);
     let accuracy = correct as f64 / test_y.dims()[0] as f64;
-    println!("held-out accuracy with the squared-ReLU op: {:.2}%", 100.0 * accuracy);
+    println!(
+        "held-out accuracy with the squared-ReLU op: {:.2}%",
+        100.0 * accuracy
+    );
     Ok(())
 }

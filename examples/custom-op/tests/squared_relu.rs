@@ -18,11 +18,17 @@ fn gradient_matches_finite_differences_and_values_match_relu_squared() {
         let at = |d: f64| {
             let moved = x.detach().copy();
             let _ = moved.get(i).fill_(x.double_value(&[i]) + d);
-            squared_relu(&moved).unwrap().sum(Kind::Double).double_value(&[])
+            squared_relu(&moved)
+                .unwrap()
+                .sum(Kind::Double)
+                .double_value(&[])
         };
         let numeric = (at(h) - at(-h)) / (2.0 * h);
         let analytic = x.grad().double_value(&[i]);
-        assert!((numeric - analytic).abs() < 1e-6, "{i}: {numeric} vs {analytic}");
+        assert!(
+            (numeric - analytic).abs() < 1e-6,
+            "{i}: {numeric} vs {analytic}"
+        );
     }
 }
 
