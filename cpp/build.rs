@@ -1,5 +1,6 @@
 //! Compiles the C++ ops with cc against libtorch (flags from kiln-build), generates
-//! the cxx bridge, and links the ops a second time as `libkiln_ops.so` for Python.
+//! the cxx bridge, and links the ops a second time as `libkiln_ops.so` for Python;
+//! compiles the TensorFlow ops against TensorFlow's headers and libraries.
 
 fn main() {
     kiln_build::build_script(kiln_build::Native {
@@ -20,6 +21,20 @@ fn main() {
         ops.shared_library.display()
     );
     for path in ["include/ops.h", "include/kernels.h"] {
+        println!("cargo:rerun-if-changed={path}");
+    }
+    // The same kernels as TensorFlow ops with gradients (src/tf.rs), against the
+    // TensorFlow that kiln-tf links (DEP_KILN_TF_TENSORFLOW_LIB).
+    kiln_build::TfOps::new("kiln_tf_ops")
+        .bridge("src/tf.rs")
+        .op_source("src/tf_ops.cc")
+        .op_source("src/tf/gradients.cc")
+        .compile()
+        .unwrap_or_else(|e| {
+            println!("cargo:warning=kiln-ops: {e}");
+            std::process::exit(1);
+        });
+    for path in ["src/tf/register.h", "src/tf/gradients.h"] {
         println!("cargo:rerun-if-changed={path}");
     }
 }

@@ -118,7 +118,7 @@ pub(crate) fn torch_lib_dir() -> Result<PathBuf> {
 }
 
 /// The real directory of the TensorFlow C API library.
-fn tensorflow_lib_dir() -> Result<PathBuf> {
+pub(crate) fn tensorflow_lib_dir() -> Result<PathBuf> {
     if let Some(dir) = ["DEP_KILN_TENSORFLOW_LIB", "DEP_KILN_TF_TENSORFLOW_LIB"]
         .into_iter()
         .find_map(var)

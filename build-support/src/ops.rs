@@ -155,3 +155,149 @@ impl TorchOps {
         })
     }
 }
+
+/// A crate's TensorFlow ops, for its build script: C++ sources that register ops
+/// and kernels through TensorFlow's C API (`tensorflow/c/ops.h`, `c/kernels.h`) and
+/// gradients through its C++ gradient registry
+/// (`tensorflow/cc/framework/grad_op_registry.h`), plus an optional cxx bridge.
+///
+/// Everything is compiled with the flags `tf.sysconfig.get_compile_flags()` gives for
+/// the pinned wheel (C++17, `_GLIBCXX_USE_CXX11_ABI=1`, `EIGEN_MAX_ALIGN_BYTES=64`,
+/// the wheel's `tensorflow/include` as a system include directory, so its headers'
+/// warnings stay quiet) into one static archive linked whole (so static
+/// registrations are kept), and linked against `libtensorflow_cc.so.2` (the C API
+/// and the gradient registry) and `libtensorflow_framework.so.2` (the op and kernel
+/// registries), with an rpath to their directory.
+///
+/// The TensorFlow directory is found as Kiln's other build scripts find it
+/// (`DEP_KILN_TF_TENSORFLOW_LIB` from a dependency on kiln-tf, `LIBTENSORFLOW`, or
+/// `tensorflow.pc`). It must be a wheel's `tensorflow/` directory: the C API archive
+/// ships neither the C++ headers nor the gradient registry.
+///
+/// ```no_run
+/// // in build.rs of a crate with TensorFlow ops (its dependency on kiln-tf supplies the library)
+/// kiln_build::TfOps::new("my_tf_ops")
+///     .bridge("src/tf.rs")
+///     .op_source("src/tf_ops.cc")
+///     .compile()
+///     .unwrap_or_else(|e| panic!("{e}"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct TfOps {
+    name: String,
+    bridge: Option<PathBuf>,
+    bridge_sources: Vec<PathBuf>,
+    op_sources: Vec<PathBuf>,
+    includes: Vec<PathBuf>,
+}
+
+/// What [`TfOps::compile`] built against.
+#[derive(Debug, Clone)]
+pub struct TfOpsArtifacts {
+    /// The directory holding `libtensorflow_framework.so.2` (and the C API library).
+    pub tensorflow_lib: PathBuf,
+    /// The header root the sources were compiled against (holds `tensorflow/c/c_api.h`).
+    pub tensorflow_include: PathBuf,
+}
+
+/// The header that only a wheel's include tree has and the gradients need.
+const TF_CC_HEADER: &str = "tensorflow/cc/framework/grad_op_registry.h";
+
+impl TfOps {
+    /// Ops named `name` (the archive is `lib<name>.a`).
+    pub fn new(name: impl Into<String>) -> Self {
+        TfOps {
+            name: name.into(),
+            bridge: None,
+            bridge_sources: Vec::new(),
+            op_sources: Vec::new(),
+            includes: Vec::new(),
+        }
+    }
+
+    /// The Rust file holding the `#[cxx::bridge]` module of these ops.
+    pub fn bridge(mut self, path: impl AsRef<Path>) -> Self {
+        self.bridge = Some(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// A C++ file of the bridge (functions the Rust side calls).
+    pub fn bridge_source(mut self, path: impl AsRef<Path>) -> Self {
+        self.bridge_sources.push(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// A C++ file with op definitions, kernels, gradients and their registration.
+    pub fn op_source(mut self, path: impl AsRef<Path>) -> Self {
+        self.op_sources.push(path.as_ref().to_path_buf());
+        self
+    }
+
+    /// An extra include directory.
+    pub fn include(mut self, dir: impl AsRef<Path>) -> Self {
+        self.includes.push(dir.as_ref().to_path_buf());
+        self
+    }
+
+    /// Compiles everything and emits cargo's link directives.
+    pub fn compile(self) -> Result<TfOpsArtifacts> {
+        let lib = crate::link::tensorflow_lib_dir()?;
+        let include = [lib.join("include"), lib.join("../include")]
+            .into_iter()
+            .find(|dir| dir.join(TF_CC_HEADER).exists())
+            .ok_or_else(|| BuildError::LibraryNotFound {
+                what: "TensorFlow C++ headers",
+                path: lib.clone(),
+                missing: format!("include/{TF_CC_HEADER}"),
+                fix: "build against the tensorflow/ directory of the tensorflow-cpu wheel \
+                      (LIBTENSORFLOW=<site-packages>/tensorflow, or let `cargo xtask setup` \
+                      provision it): the C API archive lacks the C++ headers and the \
+                      gradient registry that TensorFlow ops with gradients need"
+                    .into(),
+            })?;
+        let c_api = ["libtensorflow_cc.so.2", "libtensorflow.so.2"]
+            .into_iter()
+            .find(|name| lib.join(name).exists())
+            .ok_or_else(|| BuildError::LibraryNotFound {
+                what: "TensorFlow C API",
+                path: lib.clone(),
+                missing: "libtensorflow_cc.so.2".into(),
+                fix: "point LIBTENSORFLOW at a tensorflow-cpu wheel's tensorflow/ directory".into(),
+            })?;
+
+        let mut build = match &self.bridge {
+            Some(bridge) => cxx_build::bridge(bridge),
+            None => cc::Build::new(),
+        };
+        configure_cxx(&mut build);
+        build
+            // -isystem: TensorFlow's, Eigen's, absl's and protobuf's headers are not ours to warn about.
+            .flag("-isystem")
+            .flag(include.display().to_string())
+            .define("EIGEN_MAX_ALIGN_BYTES", "64")
+            .includes(&self.includes)
+            .files(&self.op_sources)
+            .files(&self.bridge_sources)
+            .link_lib_modifier("+whole-archive")
+            .flag_if_supported("-Wno-unused-parameter")
+            .compile(&self.name);
+
+        // After the archive, so the linker sees its references first.
+        println!("cargo:rustc-link-search=native={}", lib.display());
+        println!("cargo:rustc-link-lib=dylib:+verbatim={c_api}");
+        println!("cargo:rustc-link-lib=dylib:+verbatim=libtensorflow_framework.so.2");
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
+        for path in self
+            .op_sources
+            .iter()
+            .chain(&self.bridge_sources)
+            .chain(self.bridge.iter())
+        {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+        Ok(TfOpsArtifacts {
+            tensorflow_lib: lib,
+            tensorflow_include: include,
+        })
+    }
+}
