@@ -31,7 +31,7 @@ pub use error::{BuildError, Result};
 pub use layout::Layout;
 pub use libtorch::Libtorch;
 pub use link::{build_script, Native};
-pub use ops::{OpsArtifacts, TorchOps};
+pub use ops::{OpsArtifacts, TfOps, TfOpsArtifacts, TorchOps};
 pub use provision::{ensure_venv, existing_venv, find_python, pip_install, Venv};
 pub use setup::{setup, Setup};
 pub use tensorflow::Tensorflow;

@@ -16,6 +16,7 @@
 
 #[allow(unsafe_code)]
 mod bridge;
+pub mod tf;
 mod torch;
 
 use kiln_core::{Error, Result};
