@@ -11,6 +11,8 @@ fn main() {
         .bridge("src/bridge.rs")
         .bridge_source("src/ops.cc")
         .op_source("src/torch_ops.cc")
+        .cuda_source("src/cuda/kernels.cu")
+        .cuda_source("src/cuda_ops.cc")
         .compile()
         .unwrap_or_else(|e| {
             println!("cargo:warning=kiln-ops: {e}");

@@ -10,6 +10,8 @@ use crate::cxx::configure_cxx;
 use crate::error::{BuildError, Result};
 use crate::link::torch_lib_dir;
 
+mod cuda;
+
 /// A crate's custom ops, for its build script.
 ///
 /// - **op sources** hold the kernels and their `TORCH_LIBRARY` registration; they
@@ -18,6 +20,12 @@ use crate::link::torch_lib_dir;
 ///
 /// Both are compiled with C++17, libtorch's ABI flag and include paths, into one
 /// static archive linked whole (so the static registrations are never dropped).
+///
+/// - **CUDA sources** ([`cuda_source`](Self::cuda_source)) are built only when the
+///   crate's `cuda` feature is on (`CARGO_FEATURE_CUDA`): `.cu` files with nvcc,
+///   other files (host wrappers using libtorch's CUDA API) with the C++ compiler and
+///   the CUDA headers. Their objects join both the archive and the shared library,
+///   which then also link `torch_cuda`, `c10_cuda` and the CUDA runtime.
 ///
 /// ```no_run
 /// // in build.rs of a crate with its own op (see examples/custom-op)
@@ -36,6 +44,7 @@ pub struct TorchOps {
     bridge_sources: Vec<PathBuf>,
     op_sources: Vec<PathBuf>,
     includes: Vec<PathBuf>,
+    cuda_sources: Vec<PathBuf>,
 }
 
 /// What [`TorchOps::compile`] produced.
@@ -57,6 +66,7 @@ impl TorchOps {
             bridge_sources: Vec::new(),
             op_sources: Vec::new(),
             includes: Vec::new(),
+            cuda_sources: Vec::new(),
         }
     }
 
@@ -84,6 +94,17 @@ impl TorchOps {
         self
     }
 
+    /// A CUDA source with kernels or their registration (no Rust dependency),
+    /// compiled only when the crate's `cuda` feature is on: a `.cu` file with nvcc
+    /// (`-std=c++17`, SASS for sm_80 and sm_90 plus sm_90 PTX, `-Xcompiler -fPIC`,
+    /// libtorch's ABI flag), any other file with the C++ compiler and the CUDA
+    /// headers. nvcc comes from `NVCC`, `CUDA_HOME`, or the `nvidia/cu13` wheels
+    /// beside torch (the project virtualenv has them); no GPU is needed to build.
+    pub fn cuda_source(mut self, path: impl AsRef<Path>) -> Self {
+        self.cuda_sources.push(path.as_ref().to_path_buf());
+        self
+    }
+
     /// Compiles everything and emits cargo's link directives.
     pub fn compile(self) -> Result<OpsArtifacts> {
         let lib = torch_lib_dir()?;
@@ -105,7 +126,15 @@ impl TorchOps {
             .files(&self.op_sources)
             .flag_if_supported("-Wno-unused-parameter")
             .flag_if_supported("-Wno-missing-field-initializers");
-        let objects = ops.compile_intermediates();
+        let mut objects = ops.compile_intermediates();
+        let cuda = if cuda::feature_enabled() && !self.cuda_sources.is_empty() {
+            let mut dirs = includes.to_vec();
+            dirs.extend(self.includes.iter().cloned());
+            cuda::compile(&self.cuda_sources, &dirs, &lib, &ops)?
+        } else {
+            cuda::CudaObjects::default()
+        };
+        objects.extend(cuda.objects.iter().cloned());
 
         let mut archive = match &self.bridge {
             Some(bridge) => cxx_build::bridge(bridge),
@@ -120,6 +149,7 @@ impl TorchOps {
             .link_lib_modifier("+whole-archive")
             .flag_if_supported("-Wno-unused-parameter")
             .compile(&self.name);
+        cuda.emit_rust_links();
 
         let shared_library = out_dir.join(format!("lib{}.so", self.name));
         let compiler = ops.get_compiler();
@@ -130,7 +160,8 @@ impl TorchOps {
             .args(&objects)
             .arg(format!("-L{}", lib.display()))
             .arg(format!("-Wl,-rpath,{}", lib.display()))
-            .args(["-ltorch", "-ltorch_cpu", "-lc10"]);
+            .args(["-ltorch", "-ltorch_cpu", "-lc10"])
+            .args(&cuda.shared_link_args);
         let output = link.output().map_err(|e| BuildError::Command {
             command: format!("{link:?}"),
             detail: e.to_string(),

@@ -9,13 +9,20 @@ pub const TENSORFLOW_VERSION: &str = "2.21.0";
 ///
 /// torch and tensorflow-cpu carry the native libraries; scikit-learn ships the
 /// UCI digits data set; safetensors reads and writes checkpoints in reference
-/// scripts; tensorboard reads back the event files Kiln writes. Changing this list re-provisions the virtualenv.
+/// scripts; tensorboard reads back the event files Kiln writes. cuda-toolkit
+/// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
+/// wheel was built with) and the CUDA C++ headers, for kiln-ops' `cuda` feature,
+/// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
+/// pulls the newest nvvm and crt, whose PTX ptxas 13.0 rejects (`Unsupported
+/// .version 9.5`), and without cccl, `cuda_fp16.h` (which libtorch's headers
+/// include) misses `<nv/target>`. Changing this list re-provisions the virtualenv.
 pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "torch==2.11.0",
     "tensorflow-cpu==2.21.0",
     "scikit-learn==1.9.1",
     "safetensors==0.8.0",
     "tensorboard==2.21.0",
+    "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",
 ];
 
 /// Disk space the virtualenv takes once installed, rounded up, in GB.
