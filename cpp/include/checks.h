@@ -1,6 +1,5 @@
-// Argument checks of Kiln's fused ops, shared by every libtorch front end (the
-// CPU wrappers in src/torch_ops.cc carry the same checks; src/cuda_ops.cc uses
-// these). Each failure is a c10::Error (TORCH_CHECK) whose message names the op
+// Argument checks of Kiln's fused ops, shared by the libtorch front ends (the
+// CPU wrappers in src/torch_ops.cc and the CUDA ones in src/cuda_ops.cc). Each failure is a c10::Error (TORCH_CHECK) whose message names the op
 // and the argument, and comes back to Rust as an Err.
 #pragma once
 
