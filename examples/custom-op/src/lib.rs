@@ -1,12 +1,17 @@
 //! Adding a custom op to Kiln from scratch: squared ReLU (`max(x, 0)^2`), a C++
 //! kernel with its gradient, bridged with cxx and usable from Rust (autograd
-//! included), TorchScript and Python.
+//! included), TorchScript and Python, and in TensorFlow graphs.
 //!
 //! The four steps, each in its own file: `build.rs` (compile with kiln-build),
 //! `cpp/squared_relu.cc` (kernel, gradient, `TORCH_LIBRARY`), `cpp/bridge.{h,cc}`
 //! and `src/ffi.rs` (the bridge), and this file (the safe Rust API).
+//!
+//! Step 5 makes it a TensorFlow op too: `cpp/squared_relu_tf.cc` (kernels, shape
+//! functions, the gradient, the registration), `src/tf_ffi.rs` (its bridge) and the
+//! [`tf`] module here.
 
 mod ffi;
+mod tf_ffi;
 
 use kiln_core::{Error, Result};
 use tch::Tensor;
@@ -24,4 +29,61 @@ pub fn squared_relu(x: &Tensor) -> Result<Tensor> {
     // SAFETY: the C++ side returned `new at::Tensor(...)`; the new `Tensor` owns it.
     #[allow(unsafe_code)]
     Ok(unsafe { Tensor::from_ptr(ptr.cast()) })
+}
+
+/// Step 5: the op in TensorFlow graphs, with its gradient, so
+/// `Graph::add_gradients` differentiates through it.
+///
+/// ```no_run
+/// use tensorflow::{ops, DataType, Scope};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let mut scope = Scope::new_root_scope();
+/// let x = ops::Placeholder::new().dtype(DataType::Float).build(&mut scope)?;
+/// let mut graph = scope.graph_mut();
+/// let y = kiln_example_custom_op::tf::squared_relu(&mut graph, x.clone().into())?;
+/// // Only `None` as the last argument: tensorflow 0.21 frees a `Some(dx)` too early.
+/// let dy_dx = graph.add_gradients(None, &[y], &[x.into()], None)?;
+/// # let _ = dy_dx;
+/// # Ok(())
+/// # }
+/// ```
+pub mod tf {
+    use kiln_core::{Error, Result};
+    use tensorflow::{Graph, Output};
+
+    /// The op type: `ExampleSquaredRelu(x: T) -> y: T`, `T` float or double.
+    pub const OP: &str = "ExampleSquaredRelu";
+    /// Its backward op, which the gradient adds:
+    /// `ExampleSquaredReluGrad(grad: T, x: T) -> dx: T`.
+    pub const GRAD_OP: &str = "ExampleSquaredReluGrad";
+
+    /// Registers [`OP`], [`GRAD_OP`], their CPU kernels and the gradient with
+    /// TensorFlow, leaving alone whatever is already registered (by an earlier
+    /// call or another copy of the ops), so calling it again is harmless. Call it
+    /// before importing a graph that uses the op; [`squared_relu`] calls it.
+    pub fn register() -> Result<()> {
+        crate::tf_ffi::bridge::register_tf_ops()
+            .map_err(|e| Error::backend("example", "registering the TensorFlow ops", e.what()))
+    }
+
+    /// Adds an [`OP`] node, `max(x, 0)^2`, to `graph` and returns its output. `x`
+    /// must be float or double (TensorFlow refuses other types here); other
+    /// errors fail the session run with the op's message.
+    pub fn squared_relu(graph: &mut Graph, x: Output) -> Result<Output> {
+        register()?;
+        let add = |graph: &mut Graph| -> std::result::Result<Output, tensorflow::Status> {
+            let mut name = "SquaredRelu".to_owned();
+            for i in 1.. {
+                if graph.operation_by_name(&name)?.is_none() {
+                    break;
+                }
+                name = format!("SquaredRelu_{i}");
+            }
+            let mut node = graph.new_operation(OP, &name)?;
+            node.add_input(x);
+            Ok(node.finish()?.into())
+        };
+        add(graph).map_err(|s| kiln_tf::tf_error(&format!("adding an {OP} node"), s))
+    }
 }
