@@ -12,6 +12,80 @@ use crate::link::torch_lib_dir;
 
 mod cuda;
 
+/// What both kinds of op build compile: a name, the cxx bridge and its C++ side,
+/// the op sources and extra include directories.
+#[derive(Debug, Clone)]
+struct Sources {
+    name: String,
+    bridge: Option<PathBuf>,
+    bridge_sources: Vec<PathBuf>,
+    op_sources: Vec<PathBuf>,
+    includes: Vec<PathBuf>,
+}
+
+impl Sources {
+    fn new(name: impl Into<String>) -> Self {
+        Sources {
+            name: name.into(),
+            bridge: None,
+            bridge_sources: Vec::new(),
+            op_sources: Vec::new(),
+            includes: Vec::new(),
+        }
+    }
+
+    /// The build of the static archive: the cxx bridge's when there is one.
+    fn archive_build(&self) -> cc::Build {
+        match &self.bridge {
+            Some(bridge) => cxx_build::bridge(bridge),
+            None => cc::Build::new(),
+        }
+    }
+
+    /// Reruns the build script when a source changes.
+    fn watch(&self) {
+        for path in self
+            .op_sources
+            .iter()
+            .chain(&self.bridge_sources)
+            .chain(self.bridge.iter())
+        {
+            println!("cargo:rerun-if-changed={}", path.display());
+        }
+    }
+}
+
+/// The builder methods both op builds share (they fill `self.sources`).
+macro_rules! source_setters {
+    ($op_source_doc:literal) => {
+        /// The Rust file holding the `#[cxx::bridge]` module.
+        pub fn bridge(mut self, path: impl AsRef<Path>) -> Self {
+            self.sources.bridge = Some(path.as_ref().to_path_buf());
+            self
+        }
+
+        /// A C++ file of the bridge (functions the Rust side calls).
+        pub fn bridge_source(mut self, path: impl AsRef<Path>) -> Self {
+            self.sources
+                .bridge_sources
+                .push(path.as_ref().to_path_buf());
+            self
+        }
+
+        #[doc = $op_source_doc]
+        pub fn op_source(mut self, path: impl AsRef<Path>) -> Self {
+            self.sources.op_sources.push(path.as_ref().to_path_buf());
+            self
+        }
+
+        /// An extra include directory.
+        pub fn include(mut self, dir: impl AsRef<Path>) -> Self {
+            self.sources.includes.push(dir.as_ref().to_path_buf());
+            self
+        }
+    };
+}
+
 /// A crate's custom ops, for its build script.
 ///
 /// - **op sources** hold the kernels and their `TORCH_LIBRARY` registration; they
@@ -39,11 +113,7 @@ mod cuda;
 /// ```
 #[derive(Debug, Clone)]
 pub struct TorchOps {
-    name: String,
-    bridge: Option<PathBuf>,
-    bridge_sources: Vec<PathBuf>,
-    op_sources: Vec<PathBuf>,
-    includes: Vec<PathBuf>,
+    sources: Sources,
     cuda_sources: Vec<PathBuf>,
 }
 
@@ -61,38 +131,12 @@ impl TorchOps {
     /// Ops named `name` (the archive is `lib<name>.a`, the shared library `lib<name>.so`).
     pub fn new(name: impl Into<String>) -> Self {
         TorchOps {
-            name: name.into(),
-            bridge: None,
-            bridge_sources: Vec::new(),
-            op_sources: Vec::new(),
-            includes: Vec::new(),
+            sources: Sources::new(name),
             cuda_sources: Vec::new(),
         }
     }
 
-    /// The Rust file holding the `#[cxx::bridge]` module.
-    pub fn bridge(mut self, path: impl AsRef<Path>) -> Self {
-        self.bridge = Some(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// A C++ file of the bridge (functions the Rust side calls).
-    pub fn bridge_source(mut self, path: impl AsRef<Path>) -> Self {
-        self.bridge_sources.push(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// A C++ file with kernels and registrations (no Rust dependency).
-    pub fn op_source(mut self, path: impl AsRef<Path>) -> Self {
-        self.op_sources.push(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// An extra include directory.
-    pub fn include(mut self, dir: impl AsRef<Path>) -> Self {
-        self.includes.push(dir.as_ref().to_path_buf());
-        self
-    }
+    source_setters!("A C++ file with kernels and registrations (no Rust dependency).");
 
     /// A CUDA source with kernels or their registration (no Rust dependency),
     /// compiled only when the crate's `cuda` feature is on: a `.cu` file with nvcc
@@ -122,36 +166,33 @@ impl TorchOps {
         let mut ops = cc::Build::new();
         configure_cxx(&mut ops);
         ops.includes(&includes)
-            .includes(&self.includes)
-            .files(&self.op_sources)
+            .includes(&self.sources.includes)
+            .files(&self.sources.op_sources)
             .flag_if_supported("-Wno-unused-parameter")
             .flag_if_supported("-Wno-missing-field-initializers");
         let mut objects = ops.compile_intermediates();
         let cuda = if cuda::feature_enabled() && !self.cuda_sources.is_empty() {
             let mut dirs = includes.to_vec();
-            dirs.extend(self.includes.iter().cloned());
+            dirs.extend(self.sources.includes.iter().cloned());
             cuda::compile(&self.cuda_sources, &dirs, &lib, &ops)?
         } else {
             cuda::CudaObjects::default()
         };
         objects.extend(cuda.objects.iter().cloned());
 
-        let mut archive = match &self.bridge {
-            Some(bridge) => cxx_build::bridge(bridge),
-            None => cc::Build::new(),
-        };
+        let mut archive = self.sources.archive_build();
         configure_cxx(&mut archive);
         archive
             .includes(&includes)
-            .includes(&self.includes)
-            .files(&self.bridge_sources)
+            .includes(&self.sources.includes)
+            .files(&self.sources.bridge_sources)
             .objects(&objects)
             .link_lib_modifier("+whole-archive")
             .flag_if_supported("-Wno-unused-parameter")
-            .compile(&self.name);
+            .compile(&self.sources.name);
         cuda.emit_rust_links();
 
-        let shared_library = out_dir.join(format!("lib{}.so", self.name));
+        let shared_library = out_dir.join(format!("lib{}.so", self.sources.name));
         let compiler = ops.get_compiler();
         let mut link = Command::new(compiler.path());
         link.arg("-shared")
@@ -172,14 +213,7 @@ impl TorchOps {
                 detail: String::from_utf8_lossy(&output.stderr).into_owned(),
             });
         }
-        for path in self
-            .op_sources
-            .iter()
-            .chain(&self.bridge_sources)
-            .chain(self.bridge.iter())
-        {
-            println!("cargo:rerun-if-changed={}", path.display());
-        }
+        self.sources.watch();
         Ok(OpsArtifacts {
             shared_library,
             libtorch_lib: lib,
@@ -215,11 +249,7 @@ impl TorchOps {
 /// ```
 #[derive(Debug, Clone)]
 pub struct TfOps {
-    name: String,
-    bridge: Option<PathBuf>,
-    bridge_sources: Vec<PathBuf>,
-    op_sources: Vec<PathBuf>,
-    includes: Vec<PathBuf>,
+    sources: Sources,
 }
 
 /// What [`TfOps::compile`] built against.
@@ -238,37 +268,11 @@ impl TfOps {
     /// Ops named `name` (the archive is `lib<name>.a`).
     pub fn new(name: impl Into<String>) -> Self {
         TfOps {
-            name: name.into(),
-            bridge: None,
-            bridge_sources: Vec::new(),
-            op_sources: Vec::new(),
-            includes: Vec::new(),
+            sources: Sources::new(name),
         }
     }
 
-    /// The Rust file holding the `#[cxx::bridge]` module of these ops.
-    pub fn bridge(mut self, path: impl AsRef<Path>) -> Self {
-        self.bridge = Some(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// A C++ file of the bridge (functions the Rust side calls).
-    pub fn bridge_source(mut self, path: impl AsRef<Path>) -> Self {
-        self.bridge_sources.push(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// A C++ file with op definitions, kernels, gradients and their registration.
-    pub fn op_source(mut self, path: impl AsRef<Path>) -> Self {
-        self.op_sources.push(path.as_ref().to_path_buf());
-        self
-    }
-
-    /// An extra include directory.
-    pub fn include(mut self, dir: impl AsRef<Path>) -> Self {
-        self.includes.push(dir.as_ref().to_path_buf());
-        self
-    }
+    source_setters!("A C++ file with op definitions, kernels, gradients and their registration.");
 
     /// Compiles everything and emits cargo's link directives.
     pub fn compile(self) -> Result<TfOpsArtifacts> {
@@ -296,36 +300,26 @@ impl TfOps {
                 fix: "point LIBTENSORFLOW at a tensorflow-cpu wheel's tensorflow/ directory".into(),
             })?;
 
-        let mut build = match &self.bridge {
-            Some(bridge) => cxx_build::bridge(bridge),
-            None => cc::Build::new(),
-        };
+        let mut build = self.sources.archive_build();
         configure_cxx(&mut build);
         build
             // -isystem: TensorFlow's, Eigen's, absl's and protobuf's headers are not ours to warn about.
             .flag("-isystem")
             .flag(include.display().to_string())
             .define("EIGEN_MAX_ALIGN_BYTES", "64")
-            .includes(&self.includes)
-            .files(&self.op_sources)
-            .files(&self.bridge_sources)
+            .includes(&self.sources.includes)
+            .files(&self.sources.op_sources)
+            .files(&self.sources.bridge_sources)
             .link_lib_modifier("+whole-archive")
             .flag_if_supported("-Wno-unused-parameter")
-            .compile(&self.name);
+            .compile(&self.sources.name);
 
         // After the archive, so the linker sees its references first.
         println!("cargo:rustc-link-search=native={}", lib.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim={c_api}");
         println!("cargo:rustc-link-lib=dylib:+verbatim=libtensorflow_framework.so.2");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
-        for path in self
-            .op_sources
-            .iter()
-            .chain(&self.bridge_sources)
-            .chain(self.bridge.iter())
-        {
-            println!("cargo:rerun-if-changed={}", path.display());
-        }
+        self.sources.watch();
         Ok(TfOpsArtifacts {
             tensorflow_lib: lib,
             tensorflow_include: include,

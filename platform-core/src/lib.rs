@@ -94,7 +94,8 @@ pub use model::{
 };
 pub use module::Module;
 pub use optim::{
-    assign_groups, AdagradConfig, AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig,
+    assign_groups, load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates,
+    AdagradConfig, AdamConfig, AdamWConfig, GradClip, GroupHyper, Optimizer, OptimizerConfig,
     ParamGroup, ParamSelector, RmsPropConfig, SgdConfig,
 };
 pub use schedule::{

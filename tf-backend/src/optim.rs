@@ -6,8 +6,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{
-    assign_groups, AdamConfig, AdamWConfig, DType, Error, GradClip, HostTensor, Loss, Module,
-    Optimizer, OptimizerConfig, ParamGroup, ParamKind, Reduction, Result, StateDict, StepPlan,
+    load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates, AdamConfig,
+    AdamWConfig, DType, Error, GradClip, GroupHyper, HostTensor, Loss, Module, Optimizer,
+    OptimizerConfig, ParamGroup, ParamKind, Reduction, Result, StateDict, StepPlan,
 };
 use tensorflow::{DataType, Operation, Output};
 
@@ -20,13 +21,6 @@ use crate::model::{build_forward, lock, TfModel};
 
 /// The assertion message that marks a non-finite loss.
 const NON_FINITE: &str = "kiln: non-finite loss";
-
-#[derive(Debug, Clone, PartialEq)]
-struct GroupHyper {
-    name: String,
-    lr: f64,
-    weight_decay: f64,
-}
 
 /// One trainable parameter with its optimizer state variables.
 #[derive(Debug)]
@@ -131,23 +125,7 @@ impl TfOptimizer {
             .filter(|v| v.kind == ParamKind::Parameter)
             .collect();
         let param_names: Vec<String> = params.iter().map(|v| v.name.clone()).collect();
-        let assignment = assign_groups(&param_names, groups)?;
-        let (base_lr, base_wd) = (config.lr(), config.weight_decay());
-        let mut hypers: Vec<GroupHyper> = groups
-            .iter()
-            .map(|g| GroupHyper {
-                name: g.name.clone(),
-                lr: g.lr.unwrap_or(base_lr),
-                weight_decay: g.weight_decay.unwrap_or(base_wd),
-            })
-            .collect();
-        if assignment.contains(&groups.len()) {
-            hypers.push(GroupHyper {
-                name: "default".to_owned(),
-                lr: base_lr,
-                weight_decay: base_wd,
-            });
-        }
+        let (hypers, assignment) = resolve_groups(&config, &param_names, groups)?;
         let engine = Arc::clone(&model.engine);
         let mut guard = lock(&engine)?;
         let mut slots = Vec::with_capacity(params.len());
@@ -685,7 +663,7 @@ impl TfOptimizer {
                 "this optimizer was built for another model",
             ));
         }
-        if matches!(loss_reduction(loss), Reduction::None) {
+        if matches!(loss.reduction(), Reduction::None) {
             return Err(Error::invalid_argument(
                 "loss",
                 "training needs a scalar loss; reduction `none` gives one value per element",
@@ -724,23 +702,24 @@ impl TfOptimizer {
             .programs
             .get(&key)
             .ok_or_else(|| Error::backend("tensorflow", "training step", "program missing"))?;
-        let mut feeds: Vec<(Output, TfTensor)> = self.coefficient_feeds()?;
-        if let Some(ph) = &program.input {
-            feeds.push((ph.clone(), inputs.clone()));
-        }
-        if let Some(ph) = &program.target {
-            feeds.push((ph.clone(), targets.clone()));
-        }
+        // Small per-step values are owned here; the batch is fed by reference (no copy).
+        let mut owned: Vec<(Output, TfTensor)> = self.coefficient_feeds()?;
         if let Some(ph) = &program.seed {
-            feeds.push((ph.clone(), seed_tensor()?));
+            owned.push((ph.clone(), seed_tensor()?));
         }
         if let Some(ph) = &program.scale {
-            feeds.push((
+            owned.push((
                 ph.clone(),
                 TfTensor::from_host(&HostTensor::scalar(scale as f32))?,
             ));
         }
-        let feed_refs: Vec<(&Output, &TfTensor)> = feeds.iter().map(|(o, t)| (o, t)).collect();
+        let mut feed_refs: Vec<(&Output, &TfTensor)> = owned.iter().map(|(o, t)| (o, t)).collect();
+        if let Some(ph) = &program.input {
+            feed_refs.push((ph, inputs));
+        }
+        if let Some(ph) = &program.target {
+            feed_refs.push((ph, targets));
+        }
         let loss_out = program
             .loss
             .clone()
@@ -933,17 +912,6 @@ fn full(value: f32, dims: &[usize]) -> Result<HostTensor> {
     HostTensor::new(vec![value; dims.iter().product()], dims.to_vec())
 }
 
-fn loss_reduction(loss: &Loss) -> Reduction {
-    match loss {
-        Loss::CrossEntropy(c) => c.reduction,
-        Loss::Nll(c) => c.reduction,
-        Loss::Mse { reduction } | Loss::L1 { reduction } => *reduction,
-        Loss::SmoothL1(c) => c.reduction,
-        Loss::BceWithLogits(c) => c.reduction,
-        _ => Reduction::Mean,
-    }
-}
-
 impl Optimizer<TfBackend> for TfOptimizer {
     /// Applies the gradients accumulated by training micro-batches that did not
     /// apply them (a no-op when there are none, as PyTorch skips parameters
@@ -1001,21 +969,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
     }
 
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
-        if lrs.len() != self.groups.len() {
-            return Err(Error::invalid_argument(
-                "lrs",
-                format!(
-                    "this optimizer has {} parameter group(s) ({}), got {} learning rates",
-                    self.groups.len(),
-                    self.group_names().join(", "),
-                    lrs.len()
-                ),
-            ));
-        }
-        for (group, lr) in self.groups.iter_mut().zip(lrs) {
-            group.lr = *lr;
-        }
-        Ok(())
+        set_group_learning_rates(&mut self.groups, lrs)
     }
 
     /// The torch backend's layout: `state.<param>.step`, `state.<param>.<buffer>`
@@ -1045,13 +999,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
                 }
             }
         }
-        for (i, group) in self.groups.iter().enumerate() {
-            out.insert(format!("group.{i}.lr"), HostTensor::scalar(group.lr));
-            out.insert(
-                format!("group.{i}.weight_decay"),
-                HostTensor::scalar(group.weight_decay),
-            );
-        }
+        save_group_hypers(&self.groups, &mut out);
         Ok(out)
     }
 
@@ -1112,19 +1060,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
                 writes.push((var.clone(), value));
             }
         }
-        let mut groups = self.groups.clone();
-        for (i, group) in groups.iter_mut().enumerate() {
-            if let Some(lr) = state.get(&format!("group.{i}.lr")) {
-                group.lr = lr.to_f64_vec().first().copied().unwrap_or(group.lr);
-            }
-            if let Some(wd) = state.get(&format!("group.{i}.weight_decay")) {
-                group.weight_decay = wd
-                    .to_f64_vec()
-                    .first()
-                    .copied()
-                    .unwrap_or(group.weight_decay);
-            }
-        }
+        let groups = load_group_hypers(&self.groups, state);
         let vars: Vec<&Var> = writes.iter().map(|(v, _)| v).collect();
         let values: Vec<&HostTensor> = writes.iter().map(|(_, h)| h).collect();
         lock(&self.engine)?.write_vars(&vars, &values)?;

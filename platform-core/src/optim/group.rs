@@ -182,6 +182,116 @@ pub fn assign_groups(names: &[String], groups: &[ParamGroup]) -> Result<Vec<usiz
     Ok(assignment)
 }
 
+/// One parameter group's hyper-parameters as an optimizer applies them (and
+/// schedulers change them): the group's name, learning rate and weight decay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupHyper {
+    /// The group's name (`"default"` for parameters no group selects).
+    pub name: String,
+    /// Learning rate.
+    pub lr: f64,
+    /// Weight decay.
+    pub weight_decay: f64,
+}
+
+/// The groups' hyper-parameters and each parameter's group index, as every
+/// backend's optimizer builds them: a group's own `lr`/`weight_decay` or the
+/// config's, and a last `"default"` group for parameters no group selects (only
+/// when there are such parameters). Fails as [`assign_groups`] does.
+///
+/// ```
+/// use kiln_core::{resolve_groups, OptimizerConfig, ParamGroup, ParamSelector, SgdConfig};
+///
+/// let names = vec!["0.weight".to_owned(), "1.weight".to_owned()];
+/// let groups = [ParamGroup::new("first", ParamSelector::Prefix("0.".into())).with_lr(0.5)];
+/// let (hypers, assignment) =
+///     resolve_groups(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &names, &groups)?;
+/// assert_eq!(assignment, [0, 1]);
+/// assert_eq!((hypers[0].lr, hypers[1].name.as_str(), hypers[1].lr), (0.5, "default", 0.1));
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn resolve_groups(
+    config: &crate::optim::OptimizerConfig,
+    names: &[String],
+    groups: &[ParamGroup],
+) -> Result<(Vec<GroupHyper>, Vec<usize>)> {
+    let assignment = assign_groups(names, groups)?;
+    let (base_lr, base_wd) = (config.lr(), config.weight_decay());
+    let mut hypers: Vec<GroupHyper> = groups
+        .iter()
+        .map(|g| GroupHyper {
+            name: g.name.clone(),
+            lr: g.lr.unwrap_or(base_lr),
+            weight_decay: g.weight_decay.unwrap_or(base_wd),
+        })
+        .collect();
+    if assignment.contains(&groups.len()) {
+        hypers.push(GroupHyper {
+            name: "default".to_owned(),
+            lr: base_lr,
+            weight_decay: base_wd,
+        });
+    }
+    Ok((hypers, assignment))
+}
+
+/// Sets each group's learning rate; fails with [`Error::InvalidArgument`] naming
+/// the groups unless there is exactly one rate per group (nothing changes then).
+pub fn set_group_learning_rates(groups: &mut [GroupHyper], lrs: &[f64]) -> Result<()> {
+    if lrs.len() != groups.len() {
+        let names: Vec<&str> = groups.iter().map(|g| g.name.as_str()).collect();
+        return Err(Error::invalid_argument(
+            "lrs",
+            format!(
+                "this optimizer has {} parameter group(s) ({}), got {} learning rates",
+                groups.len(),
+                names.join(", "),
+                lrs.len()
+            ),
+        ));
+    }
+    for (group, lr) in groups.iter_mut().zip(lrs) {
+        group.lr = *lr;
+    }
+    Ok(())
+}
+
+/// Writes `group.<i>.lr` and `group.<i>.weight_decay` (f64 scalars) into `out`.
+pub fn save_group_hypers(groups: &[GroupHyper], out: &mut crate::state_dict::StateDict) {
+    for (i, group) in groups.iter().enumerate() {
+        out.insert(
+            format!("group.{i}.lr"),
+            crate::tensor::HostTensor::scalar(group.lr),
+        );
+        out.insert(
+            format!("group.{i}.weight_decay"),
+            crate::tensor::HostTensor::scalar(group.weight_decay),
+        );
+    }
+}
+
+/// `groups` with the values [`save_group_hypers`] wrote into `state` where present.
+pub fn load_group_hypers(
+    groups: &[GroupHyper],
+    state: &crate::state_dict::StateDict,
+) -> Vec<GroupHyper> {
+    let read = |key: String, current: f64| {
+        state
+            .get(&key)
+            .and_then(|t| t.to_f64_vec().first().copied())
+            .unwrap_or(current)
+    };
+    groups
+        .iter()
+        .enumerate()
+        .map(|(i, g)| GroupHyper {
+            name: g.name.clone(),
+            lr: read(format!("group.{i}.lr"), g.lr),
+            weight_decay: read(format!("group.{i}.weight_decay"), g.weight_decay),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,7 +20,10 @@ pub use adagrad::AdagradConfig;
 pub use adam::AdamConfig;
 pub use adamw::AdamWConfig;
 pub use clip::GradClip;
-pub use group::{assign_groups, ParamGroup, ParamSelector};
+pub use group::{
+    assign_groups, load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates,
+    GroupHyper, ParamGroup, ParamSelector,
+};
 pub use rmsprop::RmsPropConfig;
 pub use sgd::SgdConfig;
 

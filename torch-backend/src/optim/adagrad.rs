@@ -1,9 +1,9 @@
 //! Adagrad with learning-rate decay (`torch.optim.Adagrad`).
 
-use kiln_core::AdagradConfig;
+use kiln_core::{AdagradConfig, GroupHyper};
 use tch::{TchError, Tensor};
 
-use super::{state_tensor, with_weight_decay, GroupHyper, ParamSlot};
+use super::{state_tensor, with_weight_decay, ParamSlot};
 
 pub(crate) fn update(
     slot: &mut ParamSlot,

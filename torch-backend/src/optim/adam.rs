@@ -1,9 +1,9 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), with AMSGrad.
 
-use kiln_core::{AdamConfig, AdamWConfig};
+use kiln_core::{AdamConfig, AdamWConfig, GroupHyper};
 use tch::{TchError, Tensor};
 
-use super::{state_tensor, with_weight_decay, GroupHyper, ParamSlot};
+use super::{state_tensor, with_weight_decay, ParamSlot};
 
 /// Adam with PyTorch's coupled weight decay (added to the gradient).
 pub(crate) fn update_adam(

@@ -10,7 +10,8 @@ mod sgd;
 use std::collections::BTreeMap;
 
 use kiln_core::{
-    assign_groups, Error, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict,
+    load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates, Error,
+    GroupHyper, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict,
 };
 use tch::Tensor;
 
@@ -20,14 +21,6 @@ use crate::device::device_from_tch;
 use crate::error::torch_error;
 
 pub use clip::{clip_grad_norm, clip_grad_value};
-
-/// Per-group hyper-parameters that schedulers and groups change.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct GroupHyper {
-    pub(crate) name: String,
-    pub(crate) lr: f64,
-    pub(crate) weight_decay: f64,
-}
 
 /// One parameter the optimizer updates, with its per-parameter state.
 #[derive(Debug)]
@@ -80,23 +73,7 @@ impl TorchOptimizer {
     ) -> Result<Self> {
         config.validate()?;
         let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
-        let assignment = assign_groups(&names, groups)?;
-        let (base_lr, base_wd) = (config.lr(), config.weight_decay());
-        let mut hypers: Vec<GroupHyper> = groups
-            .iter()
-            .map(|g| GroupHyper {
-                name: g.name.clone(),
-                lr: g.lr.unwrap_or(base_lr),
-                weight_decay: g.weight_decay.unwrap_or(base_wd),
-            })
-            .collect();
-        if assignment.contains(&groups.len()) {
-            hypers.push(GroupHyper {
-                name: "default".to_owned(),
-                lr: base_lr,
-                weight_decay: base_wd,
-            });
-        }
+        let (hypers, assignment) = resolve_groups(&config, &names, groups)?;
         let mut slots = Vec::with_capacity(params.len());
         for ((name, tensor), group) in params.into_iter().zip(assignment) {
             if !tensor.requires_grad() {
@@ -258,21 +235,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
     }
 
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
-        if lrs.len() != self.groups.len() {
-            return Err(Error::invalid_argument(
-                "lrs",
-                format!(
-                    "this optimizer has {} parameter group(s) ({}), got {} learning rates",
-                    self.groups.len(),
-                    self.group_names().join(", "),
-                    lrs.len()
-                ),
-            ));
-        }
-        for (group, lr) in self.groups.iter_mut().zip(lrs) {
-            group.lr = *lr;
-        }
-        Ok(())
+        set_group_learning_rates(&mut self.groups, lrs)
     }
 
     /// Keys: `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
@@ -288,13 +251,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
                 out.insert(format!("state.{}.{key}", slot.name), from_tch(tensor)?);
             }
         }
-        for (i, group) in self.groups.iter().enumerate() {
-            out.insert(format!("group.{i}.lr"), HostTensor::scalar(group.lr));
-            out.insert(
-                format!("group.{i}.weight_decay"),
-                HostTensor::scalar(group.weight_decay),
-            );
-        }
+        save_group_hypers(&self.groups, &mut out);
         Ok(out)
     }
 
@@ -340,19 +297,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             }
             buffers.push(slot_buffers);
         }
-        let mut groups = self.groups.clone();
-        for (i, group) in groups.iter_mut().enumerate() {
-            if let Some(lr) = state.get(&format!("group.{i}.lr")) {
-                group.lr = lr.to_f64_vec().first().copied().unwrap_or(group.lr);
-            }
-            if let Some(wd) = state.get(&format!("group.{i}.weight_decay")) {
-                group.weight_decay = wd
-                    .to_f64_vec()
-                    .first()
-                    .copied()
-                    .unwrap_or(group.weight_decay);
-            }
-        }
+        let groups = load_group_hypers(&self.groups, state);
         for ((slot, step), state) in self.params.iter_mut().zip(steps).zip(buffers) {
             slot.step = step;
             slot.state = state;

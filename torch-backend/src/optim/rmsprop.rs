@@ -1,9 +1,9 @@
 //! RMSprop, centred or not, with momentum (`torch.optim.RMSprop`).
 
-use kiln_core::RmsPropConfig;
+use kiln_core::{GroupHyper, RmsPropConfig};
 use tch::{TchError, Tensor};
 
-use super::{state_tensor, with_weight_decay, GroupHyper, ParamSlot};
+use super::{state_tensor, with_weight_decay, ParamSlot};
 
 pub(crate) fn update(
     slot: &mut ParamSlot,

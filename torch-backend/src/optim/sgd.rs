@@ -1,9 +1,9 @@
 //! SGD with momentum, dampening, Nesterov and weight decay (`torch.optim.SGD`).
 
-use kiln_core::SgdConfig;
+use kiln_core::{GroupHyper, SgdConfig};
 use tch::{TchError, Tensor};
 
-use super::{state_tensor, with_weight_decay, GroupHyper, ParamSlot};
+use super::{state_tensor, with_weight_decay, ParamSlot};
 
 pub(crate) fn update(
     slot: &mut ParamSlot,
