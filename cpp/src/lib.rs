@@ -16,12 +16,38 @@
 
 #[allow(unsafe_code)]
 mod bridge;
+pub mod layer;
 pub mod tf;
 mod torch;
 
 use kiln_core::{Error, Result};
 
 pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY};
+
+/// Registers the ops with libtorch and TensorFlow and makes the fused layers
+/// ([`layer::BIAS_GELU`], [`layer::SWISH`]) available to both backends' models,
+/// so a [`Layer`](kiln_core::Layer) holding them trains with `Trainer<TorchBackend>`
+/// or `Trainer<TfBackend>`. Idempotent; call it once at start-up.
+///
+/// A failed TensorFlow registration is an [`Error::Backend`].
+///
+/// ```
+/// use kiln_core::{Device, Layer, LinearConfig, Module};
+///
+/// kiln_ops::register_layers()?;
+/// let net = Layer::sequential([LinearConfig::new(4, 8).into(), kiln_ops::layer::swish(1.0)]);
+/// let model = kiln_torch::TorchModel::new(&net, Device::Cpu)?;
+/// let y = model.forward(&tch::Tensor::ones([2, 4], (tch::Kind::Float, tch::Device::Cpu)))?;
+/// assert_eq!(y.size(), [2, 8]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn register_layers() -> Result<()> {
+    register();
+    tf::register()?;
+    layer::register_torch();
+    layer::register_tf();
+    Ok(())
+}
 
 /// The `_GLIBCXX_USE_CXX11_ABI` value the C++ code was compiled with.
 pub fn cxx11_abi() -> i32 {

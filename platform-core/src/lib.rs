@@ -88,9 +88,9 @@ pub use metric::{
 };
 pub use model::{
     fan_in_and_fan_out, AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig,
-    ConvTranspose2dConfig, EmbeddingConfig, FanMode, GeluApproximation, GroupNormConfig, Init,
-    InitDistribution, Layer, LayerNormConfig, LinearConfig, Nonlinearity, ParamKind, ParamSpec,
-    Pool2dConfig,
+    ConvTranspose2dConfig, CustomConfig, CustomParam, EmbeddingConfig, FanMode, GeluApproximation,
+    GroupNormConfig, Init, InitDistribution, Layer, LayerNormConfig, LinearConfig, Nonlinearity,
+    ParamKind, ParamSpec, Pool2dConfig,
 };
 pub use module::Module;
 pub use optim::{

@@ -120,6 +120,9 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    // Configs can then use Kiln's fused ops as layers (`type = "custom", op = "kiln::swish"`).
+    #[cfg(feature = "ops")]
+    kiln::ops::register_layers()?;
     match cli.command {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),

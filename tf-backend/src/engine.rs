@@ -8,6 +8,7 @@ use kiln_core::{DType, Error, HostTensor, ParamKind, Result};
 use tensorflow::{DataType, Operation, Output, Session, SessionOptions, SessionRunArgs};
 
 use crate::convert::TfTensor;
+use crate::custom_layer::CustomOps;
 use crate::error::tf_error;
 use crate::graph::Builder;
 
@@ -82,6 +83,8 @@ pub(crate) struct Engine {
     pub(crate) evals: HashMap<String, (Output, Output)>,
     /// Gradient programs by signature.
     pub(crate) gradient_programs: HashMap<String, GradientProgram>,
+    /// The model's custom-layer functions, resolved when it was built.
+    pub(crate) custom_ops: CustomOps,
 }
 
 /// A compiled loss-and-gradients pass (`TfModel::gradients`).
@@ -120,6 +123,7 @@ impl Engine {
             forwards: HashMap::new(),
             evals: HashMap::new(),
             gradient_programs: HashMap::new(),
+            custom_ops: CustomOps::default(),
         }
     }
 

@@ -47,7 +47,8 @@ impl Builder {
         std::mem::replace(&mut self.scope, scope.replace('.', "/"))
     }
 
-    fn name(&mut self, ty: &str) -> String {
+    /// A new op name, unique in the graph: `scope/ty_N`.
+    pub(crate) fn name(&mut self, ty: &str) -> String {
         self.counter += 1;
         if self.scope.is_empty() {
             format!("{ty}_{}", self.counter)

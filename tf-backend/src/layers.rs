@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use kiln_core::{Error, GeluApproximation, Layer, Result};
 use tensorflow::{DataType, Operation, Output};
 
+use crate::custom_layer::CustomOps;
 use crate::graph::Builder;
 
 /// A value flowing through the graph: the tensor, its logical per-sample
@@ -25,6 +26,8 @@ pub(crate) struct Val {
 /// What a forward graph needs while it is built.
 pub(crate) struct Ctx<'a> {
     pub(crate) b: &'a mut Builder,
+    /// The model's custom-layer functions.
+    pub(crate) custom_ops: &'a CustomOps,
     /// Reads of each variable by state-dict name, created once per forward graph.
     pub(crate) reads: HashMap<String, Output>,
     /// Variable handles by state-dict name, with their dtype.
@@ -713,11 +716,58 @@ impl Ctx<'_> {
                     nhwc: x.nhwc,
                 })
             }
+            Layer::Custom(c) => self.custom(x, prefix, c),
             other => Err(Error::unsupported(format!(
                 "layer {} on TensorFlow",
                 other.kind()
             ))),
         }
+    }
+
+    /// A [`Layer::Custom`]: the registered function adds its ops on the
+    /// logical (`NCHW`) input and the layer's parameters.
+    fn custom(&mut self, x: Val, prefix: &str, c: &kiln_core::CustomConfig) -> Result<Val> {
+        let f = self.custom_ops.get(&c.op)?;
+        let x = self.nchw(x)?;
+        let params = c
+            .params
+            .iter()
+            .map(|p| self.param(&join(prefix, &p.name)))
+            .collect::<Result<Vec<_>>>()?;
+        let name = self.b.name(&c.op.replace("::", "_"));
+        let y = f(&mut self.b.graph, &name, x.out.clone(), &params, c)?;
+        // The output must keep the input's shape where the graph knows it.
+        let path = if prefix.is_empty() { "Custom" } else { prefix };
+        let mismatch = |got: String| Error::ShapeMismatch {
+            context: format!("{path} (Custom {}): op output", c.op),
+            expected: dims_text(&x.dims),
+            actual: got,
+        };
+        let shape = self
+            .b
+            .graph
+            .tensor_shape(y.clone())
+            .map_err(|s| crate::error::tf_error(&format!("shape of {}", c.op), s))?;
+        if let Some(rank) = shape.dims() {
+            let known: Vec<Option<i64>> = (0..rank).map(|i| shape[i]).collect();
+            let fits = rank == x.dims.len() + 1
+                && known[1..]
+                    .iter()
+                    .zip(&x.dims)
+                    .all(|(got, want)| got.is_none_or(|g| g == *want));
+            if !fits {
+                let text: Vec<String> = known
+                    .iter()
+                    .map(|d| d.map_or_else(|| "?".to_owned(), |d| d.to_string()))
+                    .collect();
+                return Err(mismatch(format!("[{}]", text.join(", "))));
+            }
+        }
+        Ok(Val {
+            out: y,
+            dims: x.dims,
+            nhwc: false,
+        })
     }
 
     fn elementwise(
@@ -963,4 +1013,12 @@ impl Ctx<'_> {
             embed,
         )
     }
+}
+
+/// Dimensions as `a, b, c`.
+fn dims_text(dims: &[i64]) -> String {
+    dims.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }

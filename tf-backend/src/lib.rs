@@ -18,6 +18,7 @@
 
 mod backend;
 mod convert;
+mod custom_layer;
 mod engine;
 mod error;
 mod graph;
@@ -30,6 +31,7 @@ mod saved_model;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
+pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
 pub use error::tf_error;
 pub use model::TfModel;
 pub use optim::TfOptimizer;

@@ -12,6 +12,7 @@ use tensorflow::{DataType, Output};
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
+use crate::custom_layer::CustomOps;
 use crate::engine::{next_stream, seed_tensor, tf_dtype, Engine, Forward, GradientProgram, Var};
 use crate::layers::{Ctx, Val};
 
@@ -68,6 +69,7 @@ impl TfModel {
         spec.validate()?;
         let specs = spec.parameter_specs("")?;
         let mut engine = Engine::new();
+        engine.custom_ops = CustomOps::resolve(spec)?;
         let vars = specs
             .iter()
             .map(|p| engine.add_var("model", &p.name, p.dtype, &p.shape, p.kind))
@@ -312,6 +314,7 @@ pub(crate) fn build_forward(
     let input = input?;
     let mut ctx = Ctx {
         b: &mut engine.b,
+        custom_ops: &engine.custom_ops,
         reads: HashMap::new(),
         handles,
         train,

@@ -21,6 +21,7 @@
 mod backend;
 mod convert;
 mod custom;
+mod custom_layer;
 mod device;
 mod error;
 mod loss;
@@ -32,6 +33,7 @@ mod train;
 pub use backend::TorchBackend;
 pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};
 pub use custom::{Chain, TchModule};
+pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
 pub use error::torch_error;
 pub use loss::compute_loss;

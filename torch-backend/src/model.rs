@@ -2,15 +2,17 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use kiln_core::{
-    DType, Device, Error, GeluApproximation, InitDistribution, Layer, Mode, Module, ParamKind,
-    ParamSpec, Result, StateDict,
+    CustomConfig, DType, Device, Error, GeluApproximation, InitDistribution, Layer, Mode, Module,
+    ParamKind, ParamSpec, Result, Shape, StateDict,
 };
 use tch::{Kind, TchError, Tensor};
 
 use crate::backend::TorchBackend;
 use crate::custom::copy_state;
+use crate::custom_layer::{lookup, CustomLayerFn};
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
 
@@ -127,6 +129,35 @@ enum Node {
     },
     Sequential(Vec<Node>),
     Residual(Box<Node>),
+    Custom {
+        /// The layer's path, for errors.
+        path: String,
+        op: OpFn,
+        params: Vec<usize>,
+        config: CustomConfig,
+    },
+}
+
+/// A registered custom-layer function (shown by its layer's op name).
+#[derive(Clone)]
+struct OpFn(Arc<CustomLayerFn>);
+
+impl std::fmt::Debug for OpFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OpFn")
+    }
+}
+
+/// Why a forward pass failed: libtorch rejected an op, or a custom layer failed.
+enum Failure {
+    Torch(TchError),
+    Layer(Error),
+}
+
+impl From<TchError> for Failure {
+    fn from(e: TchError) -> Self {
+        Failure::Torch(e)
+    }
 }
 
 /// A model built from a Kiln [`Layer`] on libtorch.
@@ -277,7 +308,48 @@ impl TorchModel {
         index.map(|i| self.tensor(i))
     }
 
-    fn run(&self, node: &Node, x: &Tensor, train: bool) -> std::result::Result<Tensor, TchError> {
+    fn run(&self, node: &Node, x: &Tensor, train: bool) -> std::result::Result<Tensor, Failure> {
+        match node {
+            Node::Sequential(children) => {
+                let mut out = x.shallow_clone();
+                for child in children {
+                    out = self.run(child, &out, train)?;
+                }
+                Ok(out)
+            }
+            Node::Residual(block) => Ok(x.f_add(&self.run(block, x, train)?)?),
+            Node::Custom {
+                path,
+                op,
+                params,
+                config,
+            } => {
+                let params: Vec<&Tensor> = params.iter().map(|&i| self.tensor(i)).collect();
+                let y = (op.0)(x, &params, config).map_err(Failure::Layer)?;
+                if y.size() != x.size() {
+                    let dims = |t: &Tensor| {
+                        Shape::from(t.size().iter().map(|&d| d as usize).collect::<Vec<_>>())
+                            .to_string()
+                    };
+                    return Err(Failure::Layer(Error::ShapeMismatch {
+                        context: format!("{path} (Custom {}): op output", config.op),
+                        expected: dims(x),
+                        actual: dims(&y),
+                    }));
+                }
+                Ok(y)
+            }
+            leaf => Ok(self.run_leaf(leaf, x, train)?),
+        }
+    }
+
+    /// Runs a node without children.
+    fn run_leaf(
+        &self,
+        node: &Node,
+        x: &Tensor,
+        train: bool,
+    ) -> std::result::Result<Tensor, TchError> {
         match node {
             Node::Linear { weight, bias } => x.f_linear(self.tensor(*weight), self.opt(*bias)),
             Node::Conv1d {
@@ -451,14 +523,9 @@ impl TorchModel {
                 let merged = attended.f_transpose(1, 2)?.f_reshape([batch, seq, embed])?;
                 merged.f_linear(self.tensor(*out_weight), self.opt(*out_bias))
             }
-            Node::Sequential(children) => {
-                let mut out = x.shallow_clone();
-                for child in children {
-                    out = self.run(child, &out, train)?;
-                }
-                Ok(out)
-            }
-            Node::Residual(block) => x.f_add(&self.run(block, x, train)?),
+            Node::Sequential(_) | Node::Residual(_) | Node::Custom { .. } => Err(TchError::Torch(
+                "internal error: a composite layer reached run_leaf".to_owned(),
+            )),
         }
     }
 }
@@ -619,6 +686,16 @@ fn build(layer: &Layer, prefix: &str, index: &HashMap<&str, usize>) -> Result<No
         Layer::Residual { block } => {
             Node::Residual(Box::new(build(block, &join(prefix, "block"), index)?))
         }
+        Layer::Custom(c) => Node::Custom {
+            path: prefix.to_owned(),
+            op: OpFn(lookup(prefix, &c.op)?),
+            params: c
+                .params
+                .iter()
+                .map(|p| need(&p.name))
+                .collect::<Result<_>>()?,
+            config: c.clone(),
+        },
         other => return Err(Error::unsupported(format!("layer {other:?} on libtorch"))),
     })
 }
@@ -630,7 +707,10 @@ impl Module<TorchBackend> for TorchModel {
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
         self.check_device(input)?;
         self.run(&self.root, input, self.mode.is_train())
-            .map_err(|e| self.explain_failure(input, e))
+            .map_err(|e| match e {
+                Failure::Torch(e) => self.explain_failure(input, e),
+                Failure::Layer(e) => e,
+            })
     }
 
     fn mode(&self) -> Mode {

@@ -19,8 +19,8 @@ use crate::shape::Shape;
 pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity};
 pub use layer::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
-    EmbeddingConfig, GeluApproximation, GroupNormConfig, LayerNormConfig, LinearConfig,
-    Pool2dConfig,
+    CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
+    LayerNormConfig, LinearConfig, Pool2dConfig,
 };
 
 fn half() -> f64 {
@@ -165,6 +165,9 @@ pub enum Layer {
         /// The residual branch; its output shape must equal its input shape.
         block: Box<Layer>,
     },
+    /// An op registered by a backend extension (kiln-ops, or a user's crate),
+    /// with the parameters the layer declares; see [`CustomConfig`].
+    Custom(CustomConfig),
 }
 
 /// Whether a [`ParamSpec`] is trained or only saved.
@@ -401,6 +404,7 @@ impl Layer {
             Layer::MultiHeadSelfAttention(_) => "MultiHeadSelfAttention",
             Layer::Sequential { .. } => "Sequential",
             Layer::Residual { .. } => "Residual",
+            Layer::Custom(_) => "Custom",
         }
     }
 
@@ -568,6 +572,41 @@ impl Layer {
             | Layer::LogSoftmax { .. }
             | Layer::Sequential { .. }
             | Layer::Residual { .. } => Ok(()),
+            Layer::Custom(c) => {
+                let valid_op =
+                    c.op.split_once("::")
+                        .is_some_and(|(ns, name)| !ns.is_empty() && !name.is_empty());
+                if !valid_op {
+                    return Err(
+                        check.invalid("op", format!("expected `namespace::name`, got {:?}", c.op))
+                    );
+                }
+                let mut seen = std::collections::HashSet::new();
+                for param in &c.params {
+                    if param.name.is_empty() || param.name.contains('.') {
+                        return Err(check.invalid(
+                            "params",
+                            format!(
+                                "parameter name {:?} must be non-empty without dots",
+                                param.name
+                            ),
+                        ));
+                    }
+                    if !seen.insert(param.name.as_str()) {
+                        return Err(check.invalid(
+                            "params",
+                            format!("parameter {:?} declared twice", param.name),
+                        ));
+                    }
+                }
+                match c.attrs.iter().find(|(_, v)| !v.is_finite()) {
+                    Some((name, v)) => {
+                        Err(check
+                            .invalid(&format!("attrs.{name}"), format!("must be finite, got {v}")))
+                    }
+                    None => Ok(()),
+                }
+            }
         }
     }
 
@@ -770,7 +809,8 @@ impl Layer {
             | Layer::Gelu { .. }
             | Layer::Silu
             | Layer::Tanh
-            | Layer::Sigmoid => Ok(input.to_vec()),
+            | Layer::Sigmoid
+            | Layer::Custom(_) => Ok(input.to_vec()),
             Layer::Sequential { layers } => {
                 let mut shape = input.to_vec();
                 for (i, layer) in layers.iter().enumerate() {
@@ -970,6 +1010,22 @@ impl Layer {
                 }
             }
             Layer::Residual { block } => block.collect_specs(&join(path, "block"), out)?,
+            Layer::Custom(c) => {
+                for param in &c.params {
+                    let init = params.resolve(
+                        &format!("params.{}", param.name),
+                        &param.init,
+                        &param.shape,
+                    )?;
+                    params.push(
+                        &param.name,
+                        param.shape.clone(),
+                        DType::F32,
+                        ParamKind::Parameter,
+                        init,
+                    );
+                }
+            }
             Layer::MaxPool2d(_)
             | Layer::AvgPool2d(_)
             | Layer::AdaptiveAvgPool2d { .. }
@@ -1104,6 +1160,7 @@ layer_from_config! {
     GroupNormConfig => GroupNorm,
     EmbeddingConfig => Embedding,
     AttentionConfig => MultiHeadSelfAttention,
+    CustomConfig => Custom,
 }
 
 #[cfg(test)]

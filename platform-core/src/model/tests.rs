@@ -555,3 +555,67 @@ fn serde_round_trip_and_hand_written_defaults() -> Result<()> {
     assert!(err.to_string().contains("convolution"), "{err}");
     Ok(())
 }
+
+#[test]
+fn custom_layers_declare_their_parameters_and_keep_the_shape() {
+    let layer: Layer = CustomConfig::new("kiln::bias_gelu")
+        .with_param("bias", [16], Init::Zeros)
+        .with_attr("slope", 0.5)
+        .into();
+    let net = Layer::sequential([LinearConfig::new(4, 16).into(), layer]);
+    assert_eq!(net.output_shape(&[3, 4]).unwrap(), vec![3, 16]);
+    let specs = net.parameter_specs("").unwrap();
+    let last = specs.last().unwrap();
+    assert_eq!(last.name, "1.bias");
+    assert_eq!(last.shape, vec![16]);
+    assert_eq!(last.kind, ParamKind::Parameter);
+    assert_eq!(last.init, InitDistribution::Constant { value: 0.0 });
+    assert_eq!(net.num_parameters().unwrap(), 4 * 16 + 16 + 16);
+}
+
+#[test]
+fn custom_layers_reject_bad_declarations() {
+    let err = |c: CustomConfig| {
+        Layer::sequential([c.into()])
+            .validate()
+            .unwrap_err()
+            .to_string()
+    };
+    assert_eq!(
+        err(CustomConfig::new("swish")),
+        "invalid argument `0.op`: Custom: expected `namespace::name`, got \"swish\""
+    );
+    assert_eq!(
+        err(CustomConfig::new("a::b")
+            .with_param("w", [2], Init::Zeros)
+            .with_param("w", [2], Init::Zeros)),
+        "invalid argument `0.params`: Custom: parameter \"w\" declared twice"
+    );
+    assert_eq!(
+        err(CustomConfig::new("a::b").with_param("w.x", [2], Init::Zeros)),
+        "invalid argument `0.params`: Custom: parameter name \"w.x\" must be non-empty without dots"
+    );
+    assert_eq!(
+        err(CustomConfig::new("a::b").with_attr("eps", f64::NAN)),
+        "invalid argument `0.attrs.eps`: Custom: must be finite, got NaN"
+    );
+    // Xavier needs two dimensions: the error names the parameter.
+    let msg =
+        err(CustomConfig::new("a::b").with_param("beta", [1], Init::XavierUniform { gain: 1.0 }));
+    assert!(msg.starts_with("invalid argument `0.params.beta`"), "{msg}");
+}
+
+#[test]
+fn custom_layers_read_from_json() {
+    let json = serde_json::json!({"type": "custom", "op": "example::squared_relu"});
+    let layer: Layer = serde_json::from_value(json).unwrap();
+    assert_eq!(
+        layer,
+        Layer::Custom(CustomConfig::new("example::squared_relu"))
+    );
+    let bad = serde_json::json!({"type": "custom", "op": "a::b", "parms": []});
+    let msg = serde_json::from_value::<Layer>(bad)
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("unknown field `parms`"), "{msg}");
+}

@@ -1,0 +1,281 @@
+//! Kiln's fused ops as layers of a model definition (`kiln_ops::layer`): on
+//! libtorch they equal the composition of built-in ops (forward and every
+//! parameter gradient, 1e-5); TensorFlow agrees with libtorch on the same weights
+//! (1e-5); `Trainer` trains them on both backends with the same losses epoch by
+//! epoch (1e-4); misuse fails with errors that name what was wrong.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use kiln_core::{
+    Backend, CustomConfig, Device, Error, HostTensor, InMemoryDataset, Init, Layer, LinearConfig,
+    Loss, Module, OptimizerConfig, SequentialLoader, SgdConfig, StateDict, TrainBackend, Trainer,
+    TrainerConfig, TrainingState,
+};
+use kiln_tf::{TfBackend, TfTensor};
+use kiln_torch::{from_tch, TorchBackend, TorchModel};
+use tch::{Kind, Tensor};
+
+/// libtorch's generator is global: tests in this binary run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    kiln_ops::register_layers().unwrap();
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Deterministic pseudo-random floats in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `Linear(6, 16, bias=False) -> bias_gelu(16) -> Linear(16, 4) -> swish(1.7)`.
+fn spec() -> Layer {
+    Layer::sequential([
+        LinearConfig::new(6, 16).with_bias(false).into(),
+        kiln_ops::layer::bias_gelu(16),
+        LinearConfig::new(16, 4).into(),
+        kiln_ops::layer::swish(1.7),
+    ])
+}
+
+fn batch(rows: usize, seed: u64) -> (HostTensor, HostTensor) {
+    let values = noise(rows * 6, seed);
+    // Learnable labels: which of the first four features is largest.
+    let labels: Vec<i64> = values
+        .chunks(6)
+        .map(|row| (0..4).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i64)
+        .collect();
+    (
+        HostTensor::new(values, [rows, 6]).unwrap(),
+        HostTensor::new(labels, [rows]).unwrap(),
+    )
+}
+
+fn max_diff(a: &HostTensor, b: &HostTensor) -> f64 {
+    assert_eq!(a.dims(), b.dims());
+    a.to_f64_vec()
+        .iter()
+        .zip(b.to_f64_vec())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn torch_model(seed: i64) -> TorchModel {
+    TorchBackend::manual_seed(seed as u64);
+    TorchBackend::build_model(&spec(), Device::Cpu).unwrap()
+}
+
+/// Forward output and the gradients of `cross_entropy(output, y)`, by name.
+fn torch_forward_and_grads(
+    model: &TorchModel,
+    x: &HostTensor,
+    y: &HostTensor,
+) -> (HostTensor, StateDict) {
+    for (_, mut p) in Module::<TorchBackend>::named_parameters(model) {
+        p.zero_grad();
+    }
+    let out = model
+        .forward(&TorchBackend::from_host(x, Device::Cpu).unwrap())
+        .unwrap();
+    let target = TorchBackend::from_host(y, Device::Cpu).unwrap();
+    let loss = TorchBackend::loss(&Loss::cross_entropy(), &out, &target).unwrap();
+    TorchBackend::backward(&loss).unwrap();
+    let mut grads = StateDict::new();
+    for (name, p) in Module::<TorchBackend>::named_parameters(model) {
+        grads.insert(name, from_tch(&p.grad()).unwrap());
+    }
+    (from_tch(&out.detach()).unwrap(), grads)
+}
+
+#[test]
+fn fused_layers_equal_the_built_in_composition_on_libtorch() {
+    let _serial = serial();
+    let model = torch_model(3);
+    let (x, y) = batch(10, 1);
+    let (out, grads) = torch_forward_and_grads(&model, &x, &y);
+
+    // The same computation from libtorch's built-in ops, on copies of the weights.
+    let state = model.state_dict().unwrap();
+    let leaf = |name: &str| {
+        TorchBackend::from_host(state.get(name).unwrap(), Device::Cpu)
+            .unwrap()
+            .set_requires_grad(true)
+    };
+    let (w0, b1, w2, b2, beta) = (
+        leaf("0.weight"),
+        leaf("1.bias"),
+        leaf("2.weight"),
+        leaf("2.bias"),
+        leaf("3.beta"),
+    );
+    let xt = TorchBackend::from_host(&x, Device::Cpu).unwrap();
+    let h = (xt.matmul(&w0.tr()) + &b1).gelu("none");
+    let z = h.matmul(&w2.tr()) + &b2;
+    let reference = &z * (&z * &beta).sigmoid();
+    let yt = TorchBackend::from_host(&y, Device::Cpu).unwrap();
+    reference.cross_entropy_for_logits(&yt).backward();
+
+    let d = max_diff(&out, &from_tch(&reference.detach()).unwrap());
+    assert!(d < 1e-5, "forward differs by {d}");
+    for (name, t) in [
+        ("0.weight", &w0),
+        ("1.bias", &b1),
+        ("2.weight", &w2),
+        ("2.bias", &b2),
+        ("3.beta", &beta),
+    ] {
+        let d = max_diff(grads.get(name).unwrap(), &from_tch(&t.grad()).unwrap());
+        assert!(d < 1e-5, "gradient of {name} differs by {d}");
+    }
+    assert!(
+        grads.get("3.beta").unwrap().to_f64_vec()[0].abs() > 1e-6,
+        "beta is learned: its gradient is not zero"
+    );
+}
+
+#[test]
+fn tensorflow_agrees_with_libtorch_on_the_same_weights() {
+    let _serial = serial();
+    let torch = torch_model(5);
+    let mut tf = TfBackend::build_model(&spec(), Device::Cpu).unwrap();
+    tf.load_state_dict(&torch.state_dict().unwrap()).unwrap();
+    let (x, y) = batch(12, 2);
+    let (t_out, t_grads) = torch_forward_and_grads(&torch, &x, &y);
+    let f_out = tf
+        .forward(&TfTensor::from_host(&x).unwrap())
+        .unwrap()
+        .to_host()
+        .unwrap();
+    let d = max_diff(&t_out, &f_out);
+    assert!(d < 1e-5, "forward differs by {d}");
+    let (_, f_grads) = tf
+        .gradients(
+            &Loss::cross_entropy(),
+            &TfTensor::from_host(&x).unwrap(),
+            &TfTensor::from_host(&y).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(f_grads.len(), 5, "every parameter has a gradient");
+    for (name, g) in t_grads.iter() {
+        let d = max_diff(g, f_grads.get(name).unwrap());
+        assert!(d < 1e-5, "gradient of {name} differs by {d}");
+    }
+}
+
+fn state<B: TrainBackend>(initial: &StateDict) -> TrainingState<B> {
+    let mut model = B::build_model(&spec(), Device::Cpu).unwrap();
+    model.load_state_dict(initial).unwrap();
+    let config = OptimizerConfig::Sgd(SgdConfig::new(0.2).with_momentum(0.9));
+    let optimizer = B::build_optimizer(&config, &model, &[]).unwrap();
+    TrainingState::new(model, optimizer, None)
+}
+
+fn fit<B: TrainBackend>(state: &mut TrainingState<B>) -> Vec<f64> {
+    let (x, y) = batch(128, 7);
+    let loader = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 32).unwrap();
+    let config = TrainerConfig {
+        epochs: 15,
+        ..TrainerConfig::default()
+    };
+    let history = Trainer::<B>::new(config, Loss::cross_entropy())
+        .unwrap()
+        .fit(state, &loader, None)
+        .unwrap();
+    history.series("loss").into_iter().map(|(_, v)| v).collect()
+}
+
+#[test]
+fn the_trainer_trains_fused_layers_on_both_backends_alike() {
+    let _serial = serial();
+    let initial = torch_model(11).state_dict().unwrap();
+    let mut on_torch = state::<TorchBackend>(&initial);
+    let mut on_tf = state::<TfBackend>(&initial);
+    let t = fit(&mut on_torch);
+    let f = fit(&mut on_tf);
+    eprintln!("torch losses {t:.4?}\ntensorflow losses {f:.4?}");
+    assert_eq!(t.len(), 15);
+    assert!(t[14] < 0.7 * t[0], "training reduces the loss: {t:?}");
+    let worst = t
+        .iter()
+        .zip(&f)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-4, "epoch losses differ by {worst}");
+    let d = on_torch
+        .model
+        .state_dict()
+        .unwrap()
+        .iter()
+        .map(|(name, v)| max_diff(v, on_tf.model.state_dict().unwrap().get(name).unwrap()))
+        .fold(0.0, f64::max);
+    assert!(d < 1e-4, "trained weights differ by {d}");
+}
+
+#[test]
+fn misuse_fails_with_errors_that_name_the_problem() {
+    let _serial = serial();
+    // An op nobody registered: both backends name it and say how to register.
+    let unknown = Layer::sequential([Layer::Relu, CustomConfig::new("nowhere::op").into()]);
+    for message in [
+        TorchModel::new(&unknown, Device::Cpu)
+            .unwrap_err()
+            .to_string(),
+        kiln_tf::TfModel::new(&unknown, Device::Cpu)
+            .unwrap_err()
+            .to_string(),
+    ] {
+        assert!(
+            message
+                .starts_with("invalid argument `1.op`: custom op `nowhere::op` is not registered"),
+            "{message}"
+        );
+        assert!(
+            message.contains("kiln::swish"),
+            "lists the registered ops: {message}"
+        );
+    }
+
+    // kiln::swish declared without its parameter.
+    let bare: Layer = CustomConfig::new(kiln_ops::layer::SWISH).into();
+    let torch = TorchModel::new(&bare, Device::Cpu).unwrap();
+    let x = Tensor::ones([2, 3], (Kind::Float, tch::Device::Cpu));
+    let message = torch.forward(&x).unwrap_err().to_string();
+    assert_eq!(
+        message,
+        "invalid argument `kiln::swish.params`: expected the parameters [\"beta\"], got []"
+    );
+    let message = kiln_tf::TfModel::new(&bare, Device::Cpu)
+        .unwrap()
+        .forward(&TfTensor::from_host(&HostTensor::new(vec![1.0f32; 6], [2, 3]).unwrap()).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("expected the parameters [\"beta\"]"),
+        "{message}"
+    );
+
+    // A bias of the wrong length: the C++ kernel's check comes back as a backend error.
+    let wrong: Layer = CustomConfig::new(kiln_ops::layer::BIAS_GELU)
+        .with_param("bias", [5], Init::Zeros)
+        .into();
+    let err = TorchModel::new(&wrong, Device::Cpu)
+        .unwrap()
+        .forward(&x)
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err:?}");
+    assert!(err.to_string().contains("bias"), "{err}");
+    let err = kiln_tf::TfModel::new(&wrong, Device::Cpu)
+        .unwrap()
+        .forward(&TfTensor::from_host(&HostTensor::new(vec![1.0f32; 6], [2, 3]).unwrap()).unwrap())
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend { .. }), "{err:?}");
+    assert!(err.to_string().contains("bias"), "{err}");
+}

@@ -1,0 +1,155 @@
+//! The TensorFlow side of [`Layer::Custom`](kiln_core::Layer::Custom): graph
+//! builders registered by op name, resolved when a [`TfModel`](crate::TfModel) is built.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+
+use kiln_core::{CustomConfig, Error, Layer, Result};
+use tensorflow::{Graph, Output};
+
+/// A custom layer's computation as TensorFlow graph ops: it adds ops to the
+/// graph that take the input (`float32`, PyTorch's logical layout, batch first)
+/// and the layer's parameters in declaration order, and returns the output, of
+/// the input's shape. `name` is unique in the graph: name the main op `name`
+/// and any helper ops `name/...`. Gradients come from TensorFlow's gradient
+/// registry, so an op of one's own needs a registered gradient function.
+pub type CustomLayerFn =
+    dyn Fn(&mut Graph, &str, Output, &[Output], &CustomConfig) -> Result<Output> + Send + Sync;
+
+type Registry = RwLock<HashMap<String, Arc<CustomLayerFn>>>;
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(Default::default)
+}
+
+/// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::Layer::Custom)
+/// layers built on TensorFlow. Registering a name again replaces its function, so
+/// registering at start-up is idempotent. Models built before keep the function
+/// they were built with.
+///
+/// ```
+/// use kiln_core::{CustomConfig, Device, HostTensor, Init, Layer, Module};
+/// use kiln_tf::{register_custom_layer, tf_error, TfModel, TfTensor};
+/// use tensorflow::{DataType, Graph, Operation, Output, Status};
+///
+/// // `x * scale` with a learned scale, from TensorFlow's built-in Mul.
+/// register_custom_layer("demo::scale", |graph, name, x, params, _config| {
+///     let build = |graph: &mut Graph| -> Result<Operation, Status> {
+///         let mut op = graph.new_operation("Mul", name)?;
+///         op.add_input(x);
+///         op.add_input(params[0].clone());
+///         op.set_attr_type("T", DataType::Float)?;
+///         op.finish()
+///     };
+///     let operation = build(graph).map_err(|s| tf_error(name, s))?;
+///     Ok(Output { operation, index: 0 })
+/// });
+/// let layer: Layer = CustomConfig::new("demo::scale")
+///     .with_param("scale", [1], Init::Constant { value: 2.0 })
+///     .into();
+/// let model = TfModel::new(&layer, Device::Cpu)?;
+/// let x = TfTensor::from_host(&HostTensor::new(vec![1.0f32, -3.0], [2, 1])?)?;
+/// assert_eq!(model.forward(&x)?.to_host()?.to_f64_vec(), [2.0, -6.0]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn register_custom_layer<F>(op: &str, f: F)
+where
+    F: Fn(&mut Graph, &str, Output, &[Output], &CustomConfig) -> Result<Output>
+        + Send
+        + Sync
+        + 'static,
+{
+    let previous = registry()
+        .write()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(op.to_owned(), Arc::new(f));
+    if previous.is_some() {
+        log::debug!("custom layer op {op} registered again on TensorFlow; the new function replaces the old");
+    }
+}
+
+/// Whether `op` is registered with [`register_custom_layer`].
+pub fn custom_layer_registered(op: &str) -> bool {
+    registry()
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains_key(op)
+}
+
+/// The functions of a model's custom layers, resolved when it is built.
+#[derive(Clone, Default)]
+pub(crate) struct CustomOps(HashMap<String, Arc<CustomLayerFn>>);
+
+impl std::fmt::Debug for CustomOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+impl CustomOps {
+    /// Looks up every custom layer's op in `spec`; fails on the first one not registered.
+    pub(crate) fn resolve(spec: &Layer) -> Result<Self> {
+        let mut ops = CustomOps::default();
+        ops.collect(spec, "")?;
+        Ok(ops)
+    }
+
+    fn collect(&mut self, layer: &Layer, path: &str) -> Result<()> {
+        let child = |name: &str| {
+            if path.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{path}.{name}")
+            }
+        };
+        match layer {
+            Layer::Sequential { layers } => {
+                for (i, l) in layers.iter().enumerate() {
+                    self.collect(l, &child(&i.to_string()))?;
+                }
+                Ok(())
+            }
+            Layer::Residual { block } => self.collect(block, &child("block")),
+            Layer::Custom(c) => {
+                if !self.0.contains_key(&c.op) {
+                    let f = lookup(&c.op).ok_or_else(|| unregistered(&child("op"), &c.op))?;
+                    self.0.insert(c.op.clone(), f);
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The function for `op`, resolved by [`resolve`](Self::resolve).
+    pub(crate) fn get(&self, op: &str) -> Result<Arc<CustomLayerFn>> {
+        self.0
+            .get(op)
+            .cloned()
+            .ok_or_else(|| unregistered("op", op))
+    }
+}
+
+fn lookup(op: &str) -> Option<Arc<CustomLayerFn>> {
+    registry()
+        .read()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(op)
+        .cloned()
+}
+
+fn unregistered(field: &str, op: &str) -> Error {
+    let registry = registry().read().unwrap_or_else(PoisonError::into_inner);
+    let mut known: Vec<&str> = registry.keys().map(String::as_str).collect();
+    known.sort_unstable();
+    Error::invalid_argument(
+        field,
+        format!(
+            "custom op `{op}` is not registered with the TensorFlow backend (registered: [{}]); \
+             call kiln_ops::register_layers() for Kiln's fused ops, or \
+             kiln_tf::register_custom_layer for your own",
+            known.join(", ")
+        ),
+    )
+}
