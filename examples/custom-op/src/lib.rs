@@ -10,11 +10,50 @@
 //! functions, the gradient, the registration), `src/tf_ffi.rs` (its bridge) and the
 //! [`tf`] module here.
 
+//!
+//! Step 6 makes it a layer of Kiln model definitions on both backends:
+//! [`register_layer`] hands the two functions above to the backends under the
+//! name [`LAYER_OP`], and [`layer`] declares it, so `Trainer<TorchBackend>` and
+//! `Trainer<TfBackend>` train models that use it (see `src/main.rs`).
+
 mod ffi;
 mod tf_ffi;
 
-use kiln_core::{Error, Result};
+use kiln_core::{CustomConfig, Error, Layer, Result};
 use tch::Tensor;
+
+/// The layer op name for [`Layer::Custom`]: `namespace::name`, as in `torch.ops`.
+pub const LAYER_OP: &str = "example::squared_relu";
+
+/// Step 6: registers squared ReLU as a custom layer op with both backends (and
+/// the TensorFlow op itself). Idempotent; call it once before building models.
+///
+/// ```no_run
+/// use kiln_core::{Device, Layer, LinearConfig, TrainBackend};
+///
+/// kiln_example_custom_op::register_layer()?;
+/// let net = Layer::sequential([
+///     LinearConfig::new(64, 128).into(),
+///     kiln_example_custom_op::layer(),
+///     LinearConfig::new(128, 10).into(),
+/// ]);
+/// let on_torch = kiln_torch::TorchBackend::build_model(&net, Device::Cpu)?;
+/// let on_tf = kiln_tf::TfBackend::build_model(&net, Device::Cpu)?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn register_layer() -> Result<()> {
+    tf::register()?;
+    kiln_torch::register_custom_layer(LAYER_OP, |x, _params, _config| squared_relu(x));
+    kiln_tf::register_custom_layer(LAYER_OP, |graph, name, x, _params, _config| {
+        tf::add_node(graph, name, x)
+    });
+    Ok(())
+}
+
+/// The squared-ReLU activation as a layer (no parameters).
+pub fn layer() -> Layer {
+    CustomConfig::new(LAYER_OP).into()
+}
 
 /// The shared library for Python: `torch.ops.load_library(LIBRARY)` gives
 /// `torch.ops.example.squared_relu`.
@@ -71,16 +110,25 @@ pub mod tf {
     /// must be float or double (TensorFlow refuses other types here); other
     /// errors fail the session run with the op's message.
     pub fn squared_relu(graph: &mut Graph, x: Output) -> Result<Output> {
+        let mut name = "SquaredRelu".to_owned();
+        for i in 1.. {
+            let taken = graph
+                .operation_by_name(&name)
+                .map_err(|e| Error::invalid_argument("name", e.to_string()))?
+                .is_some();
+            if !taken {
+                break;
+            }
+            name = format!("SquaredRelu_{i}");
+        }
+        add_node(graph, &name, x)
+    }
+
+    /// Adds an [`OP`] node named `name` (unique in `graph`).
+    pub fn add_node(graph: &mut Graph, name: &str, x: Output) -> Result<Output> {
         register()?;
         let add = |graph: &mut Graph| -> std::result::Result<Output, tensorflow::Status> {
-            let mut name = "SquaredRelu".to_owned();
-            for i in 1.. {
-                if graph.operation_by_name(&name)?.is_none() {
-                    break;
-                }
-                name = format!("SquaredRelu_{i}");
-            }
-            let mut node = graph.new_operation(OP, &name)?;
+            let mut node = graph.new_operation(OP, name)?;
             node.add_input(x);
             Ok(node.finish()?.into())
         };
