@@ -1,0 +1,714 @@
+//! Kiln against Python, side by side in one run: the same model, data, batch size,
+//! dtype and thread count for every variant, each in its own process (so each has
+//! its own peak RSS), warm-up first, then the median of several timed repeats.
+//!
+//! ```sh
+//! cargo xtask cargo bench --bench compare                       # every workload, every variant
+//! cargo xtask cargo bench --bench compare -- --workloads mlp --repeats 7
+//! ```
+//!
+//! Variants: `kiln-torch` and `kiln-tf` (Kiln's training step on each backend),
+//! `raw-tch` (the same model written directly in `tch`, no Kiln layers),
+//! `pytorch-eager`, `tf-function` and `keras-fit` (the Python scripts in
+//! `benches/python/`, run with the project virtualenv's interpreter). The table
+//! is printed and, with `--write`, written to `BENCHMARKS.md`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use kiln::core::{
+    AdamConfig, Conv2dConfig, HostTensor, Layer, LinearConfig, Loss, Optimizer, OptimizerConfig,
+    Pool2dConfig, StepPlan, TrainBackend,
+};
+use kiln::prelude::*;
+use kiln::tf::TfBackend;
+use kiln::torch::TorchBackend;
+use serde_json::{json, Value};
+
+/// Every variant, in table order.
+const VARIANTS: [&str; 6] = [
+    "kiln-torch",
+    "raw-tch",
+    "pytorch-eager",
+    "kiln-tf",
+    "tf-function",
+    "keras-fit",
+];
+
+/// One training workload: the model, its per-sample input and batch size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Workload {
+    /// MLP 784-256-10, batch 64 (overhead-bound).
+    Mlp,
+    /// A two-convolution CNN on 28x28 images, batch 128.
+    Cnn,
+    /// A pre-norm transformer encoder block, sequence 128, width 256, batch 32.
+    Transformer,
+}
+
+impl Workload {
+    fn parse(name: &str) -> Result<Self> {
+        Ok(match name {
+            "mlp" => Workload::Mlp,
+            "cnn" => Workload::Cnn,
+            "transformer" => Workload::Transformer,
+            other => bail!("unknown workload {other}; expected mlp, cnn or transformer"),
+        })
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Mlp => "mlp",
+            Workload::Cnn => "cnn",
+            Workload::Transformer => "transformer",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Workload::Mlp => "(a) MLP 784-256-10, batch 64, Adam",
+            Workload::Cnn => "(b) CNN 28x28 (conv32-pool-conv64-pool-fc128-fc10), batch 128, Adam",
+            Workload::Transformer => {
+                "(c) transformer encoder block, seq 128, width 256, 8 heads, ff 1024, batch 32, Adam"
+            }
+        }
+    }
+
+    fn input_shape(self) -> Vec<usize> {
+        match self {
+            Workload::Mlp => vec![784],
+            Workload::Cnn => vec![1, 28, 28],
+            Workload::Transformer => vec![128, 256],
+        }
+    }
+
+    fn batch(self) -> usize {
+        match self {
+            Workload::Mlp => 64,
+            Workload::Cnn => 128,
+            Workload::Transformer => 32,
+        }
+    }
+
+    /// Timed steps per repeat: about a second of work for Python PyTorch here.
+    fn default_steps(self) -> usize {
+        match self {
+            Workload::Mlp => 400,
+            Workload::Cnn => 20,
+            Workload::Transformer => 5,
+        }
+    }
+
+    /// The model as a Kiln definition (the Python scripts build the same).
+    fn spec(self) -> Layer {
+        match self {
+            Workload::Mlp => Layer::sequential([
+                LinearConfig::new(784, 256).into(),
+                Layer::Relu,
+                LinearConfig::new(256, 10).into(),
+            ]),
+            Workload::Cnn => Layer::sequential([
+                Conv2dConfig::new(1, 32, [3, 3]).with_padding([1, 1]).into(),
+                Layer::Relu,
+                Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+                Conv2dConfig::new(32, 64, [3, 3])
+                    .with_padding([1, 1])
+                    .into(),
+                Layer::Relu,
+                Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+                Layer::Flatten {
+                    start_dim: 1,
+                    end_dim: -1,
+                },
+                LinearConfig::new(64 * 7 * 7, 128).into(),
+                Layer::Relu,
+                LinearConfig::new(128, 10).into(),
+            ]),
+            Workload::Transformer => Layer::sequential([
+                Layer::transformer_encoder_block(256, 8, 1024, false, 0.0),
+                Layer::Flatten {
+                    start_dim: 1,
+                    end_dim: -1,
+                },
+                LinearConfig::new(128 * 256, 10).into(),
+            ]),
+        }
+    }
+}
+
+/// What every variant runs with.
+#[derive(Clone, Debug)]
+struct Settings {
+    steps: Option<usize>,
+    warmup: usize,
+    repeats: usize,
+    threads: usize,
+    num_batches: usize,
+}
+
+const CLASSES: usize = 10;
+
+fn main() -> Result<()> {
+    let mut args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    if args.first().map(String::as_str) == Some("--worker") {
+        args.remove(0);
+        return worker(&args);
+    }
+    let mut workloads = vec![Workload::Mlp, Workload::Cnn, Workload::Transformer];
+    let mut variants: Vec<String> = VARIANTS.iter().map(|v| v.to_string()).collect();
+    let mut settings = Settings {
+        steps: None,
+        warmup: 5,
+        repeats: 5,
+        threads: 2,
+        num_batches: 16,
+    };
+    let mut write = false;
+    let mut it = args.into_iter();
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--workloads" => {
+                workloads = value()?
+                    .split(',')
+                    .map(Workload::parse)
+                    .collect::<Result<_>>()?
+            }
+            "--variants" => variants = value()?.split(',').map(str::to_owned).collect(),
+            "--steps" => settings.steps = Some(value()?.parse()?),
+            "--warmup" => settings.warmup = value()?.parse()?,
+            "--repeats" => settings.repeats = value()?.parse()?,
+            "--threads" => settings.threads = value()?.parse()?,
+            "--write" => write = true,
+            other => bail!(
+                "unknown flag {other}; flags: --workloads mlp,cnn,transformer --variants {} \
+                 --steps N --warmup N --repeats N --threads N --write",
+                VARIANTS.join(",")
+            ),
+        }
+    }
+    for v in &variants {
+        ensure!(
+            VARIANTS.contains(&v.as_str()),
+            "unknown variant {v}; expected one of {VARIANTS:?}"
+        );
+    }
+    ensure!(settings.repeats >= 1, "--repeats must be at least 1");
+
+    let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-compare");
+    let mut sections = Vec::new();
+    for workload in workloads {
+        let data = scratch.join(workload.name());
+        write_data(&data, workload, settings.num_batches)?;
+        let steps = settings.steps.unwrap_or(workload.default_steps());
+        eprintln!(
+            "== {} ({steps} steps x {} repeats)",
+            workload.describe(),
+            settings.repeats
+        );
+        let mut rows = Vec::new();
+        for variant in &variants {
+            eprint!("   {variant:<14} ");
+            match run_variant(variant, workload, &data, steps, &settings) {
+                Ok(result) => {
+                    eprintln!(
+                        "{:>9.1} steps/s  {:>7.0} MiB",
+                        num(&result, "steps_per_s"),
+                        num(&result, "peak_rss_mb")
+                    );
+                    rows.push((variant.clone(), Ok(result)));
+                }
+                Err(e) => {
+                    eprintln!("failed: {e:#}");
+                    rows.push((variant.clone(), Err(format!("{e:#}"))));
+                }
+            }
+        }
+        sections.push(table(workload, steps, &settings, &rows));
+    }
+    let report = report(&sections, &settings);
+    println!("{report}");
+    if write {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("BENCHMARKS.md");
+        std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn num(v: &Value, key: &str) -> f64 {
+    v.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN)
+}
+
+/// Deterministic features in [-1, 1) and learnable labels (the largest of the
+/// first ten features), written as the Python scripts read them.
+fn write_data(dir: &Path, workload: Workload, num_batches: usize) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let per_sample: usize = workload.input_shape().iter().product();
+    let rows = num_batches * workload.batch();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut x = Vec::with_capacity(rows * per_sample);
+    for _ in 0..rows * per_sample {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        x.push(((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0);
+    }
+    let y: Vec<i64> = x
+        .chunks(per_sample)
+        .map(|r| (0..CLASSES).fold(0, |b, i| if r[i] > r[b] { i } else { b }) as i64)
+        .collect();
+    std::fs::write(dir.join("x.f32"), bytemuck_f32(&x))?;
+    std::fs::write(
+        dir.join("y.i64"),
+        y.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>(),
+    )?;
+    let meta = json!({
+        "workload": workload.name(),
+        "input_shape": workload.input_shape(),
+        "batch": workload.batch(),
+        "num_batches": num_batches,
+        "classes": CLASSES,
+    });
+    std::fs::write(dir.join("meta.json"), meta.to_string())?;
+    Ok(())
+}
+
+fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|f| f.to_le_bytes()).collect()
+}
+
+/// Runs one variant in its own process and returns its JSON result.
+fn run_variant(
+    variant: &str,
+    workload: Workload,
+    data: &Path,
+    steps: usize,
+    s: &Settings,
+) -> Result<Value> {
+    let common = [
+        "--workload".to_owned(),
+        workload.name().to_owned(),
+        "--data".to_owned(),
+        data.display().to_string(),
+        "--steps".to_owned(),
+        steps.to_string(),
+        "--warmup".to_owned(),
+        s.warmup.to_string(),
+        "--repeats".to_owned(),
+        s.repeats.to_string(),
+        "--threads".to_owned(),
+        s.threads.to_string(),
+    ];
+    let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/python");
+    let mut command = match variant {
+        "pytorch-eager" => {
+            let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+            c.arg(scripts.join("bench_torch.py"));
+            c
+        }
+        "tf-function" | "keras-fit" => {
+            let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+            c.arg(scripts.join("bench_tf.py"))
+                .args(["--variant", variant]);
+            c
+        }
+        _ => {
+            let mut c = Command::new(std::env::current_exe()?);
+            c.args(["--worker", variant]);
+            c
+        }
+    };
+    let out = command
+        .args(&common)
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .env("RUST_LOG", "warn")
+        .output()
+        .with_context(|| format!("starting {variant}"))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{variant} exited with {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rev()
+            .take(5)
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .with_context(|| format!("{variant} printed no JSON result"))?;
+    serde_json::from_str(line).with_context(|| format!("{variant}'s result {line}"))
+}
+
+/// One workload's table: steps/s, samples/s, peak RSS and the ratio against
+/// Python PyTorch eager.
+fn table(
+    workload: Workload,
+    steps: usize,
+    s: &Settings,
+    rows: &[(String, std::result::Result<Value, String>)],
+) -> String {
+    let baseline = rows
+        .iter()
+        .find(|(v, _)| v == "pytorch-eager")
+        .and_then(|(_, r)| r.as_ref().ok())
+        .map(|r| num(r, "steps_per_s"));
+    let raw = rows
+        .iter()
+        .find(|(v, _)| v == "raw-tch")
+        .and_then(|(_, r)| r.as_ref().ok())
+        .map(|r| num(r, "steps_per_s"));
+    let mut t = format!(
+        "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads.\n\n\
+         | variant | steps/s | samples/s | peak RSS (MiB) | vs PyTorch eager | final loss |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: |\n",
+        workload.describe(),
+        s.repeats,
+        s.warmup,
+        s.threads
+    );
+    for (variant, result) in rows {
+        match result {
+            Ok(r) => {
+                let sps = num(r, "steps_per_s");
+                let ratio = baseline.map_or("-".to_owned(), |b| format!("{:.2}x", sps / b));
+                t += &format!(
+                    "| {variant} | {sps:.1} | {:.0} | {:.0} | {ratio} | {:.4} |\n",
+                    num(r, "samples_per_s"),
+                    num(r, "peak_rss_mb"),
+                    num(r, "final_loss"),
+                );
+            }
+            Err(e) => t += &format!("| {variant} | failed: {} | | | | |\n", e.replace('|', "/")),
+        }
+    }
+    if let (Some(raw), Some(kiln)) = (
+        raw,
+        rows.iter()
+            .find(|(v, _)| v == "kiln-torch")
+            .and_then(|(_, r)| r.as_ref().ok())
+            .map(|r| num(r, "steps_per_s")),
+    ) {
+        t += &format!(
+            "\nKiln's overhead over raw `tch`: {:+.1}% time per step.\n",
+            100.0 * (raw / kiln - 1.0)
+        );
+    }
+    t
+}
+
+/// The whole report: machine, versions, command, then one table per workload.
+fn report(sections: &[String], s: &Settings) -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let rustc = Command::new("rustc")
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default();
+    format!(
+        "# Benchmarks\n\n\
+         Kiln against Python on the same work, in one run (`benches/compare.rs`, Python side in\n\
+         `benches/python/`). Every variant runs in its own process with the same model, data,\n\
+         batch size, float32 and {} threads; peak RSS is the process's high-water mark.\n\n\
+         - Machine: {cpu}, {cores} cores, CPU only.\n\
+         - Versions: libtorch {} (tch 0.24) and Python torch {}; TensorFlow {} (C API and Python); {rustc}.\n\
+         - Reproduce: `cargo xtask cargo bench --bench compare -- --write`\n\n{}",
+        s.threads,
+        kiln::torch::LIBTORCH_VERSION,
+        kiln::torch::LIBTORCH_VERSION,
+        kiln::tf::TENSORFLOW_VERSION,
+        sections.join("\n")
+    )
+}
+
+// ----- workers: one variant, one workload, in this process -----
+
+struct WorkerArgs {
+    variant: String,
+    workload: Workload,
+    data: PathBuf,
+    steps: usize,
+    warmup: usize,
+    repeats: usize,
+    threads: usize,
+}
+
+fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
+    let variant = args.first().context("--worker needs a variant")?.clone();
+    let mut flags = BTreeMap::new();
+    for pair in args[1..].chunks(2) {
+        let [k, v] = pair else {
+            bail!("flag {} needs a value", pair[0])
+        };
+        flags.insert(k.trim_start_matches("--").to_owned(), v.clone());
+    }
+    let get = |k: &str| flags.get(k).with_context(|| format!("--{k} is required"));
+    Ok(WorkerArgs {
+        variant,
+        workload: Workload::parse(get("workload")?)?,
+        data: PathBuf::from(get("data")?),
+        steps: get("steps")?.parse()?,
+        warmup: get("warmup")?.parse()?,
+        repeats: get("repeats")?.parse()?,
+        threads: get("threads")?.parse()?,
+    })
+}
+
+/// The data directory's batches as host tensors.
+fn read_batches(dir: &Path, workload: Workload) -> Result<Vec<(HostTensor, HostTensor)>> {
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json"))?)?;
+    let batches = meta["num_batches"]
+        .as_u64()
+        .context("meta.json: num_batches")? as usize;
+    let x_bytes = std::fs::read(dir.join("x.f32"))?;
+    let y_bytes = std::fs::read(dir.join("y.i64"))?;
+    let x: Vec<f32> = x_bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let y: Vec<i64> = y_bytes
+        .chunks_exact(8)
+        .map(|b| i64::from_le_bytes(b.try_into().unwrap_or_default()))
+        .collect();
+    let batch = workload.batch();
+    let per_sample: usize = workload.input_shape().iter().product();
+    ensure!(
+        x.len() == batches * batch * per_sample,
+        "x.f32 has {} values",
+        x.len()
+    );
+    let mut dims = vec![batch];
+    dims.extend(workload.input_shape());
+    (0..batches)
+        .map(|i| {
+            let xs = x[i * batch * per_sample..(i + 1) * batch * per_sample].to_vec();
+            let ys = y[i * batch..(i + 1) * batch].to_vec();
+            Ok((
+                HostTensor::new(xs, dims.clone())?,
+                HostTensor::new(ys, [batch])?,
+            ))
+        })
+        .collect()
+}
+
+/// The process's peak resident set, in MiB (`VmHWM`).
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Warm-up, then `repeats` timed runs of `steps` steps; `step(i)` returns the loss.
+fn time_steps(
+    a: &WorkerArgs,
+    mut step: impl FnMut(usize) -> Result<f64>,
+) -> Result<(Vec<f64>, f64)> {
+    let mut loss = f64::NAN;
+    for i in 0..a.warmup {
+        loss = step(i)?;
+    }
+    let mut times = Vec::with_capacity(a.repeats);
+    for r in 0..a.repeats {
+        let start = Instant::now();
+        for i in 0..a.steps {
+            loss = step(a.warmup + r * a.steps + i)?;
+        }
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok((times, loss))
+}
+
+fn worker(args: &[String]) -> Result<()> {
+    let a = parse_worker(args)?;
+    let host = read_batches(&a.data, a.workload)?;
+    let (times, loss) = match a.variant.as_str() {
+        "kiln-torch" => {
+            tch::set_num_threads(a.threads as i32);
+            kiln_step::<TorchBackend>(&a, &host)?
+        }
+        "kiln-tf" => kiln_step::<TfBackend>(&a, &host)?,
+        "raw-tch" => {
+            tch::set_num_threads(a.threads as i32);
+            raw_tch::run(&a, &host)?
+        }
+        other => bail!("unknown worker variant {other}"),
+    };
+    let m = median(times.clone());
+    let batch = a.workload.batch();
+    let result = json!({
+        "variant": a.variant,
+        "workload": a.workload.name(),
+        "batch": batch,
+        "steps": a.steps,
+        "repeats_s": times,
+        "median_s": m,
+        "steps_per_s": a.steps as f64 / m,
+        "samples_per_s": (a.steps * batch) as f64 / m,
+        "peak_rss_mb": peak_rss_mb(),
+        "final_loss": loss,
+        "threads": a.threads,
+    });
+    println!("{result}");
+    Ok(())
+}
+
+/// Kiln's training step (`TrainBackend::train_step`: forward, loss, backward,
+/// optimizer step; one session run on TensorFlow) on batches already on the device.
+fn kiln_step<B: TrainBackend>(
+    a: &WorkerArgs,
+    host: &[(HostTensor, HostTensor)],
+) -> Result<(Vec<f64>, f64)> {
+    B::manual_seed(0);
+    let mut model = B::build_model(&a.workload.spec(), Device::Cpu)?;
+    let mut optimizer =
+        B::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &model, &[])?;
+    let batches = host
+        .iter()
+        .map(|(x, y)| Ok((B::from_host(x, Device::Cpu)?, B::from_host(y, Device::Cpu)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let loss = Loss::cross_entropy();
+    let plan = StepPlan {
+        loss: &loss,
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    time_steps(a, |i| {
+        let (x, y) = &batches[i % batches.len()];
+        optimizer.zero_grad()?;
+        Ok(B::train_step(&mut model, &mut optimizer, x, y, &plan)?)
+    })
+}
+
+/// The same models written directly against `tch` (its `nn` layers and its
+/// libtorch Adam), with no Kiln code in the step.
+mod raw_tch {
+    use super::*;
+    use tch::nn::{self, Module as _, OptimizerConfig as _};
+    use tch::{Kind, Tensor};
+
+    pub(super) fn run(
+        a: &WorkerArgs,
+        host: &[(HostTensor, HostTensor)],
+    ) -> Result<(Vec<f64>, f64)> {
+        tch::manual_seed(0);
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let root = vs.root();
+        let model: Box<dyn Fn(&Tensor) -> Tensor> = match a.workload {
+            Workload::Mlp => {
+                let net = nn::seq()
+                    .add(nn::linear(&root / "0", 784, 256, Default::default()))
+                    .add_fn(|x| x.relu())
+                    .add(nn::linear(&root / "2", 256, 10, Default::default()));
+                Box::new(move |x| net.forward(x))
+            }
+            Workload::Cnn => {
+                let conv = nn::ConvConfig {
+                    padding: 1,
+                    ..Default::default()
+                };
+                let net = nn::seq()
+                    .add(nn::conv2d(&root / "0", 1, 32, 3, conv))
+                    .add_fn(|x| x.relu().max_pool2d_default(2))
+                    .add(nn::conv2d(&root / "3", 32, 64, 3, conv))
+                    .add_fn(|x| x.relu().max_pool2d_default(2).flatten(1, -1))
+                    .add(nn::linear(&root / "7", 64 * 7 * 7, 128, Default::default()))
+                    .add_fn(|x| x.relu())
+                    .add(nn::linear(&root / "9", 128, 10, Default::default()));
+                Box::new(move |x| net.forward(x))
+            }
+            Workload::Transformer => Box::new(transformer(&root)),
+        };
+        let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
+        let batches: Vec<(Tensor, Tensor)> = host
+            .iter()
+            .map(|(x, y)| {
+                Ok((
+                    kiln::torch::to_tch(x, Device::Cpu)?,
+                    kiln::torch::to_tch(y, Device::Cpu)?,
+                ))
+            })
+            .collect::<Result<_>>()?;
+        time_steps(a, |i| {
+            let (x, y) = &batches[i % batches.len()];
+            let loss = model(x).cross_entropy_for_logits(y);
+            opt.backward_step(&loss);
+            Ok(loss.double_value(&[]))
+        })
+    }
+
+    /// Pre-norm encoder block (8 heads, ff 1024, exact GELU), flatten, linear.
+    fn transformer(root: &nn::Path<'_>) -> impl Fn(&Tensor) -> Tensor {
+        let (e, heads, ff, seq) = (256i64, 8i64, 1024i64, 128i64);
+        let ln = |p: nn::Path<'_>| nn::layer_norm(p, vec![e], Default::default());
+        let ln1 = ln(root / "ln1");
+        let in_proj = nn::linear(root / "in_proj", e, 3 * e, Default::default());
+        let out_proj = nn::linear(root / "out_proj", e, e, Default::default());
+        let ln2 = ln(root / "ln2");
+        let fc1 = nn::linear(root / "fc1", e, ff, Default::default());
+        let fc2 = nn::linear(root / "fc2", ff, e, Default::default());
+        let head = nn::linear(root / "head", seq * e, 10, Default::default());
+        move |x: &Tensor| {
+            let b = x.size()[0];
+            let qkv = in_proj.forward(&ln1.forward(x));
+            let split = |t: Tensor| t.reshape([b, seq, heads, e / heads]).transpose(1, 2);
+            let parts = qkv.chunk(3, -1);
+            let (q, k, v) = (
+                split(parts[0].shallow_clone()),
+                split(parts[1].shallow_clone()),
+                split(parts[2].shallow_clone()),
+            );
+            let att = Tensor::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                None::<Tensor>,
+                0.0,
+                false,
+                None,
+                false,
+            );
+            let att = att.transpose(1, 2).reshape([b, seq, e]);
+            let h = x + out_proj.forward(&att);
+            let f = fc2.forward(&fc1.forward(&ln2.forward(&h)).gelu("none"));
+            let h = &h + f;
+            head.forward(&h.flatten(1, -1)).to_kind(Kind::Float)
+        }
+    }
+}
