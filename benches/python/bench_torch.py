@@ -1,0 +1,104 @@
+"""PyTorch eager-mode baseline ("pytorch-eager") for Kiln's benchmark harness.
+
+Usage:
+    python bench_torch.py --workload mlp|cnn|transformer --data DIR
+        --steps N --warmup W --repeats R --threads T
+
+Trains the workload's model on CPU with the classic eager loop
+(``zero_grad(set_to_none=True)``, ``F.cross_entropy``, ``backward``,
+``torch.optim.Adam(lr=1e-3)`` with its default foreach behaviour), following
+the protocol described in ``common.py``: all batches become tensors before
+timing, W warm-up steps, then R timed repeats of N steps, each ending with
+``loss.item()`` so that the work is finished when the clock stops. Prints one
+JSON line on stdout.
+"""
+
+import common
+
+RESULT_STREAM = common.reserve_stdout()
+
+import torch  # noqa: E402  (imported after stdout is reserved)
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+VARIANT = "pytorch-eager"
+
+
+class EncoderClassifier(nn.Module):
+    """Pre-norm transformer encoder block followed by a linear classifier."""
+
+    def __init__(self, seq=128, width=256, heads=8, hidden=1024, classes=10):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width, eps=1e-5)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(width, eps=1e-5)
+        self.ff = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
+        self.head = nn.Linear(seq * width, classes)
+
+    def forward(self, x):
+        a = self.ln1(x)
+        h = x + self.attn(a, a, a, need_weights=False)[0]
+        h = h + self.ff(self.ln2(h))
+        return self.head(h.flatten(1))
+
+
+def build_model(workload, classes):
+    """The workload's model; call after seeding."""
+    if workload == "mlp":
+        return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, classes))
+    if workload == "cnn":
+        return nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+            nn.Linear(128, classes),
+        )
+    return EncoderClassifier(classes=classes)
+
+
+def set_threads(threads):
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError as err:  # only allowed once, before any parallel work
+        print(f"warning: could not set inter-op threads: {err}", flush=True)
+
+
+def main():
+    args = common.parse_args(__doc__.splitlines()[0])
+    set_threads(args.threads)
+    meta, x_np, y_np = common.load_data(args.data, args.workload)
+
+    # One tensor per batch, built once so the timed loop does no conversion.
+    xs = [torch.from_numpy(b.copy()) for b in x_np]
+    ys = [torch.from_numpy(b.copy()) for b in y_np]
+
+    torch.manual_seed(0)
+    model = build_model(args.workload, meta["classes"])
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+
+    def run_steps(n):
+        for i in range(n):
+            j = i % len(xs)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xs[j]), ys[j])
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    seconds, final_loss = common.run_protocol(run_steps, args.steps, args.warmup, args.repeats)
+    common.emit_result(
+        RESULT_STREAM,
+        variant=VARIANT,
+        args=args,
+        batch=meta["batch"],
+        seconds=seconds,
+        final_loss=final_loss,
+        versions={"torch": torch.__version__},
+    )
+
+
+if __name__ == "__main__":
+    main()
