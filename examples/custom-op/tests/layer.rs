@@ -45,6 +45,14 @@ fn max_diff(a: &HostTensor, b: &HostTensor) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// libtorch's generator is global: the tests in this binary run one at a time so
+/// that the seeded initial weights are the same in every run.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn initial() -> StateDict {
     kiln_example_custom_op::register_layer().unwrap();
     TorchBackend::manual_seed(4);
@@ -56,6 +64,7 @@ fn initial() -> StateDict {
 
 #[test]
 fn both_backends_agree_on_outputs_and_gradients() {
+    let _serial = serial();
     let weights = initial();
     let mut torch = TorchBackend::build_model(&spec(), Device::Cpu).unwrap();
     torch.load_state_dict(&weights).unwrap();
@@ -113,6 +122,7 @@ fn fit<B: TrainBackend>(weights: &StateDict) -> Vec<f64> {
 
 #[test]
 fn the_trainer_trains_it_on_both_backends_alike() {
+    let _serial = serial();
     let weights = initial();
     let torch = fit::<TorchBackend>(&weights);
     let tf = fit::<TfBackend>(&weights);
