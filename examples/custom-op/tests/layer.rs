@@ -101,7 +101,7 @@ fn both_backends_agree_on_outputs_and_gradients() {
 fn fit<B: TrainBackend>(weights: &StateDict) -> Vec<f64> {
     let mut model = B::build_model(&spec(), Device::Cpu).unwrap();
     model.load_state_dict(weights).unwrap();
-    let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.02).with_momentum(0.5));
+    let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.5));
     let optimizer = B::build_optimizer(&sgd, &model, &[]).unwrap();
     let mut state = TrainingState::new(model, optimizer, None);
     let (x, y) = data();
