@@ -45,7 +45,7 @@ pub enum BuildError {
     #[error(
         "cannot reach the Python package index to install {packages}: {detail}. Check the network \
          or proxy (pip honours PIP_INDEX_URL and HTTPS_PROXY); only the first run needs PyPI, later \
-         runs reuse .kiln/venv. Full pip log: {log}"
+         runs reuse the installed virtualenv. Full pip log: {log}"
     )]
     RegistryUnreachable {
         /// The requirement list being installed.

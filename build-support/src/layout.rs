@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 /// Paths inside a `.kiln/` directory.
 ///
 /// ```text
-/// .kiln/venv/            the project virtualenv (pinned torch, tensorflow-cpu, scikit-learn, ...)
+/// .kiln/venv             link to the project virtualenv (pinned torch, tensorflow-cpu,
+///                        scikit-learn, ...), shared by the user's checkouts (see `ensure_venv`)
 /// .kiln/libtorch         link to the libtorch that builds use (LIBTORCH in .cargo/config.toml)
 /// .kiln/tensorflow/      lib/ and include/ links to the TensorFlow C API
 /// .kiln/pkgconfig/       tensorflow.pc, found by the `tensorflow` crate through pkg-config
@@ -52,7 +53,7 @@ impl Layout {
     }
     /// Written last by provisioning; its presence means the virtualenv is complete.
     pub fn venv_marker(&self) -> PathBuf {
-        self.venv().join("kiln-provisioned")
+        self.venv().join(crate::provision::MARKER)
     }
     /// pip's output from the last install.
     pub fn pip_log(&self) -> PathBuf {

@@ -1,8 +1,9 @@
 //! Finds, provisions and links Kiln's native libraries.
 //!
 //! Kiln links libtorch (through `tch`) and the TensorFlow C API (through
-//! `tensorflow`). Both come from PyPI wheels installed into a project-local
-//! virtualenv (`.kiln/venv`), or from directories the user names with
+//! `tensorflow`). Both come from PyPI wheels installed into a virtualenv shared
+//! by the user's Kiln checkouts (linked from `.kiln/venv`; see [`ensure_venv`]),
+//! or from directories the user names with
 //! `LIBTORCH` / `LIBTENSORFLOW`. This crate is used in two places:
 //!
 //! - by `cargo xtask` (the `kiln-xtask` binary), which provisions the virtualenv
@@ -32,6 +33,8 @@ pub use layout::Layout;
 pub use libtorch::Libtorch;
 pub use link::{build_script, Native};
 pub use ops::{OpsArtifacts, TfOps, TfOpsArtifacts, TorchOps};
-pub use provision::{ensure_venv, existing_venv, find_python, pip_install, Venv};
+pub use provision::{
+    ensure_venv, existing_venv, find_python, pip_install, shared_cache_dir, shared_venv_dir, Venv,
+};
 pub use setup::{setup, Setup};
 pub use tensorflow::Tensorflow;

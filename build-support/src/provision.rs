@@ -14,7 +14,12 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{BuildError, Result};
 use crate::layout::Layout;
+use crate::tensorflow::replace_symlink;
 use crate::versions::{PYTHON_REQUIREMENTS, VENV_SIZE_GB};
+
+/// The file provisioning writes last into a virtualenv: the requirements'
+/// fingerprint, `site-packages`, and the requirement list.
+pub(crate) const MARKER: &str = "kiln-provisioned";
 
 /// A verified project virtualenv.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,44 +46,127 @@ fn requirements_fingerprint() -> String {
 
 /// Returns the virtualenv if it is complete and current, without changing anything.
 pub fn existing_venv(layout: &Layout) -> Option<Venv> {
-    let marker = fs::read_to_string(layout.venv_marker()).ok()?;
+    venv_at(&layout.venv())
+}
+
+/// The complete, current virtualenv in `dir`, if there is one.
+fn venv_at(dir: &Path) -> Option<Venv> {
+    let marker = fs::read_to_string(dir.join(MARKER)).ok()?;
     let mut lines = marker.lines();
     if lines.next()? != requirements_fingerprint() {
         return None;
     }
     let site_packages = PathBuf::from(lines.next()?);
-    let python = layout.venv_python();
+    let python = dir.join("bin").join("python");
     (python.exists() && site_packages.join("torch").is_dir()).then_some(Venv {
         python,
         site_packages,
     })
 }
 
+/// The directory where provisioned virtualenvs are shared by every Kiln checkout
+/// of this user: `KILN_CACHE_DIR`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`.
+///
+/// `None` when none of those variables is set; the virtualenv then lives in the
+/// workspace's own `.kiln/venv`.
+pub fn shared_cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("KILN_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("kiln")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("kiln")))
+}
+
+/// The shared virtualenv for the current requirement list, inside `cache`.
+///
+/// Its name carries the requirements' fingerprint, so checkouts pinned to other
+/// versions never share (or overwrite) each other's virtualenv.
+pub fn shared_venv_dir(cache: &Path) -> PathBuf {
+    cache.join(format!("venv-{}", &requirements_fingerprint()[..16]))
+}
+
 /// Makes sure the project virtualenv exists with exactly the pinned packages.
 ///
-/// Holds a lock on `.kiln/provision.lock` while it works, so two commands started
-/// together do not install twice. Progress goes to stderr; pip's own output goes
-/// to `.kiln/pip.log`.
+/// The virtualenv (about [`VENV_SIZE_GB`] GB) is installed once per user, in
+/// [`shared_cache_dir`], and `.kiln/venv` links to it, so a second clone or
+/// worktree of Kiln reuses it instead of installing it again. Where no cache
+/// directory can be made, it is installed in `.kiln/venv` itself. A lock on the
+/// directory being provisioned keeps two commands started together from
+/// installing twice. Progress goes to stderr; pip's own output goes to
+/// `.kiln/pip.log`.
 pub fn ensure_venv(layout: &Layout) -> Result<Venv> {
-    fs::create_dir_all(layout.root()).map_err(|e| BuildError::io("creating", layout.root(), e))?;
-    let lock_path = layout.root().join("provision.lock");
-    let lock =
-        fs::File::create(&lock_path).map_err(|e| BuildError::io("creating", &lock_path, e))?;
-    lock.lock()
-        .map_err(|e| BuildError::io("locking", &lock_path, e))?;
+    ensure_venv_in(layout, shared_cache_dir())
+}
 
+fn ensure_venv_in(layout: &Layout, cache: Option<PathBuf>) -> Result<Venv> {
+    fs::create_dir_all(layout.root()).map_err(|e| BuildError::io("creating", layout.root(), e))?;
     if let Some(venv) = existing_venv(layout) {
         return Ok(venv);
     }
-    let venv_dir = layout.venv();
-    if venv_dir.exists() {
+    let shared = cache.filter(|cache| match fs::create_dir_all(cache) {
+        Ok(()) => true,
+        Err(e) => {
+            log::warn!(
+                "cannot use {} for the shared virtualenv ({e}); installing it in {}",
+                cache.display(),
+                layout.venv().display()
+            );
+            false
+        }
+    });
+    let Some(cache) = shared else {
+        let _lock = lock(layout.root())?;
+        return provision(&layout.venv(), layout);
+    };
+
+    let _lock = lock(&cache)?;
+    let target = shared_venv_dir(&cache);
+    if venv_at(&target).is_some() {
+        log::info!("using the shared virtualenv at {}", target.display());
+    } else {
+        provision(&target, layout)?;
+    }
+    let link = layout.venv();
+    if link.is_dir() && !link.is_symlink() {
+        // An incomplete or outdated virtualenv of an earlier install in the workspace.
+        log::info!("discarding the virtualenv at {}", link.display());
+        fs::remove_dir_all(&link).map_err(|e| BuildError::io("removing", &link, e))?;
+    }
+    replace_symlink(&target, &link)?;
+    existing_venv(layout).ok_or_else(|| BuildError::Command {
+        command: format!("linking {} to {}", link.display(), target.display()),
+        detail: "the linked virtualenv is not complete".into(),
+    })
+}
+
+/// Holds an exclusive lock on `dir/provision.lock` until dropped.
+fn lock(dir: &Path) -> Result<fs::File> {
+    let path = dir.join("provision.lock");
+    let file = fs::File::create(&path).map_err(|e| BuildError::io("creating", &path, e))?;
+    file.lock()
+        .map_err(|e| BuildError::io("locking", &path, e))?;
+    Ok(file)
+}
+
+/// Installs a fresh virtualenv in `venv_dir`, discarding whatever was there.
+fn provision(venv_dir: &Path, layout: &Layout) -> Result<Venv> {
+    if venv_dir.exists() || venv_dir.is_symlink() {
         log::info!(
             "discarding the incomplete or outdated virtualenv at {}",
             venv_dir.display()
         );
-        fs::remove_dir_all(&venv_dir).map_err(|e| BuildError::io("removing", &venv_dir, e))?;
+        let removed = if venv_dir.is_symlink() {
+            fs::remove_file(venv_dir)
+        } else {
+            fs::remove_dir_all(venv_dir)
+        };
+        removed.map_err(|e| BuildError::io("removing", venv_dir, e))?;
     }
-    check_free_space(layout.root())?;
+    let parent = venv_dir.parent().unwrap_or(venv_dir);
+    check_free_space(parent)?;
 
     let python = find_python()?;
     log::info!(
@@ -86,9 +174,9 @@ pub fn ensure_venv(layout: &Layout) -> Result<Venv> {
         venv_dir.display(),
         python.display()
     );
-    create_venv(&python, &venv_dir)?;
+    create_venv(&python, venv_dir)?;
 
-    let venv_python = layout.venv_python();
+    let venv_python = venv_dir.join("bin").join("python");
     log::info!(
         "installing {} from PyPI (about {VENV_SIZE_GB} GB; a few minutes the first time, pip log: {})",
         PYTHON_REQUIREMENTS.join(" "),
@@ -97,7 +185,7 @@ pub fn ensure_venv(layout: &Layout) -> Result<Venv> {
     pip_install(&venv_python, PYTHON_REQUIREMENTS, &layout.pip_log())?;
 
     let site_packages = verify_imports(&venv_python)?;
-    write_marker(layout, &site_packages)?;
+    write_marker(venv_dir, &site_packages)?;
     log::info!("virtualenv ready");
     Ok(Venv {
         python: venv_python,
@@ -221,6 +309,8 @@ pub fn pip_install(python: &Path, requirements: &[&str], log: &Path) -> Result<(
             "--no-input",
             "--progress-bar",
             "off",
+            // The virtualenv is the cache: keeping the wheels too would double the disk used.
+            "--no-cache-dir",
         ])
         .args(requirements)
         .stdin(Stdio::null())
@@ -329,8 +419,8 @@ fn verify_imports(python: &Path) -> Result<PathBuf> {
     Ok(PathBuf::from(site))
 }
 
-fn write_marker(layout: &Layout, site_packages: &Path) -> Result<()> {
-    let marker = layout.venv_marker();
+fn write_marker(venv_dir: &Path, site_packages: &Path) -> Result<()> {
+    let marker = venv_dir.join(MARKER);
     let tmp = marker.with_extension("tmp");
     let content = format!(
         "{}\n{}\n{}\n",
@@ -411,6 +501,47 @@ mod tests {
         }
     }
 
+    /// A virtualenv that passes `venv_at` without being one.
+    fn fake_venv(dir: &Path) {
+        fs::create_dir_all(dir.join("bin")).unwrap();
+        fs::write(dir.join("bin/python"), "").unwrap();
+        let site = dir.join("site");
+        fs::create_dir_all(site.join("torch")).unwrap();
+        write_marker(dir, &site).unwrap();
+    }
+
+    #[test]
+    fn a_shared_venv_is_linked_not_installed_again() {
+        let dir = std::env::temp_dir().join(format!("kiln-build-shared-{}", std::process::id()));
+        let cache = dir.join("cache");
+        let shared = shared_venv_dir(&cache);
+        fake_venv(&shared);
+
+        // An outdated virtualenv left in the workspace by an earlier install.
+        let layout = Layout::new(dir.join("workspace/.kiln"));
+        fs::create_dir_all(layout.venv().join("bin")).unwrap();
+        fs::write(layout.venv_marker(), "deadbeef\n/nowhere\n").unwrap();
+
+        let venv = ensure_venv_in(&layout, Some(cache.clone())).unwrap();
+        assert!(layout.venv().is_symlink(), "{}", layout.venv().display());
+        assert_eq!(fs::read_link(layout.venv()).unwrap(), shared);
+        assert_eq!(venv.site_packages, shared.join("site"));
+        assert_eq!(venv.python, layout.venv_python());
+        // A second workspace gets the same one.
+        let other = Layout::new(dir.join("other/.kiln"));
+        let again = ensure_venv_in(&other, Some(cache)).unwrap();
+        assert_eq!(again.site_packages, venv.site_packages);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn shared_venvs_of_other_pins_have_other_names() {
+        let name = shared_venv_dir(Path::new("/c"));
+        let name = name.file_name().unwrap().to_string_lossy();
+        assert!(name.starts_with("venv-") && name.len() == 21, "{name}");
+        assert!(requirements_fingerprint().starts_with(&name[5..]));
+    }
+
     #[test]
     fn marker_for_other_requirements_is_not_trusted() {
         let dir = std::env::temp_dir().join(format!("kiln-build-marker-{}", std::process::id()));
@@ -425,7 +556,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(existing_venv(&layout), None);
-        write_marker(&layout, &site).unwrap();
+        write_marker(&layout.venv(), &site).unwrap();
         assert_eq!(existing_venv(&layout).map(|v| v.site_packages), Some(site));
         fs::remove_dir_all(&dir).unwrap();
     }
