@@ -3,10 +3,10 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use ::safetensors::{Dtype, SafeTensors, View};
+use ::safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::dtype::DType;
@@ -19,16 +19,6 @@ const METADATA_KEY: &str = "__metadata__";
 
 /// The dtypes Kiln reads, as a message lists them.
 const SUPPORTED: &str = "U8, I32, I64, F32, F64";
-
-fn to_safetensors_dtype(dtype: DType) -> Dtype {
-    match dtype {
-        DType::U8 => Dtype::U8,
-        DType::I32 => Dtype::I32,
-        DType::I64 => Dtype::I64,
-        DType::F32 => Dtype::F32,
-        DType::F64 => Dtype::F64,
-    }
-}
 
 fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
     match dtype {
@@ -53,27 +43,6 @@ fn swap_to_le(bytes: &[u8], dtype: DType) -> Cow<'_, [u8]> {
                 .flat_map(|element| element.iter().rev().copied())
                 .collect(),
         )
-    }
-}
-
-/// A state-dict entry as the safetensors serializer sees it.
-struct Entry<'a>(&'a HostTensor);
-
-impl View for Entry<'_> {
-    fn dtype(&self) -> Dtype {
-        to_safetensors_dtype(self.0.dtype())
-    }
-
-    fn shape(&self) -> &[usize] {
-        self.0.dims()
-    }
-
-    fn data(&self) -> Cow<'_, [u8]> {
-        swap_to_le(self.0.as_bytes(), self.0.dtype())
-    }
-
-    fn data_len(&self) -> usize {
-        self.0.size_in_bytes()
     }
 }
 
@@ -119,29 +88,11 @@ impl StateDict {
         path: impl AsRef<Path>,
         metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
-        let path = path.as_ref();
-        if self.contains_key(METADATA_KEY) {
-            return Err(Error::invalid_argument(
-                METADATA_KEY,
-                "safetensors reserves this name for metadata; rename the entry",
-            ));
-        }
-        let info = (!metadata.is_empty()).then(|| {
-            metadata
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        });
-        let bytes = ::safetensors::serialize(self.iter().map(|(k, t)| (k, Entry(t))), info)
-            .map_err(|e| corrupt(path, format!("cannot serialize the state dict: {e}")))?;
-        write_atomically(path, &bytes)?;
-        log::debug!(
-            "saved {} tensors ({} bytes) to {}",
-            self.len(),
-            bytes.len(),
-            path.display()
-        );
-        Ok(())
+        save_entries(
+            path.as_ref(),
+            self.iter().map(|(k, t)| (k.as_str(), t)),
+            metadata,
+        )
     }
 
     /// Reads a safetensors file written by [`save_safetensors`](StateDict::save_safetensors),
@@ -168,9 +119,83 @@ impl StateDict {
     }
 }
 
-/// Writes `bytes` to a temporary sibling of `path`, syncs it, renames it
+/// The dtype's name in a safetensors header.
+fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::U8 => "U8",
+        DType::I32 => "I32",
+        DType::I64 => "I64",
+        DType::F32 => "F32",
+        DType::F64 => "F64",
+    }
+}
+
+/// Writes named tensors as a safetensors file, atomically (see
+/// [`StateDict::save_safetensors`]), streaming each tensor's bytes to the file
+/// instead of assembling the whole file in memory first: a checkpoint of a
+/// large model costs no second copy of its weights.
+///
+/// Tensors are laid out as the `safetensors` crate lays them out, larger
+/// elements first and then by name, so that every tensor's data is aligned
+/// to its element size (the header is padded to a multiple of 8 bytes).
+pub(crate) fn save_entries<'a>(
+    path: &Path,
+    entries: impl IntoIterator<Item = (&'a str, &'a HostTensor)>,
+    metadata: &BTreeMap<String, String>,
+) -> Result<()> {
+    let mut entries: Vec<(&str, &HostTensor)> = entries.into_iter().collect();
+    if entries.iter().any(|(name, _)| *name == METADATA_KEY) {
+        return Err(Error::invalid_argument(
+            METADATA_KEY,
+            "safetensors reserves this name for metadata; rename the entry",
+        ));
+    }
+    entries.sort_by(|(a, ta), (b, tb)| {
+        let size = |t: &HostTensor| t.dtype().size_in_bytes();
+        size(tb).cmp(&size(ta)).then_with(|| a.cmp(b))
+    });
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        header.insert(METADATA_KEY.to_owned(), serde_json::json!(metadata));
+    }
+    let mut offset = 0usize;
+    for (name, tensor) in &entries {
+        let end = offset + tensor.size_in_bytes();
+        header.insert(
+            (*name).to_owned(),
+            serde_json::json!({
+                "dtype": dtype_name(tensor.dtype()),
+                "shape": tensor.dims(),
+                "data_offsets": [offset, end],
+            }),
+        );
+        offset = end;
+    }
+    let mut header = Value::Object(header).to_string().into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    write_atomically(path, |file| {
+        file.write_all(&(header.len() as u64).to_le_bytes())?;
+        file.write_all(&header)?;
+        for (_, tensor) in &entries {
+            file.write_all(&swap_to_le(tensor.as_bytes(), tensor.dtype()))?;
+        }
+        Ok(())
+    })?;
+    log::debug!(
+        "saved {} tensors ({} bytes) to {}",
+        entries.len(),
+        8 + header.len() + offset,
+        path.display()
+    );
+    Ok(())
+}
+
+/// Writes a temporary sibling of `path` with `write`, syncs it, renames it
 /// over `path` and syncs the directory.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<()> {
     let file_name = path.file_name().ok_or_else(|| {
         Error::invalid_argument("path", format!("{} does not name a file", path.display()))
     })?;
@@ -183,8 +208,10 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
     let tmp = dir.join(tmp_name);
 
     let written = (|| {
-        let mut file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        file.write_all(bytes).map_err(|e| Error::io(&tmp, e))?;
+        let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
+        let mut writer = BufWriter::with_capacity(1 << 20, file);
+        write(&mut writer).map_err(|e| Error::io(&tmp, e))?;
+        let file = writer.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
         file.sync_all().map_err(|e| Error::io(&tmp, e))?;
         drop(file);
         fs::rename(&tmp, path).map_err(|e| Error::io(path, e))

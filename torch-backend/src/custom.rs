@@ -127,10 +127,14 @@ pub(crate) fn copy_state(
                 actual: host.shape().to_string(),
             });
         }
-        values.push(to_tch(
-            &host.to_dtype(dtype_from_kind(tensor.kind())?),
-            device,
-        )?);
+        // Converted only when the dtypes differ: a checkpoint of the model's own
+        // dtype is copied once into libtorch, not twice.
+        let dtype = dtype_from_kind(tensor.kind())?;
+        values.push(if host.dtype() == dtype {
+            to_tch(host, device)?
+        } else {
+            to_tch(&host.to_dtype(dtype), device)?
+        });
     }
     if let Some(extra) = state.keys().find(|k| !targets.iter().any(|(n, _)| n == *k)) {
         return Err(Error::invalid_argument(

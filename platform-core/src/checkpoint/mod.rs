@@ -60,13 +60,13 @@ pub struct Checkpoint {
 impl Checkpoint {
     /// Writes the checkpoint to `path` atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
-        let mut tensors = StateDict::new();
-        for (k, v) in self.model.iter() {
-            tensors.insert(format!("model.{k}"), v.clone());
-        }
-        for (k, v) in self.optimizer.iter() {
-            tensors.insert(format!("optimizer.{k}"), v.clone());
-        }
+        // Names borrow the tensors: a checkpoint never copies the weights it saves.
+        let names: Vec<(String, &crate::tensor::HostTensor)> = self
+            .model
+            .iter()
+            .map(|(k, v)| (format!("model.{k}"), v))
+            .chain(self.optimizer.iter().map(|(k, v)| (format!("optimizer.{k}"), v)))
+            .collect();
         let mut meta = BTreeMap::new();
         meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert(
@@ -88,7 +88,11 @@ impl Checkpoint {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
-        tensors.save_safetensors(path, &meta)
+        crate::safetensors::save_entries(
+            path,
+            names.iter().map(|(k, v)| (k.as_str(), *v)),
+            &meta,
+        )
     }
 
     /// Reads a checkpoint written by [`save`](Self::save).

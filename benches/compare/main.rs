@@ -4,14 +4,18 @@
 //!
 //! ```sh
 //! cargo xtask cargo bench --bench compare                       # every workload, every variant
-//! cargo xtask cargo bench --bench compare -- --workloads mlp --repeats 7
+//! cargo xtask cargo bench --bench compare -- --workloads mlp,ops --repeats 7
 //! ```
 //!
-//! Variants: `kiln-torch` and `kiln-tf` (Kiln's training step on each backend),
-//! `raw-tch` (the same model written directly in `tch`, no Kiln layers),
-//! `pytorch-eager`, `tf-function` and `keras-fit` (the Python scripts in
-//! `benches/python/`, run with the project virtualenv's interpreter). The table
-//! is printed and, with `--write`, written to `BENCHMARKS.md`.
+//! Training workloads (`mlp`, `cnn`, `transformer`) have the variants `kiln-torch`
+//! and `kiln-tf` (Kiln's training step on each backend), `raw-tch` (the same model
+//! written directly in `tch`, no Kiln layers), `pytorch-eager`, `tf-function` and
+//! `keras-fit` (the Python scripts in `benches/python/`, run with the project
+//! virtualenv's interpreter). The other workloads (`data`, `script`, `ops`,
+//! `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
+//! `--write`, written to `BENCHMARKS.md`.
+
+mod tasks;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -28,7 +32,9 @@ use kiln::tf::TfBackend;
 use kiln::torch::TorchBackend;
 use serde_json::{json, Value};
 
-/// Every variant, in table order.
+use crate::tasks::{Task, TaskArgs};
+
+/// Every variant of the training workloads, in table order.
 const VARIANTS: [&str; 6] = [
     "kiln-torch",
     "raw-tch",
@@ -161,7 +167,8 @@ fn main() -> Result<()> {
         return worker(&args);
     }
     let mut workloads = vec![Workload::Mlp, Workload::Cnn, Workload::Transformer];
-    let mut variants: Vec<String> = VARIANTS.iter().map(|v| v.to_string()).collect();
+    let mut tasks = vec![Task::Data, Task::Script, Task::Ops, Task::Checkpoint];
+    let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {
         steps: None,
         warmup: 5,
@@ -175,30 +182,38 @@ fn main() -> Result<()> {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--workloads" => {
-                workloads = value()?
-                    .split(',')
-                    .map(Workload::parse)
-                    .collect::<Result<_>>()?
+                (workloads, tasks) = (Vec::new(), Vec::new());
+                for name in value()?.split(',') {
+                    match Task::parse(name) {
+                        Some(task) => tasks.push(task),
+                        None => workloads.push(Workload::parse(name)?),
+                    }
+                }
             }
-            "--variants" => variants = value()?.split(',').map(str::to_owned).collect(),
+            "--variants" => variants = Some(value()?.split(',').map(str::to_owned).collect()),
             "--steps" => settings.steps = Some(value()?.parse()?),
             "--warmup" => settings.warmup = value()?.parse()?,
             "--repeats" => settings.repeats = value()?.parse()?,
             "--threads" => settings.threads = value()?.parse()?,
             "--write" => write = true,
             other => bail!(
-                "unknown flag {other}; flags: --workloads mlp,cnn,transformer --variants {} \
-                 --steps N --warmup N --repeats N --threads N --write",
-                VARIANTS.join(",")
+                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,data,script,ops,checkpoint \
+                 --variants V,V --steps N --warmup N --repeats N --threads N --write"
             ),
         }
     }
-    for v in &variants {
+    let all_variants: Vec<&str> = VARIANTS
+        .iter()
+        .copied()
+        .chain(tasks.iter().flat_map(|t| t.variants().iter().copied()))
+        .collect();
+    for v in variants.iter().flatten() {
         ensure!(
-            VARIANTS.contains(&v.as_str()),
-            "unknown variant {v}; expected one of {VARIANTS:?}"
+            all_variants.contains(&v.as_str()),
+            "unknown variant {v}; expected one of {all_variants:?}"
         );
     }
+    let chosen = |v: &str| variants.as_ref().is_none_or(|list| list.iter().any(|c| c == v));
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
 
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-compare");
@@ -213,7 +228,7 @@ fn main() -> Result<()> {
             settings.repeats
         );
         let mut rows = Vec::new();
-        for variant in &variants {
+        for variant in VARIANTS.iter().filter(|v| chosen(v)) {
             eprint!("   {variant:<14} ");
             match run_variant(variant, workload, &data, steps, &settings) {
                 Ok(result) => {
@@ -222,15 +237,31 @@ fn main() -> Result<()> {
                         num(&result, "steps_per_s"),
                         num(&result, "peak_rss_mb")
                     );
-                    rows.push((variant.clone(), Ok(result)));
+                    rows.push((variant.to_string(), Ok(result)));
                 }
                 Err(e) => {
                     eprintln!("failed: {e:#}");
-                    rows.push((variant.clone(), Err(format!("{e:#}"))));
+                    rows.push((variant.to_string(), Err(format!("{e:#}"))));
                 }
             }
         }
         sections.push(table(workload, steps, &settings, &rows));
+    }
+    for task in tasks {
+        let dir = scratch.join(task.name());
+        eprintln!("== {} ({} repeats)", task.describe(), settings.repeats);
+        task.prepare(&dir)?;
+        let mut rows = Vec::new();
+        for variant in task.variants().iter().filter(|v| chosen(v)) {
+            eprint!("   {variant:<18} ");
+            let result = task.run(variant, &dir, &settings);
+            match &result {
+                Ok(r) => eprintln!("{}", task.summary(r)),
+                Err(e) => eprintln!("failed: {e:#}"),
+            }
+            rows.push((variant.to_string(), result.map_err(|e| format!("{e:#}"))));
+        }
+        sections.push(task.table(&settings, &rows));
     }
     let report = report(&sections, &settings);
     println!("{report}");
@@ -325,16 +356,22 @@ fn run_variant(
             c
         }
     };
+    command.args(&common);
+    run_json(command, variant)
+}
+
+/// Runs a benchmark process (TensorFlow's banners quiet, Kiln's logs at `warn`)
+/// and parses the JSON line it prints last.
+fn run_json(mut command: Command, label: &str) -> Result<Value> {
     let out = command
-        .args(&common)
         .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .env("RUST_LOG", "warn")
         .output()
-        .with_context(|| format!("starting {variant}"))?;
+        .with_context(|| format!("starting {label}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     ensure!(
         out.status.success(),
-        "{variant} exited with {}: {}",
+        "{label} exited with {}: {}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
             .lines()
@@ -347,8 +384,8 @@ fn run_variant(
         .lines()
         .rev()
         .find(|l| l.starts_with('{'))
-        .with_context(|| format!("{variant} printed no JSON result"))?;
-    serde_json::from_str(line).with_context(|| format!("{variant}'s result {line}"))
+        .with_context(|| format!("{label} printed no JSON result"))?;
+    serde_json::from_str(line).with_context(|| format!("{label}'s result {line}"))
 }
 
 /// One workload's table: steps/s, samples/s, peak RSS and the ratio against
@@ -453,7 +490,8 @@ struct WorkerArgs {
     threads: usize,
 }
 
-fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
+/// `VARIANT --key value ...` as the variant and a map of keys to values.
+fn parse_flags(args: &[String]) -> Result<(String, BTreeMap<String, String>)> {
     let variant = args.first().context("--worker needs a variant")?.clone();
     let mut flags = BTreeMap::new();
     for pair in args[1..].chunks(2) {
@@ -462,6 +500,11 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         };
         flags.insert(k.trim_start_matches("--").to_owned(), v.clone());
     }
+    Ok((variant, flags))
+}
+
+fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
+    let (variant, flags) = parse_flags(args)?;
     let get = |k: &str| flags.get(k).with_context(|| format!("--{k} is required"));
     Ok(WorkerArgs {
         variant,
@@ -555,6 +598,16 @@ fn time_steps(
 }
 
 fn worker(args: &[String]) -> Result<()> {
+    if let Some(i) = args.iter().position(|a| a == "--task") {
+        let task = args
+            .get(i + 1)
+            .and_then(|name| Task::parse(name))
+            .context("--task needs data, script, ops or checkpoint")?;
+        let (variant, flags) = parse_flags(args)?;
+        let result = tasks::worker(task, &variant, &TaskArgs::parse(&flags)?)?;
+        println!("{result}");
+        return Ok(());
+    }
     let a = parse_worker(args)?;
     let host = read_batches(&a.data, a.workload)?;
     let (times, loss) = match a.variant.as_str() {

@@ -1,0 +1,513 @@
+//! Workloads (d)-(g): data loading, TorchScript inference, the fused ops and
+//! checkpoint I/O. Each has its own variants and table; like the training
+//! workloads, every variant runs in its own process and prints one JSON line.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use kiln::core::{
+    Checkpoint, Compose, DataLoader, InMemoryDataset, Layer, LinearConfig, Normalize,
+    PrefetchLoader, StateDict, ToFloat, TrainBackend, TransformedDataset,
+};
+use kiln::prelude::*;
+use kiln::torch::{ScriptModule, TorchBackend};
+use serde_json::{json, Value};
+use tch::{Kind, Reduction, Tensor};
+
+use crate::{median, num, peak_rss_mb, run_json, Settings};
+
+/// A non-training workload.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Task {
+    /// (d) IDX images, shuffle, normalise, batch 256, 2 workers.
+    Data,
+    /// (e) TorchScript inference latency at batch 1.
+    Script,
+    /// (f) each fused op against the composition of built-in ops.
+    Ops,
+    /// (g) checkpoint save and load of a 100M-parameter model.
+    Checkpoint,
+}
+
+/// Images in the data-loading workload (MNIST's training set size).
+const DATA_IMAGES: usize = 60_000;
+const DATA_BATCH: usize = 256;
+const DATA_WORKERS: usize = 2;
+/// Calls per timed repeat of the batch-1 inference workload.
+const SCRIPT_CALLS: usize = 2000;
+/// Calls per timed repeat of each fused op (forward and backward).
+const OPS_CALLS: usize = 50;
+/// Rows of the fused-op inputs, and their feature / class counts.
+const OPS_ROWS: i64 = 512;
+const OPS_FEATURES: i64 = 1024;
+const OPS_CLASSES: i64 = 1000;
+const OPS_SMOOTHING: f64 = 0.1;
+/// Ten 3162x3162 linear layers with bias: 100,014,060 parameters.
+const CKPT_LAYERS: usize = 10;
+const CKPT_WIDTH: usize = 3162;
+
+impl Task {
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name {
+            "data" => Task::Data,
+            "script" => Task::Script,
+            "ops" => Task::Ops,
+            "checkpoint" => Task::Checkpoint,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Task::Data => "data",
+            Task::Script => "script",
+            Task::Ops => "ops",
+            Task::Checkpoint => "checkpoint",
+        }
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Task::Data => {
+                "(d) data loading: 60000 IDX images 28x28, shuffle, normalise, batch 256, 2 workers"
+            }
+            Task::Script => "(e) TorchScript inference, batch 1 (the CNN of (b), eval mode, no grad)",
+            Task::Ops => "(f) fused ops against the composition of built-in ops, forward + backward",
+            Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
+        }
+    }
+
+    pub fn variants(self) -> &'static [&'static str] {
+        match self {
+            Task::Data => &["kiln-loader", "pytorch-dataloader"],
+            Task::Script => &["kiln-script", "raw-tch-script", "pytorch-script", "pytorch-eager"],
+            Task::Ops => &["kiln-fused", "kiln-composed", "pytorch-fused", "pytorch-composed"],
+            Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
+        }
+    }
+
+    /// Writes the task's inputs into `dir`.
+    pub fn prepare(self, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir)?;
+        match self {
+            Task::Data => write_idx(dir),
+            Task::Script => {
+                let mut c = python();
+                c.args(["--task", "script", "--variant", "export", "--dir"])
+                    .arg(dir);
+                run_json(c, "exporting the TorchScript model").map(drop)
+            }
+            Task::Ops | Task::Checkpoint => Ok(()),
+        }
+    }
+
+    /// Runs `variant` in its own process.
+    pub fn run(self, variant: &str, dir: &Path, s: &Settings) -> Result<Value> {
+        let mut c = if variant.starts_with("kiln-") || variant.starts_with("raw-tch") {
+            let mut c = Command::new(std::env::current_exe()?);
+            c.args(["--worker", variant]);
+            c
+        } else {
+            let mut c = python();
+            c.args(["--variant", variant])
+                .env("KILN_OPS_LIBRARY", kiln::ops::TORCH_LIBRARY);
+            c
+        };
+        c.args(["--task", self.name(), "--dir"])
+            .arg(dir)
+            .args(["--warmup", &s.warmup.to_string()])
+            .args(["--repeats", &s.repeats.to_string()])
+            .args(["--threads", &s.threads.to_string()]);
+        run_json(c, variant)
+    }
+
+    /// One line of progress for a result.
+    pub fn summary(self, r: &Value) -> String {
+        match self {
+            Task::Data => format!("{:>9.0} samples/s", num(r, "samples_per_s")),
+            Task::Script => format!("{:>9.1} us/call", num(r, "latency_us")),
+            Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
+                .iter()
+                .map(|op| format!("{op} {:.0} us", num(&r["ops_us"], op)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            Task::Checkpoint => format!(
+                "save {:.2} s, load {:.2} s",
+                num(r, "save_s"),
+                num(r, "load_s")
+            ),
+        }
+    }
+
+    /// The task's table.
+    pub fn table(self, s: &Settings, rows: &[(String, std::result::Result<Value, String>)]) -> String {
+        let ok = |name: &str| {
+            rows.iter()
+                .find(|(v, _)| v == name)
+                .and_then(|(_, r)| r.as_ref().ok())
+        };
+        let mut t = format!(
+            "### {}\n\nMedian of {} repeats after {} warm-up, {} threads.\n\n",
+            self.describe(),
+            s.repeats,
+            s.warmup,
+            s.threads
+        );
+        let failed = |t: &mut String| {
+            for (v, r) in rows {
+                if let Err(e) = r {
+                    *t += &format!("\n{v} failed: {}\n", e.replace('|', "/"));
+                }
+            }
+        };
+        match self {
+            Task::Data => {
+                let base = ok("pytorch-dataloader").map(|r| num(r, "samples_per_s"));
+                t += "One repeat is one epoch (235 batches).\n\n\
+                      | variant | samples/s | epoch (s) | peak RSS (MiB) | vs PyTorch DataLoader |\n\
+                      | --- | ---: | ---: | ---: | ---: |\n";
+                for (v, r) in rows {
+                    if let Ok(r) = r {
+                        let sps = num(r, "samples_per_s");
+                        t += &format!(
+                            "| {v} | {sps:.0} | {:.3} | {:.0} | {} |\n",
+                            num(r, "median_s"),
+                            num(r, "peak_rss_mb"),
+                            ratio(sps, base)
+                        );
+                    }
+                }
+            }
+            Task::Script => {
+                let base = ok("pytorch-script").map(|r| num(r, "latency_us"));
+                t += &format!(
+                    "{SCRIPT_CALLS} calls per repeat; latency is the mean per call within a repeat.\n\n\
+                     | variant | latency (us) | calls/s | peak RSS (MiB) | vs Python TorchScript |\n\
+                     | --- | ---: | ---: | ---: | ---: |\n"
+                );
+                for (v, r) in rows {
+                    if let Ok(r) = r {
+                        let us = num(r, "latency_us");
+                        t += &format!(
+                            "| {v} | {us:.1} | {:.0} | {:.0} | {} |\n",
+                            1e6 / us,
+                            num(r, "peak_rss_mb"),
+                            // Lower latency is better: the ratio is a speed-up.
+                            base.map_or("-".to_owned(), |b| format!("{:.2}x", b / us))
+                        );
+                    }
+                }
+            }
+            Task::Ops => {
+                t += &format!(
+                    "Microseconds per call of forward and backward ({OPS_CALLS} calls per repeat); \
+                     inputs [{OPS_ROWS}, {OPS_FEATURES}] float32 (logits [{OPS_ROWS}, {OPS_CLASSES}], \
+                     label smoothing {OPS_SMOOTHING}). `composed` is `F.gelu(x + b)`, \
+                     `F.cross_entropy(..., label_smoothing)`, `x * sigmoid(beta * x)`.\n\n\
+                     | op | kiln-fused | kiln-composed | pytorch-fused | pytorch-composed | fused vs composed (Kiln) | Kiln fused vs PyTorch composed |\n\
+                     | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+                );
+                for op in ["bias_gelu", "softmax_xent", "swish"] {
+                    let us = |v: &str| ok(v).map(|r| num(&r["ops_us"], op));
+                    let cell = |v: &str| us(v).map_or("-".to_owned(), |x| format!("{x:.0}"));
+                    let speedup = |fast: Option<f64>, slow: Option<f64>| match (fast, slow) {
+                        (Some(f), Some(s)) => format!("{:.2}x", s / f),
+                        _ => "-".to_owned(),
+                    };
+                    t += &format!(
+                        "| {op} | {} | {} | {} | {} | {} | {} |\n",
+                        cell("kiln-fused"),
+                        cell("kiln-composed"),
+                        cell("pytorch-fused"),
+                        cell("pytorch-composed"),
+                        speedup(us("kiln-fused"), us("kiln-composed")),
+                        speedup(us("kiln-fused"), us("pytorch-composed")),
+                    );
+                }
+            }
+            Task::Checkpoint => {
+                let base = ok("pytorch-save");
+                t += "Save: the model's state to a file, made durable (fsync); load: the file back \
+                      into the model. Kiln writes a safetensors checkpoint atomically (temporary \
+                      file, fsync, rename); PyTorch is `torch.save(state_dict)` then fsync, and \
+                      `torch.load` + `load_state_dict`.\n\n\
+                      | variant | save (s) | save GB/s | load (s) | load GB/s | file (MB) | peak RSS (MiB) | save vs PyTorch | load vs PyTorch |\n\
+                      | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+                for (v, r) in rows {
+                    if let Ok(r) = r {
+                        let gb = num(r, "bytes") / 1e9;
+                        let (save, load) = (num(r, "save_s"), num(r, "load_s"));
+                        let speedup = |key: &str, x: f64| {
+                            base.map_or("-".to_owned(), |b| format!("{:.2}x", num(b, key) / x))
+                        };
+                        t += &format!(
+                            "| {v} | {save:.2} | {:.2} | {load:.2} | {:.2} | {:.0} | {:.0} | {} | {} |\n",
+                            gb / save,
+                            gb / load,
+                            num(r, "file_bytes") / 1e6,
+                            num(r, "peak_rss_mb"),
+                            speedup("save_s", save),
+                            speedup("load_s", load),
+                        );
+                    }
+                }
+            }
+        }
+        failed(&mut t);
+        t
+    }
+}
+
+fn ratio(x: f64, base: Option<f64>) -> String {
+    base.map_or("-".to_owned(), |b| format!("{:.2}x", x / b))
+}
+
+fn python() -> Command {
+    let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+    c.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/python/bench_tasks.py"));
+    c
+}
+
+/// MNIST-shaped IDX files with deterministic pixels and labels.
+fn write_idx(dir: &Path) -> Result<()> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut images = Vec::with_capacity(16 + DATA_IMAGES * 784);
+    images.extend_from_slice(&[0, 0, 0x08, 3]);
+    for d in [DATA_IMAGES, 28, 28] {
+        images.extend_from_slice(&(d as u32).to_be_bytes());
+    }
+    images.extend((0..DATA_IMAGES * 784).map(|_| (next() >> 56) as u8));
+    let mut labels = Vec::with_capacity(8 + DATA_IMAGES);
+    labels.extend_from_slice(&[0, 0, 0x08, 1]);
+    labels.extend_from_slice(&(DATA_IMAGES as u32).to_be_bytes());
+    labels.extend((0..DATA_IMAGES).map(|_| (next() % 10) as u8));
+    std::fs::write(dir.join("train-images-idx3-ubyte"), images)?;
+    std::fs::write(dir.join("train-labels-idx1-ubyte"), labels)?;
+    Ok(())
+}
+
+/// Arguments of a task worker.
+pub struct TaskArgs {
+    dir: PathBuf,
+    warmup: usize,
+    repeats: usize,
+    threads: usize,
+}
+
+impl TaskArgs {
+    pub fn parse(flags: &std::collections::BTreeMap<String, String>) -> Result<Self> {
+        let get = |k: &str| flags.get(k).with_context(|| format!("--{k} is required"));
+        Ok(TaskArgs {
+            dir: PathBuf::from(get("dir")?),
+            warmup: get("warmup")?.parse()?,
+            repeats: get("repeats")?.parse()?,
+            threads: get("threads")?.parse()?,
+        })
+    }
+}
+
+/// Runs a Kiln variant of `task` in this process and returns its result.
+pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
+    tch::set_num_threads(a.threads as i32);
+    let mut result = match (task, variant) {
+        (Task::Data, "kiln-loader") => data(a)?,
+        (Task::Script, "kiln-script") => script(a)?,
+        (Task::Script, "raw-tch-script") => raw_tch_script(a)?,
+        (Task::Ops, "kiln-fused") => ops(a, true)?,
+        (Task::Ops, "kiln-composed") => ops(a, false)?,
+        (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
+        _ => bail!("{variant} is not a Rust variant of the {} workload", task.name()),
+    };
+    result["variant"] = json!(variant);
+    result["task"] = json!(task.name());
+    result["threads"] = json!(a.threads);
+    result["peak_rss_mb"] = json!(peak_rss_mb());
+    Ok(result)
+}
+
+/// Warm-up runs, then `repeats` timed runs of `f`; the seconds of each.
+fn timed(a: &TaskArgs, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    for _ in 0..a.warmup {
+        f()?;
+    }
+    (0..a.repeats)
+        .map(|_| {
+            let start = Instant::now();
+            f()?;
+            Ok(start.elapsed().as_secs_f64())
+        })
+        .collect()
+}
+
+/// (d): Kiln's prefetching loader with two workers over the IDX images.
+fn data(a: &TaskArgs) -> Result<Value> {
+    let images = kiln::core::load_mnist_images(&a.dir.join("train-images-idx3-ubyte"))?;
+    let labels = kiln::core::load_mnist_labels(&a.dir.join("train-labels-idx1-ubyte"))?;
+    let n = images.dims()[0];
+    let images = images.reshape([n, 1, 28, 28])?;
+    let transform = Compose::new().then(ToFloat).then(Normalize {
+        mean: vec![0.1307],
+        std: vec![0.3081],
+    });
+    let dataset = TransformedDataset::new(InMemoryDataset::new(images, labels)?, transform, 0);
+    let loader = PrefetchLoader::new(dataset, DATA_BATCH)?
+        .shuffle(0)
+        .num_workers(DATA_WORKERS);
+    let mut epoch = 0;
+    let mut checksum = 0.0f64;
+    let times = timed(a, || {
+        let mut seen = 0;
+        for batch in loader.batches(epoch) {
+            let batch = batch?;
+            seen += batch.inputs.dims()[0];
+            checksum += f64::from(batch.inputs.as_slice::<f32>()?[0]);
+        }
+        ensure!(seen == n, "an epoch gave {seen} samples, not {n}");
+        epoch += 1;
+        Ok(())
+    })?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times, "median_s": m, "samples_per_s": n as f64 / m, "checksum": checksum,
+    }))
+}
+
+/// (e): Kiln's `ScriptModule` on one image at a time.
+fn script(a: &TaskArgs) -> Result<Value> {
+    let mut model = ScriptModule::load(a.dir.join("cnn.pt"), Device::Cpu)?;
+    model.eval();
+    let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
+    let times = TorchBackend::no_grad(|| {
+        timed(a, || {
+            for _ in 0..SCRIPT_CALLS {
+                let y = model.forward(&x)?;
+                ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
+            }
+            Ok(())
+        })
+    })?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times, "median_s": m, "latency_us": m / SCRIPT_CALLS as f64 * 1e6,
+    }))
+}
+
+/// (e) without Kiln: `tch::CModule` directly.
+fn raw_tch_script(a: &TaskArgs) -> Result<Value> {
+    let mut model = tch::CModule::load(a.dir.join("cnn.pt"))?;
+    model.f_set_eval()?;
+    let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
+    let times = tch::no_grad(|| {
+        timed(a, || {
+            for _ in 0..SCRIPT_CALLS {
+                let y = model.forward_ts(&[&x])?;
+                ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
+            }
+            Ok(())
+        })
+    })?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times, "median_s": m, "latency_us": m / SCRIPT_CALLS as f64 * 1e6,
+    }))
+}
+
+/// (f): each fused op, or its composition of built-in ops, forward and backward.
+fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
+    tch::manual_seed(0);
+    let opts = (Kind::Float, tch::Device::Cpu);
+    let x = Tensor::f_randn([OPS_ROWS, OPS_FEATURES], opts)?.set_requires_grad(true);
+    let bias = Tensor::f_randn([OPS_FEATURES], opts)?.set_requires_grad(true);
+    let beta = Tensor::f_ones([1], opts)?.set_requires_grad(true);
+    let logits = Tensor::f_randn([OPS_ROWS, OPS_CLASSES], opts)?.set_requires_grad(true);
+    let target = Tensor::f_randint(OPS_CLASSES, [OPS_ROWS], (Kind::Int64, tch::Device::Cpu))?;
+    let mut out = serde_json::Map::new();
+    for op in ["bias_gelu", "softmax_xent", "swish"] {
+        let call = || -> Result<Tensor> {
+            Ok(match (op, fused) {
+                ("bias_gelu", true) => kiln::ops::bias_gelu(&x, &bias)?,
+                ("bias_gelu", false) => x.f_add(&bias)?.f_gelu("none")?,
+                ("softmax_xent", true) => {
+                    kiln::ops::softmax_cross_entropy(&logits, &target, OPS_SMOOTHING)?
+                }
+                ("softmax_xent", false) => logits.f_cross_entropy_loss::<Tensor>(
+                    &target,
+                    None,
+                    Reduction::None,
+                    -100,
+                    OPS_SMOOTHING,
+                )?,
+                (_, true) => kiln::ops::swish(&x, &beta)?,
+                (_, false) => x.f_mul(&beta.f_mul(&x)?.f_sigmoid()?)?,
+            })
+        };
+        let times = timed(a, || {
+            for _ in 0..OPS_CALLS {
+                let y = call()?;
+                y.f_sum(Kind::Float)?.f_backward()?;
+            }
+            Ok(())
+        })?;
+        out.insert(
+            op.to_owned(),
+            json!(median(times) / OPS_CALLS as f64 * 1e6),
+        );
+    }
+    Ok(json!({ "ops_us": out }))
+}
+
+/// (g): a 100M-parameter model's checkpoint written and read back.
+fn checkpoint(a: &TaskArgs) -> Result<Value> {
+    TorchBackend::manual_seed(0);
+    let spec = Layer::sequential(
+        (0..CKPT_LAYERS).map(|_| LinearConfig::new(CKPT_WIDTH, CKPT_WIDTH).into()),
+    );
+    let mut model = TorchBackend::build_model(&spec, Device::Cpu)?;
+    let params = model.num_parameters();
+    let path = a.dir.join("kiln.ckpt");
+    let checkpoint_of = |model: &<TorchBackend as TrainBackend>::Model| -> Result<Checkpoint> {
+        Ok(Checkpoint {
+            model: model.state_dict()?,
+            optimizer: StateDict::new(),
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            seed: 0,
+            backend: "torch".into(),
+            model_definition: Some(spec.clone()),
+            scheduler: None,
+            metrics: Default::default(),
+        })
+    };
+    let save = timed(a, || Ok(checkpoint_of(&model)?.save(&path)?))?;
+    // Where a save's time goes: the copy out of libtorch, the rest is the file.
+    let start = Instant::now();
+    let copy = checkpoint_of(&model)?;
+    let copy_s = start.elapsed().as_secs_f64();
+    drop(copy);
+    let file_bytes = std::fs::metadata(&path)?.len();
+    let load = timed(a, || {
+        let loaded = Checkpoint::load(&path)?;
+        model.load_state_dict(&loaded.model)?;
+        Ok(())
+    })?;
+    std::fs::remove_file(&path)?;
+    Ok(json!({
+        "parameters": params,
+        "bytes": params * 4,
+        "file_bytes": file_bytes,
+        "save_repeats_s": save,
+        "load_repeats_s": load,
+        "save_s": median(save),
+        "state_dict_s": copy_s,
+        "load_s": median(load),
+    }))
+}

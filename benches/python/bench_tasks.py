@@ -1,0 +1,231 @@
+"""Python PyTorch baselines of the non-training workloads of Kiln's benchmark harness.
+
+Usage:
+    python bench_tasks.py --task data|script|ops|checkpoint --variant V --dir DIR
+        [--warmup W] [--repeats R] [--threads T]
+
+Each task mirrors a Kiln worker in ``benches/compare/tasks.rs`` (same sizes, same
+protocol: W untimed runs, then the median of R timed runs) and prints one JSON
+line on stdout:
+
+- data, ``pytorch-dataloader``: the IDX images of DIR as a map-style Dataset whose
+  ``__getitem__`` scales a uint8 image to [0, 1] and normalises it (mean 0.1307,
+  std 0.3081), in ``DataLoader(batch_size=256, shuffle=True, num_workers=2)``;
+  one run is one epoch.
+- script, ``export``: scripts the CNN of workload (b) in eval mode and saves it to
+  DIR/cnn.pt for both sides. ``pytorch-script`` runs that file with
+  ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
+  ``torch.no_grad()``, 2000 calls per run.
+- ops, ``pytorch-fused``: Kiln's ops through ``torch.ops.load_library`` (the
+  library's path is ``KILN_OPS_LIBRARY``); ``pytorch-composed``: the same maths
+  in built-in ops. Forward and backward, 50 calls per run.
+- checkpoint, ``pytorch-save``: ten 3162x3162 linear layers (100M parameters);
+  save is ``torch.save(state_dict)`` into a file that is then fsynced, load is
+  ``torch.load`` + ``load_state_dict``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import struct
+import sys
+import time
+
+import common
+
+RESULT_STREAM = common.reserve_stdout()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import bench_torch  # noqa: E402  (the workloads' model definitions)
+
+SCRIPT_CALLS = 2000
+OPS_CALLS = 50
+OPS_ROWS, OPS_FEATURES, OPS_CLASSES, OPS_SMOOTHING = 512, 1024, 1000, 0.1
+CKPT_LAYERS, CKPT_WIDTH = 10, 3162
+
+
+def timed(args, f):
+    for _ in range(args.warmup):
+        f()
+    seconds = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        f()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def read_idx(path):
+    with open(path, "rb") as fh:
+        data = fh.read()
+    zero, dtype, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype != 0x08:
+        raise SystemExit(f"{path} is not an unsigned-byte IDX file")
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+class IdxImages(torch.utils.data.Dataset):
+    def __init__(self, images, labels):
+        self.images = torch.from_numpy(images.copy())
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        x = self.images[i].unsqueeze(0).float().div_(255.0).sub_(0.1307).div_(0.3081)
+        return x, self.labels[i]
+
+
+def data(args):
+    images = read_idx(os.path.join(args.dir, "train-images-idx3-ubyte"))
+    labels = read_idx(os.path.join(args.dir, "train-labels-idx1-ubyte"))
+    dataset = IdxImages(images, labels)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=256, shuffle=True, num_workers=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    n = len(dataset)
+
+    def epoch():
+        seen = 0
+        for x, _ in loader:
+            seen += x.shape[0]
+        if seen != n:
+            raise SystemExit(f"an epoch gave {seen} samples, not {n}")
+
+    seconds = timed(args, epoch)
+    m = statistics.median(seconds)
+    return {"repeats_s": seconds, "median_s": m, "samples_per_s": n / m}
+
+
+def export(args):
+    torch.manual_seed(0)
+    model = bench_torch.build_model("cnn", 10).eval()
+    torch.jit.script(model).save(os.path.join(args.dir, "cnn.pt"))
+    return {"saved": os.path.join(args.dir, "cnn.pt")}
+
+
+def script(args, scripted):
+    if scripted:
+        model = torch.jit.load(os.path.join(args.dir, "cnn.pt"))
+    else:
+        torch.manual_seed(0)
+        model = bench_torch.build_model("cnn", 10)
+    model.eval()
+    x = torch.randn(1, 1, 28, 28)
+
+    def run():
+        for _ in range(SCRIPT_CALLS):
+            y = model(x)
+        if tuple(y.shape) != (1, 10):
+            raise SystemExit(f"the model returned {tuple(y.shape)}")
+
+    with torch.no_grad():
+        seconds = timed(args, run)
+    m = statistics.median(seconds)
+    return {"repeats_s": seconds, "median_s": m, "latency_us": m / SCRIPT_CALLS * 1e6}
+
+
+def ops(args, fused):
+    if fused:
+        torch.ops.load_library(os.environ["KILN_OPS_LIBRARY"])
+        kiln = torch.ops.kiln
+        calls = {
+            "bias_gelu": lambda: kiln.bias_gelu(x, bias),
+            "softmax_xent": lambda: kiln.softmax_xent(logits, target, OPS_SMOOTHING),
+            "swish": lambda: kiln.swish(x, beta),
+        }
+    else:
+        calls = {
+            "bias_gelu": lambda: F.gelu(x + bias),
+            "softmax_xent": lambda: F.cross_entropy(
+                logits, target, reduction="none", label_smoothing=OPS_SMOOTHING
+            ),
+            "swish": lambda: x * torch.sigmoid(beta * x),
+        }
+    torch.manual_seed(0)
+    x = torch.randn(OPS_ROWS, OPS_FEATURES, requires_grad=True)
+    bias = torch.randn(OPS_FEATURES, requires_grad=True)
+    beta = torch.ones(1, requires_grad=True)
+    logits = torch.randn(OPS_ROWS, OPS_CLASSES, requires_grad=True)
+    target = torch.randint(OPS_CLASSES, (OPS_ROWS,))
+    out = {}
+    for name, call in calls.items():
+        def run():
+            for _ in range(OPS_CALLS):
+                call().sum().backward()
+
+        out[name] = statistics.median(timed(args, run)) / OPS_CALLS * 1e6
+    return {"ops_us": out}
+
+
+def checkpoint(args):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(CKPT_WIDTH, CKPT_WIDTH) for _ in range(CKPT_LAYERS)])
+    params = sum(p.numel() for p in model.parameters())
+    path = os.path.join(args.dir, "pytorch.pt")
+
+    def save():
+        with open(path, "wb") as fh:
+            torch.save(model.state_dict(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def load():
+        model.load_state_dict(torch.load(path))
+
+    save_s = timed(args, save)
+    file_bytes = os.path.getsize(path)
+    load_s = timed(args, load)
+    os.remove(path)
+    return {
+        "parameters": params,
+        "bytes": params * 4,
+        "file_bytes": file_bytes,
+        "save_repeats_s": save_s,
+        "load_repeats_s": load_s,
+        "save_s": statistics.median(save_s),
+        "load_s": statistics.median(load_s),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", required=True, choices=["data", "script", "ops", "checkpoint"])
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    bench_torch.set_threads(args.threads)
+    runs = {
+        ("data", "pytorch-dataloader"): lambda: data(args),
+        ("script", "export"): lambda: export(args),
+        ("script", "pytorch-script"): lambda: script(args, True),
+        ("script", "pytorch-eager"): lambda: script(args, False),
+        ("ops", "pytorch-fused"): lambda: ops(args, True),
+        ("ops", "pytorch-composed"): lambda: ops(args, False),
+        ("checkpoint", "pytorch-save"): lambda: checkpoint(args),
+    }
+    run = runs.get((args.task, args.variant))
+    if run is None:
+        raise SystemExit(f"no variant {args.variant!r} for task {args.task!r}")
+    result = run()
+    result.update(
+        variant=args.variant, task=args.task, threads=args.threads,
+        peak_rss_mb=common.peak_rss_mb(), versions={"torch": torch.__version__},
+    )
+    RESULT_STREAM.write(json.dumps(result) + "\n")
+    RESULT_STREAM.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
