@@ -213,7 +213,11 @@ fn main() -> Result<()> {
             "unknown variant {v}; expected one of {all_variants:?}"
         );
     }
-    let chosen = |v: &str| variants.as_ref().is_none_or(|list| list.iter().any(|c| c == v));
+    let chosen = |v: &str| {
+        variants
+            .as_ref()
+            .is_none_or(|list| list.iter().any(|c| c == v))
+    };
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
 
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-compare");

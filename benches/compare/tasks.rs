@@ -73,8 +73,12 @@ impl Task {
             Task::Data => {
                 "(d) data loading: 60000 IDX images 28x28, shuffle, normalise, batch 256, 2 workers"
             }
-            Task::Script => "(e) TorchScript inference, batch 1 (the CNN of (b), eval mode, no grad)",
-            Task::Ops => "(f) fused ops against the composition of built-in ops, forward + backward",
+            Task::Script => {
+                "(e) TorchScript inference, batch 1 (the CNN of (b), eval mode, no grad)"
+            }
+            Task::Ops => {
+                "(f) fused ops against the composition of built-in ops, forward + backward"
+            }
             Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
         }
     }
@@ -82,8 +86,18 @@ impl Task {
     pub fn variants(self) -> &'static [&'static str] {
         match self {
             Task::Data => &["kiln-loader", "pytorch-dataloader"],
-            Task::Script => &["kiln-script", "raw-tch-script", "pytorch-script", "pytorch-eager"],
-            Task::Ops => &["kiln-fused", "kiln-composed", "pytorch-fused", "pytorch-composed"],
+            Task::Script => &[
+                "kiln-script",
+                "raw-tch-script",
+                "pytorch-script",
+                "pytorch-eager",
+            ],
+            Task::Ops => &[
+                "kiln-fused",
+                "kiln-composed",
+                "pytorch-fused",
+                "pytorch-composed",
+            ],
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
         }
     }
@@ -142,7 +156,11 @@ impl Task {
     }
 
     /// The task's table.
-    pub fn table(self, s: &Settings, rows: &[(String, std::result::Result<Value, String>)]) -> String {
+    pub fn table(
+        self,
+        s: &Settings,
+        rows: &[(String, std::result::Result<Value, String>)],
+    ) -> String {
         let ok = |name: &str| {
             rows.iter()
                 .find(|(v, _)| v == name)
@@ -324,7 +342,10 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Ops, "kiln-fused") => ops(a, true)?,
         (Task::Ops, "kiln-composed") => ops(a, false)?,
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
-        _ => bail!("{variant} is not a Rust variant of the {} workload", task.name()),
+        _ => bail!(
+            "{variant} is not a Rust variant of the {} workload",
+            task.name()
+        ),
     };
     result["variant"] = json!(variant);
     result["task"] = json!(task.name());
@@ -456,10 +477,7 @@ fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
             }
             Ok(())
         })?;
-        out.insert(
-            op.to_owned(),
-            json!(median(times) / OPS_CALLS as f64 * 1e6),
-        );
+        out.insert(op.to_owned(), json!(median(times) / OPS_CALLS as f64 * 1e6));
     }
     Ok(json!({ "ops_us": out }))
 }
@@ -494,8 +512,11 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
     let copy_s = start.elapsed().as_secs_f64();
     drop(copy);
     let file_bytes = std::fs::metadata(&path)?.len();
+    let mut read_s = Vec::new();
     let load = timed(a, || {
+        let start = Instant::now();
         let loaded = Checkpoint::load(&path)?;
+        read_s.push(start.elapsed().as_secs_f64());
         model.load_state_dict(&loaded.model)?;
         Ok(())
     })?;
@@ -508,6 +529,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
         "load_repeats_s": load,
         "save_s": median(save),
         "state_dict_s": copy_s,
+        "read_s": median(read_s),
         "load_s": median(load),
     }))
 }

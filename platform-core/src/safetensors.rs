@@ -3,10 +3,9 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fs::{self, File};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
-use ::safetensors::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::dtype::DType;
@@ -19,17 +18,6 @@ const METADATA_KEY: &str = "__metadata__";
 
 /// The dtypes Kiln reads, as a message lists them.
 const SUPPORTED: &str = "U8, I32, I64, F32, F64";
-
-fn from_safetensors_dtype(dtype: Dtype) -> Option<DType> {
-    match dtype {
-        Dtype::U8 => Some(DType::U8),
-        Dtype::I32 => Some(DType::I32),
-        Dtype::I64 => Some(DType::I64),
-        Dtype::F32 => Some(DType::F32),
-        Dtype::F64 => Some(DType::F64),
-        _ => None,
-    }
-}
 
 /// Converts between native and little-endian (safetensors) element bytes.
 /// A no-op on little-endian targets; swaps each element on big-endian ones.
@@ -107,12 +95,12 @@ impl StateDict {
         path: impl AsRef<Path>,
     ) -> Result<(StateDict, BTreeMap<String, String>)> {
         let path = path.as_ref();
-        let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
-        let loaded = decode(&bytes, path)?;
+        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+        let loaded = read_file(&mut file, len, path)?;
         log::debug!(
-            "loaded {} tensors ({} bytes) from {}",
+            "loaded {} tensors ({len} bytes) from {}",
             loaded.0.len(),
-            bytes.len(),
             path.display()
         );
         Ok(loaded)
@@ -211,7 +199,9 @@ fn write_atomically(
         let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut writer = BufWriter::with_capacity(1 << 20, file);
         write(&mut writer).map_err(|e| Error::io(&tmp, e))?;
-        let file = writer.into_inner().map_err(|e| Error::io(&tmp, e.into_error()))?;
+        let file = writer
+            .into_inner()
+            .map_err(|e| Error::io(&tmp, e.into_error()))?;
         file.sync_all().map_err(|e| Error::io(&tmp, e))?;
         drop(file);
         fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
@@ -243,32 +233,74 @@ fn sync_dir(_dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Parses a whole safetensors file, with messages that say what is wrong.
-fn decode(bytes: &[u8], path: &Path) -> Result<(StateDict, BTreeMap<String, String>)> {
-    let Some((len_bytes, rest)) = bytes.split_first_chunk::<8>() else {
+/// One tensor's entry in a safetensors header.
+struct HeaderEntry {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    begin: usize,
+    end: usize,
+}
+
+/// Reads a safetensors file of `len` bytes from `file`, with messages that say
+/// what is wrong. Each tensor's bytes are read straight into its own
+/// [`HostTensor`]: the file is never held in memory as a whole besides them.
+fn read_file(
+    file: &mut impl Read,
+    len: u64,
+    path: &Path,
+) -> Result<(StateDict, BTreeMap<String, String>)> {
+    let mut len_bytes = [0u8; 8];
+    if len < 8 {
         return Err(corrupt(
             path,
             format!(
-                "file is {} bytes, too short for the 8-byte header length of a safetensors file",
-                bytes.len()
+                "file is {len} bytes, too short for the 8-byte header length of a safetensors file"
             ),
         ));
-    };
-    let header_len = u64::from_le_bytes(*len_bytes);
-    let header_end = usize::try_from(header_len)
-        .ok()
-        .filter(|&n| n <= rest.len())
-        .ok_or_else(|| {
-            corrupt(
-                path,
-                format!(
-                    "header length field says {header_len} bytes, but only {} bytes follow it \
-                     (truncated, or not a safetensors file)",
-                    rest.len()
-                ),
-            )
-        })?;
-    let (header, data) = rest.split_at(header_end);
+    }
+    file.read_exact(&mut len_bytes)
+        .map_err(|e| Error::io(path, e))?;
+    let rest = len - 8;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > rest {
+        return Err(corrupt(
+            path,
+            format!(
+                "header length field says {header_len} bytes, but only {rest} bytes follow it \
+                 (truncated, or not a safetensors file)"
+            ),
+        ));
+    }
+    let too_large = || corrupt(path, format!("file of {len} bytes is too large to address"));
+    let mut header = vec![0u8; usize::try_from(header_len).map_err(|_| too_large())?];
+    file.read_exact(&mut header)
+        .map_err(|e| Error::io(path, e))?;
+    let data_len = usize::try_from(rest - header_len).map_err(|_| too_large())?;
+    let (entries, metadata) = parse_header(&header, data_len, path)?;
+
+    let mut state = StateDict::new();
+    for entry in entries {
+        let mut tensor = HostTensor::zeros(entry.dtype, entry.shape.as_slice())
+            .map_err(|e| corrupt(path, format!("tensor `{}`: {e}", entry.name)))?;
+        file.read_exact(tensor.as_bytes_mut())
+            .map_err(|e| Error::io(path, e))?;
+        if cfg!(target_endian = "big") {
+            let swapped = swap_to_le(tensor.as_bytes(), entry.dtype).into_owned();
+            tensor.as_bytes_mut().copy_from_slice(&swapped);
+        }
+        state.insert(entry.name, tensor);
+    }
+    Ok((state, metadata))
+}
+
+/// Parses and checks a header, for tensor data of `data_len` bytes: the entries
+/// in file order, which cover the data exactly, and the string metadata.
+fn parse_header(
+    header: &[u8],
+    data_len: usize,
+    path: &Path,
+) -> Result<(Vec<HeaderEntry>, BTreeMap<String, String>)> {
     let header = std::str::from_utf8(header).map_err(|e| {
         corrupt(
             path,
@@ -282,10 +314,21 @@ fn decode(bytes: &[u8], path: &Path) -> Result<(StateDict, BTreeMap<String, Stri
                 format!("header is not a JSON object ({e}); not a safetensors file"),
             )
         })?;
+    let invalid = |reason: String| corrupt(path, format!("invalid safetensors file: {reason}"));
 
-    let mut data_end = 0usize;
+    let mut metadata = BTreeMap::new();
+    let mut entries = Vec::new();
     for (name, info) in &header {
         if name == METADATA_KEY {
+            let map = info
+                .as_object()
+                .ok_or_else(|| invalid("`__metadata__` is not an object".into()))?;
+            for (k, v) in map {
+                let v = v
+                    .as_str()
+                    .ok_or_else(|| invalid(format!("metadata `{k}` is not a string")))?;
+                metadata.insert(k.clone(), v.to_owned());
+            }
             continue;
         }
         let dtype = info.get("dtype").and_then(Value::as_str).ok_or_else(|| {
@@ -294,63 +337,88 @@ fn decode(bytes: &[u8], path: &Path) -> Result<(StateDict, BTreeMap<String, Stri
                 format!("header entry of tensor `{name}` has no dtype"),
             )
         })?;
-        let supported = matches!(dtype, "U8" | "I32" | "I64" | "F32" | "F64");
-        if !supported {
-            return Err(corrupt(
-                path,
-                format!("dtype {dtype} of tensor `{name}` is not supported ({SUPPORTED})"),
-            ));
-        }
-        let end = info
-            .get("data_offsets")
-            .and_then(Value::as_array)
-            .and_then(|offsets| offsets.get(1))
-            .and_then(Value::as_u64)
-            .ok_or_else(|| {
-                corrupt(
+        let dtype = match dtype {
+            "U8" => DType::U8,
+            "I32" => DType::I32,
+            "I64" => DType::I64,
+            "F32" => DType::F32,
+            "F64" => DType::F64,
+            other => {
+                return Err(corrupt(
+                    path,
+                    format!("dtype {other} of tensor `{name}` is not supported ({SUPPORTED})"),
+                ))
+            }
+        };
+        let numbers = |key: &str| -> Option<Vec<usize>> {
+            info.get(key)?
+                .as_array()?
+                .iter()
+                .map(|v| v.as_u64().and_then(|n| usize::try_from(n).ok()))
+                .collect()
+        };
+        let (begin, end) = match numbers("data_offsets").as_deref() {
+            Some(&[begin, end]) if begin <= end => (begin, end),
+            _ => {
+                return Err(corrupt(
                     path,
                     format!("header entry of tensor `{name}` has no valid data_offsets"),
-                )
-            })?;
-        data_end = data_end.max(usize::try_from(end).unwrap_or(usize::MAX));
+                ))
+            }
+        };
+        let shape = numbers("shape")
+            .ok_or_else(|| invalid(format!("tensor `{name}` has no valid shape")))?;
+        entries.push(HeaderEntry {
+            name: name.clone(),
+            dtype,
+            shape,
+            begin,
+            end,
+        });
     }
-    if data_end > data.len() {
+
+    let data_end = entries.iter().map(|e| e.end).max().unwrap_or(0);
+    if data_end > data_len {
         return Err(corrupt(
             path,
             format!(
-                "header claims {data_end} bytes of tensor data, file has {} \
-                 (the file is truncated)",
-                data.len()
+                "header claims {data_end} bytes of tensor data, file has {data_len} \
+                 (the file is truncated)"
             ),
         ));
     }
-
-    let invalid =
-        |e: ::safetensors::SafeTensorError| corrupt(path, format!("invalid safetensors file: {e}"));
-    let (_, file_metadata) = SafeTensors::read_metadata(bytes).map_err(invalid)?;
-    let metadata: BTreeMap<String, String> = file_metadata
-        .metadata()
-        .iter()
-        .flat_map(|m| m.iter())
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    let tensors = SafeTensors::deserialize(bytes).map_err(invalid)?;
-    let mut state = StateDict::new();
-    for (name, view) in tensors.tensors() {
-        let dtype = from_safetensors_dtype(view.dtype()).ok_or_else(|| {
-            corrupt(
-                path,
-                format!(
-                    "dtype {} of tensor `{name}` is not supported ({SUPPORTED})",
-                    view.dtype()
-                ),
-            )
-        })?;
-        let tensor = HostTensor::from_bytes(dtype, view.shape(), &swap_to_le(view.data(), dtype))
-            .map_err(|e| corrupt(path, format!("tensor `{name}`: {e}")))?;
-        state.insert(name, tensor);
+    // As the safetensors crate requires: the tensors tile the data exactly, each
+    // as large as its shape and dtype say.
+    entries.sort_by_key(|e| (e.begin, e.end));
+    let mut expected_begin = 0;
+    for e in &entries {
+        if e.begin != expected_begin {
+            return Err(invalid(format!(
+                "tensor `{}` starts at byte {} of the data, expected {expected_begin}",
+                e.name, e.begin
+            )));
+        }
+        let bytes = e
+            .shape
+            .iter()
+            .try_fold(e.dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
+        if bytes != Some(e.end - e.begin) {
+            return Err(invalid(format!(
+                "tensor `{}` of shape {:?} {} takes {} bytes in the file",
+                e.name,
+                e.shape,
+                e.dtype,
+                e.end - e.begin
+            )));
+        }
+        expected_begin = e.end;
     }
-    Ok((state, metadata))
+    if expected_begin != data_len {
+        return Err(invalid(format!(
+            "the tensors take {expected_begin} bytes, but {data_len} bytes of data follow the header"
+        )));
+    }
+    Ok((entries, metadata))
 }
 
 #[cfg(test)]
@@ -431,6 +499,56 @@ mod tests {
         // An empty state dict is a valid file too.
         StateDict::new().save_safetensors(&path, &BTreeMap::new())?;
         assert!(StateDict::load_safetensors(&path)?.0.is_empty());
+        Ok(())
+    }
+
+    /// The `safetensors` crate reads what Kiln writes, and Kiln reads what it writes.
+    #[test]
+    fn the_reference_implementation_agrees_both_ways() -> Result<()> {
+        let dir = TempDir::new("reference");
+        let ours = dir.0.join("ours.safetensors");
+        let sd = sample()?;
+        let meta = BTreeMap::from([("k".to_string(), "v".to_string())]);
+        sd.save_safetensors(&ours, &meta)?;
+        let bytes = fs::read(&ours).map_err(|e| Error::io(&ours, e))?;
+        let read = ::safetensors::SafeTensors::deserialize(&bytes).expect("the crate reads it");
+        assert_eq!(read.len(), sd.len());
+        for (name, tensor) in sd.iter() {
+            let view = read.tensor(name).expect("every tensor");
+            assert_eq!(view.shape(), tensor.dims(), "{name}");
+            assert_eq!(view.data(), tensor.as_bytes(), "{name}");
+            // Every tensor's data is aligned to its element size within the file.
+            let offset = view.data().as_ptr() as usize - bytes.as_ptr() as usize;
+            assert_eq!(offset % tensor.dtype().size_in_bytes(), 0, "{name}");
+        }
+        let (_, file_meta) = ::safetensors::SafeTensors::read_metadata(&bytes).expect("header");
+        assert_eq!(
+            file_meta.metadata().as_ref().and_then(|m| m.get("k")),
+            Some(&"v".to_string())
+        );
+
+        // And the other way round.
+        let views: Vec<(String, ::safetensors::tensor::TensorView<'_>)> = sd
+            .iter()
+            .map(|(k, t)| {
+                let dtype = match t.dtype() {
+                    DType::U8 => ::safetensors::Dtype::U8,
+                    DType::I32 => ::safetensors::Dtype::I32,
+                    DType::I64 => ::safetensors::Dtype::I64,
+                    DType::F32 => ::safetensors::Dtype::F32,
+                    DType::F64 => ::safetensors::Dtype::F64,
+                };
+                let view =
+                    ::safetensors::tensor::TensorView::new(dtype, t.dims().to_vec(), t.as_bytes())
+                        .expect("a valid view");
+                (k.clone(), view)
+            })
+            .collect();
+        let theirs = dir.0.join("theirs.safetensors");
+        let written = ::safetensors::serialize(views, Some(meta.clone().into_iter().collect()))
+            .expect("the crate writes it");
+        fs::write(&theirs, written).map_err(|e| Error::io(&theirs, e))?;
+        assert_eq!(StateDict::load_safetensors(&theirs)?, (sd, meta));
         Ok(())
     }
 
@@ -562,6 +680,25 @@ mod tests {
             message(&err).starts_with("invalid safetensors file"),
             "{err}"
         );
+
+        // A hole before the tensor, and bytes after the last one.
+        for (header, data) in [
+            (
+                r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+                8,
+            ),
+            (
+                r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#,
+                6,
+            ),
+        ] {
+            write(raw_file(header, &vec![0; data]))?;
+            let err = StateDict::load_safetensors(&path).expect_err("not tiled");
+            assert!(
+                message(&err).starts_with("invalid safetensors file"),
+                "{err}"
+            );
+        }
 
         write(raw_file(
             r#"{"x":{"shape":[1],"data_offsets":[0,4]}}"#,

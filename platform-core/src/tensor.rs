@@ -443,6 +443,12 @@ impl HostTensor {
         self.storage.as_bytes()
     }
 
+    /// The raw data in native byte order, writable (e.g. to read a file straight
+    /// into a tensor made with [`HostTensor::zeros`]).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        dispatch!(&mut self.storage, v => bytemuck::cast_slice_mut(v.as_mut_slice()))
+    }
+
     /// The same data viewed with another shape of the same element count.
     pub fn reshape(self, shape: impl Into<Shape>) -> Result<Self> {
         let shape = shape.into();

@@ -65,7 +65,11 @@ impl Checkpoint {
             .model
             .iter()
             .map(|(k, v)| (format!("model.{k}"), v))
-            .chain(self.optimizer.iter().map(|(k, v)| (format!("optimizer.{k}"), v)))
+            .chain(
+                self.optimizer
+                    .iter()
+                    .map(|(k, v)| (format!("optimizer.{k}"), v)),
+            )
             .collect();
         let mut meta = BTreeMap::new();
         meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
@@ -88,11 +92,7 @@ impl Checkpoint {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
-        crate::safetensors::save_entries(
-            path,
-            names.iter().map(|(k, v)| (k.as_str(), *v)),
-            &meta,
-        )
+        crate::safetensors::save_entries(path, names.iter().map(|(k, v)| (k.as_str(), *v)), &meta)
     }
 
     /// Reads a checkpoint written by [`save`](Self::save).
