@@ -55,12 +55,15 @@ fn adam_step(
 ) -> Result<(), TchError> {
     let step = slot.step as i32;
     let zeros = |p: &Tensor| p.f_zeros_like();
+    // PyTorch's single-tensor Adam, in as few passes and temporaries as tch's
+    // API allows (its addcmul_/addcdiv_ take no scale, so those scales are
+    // separate passes over one reused buffer).
     // exp_avg = lerp(exp_avg, grad, 1 - beta1)
     let _ = state_tensor(slot, "exp_avg", zeros)?.f_lerp_(grad, 1.0 - beta1)?;
     // exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
     let sq = state_tensor(slot, "exp_avg_sq", zeros)?;
     let _ = sq.f_mul_scalar_(beta2)?;
-    let _ = sq.f_add_(&grad.f_mul_scalar(1.0 - beta2)?.f_mul(grad)?)?;
+    let _ = sq.f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, grad)?;
     let exp_avg_sq = sq.shallow_clone();
 
     let bias_correction1 = 1.0 - beta1.powi(step);
@@ -74,18 +77,18 @@ fn adam_step(
     } else {
         exp_avg_sq
     };
-    let denom = second_moment
-        .f_sqrt()?
-        .f_div_scalar(bias_correction2_sqrt)?
-        .f_add_scalar(eps)?;
+    // denom = sqrt(v) / sqrt(bias_correction2) + eps
+    let mut denom = second_moment.f_sqrt()?;
+    let _ = denom.f_div_scalar_(bias_correction2_sqrt)?;
+    let _ = denom.f_add_scalar_(eps)?;
     let exp_avg = slot
         .state
         .get("exp_avg")
         .map(Tensor::shallow_clone)
         .ok_or_else(|| TchError::Kind("exp_avg missing".into()))?;
-    // param += -step_size * (exp_avg / denom)
-    let _ = slot
-        .tensor
-        .f_add_(&exp_avg.f_div(&denom)?.f_mul_scalar(-step_size)?)?;
+    // param += -step_size * (exp_avg / denom), the quotient written over denom
+    let _ = exp_avg.f_div_out(&denom, &denom)?;
+    let _ = denom.f_mul_scalar_(-step_size)?;
+    let _ = slot.tensor.f_add_(&denom)?;
     Ok(())
 }

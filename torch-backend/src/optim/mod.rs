@@ -58,6 +58,11 @@ pub struct TorchOptimizer {
     config: OptimizerConfig,
     groups: Vec<GroupHyper>,
     params: Vec<ParamSlot>,
+    /// libtorch's own optimizer over the same parameters, used only for its
+    /// `zero_grad`, which sets gradients to none (PyTorch's default since 2.0):
+    /// tch has no other way to drop a gradient, and zeroing it instead costs a
+    /// pass over every parameter plus an accumulating add in the next backward.
+    grad_reset: tch::COptimizer,
 }
 
 impl TorchOptimizer {
@@ -75,6 +80,8 @@ impl TorchOptimizer {
         let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
         let (hypers, assignment) = resolve_groups(&config, &names, groups)?;
         let mut slots = Vec::with_capacity(params.len());
+        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
+            .map_err(|e| torch_error("creating the gradient reset", e))?;
         for ((name, tensor), group) in params.into_iter().zip(assignment) {
             if !tensor.requires_grad() {
                 return Err(Error::invalid_argument(
@@ -82,6 +89,9 @@ impl TorchOptimizer {
                     "parameter does not require grad; freeze it by leaving it out of the optimizer",
                 ));
             }
+            grad_reset
+                .add_parameters(&tensor, 0)
+                .map_err(|e| torch_error(&format!("registering {name}"), e))?;
             slots.push(ParamSlot {
                 name,
                 tensor,
@@ -94,6 +104,7 @@ impl TorchOptimizer {
             config,
             groups: hypers,
             params: slots,
+            grad_reset,
         })
     }
 
@@ -181,6 +192,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             config,
             groups,
             params,
+            ..
         } = self;
         tch::no_grad(|| -> Result<()> {
             for (slot, grad) in params.iter_mut().zip(grads) {
@@ -202,22 +214,13 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         })
     }
 
+    /// Sets every parameter's gradient to none, as PyTorch's
+    /// `zero_grad(set_to_none=True)`: the next backward writes fresh gradients
+    /// instead of adding to zeroed ones.
     fn zero_grad(&mut self) -> Result<()> {
-        for slot in &mut self.params {
-            let mut grad = slot
-                .tensor
-                .f_grad()
-                .map_err(|e| torch_error("zero_grad", e))?;
-            if grad.defined() {
-                let _ = grad
-                    .f_detach_()
-                    .and_then(|mut g| g.f_zero_())
-                    .map_err(|e| {
-                        torch_error(&format!("zeroing the gradient of {}", slot.name), e)
-                    })?;
-            }
-        }
-        Ok(())
+        self.grad_reset
+            .zero_grad()
+            .map_err(|e| torch_error("zero_grad", e))
     }
 
     fn learning_rate(&self) -> f64 {
