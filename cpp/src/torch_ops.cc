@@ -1,13 +1,16 @@
-// Kiln's fused ops in libtorch: CPU kernels (every core, through at::parallel_for),
+// Kiln's fused ops in libtorch: CPU kernels (every core, through libtorch's parallel_for),
 // autograd functions, and their registration with TORCH_LIBRARY under `kiln`, so
 // they are `torch.ops.kiln.<op>` in Python and TorchScript and in this process.
 // This file has no Rust dependency: the same object links into the shared library
 // Python loads with `torch.ops.load_library`.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/autograd.h>
+#include <torch/csrc/stable/c/shim.h>
 #include <torch/library.h>
+
+#include <atomic>
+#include <exception>
 
 #include "../include/checks.h"
 #include "../include/kernels.h"
@@ -21,10 +24,32 @@ using checks::check_swish;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// at::parallel_for is a header template whose parallel path exists only where
+// _OPENMP is defined; compiled here, without -fopenmp, it runs every range on the
+// calling thread. torch_parallel_for (libtorch's stable C shim, 2.10 and later) is
+// the same at::parallel_for compiled inside libtorch, on its intra-op OpenMP threads
+// (serial inside a parallel region, like at::parallel_for). The shim turns an
+// exception into an error code, so the callback keeps the first one and rethrows it
+// here.
 struct AtParallel {
   template <typename F>
   void operator()(std::int64_t begin, std::int64_t end, std::int64_t grain, const F& f) const {
-    at::parallel_for(begin, end, grain, f);
+    struct Call {
+      const F& f;
+      std::exception_ptr error;
+      std::atomic_flag failed = ATOMIC_FLAG_INIT;
+    } call{f, nullptr};
+    const auto run = [](std::int64_t b, std::int64_t e, void* ctx) {
+      auto& c = *static_cast<Call*>(ctx);
+      try {
+        c.f(b, e);
+      } catch (...) {
+        if (!c.failed.test_and_set()) c.error = std::current_exception();
+      }
+    };
+    const AOTITorchError status = torch_parallel_for(begin, end, grain, run, &call);
+    if (call.error) std::rethrow_exception(call.error);
+    TORCH_CHECK(status == AOTI_TORCH_SUCCESS, "kiln: torch_parallel_for failed");
   }
 };
 
