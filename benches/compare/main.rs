@@ -153,6 +153,8 @@ struct Settings {
     repeats: usize,
     threads: usize,
     num_batches: usize,
+    /// Times each variant runs, alternating with the others (see `run_rounds`).
+    rounds: usize,
 }
 
 const CLASSES: usize = 10;
@@ -175,6 +177,7 @@ fn main() -> Result<()> {
         repeats: 5,
         threads: 2,
         num_batches: 16,
+        rounds: 1,
     };
     let mut write = false;
     let mut it = args.into_iter();
@@ -195,10 +198,11 @@ fn main() -> Result<()> {
             "--warmup" => settings.warmup = value()?.parse()?,
             "--repeats" => settings.repeats = value()?.parse()?,
             "--threads" => settings.threads = value()?.parse()?,
+            "--rounds" => settings.rounds = value()?.parse()?,
             "--write" => write = true,
             other => bail!(
                 "unknown flag {other}; flags: --workloads mlp,cnn,transformer,data,script,ops,checkpoint \
-                 --variants V,V --steps N --warmup N --repeats N --threads N --write"
+                 --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --write"
             ),
         }
     }
@@ -219,6 +223,7 @@ fn main() -> Result<()> {
             .is_none_or(|list| list.iter().any(|c| c == v))
     };
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
+    ensure!(settings.rounds >= 1, "--rounds must be at least 1");
 
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-compare");
     let mut sections = Vec::new();
@@ -231,40 +236,39 @@ fn main() -> Result<()> {
             workload.describe(),
             settings.repeats
         );
-        let mut rows = Vec::new();
-        for variant in VARIANTS.iter().filter(|v| chosen(v)) {
-            eprint!("   {variant:<14} ");
-            match run_variant(variant, workload, &data, steps, &settings) {
-                Ok(result) => {
-                    eprintln!(
-                        "{:>9.1} steps/s  {:>7.0} MiB",
-                        num(&result, "steps_per_s"),
-                        num(&result, "peak_rss_mb")
-                    );
-                    rows.push((variant.to_string(), Ok(result)));
-                }
-                Err(e) => {
-                    eprintln!("failed: {e:#}");
-                    rows.push((variant.to_string(), Err(format!("{e:#}"))));
-                }
-            }
-        }
+        let names: Vec<&str> = VARIANTS.iter().copied().filter(|v| chosen(v)).collect();
+        let rows = run_rounds(
+            &names,
+            settings.rounds,
+            |variant| run_variant(variant, workload, &data, steps, &settings),
+            |r| num(r, "steps_per_s"),
+            |r| {
+                format!(
+                    "{:>9.1} steps/s  {:>7.0} MiB",
+                    num(r, "steps_per_s"),
+                    num(r, "peak_rss_mb")
+                )
+            },
+        );
         sections.push(table(workload, steps, &settings, &rows));
     }
     for task in tasks {
         let dir = scratch.join(task.name());
         eprintln!("== {} ({} repeats)", task.describe(), settings.repeats);
         task.prepare(&dir)?;
-        let mut rows = Vec::new();
-        for variant in task.variants().iter().filter(|v| chosen(v)) {
-            eprint!("   {variant:<18} ");
-            let result = task.run(variant, &dir, &settings);
-            match &result {
-                Ok(r) => eprintln!("{}", task.summary(r)),
-                Err(e) => eprintln!("failed: {e:#}"),
-            }
-            rows.push((variant.to_string(), result.map_err(|e| format!("{e:#}"))));
-        }
+        let names: Vec<&str> = task
+            .variants()
+            .iter()
+            .copied()
+            .filter(|v| chosen(v))
+            .collect();
+        let rows = run_rounds(
+            &names,
+            settings.rounds,
+            |variant| task.run(variant, &dir, &settings),
+            |r| task.score(r),
+            |r| task.summary(r),
+        );
         sections.push(task.table(&settings, &rows));
     }
     let report = report(&sections, &settings);
@@ -275,6 +279,54 @@ fn main() -> Result<()> {
         eprintln!("written to {}", path.display());
     }
     Ok(())
+}
+
+/// Runs each variant `rounds` times, all variants in turn per round, so that a
+/// slow spell of a shared machine hits every variant rather than one; keeps, per
+/// variant, the round whose `score` is the median (the round results are in its
+/// `round_scores`). A variant that fails in any round is reported as failed.
+fn run_rounds(
+    variants: &[&str],
+    rounds: usize,
+    mut run: impl FnMut(&str) -> Result<Value>,
+    score: impl Fn(&Value) -> f64,
+    summary: impl Fn(&Value) -> String,
+) -> Vec<(String, std::result::Result<Value, String>)> {
+    let mut results: Vec<std::result::Result<Vec<Value>, String>> =
+        vec![Ok(Vec::new()); variants.len()];
+    for round in 0..rounds {
+        for (variant, result) in variants.iter().zip(&mut results) {
+            let Ok(done) = result else { continue };
+            eprint!("   {variant:<18} ");
+            if rounds > 1 {
+                eprint!("round {} ", round + 1);
+            }
+            match run(variant) {
+                Ok(r) => {
+                    eprintln!("{}", summary(&r));
+                    done.push(r);
+                }
+                Err(e) => {
+                    eprintln!("failed: {e:#}");
+                    *result = Err(format!("{e:#}"));
+                }
+            }
+        }
+    }
+    variants
+        .iter()
+        .zip(results)
+        .map(|(variant, result)| {
+            let kept = result.map(|mut all| {
+                all.sort_by(|a, b| score(a).total_cmp(&score(b)));
+                let scores: Vec<f64> = all.iter().map(&score).collect();
+                let mut kept = all.swap_remove(all.len() / 2);
+                kept["round_scores"] = json!(scores);
+                kept
+            });
+            (variant.to_string(), kept)
+        })
+        .collect()
 }
 
 fn num(v: &Value, key: &str) -> f64 {
@@ -411,13 +463,15 @@ fn table(
         .and_then(|(_, r)| r.as_ref().ok())
         .map(|r| num(r, "steps_per_s"));
     let mut t = format!(
-        "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads.\n\n\
+        "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads; \
+         the median of {} rounds.\n\n\
          | variant | steps/s | samples/s | peak RSS (MiB) | vs PyTorch eager | final loss |\n\
          | --- | ---: | ---: | ---: | ---: | ---: |\n",
         workload.describe(),
         s.repeats,
         s.warmup,
-        s.threads
+        s.threads,
+        s.rounds
     );
     for (variant, result) in rows {
         match result {
@@ -468,16 +522,21 @@ fn report(sections: &[String], s: &Settings) -> String {
         .unwrap_or_default();
     format!(
         "# Benchmarks\n\n\
-         Kiln against Python on the same work, in one run (`benches/compare.rs`, Python side in\n\
+         Kiln against Python on the same work, in one run (`benches/compare/`, Python side in\n\
          `benches/python/`). Every variant runs in its own process with the same model, data,\n\
-         batch size, float32 and {} threads; peak RSS is the process's high-water mark.\n\n\
+         batch size, float32 and {} threads; peak RSS is the process's high-water mark. Each\n\
+         variant ran {} times, taking turns with the others, and the table keeps its median\n\
+         round: the machine is a shared VM whose speed drifts by up to 2x for minutes at a time,\n\
+         so compare ratios within one table, not across runs.\n\n\
          - Machine: {cpu}, {cores} cores, CPU only.\n\
          - Versions: libtorch {} (tch 0.24) and Python torch {}; TensorFlow {} (C API and Python); {rustc}.\n\
-         - Reproduce: `cargo xtask cargo bench --bench compare -- --write`\n\n{}",
+         - Reproduce: `cargo xtask cargo bench --bench compare -- --rounds {} --write`\n\n{}",
         s.threads,
+        s.rounds,
         kiln::torch::LIBTORCH_VERSION,
         kiln::torch::LIBTORCH_VERSION,
         kiln::tf::TENSORFLOW_VERSION,
+        s.rounds,
         sections.join("\n")
     )
 }

@@ -137,6 +137,19 @@ impl Task {
         run_json(c, variant)
     }
 
+    /// The number a round is ranked by (see `run_rounds`).
+    pub fn score(self, r: &Value) -> f64 {
+        match self {
+            Task::Data => num(r, "samples_per_s"),
+            Task::Script => num(r, "latency_us"),
+            Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
+                .iter()
+                .map(|op| num(&r["ops_us"], op))
+                .sum(),
+            Task::Checkpoint => num(r, "save_s") + num(r, "load_s"),
+        }
+    }
+
     /// One line of progress for a result.
     pub fn summary(self, r: &Value) -> String {
         match self {
@@ -167,11 +180,12 @@ impl Task {
                 .and_then(|(_, r)| r.as_ref().ok())
         };
         let mut t = format!(
-            "### {}\n\nMedian of {} repeats after {} warm-up, {} threads.\n\n",
+            "### {}\n\nMedian of {} repeats after {} warm-up, {} threads; the median of {} rounds.\n\n",
             self.describe(),
             s.repeats,
             s.warmup,
-            s.threads
+            s.threads,
+            s.rounds
         );
         let failed = |t: &mut String| {
             for (v, r) in rows {
@@ -270,6 +284,15 @@ impl Task {
                             speedup("load_s", load),
                         );
                     }
+                }
+                if let Some(k) = ok("kiln-checkpoint") {
+                    t += &format!(
+                        "\nOf Kiln's save, {:.2} s is the copy out of libtorch (`state_dict`); of \
+                         its load, {:.2} s is reading the file into host tensors, the rest \
+                         `load_state_dict`.\n",
+                        num(k, "state_dict_s"),
+                        num(k, "read_s")
+                    );
                 }
             }
         }
