@@ -428,31 +428,23 @@ fn data(a: &TaskArgs) -> Result<Value> {
 fn script(a: &TaskArgs) -> Result<Value> {
     let mut model = ScriptModule::load(a.dir.join("cnn.pt"), Device::Cpu)?;
     model.eval();
-    let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
-    let times = TorchBackend::no_grad(|| {
-        timed(a, || {
-            for _ in 0..SCRIPT_CALLS {
-                let y = model.forward(&x)?;
-                ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
-            }
-            Ok(())
-        })
-    })?;
-    let m = median(times.clone());
-    Ok(json!({
-        "repeats_s": times, "median_s": m, "latency_us": m / SCRIPT_CALLS as f64 * 1e6,
-    }))
+    batch_one_latency(a, |x| Ok(model.forward(x)?))
 }
 
 /// (e) without Kiln: `tch::CModule` directly.
 fn raw_tch_script(a: &TaskArgs) -> Result<Value> {
     let mut model = tch::CModule::load(a.dir.join("cnn.pt"))?;
     model.f_set_eval()?;
+    batch_one_latency(a, |x| Ok(model.forward_ts(&[x])?))
+}
+
+/// Mean latency of `forward` on one 28x28 image, without autograd.
+fn batch_one_latency(a: &TaskArgs, forward: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Value> {
     let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
     let times = tch::no_grad(|| {
         timed(a, || {
             for _ in 0..SCRIPT_CALLS {
-                let y = model.forward_ts(&[&x])?;
+                let y = forward(&x)?;
                 ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
             }
             Ok(())
