@@ -339,14 +339,10 @@ fn write_data(dir: &Path, workload: Workload, num_batches: usize) -> Result<()> 
     std::fs::create_dir_all(dir)?;
     let per_sample: usize = workload.input_shape().iter().product();
     let rows = num_batches * workload.batch();
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut x = Vec::with_capacity(rows * per_sample);
-    for _ in 0..rows * per_sample {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        x.push(((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0);
-    }
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
+    let x: Vec<f32> = (0..rows * per_sample)
+        .map(|_| ((next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+        .collect();
     let y: Vec<i64> = x
         .chunks(per_sample)
         .map(|r| (0..CLASSES).fold(0, |b, i| if r[i] > r[b] { i } else { b }) as i64)
@@ -365,6 +361,16 @@ fn write_data(dir: &Path, workload: Workload, num_batches: usize) -> Result<()> 
     });
     std::fs::write(dir.join("meta.json"), meta.to_string())?;
     Ok(())
+}
+
+/// A xorshift64 stream: the same data every run, without a random-number crate.
+fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
 }
 
 fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
@@ -640,23 +646,36 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Warm-up, then `repeats` timed runs of `steps` steps; `step(i)` returns the loss.
+/// `warmup` untimed runs of `f`, then the seconds of each of `repeats` timed runs.
+fn timed(warmup: usize, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    (0..repeats)
+        .map(|_| {
+            let start = Instant::now();
+            f()?;
+            Ok(start.elapsed().as_secs_f64())
+        })
+        .collect()
+}
+
+/// `a.warmup` steps, then `a.repeats` timed runs of `a.steps` steps; `step(i)`
+/// runs step `i` (counted from the first warm-up step) and returns its loss.
 fn time_steps(
     a: &WorkerArgs,
     mut step: impl FnMut(usize) -> Result<f64>,
 ) -> Result<(Vec<f64>, f64)> {
-    let mut loss = f64::NAN;
-    for i in 0..a.warmup {
-        loss = step(i)?;
-    }
-    let mut times = Vec::with_capacity(a.repeats);
-    for r in 0..a.repeats {
-        let start = Instant::now();
-        for i in 0..a.steps {
-            loss = step(a.warmup + r * a.steps + i)?;
+    let (mut next, mut loss) = (0, f64::NAN);
+    let mut run = |n: usize| -> Result<()> {
+        for _ in 0..n {
+            loss = step(next)?;
+            next += 1;
         }
-        times.push(start.elapsed().as_secs_f64());
-    }
+        Ok(())
+    };
+    run(a.warmup)?;
+    let times = timed(0, a.repeats, || run(a.steps))?;
     Ok((times, loss))
 }
 

@@ -16,7 +16,7 @@ use kiln::torch::{ScriptModule, TorchBackend};
 use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
-use crate::{median, num, peak_rss_mb, run_json, Settings};
+use crate::{median, num, peak_rss_mb, run_json, timed, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -313,13 +313,7 @@ fn python() -> Command {
 
 /// MNIST-shaped IDX files with deterministic pixels and labels.
 fn write_idx(dir: &Path) -> Result<()> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
     let mut images = Vec::with_capacity(16 + DATA_IMAGES * 784);
     images.extend_from_slice(&[0, 0, 0x08, 3]);
     for d in [DATA_IMAGES, 28, 28] {
@@ -377,20 +371,6 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
     Ok(result)
 }
 
-/// Warm-up runs, then `repeats` timed runs of `f`; the seconds of each.
-fn timed(a: &TaskArgs, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
-    for _ in 0..a.warmup {
-        f()?;
-    }
-    (0..a.repeats)
-        .map(|_| {
-            let start = Instant::now();
-            f()?;
-            Ok(start.elapsed().as_secs_f64())
-        })
-        .collect()
-}
-
 /// (d): Kiln's prefetching loader with two workers over the IDX images.
 fn data(a: &TaskArgs) -> Result<Value> {
     let images = kiln::core::load_mnist_images(&a.dir.join("train-images-idx3-ubyte"))?;
@@ -407,7 +387,7 @@ fn data(a: &TaskArgs) -> Result<Value> {
         .num_workers(DATA_WORKERS);
     let mut epoch = 0;
     let mut checksum = 0.0f64;
-    let times = timed(a, || {
+    let times = timed(a.warmup, a.repeats, || {
         let mut seen = 0;
         for batch in loader.batches(epoch) {
             let batch = batch?;
@@ -442,7 +422,7 @@ fn raw_tch_script(a: &TaskArgs) -> Result<Value> {
 fn batch_one_latency(a: &TaskArgs, forward: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Value> {
     let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
     let times = tch::no_grad(|| {
-        timed(a, || {
+        timed(a.warmup, a.repeats, || {
             for _ in 0..SCRIPT_CALLS {
                 let y = forward(&x)?;
                 ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
@@ -485,7 +465,7 @@ fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
                 (_, false) => x.f_mul(&beta.f_mul(&x)?.f_sigmoid()?)?,
             })
         };
-        let times = timed(a, || {
+        let times = timed(a.warmup, a.repeats, || {
             for _ in 0..OPS_CALLS {
                 let y = call()?;
                 y.f_sum(Kind::Float)?.f_backward()?;
@@ -520,7 +500,9 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             metrics: Default::default(),
         })
     };
-    let save = timed(a, || Ok(checkpoint_of(&model)?.save(&path)?))?;
+    let save = timed(a.warmup, a.repeats, || {
+        Ok(checkpoint_of(&model)?.save(&path)?)
+    })?;
     // Where a save's time goes: the copy out of libtorch, the rest is the file.
     let start = Instant::now();
     let copy = checkpoint_of(&model)?;
@@ -528,7 +510,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
     drop(copy);
     let file_bytes = std::fs::metadata(&path)?.len();
     let mut read_s = Vec::new();
-    let load = timed(a, || {
+    let load = timed(a.warmup, a.repeats, || {
         let start = Instant::now();
         let loaded = Checkpoint::load(&path)?;
         read_s.push(start.elapsed().as_secs_f64());

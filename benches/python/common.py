@@ -41,17 +41,24 @@ INPUT_SHAPES = {
 }
 
 
+_RESULT_STREAM = None
+
+
 def reserve_stdout():
     """Route fd 1 to stderr and return a stream on the original stdout.
 
     Call this before importing any framework, so that whatever native code
-    writes to stdout cannot corrupt the single JSON result line.
+    writes to stdout cannot corrupt the single JSON result line. Later calls
+    (a script importing another benchmark script) return the same stream.
     """
-    sys.stdout.flush()
-    result_fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(result_fd, "w")
+    global _RESULT_STREAM
+    if _RESULT_STREAM is None:
+        sys.stdout.flush()
+        result_fd = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        _RESULT_STREAM = os.fdopen(result_fd, "w")
+    return _RESULT_STREAM
 
 
 def parse_args(description, variants=None):

@@ -49,7 +49,7 @@ impl Layout {
     }
     /// The virtualenv's interpreter.
     pub fn venv_python(&self) -> PathBuf {
-        self.venv().join("bin").join("python")
+        crate::provision::python_in(&self.venv())
     }
     /// Written last by provisioning; its presence means the virtualenv is complete.
     pub fn venv_marker(&self) -> PathBuf {

@@ -57,11 +57,26 @@ fn venv_at(dir: &Path) -> Option<Venv> {
         return None;
     }
     let site_packages = PathBuf::from(lines.next()?);
-    let python = dir.join("bin").join("python");
+    let python = python_in(dir);
     (python.exists() && site_packages.join("torch").is_dir()).then_some(Venv {
         python,
         site_packages,
     })
+}
+
+/// The interpreter of the virtualenv in `dir`.
+pub(crate) fn python_in(dir: &Path) -> PathBuf {
+    dir.join("bin").join("python")
+}
+
+/// Removes what stands at `path`: a link (only the link), or a directory tree.
+fn discard(path: &Path) -> Result<()> {
+    let removed = if path.is_symlink() {
+        fs::remove_file(path)
+    } else {
+        fs::remove_dir_all(path)
+    };
+    removed.map_err(|e| BuildError::io("removing", path, e))
 }
 
 /// The directory where provisioned virtualenvs are shared by every Kiln checkout
@@ -131,9 +146,10 @@ fn ensure_venv_in(layout: &Layout, cache: Option<PathBuf>) -> Result<Venv> {
     }
     let link = layout.venv();
     if link.is_dir() && !link.is_symlink() {
-        // An incomplete or outdated virtualenv of an earlier install in the workspace.
+        // An incomplete or outdated virtualenv of an earlier install in the workspace
+        // (a link is replaced by `replace_symlink` itself).
         log::info!("discarding the virtualenv at {}", link.display());
-        fs::remove_dir_all(&link).map_err(|e| BuildError::io("removing", &link, e))?;
+        discard(&link)?;
     }
     replace_symlink(&target, &link)?;
     existing_venv(layout).ok_or_else(|| BuildError::Command {
@@ -158,12 +174,7 @@ fn provision(venv_dir: &Path, layout: &Layout) -> Result<Venv> {
             "discarding the incomplete or outdated virtualenv at {}",
             venv_dir.display()
         );
-        let removed = if venv_dir.is_symlink() {
-            fs::remove_file(venv_dir)
-        } else {
-            fs::remove_dir_all(venv_dir)
-        };
-        removed.map_err(|e| BuildError::io("removing", venv_dir, e))?;
+        discard(venv_dir)?;
     }
     let parent = venv_dir.parent().unwrap_or(venv_dir);
     check_free_space(parent)?;
@@ -176,7 +187,7 @@ fn provision(venv_dir: &Path, layout: &Layout) -> Result<Venv> {
     );
     create_venv(&python, venv_dir)?;
 
-    let venv_python = venv_dir.join("bin").join("python");
+    let venv_python = python_in(venv_dir);
     log::info!(
         "installing {} from PyPI (about {VENV_SIZE_GB} GB; a few minutes the first time, pip log: {})",
         PYTHON_REQUIREMENTS.join(" "),

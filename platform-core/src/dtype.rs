@@ -71,6 +71,19 @@ impl DType {
             DType::F64 => "F64",
         }
     }
+
+    /// The dtype whose [`safetensors_name`](DType::safetensors_name) is exactly
+    /// `name` (a file's header is not parsed as leniently as [`str::parse`]).
+    ///
+    /// ```
+    /// use kiln_core::DType;
+    ///
+    /// assert_eq!(DType::from_safetensors_name("I64"), Some(DType::I64));
+    /// assert_eq!(DType::from_safetensors_name("BF16"), None);
+    /// ```
+    pub fn from_safetensors_name(name: &str) -> Option<Self> {
+        ALL.into_iter().find(|d| d.safetensors_name() == name)
+    }
 }
 
 impl fmt::Display for DType {

@@ -107,17 +107,6 @@ impl StateDict {
     }
 }
 
-/// The dtype's name in a safetensors header.
-fn dtype_name(dtype: DType) -> &'static str {
-    match dtype {
-        DType::U8 => "U8",
-        DType::I32 => "I32",
-        DType::I64 => "I64",
-        DType::F32 => "F32",
-        DType::F64 => "F64",
-    }
-}
-
 /// Writes named tensors as a safetensors file, atomically (see
 /// [`StateDict::save_safetensors`]), streaming each tensor's bytes to the file
 /// instead of assembling the whole file in memory first: a checkpoint of a
@@ -152,7 +141,7 @@ pub(crate) fn save_entries<'a>(
         header.insert(
             (*name).to_owned(),
             serde_json::json!({
-                "dtype": dtype_name(tensor.dtype()),
+                "dtype": tensor.dtype().safetensors_name(),
                 "shape": tensor.dims(),
                 "data_offsets": [offset, end],
             }),
@@ -337,19 +326,12 @@ fn parse_header(
                 format!("header entry of tensor `{name}` has no dtype"),
             )
         })?;
-        let dtype = match dtype {
-            "U8" => DType::U8,
-            "I32" => DType::I32,
-            "I64" => DType::I64,
-            "F32" => DType::F32,
-            "F64" => DType::F64,
-            other => {
-                return Err(corrupt(
-                    path,
-                    format!("dtype {other} of tensor `{name}` is not supported ({SUPPORTED})"),
-                ))
-            }
-        };
+        let dtype = DType::from_safetensors_name(dtype).ok_or_else(|| {
+            corrupt(
+                path,
+                format!("dtype {dtype} of tensor `{name}` is not supported ({SUPPORTED})"),
+            )
+        })?;
         let numbers = |key: &str| -> Option<Vec<usize>> {
             info.get(key)?
                 .as_array()?
