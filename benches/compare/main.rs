@@ -5,6 +5,7 @@
 //! ```sh
 //! cargo xtask cargo bench --bench compare                       # every workload, every variant
 //! cargo xtask cargo bench --bench compare -- --workloads mlp,ops --repeats 7
+//! cargo xtask cargo bench --bench compare --features cuda -- --device cuda   # (a)-(c), (e), (f) on a GPU
 //! ```
 //!
 //! Training workloads (`mlp`, `cnn`, `transformer`) have the variants `kiln-torch`
@@ -13,7 +14,11 @@
 //! `keras-fit` (the Python scripts in `benches/python/`, run with the project
 //! virtualenv's interpreter). The other workloads (`data`, `script`, `ops`,
 //! `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
-//! `--write`, written to `BENCHMARKS.md`.
+//! `--write`, written to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
+//!
+//! On a machine without a Rust toolchain, run the built binary (`target/release/deps/
+//! compare-*`) with libtorch's `lib/` on `LD_LIBRARY_PATH`, and `KILN_BENCH_PYTHON` naming
+//! the interpreter that has torch and TensorFlow if it is not the project virtualenv's.
 
 mod tasks;
 
@@ -155,6 +160,8 @@ struct Settings {
     num_batches: usize,
     /// Times each variant runs, alternating with the others (see `run_rounds`).
     rounds: usize,
+    /// Where the torch variants and the fused ops run (TensorFlow's wheel is CPU-only).
+    device: Device,
 }
 
 const CLASSES: usize = 10;
@@ -178,13 +185,16 @@ fn main() -> Result<()> {
         threads: 2,
         num_batches: 16,
         rounds: 1,
+        device: Device::Cpu,
     };
+    let mut workloads_given = false;
     let mut write = false;
     let mut it = args.into_iter();
     while let Some(flag) = it.next() {
         let mut value = || it.next().with_context(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--workloads" => {
+                workloads_given = true;
                 (workloads, tasks) = (Vec::new(), Vec::new());
                 for name in value()?.split(',') {
                     match Task::parse(name) {
@@ -199,10 +209,11 @@ fn main() -> Result<()> {
             "--repeats" => settings.repeats = value()?.parse()?,
             "--threads" => settings.threads = value()?.parse()?,
             "--rounds" => settings.rounds = value()?.parse()?,
+            "--device" => settings.device = value()?.parse()?,
             "--write" => write = true,
             other => bail!(
                 "unknown flag {other}; flags: --workloads mlp,cnn,transformer,data,script,ops,checkpoint \
-                 --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --write"
+                 --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --device cpu|cuda[:N] --write"
             ),
         }
     }
@@ -224,6 +235,21 @@ fn main() -> Result<()> {
     };
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
     ensure!(settings.rounds >= 1, "--rounds must be at least 1");
+    if settings.device.is_cuda() {
+        ensure!(
+            kiln::torch::cuda_is_available(),
+            "--device {}: libtorch sees no CUDA device on this machine",
+            settings.device
+        );
+        // Data loading and checkpoints do not depend on the device: they stay CPU tables.
+        if !workloads_given {
+            tasks.retain(|t| matches!(t, Task::Script | Task::Ops));
+        }
+        eprintln!(
+            "== on {}: the TensorFlow variants are left out (the pinned tensorflow-cpu wheel has no GPU)",
+            settings.device
+        );
+    }
 
     let scratch = Path::new(env!("CARGO_TARGET_TMPDIR")).join("bench-compare");
     let mut sections = Vec::new();
@@ -236,7 +262,11 @@ fn main() -> Result<()> {
             workload.describe(),
             settings.repeats
         );
-        let names: Vec<&str> = VARIANTS.iter().copied().filter(|v| chosen(v)).collect();
+        let names: Vec<&str> = VARIANTS
+            .iter()
+            .copied()
+            .filter(|v| chosen(v) && (!settings.device.is_cuda() || !is_tensorflow(v)))
+            .collect();
         let rows = run_rounds(
             &names,
             settings.rounds,
@@ -260,7 +290,7 @@ fn main() -> Result<()> {
             .variants()
             .iter()
             .copied()
-            .filter(|v| chosen(v))
+            .filter(|v| chosen(v) && (!settings.device.is_cuda() || !is_tensorflow(v)))
             .collect();
         let rows = run_rounds(
             &names,
@@ -274,7 +304,12 @@ fn main() -> Result<()> {
     let report = report(&sections, &settings);
     println!("{report}");
     if write {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("BENCHMARKS.md");
+        let file = if settings.device.is_cuda() {
+            "BENCHMARKS-cuda.md"
+        } else {
+            "BENCHMARKS.md"
+        };
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
         std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("written to {}", path.display());
     }
@@ -327,6 +362,17 @@ fn run_rounds(
             (variant.to_string(), kept)
         })
         .collect()
+}
+
+/// Whether a variant runs on TensorFlow, whose pinned wheel (`tensorflow-cpu`) has no GPU.
+fn is_tensorflow(variant: &str) -> bool {
+    matches!(variant, "kiln-tf" | "tf-function" | "keras-fit")
+}
+
+/// The Python interpreter of the baselines: `KILN_BENCH_PYTHON` if set (a machine
+/// without the project virtualenv), else the virtualenv's.
+fn python_interpreter() -> Command {
+    Command::new(std::env::var_os("KILN_BENCH_PYTHON").unwrap_or(env!("KILN_VENV_PYTHON").into()))
 }
 
 fn num(v: &Value, key: &str) -> f64 {
@@ -398,16 +444,18 @@ fn run_variant(
         s.repeats.to_string(),
         "--threads".to_owned(),
         s.threads.to_string(),
+        "--device".to_owned(),
+        s.device.to_string(),
     ];
     let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/python");
     let mut command = match variant {
         "pytorch-eager" => {
-            let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+            let mut c = python_interpreter();
             c.arg(scripts.join("bench_torch.py"));
             c
         }
         "tf-function" | "keras-fit" => {
-            let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+            let mut c = python_interpreter();
             c.arg(scripts.join("bench_tf.py"))
                 .args(["--variant", variant]);
             c
@@ -469,14 +517,15 @@ fn table(
         .and_then(|(_, r)| r.as_ref().ok())
         .map(|r| num(r, "steps_per_s"));
     let mut t = format!(
-        "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads; \
-         the median of {} rounds.\n\n\
+        "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads, \
+         on {}; the median of {} rounds.\n\n\
          | variant | steps/s | samples/s | peak RSS (MiB) | vs PyTorch eager | final loss |\n\
          | --- | ---: | ---: | ---: | ---: | ---: |\n",
         workload.describe(),
         s.repeats,
         s.warmup,
         s.threads,
+        s.device,
         s.rounds
     );
     for (variant, result) in rows {
@@ -521,6 +570,22 @@ fn report(sections: &[String], s: &Settings) -> String {
         })
         .unwrap_or_else(|| "unknown CPU".to_owned());
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let accelerator = if s.device.is_cuda() {
+        let gpu = Command::new("nvidia-smi")
+            .args(["--query-gpu=name", "--format=csv,noheader"])
+            .output()
+            .ok()
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .and_then(|names| names.lines().next().map(|l| l.trim().to_owned()))
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| "a CUDA GPU".to_owned());
+        format!(
+            "{gpu} ({}; TensorFlow variants are CPU-only and left out)",
+            s.device
+        )
+    } else {
+        "CPU only".to_owned()
+    };
     let rustc = Command::new("rustc")
         .arg("--version")
         .output()
@@ -534,15 +599,20 @@ fn report(sections: &[String], s: &Settings) -> String {
          variant ran {} times, taking turns with the others, and the table keeps its median\n\
          round: the machine is a shared VM whose speed drifts by up to 2x for minutes at a time,\n\
          so compare ratios within one table, not across runs.\n\n\
-         - Machine: {cpu}, {cores} cores, CPU only.\n\
+         - Machine: {cpu}, {cores} cores, {accelerator}.\n\
          - Versions: libtorch {} (tch 0.24) and Python torch {}; TensorFlow {} (C API and Python); {rustc}.\n\
-         - Reproduce: `cargo xtask cargo bench --bench compare -- --rounds {} --write`\n\n{}",
+         - Reproduce: `cargo xtask cargo bench --bench compare -- --rounds {}{} --write`\n\n{}",
         s.threads,
         s.rounds,
         kiln::torch::LIBTORCH_VERSION,
         kiln::torch::LIBTORCH_VERSION,
         kiln::tf::TENSORFLOW_VERSION,
         s.rounds,
+        if s.device.is_cuda() {
+            format!(" --device {}", s.device)
+        } else {
+            String::new()
+        },
         sections.join("\n")
     )
 }
@@ -557,6 +627,7 @@ struct WorkerArgs {
     warmup: usize,
     repeats: usize,
     threads: usize,
+    device: Device,
 }
 
 /// `VARIANT --key value ...` as the variant and a map of keys to values.
@@ -583,6 +654,7 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         warmup: get("warmup")?.parse()?,
         repeats: get("repeats")?.parse()?,
         threads: get("threads")?.parse()?,
+        device: flags.get("device").map_or(Ok(Device::Cpu), |d| d.parse())?,
     })
 }
 
@@ -718,6 +790,7 @@ fn worker(args: &[String]) -> Result<()> {
         "peak_rss_mb": peak_rss_mb(),
         "final_loss": loss,
         "threads": a.threads,
+        "device": a.device.to_string(),
     });
     println!("{result}");
     Ok(())
@@ -730,12 +803,12 @@ fn kiln_step<B: TrainBackend>(
     host: &[(HostTensor, HostTensor)],
 ) -> Result<(Vec<f64>, f64)> {
     B::manual_seed(0);
-    let mut model = B::build_model(&a.workload.spec(), Device::Cpu)?;
+    let mut model = B::build_model(&a.workload.spec(), a.device)?;
     let mut optimizer =
         B::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &model, &[])?;
     let batches = host
         .iter()
-        .map(|(x, y)| Ok((B::from_host(x, Device::Cpu)?, B::from_host(y, Device::Cpu)?)))
+        .map(|(x, y)| Ok((B::from_host(x, a.device)?, B::from_host(y, a.device)?)))
         .collect::<Result<Vec<_>>>()?;
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
@@ -763,7 +836,7 @@ mod raw_tch {
         host: &[(HostTensor, HostTensor)],
     ) -> Result<(Vec<f64>, f64)> {
         tch::manual_seed(0);
-        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let vs = nn::VarStore::new(kiln::torch::device_to_tch(a.device)?);
         let root = vs.root();
         let model: Box<dyn Fn(&Tensor) -> Tensor> = match a.workload {
             Workload::Mlp => {
@@ -795,8 +868,8 @@ mod raw_tch {
             .iter()
             .map(|(x, y)| {
                 Ok((
-                    kiln::torch::to_tch(x, Device::Cpu)?,
-                    kiln::torch::to_tch(y, Device::Cpu)?,
+                    kiln::torch::to_tch(x, a.device)?,
+                    kiln::torch::to_tch(y, a.device)?,
                 ))
             })
             .collect::<Result<_>>()?;

@@ -133,7 +133,8 @@ impl Task {
             .arg(dir)
             .args(["--warmup", &s.warmup.to_string()])
             .args(["--repeats", &s.repeats.to_string()])
-            .args(["--threads", &s.threads.to_string()]);
+            .args(["--threads", &s.threads.to_string()])
+            .args(["--device", &s.device.to_string()]);
         run_json(c, variant)
     }
 
@@ -301,12 +302,19 @@ impl Task {
     }
 }
 
+/// Waits for the GPU's queued work, so that a timed run ends when its work does.
+fn synchronize(device: Device) {
+    if let Device::Cuda(index) = device {
+        tch::Cuda::synchronize(index as i64);
+    }
+}
+
 fn ratio(x: f64, base: Option<f64>) -> String {
     base.map_or("-".to_owned(), |b| format!("{:.2}x", x / b))
 }
 
 fn python() -> Command {
-    let mut c = Command::new(env!("KILN_VENV_PYTHON"));
+    let mut c = crate::python_interpreter();
     c.arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/python/bench_tasks.py"));
     c
 }
@@ -335,6 +343,7 @@ pub struct TaskArgs {
     warmup: usize,
     repeats: usize,
     threads: usize,
+    device: Device,
 }
 
 impl TaskArgs {
@@ -345,6 +354,7 @@ impl TaskArgs {
             warmup: get("warmup")?.parse()?,
             repeats: get("repeats")?.parse()?,
             threads: get("threads")?.parse()?,
+            device: flags.get("device").map_or(Ok(Device::Cpu), |d| d.parse())?,
         })
     }
 }
@@ -367,6 +377,7 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
     result["variant"] = json!(variant);
     result["task"] = json!(task.name());
     result["threads"] = json!(a.threads);
+    result["device"] = json!(a.device.to_string());
     result["peak_rss_mb"] = json!(peak_rss_mb());
     Ok(result)
 }
@@ -406,27 +417,32 @@ fn data(a: &TaskArgs) -> Result<Value> {
 
 /// (e): Kiln's `ScriptModule` on one image at a time.
 fn script(a: &TaskArgs) -> Result<Value> {
-    let mut model = ScriptModule::load(a.dir.join("cnn.pt"), Device::Cpu)?;
+    let mut model = ScriptModule::load(a.dir.join("cnn.pt"), a.device)?;
     model.eval();
     batch_one_latency(a, |x| Ok(model.forward(x)?))
 }
 
 /// (e) without Kiln: `tch::CModule` directly.
 fn raw_tch_script(a: &TaskArgs) -> Result<Value> {
-    let mut model = tch::CModule::load(a.dir.join("cnn.pt"))?;
+    let mut model =
+        tch::CModule::load_on_device(a.dir.join("cnn.pt"), kiln::torch::device_to_tch(a.device)?)?;
     model.f_set_eval()?;
     batch_one_latency(a, |x| Ok(model.forward_ts(&[x])?))
 }
 
 /// Mean latency of `forward` on one 28x28 image, without autograd.
 fn batch_one_latency(a: &TaskArgs, forward: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Value> {
-    let x = Tensor::f_randn([1, 1, 28, 28], (Kind::Float, tch::Device::Cpu))?;
+    let x = Tensor::f_randn(
+        [1, 1, 28, 28],
+        (Kind::Float, kiln::torch::device_to_tch(a.device)?),
+    )?;
     let times = tch::no_grad(|| {
         timed(a.warmup, a.repeats, || {
             for _ in 0..SCRIPT_CALLS {
                 let y = forward(&x)?;
                 ensure!(y.size() == [1, 10], "the model returned {:?}", y.size());
             }
+            synchronize(a.device);
             Ok(())
         })
     })?;
@@ -439,12 +455,13 @@ fn batch_one_latency(a: &TaskArgs, forward: impl Fn(&Tensor) -> Result<Tensor>) 
 /// (f): each fused op, or its composition of built-in ops, forward and backward.
 fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
     tch::manual_seed(0);
-    let opts = (Kind::Float, tch::Device::Cpu);
+    let device = kiln::torch::device_to_tch(a.device)?;
+    let opts = (Kind::Float, device);
     let x = Tensor::f_randn([OPS_ROWS, OPS_FEATURES], opts)?.set_requires_grad(true);
     let bias = Tensor::f_randn([OPS_FEATURES], opts)?.set_requires_grad(true);
     let beta = Tensor::f_ones([1], opts)?.set_requires_grad(true);
     let logits = Tensor::f_randn([OPS_ROWS, OPS_CLASSES], opts)?.set_requires_grad(true);
-    let target = Tensor::f_randint(OPS_CLASSES, [OPS_ROWS], (Kind::Int64, tch::Device::Cpu))?;
+    let target = Tensor::f_randint(OPS_CLASSES, [OPS_ROWS], (Kind::Int64, device))?;
     let mut out = serde_json::Map::new();
     for op in ["bias_gelu", "softmax_xent", "swish"] {
         let call = || -> Result<Tensor> {
@@ -470,6 +487,7 @@ fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
                 let y = call()?;
                 y.f_sum(Kind::Float)?.f_backward()?;
             }
+            synchronize(a.device);
             Ok(())
         })?;
         out.insert(op.to_owned(), json!(median(times) / OPS_CALLS as f64 * 1e6));

@@ -2,11 +2,12 @@
 
 Usage:
     python bench_tasks.py --task data|script|ops|checkpoint --variant V --dir DIR
-        [--warmup W] [--repeats R] [--threads T]
+        [--warmup W] [--repeats R] [--threads T] [--device cpu|cuda[:N]]
 
 Each task mirrors a Kiln worker in ``benches/compare/tasks.rs`` (same sizes, same
-protocol: W untimed runs, then the median of R timed runs) and prints one JSON
-line on stdout:
+protocol: W untimed runs, then the median of R timed runs; script and ops run on
+``--device``, and a run on a GPU ends with ``torch.cuda.synchronize()``) and
+prints one JSON line on stdout:
 
 - data, ``pytorch-dataloader``: the IDX images of DIR as a map-style Dataset whose
   ``__getitem__`` scales a uint8 image to [0, 1] and normalises it (mean 0.1307,
@@ -112,18 +113,26 @@ def export(args):
     return {"saved": os.path.join(args.dir, "cnn.pt")}
 
 
+def synchronize(device):
+    """Wait for the GPU's queued work, so that a timed run ends when its work does."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def script(args, scripted):
+    device = torch.device(args.device)
     if scripted:
-        model = torch.jit.load(os.path.join(args.dir, "cnn.pt"))
+        model = torch.jit.load(os.path.join(args.dir, "cnn.pt"), map_location=device)
     else:
         torch.manual_seed(0)
-        model = bench_torch.build_model("cnn", 10)
+        model = bench_torch.build_model("cnn", 10).to(device)
     model.eval()
-    x = torch.randn(1, 1, 28, 28)
+    x = torch.randn(1, 1, 28, 28, device=device)
 
     def run():
         for _ in range(SCRIPT_CALLS):
             y = model(x)
+        synchronize(device)
         if tuple(y.shape) != (1, 10):
             raise SystemExit(f"the model returned {tuple(y.shape)}")
 
@@ -150,17 +159,19 @@ def ops(args, fused):
             ),
             "swish": lambda: x * torch.sigmoid(beta * x),
         }
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    x = torch.randn(OPS_ROWS, OPS_FEATURES, requires_grad=True)
-    bias = torch.randn(OPS_FEATURES, requires_grad=True)
-    beta = torch.ones(1, requires_grad=True)
-    logits = torch.randn(OPS_ROWS, OPS_CLASSES, requires_grad=True)
-    target = torch.randint(OPS_CLASSES, (OPS_ROWS,))
+    x = torch.randn(OPS_ROWS, OPS_FEATURES, device=device, requires_grad=True)
+    bias = torch.randn(OPS_FEATURES, device=device, requires_grad=True)
+    beta = torch.ones(1, device=device, requires_grad=True)
+    logits = torch.randn(OPS_ROWS, OPS_CLASSES, device=device, requires_grad=True)
+    target = torch.randint(OPS_CLASSES, (OPS_ROWS,), device=device)
     out = {}
     for name, call in calls.items():
         def run():
             for _ in range(OPS_CALLS):
                 call().sum().backward()
+            synchronize(device)
 
         out[name] = statistics.median(timed(args, run)) / OPS_CALLS * 1e6
     return {"ops_us": out}
@@ -204,6 +215,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (script and ops)")
     args = parser.parse_args()
     bench_torch.set_threads(args.threads)
     runs = {
@@ -220,7 +232,7 @@ def main():
         raise SystemExit(f"no variant {args.variant!r} for task {args.task!r}")
     result = run()
     result.update(
-        variant=args.variant, task=args.task, threads=args.threads,
+        variant=args.variant, task=args.task, threads=args.threads, device=args.device,
         peak_rss_mb=common.peak_rss_mb(), versions={"torch": torch.__version__},
     )
     RESULT_STREAM.write(json.dumps(result) + "\n")

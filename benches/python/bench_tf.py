@@ -120,6 +120,8 @@ def keras_fit_runner(model, x_np, y_np, max_steps):
 
 def main():
     args = common.parse_args(__doc__.splitlines()[0], variants=VARIANTS)
+    if args.device != "cpu":
+        raise SystemExit(f"--device {args.device}: the pinned tensorflow-cpu wheel runs on the CPU only")
     # Must happen before any TF op runs.
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)

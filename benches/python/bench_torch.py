@@ -2,9 +2,9 @@
 
 Usage:
     python bench_torch.py --workload mlp|cnn|transformer --data DIR
-        --steps N --warmup W --repeats R --threads T
+        --steps N --warmup W --repeats R --threads T [--device cpu|cuda[:N]]
 
-Trains the workload's model on CPU with the classic eager loop
+Trains the workload's model on the device (CPU by default) with the classic eager loop
 (``zero_grad(set_to_none=True)``, ``F.cross_entropy``, ``backward``,
 ``torch.optim.Adam(lr=1e-3)`` with its default foreach behaviour), following
 the protocol described in ``common.py``: all batches become tensors before
@@ -70,12 +70,13 @@ def main():
     set_threads(args.threads)
     meta, x_np, y_np = common.load_data(args.data, args.workload)
 
-    # One tensor per batch, built once so the timed loop does no conversion.
-    xs = [torch.from_numpy(b.copy()) for b in x_np]
-    ys = [torch.from_numpy(b.copy()) for b in y_np]
+    device = torch.device(args.device)
+    # One tensor per batch, on the device, built once so the timed loop does no conversion.
+    xs = [torch.from_numpy(b.copy()).to(device) for b in x_np]
+    ys = [torch.from_numpy(b.copy()).to(device) for b in y_np]
 
     torch.manual_seed(0)
-    model = build_model(args.workload, meta["classes"])
+    model = build_model(args.workload, meta["classes"]).to(device)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
 

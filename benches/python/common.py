@@ -5,7 +5,8 @@ subprocesses and compares their training throughput with Kiln's. Every
 script follows the same protocol, implemented here:
 
 1. Command line: ``--workload mlp|cnn|transformer --data DIR --steps N
-   --warmup W --repeats R --threads T`` (plus ``--variant`` for TF).
+   --warmup W --repeats R --threads T [--device cpu|cuda[:N]]`` (plus
+   ``--variant`` for TF).
 2. Data: ``DIR/meta.json`` describes the batches; ``DIR/x.f32`` holds raw
    little-endian float32 inputs of shape ``[num_batches*batch] + input_shape``
    and ``DIR/y.i64`` raw little-endian int64 labels of shape
@@ -72,6 +73,7 @@ def parse_args(description, variants=None):
     parser.add_argument("--warmup", type=int, default=0, help="untimed warm-up steps")
     parser.add_argument("--repeats", type=int, default=1, help="number of timed repeats")
     parser.add_argument("--threads", type=int, required=True, help="intra/inter-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (PyTorch only)")
     args = parser.parse_args()
     if args.steps < 1 or args.repeats < 1 or args.threads < 1 or args.warmup < 0:
         parser.error("--steps, --repeats and --threads must be >= 1, --warmup >= 0")
@@ -133,6 +135,7 @@ def emit_result(stream, *, variant, args, batch, seconds, final_loss, versions):
         raise SystemExit(f"{variant}/{args.workload}: non-finite final loss {final_loss}")
     median = statistics.median(seconds)
     result = {
+        "device": getattr(args, "device", "cpu"),
         "variant": variant,
         "workload": args.workload,
         "batch": batch,

@@ -5,9 +5,10 @@ use kiln_core::{Device, Error, Mode, Module, Result, StateDict};
 use tch::{nn, TchError, Tensor};
 
 use crate::backend::TorchBackend;
-use crate::convert::{dtype_from_kind, to_tch};
+use crate::convert::{dtype_from_kind, kind_from_dtype};
 use crate::device::device_to_tch;
 use crate::error::torch_error;
+use crate::host_view::copy_host_into;
 
 type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send;
 
@@ -99,20 +100,16 @@ impl Module<TorchBackend> for TchModule {
 
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let vars = self.sorted_variables();
-        copy_state(&vars, state, device_of(&self.vs))
+        copy_state(&vars, state)
     }
 }
 
-fn device_of(vs: &nn::VarStore) -> Device {
-    crate::device::device_from_tch(vs.device()).unwrap_or(Device::Cpu)
-}
-
 /// Strictly copies `state` into `targets` (names, shapes); all or nothing.
-pub(crate) fn copy_state(
-    targets: &[(String, Tensor)],
-    state: &StateDict,
-    device: Device,
-) -> Result<()> {
+///
+/// Every entry is checked (present, same shape, a dtype libtorch has, no extra key)
+/// before the first one is written. Values go from the host tensors straight into
+/// the targets, converting dtype on the way, with no intermediate libtorch copy.
+pub(crate) fn copy_state(targets: &[(String, Tensor)], state: &StateDict) -> Result<()> {
     let mut values = Vec::with_capacity(targets.len());
     for (name, tensor) in targets {
         let host = state.get(name).ok_or_else(|| Error::MissingKey {
@@ -127,14 +124,9 @@ pub(crate) fn copy_state(
                 actual: host.shape().to_string(),
             });
         }
-        // Converted only when the dtypes differ: a checkpoint of the model's own
-        // dtype is copied once into libtorch, not twice.
-        let dtype = dtype_from_kind(tensor.kind())?;
-        values.push(if host.dtype() == dtype {
-            to_tch(host, device)?
-        } else {
-            to_tch(&host.to_dtype(dtype), device)?
-        });
+        kind_from_dtype(host.dtype())?;
+        dtype_from_kind(tensor.kind())?;
+        values.push(host);
     }
     if let Some(extra) = state.keys().find(|k| !targets.iter().any(|(n, _)| n == *k)) {
         return Err(Error::invalid_argument(
@@ -143,11 +135,8 @@ pub(crate) fn copy_state(
         ));
     }
     tch::no_grad(|| -> Result<()> {
-        for ((name, tensor), value) in targets.iter().zip(values) {
-            let mut target = tensor.shallow_clone();
-            target
-                .f_copy_(&value)
-                .map_err(|e| torch_error(&format!("loading {name}"), e))?;
+        for ((name, tensor), host) in targets.iter().zip(values) {
+            copy_host_into(&mut tensor.shallow_clone(), host, name)?;
         }
         Ok(())
     })

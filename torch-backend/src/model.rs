@@ -745,6 +745,6 @@ impl Module<TorchBackend> for TorchModel {
             .iter()
             .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
             .collect();
-        copy_state(&targets, state, self.device)
+        copy_state(&targets, state)
     }
 }

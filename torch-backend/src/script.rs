@@ -260,6 +260,6 @@ impl Module<TorchBackend> for ScriptModule {
     /// C API: they travel in the `.pt` file); nothing changes unless all match.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let targets = self.named_parameters();
-        copy_state(&targets, state, self.device)
+        copy_state(&targets, state)
     }
 }

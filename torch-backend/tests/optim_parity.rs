@@ -327,6 +327,44 @@ fn a_failed_step_leaves_parameters_unchanged() {
     let _ = from_tch(&last).unwrap();
 }
 
+/// Adam folds its step size into the denominator; a learning rate of 0 (a warm-up's
+/// first step) or one too small to invert must still leave the weights as they were,
+/// finite, while the moments advance.
+#[test]
+fn adam_at_a_zero_or_tiny_learning_rate_keeps_the_weights() {
+    for lr in [0.0, 1e-320] {
+        for config in [
+            OptimizerConfig::Adam(AdamConfig::new(lr)),
+            OptimizerConfig::AdamW(AdamWConfig::new(lr).with_weight_decay(0.1)),
+        ] {
+            let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
+            let mut opt =
+                TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
+            let before = model.state_dict().unwrap();
+            for _ in 0..3 {
+                opt.zero_grad().unwrap();
+                let x = tch::Tensor::randn([4, 5], (tch::Kind::Float, tch::Device::Cpu));
+                model.forward(&x).unwrap().sum(tch::Kind::Float).backward();
+                opt.step().unwrap();
+            }
+            assert_eq!(model.state_dict().unwrap(), before, "{config:?}");
+            let moments = opt.state_dict().unwrap();
+            let values: Vec<f64> = moments
+                .iter()
+                .filter(|(k, _)| k.contains("exp_avg"))
+                .flat_map(|(_, v)| v.to_f64_vec())
+                .collect();
+            assert!(
+                !values.is_empty(),
+                "{:?}",
+                moments.keys().collect::<Vec<_>>()
+            );
+            assert!(values.iter().all(|v| v.is_finite()), "{config:?}");
+            assert!(values.iter().any(|v| *v != 0.0), "{config:?}");
+        }
+    }
+}
+
 #[test]
 fn groups_that_select_nothing_and_wrong_lr_counts_are_errors() {
     let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();

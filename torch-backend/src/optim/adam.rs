@@ -55,16 +55,15 @@ fn adam_step(
 ) -> Result<(), TchError> {
     let step = slot.step as i32;
     let zeros = |p: &Tensor| p.f_zeros_like();
-    // PyTorch's single-tensor Adam, in as few passes and temporaries as tch's
-    // API allows (its addcmul_/addcdiv_ take no scale, so those scales are
-    // separate passes over one reused buffer).
+    // PyTorch's single-tensor Adam in 7 passes over the parameter's size (libtorch's
+    // own C++ Adam makes 8) and 2 temporaries. tch's addcdiv_ takes no scale, so the
+    // step's scale is folded into the denominator instead.
     // exp_avg = lerp(exp_avg, grad, 1 - beta1)
     let _ = state_tensor(slot, "exp_avg", zeros)?.f_lerp_(grad, 1.0 - beta1)?;
-    // exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-    let sq = state_tensor(slot, "exp_avg_sq", zeros)?;
-    let _ = sq.f_mul_scalar_(beta2)?;
-    let _ = sq.f_addcmul_(&grad.f_mul_scalar(1.0 - beta2)?, grad)?;
-    let exp_avg_sq = sq.shallow_clone();
+    // exp_avg_sq = lerp(exp_avg_sq, grad * grad, 1 - beta2)
+    //            = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+    let mut exp_avg_sq = state_tensor(slot, "exp_avg_sq", zeros)?.shallow_clone();
+    let _ = exp_avg_sq.f_lerp_(&grad.f_mul(grad)?, 1.0 - beta2)?;
 
     let bias_correction1 = 1.0 - beta1.powi(step);
     let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();
@@ -77,18 +76,26 @@ fn adam_step(
     } else {
         exp_avg_sq
     };
-    // denom = sqrt(v) / sqrt(bias_correction2) + eps
-    let mut denom = second_moment.f_sqrt()?;
-    let _ = denom.f_div_scalar_(bias_correction2_sqrt)?;
-    let _ = denom.f_add_scalar_(eps)?;
     let exp_avg = slot
         .state
         .get("exp_avg")
         .map(Tensor::shallow_clone)
         .ok_or_else(|| TchError::Kind("exp_avg missing".into()))?;
-    // param += -step_size * (exp_avg / denom), the quotient written over denom
-    let _ = exp_avg.f_div_out(&denom, &denom)?;
-    let _ = denom.f_mul_scalar_(-step_size)?;
-    let _ = slot.tensor.f_add_(&denom)?;
+    let mut denom = second_moment.f_sqrt()?;
+    let (scale, shift) = (-1.0 / (step_size * bias_correction2_sqrt), -eps / step_size);
+    if scale.is_finite() && shift.is_finite() {
+        // denom = (sqrt(v) / sqrt(bias_correction2) + eps) / -step_size, so that
+        // param += exp_avg / denom is param -= step_size * exp_avg / (sqrt(v_hat) + eps).
+        let _ = denom.f_mul_scalar_(scale)?;
+        let _ = denom.f_add_scalar_(shift)?;
+        let _ = slot.tensor.f_addcdiv_(&exp_avg, &denom)?;
+    } else {
+        // A learning rate of 0 (a warm-up's first step) or too small to invert.
+        let _ = denom.f_div_scalar_(bias_correction2_sqrt)?;
+        let _ = denom.f_add_scalar_(eps)?;
+        let _ = exp_avg.f_div_out(&denom, &denom)?;
+        let _ = denom.f_mul_scalar_(-step_size)?;
+        let _ = slot.tensor.f_add_(&denom)?;
+    }
     Ok(())
 }
