@@ -310,7 +310,17 @@ fn main() -> Result<()> {
             "BENCHMARKS.md"
         };
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
-        std::fs::write(&path, &report).with_context(|| format!("writing {}", path.display()))?;
+        // Hand-written analysis below the marker (profiles, before/after) is kept.
+        let kept = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|old| old.find(KEPT_MARKER).map(|at| old[at..].to_owned()))
+            .unwrap_or_default();
+        let text = if kept.is_empty() {
+            report.clone()
+        } else {
+            format!("{report}\n{kept}")
+        };
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("written to {}", path.display());
     }
     Ok(())
@@ -363,6 +373,9 @@ fn run_rounds(
         })
         .collect()
 }
+
+/// Where the generated part of `BENCHMARKS.md` ends: `--write` keeps what follows.
+const KEPT_MARKER: &str = "<!-- written by hand: --write keeps everything below -->";
 
 /// Whether a variant runs on TensorFlow, whose pinned wheel (`tensorflow-cpu`) has no GPU.
 fn is_tensorflow(variant: &str) -> bool {
