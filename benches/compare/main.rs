@@ -228,10 +228,17 @@ fn main() -> Result<()> {
             "unknown variant {v}; expected one of {all_variants:?}"
         );
     }
-    let chosen = |v: &str| {
-        variants
-            .as_ref()
-            .is_none_or(|list| list.iter().any(|c| c == v))
+    // The variants asked for (all by default) that can run on the device.
+    let selected = |all: &[&'static str]| -> Vec<&'static str> {
+        all.iter()
+            .copied()
+            .filter(|v| {
+                variants
+                    .as_ref()
+                    .is_none_or(|list| list.iter().any(|c| c == v))
+                    && !(settings.device.is_cuda() && is_tensorflow(v))
+            })
+            .collect()
     };
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
     ensure!(settings.rounds >= 1, "--rounds must be at least 1");
@@ -262,11 +269,7 @@ fn main() -> Result<()> {
             workload.describe(),
             settings.repeats
         );
-        let names: Vec<&str> = VARIANTS
-            .iter()
-            .copied()
-            .filter(|v| chosen(v) && (!settings.device.is_cuda() || !is_tensorflow(v)))
-            .collect();
+        let names = selected(&VARIANTS);
         let rows = run_rounds(
             &names,
             settings.rounds,
@@ -286,12 +289,7 @@ fn main() -> Result<()> {
         let dir = scratch.join(task.name());
         eprintln!("== {} ({} repeats)", task.describe(), settings.repeats);
         task.prepare(&dir)?;
-        let names: Vec<&str> = task
-            .variants()
-            .iter()
-            .copied()
-            .filter(|v| chosen(v) && (!settings.device.is_cuda() || !is_tensorflow(v)))
-            .collect();
+        let names = selected(task.variants());
         let rows = run_rounds(
             &names,
             settings.rounds,
@@ -667,8 +665,13 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         warmup: get("warmup")?.parse()?,
         repeats: get("repeats")?.parse()?,
         threads: get("threads")?.parse()?,
-        device: flags.get("device").map_or(Ok(Device::Cpu), |d| d.parse())?,
+        device: device_flag(&flags)?,
     })
+}
+
+/// The `--device` of a worker's flags; the CPU when absent.
+fn device_flag(flags: &BTreeMap<String, String>) -> Result<Device> {
+    Ok(flags.get("device").map_or(Ok(Device::Cpu), |d| d.parse())?)
 }
 
 /// The data directory's batches as host tensors.

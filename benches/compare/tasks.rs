@@ -354,7 +354,7 @@ impl TaskArgs {
             warmup: get("warmup")?.parse()?,
             repeats: get("repeats")?.parse()?,
             threads: get("threads")?.parse()?,
-            device: flags.get("device").map_or(Ok(Device::Cpu), |d| d.parse())?,
+            device: crate::device_flag(flags)?,
         })
     }
 }
