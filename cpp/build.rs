@@ -1,18 +1,25 @@
 //! Compiles the C++ ops with cc against libtorch (flags from kiln-build), generates
 //! the cxx bridge, and links the ops a second time as `libkiln_ops.so` for Python;
-//! compiles the TensorFlow ops against TensorFlow's headers and libraries.
+//! compiles the TensorFlow ops against TensorFlow's headers and libraries (feature `tf`).
 
 fn main() {
     kiln_build::build_script(kiln_build::Native {
         torch: true,
         tensorflow: false,
     });
-    let ops = kiln_build::TorchOps::new("kiln_ops")
+    let mut ops = kiln_build::TorchOps::new("kiln_ops")
         .bridge("src/bridge.rs")
         .bridge_source("src/ops.cc")
         .op_source("src/torch_ops.cc")
         .cuda_source("src/cuda/kernels.cu")
-        .cuda_source("src/cuda_ops.cc")
+        .cuda_source("src/cuda_ops.cc");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        // CUDA graphs (src/graph/): a second bridge, whose C++ needs the CUDA headers.
+        ops = ops
+            .bridge("src/graph/ffi.rs")
+            .cuda_source("src/graph/cuda_graph.cc");
+    }
+    let ops = ops
         .compile()
         .unwrap_or_else(|e| {
             println!("cargo:warning=kiln-ops: {e}");
@@ -22,11 +29,14 @@ fn main() {
         "cargo:rustc-env=KILN_OPS_TORCH_LIBRARY={}",
         ops.shared_library.display()
     );
-    for path in ["include/ops.h", "include/kernels.h"] {
+    for path in ["include/ops.h", "include/kernels.h", "include/cuda_graph.h"] {
         println!("cargo:rerun-if-changed={path}");
     }
     // The same kernels as TensorFlow ops with gradients (src/tf.rs), against the
-    // TensorFlow that kiln-tf links (DEP_KILN_TF_TENSORFLOW_LIB).
+    // TensorFlow that kiln-tf links (DEP_KILN_TF_TENSORFLOW_LIB); feature `tf`.
+    if std::env::var_os("CARGO_FEATURE_TF").is_none() {
+        return;
+    }
     kiln_build::TfOps::new("kiln_tf_ops")
         .bridge("src/tf.rs")
         .op_source("src/tf_ops.cc")

@@ -19,6 +19,8 @@
 //! On a machine without a Rust toolchain, run the built binary (`target/release/deps/
 //! compare-*`) with libtorch's `lib/` on `LD_LIBRARY_PATH`, and `KILN_BENCH_PYTHON` naming
 //! the interpreter that has torch and TensorFlow if it is not the project virtualenv's.
+//! Built with `--no-default-features --features torch,cuda` it needs no TensorFlow
+//! library (the TensorFlow variants are left out), as on a GPU machine without one.
 
 mod tasks;
 
@@ -33,6 +35,7 @@ use kiln::core::{
     Pool2dConfig, StepPlan, TrainBackend,
 };
 use kiln::prelude::*;
+#[cfg(feature = "tf")]
 use kiln::tf::TfBackend;
 use kiln::torch::TorchBackend;
 use serde_json::{json, Value};
@@ -236,12 +239,15 @@ fn main() -> Result<()> {
                 variants
                     .as_ref()
                     .is_none_or(|list| list.iter().any(|c| c == v))
-                    && !(settings.device.is_cuda() && is_tensorflow(v))
+                    && !(is_tensorflow(v) && (settings.device.is_cuda() || !cfg!(feature = "tf")))
             })
             .collect()
     };
     ensure!(settings.repeats >= 1, "--repeats must be at least 1");
     ensure!(settings.rounds >= 1, "--rounds must be at least 1");
+    if !cfg!(feature = "tf") {
+        eprintln!("== built without the `tf` feature: the TensorFlow variants are left out");
+    }
     if settings.device.is_cuda() {
         ensure!(
             kiln::torch::cuda_is_available(),
@@ -785,6 +791,7 @@ fn worker(args: &[String]) -> Result<()> {
             tch::set_num_threads(a.threads as i32);
             kiln_step::<TorchBackend>(&a, &host)?
         }
+        #[cfg(feature = "tf")]
         "kiln-tf" => kiln_step::<TfBackend>(&a, &host)?,
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);

@@ -17,7 +17,7 @@ mod cuda;
 #[derive(Debug, Clone)]
 struct Sources {
     name: String,
-    bridge: Option<PathBuf>,
+    bridges: Vec<PathBuf>,
     bridge_sources: Vec<PathBuf>,
     op_sources: Vec<PathBuf>,
     includes: Vec<PathBuf>,
@@ -27,18 +27,19 @@ impl Sources {
     fn new(name: impl Into<String>) -> Self {
         Sources {
             name: name.into(),
-            bridge: None,
+            bridges: Vec::new(),
             bridge_sources: Vec::new(),
             op_sources: Vec::new(),
             includes: Vec::new(),
         }
     }
 
-    /// The build of the static archive: the cxx bridge's when there is one.
+    /// The build of the static archive: the cxx bridges' when there are any.
     fn archive_build(&self) -> cc::Build {
-        match &self.bridge {
-            Some(bridge) => cxx_build::bridge(bridge),
-            None => cc::Build::new(),
+        if self.bridges.is_empty() {
+            cc::Build::new()
+        } else {
+            cxx_build::bridges(&self.bridges)
         }
     }
 
@@ -48,7 +49,7 @@ impl Sources {
             .op_sources
             .iter()
             .chain(&self.bridge_sources)
-            .chain(self.bridge.iter())
+            .chain(&self.bridges)
         {
             println!("cargo:rerun-if-changed={}", path.display());
         }
@@ -58,9 +59,9 @@ impl Sources {
 /// The builder methods both op builds share (they fill `self.sources`).
 macro_rules! source_setters {
     ($op_source_doc:literal) => {
-        /// The Rust file holding the `#[cxx::bridge]` module.
+        /// A Rust file holding a `#[cxx::bridge]` module (call once per file).
         pub fn bridge(mut self, path: impl AsRef<Path>) -> Self {
-            self.sources.bridge = Some(path.as_ref().to_path_buf());
+            self.sources.bridges.push(path.as_ref().to_path_buf());
             self
         }
 

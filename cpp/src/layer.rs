@@ -1,5 +1,5 @@
 //! Kiln's fused ops as [`Layer::Custom`] layers that [`TorchModel`](kiln_torch::TorchModel),
-//! [`TfModel`](kiln_tf::TfModel) and so the `Trainer` on either backend can use.
+//! `TfModel` (with the `tf` feature) and so the `Trainer` on either backend can use.
 //!
 //! Call [`register_layers`](crate::register_layers) once at start-up, then build
 //! the layers with [`bias_gelu`] and [`swish`] or write them in a config file:
@@ -9,7 +9,6 @@
 //! ```
 
 use kiln_core::{CustomConfig, Error, Init, Layer, Result};
-use tensorflow::Output;
 
 /// The op name of the fused bias + GELU layer.
 pub const BIAS_GELU: &str = "kiln::bias_gelu";
@@ -69,7 +68,10 @@ pub(crate) fn register_torch() {
     });
 }
 
+#[cfg(feature = "tf")]
 pub(crate) fn register_tf() {
+    use tensorflow::Output;
+
     let out0 = |operation| Output {
         operation,
         index: 0,

@@ -16,7 +16,10 @@
 
 #[allow(unsafe_code)]
 mod bridge;
+#[cfg(feature = "cuda")]
+pub mod graph;
 pub mod layer;
+#[cfg(feature = "tf")]
 pub mod tf;
 mod torch;
 
@@ -27,7 +30,8 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 /// Registers the ops with libtorch and TensorFlow and makes the fused layers
 /// ([`layer::BIAS_GELU`], [`layer::SWISH`]) available to both backends' models,
 /// so a [`Layer`](kiln_core::Layer) holding them trains with `Trainer<TorchBackend>`
-/// or `Trainer<TfBackend>`. Idempotent; call it once at start-up.
+/// or `Trainer<TfBackend>`. Idempotent; call it once at start-up. Without the
+/// `tf` feature (on by default) only libtorch's side is registered.
 ///
 /// A failed TensorFlow registration is an [`Error::Backend`].
 ///
@@ -43,9 +47,12 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 /// ```
 pub fn register_layers() -> Result<()> {
     register();
-    tf::register()?;
     layer::register_torch();
-    layer::register_tf();
+    #[cfg(feature = "tf")]
+    {
+        tf::register()?;
+        layer::register_tf();
+    }
     Ok(())
 }
 

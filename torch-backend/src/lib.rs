@@ -42,7 +42,7 @@ pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_t
 pub use error::torch_error;
 pub use loss::compute_loss;
 pub use model::TorchModel;
-pub use optim::{clip_grad_norm, clip_grad_value, TorchOptimizer};
+pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
 pub use script::ScriptModule;
 
 /// The libtorch version this crate is built for.

@@ -11,7 +11,8 @@ use kiln_core::{
     Optimizer, OptimizerConfig, ParamGroup, ParamSelector, RmsPropConfig, SgdConfig, StateDict,
 };
 use kiln_torch::{
-    clip_grad_norm, clip_grad_value, compute_loss, from_tch, to_tch, TorchModel, TorchOptimizer,
+    clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, compute_loss, from_tch, to_tch,
+    TorchModel, TorchOptimizer,
 };
 
 const STEPS: usize = 10;
@@ -150,6 +151,12 @@ fn step(
         Some(GradClip::Norm {
             max_norm,
             norm_type,
+        }) if opt.is_capturable() => {
+            clip_grad_norm_on_device(&params, *max_norm, *norm_type).unwrap();
+        }
+        Some(GradClip::Norm {
+            max_norm,
+            norm_type,
         }) => {
             clip_grad_norm(&params, *max_norm, *norm_type).unwrap();
         }
@@ -189,12 +196,22 @@ fn every_optimizer_matches_torch_optim_after_ten_steps() {
         // Different kernels on the GPU round differently; ten steps amplify that a little.
         let tol = if device.is_cuda() { 1e-4 } else { 1e-6 };
         for case in &cases {
-            check_case(case, &dir, device, tol);
+            check_case(case, &dir, device, tol, false);
+            // Capturable mode (for CUDA graphs): step counts and learning rates on the
+            // device, clipping without reading the norm back; the same numbers.
+            let capturable = match &case.optimizer {
+                OptimizerConfig::Sgd(c) => c.dampening == 0.0,
+                OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_) => true,
+                _ => false,
+            };
+            if capturable {
+                check_case(case, &dir, device, tol, true);
+            }
         }
     }
 }
 
-fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
+fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64, capturable: bool) {
     {
         let reference = common::load(&dir.join(format!("{}.safetensors", case.name)));
         let mut model = TorchModel::new(&mlp(), device).unwrap();
@@ -207,25 +224,30 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
             &case.groups,
         )
         .unwrap();
+        opt.set_capturable(capturable).unwrap();
         let losses: Vec<f64> = (0..STEPS)
             .map(|k| {
                 let (x, y) = batch(&reference, k, device);
                 step(&model, &mut opt, &x, &y, &case.clip)
             })
             .collect();
+        let name = if capturable {
+            format!("{} (capturable)", case.name)
+        } else {
+            case.name.to_owned()
+        };
         let expected_losses = reference.get("loss").unwrap().to_f64_vec();
         for (k, (a, e)) in losses.iter().zip(&expected_losses).enumerate() {
             assert!(
                 (a - e).abs() <= tol * e.abs().max(1.0),
-                "{} on {device}: loss at step {k}: {a} vs {e}",
-                case.name
+                "{name} on {device}: loss at step {k}: {a} vs {e}"
             );
         }
         let state = model.state_dict().unwrap();
-        for (name, expected) in common::strip(&reference, "final.").iter() {
+        for (key, expected) in common::strip(&reference, "final.").iter() {
             common::assert_close(
-                &format!("{} on {device}: {name}", case.name),
-                state.get(name).unwrap(),
+                &format!("{} on {device}: {key}", name),
+                state.get(key).unwrap(),
                 expected,
                 tol,
             );
@@ -234,12 +256,12 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
         for (key, expected) in common::strip(&reference, "state.").iter() {
             let actual = opt_state
                 .get(&format!("state.{key}"))
-                .unwrap_or_else(|| panic!("{}: optimizer state has no {key}", case.name));
+                .unwrap_or_else(|| panic!("{name}: optimizer state has no {key}"));
             // The state is checked looser than the parameters: centred RMSprop's
             // sqrt(square_avg - grad_avg^2) amplifies last-bit differences in how
             // libtorch's fused kernels round (seen: 1.4e-6 relative).
             common::assert_close(
-                &format!("{} on {device}: state {key}", case.name),
+                &format!("{name} on {device}: state {key}"),
                 actual,
                 expected,
                 10.0 * tol,
@@ -363,6 +385,77 @@ fn adam_at_a_zero_or_tiny_learning_rate_keeps_the_weights() {
             assert!(values.iter().any(|v| *v != 0.0), "{config:?}");
         }
     }
+}
+
+/// Capturable mode against the ordinary one through a learning-rate change, a state
+/// saved and loaded mid-run (into the existing tensors) and back out of the mode.
+#[test]
+fn capturable_mode_follows_learning_rates_and_loaded_state() {
+    for config in [
+        OptimizerConfig::Adam(AdamConfig::new(1e-2).with_amsgrad(true)),
+        OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1)),
+        OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9)),
+    ] {
+        <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(5);
+        let data: Vec<(tch::Tensor, tch::Tensor)> = (0..6)
+            .map(|_| {
+                (
+                    tch::Tensor::randn([16, 5], (tch::Kind::Float, tch::Device::Cpu)),
+                    tch::Tensor::randn([16, 3], (tch::Kind::Float, tch::Device::Cpu)),
+                )
+            })
+            .collect();
+        let mut runs = Vec::new();
+        for capturable in [false, true] {
+            let mut model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
+            model.load_state_dict(&{
+                <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(6);
+                TorchModel::new(&mlp(), Device::Cpu).unwrap().state_dict().unwrap()
+            })
+            .unwrap();
+            let mut opt =
+                TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
+            opt.set_capturable(capturable).unwrap();
+            assert_eq!(opt.is_capturable(), capturable);
+            for (x, y) in &data[..2] {
+                step(&model, &mut opt, x, y, &None);
+            }
+            let saved = opt.state_dict().unwrap();
+            step(&model, &mut opt, &data[2].0, &data[2].1, &None);
+            // Back to the state after two steps (the third step is undone).
+            opt.load_state_dict(&saved).unwrap();
+            opt.set_learning_rate(opt.learning_rate() / 3.0);
+            for (x, y) in &data[2..] {
+                step(&model, &mut opt, x, y, &None);
+            }
+            opt.set_capturable(false).unwrap();
+            let steps = opt.state_dict().unwrap();
+            assert_eq!(
+                steps.get("state.0.weight.step").unwrap().as_slice::<i64>().unwrap(),
+                [6],
+                "{config:?}, capturable {capturable}"
+            );
+            runs.push(model.state_dict().unwrap());
+        }
+        for (key, expected) in runs[0].iter() {
+            common::assert_close(
+                &format!("{config:?}: {key}"),
+                runs[1].get(key).unwrap(),
+                expected,
+                1e-6,
+            );
+        }
+    }
+    let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
+    let mut rmsprop = TorchOptimizer::new(
+        OptimizerConfig::RmsProp(RmsPropConfig::new(1e-2)),
+        model.named_parameters(),
+        &[],
+    )
+    .unwrap();
+    let err = rmsprop.set_capturable(true).unwrap_err();
+    assert!(err.to_string().contains("capturable"), "{err}");
+    assert!(!rmsprop.is_capturable());
 }
 
 #[test]

@@ -31,9 +31,20 @@ pub(crate) fn update_adamw(
     hyper: &GroupHyper,
 ) -> Result<(), TchError> {
     if hyper.weight_decay != 0.0 {
-        let _ = slot
-            .tensor
-            .f_mul_scalar_(1.0 - hyper.lr * hyper.weight_decay)?;
+        match &slot.on_device {
+            Some(scalars) => {
+                let factor = scalars
+                    .lr
+                    .f_mul_scalar(-hyper.weight_decay)?
+                    .f_add_scalar(1.0)?;
+                let _ = slot.tensor.f_mul_(&factor)?;
+            }
+            None => {
+                let _ = slot
+                    .tensor
+                    .f_mul_scalar_(1.0 - hyper.lr * hyper.weight_decay)?;
+            }
+        }
     }
     adam_step(
         slot,
@@ -53,7 +64,6 @@ fn adam_step(
     amsgrad: bool,
     lr: f64,
 ) -> Result<(), TchError> {
-    let step = slot.step as i32;
     let zeros = |p: &Tensor| p.f_zeros_like();
     // PyTorch's single-tensor Adam in 7 passes over the parameter's size (libtorch's
     // own C++ Adam makes 8) and 2 temporaries. tch's addcdiv_ takes no scale, so the
@@ -65,9 +75,6 @@ fn adam_step(
     let mut exp_avg_sq = state_tensor(slot, "exp_avg_sq", zeros)?.shallow_clone();
     let _ = exp_avg_sq.f_lerp_(&grad.f_mul(grad)?, 1.0 - beta2)?;
 
-    let bias_correction1 = 1.0 - beta1.powi(step);
-    let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();
-    let step_size = lr / bias_correction1;
     let second_moment = if amsgrad {
         let max = state_tensor(slot, "max_exp_avg_sq", zeros)?;
         let updated = max.f_maximum(&exp_avg_sq)?;
@@ -82,6 +89,28 @@ fn adam_step(
         .map(Tensor::shallow_clone)
         .ok_or_else(|| TchError::Kind("exp_avg missing".into()))?;
     let mut denom = second_moment.f_sqrt()?;
+    if let Some(scalars) = &slot.on_device {
+        // Capturable: the bias corrections from the device's step count, as 0-dim
+        // tensors; nothing is read back to the host.
+        let step = &scalars.step;
+        // -step_size = lr / (beta1^t - 1)
+        let neg_step_size = scalars
+            .lr
+            .f_div(&Tensor::f_pow_scalar(beta1, step)?.f_sub_scalar(1.0)?)?;
+        let bias_correction2_sqrt = Tensor::f_pow_scalar(beta2, step)?
+            .f_neg()?
+            .f_add_scalar(1.0)?
+            .f_sqrt()?;
+        let _ = denom.f_div_(&bias_correction2_sqrt)?;
+        let _ = denom.f_add_scalar_(eps)?;
+        let _ = exp_avg.f_div_out(&denom, &denom)?;
+        let _ = slot.tensor.f_addcmul_(&denom, &neg_step_size)?;
+        return Ok(());
+    }
+    let step = slot.step as i32;
+    let bias_correction1 = 1.0 - beta1.powi(step);
+    let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();
+    let step_size = lr / bias_correction1;
     let (scale, shift) = (-1.0 / (step_size * bias_correction2_sqrt), -eps / step_size);
     if scale.is_finite() && shift.is_finite() {
         // denom = (sqrt(v) / sqrt(bias_correction2) + eps) / -step_size, so that

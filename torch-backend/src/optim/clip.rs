@@ -9,6 +9,55 @@ use crate::error::torch_error;
 /// `max_norm`, and returns the norm before clipping (as PyTorch does).
 /// `norm_type` may be `f64::INFINITY`.
 pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
+    let Some((grads, total)) = joint_norm(params, norm_type)? else {
+        return Ok(0.0);
+    };
+    let fail = |e| torch_error("clip_grad_norm", e);
+    let total = total.f_double_value(&[]).map_err(fail)?;
+    let coef = max_norm / (total + 1e-6);
+    if coef < 1.0 {
+        tch::no_grad(|| {
+            for grad in &grads {
+                let mut grad = grad.shallow_clone();
+                let _ = grad.f_mul_scalar_(coef).map_err(fail)?;
+            }
+            Ok::<_, Error>(())
+        })?;
+    }
+    Ok(total)
+}
+
+/// [`clip_grad_norm`] without reading anything back to the host, as PyTorch's
+/// `clip_grad_norm_` does: every gradient is multiplied on the device by
+/// `min(1, max_norm / (norm + 1e-6))`, and the norm is returned as a 0-dim tensor
+/// there (`None` when no parameter has a gradient). A step that clips this way can be
+/// captured in a CUDA graph.
+pub fn clip_grad_norm_on_device(
+    params: &[&Tensor],
+    max_norm: f64,
+    norm_type: f64,
+) -> Result<Option<Tensor>> {
+    let Some((grads, total)) = joint_norm(params, norm_type)? else {
+        return Ok(None);
+    };
+    let fail = |e| torch_error("clip_grad_norm", e);
+    tch::no_grad(|| {
+        let coef = total
+            .f_add_scalar(1e-6)
+            .and_then(|t| t.f_reciprocal())
+            .and_then(|t| t.f_mul_scalar(max_norm))
+            .and_then(|t| t.f_clamp_max(1.0))
+            .map_err(fail)?;
+        for grad in &grads {
+            let mut grad = grad.shallow_clone();
+            let _ = grad.f_mul_(&coef).map_err(fail)?;
+        }
+        Ok(Some(total))
+    })
+}
+
+/// The defined gradients and their joint `norm_type`-norm (f64, on their device).
+fn joint_norm(params: &[&Tensor], norm_type: f64) -> Result<Option<(Vec<Tensor>, Tensor)>> {
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(Error::invalid_argument(
             "norm_type",
@@ -17,7 +66,7 @@ pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Resu
     }
     let grads = defined_grads(params)?;
     if grads.is_empty() {
-        return Ok(0.0);
+        return Ok(None);
     }
     let fail = |e| torch_error("clip_grad_norm", e);
     tch::no_grad(|| {
@@ -36,15 +85,7 @@ pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Resu
                 .f_norm_scalaropt_dtype(norm_type, tch::Kind::Double)
                 .map_err(fail)?
         };
-        let total = total.f_double_value(&[]).map_err(fail)?;
-        let coef = max_norm / (total + 1e-6);
-        if coef < 1.0 {
-            for grad in &grads {
-                let mut grad = grad.shallow_clone();
-                let _ = grad.f_mul_scalar_(coef).map_err(fail)?;
-            }
-        }
-        Ok(total)
+        Ok(Some((grads, total)))
     })
 }
 

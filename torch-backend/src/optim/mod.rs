@@ -20,7 +20,7 @@ use crate::convert::{from_tch, to_tch};
 use crate::device::device_from_tch;
 use crate::error::torch_error;
 
-pub use clip::{clip_grad_norm, clip_grad_value};
+pub use clip::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value};
 
 /// One parameter the optimizer updates, with its per-parameter state.
 #[derive(Debug)]
@@ -33,6 +33,35 @@ pub(crate) struct ParamSlot {
     /// Named state tensors (`exp_avg`, `exp_avg_sq`, `momentum_buffer`, ...),
     /// created lazily on the first step, as PyTorch does.
     pub(crate) state: BTreeMap<&'static str, Tensor>,
+    /// In capturable mode, the step count and learning rate on the parameter's device.
+    pub(crate) on_device: Option<DeviceScalars>,
+}
+
+/// What a step reads from the host, kept on the parameter's device instead, so that
+/// a step captured in a CUDA graph still counts steps and follows learning-rate
+/// changes when it is replayed (PyTorch's `capturable=True`). Both are 0-dim f64.
+#[derive(Debug)]
+pub(crate) struct DeviceScalars {
+    /// The step count; each step adds one on the device.
+    pub(crate) step: Tensor,
+    /// The parameter group's learning rate, rewritten by `set_learning_rate`.
+    pub(crate) lr: Tensor,
+}
+
+impl ParamSlot {
+    /// The step count: the device's in capturable mode (replays of a captured step
+    /// advance only that one), else the host's.
+    fn step_count(&self) -> Result<u64> {
+        match &self.on_device {
+            None => Ok(self.step),
+            Some(scalars) => {
+                let step = scalars.step.f_double_value(&[]).map_err(|e| {
+                    torch_error(&format!("reading the step count of {}", self.name), e)
+                })?;
+                Ok(step as u64)
+            }
+        }
+    }
 }
 
 /// An optimizer over named libtorch parameters.
@@ -98,6 +127,7 @@ impl TorchOptimizer {
                 group,
                 step: 0,
                 state: BTreeMap::new(),
+                on_device: None,
             });
         }
         Ok(Self {
@@ -126,6 +156,82 @@ impl TorchOptimizer {
             .get_mut(index)
             .ok_or_else(|| Error::invalid_argument("index", format!("group {index} of {count}")))?;
         group.lr = lr;
+        self.write_device_learning_rates()
+    }
+
+    /// Turns capturable mode on or off (PyTorch's `capturable=True`): each step then
+    /// reads its step count and learning rate from 0-dim tensors on the parameters'
+    /// device and does all its arithmetic there, with no host synchronisation, so
+    /// that the step can be captured in a CUDA graph and replayed (see kiln-ops'
+    /// `graph` module). Learning-rate changes write those tensors, so schedulers keep
+    /// working with a captured step; `load_state_dict` copies into the existing state
+    /// tensors instead of replacing them. Works on the CPU too (same results, a
+    /// little slower).
+    ///
+    /// Supported for SGD, Adam and AdamW (other optimizers fail with
+    /// [`Error::Unsupported`]). SGD with momentum and a non-zero dampening must have
+    /// taken its first step before it is captured: that step differs from the
+    /// others.
+    pub fn set_capturable(&mut self, capturable: bool) -> Result<()> {
+        if capturable == self.is_capturable() {
+            return Ok(());
+        }
+        if !capturable {
+            let steps = self
+                .params
+                .iter()
+                .map(ParamSlot::step_count)
+                .collect::<Result<Vec<_>>>()?;
+            for (slot, step) in self.params.iter_mut().zip(steps) {
+                slot.step = step;
+                slot.on_device = None;
+            }
+            return Ok(());
+        }
+        if !matches!(
+            self.config,
+            OptimizerConfig::Sgd(_) | OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_)
+        ) {
+            return Err(Error::unsupported(format!(
+                "capturable mode (for CUDA graphs) of {:?}; SGD, Adam and AdamW have it",
+                self.config
+            )));
+        }
+        let scalars = self
+            .params
+            .iter()
+            .map(|slot| {
+                let device = slot.tensor.device();
+                let on = |value: f64| Tensor::from(value).f_to_device(device);
+                Ok(DeviceScalars {
+                    step: on(slot.step as f64)?,
+                    lr: on(self.groups[slot.group].lr)?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, tch::TchError>>()
+            .map_err(|e| torch_error("moving the step counts to the device", e))?;
+        for (slot, scalars) in self.params.iter_mut().zip(scalars) {
+            slot.on_device = Some(scalars);
+        }
+        Ok(())
+    }
+
+    /// Whether capturable mode is on (see [`set_capturable`](Self::set_capturable)).
+    pub fn is_capturable(&self) -> bool {
+        self.params.iter().any(|slot| slot.on_device.is_some())
+    }
+
+    /// In capturable mode, writes each group's learning rate into its parameters'
+    /// device tensors (a device-side fill: no synchronisation).
+    fn write_device_learning_rates(&mut self) -> Result<()> {
+        for slot in &mut self.params {
+            if let Some(scalars) = &mut slot.on_device {
+                let lr = self.groups[slot.group].lr;
+                let _ = scalars.lr.f_fill_(lr).map_err(|e| {
+                    torch_error(&format!("setting the learning rate of {}", slot.name), e)
+                })?;
+            }
+        }
         Ok(())
     }
 
@@ -200,6 +306,11 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
                 let Some(grad) = grad else { continue };
                 let hyper = &groups[slot.group];
                 slot.step += 1;
+                if let Some(scalars) = &mut slot.on_device {
+                    let _ = scalars.step.f_add_scalar_(1.0).map_err(|e| {
+                        torch_error(&format!("counting the step of {}", slot.name), e)
+                    })?;
+                }
                 let result = match &*config {
                     OptimizerConfig::Sgd(c) => sgd::update(slot, &grad, c, hyper),
                     OptimizerConfig::Adam(c) => adam::update_adam(slot, &grad, c, hyper),
@@ -231,6 +342,9 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         for group in &mut self.groups {
             group.lr = lr;
         }
+        if let Err(e) = self.write_device_learning_rates() {
+            log::error!("{e}");
+        }
     }
 
     fn learning_rates(&self) -> Vec<f64> {
@@ -238,7 +352,8 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
     }
 
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
-        set_group_learning_rates(&mut self.groups, lrs)
+        set_group_learning_rates(&mut self.groups, lrs)?;
+        self.write_device_learning_rates()
     }
 
     /// Keys: `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
@@ -248,7 +363,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         for slot in &self.params {
             out.insert(
                 format!("state.{}.step", slot.name),
-                HostTensor::scalar(slot.step as i64),
+                HostTensor::scalar(slot.step_count()? as i64),
             );
             for (key, tensor) in &slot.state {
                 out.insert(format!("state.{}.{key}", slot.name), from_tch(tensor)?);
@@ -300,13 +415,26 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             }
             buffers.push(slot_buffers);
         }
-        let groups = load_group_hypers(&self.groups, state);
-        for ((slot, step), state) in self.params.iter_mut().zip(steps).zip(buffers) {
+        self.groups = load_group_hypers(&self.groups, state);
+        for ((slot, step), mut state) in self.params.iter_mut().zip(steps).zip(buffers) {
             slot.step = step;
-            slot.state = state;
+            let Some(scalars) = &mut slot.on_device else {
+                slot.state = state;
+                continue;
+            };
+            // Capturable: a captured step reads these very tensors, so write into them.
+            let fail = |e| torch_error(&format!("loading the state of {}", slot.name), e);
+            let _ = scalars.step.f_fill_(step as f64).map_err(fail)?;
+            for (name, existing) in &mut slot.state {
+                match state.remove(name) {
+                    Some(loaded) => existing.f_copy_(&loaded),
+                    None => existing.f_zero_().map(drop),
+                }
+                .map_err(fail)?;
+            }
+            slot.state.append(&mut state);
         }
-        self.groups = groups;
-        Ok(())
+        self.write_device_learning_rates()
     }
 }
 

@@ -14,6 +14,13 @@ pub(crate) fn update(
     let mut d_p = with_weight_decay(grad, &slot.tensor, hyper.weight_decay)?;
     if config.momentum != 0.0 {
         let first = !slot.state.contains_key("momentum_buffer");
+        if first && slot.on_device.is_some() && config.dampening != 0.0 {
+            // The first step copies the gradient; the others dampen it: a captured
+            // step can be only one of them.
+            return Err(TchError::Kind(
+                "SGD with dampening must take its first step before it is captured".into(),
+            ));
+        }
         let buf = state_tensor(slot, "momentum_buffer", |_| d_p.f_detach_copy())?;
         if !first {
             // buf = momentum * buf + (1 - dampening) * d_p
@@ -26,6 +33,13 @@ pub(crate) fn update(
             buf.shallow_clone()
         };
     }
-    let _ = slot.tensor.f_add_(&d_p.f_mul_scalar(-hyper.lr)?)?;
+    match &slot.on_device {
+        Some(scalars) => {
+            let _ = slot.tensor.f_addcmul_(&d_p, &scalars.lr.f_neg()?)?;
+        }
+        None => {
+            let _ = slot.tensor.f_add_(&d_p.f_mul_scalar(-hyper.lr)?)?;
+        }
+    }
     Ok(())
 }
