@@ -43,10 +43,12 @@ use serde_json::{json, Value};
 use crate::tasks::{Task, TaskArgs};
 
 /// Every variant of the training workloads, in table order.
-const VARIANTS: [&str; 6] = [
+const VARIANTS: [&str; 8] = [
     "kiln-torch",
+    "kiln-torch-graph",
     "raw-tch",
     "pytorch-eager",
+    "pytorch-graph",
     "kiln-tf",
     "tf-function",
     "keras-fit",
@@ -240,6 +242,7 @@ fn main() -> Result<()> {
                     .as_ref()
                     .is_none_or(|list| list.iter().any(|c| c == v))
                     && !(is_tensorflow(v) && (settings.device.is_cuda() || !cfg!(feature = "tf")))
+                    && (settings.device.is_cuda() || !is_cuda_graph(v))
             })
             .collect()
     };
@@ -386,6 +389,11 @@ fn is_tensorflow(variant: &str) -> bool {
     matches!(variant, "kiln-tf" | "tf-function" | "keras-fit")
 }
 
+/// Whether a variant replays a CUDA graph (runs only with `--device cuda`).
+fn is_cuda_graph(variant: &str) -> bool {
+    variant.ends_with("-graph")
+}
+
 /// The Python interpreter of the baselines: `KILN_BENCH_PYTHON` if set (a machine
 /// without the project virtualenv), else the virtualenv's.
 fn python_interpreter() -> Command {
@@ -466,9 +474,10 @@ fn run_variant(
     ];
     let scripts = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/python");
     let mut command = match variant {
-        "pytorch-eager" => {
+        "pytorch-eager" | "pytorch-graph" => {
             let mut c = python_interpreter();
-            c.arg(scripts.join("bench_torch.py"));
+            c.arg(scripts.join("bench_torch.py"))
+                .args(["--variant", variant]);
             c
         }
         "tf-function" | "keras-fit" => {
@@ -607,7 +616,16 @@ fn report(sections: &[String], s: &Settings) -> String {
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default();
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "built on another machine (no rustc here)".to_owned());
+    #[cfg(feature = "tf")]
+    let tensorflow = format!(
+        "TensorFlow {} (C API and Python)",
+        kiln::tf::TENSORFLOW_VERSION
+    );
+    #[cfg(not(feature = "tf"))]
+    let tensorflow = "built without TensorFlow (feature `tf` off)";
     format!(
         "# Benchmarks\n\n\
          Kiln against Python on the same work, in one run (`benches/compare/`, Python side in\n\
@@ -617,13 +635,12 @@ fn report(sections: &[String], s: &Settings) -> String {
          round: the machine is a shared VM whose speed drifts by up to 2x for minutes at a time,\n\
          so compare ratios within one table, not across runs.\n\n\
          - Machine: {cpu}, {cores} cores, {accelerator}.\n\
-         - Versions: libtorch {} (tch 0.24) and Python torch {}; TensorFlow {} (C API and Python); {rustc}.\n\
+         - Versions: libtorch {} (tch 0.24) and Python torch {}; {tensorflow}; {rustc}.\n\
          - Reproduce: `cargo xtask cargo bench --bench compare -- --rounds {}{} --write`\n\n{}",
         s.threads,
         s.rounds,
         kiln::torch::LIBTORCH_VERSION,
         kiln::torch::LIBTORCH_VERSION,
-        kiln::tf::TENSORFLOW_VERSION,
         s.rounds,
         if s.device.is_cuda() {
             format!(" --device {}", s.device)
@@ -791,6 +808,8 @@ fn worker(args: &[String]) -> Result<()> {
             tch::set_num_threads(a.threads as i32);
             kiln_step::<TorchBackend>(&a, &host)?
         }
+        #[cfg(feature = "cuda")]
+        "kiln-torch-graph" => graphed_step(&a, &host)?,
         #[cfg(feature = "tf")]
         "kiln-tf" => kiln_step::<TfBackend>(&a, &host)?,
         "raw-tch" => {
@@ -844,6 +863,47 @@ fn kiln_step<B: TrainBackend>(
         let (x, y) = &batches[i % batches.len()];
         optimizer.zero_grad()?;
         Ok(B::train_step(&mut model, &mut optimizer, x, y, &plan)?)
+    })
+}
+
+/// Kiln's training step captured in a CUDA graph (`kiln::ops::graph::GraphedTrainStep`),
+/// replayed on each batch; the loss is read (a synchronisation) only for the last step.
+#[cfg(feature = "cuda")]
+fn graphed_step(a: &WorkerArgs, host: &[(HostTensor, HostTensor)]) -> Result<(Vec<f64>, f64)> {
+    use kiln::ops::graph::GraphedTrainStep;
+    use kiln::torch::{TorchModel, TorchOptimizer};
+
+    TorchBackend::manual_seed(0);
+    let model = TorchModel::new(&a.workload.spec(), a.device)?;
+    let optimizer = TorchOptimizer::new(
+        OptimizerConfig::Adam(AdamConfig::new(1e-3)),
+        model.named_parameters(),
+        &[],
+    )?;
+    let batches = host
+        .iter()
+        .map(|(x, y)| {
+            Ok((
+                TorchBackend::from_host(x, a.device)?,
+                TorchBackend::from_host(y, a.device)?,
+            ))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (x0, y0) = &batches[0];
+    let mut step =
+        GraphedTrainStep::new(model, optimizer, &Loss::cross_entropy(), None, x0, y0)?;
+    let (warmup, steps) = (a.warmup, a.steps);
+    time_steps(a, |i| {
+        let (x, y) = &batches[i % batches.len()];
+        let loss = step.step(x, y)?;
+        // Read the loss (and so wait for the device) at the end of the warm-up and
+        // of each timed run only, as the Python loops do.
+        let done = i + 1;
+        Ok(if done >= warmup && (done - warmup) % steps == 0 {
+            TorchBackend::item(loss)?
+        } else {
+            f64::NAN
+        })
     })
 }
 

@@ -1,8 +1,10 @@
-"""PyTorch eager-mode baseline ("pytorch-eager") for Kiln's benchmark harness.
+"""PyTorch eager-mode baseline ("pytorch-eager") for Kiln's benchmark harness, and
+its CUDA-graph form ("pytorch-graph").
 
 Usage:
     python bench_torch.py --workload mlp|cnn|transformer --data DIR
         --steps N --warmup W --repeats R --threads T [--device cpu|cuda[:N]]
+        [--variant pytorch-eager|pytorch-graph]
 
 Trains the workload's model on the device (CPU by default) with the classic eager loop
 (``zero_grad(set_to_none=True)``, ``F.cross_entropy``, ``backward``,
@@ -11,6 +13,11 @@ the protocol described in ``common.py``: all batches become tensors before
 timing, W warm-up steps, then R timed repeats of N steps, each ending with
 ``loss.item()`` so that the work is finished when the clock stops. Prints one
 JSON line on stdout.
+
+``pytorch-graph`` (CUDA only) is PyTorch's whole-network capture as its CUDA-graphs
+documentation writes it: ``Adam(capturable=True)``, three warm-up steps on a side
+stream, one step captured with ``torch.cuda.graph``, then per step a copy of the
+batch into the static inputs and ``graph.replay()``.
 """
 
 import common
@@ -21,7 +28,7 @@ import torch  # noqa: E402  (imported after stdout is reserved)
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-VARIANT = "pytorch-eager"
+VARIANTS = ["pytorch-eager", "pytorch-graph"]
 
 
 class EncoderClassifier(nn.Module):
@@ -66,7 +73,7 @@ def set_threads(threads):
 
 
 def main():
-    args = common.parse_args(__doc__.splitlines()[0])
+    args = common.parse_args(__doc__.splitlines()[0], VARIANTS, default_variant="pytorch-eager")
     set_threads(args.threads)
     meta, x_np, y_np = common.load_data(args.data, args.workload)
 
@@ -78,7 +85,12 @@ def main():
     torch.manual_seed(0)
     model = build_model(args.workload, meta["classes"]).to(device)
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    graphed = args.variant == "pytorch-graph"
+    if graphed and device.type != "cuda":
+        raise SystemExit("pytorch-graph needs --device cuda")
+    opt = torch.optim.Adam(
+        model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, capturable=graphed
+    )
 
     def run_steps(n):
         for i in range(n):
@@ -89,10 +101,35 @@ def main():
             opt.step()
         return loss.item()
 
+    if graphed:
+        static_x, static_y = xs[0].clone(), ys[0].clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(static_x), static_y).backward()
+                opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(graph):
+            static_loss = F.cross_entropy(model(static_x), static_y)
+            static_loss.backward()
+            opt.step()
+
+        def run_steps(n):  # noqa: F811  (the graphed loop replaces the eager one)
+            for i in range(n):
+                j = i % len(xs)
+                static_x.copy_(xs[j])
+                static_y.copy_(ys[j])
+                graph.replay()
+            return static_loss.item()
+
     seconds, final_loss = common.run_protocol(run_steps, args.steps, args.warmup, args.repeats)
     common.emit_result(
         RESULT_STREAM,
-        variant=VARIANT,
+        variant=args.variant,
         args=args,
         batch=meta["batch"],
         seconds=seconds,

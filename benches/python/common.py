@@ -62,11 +62,17 @@ def reserve_stdout():
     return _RESULT_STREAM
 
 
-def parse_args(description, variants=None):
-    """Parse the common command line; ``variants`` adds a required --variant."""
+def parse_args(description, variants=None, default_variant=None):
+    """Parse the common command line; ``variants`` adds a --variant, required
+    unless ``default_variant`` is given."""
     parser = argparse.ArgumentParser(description=description)
     if variants:
-        parser.add_argument("--variant", required=True, choices=variants)
+        parser.add_argument(
+            "--variant",
+            required=default_variant is None,
+            default=default_variant,
+            choices=variants,
+        )
     parser.add_argument("--workload", required=True, choices=sorted(INPUT_SHAPES))
     parser.add_argument("--data", required=True, help="data directory (meta.json, x.f32, y.i64)")
     parser.add_argument("--steps", type=int, required=True, help="timed steps per repeat")

@@ -259,7 +259,7 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
         graph.on_capture_stream(|| {
             for _ in 0..Self::WARMUP_STEPS {
                 optimizer.zero_grad()?;
-                run_step(&mut model, &mut optimizer)?;
+                let _loss = run_step(&mut model, &mut optimizer)?;
             }
             Ok(())
         })?;
