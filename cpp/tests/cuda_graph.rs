@@ -27,6 +27,13 @@ mod gpu {
     use kiln_torch::{TchModule, TorchBackend, TorchModel, TorchOptimizer};
     use tch::{Kind, Tensor};
 
+    /// The GPU tests one at a time: each compares numbers drawn from libtorch's
+    /// global generator, which the other tests' threads would draw from too.
+    fn serial() -> std::sync::MutexGuard<'static, ()> {
+        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn cuda(test: &str) -> Option<Device> {
         if tch::Cuda::is_available() {
             Some(Device::Cuda(0))
@@ -72,6 +79,7 @@ mod gpu {
 
     #[test]
     fn a_captured_step_follows_the_eager_step() {
+        let _serial = serial();
         let Some(device) = cuda("a_captured_step_follows_the_eager_step") else {
             return;
         };
@@ -148,6 +156,7 @@ mod gpu {
 
     #[test]
     fn capture_failures_are_errors_and_the_device_stays_usable() {
+        let _serial = serial();
         let Some(device) = cuda("capture_failures_are_errors_and_the_device_stays_usable")
         else {
             return;

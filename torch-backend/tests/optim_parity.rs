@@ -405,14 +405,15 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
                 )
             })
             .collect();
+        // Drawn once: tests on other threads draw from the same global generator.
+        let initial = TorchModel::new(&mlp(), Device::Cpu)
+            .unwrap()
+            .state_dict()
+            .unwrap();
         let mut runs = Vec::new();
         for capturable in [false, true] {
             let mut model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
-            model.load_state_dict(&{
-                <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(6);
-                TorchModel::new(&mlp(), Device::Cpu).unwrap().state_dict().unwrap()
-            })
-            .unwrap();
+            model.load_state_dict(&initial).unwrap();
             let mut opt =
                 TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
             opt.set_capturable(capturable).unwrap();

@@ -94,7 +94,13 @@ void CudaGraph::capture_begin() {
              [&] { c10::cuda::device_synchronize(); });
   enter_side_stream();
   try {
-    rethrowing("beginning the CUDA graph capture", [&] { impl_->graph->capture_begin(); });
+    // Thread-local capture mode: CUDA work that other threads of the program do
+    // meanwhile (a data loader, an eager model) neither breaks this capture nor
+    // fails itself. libtorch's autograd thread still launches onto the capture
+    // stream, so the backward pass is captured.
+    rethrowing("beginning the CUDA graph capture", [&] {
+      impl_->graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    });
   } catch (...) {
     leave_side_stream();
     throw;
