@@ -19,12 +19,10 @@ fn main() {
             .bridge("src/graph/ffi.rs")
             .cuda_source("src/graph/cuda_graph.cc");
     }
-    let ops = ops
-        .compile()
-        .unwrap_or_else(|e| {
-            println!("cargo:warning=kiln-ops: {e}");
-            std::process::exit(1);
-        });
+    let ops = ops.compile().unwrap_or_else(|e| {
+        println!("cargo:warning=kiln-ops: {e}");
+        std::process::exit(1);
+    });
     println!(
         "cargo:rustc-env=KILN_OPS_TORCH_LIBRARY={}",
         ops.shared_library.display()

@@ -636,11 +636,16 @@ fn report(sections: &[String], s: &Settings) -> String {
          so compare ratios within one table, not across runs.\n\n\
          - Machine: {cpu}, {cores} cores, {accelerator}.\n\
          - Versions: libtorch {} (tch 0.24) and Python torch {}; {tensorflow}; {rustc}.\n\
-         - Reproduce: `cargo xtask cargo bench --bench compare -- --rounds {}{} --write`\n\n{}",
+         - Reproduce: `cargo xtask cargo bench --bench compare{} -- --rounds {}{} --write`\n\n{}",
         s.threads,
         s.rounds,
         kiln::torch::LIBTORCH_VERSION,
         kiln::torch::LIBTORCH_VERSION,
+        if s.device.is_cuda() {
+            " --features cuda"
+        } else {
+            ""
+        },
         s.rounds,
         if s.device.is_cuda() {
             format!(" --device {}", s.device)
@@ -890,8 +895,7 @@ fn graphed_step(a: &WorkerArgs, host: &[(HostTensor, HostTensor)]) -> Result<(Ve
         })
         .collect::<Result<Vec<_>>>()?;
     let (x0, y0) = &batches[0];
-    let mut step =
-        GraphedTrainStep::new(model, optimizer, &Loss::cross_entropy(), None, x0, y0)?;
+    let mut step = GraphedTrainStep::new(model, optimizer, &Loss::cross_entropy(), None, x0, y0)?;
     let (warmup, steps) = (a.warmup, a.steps);
     time_steps(a, |i| {
         let (x, y) = &batches[i % batches.len()];

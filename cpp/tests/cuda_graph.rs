@@ -31,7 +31,8 @@ mod gpu {
     /// global generator, which the other tests' threads would draw from too.
     fn serial() -> std::sync::MutexGuard<'static, ()> {
         static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        LOCK.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        LOCK.lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn cuda(test: &str) -> Option<Device> {
@@ -107,7 +108,9 @@ mod gpu {
             TorchBackend::manual_seed(7);
             let mut eager = TorchModel::new(&spec(), device).unwrap();
             let mut graphed = TorchModel::new(&spec(), device).unwrap();
-            graphed.load_state_dict(&eager.state_dict().unwrap()).unwrap();
+            graphed
+                .load_state_dict(&eager.state_dict().unwrap())
+                .unwrap();
             let mut eager_opt =
                 TorchOptimizer::new(config.clone(), eager.named_parameters(), &[]).unwrap();
             let graphed_opt =
@@ -157,8 +160,7 @@ mod gpu {
     #[test]
     fn capture_failures_are_errors_and_the_device_stays_usable() {
         let _serial = serial();
-        let Some(device) = cuda("capture_failures_are_errors_and_the_device_stays_usable")
-        else {
+        let Some(device) = cuda("capture_failures_are_errors_and_the_device_stays_usable") else {
             return;
         };
         let tch_device = kiln_torch::device_to_tch(device).unwrap();
@@ -177,15 +179,17 @@ mod gpu {
         // Inputs on the CPU: named, before anything runs.
         let m = model();
         let o = adam(&m);
-        let err = GraphedTrainStep::new(m, o, &loss, None, &x.to(tch::Device::Cpu), &y)
-            .unwrap_err();
+        let err =
+            GraphedTrainStep::new(m, o, &loss, None, &x.to(tch::Device::Cpu), &y).unwrap_err();
         assert!(err.to_string().contains("CUDA device"), "{err}");
 
         // A batch of another shape or dtype than the captured one.
         let m = model();
         let o = adam(&m);
         let mut step = GraphedTrainStep::new(m, o, &loss, None, &x, &y).unwrap();
-        let err = step.step(&x.narrow(0, 0, 8), &y.narrow(0, 0, 8)).unwrap_err();
+        let err = step
+            .step(&x.narrow(0, 0, 8), &y.narrow(0, 0, 8))
+            .unwrap_err();
         assert!(matches!(err, Error::ShapeMismatch { .. }), "{err}");
         let err = step.step(&x.to_kind(Kind::Double), &y).unwrap_err();
         assert!(matches!(err, Error::DTypeMismatch { .. }), "{err}");

@@ -432,7 +432,11 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
             opt.set_capturable(false).unwrap();
             let steps = opt.state_dict().unwrap();
             assert_eq!(
-                steps.get("state.0.weight.step").unwrap().as_slice::<i64>().unwrap(),
+                steps
+                    .get("state.0.weight.step")
+                    .unwrap()
+                    .as_slice::<i64>()
+                    .unwrap(),
                 [6],
                 "{config:?}, capturable {capturable}"
             );

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -41,6 +42,20 @@ void wait_for(const c10::cuda::CUDAStream& waiting, const c10::cuda::CUDAStream&
   C10_CUDA_CHECK(waited);
 }
 
+// libtorch's graph, plus the clean-up its capture_end does only on success.
+struct Graph : at::cuda::CUDAGraph {
+  // After a failed capture: stop routing this stream's allocations to the graph's
+  // pool, and tell the random generators registered by capture_begin that the
+  // capture is over (else the next random op on the device fails with "Offset
+  // increment outside graph capture encountered unexpectedly").
+  void abandon_capture() {
+    if (capture_dev_ != UNDEFINED_DEVICE) {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
+    }
+    for (auto& entry : captured_generator_states_) entry.first->capturing_ = false;
+  }
+};
+
 }  // namespace
 
 struct CudaGraph::Impl {
@@ -48,7 +63,7 @@ struct CudaGraph::Impl {
   c10::cuda::CUDAStream side;
   std::optional<c10::cuda::CUDAStreamGuard> guard;
   std::optional<c10::cuda::CUDAStream> previous;
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  std::unique_ptr<Graph> graph;
   bool captured = false;
 };
 
@@ -62,7 +77,7 @@ CudaGraph::CudaGraph(std::int8_t device) {
     }
     const c10::cuda::CUDAGuard device_guard(device);
     impl_.reset(new Impl{device, c10::cuda::getStreamFromPool(false, device), std::nullopt,
-                         std::nullopt, std::make_unique<at::cuda::CUDAGraph>(), false});
+                         std::nullopt, std::make_unique<Graph>(), false});
   });
 }
 
@@ -122,7 +137,8 @@ void CudaGraph::capture_end() {
       }
     }
     (void)cudaGetLastError();
-    impl_->graph = std::make_unique<at::cuda::CUDAGraph>();
+    impl_->graph->abandon_capture();
+    impl_->graph = std::make_unique<Graph>();
     leave_side_stream();
     throw;
   }

@@ -245,7 +245,8 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
                     norm_type,
                 }) => {
                     let params = optimizer.parameters();
-                    let _norm = kiln_torch::clip_grad_norm_on_device(&params, *max_norm, *norm_type)?;
+                    let _norm =
+                        kiln_torch::clip_grad_norm_on_device(&params, *max_norm, *norm_type)?;
                 }
                 Some(GradClip::Value { clip_value }) => {
                     kiln_torch::clip_grad_value(&optimizer.parameters(), *clip_value)?;
