@@ -16,7 +16,7 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // CUDA graphs (src/graph/): a second bridge, whose C++ needs the CUDA headers.
         ops = ops
-            .bridge("src/graph/ffi.rs")
+            .bridge("src/graph/bridge.rs")
             .cuda_source("src/graph/cuda_graph.cc");
     }
     let ops = ops.compile().unwrap_or_else(|e| {

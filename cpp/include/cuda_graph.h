@@ -1,6 +1,6 @@
 // A CUDA graph of libtorch work (at::cuda::CUDAGraph), for the `graph` module of
 // kiln-ops (feature `cuda`). Every method can throw and is declared `Result` in the
-// cxx bridge (src/graph/ffi.rs); c10 errors are rethrown without their backtrace.
+// cxx bridge (src/graph/bridge.rs); c10 errors are rethrown without their backtrace.
 //
 // The class holds no CUDA type in this header, so the bridge's generated code
 // compiles without the CUDA headers; cuda_graph.cc (built with them) defines Impl.

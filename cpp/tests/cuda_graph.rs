@@ -117,8 +117,7 @@ mod gpu {
                 TorchOptimizer::new(config.clone(), graphed.named_parameters(), &[]).unwrap();
             let (x0, y0) = &batches[0];
             let mut step =
-                GraphedTrainStep::new(graphed, graphed_opt, &loss, Some(clip.clone()), x0, y0)
-                    .unwrap();
+                GraphedTrainStep::new(graphed, graphed_opt, &loss, Some(clip), x0, y0).unwrap();
             // The warm-up steps were undone: nothing has trained yet.
             assert_eq!(max_param_diff(&eager, step.model()), 0.0, "{config:?}");
 

@@ -35,7 +35,7 @@
 //! ```
 
 #[allow(unsafe_code)]
-mod ffi;
+mod bridge;
 
 use std::pin::Pin;
 
@@ -45,7 +45,7 @@ use tch::Tensor;
 
 /// libtorch's `at::cuda::CUDAGraph` on one device.
 pub struct CudaGraph {
-    inner: cxx::UniquePtr<ffi::ffi::CudaGraph>,
+    inner: cxx::UniquePtr<bridge::ffi::CudaGraph>,
     device: Device,
 }
 
@@ -70,7 +70,7 @@ impl CudaGraph {
         let index = i8::try_from(index).map_err(|_| {
             Error::invalid_argument("device", format!("CUDA device {index} does not exist"))
         })?;
-        let inner = ffi::ffi::new_cuda_graph(index).map_err(|e| graph_error("creating", e))?;
+        let inner = bridge::ffi::new_cuda_graph(index).map_err(|e| graph_error("creating", e))?;
         Ok(Self { inner, device })
     }
 
@@ -147,7 +147,7 @@ impl CudaGraph {
             .map_err(|e| graph_error("replaying", e))
     }
 
-    fn pin(&mut self) -> Result<Pin<&mut ffi::ffi::CudaGraph>> {
+    fn pin(&mut self) -> Result<Pin<&mut bridge::ffi::CudaGraph>> {
         self.inner
             .as_mut()
             .ok_or_else(|| Error::backend("kiln-ops", "CUDA graph", "the graph is gone"))
@@ -155,7 +155,7 @@ impl CudaGraph {
 }
 
 fn graph_error(what: &str, e: cxx::Exception) -> Error {
-    Error::backend("kiln-ops", &format!("CUDA graph: {what}"), e.what())
+    Error::backend("kiln-ops", format!("CUDA graph: {what}"), e.what())
 }
 
 /// A whole training step (forward, loss, backward, gradient clipping, optimizer
