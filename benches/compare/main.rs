@@ -843,6 +843,16 @@ fn worker(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The batches as backend tensors on `device`, made once before timing.
+fn to_device<B: TrainBackend>(
+    host: &[(HostTensor, HostTensor)],
+    device: Device,
+) -> Result<Vec<(B::Tensor, B::Tensor)>> {
+    host.iter()
+        .map(|(x, y)| Ok((B::from_host(x, device)?, B::from_host(y, device)?)))
+        .collect()
+}
+
 /// Kiln's training step (`TrainBackend::train_step`: forward, loss, backward,
 /// optimizer step; one session run on TensorFlow) on batches already on the device.
 fn kiln_step<B: TrainBackend>(
@@ -853,10 +863,7 @@ fn kiln_step<B: TrainBackend>(
     let mut model = B::build_model(&a.workload.spec(), a.device)?;
     let mut optimizer =
         B::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &model, &[])?;
-    let batches = host
-        .iter()
-        .map(|(x, y)| Ok((B::from_host(x, a.device)?, B::from_host(y, a.device)?)))
-        .collect::<Result<Vec<_>>>()?;
+    let batches = to_device::<B>(host, a.device)?;
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
         loss: &loss,
@@ -885,15 +892,7 @@ fn graphed_step(a: &WorkerArgs, host: &[(HostTensor, HostTensor)]) -> Result<(Ve
         model.named_parameters(),
         &[],
     )?;
-    let batches = host
-        .iter()
-        .map(|(x, y)| {
-            Ok((
-                TorchBackend::from_host(x, a.device)?,
-                TorchBackend::from_host(y, a.device)?,
-            ))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let batches = to_device::<TorchBackend>(host, a.device)?;
     let (x0, y0) = &batches[0];
     let mut step = GraphedTrainStep::new(model, optimizer, &Loss::cross_entropy(), None, x0, y0)?;
     let (warmup, steps) = (a.warmup, a.steps);

@@ -270,6 +270,18 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64, capt
     }
 }
 
+/// `n` random regression batches for the MLP (16 rows, 5 inputs, 3 outputs) on the CPU.
+fn random_batches(n: usize) -> Vec<(tch::Tensor, tch::Tensor)> {
+    (0..n)
+        .map(|_| {
+            (
+                tch::Tensor::randn([16, 5], (tch::Kind::Float, tch::Device::Cpu)),
+                tch::Tensor::randn([16, 3], (tch::Kind::Float, tch::Device::Cpu)),
+            )
+        })
+        .collect()
+}
+
 /// Stop after 4 steps, save model and optimizer state, restore into fresh objects,
 /// continue: the parameters are bitwise those of an uninterrupted run.
 #[test]
@@ -285,14 +297,7 @@ fn optimizer_state_round_trip_resumes_bitwise() {
         OptimizerConfig::Adagrad(AdagradConfig::new(0.1).with_lr_decay(0.1)),
     ] {
         <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(3);
-        let data: Vec<(tch::Tensor, tch::Tensor)> = (0..8)
-            .map(|_| {
-                (
-                    tch::Tensor::randn([16, 5], (tch::Kind::Float, tch::Device::Cpu)),
-                    tch::Tensor::randn([16, 3], (tch::Kind::Float, tch::Device::Cpu)),
-                )
-            })
-            .collect();
+        let data = random_batches(8);
         let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         let initial = model.state_dict().unwrap();
         let mut opt = TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
@@ -397,14 +402,7 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
         OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9)),
     ] {
         <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(5);
-        let data: Vec<(tch::Tensor, tch::Tensor)> = (0..6)
-            .map(|_| {
-                (
-                    tch::Tensor::randn([16, 5], (tch::Kind::Float, tch::Device::Cpu)),
-                    tch::Tensor::randn([16, 3], (tch::Kind::Float, tch::Device::Cpu)),
-                )
-            })
-            .collect();
+        let data = random_batches(6);
         // Drawn once: tests on other threads draw from the same global generator.
         let initial = TorchModel::new(&mlp(), Device::Cpu)
             .unwrap()
