@@ -667,6 +667,10 @@ struct WorkerArgs {
     repeats: usize,
     threads: usize,
     device: Device,
+    /// Kiln's variants keep freed host memory for reuse, as `Trainer::fit`
+    /// does (`--host-memory retain`, the default), or leave glibc's default
+    /// (`--host-memory release`, for the before/after in BENCHMARKS.md).
+    retain_host_memory: bool,
 }
 
 /// `VARIANT --key value ...` as the variant and a map of keys to values.
@@ -694,6 +698,11 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         repeats: get("repeats")?.parse()?,
         threads: get("threads")?.parse()?,
         device: device_flag(&flags)?,
+        retain_host_memory: match flags.get("host-memory").map(String::as_str) {
+            None | Some("retain") => true,
+            Some("release") => false,
+            Some(other) => bail!("--host-memory {other}: expected retain or release"),
+        },
     })
 }
 
@@ -807,6 +816,9 @@ fn worker(args: &[String]) -> Result<()> {
         return Ok(());
     }
     let a = parse_worker(args)?;
+    if a.retain_host_memory && a.variant.starts_with("kiln-") {
+        kiln::core::host_memory::retain_freed_memory();
+    }
     let host = read_batches(&a.data, a.workload)?;
     let (times, loss) = match a.variant.as_str() {
         "kiln-torch" => {

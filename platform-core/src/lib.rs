@@ -29,7 +29,8 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
-#![forbid(unsafe_code)]
+// `unsafe` only in `host_memory`, the one call into the C library (mallopt).
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;
@@ -39,6 +40,7 @@ mod data;
 mod device;
 mod dtype;
 mod error;
+pub mod host_memory;
 mod learner;
 mod logger;
 mod loss;

@@ -61,6 +61,11 @@ pub struct TrainerConfig {
     /// Log the running training loss every this many steps (0: only per epoch).
     #[serde(default = "fifty")]
     pub log_every: u64,
+    /// Keep host memory that tensors free for the next step instead of
+    /// returning it to the OS (see [`host_memory`](crate::host_memory); on by
+    /// default, glibc only). `fit` applies it process-wide.
+    #[serde(default = "yes")]
+    pub retain_host_memory: bool,
 }
 
 fn ten() -> u64 {
@@ -71,6 +76,9 @@ fn one() -> u64 {
 }
 fn fifty() -> u64 {
     50
+}
+fn yes() -> bool {
+    true
 }
 
 impl Default for TrainerConfig {
@@ -84,6 +92,7 @@ impl Default for TrainerConfig {
             device: Device::Cpu,
             schedule_interval: ScheduleInterval::Epoch,
             log_every: 50,
+            retain_host_memory: true,
         }
     }
 }
@@ -305,6 +314,9 @@ impl<B: TrainBackend> Trainer<B> {
         train: &dyn DataLoader,
         val: Option<&dyn DataLoader>,
     ) -> Result<History> {
+        if self.config.retain_host_memory {
+            crate::host_memory::retain_freed_memory();
+        }
         let mut history = History::new();
         let accumulate = self.config.accumulate;
         let device = self.config.device;
