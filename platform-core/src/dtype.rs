@@ -30,16 +30,30 @@ pub enum DType {
     F32,
     /// 64-bit float (`f64`).
     F64,
+    /// Brain floating point (`half::bf16`): f32's range with 8 bits of mantissa,
+    /// the usual mixed-precision type on recent GPUs and CPUs.
+    BF16,
+    /// IEEE half precision (`half::f16`).
+    F16,
 }
 
 /// Every dtype, in declaration order.
-const ALL: [DType; 5] = [DType::U8, DType::I32, DType::I64, DType::F32, DType::F64];
+const ALL: [DType; 7] = [
+    DType::U8,
+    DType::I32,
+    DType::I64,
+    DType::F32,
+    DType::F64,
+    DType::BF16,
+    DType::F16,
+];
 
 impl DType {
     /// Size of one element in bytes.
     pub const fn size_in_bytes(self) -> usize {
         match self {
             DType::U8 => 1,
+            DType::BF16 | DType::F16 => 2,
             DType::I32 | DType::F32 => 4,
             DType::I64 | DType::F64 => 8,
         }
@@ -47,10 +61,11 @@ impl DType {
 
     /// Whether this is a floating-point type.
     pub const fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
     }
 
-    /// PyTorch-style lowercase name: `"uint8"`, `"int32"`, `"int64"`, `"float32"`, `"float64"`.
+    /// PyTorch-style lowercase name: `"uint8"`, `"int32"`, `"int64"`, `"float32"`,
+    /// `"float64"`, `"bfloat16"`, `"float16"`.
     pub const fn name(self) -> &'static str {
         match self {
             DType::U8 => "uint8",
@@ -58,10 +73,13 @@ impl DType {
             DType::I64 => "int64",
             DType::F32 => "float32",
             DType::F64 => "float64",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
         }
     }
 
-    /// Name used in safetensors headers: `"U8"`, `"I32"`, `"I64"`, `"F32"`, `"F64"`.
+    /// Name used in safetensors headers: `"U8"`, `"I32"`, `"I64"`, `"F32"`, `"F64"`,
+    /// `"BF16"`, `"F16"`.
     pub const fn safetensors_name(self) -> &'static str {
         match self {
             DType::U8 => "U8",
@@ -69,6 +87,8 @@ impl DType {
             DType::I64 => "I64",
             DType::F32 => "F32",
             DType::F64 => "F64",
+            DType::BF16 => "BF16",
+            DType::F16 => "F16",
         }
     }
 
@@ -79,7 +99,8 @@ impl DType {
     /// use kiln_core::DType;
     ///
     /// assert_eq!(DType::from_safetensors_name("I64"), Some(DType::I64));
-    /// assert_eq!(DType::from_safetensors_name("BF16"), None);
+    /// assert_eq!(DType::from_safetensors_name("BF16"), Some(DType::BF16));
+    /// assert_eq!(DType::from_safetensors_name("F8_E4M3"), None);
     /// ```
     pub fn from_safetensors_name(name: &str) -> Option<Self> {
         ALL.into_iter().find(|d| d.safetensors_name() == name)
@@ -106,13 +127,15 @@ impl FromStr for DType {
             "int64" | "i64" | "long" => DType::I64,
             "float32" | "f32" | "float" => DType::F32,
             "float64" | "f64" | "double" => DType::F64,
+            "bfloat16" | "bf16" => DType::BF16,
+            "float16" | "f16" | "half" => DType::F16,
             _ => {
                 let names: Vec<&str> = ALL.iter().map(|d| d.name()).collect();
                 return Err(Error::invalid_argument(
                     "dtype",
                     format!(
                         "unknown dtype `{s}`; expected one of {} \
-                         (or u8, i32, i64, f32, f64, int, long, float, double)",
+                         (or u8, i32, i64, f32, f64, bf16, f16, int, long, float, double, half)",
                         names.join(", ")
                     ),
                 ));
@@ -145,11 +168,14 @@ mod sealed {
     impl Sealed for i64 {}
     impl Sealed for f32 {}
     impl Sealed for f64 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
 }
 
 /// A Rust type that can be stored in a [`HostTensor`](crate::HostTensor).
 ///
-/// Implemented for `u8`, `i32`, `i64`, `f32` and `f64`; sealed.
+/// Implemented for `u8`, `i32`, `i64`, `f32`, `f64`, [`half::bf16`] and
+/// [`half::f16`]; sealed.
 ///
 /// ```
 /// use kiln_core::{DType, Element};
@@ -179,6 +205,12 @@ impl Element for f32 {
 impl Element for f64 {
     const DTYPE: DType = DType::F64;
 }
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
 
 #[cfg(test)]
 mod tests {
@@ -187,18 +219,21 @@ mod tests {
     #[test]
     fn sizes_and_float_flags() {
         let sizes: Vec<usize> = ALL.iter().map(|d| d.size_in_bytes()).collect();
-        assert_eq!(sizes, vec![1, 4, 8, 4, 8]);
+        assert_eq!(sizes, vec![1, 4, 8, 4, 8, 2, 2]);
         let floats: Vec<bool> = ALL.iter().map(|d| d.is_float()).collect();
-        assert_eq!(floats, vec![false, false, false, true, true]);
+        assert_eq!(floats, vec![false, false, false, true, true, true, true]);
         assert_eq!(std::mem::size_of::<i64>(), DType::I64.size_in_bytes());
     }
 
     #[test]
     fn names_and_display() {
         let names: Vec<String> = ALL.iter().map(ToString::to_string).collect();
-        assert_eq!(names, ["uint8", "int32", "int64", "float32", "float64"]);
+        assert_eq!(
+            names,
+            ["uint8", "int32", "int64", "float32", "float64", "bfloat16", "float16"]
+        );
         let st: Vec<&str> = ALL.iter().map(|d| d.safetensors_name()).collect();
-        assert_eq!(st, ["U8", "I32", "I64", "F32", "F64"]);
+        assert_eq!(st, ["U8", "I32", "I64", "F32", "F64", "BF16", "F16"]);
     }
 
     #[test]
@@ -217,6 +252,8 @@ mod tests {
             ("float", DType::F32),
             ("f64", DType::F64),
             ("double", DType::F64),
+            ("bf16", DType::BF16),
+            ("half", DType::F16),
             (" Float32 ", DType::F32),
         ];
         for (s, d) in cases {
@@ -227,14 +264,14 @@ mod tests {
 
     #[test]
     fn parse_rejects_unknown_and_lists_allowed() {
-        let err = "float16"
+        let err = "float8"
             .parse::<DType>()
-            .expect_err("float16 is not supported");
+            .expect_err("float8 is not supported");
         let msg = err.to_string();
         assert!(matches!(err, Error::InvalidArgument { ref name, .. } if name == "dtype"));
-        assert!(msg.contains("`float16`"), "{msg}");
+        assert!(msg.contains("`float8`"), "{msg}");
         assert!(
-            msg.contains("uint8, int32, int64, float32, float64"),
+            msg.contains("uint8, int32, int64, float32, float64, bfloat16, float16"),
             "{msg}"
         );
     }
@@ -247,8 +284,8 @@ mod tests {
         let back: Vec<DType> = serde_json::from_str(r#"["float32", "long", "U8"]"#)
             .map_err(|e| Error::invalid_argument("json", e.to_string()))?;
         assert_eq!(back, [DType::F32, DType::I64, DType::U8]);
-        let err = serde_json::from_str::<DType>(r#""bf16""#).expect_err("unknown");
-        assert!(err.to_string().contains("unknown dtype `bf16`"), "{err}");
+        let err = serde_json::from_str::<DType>(r#""fp8""#).expect_err("unknown");
+        assert!(err.to_string().contains("unknown dtype `fp8`"), "{err}");
         Ok(())
     }
 

@@ -49,7 +49,9 @@ pub fn retain_freed_memory() -> bool {
         };
         let applied = mmap == 1 && trim == 1;
         if applied {
-            log::debug!("host allocator: freed memory kept for reuse (mmap threshold 32 MiB, no trim)");
+            log::debug!(
+                "host allocator: freed memory kept for reuse (mmap threshold 32 MiB, no trim)"
+            );
         } else {
             log::warn!("host allocator: mallopt refused (mmap {mmap}, trim {trim}); freed memory goes back to the OS");
         }

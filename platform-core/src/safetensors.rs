@@ -17,7 +17,7 @@ use crate::tensor::HostTensor;
 const METADATA_KEY: &str = "__metadata__";
 
 /// The dtypes Kiln reads, as a message lists them.
-const SUPPORTED: &str = "U8, I32, I64, F32, F64";
+const SUPPORTED: &str = "U8, I32, I64, F32, F64, BF16, F16";
 
 /// Converts between native and little-endian (safetensors) element bytes.
 /// A no-op on little-endian targets; swaps each element on big-endian ones.
@@ -440,6 +440,15 @@ mod tests {
         sd.insert("mask", HostTensor::new(vec![0u8, 1, 255], [3])?);
         sd.insert("step", HostTensor::scalar(12i64));
         sd.insert("empty", HostTensor::zeros(DType::F32, [0, 4])?);
+        let halves = [1.0f32, -0.3125, 65504.0];
+        sd.insert(
+            "half.bf16",
+            HostTensor::new(halves.map(half::bf16::from_f32).to_vec(), [3])?,
+        );
+        sd.insert(
+            "half.f16",
+            HostTensor::new(halves.map(half::f16::from_f32).to_vec(), [3])?,
+        );
         Ok(sd)
     }
 
@@ -519,6 +528,8 @@ mod tests {
                     DType::I64 => ::safetensors::Dtype::I64,
                     DType::F32 => ::safetensors::Dtype::F32,
                     DType::F64 => ::safetensors::Dtype::F64,
+                    DType::BF16 => ::safetensors::Dtype::BF16,
+                    DType::F16 => ::safetensors::Dtype::F16,
                 };
                 let view =
                     ::safetensors::tensor::TensorView::new(dtype, t.dims().to_vec(), t.as_bytes())
@@ -643,13 +654,13 @@ mod tests {
         let write = |bytes: Vec<u8>| fs::write(&path, bytes).map_err(|e| Error::io(&path, e));
 
         write(raw_file(
-            r#"{"x":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}"#,
-            &[0; 4],
+            r#"{"x":{"dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2]}}"#,
+            &[0; 2],
         ))?;
-        let err = StateDict::load_safetensors(&path).expect_err("bf16");
+        let err = StateDict::load_safetensors(&path).expect_err("f8");
         assert_eq!(
             message(&err),
-            "dtype BF16 of tensor `x` is not supported (U8, I32, I64, F32, F64)"
+            "dtype F8_E4M3 of tensor `x` is not supported (U8, I32, I64, F32, F64, BF16, F16)"
         );
 
         // The offsets do not match shape and dtype (3 f32 need 12 bytes).

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use half::{bf16, f16};
+
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::shape::Shape;
@@ -17,6 +19,8 @@ enum Storage {
     I64(Vec<i64>),
     F32(Vec<f32>),
     F64(Vec<f64>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
 }
 
 /// Evaluates `$body` with `$v` bound to the buffer of every variant.
@@ -28,6 +32,8 @@ macro_rules! dispatch {
             Storage::I64($v) => $body,
             Storage::F32($v) => $body,
             Storage::F64($v) => $body,
+            Storage::BF16($v) => $body,
+            Storage::F16($v) => $body,
         }
     };
 }
@@ -56,14 +62,31 @@ macro_rules! with_dtype {
                 type $t = f64;
                 $body
             }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
         }
     };
 }
 
-/// Converts every element of `$storage` to `$t` with `as`.
+/// Converts every element of `$storage` to the primitive `$t` with `as`
+/// (half-precision elements through their exact `f64` value).
 macro_rules! cast_all {
     ($storage:expr, $t:ty) => {
-        dispatch!($storage, v => v.iter().map(|&x| x as $t).collect::<Vec<$t>>())
+        match $storage {
+            Storage::U8(v) => v.iter().map(|&x| x as $t).collect::<Vec<$t>>(),
+            Storage::I32(v) => v.iter().map(|&x| x as $t).collect(),
+            Storage::I64(v) => v.iter().map(|&x| x as $t).collect(),
+            Storage::F32(v) => v.iter().map(|&x| x as $t).collect(),
+            Storage::F64(v) => v.iter().map(|&x| x as $t).collect(),
+            Storage::BF16(v) => v.iter().map(|&x| x.to_f64() as $t).collect(),
+            Storage::F16(v) => v.iter().map(|&x| x.to_f64() as $t).collect(),
+        }
     };
 }
 
@@ -81,6 +104,8 @@ impl Storage {
             Storage::I64(_) => DType::I64,
             Storage::F32(_) => DType::F32,
             Storage::F64(_) => DType::F64,
+            Storage::BF16(_) => DType::BF16,
+            Storage::F16(_) => DType::F16,
         }
     }
 
@@ -95,6 +120,8 @@ impl Storage {
             DType::I64 => Storage::I64(retype_vec(data)),
             DType::F32 => Storage::F32(retype_vec(data)),
             DType::F64 => Storage::F64(retype_vec(data)),
+            DType::BF16 => Storage::BF16(retype_vec(data)),
+            DType::F16 => Storage::F16(retype_vec(data)),
         }
     }
 
@@ -105,6 +132,8 @@ impl Storage {
             DType::I64 => Storage::I64(vec![0; n]),
             DType::F32 => Storage::F32(vec![0.0; n]),
             DType::F64 => Storage::F64(vec![0.0; n]),
+            DType::BF16 => Storage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => Storage::F16(vec![f16::ZERO; n]),
         }
     }
 
@@ -116,6 +145,8 @@ impl Storage {
             DType::I64 => Storage::I64(bytemuck::pod_collect_to_vec(bytes)),
             DType::F32 => Storage::F32(bytemuck::pod_collect_to_vec(bytes)),
             DType::F64 => Storage::F64(bytemuck::pod_collect_to_vec(bytes)),
+            DType::BF16 => Storage::BF16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::F16 => Storage::F16(bytemuck::pod_collect_to_vec(bytes)),
         }
     }
 
@@ -130,6 +161,20 @@ impl Storage {
             DType::I64 => Storage::I64(cast_all!(self, i64)),
             DType::F32 => Storage::F32(cast_all!(self, f32)),
             DType::F64 => Storage::F64(cast_all!(self, f64)),
+            // One rounding: every other element type converts to f64 exactly
+            // (i64 beyond 2^53 aside, which bf16 cannot tell apart anyway).
+            DType::BF16 => Storage::BF16(
+                cast_all!(self, f64)
+                    .into_iter()
+                    .map(bf16::from_f64)
+                    .collect(),
+            ),
+            DType::F16 => Storage::F16(
+                cast_all!(self, f64)
+                    .into_iter()
+                    .map(f16::from_f64)
+                    .collect(),
+            ),
         }
     }
 
@@ -700,6 +745,28 @@ mod tests {
             "HostTensor::reshape of [2, 3]: expected shape with 6 elements, got [4] (4 elements)"
         );
         assert!(t.reshape([usize::MAX, 2]).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn half_precision_casts_round_to_nearest_even() -> Result<()> {
+        // bf16 keeps 8 bits of significand: 1 + 2^-8 is halfway between 1 and
+        // 1 + 2^-7 and goes to the even one (1); 1 + 3 * 2^-8 goes to 1 + 2^-6.
+        let f = HostTensor::new(
+            vec![1.0f32 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -2.5],
+            [3],
+        )?;
+        let b = f.to_dtype(DType::BF16);
+        assert_eq!(b.dtype(), DType::BF16);
+        assert_eq!(b.to_f64_vec(), vec![1.0, 1.015625, -2.5]);
+        assert_eq!(b.as_bytes().len(), 6);
+        // f16 overflows past 65504 (to infinity) where bf16 keeps f32's range.
+        let big = HostTensor::new(vec![70000.0f32, 1e-8], [2])?;
+        assert_eq!(big.to_dtype(DType::F16).to_f64_vec()[0], f64::INFINITY);
+        assert_eq!(big.to_dtype(DType::BF16).to_f64_vec()[0], 70144.0);
+        // Back to integers through the exact value.
+        let i = b.to_dtype(DType::I64);
+        assert_eq!(i.as_slice::<i64>()?, &[1, 1, -2]);
         Ok(())
     }
 

@@ -14,6 +14,8 @@ pub fn kind_from_dtype(dtype: DType) -> Result<Kind> {
         DType::I64 => Ok(Kind::Int64),
         DType::F32 => Ok(Kind::Float),
         DType::F64 => Ok(Kind::Double),
+        DType::BF16 => Ok(Kind::BFloat16),
+        DType::F16 => Ok(Kind::Half),
         other => Err(Error::unsupported(format!("{other} tensors in libtorch"))),
     }
 }
@@ -26,8 +28,11 @@ pub fn dtype_from_kind(kind: Kind) -> Result<DType> {
         Kind::Int64 => Ok(DType::I64),
         Kind::Float => Ok(DType::F32),
         Kind::Double => Ok(DType::F64),
+        Kind::BFloat16 => Ok(DType::BF16),
+        Kind::Half => Ok(DType::F16),
         other => Err(Error::unsupported(format!(
-            "libtorch dtype {other:?} has no host representation in Kiln (uint8, int32, int64, float32, float64)"
+            "libtorch dtype {other:?} has no host representation in Kiln \
+             (uint8, int32, int64, float32, float64, bfloat16, float16)"
         ))),
     }
 }
@@ -86,6 +91,8 @@ pub fn from_tch(tensor: &Tensor) -> Result<HostTensor> {
         DType::I64 => copy_out::<i64>(&cpu, shape),
         DType::F32 => copy_out::<f32>(&cpu, shape),
         DType::F64 => copy_out::<f64>(&cpu, shape),
+        DType::BF16 => copy_out_16::<half::bf16>(&cpu, shape),
+        DType::F16 => copy_out_16::<half::f16>(&cpu, shape),
         other => Err(Error::unsupported(format!(
             "copying {other} tensors from libtorch"
         ))),
@@ -113,4 +120,15 @@ fn copy_out<T: Element + tch::kind::Element + Default>(
     cpu.f_copy_data(&mut data, numel)
         .map_err(|e| torch_error("copying tensor data to host memory", e))?;
     HostTensor::new(data, shape)
+}
+
+/// [`copy_out`] for the 16-bit floats, through their bits: tch 0.24 declares
+/// `half::bf16` as libtorch's `Half`, so its typed copy refuses bf16 tensors.
+fn copy_out_16<T: Element>(cpu: &Tensor, shape: Shape) -> Result<HostTensor> {
+    let numel = shape.numel();
+    let mut bits = vec![0i16; numel];
+    cpu.f_view_dtype(Kind::Int16)
+        .and_then(|t| t.f_copy_data(&mut bits, numel))
+        .map_err(|e| torch_error("copying tensor data to host memory", e))?;
+    HostTensor::new(bytemuck::cast_vec::<i16, T>(bits), shape)
 }

@@ -11,6 +11,7 @@ use kiln_core::{
 use tch::{Kind, TchError, Tensor};
 
 use crate::backend::TorchBackend;
+use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::custom::copy_state;
 use crate::custom_layer::{lookup, CustomLayerFn};
 use crate::device::{device_from_tch, device_to_tch};
@@ -188,6 +189,9 @@ pub struct TorchModel {
     entries: Vec<Entry>,
     mode: Mode,
     device: Device,
+    /// The dtype of the floating-point parameters and buffers (`None` when
+    /// the model has none): what a floating-point input must be.
+    float_dtype: Option<DType>,
 }
 
 impl TorchModel {
@@ -217,12 +221,17 @@ impl TorchModel {
             .map(|(i, e)| (e.name.as_str(), i))
             .collect();
         let root = build(spec, "", &index)?;
+        let float_dtype = specs
+            .iter()
+            .any(|p| p.dtype.is_float())
+            .then_some(DType::F32);
         Ok(Self {
             spec: spec.clone(),
             root,
             entries,
             mode: Mode::Train,
             device,
+            float_dtype,
         })
     }
 
@@ -240,25 +249,77 @@ impl TorchModel {
     /// Build optimizers after moving: they hold the parameters they update.
     pub fn to(&mut self, device: Device) -> Result<()> {
         let target = device_to_tch(device)?;
-        let mut moved = Vec::with_capacity(self.entries.len());
-        for e in &self.entries {
-            let t = e
-                .tensor
-                .f_to_device(target)
-                .and_then(|t| t.f_detach())
-                .map_err(|err| torch_error(&format!("moving {} to {device}", e.name), err))?;
-            let t = if e.kind == ParamKind::Parameter {
-                t.f_set_requires_grad(true)
-                    .map_err(|err| torch_error("requires_grad", err))?
-            } else {
-                t
-            };
-            moved.push(t);
+        self.replace_entries(&format!("moving to {device}"), |t| t.f_to_device(target))?;
+        self.device = device;
+        Ok(())
+    }
+
+    /// The dtype of the floating-point parameters and buffers (`float32` when
+    /// built; `None` for a model without any), which floating-point inputs must have.
+    pub fn dtype(&self) -> Option<DType> {
+        self.float_dtype
+    }
+
+    /// Converts the floating-point parameters and buffers to `dtype`, like
+    /// `model.to(torch.bfloat16)`; integer buffers stay as they are. Inputs
+    /// must then have `dtype` too. Build optimizers after converting: they
+    /// hold the parameters they update, and keep their state in the
+    /// parameters' dtype (pure bf16 training, as PyTorch's with a bf16 model).
+    ///
+    /// ```no_run
+    /// use kiln_core::{DType, Device, Layer, LinearConfig};
+    /// use kiln_torch::TorchModel;
+    ///
+    /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
+    /// model.to_dtype(DType::BF16)?;
+    /// assert_eq!(model.dtype(), Some(DType::BF16));
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn to_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !dtype.is_float() {
+            return Err(Error::invalid_argument(
+                "dtype",
+                format!("a model's parameters convert to a floating-point dtype, not {dtype}"),
+            ));
         }
-        for (e, t) in self.entries.iter_mut().zip(moved) {
+        let kind = kind_from_dtype(dtype)?;
+        self.replace_entries(&format!("converting to {dtype}"), |t| {
+            if is_float_kind(t.kind()) {
+                t.f_to_kind(kind)
+            } else {
+                Ok(t.shallow_clone())
+            }
+        })?;
+        if self.float_dtype.is_some() {
+            self.float_dtype = Some(dtype);
+        }
+        Ok(())
+    }
+
+    /// Replaces every parameter and buffer with `f` of it (detached, parameters
+    /// requiring gradients again); nothing changes unless every one succeeds.
+    fn replace_entries(
+        &mut self,
+        what: &str,
+        f: impl Fn(&Tensor) -> std::result::Result<Tensor, TchError>,
+    ) -> Result<()> {
+        let mut replaced = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            let t = f(&e.tensor)
+                .and_then(|t| t.f_detach())
+                .and_then(|t| {
+                    if e.kind == ParamKind::Parameter {
+                        t.f_set_requires_grad(true)
+                    } else {
+                        Ok(t)
+                    }
+                })
+                .map_err(|err| torch_error(&format!("{what}: {}", e.name), err))?;
+            replaced.push(t);
+        }
+        for (e, t) in self.entries.iter_mut().zip(replaced) {
             e.tensor = t;
         }
-        self.device = device;
         Ok(())
     }
 
@@ -278,7 +339,9 @@ impl TorchModel {
         self.load_state_dict(&state)
     }
 
-    fn check_device(&self, input: &Tensor) -> Result<()> {
+    /// The input's device must be the model's, and a floating-point input must
+    /// have the model's floating-point dtype (integer inputs feed embeddings).
+    fn check_input(&self, input: &Tensor) -> Result<()> {
         let device = device_from_tch(input.device())?;
         if device != self.device {
             return Err(Error::DeviceMismatch {
@@ -286,6 +349,18 @@ impl TorchModel {
                 expected: self.device,
                 actual: device,
             });
+        }
+        let kind = input
+            .f_kind()
+            .map_err(|e| torch_error("reading the input's dtype", e))?;
+        if let Some(expected) = self.float_dtype {
+            if is_float_kind(kind) && kind != kind_from_dtype(expected)? {
+                return Err(Error::DTypeMismatch {
+                    context: "model input (convert it, or the model with `to_dtype`)".to_owned(),
+                    expected,
+                    actual: dtype_from_kind(kind)?,
+                });
+            }
         }
         Ok(())
     }
@@ -705,7 +780,7 @@ impl Module<TorchBackend> for TorchModel {
     /// definition's shape inference run, to name the layer and both shapes
     /// (the training step does no shape bookkeeping of its own).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        self.check_device(input)?;
+        self.check_input(input)?;
         self.run(&self.root, input, self.mode.is_train())
             .map_err(|e| match e {
                 Failure::Torch(e) => self.explain_failure(input, e),

@@ -1,13 +1,15 @@
 //! Every layer's forward output, input gradient and parameter gradients against
 //! Python PyTorch for the same weights and batch (f32, within 1e-5), plus the
-//! running statistics BatchNorm updates in training. The references come from
+//! running statistics BatchNorm updates in training; and again with the model
+//! and input in bfloat16 (`TorchModel::to_dtype`, `model.to(torch.bfloat16)`,
+//! within 1.6e-2, `torch.testing`'s bf16 tolerance). The references come from
 //! `tests/reference/layer_parity.py`, run through the project virtualenv.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use kiln_core::{Device, Layer, Mode, Module};
+use kiln_core::{DType, Device, Layer, Mode, Module};
 use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
 
 struct Case {
@@ -42,10 +44,22 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn every_layer_matches_pytorch_forward_and_gradients() {
-    let Some(python) = common::python("every_layer_matches_pytorch_forward_and_gradients") else {
+    parity(
+        "every_layer_matches_pytorch_forward_and_gradients",
+        DType::F32,
+    );
+}
+
+#[test]
+fn every_layer_matches_pytorch_in_bfloat16() {
+    parity("every_layer_matches_pytorch_in_bfloat16", DType::BF16);
+}
+
+fn parity(test: &str, dtype: DType) {
+    let Some(python) = common::python(test) else {
         return;
     };
-    let dir = common::scratch_dir("layer-parity");
+    let dir = common::scratch_dir(&format!("layer-parity-{dtype}"));
     let cases = cases();
     let request: Vec<serde_json::Value> = cases
         .iter()
@@ -59,6 +73,7 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
                 "high": c.int_high.unwrap_or(0),
                 "train": c.train,
                 "seed": 1000 + i,
+                "dtype": dtype.name(),
             })
         })
         .collect();
@@ -66,16 +81,20 @@ fn every_layer_matches_pytorch_forward_and_gradients() {
     common::run_reference(&python, "layer_parity.py", &[&request_path, &dir]);
 
     for (device, tol) in common::devices() {
+        // bf16 keeps 8 significant bits; `torch.testing.assert_close`'s
+        // tolerance for it is 1.6e-2 relative (two roundings apart near 1).
+        let tol = if dtype == DType::BF16 { 1.6e-2 } else { tol };
         for case in &cases {
-            check_case(case, &dir, device, tol);
+            check_case(case, &dir, device, dtype, tol);
         }
     }
 }
 
-fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
+fn check_case(case: &Case, dir: &std::path::Path, device: Device, dtype: DType, tol: f64) {
     {
         let reference = common::load(&dir.join(format!("{}.safetensors", case.name)));
         let mut model = TorchModel::new(&case.layer, device).unwrap();
+        model.to_dtype(dtype).unwrap();
         model
             .load_state_dict(&common::strip(&reference, "state."))
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
@@ -89,7 +108,7 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64) {
         let output = model
             .forward(&input)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        let what = |part: &str| format!("{} on {device}: {part}", case.name);
+        let what = |part: &str| format!("{} on {device} in {dtype}: {part}", case.name);
         common::assert_close(
             &what("output"),
             &from_tch(&output).unwrap(),
@@ -169,4 +188,53 @@ fn dropout_in_training_zeroes_about_p_and_scales_the_rest() {
         kept.iter().all(|v| (v - 1.0 / 0.7).abs() < 1e-6),
         "kept values are scaled by 1/(1-p)"
     );
+}
+
+#[test]
+fn to_dtype_converts_floats_only_and_checks_inputs() {
+    use kiln_core::{BatchNormConfig, Error, LinearConfig};
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 3).into(),
+        Layer::BatchNorm1d(BatchNormConfig::new(3)),
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    assert_eq!(model.dtype(), Some(DType::F32));
+    let before = model.state_dict().unwrap();
+    model.to_dtype(DType::BF16).unwrap();
+    assert_eq!(model.dtype(), Some(DType::BF16));
+    let after = model.state_dict().unwrap();
+    for (name, t) in after.iter() {
+        let expected = if name.ends_with("num_batches_tracked") {
+            DType::I64
+        } else {
+            DType::BF16
+        };
+        assert_eq!(t.dtype(), expected, "{name}");
+        // The values are the f32 ones rounded to bf16.
+        assert_eq!(*t, before.get(name).unwrap().to_dtype(expected), "{name}");
+    }
+    for (name, p) in model.named_parameters() {
+        assert!(p.requires_grad(), "{name} still a parameter");
+    }
+
+    // A float32 input is named as the wrong dtype, not a libtorch message.
+    let x = tch::Tensor::ones([2, 4], (tch::Kind::Float, tch::Device::Cpu));
+    let err = model.forward(&x).expect_err("float32 into a bf16 model");
+    assert!(
+        matches!(
+            err,
+            Error::DTypeMismatch {
+                expected: DType::BF16,
+                actual: DType::F32,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let y = model.forward(&x.to_kind(tch::Kind::BFloat16)).unwrap();
+    assert_eq!(from_tch(&y).unwrap().dtype(), DType::BF16);
+
+    let err = model.to_dtype(DType::I64).expect_err("not a float dtype");
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert_eq!(model.dtype(), Some(DType::BF16), "unchanged after the error");
 }

@@ -292,6 +292,8 @@ fn run_kernel(
         DType::I64 => HostTensor::new(kernel.run(x.as_slice::<i64>()?, rng), dims),
         DType::F32 => HostTensor::new(kernel.run(x.as_slice::<f32>()?, rng), dims),
         DType::F64 => HostTensor::new(kernel.run(x.as_slice::<f64>()?, rng), dims),
+        DType::BF16 => HostTensor::new(kernel.run(x.as_slice::<half::bf16>()?, rng), dims),
+        DType::F16 => HostTensor::new(kernel.run(x.as_slice::<half::f16>()?, rng), dims),
     }
 }
 

@@ -5,7 +5,8 @@ Usage: python layer_parity.py CASES.json OUT_DIR
 
 CASES.json is a list of {"name", "layer": <kiln Layer as JSON>, "input": [dims],
 "input_dtype": "float32" | "int64", "high": int (int64 inputs draw from [0, high)),
-"train": bool, "seed": int}. For each case OUT_DIR/<name>.safetensors holds:
+"train": bool, "seed": int, "dtype": "float32" | "bfloat16" (optional, float32 by default:
+the module's floating-point parameters and a float input in that dtype)}. For each case OUT_DIR/<name>.safetensors holds:
 
     state.<key>   the module's state_dict before the forward pass
     input         the input
@@ -32,13 +33,14 @@ from model_specs import build  # noqa: E402
 
 def run_case(case, out_dir):
     torch.manual_seed(case["seed"])
-    model = build(case["layer"])
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    model = build(case["layer"]).to(dtype)
     model.train(case["train"])
     state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if case.get("input_dtype") == "int64":
         x = torch.randint(0, case["high"], case["input"], dtype=torch.int64)
     else:
-        x = torch.randn(case["input"], dtype=torch.float32, requires_grad=True)
+        x = torch.randn(case["input"], dtype=torch.float32).to(dtype).requires_grad_(True)
     out = model(x)
     w = torch.randn(out.shape, dtype=out.dtype)
     (out * w).sum().backward()
