@@ -8,11 +8,13 @@
 //! cargo xtask cargo bench --bench compare --features cuda -- --device cuda   # (a)-(c), (e), (f) on a GPU
 //! ```
 //!
-//! Training workloads (`mlp`, `cnn`, `transformer`) have the variants `kiln-torch`
+//! Training workloads (`mlp`, `cnn`, `transformer`, and `transformer-bf16`: the
+//! transformer at width 1024 in bfloat16, reported with model FLOPs utilisation)
+//! have the variants `kiln-torch`
 //! and `kiln-tf` (Kiln's training step on each backend), `raw-tch` (the same model
 //! written directly in `tch`, no Kiln layers), `pytorch-eager`, `tf-function` and
 //! `keras-fit` (the Python scripts in `benches/python/`, run with the project
-//! virtualenv's interpreter). The other workloads (`data`, `script`, `ops`,
+//! virtualenv's interpreter); `transformer-bf16` has only the torch variants. The other workloads (`data`, `script`, `ops`,
 //! `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
 //! `--write`, written to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
@@ -31,8 +33,8 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use kiln::core::{
-    AdamConfig, Conv2dConfig, HostTensor, Layer, LinearConfig, Loss, Optimizer, OptimizerConfig,
-    Pool2dConfig, StepPlan, TrainBackend,
+    AdamConfig, Conv2dConfig, DType, HostTensor, Layer, LinearConfig, Loss, Optimizer,
+    OptimizerConfig, Pool2dConfig, StepPlan, TrainBackend,
 };
 use kiln::prelude::*;
 #[cfg(feature = "tf")]
@@ -63,6 +65,9 @@ enum Workload {
     Cnn,
     /// A pre-norm transformer encoder block, sequence 128, width 256, batch 32.
     Transformer,
+    /// (c) larger and in bfloat16, for model FLOPs utilisation: sequence 256,
+    /// width 1024, 16 heads, ff 4096, batch 32 (torch variants only).
+    TransformerBf16,
 }
 
 impl Workload {
@@ -71,7 +76,12 @@ impl Workload {
             "mlp" => Workload::Mlp,
             "cnn" => Workload::Cnn,
             "transformer" => Workload::Transformer,
-            other => bail!("unknown workload {other}; expected mlp, cnn or transformer"),
+            "transformer-bf16" => Workload::TransformerBf16,
+            other => {
+                bail!(
+                    "unknown workload {other}; expected mlp, cnn, transformer or transformer-bf16"
+                )
+            }
         })
     }
 
@@ -80,7 +90,39 @@ impl Workload {
             Workload::Mlp => "mlp",
             Workload::Cnn => "cnn",
             Workload::Transformer => "transformer",
+            Workload::TransformerBf16 => "transformer-bf16",
         }
+    }
+
+    /// The dtype of the model and its inputs.
+    fn dtype(self) -> DType {
+        match self {
+            Workload::TransformerBf16 => DType::BF16,
+            _ => DType::F32,
+        }
+    }
+
+    /// Whether `variant` can run this workload: the bf16 one has no TensorFlow
+    /// variants (Kiln's TensorFlow backend has no bf16) and no raw-tch twin.
+    fn runs(self, variant: &str) -> bool {
+        self != Workload::TransformerBf16 || !(is_tensorflow(variant) || variant == "raw-tch")
+    }
+
+    /// Model FLOPs of one training step (forward and backward, 3x the forward's
+    /// matrix products; elementwise work not counted), for the transformers.
+    fn flops_per_step(self) -> Option<f64> {
+        let (b, s, d, f) = match self {
+            Workload::Transformer => (32.0, 128.0, 256.0, 1024.0),
+            Workload::TransformerBf16 => (32.0, 256.0, 1024.0, 4096.0),
+            _ => return None,
+        };
+        let tokens = b * s;
+        // QKV and output projections, attention scores and values, feed-forward, classifier.
+        let forward = 2.0 * tokens * d * 4.0 * d
+            + 4.0 * b * s * s * d
+            + 2.0 * tokens * d * f * 2.0
+            + 2.0 * tokens * d * CLASSES as f64;
+        Some(3.0 * forward)
     }
 
     fn describe(self) -> &'static str {
@@ -90,6 +132,10 @@ impl Workload {
             Workload::Transformer => {
                 "(c) transformer encoder block, seq 128, width 256, 8 heads, ff 1024, batch 32, Adam"
             }
+            Workload::TransformerBf16 => {
+                "(c, larger, bf16) transformer encoder block, seq 256, width 1024, 16 heads, ff 4096, \
+                 batch 32, Adam, parameters and inputs in bfloat16"
+            }
         }
     }
 
@@ -98,6 +144,7 @@ impl Workload {
             Workload::Mlp => vec![784],
             Workload::Cnn => vec![1, 28, 28],
             Workload::Transformer => vec![128, 256],
+            Workload::TransformerBf16 => vec![256, 1024],
         }
     }
 
@@ -105,16 +152,19 @@ impl Workload {
         match self {
             Workload::Mlp => 64,
             Workload::Cnn => 128,
-            Workload::Transformer => 32,
+            Workload::Transformer | Workload::TransformerBf16 => 32,
         }
     }
 
-    /// Timed steps per repeat: about a second of work for Python PyTorch here.
-    fn default_steps(self) -> usize {
+    /// Timed steps per repeat: about a second of work for Python PyTorch here
+    /// (the bf16 transformer: 2 s a step on this CPU, ~2 ms on an H100).
+    fn default_steps(self, device: Device) -> usize {
         match self {
             Workload::Mlp => 400,
             Workload::Cnn => 20,
             Workload::Transformer => 5,
+            Workload::TransformerBf16 if device.is_cuda() => 100,
+            Workload::TransformerBf16 => 1,
         }
     }
 
@@ -151,6 +201,14 @@ impl Workload {
                 },
                 LinearConfig::new(128 * 256, 10).into(),
             ]),
+            Workload::TransformerBf16 => Layer::sequential([
+                Layer::transformer_encoder_block(1024, 16, 4096, false, 0.0),
+                Layer::Flatten {
+                    start_dim: 1,
+                    end_dim: -1,
+                },
+                LinearConfig::new(256 * 1024, 10).into(),
+            ]),
         }
     }
 }
@@ -180,7 +238,12 @@ fn main() -> Result<()> {
         args.remove(0);
         return worker(&args);
     }
-    let mut workloads = vec![Workload::Mlp, Workload::Cnn, Workload::Transformer];
+    let mut workloads = vec![
+        Workload::Mlp,
+        Workload::Cnn,
+        Workload::Transformer,
+        Workload::TransformerBf16,
+    ];
     let mut tasks = vec![Task::Data, Task::Script, Task::Ops, Task::Checkpoint];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {
@@ -217,7 +280,7 @@ fn main() -> Result<()> {
             "--device" => settings.device = value()?.parse()?,
             "--write" => write = true,
             other => bail!(
-                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,data,script,ops,checkpoint \
+                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,transformer-bf16,data,script,ops,checkpoint \
                  --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --device cpu|cuda[:N] --write"
             ),
         }
@@ -272,13 +335,16 @@ fn main() -> Result<()> {
     for workload in workloads {
         let data = scratch.join(workload.name());
         write_data(&data, workload, settings.num_batches)?;
-        let steps = settings.steps.unwrap_or(workload.default_steps());
+        let steps = settings
+            .steps
+            .unwrap_or(workload.default_steps(settings.device));
         eprintln!(
             "== {} ({steps} steps x {} repeats)",
             workload.describe(),
             settings.repeats
         );
-        let names = selected(&VARIANTS);
+        let mut names = selected(&VARIANTS);
+        names.retain(|v| workload.runs(v));
         let rows = run_rounds(
             &names,
             settings.rounds,
@@ -542,11 +608,15 @@ fn table(
         .find(|(v, _)| v == "raw-tch")
         .and_then(|(_, r)| r.as_ref().ok())
         .map(|r| num(r, "steps_per_s"));
+    // Model FLOPs utilisation, for the bf16 workload: against the GPU's
+    // published peak when known, else the best bf16 matrix product that the
+    // PyTorch process measured on the same device.
+    let mfu = (workload.dtype() == DType::BF16)
+        .then(|| workload.flops_per_step().zip(peak_tflops(rows)))
+        .flatten();
     let mut t = format!(
         "### {}\n\n{steps} timed steps per repeat, median of {} repeats after {} warm-up steps, {} threads, \
-         on {}; the median of {} rounds.\n\n\
-         | variant | steps/s | samples/s | peak RSS (MiB) | vs PyTorch eager | final loss |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: |\n",
+         on {}; the median of {} rounds.\n\n",
         workload.describe(),
         s.repeats,
         s.warmup,
@@ -554,13 +624,33 @@ fn table(
         s.device,
         s.rounds
     );
+    if let Some((flops, (peak, source))) = &mfu {
+        t += &format!(
+            "Model FLOPs per step: {:.3} TFLOP (3x the forward's matrix products); \
+             MFU against {peak:.1} TFLOP/s, {source}.\n\n",
+            flops / 1e12
+        );
+    }
+    let (extra_head, extra_rule) = if mfu.is_some() {
+        (" TFLOP/s | MFU |", " ---: | ---: |")
+    } else {
+        ("", "")
+    };
+    t += &format!(
+        "| variant | steps/s | samples/s |{extra_head} peak RSS (MiB) | vs PyTorch eager | final loss |\n\
+         | --- | ---: | ---: |{extra_rule} ---: | ---: | ---: |\n"
+    );
     for (variant, result) in rows {
         match result {
             Ok(r) => {
                 let sps = num(r, "steps_per_s");
                 let ratio = baseline.map_or("-".to_owned(), |b| format!("{:.2}x", sps / b));
+                let extra = mfu.as_ref().map_or(String::new(), |(flops, (peak, _))| {
+                    let tflops = flops * sps / 1e12;
+                    format!(" {tflops:.2} | {:.1}% |", 100.0 * tflops / peak)
+                });
                 t += &format!(
-                    "| {variant} | {sps:.1} | {:.0} | {:.0} | {ratio} | {:.4} |\n",
+                    "| {variant} | {sps:.1} | {:.0} |{extra} {:.0} | {ratio} | {:.4} |\n",
                     num(r, "samples_per_s"),
                     num(r, "peak_rss_mb"),
                     num(r, "final_loss"),
@@ -582,6 +672,36 @@ fn table(
         );
     }
     t
+}
+
+/// The bf16 peak that MFU is measured against, with where it comes from: the
+/// published dense bf16 rate of a known GPU (named by the PyTorch process),
+/// else the best bf16 matrix product that process measured.
+fn peak_tflops(rows: &[(String, std::result::Result<Value, String>)]) -> Option<(f64, String)> {
+    let r = rows
+        .iter()
+        .filter_map(|(_, r)| r.as_ref().ok())
+        .find(|r| r.get("matmul_tflops").is_some())?;
+    let name = r["device_name"].as_str().unwrap_or("unknown device");
+    // NVIDIA's data sheets, dense (no sparsity) bf16 tensor-core rates.
+    let published = [
+        ("H100 PCIe", 756.0),
+        ("H100", 989.4),
+        ("H200", 989.4),
+        ("A100", 312.0),
+    ];
+    Some(
+        match published.iter().find(|(model, _)| name.contains(model)) {
+            Some((_, peak)) => (*peak, format!("the published dense bf16 peak of the {name}")),
+            None => (
+                num(r, "matmul_tflops"),
+                format!(
+                    "the best rate of a bf16 square matrix product (n = 4096 on a CPU, 8192 on a GPU) \
+                     that PyTorch measured on this {name}, for want of a published peak"
+                ),
+            ),
+        },
+    )
 }
 
 /// The whole report: machine, versions, command, then one table per workload.
@@ -819,16 +939,26 @@ fn worker(args: &[String]) -> Result<()> {
     if a.retain_host_memory && a.variant.starts_with("kiln-") {
         kiln::core::host_memory::retain_freed_memory();
     }
-    let host = read_batches(&a.data, a.workload)?;
+    ensure!(
+        a.workload.runs(&a.variant),
+        "{} has no {} variant",
+        a.workload.name(),
+        a.variant
+    );
+    let dtype = a.workload.dtype();
+    let host: Vec<(HostTensor, HostTensor)> = read_batches(&a.data, a.workload)?
+        .into_iter()
+        .map(|(x, y)| (x.to_dtype(dtype), y))
+        .collect();
     let (times, loss) = match a.variant.as_str() {
         "kiln-torch" => {
             tch::set_num_threads(a.threads as i32);
-            kiln_step::<TorchBackend>(&a, &host)?
+            kiln_step::<TorchBackend>(&a, &host, |m| m.to_dtype(dtype))?
         }
         #[cfg(feature = "cuda")]
         "kiln-torch-graph" => graphed_step(&a, &host)?,
         #[cfg(feature = "tf")]
-        "kiln-tf" => kiln_step::<TfBackend>(&a, &host)?,
+        "kiln-tf" => kiln_step::<TfBackend>(&a, &host, |_| Ok(()))?,
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);
             raw_tch::run(&a, &host)?
@@ -870,9 +1000,11 @@ fn to_device<B: TrainBackend>(
 fn kiln_step<B: TrainBackend>(
     a: &WorkerArgs,
     host: &[(HostTensor, HostTensor)],
+    prepare: impl FnOnce(&mut B::Model) -> kiln::core::Result<()>,
 ) -> Result<(Vec<f64>, f64)> {
     B::manual_seed(0);
     let mut model = B::build_model(&a.workload.spec(), a.device)?;
+    prepare(&mut model)?;
     let mut optimizer =
         B::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &model, &[])?;
     let batches = to_device::<B>(host, a.device)?;
@@ -898,7 +1030,8 @@ fn graphed_step(a: &WorkerArgs, host: &[(HostTensor, HostTensor)]) -> Result<(Ve
     use kiln::torch::{TorchModel, TorchOptimizer};
 
     TorchBackend::manual_seed(0);
-    let model = TorchModel::new(&a.workload.spec(), a.device)?;
+    let mut model = TorchModel::new(&a.workload.spec(), a.device)?;
+    model.to_dtype(a.workload.dtype())?;
     let optimizer = TorchOptimizer::new(
         OptimizerConfig::Adam(AdamConfig::new(1e-3)),
         model.named_parameters(),
@@ -960,6 +1093,7 @@ mod raw_tch {
                 Box::new(move |x| net.forward(x))
             }
             Workload::Transformer => Box::new(transformer(&root)),
+            Workload::TransformerBf16 => bail!("raw-tch has no bf16 transformer"),
         };
         let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
         let batches: Vec<(Tensor, Tensor)> = host

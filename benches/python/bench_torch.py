@@ -2,7 +2,7 @@
 its CUDA-graph form ("pytorch-graph").
 
 Usage:
-    python bench_torch.py --workload mlp|cnn|transformer --data DIR
+    python bench_torch.py --workload mlp|cnn|transformer|transformer-bf16 --data DIR
         --steps N --warmup W --repeats R --threads T [--device cpu|cuda[:N]]
         [--variant pytorch-eager|pytorch-graph]
 
@@ -18,7 +18,15 @@ JSON line on stdout.
 documentation writes it: ``Adam(capturable=True)``, three warm-up steps on a side
 stream, one step captured with ``torch.cuda.graph``, then per step a copy of the
 batch into the static inputs and ``graph.replay()``.
+
+``transformer-bf16`` is the transformer at width 1024 (seq 256, 16 heads, ff 4096)
+with the model and inputs in bfloat16 (``model.to(torch.bfloat16)``); its result
+also names the device and the best rate of a bfloat16 square matrix product
+measured in the same process (``matmul_tflops``), the peaks its model FLOPs
+utilisation is reported against.
 """
+
+import time
 
 import common
 
@@ -51,6 +59,8 @@ class EncoderClassifier(nn.Module):
 
 def build_model(workload, classes):
     """The workload's model; call after seeding."""
+    if workload == "transformer-bf16":
+        return EncoderClassifier(seq=256, width=1024, heads=16, hidden=4096, classes=classes)
     if workload == "mlp":
         return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, classes))
     if workload == "cnn":
@@ -62,6 +72,34 @@ def build_model(workload, classes):
             nn.Linear(128, classes),
         )
     return EncoderClassifier(classes=classes)
+
+
+def matmul_tflops(device):
+    """The best rate of a bfloat16 square matrix product here, in TFLOP/s."""
+    n, calls, tries = (8192, 10, 10) if device.type == "cuda" else (4096, 1, 3)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    a @ b
+    sync()
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return 2 * n**3 / best / 1e12
+
+
+def device_name(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
 
 
 def set_threads(threads):
@@ -78,12 +116,13 @@ def main():
     meta, x_np, y_np = common.load_data(args.data, args.workload)
 
     device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.workload == "transformer-bf16" else torch.float32
     # One tensor per batch, on the device, built once so the timed loop does no conversion.
-    xs = [torch.from_numpy(b.copy()).to(device) for b in x_np]
+    xs = [torch.from_numpy(b.copy()).to(device=device, dtype=dtype) for b in x_np]
     ys = [torch.from_numpy(b.copy()).to(device) for b in y_np]
 
     torch.manual_seed(0)
-    model = build_model(args.workload, meta["classes"]).to(device)
+    model = build_model(args.workload, meta["classes"]).to(device=device, dtype=dtype)
     model.train()
     graphed = args.variant == "pytorch-graph"
     if graphed and device.type != "cuda":
@@ -127,6 +166,9 @@ def main():
             return static_loss.item()
 
     seconds, final_loss = common.run_protocol(run_steps, args.steps, args.warmup, args.repeats)
+    extra = None
+    if dtype == torch.bfloat16:
+        extra = {"device_name": device_name(device), "matmul_tflops": matmul_tflops(device)}
     common.emit_result(
         RESULT_STREAM,
         variant=args.variant,
@@ -135,6 +177,7 @@ def main():
         seconds=seconds,
         final_loss=final_loss,
         versions={"torch": torch.__version__},
+        extra=extra,
     )
 
 

@@ -39,6 +39,7 @@ INPUT_SHAPES = {
     "mlp": [784],
     "cnn": [1, 28, 28],
     "transformer": [128, 256],
+    "transformer-bf16": [256, 1024],
 }
 
 
@@ -135,7 +136,7 @@ def peak_rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def emit_result(stream, *, variant, args, batch, seconds, final_loss, versions):
+def emit_result(stream, *, variant, args, batch, seconds, final_loss, versions, extra=None):
     """Write the single JSON result line; exit with an error on a non-finite loss."""
     if not math.isfinite(final_loss):
         raise SystemExit(f"{variant}/{args.workload}: non-finite final loss {final_loss}")
@@ -154,6 +155,7 @@ def emit_result(stream, *, variant, args, batch, seconds, final_loss, versions):
         "final_loss": final_loss,
         "threads": args.threads,
         "versions": {"python": platform.python_version(), **versions},
+        **(extra or {}),
     }
     stream.write(json.dumps(result) + "\n")
     stream.flush()

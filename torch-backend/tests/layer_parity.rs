@@ -236,5 +236,9 @@ fn to_dtype_converts_floats_only_and_checks_inputs() {
 
     let err = model.to_dtype(DType::I64).expect_err("not a float dtype");
     assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
-    assert_eq!(model.dtype(), Some(DType::BF16), "unchanged after the error");
+    assert_eq!(
+        model.dtype(),
+        Some(DType::BF16),
+        "unchanged after the error"
+    );
 }
