@@ -627,8 +627,13 @@ fn table(
     if let Some((flops, (peak, source))) = &mfu {
         t += &format!(
             "Model FLOPs per step: {:.3} TFLOP (3x the forward's matrix products); \
-             MFU against {peak:.1} TFLOP/s, {source}.\n\n",
-            flops / 1e12
+             MFU against {} TFLOP/s, {source}.\n\n",
+            flops / 1e12,
+            if *peak < 10.0 {
+                format!("{peak:.2}")
+            } else {
+                format!("{peak:.1}")
+            }
         );
     }
     let (extra_head, extra_rule) = if mfu.is_some() {
@@ -645,12 +650,18 @@ fn table(
             Ok(r) => {
                 let sps = num(r, "steps_per_s");
                 let ratio = baseline.map_or("-".to_owned(), |b| format!("{:.2}x", sps / b));
+                // Two significant digits at least (the bf16 transformer runs < 1 step/s on a CPU).
+                let sps_text = if sps < 10.0 {
+                    format!("{sps:.2}")
+                } else {
+                    format!("{sps:.1}")
+                };
                 let extra = mfu.as_ref().map_or(String::new(), |(flops, (peak, _))| {
                     let tflops = flops * sps / 1e12;
                     format!(" {tflops:.2} | {:.1}% |", 100.0 * tflops / peak)
                 });
                 t += &format!(
-                    "| {variant} | {sps:.1} | {:.0} |{extra} {:.0} | {ratio} | {:.4} |\n",
+                    "| {variant} | {sps_text} | {:.0} |{extra} {:.0} | {ratio} | {:.4} |\n",
                     num(r, "samples_per_s"),
                     num(r, "peak_rss_mb"),
                     num(r, "final_loss"),
@@ -750,7 +761,8 @@ fn report(sections: &[String], s: &Settings) -> String {
         "# Benchmarks\n\n\
          Kiln against Python on the same work, in one run (`benches/compare/`, Python side in\n\
          `benches/python/`). Every variant runs in its own process with the same model, data,\n\
-         batch size, float32 and {} threads; peak RSS is the process's high-water mark. Each\n\
+         batch size, dtype (float32; bfloat16 where the title says so) and {} threads; peak RSS\n\
+         is the process's high-water mark. Each\n\
          variant ran {} times, taking turns with the others, and the table keeps its median\n\
          round: the machine is a shared VM whose speed drifts by up to 2x for minutes at a time,\n\
          so compare ratios within one table, not across runs.\n\n\
