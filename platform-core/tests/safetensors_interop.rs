@@ -21,6 +21,11 @@ fn tensor_from_description(name: &str, desc: &Value) -> HostTensor {
     let tensor = match dtype {
         DType::F32 => HostTensor::new(floats().map(|v| v as f32).collect::<Vec<_>>(), shape),
         DType::F64 => HostTensor::new(floats().collect::<Vec<_>>(), shape),
+        // The values are exactly representable (the script prints the 16-bit
+        // floats' own values), so the rounding cast is exact.
+        DType::BF16 | DType::F16 => {
+            HostTensor::new(floats().collect::<Vec<_>>(), shape).map(|t| t.to_dtype(dtype))
+        }
         DType::I64 => HostTensor::new(ints().collect::<Vec<_>>(), shape),
         DType::I32 => HostTensor::new(
             ints()
@@ -70,6 +75,16 @@ fn rust_state() -> StateDict {
         ("labels", HostTensor::new(vec![i32::MIN, 0, i32::MAX], [3])),
         ("bytes", HostTensor::new(vec![0u8, 17, 255, 128], [2, 2])),
         ("nothing", HostTensor::zeros(DType::F64, [3, 0])),
+        (
+            "half.bf16",
+            HostTensor::new(vec![1.0f32, -0.3125, 3.0e38, 1e-30], [2, 2])
+                .map(|t| t.to_dtype(DType::BF16)),
+        ),
+        (
+            "half.f16",
+            HostTensor::new(vec![1.0f32, -0.3125, 65504.0, 6e-8], [4])
+                .map(|t| t.to_dtype(DType::F16)),
+        ),
     ];
     for (name, tensor) in entries {
         sd.insert(name, tensor.expect("valid tensor"));
@@ -91,7 +106,7 @@ fn python_written_file_loads() {
     );
     let reply: Value = serde_json::from_str(&stdout).expect("JSON");
     let (expected, expected_meta) = described_state(&reply);
-    assert_eq!(expected.len(), 8);
+    assert_eq!(expected.len(), 10);
 
     let (loaded, metadata) = StateDict::load_safetensors(&path).expect("load");
     assert_eq!(metadata, expected_meta);
@@ -158,17 +173,17 @@ fn unsupported_dtype_and_garbage_are_named() {
         return;
     };
     let dir = common::TempDir::new("st-errors");
-    let path = dir.path().join("bf16.safetensors");
+    let path = dir.path().join("f8.safetensors");
     common::run(
         &python,
         "safetensors_io.py",
-        &["write-bf16".as_ref(), path.as_os_str()],
+        &["write-f8".as_ref(), path.as_os_str()],
     );
-    let err = StateDict::load_safetensors(&path).expect_err("bf16");
+    let err = StateDict::load_safetensors(&path).expect_err("float8");
     assert_eq!(
         err.to_string(),
         format!(
-            "checkpoint {}: dtype BF16 of tensor `weights` is not supported (U8, I32, I64, F32, F64)",
+            "checkpoint {}: dtype F8_E4M3 of tensor `weights` is not supported (U8, I32, I64, F32, F64, BF16, F16)",
             path.display()
         )
     );

@@ -128,3 +128,15 @@ fn tensorflow_errors_carry_the_native_message() {
     );
     assert!(text.contains("NoSuchOpInTensorFlow"), "{text}");
 }
+
+#[test]
+fn half_precision_is_unsupported_with_a_clear_error() {
+    for dtype in [DType::BF16, DType::F16] {
+        let host = HostTensor::new(vec![1.0f32, 2.0], [2])
+            .unwrap()
+            .to_dtype(dtype);
+        let err = TfTensor::from_host(&host).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
+        assert!(err.to_string().contains(dtype.name()), "{err}");
+    }
+}

@@ -23,7 +23,37 @@ fn samples() -> Vec<HostTensor> {
         .unwrap(),
         HostTensor::scalar(3.5f64),
         HostTensor::new(Vec::<f32>::new(), [0, 4]).unwrap(),
+        HostTensor::new(vec![-1.5f32, 0.0, 1e-20, 3.25, 1e30, -0.0], [2, 3])
+            .unwrap()
+            .to_dtype(DType::BF16),
+        HostTensor::new(vec![-1.5f32, 0.0, 6e-5, 3.25, 65504.0, -0.0], [3, 2])
+            .unwrap()
+            .to_dtype(DType::F16),
     ]
+}
+
+#[test]
+fn half_precision_bits_mean_the_same_to_libtorch() {
+    // libtorch's own conversion of Kiln's bf16/f16 bits gives back the values
+    // Kiln rounded them to (checked against f32s that both types hold exactly).
+    let values = vec![-1.5f32, 0.25, 3.0, 1024.0, -0.0, 96.0];
+    let host = HostTensor::new(values.clone(), [6]).unwrap();
+    for dtype in [DType::BF16, DType::F16] {
+        let tensor = to_tch(&host.to_dtype(dtype), Device::Cpu).unwrap();
+        let floats = from_tch(&tensor.to_kind(tch::Kind::Float)).unwrap();
+        assert_eq!(
+            floats.as_slice::<f32>().unwrap(),
+            values.as_slice(),
+            "{dtype}"
+        );
+        let from_libtorch = from_tch(
+            &to_tch(&host, Device::Cpu)
+                .unwrap()
+                .to_kind(kiln_torch::kind_from_dtype(dtype).unwrap()),
+        )
+        .unwrap();
+        assert_eq!(from_libtorch, host.to_dtype(dtype), "{dtype}");
+    }
 }
 
 #[test]
@@ -67,10 +97,10 @@ fn non_contiguous_tensors_come_back_in_logical_order() {
 
 #[test]
 fn unsupported_dtype_is_a_typed_error() {
-    let half = tch::Tensor::ones([2], (tch::Kind::Half, tch::Device::Cpu));
-    let err = from_tch(&half).unwrap_err();
+    let complex = tch::Tensor::ones([2], (tch::Kind::ComplexFloat, tch::Device::Cpu));
+    let err = from_tch(&complex).unwrap_err();
     assert!(matches!(err, Error::Unsupported { .. }), "{err}");
-    assert!(err.to_string().contains("Half"), "{err}");
+    assert!(err.to_string().contains("ComplexFloat"), "{err}");
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 Usage:
     python safetensors_io.py write PATH       write known tensors with safetensors.torch.save_file
-    python safetensors_io.py write-bf16 PATH  write a file holding a bfloat16 tensor
+    python safetensors_io.py write-f8 PATH    write a file holding a float8 (e4m3) tensor
     python safetensors_io.py read PATH        read PATH with safetensors.torch.load_file
 
 `write` and `read` print the tensors as JSON:
@@ -40,6 +40,8 @@ def known_tensors():
         "mask": torch.tensor([[0, 1, 255], [128, 2, 3]], dtype=torch.uint8),
         "step": torch.tensor(42, dtype=torch.int64),
         "empty": torch.zeros(0, 4, dtype=torch.float32),
+        "half.bf16": torch.tensor([[1.0, -0.3125], [3.0e38, 1e-30]], dtype=torch.bfloat16),
+        "half.f16": torch.tensor([1.0, -0.3125, 65504.0, 6e-8], dtype=torch.float16),
     }
 
 
@@ -50,8 +52,8 @@ def main():
         metadata = {"format": "pt", "epoch": "3", "note": "written by safetensors.torch"}
         save_file(tensors, path, metadata=metadata)
         print(json.dumps(describe(tensors, metadata)))
-    elif command == "write-bf16":
-        save_file({"weights": torch.ones(2, 2, dtype=torch.bfloat16)}, path)
+    elif command == "write-f8":
+        save_file({"weights": torch.ones(2, 2).to(torch.float8_e4m3fn)}, path)
     elif command == "read":
         tensors = load_file(path)
         with safe_open(path, framework="pt") as f:
