@@ -435,19 +435,31 @@ impl Builder {
     pub(crate) fn log_softmax(&mut self, x: &Output) -> Result<Output> {
         self.unary("LogSoftmax", x)
     }
-    /// NHWC convolution with `VALID` padding; the filter is `[kh, kw, in, out]`.
+    /// NHWC convolution with `VALID` padding, or `SAME` (zero padding inside the
+    /// op, no separate `Pad` and its copy); the filter is `[kh, kw, in, out]`.
+    /// (`EXPLICIT` padding would be more general, but the C API's gradient of
+    /// `Conv2D` drops its `explicit_paddings`.)
     pub(crate) fn conv2d(
         &mut self,
         x: &Output,
         filter: &Output,
         strides: [i64; 2],
-        dilations: [i64; 2],
+        same: bool,
     ) -> Result<Output> {
         self.op("Conv2D", &[x, filter], &|nd| {
             nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_int_list("strides", &[1, strides[0], strides[1], 1])?;
-            nd.set_attr_int_list("dilations", &[1, dilations[0], dilations[1], 1])?;
-            nd.set_attr_string("padding", "VALID")?;
+            nd.set_attr_int_list("dilations", &[1, 1, 1, 1])?;
+            nd.set_attr_string("padding", if same { "SAME" } else { "VALID" })?;
+            nd.set_attr_string("data_format", "NHWC")?;
+            Ok(())
+        })
+    }
+    /// `x + bias` along the last axis (`BiasAdd`: TensorFlow's optimizer fuses it
+    /// into a preceding `MatMul` or `Conv2D`, with a following `Relu`).
+    pub(crate) fn bias_add(&mut self, x: &Output, bias: &Output) -> Result<Output> {
+        self.op("BiasAdd", &[x, bias], &|nd| {
+            nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_string("data_format", "NHWC")?;
             Ok(())
         })

@@ -171,7 +171,7 @@ impl Ctx<'_> {
         };
         let mut y = self.b.matmul(&flat, &w, false, true)?;
         if let Some(bias) = self.opt_param(bias)? {
-            y = self.b.add(&y, &bias)?;
+            y = self.b.bias_add(&y, &bias)?;
         }
         let mut dims = x.dims.clone();
         if let Some(last) = dims.last_mut() {
@@ -227,7 +227,10 @@ impl Ctx<'_> {
     }
 
     /// A 2-d convolution of an `NHWC` value with a `[kh, kw, in/groups, out]`
-    /// filter, split into `groups` convolutions where needed.
+    /// filter, zero-padded by `padding` (`[height, width]`, both sides), split
+    /// into `groups` convolutions where needed. Where the padding is what
+    /// `SAME` gives (stride 1, `2 * padding` = the dilated kernel's size - 1) the
+    /// convolution pads inside; otherwise a `Pad` op comes first.
     ///
     /// Dilation is applied by inserting zeros into the filter: TensorFlow's
     /// oneDNN filter-gradient kernel rejects dilated convolutions on the CPU.
@@ -239,6 +242,7 @@ impl Ctx<'_> {
         filter_dims: [i64; 4],
         groups: usize,
         strides: [i64; 2],
+        padding: [i64; 2],
         dilations: [i64; 2],
     ) -> Result<Output> {
         let filter = if dilations == [1, 1] {
@@ -263,15 +267,24 @@ impl Ctx<'_> {
                 &[(kh - 1) * dh + 1, (kw - 1) * dw + 1, ci, co],
             )?
         };
+        let span = |i: usize| dilations[i] * (filter_dims[i] - 1) + 1;
+        let same =
+            padding != [0, 0] && strides == [1, 1] && (0..2).all(|i| 2 * padding[i] == span(i) - 1);
+        let x = if same || padding == [0, 0] {
+            x.clone()
+        } else {
+            let [ph, pw] = padding.map(|p| p as i32);
+            self.b.pad(x, &[[0, 0], [ph, ph], [pw, pw], [0, 0]], 0.0)?
+        };
         if groups == 1 {
-            return self.b.conv2d(x, &filter, strides, [1, 1]);
+            return self.b.conv2d(&x, &filter, strides, same);
         }
-        let xs = self.b.split(x, 3, groups)?;
+        let xs = self.b.split(&x, 3, groups)?;
         let fs = self.b.split(&filter, 3, groups)?;
         let parts = xs
             .iter()
             .zip(&fs)
-            .map(|(x, f)| self.b.conv2d(x, f, strides, [1, 1]))
+            .map(|(x, f)| self.b.conv2d(x, f, strides, same))
             .collect::<Result<Vec<_>>>()?;
         self.b.concat(&parts, 3)
     }
@@ -289,17 +302,23 @@ impl Ctx<'_> {
         groups: usize,
     ) -> Result<Val> {
         let x = self.nhwc(x)?;
-        let (h, w) = (x.dims[1], x.dims[2]);
-        let (padded, h, w) =
-            self.pad_spatial(&x.out, h, w, [[padding[0]; 2], [padding[1]; 2]], 0.0)?;
+        let (h, w) = (x.dims[1] + 2 * padding[0], x.dims[2] + 2 * padding[1]);
         let weight = self.param(&join(prefix, "weight"))?;
         // [out, in/g, kh, kw] -> [kh, kw, in/g, out]
         let filter = self.b.transpose(&weight, &[2, 3, 1, 0])?;
         let in_per_group = x.dims[0] / groups as i64;
         let filter_dims = [kernel[0], kernel[1], in_per_group, out_channels];
-        let mut y = self.grouped_conv(&padded, &filter, filter_dims, groups, stride, dilation)?;
+        let mut y = self.grouped_conv(
+            &x.out,
+            &filter,
+            filter_dims,
+            groups,
+            stride,
+            padding,
+            dilation,
+        )?;
         if let Some(bias) = self.opt_param(&join(prefix, "bias"))? {
-            y = self.b.add(&y, &bias)?;
+            y = self.b.bias_add(&y, &bias)?;
         }
         let oh = (h - dilation[0] * (kernel[0] - 1) - 1) / stride[0] + 1;
         let ow = (w - dilation[1] * (kernel[1] - 1) - 1) / stride[1] + 1;
@@ -352,8 +371,6 @@ impl Ctx<'_> {
                 )?;
                 let filter = self.b.transpose(&w4, &[2, 3, 1, 0])?;
                 let nhwc = self.b.transpose(&as2d, &[0, 2, 3, 1])?;
-                let (padded, _, _) =
-                    self.pad_spatial(&nhwc, 1, len, [[0, 0], [c.padding as i64; 2]], 0.0)?;
                 let filter_dims = [
                     1,
                     c.kernel_size as i64,
@@ -361,15 +378,16 @@ impl Ctx<'_> {
                     c.out_channels as i64,
                 ];
                 let mut y = self.grouped_conv(
-                    &padded,
+                    &nhwc,
                     &filter,
                     filter_dims,
                     c.groups,
                     [1, c.stride as i64],
+                    [0, c.padding as i64],
                     [1, c.dilation as i64],
                 )?;
                 if let Some(bias) = self.opt_param(&p("bias"))? {
-                    y = self.b.add(&y, &bias)?;
+                    y = self.b.bias_add(&y, &bias)?;
                 }
                 let out_len = (len + 2 * c.padding as i64
                     - c.dilation as i64 * (c.kernel_size as i64 - 1)
@@ -448,6 +466,7 @@ impl Ctx<'_> {
                         [kh, kw, cin, out_per_group],
                         1,
                         [1, 1],
+                        [0, 0],
                         [dh, dw],
                     )?
                 } else {
@@ -463,6 +482,7 @@ impl Ctx<'_> {
                                 [kh, kw, in_per_group, out_per_group],
                                 1,
                                 [1, 1],
+                                [0, 0],
                                 [dh, dw],
                             )
                         })
