@@ -5,9 +5,10 @@
 //! `malloc`, by default, serves blocks over 128 KiB with a fresh `mmap` (its
 //! threshold then adapts upwards as such blocks are freed) and hands the top of
 //! the heap back to the kernel whenever more than twice that threshold is free.
-//! Every step then pays a page fault for each 4 KiB page of its activations:
-//! measured on Kiln's CNN benchmark, 240k-680k minor faults per run and a third
-//! of the step's time in the kernel.
+//! A step can then pay a page fault for each 4 KiB page of what it allocates
+//! again. Measured on Kiln's transformer benchmark (37 steps): 292k minor faults
+//! and 0.8 s of system time with glibc's defaults, 178k and 0.6 s with this
+//! setting (a plain `tch` CNN loop takes 2.1M faults).
 //!
 //! [`retain_freed_memory`] tells the allocator to keep freed memory for reuse
 //! (the behaviour PyTorch's performance guide gets by preloading jemalloc or
