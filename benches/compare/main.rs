@@ -8,14 +8,13 @@
 //! cargo xtask cargo bench --bench compare --features cuda -- --device cuda   # (a)-(c), (e), (f) on a GPU
 //! ```
 //!
-//! Training workloads (`mlp`, `cnn`, `transformer`, and `transformer-bf16`: the
-//! transformer at width 1024 in bfloat16, reported with model FLOPs utilisation)
-//! have the variants `kiln-torch`
+//! Training workloads (`mlp`, `cnn`, `transformer`) have the variants `kiln-torch`
 //! and `kiln-tf` (Kiln's training step on each backend), `raw-tch` (the same model
 //! written directly in `tch`, no Kiln layers), `pytorch-eager`, `tf-function` and
 //! `keras-fit` (the Python scripts in `benches/python/`, run with the project
-//! virtualenv's interpreter); `transformer-bf16` has only the torch variants. The other workloads (`data`, `script`, `ops`,
-//! `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
+//! virtualenv's interpreter). `transformer-bf16`, the transformer at width 1024 in
+//! bfloat16 reported with model FLOPs utilisation, has only the torch variants. The
+//! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
 //! `--write`, written to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
 //! On a machine without a Rust toolchain, run the built binary (`target/release/deps/
