@@ -829,11 +829,16 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         repeats: get("repeats")?.parse()?,
         threads: get("threads")?.parse()?,
         device: device_flag(&flags)?,
-        retain_host_memory: match flags.get("host-memory").map(String::as_str) {
-            None | Some("retain") => true,
-            Some("release") => false,
-            Some(other) => bail!("--host-memory {other}: expected retain or release"),
-        },
+        retain_host_memory: retain_host_memory(&flags)?,
+    })
+}
+
+/// A worker's `--host-memory retain|release` (retain when absent).
+fn retain_host_memory(flags: &BTreeMap<String, String>) -> Result<bool> {
+    Ok(match flags.get("host-memory").map(String::as_str) {
+        None | Some("retain") => true,
+        Some("release") => false,
+        Some(other) => bail!("--host-memory {other}: expected retain or release"),
     })
 }
 
@@ -942,6 +947,10 @@ fn worker(args: &[String]) -> Result<()> {
             .and_then(|name| Task::parse(name))
             .context("--task needs data, script, ops or checkpoint")?;
         let (variant, flags) = parse_flags(args)?;
+        if retain_host_memory(&flags)? && variant.starts_with("kiln-") {
+            // As `Trainer::fit` does (see `kiln::core::host_memory`).
+            kiln::core::host_memory::retain_freed_memory();
+        }
         let result = tasks::worker(task, &variant, &TaskArgs::parse(&flags)?)?;
         println!("{result}");
         return Ok(());

@@ -366,10 +366,6 @@ impl TaskArgs {
 /// Runs a Kiln variant of `task` in this process and returns its result.
 pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
     tch::set_num_threads(a.threads as i32);
-    if variant.starts_with("kiln-") {
-        // As `Trainer::fit` does (see `kiln::core::host_memory`).
-        kiln::core::host_memory::retain_freed_memory();
-    }
     let mut result = match (task, variant) {
         (Task::Data, "kiln-loader") => data(a)?,
         (Task::Script, "kiln-script") => script(a)?,
