@@ -107,14 +107,20 @@ impl Workload {
         self != Workload::TransformerBf16 || !(is_tensorflow(variant) || variant == "raw-tch")
     }
 
+    /// `(sequence, width, heads, feed-forward width)` of the transformer workloads.
+    fn transformer_dims(self) -> Option<(usize, usize, usize, usize)> {
+        match self {
+            Workload::Transformer => Some((128, 256, 8, 1024)),
+            Workload::TransformerBf16 => Some((256, 1024, 16, 4096)),
+            Workload::Mlp | Workload::Cnn => None,
+        }
+    }
+
     /// Model FLOPs of one training step (forward and backward, 3x the forward's
     /// matrix products; elementwise work not counted), for the transformers.
     fn flops_per_step(self) -> Option<f64> {
-        let (b, s, d, f) = match self {
-            Workload::Transformer => (32.0, 128.0, 256.0, 1024.0),
-            Workload::TransformerBf16 => (32.0, 256.0, 1024.0, 4096.0),
-            _ => return None,
-        };
+        let (s, d, _, f) = self.transformer_dims()?;
+        let [b, s, d, f] = [self.batch(), s, d, f].map(|v| v as f64);
         let tokens = b * s;
         // QKV and output projections, attention scores and values, feed-forward, classifier.
         let forward = 2.0 * tokens * d * 4.0 * d
@@ -142,8 +148,10 @@ impl Workload {
         match self {
             Workload::Mlp => vec![784],
             Workload::Cnn => vec![1, 28, 28],
-            Workload::Transformer => vec![128, 256],
-            Workload::TransformerBf16 => vec![256, 1024],
+            Workload::Transformer | Workload::TransformerBf16 => {
+                let (seq, width, ..) = self.transformer_dims().unwrap_or_default();
+                vec![seq, width]
+            }
         }
     }
 
@@ -192,22 +200,17 @@ impl Workload {
                 Layer::Relu,
                 LinearConfig::new(128, 10).into(),
             ]),
-            Workload::Transformer => Layer::sequential([
-                Layer::transformer_encoder_block(256, 8, 1024, false, 0.0),
-                Layer::Flatten {
-                    start_dim: 1,
-                    end_dim: -1,
-                },
-                LinearConfig::new(128 * 256, 10).into(),
-            ]),
-            Workload::TransformerBf16 => Layer::sequential([
-                Layer::transformer_encoder_block(1024, 16, 4096, false, 0.0),
-                Layer::Flatten {
-                    start_dim: 1,
-                    end_dim: -1,
-                },
-                LinearConfig::new(256 * 1024, 10).into(),
-            ]),
+            Workload::Transformer | Workload::TransformerBf16 => {
+                let (seq, width, heads, ff) = self.transformer_dims().unwrap_or_default();
+                Layer::sequential([
+                    Layer::transformer_encoder_block(width, heads, ff, false, 0.0),
+                    Layer::Flatten {
+                        start_dim: 1,
+                        end_dim: -1,
+                    },
+                    LinearConfig::new(seq * width, 10).into(),
+                ])
+            }
         }
     }
 }
@@ -798,10 +801,6 @@ struct WorkerArgs {
     repeats: usize,
     threads: usize,
     device: Device,
-    /// Kiln's variants keep freed host memory for reuse, as `Trainer::fit`
-    /// does (`--host-memory retain`, the default), or leave glibc's default
-    /// (`--host-memory release`, for the before/after in BENCHMARKS.md).
-    retain_host_memory: bool,
 }
 
 /// `VARIANT --key value ...` as the variant and a map of keys to values.
@@ -829,17 +828,23 @@ fn parse_worker(args: &[String]) -> Result<WorkerArgs> {
         repeats: get("repeats")?.parse()?,
         threads: get("threads")?.parse()?,
         device: device_flag(&flags)?,
-        retain_host_memory: retain_host_memory(&flags)?,
     })
 }
 
-/// A worker's `--host-memory retain|release` (retain when absent).
-fn retain_host_memory(flags: &BTreeMap<String, String>) -> Result<bool> {
-    Ok(match flags.get("host-memory").map(String::as_str) {
+/// Kiln's variants keep freed host memory for reuse, as `Trainer::fit` does
+/// (`--host-memory retain`, the default), or leave glibc's default
+/// (`--host-memory release`, for the before/after in BENCHMARKS.md).
+fn apply_host_memory(args: &[String]) -> Result<()> {
+    let (variant, flags) = parse_flags(args)?;
+    let retain = match flags.get("host-memory").map(String::as_str) {
         None | Some("retain") => true,
         Some("release") => false,
         Some(other) => bail!("--host-memory {other}: expected retain or release"),
-    })
+    };
+    if retain && variant.starts_with("kiln-") {
+        kiln::core::host_memory::retain_freed_memory();
+    }
+    Ok(())
 }
 
 /// The `--device` of a worker's flags; the CPU when absent.
@@ -941,24 +946,18 @@ fn time_steps(
 }
 
 fn worker(args: &[String]) -> Result<()> {
+    apply_host_memory(args)?;
     if let Some(i) = args.iter().position(|a| a == "--task") {
         let task = args
             .get(i + 1)
             .and_then(|name| Task::parse(name))
             .context("--task needs data, script, ops or checkpoint")?;
         let (variant, flags) = parse_flags(args)?;
-        if retain_host_memory(&flags)? && variant.starts_with("kiln-") {
-            // As `Trainer::fit` does (see `kiln::core::host_memory`).
-            kiln::core::host_memory::retain_freed_memory();
-        }
         let result = tasks::worker(task, &variant, &TaskArgs::parse(&flags)?)?;
         println!("{result}");
         return Ok(());
     }
     let a = parse_worker(args)?;
-    if a.retain_host_memory && a.variant.starts_with("kiln-") {
-        kiln::core::host_memory::retain_freed_memory();
-    }
     ensure!(
         a.workload.runs(&a.variant),
         "{} has no {} variant",
