@@ -1,13 +1,14 @@
 //! The generic Trainer on the torch backend: gradient accumulation equals one big
 //! batch, a non-finite loss stops training naming the step and leaves the
-//! checkpoints intact, early stopping, evaluate and predict.
+//! checkpoints intact, early stopping, evaluate and predict, resuming bitwise in every
+//! precision.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, Error, InMemoryDataset, Layer,
-    LinearConfig, Loss, MonitorMode, OptimizerConfig, SequentialLoader, SgdConfig, TrainBackend,
-    Trainer, TrainerConfig, TrainingState,
+    Checkpoint, CheckpointPolicy, Checkpointer, DType, EarlyStopping, Error, FloatPrecision,
+    InMemoryDataset, Layer, LinearConfig, Loss, MonitorMode, OptimizerConfig, SequentialLoader,
+    SgdConfig, TrainBackend, Trainer, TrainerConfig, TrainingState,
 };
 use kiln::prelude::*;
 use kiln::torch::TorchBackend as B;
@@ -185,16 +186,44 @@ fn early_stopping_evaluate_and_predict() {
 #[test]
 fn resume_from_a_checkpoint_is_bitwise_in_process() {
     let _serial = serial();
+    resume_is_bitwise(FloatPrecision::F32);
+}
+
+/// The same in bfloat16: mixed precision keeps float32 weights and Adam state
+/// (its forward under autocast), `bf16-true` keeps both in bfloat16, and the
+/// loss still falls.
+#[test]
+fn bf16_precisions_train_and_resume_bitwise() {
+    let _serial = serial();
+    for precision in [FloatPrecision::Bf16Mixed, FloatPrecision::Bf16True] {
+        let state = resume_is_bitwise(precision);
+        let dtype = precision.parameter_dtype();
+        for (name, t) in state.model.state_dict().unwrap().iter() {
+            assert_eq!(t.dtype(), dtype, "{precision}: {name}");
+        }
+        for (name, t) in state.optimizer.state_dict().unwrap().iter() {
+            if t.dtype().is_float() && t.numel() > 1 {
+                assert_eq!(t.dtype(), dtype, "{precision}: optimizer {name}");
+            }
+        }
+    }
+}
+
+/// Trains a dropout MLP with Adam and a step schedule 12 steps at `precision`,
+/// checkpointing every 3, resumes a fresh state from step 6 and checks both end
+/// bitwise equal and that training lowered the loss; returns the full run's state.
+fn resume_is_bitwise(precision: FloatPrecision) -> TrainingState<B> {
     let spec = Layer::sequential([
         LinearConfig::new(3, 16).into(),
         Layer::Relu,
         Layer::Dropout { p: 0.3 },
         LinearConfig::new(16, 1).into(),
     ]);
-    let dir = std::env::temp_dir().join(format!("kiln-resume-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kiln-resume-{precision}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let make = || {
-        let model = B::build_model(&spec, Device::Cpu).unwrap();
+        let mut model = B::build_model(&spec, Device::Cpu).unwrap();
+        B::set_precision(&mut model, precision).unwrap();
         let opt = B::build_optimizer(
             &OptimizerConfig::Adam(kiln::core::AdamConfig::new(0.01)),
             &model,
@@ -213,6 +242,7 @@ fn resume_from_a_checkpoint_is_bitwise_in_process() {
         epochs: 3,
         seed: 9,
         schedule_interval: kiln::core::ScheduleInterval::Step,
+        precision,
         ..TrainerConfig::default()
     };
     let policy = CheckpointPolicy {
@@ -232,7 +262,7 @@ fn resume_from_a_checkpoint_is_bitwise_in_process() {
 
     let mut full = make();
     let initial = full.model.state_dict().unwrap();
-    Trainer::<B>::new(config.clone(), Loss::mse())
+    let history = Trainer::<B>::new(config.clone(), Loss::mse())
         .unwrap()
         .with_checkpointer(
             Checkpointer::new(&dir, policy.clone()).unwrap(),
@@ -263,6 +293,37 @@ fn resume_from_a_checkpoint_is_bitwise_in_process() {
         resumed.optimizer.state_dict().unwrap(),
         full.optimizer.state_dict().unwrap()
     );
+    let losses: Vec<f64> = history.series("loss").into_iter().map(|(_, v)| v).collect();
+    assert!(
+        losses[2] < losses[0],
+        "{precision}: the training loss did not fall: {losses:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    full
+}
+
+#[test]
+fn a_model_without_the_configured_precision_is_refused() {
+    let _serial = serial();
+    let mut state = state(3);
+    let before = state.model.state_dict().unwrap();
+    let config = TrainerConfig {
+        epochs: 1,
+        precision: FloatPrecision::Bf16Mixed,
+        ..TrainerConfig::default()
+    };
+    let err = Trainer::<B>::new(config, Loss::mse())
+        .unwrap()
+        .fit(&mut state, &loader(16, None), None)
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+    assert!(
+        text.contains("bf16-mixed") && text.contains("32-true") && text.contains("set_precision"),
+        "{text}"
+    );
+    assert_eq!(state.step, 0);
+    assert_eq!(state.model.state_dict().unwrap(), before);
 }
 
 #[test]

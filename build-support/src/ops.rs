@@ -110,7 +110,9 @@ macro_rules! source_setters {
 ///     .op_source("cpp/my_op.cc")
 ///     .compile()
 ///     .unwrap_or_else(|e| panic!("{e}"));
-/// println!("cargo:rustc-env=MY_OPS_LIBRARY={}", ops.shared_library.display());
+/// if let Some(library) = &ops.shared_library {
+///     println!("cargo:rustc-env=MY_OPS_LIBRARY={}", library.display());
+/// }
 /// ```
 #[derive(Debug, Clone)]
 pub struct TorchOps {
@@ -122,8 +124,9 @@ pub struct TorchOps {
 #[derive(Debug, Clone)]
 pub struct OpsArtifacts {
     /// `lib<name>.so` in `OUT_DIR`: the op sources linked against libtorch, for
-    /// `torch.ops.load_library` in Python.
-    pub shared_library: PathBuf,
+    /// `torch.ops.load_library` in Python; `None` without op or CUDA sources
+    /// (a bridge to libtorch's C++ API only).
+    pub shared_library: Option<PathBuf>,
     /// libtorch's `lib/` directory the ops were built against.
     pub libtorch_lib: PathBuf,
 }
@@ -193,6 +196,14 @@ impl TorchOps {
             .compile(&self.sources.name);
         cuda.emit_rust_links();
 
+        self.sources.watch();
+        if objects.is_empty() {
+            // A bridge only (no kernels, nothing for Python to load).
+            return Ok(OpsArtifacts {
+                shared_library: None,
+                libtorch_lib: lib,
+            });
+        }
         let shared_library = out_dir.join(format!("lib{}.so", self.sources.name));
         let compiler = ops.get_compiler();
         let mut link = Command::new(compiler.path());
@@ -214,9 +225,8 @@ impl TorchOps {
                 detail: String::from_utf8_lossy(&output.stderr).into_owned(),
             });
         }
-        self.sources.watch();
         Ok(OpsArtifacts {
-            shared_library,
+            shared_library: Some(shared_library),
             libtorch_lib: lib,
         })
     }

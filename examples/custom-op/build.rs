@@ -20,10 +20,10 @@ fn main() {
             println!("cargo:warning={e}");
             std::process::exit(1);
         });
-    println!(
-        "cargo:rustc-env=SQUARED_RELU_LIBRARY={}",
-        ops.shared_library.display()
-    );
+    // Some: there are op sources to link for Python.
+    if let Some(library) = &ops.shared_library {
+        println!("cargo:rustc-env=SQUARED_RELU_LIBRARY={}", library.display());
+    }
     println!("cargo:rerun-if-changed=cpp/bridge.h");
 
     kiln_build::TfOps::new("squared_relu_tf")

@@ -48,6 +48,7 @@ mod metric;
 mod model;
 mod module;
 mod optim;
+mod precision;
 mod safetensors;
 mod schedule;
 mod shape;
@@ -107,6 +108,7 @@ pub use schedule::{
     PerGroup, PlateauMode, ReduceLrOnPlateau, ReduceLrOnPlateauConfig, SchedulerConfig, StepLr,
     StepLrConfig, ThresholdMode,
 };
+pub use precision::FloatPrecision;
 pub use shape::Shape;
 pub use state_dict::StateDict;
 pub use tensor::HostTensor;

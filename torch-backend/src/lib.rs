@@ -17,10 +17,12 @@
 //! ```
 //!
 //! `unsafe` is denied everywhere but `host_view`, where libtorch reads host memory
-//! in place (a raw pointer given to `from_blob`, each use with a `// SAFETY:` note).
+//! in place (a raw pointer given to `from_blob`, each use with a `// SAFETY:` note),
+//! and the cxx bridge of [`autocast`] (C++ compiled by the build script).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+mod autocast;
 mod backend;
 mod convert;
 mod custom;
@@ -34,6 +36,7 @@ mod optim;
 mod script;
 mod train;
 
+pub use autocast::autocast;
 pub use backend::TorchBackend;
 pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};
 pub use custom::{Chain, TchModule};

@@ -66,8 +66,22 @@ fn check_same_shape(name: &str, input: &Tensor, target: &Tensor) -> Result<()> {
 /// `CrossEntropy` takes logits `[N, C, ...]` and either int64 class indices
 /// `[N, ...]` or class probabilities of the input's shape; `Nll` takes
 /// log-probabilities and class indices; the regression losses take equal shapes.
+/// Floating-point targets are compared in the input's dtype (float32 labels
+/// against a bfloat16 model's output, as Lightning's `bf16-true` casts them).
 pub fn compute_loss(loss: &Loss, input: &Tensor, target: &Tensor) -> Result<Tensor> {
     loss.validate()?;
+    let same_kind;
+    let target = if is_float_kind(target.kind())
+        && is_float_kind(input.kind())
+        && target.kind() != input.kind()
+    {
+        same_kind = target
+            .f_to_kind(input.kind())
+            .map_err(|e| torch_error("casting the targets to the input's dtype", e))?;
+        &same_kind
+    } else {
+        target
+    };
     let result = match loss {
         Loss::CrossEntropy(c) => {
             if is_float_kind(target.kind()) {

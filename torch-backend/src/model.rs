@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_core::{
     CustomConfig, DType, Device, Error, GeluApproximation, InitDistribution, Layer, Mode, Module,
-    ParamKind, ParamSpec, Result, Shape, StateDict,
+    ParamKind, ParamSpec, FloatPrecision, Result, Shape, StateDict,
 };
 use tch::{Kind, TchError, Tensor};
 
@@ -192,6 +192,8 @@ pub struct TorchModel {
     /// The dtype of the floating-point parameters and buffers (`None` when
     /// the model has none): what a floating-point input must be.
     float_dtype: Option<DType>,
+    /// How the forward pass computes ([`set_precision`](TorchModel::set_precision)).
+    precision: FloatPrecision,
 }
 
 impl TorchModel {
@@ -232,6 +234,7 @@ impl TorchModel {
             mode: Mode::Train,
             device,
             float_dtype,
+            precision: FloatPrecision::F32,
         })
     }
 
@@ -294,6 +297,44 @@ impl TorchModel {
             self.float_dtype = Some(dtype);
         }
         Ok(())
+    }
+
+    /// Trains and runs at `precision`, like Lightning's `Trainer(precision=...)`
+    /// (see [`FloatPrecision`]): converts the floating-point parameters and buffers to
+    /// [`FloatPrecision::parameter_dtype`] and sets how [`forward`](Module::forward)
+    /// computes:
+    ///
+    /// - `bf16-mixed`: float32 parameters; the layers run under
+    ///   [`autocast`](crate::autocast) to bfloat16, and a floating-point output
+    ///   comes back in float32 (what Keras recommends for a mixed-precision
+    ///   model's last layer), so losses and metrics are computed in float32.
+    /// - `bf16-true`: bfloat16 parameters; float inputs are cast to bfloat16 (as
+    ///   Lightning's precision plugin does), the output is bfloat16.
+    /// - `32-true`: float32 throughout (the default).
+    ///
+    /// Build optimizers after this: they hold the parameters they update.
+    /// Nothing changes on error.
+    ///
+    /// ```no_run
+    /// use kiln_core::{Device, Layer, LinearConfig, Module, FloatPrecision};
+    /// use kiln_torch::TorchModel;
+    ///
+    /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
+    /// model.set_precision(FloatPrecision::Bf16Mixed)?;
+    /// let x = tch::Tensor::randn([8, 64], (tch::Kind::Float, tch::Device::Cpu));
+    /// assert_eq!(model.forward(&x)?.kind(), tch::Kind::Float); // computed in bf16
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn set_precision(&mut self, precision: FloatPrecision) -> Result<()> {
+        self.to_dtype(precision.parameter_dtype())?;
+        self.precision = precision;
+        Ok(())
+    }
+
+    /// The precision set by [`set_precision`](Self::set_precision) (`32-true`
+    /// when built; [`to_dtype`](Self::to_dtype) does not change it).
+    pub fn precision(&self) -> FloatPrecision {
+        self.precision
     }
 
     /// Replaces every parameter and buffer with `f` of it (detached, parameters
@@ -780,12 +821,29 @@ impl Module<TorchBackend> for TorchModel {
     /// definition's shape inference run, to name the layer and both shapes
     /// (the training step does no shape bookkeeping of its own).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        let cast;
+        let input = match self.precision {
+            FloatPrecision::Bf16True => {
+                cast = cast_float(input, Kind::BFloat16, "casting the input to bfloat16")?;
+                &cast
+            }
+            FloatPrecision::F32 | FloatPrecision::Bf16Mixed => input,
+        };
         self.check_input(input)?;
-        self.run(&self.root, input, self.mode.is_train())
-            .map_err(|e| match e {
-                Failure::Torch(e) => self.explain_failure(input, e),
-                Failure::Layer(e) => e,
-            })
+        let run = || {
+            self.run(&self.root, input, self.mode.is_train())
+                .map_err(|e| match e {
+                    Failure::Torch(e) => self.explain_failure(input, e),
+                    Failure::Layer(e) => e,
+                })
+        };
+        match self.precision.autocast_dtype() {
+            None => run(),
+            Some(dtype) => {
+                let output = crate::autocast(self.device, dtype, run)??;
+                cast_float(&output, Kind::Float, "casting the output to float32")
+            }
+        }
     }
 
     fn mode(&self) -> Mode {
@@ -821,5 +879,16 @@ impl Module<TorchBackend> for TorchModel {
             .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
             .collect();
         copy_state(&targets, state)
+    }
+}
+
+/// `tensor` in `kind` when it is floating-point and of another kind; otherwise
+/// itself (integer inputs feed embeddings, and keep their kind).
+fn cast_float(tensor: &Tensor, kind: Kind, what: &str) -> Result<Tensor> {
+    let current = tensor.f_kind().map_err(|e| torch_error(what, e))?;
+    if is_float_kind(current) && current != kind {
+        tensor.f_to_kind(kind).map_err(|e| torch_error(what, e))
+    } else {
+        Ok(tensor.shallow_clone())
     }
 }

@@ -1,6 +1,8 @@
 //! [`TrainBackend`] for libtorch: what the generic [`kiln_core::Trainer`] needs.
 
-use kiln_core::{Device, GradClip, Layer, Loss, OptimizerConfig, ParamGroup, Result, TrainBackend};
+use kiln_core::{
+    Device, GradClip, Layer, Loss, OptimizerConfig, ParamGroup, FloatPrecision, Result, TrainBackend,
+};
 use tch::Tensor;
 
 use crate::backend::TorchBackend;
@@ -15,6 +17,14 @@ impl TrainBackend for TorchBackend {
 
     fn build_model(spec: &Layer, device: Device) -> Result<TorchModel> {
         TorchModel::new(spec, device)
+    }
+
+    fn set_precision(model: &mut TorchModel, precision: FloatPrecision) -> Result<()> {
+        model.set_precision(precision)
+    }
+
+    fn precision(model: &TorchModel) -> FloatPrecision {
+        model.precision()
     }
 
     fn build_optimizer(

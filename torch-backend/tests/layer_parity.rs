@@ -2,14 +2,16 @@
 //! Python PyTorch for the same weights and batch (f32, within 1e-5), plus the
 //! running statistics BatchNorm updates in training; and again with the model
 //! and input in bfloat16 (`TorchModel::to_dtype`, `model.to(torch.bfloat16)`,
-//! within 1.6e-2, `torch.testing`'s bf16 tolerance). The references come from
+//! within 1.6e-2, `torch.testing`'s bf16 tolerance); and with the forward pass
+//! under bfloat16 autocast (`FloatPrecision::Bf16Mixed`, `torch.autocast`), float32
+//! parameters and gradients within the same tolerance. The references come from
 //! `tests/reference/layer_parity.py`, run through the project virtualenv.
 
 #![allow(clippy::unwrap_used)]
 
 mod common;
 
-use kiln_core::{DType, Device, Layer, Mode, Module};
+use kiln_core::{DType, Device, FloatPrecision, Layer, Mode, Module};
 use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
 
 struct Case {
@@ -42,24 +44,55 @@ fn cases() -> Vec<Case> {
         .collect()
 }
 
+/// How a parity run builds the model: its parameters' dtype, or a precision.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Numerics {
+    DType(DType),
+    Precision(FloatPrecision),
+}
+
+impl std::fmt::Display for Numerics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Numerics::DType(dtype) => write!(f, "{dtype}"),
+            Numerics::Precision(p) => write!(f, "{p}"),
+        }
+    }
+}
+
 #[test]
 fn every_layer_matches_pytorch_forward_and_gradients() {
     parity(
         "every_layer_matches_pytorch_forward_and_gradients",
-        DType::F32,
+        Numerics::DType(DType::F32),
     );
 }
 
 #[test]
 fn every_layer_matches_pytorch_in_bfloat16() {
-    parity("every_layer_matches_pytorch_in_bfloat16", DType::BF16);
+    parity(
+        "every_layer_matches_pytorch_in_bfloat16",
+        Numerics::DType(DType::BF16),
+    );
 }
 
-fn parity(test: &str, dtype: DType) {
+#[test]
+fn every_layer_matches_pytorch_under_bfloat16_autocast() {
+    parity(
+        "every_layer_matches_pytorch_under_bfloat16_autocast",
+        Numerics::Precision(FloatPrecision::Bf16Mixed),
+    );
+}
+
+fn parity(test: &str, numerics: Numerics) {
     let Some(python) = common::python(test) else {
         return;
     };
-    let dir = common::scratch_dir(&format!("layer-parity-{dtype}"));
+    let dir = common::scratch_dir(&format!("layer-parity-{numerics}"));
+    let (dtype, autocast) = match numerics {
+        Numerics::DType(dtype) => (dtype, None),
+        Numerics::Precision(p) => (p.parameter_dtype(), p.autocast_dtype()),
+    };
     let cases = cases();
     let request: Vec<serde_json::Value> = cases
         .iter()
@@ -74,6 +107,7 @@ fn parity(test: &str, dtype: DType) {
                 "train": c.train,
                 "seed": 1000 + i,
                 "dtype": dtype.name(),
+                "autocast": autocast.map(DType::name),
             })
         })
         .collect();
@@ -83,18 +117,25 @@ fn parity(test: &str, dtype: DType) {
     for (device, tol) in common::devices() {
         // bf16 keeps 8 significant bits; `torch.testing.assert_close`'s
         // tolerance for it is 1.6e-2 relative (two roundings apart near 1).
-        let tol = if dtype == DType::BF16 { 1.6e-2 } else { tol };
+        let tol = if numerics == Numerics::DType(DType::F32) {
+            tol
+        } else {
+            1.6e-2
+        };
         for case in &cases {
-            check_case(case, &dir, device, dtype, tol);
+            check_case(case, &dir, device, numerics, tol);
         }
     }
 }
 
-fn check_case(case: &Case, dir: &std::path::Path, device: Device, dtype: DType, tol: f64) {
+fn check_case(case: &Case, dir: &std::path::Path, device: Device, numerics: Numerics, tol: f64) {
     {
         let reference = common::load(&dir.join(format!("{}.safetensors", case.name)));
         let mut model = TorchModel::new(&case.layer, device).unwrap();
-        model.to_dtype(dtype).unwrap();
+        match numerics {
+            Numerics::DType(dtype) => model.to_dtype(dtype).unwrap(),
+            Numerics::Precision(p) => model.set_precision(p).unwrap(),
+        }
         model
             .load_state_dict(&common::strip(&reference, "state."))
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
@@ -108,7 +149,7 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, dtype: DType, 
         let output = model
             .forward(&input)
             .unwrap_or_else(|e| panic!("{}: {e}", case.name));
-        let what = |part: &str| format!("{} on {device} in {dtype}: {part}", case.name);
+        let what = |part: &str| format!("{} on {device} in {numerics}: {part}", case.name);
         common::assert_close(
             &what("output"),
             &from_tch(&output).unwrap(),

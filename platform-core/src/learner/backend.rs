@@ -2,11 +2,12 @@
 
 use crate::backend::Backend;
 use crate::device::Device;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::model::Layer;
 use crate::module::Module;
 use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
+use crate::precision::FloatPrecision;
 use crate::tensor::HostTensor;
 
 /// What one training micro-batch does, for [`TrainBackend::train_step`].
@@ -34,6 +35,29 @@ pub trait TrainBackend: Backend {
 
     /// Builds `spec` on `device` (initial weights from the backend's generator).
     fn build_model(spec: &Layer, device: Device) -> Result<Self::Model>;
+
+    /// Gives `model` a training [`FloatPrecision`]: converts its floating-point
+    /// parameters to [`FloatPrecision::parameter_dtype`] and sets how its forward
+    /// pass computes. Call it before [`build_optimizer`](Self::build_optimizer)
+    /// (the optimizer holds the parameters it updates); nothing changes on error.
+    ///
+    /// The default accepts only [`FloatPrecision::F32`], what every model starts in.
+    fn set_precision(model: &mut Self::Model, precision: FloatPrecision) -> Result<()> {
+        let _ = model;
+        match precision {
+            FloatPrecision::F32 => Ok(()),
+            other => Err(Error::unsupported(format!(
+                "precision {other} on this backend (it trains in 32-true only)"
+            ))),
+        }
+    }
+
+    /// The precision `model` was given by [`set_precision`](Self::set_precision)
+    /// (`32-true` when built).
+    fn precision(model: &Self::Model) -> FloatPrecision {
+        let _ = model;
+        FloatPrecision::F32
+    }
 
     /// Builds an optimizer over `model`'s parameters.
     fn build_optimizer(

@@ -18,6 +18,7 @@ use crate::metric::{LossMetric, Metric};
 use crate::model::Layer;
 use crate::module::Module;
 use crate::optim::{GradClip, Optimizer};
+use crate::precision::FloatPrecision;
 use crate::schedule::LrScheduler;
 use crate::tensor::HostTensor;
 
@@ -66,6 +67,12 @@ pub struct TrainerConfig {
     /// default, glibc only). `fit` applies it process-wide.
     #[serde(default = "yes")]
     pub retain_host_memory: bool,
+    /// The dtype of parameters and of the forward pass, like Lightning's
+    /// `precision` (`32-true`, `bf16-mixed`, `bf16-true`). The model must have
+    /// been given it ([`TrainBackend::set_precision`]) before its optimizer was
+    /// built; `fit` checks.
+    #[serde(default)]
+    pub precision: FloatPrecision,
 }
 
 fn ten() -> u64 {
@@ -93,6 +100,7 @@ impl Default for TrainerConfig {
             schedule_interval: ScheduleInterval::Epoch,
             log_every: 50,
             retain_host_memory: true,
+            precision: FloatPrecision::F32,
         }
     }
 }
@@ -314,6 +322,18 @@ impl<B: TrainBackend> Trainer<B> {
         train: &dyn DataLoader,
         val: Option<&dyn DataLoader>,
     ) -> Result<History> {
+        let precision = B::precision(&state.model);
+        if precision != self.config.precision {
+            return Err(Error::invalid_argument(
+                "precision",
+                format!(
+                    "the trainer is configured for {} but the model computes in {precision}; \
+                     give the model its precision (TrainBackend::set_precision) before \
+                     building its optimizer",
+                    self.config.precision
+                ),
+            ));
+        }
         if self.config.retain_host_memory {
             crate::host_memory::retain_freed_memory();
         }

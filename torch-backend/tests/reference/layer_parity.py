@@ -6,7 +6,10 @@ Usage: python layer_parity.py CASES.json OUT_DIR
 CASES.json is a list of {"name", "layer": <kiln Layer as JSON>, "input": [dims],
 "input_dtype": "float32" | "int64", "high": int (int64 inputs draw from [0, high)),
 "train": bool, "seed": int, "dtype": "float32" | "bfloat16" (optional, float32 by default:
-the module's floating-point parameters and a float input in that dtype)}. For each case OUT_DIR/<name>.safetensors holds:
+the module's floating-point parameters and a float input in that dtype), "autocast":
+"bfloat16" (optional: the forward pass under `torch.autocast("cpu", dtype=torch.bfloat16)`,
+a floating-point output cast back to float32, as Kiln's `bf16-mixed` precision does)}.
+For each case OUT_DIR/<name>.safetensors holds:
 
     state.<key>   the module's state_dict before the forward pass
     input         the input
@@ -41,7 +44,13 @@ def run_case(case, out_dir):
         x = torch.randint(0, case["high"], case["input"], dtype=torch.int64)
     else:
         x = torch.randn(case["input"], dtype=torch.float32).to(dtype).requires_grad_(True)
-    out = model(x)
+    if case.get("autocast"):
+        with torch.autocast("cpu", dtype=getattr(torch, case["autocast"])):
+            out = model(x)
+        if out.is_floating_point():
+            out = out.float()
+    else:
+        out = model(x)
     w = torch.randn(out.shape, dtype=out.dtype)
     (out * w).sum().backward()
     tensors = dict(state)
