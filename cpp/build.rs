@@ -25,7 +25,10 @@ fn main() {
     });
     // Some: there are op sources to link for Python.
     if let Some(library) = &ops.shared_library {
-        println!("cargo:rustc-env=KILN_OPS_TORCH_LIBRARY={}", library.display());
+        println!(
+            "cargo:rustc-env=KILN_OPS_TORCH_LIBRARY={}",
+            library.display()
+        );
     }
     for path in ["include/ops.h", "include/kernels.h", "include/cuda_graph.h"] {
         println!("cargo:rerun-if-changed={path}");

@@ -367,6 +367,106 @@ fn inspect_eval_predict_and_config_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.toml"));
 }
 
+/// `--precision` (or `[training] precision`): bf16-mixed and bf16-true train to
+/// the accuracy float32 reaches here, `eval` of the run's checkpoint
+/// uses the run's precision (its written config), and the weights are stored in
+/// the precision's parameter dtype. The TensorFlow backend refuses both by name.
+#[test]
+fn bf16_precisions_train_and_evaluate() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("precision");
+    let cfg = config(&dir, 0);
+    let cfg = cfg.to_str().unwrap();
+    for (precision, dtype) in [("bf16-mixed", "float32"), ("bf16-true", "bfloat16")] {
+        let out = dir.join(precision);
+        let stdout = String::from_utf8(
+            kiln(&[
+                "train",
+                "--config",
+                cfg,
+                "--output",
+                out.to_str().unwrap(),
+                "--epochs",
+                "2",
+                "--precision",
+                precision,
+            ])
+            .stdout,
+        )
+        .unwrap();
+        assert!(
+            stdout.contains(&format!("on cpu in {precision}")),
+            "{stdout}"
+        );
+        let run_config = out.join("config.toml");
+        assert!(
+            std::fs::read_to_string(&run_config)
+                .unwrap()
+                .contains(&format!("precision = \"{precision}\"")),
+            "the run's config records its precision"
+        );
+        let last = out.join("checkpoints/last.safetensors");
+        let table = String::from_utf8(kiln(&["inspect", last.to_str().unwrap()]).stdout).unwrap();
+        let row = table
+            .lines()
+            .find(|l| l.contains("model.0.weight"))
+            .unwrap_or_else(|| panic!("{table}"));
+        assert!(row.contains(dtype), "{precision}: {row}");
+
+        let metrics = String::from_utf8(
+            kiln(&[
+                "eval",
+                "--config",
+                run_config.to_str().unwrap(),
+                "--checkpoint",
+                last.to_str().unwrap(),
+            ])
+            .stdout,
+        )
+        .unwrap();
+        let accuracy: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("accuracy"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert!(accuracy > 0.8, "{precision}: {metrics}");
+    }
+
+    let out = Command::new(KILN)
+        .args([
+            "train",
+            "--config",
+            cfg,
+            "--backend",
+            "tensorflow",
+            "--precision",
+            "bf16-mixed",
+            "--output",
+            dir.join("tf").to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bf16-mixed") && err.contains("torch backend"),
+        "{err}"
+    );
+
+    let out = Command::new(KILN)
+        .args(["train", "--config", cfg, "--precision", "fp8"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("fp8") && err.contains("bf16-mixed"), "{err}");
+}
+
 /// The shipped config runs as the README's first command runs it (fewer epochs),
 /// and leaves every output a user expects.
 #[test]

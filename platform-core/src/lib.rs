@@ -101,6 +101,7 @@ pub use optim::{
     AdagradConfig, AdamConfig, AdamWConfig, GradClip, GroupHyper, Optimizer, OptimizerConfig,
     ParamGroup, ParamSelector, RmsPropConfig, SgdConfig,
 };
+pub use precision::FloatPrecision;
 pub use schedule::{
     AnnealStrategy, CosineAnnealingLr, CosineAnnealingLrConfig, CosineAnnealingWarmRestarts,
     CosineAnnealingWarmRestartsConfig, ExponentialLr, ExponentialLrConfig, LinearLr,
@@ -108,7 +109,6 @@ pub use schedule::{
     PerGroup, PlateauMode, ReduceLrOnPlateau, ReduceLrOnPlateauConfig, SchedulerConfig, StepLr,
     StepLrConfig, ThresholdMode,
 };
-pub use precision::FloatPrecision;
 pub use shape::Shape;
 pub use state_dict::StateDict;
 pub use tensor::HostTensor;

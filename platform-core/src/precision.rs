@@ -48,7 +48,11 @@ pub enum FloatPrecision {
 
 impl FloatPrecision {
     /// Every precision, in the order the names are listed in errors.
-    pub const ALL: [FloatPrecision; 3] = [FloatPrecision::F32, FloatPrecision::Bf16Mixed, FloatPrecision::Bf16True];
+    pub const ALL: [FloatPrecision; 3] = [
+        FloatPrecision::F32,
+        FloatPrecision::Bf16Mixed,
+        FloatPrecision::Bf16True,
+    ];
 
     /// The name in configs and on the command line (`32-true`, `bf16-mixed`, `bf16-true`).
     pub const fn name(self) -> &'static str {
@@ -99,7 +103,10 @@ impl std::str::FromStr for FloatPrecision {
                 let known: Vec<&str> = FloatPrecision::ALL.iter().map(|p| p.name()).collect();
                 Error::invalid_argument(
                     "precision",
-                    format!("unknown precision {s:?}; expected one of {}", known.join(", ")),
+                    format!(
+                        "unknown precision {s:?}; expected one of {}",
+                        known.join(", ")
+                    ),
                 )
             })
     }
@@ -128,7 +135,10 @@ mod tests {
 
     #[test]
     fn unknown_names_list_the_known_ones() {
-        let err = "16-mixed".parse::<FloatPrecision>().unwrap_err().to_string();
+        let err = "16-mixed"
+            .parse::<FloatPrecision>()
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("\"16-mixed\"") && err.contains("32-true, bf16-mixed, bf16-true"),
             "{err}"

@@ -15,8 +15,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::{
     load_digits, train_test_split, BackendKind, Checkpoint, Checkpointer, DataLoader, DatasetKind,
-    EarlyStopping, HostTensor, InMemoryDataset, Module, RunConfig, TrainBackend, Trainer,
-    TrainingState,
+    EarlyStopping, FloatPrecision, HostTensor, InMemoryDataset, Module, RunConfig, TrainBackend,
+    Trainer, TrainingState,
 };
 use kiln::prelude::*;
 
@@ -67,6 +67,9 @@ struct TrainArgs {
     /// Override `backend` (torch, tensorflow).
     #[arg(long, value_parser = parse_backend)]
     backend: Option<BackendKind>,
+    /// Override `training.precision` (32-true, bf16-mixed, bf16-true).
+    #[arg(long)]
+    precision: Option<FloatPrecision>,
     /// Override `output_dir`.
     #[arg(long)]
     output: Option<PathBuf>,
@@ -254,6 +257,9 @@ fn train(args: TrainArgs) -> Result<()> {
     if let Some(v) = args.backend {
         config.backend = v;
     }
+    if let Some(v) = args.precision {
+        config.training.precision = v;
+    }
     if let Some(v) = args.output {
         config.output_dir = v;
     }
@@ -295,7 +301,8 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     training.seed = config.seed;
     training.device = config.device;
     B::manual_seed(config.seed);
-    let model = B::build_model(&config.model, config.device)?;
+    let mut model = B::build_model(&config.model, config.device)?;
+    B::set_precision(&mut model, config.training.precision)?;
     let optimizer = B::build_optimizer(&config.optimizer, &model, &config.param_groups)?;
     let scheduler = match &config.schedule {
         Some(s) => Some(s.build(&optimizer.learning_rates())?),
@@ -317,9 +324,10 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     }
 
     println!(
-        "kiln: {} on {} ({}), {} parameters; {} training and {} validation examples",
+        "kiln: {} on {} in {} ({}), {} parameters; {} training and {} validation examples",
         B::NAME,
         config.device,
+        config.training.precision,
         config.output_dir.display(),
         state.model.num_parameters(),
         n_train,
@@ -414,6 +422,7 @@ fn restore<B: TrainBackend>(
         .clone()
         .unwrap_or_else(|| config.model.clone());
     let mut model = B::build_model(&definition, device)?;
+    B::set_precision(&mut model, config.training.precision)?;
     model.load_state_dict(&checkpoint.model)?;
     model.set_mode(Mode::Eval);
     Ok(model)

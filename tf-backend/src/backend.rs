@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use kiln_core::{
-    Backend, DType, Device, Error, GradClip, HostTensor, Layer, Loss, Module, OptimizerConfig,
-    ParamGroup, Result, Shape, StepPlan, TrainBackend,
+    Backend, DType, Device, Error, FloatPrecision, GradClip, HostTensor, Layer, Loss, Module,
+    OptimizerConfig, ParamGroup, Result, Shape, StepPlan, TrainBackend,
 };
 use tensorflow::{DataType, Output};
 
@@ -130,6 +130,18 @@ impl TrainBackend for TfBackend {
 
     fn build_model(spec: &Layer, device: Device) -> Result<TfModel> {
         TfModel::new(spec, device)
+    }
+
+    /// Only `32-true`: TensorFlow's C API has no autocast, and Kiln's TensorFlow
+    /// graphs are float32 (bfloat16 training runs on the torch backend).
+    fn set_precision(_model: &mut TfModel, precision: FloatPrecision) -> Result<()> {
+        match precision {
+            FloatPrecision::F32 => Ok(()),
+            other => Err(Error::unsupported(format!(
+                "precision {other} on the TensorFlow backend (it trains in 32-true; \
+                 bf16-mixed and bf16-true run on the torch backend)"
+            ))),
+        }
     }
 
     fn build_optimizer(

@@ -140,3 +140,24 @@ fn half_precision_is_unsupported_with_a_clear_error() {
         assert!(err.to_string().contains(dtype.name()), "{err}");
     }
 }
+
+#[test]
+fn bf16_precisions_are_refused_naming_the_torch_backend() {
+    use kiln_core::{FloatPrecision, Layer, LinearConfig, TrainBackend};
+    let mut model = kiln_tf::TfBackend::build_model(
+        &Layer::Linear(LinearConfig::new(3, 2)),
+        kiln_core::Device::Cpu,
+    )
+    .unwrap();
+    kiln_tf::TfBackend::set_precision(&mut model, FloatPrecision::F32).unwrap();
+    for precision in [FloatPrecision::Bf16Mixed, FloatPrecision::Bf16True] {
+        let err = kiln_tf::TfBackend::set_precision(&mut model, precision).unwrap_err();
+        assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains(precision.name()) && text.contains("torch backend"),
+            "{text}"
+        );
+    }
+    assert_eq!(kiln_tf::TfBackend::precision(&model), FloatPrecision::F32);
+}

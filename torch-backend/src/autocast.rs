@@ -149,6 +149,9 @@ mod tests {
     #[test]
     fn float32_is_not_an_autocast_dtype() {
         let err = autocast(Device::Cpu, DType::F32, || ()).unwrap_err();
-        assert!(err.to_string().contains("bfloat16 or float16, not float32"), "{err}");
+        assert!(
+            err.to_string().contains("bfloat16 or float16, not float32"),
+            "{err}"
+        );
     }
 }

@@ -27,7 +27,10 @@ mod tests {
     #[test]
     fn the_cpp_stack_trace_is_cut_from_the_message() {
         let error = tch::Tensor::zeros([2, 3], (tch::Kind::Float, tch::Device::Cpu))
-            .f_matmul(&tch::Tensor::zeros([2, 3], (tch::Kind::Float, tch::Device::Cpu)))
+            .f_matmul(&tch::Tensor::zeros(
+                [2, 3],
+                (tch::Kind::Float, tch::Device::Cpu),
+            ))
             .unwrap_err();
         let full = error.to_string();
         let err = torch_error("multiplying", error);

@@ -5,8 +5,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
-    CustomConfig, DType, Device, Error, GeluApproximation, InitDistribution, Layer, Mode, Module,
-    ParamKind, ParamSpec, FloatPrecision, Result, Shape, StateDict,
+    CustomConfig, DType, Device, Error, FloatPrecision, GeluApproximation, InitDistribution, Layer,
+    Mode, Module, ParamKind, ParamSpec, Result, Shape, StateDict,
 };
 use tch::{Kind, TchError, Tensor};
 

@@ -1,7 +1,8 @@
 //! [`TrainBackend`] for libtorch: what the generic [`kiln_core::Trainer`] needs.
 
 use kiln_core::{
-    Device, GradClip, Layer, Loss, OptimizerConfig, ParamGroup, FloatPrecision, Result, TrainBackend,
+    Device, FloatPrecision, GradClip, Layer, Loss, OptimizerConfig, ParamGroup, Result,
+    TrainBackend,
 };
 use tch::Tensor;
 
