@@ -13,7 +13,9 @@
 //! written directly in `tch`, no Kiln layers), `pytorch-eager`, `tf-function` and
 //! `keras-fit` (the Python scripts in `benches/python/`, run with the project
 //! virtualenv's interpreter). `transformer-bf16`, the transformer at width 1024 in
-//! bfloat16 reported with model FLOPs utilisation, has only the torch variants. The
+//! bfloat16 reported with model FLOPs utilisation, has only the torch variants;
+//! `transformer-bf16-mixed`, the same model in float32 trained with bfloat16
+//! autocast (`bf16-mixed` against `torch.autocast`), only the eager ones. The
 //! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
 //! `--write`, written to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
@@ -32,8 +34,8 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use kiln::core::{
-    AdamConfig, Conv2dConfig, DType, HostTensor, Layer, LinearConfig, Loss, Optimizer,
-    OptimizerConfig, Pool2dConfig, StepPlan, TrainBackend,
+    AdamConfig, Conv2dConfig, DType, FloatPrecision, HostTensor, Layer, LinearConfig, Loss,
+    Optimizer, OptimizerConfig, Pool2dConfig, StepPlan, TrainBackend,
 };
 use kiln::prelude::*;
 #[cfg(feature = "tf")]
@@ -67,6 +69,9 @@ enum Workload {
     /// (c) larger and in bfloat16, for model FLOPs utilisation: sequence 256,
     /// width 1024, 16 heads, ff 4096, batch 32 (torch variants only).
     TransformerBf16,
+    /// The same model in float32 trained with bfloat16 autocast (`bf16-mixed`,
+    /// `torch.autocast`); eager torch variants only.
+    TransformerBf16Mixed,
 }
 
 impl Workload {
@@ -76,9 +81,11 @@ impl Workload {
             "cnn" => Workload::Cnn,
             "transformer" => Workload::Transformer,
             "transformer-bf16" => Workload::TransformerBf16,
+            "transformer-bf16-mixed" => Workload::TransformerBf16Mixed,
             other => {
                 bail!(
-                    "unknown workload {other}; expected mlp, cnn, transformer or transformer-bf16"
+                    "unknown workload {other}; expected mlp, cnn, transformer, transformer-bf16 \
+                     or transformer-bf16-mixed"
                 )
             }
         })
@@ -90,6 +97,7 @@ impl Workload {
             Workload::Cnn => "cnn",
             Workload::Transformer => "transformer",
             Workload::TransformerBf16 => "transformer-bf16",
+            Workload::TransformerBf16Mixed => "transformer-bf16-mixed",
         }
     }
 
@@ -101,17 +109,41 @@ impl Workload {
         }
     }
 
-    /// Whether `variant` can run this workload: the bf16 one has no TensorFlow
-    /// variants (Kiln's TensorFlow backend has no bf16) and no raw-tch twin.
+    /// Whether the matrix work runs in bfloat16 (MFU is reported for these).
+    fn is_bf16(self) -> bool {
+        matches!(
+            self,
+            Workload::TransformerBf16 | Workload::TransformerBf16Mixed
+        )
+    }
+
+    /// Whether `variant` can run this workload: the bf16 ones have no TensorFlow
+    /// variants (Kiln's TensorFlow backend has no bf16) and no raw-tch twin, and
+    /// the mixed one no CUDA-graph variants (autocast's weight-cast cache and
+    /// graph capture do not mix without more work).
     fn runs(self, variant: &str) -> bool {
-        self != Workload::TransformerBf16 || !(is_tensorflow(variant) || variant == "raw-tch")
+        match self {
+            Workload::TransformerBf16 => !(is_tensorflow(variant) || variant == "raw-tch"),
+            Workload::TransformerBf16Mixed => matches!(variant, "kiln-torch" | "pytorch-eager"),
+            _ => true,
+        }
+    }
+
+    /// The precision the Kiln model trains in.
+    fn precision(self) -> FloatPrecision {
+        match self {
+            Workload::TransformerBf16Mixed => FloatPrecision::Bf16Mixed,
+            _ => FloatPrecision::F32,
+        }
     }
 
     /// `(sequence, width, heads, feed-forward width)` of the transformer workloads.
     fn transformer_dims(self) -> Option<(usize, usize, usize, usize)> {
         match self {
             Workload::Transformer => Some((128, 256, 8, 1024)),
-            Workload::TransformerBf16 => Some((256, 1024, 16, 4096)),
+            Workload::TransformerBf16 | Workload::TransformerBf16Mixed => {
+                Some((256, 1024, 16, 4096))
+            }
             Workload::Mlp | Workload::Cnn => None,
         }
     }
@@ -141,6 +173,10 @@ impl Workload {
                 "(c, larger, bf16) transformer encoder block, seq 256, width 1024, 16 heads, ff 4096, \
                  batch 32, Adam, parameters and inputs in bfloat16"
             }
+            Workload::TransformerBf16Mixed => {
+                "(c, larger, bf16-mixed) the same block and batch, float32 parameters and Adam, \
+                 the forward pass under bfloat16 autocast"
+            }
         }
     }
 
@@ -148,7 +184,7 @@ impl Workload {
         match self {
             Workload::Mlp => vec![784],
             Workload::Cnn => vec![1, 28, 28],
-            Workload::Transformer | Workload::TransformerBf16 => {
+            Workload::Transformer | Workload::TransformerBf16 | Workload::TransformerBf16Mixed => {
                 let (seq, width, ..) = self.transformer_dims().unwrap_or_default();
                 vec![seq, width]
             }
@@ -159,7 +195,9 @@ impl Workload {
         match self {
             Workload::Mlp => 64,
             Workload::Cnn => 128,
-            Workload::Transformer | Workload::TransformerBf16 => 32,
+            Workload::Transformer | Workload::TransformerBf16 | Workload::TransformerBf16Mixed => {
+                32
+            }
         }
     }
 
@@ -170,8 +208,8 @@ impl Workload {
             Workload::Mlp => 400,
             Workload::Cnn => 20,
             Workload::Transformer => 5,
-            Workload::TransformerBf16 if device.is_cuda() => 100,
-            Workload::TransformerBf16 => 1,
+            Workload::TransformerBf16 | Workload::TransformerBf16Mixed if device.is_cuda() => 100,
+            Workload::TransformerBf16 | Workload::TransformerBf16Mixed => 1,
         }
     }
 
@@ -200,7 +238,7 @@ impl Workload {
                 Layer::Relu,
                 LinearConfig::new(128, 10).into(),
             ]),
-            Workload::Transformer | Workload::TransformerBf16 => {
+            Workload::Transformer | Workload::TransformerBf16 | Workload::TransformerBf16Mixed => {
                 let (seq, width, heads, ff) = self.transformer_dims().unwrap_or_default();
                 Layer::sequential([
                     Layer::transformer_encoder_block(width, heads, ff, false, 0.0),
@@ -245,6 +283,7 @@ fn main() -> Result<()> {
         Workload::Cnn,
         Workload::Transformer,
         Workload::TransformerBf16,
+        Workload::TransformerBf16Mixed,
     ];
     let mut tasks = vec![Task::Data, Task::Script, Task::Ops, Task::Checkpoint];
     let mut variants: Option<Vec<String>> = None;
@@ -282,7 +321,7 @@ fn main() -> Result<()> {
             "--device" => settings.device = value()?.parse()?,
             "--write" => write = true,
             other => bail!(
-                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,transformer-bf16,data,script,ops,checkpoint \
+                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,transformer-bf16,transformer-bf16-mixed,data,script,ops,checkpoint \
                  --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --device cpu|cuda[:N] --write"
             ),
         }
@@ -613,7 +652,8 @@ fn table(
     // Model FLOPs utilisation, for the bf16 workload: against the GPU's
     // published peak when known, else the best bf16 matrix product that the
     // PyTorch process measured on the same device.
-    let mfu = (workload.dtype() == DType::BF16)
+    let mfu = workload
+        .is_bf16()
         .then(|| workload.flops_per_step().zip(peak_tflops(rows)))
         .flatten();
     let mut t = format!(
@@ -972,7 +1012,11 @@ fn worker(args: &[String]) -> Result<()> {
     let (times, loss) = match a.variant.as_str() {
         "kiln-torch" => {
             tch::set_num_threads(a.threads as i32);
-            kiln_step::<TorchBackend>(&a, &host, |m| m.to_dtype(dtype))?
+            let precision = a.workload.precision();
+            kiln_step::<TorchBackend>(&a, &host, |m| match precision {
+                FloatPrecision::F32 => m.to_dtype(dtype),
+                mixed => m.set_precision(mixed),
+            })?
         }
         #[cfg(feature = "cuda")]
         "kiln-torch-graph" => graphed_step(&a, &host)?,
@@ -1112,7 +1156,9 @@ mod raw_tch {
                 Box::new(move |x| net.forward(x))
             }
             Workload::Transformer => Box::new(transformer(&root)),
-            Workload::TransformerBf16 => bail!("raw-tch has no bf16 transformer"),
+            Workload::TransformerBf16 | Workload::TransformerBf16Mixed => {
+                bail!("raw-tch has no bf16 transformer")
+            }
         };
         let mut opt = nn::Adam::default().build(&vs, 1e-3)?;
         let batches: Vec<(Tensor, Tensor)> = host

@@ -85,8 +85,10 @@ def tf_function_runner(model, x_np, y_np):
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
+    counter = common.StepCounter()
+
     def run_steps(n):
-        for i in range(n):
+        for i in counter.take(n):
             j = i % len(xs)
             loss = train_step(xs[j], ys[j])
         return float(loss)
@@ -101,16 +103,21 @@ def keras_fit_runner(model, x_np, y_np, max_steps):
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         jit_compile=False,
     )
-    # Tile the batches once, in step order (step i uses batch i % num_batches);
-    # a run of n steps fits on the first n*batch samples (a view, no copy).
+    # Tile the batches once, in step order (step k uses batch k % num_batches);
+    # a run of n steps starting at step k fits in the slice starting at batch
+    # k % num_batches (a view, no copy), so the tiles cover max_steps plus one cycle.
     num_batches, batch = y_np.shape
-    order = np.arange(max_steps) % num_batches
-    x_all = x_np[order].reshape((max_steps * batch,) + x_np.shape[2:])
-    y_all = y_np[order].reshape(max_steps * batch)
+    tiled = max_steps + num_batches
+    order = np.arange(tiled) % num_batches
+    x_all = x_np[order].reshape((tiled * batch,) + x_np.shape[2:])
+    y_all = y_np[order].reshape(tiled * batch)
+    counter = common.StepCounter()
 
     def run_steps(n):
+        first = counter.take(n).start % num_batches
+        rows = slice(first * batch, (first + n) * batch)
         history = model.fit(
-            x_all[: n * batch], y_all[: n * batch],
+            x_all[rows], y_all[rows],
             batch_size=batch, epochs=1, shuffle=False, verbose=0,
         )
         return float(history.history["loss"][-1])

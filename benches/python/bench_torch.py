@@ -2,7 +2,7 @@
 its CUDA-graph form ("pytorch-graph").
 
 Usage:
-    python bench_torch.py --workload mlp|cnn|transformer|transformer-bf16 --data DIR
+    python bench_torch.py --workload mlp|cnn|transformer|transformer-bf16|transformer-bf16-mixed --data DIR
         --steps N --warmup W --repeats R --threads T [--device cpu|cuda[:N]]
         [--variant pytorch-eager|pytorch-graph]
 
@@ -23,7 +23,10 @@ batch into the static inputs and ``graph.replay()``.
 with the model and inputs in bfloat16 (``model.to(torch.bfloat16)``); its result
 also names the device and the best rate of a bfloat16 square matrix product
 measured in the same process (``matmul_tflops``), the peaks its model FLOPs
-utilisation is reported against.
+utilisation is reported against. ``transformer-bf16-mixed`` is the same model in
+float32 with the forward pass under ``torch.autocast(device, dtype=torch.bfloat16)``
+and its output cast back to float32 before the loss (what Kiln's ``bf16-mixed`` does);
+eager only.
 """
 
 import time
@@ -59,7 +62,7 @@ class EncoderClassifier(nn.Module):
 
 def build_model(workload, classes):
     """The workload's model; call after seeding."""
-    if workload == "transformer-bf16":
+    if workload in ("transformer-bf16", "transformer-bf16-mixed"):
         return EncoderClassifier(seq=256, width=1024, heads=16, hidden=4096, classes=classes)
     if workload == "mlp":
         return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, classes))
@@ -127,15 +130,27 @@ def main():
     graphed = args.variant == "pytorch-graph"
     if graphed and device.type != "cuda":
         raise SystemExit("pytorch-graph needs --device cuda")
+    mixed = args.workload == "transformer-bf16-mixed"
+    if graphed and mixed:
+        raise SystemExit("transformer-bf16-mixed has no pytorch-graph variant")
+
+    def forward(x):
+        if mixed:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(x)
+            return out.float()
+        return model(x)
     opt = torch.optim.Adam(
         model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, capturable=graphed
     )
 
+    counter = common.StepCounter()
+
     def run_steps(n):
-        for i in range(n):
+        for i in counter.take(n):
             j = i % len(xs)
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xs[j]), ys[j])
+            loss = F.cross_entropy(forward(xs[j]), ys[j])
             loss.backward()
             opt.step()
         return loss.item()
@@ -158,7 +173,7 @@ def main():
             opt.step()
 
         def run_steps(n):  # noqa: F811  (the graphed loop replaces the eager one)
-            for i in range(n):
+            for i in counter.take(n):
                 j = i % len(xs)
                 static_x.copy_(xs[j])
                 static_y.copy_(ys[j])
@@ -167,7 +182,7 @@ def main():
 
     seconds, final_loss = common.run_protocol(run_steps, args.steps, args.warmup, args.repeats)
     extra = None
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 or mixed:
         extra = {"device_name": device_name(device), "matmul_tflops": matmul_tflops(device)}
     common.emit_result(
         RESULT_STREAM,

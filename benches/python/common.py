@@ -10,8 +10,10 @@ script follows the same protocol, implemented here:
 2. Data: ``DIR/meta.json`` describes the batches; ``DIR/x.f32`` holds raw
    little-endian float32 inputs of shape ``[num_batches*batch] + input_shape``
    and ``DIR/y.i64`` raw little-endian int64 labels of shape
-   ``[num_batches*batch]``. Within a run of n steps, step i uses batch
-   ``i % num_batches``. Scripts convert the batches to framework tensors once,
+   ``[num_batches*batch]``. Steps are counted across the warm-up and all
+   timed runs, and step k uses batch ``k % num_batches`` (as Kiln's workers
+   do), so every variant trains on the same sequence of batches and the final
+   losses compare. Scripts convert the batches to framework tensors once,
    before anything is timed.
 3. Timing: W warm-up steps (untimed), then R repeats of N steps, each timed
    with ``time.perf_counter()``. A run only returns once its work is done
@@ -40,6 +42,7 @@ INPUT_SHAPES = {
     "cnn": [1, 28, 28],
     "transformer": [128, 256],
     "transformer-bf16": [256, 1024],
+    "transformer-bf16-mixed": [256, 1024],
 }
 
 
@@ -111,6 +114,19 @@ def load_data(data_dir, workload):
     if y.min() < 0 or y.max() >= meta["classes"]:
         raise SystemExit(f"labels in {data_dir} fall outside [0, {meta['classes']})")
     return meta, x.reshape(x_shape), y.reshape(num_batches, batch)
+
+
+class StepCounter:
+    """The index of the next training step, across warm-up and timed runs."""
+
+    def __init__(self):
+        self.next = 0
+
+    def take(self, n):
+        """The step indices of a run of n steps."""
+        first = self.next
+        self.next += n
+        return range(first, first + n)
 
 
 def run_protocol(run_steps, steps, warmup, repeats):

@@ -283,3 +283,44 @@ fn to_dtype_converts_floats_only_and_checks_inputs() {
         "unchanged after the error"
     );
 }
+
+#[test]
+fn set_precision_sets_parameter_dtype_input_casts_and_output_dtype() {
+    use kiln_core::{Error, LinearConfig};
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 8).into(),
+        Layer::Relu,
+        LinearConfig::new(8, 3).into(),
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    assert_eq!(model.precision(), FloatPrecision::F32);
+    let x = tch::Tensor::randn([5, 4], (tch::Kind::Float, tch::Device::Cpu));
+    let f32_out = model.forward(&x).unwrap();
+
+    // bf16-true: bf16 parameters, a float32 input cast as the plugin would, bf16
+    // output; the same numbers as converting model and input by hand.
+    model.set_precision(FloatPrecision::Bf16True).unwrap();
+    assert_eq!(model.dtype(), Some(DType::BF16));
+    let y = model.forward(&x).unwrap();
+    assert_eq!(y.kind(), tch::Kind::BFloat16);
+    let by_hand = model.forward(&x.to_kind(tch::Kind::BFloat16)).unwrap();
+    assert_eq!(from_tch(&y).unwrap(), from_tch(&by_hand).unwrap());
+
+    // bf16-mixed: float32 parameters again, output float32 but computed in bf16
+    // (close to, not equal to, the float32 forward).
+    model.set_precision(FloatPrecision::Bf16Mixed).unwrap();
+    assert_eq!(model.dtype(), Some(DType::F32));
+    let y = model.forward(&x).unwrap();
+    assert_eq!(y.kind(), tch::Kind::Float);
+    let diff = (&y - &f32_out).abs().max().double_value(&[]);
+    assert!(diff > 0.0 && diff < 0.1, "bf16 rounding: {diff}");
+    // Inputs stay strict: bf16 into a float32-parameter model is named.
+    let err = model
+        .forward(&x.to_kind(tch::Kind::BFloat16))
+        .expect_err("bf16 input into bf16-mixed");
+    assert!(matches!(err, Error::DTypeMismatch { .. }), "{err}");
+
+    model.set_precision(FloatPrecision::F32).unwrap();
+    assert_eq!(model.precision(), FloatPrecision::F32);
+    assert_eq!(model.forward(&x).unwrap().kind(), tch::Kind::Float);
+}
