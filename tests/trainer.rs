@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    Checkpoint, CheckpointPolicy, Checkpointer, DType, EarlyStopping, Error, FloatPrecision,
+    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, Error, FloatPrecision,
     InMemoryDataset, Layer, LinearConfig, Loss, MonitorMode, OptimizerConfig, SequentialLoader,
     SgdConfig, TrainBackend, Trainer, TrainerConfig, TrainingState,
 };
