@@ -87,3 +87,39 @@ fn matmul_and_backward_on_the_gpu_match_hand_values() {
     let grad = TorchBackend::to_host(&x.grad()).unwrap();
     assert_eq!(grad.as_slice::<f64>().unwrap(), &[7.0, 11.0, 9.0, 13.0]);
 }
+
+/// bf16 autocast on the GPU: a matrix product inside the region runs in bf16 and
+/// float32 after it; a `bf16-mixed` model computes in bf16, keeps float32
+/// parameters, returns float32 and gets float32 gradients close to float32's.
+#[test]
+fn bf16_autocast_and_mixed_precision_on_the_gpu() {
+    use kiln_core::{DType, FloatPrecision, Layer, LinearConfig, Module};
+    let Some(_) = cuda_count_or_skip("bf16_autocast_and_mixed_precision_on_the_gpu") else {
+        return;
+    };
+    let gpu = (tch::Kind::Float, tch::Device::Cuda(0));
+    let (a, b) = (
+        tch::Tensor::randn([64, 32], gpu),
+        tch::Tensor::randn([32, 16], gpu),
+    );
+    let inside = kiln_torch::autocast(Device::Cuda(0), DType::BF16, || a.matmul(&b)).unwrap();
+    assert_eq!(inside.kind(), tch::Kind::BFloat16);
+    assert_eq!(a.matmul(&b).kind(), tch::Kind::Float);
+
+    let spec = Layer::sequential([
+        LinearConfig::new(32, 64).into(),
+        Layer::Relu,
+        LinearConfig::new(64, 10).into(),
+    ]);
+    let mut model = kiln_torch::TorchModel::new(&spec, Device::Cuda(0)).unwrap();
+    let reference = model.forward(&a).unwrap();
+    model.set_precision(FloatPrecision::Bf16Mixed).unwrap();
+    let y = model.forward(&a).unwrap();
+    assert_eq!(y.kind(), tch::Kind::Float);
+    let diff = (&y - &reference).abs().max().double_value(&[]);
+    assert!(diff > 0.0 && diff < 0.1, "bf16 rounding on the GPU: {diff}");
+    y.sum(tch::Kind::Float).backward();
+    for (name, p) in model.named_parameters() {
+        assert_eq!(p.grad().kind(), tch::Kind::Float, "{name}");
+    }
+}
