@@ -357,6 +357,25 @@ impl Builder {
             tf_error("adding TensorFlow op ConcatV2", s)
         })?))
     }
+    /// `einsum(equation, a, b)` on float tensors. Its gradient (TensorFlow's C++
+    /// registry) is Einsum ops again, which TensorFlow's oneDNN pass runs as
+    /// `_MklEinsum`; `BatchMatMulV2`'s gradient is `BatchMatMulV3`, which it
+    /// leaves to Eigen.
+    pub(crate) fn einsum(&mut self, equation: &str, a: &Output, b: &Output) -> Result<Output> {
+        let name = self.name("Einsum");
+        let parts = [a.clone(), b.clone()];
+        let build = |graph: &mut Graph| -> std::result::Result<Operation, Status> {
+            let mut nd = graph.new_operation("Einsum", &name)?;
+            nd.add_input_list(&parts);
+            nd.set_attr_string("equation", equation)?;
+            nd.set_attr_int("N", 2)?;
+            nd.set_attr_type("T", DataType::Float)?;
+            nd.finish()
+        };
+        Ok(out0(
+            &build(&mut self.graph).map_err(|s| tf_error("adding TensorFlow op Einsum", s))?,
+        ))
+    }
     /// `x[..., begin:begin+size, ...]` on every axis (`-1` size: to the end).
     pub(crate) fn slice(&mut self, x: &Output, begin: &[i32], size: &[i32]) -> Result<Output> {
         let b = self.ints(begin)?;
@@ -409,21 +428,6 @@ impl Builder {
             nd.set_attr_type("T", DataType::Float)?;
             nd.set_attr_bool("transpose_a", ta)?;
             nd.set_attr_bool("transpose_b", tb)?;
-            Ok(())
-        })
-    }
-    /// Batched `a @ b` (leading dimensions equal), with optional adjoints.
-    pub(crate) fn batch_matmul(
-        &mut self,
-        a: &Output,
-        b: &Output,
-        ta: bool,
-        tb: bool,
-    ) -> Result<Output> {
-        self.op("BatchMatMulV2", &[a, b], &|nd| {
-            nd.set_attr_type("T", DataType::Float)?;
-            nd.set_attr_bool("adj_x", ta)?;
-            nd.set_attr_bool("adj_y", tb)?;
             Ok(())
         })
     }

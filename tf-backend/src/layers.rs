@@ -983,16 +983,17 @@ impl Ctx<'_> {
             3 * embed,
         )?;
         let parts = self.b.split(&qkv.out, 2, 3)?;
+        // [batch, seq, heads, head_dim] views; the einsums below read the heads
+        // from there (as Keras's MultiHeadAttention does), no transposes around them.
         let mut split = |t: &Output| -> Result<Output> {
-            let r = self.b.reshape(
+            self.b.reshape(
                 t,
                 &[-1, seq as i32, heads as i32, head_dim as i32],
                 DataType::Float,
-            )?;
-            self.b.transpose(&r, &[0, 2, 1, 3])
+            )
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
-        let scores = self.b.batch_matmul(&q, &k, false, true)?;
+        let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
         let mut scores = self
             .b
             .mul_scalar(&scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
@@ -1017,11 +1018,10 @@ impl Ctx<'_> {
                 c.dropout,
             )?
             .out;
-        let attended = self.b.batch_matmul(&weights, &v, false, false)?;
-        let merged = self.b.transpose(&attended, &[0, 2, 1, 3])?;
+        let attended = self.b.einsum("bhqk,bkhd->bqhd", &weights, &v)?;
         let merged = self
             .b
-            .reshape(&merged, &[-1, seq as i32, embed as i32], DataType::Float)?;
+            .reshape(&attended, &[-1, seq as i32, embed as i32], DataType::Float)?;
         self.linear(
             Val {
                 out: merged,
