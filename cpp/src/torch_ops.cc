@@ -5,6 +5,7 @@
 // Python loads with `torch.ops.load_library`.
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/csrc/stable/c/shim.h>
 #include <torch/library.h>
@@ -231,6 +232,40 @@ at::Tensor swish_autograd(const at::Tensor& x, const at::Tensor& beta) {
   return Swish::apply(x, beta);
 }
 
+// ----- autocast: the kernels are float32/float64, so under autocast (Kiln's
+// bf16-mixed, torch.autocast) the ops run in float32, as PyTorch's autocast runs
+// the ops on its float32 list; the casts are differentiable, so gradients flow
+// back to the bf16 activations and float32 parameters. -----
+
+template <c10::DeviceType device>
+at::Tensor bias_gelu_autocast(const at::Tensor& x, const at::Tensor& bias) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  static auto fwd = op("kiln::bias_gelu").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return fwd.call(at::autocast::cached_cast(at::kFloat, x, device),
+                  at::autocast::cached_cast(at::kFloat, bias, device));
+}
+
+template <c10::DeviceType device>
+at::Tensor softmax_xent_autocast(const at::Tensor& logits, const at::Tensor& target,
+                                 double eps) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  static auto fwd = op("kiln::softmax_xent")
+                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return fwd.call(at::autocast::cached_cast(at::kFloat, logits, device),
+                  at::autocast::cached_cast(at::kFloat, target, device), eps);
+}
+
+template <c10::DeviceType device>
+at::Tensor swish_autocast(const at::Tensor& x, const at::Tensor& beta) {
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  static auto fwd = op("kiln::swish").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return fwd.call(at::autocast::cached_cast(at::kFloat, x, device),
+                  at::autocast::cached_cast(at::kFloat, beta, device));
+}
+
 }  // namespace
 
 // Referenced from the cxx bridge so that the linker keeps this object file (and
@@ -263,4 +298,16 @@ TORCH_LIBRARY_IMPL(kiln, Autograd, m) {
   m.impl("bias_gelu", &kiln::ops::bias_gelu_autograd);
   m.impl("softmax_xent", &kiln::ops::softmax_xent_autograd);
   m.impl("swish", &kiln::ops::swish_autograd);
+}
+
+TORCH_LIBRARY_IMPL(kiln, AutocastCPU, m) {
+  m.impl("bias_gelu", &kiln::ops::bias_gelu_autocast<c10::DeviceType::CPU>);
+  m.impl("softmax_xent", &kiln::ops::softmax_xent_autocast<c10::DeviceType::CPU>);
+  m.impl("swish", &kiln::ops::swish_autocast<c10::DeviceType::CPU>);
+}
+
+TORCH_LIBRARY_IMPL(kiln, AutocastCUDA, m) {
+  m.impl("bias_gelu", &kiln::ops::bias_gelu_autocast<c10::DeviceType::CUDA>);
+  m.impl("softmax_xent", &kiln::ops::softmax_xent_autocast<c10::DeviceType::CUDA>);
+  m.impl("swish", &kiln::ops::swish_autocast<c10::DeviceType::CUDA>);
 }

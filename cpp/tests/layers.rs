@@ -2,7 +2,8 @@
 //! libtorch they equal the composition of built-in ops (forward and every
 //! parameter gradient, 1e-5); TensorFlow agrees with libtorch on the same weights
 //! (1e-5); `Trainer` trains them on both backends with the same losses epoch by
-//! epoch (1e-4); misuse fails with errors that name what was wrong.
+//! epoch (1e-4); misuse fails with errors that name what was wrong; under
+//! `bf16-mixed` they run (in float32, their autocast kernels) within bf16 rounding.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -278,4 +279,28 @@ fn misuse_fails_with_errors_that_name_the_problem() {
         .unwrap_err();
     assert!(matches!(err, Error::Backend { .. }), "{err:?}");
     assert!(err.to_string().contains("bias"), "{err}");
+}
+
+/// Under `bf16-mixed` the fused layers get bf16 activations from the linear layers
+/// before them (and float32 parameters): their autocast kernels run them in
+/// float32 (before those, `bias_gelu` refused bfloat16), and the model's output and
+/// gradients stay float32 and within bf16 rounding of the float32 model's.
+#[test]
+fn fused_layers_train_under_bf16_mixed_precision() {
+    use kiln_core::FloatPrecision;
+    let _serial = serial();
+    let (x, y) = batch(32, 11);
+    let mut model = torch_model(5);
+    let (out32, grads32) = torch_forward_and_grads(&model, &x, &y);
+    model.set_precision(FloatPrecision::Bf16Mixed).unwrap();
+    let (out, grads) = torch_forward_and_grads(&model, &x, &y);
+    assert_eq!(out.dtype(), kiln_core::DType::F32);
+    let diff = max_diff(&out, &out32);
+    assert!(diff > 0.0 && diff < 5e-2, "output: {diff}");
+    for (name, g32) in grads32.iter() {
+        let g = grads.get(name).unwrap();
+        assert_eq!(g.dtype(), kiln_core::DType::F32, "{name}");
+        let d = max_diff(g, g32);
+        assert!(d < 5e-2, "grad {name}: {d}");
+    }
 }
