@@ -134,6 +134,29 @@ fn kiln(args: &[&str]) -> std::process::Output {
     out
 }
 
+/// `kiln eval` of `checkpoint` with `config`: the accuracy it prints, and all it printed.
+fn eval_accuracy(config: &Path, checkpoint: &Path) -> (f64, String) {
+    let metrics = String::from_utf8(
+        kiln(&[
+            "eval",
+            "--config",
+            config.to_str().unwrap(),
+            "--checkpoint",
+            checkpoint.to_str().unwrap(),
+        ])
+        .stdout,
+    )
+    .unwrap();
+    let accuracy = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("accuracy"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    (accuracy, metrics)
+}
+
 /// The `loss` column of steps.csv, as written (exact decimal of the f64).
 fn losses(run: &Path) -> Vec<(String, String)> {
     let text = std::fs::read_to_string(run.join("steps.csv")).unwrap();
@@ -295,24 +318,7 @@ fn inspect_eval_predict_and_config_errors() {
         "{table}"
     );
 
-    let metrics = String::from_utf8(
-        kiln(&[
-            "eval",
-            "--config",
-            cfg,
-            "--checkpoint",
-            last.to_str().unwrap(),
-        ])
-        .stdout,
-    )
-    .unwrap();
-    let accuracy: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("accuracy"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let (accuracy, metrics) = eval_accuracy(Path::new(cfg), &last);
     assert!(accuracy > 0.8, "{metrics}");
 
     let predictions = dir.join("predictions.csv");
@@ -416,24 +422,7 @@ fn bf16_precisions_train_and_evaluate() {
             .unwrap_or_else(|| panic!("{table}"));
         assert!(row.contains(dtype), "{precision}: {row}");
 
-        let metrics = String::from_utf8(
-            kiln(&[
-                "eval",
-                "--config",
-                run_config.to_str().unwrap(),
-                "--checkpoint",
-                last.to_str().unwrap(),
-            ])
-            .stdout,
-        )
-        .unwrap();
-        let accuracy: f64 = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("accuracy"))
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
+        let (accuracy, metrics) = eval_accuracy(&run_config, &last);
         assert!(accuracy > 0.8, "{precision}: {metrics}");
     }
 

@@ -237,33 +237,40 @@ at::Tensor swish_autograd(const at::Tensor& x, const at::Tensor& beta) {
 // the ops on its float32 list; the casts are differentiable, so gradients flow
 // back to the bf16 activations and float32 parameters. -----
 
+// Leaves the autocast key for the redispatch, as libtorch's own autocast wrappers do.
+template <c10::DeviceType device>
+c10::impl::ExcludeDispatchKeyGuard below_autocast() {
+  return c10::impl::ExcludeDispatchKeyGuard(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+}
+
+// `t` in float32 when it is a floating-point tensor of another dtype.
+template <c10::DeviceType device>
+at::Tensor f32(const at::Tensor& t) {
+  return at::autocast::cached_cast(at::kFloat, t, device);
+}
+
 template <c10::DeviceType device>
 at::Tensor bias_gelu_autocast(const at::Tensor& x, const at::Tensor& bias) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  const auto guard = below_autocast<device>();
   static auto fwd = op("kiln::bias_gelu").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return fwd.call(at::autocast::cached_cast(at::kFloat, x, device),
-                  at::autocast::cached_cast(at::kFloat, bias, device));
+  return fwd.call(f32<device>(x), f32<device>(bias));
 }
 
 template <c10::DeviceType device>
 at::Tensor softmax_xent_autocast(const at::Tensor& logits, const at::Tensor& target,
                                  double eps) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  const auto guard = below_autocast<device>();
   static auto fwd = op("kiln::softmax_xent")
                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-  return fwd.call(at::autocast::cached_cast(at::kFloat, logits, device),
-                  at::autocast::cached_cast(at::kFloat, target, device), eps);
+  return fwd.call(f32<device>(logits), f32<device>(target), eps);
 }
 
 template <c10::DeviceType device>
 at::Tensor swish_autocast(const at::Tensor& x, const at::Tensor& beta) {
-  const c10::impl::ExcludeDispatchKeyGuard no_autocast(
-      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  const auto guard = below_autocast<device>();
   static auto fwd = op("kiln::swish").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-  return fwd.call(at::autocast::cached_cast(at::kFloat, x, device),
-                  at::autocast::cached_cast(at::kFloat, beta, device));
+  return fwd.call(f32<device>(x), f32<device>(beta));
 }
 
 }  // namespace

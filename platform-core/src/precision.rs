@@ -21,6 +21,9 @@ use crate::error::{Error, Result};
 /// with float32 weights and updates. `bf16-true` halves the memory of parameters
 /// and optimizer state too, at the cost of updates rounded to bfloat16.
 ///
+/// In configs it is the same string as on the command line (serde goes through
+/// [`FromStr`](std::str::FromStr) and [`Display`](std::fmt::Display)).
+///
 /// ```
 /// use kiln_core::{DType, FloatPrecision};
 ///
@@ -33,16 +36,14 @@ use crate::error::{Error, Result};
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum FloatPrecision {
     /// Everything in float32 (the default).
     #[default]
-    #[serde(rename = "32-true")]
     F32,
     /// float32 parameters, the forward pass under bfloat16 autocast.
-    #[serde(rename = "bf16-mixed")]
     Bf16Mixed,
     /// Parameters, optimizer state, inputs and the forward pass in bfloat16.
-    #[serde(rename = "bf16-true")]
     Bf16True,
 }
 
@@ -112,6 +113,20 @@ impl std::str::FromStr for FloatPrecision {
     }
 }
 
+impl TryFrom<String> for FloatPrecision {
+    type Error = Error;
+
+    fn try_from(name: String) -> Result<Self> {
+        name.parse()
+    }
+}
+
+impl From<FloatPrecision> for String {
+    fn from(precision: FloatPrecision) -> Self {
+        precision.name().to_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +146,8 @@ mod tests {
             assert_eq!(p.name().parse::<FloatPrecision>().unwrap(), p);
         }
         assert_eq!("32".parse::<FloatPrecision>().unwrap(), FloatPrecision::F32);
+        let alias: Holder = toml::from_str("precision = \"32\"").unwrap();
+        assert_eq!(alias.precision, FloatPrecision::F32);
     }
 
     #[test]
