@@ -43,6 +43,26 @@ pub trait Backend: Sized + Send + Sync + std::fmt::Debug + 'static {
     /// Copies a tensor back to host memory (contiguous, row-major).
     fn to_host(tensor: &Self::Tensor) -> Result<HostTensor>;
 
+    /// Calls `f` with the tensor's elements as native-endian bytes in host memory,
+    /// row-major: what checkpoint writers read.
+    ///
+    /// The default copies the tensor to the host first ([`to_host`](Backend::to_host));
+    /// a backend that keeps a tensor contiguous in host memory lends its own bytes
+    /// instead, so saving a model costs no copy of its weights.
+    ///
+    /// ```
+    /// use kiln_core::{Backend, Result};
+    ///
+    /// /// A checksum of a tensor's bytes, computed without copying it where possible.
+    /// fn checksum<B: Backend>(tensor: &B::Tensor) -> Result<u64> {
+    ///     B::with_host_bytes(tensor, |bytes| bytes.iter().map(|&b| u64::from(b)).sum())
+    /// }
+    /// ```
+    fn with_host_bytes<R>(tensor: &Self::Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        let host = Self::to_host(tensor)?;
+        Ok(f(host.as_bytes()))
+    }
+
     /// The tensor's shape.
     fn shape(tensor: &Self::Tensor) -> Shape;
 

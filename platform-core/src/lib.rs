@@ -16,7 +16,9 @@
 //!   [`OneCycleLr`], [`ReduceLrOnPlateau`], ...) reproduce
 //!   `torch.optim.lr_scheduler`;
 //! * [`StateDict`]: named tensors as saved in checkpoints, read and written
-//!   as safetensors files ([`StateDict::save_safetensors`]);
+//!   as safetensors files ([`StateDict::save_safetensors`]); [`StateTensors`],
+//!   the backend's own tensors, which checkpoints are written from without
+//!   copying the weights first;
 //! * [`Dataset`], [`DataLoader`] and friends, including a reader for
 //!   scikit-learn's digits data ([`load_digits`]);
 //! * [`Error`] and [`Result`], shared by all Kiln crates.
@@ -53,6 +55,7 @@ mod safetensors;
 mod schedule;
 mod shape;
 mod state_dict;
+mod state_tensors;
 mod tensor;
 #[cfg(test)]
 mod testing;
@@ -111,4 +114,5 @@ pub use schedule::{
 };
 pub use shape::Shape;
 pub use state_dict::StateDict;
+pub use state_tensors::{StateTensor, StateTensors, WritableState, WritableTensor};
 pub use tensor::HostTensor;

@@ -3,6 +3,7 @@
 use crate::backend::{Backend, Mode};
 use crate::error::{Error, Result};
 use crate::state_dict::StateDict;
+use crate::state_tensors::StateTensors;
 
 /// A trainable function: forward, train/eval mode, and named parameters and
 /// buffers with PyTorch state-dict names (`"layers.0.weight"`).
@@ -103,6 +104,17 @@ pub trait Module<B: Backend> {
             }
         }
         Ok(state)
+    }
+
+    /// The parameters and buffers as a checkpoint writes them, named as in
+    /// [`state_dict`](Module::state_dict): handles to the backend's tensors where
+    /// the module has them, which the writer reads in place, so saving costs no
+    /// host copy of the weights.
+    ///
+    /// The default wraps [`state_dict`](Module::state_dict)'s host copies; modules
+    /// whose parameters are backend tensors override it.
+    fn state_tensors(&self) -> Result<StateTensors<B>> {
+        Ok(self.state_dict()?.into())
     }
 
     /// Replaces all parameters and buffers with the entries of `state`.

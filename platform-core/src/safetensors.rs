@@ -11,6 +11,7 @@ use serde_json::Value;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::state_dict::StateDict;
+use crate::state_tensors::{WritableState, WritableTensor};
 use crate::tensor::HostTensor;
 
 /// The header key safetensors reserves for string metadata.
@@ -76,11 +77,7 @@ impl StateDict {
         path: impl AsRef<Path>,
         metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
-        save_entries(
-            path.as_ref(),
-            self.iter().map(|(k, t)| (k.as_str(), t)),
-            metadata,
-        )
+        save_entries(path.as_ref(), self.writable_tensors(), metadata)
     }
 
     /// Reads a safetensors file written by [`save_safetensors`](StateDict::save_safetensors),
@@ -109,40 +106,49 @@ impl StateDict {
 
 /// Writes named tensors as a safetensors file, atomically (see
 /// [`StateDict::save_safetensors`]), streaming each tensor's bytes to the file
-/// instead of assembling the whole file in memory first: a checkpoint of a
-/// large model costs no second copy of its weights.
+/// instead of assembling the whole file in memory first, and reading a backend
+/// tensor's bytes in place where the backend lends them
+/// ([`Backend::with_host_bytes`](crate::Backend::with_host_bytes)): a checkpoint
+/// of a large model costs no second copy of its weights.
 ///
 /// Tensors are laid out as the `safetensors` crate lays them out, larger
 /// elements first and then by name, so that every tensor's data is aligned
 /// to its element size (the header is padded to a multiple of 8 bytes).
-pub(crate) fn save_entries<'a>(
+pub(crate) fn save_entries(
     path: &Path,
-    entries: impl IntoIterator<Item = (&'a str, &'a HostTensor)>,
+    mut entries: Vec<(&str, &dyn WritableTensor)>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
-    let mut entries: Vec<(&str, &HostTensor)> = entries.into_iter().collect();
     if entries.iter().any(|(name, _)| *name == METADATA_KEY) {
         return Err(Error::invalid_argument(
             METADATA_KEY,
             "safetensors reserves this name for metadata; rename the entry",
         ));
     }
-    entries.sort_by(|(a, ta), (b, tb)| {
-        let size = |t: &HostTensor| t.dtype().size_in_bytes();
-        size(tb).cmp(&size(ta)).then_with(|| a.cmp(b))
+    let mut layout = Vec::with_capacity(entries.len());
+    for (name, tensor) in entries.drain(..) {
+        let dtype = tensor.dtype()?;
+        let dims = tensor.dims();
+        let size = dims.iter().product::<usize>() * dtype.size_in_bytes();
+        layout.push((name, tensor, dtype, dims, size));
+    }
+    layout.sort_by(|(a, _, da, ..), (b, _, db, ..)| {
+        db.size_in_bytes()
+            .cmp(&da.size_in_bytes())
+            .then_with(|| a.cmp(b))
     });
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
         header.insert(METADATA_KEY.to_owned(), serde_json::json!(metadata));
     }
     let mut offset = 0usize;
-    for (name, tensor) in &entries {
-        let end = offset + tensor.size_in_bytes();
+    for (name, _, dtype, dims, size) in &layout {
+        let end = offset + size;
         header.insert(
             (*name).to_owned(),
             serde_json::json!({
-                "dtype": tensor.dtype().safetensors_name(),
-                "shape": tensor.dims(),
+                "dtype": dtype.safetensors_name(),
+                "shape": dims,
                 "data_offsets": [offset, end],
             }),
         );
@@ -150,28 +156,41 @@ pub(crate) fn save_entries<'a>(
     }
     let mut header = Value::Object(header).to_string().into_bytes();
     header.resize(header.len().next_multiple_of(8), b' ');
-    write_atomically(path, |file| {
-        file.write_all(&(header.len() as u64).to_le_bytes())?;
-        file.write_all(&header)?;
-        for (_, tensor) in &entries {
-            file.write_all(&swap_to_le(tensor.as_bytes(), tensor.dtype()))?;
+    write_atomically(path, |write| {
+        write(&(header.len() as u64).to_le_bytes())?;
+        write(&header)?;
+        for (name, tensor, dtype, _, size) in &layout {
+            tensor.with_bytes(&mut |bytes| {
+                // A tensor whose bytes disagree with its header would shift every
+                // tensor after it: refuse rather than write a corrupt file.
+                if bytes.len() != *size {
+                    return Err(Error::invalid_argument(
+                        *name,
+                        format!(
+                            "{} bytes of data for a {size}-byte {dtype} tensor",
+                            bytes.len()
+                        ),
+                    ));
+                }
+                write(&swap_to_le(bytes, *dtype))
+            })?;
         }
         Ok(())
     })?;
     log::debug!(
         "saved {} tensors ({} bytes) to {}",
-        entries.len(),
+        layout.len(),
         8 + header.len() + offset,
         path.display()
     );
     Ok(())
 }
 
-/// Writes a temporary sibling of `path` with `write`, syncs it, renames it
+/// Writes a temporary sibling of `path` with `write_file`, syncs it, renames it
 /// over `path` and syncs the directory.
 fn write_atomically(
     path: &Path,
-    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+    write_file: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<()> {
     let file_name = path.file_name().ok_or_else(|| {
         Error::invalid_argument("path", format!("{} does not name a file", path.display()))
@@ -187,7 +206,7 @@ fn write_atomically(
     let written = (|| {
         let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut writer = BufWriter::with_capacity(1 << 20, file);
-        write(&mut writer).map_err(|e| Error::io(&tmp, e))?;
+        write_file(&mut |bytes| writer.write_all(bytes).map_err(|e| Error::io(&tmp, e)))?;
         let file = writer
             .into_inner()
             .map_err(|e| Error::io(&tmp, e.into_error()))?;

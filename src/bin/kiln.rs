@@ -378,7 +378,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     metadata.insert("format".to_owned(), "pt".to_owned());
     state
         .model
-        .state_dict()?
+        .state_tensors()?
         .save_safetensors(&weights, &metadata)?;
     if config.logging.plots && !history.is_empty() {
         let png = out.join("curves.png");

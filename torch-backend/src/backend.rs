@@ -23,6 +23,11 @@ impl Backend for TorchBackend {
         from_tch(tensor)
     }
 
+    /// Lends a contiguous CPU tensor's own memory; copies other tensors to the host.
+    fn with_host_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+        crate::host_view::with_host_bytes(tensor, f)
+    }
+
     fn shape(tensor: &Tensor) -> Shape {
         shape_of(tensor).unwrap_or_default()
     }

@@ -1,5 +1,6 @@
-//! libtorch reading host memory in place: the one module of kiln-torch that uses
-//! `unsafe`, for a raw pointer handed to libtorch (`from_blob`).
+//! libtorch and Kiln reading each other's host memory in place: the one module of
+//! kiln-torch that uses `unsafe`, for raw pointers handed to libtorch (`from_blob`)
+//! and taken from it (`data_ptr`).
 #![allow(unsafe_code)]
 
 use kiln_core::{HostTensor, Result};
@@ -30,6 +31,34 @@ pub(crate) fn copy_host_into(target: &mut Tensor, host: &HostTensor, context: &s
     let copied = target.f_copy_(&view);
     drop(view);
     copied.map_err(|e| torch_error(&format!("loading {context}"), e))
+}
+
+/// Calls `f` with `tensor`'s bytes: libtorch's own memory where the tensor is a
+/// contiguous CPU tensor, a host copy otherwise (another device, a strided view).
+pub(crate) fn with_host_bytes<R>(tensor: &Tensor, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
+    let kind = tensor
+        .f_kind()
+        .map_err(|e| torch_error("reading a tensor's dtype", e))?;
+    // Fails for dtypes Kiln does not model, as a host copy would.
+    crate::convert::dtype_from_kind(kind)?;
+    if tensor.device() != tch::Device::Cpu || !tensor.is_contiguous() {
+        let host = crate::from_tch(tensor)?;
+        return Ok(f(host.as_bytes()));
+    }
+    let len = tensor.numel() * kind.elt_size_in_bytes();
+    if len == 0 {
+        return Ok(f(&[]));
+    }
+    let data = tensor.data_ptr().cast::<u8>().cast_const();
+    // SAFETY: `tensor` is a defined, contiguous CPU tensor (checked above), so its
+    // `numel` elements of `kind` lie in one block of `len` bytes starting at
+    // `data_ptr` (which includes the storage offset), and its storage is kept alive
+    // by the handle borrowed for this whole call. The slice is only read, and does
+    // not outlive the call. As with libtorch's own readers (`torch.save`, `copy_`),
+    // an in-place write through another handle to the same storage on another thread
+    // during the call would race: Kiln's trainer writes checkpoints between steps.
+    let bytes = unsafe { std::slice::from_raw_parts(data, len) };
+    Ok(f(bytes))
 }
 
 #[cfg(test)]

@@ -17,7 +17,8 @@
 //! ```
 //!
 //! `unsafe` is denied everywhere but `host_view`, where libtorch reads host memory
-//! in place (a raw pointer given to `from_blob`, each use with a `// SAFETY:` note),
+//! in place and checkpoints read libtorch's (raw pointers given to `from_blob` and
+//! taken from `data_ptr`, each use with a `// SAFETY:` note),
 //! and the cxx bridge of [`autocast`] (C++ compiled by the build script).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]

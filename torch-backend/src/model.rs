@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kiln_core::{
     CustomConfig, DType, Device, Error, FloatPrecision, GeluApproximation, InitDistribution, Layer,
-    Mode, Module, ParamKind, ParamSpec, Result, Shape, StateDict,
+    Mode, Module, ParamKind, ParamSpec, Result, Shape, StateDict, StateTensors,
 };
 use tch::{Kind, TchError, Tensor};
 
@@ -369,7 +369,7 @@ impl TorchModel {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let mut metadata = std::collections::BTreeMap::new();
         metadata.insert("format".to_owned(), "pt".to_owned());
-        self.state_dict()?
+        self.state_tensors()?
             .save_safetensors(path.as_ref(), &metadata)
     }
 
@@ -868,6 +868,15 @@ impl Module<TorchBackend> for TorchModel {
             .filter(|e| e.kind == ParamKind::Buffer)
             .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
             .collect()
+    }
+
+    /// Handles to the parameters and buffers: a checkpoint reads them in place.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        StateTensors::from_handles(
+            self.named_parameters()
+                .into_iter()
+                .chain(self.named_buffers()),
+        )
     }
 
     /// Strict, like PyTorch's default: every parameter and buffer must be present

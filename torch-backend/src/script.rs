@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kiln_core::{Device, Error, Mode, Module, Result, StateDict};
+use kiln_core::{Device, Error, Mode, Module, Result, StateDict, StateTensors};
 use tch::{CModule, IValue, Kind, Tensor};
 
 use crate::backend::TorchBackend;
@@ -253,6 +253,11 @@ impl Module<TorchBackend> for ScriptModule {
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect()
+    }
+
+    /// Handles to the parameters: a checkpoint reads them in place.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        StateTensors::from_handles(self.named_parameters())
     }
 
     /// Copies values into the parameters. Every key must be a parameter with the

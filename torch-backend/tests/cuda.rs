@@ -67,6 +67,9 @@ fn every_dtype_round_trips_through_the_gpu() {
         assert_eq!(TorchBackend::to_host(&on_gpu).unwrap(), host);
         let back_on_cpu = TorchBackend::to_device(&on_gpu, Device::Cpu).unwrap();
         assert_eq!(TorchBackend::device(&back_on_cpu), Device::Cpu);
+        // What a checkpoint writer reads of a GPU tensor: a host copy of its bytes.
+        let bytes = TorchBackend::with_host_bytes(&on_gpu, <[u8]>::to_vec).unwrap();
+        assert_eq!(bytes, host.as_bytes());
     }
 }
 

@@ -14,7 +14,8 @@ use kiln_core::{
     SgdConfig, SmoothL1Config,
 };
 use kiln_torch::{
-    compute_loss, from_tch, to_tch, Chain, TchModule, TorchBackend, TorchModel, TorchOptimizer,
+    compute_loss, from_tch, kind_from_dtype, to_tch, Chain, TchModule, TorchBackend, TorchModel,
+    TorchOptimizer,
 };
 
 fn cnn() -> Layer {
@@ -210,6 +211,76 @@ fn state_dicts_cross_between_python_and_kiln_through_safetensors() {
         common::load(&out).get("y").unwrap(),
         1e-6,
     );
+}
+
+/// A checkpoint written from the model's and optimizer's own tensors (the trainer's
+/// way: libtorch memory read in place) is byte for byte the file of their host copies,
+/// for float32 and bfloat16 models, parameters, buffers and Adam moments.
+#[test]
+fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() {
+    let dir = common::scratch_dir("state-in-place");
+    let x = tch::Tensor::randn([8, 1, 10, 10], (tch::Kind::Float, tch::Device::Cpu));
+    let y = tch::Tensor::randint(10, [8], (tch::Kind::Int64, tch::Device::Cpu));
+    for dtype in [kiln_core::DType::F32, kiln_core::DType::BF16] {
+        TorchBackend::manual_seed(5);
+        let mut model = TorchModel::new(&cnn(), Device::Cpu).unwrap();
+        model.to_dtype(dtype).unwrap();
+        let mut opt = TorchOptimizer::new(
+            OptimizerConfig::Adam(kiln_core::AdamConfig::new(1e-2)),
+            model.named_parameters(),
+            &[],
+        )
+        .unwrap();
+        for _ in 0..2 {
+            let out = model
+                .forward(&x.to_kind(kind_from_dtype(dtype).unwrap()))
+                .unwrap();
+            let loss =
+                compute_loss(&Loss::CrossEntropy(CrossEntropyConfig::default()), &out, &y).unwrap();
+            opt.zero_grad().unwrap();
+            TorchBackend::backward(&loss).unwrap();
+            opt.step().unwrap();
+        }
+        fn checkpoint<S>(model: S, optimizer: S) -> kiln_core::Checkpoint<S> {
+            kiln_core::Checkpoint {
+                model,
+                optimizer,
+                step: 2,
+                epoch: 0,
+                batch_in_epoch: 2,
+                seed: 5,
+                backend: "torch".into(),
+                model_definition: Some(cnn()),
+                scheduler: None,
+                metrics: Default::default(),
+            }
+        }
+        let (live, copies) = (dir.join("live.ckpt"), dir.join("copies.ckpt"));
+        checkpoint(model.state_tensors().unwrap(), opt.state_tensors().unwrap())
+            .save(&live)
+            .unwrap();
+        checkpoint(model.state_dict().unwrap(), opt.state_dict().unwrap())
+            .save(&copies)
+            .unwrap();
+        let live_bytes = std::fs::read(&live).unwrap();
+        assert_eq!(live_bytes, std::fs::read(&copies).unwrap(), "{dtype}");
+        let loaded = kiln_core::Checkpoint::load(&live).unwrap();
+        assert_eq!(loaded.model, model.state_dict().unwrap());
+        assert!(loaded.optimizer.keys().any(|k| k.ends_with("exp_avg_sq")));
+    }
+
+    // In place: the bytes handed over are the tensor's own memory, storage offset
+    // included; a strided view is copied into row-major order instead.
+    let base = tch::Tensor::arange(24, (tch::Kind::Float, tch::Device::Cpu)).view([4, 6]);
+    let rows = base.narrow(0, 1, 2);
+    let at = TorchBackend::with_host_bytes(&rows, |b| b.as_ptr() as usize).unwrap();
+    assert_eq!(at, rows.data_ptr() as usize);
+    assert_ne!(at, base.data_ptr() as usize);
+    for view in [rows, base.tr(), base.narrow(1, 2, 3)] {
+        let expected = from_tch(&view).unwrap();
+        let bytes = TorchBackend::with_host_bytes(&view, <[u8]>::to_vec).unwrap();
+        assert_eq!(bytes, expected.as_bytes(), "{:?}", view.stride());
+    }
 }
 
 #[test]

@@ -9,6 +9,7 @@ mod common;
 use kiln_core::{
     AdagradConfig, AdamConfig, AdamWConfig, Device, GradClip, Layer, LinearConfig, Loss, Module,
     Optimizer, OptimizerConfig, ParamGroup, ParamSelector, RmsPropConfig, SgdConfig, StateDict,
+    StateTensor,
 };
 use kiln_torch::{
     clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, compute_loss, from_tch, to_tch,
@@ -313,6 +314,12 @@ fn optimizer_state_round_trip_resumes_bitwise() {
             step(&first, &mut opt1, x, y, &None);
         }
         let (saved_model, saved_opt) = (first.state_dict().unwrap(), opt1.state_dict().unwrap());
+        // What a checkpoint writes (handles read in place) is what `state_dict` copies.
+        let live = opt1.state_tensors().unwrap();
+        assert_eq!(live.to_state_dict().unwrap(), saved_opt, "{config:?}");
+        assert!(live
+            .iter()
+            .any(|(_, t)| matches!(t, StateTensor::Backend(_))));
 
         let mut second = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         second.load_state_dict(&saved_model).unwrap();

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{checkpoint_path, Checkpoint};
 use crate::error::{Error, Result};
+use crate::state_tensors::WritableState;
 
 /// Whether a smaller or a larger monitored value is better.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,7 +178,7 @@ impl Checkpointer {
     }
 
     /// Writes `checkpoint` (atomically), points `last.safetensors` at it, and prunes.
-    pub fn save(&mut self, checkpoint: &Checkpoint) -> Result<PathBuf> {
+    pub fn save<S: WritableState>(&mut self, checkpoint: &Checkpoint<S>) -> Result<PathBuf> {
         let path = checkpoint_path(&self.dir, checkpoint.step);
         checkpoint.save(&path)?;
         // A hard link renamed over `last`: atomic, and no second copy of the data.

@@ -26,19 +26,27 @@ use std::path::{Path, PathBuf};
 use crate::error::{Error, Result};
 use crate::model::Layer;
 use crate::state_dict::StateDict;
+use crate::state_tensors::{WritableState, WritableTensor};
 
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
 
 /// The format tag written into every checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "kiln-checkpoint-1";
 
-/// Everything in a checkpoint, in memory.
+/// Everything in a checkpoint.
+///
+/// A checkpoint read back ([`Checkpoint::load`]) holds host copies of its
+/// tensors (`S` = [`StateDict`], the default). One about to be written can hold
+/// the backend's own tensors instead (`S` = [`StateTensors`](crate::StateTensors),
+/// from [`Module::state_tensors`](crate::Module::state_tensors) and
+/// [`Optimizer::state_tensors`](crate::Optimizer::state_tensors)), which
+/// [`save`](Checkpoint::save) reads in place: that is how the trainer saves.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Checkpoint {
+pub struct Checkpoint<S = StateDict> {
     /// Model parameters and buffers.
-    pub model: StateDict,
+    pub model: S,
     /// Optimizer state.
-    pub optimizer: StateDict,
+    pub optimizer: S,
     /// Optimizer steps taken.
     pub step: u64,
     /// The epoch in progress (0-based).
@@ -57,19 +65,11 @@ pub struct Checkpoint {
     pub metrics: BTreeMap<String, f64>,
 }
 
-impl Checkpoint {
+impl<S: WritableState> Checkpoint<S> {
     /// Writes the checkpoint to `path` atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
-        // Names borrow the tensors: a checkpoint never copies the weights it saves.
-        let names: Vec<(String, &crate::tensor::HostTensor)> = self
-            .model
-            .iter()
-            .map(|(k, v)| (format!("model.{k}"), v))
-            .chain(
-                self.optimizer
-                    .iter()
-                    .map(|(k, v)| (format!("optimizer.{k}"), v)),
-            )
+        let names: Vec<(String, &dyn WritableTensor)> = prefixed("model.", &self.model)
+            .chain(prefixed("optimizer.", &self.optimizer))
             .collect();
         let mut meta = BTreeMap::new();
         meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
@@ -92,9 +92,26 @@ impl Checkpoint {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
-        crate::safetensors::save_entries(path, names.iter().map(|(k, v)| (k.as_str(), *v)), &meta)
+        crate::safetensors::save_entries(
+            path,
+            names.iter().map(|(k, v)| (k.as_str(), *v)).collect(),
+            &meta,
+        )
     }
+}
 
+/// The tensors of `state` with their names after `prefix`.
+fn prefixed<'a>(
+    prefix: &'a str,
+    state: &'a impl WritableState,
+) -> impl Iterator<Item = (String, &'a dyn WritableTensor)> + 'a {
+    state
+        .writable_tensors()
+        .into_iter()
+        .map(move |(name, t)| (format!("{prefix}{name}"), t))
+}
+
+impl Checkpoint {
     /// Reads a checkpoint written by [`save`](Self::save).
     ///
     /// A file that is not a Kiln checkpoint (a plain safetensors state dict, another

@@ -20,6 +20,7 @@ use crate::module::Module;
 use crate::optim::{GradClip, Optimizer};
 use crate::precision::FloatPrecision;
 use crate::schedule::LrScheduler;
+use crate::state_tensors::StateTensors;
 use crate::tensor::HostTensor;
 
 /// When the learning-rate schedule advances.
@@ -279,10 +280,16 @@ impl<B: TrainBackend> Trainer<B> {
         self
     }
 
-    fn checkpoint(&self, state: &TrainingState<B>, metrics: &EpochRecord) -> Result<Checkpoint> {
+    /// The checkpoint of `state`, holding the model's and optimizer's own tensors
+    /// (written in place, not copied to the host first).
+    fn checkpoint(
+        &self,
+        state: &TrainingState<B>,
+        metrics: &EpochRecord,
+    ) -> Result<Checkpoint<StateTensors<B>>> {
         Ok(Checkpoint {
-            model: state.model.state_dict()?,
-            optimizer: state.optimizer.state_dict()?,
+            model: state.model.state_tensors()?,
+            optimizer: state.optimizer.state_tensors()?,
             step: state.step,
             epoch: state.epoch,
             batch_in_epoch: state.batch_in_epoch,

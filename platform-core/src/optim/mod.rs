@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::state_dict::StateDict;
+use crate::state_tensors::StateTensors;
 
 pub use adagrad::AdagradConfig;
 pub use adam::AdamConfig;
@@ -90,6 +91,15 @@ pub trait Optimizer<B: Backend> {
     /// Host copies of the optimizer's internal state (moments, step counts),
     /// with PyTorch-style names, for checkpoints.
     fn state_dict(&self) -> Result<StateDict>;
+
+    /// The state as a checkpoint writes it, named as in
+    /// [`state_dict`](Optimizer::state_dict): handles to the backend's tensors
+    /// where the optimizer keeps them (moments), read in place by the writer.
+    ///
+    /// The default wraps [`state_dict`](Optimizer::state_dict)'s host copies.
+    fn state_tensors(&self) -> Result<StateTensors<B>> {
+        Ok(self.state_dict()?.into())
+    }
 
     /// Restores state saved by [`state_dict`](Optimizer::state_dict);
     /// all-or-nothing like [`Module::load_state_dict`](crate::Module::load_state_dict).

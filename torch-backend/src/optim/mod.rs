@@ -11,7 +11,8 @@ use std::collections::BTreeMap;
 
 use kiln_core::{
     load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates, Error,
-    GroupHyper, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict,
+    GroupHyper, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict, StateTensor,
+    StateTensors,
 };
 use tch::Tensor;
 
@@ -370,6 +371,27 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             }
         }
         save_group_hypers(&self.groups, &mut out);
+        Ok(out)
+    }
+
+    /// As [`state_dict`](Optimizer::state_dict), with the state buffers as handles
+    /// that a checkpoint reads in place.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        let mut hypers = StateDict::new();
+        save_group_hypers(&self.groups, &mut hypers);
+        let mut out = StateTensors::from(hypers);
+        for slot in &self.params {
+            out.insert(
+                format!("state.{}.step", slot.name),
+                StateTensor::Host(HostTensor::scalar(slot.step_count()? as i64)),
+            )?;
+            for (key, tensor) in &slot.state {
+                out.insert(
+                    format!("state.{}.{key}", slot.name),
+                    StateTensor::Backend(tensor.shallow_clone()),
+                )?;
+            }
+        }
         Ok(out)
     }
 
