@@ -1021,7 +1021,11 @@ fn worker(args: &[String]) -> Result<()> {
         #[cfg(feature = "cuda")]
         "kiln-torch-graph" => graphed_step(&a, &host)?,
         #[cfg(feature = "tf")]
-        "kiln-tf" => kiln_step::<TfBackend>(&a, &host, |_| Ok(()))?,
+        "kiln-tf" => {
+            // As the Python worker's `tf.config.threading`.
+            kiln::tf::set_thread_counts(a.threads, a.threads)?;
+            kiln_step::<TfBackend>(&a, &host, |_| Ok(()))?
+        }
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);
             raw_tch::run(&a, &host)?

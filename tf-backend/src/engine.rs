@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_core::{DType, Error, HostTensor, ParamKind, Result};
-use tensorflow::{DataType, Operation, Output, Session, SessionOptions, SessionRunArgs};
+use tensorflow::{DataType, Operation, Output, Session, SessionRunArgs};
 
 use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
@@ -162,7 +162,7 @@ impl Engine {
 
     fn session(&mut self) -> Result<&Session> {
         if self.session.is_none() {
-            let session = Session::new(&SessionOptions::new(), &self.b.graph)
+            let session = Session::new(&crate::runtime::session_options()?, &self.b.graph)
                 .map_err(|s| tf_error("creating a TensorFlow session", s))?;
             self.session = Some(session);
         }

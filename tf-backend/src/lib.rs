@@ -35,5 +35,5 @@ pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLay
 pub use error::tf_error;
 pub use model::TfModel;
 pub use optim::TfOptimizer;
-pub use runtime::{check_runtime_version, runtime_version, TENSORFLOW_VERSION};
+pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{SavedModel, SignatureInfo, TensorDType, TensorSpec};

@@ -13,9 +13,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 
 use kiln_core::{DType, Error, HostTensor, Result};
-use tensorflow::{
-    Graph, Operation, SavedModelBundle, Session, SessionOptions, SessionRunArgs, Tensor, TensorInfo,
-};
+use tensorflow::{Graph, Operation, SavedModelBundle, Session, SessionRunArgs, Tensor, TensorInfo};
 
 use crate::convert::{from_tf, TfTensor};
 use crate::error::tf_error;
@@ -171,8 +169,9 @@ impl SavedModel {
             dir.display(),
             tags.join(", ")
         );
-        let mut bundle = SavedModelBundle::load(&SessionOptions::new(), tags, &mut graph, dir)
-            .map_err(|status| tf_error(&context, status))?;
+        let mut bundle =
+            SavedModelBundle::load(&crate::runtime::session_options()?, tags, &mut graph, dir)
+                .map_err(|status| tf_error(&context, status))?;
         // The decoded MetaGraphDef has only the signatures; the SaverDef is read from
         // the raw bytes, which the crate still exposes (deprecated, not removed).
         #[allow(deprecated)]
