@@ -253,6 +253,25 @@ impl Workload {
     }
 }
 
+/// What `--help` prints.
+const USAGE: &str = "\
+Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.md).
+
+usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
+
+  --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
+                    data, script, ops, checkpoint (default: all of them; on a GPU all but
+                    data and checkpoint)
+  --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
+                    tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
+  --steps N         timed steps per repeat (default: per workload)
+  --warmup N        untimed warm-up steps or calls (default 5)
+  --repeats N       timed repeats; the median is kept (default 5)
+  --threads N       intra-op (and TensorFlow inter-op) threads of every variant (default 2)
+  --rounds N        run every variant N times in turn, keep each one's median round (default 1)
+  --device D        cpu or cuda[:N] (default cpu)
+  --write           write the tables to BENCHMARKS.md (BENCHMARKS-cuda.md on a GPU)";
+
 /// What every variant runs with.
 #[derive(Clone, Debug)]
 struct Settings {
@@ -320,10 +339,11 @@ fn main() -> Result<()> {
             "--rounds" => settings.rounds = value()?.parse()?,
             "--device" => settings.device = value()?.parse()?,
             "--write" => write = true,
-            other => bail!(
-                "unknown flag {other}; flags: --workloads mlp,cnn,transformer,transformer-bf16,transformer-bf16-mixed,data,script,ops,checkpoint \
-                 --variants V,V --steps N --warmup N --repeats N --threads N --rounds N --device cpu|cuda[:N] --write"
-            ),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown flag {other}\n\n{USAGE}"),
         }
     }
     let all_variants: Vec<&str> = VARIANTS
