@@ -116,7 +116,7 @@ impl StateDict {
 /// to its element size (the header is padded to a multiple of 8 bytes).
 pub(crate) fn save_entries(
     path: &Path,
-    mut entries: Vec<(&str, &dyn WritableTensor)>,
+    entries: Vec<(&str, &dyn WritableTensor)>,
     metadata: &BTreeMap<String, String>,
 ) -> Result<()> {
     if entries.iter().any(|(name, _)| *name == METADATA_KEY) {
@@ -126,7 +126,7 @@ pub(crate) fn save_entries(
         ));
     }
     let mut layout = Vec::with_capacity(entries.len());
-    for (name, tensor) in entries.drain(..) {
+    for (name, tensor) in entries {
         let dtype = tensor.dtype()?;
         let dims = tensor.dims();
         let size = dims.iter().product::<usize>() * dtype.size_in_bytes();
