@@ -134,6 +134,19 @@ fn kiln(args: &[&str]) -> std::process::Output {
     out
 }
 
+/// `kiln train --config config --output output` with `extra` flags: what it printed.
+fn train(config: &str, output: &Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "train",
+        "--config",
+        config,
+        "--output",
+        output.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    String::from_utf8(kiln(&args).stdout).unwrap()
+}
+
 /// `kiln eval` of `checkpoint` with `config`: the accuracy it prints, and all it printed.
 fn eval_accuracy(config: &Path, checkpoint: &Path) -> (f64, String) {
     let metrics = String::from_utf8(
@@ -182,15 +195,7 @@ fn killed_run_resumes_bitwise() {
     let cfg = cfg.to_str().unwrap();
     let (a, b) = (dir.join("uninterrupted"), dir.join("killed"));
     // Long enough that the kill at step 20 lands well before the end.
-    kiln(&[
-        "train",
-        "--config",
-        cfg,
-        "--output",
-        a.to_str().unwrap(),
-        "--epochs",
-        "10",
-    ]);
+    train(cfg, &a, &["--epochs", "10"]);
     let reference = losses(&a);
     assert!(
         reference.len() > 50,
@@ -234,17 +239,7 @@ fn killed_run_resumes_bitwise() {
     // The kill may land between writing step 20 and pointing `last` at it.
     assert!(checkpoint.step >= 15 && checkpoint.step < reference.len() as u64);
 
-    kiln(&[
-        "train",
-        "--config",
-        cfg,
-        "--output",
-        b.to_str().unwrap(),
-        "--epochs",
-        "10",
-        "--resume",
-        "auto",
-    ]);
+    train(cfg, &b, &["--epochs", "10", "--resume", "auto"]);
     let resumed = losses(&b);
     assert_eq!(
         resumed.len(),
@@ -263,28 +258,9 @@ fn loader_order_does_not_depend_on_workers() {
     let dir = scratch("workers");
     let cfg = config(&dir, 0);
     let (one, four) = (dir.join("w1"), dir.join("w4"));
-    kiln(&[
-        "train",
-        "--config",
-        cfg.to_str().unwrap(),
-        "--output",
-        one.to_str().unwrap(),
-        "--workers",
-        "1",
-        "--max-steps",
-        "30",
-    ]);
-    kiln(&[
-        "train",
-        "--config",
-        cfg.to_str().unwrap(),
-        "--output",
-        four.to_str().unwrap(),
-        "--workers",
-        "4",
-        "--max-steps",
-        "30",
-    ]);
+    let cfg = cfg.to_str().unwrap();
+    train(cfg, &one, &["--workers", "1", "--max-steps", "30"]);
+    train(cfg, &four, &["--workers", "4", "--max-steps", "30"]);
     assert_same_run(&losses(&four), &losses(&one), "4 workers vs 1");
 }
 
@@ -298,15 +274,7 @@ fn inspect_eval_predict_and_config_errors() {
     let cfg = config(&dir, 0);
     let cfg = cfg.to_str().unwrap();
     let out = dir.join("run");
-    kiln(&[
-        "train",
-        "--config",
-        cfg,
-        "--output",
-        out.to_str().unwrap(),
-        "--epochs",
-        "2",
-    ]);
+    train(cfg, &out, &["--epochs", "2"]);
     let last = out.join("checkpoints/last.safetensors");
     let table = String::from_utf8(kiln(&["inspect", last.to_str().unwrap()]).stdout).unwrap();
     assert!(
@@ -388,21 +356,7 @@ fn bf16_precisions_train_and_evaluate() {
     let cfg = cfg.to_str().unwrap();
     for (precision, dtype) in [("bf16-mixed", "float32"), ("bf16-true", "bfloat16")] {
         let out = dir.join(precision);
-        let stdout = String::from_utf8(
-            kiln(&[
-                "train",
-                "--config",
-                cfg,
-                "--output",
-                out.to_str().unwrap(),
-                "--epochs",
-                "2",
-                "--precision",
-                precision,
-            ])
-            .stdout,
-        )
-        .unwrap();
+        let stdout = train(cfg, &out, &["--epochs", "2", "--precision", precision]);
         assert!(
             stdout.contains(&format!("on cpu in {precision}")),
             "{stdout}"

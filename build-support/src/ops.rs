@@ -163,6 +163,8 @@ impl TorchOps {
         let includes = [
             root.join("include"),
             root.join("include/torch/csrc/api/include"),
+            // Kiln's own headers for C++ that calls libtorch (`kiln/rethrowing.h`).
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("include"),
         ];
         let out_dir = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
 

@@ -279,10 +279,11 @@ mod tests {
         Ok(())
     }
 
-    /// A tensor whose bytes do not match its dtype and dims.
-    struct Lying;
+    /// A 4-element float32 tensor that hands over this many bytes (not its 16), or
+    /// whose backend fails to hand any over (a failed device copy) for `None`.
+    struct Broken(Option<usize>);
 
-    impl WritableTensor for Lying {
+    impl WritableTensor for Broken {
         fn dtype(&self) -> Result<DType> {
             Ok(DType::F32)
         }
@@ -290,26 +291,14 @@ mod tests {
             vec![4]
         }
         fn with_bytes(&self, write: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-            write(&[0u8; 12])
-        }
-    }
-
-    /// A tensor whose backend fails to hand its bytes over (a failed device copy).
-    struct Failing;
-
-    impl WritableTensor for Failing {
-        fn dtype(&self) -> Result<DType> {
-            Ok(DType::F32)
-        }
-        fn dims(&self) -> Vec<usize> {
-            vec![2]
-        }
-        fn with_bytes(&self, _write: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-            Err(Error::backend(
-                "test",
-                "copying a tensor to host memory",
-                "device lost",
-            ))
+            match self.0 {
+                Some(len) => write(&vec![0u8; len]),
+                None => Err(Error::backend(
+                    "test",
+                    "copying a tensor to host memory",
+                    "device lost",
+                )),
+            }
         }
     }
 
@@ -322,13 +311,10 @@ mod tests {
         let before = std::fs::read(&path).expect("read");
         let good = HostTensor::scalar(1.0f32);
         for (bad, expect) in [
-            (
-                &Lying as &dyn WritableTensor,
-                "12 bytes of data for a 16-byte",
-            ),
-            (&Failing as &dyn WritableTensor, "device lost"),
+            (Broken(Some(12)), "12 bytes of data for a 16-byte"),
+            (Broken(None), "device lost"),
         ] {
-            let entries: Vec<(&str, &dyn WritableTensor)> = vec![("good", &good), ("bad", bad)];
+            let entries: Vec<(&str, &dyn WritableTensor)> = vec![("good", &good), ("bad", &bad)];
             let err = crate::safetensors::save_entries(&path, entries, &BTreeMap::new())
                 .expect_err("refused");
             assert!(err.to_string().contains(expect), "{err}");

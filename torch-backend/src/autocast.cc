@@ -8,21 +8,12 @@
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
+#include "kiln/rethrowing.h"
+
 #include "kiln-torch/src/autocast.rs.h"
 
 namespace kiln::torch {
 namespace {
-
-// Runs f, turning a c10::Error into a std::runtime_error without the C++ backtrace
-// (cxx passes what() to Rust).
-template <typename F>
-auto rethrowing(const char* what, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::Error& e) {
-    throw std::runtime_error(std::string(what) + ": " + e.what_without_backtrace());
-  }
-}
 
 c10::DeviceType device_from_code(std::int8_t code) {
   const auto device = static_cast<c10::DeviceType>(code);

@@ -16,19 +16,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include "kiln/rethrowing.h"
+
 namespace kiln::ops {
 namespace {
-
-// Runs f, turning a c10::Error into a std::runtime_error without the C++ backtrace
-// (cxx passes what() to Rust).
-template <typename F>
-auto rethrowing(const char* what, F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const c10::Error& e) {
-    throw std::runtime_error(std::string(what) + ": " + e.what_without_backtrace());
-  }
-}
 
 // Makes `waiting` wait for the work queued so far on `done` (as torch's
 // Stream.wait_stream does: an event recorded on one, waited for by the other).
