@@ -5,7 +5,9 @@
 //! within 1.6e-2, `torch.testing`'s bf16 tolerance); and with the forward pass
 //! under bfloat16 autocast (`FloatPrecision::Bf16Mixed`, `torch.autocast`), float32
 //! parameters and gradients within the same tolerance. The references come from
-//! `tests/reference/layer_parity.py`, run through the project virtualenv.
+//! `tests/reference/layer_parity.py`, run through the project virtualenv, on the
+//! same device as Kiln (on a GPU, CUDA's kernels and autocast op lists are not the
+//! CPU's).
 
 #![allow(clippy::unwrap_used)]
 
@@ -88,7 +90,7 @@ fn parity(test: &str, numerics: Numerics) {
     let Some(python) = common::python(test) else {
         return;
     };
-    let dir = common::scratch_dir(&format!("layer-parity-{numerics}"));
+    let scratch = common::scratch_dir(&format!("layer-parity-{numerics}"));
     let (dtype, autocast) = match numerics {
         Numerics::DType(dtype) => (dtype, None),
         Numerics::Precision(p) => (p.parameter_dtype(), p.autocast_dtype()),
@@ -111,10 +113,17 @@ fn parity(test: &str, numerics: Numerics) {
             })
         })
         .collect();
-    let request_path = common::write_json(&dir, "cases.json", &request);
-    common::run_reference(&python, "layer_parity.py", &[&request_path, &dir]);
+    let request_path = common::write_json(&scratch, "cases.json", &request);
 
     for (device, tol) in common::devices() {
+        let dir = scratch.join(device.to_string().replace(':', "_"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let device_name = device.to_string();
+        common::run_reference(
+            &python,
+            "layer_parity.py",
+            &[&request_path, &dir, std::path::Path::new(&device_name)],
+        );
         // bf16 keeps 8 significant bits; `torch.testing.assert_close`'s
         // tolerance for it is 1.6e-2 relative (two roundings apart near 1).
         let tol = if numerics == Numerics::DType(DType::F32) {

@@ -361,6 +361,92 @@ fn a_failed_step_leaves_parameters_unchanged() {
     let _ = from_tch(&last).unwrap();
 }
 
+/// A gradient of another dtype than its parameter (here float64 for a float32
+/// weight) is refused before anything changes, in both modes: libtorch's fused CPU
+/// kernel would otherwise update the parameters before it in the list first.
+#[test]
+fn a_gradient_of_another_dtype_is_refused_in_both_modes() {
+    for capturable in [false, true] {
+        let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
+        let mut opt = TorchOptimizer::new(
+            OptimizerConfig::Adam(AdamConfig::new(0.1)),
+            model.named_parameters(),
+            &[],
+        )
+        .unwrap();
+        opt.set_capturable(capturable).unwrap();
+        let x = tch::Tensor::randn([4, 5], (tch::Kind::Float, tch::Device::Cpu));
+        model.forward(&x).unwrap().sum(tch::Kind::Float).backward();
+        opt.step().unwrap();
+        let (before, state_before) = (model.state_dict().unwrap(), opt.state_dict().unwrap());
+        let (_, last) = model.named_parameters().pop().unwrap();
+        let mut grad = last.grad();
+        grad.set_data(&grad.to_kind(tch::Kind::Double));
+        let err = opt.step().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("expected dtype float32, got float64"),
+            "capturable {capturable}: {err}"
+        );
+        assert_eq!(model.state_dict().unwrap(), before);
+        assert_eq!(opt.state_dict().unwrap(), state_before);
+    }
+}
+
+/// Capturable Adam runs one fused update per group, device and dtype: a model
+/// with float32 and float64 parameters, one of which gets no gradient, matches the
+/// per-parameter step, and the parameter without a gradient keeps no state and no
+/// step, as in PyTorch.
+#[test]
+fn capturable_adam_batches_by_dtype_and_skips_parameters_without_gradients() {
+    let options = |kind| (kind, tch::Device::Cpu);
+    let make = || {
+        let a = tch::Tensor::linspace(-1.0, 1.0, 6, options(tch::Kind::Float));
+        let b = tch::Tensor::linspace(0.5, 2.0, 4, options(tch::Kind::Double));
+        let unused = tch::Tensor::ones([3], options(tch::Kind::Float));
+        [("a", a), ("b", b), ("unused", unused)]
+            .into_iter()
+            .map(|(name, t)| (name.to_owned(), t.set_requires_grad(true)))
+            .collect::<Vec<_>>()
+    };
+    let mut runs = Vec::new();
+    for capturable in [false, true] {
+        let params = make();
+        let tensors: Vec<tch::Tensor> = params.iter().map(|(_, t)| t.shallow_clone()).collect();
+        let config = AdamWConfig::new(0.05)
+            .with_weight_decay(0.1)
+            .with_amsgrad(true);
+        let mut opt = TorchOptimizer::new(OptimizerConfig::AdamW(config), params, &[]).unwrap();
+        opt.set_capturable(capturable).unwrap();
+        for _ in 0..4 {
+            let loss = (&tensors[0] * &tensors[0]).sum(tch::Kind::Float)
+                + (&tensors[1] * &tensors[1] * &tensors[1]).sum(tch::Kind::Double);
+            loss.backward();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        let state = opt.state_dict().unwrap();
+        assert_eq!(
+            state.get("state.a.step").unwrap().to_f64_vec(),
+            [4.0],
+            "capturable {capturable}"
+        );
+        assert_eq!(state.get("state.unused.step").unwrap().to_f64_vec(), [0.0]);
+        assert!(state.get("state.unused.exp_avg").is_none());
+        assert_eq!(from_tch(&tensors[2]).unwrap().to_f64_vec(), [1.0, 1.0, 1.0]);
+        runs.push(tensors);
+    }
+    // The device learning rate is float32, as PyTorch's: 0.05 rounds by 1.5e-8.
+    for (index, tol) in [(0, 1e-6), (1, 1e-7)] {
+        common::assert_close(
+            &format!("parameter {index}, capturable against per-parameter"),
+            &from_tch(&runs[1][index]).unwrap(),
+            &from_tch(&runs[0][index]).unwrap(),
+            tol,
+        );
+    }
+}
+
 /// Adam folds its step size into the denominator; a learning rate of 0 (a warm-up's
 /// first step) or one too small to invert must still leave the weights as they were,
 /// finite, while the moments advance.

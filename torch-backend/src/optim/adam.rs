@@ -1,4 +1,6 @@
-//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), with AMSGrad.
+//! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), with AMSGrad: the
+//! per-parameter step. In capturable mode the optimizer runs libtorch's fused
+//! kernels instead (`fused.rs`).
 
 use kiln_core::{AdamConfig, AdamWConfig, GroupHyper};
 use tch::{TchError, Tensor};
@@ -31,20 +33,9 @@ pub(crate) fn update_adamw(
     hyper: &GroupHyper,
 ) -> Result<(), TchError> {
     if hyper.weight_decay != 0.0 {
-        match &slot.on_device {
-            Some(scalars) => {
-                let factor = scalars
-                    .lr
-                    .f_mul_scalar(-hyper.weight_decay)?
-                    .f_add_scalar(1.0)?;
-                let _ = slot.tensor.f_mul_(&factor)?;
-            }
-            None => {
-                let _ = slot
-                    .tensor
-                    .f_mul_scalar_(1.0 - hyper.lr * hyper.weight_decay)?;
-            }
-        }
+        let _ = slot
+            .tensor
+            .f_mul_scalar_(1.0 - hyper.lr * hyper.weight_decay)?;
     }
     adam_step(
         slot,
@@ -89,24 +80,6 @@ fn adam_step(
         .map(Tensor::shallow_clone)
         .ok_or_else(|| TchError::Kind("exp_avg missing".into()))?;
     let mut denom = second_moment.f_sqrt()?;
-    if let Some(scalars) = &slot.on_device {
-        // Capturable: the bias corrections from the device's step count, as 0-dim
-        // tensors; nothing is read back to the host.
-        let step = &scalars.step;
-        // -step_size = lr / (beta1^t - 1)
-        let neg_step_size = scalars
-            .lr
-            .f_div(&Tensor::f_pow_scalar(beta1, step)?.f_sub_scalar(1.0)?)?;
-        let bias_correction2_sqrt = Tensor::f_pow_scalar(beta2, step)?
-            .f_neg()?
-            .f_add_scalar(1.0)?
-            .f_sqrt()?;
-        let _ = denom.f_div_(&bias_correction2_sqrt)?;
-        let _ = denom.f_add_scalar_(eps)?;
-        let _ = exp_avg.f_div_out(&denom, &denom)?;
-        let _ = slot.tensor.f_addcmul_(&denom, &neg_step_size)?;
-        return Ok(());
-    }
     let step = slot.step as i32;
     let bias_correction1 = 1.0 - beta1.powi(step);
     let bias_correction2_sqrt = (1.0 - beta2.powi(step)).sqrt();

@@ -1,0 +1,92 @@
+//! Adam and AdamW in capturable mode as libtorch's multi-tensor kernels
+//! (`at::_fused_adam_`, `at::_fused_adamw_`, what `torch.optim.Adam(fused=True)`
+//! runs), which tch does not expose: one launch updates every parameter of a batch,
+//! reading the step counts and the learning rate from device tensors.
+
+use tch::Tensor;
+
+#[allow(unsafe_code)]
+mod bridge {
+    #[cxx::bridge(namespace = "kiln::torch")]
+    pub(super) mod ffi {
+        /// The tensors of one fused step, as the addresses of live `at::Tensor`s
+        /// (what tch's `Tensor::as_ptr` points at), list by list, in the same order.
+        struct FusedAdamTensors {
+            params: Vec<usize>,
+            grads: Vec<usize>,
+            exp_avgs: Vec<usize>,
+            exp_avg_sqs: Vec<usize>,
+            /// Empty unless AMSGrad.
+            max_exp_avg_sqs: Vec<usize>,
+            /// 0-dim float32 step counts, one per parameter; the call adds one.
+            steps: Vec<usize>,
+            /// 0-dim float32 learning rate on the parameters' device.
+            lr: usize,
+        }
+
+        /// The scalar hyperparameters of one fused step.
+        struct FusedAdamHypers {
+            beta1: f64,
+            beta2: f64,
+            weight_decay: f64,
+            eps: f64,
+            amsgrad: bool,
+            /// AdamW's decoupled weight decay instead of Adam's L2 penalty.
+            decoupled: bool,
+        }
+
+        // SAFETY: the declaration matches include/fused_adam.h exactly (cxx checks
+        // the signature at compile time) and returns `Result`, so a C++ exception
+        // comes back as an error instead of unwinding into Rust. It is `unsafe`
+        // because the addresses must point at live `at::Tensor`s for the call.
+        unsafe extern "C++" {
+            include!("kiln-torch/include/fused_adam.h");
+
+            unsafe fn fused_adam_step(
+                tensors: &FusedAdamTensors,
+                hypers: &FusedAdamHypers,
+            ) -> Result<()>;
+        }
+    }
+}
+
+pub(crate) use bridge::ffi::FusedAdamHypers;
+
+/// The tensors of one fused step, borrowed for the call.
+#[derive(Default)]
+pub(crate) struct FusedAdamBatch<'a> {
+    pub(crate) params: Vec<&'a Tensor>,
+    pub(crate) grads: Vec<&'a Tensor>,
+    pub(crate) exp_avgs: Vec<&'a Tensor>,
+    pub(crate) exp_avg_sqs: Vec<&'a Tensor>,
+    pub(crate) max_exp_avg_sqs: Vec<&'a Tensor>,
+    pub(crate) steps: Vec<&'a Tensor>,
+}
+
+/// Adds one to every step count of `batch`, then updates its parameters and
+/// moments in place with `lr` (a 0-dim float32 tensor on the parameters' device, or
+/// on the CPU). On error the step counts are restored and the parameters and
+/// moments are unchanged (libtorch checks the lists before launching).
+pub(crate) fn fused_adam_step(
+    batch: &FusedAdamBatch<'_>,
+    lr: &Tensor,
+    hypers: &FusedAdamHypers,
+) -> Result<(), String> {
+    let addresses =
+        |list: &[&Tensor]| -> Vec<usize> { list.iter().map(|t| t.as_ptr() as usize).collect() };
+    let tensors = bridge::ffi::FusedAdamTensors {
+        params: addresses(&batch.params),
+        grads: addresses(&batch.grads),
+        exp_avgs: addresses(&batch.exp_avgs),
+        exp_avg_sqs: addresses(&batch.exp_avg_sqs),
+        max_exp_avg_sqs: addresses(&batch.max_exp_avg_sqs),
+        steps: addresses(&batch.steps),
+        lr: lr.as_ptr() as usize,
+    };
+    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr`, alive
+    // for the whole call; the C++ side only reads them as `const at::Tensor&` and
+    // copies the handles it keeps.
+    #[allow(unsafe_code)]
+    let result = unsafe { bridge::ffi::fused_adam_step(&tensors, hypers) };
+    result.map_err(|e| e.what().to_owned())
+}
