@@ -24,6 +24,7 @@
 //! the interpreter that has torch and TensorFlow if it is not the project virtualenv's.
 //! Built with `--no-default-features --features torch,cuda` it needs no TensorFlow
 //! library (the TensorFlow variants are left out), as on a GPU machine without one.
+//! `benches/gpu/pack.sh` and `benches/gpu/run.sh` do all of that for a GPU machine.
 
 mod tasks;
 
