@@ -94,8 +94,8 @@ class SelfAttention(nn.MultiheadAttention):
         if self.causal:
             seq = x.shape[1]
             mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
-        # is_causal, as a PyTorch user writes it: SDPA then runs its causal kernel
-        # (flash attention on CUDA), as Kiln does, instead of a masked one.
+        # is_causal, as a PyTorch user writes it: SDPA then runs its causal kernel, as
+        # Kiln's call does, instead of a masked one (on CUDA they round differently).
         out, _ = super().forward(
             x, x, x, attn_mask=mask, need_weights=False, is_causal=self.causal
         )

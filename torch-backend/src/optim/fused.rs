@@ -65,8 +65,9 @@ pub(crate) struct FusedAdamBatch<'a> {
 
 /// Adds one to every step count of `batch`, then updates its parameters and
 /// moments in place with `lr` (a 0-dim float32 tensor on the parameters' device, or
-/// on the CPU). On error the step counts are restored and the parameters and
-/// moments are unchanged (libtorch checks the lists before launching).
+/// on the CPU). On error the step counts are put back. libtorch checks that the
+/// lists share a device, dtype and layout before it updates anything; the optimizer
+/// has already checked each gradient's shape, dtype and device.
 pub(crate) fn fused_adam_step(
     batch: &FusedAdamBatch<'_>,
     lr: &Tensor,

@@ -288,9 +288,7 @@ impl TorchOptimizer {
             })
             .collect()
     }
-}
 
-impl TorchOptimizer {
     /// The fused kernels' hyperparameters, for Adam and AdamW (without their
     /// per-group weight decay, filled in per batch).
     fn fused_adam_hypers(&self) -> Option<FusedAdamHypers> {
