@@ -40,18 +40,26 @@ void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hyp
     const auto exp_avg_sqs = tensors_at(tensors.exp_avg_sqs);
     const auto max_exp_avg_sqs = tensors_at(tensors.max_exp_avg_sqs);
     const auto steps = tensors_at(tensors.steps);
-    const auto& lr = tensor_at(tensors.lr);
     // As torch.optim's _fused_adam: count the step on the device, then update.
     at::_foreach_add_(steps, 1);
     try {
-      if (hypers.decoupled) {
-        at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
-                          hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
-                          hypers.amsgrad, /*maximize=*/false);
+      // The overloads take the learning rate as a tensor (read on the device) or a
+      // double; the kernel is the same.
+      const auto update = [&](const auto& lr) {
+        if (hypers.decoupled) {
+          at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
+                            hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
+                            hypers.amsgrad, /*maximize=*/false);
+        } else {
+          at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
+                           hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
+                           hypers.amsgrad, /*maximize=*/false);
+        }
+      };
+      if (tensors.lr_tensor != 0) {
+        update(tensor_at(tensors.lr_tensor));
       } else {
-        at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
-                         hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
-                         hypers.amsgrad, /*maximize=*/false);
+        update(hypers.lr);
       }
     } catch (...) {
       at::_foreach_sub_(steps, 1);

@@ -1,7 +1,8 @@
-//! Adam and AdamW in capturable mode as libtorch's multi-tensor kernels
-//! (`at::_fused_adam_`, `at::_fused_adamw_`, what `torch.optim.Adam(fused=True)`
-//! runs), which tch does not expose: one launch updates every parameter of a batch,
-//! reading the step counts and the learning rate from device tensors.
+//! Adam and AdamW as libtorch's multi-tensor kernels (`at::_fused_adam_`,
+//! `at::_fused_adamw_`, what `torch.optim.Adam(fused=True)` runs), which tch does not
+//! expose: one call updates every parameter of a batch in one pass over each. In
+//! capturable mode they read the step counts and the learning rate from device
+//! tensors.
 
 use tch::Tensor;
 
@@ -20,12 +21,15 @@ mod bridge {
             max_exp_avg_sqs: Vec<usize>,
             /// 0-dim float32 step counts, one per parameter; the call adds one.
             steps: Vec<usize>,
-            /// 0-dim float32 learning rate on the parameters' device.
-            lr: usize,
+            /// A 0-dim float32 learning rate on the parameters' device, or 0 for
+            /// `FusedAdamHypers::lr`.
+            lr_tensor: usize,
         }
 
         /// The scalar hyperparameters of one fused step.
         struct FusedAdamHypers {
+            /// The learning rate, unless the tensors carry one.
+            lr: f64,
             beta1: f64,
             beta2: f64,
             weight_decay: f64,
@@ -64,13 +68,14 @@ pub(crate) struct FusedAdamBatch<'a> {
 }
 
 /// Adds one to every step count of `batch`, then updates its parameters and
-/// moments in place with `lr` (a 0-dim float32 tensor on the parameters' device, or
-/// on the CPU). On error the step counts are put back. libtorch checks that the
+/// moments in place with `lr_tensor` (a 0-dim float32 tensor on the parameters'
+/// device, or on the CPU), else with `hypers.lr`. On error the step counts are put
+/// back. libtorch checks that the
 /// lists share a device, dtype and layout before it updates anything; the optimizer
 /// has already checked each gradient's shape, dtype and device.
 pub(crate) fn fused_adam_step(
     batch: &FusedAdamBatch<'_>,
-    lr: &Tensor,
+    lr_tensor: Option<&Tensor>,
     hypers: &FusedAdamHypers,
 ) -> Result<(), String> {
     let addresses =
@@ -82,9 +87,9 @@ pub(crate) fn fused_adam_step(
         exp_avg_sqs: addresses(&batch.exp_avg_sqs),
         max_exp_avg_sqs: addresses(&batch.max_exp_avg_sqs),
         steps: addresses(&batch.steps),
-        lr: lr.as_ptr() as usize,
+        lr_tensor: lr_tensor.map_or(0, |t| t.as_ptr() as usize),
     };
-    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr`, alive
+    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr_tensor`, alive
     // for the whole call; the C++ side only reads them as `const at::Tensor&` and
     // copies the handles it keeps.
     #[allow(unsafe_code)]

@@ -170,9 +170,10 @@ impl TorchOptimizer {
     /// `graph` module). Learning-rate changes write those tensors, so schedulers keep
     /// working with a captured step; `load_state_dict` copies into the existing state
     /// tensors instead of replacing them. Adam and AdamW then run libtorch's fused
-    /// multi-tensor kernels (`torch.optim.Adam(fused=True)`): one update per
-    /// parameter group, device and dtype instead of a dozen small kernels per
-    /// parameter. Works on the CPU too (the same results to float32 rounding).
+    /// multi-tensor kernels (`torch.optim.Adam(fused=True)`, as they always do on the
+    /// CPU): one update per parameter group, device and dtype instead of a dozen small
+    /// kernels per parameter. Works on the CPU too (the same results, but for the
+    /// learning rate rounded to float32).
     ///
     /// Supported for SGD, Adam and AdamW (other optimizers fail with
     /// [`Error::Unsupported`]). SGD with momentum and a non-zero dampening must have
@@ -290,7 +291,7 @@ impl TorchOptimizer {
     }
 
     /// The fused kernels' hyperparameters, for Adam and AdamW (without their
-    /// per-group weight decay, filled in per batch).
+    /// per-group learning rate and weight decay, filled in per batch).
     fn fused_adam_hypers(&self) -> Option<FusedAdamHypers> {
         let (betas, eps, amsgrad, decoupled) = match &self.config {
             OptimizerConfig::Adam(c) => (c.betas, c.eps, c.amsgrad, false),
@@ -298,6 +299,7 @@ impl TorchOptimizer {
             _ => return None,
         };
         Some(FusedAdamHypers {
+            lr: 0.0,
             beta1: betas.0,
             beta2: betas.1,
             weight_decay: 0.0,
@@ -307,10 +309,12 @@ impl TorchOptimizer {
         })
     }
 
-    /// Capturable Adam or AdamW: one fused update per parameter group, device and
-    /// dtype (the kernels need one of each per call), reading the step counts and
-    /// the learning rate from the device. Parameters without a gradient are
-    /// skipped, as PyTorch does.
+    /// Adam or AdamW as libtorch's fused kernel (`torch.optim.Adam(fused=True)`):
+    /// one update per parameter group, device and dtype (the kernel needs one of
+    /// each per call), in one pass over each parameter. In capturable mode it reads
+    /// the step counts and the learning rate from the device; otherwise the step
+    /// counts go in as temporary float32 tensors and the learning rate as a number.
+    /// Parameters without a gradient are skipped, as PyTorch does.
     fn fused_adam_step(&mut self, grads: &[Option<Tensor>], hypers: FusedAdamHypers) -> Result<()> {
         let moments: &[&'static str] = if hypers.amsgrad {
             &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
@@ -342,9 +346,23 @@ impl TorchOptimizer {
                     self.groups[group].name
                 )
             };
+            // The host's step counts, for the kernel to read and increment.
+            let host_steps = indices
+                .iter()
+                .map(|&index| {
+                    let slot = &self.params[index];
+                    match slot.on_device {
+                        Some(_) => Ok(None),
+                        None => Tensor::f_from_slice(&[slot.step as f32])
+                            .and_then(|t| t.f_reshape([0i64; 0]))
+                            .map(Some),
+                    }
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| torch_error("creating the step counts", e))?;
             let mut batch = FusedAdamBatch::default();
             let mut lr = None;
-            for &index in &indices {
+            for (&index, host_step) in indices.iter().zip(&host_steps) {
                 let slot = &self.params[index];
                 let missing = |what: &str| {
                     Error::backend(
@@ -353,10 +371,6 @@ impl TorchOptimizer {
                         format!("{what} of {} missing", slot.name),
                     )
                 };
-                let scalars = slot
-                    .on_device
-                    .as_ref()
-                    .ok_or_else(|| missing("device step count"))?;
                 let state = |key: &str| slot.state.get(key).ok_or_else(|| missing(key));
                 batch.params.push(&slot.tensor);
                 batch.grads.extend(grads[index].as_ref());
@@ -365,11 +379,17 @@ impl TorchOptimizer {
                 if hypers.amsgrad {
                     batch.max_exp_avg_sqs.push(state("max_exp_avg_sq")?);
                 }
-                batch.steps.push(&scalars.step);
-                lr.get_or_insert(&scalars.lr);
+                match (&slot.on_device, host_step) {
+                    (Some(scalars), _) => {
+                        batch.steps.push(&scalars.step);
+                        lr.get_or_insert(&scalars.lr);
+                    }
+                    (None, Some(step)) => batch.steps.push(step),
+                    (None, None) => return Err(missing("step count")),
+                }
             }
-            let Some(lr) = lr else { continue };
             let hypers = FusedAdamHypers {
+                lr: self.groups[group].lr,
                 weight_decay: self.groups[group].weight_decay,
                 ..hypers
             };
@@ -399,8 +419,12 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             )));
         }
         let grads = self.gradients()?;
-        if self.is_capturable() {
-            if let Some(hypers) = self.fused_adam_hypers() {
+        if let Some(hypers) = self.fused_adam_hypers() {
+            let on_cpu = self
+                .params
+                .iter()
+                .all(|s| s.tensor.device() == tch::Device::Cpu);
+            if self.is_capturable() || on_cpu {
                 return tch::no_grad(|| self.fused_adam_step(&grads, hypers));
             }
         }
