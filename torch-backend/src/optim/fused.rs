@@ -70,9 +70,9 @@ pub(crate) struct FusedAdamBatch<'a> {
 /// Adds one to every step count of `batch`, then updates its parameters and
 /// moments in place with `lr_tensor` (a 0-dim float32 tensor on the parameters'
 /// device, or on the CPU), else with `hypers.lr`. On error the step counts are put
-/// back. libtorch checks that the
-/// lists share a device, dtype and layout before it updates anything; the optimizer
-/// has already checked each gradient's shape, dtype and device.
+/// back. libtorch checks that the lists share a device, dtype and layout before it
+/// updates anything; the optimizer has already checked each gradient's shape, dtype
+/// and device.
 pub(crate) fn fused_adam_step(
     batch: &FusedAdamBatch<'_>,
     lr_tensor: Option<&Tensor>,
@@ -89,9 +89,9 @@ pub(crate) fn fused_adam_step(
         steps: addresses(&batch.steps),
         lr_tensor: lr_tensor.map_or(0, |t| t.as_ptr() as usize),
     };
-    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr_tensor`, alive
-    // for the whole call; the C++ side only reads them as `const at::Tensor&` and
-    // copies the handles it keeps.
+    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr_tensor`,
+    // alive for the whole call; the C++ side only reads them as `const at::Tensor&`
+    // and copies the handles it keeps.
     #[allow(unsafe_code)]
     let result = unsafe { bridge::ffi::fused_adam_step(&tensors, hypers) };
     result.map_err(|e| e.what().to_owned())
