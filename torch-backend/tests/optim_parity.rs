@@ -332,8 +332,9 @@ fn optimizer_state_round_trip_resumes_bitwise() {
     }
 }
 
-#[test]
-fn a_failed_step_leaves_parameters_unchanged() {
+/// The MLP on the CPU with an Adam optimizer (capturable or not) and the
+/// gradients of one random batch.
+fn adam_with_gradients(capturable: bool) -> (TorchModel, TorchOptimizer) {
     let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Adam(AdamConfig::new(0.1)),
@@ -341,9 +342,15 @@ fn a_failed_step_leaves_parameters_unchanged() {
         &[],
     )
     .unwrap();
+    opt.set_capturable(capturable).unwrap();
     let x = tch::Tensor::randn([4, 5], (tch::Kind::Float, tch::Device::Cpu));
-    let loss = model.forward(&x).unwrap().sum(tch::Kind::Float);
-    loss.backward();
+    model.forward(&x).unwrap().sum(tch::Kind::Float).backward();
+    (model, opt)
+}
+
+#[test]
+fn a_failed_step_leaves_parameters_unchanged() {
+    let (model, mut opt) = adam_with_gradients(false);
     // Corrupt one gradient's shape: the step must refuse before touching anything.
     let before = model.state_dict().unwrap();
     let (_, last) = model.named_parameters().pop().unwrap();
@@ -367,16 +374,7 @@ fn a_failed_step_leaves_parameters_unchanged() {
 #[test]
 fn a_gradient_of_another_dtype_is_refused_in_both_modes() {
     for capturable in [false, true] {
-        let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
-        let mut opt = TorchOptimizer::new(
-            OptimizerConfig::Adam(AdamConfig::new(0.1)),
-            model.named_parameters(),
-            &[],
-        )
-        .unwrap();
-        opt.set_capturable(capturable).unwrap();
-        let x = tch::Tensor::randn([4, 5], (tch::Kind::Float, tch::Device::Cpu));
-        model.forward(&x).unwrap().sum(tch::Kind::Float).backward();
+        let (model, mut opt) = adam_with_gradients(capturable);
         opt.step().unwrap();
         let (before, state_before) = (model.state_dict().unwrap(), opt.state_dict().unwrap());
         let (_, last) = model.named_parameters().pop().unwrap();

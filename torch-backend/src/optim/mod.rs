@@ -346,46 +346,46 @@ impl TorchOptimizer {
                     self.groups[group].name
                 )
             };
-            // The host's step counts, for the kernel to read and increment.
-            let host_steps = indices
+            // The step counts the kernel reads and increments: in capturable mode
+            // handles to the device's own, else temporaries holding the host's.
+            let steps = indices
                 .iter()
                 .map(|&index| {
                     let slot = &self.params[index];
-                    match slot.on_device {
-                        Some(_) => Ok(None),
+                    match &slot.on_device {
+                        Some(scalars) => Ok(scalars.step.shallow_clone()),
                         None => Tensor::f_from_slice(&[slot.step as f32])
-                            .and_then(|t| t.f_reshape([0i64; 0]))
-                            .map(Some),
+                            .and_then(|t| t.f_reshape([0i64; 0])),
                     }
                 })
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| torch_error("creating the step counts", e))?;
-            let mut batch = FusedAdamBatch::default();
-            let mut lr = None;
-            for (&index, host_step) in indices.iter().zip(&host_steps) {
+            // One learning rate per group: the first slot's device copy, if any.
+            let lr = indices
+                .first()
+                .and_then(|&index| self.params[index].on_device.as_ref())
+                .map(|scalars| &scalars.lr);
+            let mut batch = FusedAdamBatch {
+                steps: steps.iter().collect(),
+                ..FusedAdamBatch::default()
+            };
+            for &index in &indices {
                 let slot = &self.params[index];
-                let missing = |what: &str| {
-                    Error::backend(
-                        "torch",
-                        context(),
-                        format!("{what} of {} missing", slot.name),
-                    )
+                let state = |key: &str| {
+                    slot.state.get(key).ok_or_else(|| {
+                        Error::backend(
+                            "torch",
+                            context(),
+                            format!("{key} of {} missing", slot.name),
+                        )
+                    })
                 };
-                let state = |key: &str| slot.state.get(key).ok_or_else(|| missing(key));
                 batch.params.push(&slot.tensor);
                 batch.grads.extend(grads[index].as_ref());
                 batch.exp_avgs.push(state("exp_avg")?);
                 batch.exp_avg_sqs.push(state("exp_avg_sq")?);
                 if hypers.amsgrad {
                     batch.max_exp_avg_sqs.push(state("max_exp_avg_sq")?);
-                }
-                match (&slot.on_device, host_step) {
-                    (Some(scalars), _) => {
-                        batch.steps.push(&scalars.step);
-                        lr.get_or_insert(&scalars.lr);
-                    }
-                    (None, Some(step)) => batch.steps.push(step),
-                    (None, None) => return Err(missing("step count")),
                 }
             }
             let hypers = FusedAdamHypers {
