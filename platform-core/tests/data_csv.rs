@@ -74,6 +74,7 @@ fn no_header_other_delimiter_crlf_and_gzip() -> Result<()> {
         delimiter: b';',
         label_column: LabelColumn::Index(0),
         labels: LabelKind::Class,
+        allow_non_finite: false,
     };
     let mut enc = GzEncoder::new(Vec::new(), Compression::default());
     enc.write_all(text.as_bytes()).expect("compress");

@@ -54,6 +54,12 @@ pub struct CsvOptions {
     pub label_column: LabelColumn,
     /// How labels are parsed. Default: class indices.
     pub labels: LabelKind,
+    /// Whether features (and [`LabelKind::Regression`] labels) may be NaN
+    /// or infinite: `nan`, `inf`, `-infinity` and the like, or a number too
+    /// large for `float32`. Default `false`: [`load_csv`] refuses them,
+    /// naming the line and the column, since one such value otherwise
+    /// surfaces steps later as a NaN loss.
+    pub allow_non_finite: bool,
 }
 
 impl Default for CsvOptions {
@@ -63,6 +69,7 @@ impl Default for CsvOptions {
             delimiter: b',',
             label_column: LabelColumn::Last,
             labels: LabelKind::Class,
+            allow_non_finite: false,
         }
     }
 }
@@ -83,8 +90,11 @@ impl Default for CsvOptions {
 /// [`Error::Io`] if the file cannot be opened; [`Error::Data`] naming the
 /// file, the byte offset (in the decompressed stream) and the 1-based line
 /// for a field that is not a number (also naming the 1-based column and its
-/// header name), a record with the wrong number of fields, an unterminated
-/// quote, a label column that does not exist, or a file without data rows;
+/// header name), a NaN or infinite feature or regression label unless
+/// [`CsvOptions::allow_non_finite`] (naming the column by header name and
+/// 0-based index), a record with the wrong number of fields, an
+/// unterminated quote, a label column that does not exist, or a file
+/// without data rows;
 /// [`Error::InvalidArgument`] for a [`LabelColumn::Name`] without a header.
 ///
 /// ```
@@ -194,21 +204,41 @@ pub fn load_csv(path: &Path, options: &CsvOptions) -> Result<(HostTensor, HostTe
                         })?)
                     }
                     LabelKind::Regression => {
-                        real_labels.push(value.parse::<f32>().map_err(|_| {
+                        let label = value.parse::<f32>().map_err(|_| {
                             data_error(
                                 field.offset,
                                 format!("{}: `{value}` is not a number", describe()),
                             )
-                        })?)
+                        })?;
+                        if !label.is_finite() && !options.allow_non_finite {
+                            return Err(data_error(
+                                field.offset,
+                                non_finite_reason(
+                                    field.line,
+                                    column,
+                                    names.as_deref(),
+                                    value,
+                                    "regression labels",
+                                ),
+                            ));
+                        }
+                        real_labels.push(label)
                     }
                 }
             } else {
-                features.push(value.parse::<f32>().map_err(|_| {
+                let feature = value.parse::<f32>().map_err(|_| {
                     data_error(
                         field.offset,
                         format!("{}: `{value}` is not a number", describe()),
                     )
-                })?);
+                })?;
+                if !feature.is_finite() && !options.allow_non_finite {
+                    return Err(data_error(
+                        field.offset,
+                        non_finite_reason(field.line, column, names.as_deref(), value, "features"),
+                    ));
+                }
+                features.push(feature);
             }
         }
         rows += 1;
@@ -262,6 +292,34 @@ fn resolve_label(
                 )
             }),
     }
+}
+
+/// Why a NaN or infinite `value` at `line` and 0-based `column` is refused;
+/// `what` is `"features"` or `"regression labels"`.
+fn non_finite_reason(
+    line: usize,
+    column: usize,
+    names: Option<&[String]>,
+    value: &str,
+    what: &str,
+) -> String {
+    let column = match names.and_then(|n| n.get(column)).filter(|n| !n.is_empty()) {
+        Some(name) => format!("column `{name}` (index {column})"),
+        None => format!("column index {column}"),
+    };
+    let unsigned = value.trim_start_matches(['+', '-']);
+    let overflow = if ["nan", "inf", "infinity"]
+        .iter()
+        .any(|word| unsigned.eq_ignore_ascii_case(word))
+    {
+        ""
+    } else {
+        " (too large for float32)"
+    };
+    format!(
+        "line {line}, {column}: non-finite value `{value}`{overflow}; Kiln refuses NaN and \
+         infinite {what} (set CsvOptions::allow_non_finite to accept them)"
+    )
 }
 
 /// A class label: an integer, or a float with an integral value.
@@ -529,6 +587,105 @@ mod tests {
                 "line 1: unexpected 'b' after the closing quote of a field".to_string()
             )
         );
+    }
+
+    /// Loads `text` from a temp file with `options`.
+    fn load_text(name: &str, text: &str, options: &CsvOptions) -> Result<(HostTensor, HostTensor)> {
+        let path =
+            std::env::temp_dir().join(format!("kiln-core-csv-{}-{name}.csv", std::process::id()));
+        std::fs::write(&path, text).map_err(|e| Error::io(&path, e))?;
+        let loaded = load_csv(&path, options);
+        // Best effort: a leftover file in the temp dir is harmless.
+        let _ = std::fs::remove_file(&path);
+        loaded
+    }
+
+    fn data_reason(err: Error) -> (Option<u64>, String) {
+        match err {
+            Error::Data { offset, reason, .. } => (offset, reason),
+            other => panic!("expected Error::Data, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn non_finite_features_are_refused_naming_line_and_column() -> Result<()> {
+        let hint = "(set CsvOptions::allow_non_finite to accept them)";
+        let text = "pixel0,pixel1,pixel2,pixel3,label\n\
+                    0,1,2,3,0\n\
+                    \n\
+                    4,5,6,nan,1\n";
+        let err = load_text("nan", text, &CsvOptions::default()).expect_err("nan");
+        let (offset, reason) = data_reason(err);
+        assert_eq!(offset, Some(text.find("nan").unwrap_or(0) as u64));
+        assert_eq!(
+            reason,
+            format!(
+                "line 4, column `pixel3` (index 3): non-finite value `nan`; Kiln refuses NaN \
+                 and infinite features {hint}"
+            )
+        );
+        // every spelling f32 parses as non-finite, and an overflow, without a header
+        let no_header = CsvOptions {
+            has_header: false,
+            ..CsvOptions::default()
+        };
+        for (value, note) in [
+            ("NaN", ""),
+            ("inf", ""),
+            ("-inf", ""),
+            ("+Infinity", ""),
+            ("-INFINITY", ""),
+            ("1e39", " (too large for float32)"),
+        ] {
+            let text = format!("1,2,0\n3, {value} ,1\n");
+            let err = load_text("spellings", &text, &no_header).expect_err(value);
+            let (_, reason) = data_reason(err);
+            assert_eq!(
+                reason,
+                format!(
+                    "line 2, column index 1: non-finite value `{value}`{note}; Kiln refuses \
+                     NaN and infinite features {hint}"
+                )
+            );
+        }
+        // regression labels likewise
+        let regression = CsvOptions {
+            labels: LabelKind::Regression,
+            ..CsvOptions::default()
+        };
+        let err = load_text("label", "x,y\n1,inf\n", &regression).expect_err("inf label");
+        assert_eq!(
+            data_reason(err).1,
+            format!(
+                "line 2, column `y` (index 1): non-finite value `inf`; Kiln refuses NaN and \
+                 infinite regression labels {hint}"
+            )
+        );
+        // a class label is refused as before: it is not an integer
+        let err = load_text("class", "x,y\n1,nan\n", &CsvOptions::default()).expect_err("class");
+        assert_eq!(
+            data_reason(err).1,
+            "line 2, column 2 (`y`): `nan` is not an integer class label"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn allow_non_finite_keeps_them() -> Result<()> {
+        let options = CsvOptions {
+            allow_non_finite: true,
+            labels: LabelKind::Regression,
+            ..CsvOptions::default()
+        };
+        let (x, y) = load_text("allowed", "a,b,y\nnan,-inf,inf\n1e39,2,NaN\n", &options)?;
+        let x = x.as_slice::<f32>()?;
+        assert!(x[0].is_nan());
+        assert_eq!(&x[1..], &[f32::NEG_INFINITY, f32::INFINITY, 2.0]);
+        let y = y.as_slice::<f32>()?;
+        assert_eq!(y[0], f32::INFINITY);
+        assert!(y[1].is_nan());
+        assert!(!CsvOptions::default().allow_non_finite);
+        Ok(())
     }
 
     #[test]

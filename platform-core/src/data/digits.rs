@@ -1,7 +1,7 @@
 //! Reader for scikit-learn's handwritten digits data set.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use flate2::read::GzDecoder;
@@ -19,6 +19,10 @@ const EXPECTED_ROWS: usize = 1797;
 const MAX_PIXEL: f64 = 16.0;
 /// Number of classes.
 const CLASSES: f64 = 10.0;
+/// The most decompressed text read: scikit-learn's file is 265 KB (1797
+/// lines), and even written as `0.000000000000000000e+00` it stays under
+/// 3 MB. Reading stops here so that a gzip bomb cannot fill memory.
+const MAX_TEXT_BYTES: u64 = 16 << 20;
 
 /// Reads scikit-learn's `sklearn/datasets/data/digits.csv.gz`.
 ///
@@ -35,7 +39,8 @@ const CLASSES: f64 = 10.0;
 /// * [`Error::Data`] naming `path`, the 1-based line, and the byte offset of
 ///   that line's start in the decompressed stream, for invalid gzip data, a
 ///   wrong number of columns, a value that is not a number, or a value out of
-///   range; also for a file without rows.
+///   range; also for a file without rows, and for one whose decompressed
+///   text exceeds 16 MiB (reading stops there).
 ///
 /// ```no_run
 /// use std::path::Path;
@@ -46,8 +51,15 @@ const CLASSES: f64 = 10.0;
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub fn load_digits(path: &Path) -> Result<(HostTensor, HostTensor)> {
+    read_digits(path, MAX_TEXT_BYTES)
+}
+
+/// [`load_digits`], reading at most `max_text` bytes of decompressed text.
+fn read_digits(path: &Path, max_text: u64) -> Result<(HostTensor, HostTensor)> {
     let file = File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut reader = BufReader::new(GzDecoder::new(BufReader::new(file)));
+    // one byte past the limit tells a file of exactly `max_text` bytes from a longer one
+    let mut reader =
+        BufReader::new(GzDecoder::new(BufReader::new(file))).take(max_text.saturating_add(1));
     let data_error = |offset: u64, reason: String| Error::Data {
         path: path.to_path_buf(),
         offset: Some(offset),
@@ -68,6 +80,16 @@ pub fn load_digits(path: &Path) -> Result<(HostTensor, HostTensor)> {
         })?;
         if read == 0 {
             break;
+        }
+        if offset + read as u64 > max_text {
+            return Err(data_error(
+                offset,
+                format!(
+                    "line {line_no}: the decompressed text exceeds {max_text} bytes, far more \
+                     than scikit-learn's digits file (1797 lines, about 265 KB); reading \
+                     stopped there"
+                ),
+            ));
         }
         parse_line(&line, &mut features, &mut labels)
             .map_err(|reason| data_error(offset, format!("line {line_no}: {reason}")))?;
@@ -335,6 +357,62 @@ mod tests {
         assert_eq!(text.as_bytes()[offset - 1], b'\n');
         let line_no = text[..offset].matches('\n').count() + 1;
         assert!(reason.starts_with(&format!("line {line_no}:")), "{reason}");
+        Ok(())
+    }
+
+    #[test]
+    fn decompressed_text_is_bounded() -> std::io::Result<()> {
+        let row = line(0, "1", false) + "\n";
+        let text = row.repeat(3);
+        let file = TempFile::gz("bounded.csv.gz", &text)?;
+        // a limit of exactly the text's length reads it all
+        let limit = text.len() as u64;
+        let (_, y) = read_digits(&file.0, limit).map_err(std::io::Error::other)?;
+        assert_eq!(y.dims(), &[3]);
+        // one byte less stops inside line 3, reported at its start
+        let (path, offset, reason) =
+            data_error(read_digits(&file.0, limit - 1).expect_err("over the limit"));
+        assert_eq!(path, file.0);
+        assert_eq!(offset, Some(2 * row.len() as u64));
+        assert_eq!(
+            reason,
+            format!(
+                "line 3: the decompressed text exceeds {} bytes, far more than scikit-learn's \
+                 digits file (1797 lines, about 265 KB); reading stopped there",
+                limit - 1
+            )
+        );
+        // a single line longer than the limit is not read past it
+        let file = TempFile::gz("one-line.csv.gz", &"0,".repeat(1 << 16))?;
+        let (_, offset, reason) = data_error(read_digits(&file.0, 1000).expect_err("a long line"));
+        assert_eq!(offset, Some(0));
+        assert!(reason.starts_with("line 1: the decompressed text exceeds 1000 bytes"));
+        Ok(())
+    }
+
+    #[test]
+    fn load_digits_stops_after_16_mib_of_text() -> std::io::Result<()> {
+        // valid rows, but 16 MiB and a bit of them: what a gzip bomb inflates to
+        let row = line(5, "4", false) + "\n";
+        let rows = (MAX_TEXT_BYTES as usize) / row.len() + 1;
+        let file = TempFile::new("bomb.csv.gz");
+        let mut enc =
+            flate2::write::GzEncoder::new(File::create(&file.0)?, flate2::Compression::fast());
+        for _ in 0..rows {
+            enc.write_all(row.as_bytes())?;
+        }
+        enc.finish()?;
+        let (_, offset, reason) = data_error(load_digits(&file.0).expect_err("too long"));
+        let full_rows = (MAX_TEXT_BYTES as usize) / row.len();
+        assert_eq!(offset, Some((full_rows * row.len()) as u64));
+        assert_eq!(
+            reason,
+            format!(
+                "line {}: the decompressed text exceeds 16777216 bytes, far more than \
+                 scikit-learn's digits file (1797 lines, about 265 KB); reading stopped there",
+                full_rows + 1
+            )
+        );
         Ok(())
     }
 

@@ -165,6 +165,39 @@ fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx>
                 format!("the payload size of dimensions {dims:?} overflows usize"),
             )
         })?;
+    let truncated = |have: usize| {
+        let item_bytes = expected / dims[0].max(1);
+        data_error(
+            (header_len + have) as u64,
+            format!(
+                "truncated payload: dimensions {dims:?} of {} need {expected} bytes after the \
+                 {header_len}-byte header, the file has {have} (it ends inside item {})",
+                ty.name(),
+                have / item_bytes.max(1)
+            ),
+        )
+    };
+    // Refuse a header that declares more than the file can hold before
+    // reserving or inflating anything for it.
+    if let (Some(max), Some(file_len)) = (src.max_stream_len(), src.file_len) {
+        let declared = (header_len as u64).saturating_add(expected as u64);
+        if declared > max {
+            if !gzip {
+                // `max` is the file's length, at least the header's
+                return Err(truncated(max.saturating_sub(header_len as u64) as usize));
+            }
+            return Err(data_error(
+                4,
+                format!(
+                    "the header declares dimensions {dims:?} of {}, a {expected}-byte payload \
+                     after the {header_len}-byte header, but this {file_len}-byte gzip file \
+                     can decompress to at most {max} bytes (deflate expands at most about \
+                     1032:1); the header is corrupt",
+                    ty.name()
+                ),
+            ));
+        }
+    }
     let mut payload = Vec::with_capacity(expected.min(MAX_RESERVE));
     src.read_up_to(expected as u64, &mut payload).map_err(|e| {
         data_error(
@@ -173,17 +206,7 @@ fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx>
         )
     })?;
     if payload.len() < expected {
-        let item_bytes = expected / dims[0].max(1);
-        return Err(data_error(
-            (header_len + payload.len()) as u64,
-            format!(
-                "truncated payload: dimensions {dims:?} of {} need {expected} bytes after the \
-                 {header_len}-byte header, the file has {} (it ends inside item {})",
-                ty.name(),
-                payload.len(),
-                payload.len() / item_bytes.max(1)
-            ),
-        ));
+        return Err(truncated(payload.len()));
     }
     let mut extra = Vec::new();
     src.read_up_to(1, &mut extra)
@@ -209,7 +232,10 @@ fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx>
 /// [`Error::Io`] if the file cannot be opened; [`Error::Data`] naming the
 /// file and the byte offset (in the decompressed stream) of the problem for
 /// a bad magic number, a truncated header or payload, data after the
-/// payload, or corrupt gzip data.
+/// payload, or corrupt gzip data. A header that declares more data than the
+/// file can hold (its length if raw; about 1032 times it, deflate's largest
+/// ratio, if gzip) is refused before the payload is read, and no more than
+/// the declared payload and one byte is ever decompressed.
 ///
 /// ```no_run
 /// let t = kiln_core::read_idx(std::path::Path::new("train-images-idx3-ubyte.gz"))?;
@@ -425,6 +451,139 @@ fn load_pair(images_path: &Path, labels_path: &Path) -> Result<(HostTensor, Host
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flate2::write::GzEncoder;
+    use flate2::Compression;
+    use std::io::Write;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A fresh file in the system temp directory, removed on drop.
+    struct TempFile(PathBuf);
+
+    impl TempFile {
+        fn new(name: &str, bytes: &[u8]) -> Self {
+            static COUNTER: AtomicUsize = AtomicUsize::new(0);
+            let path = std::env::temp_dir().join(format!(
+                "kiln-core-idx-{}-{}-{name}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::write(&path, bytes).expect("write temp file");
+            TempFile(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            // Best effort: a leftover file in the temp dir is harmless.
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn header(dims: &[u32]) -> Vec<u8> {
+        let mut bytes = vec![0, 0, 0x08, dims.len() as u8];
+        for d in dims {
+            bytes.extend(d.to_be_bytes());
+        }
+        bytes
+    }
+
+    fn gzip(parts: &[&[u8]]) -> Vec<u8> {
+        let mut enc = GzEncoder::new(Vec::new(), Compression::default());
+        for part in parts {
+            enc.write_all(part).expect("compress");
+        }
+        enc.finish().expect("compress")
+    }
+
+    fn data_error(err: Error) -> (PathBuf, Option<u64>, String) {
+        match err {
+            Error::Data {
+                path,
+                offset,
+                reason,
+            } => (path, offset, reason),
+            other => panic!("expected Error::Data, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn absurd_declared_sizes_are_refused_before_reading() {
+        // 4 GB declared, 10 zero bytes stored
+        let gz = gzip(&[&header(&[4_000_000_000]), &[0; 10]]);
+        let file = TempFile::new("absurd.gz", &gz);
+        let err = read_idx(&file.0).expect_err("4 GB declared");
+        assert!(
+            err.to_string()
+                .contains(&format!("{} at byte 4", file.0.display())),
+            "{err}"
+        );
+        let (path, offset, reason) = data_error(err);
+        assert_eq!(path, file.0);
+        assert_eq!(offset, Some(4));
+        let max = gz.len() as u64 * 1100 + (1 << 20);
+        assert_eq!(
+            reason,
+            format!(
+                "the header declares dimensions [4000000000] of unsigned byte, a \
+                 4000000000-byte payload after the 8-byte header, but this {}-byte gzip file \
+                 can decompress to at most {max} bytes (deflate expands at most about \
+                 1032:1); the header is corrupt",
+                gz.len()
+            )
+        );
+
+        // MNIST's training images declared, a few hundred bytes stored
+        let file = TempFile::new(
+            "mnist-header.gz",
+            &gzip(&[&header(&[60000, 28, 28]), &[0; 784]]),
+        );
+        let (_, offset, reason) =
+            data_error(load_mnist_images(&file.0).expect_err("47 MB declared"));
+        assert_eq!(offset, Some(4));
+        assert!(
+            reason.starts_with(
+                "the header declares dimensions [60000, 28, 28] of unsigned byte, a \
+                 47040000-byte payload after the 16-byte header, but this"
+            ),
+            "{reason}"
+        );
+
+        // a raw file: it holds exactly its length
+        let mut raw = header(&[4_000_000_000]);
+        raw.extend([0; 10]);
+        let file = TempFile::new("absurd-raw", &raw);
+        let (_, offset, reason) = data_error(read_idx(&file.0).expect_err("raw"));
+        assert_eq!(offset, Some(18));
+        assert_eq!(
+            reason,
+            "truncated payload: dimensions [4000000000] of unsigned byte need 4000000000 bytes \
+             after the 8-byte header, the file has 10 (it ends inside item 10)"
+        );
+    }
+
+    #[test]
+    fn payload_inflating_past_its_declared_size_is_refused() -> Result<()> {
+        // 16 bytes declared; 4 MiB of zeros (a few KB compressed) follow them
+        let zeros = vec![0u8; 4 << 20];
+        let file = TempFile::new("bomb.gz", &gzip(&[&header(&[16]), &zeros]));
+        let (path, offset, reason) = data_error(read_idx(&file.0).expect_err("trailing data"));
+        assert_eq!(path, file.0);
+        assert_eq!(offset, Some(8 + 16));
+        assert_eq!(
+            reason,
+            "unexpected data after the 16-byte payload of dimensions [16]"
+        );
+
+        // the same header with exactly its payload reads, gzip or raw
+        for bytes in [
+            gzip(&[&header(&[16]), &[7; 16]]),
+            [header(&[16]), vec![7; 16]].concat(),
+        ] {
+            let file = TempFile::new("exact", &bytes);
+            assert_eq!(read_idx(&file.0)?, HostTensor::new(vec![7u8; 16], [16])?);
+        }
+        Ok(())
+    }
 
     #[test]
     fn decodes_every_element_type_big_endian() -> Result<()> {

@@ -10,12 +10,20 @@ use crate::error::{Error, Result};
 
 /// The first two bytes of every gzip stream.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+/// Deflate expands at most about 1032:1; this rounds it up so that any
+/// gzip file (one member or several) stays below the bound.
+const GZIP_MAX_RATIO: u64 = 1100;
+/// Slack on top of the ratio, so that tiny files are never refused on it.
+const GZIP_SLACK: u64 = 1 << 20;
 
 /// A readable data file, decompressed on the fly if it is gzip.
 pub(crate) struct Source {
     reader: Box<dyn Read>,
     /// Whether the file is gzip-compressed.
     pub(crate) gzip: bool,
+    /// The file's length on disk, when it is a regular file (a pipe or a
+    /// device has no length to trust).
+    pub(crate) file_len: Option<u64>,
 }
 
 impl Source {
@@ -34,13 +42,36 @@ impl Source {
             }
         }
         let gzip = got == 2 && head == GZIP_MAGIC;
+        let file_len = file
+            .metadata()
+            .ok()
+            .filter(|m| m.is_file())
+            .map(|m| m.len());
         let replay = Cursor::new(head[..got].to_vec()).chain(file);
         let reader: Box<dyn Read> = if gzip {
             Box::new(BufReader::new(MultiGzDecoder::new(BufReader::new(replay))))
         } else {
             Box::new(BufReader::new(replay))
         };
-        Ok(Source { reader, gzip })
+        Ok(Source {
+            reader,
+            gzip,
+            file_len,
+        })
+    }
+
+    /// The most bytes the whole (decompressed) stream can hold: the file's
+    /// length if raw, [`GZIP_MAX_RATIO`] times it plus [`GZIP_SLACK`] if
+    /// gzip; `None` when the length is unknown. A header that declares more
+    /// is corrupt, and is refused before anything is allocated for it.
+    pub(crate) fn max_stream_len(&self) -> Option<u64> {
+        let len = self.file_len?;
+        Some(if self.gzip {
+            len.saturating_mul(GZIP_MAX_RATIO)
+                .saturating_add(GZIP_SLACK)
+        } else {
+            len
+        })
     }
 
     /// Reads up to `limit` bytes into `buf`, stopping early at the end of
@@ -97,6 +128,10 @@ mod tests {
         ] {
             let mut src = Source::open(path)?;
             assert_eq!(src.gzip, gzip, "{}", path.display());
+            let len = std::fs::metadata(path).expect("metadata").len();
+            assert_eq!(src.file_len, Some(len));
+            let max = if gzip { len * 1100 + (1 << 20) } else { len };
+            assert_eq!(src.max_stream_len(), Some(max));
             let mut buf = Vec::new();
             src.read_up_to(3, &mut buf).expect("read");
             src.read_rest(&mut buf).expect("read");
