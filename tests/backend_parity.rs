@@ -434,6 +434,7 @@ fn checkpoints_resume_across_backends() {
             batch_in_epoch: 10,
             seed: 7,
             backend: backend.to_owned(),
+            optimizer_kind: None,
             model_definition: Some(case.spec.clone()),
             scheduler: None,
             metrics: Default::default(),

@@ -518,6 +518,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             batch_in_epoch: 0,
             seed: 0,
             backend: "torch".into(),
+            optimizer_kind: None,
             model_definition: Some(spec.clone()),
             scheduler: None,
             metrics: Default::default(),

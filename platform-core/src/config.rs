@@ -88,7 +88,8 @@ pub struct DataConfig {
     /// CSV only: whether the first line names the columns.
     #[serde(default = "yes")]
     pub has_header: bool,
-    /// Fraction held out for validation (when the dataset has no test split).
+    /// Fraction held out for validation, in `[0, 1)`, when the dataset has no
+    /// test split; 0 means no validation split (and no `val_*` metrics).
     #[serde(default = "fifth")]
     pub val_fraction: f64,
     /// Examples per batch.
@@ -273,6 +274,12 @@ impl RunConfig {
         if let Some(schedule) = &self.schedule {
             schedule.validate()?;
         }
+        if self.output_dir.as_os_str().is_empty() {
+            return Err(Error::invalid_argument(
+                "output_dir",
+                "is empty; name the directory the run writes to (e.g. \"runs/digits\")",
+            ));
+        }
         if !(0.0..1.0).contains(&self.data.val_fraction) {
             return Err(Error::invalid_argument(
                 "data.val_fraction",
@@ -305,7 +312,60 @@ impl RunConfig {
                 ));
             }
         }
+        let monitors = [
+            ("checkpoint.monitor", self.checkpoint.monitor.as_deref()),
+            (
+                "early_stopping.monitor",
+                self.early_stopping.as_ref().map(|e| e.monitor.as_str()),
+            ),
+            (
+                "schedule.monitor",
+                self.schedule.as_ref().and_then(|s| s.monitor()),
+            ),
+        ];
+        let known = self.epoch_metrics();
+        for (key, monitor) in monitors {
+            if let Some(monitor) = monitor {
+                if !known.iter().any(|k| k == monitor) {
+                    return Err(Error::invalid_argument(
+                        key,
+                        format!(
+                            "`{monitor}` is not a metric of this run; it records {}{}",
+                            known.join(", "),
+                            if self.has_validation() {
+                                " (add a metric to `logging.metrics` to monitor it)"
+                            } else {
+                                " (no `val_*` metrics: data.val_fraction is 0)"
+                            }
+                        ),
+                    ));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Whether the run validates after each epoch: the dataset has a test
+    /// split (MNIST), or `data.val_fraction` holds one out.
+    pub fn has_validation(&self) -> bool {
+        self.data.dataset == DatasetKind::Mnist || self.data.val_fraction > 0.0
+    }
+
+    /// The names of the metrics each epoch records, which `monitor` keys can
+    /// name: `loss`, `lr`, and with validation `val_loss` and `val_<metric>`
+    /// for each of `logging.metrics`.
+    pub fn epoch_metrics(&self) -> Vec<String> {
+        let mut names = vec!["loss".to_owned(), "lr".to_owned()];
+        if self.has_validation() {
+            names.push("val_loss".to_owned());
+            for metric in &self.logging.metrics {
+                // The name the metric records under (the config's, for every metric Kiln has).
+                let name = metric_by_name(metric)
+                    .map_or_else(|| metric.clone(), |make| make().name().to_owned());
+                names.push(format!("val_{name}"));
+            }
+        }
+        names
     }
 }
 

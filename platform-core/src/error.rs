@@ -105,6 +105,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// A run's output directory cannot be used (not empty for a new run,
+    /// held by another run, not a directory).
+    #[error("output directory {}: {reason}", .path.display())]
+    RunDirectory {
+        /// The directory.
+        path: PathBuf,
+        /// What is in the way, and what to do instead.
+        reason: String,
+    },
+
     /// A data file is malformed.
     #[error("malformed data file {}{}: {reason}", .path.display(), AtOffset(*.offset))]
     Data {

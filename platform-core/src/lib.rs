@@ -62,7 +62,8 @@ mod testing;
 
 pub use backend::{Backend, Mode};
 pub use checkpoint::{
-    checkpoint_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, CHECKPOINT_FORMAT,
+    checkpoint_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, RunDirectory,
+    RunStart, CHECKPOINT_FORMAT, LOCK_FILE,
 };
 pub use config::{
     metric_by_name, BackendKind, DataConfig, DatasetKind, EarlyStoppingConfig, LoggingConfig,

@@ -104,6 +104,15 @@ impl StateDict {
     }
 }
 
+/// The string metadata of the safetensors file at `path`, read from its header
+/// alone (no tensor data is read), after the same checks as
+/// [`StateDict::load_safetensors`] makes of the header.
+pub(crate) fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
+    let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    Ok(read_header(&mut file, len, path)?.1)
+}
+
 /// Writes named tensors as a safetensors file, atomically (see
 /// [`StateDict::save_safetensors`]), streaming each tensor's bytes to the file
 /// instead of assembling the whole file in memory first, and reading a backend
@@ -250,14 +259,13 @@ struct HeaderEntry {
     end: usize,
 }
 
-/// Reads a safetensors file of `len` bytes from `file`, with messages that say
-/// what is wrong. Each tensor's bytes are read straight into its own
-/// [`HostTensor`]: the file is never held in memory as a whole besides them.
-fn read_file(
+/// Reads and checks the header of a safetensors file of `len` bytes from
+/// `file`, leaving it positioned at the first tensor's data.
+fn read_header(
     file: &mut impl Read,
     len: u64,
     path: &Path,
-) -> Result<(StateDict, BTreeMap<String, String>)> {
+) -> Result<(Vec<HeaderEntry>, BTreeMap<String, String>)> {
     let mut len_bytes = [0u8; 8];
     if len < 8 {
         return Err(corrupt(
@@ -285,8 +293,18 @@ fn read_file(
     file.read_exact(&mut header)
         .map_err(|e| Error::io(path, e))?;
     let data_len = usize::try_from(rest - header_len).map_err(|_| too_large())?;
-    let (entries, metadata) = parse_header(&header, data_len, path)?;
+    parse_header(&header, data_len, path)
+}
 
+/// Reads a safetensors file of `len` bytes from `file`, with messages that say
+/// what is wrong. Each tensor's bytes are read straight into its own
+/// [`HostTensor`]: the file is never held in memory as a whole besides them.
+fn read_file(
+    file: &mut impl Read,
+    len: u64,
+    path: &Path,
+) -> Result<(StateDict, BTreeMap<String, String>)> {
+    let (entries, metadata) = read_header(file, len, path)?;
     let mut state = StateDict::new();
     for entry in entries {
         let mut tensor = HostTensor::zeros(entry.dtype, entry.shape.as_slice())

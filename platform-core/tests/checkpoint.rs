@@ -50,6 +50,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         batch_in_epoch: step % 10,
         seed: 42,
         backend: "torch".to_owned(),
+        optimizer_kind: None,
         model_definition: Some(Layer::from(LinearConfig::new(2, 2))),
         scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),
         metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),

@@ -15,8 +15,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::{
     load_digits, train_test_split, BackendKind, Checkpoint, Checkpointer, DataLoader, DatasetKind,
-    EarlyStopping, FloatPrecision, HostTensor, InMemoryDataset, Module, RunConfig, TrainBackend,
-    Trainer, TrainingState,
+    EarlyStopping, FloatPrecision, HostTensor, InMemoryDataset, Loss, Module, RunConfig,
+    RunDirectory, RunStart, TrainBackend, Trainer, TrainingState,
 };
 use kiln::prelude::*;
 
@@ -82,7 +82,9 @@ struct TrainArgs {
     /// Override `data.workers`.
     #[arg(long)]
     workers: Option<usize>,
-    /// Resume from a checkpoint file, or `auto` for `<output_dir>/checkpoints/last.safetensors`.
+    /// Resume from a checkpoint file, or `auto` for the run in `output_dir`
+    /// (`checkpoints/last.safetensors`, else its newest step checkpoint; a new
+    /// run when the directory is absent or empty).
     #[arg(long)]
     resume: Option<String>,
     /// No progress bar (plain log lines only).
@@ -110,6 +112,9 @@ struct PredictArgs {
     /// Where to write the predictions (CSV: index, predicted class, label, scores).
     #[arg(long)]
     output: PathBuf,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    overwrite: bool,
 }
 
 fn main() {
@@ -140,12 +145,23 @@ fn default_digits() -> PathBuf {
 }
 
 /// Features and labels of the configured dataset, scaled and shaped, split into
-/// training and validation sets.
+/// training and validation sets (none when `data.val_fraction` is 0).
 struct Data {
     train: (HostTensor, HostTensor),
-    val: (HostTensor, HostTensor),
+    val: Option<(HostTensor, HostTensor)>,
 }
 
+/// Where a data set's labels come from, to name a bad one.
+enum LabelOrigin<'a> {
+    /// Line `first_line + i` of `path` holds example `i`.
+    Lines { path: &'a Path, first_line: usize },
+    /// Record `i` of the IDX labels of `split` in the MNIST directory `path`.
+    Records { path: &'a Path, split: &'a str },
+}
+
+/// Reads the configured dataset and checks it against the model before anything
+/// is written: the model's output shape for the data's input shape, and every
+/// label against the loss and that output.
 fn load_data(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
     let path = || {
@@ -153,23 +169,44 @@ fn load_data(config: &RunConfig) -> Result<Data> {
             .clone()
             .context("data.path is required for this dataset")
     };
-    let (features, labels) = match data.dataset {
+    let (features, labels, origin_path, first_line) = match data.dataset {
         DatasetKind::Digits => {
             let path = data.path.clone().unwrap_or_else(default_digits);
-            load_digits(&path).with_context(|| {
+            let (x, y) = load_digits(&path).with_context(|| {
                 format!(
                     "loading the digits data set from {} (run `cargo xtask setup` to provision it)",
                     path.display()
                 )
-            })?
+            })?;
+            (x, y, path, 1)
         }
         DatasetKind::Mnist => {
             // MNIST has its own test split: it is the validation set.
-            let mnist = kiln::core::load_mnist(&path()?)?;
-            let shape = |x: HostTensor| scale_and_shape(x, data);
+            let dir = path()?;
+            let mnist = kiln::core::load_mnist(&dir)?;
+            let train = scale_and_shape(mnist.train_images, data)?;
+            check_fits(
+                config,
+                &train,
+                &mnist.train_labels,
+                &LabelOrigin::Records {
+                    path: &dir,
+                    split: "training",
+                },
+            )?;
+            let test = scale_and_shape(mnist.test_images, data)?;
+            check_fits(
+                config,
+                &test,
+                &mnist.test_labels,
+                &LabelOrigin::Records {
+                    path: &dir,
+                    split: "test",
+                },
+            )?;
             return Ok(Data {
-                train: (shape(mnist.train_images)?, mnist.train_labels),
-                val: (shape(mnist.test_images)?, mnist.test_labels),
+                train: (train, mnist.train_labels),
+                val: Some((test, mnist.test_labels)),
             });
         }
         DatasetKind::Csv => {
@@ -184,12 +221,100 @@ fn load_data(config: &RunConfig) -> Result<Data> {
                 },
                 ..Default::default()
             };
-            kiln::core::load_csv(&path()?, &options)?
+            let path = path()?;
+            let (x, y) = kiln::core::load_csv(&path, &options)?;
+            (x, y, path, if data.has_header { 2 } else { 1 })
         }
     };
     let features = scale_and_shape(features, data)?;
+    check_fits(
+        config,
+        &features,
+        &labels,
+        &LabelOrigin::Lines {
+            path: &origin_path,
+            first_line,
+        },
+    )?;
+    if data.val_fraction == 0.0 {
+        return Ok(Data {
+            train: (features, labels),
+            val: None,
+        });
+    }
     let (train, val) = train_test_split(&features, &labels, data.val_fraction, config.seed)?;
-    Ok(Data { train, val })
+    Ok(Data {
+        train,
+        val: Some(val),
+    })
+}
+
+/// Checks that the model takes examples of `features`' shape, and that its
+/// output and the loss take every one of `labels`.
+fn check_fits(
+    config: &RunConfig,
+    features: &HostTensor,
+    labels: &HostTensor,
+    origin: &LabelOrigin<'_>,
+) -> Result<()> {
+    let mut input = features.dims().to_vec();
+    input[0] = config.data.batch_size;
+    let output = config.model.output_shape(&input).with_context(|| {
+        format!(
+            "the model does not take the data's examples (batches of shape {input:?}, \
+             from data.input_shape {:?})",
+            config.data.input_shape
+        )
+    })?;
+    let label_dims = &labels.dims()[1..];
+    let (ignore_index, needs_classes) = match &config.loss {
+        Loss::CrossEntropy(c) => (c.ignore_index, true),
+        Loss::Nll(c) => (c.ignore_index, true),
+        _ => (None, false),
+    };
+    let mismatch = |what: String| {
+        anyhow::anyhow!(
+            "the loss `{}` does not fit the model's output: {what}",
+            config.loss.torch_name()
+        )
+    };
+    if !needs_classes || labels.dtype().is_float() {
+        // Targets of the output's own shape per example (regression, probabilities).
+        if label_dims.iter().product::<usize>() != output[1..].iter().product::<usize>() {
+            return Err(mismatch(format!(
+                "the model gives {:?} per example, the targets are {label_dims:?}",
+                &output[1..]
+            )));
+        }
+        return Ok(());
+    }
+    let Some(&classes) = output.get(1) else {
+        return Err(mismatch(format!(
+            "it needs [batch, classes] scores, the model gives {output:?}"
+        )));
+    };
+    let labels = labels.to_dtype(kiln::core::DType::I64);
+    let values = labels.as_slice::<i64>()?;
+    let bad = values
+        .iter()
+        .enumerate()
+        .find(|(_, &v)| Some(v) != ignore_index && !(0..classes as i64).contains(&v));
+    if let Some((i, &label)) = bad {
+        let place = match origin {
+            LabelOrigin::Lines { path, first_line } => {
+                format!("{}, line {}", path.display(), first_line + i)
+            }
+            LabelOrigin::Records { path, split } => {
+                format!("{} ({split} labels), record {i}", path.display())
+            }
+        };
+        anyhow::bail!(
+            "{place}: label {label} is outside the model's {classes} classes (0 to {}); \
+             the model's last layer gives {classes} scores per example",
+            classes - 1
+        );
+    }
+    Ok(())
 }
 
 /// Divides by `data.scale` and reshapes each example to `data.input_shape`.
@@ -286,16 +411,70 @@ fn train(args: TrainArgs) -> Result<()> {
     }
 }
 
+/// Where a training run starts: afresh, or from a checkpoint.
+fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
+    let out = &config.output_dir;
+    match resume {
+        None => {
+            RunDirectory::check(out, RunStart::New)?;
+            Ok(None)
+        }
+        Some("auto") => {
+            RunDirectory::check(out, RunStart::Resume)?;
+            if let Some(path) = Checkpointer::latest(&out.join("checkpoints"))? {
+                return Ok(Some(path));
+            }
+            // Nothing to resume: a new run, but only where it destroys nothing.
+            RunDirectory::check(out, RunStart::New).context(
+                "--resume auto found no checkpoint to resume from (no \
+                 checkpoints/last.safetensors nor checkpoints/step-*.safetensors), \
+                 and a new run would write over what is there",
+            )?;
+            log::info!(
+                "--resume auto: no run in {} yet; starting a new one",
+                out.display()
+            );
+            Ok(None)
+        }
+        Some(path) => {
+            RunDirectory::check(out, RunStart::Resume)?;
+            Ok(Some(PathBuf::from(path)))
+        }
+    }
+}
+
+/// Reads the checkpoint to resume from and checks it against the config: the
+/// same model definition and seed.
+fn load_resume_checkpoint(config: &RunConfig, path: &Path) -> Result<Checkpoint> {
+    let checkpoint = Checkpoint::load(path)?;
+    checkpoint.check_definition(&config.model, path)?;
+    if checkpoint.seed != config.seed {
+        anyhow::bail!(
+            "checkpoint {}: the run it continues used seed {}, this one seed {}; data order \
+             and dropout derive from the seed, so another one would not continue that run \
+             (pass --seed {} to resume it)",
+            path.display(),
+            checkpoint.seed,
+            config.seed,
+            checkpoint.seed
+        );
+    }
+    Ok(checkpoint)
+}
+
 fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result<()> {
     let started = Instant::now();
     let out = &config.output_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    std::fs::write(out.join("config.toml"), toml_string(config)?)?;
 
+    // Everything that can be checked is checked before the first byte is written.
+    let resume_from = resolve_resume(config, resume)?;
     let data = load_data(config)?;
-    let (n_train, n_val) = (data.train.1.dims()[0], data.val.1.dims()[0]);
+    let (n_train, n_val) = (
+        data.train.1.dims()[0],
+        data.val.as_ref().map_or(0, |v| v.1.dims()[0]),
+    );
     let train_loader = loader(data.train, config, true)?;
-    let val_loader = loader(data.val, config, false)?;
+    let val_loader = data.val.map(|v| loader(v, config, false)).transpose()?;
 
     let mut training = config.training.clone();
     training.seed = config.seed;
@@ -309,18 +488,34 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         None => None,
     };
     let mut state = TrainingState::<B>::new(model, optimizer, scheduler);
-
-    let checkpoints = out.join("checkpoints");
-    let resume_from = match resume {
-        Some("auto") => {
-            let last = Checkpointer::last_path(&checkpoints);
-            last.exists().then_some(last)
-        }
-        Some(path) => Some(PathBuf::from(path)),
-        None => None,
-    };
     if let Some(path) = &resume_from {
-        Trainer::<B>::resume(&mut state, path)?;
+        let checkpoint = load_resume_checkpoint(config, path)?;
+        state
+            .restore(&checkpoint)
+            .map_err(|e| kiln::core::Error::Checkpoint {
+                path: path.clone(),
+                reason: format!("does not fit this model and optimizer: {e}"),
+            })?;
+        log::info!(
+            "resumed from {} at step {} (epoch {}, batch {})",
+            path.display(),
+            checkpoint.step,
+            checkpoint.epoch,
+            checkpoint.batch_in_epoch
+        );
+    }
+
+    // From here on the run writes, holding its directory's lock.
+    let start = if resume_from.is_some() {
+        RunStart::Resume
+    } else {
+        RunStart::New
+    };
+    let _run = RunDirectory::acquire(out, start)?;
+    if start == RunStart::New {
+        // A new run's directory was empty: the resolved config is the run's own file.
+        std::fs::write(out.join("config.toml"), toml_string(config)?)
+            .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
     }
 
     println!(
@@ -334,6 +529,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         n_val
     );
 
+    let checkpoints = out.join("checkpoints");
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?.with_checkpointer(
         Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
         Some(config.model.clone()),
@@ -370,9 +566,16 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         trainer = trainer.with_sink(kiln::core::LogSink::new());
     }
 
-    let history = trainer.fit(&mut state, train_loader.as_ref(), Some(val_loader.as_ref()))?;
+    let history = trainer.fit(
+        &mut state,
+        train_loader.as_ref(),
+        val_loader.as_ref().map(|v| v.as_ref()),
+    )?;
     state.model.set_mode(Mode::Eval);
-    let final_metrics = trainer.evaluate(&mut state.model, val_loader.as_ref())?;
+    let final_metrics = match &val_loader {
+        Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,
+        None => Vec::new(),
+    };
     let weights = out.join("model.safetensors");
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_owned(), "pt".to_owned());
@@ -385,19 +588,26 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         kiln::core::plot_curves(&history, &png, &kiln::core::PlotOptions::default())?;
         println!("kiln: curves plotted to {}", png.display());
     }
+    let summary = if final_metrics.is_empty() {
+        "no validation split".to_owned()
+    } else {
+        format!(
+            "validation {}",
+            final_metrics
+                .iter()
+                .map(|(k, v)| if k.contains("loss") {
+                    format!("{k} {v:.4}")
+                } else {
+                    format!("{k} {:.2}%", 100.0 * v)
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
     println!(
-        "kiln: done in {:.1}s, {} steps; validation {}",
+        "kiln: done in {:.1}s, {} steps; {summary}",
         started.elapsed().as_secs_f64(),
         state.step,
-        final_metrics
-            .iter()
-            .map(|(k, v)| if k.contains("loss") {
-                format!("{k} {v:.4}")
-            } else {
-                format!("{k} {:.2}%", 100.0 * v)
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
     );
     println!(
         "kiln: weights in {}, checkpoints in {}",
@@ -411,21 +621,42 @@ fn toml_string(config: &RunConfig) -> Result<String> {
     toml::to_string_pretty(config).context("writing the resolved config")
 }
 
-/// Builds the checkpoint's model (from its recorded definition) and loads its weights.
+/// The config's model with the checkpoint's weights, in eval mode. The config
+/// is the source of truth: a checkpoint that records another definition, or
+/// holds a tensor of another name, shape or dtype, is refused before the model
+/// is built or anything is loaded.
 fn restore<B: TrainBackend>(
     checkpoint: &Checkpoint,
+    path: &Path,
     config: &RunConfig,
     device: Device,
 ) -> Result<B::Model> {
-    let definition = checkpoint
-        .model_definition
-        .clone()
-        .unwrap_or_else(|| config.model.clone());
-    let mut model = B::build_model(&definition, device)?;
+    checkpoint.check_definition(&config.model, path)?;
+    let mut model = B::build_model(&config.model, device)?;
     B::set_precision(&mut model, config.training.precision)?;
-    model.load_state_dict(&checkpoint.model)?;
+    checkpoint
+        .model
+        .check_compatible(&model.state_dict()?)
+        .and_then(|()| model.load_state_dict(&checkpoint.model))
+        .map_err(|e| kiln::core::Error::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!("does not fit the config's model: {e}"),
+        })?;
     model.set_mode(Mode::Eval);
     Ok(model)
+}
+
+/// The validation split, which `eval` and `predict` run on.
+fn validation_split(config: &RunConfig) -> Result<(HostTensor, HostTensor)> {
+    if !config.has_validation() {
+        anyhow::bail!(
+            "the config has no validation split (data.val_fraction is 0); set a fraction to \
+             hold out"
+        );
+    }
+    load_data(config)?
+        .val
+        .context("the config's data has no validation split")
 }
 
 fn eval(args: CheckpointArgs) -> Result<()> {
@@ -439,8 +670,8 @@ fn eval(args: CheckpointArgs) -> Result<()> {
 fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
-    let mut model = restore::<B>(&checkpoint, config, device)?;
-    let val = loader(load_data(config)?.val, config, false)?;
+    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device)?;
+    let val = loader(validation_split(config)?, config, false)?;
     let mut training = config.training.clone();
     training.device = device;
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
@@ -468,18 +699,31 @@ fn predict(args: PredictArgs) -> Result<()> {
 fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
+    if args.output.exists() && !args.overwrite {
+        anyhow::bail!(
+            "{} exists; predict never writes over a file unless told to: pass --overwrite \
+             to replace it, or choose another --output",
+            args.output.display()
+        );
+    }
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
-    let mut model = restore::<B>(&checkpoint, config, device)?;
-    let (x, y) = load_data(config)?.val;
+    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device)?;
+    let (x, y) = validation_split(config)?;
     let labels = y.as_slice::<i64>()?.to_vec();
     let val = loader((x, y), config, false)?;
     let mut training = config.training.clone();
     training.device = device;
     let outputs =
         Trainer::<B>::new(training, config.loss.clone())?.predict(&mut model, val.as_ref())?;
+    // Written beside the output and renamed over it: a file the output replaces
+    // is replaced whole, never written through (a link to a checkpoint stays intact).
+    let tmp = temporary_sibling(&args.output)?;
     let mut file = std::io::BufWriter::new(
-        std::fs::File::create(&args.output)
-            .with_context(|| format!("creating {}", args.output.display()))?,
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))?,
     );
     let mut index = 0usize;
     for batch in outputs {
@@ -510,12 +754,30 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
             index += 1;
         }
     }
-    file.flush()?;
+    file.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, &args.output))
+        .with_context(|| format!("writing {}", args.output.display()))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })?;
     println!(
         "kiln: {index} predictions written to {}",
         args.output.display()
     );
     Ok(())
+}
+
+/// `<dir>/.<name>.tmp-<pid>` beside `path`.
+fn temporary_sibling(path: &Path) -> Result<PathBuf> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} does not name a file", path.display()))?;
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    Ok(path.with_file_name(tmp))
 }
 
 fn inspect(path: &Path) -> Result<()> {

@@ -954,6 +954,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
         Ok(())
     }
 
+    fn kind(&self) -> Option<&'static str> {
+        Some(self.config.kind())
+    }
+
     fn learning_rate(&self) -> f64 {
         self.groups.first().map_or(0.0, |g| g.lr)
     }

@@ -250,6 +250,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 batch_in_epoch: 2,
                 seed: 5,
                 backend: "torch".into(),
+                optimizer_kind: None,
                 model_definition: Some(cnn()),
                 scheduler: None,
                 metrics: Default::default(),

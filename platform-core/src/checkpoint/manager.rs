@@ -108,6 +108,11 @@ struct Saved {
 /// Writes checkpoints into a directory by a [`CheckpointPolicy`], keeps
 /// `last.safetensors` pointing at the newest, and deletes the ones the policy
 /// no longer keeps.
+///
+/// `last.safetensors` is a symbolic link to the newest `step-*.safetensors`
+/// (replaced atomically), so it never holds bytes of its own that another
+/// file shares: replacing it by hand cannot silently rewrite a step checkpoint
+/// through a second name.
 #[derive(Debug)]
 pub struct Checkpointer {
     dir: PathBuf,
@@ -117,30 +122,49 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// A checkpointer writing into `dir` (created if needed). Checkpoints already
-    /// there (from an interrupted run) count as saved, newest last.
+    /// there (from an interrupted run) count as saved, newest last, each with
+    /// the monitored metric it recorded, so `keep_best` ranks them after a
+    /// resume as before it. Temporary files that a crashed writer left in `dir`
+    /// (`*.tmp-<pid>` of a process that no longer runs) are removed.
     pub fn new(dir: impl Into<PathBuf>, policy: CheckpointPolicy) -> Result<Self> {
         policy.validate()?;
         let dir = dir.into();
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        remove_stale_temporaries(&dir)?;
         let mut saved = Vec::new();
-        for entry in std::fs::read_dir(&dir).map_err(|e| Error::io(&dir, e))? {
-            let path = entry.map_err(|e| Error::io(&dir, e))?.path();
-            let step = path.file_name().and_then(|n| n.to_str()).and_then(|n| {
-                n.strip_prefix("step-")?
-                    .strip_suffix(".safetensors")?
-                    .parse()
-                    .ok()
-            });
-            if let Some(step) = step {
-                saved.push(Saved {
-                    path,
-                    step,
-                    metric: None,
-                });
-            }
+        for (step, path) in step_files(&dir)? {
+            let metric = match &policy.monitor {
+                Some(monitor) => match Checkpoint::load_metrics(&path) {
+                    Ok(metrics) => metrics.get(monitor).copied(),
+                    Err(e) => {
+                        log::warn!("{e}; it is not ranked by `{monitor}`");
+                        None
+                    }
+                },
+                None => None,
+            };
+            saved.push(Saved { path, step, metric });
         }
-        saved.sort_by_key(|s| s.step);
         Ok(Self { dir, policy, saved })
+    }
+
+    /// The checkpoint to resume the run in `dir` from: what `last.safetensors`
+    /// points to, or, when that is missing or dangling, the newest
+    /// `step-*.safetensors` (with a warning); `None` when there is neither.
+    pub fn latest(dir: &Path) -> Result<Option<PathBuf>> {
+        let last = Self::last_path(dir);
+        if last.exists() {
+            return Ok(Some(last));
+        }
+        let newest = step_files(dir)?.pop().map(|(_, path)| path);
+        if let Some(path) = &newest {
+            log::warn!(
+                "{} is missing; resuming from the newest step checkpoint, {}",
+                last.display(),
+                path.display()
+            );
+        }
+        Ok(newest)
     }
 
     /// The directory checkpoints go to.
@@ -181,12 +205,7 @@ impl Checkpointer {
     pub fn save<S: WritableState>(&mut self, checkpoint: &Checkpoint<S>) -> Result<PathBuf> {
         let path = checkpoint_path(&self.dir, checkpoint.step);
         checkpoint.save(&path)?;
-        // A hard link renamed over `last`: atomic, and no second copy of the data.
-        let last = Self::last_path(&self.dir);
-        let tmp = self.dir.join(format!(".last.tmp-{}", std::process::id()));
-        let _ = std::fs::remove_file(&tmp);
-        std::fs::hard_link(&path, &tmp).map_err(|e| Error::io(&tmp, e))?;
-        std::fs::rename(&tmp, &last).map_err(|e| Error::io(&last, e))?;
+        point_last_at(&self.dir, &path)?;
         let metric = self
             .policy
             .monitor
@@ -234,9 +253,93 @@ impl Checkpointer {
             .drain(..)
             .partition(|s| recent.contains(&s.step) || best.contains(&s.step));
         for old in drop {
-            std::fs::remove_file(&old.path).map_err(|e| Error::io(&old.path, e))?;
+            match std::fs::remove_file(&old.path) {
+                // Someone deleted it already: pruned all the same.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                other => other.map_err(|e| Error::io(&old.path, e))?,
+            }
         }
         self.saved = keep;
         Ok(())
+    }
+}
+
+/// The `step-<n>.safetensors` files in `dir` with their step, oldest first
+/// (none when `dir` does not exist).
+fn step_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(Error::io(dir, e)),
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        let step = path.file_name().and_then(|n| n.to_str()).and_then(|n| {
+            n.strip_prefix("step-")?
+                .strip_suffix(".safetensors")?
+                .parse()
+                .ok()
+        });
+        if let Some(step) = step {
+            files.push((step, path));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Points `<dir>/last.safetensors` at `target` (a file in `dir`): a relative
+/// symbolic link made under a temporary name and renamed over `last`, which is
+/// atomic. Where there are no symbolic links, a hard link the same way.
+fn point_last_at(dir: &Path, target: &Path) -> Result<()> {
+    let last = Checkpointer::last_path(dir);
+    let tmp = dir.join(format!(".last.tmp-{}", std::process::id()));
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(Error::io(&tmp, e)),
+        _ => {}
+    }
+    #[cfg(unix)]
+    {
+        let name = target.file_name().unwrap_or(target.as_os_str());
+        std::os::unix::fs::symlink(name, &tmp).map_err(|e| Error::io(&tmp, e))?;
+    }
+    #[cfg(not(unix))]
+    std::fs::hard_link(target, &tmp).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &last).map_err(|e| Error::io(&last, e))
+}
+
+/// Removes the temporary files (`<name>.tmp-<pid>`, `.last.tmp-<pid>`) that a
+/// writer which no longer runs left in `dir` when it crashed mid-write.
+fn remove_stale_temporaries(dir: &Path) -> Result<()> {
+    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
+        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+        let Some(pid) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.rsplit_once(".tmp-"))
+            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == std::process::id() || process_is_running(pid) {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => log::info!("removed {}, left by a crashed run", path.display()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&path, e)),
+        }
+    }
+    Ok(())
+}
+
+/// Whether a process `pid` runs on this machine (Linux: it has a `/proc`
+/// entry; elsewhere it is assumed to, so nothing of a live writer is removed).
+fn process_is_running(pid: u32) -> bool {
+    if cfg!(target_os = "linux") {
+        Path::new("/proc").join(pid.to_string()).exists()
+    } else {
+        true
     }
 }

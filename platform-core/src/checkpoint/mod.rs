@@ -11,14 +11,19 @@
 //! | metadata `kiln.version`, `kiln.backend` | who wrote it |
 //! | metadata `kiln.step`, `kiln.epoch`, `kiln.batch_in_epoch` | where training stood |
 //! | metadata `kiln.seed` | the run's seed (randomness is re-derived from seed and step) |
+//! | metadata `kiln.optimizer` | the optimizer's algorithm (`adamw`, ...), when known |
+//! | metadata `kiln.optimizer_tensors` | how many `optimizer.*` tensors the file holds |
 //! | metadata `kiln.model` | the model definition ([`crate::Layer`], JSON) |
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
 //!
 //! Files are written atomically (temporary file, fsync, rename), so a crash
-//! mid-write never leaves a broken checkpoint under the final name.
+//! mid-write never leaves a broken checkpoint under the final name. A file whose
+//! optimizer tensors were removed after it was written (fewer than
+//! `kiln.optimizer_tensors`) is refused: a resume from it would not be exact.
 
 mod manager;
+mod run_dir;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,6 +34,7 @@ use crate::state_dict::StateDict;
 use crate::state_tensors::{WritableState, WritableTensor};
 
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
+pub use run_dir::{RunDirectory, RunStart, LOCK_FILE};
 
 /// The format tag written into every checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "kiln-checkpoint-1";
@@ -57,6 +63,9 @@ pub struct Checkpoint<S = StateDict> {
     pub seed: u64,
     /// Which backend wrote it (`"torch"`, `"tensorflow"`).
     pub backend: String,
+    /// The optimizer's algorithm ([`OptimizerConfig::kind`](crate::OptimizerConfig::kind)),
+    /// when the optimizer reports it ([`Optimizer::kind`](crate::Optimizer::kind)).
+    pub optimizer_kind: Option<String>,
     /// The model definition, when the model was built from one.
     pub model_definition: Option<Layer>,
     /// The learning-rate schedule's state, if any.
@@ -85,6 +94,13 @@ impl<S: WritableState> Checkpoint<S> {
             self.batch_in_epoch.to_string(),
         );
         meta.insert("kiln.seed".to_owned(), self.seed.to_string());
+        if let Some(kind) = &self.optimizer_kind {
+            meta.insert("kiln.optimizer".to_owned(), kind.clone());
+        }
+        meta.insert(
+            OPTIMIZER_TENSORS.to_owned(),
+            self.optimizer.writable_tensors().len().to_string(),
+        );
         if let Some(def) = &self.model_definition {
             meta.insert("kiln.model".to_owned(), to_json(def, path)?);
         }
@@ -111,33 +127,53 @@ fn prefixed<'a>(
         .map(move |(name, t)| (format!("{prefix}{name}"), t))
 }
 
+/// The metadata key counting a checkpoint's optimizer tensors.
+const OPTIMIZER_TENSORS: &str = "kiln.optimizer_tensors";
+
+/// Checks that `meta` is a Kiln checkpoint's metadata of the format this Kiln reads.
+fn check_format(meta: &BTreeMap<String, String>, path: &Path) -> Result<()> {
+    let bad = |reason: String| Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason,
+    };
+    match meta.get("kiln.format").map(String::as_str) {
+        Some(CHECKPOINT_FORMAT) => Ok(()),
+        Some(other) => Err(bad(format!(
+            "format `{other}`, this Kiln reads `{CHECKPOINT_FORMAT}`"
+        ))),
+        None => Err(bad(
+            "no `kiln.format` metadata: a safetensors file, but not a Kiln checkpoint \
+             (load a plain state dict with the model's `load` instead)"
+                .to_owned(),
+        )),
+    }
+}
+
 impl Checkpoint {
+    /// The metrics recorded in the checkpoint at `path` (`kiln.metrics`), read
+    /// from its header alone: no tensor data is read.
+    ///
+    /// Fails as [`load`](Self::load) does for a file that is not a Kiln
+    /// checkpoint or whose metrics metadata is damaged.
+    pub fn load_metrics(path: &Path) -> Result<BTreeMap<String, f64>> {
+        let meta = crate::safetensors::load_safetensors_metadata(path)?;
+        check_format(&meta, path)?;
+        parse_metrics(&meta, path)
+    }
+
     /// Reads a checkpoint written by [`save`](Self::save).
     ///
     /// A file that is not a Kiln checkpoint (a plain safetensors state dict, another
     /// format version), or whose metadata is damaged, is [`Error::Checkpoint`]
-    /// naming the file and what is wrong; a truncated file too.
+    /// naming the file and what is wrong; a truncated file too, and one with
+    /// fewer or more optimizer tensors than it was written with.
     pub fn load(path: &Path) -> Result<Self> {
         let (tensors, meta) = StateDict::load_safetensors(path)?;
         let bad = |reason: String| Error::Checkpoint {
             path: path.to_path_buf(),
             reason,
         };
-        match meta.get("kiln.format").map(String::as_str) {
-            Some(CHECKPOINT_FORMAT) => {}
-            Some(other) => {
-                return Err(bad(format!(
-                    "format `{other}`, this Kiln reads `{CHECKPOINT_FORMAT}`"
-                )))
-            }
-            None => {
-                return Err(bad(
-                    "no `kiln.format` metadata: a safetensors file, but not a Kiln checkpoint \
-                     (load a plain state dict with the model's `load` instead)"
-                        .to_owned(),
-                ))
-            }
-        }
+        check_format(&meta, path)?;
         let number = |key: &str| -> Result<u64> {
             let text = meta
                 .get(key)
@@ -161,14 +197,7 @@ impl Checkpoint {
             })?),
             None => None,
         };
-        let metrics = match parse_json("kiln.metrics")? {
-            Some(v) => serde_json::from_value(v).map_err(|e| {
-                bad(format!(
-                    "metadata `kiln.metrics` is not a map of numbers: {e}"
-                ))
-            })?,
-            None => BTreeMap::new(),
-        };
+        let metrics = parse_metrics(&meta, path)?;
         let mut model = StateDict::new();
         let mut optimizer = StateDict::new();
         for (key, value) in tensors.into_inner() {
@@ -182,6 +211,15 @@ impl Checkpoint {
                 )));
             }
         }
+        let written = number(OPTIMIZER_TENSORS)?;
+        if written != optimizer.len() as u64 {
+            return Err(bad(format!(
+                "holds {} optimizer tensors, but was written with {written} \
+                 (`{OPTIMIZER_TENSORS}`): optimizer state was removed or added after saving, \
+                 so resuming from it would not be exact",
+                optimizer.len()
+            )));
+        }
         Ok(Self {
             model,
             optimizer,
@@ -190,11 +228,90 @@ impl Checkpoint {
             batch_in_epoch: number("kiln.batch_in_epoch")?,
             seed: number("kiln.seed")?,
             backend: meta.get("kiln.backend").cloned().unwrap_or_default(),
+            optimizer_kind: meta.get("kiln.optimizer").cloned(),
             model_definition,
             scheduler: parse_json("kiln.scheduler")?,
             metrics,
         })
     }
+}
+
+impl<S> Checkpoint<S> {
+    /// Checks that the checkpoint's recorded model definition is `expected`
+    /// (the config is the source of truth; a checkpoint that records no
+    /// definition passes). A difference is [`Error::Checkpoint`] naming the
+    /// first place where the two differ, with both values.
+    pub fn check_definition(&self, expected: &Layer, path: &Path) -> Result<()> {
+        let Some(recorded) = &self.model_definition else {
+            return Ok(());
+        };
+        if recorded == expected {
+            return Ok(());
+        }
+        let json = |layer: &Layer| serde_json::to_value(layer).unwrap_or_default();
+        let (at, config, checkpoint) = first_difference(&json(expected), &json(recorded), "model");
+        Err(Error::Checkpoint {
+            path: path.to_path_buf(),
+            reason: format!(
+                "was trained with another model definition: at `{at}` the config has {config} \
+                 and the checkpoint {checkpoint}. The config is the source of truth: give it \
+                 the checkpoint's definition (`kiln inspect` shows it) or use another checkpoint"
+            ),
+        })
+    }
+}
+
+/// The first path at which `a` and `b` differ, with the two values there
+/// (`missing` where one side lacks the key).
+fn first_difference(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    at: &str,
+) -> (String, String, String) {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for key in keys {
+                let path = format!("{at}.{key}");
+                match (x.get(key), y.get(key)) {
+                    (Some(p), Some(q)) if p == q => {}
+                    (Some(p), Some(q)) => return first_difference(p, q, &path),
+                    (p, q) => {
+                        let show = |v: Option<&Value>| v.map_or("missing".into(), Value::to_string);
+                        return (path, show(p), show(q));
+                    }
+                }
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            if let Some((i, (p, q))) = x.iter().zip(y).enumerate().find(|(_, (p, q))| p != q) {
+                return first_difference(p, q, &format!("{at}[{i}]"));
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            return (
+                at.to_owned(),
+                format!("{} entries", x.len()),
+                format!("{} entries", y.len()),
+            )
+        }
+        _ => {}
+    }
+    (at.to_owned(), a.to_string(), b.to_string())
+}
+
+/// The `kiln.metrics` metadata (none when absent).
+fn parse_metrics(meta: &BTreeMap<String, String>, path: &Path) -> Result<BTreeMap<String, f64>> {
+    let Some(text) = meta.get("kiln.metrics") else {
+        return Ok(BTreeMap::new());
+    };
+    serde_json::from_str(text).map_err(|e| Error::Checkpoint {
+        path: path.to_path_buf(),
+        reason: format!("metadata `kiln.metrics` is not a map of numbers: {e}"),
+    })
 }
 
 /// Serialises a metadata value to JSON, naming the file on failure.

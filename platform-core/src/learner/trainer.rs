@@ -60,7 +60,9 @@ pub struct TrainerConfig {
     /// When the schedule advances.
     #[serde(default)]
     pub schedule_interval: ScheduleInterval,
-    /// Log the running training loss every this many steps (0: only per epoch).
+    /// Log the step's training loss and learning rate (`steps.csv`, TensorBoard)
+    /// every this many optimizer steps, as Lightning's `log_every_n_steps`
+    /// (0: only the per-epoch record).
     #[serde(default = "fifty")]
     pub log_every: u64,
     /// Keep host memory that tensors free for the next step instead of
@@ -167,8 +169,25 @@ impl<B: TrainBackend> TrainingState<B> {
     }
 
     /// Restores model, optimizer, schedule and position from a checkpoint.
-    /// Nothing changes if any part does not fit.
+    ///
+    /// Contract: nothing changes if any part does not fit: a model tensor
+    /// missing, unexpected, or of another shape or dtype than the model's (never
+    /// cast), an optimizer of another algorithm than the checkpoint's, or
+    /// optimizer or schedule state that does not load.
     pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        if let (Some(saved), Some(ours)) =
+            (checkpoint.optimizer_kind.as_deref(), self.optimizer.kind())
+        {
+            if saved != ours {
+                return Err(Error::invalid_argument(
+                    "optimizer.type",
+                    format!(
+                        "the checkpoint was trained with `{saved}`, this run builds `{ours}`; \
+                         resume with the checkpoint's optimizer, or start a new run"
+                    ),
+                ));
+            }
+        }
         if checkpoint.backend != B::NAME {
             log::info!(
                 "resuming a checkpoint written by the {} backend on {}",
@@ -177,6 +196,7 @@ impl<B: TrainBackend> TrainingState<B> {
             );
         }
         let old_model = self.model.state_dict()?;
+        checkpoint.model.check_compatible(&old_model)?;
         self.model.load_state_dict(&checkpoint.model)?;
         if let Err(e) = self.optimizer.load_state_dict(&checkpoint.optimizer) {
             self.model.load_state_dict(&old_model)?;
@@ -216,6 +236,17 @@ impl<B: TrainBackend> std::fmt::Debug for Trainer<B> {
             .field("loss", &self.loss)
             .finish_non_exhaustive()
     }
+}
+
+/// The error for a monitored metric (at `key`) that the epoch's `record` lacks.
+fn unknown_metric(key: &str, monitor: &str, record: &EpochRecord) -> Error {
+    Error::invalid_argument(
+        key,
+        format!(
+            "`{monitor}` is not a metric of this run (available: {})",
+            record.keys().cloned().collect::<Vec<_>>().join(", ")
+        ),
+    )
 }
 
 /// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
@@ -295,6 +326,7 @@ impl<B: TrainBackend> Trainer<B> {
             batch_in_epoch: state.batch_in_epoch,
             seed: self.config.seed,
             backend: B::NAME.to_owned(),
+            optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
@@ -340,6 +372,30 @@ impl<B: TrainBackend> Trainer<B> {
                     self.config.precision
                 ),
             ));
+        }
+        if let Some(s) = &state.scheduler {
+            if let Some(monitor) = s.monitor() {
+                if self.config.schedule_interval == ScheduleInterval::Step {
+                    return Err(Error::invalid_argument(
+                        "training.schedule_interval",
+                        format!(
+                            "`{}` steps on the epoch metric `{monitor}`, so it needs \
+                             schedule_interval = \"epoch\"",
+                            s.name()
+                        ),
+                    ));
+                }
+                if monitor.starts_with("val_") && val.is_none() {
+                    return Err(Error::invalid_argument(
+                        "schedule.monitor",
+                        format!(
+                            "`{}` monitors `{monitor}`, but there is no validation data to \
+                             compute it on (give fit a validation loader, or monitor `loss`)",
+                            s.name()
+                        ),
+                    ));
+                }
+            }
         }
         if self.config.retain_host_memory {
             crate::host_memory::retain_freed_memory();
@@ -412,12 +468,18 @@ impl<B: TrainBackend> Trainer<B> {
                         state.optimizer.set_learning_rates(&lrs)?;
                     }
                 }
-                let row = [
-                    ("loss".to_owned(), value),
-                    ("lr".to_owned(), state.optimizer.learning_rate()),
-                ];
+                let log_every = self.config.log_every;
+                if log_every > 0 && state.step.is_multiple_of(log_every) {
+                    let row = [
+                        ("loss".to_owned(), value),
+                        ("lr".to_owned(), state.optimizer.learning_rate()),
+                    ];
+                    for sink in &mut self.sinks {
+                        sink.log_step(state.step, &row)?;
+                    }
+                }
                 for sink in &mut self.sinks {
-                    sink.log_step(state.step, &row)?;
+                    sink.end_step(state.step)?;
                 }
                 let mut stop = false;
                 for cb in &mut self.callbacks {
@@ -445,11 +507,14 @@ impl<B: TrainBackend> Trainer<B> {
             }
             if self.config.schedule_interval == ScheduleInterval::Epoch {
                 if let Some(s) = state.scheduler.as_mut() {
-                    let lrs = match record.get("val_loss") {
-                        Some(metric) if s.name() == "ReduceLROnPlateau" => {
-                            s.step_with_metric(*metric)?
+                    let lrs = match s.monitor() {
+                        Some(monitor) => {
+                            let metric = record.get(monitor).copied().ok_or_else(|| {
+                                unknown_metric("schedule.monitor", monitor, &record)
+                            })?;
+                            s.step_with_metric(metric)?
                         }
-                        _ => s.step()?,
+                        None => s.step()?,
                     };
                     state.optimizer.set_learning_rates(&lrs)?;
                 }

@@ -98,6 +98,11 @@ impl MetricSink for CsvSink {
         Ok(())
     }
 
+    fn end_step(&mut self, step: u64) -> Result<()> {
+        self.last_step = step;
+        Ok(())
+    }
+
     fn log_epoch(&mut self, epoch: u64, values: &[(String, f64)]) -> Result<()> {
         self.epochs.append(&[epoch, self.last_step], values)?;
         self.flush()

@@ -66,6 +66,14 @@ pub trait MetricSink: Send {
         Ok(())
     }
 
+    /// Called after every optimizer step, whether or not the trainer logged
+    /// values at it ([`log_every`](crate::TrainerConfig::log_every)); sinks that
+    /// stamp epoch records with the step use it. The default does nothing.
+    fn end_step(&mut self, step: u64) -> Result<()> {
+        let _ = step;
+        Ok(())
+    }
+
     /// Writes out anything buffered.
     fn flush(&mut self) -> Result<()>;
 

@@ -59,6 +59,13 @@ pub trait Optimizer<B: Backend> {
     /// Sets the learning rate of every parameter group for subsequent steps.
     fn set_learning_rate(&mut self, lr: f64);
 
+    /// The algorithm ([`OptimizerConfig::kind`]: `adamw`, ...), recorded in
+    /// checkpoints so that resuming with another optimizer is refused; `None`
+    /// (the default) for an optimizer that does not say.
+    fn kind(&self) -> Option<&'static str> {
+        None
+    }
+
     /// The learning rate of each parameter group, in group order (the
     /// default group last; see [`assign_groups`]).
     ///
@@ -180,6 +187,18 @@ pub enum OptimizerConfig {
 }
 
 impl OptimizerConfig {
+    /// The algorithm's name as a config's `type` gives it: `sgd`, `adam`,
+    /// `adamw`, `rmsprop` or `adagrad`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            OptimizerConfig::Sgd(_) => "sgd",
+            OptimizerConfig::Adam(_) => "adam",
+            OptimizerConfig::AdamW(_) => "adamw",
+            OptimizerConfig::RmsProp(_) => "rmsprop",
+            OptimizerConfig::Adagrad(_) => "adagrad",
+        }
+    }
+
     /// The base learning rate.
     pub fn lr(&self) -> f64 {
         match self {

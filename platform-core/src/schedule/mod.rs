@@ -82,6 +82,14 @@ pub trait LrScheduler: fmt::Debug {
     /// [`OneCycleLr`] stepped past its `total_steps`; the state is then unchanged.
     fn step(&mut self) -> Result<Vec<f64>>;
 
+    /// The epoch metric this schedule steps on (`val_loss`, ...), for a
+    /// schedule that needs one ([`ReduceLrOnPlateau`]); `None` (the default)
+    /// for one that steps on time alone. The trainer feeds that metric to
+    /// [`step_with_metric`](LrScheduler::step_with_metric) after each epoch.
+    fn monitor(&self) -> Option<&str> {
+        None
+    }
+
     /// Advances the schedule given the latest value of the monitored metric
     /// (for [`ReduceLrOnPlateau`]); other schedulers ignore the metric and
     /// [`step`](LrScheduler::step).
@@ -211,6 +219,16 @@ impl SchedulerConfig {
                 Box::new(ReduceLrOnPlateau::new(c.clone(), base_lrs)?)
             }
         })
+    }
+
+    /// The epoch metric the built schedule steps on ([`LrScheduler::monitor`]),
+    /// known before building, so that a config can be checked against the
+    /// metrics a run records.
+    pub fn monitor(&self) -> Option<&str> {
+        match self {
+            SchedulerConfig::ReduceLrOnPlateau(c) => Some(&c.monitor),
+            _ => None,
+        }
     }
 
     /// Checks the options without building (group-count checks need [`build`](SchedulerConfig::build)).

@@ -51,10 +51,18 @@ fn default_eps() -> f64 {
     1e-8
 }
 
+fn default_monitor() -> String {
+    "val_loss".to_owned()
+}
+
 /// Options of [`ReduceLrOnPlateau`] (defaults as PyTorch).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReduceLrOnPlateauConfig {
+    /// The epoch metric the trainer feeds it (default `val_loss`; any metric of
+    /// the run's epoch record, e.g. `val_accuracy` with `mode = "max"`).
+    #[serde(default = "default_monitor")]
+    pub monitor: String,
     /// Whether the metric should fall or rise (default `min`).
     #[serde(default)]
     pub mode: PlateauMode,
@@ -84,6 +92,7 @@ pub struct ReduceLrOnPlateauConfig {
 impl Default for ReduceLrOnPlateauConfig {
     fn default() -> Self {
         ReduceLrOnPlateauConfig {
+            monitor: default_monitor(),
             mode: PlateauMode::Min,
             factor: default_factor(),
             patience: default_patience(),
@@ -225,6 +234,10 @@ impl ReduceLrOnPlateau {
 impl LrScheduler for ReduceLrOnPlateau {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn monitor(&self) -> Option<&str> {
+        Some(&self.config.monitor)
     }
 
     fn base_lrs(&self) -> &[f64] {

@@ -469,6 +469,10 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             .map_err(|e| torch_error("zero_grad", e))
     }
 
+    fn kind(&self) -> Option<&'static str> {
+        Some(self.config.kind())
+    }
+
     fn learning_rate(&self) -> f64 {
         self.groups.first().map_or(0.0, |g| g.lr)
     }
