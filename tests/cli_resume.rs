@@ -9,81 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{config, digits_available, kiln, losses, scratch, serial, train, KILN};
 use kiln::core::Checkpoint;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
-
-/// One `kiln` run at a time: the runs compare numbers bitwise, and concurrent
-/// runs competing for the two cores were seen to perturb the last bits.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let dir =
-        Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-/// A small, quick run: an MLP with dropout on the digits, checkpoints every 5 steps.
-fn config(dir: &Path, workers: usize) -> PathBuf {
-    let text = format!(
-        r#"
-seed = 3
-output_dir = "{out}"
-
-[data]
-dataset = "digits"
-batch_size = 32
-workers = {workers}
-scale = 16.0
-
-[model]
-type = "sequential"
-layers = [
-  {{ type = "linear", in_features = 64, out_features = 64 }},
-  {{ type = "relu" }},
-  {{ type = "dropout", p = 0.2 }},
-  {{ type = "linear", in_features = 64, out_features = 10 }},
-]
-
-[loss]
-type = "cross_entropy"
-
-[optimizer]
-type = "adam"
-lr = 0.003
-
-[schedule]
-type = "step_lr"
-step_size = 1
-gamma = 0.7
-
-[training]
-epochs = 3
-log_every = 5
-
-[checkpoint]
-every_n_steps = 5
-keep_last = 3
-
-[logging]
-tensorboard = false
-plots = false
-progress = false
-"#,
-        out = dir.join("default-out").display()
-    );
-    let path = dir.join("config.toml");
-    std::fs::write(&path, text).unwrap();
-    path
-}
+mod common;
 
 /// Per-step losses of two runs agree. Exactly, as a rule; but across processes
 /// libtorch's CPU kernels were seen to differ in the last bit now and then (two
@@ -109,44 +38,6 @@ fn assert_same_run(actual: &[(String, String)], expected: &[(String, String)], w
     );
 }
 
-fn digits_available() -> bool {
-    let ok = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join(".kiln/data/digits.csv.gz")
-        .exists();
-    if !ok {
-        eprintln!("SKIPPED: the digits data set is not provisioned; run `cargo xtask setup`");
-    }
-    ok
-}
-
-fn kiln(args: &[&str]) -> std::process::Output {
-    let out = Command::new(KILN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kiln {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// `kiln train --config config --output output` with `extra` flags: what it printed.
-fn train(config: &str, output: &Path, extra: &[&str]) -> String {
-    let mut args = vec![
-        "train",
-        "--config",
-        config,
-        "--output",
-        output.to_str().unwrap(),
-    ];
-    args.extend_from_slice(extra);
-    String::from_utf8(kiln(&args).stdout).unwrap()
-}
-
 /// `kiln eval` of `checkpoint` with `config`: the accuracy it prints, and all it printed.
 fn eval_accuracy(config: &Path, checkpoint: &Path) -> (f64, String) {
     let metrics = String::from_utf8(
@@ -168,20 +59,6 @@ fn eval_accuracy(config: &Path, checkpoint: &Path) -> (f64, String) {
         .parse()
         .unwrap();
     (accuracy, metrics)
-}
-
-/// The `loss` column of steps.csv, as written (exact decimal of the f64).
-fn losses(run: &Path) -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(run.join("steps.csv")).unwrap();
-    let mut lines = text.lines();
-    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
-    let col = header.iter().position(|h| *h == "loss").unwrap();
-    lines
-        .map(|l| {
-            let cells: Vec<&str> = l.split(',').collect();
-            (cells[0].to_owned(), cells[col].to_owned())
-        })
-        .collect()
 }
 
 #[test]

@@ -248,7 +248,12 @@ impl RunConfig {
         // The path to the failing key (`optimizer.type`) leads the message; toml's
         // own message after it shows the line.
         let config: RunConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
-            let key = e.path().to_string();
+            let mut key = e.path().to_string();
+            // serde loses the path inside internally tagged sections (`type = ...`);
+            // find the key there by probing the section.
+            if let Ok(root) = toml::from_str::<toml::Value>(text) {
+                key.push_str(&tagged_key_path(&root, &key));
+            }
             bad(format!("key `{key}`: {}", e.into_inner()))
         })?;
         config.validate().map_err(|e| Error::Config {
@@ -369,6 +374,62 @@ impl RunConfig {
     }
 }
 
+/// The path below `section` (e.g. `.lr` under `optimizer`) of the value that
+/// makes an internally tagged section fail, or an empty string where it
+/// cannot be told.
+fn tagged_key_path(root: &toml::Value, section: &str) -> String {
+    let mut value = root;
+    for part in section.split('.') {
+        match value.get(part) {
+            Some(v) => value = v,
+            None => return String::new(),
+        }
+    }
+    match section {
+        "optimizer" => culprit::<OptimizerConfig>(value),
+        "loss" => culprit::<Loss>(value),
+        "schedule" => culprit::<crate::schedule::SchedulerConfig>(value),
+        "training.clip" => culprit::<crate::optim::GradClip>(value),
+        "model" => culprit::<Layer>(value),
+        _ => String::new(),
+    }
+}
+
+/// Finds which key of `value` (a table that does not deserialize as `T`)
+/// causes the error: the one whose removal changes the error. Inside a model,
+/// recurses into `layers` and `block`, which are layers themselves.
+fn culprit<T: serde::de::DeserializeOwned>(value: &toml::Value) -> String {
+    let Err(error) = value.clone().try_into::<T>() else {
+        return String::new();
+    };
+    let error = error.to_string();
+    let Some(table) = value.as_table() else {
+        return String::new();
+    };
+    for key in table.keys().filter(|k| *k != "type") {
+        let mut without = table.clone();
+        let removed = without.remove(key);
+        let changed = match toml::Value::Table(without).try_into::<T>() {
+            Ok(_) => true,
+            Err(e) => e.to_string() != error,
+        };
+        if !changed {
+            continue;
+        }
+        let inner = match (key.as_str(), removed) {
+            ("layers", Some(toml::Value::Array(layers))) => layers
+                .iter()
+                .position(|l| l.clone().try_into::<Layer>().is_err())
+                .map(|i| format!("[{i}]{}", culprit::<Layer>(&layers[i])))
+                .unwrap_or_default(),
+            ("block", Some(block)) => culprit::<Layer>(&block),
+            _ => String::new(),
+        };
+        return format!(".{key}{inner}");
+    }
+    String::new()
+}
+
 /// A factory for the validation metric called `name` in a config: `accuracy`,
 /// `topK_accuracy` (`top5_accuracy`, any K >= 1), `precision`, `recall`, `f1`
 /// (macro averages) or `mae`; `None` for any other name.
@@ -391,4 +452,110 @@ pub fn metric_by_name(name: &str) -> Option<Box<dyn Fn() -> Box<dyn Metric> + Se
             factory(TopKAccuracy::new(k).ok()?)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const BASE: &str = r#"
+seed = 1
+output_dir = "runs/x"
+[data]
+dataset = "digits"
+[model]
+type = "sequential"
+layers = [
+  { type = "linear", in_features = 64, out_features = 32 },
+  { type = "relu" },
+  { type = "residual", block = { type = "linear", in_features = 32, out_features = 32 } },
+  { type = "linear", in_features = 32, out_features = 10 },
+]
+[loss]
+type = "cross_entropy"
+[optimizer]
+type = "adam"
+lr = 0.001
+[schedule]
+type = "reduce_lr_on_plateau"
+patience = 1
+[training]
+clip = { type = "norm", max_norm = 1.0 }
+"#;
+
+    fn error_of(edit: (&str, &str)) -> String {
+        assert!(BASE.contains(edit.0), "{}", edit.0);
+        let text = BASE.replace(edit.0, edit.1);
+        RunConfig::from_toml(&text, Path::new("c.toml"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn the_base_config_parses() {
+        let config = RunConfig::from_toml(BASE, Path::new("c.toml")).unwrap();
+        assert_eq!(config.schedule.unwrap().monitor(), Some("val_loss"));
+    }
+
+    #[test]
+    fn errors_inside_tagged_sections_name_the_full_key() {
+        for (edit, key) in [
+            (("lr = 0.001", "lr = \"fast\""), "optimizer.lr"),
+            (
+                (
+                    "type = \"cross_entropy\"",
+                    "type = \"cross_entropy\"\nlabel_smoothing = \"x\"",
+                ),
+                "loss.label_smoothing",
+            ),
+            (("patience = 1", "patience = -1"), "schedule.patience"),
+            (
+                ("max_norm = 1.0", "max_norm = \"big\""),
+                "training.clip.max_norm",
+            ),
+            (
+                (
+                    "in_features = 32, out_features = 10",
+                    "in_features = 32, out_features = \"ten\"",
+                ),
+                "model.layers[3].out_features",
+            ),
+            (
+                (
+                    "block = { type = \"linear\", in_features = 32,",
+                    "block = { type = \"linear\", in_features = true,",
+                ),
+                "model.layers[2].block.in_features",
+            ),
+        ] {
+            let err = error_of(edit);
+            assert!(err.contains(&format!("key `{key}`")), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn monitors_must_name_a_metric_of_the_run() {
+        let err = error_of((
+            "[training]",
+            "[checkpoint]\nkeep_best = 1\nmonitor = \"val_acc\"\n[training]",
+        ));
+        assert!(
+            err.contains("checkpoint.monitor") && err.contains("val_accuracy"),
+            "{err}"
+        );
+        let err = error_of(("patience = 1", "patience = 1\nmonitor = \"val_f1\""));
+        assert!(err.contains("schedule.monitor"), "{err}");
+        let err = error_of((
+            "dataset = \"digits\"",
+            "dataset = \"digits\"\nval_fraction = 0.0",
+        ));
+        assert!(
+            err.contains("schedule.monitor") && err.contains("val_fraction is 0"),
+            "{err}"
+        );
+        let err = error_of(("output_dir = \"runs/x\"", "output_dir = \"\""));
+        assert!(err.contains("output_dir"), "{err}");
+    }
 }

@@ -107,6 +107,24 @@ impl StateDict {
         Ok(tensor)
     }
 
+    /// Checks that every entry of `self` that `expected` also has is of the
+    /// same dtype: loading never casts (an `int32` tensor is no `float32`
+    /// weight). Keys and shapes are left to the loader's own checks.
+    pub fn check_dtypes(&self, expected: &StateDict) -> Result<()> {
+        for (key, tensor) in self.iter() {
+            if let Some(want) = expected.get(key) {
+                if tensor.dtype() != want.dtype() {
+                    return Err(Error::DTypeMismatch {
+                        context: format!("state dict entry `{key}`"),
+                        expected: want.dtype(),
+                        actual: tensor.dtype(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Checks that `self` has exactly the keys of `expected`, each with the
     /// same shape and dtype (a strict `load_state_dict` precondition).
     ///

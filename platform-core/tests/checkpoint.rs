@@ -204,3 +204,106 @@ fn keeps_the_last_and_the_best() {
     .validate()
     .is_err());
 }
+
+/// The policy a restarted run (a resume) continues with: keep 1 last and 1 best.
+fn keep_one_and_the_best() -> CheckpointPolicy {
+    CheckpointPolicy {
+        every_n_steps: Some(1),
+        every_n_epochs: None,
+        keep_last: 1,
+        keep_best: 1,
+        monitor: Some("val_loss".to_owned()),
+        mode: MonitorMode::Min,
+    }
+}
+
+#[test]
+fn the_best_checkpoint_survives_a_restart_and_last_is_a_link() {
+    let dir = scratch("restart");
+    let mut first = Checkpointer::new(&dir, keep_one_and_the_best()).expect("checkpointer");
+    first.save(&sample(1, 0.1)).expect("save");
+    first.save(&sample(2, 0.5)).expect("save");
+    drop(first);
+    // A resumed run reads the metric each checkpoint recorded.
+    let mut second = Checkpointer::new(&dir, keep_one_and_the_best()).expect("checkpointer");
+    assert_eq!(
+        second.best(),
+        Some(dir.join("step-00000001.safetensors").as_path())
+    );
+    second.save(&sample(3, 0.9)).expect("save");
+    assert!(dir.join("step-00000001.safetensors").exists(), "best kept");
+    assert!(!dir.join("step-00000002.safetensors").exists());
+    let last = Checkpointer::last_path(&dir);
+    #[cfg(unix)]
+    assert_eq!(
+        std::fs::read_link(&last).expect("a link"),
+        Path::new("step-00000003.safetensors")
+    );
+    assert_eq!(Checkpoint::load(&last).expect("last").step, 3);
+}
+
+#[test]
+fn a_file_already_deleted_counts_as_pruned_and_latest_falls_back() {
+    let dir = scratch("gone");
+    let policy = CheckpointPolicy {
+        keep_best: 0,
+        monitor: None,
+        ..keep_one_and_the_best()
+    };
+    let mut checkpointer = Checkpointer::new(&dir, policy).expect("checkpointer");
+    checkpointer.save(&sample(1, 0.0)).expect("save");
+    std::fs::remove_file(dir.join("step-00000001.safetensors")).expect("rm");
+    checkpointer
+        .save(&sample(2, 0.0))
+        .expect("prunes what is already gone");
+    checkpointer.save(&sample(3, 0.0)).expect("save");
+    std::fs::remove_file(Checkpointer::last_path(&dir)).expect("rm last");
+    assert_eq!(
+        Checkpointer::latest(&dir).expect("latest"),
+        Some(dir.join("step-00000003.safetensors"))
+    );
+    assert_eq!(
+        Checkpointer::latest(&dir.join("absent")).expect("latest"),
+        None
+    );
+}
+
+#[test]
+fn a_checkpoint_missing_optimizer_tensors_is_refused() {
+    let dir = scratch("optimizer-count");
+    let path = dir.join("c.safetensors");
+    let original = sample(4, 0.0);
+    original.save(&path).expect("save");
+    let (tensors, meta) = StateDict::load_safetensors(&path).expect("raw");
+    for drop in [
+        &["optimizer.group.0.lr"][..],
+        &["optimizer.group.0.lr", "optimizer.state.0.weight.step"][..],
+    ] {
+        let kept: StateDict = tensors
+            .iter()
+            .filter(|(k, _)| !drop.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let damaged = dir.join("damaged.safetensors");
+        kept.save_safetensors(&damaged, &meta).expect("save");
+        let err = Checkpoint::load(&damaged).expect_err("missing optimizer state");
+        let text = err.to_string();
+        assert!(
+            text.contains("damaged.safetensors") && text.contains("optimizer tensors"),
+            "{text}"
+        );
+    }
+    // The kind of optimizer round-trips.
+    let with_kind = Checkpoint {
+        optimizer_kind: Some("adamw".to_owned()),
+        ..original
+    };
+    with_kind.save(&path).expect("save");
+    assert_eq!(
+        Checkpoint::load(&path)
+            .expect("load")
+            .optimizer_kind
+            .as_deref(),
+        Some("adamw")
+    );
+}

@@ -636,7 +636,7 @@ fn restore<B: TrainBackend>(
     B::set_precision(&mut model, config.training.precision)?;
     checkpoint
         .model
-        .check_compatible(&model.state_dict()?)
+        .check_dtypes(&model.state_dict()?)
         .and_then(|()| model.load_state_dict(&checkpoint.model))
         .map_err(|e| kiln::core::Error::Checkpoint {
             path: path.to_path_buf(),
@@ -780,11 +780,58 @@ fn temporary_sibling(path: &Path) -> Result<PathBuf> {
     Ok(path.with_file_name(tmp))
 }
 
+/// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
+/// files (`torch.jit.save`) are stored, unlike safetensors files.
+fn is_zip_archive(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
+}
+
+/// A TorchScript file's parameters, as libtorch loads them.
+fn inspect_torchscript(path: &Path) -> Result<()> {
+    let module = kiln::torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
+        format!(
+            "{} is a zip archive, as TorchScript files are, but libtorch cannot load it",
+            path.display()
+        )
+    })?;
+    println!("torchscript {}", path.display());
+    println!();
+    println!(
+        "{:<40} {:<8} {:<16} {:>10}",
+        "parameter", "dtype", "shape", "elements"
+    );
+    let mut total = 0usize;
+    let state = module.state_dict()?;
+    for (name, t) in state.iter() {
+        total += t.numel();
+        println!(
+            "{:<40} {:<8} {:<16} {:>10}",
+            name,
+            t.dtype().to_string(),
+            t.shape().to_string(),
+            t.numel()
+        );
+    }
+    println!(
+        "\n{} parameter tensors, {total} values (buffers such as batch-norm statistics are \
+         not listed)",
+        state.len()
+    );
+    Ok(())
+}
+
 fn inspect(path: &Path) -> Result<()> {
     if path.is_dir() {
         let model = kiln::tf::SavedModel::load(path)?;
         print!("{}", model.describe());
         return Ok(());
+    }
+    if is_zip_archive(path)? {
+        return inspect_torchscript(path);
     }
     let checkpoint = Checkpoint::load(path)?;
     println!("checkpoint  {}", path.display());

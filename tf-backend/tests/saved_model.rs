@@ -550,3 +550,45 @@ fn a_plain_tf_module_trains_and_saves_too() {
         &[1.0, 2.0, 3.0, 2.0, 4.0, 6.0]
     );
 }
+
+/// A SavedModel whose files were damaged is an error naming the file, before
+/// TensorFlow's loader (whose messages name none) runs.
+#[test]
+fn damaged_saved_models_name_the_file() {
+    let Some(fixture) = fixture("damaged_saved_models_name_the_file") else {
+        return;
+    };
+    let expect = |dir: &Path, file: &str, words: &str| {
+        let err = SavedModel::load(dir).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::Data { .. }), "{err:?}");
+        assert!(text.contains(file) && text.contains(words), "{text}");
+    };
+    let empty = fixture.mlp_copy("empty-pb");
+    std::fs::write(empty.join("saved_model.pb"), b"").unwrap();
+    expect(&empty, "saved_model.pb", "empty");
+
+    let cut = fixture.mlp_copy("cut-pb");
+    let pb = std::fs::read(cut.join("saved_model.pb")).unwrap();
+    std::fs::write(cut.join("saved_model.pb"), &pb[..pb.len() / 2]).unwrap();
+    expect(&cut, "saved_model.pb", "cut short");
+
+    let no_variables = fixture.mlp_copy("no-variables");
+    std::fs::remove_dir_all(no_variables.join("variables")).unwrap();
+    expect(&no_variables, "variables.index", "missing");
+
+    let no_data = fixture.mlp_copy("no-data");
+    std::fs::remove_file(no_data.join("variables/variables.data-00000-of-00001")).unwrap();
+    expect(&no_data, "variables.data-00000-of-00001", "missing");
+
+    // Data cut short is found by TensorFlow; its error lists the files it read.
+    let cut_data = fixture.mlp_copy("cut-data");
+    let data = cut_data.join("variables/variables.data-00000-of-00001");
+    let bytes = std::fs::read(&data).unwrap();
+    std::fs::write(&data, &bytes[..bytes.len() / 2]).unwrap();
+    let text = SavedModel::load(&cut_data).unwrap_err().to_string();
+    assert!(
+        text.contains("variables/variables.data-00000-of-00001"),
+        "{text}"
+    );
+}

@@ -196,7 +196,7 @@ impl<B: TrainBackend> TrainingState<B> {
             );
         }
         let old_model = self.model.state_dict()?;
-        checkpoint.model.check_compatible(&old_model)?;
+        checkpoint.model.check_dtypes(&old_model)?;
         self.model.load_state_dict(&checkpoint.model)?;
         if let Err(e) = self.optimizer.load_state_dict(&checkpoint.optimizer) {
             self.model.load_state_dict(&old_model)?;

@@ -87,6 +87,22 @@ pub(crate) fn saver_def(meta_graph_def: &[u8]) -> Result<Option<SaverDef>, WireE
     )
 }
 
+/// `SavedModel.meta_graphs` (tensorflow/core/protobuf/saved_model.proto).
+const SAVED_MODEL_META_GRAPHS: u64 = 2;
+
+/// Walks a serialized `SavedModel` (a `saved_model.pb`) field by field and
+/// returns its MetaGraphDefs' bytes; a file cut short or damaged fails where
+/// its bytes stop making sense.
+pub(crate) fn meta_graphs(saved_model: &[u8]) -> Result<Vec<&[u8]>, WireError> {
+    let mut graphs = Vec::new();
+    for field in Fields::new(saved_model) {
+        if let (SAVED_MODEL_META_GRAPHS, Value::Bytes(bytes)) = field? {
+            graphs.push(bytes);
+        }
+    }
+    Ok(graphs)
+}
+
 /// One field value; fixed-width and varint values are only skipped.
 enum Value<'a> {
     Scalar,
