@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

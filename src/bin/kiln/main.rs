@@ -14,11 +14,15 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::{
-    load_digits, train_test_split, BackendKind, Checkpoint, Checkpointer, DataLoader, DatasetKind,
-    EarlyStopping, FloatPrecision, HostTensor, InMemoryDataset, Loss, Module, RunConfig,
+    BackendKind, Checkpoint, Checkpointer, EarlyStopping, FloatPrecision, Module, RunConfig,
     RunDirectory, RunStart, TrainBackend, Trainer, TrainingState,
 };
 use kiln::prelude::*;
+
+mod data;
+mod inspect;
+
+use data::{load_data, loader, validation_split};
 
 #[derive(Parser)]
 #[command(
@@ -135,220 +139,8 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),
         Command::Predict(args) => predict(args),
-        Command::Inspect { checkpoint } => inspect(&checkpoint),
+        Command::Inspect { checkpoint } => inspect::inspect(&checkpoint),
     }
-}
-
-/// The workspace's provisioned data directory, for the default digits path.
-fn default_digits() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".kiln/data/digits.csv.gz")
-}
-
-/// Features and labels of the configured dataset, scaled and shaped, split into
-/// training and validation sets (none when `data.val_fraction` is 0).
-struct Data {
-    train: (HostTensor, HostTensor),
-    val: Option<(HostTensor, HostTensor)>,
-}
-
-/// Where a data set's labels come from, to name a bad one.
-enum LabelOrigin<'a> {
-    /// Line `first_line + i` of `path` holds example `i`.
-    Lines { path: &'a Path, first_line: usize },
-    /// Record `i` of the IDX labels of `split` in the MNIST directory `path`.
-    Records { path: &'a Path, split: &'a str },
-}
-
-/// Reads the configured dataset and checks it against the model before anything
-/// is written: the model's output shape for the data's input shape, and every
-/// label against the loss and that output.
-fn load_data(config: &RunConfig) -> Result<Data> {
-    let data = &config.data;
-    let path = || {
-        data.path
-            .clone()
-            .context("data.path is required for this dataset")
-    };
-    let (features, labels, origin_path, first_line) = match data.dataset {
-        DatasetKind::Digits => {
-            let path = data.path.clone().unwrap_or_else(default_digits);
-            let (x, y) = load_digits(&path).with_context(|| {
-                format!(
-                    "loading the digits data set from {} (run `cargo xtask setup` to provision it)",
-                    path.display()
-                )
-            })?;
-            (x, y, path, 1)
-        }
-        DatasetKind::Mnist => {
-            // MNIST has its own test split: it is the validation set.
-            let dir = path()?;
-            let mnist = kiln::core::load_mnist(&dir)?;
-            let train = scale_and_shape(mnist.train_images, data)?;
-            check_fits(
-                config,
-                &train,
-                &mnist.train_labels,
-                &LabelOrigin::Records {
-                    path: &dir,
-                    split: "training",
-                },
-            )?;
-            let test = scale_and_shape(mnist.test_images, data)?;
-            check_fits(
-                config,
-                &test,
-                &mnist.test_labels,
-                &LabelOrigin::Records {
-                    path: &dir,
-                    split: "test",
-                },
-            )?;
-            return Ok(Data {
-                train: (train, mnist.train_labels),
-                val: Some((test, mnist.test_labels)),
-            });
-        }
-        DatasetKind::Csv => {
-            let options = kiln::core::CsvOptions {
-                has_header: data.has_header,
-                label_column: match &data.label_column {
-                    None => kiln::core::LabelColumn::Last,
-                    Some(c) => match c.parse::<usize>() {
-                        Ok(index) => kiln::core::LabelColumn::Index(index),
-                        Err(_) => kiln::core::LabelColumn::Name(c.clone()),
-                    },
-                },
-                ..Default::default()
-            };
-            let path = path()?;
-            let (x, y) = kiln::core::load_csv(&path, &options)?;
-            (x, y, path, if data.has_header { 2 } else { 1 })
-        }
-    };
-    let features = scale_and_shape(features, data)?;
-    check_fits(
-        config,
-        &features,
-        &labels,
-        &LabelOrigin::Lines {
-            path: &origin_path,
-            first_line,
-        },
-    )?;
-    if data.val_fraction == 0.0 {
-        return Ok(Data {
-            train: (features, labels),
-            val: None,
-        });
-    }
-    let (train, val) = train_test_split(&features, &labels, data.val_fraction, config.seed)?;
-    Ok(Data {
-        train,
-        val: Some(val),
-    })
-}
-
-/// Checks that the model takes examples of `features`' shape, and that its
-/// output and the loss take every one of `labels`.
-fn check_fits(
-    config: &RunConfig,
-    features: &HostTensor,
-    labels: &HostTensor,
-    origin: &LabelOrigin<'_>,
-) -> Result<()> {
-    let mut input = features.dims().to_vec();
-    input[0] = config.data.batch_size;
-    let output = config.model.output_shape(&input).with_context(|| {
-        format!(
-            "the model does not take the data's examples (batches of shape {input:?}, \
-             from data.input_shape {:?})",
-            config.data.input_shape
-        )
-    })?;
-    let label_dims = &labels.dims()[1..];
-    let (ignore_index, needs_classes) = match &config.loss {
-        Loss::CrossEntropy(c) => (c.ignore_index, true),
-        Loss::Nll(c) => (c.ignore_index, true),
-        _ => (None, false),
-    };
-    let mismatch = |what: String| {
-        anyhow::anyhow!(
-            "the loss `{}` does not fit the model's output: {what}",
-            config.loss.torch_name()
-        )
-    };
-    if !needs_classes || labels.dtype().is_float() {
-        // Targets of the output's own shape per example (regression, probabilities).
-        if label_dims.iter().product::<usize>() != output[1..].iter().product::<usize>() {
-            return Err(mismatch(format!(
-                "the model gives {:?} per example, the targets are {label_dims:?}",
-                &output[1..]
-            )));
-        }
-        return Ok(());
-    }
-    let Some(&classes) = output.get(1) else {
-        return Err(mismatch(format!(
-            "it needs [batch, classes] scores, the model gives {output:?}"
-        )));
-    };
-    let labels = labels.to_dtype(kiln::core::DType::I64);
-    let values = labels.as_slice::<i64>()?;
-    let bad = values
-        .iter()
-        .enumerate()
-        .find(|(_, &v)| Some(v) != ignore_index && !(0..classes as i64).contains(&v));
-    if let Some((i, &label)) = bad {
-        let place = match origin {
-            LabelOrigin::Lines { path, first_line } => {
-                format!("{}, line {}", path.display(), first_line + i)
-            }
-            LabelOrigin::Records { path, split } => {
-                format!("{} ({split} labels), record {i}", path.display())
-            }
-        };
-        anyhow::bail!(
-            "{place}: label {label} is outside the model's {classes} classes (0 to {}); \
-             the model's last layer gives {classes} scores per example",
-            classes - 1
-        );
-    }
-    Ok(())
-}
-
-/// Divides by `data.scale` and reshapes each example to `data.input_shape`.
-fn scale_and_shape(features: HostTensor, data: &kiln::core::DataConfig) -> Result<HostTensor> {
-    let n = features.dims().first().copied().unwrap_or(0);
-    let numel = features.numel();
-    let scaled: Vec<f32> = features
-        .to_dtype(DType::F32)
-        .as_slice::<f32>()?
-        .iter()
-        .map(|v| (*v as f64 / data.scale) as f32)
-        .collect();
-    let mut shape = vec![n];
-    match &data.input_shape {
-        Some(dims) => shape.extend(dims),
-        None => shape.push(numel / n.max(1)),
-    }
-    HostTensor::new(scaled, shape)
-        .context("data.input_shape does not match the number of features per example")
-}
-
-fn loader(
-    (x, y): (HostTensor, HostTensor),
-    config: &RunConfig,
-    shuffle: bool,
-) -> Result<Box<dyn DataLoader>> {
-    let data = &config.data;
-    let mut loader = kiln::core::PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
-        .num_workers(data.workers)
-        .drop_last(shuffle && data.drop_last);
-    if shuffle {
-        loader = loader.shuffle(config.seed);
-    }
-    Ok(Box::new(loader))
 }
 
 fn load_config(path: &Path) -> Result<RunConfig> {
@@ -646,19 +438,6 @@ fn restore<B: TrainBackend>(
     Ok(model)
 }
 
-/// The validation split, which `eval` and `predict` run on.
-fn validation_split(config: &RunConfig) -> Result<(HostTensor, HostTensor)> {
-    if !config.has_validation() {
-        anyhow::bail!(
-            "the config has no validation split (data.val_fraction is 0); set a fraction to \
-             hold out"
-        );
-    }
-    load_data(config)?
-        .val
-        .context("the config's data has no validation split")
-}
-
 fn eval(args: CheckpointArgs) -> Result<()> {
     let config = load_config(&args.config)?;
     match config.backend {
@@ -778,105 +557,4 @@ fn temporary_sibling(path: &Path) -> Result<PathBuf> {
     tmp.push(name);
     tmp.push(format!(".tmp-{}", std::process::id()));
     Ok(path.with_file_name(tmp))
-}
-
-/// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
-/// files (`torch.jit.save`) are stored, unlike safetensors files.
-fn is_zip_archive(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut magic = [0u8; 4];
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
-}
-
-/// A TorchScript file's parameters, as libtorch loads them.
-fn inspect_torchscript(path: &Path) -> Result<()> {
-    let module = kiln::torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
-        format!(
-            "{} is a zip archive, as TorchScript files are, but libtorch cannot load it",
-            path.display()
-        )
-    })?;
-    println!("torchscript {}", path.display());
-    println!();
-    println!(
-        "{:<40} {:<8} {:<16} {:>10}",
-        "parameter", "dtype", "shape", "elements"
-    );
-    let mut total = 0usize;
-    let state = module.state_dict()?;
-    for (name, t) in state.iter() {
-        total += t.numel();
-        println!(
-            "{:<40} {:<8} {:<16} {:>10}",
-            name,
-            t.dtype().to_string(),
-            t.shape().to_string(),
-            t.numel()
-        );
-    }
-    println!(
-        "\n{} parameter tensors, {total} values (buffers such as batch-norm statistics are \
-         not listed)",
-        state.len()
-    );
-    Ok(())
-}
-
-fn inspect(path: &Path) -> Result<()> {
-    if path.is_dir() {
-        let model = kiln::tf::SavedModel::load(path)?;
-        print!("{}", model.describe());
-        return Ok(());
-    }
-    if is_zip_archive(path)? {
-        return inspect_torchscript(path);
-    }
-    let checkpoint = Checkpoint::load(path)?;
-    println!("checkpoint  {}", path.display());
-    println!("backend     {}", checkpoint.backend);
-    println!(
-        "position    step {}, epoch {}, batch {} of the epoch",
-        checkpoint.step, checkpoint.epoch, checkpoint.batch_in_epoch
-    );
-    println!("seed        {}", checkpoint.seed);
-    if let Some(def) = &checkpoint.model_definition {
-        println!("model       {}", serde_json::to_string(def)?);
-    }
-    if let Some(s) = &checkpoint.scheduler {
-        println!("schedule    {s}");
-    }
-    for (k, v) in &checkpoint.metrics {
-        println!("metric      {k} = {v}");
-    }
-    println!();
-    println!(
-        "{:<40} {:<8} {:<16} {:>10}",
-        "tensor", "dtype", "shape", "elements"
-    );
-    let mut params = 0usize;
-    for (section, dict) in [
-        ("model", &checkpoint.model),
-        ("optimizer", &checkpoint.optimizer),
-    ] {
-        for (name, t) in dict.iter() {
-            if section == "model" {
-                params += t.numel();
-            }
-            println!(
-                "{:<40} {:<8} {:<16} {:>10}",
-                format!("{section}.{name}"),
-                t.dtype().to_string(),
-                t.shape().to_string(),
-                t.numel()
-            );
-        }
-    }
-    println!(
-        "\n{} model values, {} optimizer tensors",
-        params,
-        checkpoint.optimizer.len()
-    );
-    Ok(())
 }

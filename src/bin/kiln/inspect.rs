@@ -1,0 +1,108 @@
+//! `kiln inspect`: what a checkpoint, a TorchScript file or a SavedModel holds.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use kiln::core::Checkpoint;
+use kiln::prelude::*;
+
+/// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
+/// files (`torch.jit.save`) are stored, unlike safetensors files.
+pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
+}
+
+/// A TorchScript file's parameters, as libtorch loads them.
+pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
+    let module = kiln::torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
+        format!(
+            "{} is a zip archive, as TorchScript files are, but libtorch cannot load it",
+            path.display()
+        )
+    })?;
+    println!("torchscript {}", path.display());
+    println!();
+    println!(
+        "{:<40} {:<8} {:<16} {:>10}",
+        "parameter", "dtype", "shape", "elements"
+    );
+    let mut total = 0usize;
+    let state = module.state_dict()?;
+    for (name, t) in state.iter() {
+        total += t.numel();
+        println!(
+            "{:<40} {:<8} {:<16} {:>10}",
+            name,
+            t.dtype().to_string(),
+            t.shape().to_string(),
+            t.numel()
+        );
+    }
+    println!(
+        "\n{} parameter tensors, {total} values (buffers such as batch-norm statistics are \
+         not listed)",
+        state.len()
+    );
+    Ok(())
+}
+
+pub(crate) fn inspect(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        let model = kiln::tf::SavedModel::load(path)?;
+        print!("{}", model.describe());
+        return Ok(());
+    }
+    if is_zip_archive(path)? {
+        return inspect_torchscript(path);
+    }
+    let checkpoint = Checkpoint::load(path)?;
+    println!("checkpoint  {}", path.display());
+    println!("backend     {}", checkpoint.backend);
+    println!(
+        "position    step {}, epoch {}, batch {} of the epoch",
+        checkpoint.step, checkpoint.epoch, checkpoint.batch_in_epoch
+    );
+    println!("seed        {}", checkpoint.seed);
+    if let Some(def) = &checkpoint.model_definition {
+        println!("model       {}", serde_json::to_string(def)?);
+    }
+    if let Some(s) = &checkpoint.scheduler {
+        println!("schedule    {s}");
+    }
+    for (k, v) in &checkpoint.metrics {
+        println!("metric      {k} = {v}");
+    }
+    println!();
+    println!(
+        "{:<40} {:<8} {:<16} {:>10}",
+        "tensor", "dtype", "shape", "elements"
+    );
+    let mut params = 0usize;
+    for (section, dict) in [
+        ("model", &checkpoint.model),
+        ("optimizer", &checkpoint.optimizer),
+    ] {
+        for (name, t) in dict.iter() {
+            if section == "model" {
+                params += t.numel();
+            }
+            println!(
+                "{:<40} {:<8} {:<16} {:>10}",
+                format!("{section}.{name}"),
+                t.dtype().to_string(),
+                t.shape().to_string(),
+                t.numel()
+            );
+        }
+    }
+    println!(
+        "\n{} model values, {} optimizer tensors",
+        params,
+        checkpoint.optimizer.len()
+    );
+    Ok(())
+}
