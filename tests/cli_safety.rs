@@ -696,3 +696,69 @@ fn inspect_describes_a_torchscript_file() {
         "{listing}"
     );
 }
+
+/// Writes an IDX file: `magic` (dtype and rank), the dims, the bytes.
+fn write_idx(path: &Path, rank: u8, dims: &[u32], bytes: &[u8]) {
+    let mut data = vec![0, 0, 0x08, rank];
+    for d in dims {
+        data.extend_from_slice(&d.to_be_bytes());
+    }
+    data.extend_from_slice(bytes);
+    std::fs::write(path, data).unwrap();
+}
+
+/// An MNIST label outside the model's classes (255) is refused when the files
+/// load, naming the directory, the split and the record, not by libtorch.
+#[test]
+fn an_mnist_label_outside_the_classes_names_its_record() {
+    let _serial = serial();
+    let dir = scratch("safety-mnist");
+    let data = dir.join("mnist");
+    std::fs::create_dir(&data).unwrap();
+    for (split, n) in [("train", 12u32), ("t10k", 4)] {
+        let pixels: Vec<u8> = (0..n * 16).map(|i| (i % 251) as u8).collect();
+        write_idx(
+            &data.join(format!("{split}-images-idx3-ubyte")),
+            3,
+            &[n, 4, 4],
+            &pixels,
+        );
+        let mut labels: Vec<u8> = (0..n).map(|i| (i % 10) as u8).collect();
+        if split == "train" {
+            labels[7] = 255;
+        }
+        write_idx(
+            &data.join(format!("{split}-labels-idx1-ubyte")),
+            1,
+            &[n],
+            &labels,
+        );
+    }
+    let cfg = edited(
+        &config(&dir, 0),
+        "dataset = \"digits\"",
+        &format!("dataset = \"mnist\"\npath = \"{}\"", data.display()),
+        "mnist.toml",
+    );
+    let cfg = edited(
+        &cfg,
+        "in_features = 64, out_features = 64",
+        "in_features = 16, out_features = 64",
+        "mnist.toml",
+    );
+    let err = fails(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--output",
+        s(&dir.join("run")),
+    ]);
+    assert!(
+        err.contains("training labels")
+            && err.contains("record 7")
+            && err.contains("label 255")
+            && err.contains("10 classes"),
+        "{err}"
+    );
+    assert!(!dir.join("run").exists());
+}

@@ -197,13 +197,34 @@ impl<B: TrainBackend> TrainingState<B> {
         }
         let old_model = self.model.state_dict()?;
         checkpoint.model.check_dtypes(&old_model)?;
-        self.model.load_state_dict(&checkpoint.model)?;
-        if let Err(e) = self.optimizer.load_state_dict(&checkpoint.optimizer) {
-            self.model.load_state_dict(&old_model)?;
+        // The schedule first: it is the one part whose state can be put back exactly.
+        let old_schedule = match (self.scheduler.as_mut(), &checkpoint.scheduler) {
+            (Some(scheduler), Some(state)) => {
+                let old = scheduler.state()?;
+                scheduler.load_state(state)?;
+                Some(old)
+            }
+            _ => None,
+        };
+        let loaded = self
+            .model
+            .load_state_dict(&checkpoint.model)
+            .and_then(|()| {
+                self.optimizer
+                    .load_state_dict(&checkpoint.optimizer)
+                    .inspect_err(|_| {
+                        if let Err(e) = self.model.load_state_dict(&old_model) {
+                            log::error!("cannot put the model back after a failed restore: {e}");
+                        }
+                    })
+            });
+        if let Err(e) = loaded {
+            if let (Some(scheduler), Some(old)) = (self.scheduler.as_mut(), &old_schedule) {
+                scheduler.load_state(old)?;
+            }
             return Err(e);
         }
-        if let (Some(scheduler), Some(state)) = (self.scheduler.as_mut(), &checkpoint.scheduler) {
-            scheduler.load_state(state)?;
+        if let (Some(scheduler), Some(_)) = (self.scheduler.as_ref(), &old_schedule) {
             self.optimizer.set_learning_rates(scheduler.lrs())?;
         }
         self.step = checkpoint.step;

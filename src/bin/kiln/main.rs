@@ -414,9 +414,9 @@ fn toml_string(config: &RunConfig) -> Result<String> {
 }
 
 /// The config's model with the checkpoint's weights, in eval mode. The config
-/// is the source of truth: a checkpoint that records another definition, or
-/// holds a tensor of another name, shape or dtype, is refused before the model
-/// is built or anything is loaded.
+/// is the source of truth: a checkpoint that records another definition is
+/// refused before the model is built, and one holding a tensor of another
+/// name, shape or dtype before any weight is loaded.
 fn restore<B: TrainBackend>(
     checkpoint: &Checkpoint,
     path: &Path,
