@@ -441,6 +441,16 @@ fn predict_never_writes_over_a_file_unless_told() {
     assert!(Checkpoint::load(&step).is_ok());
 }
 
+/// A child process that is killed when the test ends, failed or not.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Case 10: a second run on a directory another run holds fails at once,
 /// naming the holder's PID, and changes nothing.
 #[test]
@@ -452,28 +462,30 @@ fn a_held_run_directory_names_its_holder() {
     let dir = scratch("safety-lock");
     let cfg = config(&dir, 0);
     let run = dir.join("run");
-    let mut child = Command::new(KILN)
-        .args(["train", "--config", s(&cfg), "--output", s(&run)])
-        .args(["--epochs", "1000"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        Command::new(KILN)
+            .args(["train", "--config", s(&cfg), "--output", s(&run)])
+            .args(["--epochs", "1000"])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     while !run.join("steps.csv").exists() {
         assert!(Instant::now() < deadline, "the first run never started");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let pid = format!("PID {}", child.id());
+    let pid = format!("PID {}", child.0.id());
     for extra in [&["--resume", "auto"][..], &[][..]] {
         let mut args = vec!["train", "--config", s(&cfg), "--output", s(&run)];
         args.extend_from_slice(extra);
         let err = fails(&args);
         assert!(err.contains(&pid) && err.contains("another run"), "{err}");
     }
-    child.kill().unwrap();
-    child.wait().unwrap();
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
     // The lock went with the process: the run resumes.
     train(s(&cfg), &run, &["--resume", "auto", "--max-steps", "1"]);
 }
