@@ -130,11 +130,11 @@ pub(crate) fn check_fits(
     let mut input = features.dims().to_vec();
     input[0] = config.data.batch_size;
     let output = config.model.output_shape(&input).with_context(|| {
-        format!(
-            "the model does not take the data's examples (batches of shape {input:?}, \
-             from data.input_shape {:?})",
-            config.data.input_shape
-        )
+        let shape = match &config.data.input_shape {
+            Some(dims) => format!("data.input_shape = {dims:?}"),
+            None => "flat examples: data.input_shape is not set".to_owned(),
+        };
+        format!("the model does not take the data's batches of shape {input:?} ({shape})")
     })?;
     let label_dims = &labels.dims()[1..];
     let (ignore_index, needs_classes) = match &config.loss {

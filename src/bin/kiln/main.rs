@@ -217,11 +217,15 @@ fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<Pat
                 return Ok(Some(path));
             }
             // Nothing to resume: a new run, but only where it destroys nothing.
-            RunDirectory::check(out, RunStart::New).context(
-                "--resume auto found no checkpoint to resume from (no \
-                 checkpoints/last.safetensors nor checkpoints/step-*.safetensors), \
-                 and a new run would write over what is there",
-            )?;
+            if RunDirectory::check(out, RunStart::New).is_err() {
+                anyhow::bail!(
+                    "output directory {}: --resume auto found no checkpoint to resume from \
+                     (neither checkpoints/last.safetensors nor checkpoints/step-*.safetensors), \
+                     and the directory is not empty, so a new run there would write over what \
+                     it holds; start the run elsewhere with --output DIR",
+                    out.display()
+                );
+            }
             log::info!(
                 "--resume auto: no run in {} yet; starting a new one",
                 out.display()
