@@ -633,7 +633,18 @@ impl<B: TrainBackend> Trainer<B> {
     /// the first key or shape that does not fit.
     pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
         let checkpoint = Checkpoint::load(path)?;
-        state.restore(&checkpoint).map_err(|e| Error::Checkpoint {
+        Self::resume_from(state, &checkpoint, path)?;
+        Ok(checkpoint)
+    }
+
+    /// As [`resume`](Self::resume), from a checkpoint already read from `path`
+    /// (for a caller that checks it first, as the CLI checks its definition and seed).
+    pub fn resume_from(
+        state: &mut TrainingState<B>,
+        checkpoint: &Checkpoint,
+        path: &Path,
+    ) -> Result<()> {
+        state.restore(checkpoint).map_err(|e| Error::Checkpoint {
             path: path.to_path_buf(),
             reason: format!("does not fit this model and optimizer: {e}"),
         })?;
@@ -644,7 +655,7 @@ impl<B: TrainBackend> Trainer<B> {
             checkpoint.epoch,
             checkpoint.batch_in_epoch
         );
-        Ok(checkpoint)
+        Ok(())
     }
 }
 

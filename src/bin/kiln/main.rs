@@ -286,19 +286,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     let mut state = TrainingState::<B>::new(model, optimizer, scheduler);
     if let Some(path) = &resume_from {
         let checkpoint = load_resume_checkpoint(config, path)?;
-        state
-            .restore(&checkpoint)
-            .map_err(|e| kiln::core::Error::Checkpoint {
-                path: path.clone(),
-                reason: format!("does not fit this model and optimizer: {e}"),
-            })?;
-        log::info!(
-            "resumed from {} at step {} (epoch {}, batch {})",
-            path.display(),
-            checkpoint.step,
-            checkpoint.epoch,
-            checkpoint.batch_in_epoch
-        );
+        Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
     }
 
     // From here on the run writes, holding its directory's lock.
