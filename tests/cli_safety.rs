@@ -612,11 +612,10 @@ fn reduce_lr_on_plateau_follows_pytorch_through_the_cli() {
     if !digits_available() {
         return;
     }
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".kiln/venv/bin/python");
-    assert!(
-        python.exists(),
-        "the project virtualenv is provisioned with the digits"
-    );
+    let Some(python) = kiln_testkit::python("reduce_lr_on_plateau_follows_pytorch_through_the_cli")
+    else {
+        return;
+    };
     let dir = scratch("safety-plateau");
     // val_loss falls every epoch, so in `max` mode every epoch but the first is bad.
     let cfg = edited(
@@ -677,14 +676,9 @@ fn reduce_lr_on_plateau_follows_pytorch_through_the_cli() {
 #[test]
 fn inspect_describes_a_torchscript_file() {
     let _serial = serial();
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join(".kiln/venv/bin/python");
-    if !python.exists() {
-        eprintln!(
-            "SKIPPED inspect_describes_a_torchscript_file: no {}",
-            python.display()
-        );
+    let Some(python) = kiln_testkit::python("inspect_describes_a_torchscript_file") else {
         return;
-    }
+    };
     let dir = scratch("safety-inspect");
     let model = dir.join("linear.pt");
     let status = Command::new(&python)

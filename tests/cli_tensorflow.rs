@@ -144,14 +144,9 @@ fn a_run_started_on_torch_resumes_on_tensorflow() {
 
 #[test]
 fn inspect_lists_a_keras_savedmodels_signatures() {
-    let python = PathBuf::from(env!("KILN_VENV_PYTHON"));
-    if !python.exists() {
-        eprintln!(
-            "SKIPPED inspect_lists_a_keras_savedmodels_signatures: no {}",
-            python.display()
-        );
+    let Some(python) = kiln_testkit::python("inspect_lists_a_keras_savedmodels_signatures") else {
         return;
-    }
+    };
     let dir = scratch("inspect");
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),

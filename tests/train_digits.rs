@@ -4,8 +4,6 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use std::path::Path;
-
 use kiln::core::{
     load_digits, train_test_split, AdamWConfig, BatchNormConfig, Conv2dConfig, DataLoader,
     InMemoryDataset, Layer, LinearConfig, Loss, OptimizerConfig, Pool2dConfig, SchedulerConfig,
@@ -16,14 +14,9 @@ use kiln::torch::{compute_loss, from_tch, to_tch, TorchModel, TorchOptimizer};
 
 #[test]
 fn a_small_cnn_learns_the_digits() {
-    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join(".kiln/data/digits.csv.gz");
-    if !data.exists() {
-        eprintln!(
-            "SKIPPED: {} missing; run `cargo xtask setup`",
-            data.display()
-        );
+    let Some(data) = kiln_testkit::digits("a_small_cnn_learns_the_digits") else {
         return;
-    }
+    };
     TorchBackend::manual_seed(0);
     let (x, y) = load_digits(&data).unwrap();
     assert_eq!((x.dims(), y.dims()), (&[1797, 64][..], &[1797][..]));

@@ -46,11 +46,7 @@ mod gpu {
     /// CUDA runtime were linked in and their static registrations kept.
     #[test]
     fn shared_library_registers_cuda_kernels() {
-        let Some(python) = option_env!("KILN_VENV_PYTHON")
-            .map(std::path::PathBuf::from)
-            .filter(|p| p.exists())
-        else {
-            eprintln!("SKIPPED shared_library_registers_cuda_kernels: no project virtualenv");
+        let Some(python) = kiln_testkit::python("shared_library_registers_cuda_kernels") else {
             return;
         };
         let script = format!(

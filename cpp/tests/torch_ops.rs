@@ -187,16 +187,7 @@ fn bad_input_is_an_error_not_an_abort() {
 }
 
 fn python() -> Option<PathBuf> {
-    let python = PathBuf::from(env!("KILN_VENV_PYTHON"));
-    if python.exists() {
-        Some(python)
-    } else {
-        eprintln!(
-            "SKIPPED: the project virtualenv ({}) is missing",
-            python.display()
-        );
-        None
-    }
+    kiln_testkit::python("kiln-ops torch_ops reference")
 }
 
 fn tensor(value: &serde_json::Value, kind: Kind) -> Tensor {

@@ -571,7 +571,7 @@ mod tests {
     //! (tests/reference/losses.py), and the validation errors.
 
     use std::fmt::Write as _;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
     use std::process::Command;
 
     use kiln_core::{
@@ -739,14 +739,7 @@ mod tests {
 
     /// The reference values and gradients, or `None` (with a message) without the venv.
     fn torch_reference(test: &str, cases: &[Case]) -> Option<StateDict> {
-        let python = PathBuf::from(env!("KILN_VENV_PYTHON"));
-        if !python.exists() {
-            eprintln!(
-                "SKIPPED {test}: no project virtualenv at {}; run `cargo xtask setup` first",
-                python.display()
-            );
-            return None;
-        }
+        let python = kiln_testkit::python(test)?;
         let dir = std::env::temp_dir().join(format!("kiln-tf-losses-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let request = dir.join("cases.json");

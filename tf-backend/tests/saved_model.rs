@@ -107,7 +107,10 @@ fn fixture(test: &str) -> Option<&'static Fixture> {
         })
     });
     if fixture.is_none() {
-        eprintln!("SKIPPED {test}: no project virtualenv to export the SavedModel fixtures");
+        kiln_testkit::skip(
+            test,
+            "no project virtualenv to export the SavedModel fixtures",
+        );
     }
     fixture.as_ref()
 }

@@ -50,11 +50,9 @@ fn a_bad_dtype_is_an_error() {
 
 #[test]
 fn python_loads_the_same_library() {
-    let python = std::path::Path::new(env!("KILN_VENV_PYTHON"));
-    if !python.exists() {
-        eprintln!("SKIPPED: no project virtualenv at {}", python.display());
+    let Some(python) = kiln_testkit::python("python_loads_the_same_library") else {
         return;
-    }
+    };
     let code = "import sys, torch\n\
                 torch.ops.load_library(sys.argv[1])\n\
                 x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)\n\

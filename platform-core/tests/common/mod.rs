@@ -5,20 +5,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The project's virtualenv interpreter (`.kiln/venv/bin/python`, made by
-/// `cargo xtask`), or `None` with a message saying the test is skipped.
+/// The project's virtualenv interpreter, or `None` after a skip (a failure
+/// under `KILN_REQUIRE_REFERENCES`, as in CI).
 pub fn python(test: &str) -> Option<PathBuf> {
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.kiln/venv/bin/python");
-    if python.exists() {
-        Some(python)
-    } else {
-        eprintln!(
-            "SKIPPED {test}: {} does not exist; run `cargo xtask setup` to create the \
-             project virtualenv with PyTorch and safetensors",
-            python.display()
-        );
-        None
-    }
+    kiln_testkit::python(test)
 }
 
 /// Path of a committed reference script under `tests/reference/`.

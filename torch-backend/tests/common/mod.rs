@@ -7,17 +7,10 @@ use std::process::Command;
 
 use kiln_core::{HostTensor, StateDict};
 
-/// The project virtualenv's interpreter, set at build time by kiln-build
-/// (`KILN_VENV_PYTHON`), or `None` with a message saying the test is skipped.
+/// The project virtualenv's interpreter, or `None` after a skip (a failure
+/// under `KILN_REQUIRE_REFERENCES`, as in CI).
 pub fn python(test: &str) -> Option<PathBuf> {
-    let python = option_env!("KILN_VENV_PYTHON").map(PathBuf::from);
-    match python {
-        Some(p) if p.exists() => Some(p),
-        _ => {
-            eprintln!("SKIPPED {test}: no project virtualenv; run `cargo xtask setup` first");
-            None
-        }
-    }
+    kiln_testkit::python(test)
 }
 
 /// A fresh directory under the target's temporary directory.
