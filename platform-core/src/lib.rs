@@ -19,8 +19,15 @@
 //!   as safetensors files ([`StateDict::save_safetensors`]); [`StateTensors`],
 //!   the backend's own tensors, which checkpoints are written from without
 //!   copying the weights first;
-//! * [`Dataset`], [`DataLoader`] and friends, including a reader for
-//!   scikit-learn's digits data ([`load_digits`]);
+//! * [`Dataset`], [`DataLoader`] and friends ([`PrefetchLoader`]), with
+//!   readers for scikit-learn's digits ([`load_digits`]), MNIST IDX files
+//!   ([`load_mnist`]) and CSV ([`load_csv`]);
+//! * [`Trainer`] and [`TrainingState`]: the training loop over any
+//!   [`TrainBackend`], with callbacks ([`EarlyStopping`]), metrics
+//!   ([`Metric`]) and sinks ([`CsvSink`], [`TensorBoardSink`], ...);
+//! * [`Checkpoint`], [`Checkpointer`] and [`RunDirectory`]: exact-resume
+//!   checkpoints, which of them to keep, and a run's locked output directory;
+//! * [`RunConfig`]: a whole run as the `kiln` CLI reads it from TOML;
 //! * [`Error`] and [`Result`], shared by all Kiln crates.
 //!
 //! ```
