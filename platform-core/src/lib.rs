@@ -76,6 +76,7 @@ pub use config::{
     metric_by_name, BackendKind, DataConfig, DatasetKind, EarlyStoppingConfig, LoggingConfig,
     RunConfig,
 };
+pub use data::SplitMix64;
 pub use data::{
     load_csv, load_digits, load_mnist, load_mnist_images, load_mnist_labels, one_hot, read_idx,
     train_test_split, Batch, Collate, Compose, CsvOptions, DataLoader, Dataset, EpochSampler,
@@ -100,6 +101,7 @@ pub use loss::{
 pub use metric::{
     Accuracy, LossMetric, MeanAbsoluteError, Metric, Precision, Recall, TopKAccuracy, F1,
 };
+pub use model::CustomLayerRegistry;
 pub use model::{
     fan_in_and_fan_out, AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig,
     ConvTranspose2dConfig, CustomConfig, CustomParam, EmbeddingConfig, FanMode, GeluApproximation,

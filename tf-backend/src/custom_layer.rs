@@ -2,9 +2,9 @@
 //! builders registered by op name, resolved when a [`TfModel`](crate::TfModel) is built.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+use std::sync::Arc;
 
-use kiln_core::{CustomConfig, Error, Layer, Result};
+use kiln_core::{CustomConfig, CustomLayerRegistry, Layer, Result};
 use tensorflow::{Graph, Output};
 
 /// A custom layer's computation as TensorFlow graph ops: it adds ops to the
@@ -16,12 +16,8 @@ use tensorflow::{Graph, Output};
 pub type CustomLayerFn =
     dyn Fn(&mut Graph, &str, Output, &[Output], &CustomConfig) -> Result<Output> + Send + Sync;
 
-type Registry = RwLock<HashMap<String, Arc<CustomLayerFn>>>;
-
-fn registry() -> &'static Registry {
-    static REGISTRY: OnceLock<Registry> = OnceLock::new();
-    REGISTRY.get_or_init(Default::default)
-}
+static REGISTRY: CustomLayerRegistry<CustomLayerFn> =
+    CustomLayerRegistry::new("TensorFlow", "kiln_tf::register_custom_layer");
 
 /// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::Layer::Custom)
 /// layers built on TensorFlow. Registering a name again replaces its function, so
@@ -60,21 +56,12 @@ where
         + Sync
         + 'static,
 {
-    let previous = registry()
-        .write()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(op.to_owned(), Arc::new(f));
-    if previous.is_some() {
-        log::debug!("custom layer op {op} registered again on TensorFlow; the new function replaces the old");
-    }
+    REGISTRY.register(op, Arc::new(f));
 }
 
 /// Whether `op` is registered with [`register_custom_layer`].
 pub fn custom_layer_registered(op: &str) -> bool {
-    registry()
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .contains_key(op)
+    REGISTRY.contains(op)
 }
 
 /// The functions of a model's custom layers, resolved when it is built.
@@ -113,7 +100,7 @@ impl CustomOps {
             Layer::Residual { block } => self.collect(block, &child("block")),
             Layer::Custom(c) => {
                 if !self.0.contains_key(&c.op) {
-                    let f = lookup(&c.op).ok_or_else(|| unregistered(&child("op"), &c.op))?;
+                    let f = REGISTRY.lookup(&child("op"), &c.op)?;
                     self.0.insert(c.op.clone(), f);
                 }
                 Ok(())
@@ -124,32 +111,9 @@ impl CustomOps {
 
     /// The function for `op`, resolved by [`resolve`](Self::resolve).
     pub(crate) fn get(&self, op: &str) -> Result<Arc<CustomLayerFn>> {
-        self.0
-            .get(op)
-            .cloned()
-            .ok_or_else(|| unregistered("op", op))
+        match self.0.get(op) {
+            Some(f) => Ok(Arc::clone(f)),
+            None => REGISTRY.lookup("op", op),
+        }
     }
-}
-
-fn lookup(op: &str) -> Option<Arc<CustomLayerFn>> {
-    registry()
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(op)
-        .cloned()
-}
-
-fn unregistered(field: &str, op: &str) -> Error {
-    let registry = registry().read().unwrap_or_else(PoisonError::into_inner);
-    let mut known: Vec<&str> = registry.keys().map(String::as_str).collect();
-    known.sort_unstable();
-    Error::invalid_argument(
-        field,
-        format!(
-            "custom op `{op}` is not registered with the TensorFlow backend (registered: [{}]); \
-             call kiln_ops::register_layers() for Kiln's fused ops, or \
-             kiln_tf::register_custom_layer for your own",
-            known.join(", ")
-        ),
-    )
 }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_core::{
     DType, Device, Error, HostTensor, InitDistribution, Layer, Mode, Module, ParamKind, ParamSpec,
-    Result, StateDict,
+    Result, SplitMix64, StateDict,
 };
 use tensorflow::{DataType, Output};
 
@@ -350,7 +350,7 @@ pub(crate) fn build_forward(
 fn init_value(spec: &ParamSpec) -> Result<HostTensor> {
     let n: usize = spec.shape.iter().product();
     let (seed, draw) = next_stream();
-    let mut rng = SplitMix(seed ^ draw.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x1234_5678);
+    let mut rng = SplitMix64::new(seed ^ draw.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x1234_5678);
     let mut values: Vec<f64> = match spec.init {
         InitDistribution::Constant { value } => vec![value; n],
         InitDistribution::Uniform { low, high } => {
@@ -368,31 +368,6 @@ fn init_value(spec: &ParamSpec) -> Result<HostTensor> {
     }
     let host = HostTensor::new(values, spec.shape.clone())?;
     Ok(host.to_dtype(spec.dtype))
-}
-
-/// A small, fast generator for initial weights (SplitMix64).
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform on `[0, 1)`.
-    fn uniform(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Standard normal (Box-Muller).
-    fn normal(&mut self) -> f64 {
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
-    }
 }
 
 impl Module<TfBackend> for TfModel {

@@ -1,10 +1,9 @@
 //! The libtorch side of [`Layer::Custom`](kiln_core::Layer::Custom): ops
 //! registered by name, looked up when a [`TorchModel`](crate::TorchModel) is built.
 
-use std::collections::HashMap;
-use std::sync::{Arc, OnceLock, PoisonError, RwLock};
+use std::sync::Arc;
 
-use kiln_core::{CustomConfig, Error, Result};
+use kiln_core::{CustomConfig, CustomLayerRegistry, Result};
 use tch::Tensor;
 
 /// A custom layer's computation on libtorch: the input, the layer's parameters in
@@ -12,12 +11,8 @@ use tch::Tensor;
 /// differentiable through autograd and return a tensor of the input's shape.
 pub type CustomLayerFn = dyn Fn(&Tensor, &[&Tensor], &CustomConfig) -> Result<Tensor> + Send + Sync;
 
-type Registry = RwLock<HashMap<String, Arc<CustomLayerFn>>>;
-
-fn registry() -> &'static Registry {
-    static REGISTRY: OnceLock<Registry> = OnceLock::new();
-    REGISTRY.get_or_init(Default::default)
-}
+static REGISTRY: CustomLayerRegistry<CustomLayerFn> =
+    CustomLayerRegistry::new("torch", "kiln_torch::register_custom_layer");
 
 /// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::Layer::Custom)
 /// layers built on libtorch. Registering a name again replaces its function, so
@@ -46,45 +41,20 @@ pub fn register_custom_layer<F>(op: &str, f: F)
 where
     F: Fn(&Tensor, &[&Tensor], &CustomConfig) -> Result<Tensor> + Send + Sync + 'static,
 {
-    let previous = registry()
-        .write()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(op.to_owned(), Arc::new(f));
-    if previous.is_some() {
-        log::debug!(
-            "custom layer op {op} registered again on libtorch; the new function replaces the old"
-        );
-    }
+    REGISTRY.register(op, Arc::new(f));
 }
 
 /// Whether `op` is registered with [`register_custom_layer`].
 pub fn custom_layer_registered(op: &str) -> bool {
-    registry()
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .contains_key(op)
+    REGISTRY.contains(op)
 }
 
 /// The function registered for the custom layer at `path`.
 pub(crate) fn lookup(path: &str, op: &str) -> Result<Arc<CustomLayerFn>> {
-    let registry = registry().read().unwrap_or_else(PoisonError::into_inner);
-    if let Some(f) = registry.get(op) {
-        return Ok(Arc::clone(f));
-    }
-    let mut known: Vec<&str> = registry.keys().map(String::as_str).collect();
-    known.sort_unstable();
     let field = if path.is_empty() {
         "op".to_owned()
     } else {
         format!("{path}.op")
     };
-    Err(Error::invalid_argument(
-        field,
-        format!(
-            "custom op `{op}` is not registered with the torch backend (registered: [{}]); \
-             call kiln_ops::register_layers() for Kiln's fused ops, or \
-             kiln_torch::register_custom_layer for your own",
-            known.join(", ")
-        ),
-    ))
+    REGISTRY.lookup(&field, op)
 }

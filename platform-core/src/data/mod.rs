@@ -22,6 +22,7 @@ mod map;
 mod mnist;
 mod prefetch;
 mod rng;
+pub use rng::SplitMix64;
 mod source;
 mod split;
 mod transform;

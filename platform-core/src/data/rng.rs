@@ -1,19 +1,29 @@
 //! A small deterministic random number generator for shuffling.
 
-/// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and fully determined by its seed.
+/// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and fully determined by
+/// its seed. Kiln's one seeded generator: data order, per-sample transforms,
+/// per-step seeds and the TensorFlow backend's initial weights all draw from it.
+///
+/// ```
+/// use kiln_core::SplitMix64;
+///
+/// let mut rng = SplitMix64::new(1_234_567);
+/// assert_eq!(rng.next_u64(), 6_457_827_717_110_365_317); // Vigna's splitmix64.c
+/// assert!((0.0..1.0).contains(&rng.uniform()));
+/// ```
 #[derive(Clone, Debug)]
-pub(crate) struct SplitMix64 {
+pub struct SplitMix64 {
     state: u64,
 }
 
 impl SplitMix64 {
     /// A generator starting from `seed`.
-    pub(crate) fn new(seed: u64) -> Self {
+    pub fn new(seed: u64) -> Self {
         SplitMix64 { state: seed }
     }
 
     /// The next 64 random bits.
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -23,7 +33,7 @@ impl SplitMix64 {
 
     /// A uniform value in `0..bound` (Lemire's multiply-shift with rejection,
     /// so without modulo bias). `bound` must be positive.
-    pub(crate) fn below(&mut self, bound: u64) -> u64 {
+    pub fn below(&mut self, bound: u64) -> u64 {
         debug_assert!(bound > 0);
         let mut m = u128::from(self.next_u64()) * u128::from(bound);
         if (m as u64) < bound {
@@ -35,8 +45,20 @@ impl SplitMix64 {
         (m >> 64) as u64
     }
 
+    /// Uniform on `[0, 1)`, from the top 53 bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box-Muller, one value per two uniforms).
+    pub fn normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.uniform();
+        let u2 = self.uniform();
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+
     /// Shuffles `items` in place (Fisher–Yates).
-    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
             // i + 1 <= items.len() fits in u64, and the result is <= i.
             let j = self.below(i as u64 + 1) as usize;

@@ -9,7 +9,7 @@ use super::backend::{StepPlan, TrainBackend};
 use super::callback::{Callback, Flow};
 use crate::backend::Mode;
 use crate::checkpoint::{Checkpoint, Checkpointer};
-use crate::data::DataLoader;
+use crate::data::{DataLoader, SplitMix64};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::logger::{History, MetricSink};
@@ -273,11 +273,7 @@ fn unknown_metric(key: &str, monitor: &str, record: &EpochRecord) -> Error {
 /// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
 /// resumed run draws exactly what an uninterrupted one would.
 fn step_seed(seed: u64, step: u64) -> u64 {
-    let mut z =
-        (seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    SplitMix64::new(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
 }
 
 impl<B: TrainBackend> Trainer<B> {
@@ -665,6 +661,18 @@ mod tests {
 
     #[test]
     fn step_seeds_differ_per_step_and_repeat_per_seed() {
+        // The mix written out, as it was before it went through SplitMix64: the
+        // same seeds, so runs resume as before.
+        let written_out = |seed: u64, step: u64| {
+            let golden = 0x9E37_79B9_7F4A_7C15u64;
+            let mut z = (seed ^ step.wrapping_mul(golden)).wrapping_add(golden);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        for (seed, step) in [(0, 0), (7, 3), (u64::MAX, 12_345)] {
+            assert_eq!(step_seed(seed, step), written_out(seed, step));
+        }
         assert_eq!(step_seed(7, 3), step_seed(7, 3));
         assert_ne!(step_seed(7, 3), step_seed(7, 4));
         assert_ne!(step_seed(7, 3), step_seed(8, 3));

@@ -9,6 +9,7 @@
 
 mod init;
 mod layer;
+mod registry;
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +23,7 @@ pub use layer::{
     CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
     LayerNormConfig, LinearConfig, Pool2dConfig,
 };
+pub use registry::CustomLayerRegistry;
 
 fn half() -> f64 {
     0.5
