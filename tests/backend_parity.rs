@@ -438,6 +438,7 @@ fn checkpoints_resume_across_backends() {
             model_definition: Some(case.spec.clone()),
             scheduler: None,
             metrics: Default::default(),
+            epoch_loss: None,
         };
         if first == "torch" {
             losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 0));

@@ -369,3 +369,50 @@ fn a_checkpoint_of_another_model_is_refused_naming_file_and_key() {
     );
     assert_eq!(other.model.state_dict().unwrap(), before, "nothing changed");
 }
+
+/// A step checkpoint written at an epoch's last batch (here every 4 steps, 4
+/// batches an epoch, no epoch checkpoints) resumes: the epoch's record is made
+/// from the loss the checkpoint carries, and every epoch's training loss equals
+/// the uninterrupted run's, bitwise. (It used to fail: the resumed epoch had no
+/// batch left to average.)
+#[test]
+fn a_checkpoint_at_an_epochs_last_batch_resumes_with_the_epochs_loss() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-epoch-end-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(4),
+        every_n_epochs: None,
+        keep_last: 5,
+        ..CheckpointPolicy::default()
+    };
+    let config = TrainerConfig {
+        epochs: 3,
+        ..TrainerConfig::default()
+    };
+    let mut full = state(5);
+    let history = Trainer::<B>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()))
+        .fit(&mut full, &loader(16, None), None)
+        .unwrap();
+
+    let mut resumed = state(6);
+    let checkpoint =
+        Trainer::<B>::resume(&mut resumed, &dir.join("step-00000004.safetensors")).unwrap();
+    assert_eq!(
+        (checkpoint.epoch, checkpoint.batch_in_epoch),
+        (0, 4),
+        "written before the epoch ended"
+    );
+    let rest = Trainer::<B>::new(config, Loss::mse())
+        .unwrap()
+        .fit(&mut resumed, &loader(16, None), None)
+        .unwrap();
+    assert_eq!(rest.series("loss"), history.series("loss"));
+    assert_eq!(
+        resumed.model.state_dict().unwrap(),
+        full.model.state_dict().unwrap()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

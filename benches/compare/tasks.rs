@@ -522,6 +522,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             model_definition: Some(spec.clone()),
             scheduler: None,
             metrics: Default::default(),
+            epoch_loss: None,
         };
         Ok(checkpoint.save(&path)?)
     })?;

@@ -254,6 +254,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 model_definition: Some(cnn()),
                 scheduler: None,
                 metrics: Default::default(),
+                epoch_loss: None,
             }
         }
         let (live, copies) = (dir.join("live.ckpt"), dir.join("copies.ckpt"));

@@ -16,6 +16,7 @@
 //! | metadata `kiln.model` | the model definition ([`crate::Layer`], JSON) |
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
+//! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
 //!
 //! Files are written atomically (temporary file, fsync, rename), so a crash
 //! mid-write never leaves a broken checkpoint under the final name. A file whose
@@ -72,6 +73,10 @@ pub struct Checkpoint<S = StateDict> {
     pub scheduler: Option<serde_json::Value>,
     /// Metrics at the time of saving (e.g. validation loss and accuracy).
     pub metrics: BTreeMap<String, f64>,
+    /// The training loss of the epoch in progress so far, as the sum of the
+    /// per-sample losses and the number of samples: a run resumed mid-epoch
+    /// reports the epoch's loss over all its batches, as an uninterrupted one.
+    pub epoch_loss: Option<(f64, u64)>,
 }
 
 impl<S: WritableState> Checkpoint<S> {
@@ -108,6 +113,9 @@ impl<S: WritableState> Checkpoint<S> {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
+        if let Some(loss) = &self.epoch_loss {
+            meta.insert("kiln.epoch_loss".to_owned(), to_json(loss, path)?);
+        }
         crate::safetensors::save_entries(
             path,
             names.iter().map(|(k, v)| (k.as_str(), *v)).collect(),
@@ -232,6 +240,14 @@ impl Checkpoint {
             model_definition,
             scheduler: parse_json("kiln.scheduler")?,
             metrics,
+            epoch_loss: match parse_json("kiln.epoch_loss")? {
+                Some(v) => Some(serde_json::from_value(v).map_err(|e| {
+                    bad(format!(
+                        "metadata `kiln.epoch_loss` is not [sum, samples]: {e}"
+                    ))
+                })?),
+                None => None,
+            },
         })
     }
 }

@@ -159,6 +159,7 @@ fn parse_line(
 mod tests {
     use super::*;
     use crate::dtype::DType;
+    use crate::testing::data_error;
     use std::io::Write;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
@@ -210,17 +211,6 @@ mod tests {
             .collect();
         fields.push(label.to_string());
         fields.join(",")
-    }
-
-    fn data_error(err: Error) -> (PathBuf, Option<u64>, String) {
-        match err {
-            Error::Data {
-                path,
-                offset,
-                reason,
-            } => (path, offset, reason),
-            other => panic!("expected Error::Data, got {other:?}"),
-        }
     }
 
     #[test]

@@ -451,6 +451,7 @@ fn load_pair(images_path: &Path, labels_path: &Path) -> Result<(HostTensor, Host
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::data_error;
     use flate2::write::GzEncoder;
     use flate2::Compression;
     use std::io::Write;
@@ -493,17 +494,6 @@ mod tests {
             enc.write_all(part).expect("compress");
         }
         enc.finish().expect("compress")
-    }
-
-    fn data_error(err: Error) -> (PathBuf, Option<u64>, String) {
-        match err {
-            Error::Data {
-                path,
-                offset,
-                reason,
-            } => (path, offset, reason),
-            other => panic!("expected Error::Data, got {other:?}"),
-        }
     }
 
     #[test]

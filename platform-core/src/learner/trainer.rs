@@ -139,6 +139,8 @@ pub struct TrainingState<B: TrainBackend> {
     pub epoch: u64,
     /// Micro-batches of `epoch` already consumed.
     pub batch_in_epoch: u64,
+    /// The training loss of those micro-batches, for the epoch's record.
+    pub epoch_loss: LossMetric,
 }
 
 impl<B: TrainBackend> std::fmt::Debug for TrainingState<B> {
@@ -165,6 +167,7 @@ impl<B: TrainBackend> TrainingState<B> {
             step: 0,
             epoch: 0,
             batch_in_epoch: 0,
+            epoch_loss: LossMetric::new("loss"),
         }
     }
 
@@ -230,6 +233,10 @@ impl<B: TrainBackend> TrainingState<B> {
         self.step = checkpoint.step;
         self.epoch = checkpoint.epoch;
         self.batch_in_epoch = checkpoint.batch_in_epoch;
+        // A checkpoint without it (from before Kiln recorded it) restarts the
+        // running mean: the epoch's loss then covers the batches after it.
+        let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
+        self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
         Ok(())
     }
 }
@@ -347,6 +354,7 @@ impl<B: TrainBackend> Trainer<B> {
             model_definition: self.model_definition.clone(),
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
+            epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
         })
     }
 
@@ -422,7 +430,6 @@ impl<B: TrainBackend> Trainer<B> {
         let device = self.config.device;
         'epochs: while state.epoch < self.config.epochs {
             state.model.set_mode(Mode::Train);
-            let mut epoch_loss = LossMetric::new("loss");
             let batches = train.num_batches() as u64;
             for sink in &mut self.sinks {
                 sink.start_epoch(
@@ -468,7 +475,7 @@ impl<B: TrainBackend> Trainer<B> {
                     });
                 }
                 let rows = batch.targets.dims().first().copied().unwrap_or(1);
-                epoch_loss.update_value(value, rows);
+                state.epoch_loss.update_value(value, rows);
                 for sink in &mut self.sinks {
                     sink.log_batch(rows, value)?;
                 }
@@ -515,7 +522,7 @@ impl<B: TrainBackend> Trainer<B> {
             }
             // The epoch is over: metrics, schedule, callbacks, checkpoint.
             let mut record = EpochRecord::new();
-            record.insert("loss".to_owned(), epoch_loss.compute()?);
+            record.insert("loss".to_owned(), state.epoch_loss.compute()?);
             record.insert("lr".to_owned(), state.optimizer.learning_rate());
             if let Some(val) = val {
                 for (name, value) in self.evaluate(&mut state.model, val)? {
@@ -547,6 +554,7 @@ impl<B: TrainBackend> Trainer<B> {
             let finished_epoch = state.epoch;
             state.epoch += 1;
             state.batch_in_epoch = 0;
+            state.epoch_loss = LossMetric::new("loss");
             if self
                 .checkpointer
                 .as_ref()

@@ -62,6 +62,21 @@ impl LossMetric {
     pub fn samples(&self) -> u64 {
         self.samples
     }
+
+    /// The sum of the per-sample losses seen (the mean times [`samples`](Self::samples)).
+    pub fn sum(&self) -> f64 {
+        self.sum
+    }
+
+    /// A running mean named `name` that has already seen `samples` samples
+    /// whose losses add up to `sum` (as a checkpoint records it mid-epoch).
+    pub fn with_parts(name: impl Into<String>, sum: f64, samples: u64) -> Self {
+        LossMetric {
+            name: name.into(),
+            sum,
+            samples,
+        }
+    }
 }
 
 impl Metric for LossMetric {
