@@ -328,6 +328,17 @@ impl RunConfig {
                 self.schedule.as_ref().and_then(|s| s.monitor()),
             ),
         ];
+        if let Some(monitor) = self.schedule.as_ref().and_then(|s| s.monitor()) {
+            if self.training.schedule_interval == crate::learner::ScheduleInterval::Step {
+                return Err(Error::invalid_argument(
+                    "training.schedule_interval",
+                    format!(
+                        "the schedule steps on the epoch metric `{monitor}`, so it needs \
+                         schedule_interval = \"epoch\""
+                    ),
+                ));
+            }
+        }
         let known = self.epoch_metrics();
         for (key, monitor) in monitors {
             if let Some(monitor) = monitor {
@@ -555,6 +566,8 @@ clip = { type = "norm", max_norm = 1.0 }
             err.contains("schedule.monitor") && err.contains("val_fraction is 0"),
             "{err}"
         );
+        let err = error_of(("[training]", "[training]\nschedule_interval = \"step\""));
+        assert!(err.contains("training.schedule_interval"), "{err}");
         let err = error_of(("output_dir = \"runs/x\"", "output_dir = \"\""));
         assert!(err.contains("output_dir"), "{err}");
     }

@@ -18,8 +18,9 @@ use crate::error::{Error, Result};
 ///     CustomLayerRegistry::new("demo", "register_doubler");
 /// DOUBLERS.register("demo::double", Arc::new(|x| 2.0 * x));
 /// assert_eq!(DOUBLERS.lookup("0.op", "demo::double")?(3.0), 6.0);
-/// let err = DOUBLERS.lookup("0.op", "demo::triple").unwrap_err();
-/// assert!(err.to_string().contains("demo::triple"));
+/// assert!(DOUBLERS
+///     .lookup("0.op", "demo::triple")
+///     .is_err_and(|e| e.to_string().contains("demo::triple")));
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub struct CustomLayerRegistry<F: ?Sized> {
