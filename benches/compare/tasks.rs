@@ -16,7 +16,8 @@ use kiln::torch::{ScriptModule, TorchBackend};
 use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
-use crate::{median, num, peak_rss_mb, run_json, timed, xorshift, Settings};
+use crate::worker::{device_flag, median, peak_rss_mb, timed};
+use crate::{num, run_json, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -358,7 +359,7 @@ impl TaskArgs {
             warmup: get("warmup")?.parse()?,
             repeats: get("repeats")?.parse()?,
             threads: get("threads")?.parse()?,
-            device: crate::device_flag(flags)?,
+            device: device_flag(flags)?,
         })
     }
 }
