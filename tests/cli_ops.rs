@@ -6,40 +6,14 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+use common::{kiln_stdout as kiln, metric};
+
 const CONFIG: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/examples/configs/digits-mlp-fused.toml"
 );
-
-fn kiln(args: &[&str]) -> String {
-    let out = Command::new(KILN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .env("TF_CPP_MIN_LOG_LEVEL", "2")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kiln {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The value of `name` in `kiln eval`'s table.
-fn metric(table: &str, name: &str) -> f64 {
-    table
-        .lines()
-        .find_map(|l| {
-            let mut parts = l.split_whitespace();
-            (parts.next() == Some(name)).then(|| parts.next().unwrap().parse().unwrap())
-        })
-        .unwrap_or_else(|| panic!("no {name} in\n{table}"))
-}
 
 /// `kiln eval` of `checkpoint` with the config's `backend` set to `backend`
 /// (`eval` takes the backend from the config).

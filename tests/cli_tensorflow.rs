@@ -7,46 +7,13 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KILN: &str = env!("CARGO_BIN_EXE_kiln");
+mod common;
+
+use common::{kiln_stdout as kiln, metric, scratch};
 const CONFIG: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/examples/configs/digits-cnn.toml"
 );
-
-fn scratch(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("cli-tf-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
-}
-
-fn kiln(args: &[&str]) -> String {
-    let out = Command::new(KILN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .env("TF_CPP_MIN_LOG_LEVEL", "2")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kiln {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// The value of `name` in `kiln eval`'s table.
-fn metric(table: &str, name: &str) -> f64 {
-    table
-        .lines()
-        .find_map(|l| {
-            let mut parts = l.split_whitespace();
-            (parts.next() == Some(name)).then(|| parts.next().unwrap().parse().unwrap())
-        })
-        .unwrap_or_else(|| panic!("no {name} in\n{table}"))
-}
 
 /// A copy of the main job's config with `backend` changed.
 fn config_for(dir: &Path, backend: &str) -> PathBuf {
@@ -68,7 +35,7 @@ fn config_for(dir: &Path, backend: &str) -> PathBuf {
 
 #[test]
 fn the_main_job_trains_on_tensorflow_and_checkpoints_evaluate_on_both_backends() {
-    let dir = scratch("train");
+    let dir = scratch("tf-train");
     let out = dir.join("run");
     let stdout = kiln(&[
         "train",
@@ -112,7 +79,7 @@ fn the_main_job_trains_on_tensorflow_and_checkpoints_evaluate_on_both_backends()
 
 #[test]
 fn a_run_started_on_torch_resumes_on_tensorflow() {
-    let dir = scratch("resume");
+    let dir = scratch("tf-resume");
     let out = dir.join("run");
     let common = |backend: &'static str, steps: &'static str| {
         vec![
@@ -147,7 +114,7 @@ fn inspect_lists_a_keras_savedmodels_signatures() {
     let Some(python) = kiln_testkit::python("inspect_lists_a_keras_savedmodels_signatures") else {
         return;
     };
-    let dir = scratch("inspect");
+    let dir = scratch("tf-inspect");
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tf-backend/tests/reference/saved_models.py"

@@ -86,10 +86,13 @@ pub fn digits_available() -> bool {
     kiln_testkit::digits("a CLI test on the digits").is_some()
 }
 
+/// Runs `kiln args` (Kiln's logs at `warn`, TensorFlow's banners quiet), which
+/// must succeed; what it returned.
 pub fn kiln(args: &[&str]) -> std::process::Output {
     let out = Command::new(KILN)
         .args(args)
         .env("RUST_LOG", "warn")
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .output()
         .unwrap();
     assert!(
@@ -126,4 +129,20 @@ pub fn losses(run: &Path) -> Vec<(String, String)> {
             (cells[0].to_owned(), cells[col].to_owned())
         })
         .collect()
+}
+
+/// What `kiln args` printed on standard output (it must succeed).
+pub fn kiln_stdout(args: &[&str]) -> String {
+    String::from_utf8_lossy(&kiln(args).stdout).into_owned()
+}
+
+/// The value of `name` in `kiln eval`'s table.
+pub fn metric(table: &str, name: &str) -> f64 {
+    table
+        .lines()
+        .find_map(|l| {
+            let mut parts = l.split_whitespace();
+            (parts.next() == Some(name)).then(|| parts.next().unwrap().parse().unwrap())
+        })
+        .unwrap_or_else(|| panic!("no {name} in\n{table}"))
 }

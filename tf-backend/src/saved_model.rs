@@ -155,7 +155,7 @@ impl SavedModel {
     /// Loads the SavedModel in `dir`, choosing the MetaGraph whose tag set is `tags`.
     pub fn load_with_tags(dir: impl AsRef<Path>, tags: &[&str]) -> Result<Self> {
         let dir = dir.as_ref();
-        check_saved_model_dir(dir)?;
+        files::check_saved_model_dir(dir)?;
         if tags.is_empty() {
             return Err(Error::invalid_argument(
                 "tags",
@@ -173,7 +173,7 @@ impl SavedModel {
             SavedModelBundle::load(&crate::runtime::session_options()?, tags, &mut graph, dir)
                 .map_err(|status| {
                     tf_error(
-                        &format!("{context}, from its files {}", describe_files(dir)),
+                        &format!("{context}, from its files {}", files::describe_files(dir)),
                         status,
                     )
                 })?;
@@ -600,144 +600,6 @@ impl SavedModel {
             )
         })
     }
-}
-
-/// Checks that `dir` looks like a SavedModel before TensorFlow is asked to load it,
-/// so the common mistakes get a message that says what was expected.
-fn check_saved_model_dir(dir: &Path) -> Result<()> {
-    let meta = fs::metadata(dir).map_err(|e| {
-        Error::io(
-            dir,
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "cannot open the SavedModel directory ({e}); expected a directory holding \
-                     saved_model.pb and variables/"
-                ),
-            ),
-        )
-    })?;
-    if !meta.is_dir() {
-        return Err(Error::invalid_argument(
-            "dir",
-            format!(
-                "{} is a file; a SavedModel is a directory holding saved_model.pb and variables/",
-                dir.display()
-            ),
-        ));
-    }
-    let pb = dir.join("saved_model.pb");
-    if !pb.is_file() {
-        if dir.join("saved_model.pbtxt").is_file() {
-            return Ok(());
-        }
-        return Err(Error::invalid_argument(
-            "dir",
-            format!(
-                "{} holds no saved_model.pb, so it is not a SavedModel directory (write one with \
-                 `tf.saved_model.save` or Keras's `model.export`)",
-                dir.display()
-            ),
-        ));
-    }
-    check_saved_model_files(dir, &pb)
-}
-
-/// Checks what TensorFlow's loader would report without naming a file: a
-/// `saved_model.pb` that is empty, cut short or damaged, and variables whose
-/// files are missing although the graph restores variables.
-fn check_saved_model_files(dir: &Path, pb: &Path) -> Result<()> {
-    let bytes = fs::read(pb).map_err(|e| Error::io(pb, e))?;
-    let damaged = |offset: Option<u64>, reason: String| Error::Data {
-        path: pb.to_path_buf(),
-        offset,
-        reason,
-    };
-    if bytes.is_empty() {
-        return Err(damaged(
-            Some(0),
-            "the file is empty; it should hold the SavedModel's graphs (was the export cut \
-             short?)"
-                .to_owned(),
-        ));
-    }
-    let graphs = saver_def::meta_graphs(&bytes).map_err(|e| {
-        damaged(
-            None,
-            format!(
-                "not a SavedModel protobuf, or cut short ({} bytes): {e}",
-                bytes.len()
-            ),
-        )
-    })?;
-    if graphs.is_empty() {
-        return Err(damaged(
-            None,
-            "holds no MetaGraph; not a SavedModel written by TensorFlow".to_owned(),
-        ));
-    }
-    // A graph with a saver restores variables from variables/variables.{index,data-*}.
-    let restores = graphs
-        .iter()
-        .any(|graph| matches!(saver_def::saver_def(graph), Ok(Some(_))));
-    if !restores {
-        return Ok(());
-    }
-    let variables = dir.join("variables");
-    let index = variables.join(format!("{}.index", files::VARIABLES_STEM));
-    if !index.is_file() {
-        return Err(Error::Data {
-            path: index,
-            offset: None,
-            reason: "missing: the SavedModel's graph restores variables, and their index is \
-                     gone (the weights cannot be loaded; copy the whole SavedModel directory)"
-                .to_owned(),
-        });
-    }
-    let prefix = format!("{}.data-", files::VARIABLES_STEM);
-    let shards: Vec<String> = fs::read_dir(&variables)
-        .map_err(|e| Error::io(&variables, e))?
-        .filter_map(|entry| entry.ok()?.file_name().into_string().ok())
-        .filter(|name| name.starts_with(&prefix))
-        .collect();
-    // `variables.data-00000-of-00002`: every shard of the count must be there.
-    let expected = shards
-        .iter()
-        .filter_map(|name| name.rsplit_once("-of-")?.1.parse::<usize>().ok())
-        .max()
-        .unwrap_or(1);
-    for shard in 0..expected {
-        let name = format!("{prefix}{shard:05}-of-{expected:05}");
-        if !shards.contains(&name) {
-            return Err(Error::Data {
-                path: variables.join(name),
-                offset: None,
-                reason: "missing: one of the SavedModel's variable data files is gone".to_owned(),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// `saved_model.pb (N bytes), variables/variables.index (N bytes), ...`: the
-/// files a failed load read, for its message (TensorFlow's names none).
-fn describe_files(dir: &Path) -> String {
-    let mut files = Vec::new();
-    for sub in ["", "variables"] {
-        let Ok(entries) = fs::read_dir(dir.join(sub)) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            if let (Ok(meta), Some(name)) = (entry.metadata(), entry.file_name().to_str()) {
-                if meta.is_file() {
-                    let name = Path::new(sub).join(name);
-                    files.push(format!("{} ({} bytes)", name.display(), meta.len()));
-                }
-            }
-        }
-    }
-    files.sort();
-    files.join(", ")
 }
 
 /// The graph tensor `name` (`op:index`), looked up for `what`.

@@ -267,14 +267,9 @@ impl Checkpointer {
 /// The `step-<n>.safetensors` files in `dir` with their step, oldest first
 /// (none when `dir` does not exist).
 fn step_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io(dir, e)),
-    };
     let mut files = Vec::new();
-    for entry in entries {
-        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+    for entry in super::dir_entries(dir)? {
+        let path = entry.path();
         let step = path.file_name().and_then(|n| n.to_str()).and_then(|n| {
             n.strip_prefix("step-")?
                 .strip_suffix(".safetensors")?
@@ -312,8 +307,8 @@ fn point_last_at(dir: &Path, target: &Path) -> Result<()> {
 /// Removes the temporary files (`<name>.tmp-<pid>`, `.last.tmp-<pid>`) that a
 /// writer which no longer runs left in `dir` when it crashed mid-write.
 fn remove_stale_temporaries(dir: &Path) -> Result<()> {
-    for entry in std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))? {
-        let path = entry.map_err(|e| Error::io(dir, e))?.path();
+    for entry in super::dir_entries(dir)? {
+        let path = entry.path();
         let Some(pid) = path
             .file_name()
             .and_then(|n| n.to_str())

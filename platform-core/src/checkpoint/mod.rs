@@ -342,3 +342,14 @@ fn to_json<T: serde::Serialize>(value: &T, path: &Path) -> Result<String> {
 pub fn checkpoint_path(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step:08}.safetensors"))
 }
+
+/// The entries of `dir` (none when it does not exist), each read error naming `dir`.
+fn dir_entries(dir: &Path) -> Result<Vec<std::fs::DirEntry>> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .map(|entry| entry.map_err(|e| Error::io(dir, e)))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(Error::io(dir, e)),
+    }
+}

@@ -140,22 +140,11 @@ fn try_lock(file: &File, dir: &Path) -> Result<()> {
 
 /// The names in `dir` other than the lock file (none when it does not exist).
 fn contents(dir: &Path) -> Result<Vec<String>> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(Error::io(dir, e)),
-    };
-    let mut names = Vec::new();
-    for entry in entries {
-        let name = entry
-            .map_err(|e| Error::io(dir, e))?
-            .file_name()
-            .to_string_lossy()
-            .into_owned();
-        if name != LOCK_FILE {
-            names.push(name);
-        }
-    }
+    let mut names: Vec<String> = super::dir_entries(dir)?
+        .into_iter()
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        .filter(|name| name != LOCK_FILE)
+        .collect();
     names.sort();
     Ok(names)
 }

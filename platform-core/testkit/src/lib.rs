@@ -36,6 +36,8 @@ pub fn skip(test: &str, why: &str) {
     if references_required() {
         panic!("{test} cannot run its reference ({why}), and {REQUIRE_REFERENCES} is set");
     }
+    // Printed, not logged: this is test output, read in `cargo test`'s captured
+    // stderr, and tests install no logger.
     eprintln!("SKIPPED {test}: {why}");
 }
 
