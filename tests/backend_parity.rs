@@ -626,6 +626,92 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
     assert_ne!(tf.state_dict().unwrap(), model_before);
 }
 
+/// TensorFlow's two halves of a step, gradients then an update from given
+/// gradients (what data-parallel training runs, with an all-reduce between),
+/// give what one fused training step gives; bad gradients change nothing.
+#[test]
+fn tensorflow_gradients_then_apply_equals_a_training_step() {
+    let _serial = serial();
+    let spec = Layer::sequential([
+        LinearConfig::new(6, 8).into(),
+        Layer::Relu,
+        LinearConfig::new(8, 2).into(),
+    ]);
+    let loss = Loss::Mse {
+        reduction: Reduction::Mean,
+    };
+    let clip = kiln::core::GradClip::Norm {
+        max_norm: 0.05,
+        norm_type: 2.0,
+    };
+    let config = OptimizerConfig::Adam(AdamConfig::new(1e-2).with_weight_decay(0.01));
+    TfBackend::manual_seed(3);
+    let mut fused = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+    let mut split = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+    split.load_state_dict(&fused.state_dict().unwrap()).unwrap();
+    let mut fused_opt = TfBackend::build_optimizer(&config, &fused, &[]).unwrap();
+    let mut split_opt = TfBackend::build_optimizer(&config, &split, &[]).unwrap();
+    let plan = StepPlan {
+        loss: &loss,
+        scale: 1.0,
+        apply: true,
+        clip: Some(&clip),
+    };
+    let to_tf = |h: &HostTensor| TfBackend::from_host(h, Device::Cpu).unwrap();
+    for step in 0..3u64 {
+        let x = to_tf(&HostTensor::new(noise(24, 10 + step), [4, 6]).unwrap());
+        let y = to_tf(&HostTensor::new(noise(8, 20 + step), [4, 2]).unwrap());
+        let fused_loss = TfBackend::train_step(&mut fused, &mut fused_opt, &x, &y, &plan).unwrap();
+        let (split_loss, grads) = split.gradients(&loss, &x, &y).unwrap();
+        assert_eq!(grads.len(), 4, "every parameter has a gradient");
+        split_opt.apply_gradients(&grads, Some(&clip)).unwrap();
+        assert!(
+            (fused_loss - split_loss).abs() < 1e-6,
+            "{fused_loss} vs {split_loss}"
+        );
+        let diff = max_state_diff(&fused.state_dict().unwrap(), &split.state_dict().unwrap());
+        assert!(diff < 1e-6, "step {step}: parameters differ by {diff}");
+        let diff = max_state_diff(
+            &fused_opt.state_dict().unwrap(),
+            &split_opt.state_dict().unwrap(),
+        );
+        assert!(
+            diff < 1e-6,
+            "step {step}: optimizer states differ by {diff}"
+        );
+    }
+
+    // A gradient for no parameter, or of the wrong shape, changes nothing.
+    let (model_before, opt_before) = (split.state_dict().unwrap(), split_opt.state_dict().unwrap());
+    let x = to_tf(&HostTensor::new(noise(24, 30), [4, 6]).unwrap());
+    let y = to_tf(&HostTensor::new(noise(8, 31), [4, 2]).unwrap());
+    let (_, grads) = split.gradients(&loss, &x, &y).unwrap();
+    let mut unknown = grads.clone();
+    unknown.insert(
+        "9.weight".to_owned(),
+        HostTensor::new(vec![0f32; 2], [2]).unwrap(),
+    );
+    let err = split_opt.apply_gradients(&unknown, None).unwrap_err();
+    assert!(err.to_string().contains("9.weight"), "{err}");
+    let mut misshapen = grads.clone();
+    misshapen.insert(
+        "0.bias".to_owned(),
+        HostTensor::new(vec![0f32; 3], [3]).unwrap(),
+    );
+    let err = split_opt.apply_gradients(&misshapen, None).unwrap_err();
+    assert!(err.to_string().contains("0.bias"), "{err}");
+    assert_eq!(split.state_dict().unwrap(), model_before);
+    assert_eq!(split_opt.state_dict().unwrap(), opt_before);
+
+    // A parameter without a gradient is left alone, as PyTorch skips `grad is None`.
+    let mut partial = grads;
+    partial.remove("0.weight");
+    split_opt.apply_gradients(&partial, None).unwrap();
+    let after = split.state_dict().unwrap();
+    assert_eq!(after.get("0.weight"), model_before.get("0.weight"));
+    assert_ne!(after.get("0.bias"), model_before.get("0.bias"));
+}
+
 /// TensorFlow models draw their initial weights from PyTorch's distributions,
 /// reproducibly from the backend's seed.
 #[test]

@@ -110,9 +110,10 @@ pub use model::{
 };
 pub use module::Module;
 pub use optim::{
-    assign_groups, load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates,
-    AdagradConfig, AdamConfig, AdamWConfig, GradClip, GroupHyper, Optimizer, OptimizerConfig,
-    ParamGroup, ParamSelector, RmsPropConfig, SgdConfig,
+    assign_groups, load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
+    save_group_hypers, set_group_learning_rates, AdagradConfig, AdamConfig, AdamWConfig, GradClip,
+    GroupHyper, Optimizer, OptimizerConfig, ParamGroup, ParamSelector, ParamState, RmsPropConfig,
+    SgdConfig, StateBuffer,
 };
 pub use precision::FloatPrecision;
 pub use schedule::{

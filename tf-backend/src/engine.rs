@@ -1,7 +1,6 @@
-//! One TensorFlow graph and session holding a model's variables, and the
-//! compiled programs (forward, training step) built on it once and run many times.
+//! One TensorFlow graph and session holding a model's variables (the programs
+//! compiled on it are [`crate::step`]'s).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_core::{DType, Error, HostTensor, ParamKind, Result};
@@ -77,41 +76,8 @@ pub(crate) struct Engine {
     session: Option<Session>,
     /// Session runs so far (for tests and benchmarks: one per training step).
     pub(crate) runs: u64,
-    /// Forward programs by (per-sample input dims, input dtype, training).
-    pub(crate) forwards: HashMap<(Vec<i64>, DType, bool), Forward>,
-    /// Evaluation programs (target placeholder, loss) by signature.
-    pub(crate) evals: HashMap<String, (Output, Output)>,
-    /// Gradient programs by signature.
-    pub(crate) gradient_programs: HashMap<String, GradientProgram>,
     /// The model's custom-layer functions, resolved when it was built.
     pub(crate) custom_ops: CustomOps,
-}
-
-/// A compiled loss-and-gradients pass (`TfModel::gradients`).
-#[derive(Debug, Clone)]
-pub(crate) struct GradientProgram {
-    pub(crate) forward: Forward,
-    pub(crate) target: Output,
-    pub(crate) loss: Output,
-    /// Each parameter's gradient, by state-dict name.
-    pub(crate) grads: Vec<(String, Output)>,
-}
-
-/// A compiled forward pass.
-#[derive(Debug, Clone)]
-pub(crate) struct Forward {
-    pub(crate) input: Output,
-    /// The output, in PyTorch's logical layout.
-    pub(crate) output: Output,
-    pub(crate) output_dims: Vec<i64>,
-    /// The seed placeholder when the pass draws random numbers.
-    pub(crate) seed: Option<Output>,
-    /// State updates of a training-mode pass (batch-norm statistics), not yet ops.
-    pub(crate) updates: Vec<crate::layers::Update>,
-    /// The ops of `updates`, without dependencies (for a plain forward pass).
-    pub(crate) update_ops: Vec<Operation>,
-    /// The reads of each parameter, by state-dict name (what gradients are taken against).
-    pub(crate) reads: HashMap<String, Output>,
 }
 
 impl Engine {
@@ -120,9 +86,6 @@ impl Engine {
             b: Builder::new(),
             session: None,
             runs: 0,
-            forwards: HashMap::new(),
-            evals: HashMap::new(),
-            gradient_programs: HashMap::new(),
             custom_ops: CustomOps::default(),
         }
     }

@@ -28,10 +28,6 @@ pub(crate) fn out0(op: &Operation) -> Output {
 
 type Attrs<'a> = &'a dyn Fn(&mut OperationDescription<'_>) -> std::result::Result<(), Status>;
 
-fn none(_: &mut OperationDescription<'_>) -> std::result::Result<(), Status> {
-    Ok(())
-}
-
 impl Builder {
     /// A builder over an empty graph.
     pub(crate) fn new() -> Self {
@@ -193,11 +189,6 @@ impl Builder {
             nd.set_attr_type("dtype", dtype)?;
             Ok(())
         })
-    }
-
-    /// An op that runs after all of `deps` and does nothing.
-    pub(crate) fn group(&mut self, deps: &[&Operation]) -> Result<Operation> {
-        self.op_with("NoOp", &[], deps, &none)
     }
 
     // ----- elementwise -----
@@ -537,6 +528,22 @@ impl Builder {
             nd.finish()
         };
         build(&mut self.graph).map_err(|s| tf_error("adding TensorFlow op Assert", s))
+    }
+
+    /// An op that runs only when the bool scalar `flag` is true: every op with a
+    /// control dependency on it is skipped otherwise (TensorFlow's dead-branch
+    /// propagation through `Switch`, as `tf.cond` builds on).
+    pub(crate) fn gate(&mut self, flag: &Output) -> Result<Operation> {
+        let switch = self.op_with("Switch", &[flag, flag], &[], &|nd| {
+            Ok(nd.set_attr_type("T", DataType::Bool)?)
+        })?;
+        let taken = Output {
+            operation: switch,
+            index: 1,
+        };
+        self.op_with("Identity", &[&taken], &[], &|nd| {
+            Ok(nd.set_attr_type("T", DataType::Bool)?)
+        })
     }
 
     /// Whether every element of the float tensor `x` (of rank `rank`) is finite.

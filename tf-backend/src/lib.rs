@@ -28,6 +28,8 @@ mod model;
 mod optim;
 mod runtime;
 mod saved_model;
+mod step;
+mod train;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};

@@ -1,20 +1,18 @@
 //! [`TfModel`]: a Kiln model definition built as a TensorFlow graph over resource variables.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_core::{
-    DType, Device, Error, HostTensor, InitDistribution, Layer, Mode, Module, ParamKind, ParamSpec,
-    Result, SplitMix64, StateDict,
+    Device, Error, HostTensor, InitDistribution, Layer, Mode, Module, ParamKind, ParamSpec, Result,
+    SplitMix64, StateDict,
 };
-use tensorflow::{DataType, Output};
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
-use crate::engine::{next_stream, seed_tensor, tf_dtype, Engine, Forward, GradientProgram, Var};
-use crate::layers::{Ctx, Val};
+use crate::engine::{next_stream, Engine, Var};
+use crate::step::{self, CompiledGraph, ModelGraph, ProgramKey, ProgramKind, Signature};
 
 /// A model built from a Kiln [`Layer`] definition as a TensorFlow graph.
 ///
@@ -43,13 +41,15 @@ use crate::layers::{Ctx, Val};
 pub struct TfModel {
     spec: Layer,
     mode: Mode,
-    pub(crate) engine: Arc<Mutex<Engine>>,
+    /// The graph, its session and the programs compiled on it (shared with
+    /// the model's optimizers).
+    pub(crate) graph: Arc<Mutex<CompiledGraph>>,
     pub(crate) vars: Vec<Var>,
 }
 
-/// Locks an engine; a poisoned lock (a panic elsewhere) is an error, not a panic.
-pub(crate) fn lock(engine: &Mutex<Engine>) -> Result<MutexGuard<'_, Engine>> {
-    engine.lock().map_err(|_| {
+/// Locks a model's graph; a poisoned lock (a panic elsewhere) is an error, not a panic.
+pub(crate) fn lock(graph: &Mutex<CompiledGraph>) -> Result<MutexGuard<'_, CompiledGraph>> {
+    graph.lock().map_err(|_| {
         Error::backend(
             "tensorflow",
             "locking the model's session",
@@ -81,7 +81,7 @@ impl TfModel {
         Ok(TfModel {
             spec: spec.clone(),
             mode: Mode::Train,
-            engine: Arc::new(Mutex::new(engine)),
+            graph: Arc::new(Mutex::new(CompiledGraph::new(engine))),
             vars,
         })
     }
@@ -94,7 +94,7 @@ impl TfModel {
     /// How many session runs this model's graph has executed (forward passes,
     /// training steps, state reads and writes): a training step is one run.
     pub fn session_runs(&self) -> Result<u64> {
-        Ok(lock(&self.engine)?.runs)
+        Ok(lock(&self.graph)?.engine.runs)
     }
 
     /// Writes the state dict to a safetensors file (atomically) with PyTorch's
@@ -122,228 +122,44 @@ impl TfModel {
         inputs: &TfTensor,
         targets: &TfTensor,
     ) -> Result<(f64, StateDict)> {
-        let train = self.mode.is_train();
-        let mut engine = lock(&self.engine)?;
-        self.forward_program(&mut engine, inputs, train)?;
-        let sample: Vec<i64> = inputs
-            .shape()
-            .dims()
-            .iter()
-            .skip(1)
-            .map(|&d| d as i64)
-            .collect();
-        let mut tdims: Vec<i64> = targets.shape().dims().iter().map(|&d| d as i64).collect();
-        if let Some(first) = tdims.first_mut() {
-            *first = -1;
-        }
-        let key = format!(
-            "{loss:?}|{train}|{sample:?}|{}|{tdims:?}|{}",
-            inputs.dtype(),
-            targets.dtype()
-        );
-        if !engine.gradient_programs.contains_key(&key) {
-            let forward = build_forward(
-                &mut engine,
-                &self.spec,
-                &self.handles(),
-                &sample,
-                inputs.data_type(),
-                train,
-            )?;
-            let b = &mut engine.b;
-            let t = b.placeholder(targets.data_type(), Some(&tdims))?;
-            let mut odims = vec![-1i64];
-            odims.extend(&forward.output_dims);
-            let l = crate::loss::build_loss(
-                b,
-                loss,
-                &forward.output,
-                &odims,
-                &t,
-                targets.dtype(),
-                &tdims,
-            )?;
-            let names: Vec<(String, Output)> = self
-                .vars
-                .iter()
-                .filter(|v| v.kind == ParamKind::Parameter)
-                .filter_map(|v| {
-                    forward
-                        .reads
-                        .get(&v.name)
-                        .map(|r| (v.name.clone(), r.clone()))
-                })
-                .collect();
-            let xs: Vec<Output> = names.iter().map(|(_, r)| r.clone()).collect();
-            let grads = b.gradients(&l, &xs)?;
-            let named = names
-                .into_iter()
-                .zip(grads)
-                .filter_map(|((n, _), g)| g.map(|g| (n, g)))
-                .collect();
-            engine.gradient_programs.insert(
-                key.clone(),
-                GradientProgram {
-                    forward,
-                    target: t,
-                    loss: l,
-                    grads: named,
-                },
-            );
-        }
-        let GradientProgram {
-            forward,
-            target: t,
-            loss: l,
-            grads: named,
-        } = engine
-            .gradient_programs
-            .get(&key)
-            .cloned()
-            .ok_or_else(|| Error::backend("tensorflow", "gradients", "program missing"))?;
-        let seed = forward.seed.as_ref().map(|_| seed_tensor()).transpose()?;
-        let mut feeds = vec![(&forward.input, inputs), (&t, targets)];
-        if let (Some(ph), Some(seed)) = (&forward.seed, &seed) {
-            feeds.push((ph, seed));
-        }
-        let mut fetches = vec![(&l, DataType::Float)];
-        fetches.extend(named.iter().map(|(_, g)| (g, DataType::Float)));
-        let values = engine.run(&feeds, &fetches, &[], "computing gradients")?;
-        let mut values = values.into_iter();
-        let value = values
-            .next()
-            .map(|v| v.to_host())
-            .transpose()?
-            .and_then(|h| h.to_f64_vec().first().copied())
-            .unwrap_or(f64::NAN);
-        let mut out = StateDict::new();
-        for ((name, _), v) in named.iter().zip(values) {
-            out.insert(name.clone(), v.to_host()?);
-        }
-        Ok((value, out))
-    }
-
-    /// Handles of the model's variables by state-dict name.
-    pub(crate) fn handles(&self) -> HashMap<String, (Output, DataType)> {
-        self.vars
-            .iter()
-            .filter_map(|v| Some((v.name.clone(), (v.handle.clone(), tf_dtype(v.dtype).ok()?))))
-            .collect()
-    }
-
-    /// The forward program for inputs like `input` in `train` mode, built on first use.
-    pub(crate) fn forward_program(
-        &self,
-        engine: &mut Engine,
-        input: &TfTensor,
-        train: bool,
-    ) -> Result<Forward> {
-        let dims = input.shape().dims().to_vec();
-        let Some((_, sample)) = dims.split_first() else {
-            return Err(Error::ShapeMismatch {
-                context: "TfModel::forward".to_owned(),
-                expected: "a batch: at least one dimension".to_owned(),
-                actual: "a scalar".to_owned(),
-            });
+        let key = ProgramKey {
+            kind: ProgramKind::Gradients { loss: loss.clone() },
+            train: self.mode.is_train(),
+            input: Some(Signature::of(inputs)),
+            target: Some(Signature::of(targets)),
         };
-        let sample: Vec<i64> = sample.iter().map(|&d| d as i64).collect();
-        let key = (sample.clone(), input.dtype(), train);
-        if let Some(program) = engine.forwards.get(&key) {
-            return Ok(program.clone());
-        }
-        // Check the shape against the definition first, for an error naming the layer.
-        self.spec.output_shape(&dims)?;
-        let expected_dtype = if matches!(first_layer(&self.spec), Some(Layer::Embedding(_))) {
-            DType::I64
-        } else {
-            DType::F32
-        };
-        if input.dtype() != expected_dtype {
-            return Err(Error::DTypeMismatch {
-                context: "TfModel::forward input".to_owned(),
-                expected: expected_dtype,
-                actual: input.dtype(),
-            });
-        }
-        let mut program = build_forward(
-            engine,
-            &self.spec,
-            &self.handles(),
-            &sample,
-            input.data_type(),
-            train,
+        let batch = inputs.shape();
+        let mut graph = lock(&self.graph)?;
+        let program = step::program(&mut graph, &key, Some(self.model_graph(batch.dims())), None)?;
+        let fetched = step::run(
+            &mut graph.engine,
+            &program,
+            Some(inputs),
+            Some(targets),
+            &[],
+            "computing gradients",
         )?;
-        program.update_ops = crate::layers::add_updates(&mut engine.b, &program.updates, &[])?;
-        engine.forwards.insert(key, program.clone());
-        Ok(program)
+        let loss_value = fetched.loss_value()?;
+        let mut out = StateDict::new();
+        for (name, value) in fetched.gradients {
+            out.insert(name, value.to_host()?);
+        }
+        Ok((loss_value, out))
+    }
+
+    /// The model as programs see it, for a batch of `batch_dims`.
+    pub(crate) fn model_graph<'a>(&'a self, batch_dims: &'a [usize]) -> ModelGraph<'a> {
+        ModelGraph {
+            spec: &self.spec,
+            vars: &self.vars,
+            batch_dims,
+        }
     }
 
     /// Host copies of the parameters and buffers, in one session run.
     fn read_all(&self) -> Result<Vec<HostTensor>> {
-        lock(&self.engine)?.read_vars(&self.vars)
+        lock(&self.graph)?.engine.read_vars(&self.vars)
     }
-}
-
-/// The first layer that sees the input.
-fn first_layer(layer: &Layer) -> Option<&Layer> {
-    match layer {
-        Layer::Sequential { layers } => layers.first().and_then(first_layer),
-        Layer::Residual { block } => first_layer(block),
-        other => Some(other),
-    }
-}
-
-/// Builds a forward pass for inputs `[batch, sample...]`.
-pub(crate) fn build_forward(
-    engine: &mut Engine,
-    spec: &Layer,
-    handles: &HashMap<String, (Output, DataType)>,
-    sample: &[i64],
-    input_dtype: DataType,
-    train: bool,
-) -> Result<Forward> {
-    let saved = engine.b.set_scope(if train {
-        "train_forward"
-    } else {
-        "eval_forward"
-    });
-    let mut shape = vec![-1i64];
-    shape.extend(sample);
-    let input = engine.b.placeholder(input_dtype, Some(&shape));
-    engine.b.set_scope(&saved);
-    let input = input?;
-    let mut ctx = Ctx {
-        b: &mut engine.b,
-        custom_ops: &engine.custom_ops,
-        reads: HashMap::new(),
-        handles,
-        train,
-        seed: None,
-        random_ops: 0,
-        updates: Vec::new(),
-    };
-    let x = Val {
-        out: input.clone(),
-        dims: sample.to_vec(),
-        nhwc: false,
-    };
-    let y = ctx.layer(spec, "", x)?;
-    let y = ctx.nchw(y)?;
-    let (seed, updates, reads) = (ctx.seed, ctx.updates, ctx.reads);
-    // A named output that is never the input itself (eval-mode dropout is the identity).
-    let output = engine.b.op("Identity", &[&y.out], &|nd| {
-        nd.set_attr_type("T", DataType::Float)?;
-        Ok(())
-    })?;
-    Ok(Forward {
-        update_ops: Vec::new(),
-        input,
-        output,
-        output_dims: y.dims,
-        seed,
-        updates,
-        reads,
-    })
 }
 
 /// The initial value of one entry, drawn from the backend's generator.
@@ -372,23 +188,25 @@ fn init_value(spec: &ParamSpec) -> Result<HostTensor> {
 
 impl Module<TfBackend> for TfModel {
     fn forward(&self, input: &TfTensor) -> Result<TfTensor> {
-        let train = self.mode.is_train();
-        let mut engine = lock(&self.engine)?;
-        let program = self.forward_program(&mut engine, input, train)?;
-        let seed = program.seed.as_ref().map(|_| seed_tensor()).transpose()?;
-        let mut feeds = vec![(&program.input, input)];
-        if let (Some(ph), Some(seed)) = (&program.seed, &seed) {
-            feeds.push((ph, seed));
-        }
-        let targets: Vec<_> = program.update_ops.iter().collect();
-        let mut out = engine.run(
-            &feeds,
-            &[(&program.output, DataType::Float)],
-            &targets,
+        let key = ProgramKey {
+            kind: ProgramKind::Forward,
+            train: self.mode.is_train(),
+            input: Some(Signature::of(input)),
+            target: None,
+        };
+        let batch = input.shape();
+        let mut graph = lock(&self.graph)?;
+        let program = step::program(&mut graph, &key, Some(self.model_graph(batch.dims())), None)?;
+        step::run(
+            &mut graph.engine,
+            &program,
+            Some(input),
+            None,
+            &[],
             "running the forward pass",
-        )?;
-        out.pop()
-            .ok_or_else(|| Error::backend("tensorflow", "running the forward pass", "no output"))
+        )?
+        .output
+        .ok_or_else(|| Error::backend("tensorflow", "running the forward pass", "no output"))
     }
 
     fn mode(&self) -> Mode {
@@ -451,7 +269,7 @@ impl Module<TfBackend> for TfModel {
         }
         let vars: Vec<&Var> = self.vars.iter().collect();
         let refs: Vec<&HostTensor> = values.iter().collect();
-        lock(&self.engine)?.write_vars(&vars, &refs)
+        lock(&self.graph)?.engine.write_vars(&vars, &refs)
     }
 }
 

@@ -9,6 +9,7 @@ mod clip;
 mod group;
 mod rmsprop;
 mod sgd;
+mod state;
 
 use serde::{Deserialize, Serialize};
 
@@ -27,6 +28,7 @@ pub use group::{
 };
 pub use rmsprop::RmsPropConfig;
 pub use sgd::SgdConfig;
+pub use state::{optimizer_state_key, read_optimizer_state, ParamState, StateBuffer};
 
 /// Updates a module's parameters from their gradients.
 ///

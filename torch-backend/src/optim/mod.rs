@@ -11,9 +11,9 @@ mod sgd;
 use std::collections::BTreeMap;
 
 use kiln_core::{
-    load_group_hypers, resolve_groups, save_group_hypers, set_group_learning_rates, Error,
-    GroupHyper, HostTensor, Optimizer, OptimizerConfig, ParamGroup, Result, StateDict, StateTensor,
-    StateTensors,
+    load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
+    save_group_hypers, set_group_learning_rates, Error, GroupHyper, HostTensor, Optimizer,
+    OptimizerConfig, ParamGroup, Result, StateDict, StateTensor, StateTensors,
 };
 use tch::Tensor;
 
@@ -495,7 +495,8 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         self.write_device_learning_rates()
     }
 
-    /// Keys: `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
+    /// kiln-core's portable layout ([`kiln_core::optimizer_state_key`]):
+    /// `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
     /// `group.<i>.lr` and `group.<i>.weight_decay` (f64 scalars).
     fn state_dict(&self) -> Result<StateDict> {
         self.state_tensors()?.to_state_dict()
@@ -509,12 +510,12 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         let mut out = StateTensors::from(hypers);
         for slot in &self.params {
             out.insert(
-                format!("state.{}.step", slot.name),
+                optimizer_state_key(&slot.name, "step"),
                 StateTensor::Host(HostTensor::scalar(slot.step_count()? as i64)),
             )?;
             for (key, tensor) in &slot.state {
                 out.insert(
-                    format!("state.{}.{key}", slot.name),
+                    optimizer_state_key(&slot.name, key),
                     StateTensor::Backend(tensor.shallow_clone()),
                 )?;
             }
@@ -522,46 +523,27 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         Ok(out)
     }
 
+    /// All or nothing: kiln-core reads and checks the whole state first
+    /// ([`kiln_core::read_optimizer_state`]); this only moves the tensors to
+    /// each parameter's device.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        // Read and check everything first; change nothing unless all of it is good.
+        let dims: Vec<Vec<usize>> = self.params.iter().map(|s| slot_dims(&s.tensor)).collect();
+        let params: Vec<(&str, &[usize])> = self
+            .params
+            .iter()
+            .zip(&dims)
+            .map(|(slot, dims)| (slot.name.as_str(), dims.as_slice()))
+            .collect();
+        let loaded = read_optimizer_state(&self.config, &params, state)?;
         let mut steps = Vec::with_capacity(self.params.len());
         let mut buffers = Vec::with_capacity(self.params.len());
-        for slot in &self.params {
-            let step_key = format!("state.{}.step", slot.name);
-            let step = match state.get(&step_key) {
-                Some(t) => t
-                    .to_dtype(kiln_core::DType::I64)
-                    .as_slice::<i64>()?
-                    .first()
-                    .copied()
-                    .unwrap_or(0),
-                None => 0,
-            };
-            steps.push(u64::try_from(step).map_err(|_| {
-                Error::invalid_argument(step_key.clone(), format!("negative step count {step}"))
-            })?);
-            let prefix = format!("state.{}.", slot.name);
+        for (slot, read) in self.params.iter().zip(loaded) {
+            let device = device_from_tch(slot.tensor.device())?;
             let mut slot_buffers = BTreeMap::new();
-            for (key, host) in state.iter() {
-                let Some(buffer) = key.strip_prefix(&prefix) else {
-                    continue;
-                };
-                if buffer == "step" {
-                    continue;
-                }
-                let name = state_buffer_name(buffer).ok_or_else(|| {
-                    Error::invalid_argument(key.clone(), "unknown optimizer state buffer")
-                })?;
-                if host.dims() != slot_dims(&slot.tensor).as_slice() {
-                    return Err(Error::ShapeMismatch {
-                        context: format!("optimizer state {key}"),
-                        expected: format!("{:?}", slot.tensor.size()),
-                        actual: host.shape().to_string(),
-                    });
-                }
-                let device = device_from_tch(slot.tensor.device())?;
-                slot_buffers.insert(name, to_tch(host, device)?);
+            for (name, host) in &read.buffers {
+                slot_buffers.insert(*name, to_tch(host, device)?);
             }
+            steps.push(read.step);
             buffers.push(slot_buffers);
         }
         self.groups = load_group_hypers(&self.groups, state);
@@ -589,21 +571,6 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
 
 fn slot_dims(tensor: &Tensor) -> Vec<usize> {
     tensor.size().iter().map(|&d| d as usize).collect()
-}
-
-/// The known state buffer names (a `&'static str` keeps the slots' maps cheap).
-fn state_buffer_name(name: &str) -> Option<&'static str> {
-    [
-        "momentum_buffer",
-        "exp_avg",
-        "exp_avg_sq",
-        "max_exp_avg_sq",
-        "square_avg",
-        "grad_avg",
-        "sum",
-    ]
-    .into_iter()
-    .find(|known| *known == name)
 }
 
 /// The state tensor `key` of a slot, created with `init` on first use.

@@ -1,0 +1,803 @@
+//! Compiled programs: what a session run feeds, fetches and runs, keyed by one
+//! typed [`ProgramKey`] in one cache per graph ([`CompiledGraph`]), and
+//! composed here from the same four parts: the model's forward pass, a loss,
+//! gradients, and an optimizer's updates.
+//!
+//! | program | parts | used by |
+//! |---|---|---|
+//! | [`ProgramKind::Forward`] | forward | `Module::forward` |
+//! | [`ProgramKind::Loss`] | loss (on fed outputs) | `TrainBackend::loss` |
+//! | [`ProgramKind::Eval`] | forward, loss | `TrainBackend::eval_step` |
+//! | [`ProgramKind::Gradients`] | forward, loss, gradients (fetched) | `TfModel::gradients` |
+//! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `TrainBackend::train_step` |
+//! | [`ProgramKind::Apply`] | updates from fed or accumulated gradients | `TfOptimizer::apply_gradients`, `Optimizer::step` |
+//!
+//! All programs of a model share one forward graph per input signature and mode:
+//! a program adds only what it needs on top of it.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+
+use kiln_core::{DType, Error, GradClip, HostTensor, Layer, Loss, Result};
+use tensorflow::{DataType, Operation, Output};
+
+use crate::convert::TfTensor;
+use crate::engine::{seed_tensor, tf_dtype, Engine, Var};
+use crate::graph::Builder;
+use crate::layers::{add_updates, Ctx, Update, Val};
+use crate::optim::clip::clip_gradients;
+
+/// The dims of a batch with the batch dimension left open (`-1`), and its dtype:
+/// what a program's placeholder accepts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Signature {
+    /// The tensor's dims, the first (the batch) as `-1`.
+    pub(crate) dims: Vec<i64>,
+    pub(crate) dtype: DType,
+}
+
+impl Signature {
+    /// The signature of `tensor` (a scalar keeps no dims).
+    pub(crate) fn of(tensor: &TfTensor) -> Self {
+        let mut dims: Vec<i64> = tensor.shape().dims().iter().map(|&d| d as i64).collect();
+        if let Some(first) = dims.first_mut() {
+            *first = -1;
+        }
+        Signature {
+            dims,
+            dtype: tensor.dtype(),
+        }
+    }
+
+    /// The per-sample dims (all but the batch).
+    pub(crate) fn sample(&self) -> &[i64] {
+        self.dims.get(1..).unwrap_or(&[])
+    }
+}
+
+/// Which optimizer a program updates (optimizers over one model share its graph).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OptimizerId(pub(crate) u64);
+
+/// Where an [`ProgramKind::Apply`] program takes its gradients from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum GradientSource {
+    /// Fed by the caller, a placeholder for each parameter that has a gradient
+    /// (`present`, in the optimizer's order; gradients computed elsewhere, e.g.
+    /// averaged across processes).
+    Fed { present: Vec<bool> },
+    /// The accumulators that training micro-batches without `apply` added to.
+    Accumulated,
+}
+
+/// What a program computes.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ProgramKind {
+    /// The model's output.
+    Forward,
+    /// A loss on fed outputs, without a model.
+    Loss { loss: Loss },
+    /// The model's output and its loss.
+    Eval { loss: Loss },
+    /// The loss and each parameter's gradient, fetched; nothing is updated.
+    Gradients { loss: Loss },
+    /// Forward, loss and gradients, then the optimizer's update (`apply`) or the
+    /// gradients added to the accumulators. Skipped, except for the fetched loss,
+    /// when the loss is not finite.
+    Train {
+        optimizer: OptimizerId,
+        loss: Loss,
+        apply: bool,
+        clip: Option<GradClip>,
+        /// Whether accumulators exist (an applying step then adds their sum).
+        accumulators: bool,
+    },
+    /// The optimizer's update from gradients fed or accumulated.
+    Apply {
+        optimizer: OptimizerId,
+        source: GradientSource,
+        clip: Option<GradClip>,
+    },
+    /// The optimizer's gradient accumulators set to zero.
+    ZeroAccumulators { optimizer: OptimizerId },
+}
+
+/// One compiled program's identity: what it computes, in which mode, on which
+/// batch signatures.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ProgramKey {
+    pub(crate) kind: ProgramKind,
+    /// Training mode (dropout draws, batch norm uses and updates batch statistics).
+    pub(crate) train: bool,
+    /// The model's input (or, for [`ProgramKind::Loss`], the fed output).
+    pub(crate) input: Option<Signature>,
+    pub(crate) target: Option<Signature>,
+}
+
+// `Loss` and `GradClip` hold floats, so `PartialEq` is derived and equivalence is
+// asserted here: their settings are validated (never NaN) before a program is
+// built, so equality is reflexive on every key that reaches the cache (and a NaN
+// would only miss it).
+impl Eq for ProgramKey {}
+
+impl Hash for ProgramKey {
+    /// Hashes everything but the float settings (equal keys still hash equally).
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        std::mem::discriminant(&self.kind).hash(state);
+        match &self.kind {
+            ProgramKind::Forward => {}
+            ProgramKind::Loss { loss } | ProgramKind::Eval { loss } => {
+                std::mem::discriminant(loss).hash(state);
+            }
+            ProgramKind::Gradients { loss } => std::mem::discriminant(loss).hash(state),
+            ProgramKind::Train {
+                optimizer,
+                loss,
+                apply,
+                clip,
+                accumulators,
+            } => {
+                optimizer.hash(state);
+                std::mem::discriminant(loss).hash(state);
+                apply.hash(state);
+                clip.as_ref().map(std::mem::discriminant).hash(state);
+                accumulators.hash(state);
+            }
+            ProgramKind::Apply {
+                optimizer,
+                source,
+                clip,
+            } => {
+                optimizer.hash(state);
+                source.hash(state);
+                clip.as_ref().map(std::mem::discriminant).hash(state);
+            }
+            ProgramKind::ZeroAccumulators { optimizer } => optimizer.hash(state),
+        }
+        self.train.hash(state);
+        self.input.hash(state);
+        self.target.hash(state);
+    }
+}
+
+/// The graph pieces of a forward pass, which the other programs build on.
+#[derive(Debug, Clone)]
+pub(crate) struct Forward {
+    pub(crate) input: Output,
+    /// The output, in PyTorch's logical layout.
+    pub(crate) output: Output,
+    /// The output's per-sample dims.
+    pub(crate) output_dims: Vec<i64>,
+    /// The seed placeholder when the pass draws random numbers.
+    pub(crate) seed: Option<Output>,
+    /// State updates of a training-mode pass (batch-norm statistics), not yet ops.
+    pub(crate) updates: Vec<Update>,
+    /// The reads of each parameter, by state-dict name (what gradients are taken against).
+    pub(crate) reads: HashMap<String, Output>,
+}
+
+impl Forward {
+    /// The output's dims with the batch open.
+    fn output_batch_dims(&self) -> Vec<i64> {
+        let mut dims = vec![-1i64];
+        dims.extend(&self.output_dims);
+        dims
+    }
+}
+
+/// A compiled program: what one session run feeds, fetches and runs.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Program {
+    /// The forward pass it is built on (what other programs compose from).
+    pub(crate) forward: Option<Forward>,
+    pub(crate) input: Option<Output>,
+    pub(crate) target: Option<Output>,
+    pub(crate) seed: Option<Output>,
+    /// A float scalar the loss is multiplied by before differentiation.
+    pub(crate) scale: Option<Output>,
+    /// Gradient placeholders ([`GradientSource::Fed`]), by parameter name.
+    pub(crate) gradient_feeds: Vec<(String, Output)>,
+    /// Fetched: the model's output.
+    pub(crate) output: Option<Output>,
+    /// Fetched: the loss.
+    pub(crate) loss: Option<Output>,
+    /// Fetched: 1 when the loss is finite and the updates ran, 0 when they were skipped.
+    pub(crate) finite: Option<Output>,
+    /// Fetched: each parameter's gradient, by name.
+    pub(crate) gradients: Vec<(String, Output)>,
+    /// Run: the ops with effects (variable updates).
+    pub(crate) targets: Vec<Operation>,
+}
+
+/// What a run fetched.
+#[derive(Debug, Default)]
+pub(crate) struct Fetched {
+    pub(crate) output: Option<TfTensor>,
+    /// The loss: a scalar, or per element with reduction `none`.
+    pub(crate) loss: Option<TfTensor>,
+    /// Whether the updates ran (programs without a finiteness guard: `true`).
+    pub(crate) applied: bool,
+    pub(crate) gradients: Vec<(String, TfTensor)>,
+}
+
+/// The model a program runs: its definition and variables, and the dims of the
+/// batch it is being run on (a new program checks them against the definition).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ModelGraph<'a> {
+    pub(crate) spec: &'a Layer,
+    pub(crate) vars: &'a [Var],
+    pub(crate) batch_dims: &'a [usize],
+}
+
+/// The optimizer a program updates with: its trainable parameters and update rule.
+pub(crate) trait UpdateRule {
+    /// The parameters it updates, in order: name, dims and the gradient
+    /// accumulator once gradient accumulation is in use.
+    fn parameters(&self) -> Vec<(&str, &[usize], Option<&Var>)>;
+    /// The ops updating every parameter given its gradient (`None`: no
+    /// gradient, left alone as PyTorch does), each after `after`.
+    fn update_ops(
+        &self,
+        b: &mut Builder,
+        grads: &[Option<Output>],
+        after: &[&Operation],
+    ) -> Result<Vec<Operation>>;
+}
+
+/// A graph with the programs compiled on it: what a model and its optimizers share.
+#[derive(Debug)]
+pub(crate) struct CompiledGraph {
+    pub(crate) engine: Engine,
+    programs: HashMap<ProgramKey, Program>,
+}
+
+impl CompiledGraph {
+    pub(crate) fn new(engine: Engine) -> Self {
+        CompiledGraph {
+            engine,
+            programs: HashMap::new(),
+        }
+    }
+}
+
+/// The program for `key`, composed and cached on first use.
+///
+/// `model` is needed by every kind but [`ProgramKind::Loss`], `rule` by
+/// [`ProgramKind::Train`] and [`ProgramKind::Apply`].
+pub(crate) fn program(
+    graph: &mut CompiledGraph,
+    key: &ProgramKey,
+    model: Option<ModelGraph<'_>>,
+    rule: Option<&dyn UpdateRule>,
+) -> Result<Program> {
+    if let Some(program) = graph.programs.get(key) {
+        return Ok(program.clone());
+    }
+    let need_model = || {
+        model.ok_or_else(|| Error::backend("tensorflow", "building a program", "no model given"))
+    };
+    let need_rule = || {
+        rule.ok_or_else(|| Error::backend("tensorflow", "building a program", "no optimizer given"))
+    };
+    let input = |key: &ProgramKey| {
+        key.input
+            .clone()
+            .ok_or_else(|| Error::backend("tensorflow", "building a program", "no input signature"))
+    };
+    let target = |key: &ProgramKey| {
+        key.target.clone().ok_or_else(|| {
+            Error::backend("tensorflow", "building a program", "no target signature")
+        })
+    };
+    let composed = match &key.kind {
+        ProgramKind::Forward => {
+            compose_forward(&mut graph.engine, need_model()?, &input(key)?, key.train)?
+        }
+        ProgramKind::Loss { loss } => {
+            compose_loss(&mut graph.engine.b, loss, &input(key)?, &target(key)?)?
+        }
+        ProgramKind::Eval { loss } => {
+            let base = forward(graph, need_model()?, &input(key)?, key.train)?;
+            compose_eval(&mut graph.engine.b, base, loss, &target(key)?)?
+        }
+        ProgramKind::Gradients { loss } => {
+            let model = need_model()?;
+            let base = forward(graph, model, &input(key)?, key.train)?;
+            compose_gradients(
+                &mut graph.engine.b,
+                model,
+                pieces(&base)?,
+                loss,
+                &target(key)?,
+            )?
+        }
+        ProgramKind::Train {
+            loss, apply, clip, ..
+        } => {
+            let base = forward(graph, need_model()?, &input(key)?, key.train)?;
+            let b = &mut graph.engine.b;
+            let saved = b.set_scope("train_step");
+            let composed = compose_train(
+                b,
+                pieces(&base)?,
+                need_rule()?,
+                loss,
+                &target(key)?,
+                *apply,
+                clip.as_ref(),
+            );
+            b.set_scope(&saved);
+            composed?
+        }
+        ProgramKind::Apply { source, clip, .. } => {
+            compose_apply(&mut graph.engine.b, need_rule()?, source, clip.as_ref())?
+        }
+        ProgramKind::ZeroAccumulators { .. } => Program {
+            targets: zero_accumulators(&mut graph.engine.b, &need_rule()?.parameters(), &[])?,
+            ..Program::default()
+        },
+    };
+    graph.programs.insert(key.clone(), composed.clone());
+    Ok(composed)
+}
+
+/// The forward program for `input` in `train` mode (cached), which the other
+/// programs of the model build on.
+fn forward(
+    graph: &mut CompiledGraph,
+    model: ModelGraph<'_>,
+    input: &Signature,
+    train: bool,
+) -> Result<Program> {
+    let key = ProgramKey {
+        kind: ProgramKind::Forward,
+        train,
+        input: Some(input.clone()),
+        target: None,
+    };
+    program(graph, &key, Some(model), None)
+}
+
+/// The forward pass a program is built on.
+fn pieces(program: &Program) -> Result<&Forward> {
+    program
+        .forward
+        .as_ref()
+        .ok_or_else(|| Error::backend("tensorflow", "building a program", "no forward pass"))
+}
+
+/// Checks the batch a program is first built for against the model's
+/// definition, for errors naming the layer and the expected dtype, before any
+/// graph is built for it.
+fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
+    let spec = model.spec;
+    if model.batch_dims.is_empty() {
+        return Err(Error::ShapeMismatch {
+            context: "TfModel::forward".to_owned(),
+            expected: "a batch: at least one dimension".to_owned(),
+            actual: "a scalar".to_owned(),
+        });
+    }
+    spec.output_shape(model.batch_dims)?;
+    let expected = if matches!(first_layer(spec), Some(Layer::Embedding(_))) {
+        DType::I64
+    } else {
+        DType::F32
+    };
+    if input.dtype != expected {
+        return Err(Error::DTypeMismatch {
+            context: "TfModel::forward input".to_owned(),
+            expected,
+            actual: input.dtype,
+        });
+    }
+    Ok(())
+}
+
+/// The first layer that sees the input.
+fn first_layer(layer: &Layer) -> Option<&Layer> {
+    match layer {
+        Layer::Sequential { layers } => layers.first().and_then(first_layer),
+        Layer::Residual { block } => first_layer(block),
+        other => Some(other),
+    }
+}
+
+/// The forward pass: `[batch, sample...]` in, the model's output out, and in
+/// training mode its state updates as ops of their own (batch-norm statistics).
+fn compose_forward(
+    engine: &mut Engine,
+    model: ModelGraph<'_>,
+    input: &Signature,
+    train: bool,
+) -> Result<Program> {
+    check_input(model, input)?;
+    let handles: HashMap<String, (Output, DataType)> = model
+        .vars
+        .iter()
+        .map(|v| Ok((v.name.clone(), (v.handle.clone(), tf_dtype(v.dtype)?))))
+        .collect::<Result<_>>()?;
+    let saved = engine.b.set_scope(if train {
+        "train_forward"
+    } else {
+        "eval_forward"
+    });
+    let placeholder = engine
+        .b
+        .placeholder(tf_dtype(input.dtype)?, Some(&input.dims));
+    engine.b.set_scope(&saved);
+    let placeholder = placeholder?;
+    let mut ctx = Ctx {
+        b: &mut engine.b,
+        custom_ops: &engine.custom_ops,
+        reads: HashMap::new(),
+        handles: &handles,
+        train,
+        seed: None,
+        random_ops: 0,
+        updates: Vec::new(),
+    };
+    let x = Val {
+        out: placeholder.clone(),
+        dims: input.sample().to_vec(),
+        nhwc: false,
+    };
+    let y = ctx.layer(model.spec, "", x)?;
+    let y = ctx.nchw(y)?;
+    let (seed, updates, reads) = (ctx.seed, ctx.updates, ctx.reads);
+    // A named output that is never the input itself (eval-mode dropout is the identity).
+    let output = engine.b.op("Identity", &[&y.out], &|nd| {
+        nd.set_attr_type("T", DataType::Float)?;
+        Ok(())
+    })?;
+    let targets = add_updates(&mut engine.b, &updates, &[])?;
+    let forward = Forward {
+        input: placeholder,
+        output,
+        output_dims: y.dims,
+        seed,
+        updates,
+        reads,
+    };
+    Ok(Program {
+        input: Some(forward.input.clone()),
+        seed: forward.seed.clone(),
+        output: Some(forward.output.clone()),
+        targets,
+        forward: Some(forward),
+        ..Program::default()
+    })
+}
+
+/// A target placeholder and `loss(output, target)`.
+fn loss_on(
+    b: &mut Builder,
+    loss: &Loss,
+    output: &Output,
+    output_dims: &[i64],
+    target: &Signature,
+) -> Result<(Output, Output)> {
+    let placeholder = b.placeholder(tf_dtype(target.dtype)?, Some(&target.dims))?;
+    let value = crate::loss::build_loss(
+        b,
+        loss,
+        output,
+        output_dims,
+        &placeholder,
+        target.dtype,
+        &target.dims,
+    )?;
+    Ok((placeholder, value))
+}
+
+/// A loss on fed outputs.
+fn compose_loss(
+    b: &mut Builder,
+    loss: &Loss,
+    output: &Signature,
+    target: &Signature,
+) -> Result<Program> {
+    let placeholder = b.placeholder(DataType::Float, Some(&output.dims))?;
+    let (target, value) = loss_on(b, loss, &placeholder, &output.dims, target)?;
+    Ok(Program {
+        input: Some(placeholder),
+        target: Some(target),
+        loss: Some(value),
+        ..Program::default()
+    })
+}
+
+/// Forward and loss; in training mode the forward pass's state updates run too.
+fn compose_eval(
+    b: &mut Builder,
+    forward: Program,
+    loss: &Loss,
+    target: &Signature,
+) -> Result<Program> {
+    let pieces = pieces(&forward)?;
+    let (target, value) = loss_on(b, loss, &pieces.output, &pieces.output_batch_dims(), target)?;
+    Ok(Program {
+        target: Some(target),
+        loss: Some(value),
+        ..forward
+    })
+}
+
+/// Forward, loss and each parameter's gradient, fetched; no state changes.
+/// Parameters the loss does not depend on are left out.
+fn compose_gradients(
+    b: &mut Builder,
+    model: ModelGraph<'_>,
+    forward: &Forward,
+    loss: &Loss,
+    target: &Signature,
+) -> Result<Program> {
+    let (target, value) = loss_on(
+        b,
+        loss,
+        &forward.output,
+        &forward.output_batch_dims(),
+        target,
+    )?;
+    let params: Vec<&str> = model
+        .vars
+        .iter()
+        .filter(|v| v.kind == kiln_core::ParamKind::Parameter)
+        .map(|v| v.name.as_str())
+        .collect();
+    let grads = differentiate(b, &value, forward, &params)?;
+    let gradients = params
+        .iter()
+        .zip(grads)
+        .filter_map(|(name, g)| g.map(|g| ((*name).to_owned(), g)))
+        .collect();
+    Ok(Program {
+        input: Some(forward.input.clone()),
+        seed: forward.seed.clone(),
+        target: Some(target),
+        loss: Some(value),
+        gradients,
+        ..Program::default()
+    })
+}
+
+/// The gradient of `y` with respect to each of `params` (`None` where `y` does
+/// not depend on it).
+fn differentiate(
+    b: &mut Builder,
+    y: &Output,
+    forward: &Forward,
+    params: &[&str],
+) -> Result<Vec<Option<Output>>> {
+    let xs: Vec<Option<Output>> = params
+        .iter()
+        .map(|name| forward.reads.get(*name).cloned())
+        .collect();
+    let present: Vec<Output> = xs.iter().flatten().cloned().collect();
+    let mut found = b.gradients(y, &present)?.into_iter();
+    Ok(xs
+        .iter()
+        .map(|x| x.as_ref().and_then(|_| found.next().flatten()))
+        .collect())
+}
+
+/// One training micro-batch: forward, loss, the gradients of `loss * scale`,
+/// then (behind a gate that is closed when the loss is not finite) the forward
+/// pass's state updates and either the optimizer's update of the accumulated
+/// and new gradients, clipped, or the new gradients added to the accumulators.
+fn compose_train(
+    b: &mut Builder,
+    forward: &Forward,
+    rule: &dyn UpdateRule,
+    loss: &Loss,
+    target: &Signature,
+    apply: bool,
+    clip: Option<&GradClip>,
+) -> Result<Program> {
+    let (target, value) = loss_on(
+        b,
+        loss,
+        &forward.output,
+        &forward.output_batch_dims(),
+        target,
+    )?;
+    let scale = b.placeholder(DataType::Float, Some(&[]))?;
+    let scaled = b.mul(&value, &scale)?;
+    let params = rule.parameters();
+    let names: Vec<&str> = params.iter().map(|(name, _, _)| *name).collect();
+    let grads = differentiate(b, &scaled, forward, &names)?;
+    let finite = b.all_finite(&value, 0)?;
+    let gate = b.gate(&finite)?;
+    let mut targets = add_updates(b, &forward.updates, &[&gate])?;
+    if apply {
+        // Add what earlier micro-batches accumulated.
+        let mut totals = Vec::with_capacity(grads.len());
+        for ((_, _, accum), g) in params.iter().zip(grads) {
+            totals.push(match (g, accum) {
+                (Some(g), Some(acc)) => {
+                    let prev = b.read(&acc.handle, DataType::Float)?;
+                    Some(b.add(&prev, &g)?)
+                }
+                (g, _) => g,
+            });
+        }
+        let totals = match clip {
+            Some(clip) => clip_gradients(b, totals, clip)?,
+            None => totals,
+        };
+        let updates = rule.update_ops(b, &totals, &[&gate])?;
+        let refs: Vec<&Operation> = updates.iter().collect();
+        let zeroing = zero_accumulators(b, &params, &refs)?;
+        targets.extend(updates);
+        targets.extend(zeroing);
+    } else {
+        for ((_, _, accum), g) in params.iter().zip(&grads) {
+            if let (Some(g), Some(acc)) = (g, accum) {
+                targets.push(b.op_with(
+                    "AssignAddVariableOp",
+                    &[&acc.handle, g],
+                    &[&gate],
+                    &|nd| {
+                        nd.set_attr_type("dtype", DataType::Float)?;
+                        Ok(())
+                    },
+                )?);
+            }
+        }
+    }
+    let finite = b.cast(&finite, DataType::Bool, DataType::UInt8)?;
+    Ok(Program {
+        input: Some(forward.input.clone()),
+        seed: forward.seed.clone(),
+        target: Some(target),
+        scale: Some(scale),
+        loss: Some(value),
+        finite: Some(finite),
+        targets,
+        ..Program::default()
+    })
+}
+
+/// The optimizer's update from gradients fed by the caller or read from the
+/// accumulators (which it then zeroes), clipped first when `clip` is given.
+fn compose_apply(
+    b: &mut Builder,
+    rule: &dyn UpdateRule,
+    source: &GradientSource,
+    clip: Option<&GradClip>,
+) -> Result<Program> {
+    let params = rule.parameters();
+    let mut gradient_feeds = Vec::new();
+    let mut grads = Vec::with_capacity(params.len());
+    for (i, (name, dims, accum)) in params.iter().enumerate() {
+        grads.push(match source {
+            GradientSource::Fed { present } if !present.get(i).copied().unwrap_or(false) => None,
+            GradientSource::Fed { .. } => {
+                let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+                let placeholder = b.placeholder(DataType::Float, Some(&dims))?;
+                gradient_feeds.push(((*name).to_owned(), placeholder.clone()));
+                Some(placeholder)
+            }
+            GradientSource::Accumulated => accum
+                .map(|acc| b.read(&acc.handle, DataType::Float))
+                .transpose()?,
+        });
+    }
+    let grads = match clip {
+        Some(clip) => clip_gradients(b, grads, clip)?,
+        None => grads,
+    };
+    let mut targets = rule.update_ops(b, &grads, &[])?;
+    if *source == GradientSource::Accumulated {
+        let refs: Vec<&Operation> = targets.iter().collect();
+        let zeroing = zero_accumulators(b, &params, &refs)?;
+        targets.extend(zeroing);
+    }
+    Ok(Program {
+        gradient_feeds,
+        targets,
+        ..Program::default()
+    })
+}
+
+/// The ops that zero the accumulators of `params` after `after`.
+pub(crate) fn zero_accumulators(
+    b: &mut Builder,
+    params: &[(&str, &[usize], Option<&Var>)],
+    after: &[&Operation],
+) -> Result<Vec<Operation>> {
+    let mut ops = Vec::new();
+    for (_, _, accum) in params {
+        if let Some(acc) = accum {
+            let read = b.read_after(&acc.handle, DataType::Float, after)?;
+            let zero = b.op("ZerosLike", &[&read], &|nd| {
+                nd.set_attr_type("T", DataType::Float)?;
+                Ok(())
+            })?;
+            ops.push(b.assign(&acc.handle, &zero, DataType::Float, after)?);
+        }
+    }
+    Ok(ops)
+}
+
+/// Runs `program` once: the batch fed by reference (no copy), a fresh seed when
+/// the forward pass draws random numbers, and `extra` feeds (coefficients,
+/// scale, gradients); returns what it fetches.
+pub(crate) fn run(
+    engine: &mut Engine,
+    program: &Program,
+    input: Option<&TfTensor>,
+    target: Option<&TfTensor>,
+    extra: &[(Output, TfTensor)],
+    context: &str,
+) -> Result<Fetched> {
+    let seed = program.seed.as_ref().map(|_| seed_tensor()).transpose()?;
+    let mut feeds: Vec<(&Output, &TfTensor)> = extra.iter().map(|(o, t)| (o, t)).collect();
+    for (placeholder, value) in [
+        (&program.input, input),
+        (&program.target, target),
+        (&program.seed, seed.as_ref()),
+    ] {
+        match (placeholder, value) {
+            (Some(placeholder), Some(value)) => feeds.push((placeholder, value)),
+            (Some(_), None) => {
+                return Err(Error::backend(
+                    "tensorflow",
+                    context,
+                    "a program input was not given",
+                ))
+            }
+            _ => {}
+        }
+    }
+    let mut fetches: Vec<(&Output, DataType)> = Vec::new();
+    for fetch in [&program.output, &program.loss].into_iter().flatten() {
+        fetches.push((fetch, DataType::Float));
+    }
+    if let Some(finite) = &program.finite {
+        fetches.push((finite, DataType::UInt8));
+    }
+    fetches.extend(program.gradients.iter().map(|(_, g)| (g, DataType::Float)));
+    let targets: Vec<&Operation> = program.targets.iter().collect();
+    let mut values = engine.run(&feeds, &fetches, &targets, context)?.into_iter();
+    let missing = || Error::backend("tensorflow", context, "a fetched value is missing");
+    let mut fetched = Fetched {
+        applied: true,
+        ..Fetched::default()
+    };
+    if program.output.is_some() {
+        fetched.output = Some(values.next().ok_or_else(missing)?);
+    }
+    if program.loss.is_some() {
+        fetched.loss = Some(values.next().ok_or_else(missing)?);
+    }
+    if program.finite.is_some() {
+        fetched.applied = scalar(&values.next().ok_or_else(missing)?)? != 0.0;
+    }
+    for (name, _) in &program.gradients {
+        fetched
+            .gradients
+            .push((name.clone(), values.next().ok_or_else(missing)?));
+    }
+    Ok(fetched)
+}
+
+impl Fetched {
+    /// The loss's value (NaN when the program fetches none).
+    pub(crate) fn loss_value(&self) -> Result<f64> {
+        self.loss.as_ref().map_or(Ok(f64::NAN), scalar)
+    }
+}
+
+/// The value of a one-element tensor.
+pub(crate) fn scalar(tensor: &TfTensor) -> Result<f64> {
+    let host: HostTensor = tensor.to_host()?;
+    match host.to_f64_vec().as_slice() {
+        [value] => Ok(*value),
+        _ => Err(Error::ShapeMismatch {
+            context: "item()".to_owned(),
+            expected: "one element".to_owned(),
+            actual: host.shape().to_string(),
+        }),
+    }
+}
