@@ -36,8 +36,8 @@ pub use kiln_core::{
 /// The names most training scripts need, in one `use kiln::prelude::*`.
 pub mod prelude {
     pub use kiln_core::{
-        Backend, Batch, DType, DataLoader, Dataset, Device, HostTensor, Mode, Module, Optimizer,
-        Shape, StateDict,
+        Backend, Batch, DType, DataLoader, Dataset, Device, EagerBackend, HostTensor, Mode, Module,
+        Optimizer, Shape, StateDict,
     };
     #[cfg(feature = "tf")]
     pub use kiln_tf::TfTensor;

@@ -8,9 +8,9 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln_core::{
-    Backend, CustomConfig, Device, Error, HostTensor, InMemoryDataset, Init, Layer, LinearConfig,
-    Loss, Module, OptimizerConfig, SequentialLoader, SgdConfig, StateDict, TrainBackend, Trainer,
-    TrainerConfig, TrainingState,
+    Backend, CustomConfig, Device, EagerBackend, Error, HostTensor, InMemoryDataset, Init, Layer,
+    LinearConfig, Loss, Module, OptimizerConfig, SequentialLoader, SgdConfig, StateDict,
+    TrainBackend, Trainer, TrainerConfig, TrainingState,
 };
 use kiln_tf::{TfBackend, TfTensor};
 use kiln_torch::{from_tch, TorchBackend, TorchModel};

@@ -83,13 +83,6 @@ pub trait Backend: Sized + Send + Sync + std::fmt::Debug + 'static {
 
     /// Seeds every random generator the backend owns (CPU and all CUDA devices).
     fn manual_seed(seed: u64);
-
-    /// Computes gradients of the scalar `loss` with respect to every parameter
-    /// that requires them, accumulating into their `.grad` (PyTorch semantics).
-    ///
-    /// Backends that execute lazily (graph mode) may record the step the first
-    /// time and replay it afterwards.
-    fn backward(loss: &Self::Tensor) -> Result<()>;
 }
 
 /// Whether a module behaves as in training (dropout active, batch-norm

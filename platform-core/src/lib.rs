@@ -88,8 +88,8 @@ pub use device::Device;
 pub use dtype::{DType, Element};
 pub use error::{BoxedSource, Error, Result};
 pub use learner::{
-    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, StepPlan, TrainBackend, Trainer,
-    TrainerConfig, TrainingState,
+    Callback, EagerBackend, EarlyStopping, EpochRecord, Flow, ScheduleInterval, StepPlan,
+    TrainBackend, Trainer, TrainerConfig, TrainingState,
 };
 pub use logger::{
     plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,

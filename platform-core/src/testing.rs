@@ -55,10 +55,6 @@ impl Backend for RefBackend {
     }
 
     fn manual_seed(_seed: u64) {}
-
-    fn backward(_loss: &HostTensor) -> Result<()> {
-        Err(Error::unsupported("backward on the reference backend"))
-    }
 }
 
 #[test]

@@ -8,12 +8,15 @@ use crate::convert::TfTensor;
 /// The TensorFlow backend: graphs built once through the TensorFlow C API and
 /// run in a session, on the CPU.
 ///
-/// Training is graph mode: [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step) runs forward, loss,
-/// gradients (`Graph::add_gradients`) and the optimizer's apply ops as **one**
-/// session run of a program compiled on the first step. The eager-style
-/// [`Backend::backward`] has no graph to differentiate and is
-/// [`Error::Unsupported`]; write training loops with [`kiln_core::Trainer`]
-/// or `train_step`, which work on both backends.
+/// Training is graph mode: [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step)
+/// runs forward, loss, gradients (`Graph::add_gradients`) and the optimizer's
+/// apply ops as **one** session run of a program compiled on the first step.
+/// It is a [`TrainBackend`](kiln_core::TrainBackend) but not an
+/// [`EagerBackend`](kiln_core::EagerBackend): its tensors are values, with no
+/// autograd record to call `backward` on. Write training loops with
+/// [`kiln_core::Trainer`] or `train_step`, which work on both backends, or
+/// split a step with [`TfModel::gradients`](crate::TfModel::gradients) and
+/// [`TfOptimizer::apply_gradients`](crate::TfOptimizer::apply_gradients).
 ///
 /// ```no_run
 /// use kiln_core::{Backend, Device, HostTensor};
@@ -80,13 +83,5 @@ impl Backend for TfBackend {
 
     fn manual_seed(seed: u64) {
         crate::engine::manual_seed(seed);
-    }
-
-    fn backward(_loss: &TfTensor) -> Result<()> {
-        Err(Error::unsupported(
-            "backward() on the TensorFlow backend: its tensors are values, and gradients are \
-             computed inside the compiled training step (TrainBackend::train_step, which the \
-             Trainer calls)",
-        ))
     }
 }

@@ -6,7 +6,6 @@
 //! | program | parts | used by |
 //! |---|---|---|
 //! | [`ProgramKind::Forward`] | forward | `Module::forward` |
-//! | [`ProgramKind::Loss`] | loss (on fed outputs) | `TrainBackend::loss` |
 //! | [`ProgramKind::Eval`] | forward, loss | `TrainBackend::eval_step` |
 //! | [`ProgramKind::Gradients`] | forward, loss, gradients (fetched) | `TfModel::gradients` |
 //! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `TrainBackend::train_step` |
@@ -75,8 +74,6 @@ pub(crate) enum GradientSource {
 pub(crate) enum ProgramKind {
     /// The model's output.
     Forward,
-    /// A loss on fed outputs, without a model.
-    Loss { loss: Loss },
     /// The model's output and its loss.
     Eval { loss: Loss },
     /// The loss and each parameter's gradient, fetched; nothing is updated.
@@ -109,7 +106,7 @@ pub(crate) struct ProgramKey {
     pub(crate) kind: ProgramKind,
     /// Training mode (dropout draws, batch norm uses and updates batch statistics).
     pub(crate) train: bool,
-    /// The model's input (or, for [`ProgramKind::Loss`], the fed output).
+    /// The model's input.
     pub(crate) input: Option<Signature>,
     pub(crate) target: Option<Signature>,
 }
@@ -126,10 +123,9 @@ impl Hash for ProgramKey {
         std::mem::discriminant(&self.kind).hash(state);
         match &self.kind {
             ProgramKind::Forward => {}
-            ProgramKind::Loss { loss } | ProgramKind::Eval { loss } => {
+            ProgramKind::Eval { loss } | ProgramKind::Gradients { loss } => {
                 std::mem::discriminant(loss).hash(state);
             }
-            ProgramKind::Gradients { loss } => std::mem::discriminant(loss).hash(state),
             ProgramKind::Train {
                 optimizer,
                 loss,
@@ -262,8 +258,9 @@ impl CompiledGraph {
 
 /// The program for `key`, composed and cached on first use.
 ///
-/// `model` is needed by every kind but [`ProgramKind::Loss`], `rule` by
-/// [`ProgramKind::Train`] and [`ProgramKind::Apply`].
+/// `model` is needed by the kinds that run the model, `rule` by those that
+/// update it ([`ProgramKind::Train`], [`ProgramKind::Apply`],
+/// [`ProgramKind::ZeroAccumulators`]).
 pub(crate) fn program(
     graph: &mut CompiledGraph,
     key: &ProgramKey,
@@ -292,9 +289,6 @@ pub(crate) fn program(
     let composed = match &key.kind {
         ProgramKind::Forward => {
             compose_forward(&mut graph.engine, need_model()?, &input(key)?, key.train)?
-        }
-        ProgramKind::Loss { loss } => {
-            compose_loss(&mut graph.engine.b, loss, &input(key)?, &target(key)?)?
         }
         ProgramKind::Eval { loss } => {
             let base = forward(graph, need_model()?, &input(key)?, key.train)?;
@@ -488,23 +482,6 @@ fn loss_on(
         &target.dims,
     )?;
     Ok((placeholder, value))
-}
-
-/// A loss on fed outputs.
-fn compose_loss(
-    b: &mut Builder,
-    loss: &Loss,
-    output: &Signature,
-    target: &Signature,
-) -> Result<Program> {
-    let placeholder = b.placeholder(DataType::Float, Some(&output.dims))?;
-    let (target, value) = loss_on(b, loss, &placeholder, &output.dims, target)?;
-    Ok(Program {
-        input: Some(placeholder),
-        target: Some(target),
-        loss: Some(value),
-        ..Program::default()
-    })
 }
 
 /// Forward and loss; in training mode the forward pass's state updates run too.

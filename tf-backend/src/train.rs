@@ -2,25 +2,16 @@
 //! and training and evaluation steps as one session run each of a program
 //! compiled in [`crate::step`].
 
-use std::sync::{Mutex, OnceLock};
-
 use kiln_core::{
-    Device, Error, FloatPrecision, GradClip, HostTensor, Layer, Loss, Module, OptimizerConfig,
-    ParamGroup, Result, StepPlan, TrainBackend,
+    Device, Error, FloatPrecision, HostTensor, Layer, Loss, Module, OptimizerConfig, ParamGroup,
+    Result, StepPlan, TrainBackend,
 };
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
-use crate::engine::Engine;
 use crate::model::{lock, TfModel};
 use crate::optim::TfOptimizer;
-use crate::step::{self, CompiledGraph, ProgramKey, ProgramKind, Signature};
-
-/// The graph of free-standing [`TrainBackend::loss`] calls, which have no model.
-fn loss_graph() -> &'static Mutex<CompiledGraph> {
-    static GRAPH: OnceLock<Mutex<CompiledGraph>> = OnceLock::new();
-    GRAPH.get_or_init(|| Mutex::new(CompiledGraph::new(Engine::new())))
-}
+use crate::step::{self, ProgramKey, ProgramKind, Signature};
 
 impl TrainBackend for TfBackend {
     type Model = TfModel;
@@ -48,50 +39,6 @@ impl TrainBackend for TfBackend {
         groups: &[ParamGroup],
     ) -> Result<TfOptimizer> {
         TfOptimizer::new(config.clone(), model, groups)
-    }
-
-    /// Computes a loss on values (one session run of a cached loss graph).
-    fn loss(loss: &Loss, output: &TfTensor, target: &TfTensor) -> Result<TfTensor> {
-        let key = ProgramKey {
-            kind: ProgramKind::Loss { loss: loss.clone() },
-            train: false,
-            input: Some(Signature::of(output)),
-            target: Some(Signature::of(target)),
-        };
-        let mut graph = lock(loss_graph())?;
-        let program = step::program(&mut graph, &key, None, None)?;
-        step::run(
-            &mut graph.engine,
-            &program,
-            Some(output),
-            Some(target),
-            &[],
-            "computing the loss",
-        )?
-        .loss
-        .ok_or_else(|| Error::backend("tensorflow", "computing the loss", "no output"))
-    }
-
-    fn scale(tensor: &TfTensor, factor: f64) -> Result<TfTensor> {
-        let host = tensor.to_host()?;
-        let values: Vec<f64> = host.to_f64_vec().into_iter().map(|v| v * factor).collect();
-        let scaled = HostTensor::new(values, host.shape().clone())?.to_dtype(host.dtype());
-        TfTensor::from_host(&scaled)
-    }
-
-    fn item(tensor: &TfTensor) -> Result<f64> {
-        step::scalar(tensor)
-    }
-
-    fn clip_gradients(_params: &[(String, TfTensor)], _clip: &GradClip) -> Result<()> {
-        Err(Error::unsupported(
-            "clip_gradients() on the TensorFlow backend: clipping runs inside the compiled \
-             training step; pass it in the StepPlan (TrainerConfig's `clip`)",
-        ))
-    }
-
-    fn no_grad<T>(f: impl FnOnce() -> T) -> T {
-        f()
     }
 
     /// Forward, loss, gradients, clipping and the optimizer update as one session run.
@@ -143,5 +90,10 @@ impl TrainBackend for TfBackend {
                 "missing outputs",
             )),
         }
+    }
+
+    /// The forward pass as one session run.
+    fn predict_step(model: &TfModel, inputs: &TfTensor) -> Result<HostTensor> {
+        Module::<TfBackend>::forward(model, inputs)?.to_host()
     }
 }

@@ -1,6 +1,6 @@
 //! [`TorchBackend`]: the core [`Backend`] trait on libtorch.
 
-use kiln_core::{Backend, DType, Device, Error, HostTensor, Result, Shape};
+use kiln_core::{Backend, DType, Device, HostTensor, Result, Shape};
 use tch::Tensor;
 
 use crate::convert::{dtype_from_kind, from_tch, shape_of, to_tch};
@@ -70,16 +70,5 @@ impl Backend for TorchBackend {
         if cuda_device_count() > 0 {
             tch::Cuda::manual_seed_all(seed);
         }
-    }
-
-    fn backward(loss: &Tensor) -> Result<()> {
-        if loss.numel() != 1 {
-            return Err(Error::ShapeMismatch {
-                context: "backward".to_owned(),
-                expected: "a scalar loss (one element)".to_owned(),
-                actual: Self::shape(loss).to_string(),
-            });
-        }
-        loss.f_backward().map_err(|e| torch_error("backward", e))
     }
 }

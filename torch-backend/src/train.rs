@@ -1,8 +1,9 @@
-//! [`TrainBackend`] for libtorch: what the generic [`kiln_core::Trainer`] needs.
+//! [`TrainBackend`] for libtorch, what the generic [`kiln_core::Trainer`] needs,
+//! and [`EagerBackend`], the primitives its steps are made of.
 
 use kiln_core::{
-    Device, FloatPrecision, GradClip, Layer, Loss, OptimizerConfig, ParamGroup, Result,
-    TrainBackend,
+    Backend, Device, EagerBackend, Error, FloatPrecision, GradClip, HostTensor, Layer, Loss,
+    OptimizerConfig, ParamGroup, Result, StepPlan, TrainBackend,
 };
 use tch::Tensor;
 
@@ -35,6 +36,44 @@ impl TrainBackend for TorchBackend {
     ) -> Result<TorchOptimizer> {
         use kiln_core::Module;
         TorchOptimizer::new(config.clone(), model.named_parameters(), groups)
+    }
+
+    /// [`EagerBackend::eager_train_step`]: forward, loss, backward, clipping and
+    /// the optimizer step, op by op.
+    fn train_step(
+        model: &mut TorchModel,
+        optimizer: &mut TorchOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        Self::eager_train_step(model, optimizer, inputs, targets, plan)
+    }
+
+    fn eval_step(
+        model: &TorchModel,
+        loss: &Loss,
+        inputs: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        Self::eager_eval_step(model, loss, inputs, targets)
+    }
+
+    fn predict_step(model: &TorchModel, inputs: &Tensor) -> Result<HostTensor> {
+        Self::eager_predict_step(model, inputs)
+    }
+}
+
+impl EagerBackend for TorchBackend {
+    fn backward(loss: &Tensor) -> Result<()> {
+        if loss.numel() != 1 {
+            return Err(Error::ShapeMismatch {
+                context: "backward".to_owned(),
+                expected: "a scalar loss (one element)".to_owned(),
+                actual: Self::shape(loss).to_string(),
+            });
+        }
+        loss.f_backward().map_err(|e| torch_error("backward", e))
     }
 
     fn loss(loss: &Loss, output: &Tensor, target: &Tensor) -> Result<Tensor> {

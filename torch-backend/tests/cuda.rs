@@ -3,7 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use kiln_core::{Backend, Device, Error, HostTensor};
+use kiln_core::{Backend, Device, EagerBackend, Error, HostTensor};
 use kiln_torch::{cuda_device_count, cuda_is_available, TorchBackend};
 
 fn cuda_count_or_skip(test: &str) -> Option<usize> {

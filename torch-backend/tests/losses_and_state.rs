@@ -9,9 +9,9 @@ mod common;
 use std::path::Path;
 
 use kiln_core::{
-    Backend, BatchNormConfig, Conv2dConfig, CrossEntropyConfig, Device, Error, HostTensor, Layer,
-    LinearConfig, Loss, Mode, Module, Optimizer, OptimizerConfig, Pool2dConfig, Reduction,
-    SgdConfig, SmoothL1Config,
+    Backend, BatchNormConfig, Conv2dConfig, CrossEntropyConfig, Device, EagerBackend, Error,
+    HostTensor, Layer, LinearConfig, Loss, Mode, Module, Optimizer, OptimizerConfig, Pool2dConfig,
+    Reduction, SgdConfig, SmoothL1Config,
 };
 use kiln_torch::{
     compute_loss, from_tch, kind_from_dtype, to_tch, Chain, TchModule, TorchBackend, TorchModel,

@@ -39,7 +39,9 @@ mod bridge;
 
 use std::pin::Pin;
 
-use kiln_core::{Backend, Device, Error, GradClip, Loss, Module, Optimizer, Result, TrainBackend};
+use kiln_core::{
+    Backend, Device, EagerBackend, Error, GradClip, Loss, Module, Optimizer, Result, TrainBackend,
+};
 use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 

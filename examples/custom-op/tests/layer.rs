@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln_core::{
-    Backend, Device, HostTensor, InMemoryDataset, Layer, LinearConfig, Loss, Module,
+    Backend, Device, EagerBackend, HostTensor, InMemoryDataset, Layer, LinearConfig, Loss, Module,
     OptimizerConfig, SequentialLoader, SgdConfig, StateDict, TrainBackend, Trainer, TrainerConfig,
     TrainingState,
 };

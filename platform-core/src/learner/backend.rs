@@ -25,8 +25,13 @@ pub struct StepPlan<'a> {
 }
 
 /// A backend the [`Trainer`](super::Trainer) can drive: it builds models and
-/// optimizers from Kiln definitions and computes losses, so one training script
-/// runs on any backend that implements it.
+/// optimizers from Kiln definitions and runs training, evaluation and
+/// prediction steps, so one training script runs on any backend that
+/// implements it.
+///
+/// The steps are the unit of work: an eager engine runs them op by op
+/// ([`EagerBackend`]'s provided `eager_*` steps), a graph engine as one
+/// compiled program each.
 pub trait TrainBackend: Backend {
     /// A model built from a [`Layer`] definition.
     type Model: Module<Self> + Send;
@@ -66,7 +71,54 @@ pub trait TrainBackend: Backend {
         groups: &[ParamGroup],
     ) -> Result<Self::Optim>;
 
-    /// `loss(output, target)`, a tensor that [`Backend::backward`] accepts.
+    /// One training micro-batch: forward in the model's mode, loss, gradients
+    /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
+    /// clipping and one optimizer step. Returns the unscaled loss.
+    ///
+    /// Contract: when the loss is not finite, nothing changes (no gradient is
+    /// accumulated, no parameter or optimizer state is updated) and the value is
+    /// returned for the caller to report.
+    fn train_step(
+        model: &mut Self::Model,
+        optimizer: &mut Self::Optim,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64>;
+
+    /// The loss value and the model's output on one batch, without gradients
+    /// (the model's current mode is used; the trainer sets eval mode).
+    fn eval_step(
+        model: &Self::Model,
+        loss: &Loss,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+    ) -> Result<(f64, HostTensor)>;
+
+    /// The model's output on one batch, without gradients, on the host.
+    fn predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor>;
+}
+
+/// A backend that runs operations one at a time and records them for autograd
+/// (libtorch): the primitives an eager training loop is written from, and the
+/// [`TrainBackend`] steps built from them, which such a backend's
+/// `train_step`, `eval_step` and `predict_step` call.
+///
+/// ```
+/// use kiln_core::{EagerBackend, Optimizer, Result};
+///
+/// fn train_step<B: EagerBackend>(opt: &mut B::Optim, loss: &B::Tensor) -> Result<()> {
+///     opt.zero_grad()?;
+///     B::backward(loss)?;
+///     opt.step()
+/// }
+/// ```
+pub trait EagerBackend: TrainBackend {
+    /// Computes gradients of the scalar `loss` with respect to every parameter
+    /// that requires them, accumulating into their `.grad` (PyTorch semantics).
+    fn backward(loss: &Self::Tensor) -> Result<()>;
+
+    /// `loss(output, target)`, a tensor that [`backward`](Self::backward) accepts.
     fn loss(loss: &Loss, output: &Self::Tensor, target: &Self::Tensor) -> Result<Self::Tensor>;
 
     /// `tensor * factor`, keeping the autograd graph (gradient accumulation scales losses).
@@ -81,19 +133,10 @@ pub trait TrainBackend: Backend {
     /// Runs `f` without recording operations for autograd (evaluation).
     fn no_grad<T>(f: impl FnOnce() -> T) -> T;
 
-    /// One training micro-batch: forward in the model's mode, loss, backward of
-    /// `loss * plan.scale` (gradients accumulate), and, when `plan.apply`,
-    /// gradient clipping and one optimizer step. Returns the unscaled loss.
-    ///
-    /// Contract: when the loss is not finite, nothing changes (no gradient is
-    /// accumulated, no parameter or optimizer state is updated) and the value is
-    /// returned for the caller to report.
-    ///
-    /// The default runs the eager sequence (`forward`, [`loss`](Self::loss),
-    /// [`item`](Self::item), [`Backend::backward`], [`clip_gradients`](Self::clip_gradients),
-    /// [`Optimizer::step`]). Graph backends override it to run the whole step
-    /// as one compiled program.
-    fn train_step(
+    /// [`TrainBackend::train_step`] as the eager sequence: `forward`,
+    /// [`loss`](Self::loss), [`item`](Self::item), [`backward`](Self::backward),
+    /// [`clip_gradients`](Self::clip_gradients), [`Optimizer::step`].
+    fn eager_train_step(
         model: &mut Self::Model,
         optimizer: &mut Self::Optim,
         inputs: &Self::Tensor,
@@ -121,9 +164,8 @@ pub trait TrainBackend: Backend {
         Ok(value)
     }
 
-    /// The loss value and the model's output on one batch, without gradients
-    /// (the model's current mode is used; the trainer sets eval mode).
-    fn eval_step(
+    /// [`TrainBackend::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
+    fn eager_eval_step(
         model: &Self::Model,
         loss: &Loss,
         inputs: &Self::Tensor,
@@ -134,5 +176,10 @@ pub trait TrainBackend: Backend {
             let value = Self::item(&Self::loss(loss, &output, targets)?)?;
             Ok((value, Self::to_host(&output)?))
         })
+    }
+
+    /// [`TrainBackend::predict_step`] as forward under [`no_grad`](Self::no_grad).
+    fn eager_predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor> {
+        Self::no_grad(|| Self::to_host(&model.forward(inputs)?))
     }
 }

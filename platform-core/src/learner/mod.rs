@@ -4,6 +4,6 @@ mod backend;
 mod callback;
 mod trainer;
 
-pub use backend::{StepPlan, TrainBackend};
+pub use backend::{EagerBackend, StepPlan, TrainBackend};
 pub use callback::{Callback, EarlyStopping, Flow};
 pub use trainer::{EpochRecord, ScheduleInterval, Trainer, TrainerConfig, TrainingState};

@@ -623,9 +623,7 @@ impl<B: TrainBackend> Trainer<B> {
             .batches(0)
             .map(|batch| {
                 let batch = batch?;
-                B::no_grad(|| {
-                    B::to_host(&model.forward(&B::from_host(&batch.inputs, self.config.device)?)?)
-                })
+                B::predict_step(model, &B::from_host(&batch.inputs, self.config.device)?)
             })
             .collect();
         model.set_mode(mode);

@@ -37,9 +37,9 @@ pub use state::{optimizer_state_key, read_optimizer_state, ParamState, StateBuff
 /// them in place. A typical step:
 ///
 /// ```
-/// use kiln_core::{Backend, Optimizer, Result};
+/// use kiln_core::{EagerBackend, Optimizer, Result};
 ///
-/// fn train_step<B: Backend, O: Optimizer<B>>(opt: &mut O, loss: &B::Tensor) -> Result<()> {
+/// fn train_step<B: EagerBackend, O: Optimizer<B>>(opt: &mut O, loss: &B::Tensor) -> Result<()> {
 ///     opt.zero_grad()?;
 ///     B::backward(loss)?;
 ///     opt.step()
