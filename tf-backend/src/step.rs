@@ -24,7 +24,6 @@ use crate::convert::TfTensor;
 use crate::engine::{seed_tensor, tf_dtype, Engine, Var};
 use crate::graph::Builder;
 use crate::layers::{add_updates, Ctx, Update, Val};
-use crate::optim::clip::clip_gradients;
 
 /// The dims of a batch with the batch dimension left open (`-1`), and its dtype:
 /// what a program's placeholder accepts.
@@ -238,6 +237,13 @@ pub(crate) trait UpdateRule {
         grads: &[Option<Output>],
         after: &[&Operation],
     ) -> Result<Vec<Operation>>;
+    /// `grads` clipped as `torch.nn.utils.clip_grad_*_` would.
+    fn clip(
+        &self,
+        b: &mut Builder,
+        grads: Vec<Option<Output>>,
+        clip: &GradClip,
+    ) -> Result<Vec<Option<Output>>>;
 }
 
 /// A graph with the programs compiled on it: what a model and its optimizers share.
@@ -599,7 +605,7 @@ fn compose_train(
             });
         }
         let totals = match clip {
-            Some(clip) => clip_gradients(b, totals, clip)?,
+            Some(clip) => rule.clip(b, totals, clip)?,
             None => totals,
         };
         let updates = rule.update_ops(b, &totals, &[&gate])?;
@@ -661,7 +667,7 @@ fn compose_apply(
         });
     }
     let grads = match clip {
-        Some(clip) => clip_gradients(b, grads, clip)?,
+        Some(clip) => rule.clip(b, grads, clip)?,
         None => grads,
     };
     let mut targets = rule.update_ops(b, &grads, &[])?;

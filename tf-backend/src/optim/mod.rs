@@ -6,7 +6,7 @@
 
 mod adagrad;
 mod adam;
-pub(crate) mod clip;
+mod clip;
 mod rmsprop;
 mod sgd;
 
@@ -526,6 +526,15 @@ impl UpdateRule for TfOptimizer {
             ops.extend(result?);
         }
         Ok(ops)
+    }
+
+    fn clip(
+        &self,
+        b: &mut Builder,
+        grads: Vec<Option<Output>>,
+        clip: &GradClip,
+    ) -> Result<Vec<Option<Output>>> {
+        clip::clip_gradients(b, grads, clip)
     }
 }
 
