@@ -75,6 +75,11 @@ pub trait TrainBackend: Backend {
     /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
     /// clipping and one optimizer step. Returns the unscaled loss.
     ///
+    /// Gradients accumulate across calls until
+    /// [`Optimizer::zero_grad`], as in PyTorch: call it before the first
+    /// micro-batch of each optimizer step (the trainer does). A backend may
+    /// clear them itself after applying them.
+    ///
     /// Contract: when the loss is not finite, nothing changes (no gradient is
     /// accumulated, no parameter or optimizer state is updated) and the value is
     /// returned for the caller to report.
