@@ -572,7 +572,6 @@ mod tests {
 
     use std::fmt::Write as _;
     use std::path::Path;
-    use std::process::Command;
 
     use kiln_core::{
         BceWithLogitsConfig, CrossEntropyConfig, DType, Error, Loss, NllConfig, Reduction,
@@ -746,18 +745,7 @@ mod tests {
         let answer = dir.join("reference.safetensors");
         std::fs::write(&request, json_cases(cases)).unwrap();
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/losses.py");
-        let output = Command::new(&python)
-            .arg(&script)
-            .arg(&request)
-            .arg(&answer)
-            .output()
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{} failed:\n{}",
-            script.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        kiln_testkit::run_reference(&python, &script, &[&request, &answer]);
         let (dict, _) = StateDict::load_safetensors(&answer).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         Some(dict)

@@ -91,3 +91,81 @@ mod tests {
         assert!(manifest.contains("[workspace]"), "{manifest}");
     }
 }
+
+/// Tolerances the parity suites share, relative to `max(1, |expected|)`.
+pub mod tolerance {
+    /// float32 on the CPU against Python float32 (summation order differs).
+    pub const F32: f64 = 1e-5;
+    /// float32 on CUDA, where cuDNN convolutions use TF32 by default (as in
+    /// PyTorch), rounding inputs to 10 mantissa bits.
+    pub const TF32: f64 = 2e-3;
+}
+
+/// Runs `python script args...` (TensorFlow's C++ logging quietened) and
+/// returns its standard output; panics with the script's standard error if it
+/// fails, naming the script.
+pub fn run_reference<A: AsRef<std::ffi::OsStr>>(
+    python: &Path,
+    script: &Path,
+    args: &[A],
+) -> String {
+    let output = std::process::Command::new(python)
+        .arg(script)
+        .args(args)
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", python.display()));
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n{}",
+        script.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout)
+        .unwrap_or_else(|e| panic!("{}: output is not UTF-8: {e}", script.display()))
+}
+
+/// A fresh, empty directory `<parent>/<name>-<pid>` (a test passes its
+/// `CARGO_TARGET_TMPDIR`).
+pub fn scratch_dir(parent: &Path, name: &str) -> PathBuf {
+    let dir = parent.join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+    dir
+}
+
+/// Asserts `actual` is within `tol` of `expected` elementwise, relative to
+/// `max(1, |expected|)`, naming `what`, the worst element and `reference` (the
+/// library that computed `expected`) on failure. NaN anywhere fails.
+///
+/// ```
+/// kiln_testkit::assert_close("loss", &[1.0, 2.000001], &[1.0, 2.0], 1e-5, "PyTorch");
+/// ```
+pub fn assert_close(what: &str, actual: &[f64], expected: &[f64], tol: f64, reference: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}: element count");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (x, y)) in actual.iter().zip(expected).enumerate() {
+        let err = (x - y).abs() / y.abs().max(1.0);
+        if err.is_nan() || err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    if actual.is_empty() {
+        return;
+    }
+    assert!(
+        !worst.0.is_nan() && worst.0 <= tol,
+        "{what}: element {} is {} but {reference} gives {} (relative error {:.3e} > {tol:.0e})",
+        worst.1,
+        actual[worst.1],
+        expected[worst.1],
+        worst.0
+    );
+}
+
+/// `a` and `b` agree to `rel` relative tolerance (exactly equal values always agree).
+pub fn close(a: f64, b: f64, rel: f64) -> bool {
+    a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
+}

@@ -3,7 +3,6 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 /// The project's virtualenv interpreter, or `None` after a skip (a failure
 /// under `KILN_REQUIRE_REFERENCES`, as in CI).
@@ -21,20 +20,7 @@ pub fn script(name: &str) -> PathBuf {
 /// Runs `python script args...` and returns its standard output; panics with
 /// the script's standard error if it fails.
 pub fn run(python: &Path, script_name: &str, args: &[&std::ffi::OsStr]) -> String {
-    let script = script(script_name);
-    let output = Command::new(python)
-        .arg(&script)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", python.display()));
-    assert!(
-        output.status.success(),
-        "{} failed ({}):\n{}",
-        script.display(),
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).expect("script output is UTF-8")
+    kiln_testkit::run_reference(python, &script(script_name), args)
 }
 
 /// A fresh, empty directory under the system temp dir, removed on drop.
@@ -62,7 +48,5 @@ impl Drop for TempDir {
     }
 }
 
-/// `a` and `b` agree to `rel` relative tolerance (exactly equal values always agree).
-pub fn close(a: f64, b: f64, rel: f64) -> bool {
-    a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
-}
+#[allow(unused_imports)] // not every test binary that includes this module compares floats
+pub use kiln_testkit::close;

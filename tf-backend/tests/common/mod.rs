@@ -3,7 +3,6 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use kiln_core::HostTensor;
 use serde_json::Value;
@@ -16,10 +15,7 @@ pub fn python(test: &str) -> Option<PathBuf> {
 
 /// A fresh directory under the target's temporary directory.
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), name)
 }
 
 /// Runs `tests/reference/<script>` with `args`; panics with its stderr on failure.
@@ -27,18 +23,7 @@ pub fn run_reference(python: &Path, script: &str, args: &[&Path]) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/reference")
         .join(script);
-    let output = Command::new(python)
-        .arg(&path)
-        .args(args)
-        .env("TF_CPP_MIN_LOG_LEVEL", "2")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
-    assert!(
-        output.status.success(),
-        "{} failed:\n{}",
-        path.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    kiln_testkit::run_reference(python, &path, args);
 }
 
 /// Reads a JSON file.
@@ -100,21 +85,7 @@ pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol:
     assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
     assert_eq!(actual.dtype(), expected.dtype(), "{what}: dtype");
     let (a, e) = (actual.to_f64_vec(), expected.to_f64_vec());
-    let mut worst = (0.0f64, 0usize);
-    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        let err = (x - y).abs() / y.abs().max(1.0);
-        if err.is_nan() || err > worst.0 {
-            worst = (err, i);
-        }
-    }
-    assert!(
-        !worst.0.is_nan() && worst.0 <= tol,
-        "{what}: element {} is {} but TensorFlow gives {} (relative error {:.3e} > {tol:.0e})",
-        worst.1,
-        a[worst.1],
-        e[worst.1],
-        worst.0
-    );
+    kiln_testkit::assert_close(what, &a, &e, tol, "TensorFlow");
 }
 
 /// Copies a directory tree.

@@ -3,7 +3,6 @@
 #![allow(dead_code, clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use kiln_core::{HostTensor, StateDict};
 
@@ -15,10 +14,7 @@ pub fn python(test: &str) -> Option<PathBuf> {
 
 /// A fresh directory under the target's temporary directory.
 pub fn scratch_dir(name: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+    kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), name)
 }
 
 /// Writes `value` as JSON to `dir/name` (a request for a reference script).
@@ -33,18 +29,7 @@ pub fn run_reference(python: &Path, script: &str, args: &[&Path]) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/reference")
         .join(script);
-    let output = Command::new(python)
-        .arg(&path)
-        .args(args)
-        .env("TF_CPP_MIN_LOG_LEVEL", "2")
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", python.display()));
-    assert!(
-        output.status.success(),
-        "{} failed:\n{}",
-        path.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    kiln_testkit::run_reference(python, &path, args);
 }
 
 /// Loads a reference safetensors file.
@@ -64,31 +49,17 @@ pub fn strip(dict: &StateDict, prefix: &str) -> StateDict {
 pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol: f64) {
     assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
     let (a, e) = (actual.to_f64_vec(), expected.to_f64_vec());
-    let mut worst = (0.0f64, 0usize);
-    for (i, (x, y)) in a.iter().zip(&e).enumerate() {
-        let err = (x - y).abs() / y.abs().max(1.0);
-        if err.is_nan() || err > worst.0 {
-            worst = (err, i);
-        }
-    }
-    assert!(
-        !worst.0.is_nan() && worst.0 <= tol,
-        "{what}: element {} is {} but PyTorch gives {} (relative error {:.3e} > {tol:.0e})",
-        worst.1,
-        a[worst.1],
-        e[worst.1],
-        worst.0
-    );
+    kiln_testkit::assert_close(what, &a, &e, tol, "PyTorch");
 }
 
 /// The devices the parity suites run on, with their tolerance: the CPU always
-/// (1e-5), and `cuda:0` when libtorch sees a GPU. On CUDA, cuDNN convolutions use
-/// TF32 by default (as in PyTorch), which rounds inputs to 10 mantissa bits, so
-/// the GPU tolerance is 2e-3.
+/// ([`kiln_testkit::tolerance::F32`]), and `cuda:0` when libtorch sees a GPU
+/// ([`kiln_testkit::tolerance::TF32`]).
 pub fn devices() -> Vec<(kiln_core::Device, f64)> {
-    let mut devices = vec![(kiln_core::Device::Cpu, 1e-5)];
+    use kiln_testkit::tolerance;
+    let mut devices = vec![(kiln_core::Device::Cpu, tolerance::F32)];
     if kiln_torch::cuda_device_count() > 0 {
-        devices.push((kiln_core::Device::Cuda(0), 2e-3));
+        devices.push((kiln_core::Device::Cuda(0), tolerance::TF32));
     } else {
         eprintln!("parity suite: no CUDA device, CPU only");
     }
