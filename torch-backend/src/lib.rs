@@ -31,6 +31,7 @@ mod custom_layer;
 mod device;
 mod error;
 mod host_view;
+mod layers;
 mod loss;
 mod model;
 mod optim;

@@ -2,20 +2,19 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 use kiln_core::{
-    CustomConfig, DType, Device, Error, FloatPrecision, GeluApproximation, InitDistribution, Layer,
-    Mode, Module, ParamKind, ParamSpec, Result, Shape, StateDict, StateTensors,
+    DType, Device, Error, FloatPrecision, InitDistribution, Layer, Mode, Module, ParamKind,
+    ParamSpec, Result, StateDict, StateTensors,
 };
 use tch::{Kind, TchError, Tensor};
 
 use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::custom::copy_state;
-use crate::custom_layer::{lookup, CustomLayerFn};
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
+use crate::layers::{self, join, Failure, Forward, Lookup, Ran};
 
 /// One named tensor of the model: a trainable parameter or a buffer.
 #[derive(Debug)]
@@ -25,140 +24,13 @@ struct Entry {
     tensor: Tensor,
 }
 
-/// The built layer tree; tensors are referenced by index into the entries, so that
-/// moving the model to another device only replaces the entries.
+/// The built layer tree: the containers, walked here, around the layers
+/// without children, each built and run by its family in [`crate::layers`].
 #[derive(Debug)]
 enum Node {
-    Linear {
-        weight: usize,
-        bias: Option<usize>,
-    },
-    Conv1d {
-        weight: usize,
-        bias: Option<usize>,
-        stride: i64,
-        padding: i64,
-        dilation: i64,
-        groups: i64,
-    },
-    Conv2d {
-        weight: usize,
-        bias: Option<usize>,
-        stride: [i64; 2],
-        padding: [i64; 2],
-        dilation: [i64; 2],
-        groups: i64,
-    },
-    ConvTranspose2d {
-        weight: usize,
-        bias: Option<usize>,
-        stride: [i64; 2],
-        padding: [i64; 2],
-        output_padding: [i64; 2],
-        dilation: [i64; 2],
-        groups: i64,
-    },
-    MaxPool2d {
-        kernel: [i64; 2],
-        stride: [i64; 2],
-        padding: [i64; 2],
-    },
-    AvgPool2d {
-        kernel: [i64; 2],
-        stride: [i64; 2],
-        padding: [i64; 2],
-    },
-    AdaptiveAvgPool2d {
-        output_size: [i64; 2],
-    },
-    BatchNorm {
-        weight: Option<usize>,
-        bias: Option<usize>,
-        running_mean: Option<usize>,
-        running_var: Option<usize>,
-        num_batches_tracked: Option<usize>,
-        momentum: f64,
-        eps: f64,
-    },
-    LayerNorm {
-        shape: Vec<i64>,
-        weight: Option<usize>,
-        bias: Option<usize>,
-        eps: f64,
-    },
-    GroupNorm {
-        groups: i64,
-        weight: Option<usize>,
-        bias: Option<usize>,
-        eps: f64,
-    },
-    Dropout {
-        p: f64,
-    },
-    Embedding {
-        weight: usize,
-        padding_idx: i64,
-    },
-    Flatten {
-        start: i64,
-        end: i64,
-    },
-    Relu,
-    LeakyRelu {
-        slope: f64,
-    },
-    Gelu {
-        approximate: &'static str,
-    },
-    Silu,
-    Tanh,
-    Sigmoid,
-    Softmax {
-        dim: i64,
-    },
-    LogSoftmax {
-        dim: i64,
-    },
-    Attention {
-        in_proj_weight: usize,
-        in_proj_bias: Option<usize>,
-        out_weight: usize,
-        out_bias: Option<usize>,
-        heads: i64,
-        causal: bool,
-        dropout: f64,
-    },
+    Leaf(Box<dyn Forward>),
     Sequential(Vec<Node>),
     Residual(Box<Node>),
-    Custom {
-        /// The layer's path, for errors.
-        path: String,
-        op: OpFn,
-        params: Vec<usize>,
-        config: CustomConfig,
-    },
-}
-
-/// A registered custom-layer function (shown by its layer's op name).
-#[derive(Clone)]
-struct OpFn(Arc<CustomLayerFn>);
-
-impl std::fmt::Debug for OpFn {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("OpFn")
-    }
-}
-
-/// Why a forward pass failed: libtorch rejected an op, or a custom layer failed.
-enum Failure {
-    Torch(TchError),
-    Layer(Error),
-}
-
-impl From<TchError> for Failure {
-    fn from(e: TchError) -> Self {
-        Failure::Torch(e)
-    }
 }
 
 /// A model built from a Kiln [`Layer`] on libtorch.
@@ -416,15 +288,17 @@ impl TorchModel {
         }
     }
 
-    fn tensor(&self, index: usize) -> &Tensor {
+    /// The parameter or buffer at `index` in the entries.
+    pub(crate) fn tensor(&self, index: usize) -> &Tensor {
         &self.entries[index].tensor
     }
 
-    fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
+    /// The parameter or buffer at `index`, when the layer has it.
+    pub(crate) fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
         index.map(|i| self.tensor(i))
     }
 
-    fn run(&self, node: &Node, x: &Tensor, train: bool) -> std::result::Result<Tensor, Failure> {
+    fn run(&self, node: &Node, x: &Tensor, train: bool) -> Ran {
         match node {
             Node::Sequential(children) => {
                 let mut out = x.shallow_clone();
@@ -434,214 +308,7 @@ impl TorchModel {
                 Ok(out)
             }
             Node::Residual(block) => Ok(x.f_add(&self.run(block, x, train)?)?),
-            Node::Custom {
-                path,
-                op,
-                params,
-                config,
-            } => {
-                let params: Vec<&Tensor> = params.iter().map(|&i| self.tensor(i)).collect();
-                let y = (op.0)(x, &params, config).map_err(Failure::Layer)?;
-                if y.size() != x.size() {
-                    let dims = |t: &Tensor| {
-                        Shape::from(t.size().iter().map(|&d| d as usize).collect::<Vec<_>>())
-                            .to_string()
-                    };
-                    return Err(Failure::Layer(Error::ShapeMismatch {
-                        context: format!("{path} (Custom {}): op output", config.op),
-                        expected: dims(x),
-                        actual: dims(&y),
-                    }));
-                }
-                Ok(y)
-            }
-            leaf => Ok(self.run_leaf(leaf, x, train)?),
-        }
-    }
-
-    /// Runs a node without children.
-    fn run_leaf(
-        &self,
-        node: &Node,
-        x: &Tensor,
-        train: bool,
-    ) -> std::result::Result<Tensor, TchError> {
-        match node {
-            Node::Linear { weight, bias } => x.f_linear(self.tensor(*weight), self.opt(*bias)),
-            Node::Conv1d {
-                weight,
-                bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-            } => x.f_conv1d(
-                self.tensor(*weight),
-                self.opt(*bias),
-                [*stride],
-                [*padding],
-                [*dilation],
-                *groups,
-            ),
-            Node::Conv2d {
-                weight,
-                bias,
-                stride,
-                padding,
-                dilation,
-                groups,
-            } => x.f_conv2d(
-                self.tensor(*weight),
-                self.opt(*bias),
-                stride.as_slice(),
-                padding.as_slice(),
-                dilation.as_slice(),
-                *groups,
-            ),
-            Node::ConvTranspose2d {
-                weight,
-                bias,
-                stride,
-                padding,
-                output_padding,
-                dilation,
-                groups,
-            } => x.f_conv_transpose2d(
-                self.tensor(*weight),
-                self.opt(*bias),
-                stride.as_slice(),
-                padding.as_slice(),
-                output_padding.as_slice(),
-                *groups,
-                dilation.as_slice(),
-            ),
-            Node::MaxPool2d {
-                kernel,
-                stride,
-                padding,
-            } => x.f_max_pool2d(
-                kernel.as_slice(),
-                stride.as_slice(),
-                padding.as_slice(),
-                [1, 1],
-                false,
-            ),
-            Node::AvgPool2d {
-                kernel,
-                stride,
-                padding,
-            } => x.f_avg_pool2d(
-                kernel.as_slice(),
-                stride.as_slice(),
-                padding.as_slice(),
-                false,
-                true,
-                None,
-            ),
-            Node::AdaptiveAvgPool2d { output_size } => {
-                x.f_adaptive_avg_pool2d(output_size.as_slice())
-            }
-            Node::BatchNorm {
-                weight,
-                bias,
-                running_mean,
-                running_var,
-                num_batches_tracked,
-                momentum,
-                eps,
-            } => {
-                let tracks = running_mean.is_some();
-                // PyTorch: batch statistics in training, or always without running stats.
-                let use_batch_stats = train || !tracks;
-                if train && tracks {
-                    if let Some(n) = num_batches_tracked {
-                        let mut count = self.tensor(*n).shallow_clone();
-                        let _ = tch::no_grad(|| count.f_add_scalar_(1))?;
-                    }
-                }
-                x.f_batch_norm(
-                    self.opt(*weight),
-                    self.opt(*bias),
-                    self.opt(*running_mean),
-                    self.opt(*running_var),
-                    use_batch_stats,
-                    *momentum,
-                    *eps,
-                    false,
-                )
-            }
-            Node::LayerNorm {
-                shape,
-                weight,
-                bias,
-                eps,
-            } => x.f_layer_norm(
-                shape.as_slice(),
-                self.opt(*weight),
-                self.opt(*bias),
-                *eps,
-                false,
-            ),
-            Node::GroupNorm {
-                groups,
-                weight,
-                bias,
-                eps,
-            } => x.f_group_norm(*groups, self.opt(*weight), self.opt(*bias), *eps, false),
-            Node::Dropout { p } => x.f_dropout(*p, train),
-            Node::Embedding {
-                weight,
-                padding_idx,
-            } => Tensor::f_embedding(self.tensor(*weight), x, *padding_idx, false, false),
-            Node::Flatten { start, end } => x.f_flatten(*start, *end),
-            Node::Relu => x.f_relu(),
-            Node::LeakyRelu { slope } => {
-                // PyTorch: x > 0 ? x : slope * x (gradient `slope` at 0).
-                let positive = x.f_gt(0.0)?;
-                x.f_where_self(&positive, &x.f_mul_scalar(*slope)?)
-            }
-            Node::Gelu { approximate } => x.f_gelu(approximate),
-            Node::Silu => x.f_silu(),
-            Node::Tanh => x.f_tanh(),
-            Node::Sigmoid => x.f_sigmoid(),
-            Node::Softmax { dim } => x.f_softmax(*dim, None::<Kind>),
-            Node::LogSoftmax { dim } => x.f_log_softmax(*dim, None::<Kind>),
-            Node::Attention {
-                in_proj_weight,
-                in_proj_bias,
-                out_weight,
-                out_bias,
-                heads,
-                causal,
-                dropout,
-            } => {
-                let size = x.size();
-                let (batch, seq, embed) = (size[0], size[1], size[2]);
-                let head_dim = embed / heads;
-                let qkv = x.f_linear(self.tensor(*in_proj_weight), self.opt(*in_proj_bias))?;
-                let parts = qkv.f_chunk(3, -1)?;
-                let split = |t: &Tensor| {
-                    t.f_reshape([batch, seq, *heads, head_dim])?
-                        .f_transpose(1, 2)
-                };
-                let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
-                let p = if train { *dropout } else { 0.0 };
-                let attended = Tensor::f_scaled_dot_product_attention(
-                    &q,
-                    &k,
-                    &v,
-                    None::<Tensor>,
-                    p,
-                    *causal,
-                    None,
-                    false,
-                )?;
-                let merged = attended.f_transpose(1, 2)?.f_reshape([batch, seq, embed])?;
-                merged.f_linear(self.tensor(*out_weight), self.opt(*out_bias))
-            }
-            Node::Sequential(_) | Node::Residual(_) | Node::Custom { .. } => Err(TchError::Torch(
-                "internal error: a composite layer reached run_leaf".to_owned(),
-            )),
+            Node::Leaf(leaf) => leaf.forward(self, x, train),
         }
     }
 }
@@ -674,124 +341,9 @@ fn init_tensor(spec: &ParamSpec, device: tch::Device) -> std::result::Result<Ten
     Ok(t)
 }
 
-fn join(prefix: &str, name: &str) -> String {
-    if prefix.is_empty() {
-        name.to_owned()
-    } else {
-        format!("{prefix}.{name}")
-    }
-}
-
-fn pair(v: [usize; 2]) -> [i64; 2] {
-    [v[0] as i64, v[1] as i64]
-}
-
 /// Builds the node for `layer` at `prefix`, finding its tensors by name.
 fn build(layer: &Layer, prefix: &str, index: &HashMap<&str, usize>) -> Result<Node> {
-    let find = |name: &str| index.get(join(prefix, name).as_str()).copied();
-    let need = |name: &str| {
-        find(name).ok_or_else(|| Error::MissingKey {
-            key: join(prefix, name),
-            available: index.len(),
-        })
-    };
     Ok(match layer {
-        Layer::Linear(_) => Node::Linear {
-            weight: need("weight")?,
-            bias: find("bias"),
-        },
-        Layer::Conv1d(c) => Node::Conv1d {
-            weight: need("weight")?,
-            bias: find("bias"),
-            stride: c.stride as i64,
-            padding: c.padding as i64,
-            dilation: c.dilation as i64,
-            groups: c.groups as i64,
-        },
-        Layer::Conv2d(c) => Node::Conv2d {
-            weight: need("weight")?,
-            bias: find("bias"),
-            stride: pair(c.stride),
-            padding: pair(c.padding),
-            dilation: pair(c.dilation),
-            groups: c.groups as i64,
-        },
-        Layer::ConvTranspose2d(c) => Node::ConvTranspose2d {
-            weight: need("weight")?,
-            bias: find("bias"),
-            stride: pair(c.stride),
-            padding: pair(c.padding),
-            output_padding: pair(c.output_padding),
-            dilation: pair(c.dilation),
-            groups: c.groups as i64,
-        },
-        Layer::MaxPool2d(c) => Node::MaxPool2d {
-            kernel: pair(c.kernel_size),
-            stride: pair(c.effective_stride()),
-            padding: pair(c.padding),
-        },
-        Layer::AvgPool2d(c) => Node::AvgPool2d {
-            kernel: pair(c.kernel_size),
-            stride: pair(c.effective_stride()),
-            padding: pair(c.padding),
-        },
-        Layer::AdaptiveAvgPool2d { output_size } => Node::AdaptiveAvgPool2d {
-            output_size: pair(*output_size),
-        },
-        Layer::BatchNorm1d(c) | Layer::BatchNorm2d(c) => Node::BatchNorm {
-            weight: find("weight"),
-            bias: find("bias"),
-            running_mean: find("running_mean"),
-            running_var: find("running_var"),
-            num_batches_tracked: find("num_batches_tracked"),
-            momentum: c.momentum,
-            eps: c.eps,
-        },
-        Layer::LayerNorm(c) => Node::LayerNorm {
-            shape: c.normalized_shape.iter().map(|&d| d as i64).collect(),
-            weight: find("weight"),
-            bias: find("bias"),
-            eps: c.eps,
-        },
-        Layer::GroupNorm(c) => Node::GroupNorm {
-            groups: c.num_groups as i64,
-            weight: find("weight"),
-            bias: find("bias"),
-            eps: c.eps,
-        },
-        Layer::Dropout { p } => Node::Dropout { p: *p },
-        Layer::Embedding(c) => Node::Embedding {
-            weight: need("weight")?,
-            padding_idx: c.padding_idx.map_or(-1, |i| i as i64),
-        },
-        Layer::Flatten { start_dim, end_dim } => Node::Flatten {
-            start: *start_dim as i64,
-            end: *end_dim as i64,
-        },
-        Layer::Relu => Node::Relu,
-        Layer::LeakyRelu { negative_slope } => Node::LeakyRelu {
-            slope: *negative_slope,
-        },
-        Layer::Gelu { approximate } => Node::Gelu {
-            approximate: match approximate {
-                GeluApproximation::Tanh => "tanh",
-                _ => "none",
-            },
-        },
-        Layer::Silu => Node::Silu,
-        Layer::Tanh => Node::Tanh,
-        Layer::Sigmoid => Node::Sigmoid,
-        Layer::Softmax { dim } => Node::Softmax { dim: *dim as i64 },
-        Layer::LogSoftmax { dim } => Node::LogSoftmax { dim: *dim as i64 },
-        Layer::MultiHeadSelfAttention(c) => Node::Attention {
-            in_proj_weight: need("in_proj_weight")?,
-            in_proj_bias: find("in_proj_bias"),
-            out_weight: need("out_proj.weight")?,
-            out_bias: find("out_proj.bias"),
-            heads: c.num_heads as i64,
-            causal: c.causal,
-            dropout: c.dropout,
-        },
         Layer::Sequential { layers } => Node::Sequential(
             layers
                 .iter()
@@ -802,17 +354,7 @@ fn build(layer: &Layer, prefix: &str, index: &HashMap<&str, usize>) -> Result<No
         Layer::Residual { block } => {
             Node::Residual(Box::new(build(block, &join(prefix, "block"), index)?))
         }
-        Layer::Custom(c) => Node::Custom {
-            path: prefix.to_owned(),
-            op: OpFn(lookup(prefix, &c.op)?),
-            params: c
-                .params
-                .iter()
-                .map(|p| need(&p.name))
-                .collect::<Result<_>>()?,
-            config: c.clone(),
-        },
-        other => return Err(Error::unsupported(format!("layer {other:?} on libtorch"))),
+        leaf => Node::Leaf(layers::build(leaf, &Lookup { prefix, index })?),
     })
 }
 

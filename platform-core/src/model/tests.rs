@@ -1,6 +1,7 @@
 //! Hand-derived shapes, names and validation errors of every layer type.
 
 use super::*;
+use crate::error::Error;
 
 fn shape(layer: impl Into<Layer>, input: &[usize]) -> Vec<usize> {
     let layer = layer.into();

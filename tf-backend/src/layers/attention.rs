@@ -1,0 +1,81 @@
+//! `MultiHeadSelfAttention` as TensorFlow graph ops.
+
+use kiln_core::{Layer, Result};
+use tensorflow::{DataType, Output};
+
+use super::{join, Built, Ctx, Val};
+
+/// Builds `layer` on `x` when it is one of this family's; hands `x` back otherwise.
+pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> Result<Built> {
+    let y = match layer {
+        Layer::MultiHeadSelfAttention(c) => ctx.attention(x, prefix, c),
+        _ => return Ok(Built::Pass(x)),
+    };
+    y.map(Built::Out)
+}
+
+impl Ctx<'_> {
+    fn attention(&mut self, x: Val, prefix: &str, c: &kiln_core::AttentionConfig) -> Result<Val> {
+        let p = |name: &str| join(prefix, name);
+        let x = self.nchw(x)?;
+        let (seq, embed) = (x.dims[0], x.dims[1]);
+        let heads = c.num_heads as i64;
+        let head_dim = embed / heads;
+        let qkv = self.linear(
+            x.clone(),
+            &p("in_proj_weight"),
+            &p("in_proj_bias"),
+            3 * embed,
+        )?;
+        let parts = self.b.split(&qkv.out, 2, 3)?;
+        // [batch, seq, heads, head_dim] views; the einsums below read the heads
+        // from there (as Keras's MultiHeadAttention does), no transposes around them.
+        let mut split = |t: &Output| -> Result<Output> {
+            self.b.reshape(
+                t,
+                &[-1, seq as i32, heads as i32, head_dim as i32],
+                DataType::Float,
+            )
+        };
+        let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
+        let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
+        let mut scores = self
+            .b
+            .mul_scalar(&scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
+        if c.causal {
+            let mut mask = vec![0f32; (seq * seq) as usize];
+            for i in 0..seq {
+                for j in (i + 1)..seq {
+                    mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
+                }
+            }
+            let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;
+            scores = self.b.add(&scores, &mask)?;
+        }
+        let weights = self.b.softmax(&scores)?;
+        let weights = self
+            .dropout(
+                Val {
+                    out: weights,
+                    dims: vec![heads, seq, seq],
+                    nhwc: false,
+                },
+                c.dropout,
+            )?
+            .out;
+        let attended = self.b.einsum("bhqk,bkhd->bqhd", &weights, &v)?;
+        let merged = self
+            .b
+            .reshape(&attended, &[-1, seq as i32, embed as i32], DataType::Float)?;
+        self.linear(
+            Val {
+                out: merged,
+                dims: vec![seq, embed],
+                nhwc: false,
+            },
+            &p("out_proj.weight"),
+            &p("out_proj.bias"),
+            embed,
+        )
+    }
+}

@@ -1,0 +1,63 @@
+//! Activations on libtorch: `Relu`, `LeakyRelu`, `Gelu`, `Silu`, `Tanh`,
+//! `Sigmoid`, `Softmax`, `LogSoftmax`.
+
+use kiln_core::{GeluApproximation, Layer, Result};
+use tch::{Kind, Tensor};
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built activation.
+#[derive(Debug)]
+enum Activation {
+    Relu,
+    LeakyRelu { slope: f64 },
+    Gelu { approximate: &'static str },
+    Silu,
+    Tanh,
+    Sigmoid,
+    Softmax { dim: i64 },
+    LogSoftmax { dim: i64 },
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::Relu => Activation::Relu,
+        Layer::LeakyRelu { negative_slope } => Activation::LeakyRelu {
+            slope: *negative_slope,
+        },
+        Layer::Gelu { approximate } => Activation::Gelu {
+            approximate: match approximate {
+                GeluApproximation::Tanh => "tanh",
+                _ => "none",
+            },
+        },
+        Layer::Silu => Activation::Silu,
+        Layer::Tanh => Activation::Tanh,
+        Layer::Sigmoid => Activation::Sigmoid,
+        Layer::Softmax { dim } => Activation::Softmax { dim: *dim as i64 },
+        Layer::LogSoftmax { dim } => Activation::LogSoftmax { dim: *dim as i64 },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Activation {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+        Ok(match self {
+            Activation::Relu => x.f_relu(),
+            Activation::LeakyRelu { slope } => {
+                // PyTorch: x > 0 ? x : slope * x (gradient `slope` at 0).
+                let positive = x.f_gt(0.0)?;
+                x.f_where_self(&positive, &x.f_mul_scalar(*slope)?)
+            }
+            Activation::Gelu { approximate } => x.f_gelu(approximate),
+            Activation::Silu => x.f_silu(),
+            Activation::Tanh => x.f_tanh(),
+            Activation::Sigmoid => x.f_sigmoid(),
+            Activation::Softmax { dim } => x.f_softmax(*dim, None::<Kind>),
+            Activation::LogSoftmax { dim } => x.f_log_softmax(*dim, None::<Kind>),
+        }?)
+    }
+}

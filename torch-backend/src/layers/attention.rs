@@ -1,0 +1,73 @@
+//! `MultiHeadSelfAttention` on libtorch.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built [`Layer::MultiHeadSelfAttention`].
+#[derive(Debug)]
+struct Attention {
+    in_proj_weight: usize,
+    in_proj_bias: Option<usize>,
+    out_weight: usize,
+    out_bias: Option<usize>,
+    heads: i64,
+    causal: bool,
+    dropout: f64,
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::MultiHeadSelfAttention(c) => Attention {
+            in_proj_weight: at.need("in_proj_weight")?,
+            in_proj_bias: at.find("in_proj_bias"),
+            out_weight: at.need("out_proj.weight")?,
+            out_bias: at.find("out_proj.bias"),
+            heads: c.num_heads as i64,
+            causal: c.causal,
+            dropout: c.dropout,
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Attention {
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+        let Attention {
+            in_proj_weight,
+            in_proj_bias,
+            out_weight,
+            out_bias,
+            heads,
+            causal,
+            dropout,
+        } = self;
+        let size = x.size();
+        let (batch, seq, embed) = (size[0], size[1], size[2]);
+        let head_dim = embed / heads;
+        let qkv = x.f_linear(model.tensor(*in_proj_weight), model.opt(*in_proj_bias))?;
+        let parts = qkv.f_chunk(3, -1)?;
+        let split = |t: &Tensor| {
+            t.f_reshape([batch, seq, *heads, head_dim])?
+                .f_transpose(1, 2)
+        };
+        let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
+        let p = if train { *dropout } else { 0.0 };
+        let attended = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<Tensor>,
+            p,
+            *causal,
+            None,
+            false,
+        )?;
+        let merged = attended.f_transpose(1, 2)?.f_reshape([batch, seq, embed])?;
+        Ok(merged.f_linear(model.tensor(*out_weight), model.opt(*out_bias))?)
+    }
+}

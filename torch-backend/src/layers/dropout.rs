@@ -1,0 +1,28 @@
+//! `Dropout` on libtorch.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built [`Layer::Dropout`].
+#[derive(Debug)]
+struct Dropout {
+    p: f64,
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::Dropout { p } => Dropout { p: *p },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Dropout {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+        Ok(x.f_dropout(self.p, train)?)
+    }
+}

@@ -1,0 +1,38 @@
+//! `Embedding` on libtorch.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built [`Layer::Embedding`]; `padding_idx` is -1 without a padding row.
+#[derive(Debug)]
+struct Embedding {
+    weight: usize,
+    padding_idx: i64,
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::Embedding(c) => Embedding {
+            weight: at.need("weight")?,
+            padding_idx: c.padding_idx.map_or(-1, |i| i as i64),
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Embedding {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+        Ok(Tensor::f_embedding(
+            model.tensor(self.weight),
+            x,
+            self.padding_idx,
+            false,
+            false,
+        )?)
+    }
+}

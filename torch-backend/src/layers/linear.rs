@@ -1,0 +1,32 @@
+//! `Linear` on libtorch.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built [`Layer::Linear`].
+#[derive(Debug)]
+struct Linear {
+    weight: usize,
+    bias: Option<usize>,
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::Linear(_) => Linear {
+            weight: at.need("weight")?,
+            bias: at.find("bias"),
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Linear {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+        Ok(x.f_linear(model.tensor(self.weight), model.opt(self.bias))?)
+    }
+}

@@ -1,0 +1,113 @@
+//! Kiln's layers on libtorch, one file per family: each turns its layers'
+//! definitions into nodes, finding their tensors by name, and runs them.
+//! [`TorchModel`] keeps the tree (`Sequential`, `Residual`) and walks it.
+//!
+//! Adding a layer to a family touches only that family's file: [`build`] asks
+//! each family in turn.
+
+mod activation;
+mod attention;
+mod conv;
+mod custom;
+mod dropout;
+mod embedding;
+mod linear;
+mod norm;
+mod pool;
+mod structure;
+
+use std::collections::HashMap;
+
+use kiln_core::{Error, Layer, Result};
+use tch::{TchError, Tensor};
+
+use crate::model::TorchModel;
+
+/// Why a forward pass failed: libtorch rejected an op, or a custom layer failed.
+pub(crate) enum Failure {
+    Torch(TchError),
+    Layer(Error),
+}
+
+impl From<TchError> for Failure {
+    fn from(e: TchError) -> Self {
+        Failure::Torch(e)
+    }
+}
+
+/// What running a node gives.
+pub(crate) type Ran = std::result::Result<Tensor, Failure>;
+
+/// A built layer without children. Its tensors are indices into the model's
+/// entries, so that moving the model to another device only replaces the entries.
+pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
+    /// Runs the layer on `x` with `model`'s tensors, in training behaviour
+    /// (dropout, batch statistics) when `train`.
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran;
+}
+
+/// Finds a layer's tensors by their names under the layer's path while the
+/// model is built.
+pub(crate) struct Lookup<'a> {
+    /// The layer's path.
+    pub(crate) prefix: &'a str,
+    /// Every entry's index by full name.
+    pub(crate) index: &'a HashMap<&'a str, usize>,
+}
+
+impl Lookup<'_> {
+    /// The index of the layer's tensor `name`, if the layer has it.
+    pub(crate) fn find(&self, name: &str) -> Option<usize> {
+        self.index.get(join(self.prefix, name).as_str()).copied()
+    }
+
+    /// The index of the layer's tensor `name`, which it must have.
+    pub(crate) fn need(&self, name: &str) -> Result<usize> {
+        self.find(name).ok_or_else(|| Error::MissingKey {
+            key: join(self.prefix, name),
+            available: self.index.len(),
+        })
+    }
+}
+
+/// Builds one family's node for `layer`, or `None` when the layer belongs to
+/// another family.
+type Build = fn(&Layer, &Lookup<'_>) -> Result<Option<Box<dyn Forward>>>;
+
+/// Every family's [`Build`].
+const FAMILIES: [Build; 10] = [
+    linear::build,
+    conv::build,
+    pool::build,
+    norm::build,
+    dropout::build,
+    embedding::build,
+    structure::build,
+    activation::build,
+    attention::build,
+    custom::build,
+];
+
+/// Builds the node of `layer`, a layer without children, at `at.prefix`.
+pub(crate) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Box<dyn Forward>> {
+    for build in FAMILIES {
+        if let Some(node) = build(layer, at)? {
+            return Ok(node);
+        }
+    }
+    Err(Error::unsupported(format!("layer {layer:?} on libtorch")))
+}
+
+/// `prefix.name`, or `name` at the root.
+pub(crate) fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_owned()
+    } else {
+        format!("{prefix}.{name}")
+    }
+}
+
+/// A `[height, width]` size as libtorch takes it.
+fn pair(v: [usize; 2]) -> [i64; 2] {
+    [v[0] as i64, v[1] as i64]
+}

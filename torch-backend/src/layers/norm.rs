@@ -1,0 +1,118 @@
+//! Normalisation on libtorch: `BatchNorm1d`, `BatchNorm2d`, `LayerNorm`, `GroupNorm`.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built normalisation layer; its variants are named after the layers they
+/// build (both batch norms are `BatchNorm`).
+#[derive(Debug)]
+#[allow(clippy::enum_variant_names)]
+enum Norm {
+    BatchNorm {
+        weight: Option<usize>,
+        bias: Option<usize>,
+        running_mean: Option<usize>,
+        running_var: Option<usize>,
+        num_batches_tracked: Option<usize>,
+        momentum: f64,
+        eps: f64,
+    },
+    LayerNorm {
+        shape: Vec<i64>,
+        weight: Option<usize>,
+        bias: Option<usize>,
+        eps: f64,
+    },
+    GroupNorm {
+        groups: i64,
+        weight: Option<usize>,
+        bias: Option<usize>,
+        eps: f64,
+    },
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::BatchNorm1d(c) | Layer::BatchNorm2d(c) => Norm::BatchNorm {
+            weight: at.find("weight"),
+            bias: at.find("bias"),
+            running_mean: at.find("running_mean"),
+            running_var: at.find("running_var"),
+            num_batches_tracked: at.find("num_batches_tracked"),
+            momentum: c.momentum,
+            eps: c.eps,
+        },
+        Layer::LayerNorm(c) => Norm::LayerNorm {
+            shape: c.normalized_shape.iter().map(|&d| d as i64).collect(),
+            weight: at.find("weight"),
+            bias: at.find("bias"),
+            eps: c.eps,
+        },
+        Layer::GroupNorm(c) => Norm::GroupNorm {
+            groups: c.num_groups as i64,
+            weight: at.find("weight"),
+            bias: at.find("bias"),
+            eps: c.eps,
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Norm {
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+        Ok(match self {
+            Norm::BatchNorm {
+                weight,
+                bias,
+                running_mean,
+                running_var,
+                num_batches_tracked,
+                momentum,
+                eps,
+            } => {
+                let tracks = running_mean.is_some();
+                // PyTorch: batch statistics in training, or always without running stats.
+                let use_batch_stats = train || !tracks;
+                if train && tracks {
+                    if let Some(n) = num_batches_tracked {
+                        let mut count = model.tensor(*n).shallow_clone();
+                        let _ = tch::no_grad(|| count.f_add_scalar_(1))?;
+                    }
+                }
+                x.f_batch_norm(
+                    model.opt(*weight),
+                    model.opt(*bias),
+                    model.opt(*running_mean),
+                    model.opt(*running_var),
+                    use_batch_stats,
+                    *momentum,
+                    *eps,
+                    false,
+                )
+            }
+            Norm::LayerNorm {
+                shape,
+                weight,
+                bias,
+                eps,
+            } => x.f_layer_norm(
+                shape.as_slice(),
+                model.opt(*weight),
+                model.opt(*bias),
+                *eps,
+                false,
+            ),
+            Norm::GroupNorm {
+                groups,
+                weight,
+                bias,
+                eps,
+            } => x.f_group_norm(*groups, model.opt(*weight), model.opt(*bias), *eps, false),
+        }?)
+    }
+}

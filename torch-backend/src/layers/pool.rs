@@ -1,0 +1,79 @@
+//! Pooling on libtorch: `MaxPool2d`, `AvgPool2d`, `AdaptiveAvgPool2d`.
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{pair, Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built pooling layer.
+#[derive(Debug)]
+enum Pool {
+    MaxPool2d {
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+    },
+    AvgPool2d {
+        kernel: [i64; 2],
+        stride: [i64; 2],
+        padding: [i64; 2],
+    },
+    AdaptiveAvgPool2d {
+        output_size: [i64; 2],
+    },
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::MaxPool2d(c) => Pool::MaxPool2d {
+            kernel: pair(c.kernel_size),
+            stride: pair(c.effective_stride()),
+            padding: pair(c.padding),
+        },
+        Layer::AvgPool2d(c) => Pool::AvgPool2d {
+            kernel: pair(c.kernel_size),
+            stride: pair(c.effective_stride()),
+            padding: pair(c.padding),
+        },
+        Layer::AdaptiveAvgPool2d { output_size } => Pool::AdaptiveAvgPool2d {
+            output_size: pair(*output_size),
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Pool {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+        Ok(match self {
+            Pool::MaxPool2d {
+                kernel,
+                stride,
+                padding,
+            } => x.f_max_pool2d(
+                kernel.as_slice(),
+                stride.as_slice(),
+                padding.as_slice(),
+                [1, 1],
+                false,
+            ),
+            Pool::AvgPool2d {
+                kernel,
+                stride,
+                padding,
+            } => x.f_avg_pool2d(
+                kernel.as_slice(),
+                stride.as_slice(),
+                padding.as_slice(),
+                false,
+                true,
+                None,
+            ),
+            Pool::AdaptiveAvgPool2d { output_size } => {
+                x.f_adaptive_avg_pool2d(output_size.as_slice())
+            }
+        }?)
+    }
+}

@@ -1,0 +1,33 @@
+//! `Flatten` on libtorch (the containers, `Sequential` and `Residual`, are
+//! the model's tree: `model.rs` builds and walks them).
+
+use kiln_core::{Layer, Result};
+use tch::Tensor;
+
+use super::{Forward, Lookup, Ran};
+use crate::model::TorchModel;
+
+/// A built [`Layer::Flatten`].
+#[derive(Debug)]
+struct Flatten {
+    start: i64,
+    end: i64,
+}
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let node = match layer {
+        Layer::Flatten { start_dim, end_dim } => Flatten {
+            start: *start_dim as i64,
+            end: *end_dim as i64,
+        },
+        _ => return Ok(None),
+    };
+    Ok(Some(Box::new(node)))
+}
+
+impl Forward for Flatten {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+        Ok(x.f_flatten(self.start, self.end)?)
+    }
+}
