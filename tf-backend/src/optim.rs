@@ -748,7 +748,7 @@ impl TfOptimizer {
                     .unwrap_or(f64::NAN);
                 Ok(value)
             }
-            Err(e) if e.to_string().contains(NON_FINITE) => {
+            Err(e) if e.display_chain().to_string().contains(NON_FINITE) => {
                 // Nothing was applied; report the loss itself (one more run, forward only).
                 let values = engine.run(
                     &feed_refs,
