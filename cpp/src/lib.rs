@@ -4,7 +4,8 @@
 //! (flags from kiln-build: C++17, libtorch's `_GLIBCXX_USE_CXX11_ABI`) and bridged
 //! with `cxx` in a private module. A C++ exception never crosses into Rust as an
 //! abort: each bridged function that can throw returns `Result`, and the wrappers
-//! here turn the exception into [`kiln_core::Error::Backend`] with its message.
+//! here turn the exception into [`kiln_core::Error::Backend`] with the
+//! [`cxx::Exception`] (its message) as the source.
 //!
 //! ```
 //! assert_eq!(kiln_ops::checked_numel(&[2, 3, 4])?, 24);
@@ -64,14 +65,15 @@ pub fn cxx11_abi() -> i32 {
 /// The number of elements of a shape, computed and validated in C++.
 ///
 /// A negative dimension or an element count beyond `i64` is an
-/// [`Error::Backend`] carrying the C++ exception's message.
+/// [`Error::Backend`] whose source is the C++ exception (its message).
 pub fn checked_numel(dims: &[i64]) -> Result<i64> {
     bridge::ffi::checked_numel(dims).map_err(|e| cxx_error("checked_numel", e))
 }
 
-/// A C++ exception caught by the bridge, as a Kiln error.
+/// A C++ exception caught by the bridge, as a Kiln error with the exception as
+/// its source.
 fn cxx_error(op: &str, exception: cxx::Exception) -> Error {
-    Error::backend("kiln-ops", op, exception.what())
+    Error::backend_with_source("kiln-ops", op, exception)
 }
 
 #[cfg(test)]
@@ -99,11 +101,19 @@ mod tests {
     #[test]
     fn exceptions_come_back_as_backend_errors() {
         let err = checked_numel(&[2, -3]).unwrap_err();
-        let text = err.to_string();
+        let text = err.display_chain().to_string();
         assert!(matches!(err, Error::Backend { .. }), "{text}");
         assert!(text.contains("dimension 1 is -3, expected >= 0"), "{text}");
+        let source = std::error::Error::source(&err);
+        assert!(
+            source.is_some_and(|e| e.downcast_ref::<cxx::Exception>().is_some()),
+            "{err:?}"
+        );
 
-        let err = checked_numel(&[i64::MAX, 2]).unwrap_err().to_string();
+        let err = checked_numel(&[i64::MAX, 2])
+            .unwrap_err()
+            .display_chain()
+            .to_string();
         assert!(err.contains("overflows int64 at dimension 1"), "{err}");
     }
 }

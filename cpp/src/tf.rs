@@ -94,7 +94,7 @@ mod ffi {
 /// A failed registration (reported by TensorFlow) is an [`Error::Backend`].
 pub fn register() -> Result<()> {
     ffi::register_tf_ops()
-        .map_err(|e| Error::backend("kiln-ops", "registering the TensorFlow ops", e.what()))
+        .map_err(|e| Error::backend_with_source("kiln-ops", "registering the TensorFlow ops", e))
 }
 
 /// Adds a `KilnBiasGelu` node named `name`: `gelu(x + bias)` with `bias` of `x`'s

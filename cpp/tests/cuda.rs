@@ -273,7 +273,8 @@ mod gpu {
                 ),
                 Err(e) => e,
             };
-            let text = err.to_string();
+            // The C++ exception is the error's source: read the chain, as a user sees it.
+            let text = err.display_chain().to_string();
             assert!(
                 matches!(err, kiln_core::Error::Backend { .. }),
                 "{what}: {text}"

@@ -271,14 +271,15 @@ fn misuse_fails_with_errors_that_name_the_problem() {
         .unwrap()
         .forward(&x)
         .unwrap_err();
+    // The native message is the error's source: read the chain, as a user sees it.
     assert!(matches!(err, Error::Backend { .. }), "{err:?}");
-    assert!(err.to_string().contains("bias"), "{err}");
+    assert!(err.display_chain().to_string().contains("bias"), "{err}");
     let err = kiln_tf::TfModel::new(&wrong, Device::Cpu)
         .unwrap()
         .forward(&TfTensor::from_host(&HostTensor::new(vec![1.0f32; 6], [2, 3]).unwrap()).unwrap())
         .unwrap_err();
     assert!(matches!(err, Error::Backend { .. }), "{err:?}");
-    assert!(err.to_string().contains("bias"), "{err}");
+    assert!(err.display_chain().to_string().contains("bias"), "{err}");
 }
 
 /// Under `bf16-mixed` the fused layers get bf16 activations from the linear layers

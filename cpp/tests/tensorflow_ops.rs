@@ -601,7 +601,8 @@ fn known_bad_shapes_fail_when_the_op_is_added() {
     let x = placeholder(&mut graph, "x", DataType::Float, Some(&[2, 4]));
     let bias = placeholder(&mut graph, "bias", DataType::Float, Some(&[3]));
     let err = ops::bias_gelu(&mut graph, "y", x.clone().into(), bias.into()).unwrap_err();
-    let text = err.to_string();
+    // TensorFlow's status is the error's source: read the chain, as a user sees it.
+    let text = err.display_chain().to_string();
     eprintln!("got the expected error: {text}");
     assert!(
         text.contains("kiln::bias_gelu: bias must have shape [4] (x's last dimension), got [3]"),
@@ -618,6 +619,7 @@ fn known_bad_shapes_fail_when_the_op_is_added() {
         0.0,
     )
     .unwrap_err()
+    .display_chain()
     .to_string();
     assert!(
         err.contains("kiln::softmax_xent: target must have shape [2], got [3]"),
@@ -626,12 +628,14 @@ fn known_bad_shapes_fail_when_the_op_is_added() {
     let target = placeholder(&mut graph, "target32", DataType::Int32, Some(&[2]));
     let err = ops::softmax_cross_entropy(&mut graph, "xent32", logits.into(), target.into(), 0.0)
         .unwrap_err()
+        .display_chain()
         .to_string();
     assert!(err.contains("int64"), "{err}");
 
     let beta = placeholder(&mut graph, "beta", DataType::Float, Some(&[2, 1]));
     let err = ops::swish(&mut graph, "swish", x.into(), beta.into())
         .unwrap_err()
+        .display_chain()
         .to_string();
     assert!(
         err.contains("kiln::swish: beta must have one element, got shape [2, 1]"),

@@ -1,4 +1,11 @@
 //! The single error type shared by every Kiln crate.
+//!
+//! An error's `Display` says what was being done and what was wrong at its own
+//! level; a cause (an I/O error, a native library's message, the error that made a
+//! checkpoint not fit) is never repeated in it but returned by
+//! [`source`](std::error::Error::source). Show the whole chain, `context: cause:
+//! cause`, with [`Error::display_chain`] or [`ErrorChain`] (or `anyhow`'s `{:#}`),
+//! which prints each cause once.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -15,7 +22,12 @@ pub type BoxedSource = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// Everything that can go wrong in Kiln.
 ///
-/// Every message names what was wrong and what was expected.
+/// Every message names what was wrong and what was expected. Variants with a
+/// cause ([`Io`](Error::Io), [`Backend`](Error::Backend), and
+/// [`Checkpoint`](Error::Checkpoint) and [`Data`](Error::Data) when they have
+/// one) keep it as the [`source`](std::error::Error::source) and leave it out
+/// of their own message: show an error to a user with
+/// [`display_chain`](Error::display_chain) (or `anyhow`'s `{:#}`).
 ///
 /// ```
 /// use kiln_core::{DType, Error};
@@ -86,8 +98,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// An I/O operation on a file failed.
-    #[error("{}: {source}", .path.display())]
+    /// An I/O operation on a file failed. Displays the path; the I/O error is
+    /// the source (`{:#}` shows `path: No such file or directory (os error 2)`).
+    #[error("{}", .path.display())]
     Io {
         /// The file or directory involved.
         path: PathBuf,
@@ -101,8 +114,12 @@ pub enum Error {
     Checkpoint {
         /// The checkpoint file or directory.
         path: PathBuf,
-        /// What is wrong with it.
+        /// What is wrong with it (without the cause's message).
         reason: String,
+        /// The error behind `reason`, when there is one (a state dict that does
+        /// not fit, metadata that is not JSON).
+        #[source]
+        source: Option<BoxedSource>,
     },
 
     /// A run's output directory cannot be used (not empty for a new run,
@@ -122,22 +139,29 @@ pub enum Error {
         path: PathBuf,
         /// Byte offset of the problem (in the decompressed stream for compressed files), when known.
         offset: Option<u64>,
-        /// What is wrong, including the 1-based line for text formats.
+        /// What is wrong, including the 1-based line for text formats (without
+        /// the cause's message).
         reason: String,
+        /// The error behind `reason`, when there is one (a read or gzip error,
+        /// a native library's refusal).
+        #[source]
+        source: Option<BoxedSource>,
     },
 
     /// A native library (libtorch, TensorFlow, ...) reported an error.
-    #[error("{backend} failed in {context}: {message}")]
+    ///
+    /// Displays the backend and the operation; the native library's message is
+    /// the source: a native error value, or a [`BackendMessage`] when the
+    /// library gave only text (`{:#}` shows `torch failed in matmul: <message>`).
+    #[error("{backend} failed in {context}")]
     Backend {
         /// Name of the backend, see [`Backend::NAME`](crate::Backend::NAME).
         backend: &'static str,
         /// The operation that failed.
         context: String,
-        /// The native library's message.
-        message: String,
-        /// The native error value, when there is one.
+        /// The native error, whose `Display` is the native library's message.
         #[source]
-        source: Option<BoxedSource>,
+        source: BoxedSource,
     },
 
     /// The operation is not supported (by this backend, dtype, device, ...).
@@ -199,8 +223,75 @@ impl fmt::Display for AtOffset {
     }
 }
 
+/// The message of a backend error that has no error value of its own (a C++
+/// exception's text, a panic message): the source of such an
+/// [`Error::Backend`], displayed as the text itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendMessage(String);
+
+impl BackendMessage {
+    /// The message.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for BackendMessage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BackendMessage {}
+
+/// Displays an error followed by each of its sources, separated by `": "`
+/// (`context: cause: cause`), as `anyhow` does for `{:#}`. Made by
+/// [`Error::display_chain`], or [`ErrorChain::new`] for any error.
+///
+/// ```
+/// use kiln_core::Error;
+///
+/// let err = Error::io("data/x.csv", std::io::Error::other("disk on fire"));
+/// assert_eq!(err.to_string(), "data/x.csv");
+/// assert_eq!(err.display_chain().to_string(), "data/x.csv: disk on fire");
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl<'a> ErrorChain<'a> {
+    /// The chain of `error` and its sources.
+    pub fn new(error: &'a (dyn std::error::Error + 'static)) -> Self {
+        ErrorChain(error)
+    }
+}
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut next = self.0.source();
+        while let Some(cause) = next {
+            write!(f, ": {cause}")?;
+            next = cause.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
 impl Error {
-    /// An error reported by a native backend, without a source error value.
+    /// This error with all its causes, `context: cause: cause`: the message
+    /// to show a user (the same text as `anyhow`'s `{:#}`).
+    pub fn display_chain(&self) -> ErrorChain<'_> {
+        ErrorChain(self)
+    }
+
+    /// An error reported by a native backend that gave only a message; the
+    /// message becomes the source, a [`BackendMessage`].
     pub fn backend(
         backend: &'static str,
         context: impl Into<String>,
@@ -209,12 +300,12 @@ impl Error {
         Error::Backend {
             backend,
             context: context.into(),
-            message: message.into(),
-            source: None,
+            source: Box::new(BackendMessage(message.into())),
         }
     }
 
-    /// An error reported by a native backend; the message is `source.to_string()`.
+    /// An error reported by a native backend, keeping its error value as the
+    /// source (whose `Display` is the native message).
     pub fn backend_with_source<E>(
         backend: &'static str,
         context: impl Into<String>,
@@ -226,8 +317,62 @@ impl Error {
         Error::Backend {
             backend,
             context: context.into(),
-            message: source.to_string(),
-            source: Some(Box::new(source)),
+            source: Box::new(source),
+        }
+    }
+
+    /// A checkpoint at `path` that cannot be used, for `reason`.
+    pub fn checkpoint(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Error::Checkpoint {
+            path: path.into(),
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A checkpoint at `path` that cannot be used, for `reason`, because of
+    /// `source` (kept as the source, not repeated in `reason`).
+    pub fn checkpoint_caused_by<E>(
+        path: impl Into<PathBuf>,
+        reason: impl Into<String>,
+        source: E,
+    ) -> Self
+    where
+        E: Into<BoxedSource>,
+    {
+        Error::Checkpoint {
+            path: path.into(),
+            reason: reason.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// A malformed data file `path` (at byte `offset` when known), for `reason`.
+    pub fn data(path: impl Into<PathBuf>, offset: Option<u64>, reason: impl Into<String>) -> Self {
+        Error::Data {
+            path: path.into(),
+            offset,
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// A malformed data file, for `reason`, because of `source` (kept as the
+    /// source, not repeated in `reason`).
+    pub fn data_caused_by<E>(
+        path: impl Into<PathBuf>,
+        offset: Option<u64>,
+        reason: impl Into<String>,
+        source: E,
+    ) -> Self
+    where
+        E: Into<BoxedSource>,
+    {
+        Error::Data {
+            path: path.into(),
+            offset,
+            reason: reason.into(),
+            source: Some(source.into()),
         }
     }
 
@@ -296,10 +441,7 @@ mod tests {
             "device cuda:0 is unavailable: no CUDA driver"
         );
 
-        let e = Error::Checkpoint {
-            path: PathBuf::from("run/ckpt-3"),
-            reason: "missing metadata".into(),
-        };
+        let e = Error::checkpoint("run/ckpt-3", "missing metadata");
         assert_eq!(e.to_string(), "checkpoint run/ckpt-3: missing metadata");
 
         assert_eq!(
@@ -322,20 +464,12 @@ mod tests {
 
     #[test]
     fn data_error_names_offset_when_known() {
-        let e = Error::Data {
-            path: PathBuf::from("d.csv.gz"),
-            offset: Some(130),
-            reason: "line 3: bad".into(),
-        };
+        let e = Error::data("d.csv.gz", Some(130), "line 3: bad");
         assert_eq!(
             e.to_string(),
             "malformed data file d.csv.gz at byte 130: line 3: bad"
         );
-        let e = Error::Data {
-            path: PathBuf::from("d.csv.gz"),
-            offset: None,
-            reason: "empty".into(),
-        };
+        let e = Error::data("d.csv.gz", None, "empty");
         assert_eq!(e.to_string(), "malformed data file d.csv.gz: empty");
     }
 
@@ -345,26 +479,100 @@ mod tests {
             "/nope/x.bin",
             std::io::Error::new(std::io::ErrorKind::NotFound, "not found"),
         );
-        assert_eq!(e.to_string(), "/nope/x.bin: not found");
+        assert_eq!(e.to_string(), "/nope/x.bin");
+        assert_eq!(e.display_chain().to_string(), "/nope/x.bin: not found");
         assert!(e.source().is_some());
     }
 
     #[test]
     fn backend_constructors() {
+        // A message alone becomes the source, so both constructors chain alike.
         let e = Error::backend("torch", "matmul", "size mismatch");
-        assert_eq!(e.to_string(), "torch failed in matmul: size mismatch");
-        assert!(e.source().is_none());
+        assert_eq!(e.to_string(), "torch failed in matmul");
+        assert_eq!(
+            e.display_chain().to_string(),
+            "torch failed in matmul: size mismatch"
+        );
+        assert!(e
+            .source()
+            .is_some_and(|s| s.downcast_ref::<BackendMessage>().is_some()));
 
         let io = std::io::Error::other("CUDA out of memory");
         let e = Error::backend_with_source("tensorflow", "session run", io);
+        assert_eq!(e.to_string(), "tensorflow failed in session run");
         assert_eq!(
-            e.to_string(),
+            e.display_chain().to_string(),
             "tensorflow failed in session run: CUDA out of memory"
         );
         assert_eq!(
             e.source().map(ToString::to_string).as_deref(),
             Some("CUDA out of memory")
         );
+    }
+
+    /// `context: cause: cause` written by walking `source()` by hand, as
+    /// `anyhow`'s `{:#}` does (independent of [`ErrorChain`]).
+    fn walk_chain(error: &(dyn std::error::Error + 'static)) -> String {
+        let mut parts = vec![error.to_string()];
+        let mut next = error.source();
+        while let Some(cause) = next {
+            parts.push(cause.to_string());
+            next = cause.source();
+        }
+        parts.join(": ")
+    }
+
+    #[test]
+    fn a_chained_cause_is_shown_once() {
+        let cause = "No such file or directory (os error 2)";
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, cause);
+        let cases = [
+            (
+                Error::backend_with_source("tensorflow", "session run", io()),
+                format!("tensorflow failed in session run: {cause}"),
+            ),
+            (
+                Error::io("/runs/a/last.safetensors", io()),
+                format!("/runs/a/last.safetensors: {cause}"),
+            ),
+        ];
+        for (error, full) in cases {
+            let walked = walk_chain(&error);
+            assert_eq!(walked.matches(cause).count(), 1, "{walked}");
+            assert_eq!(walked, full);
+            assert!(error.source().is_some(), "{error:?}");
+        }
+    }
+
+    #[test]
+    fn checkpoint_and_data_errors_keep_their_cause() {
+        let checkpoint = Error::checkpoint_caused_by(
+            "/runs/a/last.safetensors",
+            "does not fit this model and optimizer",
+            Error::backend("torch", "loading fc.weight", "size mismatch"),
+        );
+        let read = std::io::Error::other("corrupt deflate stream");
+        let data = Error::data_caused_by("d.csv.gz", Some(7), "line 2: cannot read", read);
+        for (error, cause, full) in [
+            (
+                &checkpoint,
+                "size mismatch",
+                "checkpoint /runs/a/last.safetensors: does not fit this model and optimizer: \
+                 torch failed in loading fc.weight: size mismatch",
+            ),
+            (
+                &data,
+                "corrupt deflate stream",
+                "malformed data file d.csv.gz at byte 7: line 2: cannot read: \
+                 corrupt deflate stream",
+            ),
+        ] {
+            assert!(!error.to_string().contains(cause), "{error}");
+            let walked = walk_chain(error);
+            assert_eq!(walked.matches(cause).count(), 1, "{walked}");
+            assert_eq!(walked, full);
+            assert_eq!(error.display_chain().to_string(), full);
+        }
     }
 
     #[test]

@@ -86,7 +86,7 @@ pub use data::{
 };
 pub use device::Device;
 pub use dtype::{DType, Element};
-pub use error::{BoxedSource, Error, Result};
+pub use error::{BackendMessage, BoxedSource, Error, ErrorChain, Result};
 pub use learner::{
     Callback, EagerBackend, EarlyStopping, EpochRecord, Flow, ScheduleInterval, StepPlan,
     TrainBackend, Trainer, TrainerConfig, TrainingState,

@@ -36,10 +36,7 @@ fn swap_to_le(bytes: &[u8], dtype: DType) -> Cow<'_, [u8]> {
 }
 
 fn corrupt(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Checkpoint {
-        path: path.to_path_buf(),
-        reason: reason.into(),
-    }
+    Error::checkpoint(path, reason)
 }
 
 impl StateDict {
@@ -307,8 +304,9 @@ fn read_file(
     let (entries, metadata) = read_header(file, len, path)?;
     let mut state = StateDict::new();
     for entry in entries {
-        let mut tensor = HostTensor::zeros(entry.dtype, entry.shape.as_slice())
-            .map_err(|e| corrupt(path, format!("tensor `{}`: {e}", entry.name)))?;
+        let mut tensor = HostTensor::zeros(entry.dtype, entry.shape.as_slice()).map_err(|e| {
+            Error::checkpoint_caused_by(path, format!("tensor `{}`", entry.name), e)
+        })?;
         file.read_exact(tensor.as_bytes_mut())
             .map_err(|e| Error::io(path, e))?;
         if cfg!(target_endian = "big") {

@@ -317,7 +317,9 @@ mod tests {
             let entries: Vec<(&str, &dyn WritableTensor)> = vec![("good", &good), ("bad", &bad)];
             let err = crate::safetensors::save_entries(&path, entries, &BTreeMap::new())
                 .expect_err("refused");
-            assert!(err.to_string().contains(expect), "{err}");
+            // The backend's message is the error's source: read the whole chain.
+            let text = err.display_chain().to_string();
+            assert!(text.contains(expect), "{text}");
             assert_eq!(std::fs::read(&path).expect("read"), before);
             // No temporary file is left behind.
             assert_eq!(std::fs::read_dir(&dir).expect("list").count(), 1);

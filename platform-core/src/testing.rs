@@ -81,6 +81,7 @@ pub(crate) fn data_error(err: crate::Error) -> (std::path::PathBuf, Option<u64>,
             path,
             offset,
             reason,
+            ..
         } => (path, offset, reason),
         other => panic!("expected Error::Data, got {other:?}"),
     }

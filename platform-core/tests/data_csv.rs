@@ -22,6 +22,7 @@ fn data_error(err: Error) -> (PathBuf, Option<u64>, String) {
             path,
             offset,
             reason,
+            ..
         } => (path, offset, reason),
         other => panic!("expected Error::Data, got {other:?}"),
     }

@@ -149,11 +149,7 @@ impl Dataset for Faulty {
             if self.panic {
                 panic!("boom at sample {index}");
             }
-            return Err(Error::Data {
-                path: "images/broken.png".into(),
-                offset: Some(17),
-                reason: "bad pixel".into(),
-            });
+            return Err(Error::data("images/broken.png", Some(17), "bad pixel"));
         }
         self.inner.get(index)
     }
@@ -194,6 +190,7 @@ fn a_failing_item_is_an_error_at_its_batch_then_the_epoch_ends() -> Result<()> {
                 path,
                 offset,
                 reason,
+                ..
             } => {
                 assert_eq!(path.to_str(), Some("images/broken.png"));
                 assert_eq!(*offset, Some(17));
@@ -224,7 +221,8 @@ fn a_panicking_get_is_an_error_not_a_hang() -> Result<()> {
         assert_eq!(results.len(), 2, "{workers} workers");
         assert!(results[0].is_ok());
         let err = results[1].as_ref().expect_err("panic reported");
-        let msg = err.to_string();
+        // The panic message is the source: read the whole chain, as a user sees it.
+        let msg = err.display_chain().to_string();
         assert!(matches!(err, Error::Backend { .. }), "{msg}");
         assert!(
             msg.starts_with("data loader failed in batch 1 (dataset indices [4, 5, 6, 7])"),

@@ -131,7 +131,7 @@ fn python_written_file_loads() {
     std::fs::write(&cut, &bytes[..bytes.len() - 16]).expect("write");
     let err = StateDict::load_safetensors(&cut).expect_err("truncated");
     match &err {
-        Error::Checkpoint { path, reason } => {
+        Error::Checkpoint { path, reason, .. } => {
             assert_eq!(path, &cut);
             assert!(reason.starts_with("header claims"), "{reason}");
             assert!(reason.contains("(the file is truncated)"), "{reason}");
@@ -195,7 +195,7 @@ fn unsupported_dtype_and_garbage_are_named() {
     std::fs::write(&garbage, noise).expect("write");
     let err = StateDict::load_safetensors(&garbage).expect_err("garbage");
     match &err {
-        Error::Checkpoint { path, reason } => {
+        Error::Checkpoint { path, reason, .. } => {
             assert_eq!(path, &garbage);
             assert!(reason.contains("not a safetensors file"), "{reason}");
         }

@@ -8,7 +8,7 @@ pub const TENSORFLOW_VERSION: &str = "2.21.0";
 /// The version string of the loaded TensorFlow library (`TF_Version`).
 pub fn runtime_version() -> Result<String> {
     tensorflow::version()
-        .map_err(|e| Error::backend("tensorflow", "reading TF_Version", e.to_string()))
+        .map_err(|e| Error::backend_with_source("tensorflow", "reading TF_Version", e))
 }
 
 /// Checks that the loaded library is TensorFlow [`TENSORFLOW_VERSION`]; a different

@@ -115,7 +115,8 @@ fn tensorflow_errors_carry_the_native_message() {
         .finish()
         .map_err(|status| kiln_tf::tf_error("building a graph", status))
         .unwrap_err();
-    let text = err.to_string();
+    // The status is the error's source: read the chain, as a user sees it.
+    let text = err.display_chain().to_string();
     assert!(
         matches!(
             err,

@@ -90,7 +90,7 @@ impl AutocastGuard {
             }
         };
         let previous = ffi::autocast_enter(device_type, code)
-            .map_err(|e| Error::backend("torch", "entering autocast", e.what()))?;
+            .map_err(|e| Error::backend_with_source("torch", "entering autocast", e))?;
         Ok(Self {
             device_type,
             previous,

@@ -3,7 +3,8 @@
 //! [`TorchBackend`] implements [`kiln_core::Backend`] with `tch::Tensor` as its
 //! tensor type. Every libtorch call made here uses tch's fallible `f_*` form, so a
 //! libtorch error (a C++ exception on the other side) comes back as
-//! [`kiln_core::Error::Backend`] carrying libtorch's message, never as a panic.
+//! [`kiln_core::Error::Backend`] whose source, a [`TorchError`], carries libtorch's
+//! message without its C++ stack trace; never as a panic.
 //!
 //! ```no_run
 //! use kiln_core::{Backend, Device, HostTensor};
@@ -44,7 +45,7 @@ pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pin
 pub use custom::{Chain, TchModule};
 pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
-pub use error::torch_error;
+pub use error::{torch_error, TorchError};
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};

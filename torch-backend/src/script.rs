@@ -10,7 +10,7 @@ use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, is_float_kind};
 use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
-use crate::error::torch_error;
+use crate::error::{torch_error, TorchError};
 
 /// A TorchScript model loaded from a `.pt` file.
 ///
@@ -50,13 +50,12 @@ impl ScriptModule {
             return Err(Error::io(&path, source));
         }
         let module = CModule::load_on_device(&path, device_to_tch(device)?).map_err(|e| {
-            Error::Data {
-                path: path.clone(),
-                offset: None,
-                reason: format!(
-                    "not a loadable TorchScript archive (expected the output of torch.jit.save): {e}"
-                ),
-            }
+            Error::data_caused_by(
+                &path,
+                None,
+                "not a loadable TorchScript archive (expected the output of torch.jit.save)",
+                TorchError::new(e),
+            )
         })?;
         let params = module
             .named_parameters()
@@ -244,7 +243,11 @@ impl Module<TorchBackend> for ScriptModule {
 
     fn set_mode(&mut self, mode: Mode) {
         if let Err(error) = self.apply_mode(mode) {
-            log::error!("cannot switch {} to {mode:?}: {error}", self.path.display());
+            log::error!(
+                "cannot switch {} to {mode:?}: {}",
+                self.path.display(),
+                error.display_chain()
+            );
         }
     }
 

@@ -140,6 +140,38 @@ fn missing_cuda_device_is_a_typed_error() {
     );
 }
 
+/// `error: cause: cause`, walking `source()` as `anyhow`'s `{:#}` does (what the
+/// CLI prints).
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut next = error.source();
+    while let Some(cause) = next {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        next = cause.source();
+    }
+    text
+}
+
+#[test]
+fn libtorch_errors_show_no_cpp_stack_trace_through_the_chain() {
+    let a = tch::Tensor::ones([2, 3], (tch::Kind::Float, tch::Device::Cpu));
+    let b = tch::Tensor::ones([4, 5], (tch::Kind::Float, tch::Device::Cpu));
+    let native = a.f_matmul(&b).unwrap_err();
+    // libtorch appends its C++ stack trace to the message; the test needs one.
+    assert!(
+        native.to_string().contains("Exception raised from"),
+        "{native}"
+    );
+    let err = kiln_torch::torch_error("matmul", native);
+    let text = chain(&err);
+    assert!(text.contains("cannot be multiplied"), "{text}");
+    assert_eq!(text.matches("cannot be multiplied").count(), 1, "{text}");
+    assert!(!text.contains("Exception raised from"), "{text}");
+    assert!(!text.contains("frame #"), "{text}");
+    assert_eq!(text.lines().count(), 1, "{text}");
+}
+
 #[test]
 fn libtorch_errors_carry_the_native_message() {
     let a = tch::Tensor::ones([2, 3], (tch::Kind::Float, tch::Device::Cpu));
@@ -148,7 +180,8 @@ fn libtorch_errors_carry_the_native_message() {
         .f_matmul(&b)
         .map_err(|e| kiln_torch::torch_error("matmul", e))
         .unwrap_err();
-    let text = err.to_string();
+    // libtorch's message is the error's source: read the chain, as a user sees it.
+    let text = chain(&err);
     assert!(
         matches!(
             err,

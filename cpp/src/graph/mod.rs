@@ -132,10 +132,10 @@ impl CudaGraph {
         match (result, ended) {
             (Ok(value), Ok(())) => Ok(value),
             // The work's own error says more than "capture invalidated".
-            (Err(e), _) => Err(Error::backend(
+            (Err(e), _) => Err(Error::backend_with_source(
                 "kiln-ops",
-                "CUDA graph: capturing",
-                format!("{e} (nothing in a captured step may synchronise with the host)"),
+                "CUDA graph: capturing (nothing in a captured step may synchronise with the host)",
+                e,
             )),
             (Ok(_), Err(e)) => Err(e),
         }
@@ -157,7 +157,7 @@ impl CudaGraph {
 }
 
 fn graph_error(what: &str, e: cxx::Exception) -> Error {
-    Error::backend("kiln-ops", format!("CUDA graph: {what}"), e.what())
+    Error::backend_with_source("kiln-ops", format!("CUDA graph: {what}"), e)
 }
 
 /// A whole training step (forward, loss, backward, gradient clipping, optimizer

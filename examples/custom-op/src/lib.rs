@@ -64,7 +64,8 @@ pub fn squared_relu(x: &Tensor) -> Result<Tensor> {
     // SAFETY: `x` is a live tensor borrowed for the call; tch's `C_tensor` is an `at::Tensor`.
     #[allow(unsafe_code)]
     let result = unsafe { ffi::bridge::squared_relu(x.as_ptr().cast()) };
-    let ptr = result.map_err(|e| Error::backend("example", "squared_relu", e.what()))?;
+    // The C++ exception (its message) is the Kiln error's source.
+    let ptr = result.map_err(|e| Error::backend_with_source("example", "squared_relu", e))?;
     // SAFETY: the C++ side returned `new at::Tensor(...)`; the new `Tensor` owns it.
     #[allow(unsafe_code)]
     Ok(unsafe { Tensor::from_ptr(ptr.cast()) })
@@ -103,7 +104,7 @@ pub mod tf {
     /// before importing a graph that uses the op; [`squared_relu`] calls it.
     pub fn register() -> Result<()> {
         crate::tf_ffi::bridge::register_tf_ops()
-            .map_err(|e| Error::backend("example", "registering the TensorFlow ops", e.what()))
+            .map_err(|e| Error::backend_with_source("example", "registering the TensorFlow ops", e))
     }
 
     /// Adds an [`OP`] node, `max(x, 0)^2`, to `graph` and returns its output. `x`

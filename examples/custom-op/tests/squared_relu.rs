@@ -41,10 +41,11 @@ fn gradient_matches_finite_differences_and_values_match_relu_squared() {
 #[test]
 fn a_bad_dtype_is_an_error() {
     let err = squared_relu(&Tensor::from_slice(&[1i64, 2])).unwrap_err();
+    // The C++ exception is the error's source: read the chain, as a user sees it.
+    let text = err.display_chain().to_string();
     assert!(
-        err.to_string()
-            .contains("example::squared_relu: x must be float32 or float64, got Long"),
-        "{err}"
+        text.contains("example::squared_relu: x must be float32 or float64, got Long"),
+        "{text}"
     );
 }
 
@@ -202,7 +203,7 @@ fn tensorflow_errors_are_statuses_not_aborts() {
     let mut graph = Graph::new();
     let ints = placeholder(&mut graph, "ints", DataType::Int64);
     let err = tf::squared_relu(&mut graph, ints.into()).unwrap_err();
-    let text = err.to_string();
+    let text = err.display_chain().to_string();
     eprintln!("got the expected error: {text}");
     assert!(
         text.contains(tf::OP) && text.contains("int64") && text.contains("float, double"),

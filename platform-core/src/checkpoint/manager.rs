@@ -137,7 +137,7 @@ impl Checkpointer {
                 Some(monitor) => match Checkpoint::load_metrics(&path) {
                     Ok(metrics) => metrics.get(monitor).copied(),
                     Err(e) => {
-                        log::warn!("{e}; it is not ranked by `{monitor}`");
+                        log::warn!("{}; it is not ranked by `{monitor}`", e.display_chain());
                         None
                     }
                 },

@@ -140,10 +140,7 @@ const OPTIMIZER_TENSORS: &str = "kiln.optimizer_tensors";
 
 /// Checks that `meta` is a Kiln checkpoint's metadata of the format this Kiln reads.
 fn check_format(meta: &BTreeMap<String, String>, path: &Path) -> Result<()> {
-    let bad = |reason: String| Error::Checkpoint {
-        path: path.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| Error::checkpoint(path, reason);
     match meta.get("kiln.format").map(String::as_str) {
         Some(CHECKPOINT_FORMAT) => Ok(()),
         Some(other) => Err(bad(format!(
@@ -177,10 +174,9 @@ impl Checkpoint {
     /// fewer or more optimizer tensors than it was written with.
     pub fn load(path: &Path) -> Result<Self> {
         let (tensors, meta) = StateDict::load_safetensors(path)?;
-        let bad = |reason: String| Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason,
-        };
+        let bad = |reason: String| Error::checkpoint(path, reason);
+        let bad_json =
+            |reason: String, e: serde_json::Error| Error::checkpoint_caused_by(path, reason, e);
         check_format(&meta, path)?;
         let number = |key: &str| -> Result<u64> {
             let text = meta
@@ -193,15 +189,16 @@ impl Checkpoint {
             meta.get(key)
                 .map(|text| {
                     serde_json::from_str(text)
-                        .map_err(|e| bad(format!("metadata `{key}` is not valid JSON: {e}")))
+                        .map_err(|e| bad_json(format!("metadata `{key}` is not valid JSON"), e))
                 })
                 .transpose()
         };
         let model_definition = match parse_json("kiln.model")? {
             Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                bad(format!(
-                    "metadata `kiln.model` is not a model definition: {e}"
-                ))
+                bad_json(
+                    "metadata `kiln.model` is not a model definition".to_owned(),
+                    e,
+                )
             })?),
             None => None,
         };
@@ -242,9 +239,10 @@ impl Checkpoint {
             metrics,
             epoch_loss: match parse_json("kiln.epoch_loss")? {
                 Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                    bad(format!(
-                        "metadata `kiln.epoch_loss` is not [sum, samples]: {e}"
-                    ))
+                    bad_json(
+                        "metadata `kiln.epoch_loss` is not [sum, samples]".to_owned(),
+                        e,
+                    )
                 })?),
                 None => None,
             },
@@ -266,14 +264,14 @@ impl<S> Checkpoint<S> {
         }
         let json = |layer: &Layer| serde_json::to_value(layer).unwrap_or_default();
         let (at, config, checkpoint) = first_difference(&json(expected), &json(recorded), "model");
-        Err(Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!(
+        Err(Error::checkpoint(
+            path,
+            format!(
                 "was trained with another model definition: at `{at}` the config has {config} \
                  and the checkpoint {checkpoint}. The config is the source of truth: give it \
                  the checkpoint's definition (`kiln inspect` shows it) or use another checkpoint"
             ),
-        })
+        ))
     }
 }
 
@@ -324,18 +322,15 @@ fn parse_metrics(meta: &BTreeMap<String, String>, path: &Path) -> Result<BTreeMa
     let Some(text) = meta.get("kiln.metrics") else {
         return Ok(BTreeMap::new());
     };
-    serde_json::from_str(text).map_err(|e| Error::Checkpoint {
-        path: path.to_path_buf(),
-        reason: format!("metadata `kiln.metrics` is not a map of numbers: {e}"),
+    serde_json::from_str(text).map_err(|e| {
+        Error::checkpoint_caused_by(path, "metadata `kiln.metrics` is not a map of numbers", e)
     })
 }
 
 /// Serialises a metadata value to JSON, naming the file on failure.
 fn to_json<T: serde::Serialize>(value: &T, path: &Path) -> Result<String> {
-    serde_json::to_string(value).map_err(|e| Error::Checkpoint {
-        path: path.to_path_buf(),
-        reason: format!("cannot serialise metadata: {e}"),
-    })
+    serde_json::to_string(value)
+        .map_err(|e| Error::checkpoint_caused_by(path, "cannot serialise metadata", e))
 }
 
 /// `<dir>/step-<step>.safetensors`.

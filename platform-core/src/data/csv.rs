@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::path::Path;
 
-use crate::data::source::{read_error_reason, Source};
+use crate::data::source::{read_error, Source};
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
 
@@ -111,11 +111,7 @@ impl Default for CsvOptions {
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub fn load_csv(path: &Path, options: &CsvOptions) -> Result<(HostTensor, HostTensor)> {
-    let data_error = |offset: usize, reason: String| Error::Data {
-        path: path.to_path_buf(),
-        offset: Some(offset as u64),
-        reason,
-    };
+    let data_error = |offset: usize, reason: String| Error::data(path, Some(offset as u64), reason);
     if matches!(options.label_column, LabelColumn::Name(_)) && !options.has_header {
         return Err(Error::invalid_argument(
             "label_column",
@@ -132,7 +128,7 @@ pub fn load_csv(path: &Path, options: &CsvOptions) -> Result<(HostTensor, HostTe
     let mut src = Source::open(path)?;
     let mut text = Vec::new();
     src.read_rest(&mut text)
-        .map_err(|e| data_error(text.len(), read_error_reason(src.gzip, &e)))?;
+        .map_err(|e| read_error(path, text.len() as u64, src.gzip, e))?;
 
     let mut parser = Parser {
         text: &text,

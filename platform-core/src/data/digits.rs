@@ -60,11 +60,7 @@ fn read_digits(path: &Path, max_text: u64) -> Result<(HostTensor, HostTensor)> {
     // one byte past the limit tells a file of exactly `max_text` bytes from a longer one
     let mut reader =
         BufReader::new(GzDecoder::new(BufReader::new(file))).take(max_text.saturating_add(1));
-    let data_error = |offset: u64, reason: String| Error::Data {
-        path: path.to_path_buf(),
-        offset: Some(offset),
-        reason,
-    };
+    let data_error = |offset: u64, reason: String| Error::data(path, Some(offset), reason);
 
     let mut features: Vec<f32> = Vec::with_capacity(EXPECTED_ROWS * PIXELS);
     let mut labels: Vec<i64> = Vec::with_capacity(EXPECTED_ROWS);
@@ -73,9 +69,11 @@ fn read_digits(path: &Path, max_text: u64) -> Result<(HostTensor, HostTensor)> {
     for line_no in 1usize.. {
         line.clear();
         let read = reader.read_until(b'\n', &mut line).map_err(|e| {
-            data_error(
-                offset,
-                format!("line {line_no}: cannot decompress gzip data: {e}"),
+            Error::data_caused_by(
+                path,
+                Some(offset),
+                format!("line {line_no}: cannot decompress gzip data"),
+                e,
             )
         })?;
         if read == 0 {

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::data::source::{read_error_reason, Source};
+use crate::data::source::{read_error, Source};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::HostTensor;
@@ -76,17 +76,13 @@ struct Idx {
 /// Reads an IDX file; `expected_magic` (if any) is checked against the
 /// file's magic number before anything else, described as `what`.
 fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx> {
-    let data_error = |offset: u64, reason: String| Error::Data {
-        path: path.to_path_buf(),
-        offset: Some(offset),
-        reason,
-    };
+    let data_error = |offset: u64, reason: String| Error::data(path, Some(offset), reason);
     let mut src = Source::open(path)?;
     let gzip = src.gzip;
 
     let mut header = Vec::with_capacity(4);
     src.read_up_to(4, &mut header)
-        .map_err(|e| data_error(header.len() as u64, read_error_reason(gzip, &e)))?;
+        .map_err(|e| read_error(path, header.len() as u64, gzip, e))?;
     let Ok(magic_bytes) = <[u8; 4]>::try_from(header.as_slice()) else {
         return Err(data_error(
             header.len() as u64,
@@ -133,7 +129,7 @@ fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx>
     let header_len = 4 + 4 * rank;
     let mut dims_bytes = Vec::with_capacity(4 * rank);
     src.read_up_to(4 * rank as u64, &mut dims_bytes)
-        .map_err(|e| data_error(4 + dims_bytes.len() as u64, read_error_reason(gzip, &e)))?;
+        .map_err(|e| read_error(path, 4 + dims_bytes.len() as u64, gzip, e))?;
     if dims_bytes.len() < 4 * rank {
         return Err(data_error(
             4 + dims_bytes.len() as u64,
@@ -199,18 +195,14 @@ fn read_idx_raw(path: &Path, expected_magic: Option<(u32, &str)>) -> Result<Idx>
         }
     }
     let mut payload = Vec::with_capacity(expected.min(MAX_RESERVE));
-    src.read_up_to(expected as u64, &mut payload).map_err(|e| {
-        data_error(
-            (header_len + payload.len()) as u64,
-            read_error_reason(gzip, &e),
-        )
-    })?;
+    src.read_up_to(expected as u64, &mut payload)
+        .map_err(|e| read_error(path, (header_len + payload.len()) as u64, gzip, e))?;
     if payload.len() < expected {
         return Err(truncated(payload.len()));
     }
     let mut extra = Vec::new();
     src.read_up_to(1, &mut extra)
-        .map_err(|e| data_error((header_len + expected) as u64, read_error_reason(gzip, &e)))?;
+        .map_err(|e| read_error(path, (header_len + expected) as u64, gzip, e))?;
     if !extra.is_empty() {
         return Err(data_error(
             (header_len + expected) as u64,
@@ -434,16 +426,16 @@ fn load_pair(images_path: &Path, labels_path: &Path) -> Result<(HostTensor, Host
     let labels = load_mnist_labels(labels_path)?;
     let n_images = images.dims().first().copied().unwrap_or(0);
     if labels.numel() != n_images {
-        return Err(Error::Data {
-            path: labels_path.to_path_buf(),
+        return Err(Error::data(
+            labels_path,
             // the count is the first dimension, right after the magic number
-            offset: Some(4),
-            reason: format!(
+            Some(4),
+            format!(
                 "{} labels, but {} holds {n_images} images",
                 labels.numel(),
                 images_path.display()
             ),
-        });
+        ));
     }
     Ok((images, labels))
 }

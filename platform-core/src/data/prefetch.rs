@@ -435,28 +435,33 @@ fn with_context(err: Error, context: &str) -> Error {
                 },
             ),
         },
-        Error::Checkpoint { path, reason } => Error::Checkpoint {
+        Error::Checkpoint {
+            path,
+            reason,
+            source,
+        } => Error::Checkpoint {
             path,
             reason: prefix(reason),
+            source,
         },
         Error::Data {
             path,
             offset,
             reason,
+            source,
         } => Error::Data {
             path,
             offset,
             reason: prefix(reason),
+            source,
         },
         Error::Backend {
             backend,
             context: c,
-            message,
             source,
         } => Error::Backend {
             backend,
             context: prefix(c),
-            message,
             source,
         },
         Error::Unsupported { what } => Error::Unsupported { what: prefix(what) },
@@ -465,13 +470,14 @@ fn with_context(err: Error, context: &str) -> Error {
             reason: prefix(reason),
         },
         other => {
-            log::error!("data loader: {context}: {other}");
+            log::error!("data loader: {context}: {}", other.display_chain());
             other
         }
     }
 }
 
-/// An I/O error with the batch and sample it happened for.
+/// The batch and sample an I/O error happened for; the I/O error is its
+/// source, and is not repeated in its message.
 #[derive(Debug)]
 struct ContextError {
     context: String,
@@ -480,7 +486,7 @@ struct ContextError {
 
 impl fmt::Display for ContextError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.context, self.source)
+        f.write_str(&self.context)
     }
 }
 
@@ -745,11 +751,7 @@ mod tests {
     #[test]
     fn context_is_prepended_and_source_kept() {
         let e = with_context(
-            Error::Data {
-                path: PathBuf::from("x.bin"),
-                offset: Some(4),
-                reason: "bad byte".into(),
-            },
+            Error::data(PathBuf::from("x.bin"), Some(4), "bad byte"),
             "batch 2, dataset index 9",
         );
         assert_eq!(
@@ -761,7 +763,10 @@ mod tests {
             Error::io("img/7.png", io::Error::new(io::ErrorKind::NotFound, "gone")),
             "batch 0, dataset index 7",
         );
-        assert_eq!(e.to_string(), "img/7.png: batch 0, dataset index 7: gone");
+        assert_eq!(
+            e.display_chain().to_string(),
+            "img/7.png: batch 0, dataset index 7: gone"
+        );
         match &e {
             Error::Io { source, .. } => assert_eq!(source.kind(), io::ErrorKind::NotFound),
             other => panic!("unexpected {other:?}"),

@@ -87,13 +87,15 @@ impl Source {
     }
 }
 
-/// The message for a read error at some point in a (possibly compressed) file.
-pub(crate) fn read_error_reason(gzip: bool, e: &io::Error) -> String {
-    if gzip {
-        format!("cannot decompress gzip data: {e}")
+/// A read error at byte `offset` of the (possibly compressed) file `path`, as
+/// [`Error::Data`] with the I/O error as its source.
+pub(crate) fn read_error(path: &Path, offset: u64, gzip: bool, e: io::Error) -> Error {
+    let reason = if gzip {
+        "cannot decompress gzip data"
     } else {
-        format!("cannot read: {e}")
-    }
+        "cannot read"
+    };
+    Error::data_caused_by(path, Some(offset), reason, e)
 }
 
 #[cfg(test)]

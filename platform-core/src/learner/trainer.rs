@@ -217,7 +217,10 @@ impl<B: TrainBackend> TrainingState<B> {
                     .load_state_dict(&checkpoint.optimizer)
                     .inspect_err(|_| {
                         if let Err(e) = self.model.load_state_dict(&old_model) {
-                            log::error!("cannot put the model back after a failed restore: {e}");
+                            log::error!(
+                                "cannot put the model back after a failed restore: {}",
+                                e.display_chain()
+                            );
                         }
                     })
             });
@@ -631,8 +634,8 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]);
-    /// a checkpoint of another model is [`Error::Checkpoint`] naming the file and
-    /// the first key or shape that does not fit.
+    /// a checkpoint of another model is [`Error::Checkpoint`] naming the file, with
+    /// the error naming the first key or shape that does not fit as its source.
     pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
         let checkpoint = Checkpoint::load(path)?;
         Self::resume_from(state, &checkpoint, path)?;
@@ -646,9 +649,8 @@ impl<B: TrainBackend> Trainer<B> {
         checkpoint: &Checkpoint,
         path: &Path,
     ) -> Result<()> {
-        state.restore(checkpoint).map_err(|e| Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!("does not fit this model and optimizer: {e}"),
+        state.restore(checkpoint).map_err(|e| {
+            Error::checkpoint_caused_by(path, "does not fit this model and optimizer", e)
         })?;
         log::info!(
             "resumed from {} at step {} (epoch {}, batch {})",

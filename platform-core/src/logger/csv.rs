@@ -178,6 +178,7 @@ impl CsvFile {
                     "line 1: expected a header starting with `{}`, got `{header}`",
                     keys.join(",")
                 ),
+                source: None,
             });
         }
         let mut kept = String::with_capacity(complete.len());
@@ -201,6 +202,7 @@ impl CsvFile {
                             keys[key],
                             key + 1
                         ),
+                        source: None,
                     })
                 }
             }
@@ -358,6 +360,7 @@ pub(crate) fn read_table(path: &Path) -> Result<Table> {
                     header.len(),
                     cells.len()
                 ),
+                source: None,
             });
         }
         let row = cells
@@ -375,6 +378,7 @@ pub(crate) fn read_table(path: &Path) -> Result<Table> {
                         i + 2,
                         header[c]
                     ),
+                    source: None,
                 })
             })
             .collect::<Result<Vec<_>>>()?;

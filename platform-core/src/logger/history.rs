@@ -149,6 +149,7 @@ impl History {
                     "line 1: no `epoch` column in the header `{}`",
                     header.join(",")
                 ),
+                source: None,
             })?;
         let mut history = History::new();
         for (i, row) in rows.iter().enumerate() {
@@ -158,6 +159,7 @@ impl History {
                     path: file.clone(),
                     offset: None,
                     reason: format!("row {}: the epoch is not a whole number", i + 1),
+                    source: None,
                 })? as u64;
             let values: Vec<(String, f64)> = header
                 .iter()

@@ -422,9 +422,8 @@ fn restore<B: TrainBackend>(
         .model
         .check_dtypes(&model.state_dict()?)
         .and_then(|()| model.load_state_dict(&checkpoint.model))
-        .map_err(|e| kiln::core::Error::Checkpoint {
-            path: path.to_path_buf(),
-            reason: format!("does not fit the config's model: {e}"),
+        .map_err(|e| {
+            kiln::core::Error::checkpoint_caused_by(path, "does not fit the config's model", e)
         })?;
     model.set_mode(Mode::Eval);
     Ok(model)

@@ -69,23 +69,23 @@ pub(crate) fn install_checkpoint(dir: &Path, temp_stem: &str) -> Result<()> {
     let names = file_names(dir)?;
     let index = format!("{temp_stem}.index");
     if !names.contains(&index) {
-        return Err(Error::Checkpoint {
-            path: dir.join(temp_stem),
-            reason: format!(
+        return Err(Error::checkpoint(
+            dir.join(temp_stem),
+            format!(
                 "TensorFlow's save function wrote no {index}; the directory holds {}",
                 names.join(", ")
             ),
-        });
+        ));
     }
     let shards: Vec<&str> = names
         .iter()
         .filter_map(|name| data_suffix(name, temp_stem))
         .collect();
     if shards.is_empty() {
-        return Err(Error::Checkpoint {
-            path: dir.join(temp_stem),
-            reason: "TensorFlow's save function wrote an index but no data shard".to_owned(),
-        });
+        return Err(Error::checkpoint(
+            dir.join(temp_stem),
+            "TensorFlow's save function wrote an index but no data shard",
+        ));
     }
     for suffix in &shards {
         sync_file(&dir.join(format!("{temp_stem}{suffix}")))?;
@@ -201,11 +201,7 @@ pub(crate) fn check_saved_model_dir(dir: &Path) -> Result<()> {
 /// files are missing although the graph restores variables.
 fn check_saved_model_files(dir: &Path, pb: &Path) -> Result<()> {
     let bytes = fs::read(pb).map_err(|e| Error::io(pb, e))?;
-    let damaged = |offset: Option<u64>, reason: String| Error::Data {
-        path: pb.to_path_buf(),
-        offset,
-        reason,
-    };
+    let damaged = |offset: Option<u64>, reason: String| Error::data(pb, offset, reason);
     if bytes.is_empty() {
         return Err(damaged(
             Some(0),
@@ -239,13 +235,12 @@ fn check_saved_model_files(dir: &Path, pb: &Path) -> Result<()> {
     let variables = dir.join("variables");
     let index = variables.join(format!("{}.index", VARIABLES_STEM));
     if !index.is_file() {
-        return Err(Error::Data {
-            path: index,
-            offset: None,
-            reason: "missing: the SavedModel's graph restores variables, and their index is \
-                     gone (the weights cannot be loaded; copy the whole SavedModel directory)"
-                .to_owned(),
-        });
+        return Err(Error::data(
+            index,
+            None,
+            "missing: the SavedModel's graph restores variables, and their index is gone (the \
+             weights cannot be loaded; copy the whole SavedModel directory)",
+        ));
     }
     let shards: Vec<String> = file_names(&variables)?
         .into_iter()
@@ -261,11 +256,11 @@ fn check_saved_model_files(dir: &Path, pb: &Path) -> Result<()> {
         let suffix = format!(".data-{shard:05}-of-{expected:05}");
         if !shards.contains(&suffix) {
             let name = format!("{VARIABLES_STEM}{suffix}");
-            return Err(Error::Data {
-                path: variables.join(name),
-                offset: None,
-                reason: "missing: one of the SavedModel's variable data files is gone".to_owned(),
-            });
+            return Err(Error::data(
+                variables.join(name),
+                None,
+                "missing: one of the SavedModel's variable data files is gone",
+            ));
         }
     }
     Ok(())

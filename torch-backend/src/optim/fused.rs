@@ -72,12 +72,13 @@ pub(crate) struct FusedAdamBatch<'a> {
 /// device, or on the CPU), else with `hypers.lr`. On error the step counts are put
 /// back. libtorch checks that the lists share a device, dtype and layout before it
 /// updates anything; the optimizer has already checked each gradient's shape, dtype
-/// and device.
+/// and device. The C++ side's exception (libtorch's message without its stack
+/// trace) is the error.
 pub(crate) fn fused_adam_step(
     batch: &FusedAdamBatch<'_>,
     lr_tensor: Option<&Tensor>,
     hypers: &FusedAdamHypers,
-) -> Result<(), String> {
+) -> Result<(), cxx::Exception> {
     let addresses =
         |list: &[&Tensor]| -> Vec<usize> { list.iter().map(|t| t.as_ptr() as usize).collect() };
     let tensors = bridge::ffi::FusedAdamTensors {
@@ -94,5 +95,5 @@ pub(crate) fn fused_adam_step(
     // and copies the handles it keeps.
     #[allow(unsafe_code)]
     let result = unsafe { bridge::ffi::fused_adam_step(&tensors, hypers) };
-    result.map_err(|e| e.what().to_owned())
+    result
 }

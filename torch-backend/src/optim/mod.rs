@@ -394,7 +394,7 @@ impl TorchOptimizer {
                 ..hypers
             };
             fused_adam_step(&batch, lr, &hypers)
-                .map_err(|message| Error::backend("torch", context(), message))?;
+                .map_err(|e| Error::backend_with_source("torch", context(), e))?;
             for index in indices {
                 self.params[index].step += 1;
             }
@@ -482,7 +482,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             group.lr = lr;
         }
         if let Err(e) = self.write_device_learning_rates() {
-            log::error!("{e}");
+            log::error!("{}", e.display_chain());
         }
     }
 
