@@ -14,7 +14,7 @@ use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
-use crate::layers::{self, join, Failure, Forward, Lookup, Ran};
+use crate::layers::{self, join, Failure, Forward, ForwardResult, Lookup};
 
 /// One named tensor of the model: a trainable parameter or a buffer.
 #[derive(Debug)]
@@ -298,7 +298,7 @@ impl TorchModel {
         index.map(|i| self.tensor(i))
     }
 
-    fn run(&self, node: &Node, x: &Tensor, train: bool) -> Ran {
+    fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {
         match node {
             Node::Sequential(children) => {
                 let mut out = x.shallow_clone();

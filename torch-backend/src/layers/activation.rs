@@ -4,7 +4,7 @@
 use kiln_core::{GeluApproximation, Layer, Result};
 use tch::{Kind, Tensor};
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built activation.
@@ -44,7 +44,7 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
 }
 
 impl Forward for Activation {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Activation::Relu => x.f_relu(),
             Activation::LeakyRelu { slope } => {

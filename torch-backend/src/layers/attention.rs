@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built [`Layer::MultiHeadSelfAttention`].
@@ -36,7 +36,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Attention {
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
         let Attention {
             in_proj_weight,
             in_proj_bias,

@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{pair, Forward, Lookup, Ran};
+use super::{pair, Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built convolution; its variants are named after the layers they build.
@@ -71,7 +71,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Conv {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Conv::Conv1d {
                 weight,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kiln_core::{CustomConfig, Error, Layer, Result, Shape};
 use tch::Tensor;
 
-use super::{Failure, Forward, Lookup, Ran};
+use super::{Failure, Forward, ForwardResult, Lookup};
 use crate::custom_layer::{lookup, CustomLayerFn};
 use crate::model::TorchModel;
 
@@ -49,7 +49,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Custom {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         let Custom {
             path,
             op,

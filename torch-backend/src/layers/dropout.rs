@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built [`Layer::Dropout`].
@@ -22,7 +22,7 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
 }
 
 impl Forward for Dropout {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
         Ok(x.f_dropout(self.p, train)?)
     }
 }

@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built [`Layer::Embedding`]; `padding_idx` is -1 without a padding row.
@@ -26,7 +26,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Embedding {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(Tensor::f_embedding(
             model.tensor(self.weight),
             x,

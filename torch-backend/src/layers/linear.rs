@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built [`Layer::Linear`].
@@ -26,7 +26,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Linear {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(x.f_linear(model.tensor(self.weight), model.opt(self.bias))?)
     }
 }

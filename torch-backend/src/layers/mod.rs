@@ -35,15 +35,15 @@ impl From<TchError> for Failure {
     }
 }
 
-/// What running a node gives.
-pub(crate) type Ran = std::result::Result<Tensor, Failure>;
+/// What running a node gives: its output, or why it failed.
+pub(crate) type ForwardResult = std::result::Result<Tensor, Failure>;
 
 /// A built layer without children. Its tensors are indices into the model's
 /// entries, so that moving the model to another device only replaces the entries.
 pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
     /// Runs the layer on `x` with `model`'s tensors, in training behaviour
     /// (dropout, batch statistics) when `train`.
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran;
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult;
 }
 
 /// Finds a layer's tensors by their names under the layer's path while the

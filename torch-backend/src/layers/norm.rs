@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built normalisation layer; its variants are named after the layers they
@@ -64,7 +64,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 }
 
 impl Forward for Norm {
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> Ran {
+    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
         Ok(match self {
             Norm::BatchNorm {
                 weight,

@@ -3,7 +3,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{pair, Forward, Lookup, Ran};
+use super::{pair, Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built pooling layer.
@@ -46,7 +46,7 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
 }
 
 impl Forward for Pool {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Pool::MaxPool2d {
                 kernel,

@@ -4,7 +4,7 @@
 use kiln_core::{Layer, Result};
 use tch::Tensor;
 
-use super::{Forward, Lookup, Ran};
+use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
 /// A built [`Layer::Flatten`].
@@ -27,7 +27,7 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
 }
 
 impl Forward for Flatten {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> Ran {
+    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(x.f_flatten(self.start, self.end)?)
     }
 }
