@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a GPU run needs for a machine that has PyTorch 2.11 (CUDA) in its Python
-# but no Rust toolchain: the benchmark harness, the CUDA test suites and the digits
-# example, built here against the project's libtorch 2.11.0 with the `cuda` feature
+# but no Rust toolchain: the benchmark harness, the fused ops' CUDA benchmark, the CUDA
+# test suites and the digits example, built here against the project's libtorch 2.11.0 with the `cuda` feature
 # and without TensorFlow. Writes target/gpu-pack/kiln-gpu.tar.xz (stripped binaries,
 # kiln-ops' shared libraries and a manifest); copy it into a checkout of the same
 # commit on the GPU machine and run benches/gpu/run.sh there.
@@ -17,6 +17,7 @@ json="$out/build.jsonl"
 build() { cargo xtask cargo "$@" --message-format=json-render-diagnostics >>"$json"; }
 build bench --bench compare --no-default-features --features torch,cuda --no-run
 build test -p kiln-ops --no-default-features --features cuda --no-run
+build bench -p kiln-ops --bench cuda_ops --no-default-features --features cuda --no-run
 build test -p kiln-torch --no-run
 build build --release --example digits --no-default-features --features torch,cuda
 python3 - "$json" "$out/kiln-gpu" "$PWD" <<'PY'

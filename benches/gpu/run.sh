@@ -4,6 +4,7 @@
 #
 #   benches/gpu/run.sh tests            # the CUDA test suites and the digits example
 #   benches/gpu/run.sh bench [ARGS]     # the harness with --device cuda (add --rounds 3 --write)
+#   benches/gpu/run.sh ops              # the fused ops' CUDA kernels against torch compositions
 #
 # The binaries were built with absolute paths of the build machine in them (the
 # workspace, its target directory, `.kiln/venv`): this recreates them, as links to
@@ -46,8 +47,11 @@ case "${1:-}" in
     shift
     exec "$bin/compare" --device cuda "$@"
     ;;
+  ops)
+    exec "$bin/cuda_ops"
+    ;;
   *)
-    echo "usage: benches/gpu/run.sh tests | bench [ARGS]" >&2
+    echo "usage: benches/gpu/run.sh tests | bench [ARGS] | ops" >&2
     exit 2
     ;;
 esac

@@ -39,9 +39,7 @@ mod bridge;
 
 use std::pin::Pin;
 
-use kiln_core::{
-    Backend, Device, EagerBackend, Error, GradClip, Loss, Module, Optimizer, Result, TrainBackend,
-};
+use kiln_core::{Device, EagerBackend, Error, GradClip, Loss, Module, Optimizer, Result};
 use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 
