@@ -15,10 +15,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use kiln::core::{
-    load_digits, train_test_split, AdamWConfig, BatchNormConfig, Conv2dConfig,
-    CosineAnnealingLrConfig, DataLoader, InMemoryDataset, Layer, LayerNormConfig, LinearConfig,
-    Loss, OptimizerConfig, Pool2dConfig, SchedulerConfig, SequentialLoader,
+    loss::Loss,
+    model::{BatchNormConfig, Conv2dConfig, Layer, LayerNormConfig, LinearConfig, Pool2dConfig},
+    optim::{AdamWConfig, OptimizerConfig},
+    schedule::{CosineAnnealingLrConfig, SchedulerConfig},
 };
+use kiln::data::{load_digits, train_test_split, DataLoader, InMemoryDataset, SequentialLoader};
 use kiln::prelude::*;
 use kiln::torch::{compute_loss, cuda_is_available, to_tch, TorchModel, TorchOptimizer};
 

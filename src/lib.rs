@@ -1,7 +1,10 @@
 //! Kiln: train neural networks from Rust on libtorch or TensorFlow.
 //!
-//! This facade re-exports the backend-neutral API of [`kiln_core`] and, behind
-//! features, the backends: `torch` (`kiln-torch`, libtorch through tch), `tf`
+//! This facade re-exports Kiln's backend-neutral crates as modules
+//! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
+//! datasets, loaders, readers, transforms; [`train`]: the `Trainer`, callbacks,
+//! metrics, sinks and checkpoints), the most used names at the root and in
+//! [`prelude`], and, behind features, the backends: `torch` (`kiln-torch`, libtorch through tch), `tf`
 //! (`kiln-tf`, the TensorFlow C API) and `ops` (`kiln-ops`, custom C++ ops).
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
@@ -21,26 +24,32 @@
 #![warn(missing_docs)]
 
 pub use kiln_core as core;
+pub use kiln_data as data;
 #[cfg(feature = "ops")]
 pub use kiln_ops as ops;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
+pub use kiln_train as train;
 
-pub use kiln_core::{
-    Backend, Batch, DType, DataLoader, Dataset, Device, Element, Error, HostTensor, LrScheduler,
-    Mode, Module, Optimizer, Result, Shape, StateDict,
-};
+pub use kiln_core::backend::{Backend, Mode};
+pub use kiln_core::module::Module;
+pub use kiln_core::optim::Optimizer;
+pub use kiln_core::schedule::LrScheduler;
+pub use kiln_core::state_dict::StateDict;
+pub use kiln_core::{dtype::Element, DType, Device, Error, HostTensor, Result, Shape};
+pub use kiln_data::{Batch, DataLoader, Dataset};
 
-/// The names most training scripts need, in one `use kiln::prelude::*`.
+/// The names most training scripts need, in one `use kiln::prelude::*`: the
+/// preludes of [`core`](kiln_core::prelude), [`data`](kiln_data::prelude) and
+/// [`train`](kiln_train::prelude), and the backends' entry points.
 pub mod prelude {
-    pub use kiln_core::{
-        Backend, Batch, DType, DataLoader, Dataset, Device, EagerBackend, HostTensor, Mode, Module,
-        Optimizer, Shape, StateDict,
-    };
+    pub use kiln_core::prelude::*;
+    pub use kiln_data::prelude::*;
     #[cfg(feature = "tf")]
-    pub use kiln_tf::TfTensor;
+    pub use kiln_tf::{TfBackend, TfTensor};
     #[cfg(feature = "torch")]
     pub use kiln_torch::TorchBackend;
+    pub use kiln_train::prelude::*;
 }

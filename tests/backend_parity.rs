@@ -6,13 +6,17 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    AdamConfig, Backend, BatchNormConfig, Checkpoint, Conv2dConfig, CrossEntropyConfig, Layer,
-    LinearConfig, Loss, Module, Optimizer, OptimizerConfig, Pool2dConfig, Reduction, SgdConfig,
-    StateDict, StepPlan, TrainBackend,
+    backend::{Backend, StepPlan, TrainBackend},
+    loss::{CrossEntropyConfig, Loss, Reduction},
+    model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig},
+    module::Module,
+    optim::{AdamConfig, Optimizer, OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
 };
 use kiln::prelude::*;
 use kiln::tf::{TfBackend, TfModel};
 use kiln::torch::TorchBackend;
+use kiln::train::Checkpoint;
 
 /// Both generators are global: tests in this binary run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -487,7 +491,7 @@ fn max_state_diff(a: &StateDict, b: &StateDict) -> f64 {
 /// kinds of clipping: parameters and optimizer state after 20 steps agree.
 #[test]
 fn every_optimizer_groups_accumulation_and_clipping_agree() {
-    use kiln::core::{
+    use kiln::core::optim::{
         AdagradConfig, AdamWConfig, GradClip, ParamGroup, ParamSelector, RmsPropConfig,
     };
     let _serial = serial();
@@ -640,7 +644,7 @@ fn tensorflow_gradients_then_apply_equals_a_training_step() {
     let loss = Loss::Mse {
         reduction: Reduction::Mean,
     };
-    let clip = kiln::core::GradClip::Norm {
+    let clip = kiln::core::optim::GradClip::Norm {
         max_norm: 0.05,
         norm_type: 2.0,
     };

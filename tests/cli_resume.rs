@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{config, digits_available, kiln, losses, scratch, serial, train, KILN};
-use kiln::core::Checkpoint;
+use kiln::train::Checkpoint;
 
 mod common;
 

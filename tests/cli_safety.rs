@@ -13,7 +13,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{config, digits_available, kiln, scratch, serial, train, KILN};
-use kiln::core::{Checkpoint, StateDict};
+use kiln::core::state_dict::StateDict;
+use kiln::train::Checkpoint;
 
 /// Runs `kiln args` in `cwd` (when given), expecting it to fail; its stderr.
 fn fails_in(cwd: Option<&Path>, args: &[&str]) -> String {

@@ -10,8 +10,13 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    AdamConfig, Device, GradClip, HostTensor, Layer, LinearConfig, Loss, Module, Optimizer,
-    OptimizerConfig, Reduction, SgdConfig, StateDict, StepPlan, TrainBackend,
+    backend::{StepPlan, TrainBackend},
+    loss::{Loss, Reduction},
+    model::{Layer, LinearConfig},
+    module::Module,
+    optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
+    Device, HostTensor,
 };
 
 const W: [[f64; 3]; 2] = [[0.1, -0.2, 0.3], [0.4, 0.5, -0.6]];
@@ -143,7 +148,7 @@ fn plan<'a>(loss: &'a Loss, scale: f64, apply: bool, clip: Option<&'a GradClip>)
 
 fn eval_step_gives_the_hand_computed_loss_and_output<B: TrainBackend>() {
     let mut model = model::<B>();
-    model.set_mode(kiln::core::Mode::Eval);
+    model.set_mode(kiln::core::backend::Mode::Eval);
     let expected = reference(0..4);
     let (loss, output) = B::eval_step(
         &model,

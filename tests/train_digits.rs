@@ -5,10 +5,12 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    load_digits, train_test_split, AdamWConfig, BatchNormConfig, Conv2dConfig, DataLoader,
-    InMemoryDataset, Layer, LinearConfig, Loss, OptimizerConfig, Pool2dConfig, SchedulerConfig,
-    SequentialLoader, StepLrConfig,
+    loss::Loss,
+    model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig},
+    optim::{AdamWConfig, OptimizerConfig},
+    schedule::{SchedulerConfig, StepLrConfig},
 };
+use kiln::data::{load_digits, train_test_split, DataLoader, InMemoryDataset, SequentialLoader};
 use kiln::prelude::*;
 use kiln::torch::{compute_loss, from_tch, to_tch, TorchModel, TorchOptimizer};
 

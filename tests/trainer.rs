@@ -6,12 +6,20 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln::core::{
-    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, Error, FloatPrecision,
-    InMemoryDataset, Layer, LinearConfig, Loss, MonitorMode, OptimizerConfig, SequentialLoader,
-    SgdConfig, TrainBackend, Trainer, TrainerConfig, TrainingState,
+    backend::TrainBackend,
+    loss::Loss,
+    model::{Layer, LinearConfig},
+    optim::{OptimizerConfig, SgdConfig},
+    precision::FloatPrecision,
+    Error,
 };
+use kiln::data::{InMemoryDataset, SequentialLoader};
 use kiln::prelude::*;
 use kiln::torch::TorchBackend as B;
+use kiln::train::{
+    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, MonitorMode, Trainer, TrainerConfig,
+    TrainingState,
+};
 
 /// libtorch's generator is global and the trainer reseeds it every step: tests in
 /// this binary run one at a time so they do not draw from each other's stream.
@@ -225,23 +233,24 @@ fn resume_is_bitwise(precision: FloatPrecision) -> TrainingState<B> {
         let mut model = B::build_model(&spec, Device::Cpu).unwrap();
         B::set_precision(&mut model, precision).unwrap();
         let opt = B::build_optimizer(
-            &OptimizerConfig::Adam(kiln::core::AdamConfig::new(0.01)),
+            &OptimizerConfig::Adam(kiln::core::optim::AdamConfig::new(0.01)),
             &model,
             &[],
         )
         .unwrap();
-        let schedule = kiln::core::SchedulerConfig::StepLr(kiln::core::StepLrConfig {
-            step_size: 2,
-            gamma: 0.5,
-        })
-        .build(&[0.01])
-        .unwrap();
+        let schedule =
+            kiln::core::schedule::SchedulerConfig::StepLr(kiln::core::schedule::StepLrConfig {
+                step_size: 2,
+                gamma: 0.5,
+            })
+            .build(&[0.01])
+            .unwrap();
         TrainingState::<B>::new(model, opt, Some(schedule))
     };
     let config = TrainerConfig {
         epochs: 3,
         seed: 9,
-        schedule_interval: kiln::core::ScheduleInterval::Step,
+        schedule_interval: kiln::train::ScheduleInterval::Step,
         precision,
         ..TrainerConfig::default()
     };

@@ -37,8 +37,12 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use kiln::core::{
-    AdamConfig, Conv2dConfig, DType, FloatPrecision, HostTensor, Layer, LinearConfig, Loss,
-    Optimizer, OptimizerConfig, Pool2dConfig, StepPlan, TrainBackend,
+    backend::{StepPlan, TrainBackend},
+    loss::Loss,
+    model::{Conv2dConfig, Layer, LinearConfig, Pool2dConfig},
+    optim::{AdamConfig, Optimizer, OptimizerConfig},
+    precision::FloatPrecision,
+    DType, HostTensor,
 };
 use kiln::prelude::*;
 #[cfg(feature = "tf")]

@@ -8,11 +8,16 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use kiln::core::{
-    Checkpoint, Compose, DataLoader, InMemoryDataset, Layer, LinearConfig, Normalize,
-    PrefetchLoader, StateTensors, ToFloat, TrainBackend, TransformedDataset,
+    backend::TrainBackend,
+    model::{Layer, LinearConfig},
+    state_tensors::StateTensors,
+};
+use kiln::data::{
+    Compose, DataLoader, InMemoryDataset, Normalize, PrefetchLoader, ToFloat, TransformedDataset,
 };
 use kiln::prelude::*;
 use kiln::torch::{ScriptModule, TorchBackend};
+use kiln::train::Checkpoint;
 use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
@@ -389,8 +394,8 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
 
 /// (d): Kiln's prefetching loader with two workers over the IDX images.
 fn data(a: &TaskArgs) -> Result<Value> {
-    let images = kiln::core::load_mnist_images(&a.dir.join("train-images-idx3-ubyte"))?;
-    let labels = kiln::core::load_mnist_labels(&a.dir.join("train-labels-idx1-ubyte"))?;
+    let images = kiln::data::load_mnist_images(&a.dir.join("train-images-idx3-ubyte"))?;
+    let labels = kiln::data::load_mnist_labels(&a.dir.join("train-labels-idx1-ubyte"))?;
     let n = images.dims()[0];
     let images = images.reshape([n, 1, 28, 28])?;
     let transform = Compose::new().then(ToFloat).then(Normalize {

@@ -274,7 +274,7 @@ pub(crate) fn graphed_step(
     a: &WorkerArgs,
     host: &[(HostTensor, HostTensor)],
 ) -> Result<(Vec<f64>, f64)> {
-    use kiln::core::EagerBackend;
+    use kiln::core::backend::EagerBackend;
     use kiln::ops::graph::GraphedTrainStep;
     use kiln::torch::{TorchModel, TorchOptimizer};
 

@@ -8,7 +8,10 @@
 //! { type = "custom", op = "kiln::swish", params = [{ name = "beta", shape = [1], init = { type = "ones" } }] }
 //! ```
 
-use kiln_core::{CustomConfig, Error, Init, Layer, Result};
+use kiln_core::{
+    model::{CustomConfig, Init, Layer},
+    Error, Result,
+};
 
 /// The op name of the fused bias + GELU layer.
 pub const BIAS_GELU: &str = "kiln::bias_gelu";
@@ -20,7 +23,7 @@ pub const SWISH: &str = "kiln::swish";
 /// followed by it computes `nn.Linear` + `nn.GELU()` with the bias fused.
 ///
 /// ```
-/// use kiln_core::{Layer, LinearConfig};
+/// use kiln_core::model::{Layer, LinearConfig};
 ///
 /// let net = Layer::sequential([
 ///     LinearConfig::new(64, 128).with_bias(false).into(),

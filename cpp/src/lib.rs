@@ -30,14 +30,14 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 
 /// Registers the ops with libtorch and TensorFlow and makes the fused layers
 /// ([`layer::BIAS_GELU`], [`layer::SWISH`]) available to both backends' models,
-/// so a [`Layer`](kiln_core::Layer) holding them trains with `Trainer<TorchBackend>`
+/// so a [`Layer`](kiln_core::model::Layer) holding them trains with `Trainer<TorchBackend>`
 /// or `Trainer<TfBackend>`. Idempotent; call it once at start-up. Without the
 /// `tf` feature (on by default) only libtorch's side is registered.
 ///
 /// A failed TensorFlow registration is an [`Error::Backend`].
 ///
 /// ```
-/// use kiln_core::{Device, Layer, LinearConfig, Module};
+/// use kiln_core::{model::{Layer, LinearConfig}, module::Module, Device};
 ///
 /// kiln_ops::register_layers()?;
 /// let net = Layer::sequential([LinearConfig::new(4, 8).into(), kiln_ops::layer::swish(1.0)]);

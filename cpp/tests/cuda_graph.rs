@@ -20,8 +20,12 @@ fn cuda_graphs() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use kiln_core::{
-        AdamConfig, AdamWConfig, Backend, Device, Error, GradClip, Layer, LinearConfig, Loss,
-        Module, Optimizer, OptimizerConfig, SgdConfig, StepPlan, TrainBackend,
+        backend::{Backend, StepPlan, TrainBackend},
+        loss::Loss,
+        model::{Layer, LinearConfig},
+        module::Module,
+        optim::{AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig, SgdConfig},
+        Device, Error,
     };
     use kiln_ops::graph::{CudaGraph, GraphedTrainStep};
     use kiln_torch::{TchModule, TorchBackend, TorchModel, TorchOptimizer};
@@ -216,7 +220,7 @@ mod gpu {
         // RMSprop has no capturable mode.
         let m = model();
         let o = TorchOptimizer::new(
-            OptimizerConfig::RmsProp(kiln_core::RmsPropConfig::new(1e-3)),
+            OptimizerConfig::RmsProp(kiln_core::optim::RmsPropConfig::new(1e-3)),
             m.named_parameters(),
             &[],
         )

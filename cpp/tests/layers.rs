@@ -8,12 +8,18 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln_core::{
-    Backend, CustomConfig, Device, EagerBackend, Error, HostTensor, InMemoryDataset, Init, Layer,
-    LinearConfig, Loss, Module, OptimizerConfig, SequentialLoader, SgdConfig, StateDict,
-    TrainBackend, Trainer, TrainerConfig, TrainingState,
+    backend::{Backend, EagerBackend, TrainBackend},
+    loss::Loss,
+    model::{CustomConfig, Init, Layer, LinearConfig},
+    module::Module,
+    optim::{OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
+    Device, Error, HostTensor,
 };
+use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_tf::{TfBackend, TfTensor};
 use kiln_torch::{from_tch, TorchBackend, TorchModel};
+use kiln_train::{Trainer, TrainerConfig, TrainingState};
 use tch::{Kind, Tensor};
 
 /// libtorch's generator is global: tests in this binary run one at a time.
@@ -288,7 +294,7 @@ fn misuse_fails_with_errors_that_name_the_problem() {
 /// gradients stay float32 and within bf16 rounding of the float32 model's.
 #[test]
 fn fused_layers_train_under_bf16_mixed_precision() {
-    use kiln_core::FloatPrecision;
+    use kiln_core::precision::FloatPrecision;
     let _serial = serial();
     let (x, y) = batch(32, 11);
     let mut model = torch_model(5);

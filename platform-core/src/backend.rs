@@ -1,5 +1,9 @@
 //! The compute-engine abstraction.
 
+mod train;
+
+pub use train::{EagerBackend, StepPlan, TrainBackend};
+
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -21,7 +25,7 @@ use crate::tensor::HostTensor;
 /// * Host round trips are exact: `to_host(&from_host(&h, d)?)? == h` for every supported dtype.
 ///
 /// ```
-/// use kiln_core::{Backend, Device, HostTensor, Result};
+/// use kiln_core::{backend::Backend, Device, HostTensor, Result};
 ///
 /// /// Uploads a batch, runs nothing, and reads it back.
 /// fn round_trip<B: Backend>(host: &HostTensor, device: Device) -> Result<HostTensor> {
@@ -51,7 +55,7 @@ pub trait Backend: Sized + Send + Sync + std::fmt::Debug + 'static {
     /// instead, so saving a model costs no copy of its weights.
     ///
     /// ```
-    /// use kiln_core::{Backend, Result};
+    /// use kiln_core::{backend::Backend, Result};
     ///
     /// /// A checksum of a tensor's bytes, computed without copying it where possible.
     /// fn checksum<B: Backend>(tensor: &B::Tensor) -> Result<u64> {
@@ -89,7 +93,7 @@ pub trait Backend: Sized + Send + Sync + std::fmt::Debug + 'static {
 /// statistics updated) or evaluation.
 ///
 /// ```
-/// use kiln_core::Mode;
+/// use kiln_core::backend::Mode;
 ///
 /// assert_eq!(Mode::default(), Mode::Train);
 /// assert!(!Mode::Eval.is_train());

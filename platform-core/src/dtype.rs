@@ -178,7 +178,7 @@ mod sealed {
 /// [`half::f16`]; sealed.
 ///
 /// ```
-/// use kiln_core::{DType, Element};
+/// use kiln_core::{dtype::Element, DType};
 ///
 /// assert_eq!(<f32 as Element>::DTYPE, DType::F32);
 /// assert_eq!(<i64 as Element>::DTYPE, DType::I64);

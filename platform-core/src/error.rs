@@ -155,7 +155,7 @@ pub enum Error {
     /// library gave only text (`{:#}` shows `torch failed in matmul: <message>`).
     #[error("{backend} failed in {context}")]
     Backend {
-        /// Name of the backend, see [`Backend::NAME`](crate::Backend::NAME).
+        /// Name of the backend, see [`Backend::NAME`](crate::backend::Backend::NAME).
         backend: &'static str,
         /// The operation that failed.
         context: String,

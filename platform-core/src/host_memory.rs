@@ -14,8 +14,8 @@
 //! (the behaviour PyTorch's performance guide gets by preloading jemalloc or
 //! tcmalloc). The process's resident memory then stays at its high-water mark
 //! instead of falling between steps; the peak itself does not grow.
-//! [`Trainer::fit`](crate::Trainer::fit) calls it unless
-//! [`TrainerConfig::retain_host_memory`](crate::TrainerConfig::retain_host_memory)
+//! `Trainer::fit` calls it unless
+//! `TrainerConfig::retain_host_memory`
 //! is off.
 
 // The crate's one FFI edge: a call into the C library.

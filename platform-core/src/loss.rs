@@ -191,7 +191,7 @@ impl BceWithLogitsConfig {
 /// `loss = { type = "cross_entropy", label_smoothing = 0.1 }`.
 ///
 /// ```
-/// use kiln_core::{CrossEntropyConfig, Loss, Reduction};
+/// use kiln_core::loss::{CrossEntropyConfig, Loss, Reduction};
 ///
 /// let loss: Loss = CrossEntropyConfig::new().with_label_smoothing(0.1).into();
 /// loss.validate()?;
@@ -199,8 +199,8 @@ impl BceWithLogitsConfig {
 /// assert_eq!(mse.reduction(), Reduction::Sum);
 ///
 /// let parsed: Loss = serde_json::from_str(r#"{"type": "smooth_l1", "beta": 0.5}"#).expect("valid");
-/// assert_eq!(parsed, Loss::SmoothL1(kiln_core::SmoothL1Config::new().with_beta(0.5)));
-/// assert!(Loss::SmoothL1(kiln_core::SmoothL1Config::new().with_beta(0.0)).validate().is_err());
+/// assert_eq!(parsed, Loss::SmoothL1(kiln_core::loss::SmoothL1Config::new().with_beta(0.5)));
+/// assert!(Loss::SmoothL1(kiln_core::loss::SmoothL1Config::new().with_beta(0.0)).validate().is_err());
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@ use crate::state_tensors::StateTensors;
 /// [`load_state_dict`](Module::load_state_dict); the rest have defaults.
 ///
 /// ```
-/// use kiln_core::{Backend, Mode, Module, Result, StateDict};
+/// use kiln_core::{backend::{Backend, Mode}, module::Module, state_dict::StateDict, Result};
 ///
 /// /// Returns its input unchanged; has no parameters.
 /// struct Identity {

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 /// [`FromStr`](std::str::FromStr) and [`Display`](std::fmt::Display)).
 ///
 /// ```
-/// use kiln_core::{DType, FloatPrecision};
+/// use kiln_core::{precision::FloatPrecision, DType};
 ///
 /// let p: FloatPrecision = "bf16-mixed".parse()?;
 /// assert_eq!(p, FloatPrecision::Bf16Mixed);

@@ -54,7 +54,7 @@ impl StateDict {
     ///
     /// ```
     /// use std::collections::BTreeMap;
-    /// use kiln_core::{HostTensor, StateDict};
+    /// use kiln_core::{state_dict::StateDict, HostTensor};
     ///
     /// let mut sd = StateDict::new();
     /// sd.insert("fc.weight", HostTensor::new(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?);
@@ -104,7 +104,7 @@ impl StateDict {
 /// The string metadata of the safetensors file at `path`, read from its header
 /// alone (no tensor data is read), after the same checks as
 /// [`StateDict::load_safetensors`] makes of the header.
-pub(crate) fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
+pub fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
     let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     Ok(read_header(&mut file, len, path)?.1)
@@ -114,13 +114,13 @@ pub(crate) fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, 
 /// [`StateDict::save_safetensors`]), streaming each tensor's bytes to the file
 /// instead of assembling the whole file in memory first, and reading a backend
 /// tensor's bytes in place where the backend lends them
-/// ([`Backend::with_host_bytes`](crate::Backend::with_host_bytes)): a checkpoint
+/// ([`Backend::with_host_bytes`](crate::backend::Backend::with_host_bytes)): a checkpoint
 /// of a large model costs no second copy of its weights.
 ///
 /// Tensors are laid out as the `safetensors` crate lays them out, larger
 /// elements first and then by name, so that every tensor's data is aligned
 /// to its element size (the header is padded to a multiple of 8 bytes).
-pub(crate) fn save_entries(
+pub fn save_entries(
     path: &Path,
     entries: Vec<(&str, &dyn WritableTensor)>,
     metadata: &BTreeMap<String, String>,

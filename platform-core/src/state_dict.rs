@@ -12,7 +12,7 @@ use crate::tensor::HostTensor;
 /// (`"layers.0.weight"`), iterated in sorted key order.
 ///
 /// ```
-/// use kiln_core::{DType, HostTensor, StateDict};
+/// use kiln_core::{state_dict::StateDict, DType, HostTensor};
 ///
 /// let mut sd = StateDict::new();
 /// sd.insert("fc.bias", HostTensor::zeros(DType::F32, [10])?);

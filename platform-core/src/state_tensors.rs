@@ -16,7 +16,7 @@ use crate::tensor::HostTensor;
 ///
 /// Implemented by [`HostTensor`] and [`StateTensor`]; the writers are
 /// [`StateDict::save_safetensors`], [`StateTensors::save_safetensors`] and
-/// [`Checkpoint::save`](crate::Checkpoint::save).
+/// `Checkpoint::save`.
 pub trait WritableTensor {
     /// The element type.
     fn dtype(&self) -> Result<DType>;
@@ -95,8 +95,8 @@ impl<B: Backend> WritableTensor for StateTensor<B> {
 
 /// The tensors of a module or optimizer, named as in its state dict, for a
 /// checkpoint that reads them where they are instead of copying them to the
-/// host first: what [`Module::state_tensors`](crate::Module::state_tensors)
-/// and [`Optimizer::state_tensors`](crate::Optimizer::state_tensors) return.
+/// host first: what [`Module::state_tensors`](crate::module::Module::state_tensors)
+/// and [`Optimizer::state_tensors`](crate::optim::Optimizer::state_tensors) return.
 ///
 /// A 100M-parameter model's checkpoint written from its `StateTensors` costs
 /// no 400 MB host copy of its weights. The tensors are handles: training the
@@ -104,7 +104,9 @@ impl<B: Backend> WritableTensor for StateTensor<B> {
 /// (or take a [`StateDict`] with [`to_state_dict`](Self::to_state_dict)).
 ///
 /// ```
-/// use kiln_core::{Backend, HostTensor, Result, StateTensor, StateTensors};
+/// use kiln_core::{
+///     backend::Backend, state_tensors::{StateTensor, StateTensors}, HostTensor, Result,
+/// };
 ///
 /// fn save_one<B: Backend>(weight: B::Tensor, path: &std::path::Path) -> Result<()> {
 ///     let mut state = StateTensors::<B>::new();

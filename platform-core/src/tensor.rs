@@ -186,7 +186,7 @@ impl Storage {
 /// An owned, contiguous, row-major tensor in host memory.
 ///
 /// This is the exchange format between Kiln and the backends: data loaders
-/// produce it, [`Backend::from_host`](crate::Backend::from_host) uploads it and
+/// produce it, [`Backend::from_host`](crate::backend::Backend::from_host) uploads it and
 /// checkpoints store it.
 ///
 /// ```

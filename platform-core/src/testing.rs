@@ -73,16 +73,3 @@ fn reference_backend_round_trip() -> Result<()> {
     );
     Ok(())
 }
-
-/// The parts of an [`Error::Data`](crate::Error::Data); panics on any other error.
-pub(crate) fn data_error(err: crate::Error) -> (std::path::PathBuf, Option<u64>, String) {
-    match err {
-        crate::Error::Data {
-            path,
-            offset,
-            reason,
-            ..
-        } => (path, offset, reason),
-        other => panic!("expected Error::Data, got {other:?}"),
-    }
-}

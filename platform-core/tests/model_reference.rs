@@ -4,11 +4,9 @@
 //! The layers are defined here with Kiln's API, serialized with serde and
 //! rebuilt as torch modules by `tests/reference/model_specs.py`.
 
-mod common;
-
 use std::collections::BTreeMap;
 
-use kiln_core::{
+use kiln_core::model::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
     EmbeddingConfig, FanMode, GeluApproximation, GroupNormConfig, Init, InitDistribution, Layer,
     LayerNormConfig, LinearConfig, Nonlinearity, ParamKind, Pool2dConfig,
@@ -290,7 +288,7 @@ fn assert_dist_close(context: &str, ours: &InitDistribution, theirs: &Value) {
         let a = value.as_f64().expect("number");
         let b = theirs[key].as_f64().unwrap_or(f64::NAN);
         assert!(
-            common::close(a, b, 1e-12),
+            kiln_testkit::close(a, b, 1e-12),
             "{context}: {key} is {a} in Kiln, {b} in torch"
         );
     }
@@ -298,7 +296,7 @@ fn assert_dist_close(context: &str, ours: &InitDistribution, theirs: &Value) {
 
 #[test]
 fn layers_match_torch_nn() {
-    let Some(python) = common::python("layers_match_torch_nn") else {
+    let Some(python) = kiln_testkit::python("layers_match_torch_nn") else {
         return;
     };
     let models: Vec<(&str, Layer, Vec<usize>, &str)> = vec![
@@ -331,10 +329,11 @@ fn layers_match_torch_nn() {
             "name": name, "init": to_json(init), "shape": shape,
         })).collect::<Vec<_>>(),
     });
-    let dir = common::TempDir::new("model-specs");
+    let dir = kiln_testkit::TempDir::new("model-specs");
     let request_path = dir.path().join("request.json");
     std::fs::write(&request_path, request.to_string()).expect("write request");
-    let stdout = common::run(&python, "model_specs.py", &[request_path.as_os_str()]);
+    let stdout =
+        kiln_testkit::run_reference_script!(&python, "model_specs.py", &[request_path.as_os_str()]);
     let reply: Value = serde_json::from_str(&stdout).expect("script prints JSON");
 
     for (name, layer, input, _) in &models {

@@ -1,11 +1,9 @@
 //! `StateDict` safetensors files against Python's `safetensors.torch`, both
 //! ways, and the errors for files Kiln cannot read.
 
-mod common;
-
 use std::collections::BTreeMap;
 
-use kiln_core::{DType, Error, HostTensor, StateDict};
+use kiln_core::{state_dict::StateDict, DType, Error, HostTensor};
 use serde_json::Value;
 
 /// Rebuilds a tensor from the script's `{"dtype", "shape", "values"}` description.
@@ -94,12 +92,12 @@ fn rust_state() -> StateDict {
 
 #[test]
 fn python_written_file_loads() {
-    let Some(python) = common::python("python_written_file_loads") else {
+    let Some(python) = kiln_testkit::python("python_written_file_loads") else {
         return;
     };
-    let dir = common::TempDir::new("st-python");
+    let dir = kiln_testkit::TempDir::new("st-python");
     let path = dir.path().join("from_python.safetensors");
-    let stdout = common::run(
+    let stdout = kiln_testkit::run_reference_script!(
         &python,
         "safetensors_io.py",
         &["write".as_ref(), path.as_os_str()],
@@ -143,10 +141,10 @@ fn python_written_file_loads() {
 
 #[test]
 fn rust_written_file_reads_in_python() {
-    let Some(python) = common::python("rust_written_file_reads_in_python") else {
+    let Some(python) = kiln_testkit::python("rust_written_file_reads_in_python") else {
         return;
     };
-    let dir = common::TempDir::new("st-rust");
+    let dir = kiln_testkit::TempDir::new("st-rust");
     let path = dir.path().join("from_rust.safetensors");
     let state = rust_state();
     let metadata = BTreeMap::from([
@@ -156,7 +154,7 @@ fn rust_written_file_reads_in_python() {
     ]);
     state.save_safetensors(&path, &metadata).expect("save");
 
-    let stdout = common::run(
+    let stdout = kiln_testkit::run_reference_script!(
         &python,
         "safetensors_io.py",
         &["read".as_ref(), path.as_os_str()],
@@ -169,12 +167,12 @@ fn rust_written_file_reads_in_python() {
 
 #[test]
 fn unsupported_dtype_and_garbage_are_named() {
-    let Some(python) = common::python("unsupported_dtype_and_garbage_are_named") else {
+    let Some(python) = kiln_testkit::python("unsupported_dtype_and_garbage_are_named") else {
         return;
     };
-    let dir = common::TempDir::new("st-errors");
+    let dir = kiln_testkit::TempDir::new("st-errors");
     let path = dir.path().join("f8.safetensors");
-    common::run(
+    kiln_testkit::run_reference_script!(
         &python,
         "safetensors_io.py",
         &["write-f8".as_ref(), path.as_os_str()],

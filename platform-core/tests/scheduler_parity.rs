@@ -4,9 +4,7 @@
 //! `tests/reference/schedulers.py` defines the cases (as Kiln configs) and
 //! prints PyTorch's learning rates for two parameter groups.
 
-mod common;
-
-use kiln_core::{LrScheduler, SchedulerConfig};
+use kiln_core::schedule::{LrScheduler, SchedulerConfig};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -31,7 +29,7 @@ fn assert_close(case: &str, what: &str, step: usize, ours: &[f64], torch: &[f64]
     assert_eq!(ours.len(), torch.len(), "{case}: {what} at step {step}");
     for (group, (a, b)) in ours.iter().zip(torch).enumerate() {
         assert!(
-            common::close(*a, *b, REL),
+            kiln_testkit::close(*a, *b, REL),
             "{case}: {what} of group {group} after {step} steps: Kiln {a}, PyTorch {b}"
         );
     }
@@ -59,10 +57,10 @@ fn check_momentum(sched: &dyn LrScheduler, case: &Case, step: usize) {
 
 #[test]
 fn schedulers_match_pytorch() {
-    let Some(python) = common::python("schedulers_match_pytorch") else {
+    let Some(python) = kiln_testkit::python("schedulers_match_pytorch") else {
         return;
     };
-    let stdout = common::run(&python, "schedulers.py", &[]);
+    let stdout = kiln_testkit::run_reference_script!(&python, "schedulers.py", &[] as &[&str]);
     let reference: Reference = serde_json::from_str(&stdout).expect("script prints JSON");
     assert!(reference.cases.len() >= 8 && reference.steps >= 40);
     assert_eq!(reference.base_lrs.len(), 2);

@@ -1,25 +1,25 @@
 //! [`TfBackend`]: Kiln's [`Backend`] on the TensorFlow C API (its
-//! [`TrainBackend`](kiln_core::TrainBackend) is in `train.rs`).
+//! [`TrainBackend`](kiln_core::backend::TrainBackend) is in `train.rs`).
 
-use kiln_core::{Backend, DType, Device, Error, HostTensor, Result, Shape};
+use kiln_core::{backend::Backend, DType, Device, Error, HostTensor, Result, Shape};
 
 use crate::convert::TfTensor;
 
 /// The TensorFlow backend: graphs built once through the TensorFlow C API and
 /// run in a session, on the CPU.
 ///
-/// Training is graph mode: [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step)
+/// Training is graph mode: [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)
 /// runs forward, loss, gradients (`Graph::add_gradients`) and the optimizer's
 /// apply ops as **one** session run of a program compiled on the first step.
-/// It is a [`TrainBackend`](kiln_core::TrainBackend) but not an
-/// [`EagerBackend`](kiln_core::EagerBackend): its tensors are values, with no
+/// It is a [`TrainBackend`](kiln_core::backend::TrainBackend) but not an
+/// [`EagerBackend`](kiln_core::backend::EagerBackend): its tensors are values, with no
 /// autograd record to call `backward` on. Write training loops with
-/// [`kiln_core::Trainer`] or `train_step`, which work on both backends, or
+/// `Trainer` (in `kiln-train`) or `train_step`, which work on both backends, or
 /// split a step with [`TfModel::gradients`](crate::TfModel::gradients) and
 /// [`TfOptimizer::apply_gradients`](crate::TfOptimizer::apply_gradients).
 ///
 /// ```no_run
-/// use kiln_core::{Backend, Device, HostTensor};
+/// use kiln_core::{backend::Backend, Device, HostTensor};
 /// use kiln_tf::TfBackend;
 ///
 /// let t = TfBackend::from_host(&HostTensor::new(vec![1.0f32, 2.0], [2])?, Device::Cpu)?;

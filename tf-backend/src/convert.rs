@@ -1,6 +1,6 @@
 //! [`HostTensor`] to and from TensorFlow tensors: one copy each way, shape and dtype kept.
 
-use kiln_core::{DType, Element, Error, HostTensor, Result, Shape};
+use kiln_core::{dtype::Element, DType, Error, HostTensor, Result, Shape};
 use tensorflow::{DataType, Tensor, TensorType};
 
 use crate::error::tf_error;

@@ -1,10 +1,13 @@
-//! The TensorFlow side of [`Layer::Custom`](kiln_core::Layer::Custom): graph
+//! The TensorFlow side of [`Layer::Custom`](kiln_core::model::Layer::Custom): graph
 //! builders registered by op name, resolved when a [`TfModel`](crate::TfModel) is built.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_core::{CustomConfig, CustomLayerRegistry, Layer, Result};
+use kiln_core::{
+    model::{CustomConfig, CustomLayerRegistry, Layer},
+    Result,
+};
 use tensorflow::{Graph, Output};
 
 /// A custom layer's computation as TensorFlow graph ops: it adds ops to the
@@ -19,13 +22,13 @@ pub type CustomLayerFn =
 static REGISTRY: CustomLayerRegistry<CustomLayerFn> =
     CustomLayerRegistry::new("TensorFlow", "kiln_tf::register_custom_layer");
 
-/// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::Layer::Custom)
+/// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::model::Layer::Custom)
 /// layers built on TensorFlow. Registering a name again replaces its function, so
 /// registering at start-up is idempotent. Models built before keep the function
 /// they were built with.
 ///
 /// ```
-/// use kiln_core::{CustomConfig, Device, HostTensor, Init, Layer, Module};
+/// use kiln_core::{model::{CustomConfig, Init, Layer}, module::Module, Device, HostTensor};
 /// use kiln_tf::{register_custom_layer, tf_error, TfModel, TfTensor};
 /// use tensorflow::{DataType, Graph, Operation, Output, Status};
 ///

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kiln_core::{DType, Error, HostTensor, ParamKind, Result};
+use kiln_core::{model::ParamKind, DType, Error, HostTensor, Result};
 use tensorflow::{DataType, Operation, Output, Session, SessionRunArgs};
 
 use crate::convert::TfTensor;

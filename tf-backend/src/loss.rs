@@ -9,7 +9,10 @@
 //! (`SelectV2` among them), gathers' indices and constants, none of which is
 //! on the gradient path.
 
-use kiln_core::{CrossEntropyConfig, DType, Error, Loss, NllConfig, Reduction, Result};
+use kiln_core::{
+    loss::{CrossEntropyConfig, Loss, NllConfig, Reduction},
+    DType, Error, Result,
+};
 use tensorflow::{DataType, Output};
 
 use crate::graph::{out0, Builder};
@@ -574,8 +577,11 @@ mod tests {
     use std::path::Path;
 
     use kiln_core::{
-        BceWithLogitsConfig, CrossEntropyConfig, DType, Error, Loss, NllConfig, Reduction,
-        SmoothL1Config, StateDict,
+        loss::{
+            BceWithLogitsConfig, CrossEntropyConfig, Loss, NllConfig, Reduction, SmoothL1Config,
+        },
+        state_dict::StateDict,
+        DType, Error,
     };
     use tensorflow::{DataType, Session, SessionOptions, SessionRunArgs, Tensor};
 

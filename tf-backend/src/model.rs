@@ -4,8 +4,12 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_core::{
-    Device, Error, HostTensor, InitDistribution, Layer, Mode, Module, ParamKind, ParamSpec, Result,
-    SplitMix64, StateDict,
+    backend::Mode,
+    model::{InitDistribution, Layer, ParamKind, ParamSpec},
+    module::Module,
+    rng::SplitMix64,
+    state_dict::StateDict,
+    Device, Error, HostTensor, Result,
 };
 
 use crate::backend::TfBackend;
@@ -23,7 +27,7 @@ use crate::step::{self, CompiledGraph, ModelGraph, ProgramKey, ProgramKind, Sign
 /// shape and mode.
 ///
 /// ```no_run
-/// use kiln_core::{Device, HostTensor, Layer, LinearConfig, Module};
+/// use kiln_core::{model::{Layer, LinearConfig}, module::Module, Device, HostTensor};
 /// use kiln_tf::{TfBackend, TfModel, TfTensor};
 ///
 /// let spec = Layer::sequential([
@@ -61,7 +65,7 @@ pub(crate) fn lock(graph: &Mutex<CompiledGraph>) -> Result<MutexGuard<'_, Compil
 impl TfModel {
     /// Builds `spec` with its initialisers (PyTorch's defaults where none is
     /// given), drawing from the backend's generator (seed it with
-    /// [`kiln_core::Backend::manual_seed`] for reproducible weights). Starts in
+    /// [`kiln_core::backend::Backend::manual_seed`] for reproducible weights). Starts in
     /// training mode. TensorFlow runs on the CPU only here: other devices are
     /// [`Error::DeviceUnavailable`].
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
@@ -118,7 +122,7 @@ impl TfModel {
     /// are left out.
     pub fn gradients(
         &self,
-        loss: &kiln_core::Loss,
+        loss: &kiln_core::loss::Loss,
         inputs: &TfTensor,
         targets: &TfTensor,
     ) -> Result<(f64, StateDict)> {

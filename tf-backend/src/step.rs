@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-use kiln_core::{DType, Error, GradClip, HostTensor, Layer, Loss, Result};
+use kiln_core::{loss::Loss, model::Layer, optim::GradClip, DType, Error, HostTensor, Result};
 use tensorflow::{DataType, Operation, Output};
 
 use crate::convert::TfTensor;
@@ -525,7 +525,7 @@ fn compose_gradients(
     let params: Vec<&str> = model
         .vars
         .iter()
-        .filter(|v| v.kind == kiln_core::ParamKind::Parameter)
+        .filter(|v| v.kind == kiln_core::model::ParamKind::Parameter)
         .map(|v| v.name.as_str())
         .collect();
     let grads = differentiate(b, &value, forward, &params)?;

@@ -3,8 +3,13 @@
 //! compiled in [`crate::step`].
 
 use kiln_core::{
-    Device, Error, FloatPrecision, HostTensor, Layer, Loss, Module, OptimizerConfig, ParamGroup,
-    Result, StepPlan, TrainBackend,
+    backend::{StepPlan, TrainBackend},
+    loss::Loss,
+    model::Layer,
+    module::Module,
+    optim::{OptimizerConfig, ParamGroup},
+    precision::FloatPrecision,
+    Device, Error, HostTensor, Result,
 };
 
 use crate::backend::TfBackend;

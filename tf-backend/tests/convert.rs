@@ -144,7 +144,11 @@ fn half_precision_is_unsupported_with_a_clear_error() {
 
 #[test]
 fn bf16_precisions_are_refused_naming_the_torch_backend() {
-    use kiln_core::{FloatPrecision, Layer, LinearConfig, TrainBackend};
+    use kiln_core::{
+        backend::TrainBackend,
+        model::{Layer, LinearConfig},
+        precision::FloatPrecision,
+    };
     let mut model = kiln_tf::TfBackend::build_model(
         &Layer::Linear(LinearConfig::new(3, 2)),
         kiln_core::Device::Cpu,

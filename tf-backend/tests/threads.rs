@@ -4,7 +4,11 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use kiln_core::{Device, Error, HostTensor, Layer, LinearConfig, Module};
+use kiln_core::{
+    model::{Layer, LinearConfig},
+    module::Module,
+    Device, Error, HostTensor,
+};
 use kiln_tf::{set_thread_counts, TfBackend, TfModel, TfTensor};
 
 #[test]

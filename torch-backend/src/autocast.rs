@@ -52,7 +52,7 @@ const BFLOAT16: i8 = 15;
 /// loss scaling, which Kiln does not do; prefer bfloat16).
 ///
 /// ```no_run
-/// use kiln_core::{DType, Device, Layer, LinearConfig, Module};
+/// use kiln_core::{model::{Layer, LinearConfig}, module::Module, DType, Device};
 /// use kiln_torch::TorchModel;
 ///
 /// let model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;

@@ -1,6 +1,6 @@
 //! [`TorchBackend`]: the core [`Backend`] trait on libtorch.
 
-use kiln_core::{Backend, DType, Device, HostTensor, Result, Shape};
+use kiln_core::{backend::Backend, DType, Device, HostTensor, Result, Shape};
 use tch::Tensor;
 
 use crate::convert::{dtype_from_kind, from_tch, shape_of, to_tch};

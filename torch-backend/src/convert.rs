@@ -1,6 +1,6 @@
 //! [`HostTensor`] to and from `tch::Tensor`: one copy each way, shape and dtype kept.
 
-use kiln_core::{DType, Device, Element, Error, HostTensor, Result, Shape};
+use kiln_core::{dtype::Element, DType, Device, Error, HostTensor, Result, Shape};
 use tch::{Kind, Tensor};
 
 use crate::device::device_to_tch;

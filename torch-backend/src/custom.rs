@@ -1,7 +1,7 @@
 //! The escape hatch: user code over `tch` as a Kiln [`Module`], and [`Chain`] to
 //! mix such modules with built ones.
 
-use kiln_core::{Device, Error, Mode, Module, Result, StateDict};
+use kiln_core::{backend::Mode, module::Module, state_dict::StateDict, Device, Error, Result};
 use tch::{nn, TchError, Tensor};
 
 use crate::backend::TorchBackend;
@@ -17,7 +17,7 @@ type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> 
 /// Variables that require grad are its parameters; the others are buffers.
 ///
 /// ```no_run
-/// use kiln_core::{Device, Module};
+/// use kiln_core::{module::Module, Device};
 /// use kiln_torch::TchModule;
 /// use tch::nn::Module as _;
 ///

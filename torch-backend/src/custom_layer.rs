@@ -1,9 +1,12 @@
-//! The libtorch side of [`Layer::Custom`](kiln_core::Layer::Custom): ops
+//! The libtorch side of [`Layer::Custom`](kiln_core::model::Layer::Custom): ops
 //! registered by name, looked up when a [`TorchModel`](crate::TorchModel) is built.
 
 use std::sync::Arc;
 
-use kiln_core::{CustomConfig, CustomLayerRegistry, Result};
+use kiln_core::{
+    model::{CustomConfig, CustomLayerRegistry},
+    Result,
+};
 use tch::Tensor;
 
 /// A custom layer's computation on libtorch: the input, the layer's parameters in
@@ -14,13 +17,13 @@ pub type CustomLayerFn = dyn Fn(&Tensor, &[&Tensor], &CustomConfig) -> Result<Te
 static REGISTRY: CustomLayerRegistry<CustomLayerFn> =
     CustomLayerRegistry::new("torch", "kiln_torch::register_custom_layer");
 
-/// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::Layer::Custom)
+/// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::model::Layer::Custom)
 /// layers built on libtorch. Registering a name again replaces its function, so
 /// registering at start-up is idempotent. Models built before keep the function
 /// they were built with.
 ///
 /// ```
-/// use kiln_core::{CustomConfig, Device, Init, Layer, Module};
+/// use kiln_core::{model::{CustomConfig, Init, Layer}, module::Module, Device};
 /// use kiln_torch::{register_custom_layer, torch_error, TorchModel};
 ///
 /// // A leaky ReLU with a learned slope, from built-in libtorch ops.

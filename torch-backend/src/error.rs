@@ -118,7 +118,7 @@ pub fn torch_error(context: &str, error: tch::TchError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_core::ErrorChain;
+    use kiln_core::error::ErrorChain;
 
     fn matmul_error() -> tch::TchError {
         tch::Tensor::zeros([2, 3], (tch::Kind::Float, tch::Device::Cpu))

@@ -1,13 +1,13 @@
 //! Kiln's libtorch backend, through [`tch`].
 //!
-//! [`TorchBackend`] implements [`kiln_core::Backend`] with `tch::Tensor` as its
+//! [`TorchBackend`] implements [`kiln_core::backend::Backend`] with `tch::Tensor` as its
 //! tensor type. Every libtorch call made here uses tch's fallible `f_*` form, so a
 //! libtorch error (a C++ exception on the other side) comes back as
 //! [`kiln_core::Error::Backend`] whose source, a [`TorchError`], carries libtorch's
 //! message without its C++ stack trace; never as a panic.
 //!
 //! ```no_run
-//! use kiln_core::{Backend, Device, HostTensor};
+//! use kiln_core::{backend::Backend, Device, HostTensor};
 //! use kiln_torch::TorchBackend;
 //!
 //! let host = HostTensor::new(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2])?;

@@ -1,6 +1,9 @@
 //! Kiln [`Loss`] definitions computed with libtorch's loss functions.
 
-use kiln_core::{DType, Error, Loss, Reduction, Result};
+use kiln_core::{
+    loss::{Loss, Reduction},
+    DType, Error, Result,
+};
 use tch::{Kind, Tensor};
 
 use crate::convert::{dtype_from_kind, is_float_kind};

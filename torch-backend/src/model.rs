@@ -4,8 +4,13 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use kiln_core::{
-    DType, Device, Error, FloatPrecision, InitDistribution, Layer, Mode, Module, ParamKind,
-    ParamSpec, Result, StateDict, StateTensors,
+    backend::Mode,
+    model::{InitDistribution, Layer, ParamKind, ParamSpec},
+    module::Module,
+    precision::FloatPrecision,
+    state_dict::StateDict,
+    state_tensors::StateTensors,
+    DType, Device, Error, Result,
 };
 use tch::{Kind, TchError, Tensor};
 
@@ -39,7 +44,7 @@ enum Node {
 /// between Kiln and Python through safetensors files (see [`TorchModel::save`]).
 ///
 /// ```no_run
-/// use kiln_core::{Device, Layer, LinearConfig, Module};
+/// use kiln_core::{model::{Layer, LinearConfig}, module::Module, Device};
 /// use kiln_torch::TorchModel;
 ///
 /// let spec = Layer::Sequential {
@@ -71,7 +76,7 @@ pub struct TorchModel {
 impl TorchModel {
     /// Builds `spec` on `device` with its initialisers (PyTorch's defaults where
     /// none is given), drawing from libtorch's generator (seed it with
-    /// [`kiln_core::Backend::manual_seed`] for reproducible weights). Starts in training mode.
+    /// [`kiln_core::backend::Backend::manual_seed`] for reproducible weights). Starts in training mode.
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         spec.validate()?;
         let target = device_to_tch(device)?;
@@ -142,7 +147,7 @@ impl TorchModel {
     /// parameters' dtype (pure bf16 training, as PyTorch's with a bf16 model).
     ///
     /// ```no_run
-    /// use kiln_core::{DType, Device, Layer, LinearConfig};
+    /// use kiln_core::{model::{Layer, LinearConfig}, DType, Device};
     /// use kiln_torch::TorchModel;
     ///
     /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
@@ -188,7 +193,9 @@ impl TorchModel {
     /// Nothing changes on error.
     ///
     /// ```no_run
-    /// use kiln_core::{Device, Layer, LinearConfig, Module, FloatPrecision};
+    /// use kiln_core::{
+    ///     model::{Layer, LinearConfig}, module::Module, precision::FloatPrecision, Device,
+    /// };
     /// use kiln_torch::TorchModel;
     ///
     /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;

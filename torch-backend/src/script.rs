@@ -3,7 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use kiln_core::{Device, Error, Mode, Module, Result, StateDict, StateTensors};
+use kiln_core::{
+    backend::Mode, module::Module, state_dict::StateDict, state_tensors::StateTensors, Device,
+    Error, Result,
+};
 use tch::{CModule, IValue, Kind, Tensor};
 
 use crate::backend::TorchBackend;
@@ -19,7 +22,7 @@ use crate::error::{torch_error, TorchError};
 /// fine-tunes it in place and [`ScriptModule::save`] writes the new weights.
 ///
 /// ```no_run
-/// use kiln_core::{Device, Module};
+/// use kiln_core::{module::Module, Device};
 /// use kiln_torch::ScriptModule;
 ///
 /// let model = ScriptModule::load("model.pt", Device::Cpu)?;

@@ -1,9 +1,13 @@
-//! [`TrainBackend`] for libtorch, what the generic [`kiln_core::Trainer`] needs,
+//! [`TrainBackend`] for libtorch, what the generic `Trainer` of `kiln-train` needs,
 //! and [`EagerBackend`], the primitives its steps are made of.
 
 use kiln_core::{
-    Backend, Device, EagerBackend, Error, FloatPrecision, GradClip, HostTensor, Layer, Loss,
-    OptimizerConfig, ParamGroup, Result, StepPlan, TrainBackend,
+    backend::{Backend, EagerBackend, StepPlan, TrainBackend},
+    loss::Loss,
+    model::Layer,
+    optim::{GradClip, OptimizerConfig, ParamGroup},
+    precision::FloatPrecision,
+    Device, Error, HostTensor, Result,
 };
 use tch::Tensor;
 
@@ -34,7 +38,7 @@ impl TrainBackend for TorchBackend {
         model: &TorchModel,
         groups: &[ParamGroup],
     ) -> Result<TorchOptimizer> {
-        use kiln_core::Module;
+        use kiln_core::module::Module;
         TorchOptimizer::new(config.clone(), model.named_parameters(), groups)
     }
 

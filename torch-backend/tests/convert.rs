@@ -3,7 +3,10 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use kiln_core::{Backend, DType, Device, EagerBackend, Error, HostTensor};
+use kiln_core::{
+    backend::{Backend, EagerBackend},
+    DType, Device, Error, HostTensor,
+};
 use kiln_torch::{from_tch, to_tch, TorchBackend};
 
 fn samples() -> Vec<HostTensor> {

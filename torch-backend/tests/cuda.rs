@@ -3,7 +3,10 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
-use kiln_core::{Backend, Device, EagerBackend, Error, HostTensor};
+use kiln_core::{
+    backend::{Backend, EagerBackend},
+    Device, Error, HostTensor,
+};
 use kiln_torch::{cuda_device_count, cuda_is_available, TorchBackend};
 
 fn cuda_count_or_skip(test: &str) -> Option<usize> {
@@ -96,7 +99,12 @@ fn matmul_and_backward_on_the_gpu_match_hand_values() {
 /// parameters, returns float32 and gets float32 gradients close to float32's.
 #[test]
 fn bf16_autocast_and_mixed_precision_on_the_gpu() {
-    use kiln_core::{DType, FloatPrecision, Layer, LinearConfig, Module};
+    use kiln_core::{
+        model::{Layer, LinearConfig},
+        module::Module,
+        precision::FloatPrecision,
+        DType,
+    };
     let Some(_) = cuda_count_or_skip("bf16_autocast_and_mixed_precision_on_the_gpu") else {
         return;
     };

@@ -13,7 +13,9 @@
 
 mod common;
 
-use kiln_core::{DType, Device, FloatPrecision, Layer, Mode, Module};
+use kiln_core::{
+    backend::Mode, model::Layer, module::Module, precision::FloatPrecision, DType, Device,
+};
 use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
 
 struct Case {
@@ -168,7 +170,7 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, numerics: Nume
 
         let w = to_tch(reference.get("weight").unwrap(), device).unwrap();
         let loss = (&output * &w).sum(tch::Kind::Float);
-        <TorchBackend as kiln_core::EagerBackend>::backward(&loss).unwrap();
+        <TorchBackend as kiln_core::backend::EagerBackend>::backward(&loss).unwrap();
         if case.int_high.is_none() {
             common::assert_close(
                 &what("grad input"),
@@ -242,7 +244,10 @@ fn dropout_in_training_zeroes_about_p_and_scales_the_rest() {
 
 #[test]
 fn to_dtype_converts_floats_only_and_checks_inputs() {
-    use kiln_core::{BatchNormConfig, Error, LinearConfig};
+    use kiln_core::{
+        model::{BatchNormConfig, LinearConfig},
+        Error,
+    };
     let spec = Layer::sequential([
         LinearConfig::new(4, 3).into(),
         Layer::BatchNorm1d(BatchNormConfig::new(3)),
@@ -295,7 +300,7 @@ fn to_dtype_converts_floats_only_and_checks_inputs() {
 
 #[test]
 fn set_precision_sets_parameter_dtype_input_casts_and_output_dtype() {
-    use kiln_core::{Error, LinearConfig};
+    use kiln_core::{model::LinearConfig, Error};
     let spec = Layer::sequential([
         LinearConfig::new(4, 8).into(),
         Layer::Relu,

@@ -9,9 +9,12 @@ mod common;
 use std::path::Path;
 
 use kiln_core::{
-    Backend, BatchNormConfig, Conv2dConfig, CrossEntropyConfig, Device, EagerBackend, Error,
-    HostTensor, Layer, LinearConfig, Loss, Mode, Module, Optimizer, OptimizerConfig, Pool2dConfig,
-    Reduction, SgdConfig, SmoothL1Config,
+    backend::{Backend, EagerBackend, Mode},
+    loss::{CrossEntropyConfig, Loss, Reduction, SmoothL1Config},
+    model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig},
+    module::Module,
+    optim::{Optimizer, OptimizerConfig, SgdConfig},
+    Device, Error, HostTensor,
 };
 use kiln_torch::{
     compute_loss, from_tch, kind_from_dtype, to_tch, Chain, TchModule, TorchBackend, TorchModel,
@@ -226,7 +229,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
         let mut model = TorchModel::new(&cnn(), Device::Cpu).unwrap();
         model.to_dtype(dtype).unwrap();
         let mut opt = TorchOptimizer::new(
-            OptimizerConfig::Adam(kiln_core::AdamConfig::new(1e-2)),
+            OptimizerConfig::Adam(kiln_core::optim::AdamConfig::new(1e-2)),
             model.named_parameters(),
             &[],
         )
@@ -241,8 +244,8 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
             TorchBackend::backward(&loss).unwrap();
             opt.step().unwrap();
         }
-        fn checkpoint<S>(model: S, optimizer: S) -> kiln_core::Checkpoint<S> {
-            kiln_core::Checkpoint {
+        fn checkpoint<S>(model: S, optimizer: S) -> kiln_train::Checkpoint<S> {
+            kiln_train::Checkpoint {
                 model,
                 optimizer,
                 step: 2,
@@ -266,7 +269,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
             .unwrap();
         let live_bytes = std::fs::read(&live).unwrap();
         assert_eq!(live_bytes, std::fs::read(&copies).unwrap(), "{dtype}");
-        let loaded = kiln_core::Checkpoint::load(&live).unwrap();
+        let loaded = kiln_train::Checkpoint::load(&live).unwrap();
         assert_eq!(loaded.model, model.state_dict().unwrap());
         assert!(loaded.optimizer.keys().any(|k| k.ends_with("exp_avg_sq")));
     }

@@ -7,9 +7,16 @@
 mod common;
 
 use kiln_core::{
-    AdagradConfig, AdamConfig, AdamWConfig, Device, GradClip, Layer, LinearConfig, Loss, Module,
-    Optimizer, OptimizerConfig, ParamGroup, ParamSelector, RmsPropConfig, SgdConfig, StateDict,
-    StateTensor,
+    loss::Loss,
+    model::{Layer, LinearConfig},
+    module::Module,
+    optim::{
+        AdagradConfig, AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig, ParamGroup,
+        ParamSelector, RmsPropConfig, SgdConfig,
+    },
+    state_dict::StateDict,
+    state_tensors::StateTensor,
+    Device,
 };
 use kiln_torch::{
     clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, compute_loss, from_tch, to_tch,
@@ -297,7 +304,7 @@ fn optimizer_state_round_trip_resumes_bitwise() {
         ),
         OptimizerConfig::Adagrad(AdagradConfig::new(0.1).with_lr_decay(0.1)),
     ] {
-        <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(3);
+        <kiln_torch::TorchBackend as kiln_core::backend::Backend>::manual_seed(3);
         let data = random_batches(8);
         let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         let initial = model.state_dict().unwrap();
@@ -518,7 +525,7 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
         OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1)),
         OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9)),
     ] {
-        <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(5);
+        <kiln_torch::TorchBackend as kiln_core::backend::Backend>::manual_seed(5);
         let data = random_batches(6);
         // Drawn once: tests on other threads draw from the same global generator.
         let initial = TorchModel::new(&mlp(), Device::Cpu)

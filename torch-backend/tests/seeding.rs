@@ -4,8 +4,13 @@
 #![allow(clippy::unwrap_used)]
 
 use kiln_core::{
-    Backend, Device, Layer, LinearConfig, Loss, Module, Optimizer, OptimizerConfig, SgdConfig,
-    StateDict,
+    backend::Backend,
+    loss::Loss,
+    model::{Layer, LinearConfig},
+    module::Module,
+    optim::{Optimizer, OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
+    Device,
 };
 use kiln_torch::{compute_loss, TorchBackend, TorchModel, TorchOptimizer};
 

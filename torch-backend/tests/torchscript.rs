@@ -10,7 +10,12 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use kiln_core::{
-    Device, Error, Loss, Mode, Module, Optimizer, OptimizerConfig, SgdConfig, StateDict,
+    backend::Mode,
+    loss::Loss,
+    module::Module,
+    optim::{Optimizer, OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
+    Device, Error,
 };
 use kiln_torch::{compute_loss, from_tch, to_tch, ScriptModule, TorchOptimizer};
 use tch::IValue;
@@ -184,7 +189,7 @@ fn fine_tune_save_and_reload_in_python() {
         &[],
     )
     .unwrap();
-    <kiln_torch::TorchBackend as kiln_core::Backend>::manual_seed(0);
+    <kiln_torch::TorchBackend as kiln_core::backend::Backend>::manual_seed(0);
     let x = tch::Tensor::randn([32, 4], (tch::Kind::Float, tch::Device::Cpu));
     let target = tch::Tensor::randn([32, 3], (tch::Kind::Float, tch::Device::Cpu));
     let mut losses = Vec::new();

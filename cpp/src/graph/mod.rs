@@ -9,10 +9,12 @@
 //! is an error that leaves the device usable.
 //!
 //! ```no_run
-//! use kiln_core::{AdamConfig, Device, Layer, LinearConfig, Loss, OptimizerConfig};
+//! use kiln_core::{
+//!     loss::Loss, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device,
+//! };
 //! use kiln_ops::graph::GraphedTrainStep;
 //! use kiln_torch::{TorchModel, TorchOptimizer};
-//! use kiln_core::Module;
+//! use kiln_core::module::Module;
 //!
 //! let device = Device::Cuda(0);
 //! let net = Layer::sequential([LinearConfig::new(784, 10).into()]);
@@ -39,7 +41,13 @@ mod bridge;
 
 use std::pin::Pin;
 
-use kiln_core::{Device, EagerBackend, Error, GradClip, Loss, Module, Optimizer, Result};
+use kiln_core::{
+    backend::EagerBackend,
+    loss::Loss,
+    module::Module,
+    optim::{GradClip, Optimizer},
+    Device, Error, Result,
+};
 use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 

@@ -19,7 +19,10 @@
 mod ffi;
 mod tf_ffi;
 
-use kiln_core::{CustomConfig, Error, Layer, Result};
+use kiln_core::{
+    model::{CustomConfig, Layer},
+    Error, Result,
+};
 use tch::Tensor;
 
 /// The layer op name for [`Layer::Custom`]: `namespace::name`, as in `torch.ops`.
@@ -29,7 +32,7 @@ pub const LAYER_OP: &str = "example::squared_relu";
 /// the TensorFlow op itself). Idempotent; call it once before building models.
 ///
 /// ```no_run
-/// use kiln_core::{Device, Layer, LinearConfig, TrainBackend};
+/// use kiln_core::{backend::TrainBackend, model::{Layer, LinearConfig}, Device};
 ///
 /// kiln_example_custom_op::register_layer()?;
 /// let net = Layer::sequential([

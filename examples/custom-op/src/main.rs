@@ -11,12 +11,16 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use kiln_core::{
-    load_digits, train_test_split, Accuracy, AdamConfig, Device, HostTensor, InMemoryDataset,
-    Layer, LinearConfig, Loss, OptimizerConfig, SequentialLoader, TrainBackend, Trainer,
-    TrainerConfig, TrainingState,
+    backend::TrainBackend,
+    loss::Loss,
+    model::{Layer, LinearConfig},
+    optim::{AdamConfig, OptimizerConfig},
+    Device, HostTensor,
 };
+use kiln_data::{load_digits, train_test_split, InMemoryDataset, SequentialLoader};
 use kiln_tf::TfBackend;
 use kiln_torch::TorchBackend;
+use kiln_train::{Accuracy, Trainer, TrainerConfig, TrainingState};
 
 const EPOCHS: u64 = 30;
 const BATCH_SIZE: usize = 64;

@@ -6,12 +6,18 @@
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 use kiln_core::{
-    Backend, Device, EagerBackend, HostTensor, InMemoryDataset, Layer, LinearConfig, Loss, Module,
-    OptimizerConfig, SequentialLoader, SgdConfig, StateDict, TrainBackend, Trainer, TrainerConfig,
-    TrainingState,
+    backend::{Backend, EagerBackend, TrainBackend},
+    loss::Loss,
+    model::{Layer, LinearConfig},
+    module::Module,
+    optim::{OptimizerConfig, SgdConfig},
+    state_dict::StateDict,
+    Device, HostTensor,
 };
+use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_tf::{TfBackend, TfTensor};
 use kiln_torch::{from_tch, TorchBackend};
+use kiln_train::{Trainer, TrainerConfig, TrainingState};
 
 fn spec() -> Layer {
     Layer::sequential([

@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 /// `{ type = "kaiming_uniform", nonlinearity = "relu" }`.
 ///
 /// ```
-/// use kiln_core::{Init, InitDistribution, Nonlinearity};
+/// use kiln_core::model::{Init, InitDistribution, Nonlinearity};
 ///
 /// // torch.nn.init.kaiming_uniform_(w, nonlinearity="relu") on a [64, 32] weight
 /// let init = Init::kaiming_uniform(Nonlinearity::Relu);
@@ -152,7 +152,7 @@ impl Nonlinearity {
     /// (`None` means PyTorch's 0.01) and ignored otherwise.
     ///
     /// ```
-    /// use kiln_core::Nonlinearity;
+    /// use kiln_core::model::Nonlinearity;
     ///
     /// assert_eq!(Nonlinearity::Tanh.gain(None), 5.0 / 3.0);
     /// assert_eq!(Nonlinearity::LeakyRelu.gain(Some(0.0)), 2f64.sqrt());
@@ -181,7 +181,7 @@ impl Nonlinearity {
 /// A concrete distribution to draw a parameter's initial values from.
 ///
 /// Backends sample it with their own generator; [`Init::resolve`] and
-/// [`Layer::parameter_specs`](crate::Layer::parameter_specs) produce it.
+/// [`Layer::parameter_specs`](crate::model::Layer::parameter_specs) produce it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum InitDistribution {
@@ -214,8 +214,8 @@ pub enum InitDistribution {
 ///
 /// ```
 /// // a Conv2d(3, 16, 5) weight
-/// assert_eq!(kiln_core::fan_in_and_fan_out(&[16, 3, 5, 5])?, (75, 400));
-/// assert!(kiln_core::fan_in_and_fan_out(&[16]).is_err());
+/// assert_eq!(kiln_core::model::fan_in_and_fan_out(&[16, 3, 5, 5])?, (75, 400));
+/// assert!(kiln_core::model::fan_in_and_fan_out(&[16]).is_err());
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub fn fan_in_and_fan_out(shape: &[usize]) -> Result<(usize, usize)> {

@@ -57,7 +57,7 @@ fn minus_one() -> isize {
 /// fields take PyTorch's defaults.
 ///
 /// ```
-/// use kiln_core::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
+/// use kiln_core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
 ///
 /// let net = Layer::sequential([
 ///     Conv2dConfig::new(1, 8, [3, 3]).with_padding([1, 1]).into(),
@@ -272,7 +272,7 @@ impl Layer {
     /// (`"1.block.groups"`).
     ///
     /// ```
-    /// use kiln_core::{AttentionConfig, Layer};
+    /// use kiln_core::model::{AttentionConfig, Layer};
     ///
     /// let bad = Layer::sequential([Layer::MultiHeadSelfAttention(AttentionConfig::new(30, 4))]);
     /// let err = bad.validate().expect_err("30 is not divisible by 4");
@@ -305,7 +305,7 @@ impl Layer {
     /// [`validate`](Layer::validate) error of an invalid configuration.
     ///
     /// ```
-    /// use kiln_core::{Layer, LinearConfig};
+    /// use kiln_core::model::{Layer, LinearConfig};
     ///
     /// let net = Layer::sequential([
     ///     LinearConfig::new(4, 8).into(),
@@ -350,7 +350,7 @@ impl Layer {
     /// Total number of elements of the trainable parameters.
     ///
     /// ```
-    /// use kiln_core::{Layer, LinearConfig};
+    /// use kiln_core::model::{Layer, LinearConfig};
     ///
     /// assert_eq!(Layer::from(LinearConfig::new(3, 2)).num_parameters()?, 8);
     /// # Ok::<(), kiln_core::Error>(())

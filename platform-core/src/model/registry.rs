@@ -1,6 +1,6 @@
 //! The registry of custom layer ops that each backend keeps: functions by op
 //! name (`namespace::name`), looked up when a model with
-//! [`Layer::Custom`](crate::Layer::Custom) layers is built.
+//! [`Layer::Custom`](crate::model::Layer::Custom) layers is built.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 ///
 /// ```
 /// use std::sync::Arc;
-/// use kiln_core::CustomLayerRegistry;
+/// use kiln_core::model::CustomLayerRegistry;
 ///
 /// static DOUBLERS: CustomLayerRegistry<dyn Fn(f64) -> f64 + Send + Sync> =
 ///     CustomLayerRegistry::new("demo", "register_doubler");

@@ -16,7 +16,7 @@ fn default_eps() -> f64 {
 /// Adagrad (`torch.optim.Adagrad`; defaults as PyTorch).
 ///
 /// ```
-/// use kiln_core::AdagradConfig;
+/// use kiln_core::optim::AdagradConfig;
 ///
 /// let ada = AdagradConfig::default().with_lr_decay(1e-4);
 /// assert_eq!((ada.lr, ada.eps), (1e-2, 1e-10));

@@ -9,7 +9,7 @@ use crate::error::Result;
 /// added to the gradient.
 ///
 /// ```
-/// use kiln_core::AdamConfig;
+/// use kiln_core::optim::AdamConfig;
 ///
 /// let adam = AdamConfig::new(3e-4).with_betas((0.9, 0.98));
 /// adam.validate()?;

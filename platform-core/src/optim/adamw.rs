@@ -13,7 +13,7 @@ fn default_weight_decay() -> f64 {
 /// PyTorch, including `weight_decay = 0.01`).
 ///
 /// ```
-/// use kiln_core::AdamWConfig;
+/// use kiln_core::optim::AdamWConfig;
 ///
 /// let adamw = AdamWConfig::new(1e-3);
 /// assert_eq!(adamw.weight_decay, 0.01);

@@ -14,7 +14,7 @@ fn two() -> f64 {
 /// `clip = { type = "value", clip_value = 0.5 }`.
 ///
 /// ```
-/// use kiln_core::GradClip;
+/// use kiln_core::optim::GradClip;
 ///
 /// let clip: GradClip = serde_json::from_str(r#"{"type": "norm", "max_norm": 1.0}"#).expect("valid");
 /// assert_eq!(clip, GradClip::norm(1.0));

@@ -27,7 +27,7 @@ impl ParamSelector {
     /// Whether the selector takes the parameter `name`.
     ///
     /// ```
-    /// use kiln_core::ParamSelector;
+    /// use kiln_core::optim::ParamSelector;
     ///
     /// assert!(ParamSelector::Suffix("bias".into()).matches("fc.bias"));
     /// assert!(!ParamSelector::Prefix("encoder.".into()).matches("decoder.0.weight"));
@@ -55,7 +55,7 @@ impl ParamSelector {
 /// options take the optimizer's value.
 ///
 /// ```
-/// use kiln_core::{assign_groups, ParamGroup, ParamSelector};
+/// use kiln_core::optim::{assign_groups, ParamGroup, ParamSelector};
 ///
 /// let names: Vec<String> = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
 ///     .map(String::from)
@@ -200,7 +200,7 @@ pub struct GroupHyper {
 /// when there are such parameters). Fails as [`assign_groups`] does.
 ///
 /// ```
-/// use kiln_core::{resolve_groups, OptimizerConfig, ParamGroup, ParamSelector, SgdConfig};
+/// use kiln_core::optim::{resolve_groups, OptimizerConfig, ParamGroup, ParamSelector, SgdConfig};
 ///
 /// let names = vec!["0.weight".to_owned(), "1.weight".to_owned()];
 /// let groups = [ParamGroup::new("first", ParamSelector::Prefix("0.".into())).with_lr(0.5)];

@@ -33,11 +33,11 @@ pub use state::{optimizer_state_key, read_optimizer_state, ParamState, StateBuff
 /// Updates a module's parameters from their gradients.
 ///
 /// An optimizer holds handles to the parameters it was built from (see
-/// [`Module::named_parameters`](crate::Module::named_parameters)) and updates
+/// [`Module::named_parameters`](crate::module::Module::named_parameters)) and updates
 /// them in place. A typical step:
 ///
 /// ```
-/// use kiln_core::{EagerBackend, Optimizer, Result};
+/// use kiln_core::{backend::EagerBackend, optim::Optimizer, Result};
 ///
 /// fn train_step<B: EagerBackend, O: Optimizer<B>>(opt: &mut O, loss: &B::Tensor) -> Result<()> {
 ///     opt.zero_grad()?;
@@ -78,7 +78,7 @@ pub trait Optimizer<B: Backend> {
     }
 
     /// Sets each group's learning rate, as an
-    /// [`LrScheduler`](crate::LrScheduler) step returns them.
+    /// [`LrScheduler`](crate::schedule::LrScheduler) step returns them.
     ///
     /// Fails with [`Error::InvalidArgument`] unless there is one rate per group.
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
@@ -111,7 +111,7 @@ pub trait Optimizer<B: Backend> {
     }
 
     /// Restores state saved by [`state_dict`](Optimizer::state_dict);
-    /// all-or-nothing like [`Module::load_state_dict`](crate::Module::load_state_dict).
+    /// all-or-nothing like [`Module::load_state_dict`](crate::module::Module::load_state_dict).
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
 }
 
@@ -162,7 +162,7 @@ fn check_betas(betas: (f64, f64)) -> Result<()> {
 /// options take PyTorch's defaults.
 ///
 /// ```
-/// use kiln_core::{AdamWConfig, OptimizerConfig};
+/// use kiln_core::optim::{AdamWConfig, OptimizerConfig};
 ///
 /// let opt: OptimizerConfig = serde_json::from_str(r#"{"type": "adamw", "lr": 3e-4}"#).expect("valid");
 /// assert_eq!(opt, OptimizerConfig::AdamW(AdamWConfig::new(3e-4)));

@@ -16,7 +16,7 @@ fn default_alpha() -> f64 {
 /// RMSprop (`torch.optim.RMSprop`; defaults as PyTorch).
 ///
 /// ```
-/// use kiln_core::RmsPropConfig;
+/// use kiln_core::optim::RmsPropConfig;
 ///
 /// let rms = RmsPropConfig::default().with_centered(true).with_momentum(0.9);
 /// assert_eq!((rms.lr, rms.alpha), (1e-2, 0.99));

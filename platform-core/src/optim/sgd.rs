@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 /// decay and Nesterov momentum (`torch.optim.SGD`; defaults as PyTorch).
 ///
 /// ```
-/// use kiln_core::SgdConfig;
+/// use kiln_core::optim::SgdConfig;
 ///
 /// let sgd = SgdConfig::new(0.1).with_momentum(0.9).with_nesterov(true);
 /// sgd.validate()?;

@@ -9,7 +9,7 @@
 //! - `group.<i>.lr`, `group.<i>.weight_decay` ([`save_group_hypers`](super::save_group_hypers)).
 //!
 //! ```
-//! use kiln_core::{optimizer_state_key, AdamConfig, OptimizerConfig};
+//! use kiln_core::optim::{optimizer_state_key, AdamConfig, OptimizerConfig};
 //!
 //! let adam = OptimizerConfig::Adam(AdamConfig::new(1e-3));
 //! let names: Vec<_> = adam.state_buffers().iter().map(|b| b.name).collect();
@@ -93,7 +93,10 @@ pub struct ParamState {
 /// are not looked at.
 ///
 /// ```
-/// use kiln_core::{read_optimizer_state, HostTensor, OptimizerConfig, SgdConfig, StateDict};
+/// use kiln_core::{
+///     optim::{read_optimizer_state, OptimizerConfig, SgdConfig}, state_dict::StateDict,
+///     HostTensor,
+/// };
 ///
 /// let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9));
 /// let mut state = StateDict::new();
@@ -175,7 +178,7 @@ fn describe(buffers: &[StateBuffer]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{AdagradConfig, AdamConfig, RmsPropConfig, SgdConfig};
+    use crate::optim::{AdagradConfig, AdamConfig, RmsPropConfig, SgdConfig};
 
     fn names(config: &OptimizerConfig) -> Vec<&'static str> {
         config.state_buffers().iter().map(|b| b.name).collect()

@@ -32,7 +32,7 @@ impl CosineAnnealingLrConfig {
 /// as in PyTorch.
 ///
 /// ```
-/// use kiln_core::{CosineAnnealingLr, CosineAnnealingLrConfig, LrScheduler};
+/// use kiln_core::schedule::{CosineAnnealingLr, CosineAnnealingLrConfig, LrScheduler};
 ///
 /// let mut s = CosineAnnealingLr::new(CosineAnnealingLrConfig { t_max: 2, eta_min: 0.0 }, &[1.0])?;
 /// assert!((s.step()?[0] - 0.5).abs() < 1e-15);

@@ -23,7 +23,7 @@ impl ExponentialLrConfig {
 /// `lr = base_lr * gamma^epoch`, as `torch.optim.lr_scheduler.ExponentialLR`.
 ///
 /// ```
-/// use kiln_core::{ExponentialLr, ExponentialLrConfig, LrScheduler};
+/// use kiln_core::schedule::{ExponentialLr, ExponentialLrConfig, LrScheduler};
 ///
 /// let mut s = ExponentialLr::new(ExponentialLrConfig { gamma: 0.5 }, &[1.0, 0.1])?;
 /// s.step()?;

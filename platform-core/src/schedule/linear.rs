@@ -66,7 +66,7 @@ impl LinearLrConfig {
 /// stays `start_factor`, as PyTorch's recursive form leaves it).
 ///
 /// ```
-/// use kiln_core::{LinearLr, LinearLrConfig, LrScheduler};
+/// use kiln_core::schedule::{LinearLr, LinearLrConfig, LrScheduler};
 ///
 /// let warmup = LinearLrConfig { start_factor: 0.25, end_factor: 1.0, total_iters: 3 };
 /// let mut s = LinearLr::new(warmup, &[0.4])?;

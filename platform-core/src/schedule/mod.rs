@@ -5,7 +5,7 @@
 //! PyTorch scheduler sets them on its optimizer when it is created); after
 //! each epoch (or batch), once the optimizer has stepped, call
 //! [`LrScheduler::step`] and give the returned rates to
-//! [`Optimizer::set_learning_rates`](crate::Optimizer::set_learning_rates).
+//! [`Optimizer::set_learning_rates`](crate::optim::Optimizer::set_learning_rates).
 //!
 //! Where PyTorch computes a rate recursively from the previous one
 //! ("chainable" form), Kiln uses the equivalent closed form; the two agree to
@@ -41,7 +41,7 @@ pub use step::{StepLr, StepLrConfig};
 /// from the optimizer as in `torch.optim.lr_scheduler`.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, SchedulerConfig, StepLrConfig};
+/// use kiln_core::schedule::{LrScheduler, SchedulerConfig, StepLrConfig};
 ///
 /// // Two parameter groups with base rates 0.1 and 0.01; halve every 2 epochs.
 /// let config = SchedulerConfig::StepLr(StepLrConfig { step_size: 2, gamma: 0.5 });
@@ -163,7 +163,7 @@ impl From<Vec<f64>> for PerGroup {
 /// In a config file: `scheduler = { type = "cosine_annealing_lr", t_max = 100 }`.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, SchedulerConfig};
+/// use kiln_core::schedule::{LrScheduler, SchedulerConfig};
 ///
 /// let config: SchedulerConfig =
 ///     serde_json::from_str(r#"{"type": "linear_lr", "start_factor": 0.5, "total_iters": 2}"#)

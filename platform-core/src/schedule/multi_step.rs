@@ -32,7 +32,7 @@ impl MultiStepLrConfig {
 /// `torch.optim.lr_scheduler.MultiStepLR`.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, MultiStepLr, MultiStepLrConfig};
+/// use kiln_core::schedule::{LrScheduler, MultiStepLr, MultiStepLrConfig};
 ///
 /// let config = MultiStepLrConfig { milestones: vec![1, 3], gamma: 0.1 };
 /// let mut s = MultiStepLr::new(config, &[1.0])?;

@@ -209,7 +209,7 @@ struct Phase {
 /// between `max_momentum` and `base_momentum`.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, OneCycleLr, OneCycleLrConfig};
+/// use kiln_core::schedule::{LrScheduler, OneCycleLr, OneCycleLrConfig};
 ///
 /// let mut s = OneCycleLr::new(OneCycleLrConfig::new(1.0, 10), &[0.1])?;
 /// assert!((s.lrs()[0] - 0.04).abs() < 1e-12); // 1.0 / 25

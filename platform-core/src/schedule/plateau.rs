@@ -149,7 +149,7 @@ struct PlateauState {
 /// metric counts as no improvement, as in PyTorch.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, ReduceLrOnPlateau, ReduceLrOnPlateauConfig};
+/// use kiln_core::schedule::{LrScheduler, ReduceLrOnPlateau, ReduceLrOnPlateauConfig};
 ///
 /// let config = ReduceLrOnPlateauConfig { patience: 1, factor: 0.5, ..Default::default() };
 /// let mut s = ReduceLrOnPlateau::new(config, &[0.1])?;

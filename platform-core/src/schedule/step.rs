@@ -32,7 +32,7 @@ impl StepLrConfig {
 /// `torch.optim.lr_scheduler.StepLR`.
 ///
 /// ```
-/// use kiln_core::{LrScheduler, StepLr, StepLrConfig};
+/// use kiln_core::schedule::{LrScheduler, StepLr, StepLrConfig};
 ///
 /// let mut s = StepLr::new(StepLrConfig { step_size: 2, gamma: 0.5 }, &[1.0])?;
 /// let lrs: Vec<f64> = (0..4).map(|_| s.step().map(|l| l[0])).collect::<Result<_, _>>()?;

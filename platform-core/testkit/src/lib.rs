@@ -126,6 +126,55 @@ pub fn run_reference<A: AsRef<std::ffi::OsStr>>(
         .unwrap_or_else(|e| panic!("{}: output is not UTF-8: {e}", script.display()))
 }
 
+/// Runs the calling crate's committed reference script `tests/reference/<name>`
+/// with [`run_reference`] and returns its standard output.
+///
+/// ```no_run
+/// # let python = std::path::PathBuf::from("python3");
+/// let stdout = kiln_testkit::run_reference_script!(&python, "schedulers.py", &[] as &[&str]);
+/// ```
+#[macro_export]
+macro_rules! run_reference_script {
+    ($python:expr, $name:expr, $args:expr $(,)?) => {
+        $crate::run_reference(
+            $python,
+            &::std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/reference")
+                .join($name),
+            $args,
+        )
+    };
+}
+
+/// A fresh, empty directory under the system temp dir, removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// Creates `<temp>/kiln-<tag>-<pid>-<n>`, empty.
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kiln-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", dir.display()));
+        TempDir(dir)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// A fresh, empty directory `<parent>/<name>-<pid>` (a test passes its
 /// `CARGO_TARGET_TMPDIR`).
 pub fn scratch_dir(parent: &Path, name: &str) -> PathBuf {

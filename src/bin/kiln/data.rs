@@ -2,11 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::config::{DatasetKind, RunConfig};
 use anyhow::{Context, Result};
-use kiln::core::{
-    load_digits, train_test_split, DataLoader, DatasetKind, HostTensor, InMemoryDataset, Loss,
-    RunConfig,
-};
+use kiln::core::{loss::Loss, HostTensor};
+use kiln::data::{load_digits, train_test_split, DataLoader, InMemoryDataset};
 use kiln::prelude::*;
 
 /// The workspace's provisioned data directory, for the default digits path.
@@ -53,7 +52,7 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
         DatasetKind::Mnist => {
             // MNIST has its own test split: it is the validation set.
             let dir = path()?;
-            let mnist = kiln::core::load_mnist(&dir)?;
+            let mnist = kiln::data::load_mnist(&dir)?;
             let train = scale_and_shape(mnist.train_images, data)?;
             check_fits(
                 config,
@@ -80,19 +79,19 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
             });
         }
         DatasetKind::Csv => {
-            let options = kiln::core::CsvOptions {
+            let options = kiln::data::CsvOptions {
                 has_header: data.has_header,
                 label_column: match &data.label_column {
-                    None => kiln::core::LabelColumn::Last,
+                    None => kiln::data::LabelColumn::Last,
                     Some(c) => match c.parse::<usize>() {
-                        Ok(index) => kiln::core::LabelColumn::Index(index),
-                        Err(_) => kiln::core::LabelColumn::Name(c.clone()),
+                        Ok(index) => kiln::data::LabelColumn::Index(index),
+                        Err(_) => kiln::data::LabelColumn::Name(c.clone()),
                     },
                 },
                 ..Default::default()
             };
             let path = path()?;
-            let (x, y) = kiln::core::load_csv(&path, &options)?;
+            let (x, y) = kiln::data::load_csv(&path, &options)?;
             (x, y, path, if data.has_header { 2 } else { 1 })
         }
     };
@@ -190,7 +189,7 @@ pub(crate) fn check_fits(
 /// Divides by `data.scale` and reshapes each example to `data.input_shape`.
 pub(crate) fn scale_and_shape(
     features: HostTensor,
-    data: &kiln::core::DataConfig,
+    data: &crate::config::DataConfig,
 ) -> Result<HostTensor> {
     let n = features.dims().first().copied().unwrap_or(0);
     let numel = features.numel();
@@ -215,7 +214,7 @@ pub(crate) fn loader(
     shuffle: bool,
 ) -> Result<Box<dyn DataLoader>> {
     let data = &config.data;
-    let mut loader = kiln::core::PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
+    let mut loader = kiln::data::PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
         .num_workers(data.workers)
         .drop_last(shuffle && data.drop_last);
     if shuffle {

@@ -3,8 +3,8 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use kiln::core::Checkpoint;
 use kiln::prelude::*;
+use kiln::train::Checkpoint;
 
 /// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
 /// files (`torch.jit.save`) are stored, unlike safetensors files.

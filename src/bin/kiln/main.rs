@@ -11,14 +11,16 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::config::{BackendKind, RunConfig};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kiln::core::{
-    BackendKind, Checkpoint, Checkpointer, EarlyStopping, FloatPrecision, Module, RunConfig,
-    RunDirectory, RunStart, TrainBackend, Trainer, TrainingState,
-};
+use kiln::core::{backend::TrainBackend, module::Module, precision::FloatPrecision};
 use kiln::prelude::*;
+use kiln::train::{
+    Checkpoint, Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState,
+};
 
+mod config;
 mod data;
 mod inspect;
 
@@ -320,7 +322,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     );
     for name in &config.logging.metrics {
         let make =
-            kiln::core::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
+            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
         trainer = trainer.with_metric(make);
     }
     if let Some(es) = &config.early_stopping {
@@ -333,21 +335,21 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     }
     if config.logging.csv {
         trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln::core::CsvSink::resume(out, state.step)?,
-            None => kiln::core::CsvSink::new(out)?,
+            Some(_) => kiln::train::CsvSink::resume(out, state.step)?,
+            None => kiln::train::CsvSink::new(out)?,
         });
     }
     if config.logging.tensorboard {
         let dir = out.join("tensorboard");
         trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln::core::TensorBoardSink::resume(dir, state.step)?,
-            None => kiln::core::TensorBoardSink::new(dir)?,
+            Some(_) => kiln::train::TensorBoardSink::resume(dir, state.step)?,
+            None => kiln::train::TensorBoardSink::new(dir)?,
         });
     }
     if config.logging.progress {
-        trainer = trainer.with_sink(kiln::core::ProgressSink::new());
+        trainer = trainer.with_sink(kiln::train::ProgressSink::new());
     } else {
-        trainer = trainer.with_sink(kiln::core::LogSink::new());
+        trainer = trainer.with_sink(kiln::train::LogSink::new());
     }
 
     let history = trainer.fit(
@@ -369,7 +371,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         .save_safetensors(&weights, &metadata)?;
     if config.logging.plots && !history.is_empty() {
         let png = out.join("curves.png");
-        kiln::core::plot_curves(&history, &png, &kiln::core::PlotOptions::default())?;
+        kiln::train::plot_curves(&history, &png, &kiln::train::PlotOptions::default())?;
         println!("kiln: curves plotted to {}", png.display());
     }
     let summary = if final_metrics.is_empty() {
@@ -447,7 +449,7 @@ fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
     for name in &config.logging.metrics {
         trainer = trainer.with_metric(
-            kiln::core::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?,
+            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?,
         );
     }
     let metrics = trainer.evaluate(&mut model, val.as_ref())?;

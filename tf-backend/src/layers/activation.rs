@@ -1,7 +1,10 @@
 //! Activations as TensorFlow graph ops: `Relu`, `LeakyRelu`, `Gelu`, `Silu`,
 //! `Tanh`, `Sigmoid`, `Softmax`, `LogSoftmax`.
 
-use kiln_core::{Error, GeluApproximation, Layer, Result};
+use kiln_core::{
+    model::{GeluApproximation, Layer},
+    Error, Result,
+};
 
 use super::{Built, Ctx, Val};
 

@@ -1,6 +1,6 @@
 //! `MultiHeadSelfAttention` as TensorFlow graph ops.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tensorflow::{DataType, Output};
 
 use super::{join, Built, Ctx, Val};
@@ -15,7 +15,12 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 }
 
 impl Ctx<'_> {
-    fn attention(&mut self, x: Val, prefix: &str, c: &kiln_core::AttentionConfig) -> Result<Val> {
+    fn attention(
+        &mut self,
+        x: Val,
+        prefix: &str,
+        c: &kiln_core::model::AttentionConfig,
+    ) -> Result<Val> {
         let p = |name: &str| join(prefix, name);
         let x = self.nchw(x)?;
         let (seq, embed) = (x.dims[0], x.dims[1]);

@@ -1,7 +1,7 @@
 //! Convolutions as TensorFlow graph ops: `Conv1d`, `Conv2d`, `ConvTranspose2d`
 //! (channels last, with PyTorch's weights).
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tensorflow::{DataType, Output};
 
 use super::{join, Built, Ctx, Val};
@@ -232,7 +232,7 @@ impl Ctx<'_> {
     /// false) left for [`Self::conv2d_bias`] after a max pool.
     pub(super) fn conv2d(
         &mut self,
-        c: &kiln_core::Conv2dConfig,
+        c: &kiln_core::model::Conv2dConfig,
         prefix: &str,
         x: Val,
         with_bias: bool,

@@ -1,6 +1,6 @@
 //! `Custom` layers as TensorFlow graph ops: the registered function adds them.
 
-use kiln_core::{Error, Layer, Result};
+use kiln_core::{model::Layer, Error, Result};
 
 use super::{dims_text, join, Built, Ctx, Val};
 
@@ -16,7 +16,7 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 impl Ctx<'_> {
     /// A [`Layer::Custom`]: the registered function adds its ops on the
     /// logical (`NCHW`) input and the layer's parameters.
-    fn custom(&mut self, x: Val, prefix: &str, c: &kiln_core::CustomConfig) -> Result<Val> {
+    fn custom(&mut self, x: Val, prefix: &str, c: &kiln_core::model::CustomConfig) -> Result<Val> {
         let f = self.custom_ops.get(&c.op)?;
         let x = self.nchw(x)?;
         let params = c

@@ -1,6 +1,6 @@
 //! `Dropout` as TensorFlow graph ops (also the attention weights' dropout).
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tensorflow::DataType;
 
 use super::{Built, Ctx, Val};

@@ -1,6 +1,6 @@
 //! `Embedding` as TensorFlow graph ops.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tensorflow::DataType;
 
 use super::{join, Built, Ctx, Val};

@@ -20,7 +20,7 @@ mod structure;
 
 use std::collections::HashMap;
 
-use kiln_core::{Error, Layer, Result};
+use kiln_core::{model::Layer, Error, Result};
 use tensorflow::{DataType, Operation, Output};
 
 use crate::custom_layer::CustomOps;

@@ -1,7 +1,7 @@
 //! Normalisation as TensorFlow graph ops: `BatchNorm1d`, `BatchNorm2d`
 //! (with their running-statistics updates), `LayerNorm`, `GroupNorm`.
 
-use kiln_core::{Error, Layer, Result};
+use kiln_core::{model::Layer, Error, Result};
 use tensorflow::{DataType, Output};
 
 use super::{batched, join, Built, Ctx, Update, Val};
@@ -77,7 +77,12 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 }
 
 impl Ctx<'_> {
-    fn batch_norm(&mut self, x: Val, prefix: &str, c: &kiln_core::BatchNormConfig) -> Result<Val> {
+    fn batch_norm(
+        &mut self,
+        x: Val,
+        prefix: &str,
+        c: &kiln_core::model::BatchNormConfig,
+    ) -> Result<Val> {
         let p = |name: &str| join(prefix, name);
         // Channels last: [N, C] as is, [N, C, L] -> [N, L, C], 4-d as NHWC.
         let rank = x.dims.len() + 1;
@@ -138,7 +143,7 @@ impl Ctx<'_> {
     fn running_stat_updates(
         &mut self,
         prefix: &str,
-        c: &kiln_core::BatchNormConfig,
+        c: &kiln_core::model::BatchNormConfig,
         x: &Output,
         mean: &Output,
         var: &Output,

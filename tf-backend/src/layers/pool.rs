@@ -1,6 +1,6 @@
 //! Pooling as TensorFlow graph ops: `MaxPool2d`, `AvgPool2d`, `AdaptiveAvgPool2d`.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tensorflow::{DataType, Output};
 
 use super::{Built, Ctx, Val};

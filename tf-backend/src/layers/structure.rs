@@ -1,7 +1,7 @@
 //! Structure as TensorFlow graph ops: `Flatten`, and the containers
 //! `Sequential` (with its plan around max pools) and `Residual`.
 
-use kiln_core::{Error, Layer, Result};
+use kiln_core::{model::Layer, Error, Result};
 use tensorflow::DataType;
 
 use super::{i32s, join, Built, Ctx, Val};
@@ -149,7 +149,7 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 
 #[cfg(test)]
 mod tests {
-    use kiln_core::{Conv2dConfig, GeluApproximation, Layer, Pool2dConfig};
+    use kiln_core::model::{Conv2dConfig, GeluApproximation, Layer, Pool2dConfig};
 
     use super::{plan, Step};
 

@@ -1,7 +1,10 @@
 //! Adagrad (`torch.optim.Adagrad`): learning-rate decay, initial accumulator,
 //! coupled weight decay.
 
-use kiln_core::{AdagradConfig, GroupHyper, Result};
+use kiln_core::{
+    optim::{AdagradConfig, GroupHyper},
+    Result,
+};
 use tensorflow::Operation;
 
 use super::{apply_attrs, ParamUpdate};

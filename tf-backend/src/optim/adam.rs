@@ -1,6 +1,6 @@
 //! Adam and AdamW (`torch.optim.Adam`, `torch.optim.AdamW`), with AMSGrad.
 
-use kiln_core::{GroupHyper, Result};
+use kiln_core::{optim::GroupHyper, Result};
 use tensorflow::{DataType, Operation};
 
 use super::ParamUpdate;

@@ -1,6 +1,6 @@
 //! Gradient clipping in the graph, as `torch.nn.utils.clip_grad_*_` does it.
 
-use kiln_core::{GradClip, Result};
+use kiln_core::{optim::GradClip, Result};
 use tensorflow::{DataType, Output};
 
 use crate::graph::Builder;

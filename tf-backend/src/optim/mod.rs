@@ -2,7 +2,7 @@
 //! graph, one file per algorithm, and clipping ([`clip`]). The programs that
 //! run them (a training step, an update from given gradients) are composed in
 //! [`crate::step`]; the state dict layout is kiln-core's
-//! ([`kiln_core::read_optimizer_state`]).
+//! ([`kiln_core::optim::read_optimizer_state`]).
 
 mod adagrad;
 mod adam;
@@ -14,10 +14,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{
-    load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
-    save_group_hypers, set_group_learning_rates, DType, Error, GradClip, GroupHyper, HostTensor,
-    Module, Optimizer, OptimizerConfig, ParamGroup, ParamKind, Reduction, Result, StateDict,
-    StepPlan,
+    backend::StepPlan,
+    loss::Reduction,
+    model::ParamKind,
+    module::Module,
+    optim::{
+        load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
+        save_group_hypers, set_group_learning_rates, GradClip, GroupHyper, Optimizer,
+        OptimizerConfig, ParamGroup,
+    },
+    state_dict::StateDict,
+    DType, Error, HostTensor, Result,
 };
 use tensorflow::{DataType, Operation, OperationDescription, Output, Status};
 
@@ -110,7 +117,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// An optimizer whose update is part of its model's TensorFlow graph.
 ///
-/// Built by [`TrainBackend::build_optimizer`](kiln_core::TrainBackend::build_optimizer)
+/// Built by [`TrainBackend::build_optimizer`](kiln_core::backend::TrainBackend::build_optimizer)
 /// (or [`TfOptimizer::new`]) over a [`TfModel`]. SGD, Adam, AdamW, RMSprop and
 /// Adagrad follow PyTorch's formulas; state dicts use kiln-core's portable
 /// layout, the torch backend's, so optimizer state moves between backends in
@@ -220,7 +227,10 @@ impl TfOptimizer {
     /// training steps that did not apply them must be applied or zeroed first.
     ///
     /// ```no_run
-    /// use kiln_core::{AdamConfig, Device, HostTensor, Layer, LinearConfig, Loss, OptimizerConfig, Reduction};
+    /// use kiln_core::{
+    ///     loss::{Loss, Reduction}, model::{Layer, LinearConfig},
+    ///     optim::{AdamConfig, OptimizerConfig}, Device, HostTensor,
+    /// };
     /// use kiln_tf::{TfModel, TfOptimizer, TfTensor};
     ///
     /// let model = TfModel::new(&Layer::Linear(LinearConfig::new(3, 1)), Device::Cpu)?;
@@ -405,7 +415,7 @@ impl TfOptimizer {
     }
 
     /// Runs one training micro-batch on `model` (see
-    /// [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step)): one
+    /// [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)): one
     /// session run. A non-finite loss updates nothing and is returned.
     pub(crate) fn train_step(
         &mut self,
@@ -546,7 +556,7 @@ fn full(value: f32, dims: &[usize]) -> Result<HostTensor> {
 impl Optimizer<TfBackend> for TfOptimizer {
     /// Applies the gradients accumulated by training micro-batches that did not
     /// apply them (a no-op when there are none, as PyTorch skips parameters
-    /// without gradients). [`TrainBackend::train_step`](kiln_core::TrainBackend::train_step)
+    /// without gradients). [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)
     /// normally applies the update in the same run that computes the gradients.
     fn step(&mut self) -> Result<()> {
         if !self.pending {
@@ -595,7 +605,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
         set_group_learning_rates(&mut self.groups, lrs)
     }
 
-    /// kiln-core's portable layout ([`kiln_core::read_optimizer_state`]):
+    /// kiln-core's portable layout ([`kiln_core::optim::read_optimizer_state`]):
     /// `state.<param>.step`, `state.<param>.<buffer>` (once a step was taken, as
     /// PyTorch creates state lazily), and `group.<i>.lr` / `group.<i>.weight_decay`.
     fn state_dict(&self) -> Result<StateDict> {

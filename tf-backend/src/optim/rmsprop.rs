@@ -1,6 +1,6 @@
 //! RMSprop (`torch.optim.RMSprop`): centered, momentum, coupled weight decay.
 
-use kiln_core::{Result, RmsPropConfig};
+use kiln_core::{optim::RmsPropConfig, Result};
 use tensorflow::{DataType, Operation};
 
 use super::{apply_attrs, ParamUpdate};

@@ -1,6 +1,6 @@
 //! SGD (`torch.optim.SGD`): momentum, dampening, Nesterov, coupled weight decay.
 
-use kiln_core::{Result, SgdConfig};
+use kiln_core::{optim::SgdConfig, Result};
 use tensorflow::Operation;
 
 use super::{apply_attrs, ParamUpdate};

@@ -1,7 +1,10 @@
 //! Activations on libtorch: `Relu`, `LeakyRelu`, `Gelu`, `Silu`, `Tanh`,
 //! `Sigmoid`, `Softmax`, `LogSoftmax`.
 
-use kiln_core::{GeluApproximation, Layer, Result};
+use kiln_core::{
+    model::{GeluApproximation, Layer},
+    Result,
+};
 use tch::{Kind, Tensor};
 
 use super::{Forward, ForwardResult, Lookup};

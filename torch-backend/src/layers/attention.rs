@@ -1,6 +1,6 @@
 //! `MultiHeadSelfAttention` on libtorch.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::{Forward, ForwardResult, Lookup};

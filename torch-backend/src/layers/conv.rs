@@ -1,6 +1,6 @@
 //! Convolutions on libtorch: `Conv1d`, `Conv2d`, `ConvTranspose2d`.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::{pair, Forward, ForwardResult, Lookup};

@@ -3,7 +3,10 @@
 
 use std::sync::Arc;
 
-use kiln_core::{CustomConfig, Error, Layer, Result, Shape};
+use kiln_core::{
+    model::{CustomConfig, Layer},
+    Error, Result, Shape,
+};
 use tch::Tensor;
 
 use super::{Failure, Forward, ForwardResult, Lookup};

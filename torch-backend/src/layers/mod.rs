@@ -18,7 +18,7 @@ mod structure;
 
 use std::collections::HashMap;
 
-use kiln_core::{Error, Layer, Result};
+use kiln_core::{model::Layer, Error, Result};
 use tch::{TchError, Tensor};
 
 use crate::model::TorchModel;

@@ -1,6 +1,6 @@
 //! Normalisation on libtorch: `BatchNorm1d`, `BatchNorm2d`, `LayerNorm`, `GroupNorm`.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::{Forward, ForwardResult, Lookup};

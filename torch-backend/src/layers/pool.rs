@@ -1,6 +1,6 @@
 //! Pooling on libtorch: `MaxPool2d`, `AvgPool2d`, `AdaptiveAvgPool2d`.
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::{pair, Forward, ForwardResult, Lookup};

@@ -1,7 +1,7 @@
 //! `Flatten` on libtorch (the containers, `Sequential` and `Residual`, are
 //! the model's tree: `model.rs` builds and walks them).
 
-use kiln_core::{Layer, Result};
+use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::{Forward, ForwardResult, Lookup};

@@ -1,6 +1,6 @@
 //! Adagrad with learning-rate decay (`torch.optim.Adagrad`).
 
-use kiln_core::{AdagradConfig, GroupHyper};
+use kiln_core::optim::{AdagradConfig, GroupHyper};
 use tch::{TchError, Tensor};
 
 use super::{state_tensor, with_weight_decay, ParamSlot};

@@ -2,7 +2,7 @@
 //! per-parameter step. In capturable mode the optimizer runs libtorch's fused
 //! kernels instead (`fused.rs`).
 
-use kiln_core::{AdamConfig, AdamWConfig, GroupHyper};
+use kiln_core::optim::{AdamConfig, AdamWConfig, GroupHyper};
 use tch::{TchError, Tensor};
 
 use super::{state_tensor, with_weight_decay, ParamSlot};

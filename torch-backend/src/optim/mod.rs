@@ -11,9 +11,14 @@ mod sgd;
 use std::collections::BTreeMap;
 
 use kiln_core::{
-    load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
-    save_group_hypers, set_group_learning_rates, Error, GroupHyper, HostTensor, Optimizer,
-    OptimizerConfig, ParamGroup, Result, StateDict, StateTensor, StateTensors,
+    optim::{
+        load_group_hypers, optimizer_state_key, read_optimizer_state, resolve_groups,
+        save_group_hypers, set_group_learning_rates, GroupHyper, Optimizer, OptimizerConfig,
+        ParamGroup,
+    },
+    state_dict::StateDict,
+    state_tensors::{StateTensor, StateTensors},
+    Error, HostTensor, Result,
 };
 use tch::Tensor;
 
@@ -71,7 +76,7 @@ impl ParamSlot {
 /// An optimizer over named libtorch parameters.
 ///
 /// ```no_run
-/// use kiln_core::{AdamConfig, OptimizerConfig, Optimizer};
+/// use kiln_core::optim::{AdamConfig, Optimizer, OptimizerConfig};
 /// use kiln_torch::TorchOptimizer;
 ///
 /// let w = tch::Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
@@ -495,7 +500,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         self.write_device_learning_rates()
     }
 
-    /// kiln-core's portable layout ([`kiln_core::optimizer_state_key`]):
+    /// kiln-core's portable layout ([`kiln_core::optim::optimizer_state_key`]):
     /// `state.<param>.<buffer>` (tensors), `state.<param>.step` (i64 scalar),
     /// `group.<i>.lr` and `group.<i>.weight_decay` (f64 scalars).
     fn state_dict(&self) -> Result<StateDict> {
@@ -524,7 +529,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
     }
 
     /// All or nothing: kiln-core reads and checks the whole state first
-    /// ([`kiln_core::read_optimizer_state`]); this only moves the tensors to
+    /// ([`kiln_core::optim::read_optimizer_state`]); this only moves the tensors to
     /// each parameter's device.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let dims: Vec<Vec<usize>> = self.params.iter().map(|s| slot_dims(&s.tensor)).collect();

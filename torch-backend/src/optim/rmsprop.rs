@@ -1,6 +1,6 @@
 //! RMSprop, centred or not, with momentum (`torch.optim.RMSprop`).
 
-use kiln_core::{GroupHyper, RmsPropConfig};
+use kiln_core::optim::{GroupHyper, RmsPropConfig};
 use tch::{TchError, Tensor};
 
 use super::{state_tensor, with_weight_decay, ParamSlot};

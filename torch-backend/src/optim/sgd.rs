@@ -1,6 +1,6 @@
 //! SGD with momentum, dampening, Nesterov and weight decay (`torch.optim.SGD`).
 
-use kiln_core::{GroupHyper, SgdConfig};
+use kiln_core::optim::{GroupHyper, SgdConfig};
 use tch::{TchError, Tensor};
 
 use super::{state_tensor, with_weight_decay, ParamSlot};

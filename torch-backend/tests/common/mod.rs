@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kiln_core::{HostTensor, StateDict};
+use kiln_core::{state_dict::StateDict, HostTensor};
 
 /// The project virtualenv's interpreter, or `None` after a skip (a failure
 /// under `KILN_REQUIRE_REFERENCES`, as in CI).

@@ -7,7 +7,7 @@ use super::structure::normalize_dim;
 use super::{FieldCheck, LayerSpec, ShapeCheck};
 use crate::error::Result;
 
-/// Which formula [`Layer::Gelu`](crate::Layer::Gelu) uses (PyTorch's `approximate`).
+/// Which formula [`Layer::Gelu`](crate::model::Layer::Gelu) uses (PyTorch's `approximate`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GeluApproximation {
@@ -28,7 +28,7 @@ impl LayerSpec for Elementwise {
     }
 }
 
-/// [`Layer::LeakyRelu`](crate::Layer::LeakyRelu)'s `negative_slope`.
+/// [`Layer::LeakyRelu`](crate::model::Layer::LeakyRelu)'s `negative_slope`.
 pub(crate) struct LeakyRelu(pub(crate) f64);
 
 impl LayerSpec for LeakyRelu {
@@ -49,8 +49,8 @@ impl LayerSpec for LeakyRelu {
     }
 }
 
-/// [`Layer::Softmax`](crate::Layer::Softmax)'s or
-/// [`Layer::LogSoftmax`](crate::Layer::LogSoftmax)'s `dim`.
+/// [`Layer::Softmax`](crate::model::Layer::Softmax)'s or
+/// [`Layer::LogSoftmax`](crate::model::Layer::LogSoftmax)'s `dim`.
 pub(crate) struct Softmax(pub(crate) isize);
 
 impl LayerSpec for Softmax {

@@ -167,7 +167,7 @@ impl LayerSpec for Conv1dConfig {
 /// Sizes are `[height, width]`; in a config file a single number means both.
 ///
 /// ```
-/// use kiln_core::{Conv2dConfig, Layer};
+/// use kiln_core::model::{Conv2dConfig, Layer};
 ///
 /// let conv: Layer = Conv2dConfig::new(3, 16, [3, 3]).with_padding([1, 1]).with_stride([2, 2]).into();
 /// assert_eq!(conv.output_shape(&[8, 3, 32, 32])?, vec![8, 16, 16, 16]);

@@ -22,7 +22,7 @@ use crate::model::ParamKind;
 /// or `kiln_ops::register_layers()` for `kiln::bias_gelu` and `kiln::swish`).
 ///
 /// ```
-/// use kiln_core::{CustomConfig, Init, Layer};
+/// use kiln_core::model::{CustomConfig, Init, Layer};
 ///
 /// // Swish-β with one learned β starting at 1, as kiln-ops declares it.
 /// let layer: Layer = CustomConfig::new("kiln::swish")

@@ -3,7 +3,7 @@
 use super::{FieldCheck, LayerSpec, ShapeCheck};
 use crate::error::Result;
 
-/// [`Layer::Dropout`](crate::Layer::Dropout)'s `p`.
+/// [`Layer::Dropout`](crate::model::Layer::Dropout)'s `p`.
 pub(crate) struct Dropout(pub(crate) f64);
 
 impl LayerSpec for Dropout {

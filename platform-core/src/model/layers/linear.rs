@@ -11,7 +11,7 @@ use crate::model::init::Init;
 /// `nn.Linear(in_features, out_features, bias)`: `y = x W^T + b` on the last dimension.
 ///
 /// ```
-/// use kiln_core::{Init, Layer, LinearConfig};
+/// use kiln_core::model::{Init, Layer, LinearConfig};
 ///
 /// let layer: Layer = LinearConfig::new(64, 10)
 ///     .with_bias(false)

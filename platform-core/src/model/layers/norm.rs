@@ -85,7 +85,7 @@ impl BatchNormConfig {
     }
 }
 
-/// [`Layer::BatchNorm1d`](crate::Layer::BatchNorm1d): on `[N, C]` or `[N, C, L]`.
+/// [`Layer::BatchNorm1d`](crate::model::Layer::BatchNorm1d): on `[N, C]` or `[N, C, L]`.
 pub(crate) struct BatchNorm1d<'a>(pub(crate) &'a BatchNormConfig);
 
 impl LayerSpec for BatchNorm1d<'_> {
@@ -107,7 +107,7 @@ impl LayerSpec for BatchNorm1d<'_> {
     }
 }
 
-/// [`Layer::BatchNorm2d`](crate::Layer::BatchNorm2d): on `[N, C, H, W]`.
+/// [`Layer::BatchNorm2d`](crate::model::Layer::BatchNorm2d): on `[N, C, H, W]`.
 pub(crate) struct BatchNorm2d<'a>(pub(crate) &'a BatchNormConfig);
 
 impl LayerSpec for BatchNorm2d<'_> {

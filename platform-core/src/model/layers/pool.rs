@@ -13,7 +13,7 @@ use crate::error::Result;
 /// `count_include_pad=True`, dilation 1).
 ///
 /// ```
-/// use kiln_core::{Layer, Pool2dConfig};
+/// use kiln_core::model::{Layer, Pool2dConfig};
 ///
 /// let pool = Layer::MaxPool2d(Pool2dConfig::new([2, 2]));
 /// assert_eq!(pool.output_shape(&[1, 8, 7, 7])?, vec![1, 8, 3, 3]);
@@ -103,7 +103,7 @@ impl LayerSpec for Pool2dConfig {
     }
 }
 
-/// [`Layer::AdaptiveAvgPool2d`](crate::Layer::AdaptiveAvgPool2d)'s `output_size`.
+/// [`Layer::AdaptiveAvgPool2d`](crate::model::Layer::AdaptiveAvgPool2d)'s `output_size`.
 pub(crate) struct AdaptiveAvgPool2d(pub(crate) [usize; 2]);
 
 impl LayerSpec for AdaptiveAvgPool2d {

@@ -40,7 +40,7 @@ impl Layer {
     /// ```
     ///
     /// ```
-    /// use kiln_core::Layer;
+    /// use kiln_core::model::Layer;
     ///
     /// let block = Layer::transformer_encoder_block(64, 4, 256, true, 0.1);
     /// assert_eq!(block.output_shape(&[2, 10, 64])?, vec![2, 10, 64]);

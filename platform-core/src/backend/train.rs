@@ -1,0 +1,190 @@
+//! What the trainer needs from a backend beyond [`Backend`].
+
+use crate::backend::Backend;
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::loss::Loss;
+use crate::model::Layer;
+use crate::module::Module;
+use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
+use crate::precision::FloatPrecision;
+use crate::tensor::HostTensor;
+
+/// What one training micro-batch does, for [`TrainBackend::train_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct StepPlan<'a> {
+    /// The loss to minimise.
+    pub loss: &'a Loss,
+    /// Factor applied to the loss before differentiation (`1 / accumulate`
+    /// with gradient accumulation, otherwise 1).
+    pub scale: f64,
+    /// Whether this micro-batch ends an accumulation: clip, then step the optimizer.
+    pub apply: bool,
+    /// Gradient clipping applied before the optimizer step (only when `apply`).
+    pub clip: Option<&'a GradClip>,
+}
+
+/// A backend the `Trainer` (in `kiln-train`) can drive: it builds models and
+/// optimizers from Kiln definitions and runs training, evaluation and
+/// prediction steps, so one training script runs on any backend that
+/// implements it.
+///
+/// The steps are the unit of work: an eager engine runs them op by op
+/// ([`EagerBackend`]'s provided `eager_*` steps), a graph engine as one
+/// compiled program each.
+pub trait TrainBackend: Backend {
+    /// A model built from a [`Layer`] definition.
+    type Model: Module<Self> + Send;
+    /// The optimizer over such a model.
+    type Optim: Optimizer<Self> + Send;
+
+    /// Builds `spec` on `device` (initial weights from the backend's generator).
+    fn build_model(spec: &Layer, device: Device) -> Result<Self::Model>;
+
+    /// Gives `model` a training [`FloatPrecision`]: converts its floating-point
+    /// parameters to [`FloatPrecision::parameter_dtype`] and sets how its forward
+    /// pass computes. Call it before [`build_optimizer`](Self::build_optimizer)
+    /// (the optimizer holds the parameters it updates); nothing changes on error.
+    ///
+    /// The default accepts only [`FloatPrecision::F32`], what every model starts in.
+    fn set_precision(model: &mut Self::Model, precision: FloatPrecision) -> Result<()> {
+        let _ = model;
+        match precision {
+            FloatPrecision::F32 => Ok(()),
+            other => Err(Error::unsupported(format!(
+                "precision {other} on this backend (it trains in 32-true only)"
+            ))),
+        }
+    }
+
+    /// The precision `model` was given by [`set_precision`](Self::set_precision)
+    /// (`32-true` when built).
+    fn precision(model: &Self::Model) -> FloatPrecision {
+        let _ = model;
+        FloatPrecision::F32
+    }
+
+    /// Builds an optimizer over `model`'s parameters.
+    fn build_optimizer(
+        config: &OptimizerConfig,
+        model: &Self::Model,
+        groups: &[ParamGroup],
+    ) -> Result<Self::Optim>;
+
+    /// One training micro-batch: forward in the model's mode, loss, gradients
+    /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
+    /// clipping and one optimizer step. Returns the unscaled loss.
+    ///
+    /// Gradients accumulate across calls until
+    /// [`Optimizer::zero_grad`], as in PyTorch: call it before the first
+    /// micro-batch of each optimizer step (the trainer does). A backend may
+    /// clear them itself after applying them.
+    ///
+    /// Contract: when the loss is not finite, nothing changes (no gradient is
+    /// accumulated, no parameter or optimizer state is updated) and the value is
+    /// returned for the caller to report.
+    fn train_step(
+        model: &mut Self::Model,
+        optimizer: &mut Self::Optim,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64>;
+
+    /// The loss value and the model's output on one batch, without gradients
+    /// (the model's current mode is used; the trainer sets eval mode).
+    fn eval_step(
+        model: &Self::Model,
+        loss: &Loss,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+    ) -> Result<(f64, HostTensor)>;
+
+    /// The model's output on one batch, without gradients, on the host.
+    fn predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor>;
+}
+
+/// A backend that runs operations one at a time and records them for autograd
+/// (libtorch): the primitives an eager training loop is written from, and the
+/// [`TrainBackend`] steps built from them, which such a backend's
+/// `train_step`, `eval_step` and `predict_step` call.
+///
+/// ```
+/// use kiln_core::{backend::EagerBackend, optim::Optimizer, Result};
+///
+/// fn train_step<B: EagerBackend>(opt: &mut B::Optim, loss: &B::Tensor) -> Result<()> {
+///     opt.zero_grad()?;
+///     B::backward(loss)?;
+///     opt.step()
+/// }
+/// ```
+pub trait EagerBackend: TrainBackend {
+    /// Computes gradients of the scalar `loss` with respect to every parameter
+    /// that requires them, accumulating into their `.grad` (PyTorch semantics).
+    fn backward(loss: &Self::Tensor) -> Result<()>;
+
+    /// `loss(output, target)`, a tensor that [`backward`](Self::backward) accepts.
+    fn loss(loss: &Loss, output: &Self::Tensor, target: &Self::Tensor) -> Result<Self::Tensor>;
+
+    /// `tensor * factor`, keeping the autograd graph (gradient accumulation scales losses).
+    fn scale(tensor: &Self::Tensor, factor: f64) -> Result<Self::Tensor>;
+
+    /// The value of a one-element tensor (one copy to the host).
+    fn item(tensor: &Self::Tensor) -> Result<f64>;
+
+    /// Clips the gradients of `params` in place.
+    fn clip_gradients(params: &[(String, Self::Tensor)], clip: &GradClip) -> Result<()>;
+
+    /// Runs `f` without recording operations for autograd (evaluation).
+    fn no_grad<T>(f: impl FnOnce() -> T) -> T;
+
+    /// [`TrainBackend::train_step`] as the eager sequence: `forward`,
+    /// [`loss`](Self::loss), [`item`](Self::item), [`backward`](Self::backward),
+    /// [`clip_gradients`](Self::clip_gradients), [`Optimizer::step`].
+    fn eager_train_step(
+        model: &mut Self::Model,
+        optimizer: &mut Self::Optim,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        let output = model.forward(inputs)?;
+        let loss = Self::loss(plan.loss, &output, targets)?;
+        let value = Self::item(&loss)?;
+        if !value.is_finite() {
+            return Ok(value);
+        }
+        let scaled = if plan.scale == 1.0 {
+            loss
+        } else {
+            Self::scale(&loss, plan.scale)?
+        };
+        Self::backward(&scaled)?;
+        if plan.apply {
+            if let Some(clip) = plan.clip {
+                Self::clip_gradients(&model.named_parameters(), clip)?;
+            }
+            optimizer.step()?;
+        }
+        Ok(value)
+    }
+
+    /// [`TrainBackend::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
+    fn eager_eval_step(
+        model: &Self::Model,
+        loss: &Loss,
+        inputs: &Self::Tensor,
+        targets: &Self::Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        Self::no_grad(|| {
+            let output = model.forward(inputs)?;
+            let value = Self::item(&Self::loss(loss, &output, targets)?)?;
+            Ok((value, Self::to_host(&output)?))
+        })
+    }
+
+    /// [`TrainBackend::predict_step`] as forward under [`no_grad`](Self::no_grad).
+    fn eager_predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor> {
+        Self::no_grad(|| Self::to_host(&model.forward(inputs)?))
+    }
+}

@@ -1,0 +1,350 @@
+//! Training checkpoints: one safetensors file with everything a run needs to
+//! continue exactly, readable by Python's `safetensors` package.
+//!
+//! Layout of a checkpoint file:
+//!
+//! | key / metadata | holds |
+//! | --- | --- |
+//! | `model.<name>` | parameters and buffers, PyTorch state-dict names |
+//! | `optimizer.<key>` | the optimizer's state ([`kiln_core::optim::Optimizer::state_dict`]) |
+//! | metadata `kiln.format` | `kiln-checkpoint-1` |
+//! | metadata `kiln.version`, `kiln.backend` | who wrote it |
+//! | metadata `kiln.step`, `kiln.epoch`, `kiln.batch_in_epoch` | where training stood |
+//! | metadata `kiln.seed` | the run's seed (randomness is re-derived from seed and step) |
+//! | metadata `kiln.optimizer` | the optimizer's algorithm (`adamw`, ...), when known |
+//! | metadata `kiln.optimizer_tensors` | how many `optimizer.*` tensors the file holds |
+//! | metadata `kiln.model` | the model definition ([`kiln_core::model::Layer`], JSON) |
+//! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
+//! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
+//! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
+//!
+//! Files are written atomically (temporary file, fsync, rename), so a crash
+//! mid-write never leaves a broken checkpoint under the final name. A file whose
+//! optimizer tensors were removed after it was written (fewer than
+//! `kiln.optimizer_tensors`) is refused: a resume from it would not be exact.
+
+mod manager;
+mod run_dir;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use kiln_core::error::{Error, Result};
+use kiln_core::model::Layer;
+use kiln_core::state_dict::StateDict;
+use kiln_core::state_tensors::{WritableState, WritableTensor};
+
+pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
+pub use run_dir::{RunDirectory, RunStart, LOCK_FILE};
+
+/// The format tag written into every checkpoint.
+pub const CHECKPOINT_FORMAT: &str = "kiln-checkpoint-1";
+
+/// Everything in a checkpoint.
+///
+/// A checkpoint read back ([`Checkpoint::load`]) holds host copies of its
+/// tensors (`S` = [`StateDict`], the default). One about to be written can hold
+/// the backend's own tensors instead (`S` = [`StateTensors`](kiln_core::state_tensors::StateTensors),
+/// from [`Module::state_tensors`](kiln_core::module::Module::state_tensors) and
+/// [`Optimizer::state_tensors`](kiln_core::optim::Optimizer::state_tensors)), which
+/// [`save`](Checkpoint::save) reads in place: that is how the trainer saves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint<S = StateDict> {
+    /// Model parameters and buffers.
+    pub model: S,
+    /// Optimizer state.
+    pub optimizer: S,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// The epoch in progress (0-based).
+    pub epoch: u64,
+    /// Batches of `epoch` already consumed.
+    pub batch_in_epoch: u64,
+    /// The run's seed.
+    pub seed: u64,
+    /// Which backend wrote it (`"torch"`, `"tensorflow"`).
+    pub backend: String,
+    /// The optimizer's algorithm ([`OptimizerConfig::kind`](kiln_core::optim::OptimizerConfig::kind)),
+    /// when the optimizer reports it ([`Optimizer::kind`](kiln_core::optim::Optimizer::kind)).
+    pub optimizer_kind: Option<String>,
+    /// The model definition, when the model was built from one.
+    pub model_definition: Option<Layer>,
+    /// The learning-rate schedule's state, if any.
+    pub scheduler: Option<serde_json::Value>,
+    /// Metrics at the time of saving (e.g. validation loss and accuracy).
+    pub metrics: BTreeMap<String, f64>,
+    /// The training loss of the epoch in progress so far, as the sum of the
+    /// per-sample losses and the number of samples: a run resumed mid-epoch
+    /// reports the epoch's loss over all its batches, as an uninterrupted one.
+    pub epoch_loss: Option<(f64, u64)>,
+}
+
+impl<S: WritableState> Checkpoint<S> {
+    /// Writes the checkpoint to `path` atomically.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let names: Vec<(String, &dyn WritableTensor)> = prefixed("model.", &self.model)
+            .chain(prefixed("optimizer.", &self.optimizer))
+            .collect();
+        let mut meta = BTreeMap::new();
+        meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
+        meta.insert(
+            "kiln.version".to_owned(),
+            env!("CARGO_PKG_VERSION").to_owned(),
+        );
+        meta.insert("kiln.backend".to_owned(), self.backend.clone());
+        meta.insert("kiln.step".to_owned(), self.step.to_string());
+        meta.insert("kiln.epoch".to_owned(), self.epoch.to_string());
+        meta.insert(
+            "kiln.batch_in_epoch".to_owned(),
+            self.batch_in_epoch.to_string(),
+        );
+        meta.insert("kiln.seed".to_owned(), self.seed.to_string());
+        if let Some(kind) = &self.optimizer_kind {
+            meta.insert("kiln.optimizer".to_owned(), kind.clone());
+        }
+        meta.insert(
+            OPTIMIZER_TENSORS.to_owned(),
+            self.optimizer.writable_tensors().len().to_string(),
+        );
+        if let Some(def) = &self.model_definition {
+            meta.insert("kiln.model".to_owned(), to_json(def, path)?);
+        }
+        if let Some(s) = &self.scheduler {
+            meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
+        }
+        meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
+        if let Some(loss) = &self.epoch_loss {
+            meta.insert("kiln.epoch_loss".to_owned(), to_json(loss, path)?);
+        }
+        kiln_core::safetensors::save_entries(
+            path,
+            names.iter().map(|(k, v)| (k.as_str(), *v)).collect(),
+            &meta,
+        )
+    }
+}
+
+/// The tensors of `state` with their names after `prefix`.
+fn prefixed<'a>(
+    prefix: &'a str,
+    state: &'a impl WritableState,
+) -> impl Iterator<Item = (String, &'a dyn WritableTensor)> + 'a {
+    state
+        .writable_tensors()
+        .into_iter()
+        .map(move |(name, t)| (format!("{prefix}{name}"), t))
+}
+
+/// The metadata key counting a checkpoint's optimizer tensors.
+const OPTIMIZER_TENSORS: &str = "kiln.optimizer_tensors";
+
+/// Checks that `meta` is a Kiln checkpoint's metadata of the format this Kiln reads.
+fn check_format(meta: &BTreeMap<String, String>, path: &Path) -> Result<()> {
+    let bad = |reason: String| Error::checkpoint(path, reason);
+    match meta.get("kiln.format").map(String::as_str) {
+        Some(CHECKPOINT_FORMAT) => Ok(()),
+        Some(other) => Err(bad(format!(
+            "format `{other}`, this Kiln reads `{CHECKPOINT_FORMAT}`"
+        ))),
+        None => Err(bad(
+            "no `kiln.format` metadata: a safetensors file, but not a Kiln checkpoint \
+             (load a plain state dict with the model's `load` instead)"
+                .to_owned(),
+        )),
+    }
+}
+
+impl Checkpoint {
+    /// The metrics recorded in the checkpoint at `path` (`kiln.metrics`), read
+    /// from its header alone: no tensor data is read.
+    ///
+    /// Fails as [`load`](Self::load) does for a file that is not a Kiln
+    /// checkpoint or whose metrics metadata is damaged.
+    pub fn load_metrics(path: &Path) -> Result<BTreeMap<String, f64>> {
+        let meta = kiln_core::safetensors::load_safetensors_metadata(path)?;
+        check_format(&meta, path)?;
+        parse_metrics(&meta, path)
+    }
+
+    /// Reads a checkpoint written by [`save`](Self::save).
+    ///
+    /// A file that is not a Kiln checkpoint (a plain safetensors state dict, another
+    /// format version), or whose metadata is damaged, is [`Error::Checkpoint`]
+    /// naming the file and what is wrong; a truncated file too, and one with
+    /// fewer or more optimizer tensors than it was written with.
+    pub fn load(path: &Path) -> Result<Self> {
+        let (tensors, meta) = StateDict::load_safetensors(path)?;
+        let bad = |reason: String| Error::checkpoint(path, reason);
+        let bad_json =
+            |reason: String, e: serde_json::Error| Error::checkpoint_caused_by(path, reason, e);
+        check_format(&meta, path)?;
+        let number = |key: &str| -> Result<u64> {
+            let text = meta
+                .get(key)
+                .ok_or_else(|| bad(format!("metadata `{key}` is missing")))?;
+            text.parse()
+                .map_err(|_| bad(format!("metadata `{key}` is `{text}`, not a whole number")))
+        };
+        let parse_json = |key: &str| -> Result<Option<serde_json::Value>> {
+            meta.get(key)
+                .map(|text| {
+                    serde_json::from_str(text)
+                        .map_err(|e| bad_json(format!("metadata `{key}` is not valid JSON"), e))
+                })
+                .transpose()
+        };
+        let model_definition = match parse_json("kiln.model")? {
+            Some(v) => Some(serde_json::from_value(v).map_err(|e| {
+                bad_json(
+                    "metadata `kiln.model` is not a model definition".to_owned(),
+                    e,
+                )
+            })?),
+            None => None,
+        };
+        let metrics = parse_metrics(&meta, path)?;
+        let mut model = StateDict::new();
+        let mut optimizer = StateDict::new();
+        for (key, value) in tensors.into_inner() {
+            if let Some(k) = key.strip_prefix("model.") {
+                model.insert(k.to_owned(), value);
+            } else if let Some(k) = key.strip_prefix("optimizer.") {
+                optimizer.insert(k.to_owned(), value);
+            } else {
+                return Err(bad(format!(
+                    "unexpected tensor `{key}` (expected `model.*` or `optimizer.*`)"
+                )));
+            }
+        }
+        let written = number(OPTIMIZER_TENSORS)?;
+        if written != optimizer.len() as u64 {
+            return Err(bad(format!(
+                "holds {} optimizer tensors, but was written with {written} \
+                 (`{OPTIMIZER_TENSORS}`): optimizer state was removed or added after saving, \
+                 so resuming from it would not be exact",
+                optimizer.len()
+            )));
+        }
+        Ok(Self {
+            model,
+            optimizer,
+            step: number("kiln.step")?,
+            epoch: number("kiln.epoch")?,
+            batch_in_epoch: number("kiln.batch_in_epoch")?,
+            seed: number("kiln.seed")?,
+            backend: meta.get("kiln.backend").cloned().unwrap_or_default(),
+            optimizer_kind: meta.get("kiln.optimizer").cloned(),
+            model_definition,
+            scheduler: parse_json("kiln.scheduler")?,
+            metrics,
+            epoch_loss: match parse_json("kiln.epoch_loss")? {
+                Some(v) => Some(serde_json::from_value(v).map_err(|e| {
+                    bad_json(
+                        "metadata `kiln.epoch_loss` is not [sum, samples]".to_owned(),
+                        e,
+                    )
+                })?),
+                None => None,
+            },
+        })
+    }
+}
+
+impl<S> Checkpoint<S> {
+    /// Checks that the checkpoint's recorded model definition is `expected`
+    /// (the config is the source of truth; a checkpoint that records no
+    /// definition passes). A difference is [`Error::Checkpoint`] naming the
+    /// first place where the two differ, with both values.
+    pub fn check_definition(&self, expected: &Layer, path: &Path) -> Result<()> {
+        let Some(recorded) = &self.model_definition else {
+            return Ok(());
+        };
+        if recorded == expected {
+            return Ok(());
+        }
+        let json = |layer: &Layer| serde_json::to_value(layer).unwrap_or_default();
+        let (at, config, checkpoint) = first_difference(&json(expected), &json(recorded), "model");
+        Err(Error::checkpoint(
+            path,
+            format!(
+                "was trained with another model definition: at `{at}` the config has {config} \
+                 and the checkpoint {checkpoint}. The config is the source of truth: give it \
+                 the checkpoint's definition (`kiln inspect` shows it) or use another checkpoint"
+            ),
+        ))
+    }
+}
+
+/// The first path at which `a` and `b` differ, with the two values there
+/// (`missing` where one side lacks the key).
+fn first_difference(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    at: &str,
+) -> (String, String, String) {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let mut keys: Vec<&String> = x.keys().chain(y.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for key in keys {
+                let path = format!("{at}.{key}");
+                match (x.get(key), y.get(key)) {
+                    (Some(p), Some(q)) if p == q => {}
+                    (Some(p), Some(q)) => return first_difference(p, q, &path),
+                    (p, q) => {
+                        let show = |v: Option<&Value>| v.map_or("missing".into(), Value::to_string);
+                        return (path, show(p), show(q));
+                    }
+                }
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            if let Some((i, (p, q))) = x.iter().zip(y).enumerate().find(|(_, (p, q))| p != q) {
+                return first_difference(p, q, &format!("{at}[{i}]"));
+            }
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            return (
+                at.to_owned(),
+                format!("{} entries", x.len()),
+                format!("{} entries", y.len()),
+            )
+        }
+        _ => {}
+    }
+    (at.to_owned(), a.to_string(), b.to_string())
+}
+
+/// The `kiln.metrics` metadata (none when absent).
+fn parse_metrics(meta: &BTreeMap<String, String>, path: &Path) -> Result<BTreeMap<String, f64>> {
+    let Some(text) = meta.get("kiln.metrics") else {
+        return Ok(BTreeMap::new());
+    };
+    serde_json::from_str(text).map_err(|e| {
+        Error::checkpoint_caused_by(path, "metadata `kiln.metrics` is not a map of numbers", e)
+    })
+}
+
+/// Serialises a metadata value to JSON, naming the file on failure.
+fn to_json<T: serde::Serialize>(value: &T, path: &Path) -> Result<String> {
+    serde_json::to_string(value)
+        .map_err(|e| Error::checkpoint_caused_by(path, "cannot serialise metadata", e))
+}
+
+/// `<dir>/step-<step>.safetensors`.
+pub fn checkpoint_path(dir: &Path, step: u64) -> PathBuf {
+    dir.join(format!("step-{step:08}.safetensors"))
+}
+
+/// The entries of `dir` (none when it does not exist), each read error naming `dir`.
+fn dir_entries(dir: &Path) -> Result<Vec<std::fs::DirEntry>> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => entries
+            .map(|entry| entry.map_err(|e| Error::io(dir, e)))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(Error::io(dir, e)),
+    }
+}

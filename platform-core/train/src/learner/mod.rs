@@ -1,0 +1,7 @@
+//! The training loop and its hooks (like burn-train's `learner`).
+
+mod callback;
+mod trainer;
+
+pub use callback::{Callback, EarlyStopping, Flow};
+pub use trainer::{EpochRecord, ScheduleInterval, Trainer, TrainerConfig, TrainingState};

@@ -1,0 +1,689 @@
+//! The training loop: `fit`, `evaluate`, `predict`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::callback::{Callback, Flow};
+use crate::checkpoint::{Checkpoint, Checkpointer};
+use crate::logger::{History, MetricSink};
+use crate::metric::{LossMetric, Metric};
+use kiln_core::backend::Mode;
+use kiln_core::backend::{StepPlan, TrainBackend};
+use kiln_core::device::Device;
+use kiln_core::error::{Error, Result};
+use kiln_core::loss::Loss;
+use kiln_core::model::Layer;
+use kiln_core::module::Module;
+use kiln_core::optim::{GradClip, Optimizer};
+use kiln_core::precision::FloatPrecision;
+use kiln_core::rng::SplitMix64;
+use kiln_core::schedule::LrScheduler;
+use kiln_core::state_tensors::StateTensors;
+use kiln_core::tensor::HostTensor;
+use kiln_data::DataLoader;
+
+/// When the learning-rate schedule advances.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleInterval {
+    /// After every optimizer step (warm-up, one-cycle).
+    Step,
+    /// After every epoch (PyTorch's usual `scheduler.step()` per epoch).
+    #[default]
+    Epoch,
+}
+
+/// How to train, independent of the model and the data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Epochs to train for.
+    #[serde(default = "ten")]
+    pub epochs: u64,
+    /// Stop after this many optimizer steps, if reached before `epochs`.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
+    /// Micro-batches whose gradients add up before each optimizer step (>= 1).
+    #[serde(default = "one")]
+    pub accumulate: u64,
+    /// Gradient clipping before each optimizer step.
+    #[serde(default)]
+    pub clip: Option<GradClip>,
+    /// The run's seed: initial weights, data order and dropout derive from it
+    /// (in a config file: the top-level `seed`).
+    #[serde(skip)]
+    pub seed: u64,
+    /// Where the model and batches live (in a config file: the top-level `device`).
+    #[serde(skip)]
+    pub device: Device,
+    /// When the schedule advances.
+    #[serde(default)]
+    pub schedule_interval: ScheduleInterval,
+    /// Log the step's training loss and learning rate (`steps.csv`, TensorBoard)
+    /// every this many optimizer steps, as Lightning's `log_every_n_steps`
+    /// (0: only the per-epoch record).
+    #[serde(default = "fifty")]
+    pub log_every: u64,
+    /// Keep host memory that tensors free for the next step instead of
+    /// returning it to the OS (see [`host_memory`](kiln_core::host_memory); on by
+    /// default, glibc only). `fit` applies it process-wide.
+    #[serde(default = "yes")]
+    pub retain_host_memory: bool,
+    /// The dtype of parameters and of the forward pass, like Lightning's
+    /// `precision` (`32-true`, `bf16-mixed`, `bf16-true`). The model must have
+    /// been given it ([`TrainBackend::set_precision`]) before its optimizer was
+    /// built; `fit` checks.
+    #[serde(default)]
+    pub precision: FloatPrecision,
+}
+
+fn ten() -> u64 {
+    10
+}
+fn one() -> u64 {
+    1
+}
+fn fifty() -> u64 {
+    50
+}
+fn yes() -> bool {
+    true
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            max_steps: None,
+            accumulate: 1,
+            clip: None,
+            seed: 0,
+            device: Device::Cpu,
+            schedule_interval: ScheduleInterval::Epoch,
+            log_every: 50,
+            retain_host_memory: true,
+            precision: FloatPrecision::F32,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Rejects settings that cannot work, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.accumulate == 0 {
+            return Err(Error::invalid_argument("accumulate", "must be at least 1"));
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return Err(Error::invalid_argument("epochs", "must be at least 1"));
+        }
+        if let Some(clip) = &self.clip {
+            clip.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// A model, its optimizer and schedule, and where training stands: what a
+/// checkpoint saves and `fit` advances.
+pub struct TrainingState<B: TrainBackend> {
+    /// The model.
+    pub model: B::Model,
+    /// Its optimizer.
+    pub optimizer: B::Optim,
+    /// The learning-rate schedule, if any.
+    pub scheduler: Option<Box<dyn LrScheduler + Send>>,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// The epoch in progress (0-based).
+    pub epoch: u64,
+    /// Micro-batches of `epoch` already consumed.
+    pub batch_in_epoch: u64,
+    /// The training loss of those micro-batches, for the epoch's record.
+    pub epoch_loss: LossMetric,
+}
+
+impl<B: TrainBackend> std::fmt::Debug for TrainingState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainingState")
+            .field("step", &self.step)
+            .field("epoch", &self.epoch)
+            .field("batch_in_epoch", &self.batch_in_epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: TrainBackend> TrainingState<B> {
+    /// A fresh state at step 0.
+    pub fn new(
+        model: B::Model,
+        optimizer: B::Optim,
+        scheduler: Option<Box<dyn LrScheduler + Send>>,
+    ) -> Self {
+        Self {
+            model,
+            optimizer,
+            scheduler,
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            epoch_loss: LossMetric::new("loss"),
+        }
+    }
+
+    /// Restores model, optimizer, schedule and position from a checkpoint.
+    ///
+    /// Contract: nothing changes if any part does not fit: a model tensor
+    /// missing, unexpected, or of another shape or dtype than the model's (never
+    /// cast), an optimizer of another algorithm than the checkpoint's, or
+    /// optimizer or schedule state that does not load.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        if let (Some(saved), Some(ours)) =
+            (checkpoint.optimizer_kind.as_deref(), self.optimizer.kind())
+        {
+            if saved != ours {
+                return Err(Error::invalid_argument(
+                    "optimizer.type",
+                    format!(
+                        "the checkpoint was trained with `{saved}`, this run builds `{ours}`; \
+                         resume with the checkpoint's optimizer, or start a new run"
+                    ),
+                ));
+            }
+        }
+        if checkpoint.backend != B::NAME {
+            log::info!(
+                "resuming a checkpoint written by the {} backend on {}",
+                checkpoint.backend,
+                B::NAME
+            );
+        }
+        let old_model = self.model.state_dict()?;
+        checkpoint.model.check_dtypes(&old_model)?;
+        // The schedule first: it is the one part whose state can be put back exactly.
+        let old_schedule = match (self.scheduler.as_mut(), &checkpoint.scheduler) {
+            (Some(scheduler), Some(state)) => {
+                let old = scheduler.state()?;
+                scheduler.load_state(state)?;
+                Some(old)
+            }
+            _ => None,
+        };
+        let loaded = self
+            .model
+            .load_state_dict(&checkpoint.model)
+            .and_then(|()| {
+                self.optimizer
+                    .load_state_dict(&checkpoint.optimizer)
+                    .inspect_err(|_| {
+                        if let Err(e) = self.model.load_state_dict(&old_model) {
+                            log::error!(
+                                "cannot put the model back after a failed restore: {}",
+                                e.display_chain()
+                            );
+                        }
+                    })
+            });
+        if let Err(e) = loaded {
+            if let (Some(scheduler), Some(old)) = (self.scheduler.as_mut(), &old_schedule) {
+                scheduler.load_state(old)?;
+            }
+            return Err(e);
+        }
+        if let (Some(scheduler), Some(_)) = (self.scheduler.as_ref(), &old_schedule) {
+            self.optimizer.set_learning_rates(scheduler.lrs())?;
+        }
+        self.step = checkpoint.step;
+        self.epoch = checkpoint.epoch;
+        self.batch_in_epoch = checkpoint.batch_in_epoch;
+        // A checkpoint without it (from before Kiln recorded it) restarts the
+        // running mean: the epoch's loss then covers the batches after it.
+        let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
+        self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
+        Ok(())
+    }
+}
+
+/// The metrics of one epoch, by name.
+pub type EpochRecord = BTreeMap<String, f64>;
+
+/// The training loop, generic over the backend: callbacks, metric sinks,
+/// checkpoints, gradient accumulation and clipping, and a schedule.
+pub struct Trainer<B: TrainBackend> {
+    config: TrainerConfig,
+    loss: Loss,
+    metrics: Vec<Box<dyn Fn() -> Box<dyn Metric> + Send>>,
+    callbacks: Vec<Box<dyn Callback>>,
+    sinks: Vec<Box<dyn MetricSink>>,
+    checkpointer: Option<Checkpointer>,
+    model_definition: Option<Layer>,
+    _backend: std::marker::PhantomData<B>,
+}
+
+impl<B: TrainBackend> std::fmt::Debug for Trainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("config", &self.config)
+            .field("loss", &self.loss)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The error for a monitored metric (at `key`) that the epoch's `record` lacks.
+fn unknown_metric(key: &str, monitor: &str, record: &EpochRecord) -> Error {
+    Error::invalid_argument(
+        key,
+        format!(
+            "`{monitor}` is not a metric of this run (available: {})",
+            record.keys().cloned().collect::<Vec<_>>().join(", ")
+        ),
+    )
+}
+
+/// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
+/// resumed run draws exactly what an uninterrupted one would.
+fn step_seed(seed: u64, step: u64) -> u64 {
+    SplitMix64::new(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+impl<B: TrainBackend> Trainer<B> {
+    /// A trainer minimising `loss`.
+    pub fn new(config: TrainerConfig, loss: Loss) -> Result<Self> {
+        config.validate()?;
+        loss.validate()?;
+        Ok(Self {
+            config,
+            loss,
+            metrics: Vec::new(),
+            callbacks: Vec::new(),
+            sinks: Vec::new(),
+            checkpointer: None,
+            model_definition: None,
+            _backend: std::marker::PhantomData,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// Adds a metric computed on validation (and `evaluate`) batches; `make`
+    /// creates a fresh one per evaluation.
+    pub fn with_metric(mut self, make: impl Fn() -> Box<dyn Metric> + Send + 'static) -> Self {
+        self.metrics.push(Box::new(make));
+        self
+    }
+
+    /// Adds a callback.
+    pub fn with_callback(mut self, callback: impl Callback + 'static) -> Self {
+        self.callbacks.push(Box::new(callback));
+        self
+    }
+
+    /// Adds a metric sink (CSV, TensorBoard, progress, log).
+    pub fn with_sink(mut self, sink: impl MetricSink + 'static) -> Self {
+        self.sinks.push(Box::new(sink));
+        self
+    }
+
+    /// Saves checkpoints with `checkpointer`; `definition` is recorded in them.
+    pub fn with_checkpointer(
+        mut self,
+        checkpointer: Checkpointer,
+        definition: Option<Layer>,
+    ) -> Self {
+        self.checkpointer = Some(checkpointer);
+        self.model_definition = definition;
+        self
+    }
+
+    /// The checkpoint of `state`, holding the model's and optimizer's own tensors
+    /// (written in place, not copied to the host first).
+    fn checkpoint(
+        &self,
+        state: &TrainingState<B>,
+        metrics: &EpochRecord,
+    ) -> Result<Checkpoint<StateTensors<B>>> {
+        Ok(Checkpoint {
+            model: state.model.state_tensors()?,
+            optimizer: state.optimizer.state_tensors()?,
+            step: state.step,
+            epoch: state.epoch,
+            batch_in_epoch: state.batch_in_epoch,
+            seed: self.config.seed,
+            backend: B::NAME.to_owned(),
+            optimizer_kind: state.optimizer.kind().map(str::to_owned),
+            model_definition: self.model_definition.clone(),
+            scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
+            metrics: metrics.clone(),
+            epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
+        })
+    }
+
+    fn save_checkpoint(&mut self, state: &TrainingState<B>, metrics: &EpochRecord) -> Result<()> {
+        if self.checkpointer.is_none() {
+            return Ok(());
+        }
+        // Everything logged up to this step is on disk before the checkpoint that
+        // a resumed run continues from.
+        for sink in &mut self.sinks {
+            sink.flush()?;
+        }
+        let checkpoint = self.checkpoint(state, metrics)?;
+        if let Some(checkpointer) = self.checkpointer.as_mut() {
+            checkpointer.save(&checkpoint)?;
+        }
+        Ok(())
+    }
+
+    /// Trains `state` on `train` until `epochs` or `max_steps`, validating on
+    /// `val` after every epoch; continues from `state`'s position (so a restored
+    /// state resumes mid-epoch). Returns the per-epoch metrics of this call.
+    ///
+    /// A non-finite loss stops training with [`Error::NonFiniteLoss`] naming the
+    /// step; the checkpoints already written stay as they were.
+    pub fn fit(
+        &mut self,
+        state: &mut TrainingState<B>,
+        train: &dyn DataLoader,
+        val: Option<&dyn DataLoader>,
+    ) -> Result<History> {
+        let precision = B::precision(&state.model);
+        if precision != self.config.precision {
+            return Err(Error::invalid_argument(
+                "precision",
+                format!(
+                    "the trainer is configured for {} but the model computes in {precision}; \
+                     give the model its precision (TrainBackend::set_precision) before \
+                     building its optimizer",
+                    self.config.precision
+                ),
+            ));
+        }
+        if let Some(s) = &state.scheduler {
+            if let Some(monitor) = s.monitor() {
+                if self.config.schedule_interval == ScheduleInterval::Step {
+                    return Err(Error::invalid_argument(
+                        "training.schedule_interval",
+                        format!(
+                            "`{}` steps on the epoch metric `{monitor}`, so it needs \
+                             schedule_interval = \"epoch\"",
+                            s.name()
+                        ),
+                    ));
+                }
+                if monitor.starts_with("val_") && val.is_none() {
+                    return Err(Error::invalid_argument(
+                        "schedule.monitor",
+                        format!(
+                            "`{}` monitors `{monitor}`, but there is no validation data to \
+                             compute it on (give fit a validation loader, or monitor `loss`)",
+                            s.name()
+                        ),
+                    ));
+                }
+            }
+        }
+        if self.config.retain_host_memory {
+            kiln_core::host_memory::retain_freed_memory();
+        }
+        let mut history = History::new();
+        let accumulate = self.config.accumulate;
+        let device = self.config.device;
+        'epochs: while state.epoch < self.config.epochs {
+            state.model.set_mode(Mode::Train);
+            let batches = train.num_batches() as u64;
+            for sink in &mut self.sinks {
+                sink.start_epoch(
+                    state.epoch,
+                    Some(batches.saturating_sub(state.batch_in_epoch)),
+                )?;
+            }
+            let mut micro = 0u64;
+            let skip = state.batch_in_epoch as usize;
+            for batch in train.batches(state.epoch).skip(skip) {
+                if self.config.max_steps.is_some_and(|m| state.step >= m) {
+                    break 'epochs;
+                }
+                let batch = batch?;
+                if micro == 0 {
+                    B::manual_seed(step_seed(self.config.seed, state.step));
+                    state.optimizer.zero_grad()?;
+                }
+                let inputs = B::from_host(&batch.inputs, device)?;
+                let targets = B::from_host(&batch.targets, device)?;
+                let apply = micro + 1 >= accumulate;
+                let plan = StepPlan {
+                    loss: &self.loss,
+                    scale: if accumulate > 1 {
+                        1.0 / accumulate as f64
+                    } else {
+                        1.0
+                    },
+                    apply,
+                    clip: self.config.clip.as_ref(),
+                };
+                let value = B::train_step(
+                    &mut state.model,
+                    &mut state.optimizer,
+                    &inputs,
+                    &targets,
+                    &plan,
+                )?;
+                if !value.is_finite() {
+                    return Err(Error::NonFiniteLoss {
+                        step: state.step + 1,
+                        value,
+                    });
+                }
+                let rows = batch.targets.dims().first().copied().unwrap_or(1);
+                state.epoch_loss.update_value(value, rows);
+                for sink in &mut self.sinks {
+                    sink.log_batch(rows, value)?;
+                }
+                micro += 1;
+                state.batch_in_epoch += 1;
+                if !apply {
+                    continue;
+                }
+                micro = 0;
+                state.step += 1;
+                if self.config.schedule_interval == ScheduleInterval::Step {
+                    if let Some(s) = state.scheduler.as_mut() {
+                        let lrs = s.step()?;
+                        state.optimizer.set_learning_rates(&lrs)?;
+                    }
+                }
+                let log_every = self.config.log_every;
+                if log_every > 0 && state.step.is_multiple_of(log_every) {
+                    let row = [
+                        ("loss".to_owned(), value),
+                        ("lr".to_owned(), state.optimizer.learning_rate()),
+                    ];
+                    for sink in &mut self.sinks {
+                        sink.log_step(state.step, &row)?;
+                    }
+                }
+                for sink in &mut self.sinks {
+                    sink.end_step(state.step)?;
+                }
+                let mut stop = false;
+                for cb in &mut self.callbacks {
+                    stop |= cb.on_step_end(state.step, value)? == Flow::Stop;
+                }
+                if self
+                    .checkpointer
+                    .as_ref()
+                    .is_some_and(|c| c.due_after_step(state.step))
+                {
+                    self.save_checkpoint(state, &EpochRecord::new())?;
+                }
+                if stop {
+                    break 'epochs;
+                }
+            }
+            // The epoch is over: metrics, schedule, callbacks, checkpoint.
+            let mut record = EpochRecord::new();
+            record.insert("loss".to_owned(), state.epoch_loss.compute()?);
+            record.insert("lr".to_owned(), state.optimizer.learning_rate());
+            if let Some(val) = val {
+                for (name, value) in self.evaluate(&mut state.model, val)? {
+                    record.insert(format!("val_{name}"), value);
+                }
+            }
+            if self.config.schedule_interval == ScheduleInterval::Epoch {
+                if let Some(s) = state.scheduler.as_mut() {
+                    let lrs = match s.monitor() {
+                        Some(monitor) => {
+                            let metric = record.get(monitor).copied().ok_or_else(|| {
+                                unknown_metric("schedule.monitor", monitor, &record)
+                            })?;
+                            s.step_with_metric(metric)?
+                        }
+                        None => s.step()?,
+                    };
+                    state.optimizer.set_learning_rates(&lrs)?;
+                }
+            }
+            let flat: Vec<(String, f64)> = record.iter().map(|(k, v)| (k.clone(), *v)).collect();
+            for sink in &mut self.sinks {
+                sink.log_epoch(state.epoch, &flat)?;
+            }
+            let mut stop = false;
+            for cb in &mut self.callbacks {
+                stop |= cb.on_epoch_end(state.epoch, &record)? == Flow::Stop;
+            }
+            let finished_epoch = state.epoch;
+            state.epoch += 1;
+            state.batch_in_epoch = 0;
+            state.epoch_loss = LossMetric::new("loss");
+            if self
+                .checkpointer
+                .as_ref()
+                .is_some_and(|c| c.due_after_epoch(finished_epoch))
+            {
+                self.save_checkpoint(state, &record)?;
+            }
+            history.record(finished_epoch, &flat)?;
+            if stop {
+                break;
+            }
+        }
+        for sink in &mut self.sinks {
+            sink.finish()?;
+        }
+        Ok(history)
+    }
+
+    /// The loss and every metric over `loader`, in eval mode and without
+    /// gradients; the model's mode is restored afterwards.
+    pub fn evaluate(
+        &self,
+        model: &mut B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<(String, f64)>> {
+        let mode = model.mode();
+        model.set_mode(Mode::Eval);
+        let result = self.evaluate_inner(model, loader);
+        model.set_mode(mode);
+        result
+    }
+
+    fn evaluate_inner(
+        &self,
+        model: &B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<(String, f64)>> {
+        let mut loss = LossMetric::new("loss");
+        let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
+        for batch in loader.batches(0) {
+            let batch = batch?;
+            let inputs = B::from_host(&batch.inputs, self.config.device)?;
+            let targets = B::from_host(&batch.targets, self.config.device)?;
+            let (value, output) = B::eval_step(model, &self.loss, &inputs, &targets)?;
+            loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
+            for metric in &mut metrics {
+                metric.update(&output, &batch.targets)?;
+            }
+        }
+        let mut out = vec![("loss".to_owned(), loss.compute()?)];
+        for metric in &metrics {
+            out.push((metric.name().to_owned(), metric.compute()?));
+        }
+        Ok(out)
+    }
+
+    /// The model's outputs for every batch of `loader`, in eval mode.
+    pub fn predict(
+        &self,
+        model: &mut B::Model,
+        loader: &dyn DataLoader,
+    ) -> Result<Vec<HostTensor>> {
+        let mode = model.mode();
+        model.set_mode(Mode::Eval);
+        let result = loader
+            .batches(0)
+            .map(|batch| {
+                let batch = batch?;
+                B::predict_step(model, &B::from_host(&batch.inputs, self.config.device)?)
+            })
+            .collect();
+        model.set_mode(mode);
+        result
+    }
+
+    /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]);
+    /// a checkpoint of another model is [`Error::Checkpoint`] naming the file, with
+    /// the error naming the first key or shape that does not fit as its source.
+    pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
+        let checkpoint = Checkpoint::load(path)?;
+        Self::resume_from(state, &checkpoint, path)?;
+        Ok(checkpoint)
+    }
+
+    /// As [`resume`](Self::resume), from a checkpoint already read from `path`
+    /// (for a caller that checks it first, as the CLI checks its definition and seed).
+    pub fn resume_from(
+        state: &mut TrainingState<B>,
+        checkpoint: &Checkpoint,
+        path: &Path,
+    ) -> Result<()> {
+        state.restore(checkpoint).map_err(|e| {
+            Error::checkpoint_caused_by(path, "does not fit this model and optimizer", e)
+        })?;
+        log::info!(
+            "resumed from {} at step {} (epoch {}, batch {})",
+            path.display(),
+            checkpoint.step,
+            checkpoint.epoch,
+            checkpoint.batch_in_epoch
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_per_step_and_repeat_per_seed() {
+        // The mix written out, as it was before it went through SplitMix64: the
+        // same seeds, so runs resume as before.
+        let written_out = |seed: u64, step: u64| {
+            let golden = 0x9E37_79B9_7F4A_7C15u64;
+            let mut z = (seed ^ step.wrapping_mul(golden)).wrapping_add(golden);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        for (seed, step) in [(0, 0), (7, 3), (u64::MAX, 12_345)] {
+            assert_eq!(step_seed(seed, step), written_out(seed, step));
+        }
+        assert_eq!(step_seed(7, 3), step_seed(7, 3));
+        assert_ne!(step_seed(7, 3), step_seed(7, 4));
+        assert_ne!(step_seed(7, 3), step_seed(8, 3));
+    }
+}

@@ -1,0 +1,46 @@
+//! Kiln's training loop and everything around it, over any
+//! [`TrainBackend`](kiln_core::backend::TrainBackend):
+//!
+//! * [`Trainer`] and [`TrainingState`]: `fit`, `evaluate` and `predict`, with
+//!   gradient accumulation, clipping, schedules and exact resume; callbacks
+//!   ([`Callback`], [`EarlyStopping`]);
+//! * metrics ([`Metric`]: [`Accuracy`], [`TopKAccuracy`], [`Precision`],
+//!   [`Recall`], [`F1`], [`MeanAbsoluteError`], [`LossMetric`]), chosen by name
+//!   with [`metric_by_name`];
+//! * metric sinks ([`MetricSink`]: [`CsvSink`], [`TensorBoardSink`],
+//!   [`ProgressSink`], [`LogSink`], [`History`]) and PNG curves ([`plot_curves`]);
+//! * [`Checkpoint`], [`Checkpointer`] and [`RunDirectory`]: exact-resume
+//!   checkpoints, which of them to keep, and a run's locked output directory.
+//!
+//! The data it trains on comes from `kiln-data`; models, optimizers and
+//! losses from `kiln-core` and a backend.
+
+mod checkpoint;
+mod learner;
+mod logger;
+mod metric;
+
+pub use checkpoint::{
+    checkpoint_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, RunDirectory,
+    RunStart, CHECKPOINT_FORMAT, LOCK_FILE,
+};
+pub use learner::{
+    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, Trainer, TrainerConfig,
+    TrainingState,
+};
+pub use logger::{
+    plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,
+    ProgressSink, TensorBoardSink,
+};
+pub use metric::{
+    metric_by_name, Accuracy, LossMetric, MeanAbsoluteError, Metric, Precision, Recall,
+    TopKAccuracy, F1,
+};
+
+/// The training loop's most used names, in one `use kiln_train::prelude::*`.
+pub mod prelude {
+    pub use crate::{
+        Accuracy, Callback, Checkpoint, Checkpointer, EarlyStopping, Metric, Trainer,
+        TrainerConfig, TrainingState,
+    };
+}
