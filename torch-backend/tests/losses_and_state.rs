@@ -227,7 +227,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
         model.to_dtype(dtype).unwrap();
         let mut opt = TorchOptimizer::new(
             OptimizerConfig::Adam(kiln_core::AdamConfig::new(1e-2)),
-            model.named_parameters(),
+            model.named_parameters().unwrap(),
             &[],
         )
         .unwrap();
@@ -387,6 +387,7 @@ fn tch_closures_mix_with_built_layers() {
         .unwrap();
     let names: Vec<String> = chain
         .named_parameters()
+        .unwrap()
         .into_iter()
         .map(|(n, _)| n)
         .collect();
@@ -403,7 +404,7 @@ fn tch_closures_mix_with_built_layers() {
     let before = chain.state_dict().unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Sgd(SgdConfig::new(0.1)),
-        chain.named_parameters(),
+        chain.named_parameters().unwrap(),
         &[],
     )
     .unwrap();
