@@ -169,9 +169,9 @@ fn main() -> Result<()> {
 
     let spec = definition(args.model);
     let mut model = TorchModel::new(&spec, args.device)?;
-    println!("model: {} parameters", model.num_parameters());
+    println!("model: {} parameters", model.num_parameters()?);
     let config = OptimizerConfig::AdamW(AdamWConfig::new(2e-3).with_weight_decay(1e-2));
-    let mut optimizer = TorchOptimizer::new(config, model.named_parameters(), &[])?;
+    let mut optimizer = TorchOptimizer::new(config, model.named_parameters()?, &[])?;
     let mut schedule = SchedulerConfig::CosineAnnealingLr(CosineAnnealingLrConfig {
         t_max: args.epochs,
         eta_min: 1e-5,

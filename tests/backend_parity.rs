@@ -147,7 +147,7 @@ fn torch_gradients(
     let value = TorchBackend::item(&l).unwrap();
     TorchBackend::backward(&l).unwrap();
     let mut grads = StateDict::new();
-    for (name, p) in Module::<TorchBackend>::named_parameters(model) {
+    for (name, p) in Module::<TorchBackend>::named_parameters(model).unwrap() {
         grads.insert(name, kiln::torch::from_tch(&p.grad()).unwrap());
     }
     (value, grads)
@@ -210,7 +210,9 @@ fn every_layer_agrees_forward_and_gradients() {
         let loss = Loss::Mse {
             reduction: Reduction::Sum,
         };
-        let has_parameters = !Module::<TorchBackend>::named_parameters(&torch).is_empty();
+        let has_parameters = !Module::<TorchBackend>::named_parameters(&torch)
+            .unwrap()
+            .is_empty();
         let t_grads = if has_parameters {
             torch_gradients(&torch, &loss, &x, &probe).1
         } else {

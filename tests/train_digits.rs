@@ -46,7 +46,7 @@ fn a_small_cnn_learns_the_digits() {
     let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::AdamW(AdamWConfig::new(3e-3)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &[],
     )
     .unwrap();

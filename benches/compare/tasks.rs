@@ -512,7 +512,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
         (0..CKPT_LAYERS).map(|_| LinearConfig::new(CKPT_WIDTH, CKPT_WIDTH).into()),
     );
     let mut model = TorchBackend::build_model(&spec, Device::Cpu)?;
-    let params = model.num_parameters();
+    let params = model.num_parameters()?;
     let path = a.dir.join("kiln.ckpt");
     // As the trainer saves: the model's own tensors, read in place by the writer.
     let save = timed(a.warmup, a.repeats, || {

@@ -69,8 +69,9 @@ mod gpu {
 
     fn max_param_diff(a: &impl Module<TorchBackend>, b: &impl Module<TorchBackend>) -> f64 {
         a.named_parameters()
+            .unwrap()
             .iter()
-            .zip(b.named_parameters())
+            .zip(b.named_parameters().unwrap())
             .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
             .fold(0.0, f64::max)
     }
@@ -116,9 +117,11 @@ mod gpu {
                 .load_state_dict(&eager.state_dict().unwrap())
                 .unwrap();
             let mut eager_opt =
-                TorchOptimizer::new(config.clone(), eager.named_parameters(), &[]).unwrap();
+                TorchOptimizer::new(config.clone(), eager.named_parameters().unwrap(), &[])
+                    .unwrap();
             let graphed_opt =
-                TorchOptimizer::new(config.clone(), graphed.named_parameters(), &[]).unwrap();
+                TorchOptimizer::new(config.clone(), graphed.named_parameters().unwrap(), &[])
+                    .unwrap();
             let (x0, y0) = &batches[0];
             let mut step =
                 GraphedTrainStep::new(graphed, graphed_opt, &loss, Some(clip), x0, y0).unwrap();
@@ -156,7 +159,7 @@ mod gpu {
             assert_eq!(steps.as_slice::<i64>().unwrap(), [12], "{config:?}");
             let (model, optimizer) = step.into_parts();
             assert!(optimizer.is_capturable());
-            assert_eq!(model.named_parameters().len(), 4);
+            assert_eq!(model.named_parameters().unwrap().len(), 4);
         }
     }
 
@@ -173,7 +176,7 @@ mod gpu {
         let adam = |m: &TorchModel| {
             TorchOptimizer::new(
                 OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-                m.named_parameters(),
+                m.named_parameters().unwrap(),
                 &[],
             )
             .unwrap()
@@ -209,7 +212,7 @@ mod gpu {
         .unwrap();
         let o = TorchOptimizer::new(
             OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-            syncing.named_parameters(),
+            syncing.named_parameters().unwrap(),
             &[],
         )
         .unwrap();
@@ -221,7 +224,7 @@ mod gpu {
         let m = model();
         let o = TorchOptimizer::new(
             OptimizerConfig::RmsProp(kiln_core::optim::RmsPropConfig::new(1e-3)),
-            m.named_parameters(),
+            m.named_parameters().unwrap(),
             &[],
         )
         .unwrap();

@@ -86,7 +86,7 @@ fn torch_forward_and_grads(
     x: &HostTensor,
     y: &HostTensor,
 ) -> (HostTensor, StateDict) {
-    for (_, mut p) in Module::<TorchBackend>::named_parameters(model) {
+    for (_, mut p) in Module::<TorchBackend>::named_parameters(model).unwrap() {
         p.zero_grad();
     }
     let out = model
@@ -96,7 +96,7 @@ fn torch_forward_and_grads(
     let loss = TorchBackend::loss(&Loss::cross_entropy(), &out, &target).unwrap();
     TorchBackend::backward(&loss).unwrap();
     let mut grads = StateDict::new();
-    for (name, p) in Module::<TorchBackend>::named_parameters(model) {
+    for (name, p) in Module::<TorchBackend>::named_parameters(model).unwrap() {
         grads.insert(name, from_tch(&p.grad()).unwrap());
     }
     (from_tch(&out.detach()).unwrap(), grads)

@@ -12,6 +12,12 @@ use crate::state_tensors::StateTensors;
 /// [`named_parameters`](Module::named_parameters) and
 /// [`load_state_dict`](Module::load_state_dict); the rest have defaults.
 ///
+/// Parameter access is fallible because not every backend keeps its tensors in
+/// the process: an eager backend (kiln-torch) hands out handles sharing storage
+/// with the module, while a graph engine (kiln-tf) has to read its variables out
+/// of a session, which can fail. Checkpoints should use
+/// [`state_tensors`](Module::state_tensors), which every backend provides.
+///
 /// ```
 /// use kiln_core::{backend::{Backend, Mode}, module::Module, state_dict::StateDict, Result};
 ///
@@ -31,8 +37,8 @@ use crate::state_tensors::StateTensors;
 ///     fn set_mode(&mut self, mode: Mode) {
 ///         self.mode = mode;
 ///     }
-///     fn named_parameters(&self) -> Vec<(String, B::Tensor)> {
-///         Vec::new()
+///     fn named_parameters(&self) -> Result<Vec<(String, B::Tensor)>> {
+///         Ok(Vec::new())
 ///     }
 ///     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
 ///         state.check_compatible(&StateDict::new())
@@ -75,25 +81,36 @@ pub trait Module<B: Backend> {
 
     /// Trainable tensors with their dotted names, in a stable order.
     ///
-    /// The tensors are handles sharing storage with the module (as in PyTorch),
-    /// so an optimizer can update them in place.
-    fn named_parameters(&self) -> Vec<(String, B::Tensor)>;
+    /// What the tensors are depends on the backend:
+    ///
+    /// - an eager backend (kiln-torch) returns handles sharing storage with the
+    ///   module (as in PyTorch), which an optimizer updates in place;
+    /// - a graph engine (kiln-tf) returns the current values, a copy: writing to
+    ///   them does not change the module. Reading them can fail, and then this
+    ///   returns the engine's error rather than hiding it.
+    ///
+    /// To save or copy a module's state on any backend, use
+    /// [`state_tensors`](Module::state_tensors) or
+    /// [`state_dict`](Module::state_dict) instead.
+    fn named_parameters(&self) -> Result<Vec<(String, B::Tensor)>>;
 
     /// Non-trainable state saved in checkpoints (e.g. batch-norm running
-    /// statistics), with dotted names. Defaults to none.
-    fn named_buffers(&self) -> Vec<(String, B::Tensor)> {
-        Vec::new()
+    /// statistics), with dotted names; handles or copies, and fallible, as for
+    /// [`named_parameters`](Module::named_parameters). Defaults to none.
+    fn named_buffers(&self) -> Result<Vec<(String, B::Tensor)>> {
+        Ok(Vec::new())
     }
 
     /// Host copies of all parameters and buffers.
     ///
-    /// Fails if a name appears twice or a copy to the host fails.
+    /// Fails if reading the parameters or buffers fails, a name appears twice
+    /// or a copy to the host fails.
     fn state_dict(&self) -> Result<StateDict> {
         let mut state = StateDict::new();
         for (name, tensor) in self
-            .named_parameters()
+            .named_parameters()?
             .into_iter()
-            .chain(self.named_buffers())
+            .chain(self.named_buffers()?)
         {
             let host = B::to_host(&tensor)?;
             if state.insert(name.as_str(), host).is_some() {
@@ -126,12 +143,14 @@ pub trait Module<B: Backend> {
     /// [`StateDict::expect_entry`] produces.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
 
-    /// Total number of parameter elements.
-    fn num_parameters(&self) -> usize {
-        self.named_parameters()
+    /// Total number of parameter elements; fails if
+    /// [`named_parameters`](Module::named_parameters) does.
+    fn num_parameters(&self) -> Result<usize> {
+        Ok(self
+            .named_parameters()?
             .iter()
             .map(|(_, t)| B::shape(t).numel())
-            .sum()
+            .sum())
     }
 }
 
@@ -191,15 +210,15 @@ mod tests {
             self.mode = mode;
         }
 
-        fn named_parameters(&self) -> Vec<(String, HostTensor)> {
-            vec![
+        fn named_parameters(&self) -> Result<Vec<(String, HostTensor)>> {
+            Ok(vec![
                 ("weight".into(), self.weight.clone()),
                 ("bias".into(), self.bias.clone()),
-            ]
+            ])
         }
 
-        fn named_buffers(&self) -> Vec<(String, HostTensor)> {
-            vec![("calls".into(), self.calls.clone())]
+        fn named_buffers(&self) -> Result<Vec<(String, HostTensor)>> {
+            Ok(vec![("calls".into(), self.calls.clone())])
         }
 
         fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
@@ -246,7 +265,7 @@ mod tests {
     #[test]
     fn default_state_dict_and_num_parameters() -> Result<()> {
         let m = Affine::new(vec![1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0])?;
-        assert_eq!(Module::<RefBackend>::num_parameters(&m), 6);
+        assert_eq!(Module::<RefBackend>::num_parameters(&m)?, 6);
         let sd = Module::<RefBackend>::state_dict(&m)?;
         let keys: Vec<&str> = sd.keys().map(String::as_str).collect();
         assert_eq!(keys, ["bias", "calls", "weight"]);
@@ -269,8 +288,11 @@ mod tests {
                 Mode::Eval
             }
             fn set_mode(&mut self, _mode: Mode) {}
-            fn named_parameters(&self) -> Vec<(String, HostTensor)> {
-                vec![("w".into(), self.0.clone()), ("w".into(), self.0.clone())]
+            fn named_parameters(&self) -> Result<Vec<(String, HostTensor)>> {
+                Ok(vec![
+                    ("w".into(), self.0.clone()),
+                    ("w".into(), self.0.clone()),
+                ])
             }
             fn load_state_dict(&mut self, _state: &StateDict) -> Result<()> {
                 Ok(())
@@ -283,6 +305,43 @@ mod tests {
             .to_string()
             .starts_with("invalid argument `w`: appears more than once"));
         Ok(())
+    }
+
+    #[test]
+    fn failed_parameter_reads_propagate_through_the_defaults() {
+        /// A module whose parameters cannot be read (as a graph engine's
+        /// session can fail).
+        struct Unreadable;
+        impl Module<RefBackend> for Unreadable {
+            fn forward(&self, input: &HostTensor) -> Result<HostTensor> {
+                Ok(input.clone())
+            }
+            fn mode(&self) -> Mode {
+                Mode::Eval
+            }
+            fn set_mode(&mut self, _mode: Mode) {}
+            fn named_parameters(&self) -> Result<Vec<(String, HostTensor)>> {
+                Err(Error::backend(
+                    "ref",
+                    "reading parameters",
+                    "session closed",
+                ))
+            }
+            fn load_state_dict(&mut self, _state: &StateDict) -> Result<()> {
+                Ok(())
+            }
+        }
+        let expected = "ref failed in reading parameters";
+        let m = Unreadable;
+        let err = Module::<RefBackend>::num_parameters(&m).expect_err("unreadable");
+        assert_eq!(err.to_string(), expected);
+        let err = Module::<RefBackend>::state_dict(&m).expect_err("unreadable");
+        assert_eq!(err.to_string(), expected);
+        // `StateTensors` is not `Debug`, so no `expect_err`.
+        let Err(err) = Module::<RefBackend>::state_tensors(&m) else {
+            panic!("state_tensors of an unreadable module succeeded");
+        };
+        assert_eq!(err.to_string(), expected);
     }
 
     #[test]

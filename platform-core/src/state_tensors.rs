@@ -104,9 +104,7 @@ impl<B: Backend> WritableTensor for StateTensor<B> {
 /// (or take a [`StateDict`] with [`to_state_dict`](Self::to_state_dict)).
 ///
 /// ```
-/// use kiln_core::{
-///     backend::Backend, state_tensors::{StateTensor, StateTensors}, HostTensor, Result,
-/// };
+/// use kiln_core::{backend::Backend, state_tensors::{StateTensor, StateTensors}, HostTensor, Result};
 ///
 /// fn save_one<B: Backend>(weight: B::Tensor, path: &std::path::Path) -> Result<()> {
 ///     let mut state = StateTensors::<B>::new();

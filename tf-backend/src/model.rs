@@ -221,13 +221,17 @@ impl Module<TfBackend> for TfModel {
         self.mode = mode;
     }
 
-    /// Snapshots of the parameters: TensorFlow variables live in the session,
-    /// so these are host-side copies (unlike libtorch's shared handles).
-    fn named_parameters(&self) -> Vec<(String, TfTensor)> {
+    /// The current values of the parameters, read in one session run: TensorFlow
+    /// variables live in the session, so these are copies (unlike libtorch's
+    /// shared handles) and writing to them does not change the model. A failed
+    /// read (a poisoned lock, a session error) is returned, not hidden.
+    fn named_parameters(&self) -> Result<Vec<(String, TfTensor)>> {
         self.named(ParamKind::Parameter)
     }
 
-    fn named_buffers(&self) -> Vec<(String, TfTensor)> {
+    /// The current values of the buffers: copies, as for
+    /// [`named_parameters`](Module::named_parameters).
+    fn named_buffers(&self) -> Result<Vec<(String, TfTensor)>> {
         self.named(ParamKind::Buffer)
     }
 
@@ -278,16 +282,97 @@ impl Module<TfBackend> for TfModel {
 }
 
 impl TfModel {
-    fn named(&self, kind: ParamKind) -> Vec<(String, TfTensor)> {
-        let Ok(values) = self.read_all() else {
-            log::error!("reading the model's variables failed");
-            return Vec::new();
-        };
+    /// The current values of the variables of one kind, in one session run.
+    fn named(&self, kind: ParamKind) -> Result<Vec<(String, TfTensor)>> {
+        let values = self.read_all()?;
         self.vars
             .iter()
             .zip(values)
             .filter(|(v, _)| v.kind == kind)
-            .filter_map(|(v, h)| Some((v.name.clone(), TfTensor::from_host(&h).ok()?)))
+            .map(|(v, h)| Ok((v.name.clone(), TfTensor::from_host(&h)?)))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Reading the variables through [`Module`] reports the engine's errors.
+
+    use kiln_core::{
+        model::{Layer, LinearConfig, ParamKind},
+        module::Module,
+        DType, Device, Error, Result,
+    };
+
+    use super::{lock, TfModel};
+    use crate::backend::TfBackend;
+
+    fn linear() -> Result<TfModel> {
+        TfModel::new(&Layer::Linear(LinearConfig::new(3, 2)), Device::Cpu)
+    }
+
+    fn is_backend_error(err: &Error, context: &str) -> bool {
+        matches!(err, Error::Backend { backend: "tensorflow", context: c, .. } if c == context)
+    }
+
+    /// A variable that is in the graph but was never written cannot be read, so
+    /// the session run reading the model's variables fails: that error is what
+    /// `named_parameters` and `named_buffers` return (they used to log it and
+    /// return an empty list).
+    #[test]
+    fn a_failed_variable_read_is_returned() -> Result<()> {
+        let mut model = linear()?;
+        let names: Vec<String> = Module::<TfBackend>::named_parameters(&model)?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        assert_eq!(names, ["weight", "bias"]);
+        assert_eq!(Module::<TfBackend>::num_parameters(&model)?, 8);
+
+        let unwritten = lock(&model.graph)?.engine.add_var(
+            "model",
+            "unwritten",
+            DType::F32,
+            &[2],
+            ParamKind::Buffer,
+        )?;
+        model.vars.push(unwritten);
+
+        let err = Module::<TfBackend>::named_parameters(&model).expect_err("unreadable variable");
+        assert!(is_backend_error(&err, "reading variables"), "{err:?}");
+        let chain = err.display_chain().to_string();
+        assert!(chain.contains("unwritten"), "{chain}");
+        let err = Module::<TfBackend>::named_buffers(&model).expect_err("unreadable variable");
+        assert!(is_backend_error(&err, "reading variables"), "{err:?}");
+        let err = Module::<TfBackend>::num_parameters(&model).expect_err("unreadable variable");
+        assert!(is_backend_error(&err, "reading variables"), "{err:?}");
+        let err = Module::<TfBackend>::state_dict(&model).expect_err("unreadable variable");
+        assert!(is_backend_error(&err, "reading variables"), "{err:?}");
+        Ok(())
+    }
+
+    /// A thread that panicked while holding the model's session poisons it:
+    /// reading the parameters is then an error, not a panic or an empty list.
+    #[test]
+    fn a_poisoned_session_is_an_error() -> Result<()> {
+        let model = linear()?;
+        let graph = std::sync::Arc::clone(&model.graph);
+        let panicked = std::thread::spawn(move || {
+            let _held = graph.lock();
+            panic!("poisoning the model's session on purpose");
+        })
+        .join();
+        assert!(panicked.is_err());
+
+        for err in [
+            Module::<TfBackend>::named_parameters(&model).expect_err("poisoned"),
+            Module::<TfBackend>::named_buffers(&model).expect_err("poisoned"),
+        ] {
+            assert!(
+                is_backend_error(&err, "locking the model's session"),
+                "{err:?}"
+            );
+        }
+        Ok(())
     }
 }

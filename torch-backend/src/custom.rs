@@ -84,18 +84,20 @@ impl Module<TorchBackend> for TchModule {
         self.mode = mode;
     }
 
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.sorted_variables()
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .sorted_variables()
             .into_iter()
             .filter(|(_, t)| t.requires_grad())
-            .collect()
+            .collect())
     }
 
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.sorted_variables()
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .sorted_variables()
             .into_iter()
             .filter(|(_, t)| !t.requires_grad())
-            .collect()
+            .collect())
     }
 
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
@@ -209,18 +211,20 @@ impl Module<TorchBackend> for Chain {
         }
     }
 
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.children
-            .iter()
-            .flat_map(|(n, c)| prefixed(n, c.named_parameters()).collect::<Vec<_>>())
-            .collect()
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (n, c) in &self.children {
+            out.extend(prefixed(n, c.named_parameters()?));
+        }
+        Ok(out)
     }
 
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.children
-            .iter()
-            .flat_map(|(n, c)| prefixed(n, c.named_buffers()).collect::<Vec<_>>())
-            .collect()
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (n, c) in &self.children {
+            out.extend(prefixed(n, c.named_buffers()?));
+        }
+        Ok(out)
     }
 
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {

@@ -193,9 +193,7 @@ impl TorchModel {
     /// Nothing changes on error.
     ///
     /// ```no_run
-    /// use kiln_core::{
-    ///     model::{Layer, LinearConfig}, module::Module, precision::FloatPrecision, Device,
-    /// };
+    /// use kiln_core::{model::{Layer, LinearConfig}, module::Module, precision::FloatPrecision, Device};
     /// use kiln_torch::TorchModel;
     ///
     /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
@@ -403,28 +401,32 @@ impl Module<TorchBackend> for TorchModel {
         self.mode = mode;
     }
 
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.entries
+    /// Handles sharing storage with the model; never fails.
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .entries
             .iter()
             .filter(|e| e.kind == ParamKind::Parameter)
             .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
-            .collect()
+            .collect())
     }
 
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.entries
+    /// Handles sharing storage with the model; never fails.
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .entries
             .iter()
             .filter(|e| e.kind == ParamKind::Buffer)
             .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
-            .collect()
+            .collect())
     }
 
     /// Handles to the parameters and buffers: a checkpoint reads them in place.
     fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
         StateTensors::from_handles(
-            self.named_parameters()
+            self.named_parameters()?
                 .into_iter()
-                .chain(self.named_buffers()),
+                .chain(self.named_buffers()?),
         )
     }
 

@@ -254,23 +254,25 @@ impl Module<TorchBackend> for ScriptModule {
         }
     }
 
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.params
+    /// Handles sharing storage with the model; never fails.
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(self
+            .params
             .iter()
             .map(|(n, t)| (n.clone(), t.shallow_clone()))
-            .collect()
+            .collect())
     }
 
     /// Handles to the parameters: a checkpoint reads them in place.
     fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
-        StateTensors::from_handles(self.named_parameters())
+        StateTensors::from_handles(self.named_parameters()?)
     }
 
     /// Copies values into the parameters. Every key must be a parameter with the
     /// same shape (buffers of TorchScript models are not reachable through libtorch's
     /// C API: they travel in the `.pt` file); nothing changes unless all match.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        let targets = self.named_parameters();
+        let targets = self.named_parameters()?;
         copy_state(&targets, state)
     }
 }

@@ -39,7 +39,7 @@ impl TrainBackend for TorchBackend {
         groups: &[ParamGroup],
     ) -> Result<TorchOptimizer> {
         use kiln_core::module::Module;
-        TorchOptimizer::new(config.clone(), model.named_parameters(), groups)
+        TorchOptimizer::new(config.clone(), model.named_parameters()?, groups)
     }
 
     /// [`EagerBackend::eager_train_step`]: forward, loss, backward, clipping and

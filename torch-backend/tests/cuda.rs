@@ -130,7 +130,7 @@ fn bf16_autocast_and_mixed_precision_on_the_gpu() {
     let diff = (&y - &reference).abs().max().double_value(&[]);
     assert!(diff > 0.0 && diff < 0.1, "bf16 rounding on the GPU: {diff}");
     y.sum(tch::Kind::Float).backward();
-    for (name, p) in model.named_parameters() {
+    for (name, p) in model.named_parameters().unwrap() {
         assert_eq!(p.grad().kind(), tch::Kind::Float, "{name}");
     }
 }

@@ -179,7 +179,7 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, numerics: Nume
                 tol,
             );
         }
-        let params = model.named_parameters();
+        let params = model.named_parameters().unwrap();
         let expected_grads = common::strip(&reference, "grad.");
         let param_grads = expected_grads.keys().filter(|k| *k != "input").count();
         assert_eq!(
@@ -268,7 +268,7 @@ fn to_dtype_converts_floats_only_and_checks_inputs() {
         // The values are the f32 ones rounded to bf16.
         assert_eq!(*t, before.get(name).unwrap().to_dtype(expected), "{name}");
     }
-    for (name, p) in model.named_parameters() {
+    for (name, p) in model.named_parameters().unwrap() {
         assert!(p.requires_grad(), "{name} still a parameter");
     }
 

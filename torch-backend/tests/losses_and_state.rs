@@ -230,7 +230,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
         model.to_dtype(dtype).unwrap();
         let mut opt = TorchOptimizer::new(
             OptimizerConfig::Adam(kiln_core::optim::AdamConfig::new(1e-2)),
-            model.named_parameters(),
+            model.named_parameters().unwrap(),
             &[],
         )
         .unwrap();
@@ -390,6 +390,7 @@ fn tch_closures_mix_with_built_layers() {
         .unwrap();
     let names: Vec<String> = chain
         .named_parameters()
+        .unwrap()
         .into_iter()
         .map(|(n, _)| n)
         .collect();
@@ -406,7 +407,7 @@ fn tch_closures_mix_with_built_layers() {
     let before = chain.state_dict().unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Sgd(SgdConfig::new(0.1)),
-        chain.named_parameters(),
+        chain.named_parameters().unwrap(),
         &[],
     )
     .unwrap();

@@ -228,7 +228,7 @@ fn check_case(case: &Case, dir: &std::path::Path, device: Device, tol: f64, capt
             .unwrap();
         let mut opt = TorchOptimizer::new(
             case.optimizer.clone(),
-            model.named_parameters(),
+            model.named_parameters().unwrap(),
             &case.groups,
         )
         .unwrap();
@@ -308,7 +308,8 @@ fn optimizer_state_round_trip_resumes_bitwise() {
         let data = random_batches(8);
         let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         let initial = model.state_dict().unwrap();
-        let mut opt = TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
+        let mut opt =
+            TorchOptimizer::new(config.clone(), model.named_parameters().unwrap(), &[]).unwrap();
         for (x, y) in &data {
             step(&model, &mut opt, x, y, &None);
         }
@@ -316,7 +317,8 @@ fn optimizer_state_round_trip_resumes_bitwise() {
 
         let mut first = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         first.load_state_dict(&initial).unwrap();
-        let mut opt1 = TorchOptimizer::new(config.clone(), first.named_parameters(), &[]).unwrap();
+        let mut opt1 =
+            TorchOptimizer::new(config.clone(), first.named_parameters().unwrap(), &[]).unwrap();
         for (x, y) in &data[..4] {
             step(&first, &mut opt1, x, y, &None);
         }
@@ -330,7 +332,8 @@ fn optimizer_state_round_trip_resumes_bitwise() {
 
         let mut second = TorchModel::new(&mlp(), Device::Cpu).unwrap();
         second.load_state_dict(&saved_model).unwrap();
-        let mut opt2 = TorchOptimizer::new(config.clone(), second.named_parameters(), &[]).unwrap();
+        let mut opt2 =
+            TorchOptimizer::new(config.clone(), second.named_parameters().unwrap(), &[]).unwrap();
         opt2.load_state_dict(&saved_opt).unwrap();
         for (x, y) in &data[4..] {
             step(&second, &mut opt2, x, y, &None);
@@ -345,7 +348,7 @@ fn adam_with_gradients(capturable: bool) -> (TorchModel, TorchOptimizer) {
     let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Adam(AdamConfig::new(0.1)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &[],
     )
     .unwrap();
@@ -360,7 +363,7 @@ fn a_failed_step_leaves_parameters_unchanged() {
     let (model, mut opt) = adam_with_gradients(false);
     // Corrupt one gradient's shape: the step must refuse before touching anything.
     let before = model.state_dict().unwrap();
-    let (_, last) = model.named_parameters().pop().unwrap();
+    let (_, last) = model.named_parameters().unwrap().pop().unwrap();
     let mut grad = last.grad();
     grad.set_data(&tch::Tensor::zeros(
         [7],
@@ -384,7 +387,7 @@ fn a_gradient_of_another_dtype_is_refused_in_both_modes() {
         let (model, mut opt) = adam_with_gradients(capturable);
         opt.step().unwrap();
         let (before, state_before) = (model.state_dict().unwrap(), opt.state_dict().unwrap());
-        let (_, last) = model.named_parameters().pop().unwrap();
+        let (_, last) = model.named_parameters().unwrap().pop().unwrap();
         let mut grad = last.grad();
         grad.set_data(&grad.to_kind(tch::Kind::Double));
         let err = opt.step().unwrap_err();
@@ -490,7 +493,8 @@ fn adam_at_a_zero_or_tiny_learning_rate_keeps_the_weights() {
         ] {
             let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
             let mut opt =
-                TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
+                TorchOptimizer::new(config.clone(), model.named_parameters().unwrap(), &[])
+                    .unwrap();
             let before = model.state_dict().unwrap();
             for _ in 0..3 {
                 opt.zero_grad().unwrap();
@@ -537,7 +541,8 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
             let mut model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
             model.load_state_dict(&initial).unwrap();
             let mut opt =
-                TorchOptimizer::new(config.clone(), model.named_parameters(), &[]).unwrap();
+                TorchOptimizer::new(config.clone(), model.named_parameters().unwrap(), &[])
+                    .unwrap();
             opt.set_capturable(capturable).unwrap();
             assert_eq!(opt.is_capturable(), capturable);
             for (x, y) in &data[..2] {
@@ -576,7 +581,7 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
     let model = TorchModel::new(&mlp(), Device::Cpu).unwrap();
     let mut rmsprop = TorchOptimizer::new(
         OptimizerConfig::RmsProp(RmsPropConfig::new(1e-2)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &[],
     )
     .unwrap();
@@ -594,7 +599,7 @@ fn groups_that_select_nothing_and_wrong_lr_counts_are_errors() {
     )];
     let err = TorchOptimizer::new(
         OptimizerConfig::Sgd(SgdConfig::new(0.1)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &groups,
     )
     .unwrap_err();
@@ -605,7 +610,7 @@ fn groups_that_select_nothing_and_wrong_lr_counts_are_errors() {
     )];
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Sgd(SgdConfig::new(0.1)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &groups,
     )
     .unwrap();

@@ -29,7 +29,7 @@ fn same_seed_gives_bitwise_identical_training() {
         let model = TorchModel::new(&spec, Device::Cpu).unwrap();
         let mut opt = TorchOptimizer::new(
             OptimizerConfig::Sgd(SgdConfig::new(0.1)),
-            model.named_parameters(),
+            model.named_parameters().unwrap(),
             &[],
         )
         .unwrap();

@@ -58,7 +58,12 @@ fn scripted_and_traced_models_match_python_in_both_modes() {
         !eval.allclose(&train, 1e-3, 1e-3),
         "BatchNorm must behave differently in eval mode"
     );
-    let names: Vec<String> = mlp.named_parameters().into_iter().map(|(n, _)| n).collect();
+    let names: Vec<String> = mlp
+        .named_parameters()
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
     assert_eq!(
         names,
         [
@@ -185,7 +190,7 @@ fn fine_tune_save_and_reload_in_python() {
     let before = model.state_dict().unwrap();
     let mut opt = TorchOptimizer::new(
         OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9)),
-        model.named_parameters(),
+        model.named_parameters().unwrap(),
         &[],
     )
     .unwrap();

@@ -9,9 +9,7 @@
 //! is an error that leaves the device usable.
 //!
 //! ```no_run
-//! use kiln_core::{
-//!     loss::Loss, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device,
-//! };
+//! use kiln_core::{loss::Loss, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device};
 //! use kiln_ops::graph::GraphedTrainStep;
 //! use kiln_torch::{TorchModel, TorchOptimizer};
 //! use kiln_core::module::Module;
@@ -21,7 +19,7 @@
 //! let model = TorchModel::new(&net, device)?;
 //! let optimizer = TorchOptimizer::new(
 //!     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-//!     model.named_parameters(),
+//!     model.named_parameters()?,
 //!     &[],
 //! )?;
 //! let cuda = (tch::Kind::Float, tch::Device::Cuda(0));

@@ -98,7 +98,7 @@ fn both_backends_agree_on_outputs_and_gradients() {
             &TfTensor::from_host(&y).unwrap(),
         )
         .unwrap();
-    for (name, p) in Module::<TorchBackend>::named_parameters(&torch) {
+    for (name, p) in Module::<TorchBackend>::named_parameters(&torch).unwrap() {
         let d = max_diff(&from_tch(&p.grad()).unwrap(), tf_grads.get(&name).unwrap());
         assert!(d < 1e-5, "gradient of {name} differs by {d}");
     }

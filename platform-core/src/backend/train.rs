@@ -162,7 +162,7 @@ pub trait EagerBackend: TrainBackend {
         Self::backward(&scaled)?;
         if plan.apply {
             if let Some(clip) = plan.clip {
-                Self::clip_gradients(&model.named_parameters(), clip)?;
+                Self::clip_gradients(&model.named_parameters()?, clip)?;
             }
             optimizer.step()?;
         }

@@ -93,10 +93,7 @@ pub struct ParamState {
 /// are not looked at.
 ///
 /// ```
-/// use kiln_core::{
-///     optim::{read_optimizer_state, OptimizerConfig, SgdConfig}, state_dict::StateDict,
-///     HostTensor,
-/// };
+/// use kiln_core::{optim::{read_optimizer_state, OptimizerConfig, SgdConfig}, state_dict::StateDict, HostTensor};
 ///
 /// let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9));
 /// let mut state = StateDict::new();

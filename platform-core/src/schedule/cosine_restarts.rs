@@ -55,9 +55,7 @@ struct RestartState {
 /// an explicit epoch.
 ///
 /// ```
-/// use kiln_core::{
-///     schedule::{CosineAnnealingWarmRestarts, CosineAnnealingWarmRestartsConfig, LrScheduler},
-/// };
+/// use kiln_core::{schedule::{CosineAnnealingWarmRestarts, CosineAnnealingWarmRestartsConfig, LrScheduler}};
 ///
 /// let config = CosineAnnealingWarmRestartsConfig { t_0: 2, t_mult: 1, eta_min: 0.0 };
 /// let mut s = CosineAnnealingWarmRestarts::new(config, &[1.0])?;

@@ -310,7 +310,7 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
         config.device,
         config.training.precision,
         config.output_dir.display(),
-        state.model.num_parameters(),
+        state.model.num_parameters()?,
         n_train,
         n_val
     );

@@ -227,10 +227,7 @@ impl TfOptimizer {
     /// training steps that did not apply them must be applied or zeroed first.
     ///
     /// ```no_run
-    /// use kiln_core::{
-    ///     loss::{Loss, Reduction}, model::{Layer, LinearConfig},
-    ///     optim::{AdamConfig, OptimizerConfig}, Device, HostTensor,
-    /// };
+    /// use kiln_core::{loss::{Loss, Reduction}, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device, HostTensor};
     /// use kiln_tf::{TfModel, TfOptimizer, TfTensor};
     ///
     /// let model = TfModel::new(&Layer::Linear(LinearConfig::new(3, 1)), Device::Cpu)?;
