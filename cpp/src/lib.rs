@@ -17,8 +17,6 @@
 
 #[allow(unsafe_code)]
 mod bridge;
-#[cfg(feature = "cuda")]
-pub mod graph;
 pub mod layer;
 #[cfg(feature = "tf")]
 pub mod tf;

@@ -1,4 +1,4 @@
-//! CUDA graphs (kiln-ops' `cuda` feature, `kiln_ops::graph`): a captured training
+//! CUDA graphs (kiln-torch's `cuda` feature, `kiln_torch::graph`): a captured training
 //! step against Kiln's eager step on the same model, batches and learning-rate
 //! change (SGD, Adam, AdamW with AMSGrad; clipping by norm), and failures as errors
 //! with the device still usable afterwards.
@@ -12,8 +12,8 @@
 #[test]
 fn cuda_graphs() {
     eprintln!(
-        "SKIPPED CUDA graph tests: kiln-ops was built without its `cuda` feature \
-         (cargo test -p kiln-ops --features cuda)"
+        "SKIPPED CUDA graph tests: kiln-torch was built without its `cuda` feature \
+         (cargo test -p kiln-torch --features cuda --test cuda_graph)"
     );
 }
 
@@ -23,7 +23,7 @@ mod gpu {
         AdamConfig, AdamWConfig, Backend, Device, Error, GradClip, Layer, LinearConfig, Loss,
         Module, Optimizer, OptimizerConfig, SgdConfig, StepPlan, TrainBackend,
     };
-    use kiln_ops::graph::{CudaGraph, GraphedTrainStep};
+    use kiln_torch::graph::{CudaGraph, GraphedTrainStep};
     use kiln_torch::{TchModule, TorchBackend, TorchModel, TorchOptimizer};
     use tch::{Kind, Tensor};
 
