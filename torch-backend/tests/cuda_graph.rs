@@ -78,6 +78,21 @@ mod gpu {
         assert!(err.to_string().contains("CUDA device"), "{err}");
     }
 
+    /// Runs the C++ side of the bridge on any machine: without a device, creating a
+    /// graph on `cuda:0` is libtorch's error, not a crash.
+    #[test]
+    fn without_a_gpu_the_cpp_side_refuses_a_cuda_graph() {
+        if tch::Cuda::is_available() {
+            let graph = CudaGraph::new(Device::Cuda(0)).unwrap();
+            assert!(!graph.is_captured());
+            return;
+        }
+        let err = CudaGraph::new(Device::Cuda(0)).unwrap_err();
+        let text = err.display_chain().to_string();
+        assert!(matches!(err, Error::Backend { .. }), "{text}");
+        assert!(text.contains("CUDA device 0 does not exist"), "{text}");
+    }
+
     #[test]
     fn a_captured_step_follows_the_eager_step() {
         let _serial = serial();
