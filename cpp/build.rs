@@ -7,22 +7,17 @@ fn main() {
         torch: true,
         tensorflow: false,
     });
-    let mut ops = kiln_build::TorchOps::new("kiln_ops")
+    let ops = kiln_build::TorchOps::new("kiln_ops")
         .bridge("src/bridge.rs")
         .bridge_source("src/ops.cc")
         .op_source("src/torch_ops.cc")
         .cuda_source("src/cuda/kernels.cu")
-        .cuda_source("src/cuda_ops.cc");
-    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        // CUDA graphs (src/graph/): a second bridge, whose C++ needs the CUDA headers.
-        ops = ops
-            .bridge("src/graph/bridge.rs")
-            .cuda_source("src/graph/cuda_graph.cc");
-    }
-    let ops = ops.compile().unwrap_or_else(|e| {
-        println!("cargo:warning=kiln-ops: {e}");
-        std::process::exit(1);
-    });
+        .cuda_source("src/cuda_ops.cc")
+        .compile()
+        .unwrap_or_else(|e| {
+            println!("cargo:warning=kiln-ops: {e}");
+            std::process::exit(1);
+        });
     // Some: there are op sources to link for Python.
     if let Some(library) = &ops.shared_library {
         println!(
@@ -30,7 +25,7 @@ fn main() {
             library.display()
         );
     }
-    for path in ["include/ops.h", "include/kernels.h", "include/cuda_graph.h"] {
+    for path in ["include/ops.h", "include/kernels.h"] {
         println!("cargo:rerun-if-changed={path}");
     }
     // The same kernels as TensorFlow ops with gradients (src/tf.rs), against the

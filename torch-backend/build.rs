@@ -1,23 +1,33 @@
 //! Puts the native libraries on the rpath of this package's binaries, tests and
 //! examples (see kiln-build), and compiles the C++ bridges to what tch does not
-//! expose: libtorch's autocast (src/autocast.rs, src/autocast.cc) and its fused Adam
-//! kernels (src/optim/fused.rs, src/optim/fused.cc).
+//! expose: the `at::Tensor` glue every crate's bridges share (src/cxx_tensor.rs),
+//! libtorch's autocast (src/autocast.rs, src/autocast.cc), its fused Adam kernels
+//! (src/optim/fused.rs, src/optim/fused.cc) and, with the `cuda` feature, CUDA
+//! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers).
 
 fn main() {
     kiln_build::build_script(kiln_build::Native {
         torch: true,
         tensorflow: false,
     });
-    kiln_build::TorchOps::new("kiln_torch_bridge")
+    let mut bridges = kiln_build::TorchOps::new("kiln_torch_bridge")
+        .bridge("src/cxx_tensor.rs")
         .bridge("src/autocast.rs")
         .bridge_source("src/autocast.cc")
         .bridge("src/optim/fused.rs")
-        .bridge_source("src/optim/fused.cc")
-        .compile()
-        .unwrap_or_else(|e| {
-            println!("cargo:warning=kiln-torch: {e}");
-            std::process::exit(1);
-        });
-    println!("cargo:rerun-if-changed=include/autocast.h");
-    println!("cargo:rerun-if-changed=include/fused_adam.h");
+        .bridge_source("src/optim/fused.cc");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        // The graph's C++ needs the CUDA headers: a CUDA source (compiled only with
+        // the feature, which also links torch_cuda, c10_cuda and the CUDA runtime).
+        bridges = bridges
+            .bridge("src/graph/bridge.rs")
+            .cuda_source("src/graph/cuda_graph.cc");
+    }
+    bridges.compile().unwrap_or_else(|e| {
+        println!("cargo:warning=kiln-torch: {e}");
+        std::process::exit(1);
+    });
+    for header in ["cxx_tensor.h", "autocast.h", "fused_adam.h", "cuda_graph.h"] {
+        println!("cargo:rerun-if-changed=include/{header}");
+    }
 }

@@ -267,7 +267,7 @@ pub(crate) fn kiln_step<B: TrainBackend>(
     })
 }
 
-/// Kiln's training step captured in a CUDA graph (`kiln::ops::graph::GraphedTrainStep`),
+/// Kiln's training step captured in a CUDA graph (`kiln::torch::graph::GraphedTrainStep`),
 /// replayed on each batch; the loss is read (a synchronisation) only for the last step.
 #[cfg(feature = "cuda")]
 pub(crate) fn graphed_step(
@@ -275,7 +275,7 @@ pub(crate) fn graphed_step(
     host: &[(HostTensor, HostTensor)],
 ) -> Result<(Vec<f64>, f64)> {
     use kiln::core::backend::EagerBackend;
-    use kiln::ops::graph::GraphedTrainStep;
+    use kiln::torch::graph::GraphedTrainStep;
     use kiln::torch::{TorchModel, TorchOptimizer};
 
     TorchBackend::manual_seed(0);
@@ -283,7 +283,7 @@ pub(crate) fn graphed_step(
     model.to_dtype(a.workload.dtype())?;
     let optimizer = TorchOptimizer::new(
         OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-        model.named_parameters()?,
+        model.named_parameters(),
         &[],
     )?;
     let batches = to_device::<TorchBackend>(host, a.device)?;

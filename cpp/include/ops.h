@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
 
@@ -22,11 +23,12 @@ std::int64_t checked_numel(rust::Slice<const std::int64_t> dims);
 int torch_ops_registered();
 
 // The `kiln::` ops through libtorch's dispatcher (CPU or CUDA kernel, autograd).
-// They return a new tensor the caller owns; a c10::Error becomes a
+// They return a new tensor the caller owns (Rust's UniquePtr<Tensor>, which
+// kiln_torch::cxx_tensor::from_at makes a tch::Tensor); a c10::Error becomes a
 // std::runtime_error with the message (without libtorch's backtrace).
-at::Tensor* bias_gelu(const at::Tensor* x, const at::Tensor* bias);
-at::Tensor* softmax_xent(const at::Tensor* logits, const at::Tensor* target,
-                         double label_smoothing);
-at::Tensor* swish(const at::Tensor* x, const at::Tensor* beta);
+std::unique_ptr<at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias);
+std::unique_ptr<at::Tensor> softmax_xent(const at::Tensor& logits, const at::Tensor& target,
+                                         double label_smoothing);
+std::unique_ptr<at::Tensor> swish(const at::Tensor& x, const at::Tensor& beta);
 
 }  // namespace kiln::ops

@@ -3,26 +3,26 @@
 #[cxx::bridge(namespace = "kiln::ops")]
 pub(crate) mod ffi {
     // SAFETY: the declarations match include/ops.h exactly (cxx checks the
-    // signatures at compile time). The tensor functions take pointers to live
-    // `at::Tensor`s borrowed for the call and return a new heap `at::Tensor`
-    // (`new`) that the caller owns; every function that can throw returns `Result`.
+    // signatures at compile time). The tensor functions take `const at::Tensor&`
+    // and return a new `std::unique_ptr<at::Tensor>` (kiln-torch's `cxx_tensor`
+    // converts both); every function that can throw returns `Result`.
     unsafe extern "C++" {
         include!("kiln-ops/include/ops.h");
 
-        /// libtorch's tensor (tch's `C_tensor` points at one).
+        /// libtorch's tensor, shared by every bridge (`kiln_torch::cxx_tensor`).
         #[namespace = "at"]
-        type Tensor;
+        type Tensor = kiln_torch::cxx_tensor::AtTensor;
 
         fn cxx11_abi() -> i32;
         fn checked_numel(dims: &[i64]) -> Result<i64>;
         fn torch_ops_registered() -> i32;
 
-        unsafe fn bias_gelu(x: *const Tensor, bias: *const Tensor) -> Result<*mut Tensor>;
-        unsafe fn softmax_xent(
-            logits: *const Tensor,
-            target: *const Tensor,
+        fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<UniquePtr<Tensor>>;
+        fn softmax_xent(
+            logits: &Tensor,
+            target: &Tensor,
             label_smoothing: f64,
-        ) -> Result<*mut Tensor>;
-        unsafe fn swish(x: *const Tensor, beta: *const Tensor) -> Result<*mut Tensor>;
+        ) -> Result<UniquePtr<Tensor>>;
+        fn swish(x: &Tensor, beta: &Tensor) -> Result<UniquePtr<Tensor>>;
     }
 }

@@ -5,7 +5,10 @@
 //! with `cxx` in a private module. A C++ exception never crosses into Rust as an
 //! abort: each bridged function that can throw returns `Result`, and the wrappers
 //! here turn the exception into [`kiln_core::Error::Backend`] with the
-//! [`cxx::Exception`] (its message) as the source.
+//! [`cxx::Exception`] (its message) as the source. Tensors cross the bridge as
+//! `&Tensor` and come back as `UniquePtr<Tensor>`, libtorch's `at::Tensor` as
+//! [`kiln_torch::cxx_tensor`] declares and converts it, so the wrappers need no
+//! `unsafe` block.
 //!
 //! ```
 //! assert_eq!(kiln_ops::checked_numel(&[2, 3, 4])?, 24);
@@ -17,8 +20,6 @@
 
 #[allow(unsafe_code)]
 mod bridge;
-#[cfg(feature = "cuda")]
-pub mod graph;
 pub mod layer;
 #[cfg(feature = "tf")]
 pub mod tf;

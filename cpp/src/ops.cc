@@ -3,6 +3,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -35,9 +36,9 @@ c10::OperatorHandle find(const char* name) {
 
 // Runs `f`, returning its tensor on the heap; libtorch's errors lose their backtrace.
 template <typename F>
-at::Tensor* owned(F&& f) {
+std::unique_ptr<at::Tensor> owned(F&& f) {
   try {
-    return new at::Tensor(f());
+    return std::make_unique<at::Tensor>(f());
   } catch (const c10::Error& e) {
     throw std::runtime_error(e.what_without_backtrace());
   }
@@ -45,27 +46,27 @@ at::Tensor* owned(F&& f) {
 
 }  // namespace
 
-at::Tensor* bias_gelu(const at::Tensor* x, const at::Tensor* bias) {
+std::unique_ptr<at::Tensor> bias_gelu(const at::Tensor& x, const at::Tensor& bias) {
   return owned([&] {
     static auto op =
         find("kiln::bias_gelu").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-    return op.call(*x, *bias);
+    return op.call(x, bias);
   });
 }
 
-at::Tensor* softmax_xent(const at::Tensor* logits, const at::Tensor* target,
-                         double label_smoothing) {
+std::unique_ptr<at::Tensor> softmax_xent(const at::Tensor& logits, const at::Tensor& target,
+                                         double label_smoothing) {
   return owned([&] {
     static auto op = find("kiln::softmax_xent")
                          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
-    return op.call(*logits, *target, label_smoothing);
+    return op.call(logits, target, label_smoothing);
   });
 }
 
-at::Tensor* swish(const at::Tensor* x, const at::Tensor* beta) {
+std::unique_ptr<at::Tensor> swish(const at::Tensor& x, const at::Tensor& beta) {
   return owned([&] {
     static auto op = find("kiln::swish").typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
-    return op.call(*x, *beta);
+    return op.call(x, beta);
   });
 }
 

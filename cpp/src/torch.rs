@@ -1,6 +1,7 @@
 //! The fused ops on libtorch tensors, with autograd (`backward()` flows through them).
 
 use kiln_core::Result;
+use kiln_torch::cxx_tensor::{as_at, from_at};
 use tch::Tensor;
 
 use crate::bridge::ffi;
@@ -21,17 +22,9 @@ pub fn register() -> bool {
 /// Wraps a tensor the bridge returned.
 fn adopt(
     op: &str,
-    result: std::result::Result<*mut ffi::Tensor, cxx::Exception>,
+    result: std::result::Result<cxx::UniquePtr<ffi::Tensor>, cxx::Exception>,
 ) -> Result<Tensor> {
-    let ptr = result.map_err(|e| cxx_error(op, e))?;
-    // SAFETY: the C++ side returned `new at::Tensor(...)`, which is what a tch
-    // `C_tensor` pointer is; the new `Tensor` owns it and frees it with `delete`.
-    #[allow(unsafe_code)]
-    Ok(unsafe { Tensor::from_ptr(ptr.cast()) })
-}
-
-fn raw(t: &Tensor) -> *const ffi::Tensor {
-    t.as_ptr().cast()
+    from_at(result.map_err(|e| cxx_error(op, e))?)
 }
 
 /// `gelu(x + bias)` (exact GELU) as one kernel; `bias` has `x`'s last dimension.
@@ -45,10 +38,7 @@ fn raw(t: &Tensor) -> *const ffi::Tensor {
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub fn bias_gelu(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    // SAFETY: both pointers are live `at::Tensor`s borrowed for the call.
-    #[allow(unsafe_code)]
-    let result = unsafe { ffi::bias_gelu(raw(x), raw(bias)) };
-    adopt("bias_gelu", result)
+    adopt("bias_gelu", ffi::bias_gelu(as_at(x), as_at(bias)))
 }
 
 /// Per-row softmax cross-entropy with label smoothing, as one kernel:
@@ -59,17 +49,14 @@ pub fn softmax_cross_entropy(
     target: &Tensor,
     label_smoothing: f64,
 ) -> Result<Tensor> {
-    // SAFETY: both pointers are live `at::Tensor`s borrowed for the call.
-    #[allow(unsafe_code)]
-    let result = unsafe { ffi::softmax_xent(raw(logits), raw(target), label_smoothing) };
-    adopt("softmax_xent", result)
+    adopt(
+        "softmax_xent",
+        ffi::softmax_xent(as_at(logits), as_at(target), label_smoothing),
+    )
 }
 
 /// Swish-β, `x * sigmoid(beta * x)`, with a learned one-element `beta`;
 /// differentiable in `x` and `beta`.
 pub fn swish(x: &Tensor, beta: &Tensor) -> Result<Tensor> {
-    // SAFETY: both pointers are live `at::Tensor`s borrowed for the call.
-    #[allow(unsafe_code)]
-    let result = unsafe { ffi::swish(raw(x), raw(beta)) };
-    adopt("swish", result)
+    adopt("swish", ffi::swish(as_at(x), as_at(beta)))
 }

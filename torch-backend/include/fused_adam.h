@@ -3,11 +3,33 @@
 // capturable mode. tch 0.24 does not expose them.
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
 namespace kiln::torch {
 
 // Defined by the cxx bridge (src/optim/fused.rs).
-struct FusedAdamTensors;
+enum class FusedAdamList : std::uint8_t;
 struct FusedAdamHypers;
+
+// The tensor lists of one fused step. Rust fills them one tensor at a time with
+// `const at::Tensor&` (kiln-torch's cxx_tensor), since cxx passes no list of
+// opaque C++ values; each entry is a copy of the handle (a reference count).
+class FusedAdamTensors {
+ public:
+  void push(FusedAdamList list, const at::Tensor& tensor);
+  // A 0-dim float32 learning rate, read on the device, instead of hypers.lr.
+  void set_lr_tensor(const at::Tensor& lr);
+
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  std::optional<at::Tensor> lr_tensor;
+};
+
+std::unique_ptr<FusedAdamTensors> new_fused_adam_tensors();
 
 // Adds one to every step count, then runs one fused Adam (or AdamW) update over
 // the lists, without gradient recording. On error, the step counts are put back

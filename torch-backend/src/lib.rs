@@ -20,7 +20,14 @@
 //! `unsafe` is denied everywhere but `host_view`, where libtorch reads host memory
 //! in place and checkpoints read libtorch's (raw pointers given to `from_blob` and
 //! taken from `data_ptr`, each use with a `// SAFETY:` note),
-//! and the cxx bridge of [`autocast`] (C++ compiled by the build script).
+//! [`cxx_tensor`], the one conversion between a `tch::Tensor` and the C++
+//! `at::Tensor` that every crate's cxx bridges pass (`&Tensor` in,
+//! `UniquePtr<Tensor>` out), and the cxx bridges themselves (of [`autocast`], the
+//! fused Adam kernels and, with the `cuda` feature, `graph`; C++ compiled by the
+//! build script).
+//!
+//! With the `cuda` feature, `kiln_torch::graph` captures a whole training step in a
+//! CUDA graph (`GraphedTrainStep`) and replays it with one launch.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -29,8 +36,11 @@ mod backend;
 mod convert;
 mod custom;
 mod custom_layer;
+pub mod cxx_tensor;
 mod device;
 mod error;
+#[cfg(feature = "cuda")]
+pub mod graph;
 mod host_view;
 mod layers;
 mod loss;

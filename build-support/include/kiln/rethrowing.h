@@ -1,5 +1,5 @@
-// Shared by Kiln's C++ bridges to libtorch (kiln-torch's autocast, kiln-ops' CUDA
-// graphs): every build through kiln_build::TorchOps has this directory on its
+// Shared by Kiln's C++ bridges to libtorch (kiln-torch's autocast, fused Adam and
+// CUDA graphs): every build through kiln_build::TorchOps has this directory on its
 // include path.
 #pragma once
 

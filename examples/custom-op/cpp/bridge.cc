@@ -6,12 +6,12 @@
 
 namespace example {
 
-at::Tensor* squared_relu(const at::Tensor* x) {
+std::unique_ptr<at::Tensor> squared_relu(const at::Tensor& x) {
   try {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("example::squared_relu", "")
                          .typed<at::Tensor(const at::Tensor&)>();
-    return new at::Tensor(op.call(*x));
+    return std::make_unique<at::Tensor>(op.call(x));
   } catch (const c10::Error& e) {
     // cxx turns std::exception into Err on the Rust side; drop libtorch's backtrace.
     throw std::runtime_error(e.what_without_backtrace());

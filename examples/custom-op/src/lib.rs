@@ -64,14 +64,11 @@ pub const LIBRARY: &str = env!("SQUARED_RELU_LIBRARY");
 
 /// Step 4: the safe API. `max(x, 0)^2` for float32 or float64 `x`, differentiable.
 pub fn squared_relu(x: &Tensor) -> Result<Tensor> {
-    // SAFETY: `x` is a live tensor borrowed for the call; tch's `C_tensor` is an `at::Tensor`.
-    #[allow(unsafe_code)]
-    let result = unsafe { ffi::bridge::squared_relu(x.as_ptr().cast()) };
+    use kiln_torch::cxx_tensor::{as_at, from_at};
     // The C++ exception (its message) is the Kiln error's source.
-    let ptr = result.map_err(|e| Error::backend_with_source("example", "squared_relu", e))?;
-    // SAFETY: the C++ side returned `new at::Tensor(...)`; the new `Tensor` owns it.
-    #[allow(unsafe_code)]
-    Ok(unsafe { Tensor::from_ptr(ptr.cast()) })
+    let result = ffi::bridge::squared_relu(as_at(x))
+        .map_err(|e| Error::backend_with_source("example", "squared_relu", e))?;
+    from_at(result)
 }
 
 /// Step 5: the op in TensorFlow graphs, with its gradient, so

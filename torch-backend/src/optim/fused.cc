@@ -2,9 +2,6 @@
 
 #include "kiln-torch/include/fused_adam.h"
 
-#include <cstddef>
-#include <vector>
-
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_sub.h>
@@ -16,30 +13,33 @@
 #include "kiln-torch/src/optim/fused.rs.h"
 
 namespace kiln::torch {
-namespace {
 
-const at::Tensor& tensor_at(std::size_t address) {
-  return *reinterpret_cast<const at::Tensor*>(address);
+void FusedAdamTensors::push(FusedAdamList list, const at::Tensor& tensor) {
+  switch (list) {
+    case FusedAdamList::Params: params.push_back(tensor); break;
+    case FusedAdamList::Grads: grads.push_back(tensor); break;
+    case FusedAdamList::ExpAvgs: exp_avgs.push_back(tensor); break;
+    case FusedAdamList::ExpAvgSqs: exp_avg_sqs.push_back(tensor); break;
+    case FusedAdamList::MaxExpAvgSqs: max_exp_avg_sqs.push_back(tensor); break;
+    case FusedAdamList::Steps: steps.push_back(tensor); break;
+  }
 }
 
-std::vector<at::Tensor> tensors_at(const rust::Vec<std::size_t>& addresses) {
-  std::vector<at::Tensor> out;
-  out.reserve(addresses.size());
-  for (const auto address : addresses) out.push_back(tensor_at(address));
-  return out;
-}
+void FusedAdamTensors::set_lr_tensor(const at::Tensor& lr) { lr_tensor = lr; }
 
-}  // namespace
+std::unique_ptr<FusedAdamTensors> new_fused_adam_tensors() {
+  return std::make_unique<FusedAdamTensors>();
+}
 
 void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hypers) {
   rethrowing("fused Adam step", [&] {
     const at::NoGradGuard no_grad;
-    const auto params = tensors_at(tensors.params);
-    const auto grads = tensors_at(tensors.grads);
-    const auto exp_avgs = tensors_at(tensors.exp_avgs);
-    const auto exp_avg_sqs = tensors_at(tensors.exp_avg_sqs);
-    const auto max_exp_avg_sqs = tensors_at(tensors.max_exp_avg_sqs);
-    const auto steps = tensors_at(tensors.steps);
+    const auto& params = tensors.params;
+    const auto& grads = tensors.grads;
+    const auto& exp_avgs = tensors.exp_avgs;
+    const auto& exp_avg_sqs = tensors.exp_avg_sqs;
+    const auto& max_exp_avg_sqs = tensors.max_exp_avg_sqs;
+    const auto& steps = tensors.steps;
     // As torch.optim's _fused_adam: count the step on the device, then update.
     at::_foreach_add_(steps, 1);
     try {
@@ -56,8 +56,8 @@ void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hyp
                            hypers.amsgrad, /*maximize=*/false);
         }
       };
-      if (tensors.lr_tensor != 0) {
-        update(tensor_at(tensors.lr_tensor));
+      if (tensors.lr_tensor) {
+        update(*tensors.lr_tensor);
       } else {
         update(hypers.lr);
       }

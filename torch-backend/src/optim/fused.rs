@@ -10,20 +10,17 @@ use tch::Tensor;
 mod bridge {
     #[cxx::bridge(namespace = "kiln::torch")]
     pub(super) mod ffi {
-        /// The tensors of one fused step, as the addresses of live `at::Tensor`s
-        /// (what tch's `Tensor::as_ptr` points at), list by list, in the same order.
-        struct FusedAdamTensors {
-            params: Vec<usize>,
-            grads: Vec<usize>,
-            exp_avgs: Vec<usize>,
-            exp_avg_sqs: Vec<usize>,
+        /// The list of a fused step that a tensor joins.
+        #[repr(u8)]
+        enum FusedAdamList {
+            Params,
+            Grads,
+            ExpAvgs,
+            ExpAvgSqs,
             /// Empty unless AMSGrad.
-            max_exp_avg_sqs: Vec<usize>,
+            MaxExpAvgSqs,
             /// 0-dim float32 step counts, one per parameter; the call adds one.
-            steps: Vec<usize>,
-            /// A 0-dim float32 learning rate on the parameters' device, or 0 for
-            /// `FusedAdamHypers::lr`.
-            lr_tensor: usize,
+            Steps,
         }
 
         /// The scalar hyperparameters of one fused step.
@@ -39,17 +36,28 @@ mod bridge {
             decoupled: bool,
         }
 
-        // SAFETY: the declaration matches include/fused_adam.h exactly (cxx checks
-        // the signature at compile time) and returns `Result`, so a C++ exception
-        // comes back as an error instead of unwinding into Rust. It is `unsafe`
-        // because the addresses must point at live `at::Tensor`s for the call.
+        // SAFETY: the declarations match include/fused_adam.h exactly (cxx checks
+        // the signatures at compile time); the step returns `Result`, so a C++
+        // exception comes back as an error instead of unwinding into Rust. Tensors
+        // cross as `const at::Tensor&` (kiln-torch's `cxx_tensor`), which the
+        // C++ side copies (a reference count, not the data) into its lists.
         unsafe extern "C++" {
             include!("kiln-torch/include/fused_adam.h");
 
-            unsafe fn fused_adam_step(
-                tensors: &FusedAdamTensors,
-                hypers: &FusedAdamHypers,
-            ) -> Result<()>;
+            #[namespace = "at"]
+            type Tensor = crate::cxx_tensor::AtTensor;
+
+            /// The tensor lists of one fused step, filled one tensor at a time
+            /// (cxx passes no slice or vector of opaque C++ values from Rust).
+            type FusedAdamTensors;
+
+            fn new_fused_adam_tensors() -> UniquePtr<FusedAdamTensors>;
+            fn push(self: Pin<&mut FusedAdamTensors>, list: FusedAdamList, tensor: &Tensor);
+            /// A 0-dim float32 learning rate, read on the device, instead of
+            /// `FusedAdamHypers::lr`.
+            fn set_lr_tensor(self: Pin<&mut FusedAdamTensors>, lr: &Tensor);
+
+            fn fused_adam_step(tensors: &FusedAdamTensors, hypers: &FusedAdamHypers) -> Result<()>;
         }
     }
 }
@@ -79,21 +87,25 @@ pub(crate) fn fused_adam_step(
     lr_tensor: Option<&Tensor>,
     hypers: &FusedAdamHypers,
 ) -> Result<(), cxx::Exception> {
-    let addresses =
-        |list: &[&Tensor]| -> Vec<usize> { list.iter().map(|t| t.as_ptr() as usize).collect() };
-    let tensors = bridge::ffi::FusedAdamTensors {
-        params: addresses(&batch.params),
-        grads: addresses(&batch.grads),
-        exp_avgs: addresses(&batch.exp_avgs),
-        exp_avg_sqs: addresses(&batch.exp_avg_sqs),
-        max_exp_avg_sqs: addresses(&batch.max_exp_avg_sqs),
-        steps: addresses(&batch.steps),
-        lr_tensor: lr_tensor.map_or(0, |t| t.as_ptr() as usize),
-    };
-    // SAFETY: every address is that of a tensor borrowed by `batch` or `lr_tensor`,
-    // alive for the whole call; the C++ side only reads them as `const at::Tensor&`
-    // and copies the handles it keeps.
-    #[allow(unsafe_code)]
-    let result = unsafe { bridge::ffi::fused_adam_step(&tensors, hypers) };
-    result
+    use crate::cxx_tensor::as_at;
+    use bridge::ffi::FusedAdamList;
+
+    let mut tensors = bridge::ffi::new_fused_adam_tensors();
+    let lists = [
+        (FusedAdamList::Params, &batch.params),
+        (FusedAdamList::Grads, &batch.grads),
+        (FusedAdamList::ExpAvgs, &batch.exp_avgs),
+        (FusedAdamList::ExpAvgSqs, &batch.exp_avg_sqs),
+        (FusedAdamList::MaxExpAvgSqs, &batch.max_exp_avg_sqs),
+        (FusedAdamList::Steps, &batch.steps),
+    ];
+    for (list, members) in lists {
+        for tensor in members {
+            tensors.pin_mut().push(list, as_at(tensor));
+        }
+    }
+    if let Some(lr) = lr_tensor {
+        tensors.pin_mut().set_lr_tensor(as_at(lr));
+    }
+    bridge::ffi::fused_adam_step(&tensors, hypers)
 }

@@ -1,6 +1,6 @@
 // CudaGraph (include/cuda_graph.h): at::cuda::CUDAGraph with the stream handling
 // that PyTorch's `torch.cuda.graph` context manager does in Python. Compiled only
-// with kiln-ops' `cuda` feature, by the host compiler with the CUDA headers.
+// with kiln-torch's `cuda` feature, by the host compiler with the CUDA headers.
 
 #include "../../include/cuda_graph.h"
 
@@ -18,7 +18,7 @@
 
 #include "kiln/rethrowing.h"
 
-namespace kiln::ops {
+namespace kiln::torch {
 namespace {
 
 // Makes `waiting` wait for the work queued so far on `done` (as torch's
@@ -151,4 +151,4 @@ std::unique_ptr<CudaGraph> new_cuda_graph(std::int8_t device) {
   return std::make_unique<CudaGraph>(device);
 }
 
-}  // namespace kiln::ops
+}  // namespace kiln::torch

@@ -1,12 +1,12 @@
 //! The cxx bridge of [`CudaGraph`](super::CudaGraph): private, wrapped safely there.
 
-#[cxx::bridge(namespace = "kiln::ops")]
+#[cxx::bridge(namespace = "kiln::torch")]
 pub(crate) mod ffi {
     // SAFETY: the declarations match include/cuda_graph.h exactly (cxx checks the
     // signatures at compile time); every method that can throw returns `Result`,
     // so a C++ exception comes back as an error instead of unwinding into Rust.
     unsafe extern "C++" {
-        include!("kiln-ops/include/cuda_graph.h");
+        include!("kiln-torch/include/cuda_graph.h");
 
         type CudaGraph;
 

@@ -1,5 +1,5 @@
 // A CUDA graph of libtorch work (at::cuda::CUDAGraph), for the `graph` module of
-// kiln-ops (feature `cuda`). Every method can throw and is declared `Result` in the
+// kiln-torch (feature `cuda`). Every method can throw and is declared `Result` in the
 // cxx bridge (src/graph/bridge.rs); c10 errors are rethrown without their backtrace.
 //
 // The class holds no CUDA type in this header, so the bridge's generated code
@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace kiln::ops {
+namespace kiln::torch {
 
 class CudaGraph {
  public:
@@ -41,4 +41,4 @@ class CudaGraph {
 
 std::unique_ptr<CudaGraph> new_cuda_graph(std::int8_t device);
 
-}  // namespace kiln::ops
+}  // namespace kiln::torch

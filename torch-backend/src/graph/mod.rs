@@ -1,4 +1,4 @@
-//! CUDA graphs (feature `cuda`): record libtorch's kernel launches once, replay them
+//! CUDA graphs (kiln-torch's feature `cuda`): record libtorch's kernel launches once, replay them
 //! with one launch. For small models, where launching kernels costs more than
 //! running them, a captured training step ([`GraphedTrainStep`]) removes the host
 //! from the step almost entirely, as PyTorch's `torch.cuda.graph` does.
@@ -9,8 +9,10 @@
 //! is an error that leaves the device usable.
 //!
 //! ```no_run
-//! use kiln_core::{loss::Loss, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device};
-//! use kiln_ops::graph::GraphedTrainStep;
+//! use kiln_core::{
+//!     loss::Loss, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device,
+//! };
+//! use kiln_torch::graph::GraphedTrainStep;
 //! use kiln_torch::{TorchModel, TorchOptimizer};
 //! use kiln_core::module::Module;
 //!
@@ -19,7 +21,7 @@
 //! let model = TorchModel::new(&net, device)?;
 //! let optimizer = TorchOptimizer::new(
 //!     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-//!     model.named_parameters()?,
+//!     model.named_parameters(),
 //!     &[],
 //! )?;
 //! let cuda = (tch::Kind::Float, tch::Device::Cuda(0));
@@ -39,6 +41,7 @@ mod bridge;
 
 use std::pin::Pin;
 
+use crate::{TorchBackend, TorchOptimizer};
 use kiln_core::{
     backend::EagerBackend,
     loss::Loss,
@@ -46,7 +49,6 @@ use kiln_core::{
     optim::{GradClip, Optimizer},
     Device, Error, Result,
 };
-use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 
 /// libtorch's `at::cuda::CUDAGraph` on one device.
@@ -137,7 +139,7 @@ impl CudaGraph {
             (Ok(value), Ok(())) => Ok(value),
             // The work's own error says more than "capture invalidated".
             (Err(e), _) => Err(Error::backend_with_source(
-                "kiln-ops",
+                "torch",
                 "CUDA graph: capturing (nothing in a captured step may synchronise with the host)",
                 e,
             )),
@@ -156,12 +158,12 @@ impl CudaGraph {
     fn pin(&mut self) -> Result<Pin<&mut bridge::ffi::CudaGraph>> {
         self.inner
             .as_mut()
-            .ok_or_else(|| Error::backend("kiln-ops", "CUDA graph", "the graph is gone"))
+            .ok_or_else(|| Error::backend("torch", "CUDA graph", "the graph is gone"))
     }
 }
 
 fn graph_error(what: &str, e: cxx::Exception) -> Error {
-    Error::backend_with_source("kiln-ops", format!("CUDA graph: {what}"), e)
+    Error::backend_with_source("torch", format!("CUDA graph: {what}"), e)
 }
 
 /// A whole training step (forward, loss, backward, gradient clipping, optimizer
@@ -175,7 +177,8 @@ fn graph_error(what: &str, e: cxx::Exception) -> Error {
 /// both back. The optimizer is switched to capturable mode
 /// ([`TorchOptimizer::set_capturable`]).
 ///
-/// Differences from the eager [`TrainBackend::train_step`]: the loss comes back as
+/// Differences from the eager
+/// [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step): the loss comes back as
 /// a tensor on the device (reading it synchronises, so read it only when you log),
 /// and a step with a non-finite loss is applied like any other (the eager step skips
 /// it, which needs the host to look at the loss).
@@ -221,7 +224,7 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
         inputs: &Tensor,
         targets: &Tensor,
     ) -> Result<Self> {
-        let device = kiln_torch::device_from_tch(inputs.device())?;
+        let device = crate::device_from_tch(inputs.device())?;
         if !device.is_cuda() {
             return Err(Error::invalid_argument(
                 "inputs",
@@ -233,10 +236,10 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
         // The capture reads its inputs from these buffers; `step` copies into them.
         let static_inputs = inputs
             .f_detach_copy()
-            .map_err(|e| kiln_torch::torch_error("copying the inputs", e))?;
+            .map_err(|e| crate::torch_error("copying the inputs", e))?;
         let static_targets = targets
             .f_detach_copy()
-            .map_err(|e| kiln_torch::torch_error("copying the targets", e))?;
+            .map_err(|e| crate::torch_error("copying the targets", e))?;
 
         let model_state = model.state_dict()?;
         let optimizer_state = optimizer.state_dict()?;
@@ -251,17 +254,16 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
                     norm_type,
                 }) => {
                     let params = optimizer.parameters();
-                    let _norm =
-                        kiln_torch::clip_grad_norm_on_device(&params, *max_norm, *norm_type)?;
+                    let _norm = crate::clip_grad_norm_on_device(&params, *max_norm, *norm_type)?;
                 }
                 Some(GradClip::Value { clip_value }) => {
-                    kiln_torch::clip_grad_value(&optimizer.parameters(), *clip_value)?;
+                    crate::clip_grad_value(&optimizer.parameters(), *clip_value)?;
                 }
             }
             optimizer.step()?;
             value
                 .f_detach()
-                .map_err(|e| kiln_torch::torch_error("detaching the loss", e))
+                .map_err(|e| crate::torch_error("detaching the loss", e))
         };
         graph.on_capture_stream(|| {
             for _ in 0..Self::WARMUP_STEPS {
@@ -295,10 +297,10 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
         check_like("targets", targets, &self.targets)?;
         self.inputs
             .f_copy_(inputs)
-            .map_err(|e| kiln_torch::torch_error("copying the inputs", e))?;
+            .map_err(|e| crate::torch_error("copying the inputs", e))?;
         self.targets
             .f_copy_(targets)
-            .map_err(|e| kiln_torch::torch_error("copying the targets", e))?;
+            .map_err(|e| crate::torch_error("copying the targets", e))?;
         self.graph.replay()?;
         Ok(&self.loss)
     }
@@ -342,8 +344,8 @@ fn check_like(what: &str, given: &Tensor, captured: &Tensor) -> Result<()> {
     if given.kind() != captured.kind() {
         return Err(Error::DTypeMismatch {
             context: format!("{what} of a captured training step"),
-            expected: kiln_torch::dtype_from_kind(captured.kind())?,
-            actual: kiln_torch::dtype_from_kind(given.kind())?,
+            expected: crate::dtype_from_kind(captured.kind())?,
+            actual: crate::dtype_from_kind(given.kind())?,
         });
     }
     Ok(())

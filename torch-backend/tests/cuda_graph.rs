@@ -1,4 +1,4 @@
-//! CUDA graphs (kiln-ops' `cuda` feature, `kiln_ops::graph`): a captured training
+//! CUDA graphs (kiln-torch's `cuda` feature, `kiln_torch::graph`): a captured training
 //! step against Kiln's eager step on the same model, batches and learning-rate
 //! change (SGD, Adam, AdamW with AMSGrad; clipping by norm), and failures as errors
 //! with the device still usable afterwards.
@@ -12,8 +12,8 @@
 #[test]
 fn cuda_graphs() {
     eprintln!(
-        "SKIPPED CUDA graph tests: kiln-ops was built without its `cuda` feature \
-         (cargo test -p kiln-ops --features cuda)"
+        "SKIPPED CUDA graph tests: kiln-torch was built without its `cuda` feature \
+         (cargo test -p kiln-torch --features cuda --test cuda_graph)"
     );
 }
 
@@ -27,7 +27,7 @@ mod gpu {
         optim::{AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig, SgdConfig},
         Device, Error,
     };
-    use kiln_ops::graph::{CudaGraph, GraphedTrainStep};
+    use kiln_torch::graph::{CudaGraph, GraphedTrainStep};
     use kiln_torch::{TchModule, TorchBackend, TorchModel, TorchOptimizer};
     use tch::{Kind, Tensor};
 
@@ -81,6 +81,21 @@ mod gpu {
         let err = CudaGraph::new(Device::Cpu).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
         assert!(err.to_string().contains("CUDA device"), "{err}");
+    }
+
+    /// Runs the C++ side of the bridge on any machine: without a device, creating a
+    /// graph on `cuda:0` is libtorch's error, not a crash.
+    #[test]
+    fn without_a_gpu_the_cpp_side_refuses_a_cuda_graph() {
+        if tch::Cuda::is_available() {
+            let graph = CudaGraph::new(Device::Cuda(0)).unwrap();
+            assert!(!graph.is_captured());
+            return;
+        }
+        let err = CudaGraph::new(Device::Cuda(0)).unwrap_err();
+        let text = err.display_chain().to_string();
+        assert!(matches!(err, Error::Backend { .. }), "{text}");
+        assert!(text.contains("CUDA device 0 does not exist"), "{text}");
     }
 
     #[test]
