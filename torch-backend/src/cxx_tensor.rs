@@ -5,7 +5,7 @@
 //! as `&Tensor` (C++ `const at::Tensor&`) and returns new ones as
 //! `UniquePtr<Tensor>` (C++ `std::unique_ptr<at::Tensor>`):
 //!
-//! ```ignore
+//! ```text
 //! #[cxx::bridge(namespace = "my_ops")]
 //! mod ffi {
 //!     unsafe extern "C++" {
