@@ -4,8 +4,9 @@
 //! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
 //! datasets, loaders, readers, transforms; [`train`]: the `Trainer`, callbacks,
 //! metrics, sinks and checkpoints), the most used names at the root and in
-//! [`prelude`], and, behind features, the backends: `torch` (`kiln-torch`, libtorch through tch), `tf`
-//! (`kiln-tf`, the TensorFlow C API) and `ops` (`kiln-ops`, custom C++ ops).
+//! [`prelude`], and, behind features, the backends: `torch` (`kiln-torch`,
+//! libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API) and `ops`
+//! (`kiln-ops`, custom C++ ops).
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
 //!
