@@ -5,9 +5,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use kiln_core::{
-    loss::{
-        BceWithLogitsConfig, CrossEntropyConfig, Loss, NllConfig, Reduction, SmoothL1Config,
-    },
+    loss::{BceWithLogitsConfig, CrossEntropyConfig, Loss, NllConfig, Reduction, SmoothL1Config},
     state_dict::StateDict,
     DType, Error,
 };
@@ -270,13 +268,7 @@ fn check_close(what: &str, actual: &[f32], expected: &[f64]) -> f64 {
     worst
 }
 
-fn class_case(
-    name: &str,
-    loss: Loss,
-    dims: &[i64],
-    ignore: &[(usize, i64)],
-    g: &mut Lcg,
-) -> Case {
+fn class_case(name: &str, loss: Loss, dims: &[i64], ignore: &[(usize, i64)], g: &mut Lcg) -> Case {
     let mut target_dims = dims.to_vec();
     target_dims.remove(1);
     let mut target = g.classes(numel(&target_dims), dims[1]);
