@@ -3,7 +3,9 @@
 //! expose: the `at::Tensor` glue every crate's bridges share (src/cxx_tensor.rs),
 //! libtorch's autocast (src/autocast.rs, src/autocast.cc), its fused Adam kernels
 //! (src/optim/fused.rs, src/optim/fused.cc) and, with the `cuda` feature, CUDA
-//! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers).
+//! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers),
+//! and c10d, libtorch's distributed engine (src/distributed/bridge.rs,
+//! src/distributed/c10d.cc; NCCL in src/distributed/nccl.cc with `cuda`).
 
 fn main() {
     kiln_build::build_script(kiln_build::Native {
@@ -15,19 +17,33 @@ fn main() {
         .bridge("src/autocast.rs")
         .bridge_source("src/autocast.cc")
         .bridge("src/optim/fused.rs")
-        .bridge_source("src/optim/fused.cc");
+        .bridge_source("src/optim/fused.cc")
+        // c10d: Gloo's declarations are Kiln's own (include/gloo-api/README.md).
+        .bridge("src/distributed/bridge.rs")
+        .bridge_source("src/distributed/c10d.cc")
+        .include("include/gloo-api");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The graph's C++ needs the CUDA headers: a CUDA source (compiled only with
         // the feature, which also links torch_cuda, c10_cuda and the CUDA runtime).
         bridges = bridges
             .bridge("src/graph/bridge.rs")
-            .cuda_source("src/graph/cuda_graph.cc");
+            .cuda_source("src/graph/cuda_graph.cc")
+            .cuda_source("src/distributed/nccl.cc");
+    } else {
+        bridges = bridges.bridge_source("src/distributed/no_nccl.cc");
     }
     bridges.compile().unwrap_or_else(|e| {
         println!("cargo:warning=kiln-torch: {e}");
         std::process::exit(1);
     });
-    for header in ["cxx_tensor.h", "autocast.h", "fused_adam.h", "cuda_graph.h"] {
+    for header in [
+        "cxx_tensor.h",
+        "autocast.h",
+        "fused_adam.h",
+        "cuda_graph.h",
+        "c10d.h",
+        "c10d_nccl.h",
+    ] {
         println!("cargo:rerun-if-changed=include/{header}");
     }
 }

@@ -198,6 +198,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// A data-parallel job cannot go on: the rendezvous environment is
+    /// incomplete, a rank did not arrive or died, or the ranks disagree.
+    #[error("distributed training, {context}: {reason}")]
+    Distributed {
+        /// What was being done (`rendezvous`, `all_reduce at step 12`, ...).
+        context: String,
+        /// What went wrong, naming the rank or the variable where known.
+        reason: String,
+    },
+
     /// Training produced a NaN or infinite loss; training stopped there.
     #[error(
         "the loss at step {step} is {value}: training stopped (lower the learning rate, clip \
@@ -387,6 +397,14 @@ impl Error {
     /// An unsupported operation.
     pub fn unsupported(what: impl Into<String>) -> Self {
         Error::Unsupported { what: what.into() }
+    }
+
+    /// A data-parallel job that cannot go on (see [`Error::Distributed`]).
+    pub fn distributed(context: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::Distributed {
+            context: context.into(),
+            reason: reason.into(),
+        }
     }
 
     /// An invalid argument `name`, with the reason it was rejected.

@@ -19,6 +19,8 @@
 //!   checkpoints (safetensors files), and the backend's own tensors that
 //!   checkpoints are written from without a host copy;
 //! * [`rng`]: the one seeded generator Kiln shuffles and draws with;
+//! * [`distributed`]: data-parallel jobs, backend-neutral: where the ranks meet
+//!   (from torchrun's, srun's or `kiln launch`'s variables) and the collectives;
 //! * [`error`]: the [`Error`] and [`Result`] shared by all Kiln crates.
 //!
 //! The most used names are re-exported at the root and in [`prelude`]:
@@ -37,6 +39,7 @@
 
 pub mod backend;
 pub mod device;
+pub mod distributed;
 pub mod dtype;
 pub mod error;
 pub mod host_memory;

@@ -38,6 +38,7 @@ mod custom;
 mod custom_layer;
 pub mod cxx_tensor;
 mod device;
+pub mod distributed;
 mod error;
 #[cfg(feature = "cuda")]
 pub mod graph;

@@ -1,0 +1,107 @@
+//! The cxx bridge to libtorch's c10d (include/c10d.h, src/distributed/c10d.cc).
+
+#[allow(unsafe_code)]
+#[cxx::bridge(namespace = "kiln::torch")]
+pub(crate) mod ffi {
+    /// Where the ranks meet.
+    #[repr(u8)]
+    enum StoreKind {
+        /// A `c10d::TCPStore` at `host:port`.
+        Tcp,
+        /// A `c10d::FileStore` at `file_path` (a shared file system).
+        File,
+    }
+
+    /// What `new_dist_group` builds.
+    struct GroupConfig {
+        store: StoreKind,
+        host: String,
+        port: u16,
+        /// This rank hosts the TCP store (rank 0 unless an agent hosts it).
+        is_server: bool,
+        file_path: String,
+        /// Prepended to every store key (the restart count, so that a restarted
+        /// attempt never reads the addresses of a dead one).
+        prefix: String,
+        rank: i32,
+        world_size: i32,
+        /// For the rendezvous, the store, and every collective.
+        timeout_ms: i64,
+        /// Gloo's network interfaces (`GLOO_SOCKET_IFNAME`); empty: the address
+        /// this machine's hostname resolves to.
+        gloo_interfaces: Vec<String>,
+        /// Also an NCCL backend for CUDA tensors.
+        nccl: bool,
+        cuda_device: i32,
+    }
+
+    /// A reduction of collectives (mean is a sum divided on the Rust side:
+    /// Gloo has no average).
+    #[repr(u8)]
+    enum ReduceKind {
+        Sum,
+        Max,
+        Min,
+        Product,
+    }
+
+    /// DDP's reducer settings (`DistributedDataParallel`'s arguments).
+    struct ReducerConfig {
+        bucket_cap_bytes: i64,
+        first_bucket_bytes: i64,
+        find_unused_parameters: bool,
+        /// The parameters' names, in order, for the reducer's error messages.
+        param_names: Vec<String>,
+    }
+
+    // SAFETY: the declarations match include/c10d.h exactly (cxx checks the
+    // signatures at compile time); every function that can throw returns
+    // `Result`, so a C++ exception comes back as an error instead of unwinding
+    // into Rust, and the destructors catch what c10d's may throw. Tensors cross
+    // as `const at::Tensor&` (kiln-torch's `cxx_tensor`), which C++ copies as
+    // handles (a reference count); host memory crosses as a `&mut [f32]` that
+    // C++ uses only for the duration of the call.
+    unsafe extern "C++" {
+        include!("kiln-torch/include/c10d.h");
+
+        #[namespace = "at"]
+        type Tensor = crate::cxx_tensor::AtTensor;
+
+        type TensorList;
+        fn new_tensor_list() -> UniquePtr<TensorList>;
+        fn push(self: Pin<&mut TensorList>, tensor: &Tensor);
+        fn len(self: &TensorList) -> usize;
+
+        type DistGroup;
+        fn new_dist_group(config: &GroupConfig) -> Result<UniquePtr<DistGroup>>;
+        fn rank(self: &DistGroup) -> i32;
+        fn size(self: &DistGroup) -> i32;
+        fn all_reduce(self: &DistGroup, tensor: &Tensor, op: ReduceKind) -> Result<()>;
+        fn broadcast(self: &DistGroup, tensor: &Tensor, root: i32) -> Result<()>;
+        fn all_gather(self: &DistGroup, tensor: &Tensor) -> Result<UniquePtr<Tensor>>;
+        fn barrier(self: &DistGroup) -> Result<()>;
+        fn all_reduce_host_f32(self: &DistGroup, data: &mut [f32], op: ReduceKind) -> Result<()>;
+        fn broadcast_coalesced(
+            self: &DistGroup,
+            tensors: &TensorList,
+            buffer_bytes: usize,
+            root: i32,
+        ) -> Result<()>;
+        fn verify_same_tensors(self: &DistGroup, tensors: &TensorList) -> Result<()>;
+        fn store_set(self: &DistGroup, key: &str, value: &[u8]) -> Result<()>;
+        fn store_get(self: &DistGroup, key: &str) -> Result<Vec<u8>>;
+        fn store_check(self: &DistGroup, key: &str) -> Result<bool>;
+        fn store_add(self: &DistGroup, key: &str, delta: i64) -> Result<i64>;
+
+        type DdpReducer;
+        fn new_ddp_reducer(
+            group: &DistGroup,
+            params: &TensorList,
+            config: &ReducerConfig,
+        ) -> Result<UniquePtr<DdpReducer>>;
+        fn prepare_for_forward(self: &DdpReducer) -> Result<()>;
+        fn prepare_for_backward(self: &DdpReducer, outputs: &TensorList) -> Result<()>;
+
+        fn nccl_compiled() -> bool;
+    }
+}

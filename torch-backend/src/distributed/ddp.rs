@@ -1,0 +1,3 @@
+//! placeholder
+/// DDP.
+pub struct DistributedDataParallel;

@@ -1,0 +1,368 @@
+//! Data-parallel training on libtorch's own c10d: the engine PyTorch's
+//! `torch.distributed` and `DistributedDataParallel` run on, reached through a cxx
+//! bridge (tch has no distributed API).
+//!
+//! - [`ProcessGroup`]: the ranks of a job after their rendezvous (a TCP store
+//!   hosted by rank 0 or torchrun's agent, or a file store), with Gloo for CPU
+//!   tensors and, with the `cuda` feature, NCCL for CUDA tensors; collectives
+//!   on `tch::Tensor`s, on [`HostTensor`]s and on host `f32` memory in place.
+//! - [`DistributedDataParallel`]: DDP's semantics on `c10d::Reducer`: parameters
+//!   and buffers broadcast from rank 0, gradients averaged in buckets while the
+//!   backward pass runs, buffers broadcast before each training forward pass,
+//!   and no synchronisation on the micro-batches gradient accumulation does not
+//!   apply.
+//!
+//! ```no_run
+//! use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
+//! use kiln_torch::distributed::ProcessGroup;
+//!
+//! // Started by `torchrun --nproc-per-node=2 --no-python ...` or `kiln launch`.
+//! let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
+//! let group = ProcessGroup::join(&rendezvous, &DistributedOptions::default())?;
+//! let x = tch::Tensor::from_slice(&[group.rank() as f32 + 1.0]);
+//! group.all_reduce(&x, ReduceOp::Sum)?; // 3.0 on both ranks
+//! # Ok::<(), kiln_core::Error>(())
+//! ```
+
+mod bridge;
+mod ddp;
+
+use std::sync::Mutex;
+
+use cxx::UniquePtr;
+use kiln_core::distributed::{
+    Collectives, CommBackend, DistributedOptions, ReduceOp, Rendezvous, StoreAddress,
+};
+use kiln_core::{DType, Device, Error, HostTensor, Result};
+use tch::Tensor;
+
+use crate::convert::{from_tch, to_tch};
+use crate::cxx_tensor::{as_at, from_at};
+use bridge::ffi;
+
+pub use ddp::DistributedDataParallel;
+
+/// The backend name of errors from c10d.
+const C10D: &str = "c10d";
+
+fn c10d_error(context: impl Into<String>, e: cxx::Exception) -> Error {
+    Error::backend_with_source(C10D, context, e)
+}
+
+/// The ranks of a data-parallel job, joined (see the [module docs](self)).
+///
+/// Every rank must make the same collective calls in the same order. A rank
+/// that dies makes the others' next collective fail at once (its connection
+/// closes) or, if it hangs, after the group's timeout; both are errors.
+pub struct ProcessGroup {
+    inner: UniquePtr<ffi::DistGroup>,
+    rank: usize,
+    world_size: usize,
+    nccl: bool,
+    /// Serialises calls: c10d matches collectives across ranks by order.
+    order: Mutex<()>,
+}
+
+// SAFETY: c10d's ProcessGroup and its Gloo/NCCL backends are built to be used
+// from any thread (PyTorch calls them from autograd's threads); the C++ object is
+// owned by this value alone, and `order` serialises the calls made through it.
+#[allow(unsafe_code)]
+unsafe impl Send for ProcessGroup {}
+// SAFETY: as for `Send`: every method takes `&self` and locks `order`.
+#[allow(unsafe_code)]
+unsafe impl Sync for ProcessGroup {}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("nccl", &self.nccl)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    /// Joins the job `rendezvous` describes: connects to (or hosts) its store,
+    /// waits for every rank up to `options.timeout`, and connects Gloo (and
+    /// NCCL when `options.backend` asks for it) to every other rank. Gloo binds
+    /// the interfaces in `GLOO_SOCKET_IFNAME` (comma-separated) when set, else
+    /// the address this machine's host name resolves to, as PyTorch does.
+    ///
+    /// A rank that does not arrive in time gives [`Error::Distributed`] saying
+    /// how many did.
+    pub fn join(rendezvous: &Rendezvous, options: &DistributedOptions) -> Result<Self> {
+        let nccl = match options.backend {
+            CommBackend::Nccl => {
+                if !ffi::nccl_compiled() {
+                    return Err(Error::unsupported(
+                        "the NCCL backend: kiln-torch was built without its `cuda` feature",
+                    ));
+                }
+                true
+            }
+            CommBackend::Gloo | CommBackend::Auto => false,
+        };
+        let timeout_ms = i64::try_from(options.timeout.as_millis()).unwrap_or(i64::MAX);
+        let (store, host, port, is_server, file_path) = match &rendezvous.store {
+            StoreAddress::Tcp {
+                host,
+                port,
+                hosted_here,
+            } => (
+                ffi::StoreKind::Tcp,
+                host.clone(),
+                *port,
+                *hosted_here,
+                String::new(),
+            ),
+            StoreAddress::File(path) => (
+                ffi::StoreKind::File,
+                String::new(),
+                0,
+                false,
+                path.to_string_lossy().into_owned(),
+            ),
+        };
+        let gloo_interfaces = std::env::var("GLOO_SOCKET_IFNAME")
+            .map(|v| {
+                v.split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let config = ffi::GroupConfig {
+            store,
+            host,
+            port,
+            is_server,
+            file_path,
+            prefix: rendezvous.store_prefix(),
+            rank: rank_i32(rendezvous.rank)?,
+            world_size: rank_i32(rendezvous.world_size)?,
+            timeout_ms,
+            gloo_interfaces,
+            nccl,
+            cuda_device: rank_i32(rendezvous.local_rank)?,
+        };
+        log::info!(
+            "joining a job of {} ranks as rank {} ({}, store {:?}, timeout {:?})",
+            rendezvous.world_size,
+            rendezvous.rank,
+            rendezvous.launcher,
+            rendezvous.store,
+            options.timeout
+        );
+        let inner = ffi::new_dist_group(&config).map_err(|e| {
+            let message = e.what().to_owned();
+            if message.starts_with("rendezvous") {
+                Error::distributed(
+                    format!("rank {} of {}", rendezvous.rank, rendezvous.world_size),
+                    message,
+                )
+            } else {
+                c10d_error("creating the process group", e)
+            }
+        })?;
+        Ok(ProcessGroup {
+            inner,
+            rank: rendezvous.rank,
+            world_size: rendezvous.world_size,
+            nccl,
+            order: Mutex::new(()),
+        })
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Whether CUDA tensors go through NCCL.
+    pub fn has_nccl(&self) -> bool {
+        self.nccl
+    }
+
+    /// Runs `f` on the C++ group, one call at a time.
+    fn with<T>(&self, f: impl FnOnce(&ffi::DistGroup) -> T) -> T {
+        let _order = self
+            .order
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        f(&self.inner)
+    }
+
+    pub(crate) fn bridge(&self) -> &ffi::DistGroup {
+        &self.inner
+    }
+
+    /// Reduces `tensor` in place over every rank. CPU tensors go through
+    /// Gloo, CUDA tensors through NCCL (the `cuda` feature and
+    /// `backend = "nccl"`). [`ReduceOp::Mean`] divides the sum by the world
+    /// size, so it needs a floating-point tensor.
+    pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
+        self.check_device(tensor, "all_reduce")?;
+        self.with(|g| g.all_reduce(as_at(tensor), reduce_kind(op)))
+            .map_err(|e| c10d_error("all_reduce", e))?;
+        if op == ReduceOp::Mean {
+            let _ = tensor
+                .shallow_clone()
+                .f_div_scalar_(self.world_size as f64)
+                .map_err(|e| crate::torch_error("all_reduce (mean)", e))?;
+        }
+        Ok(())
+    }
+
+    /// Replaces `tensor` on every rank with rank `root`'s, in place.
+    pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
+        self.check_device(tensor, "broadcast")?;
+        let root = self.check_root(root)?;
+        self.with(|g| g.broadcast(as_at(tensor), root))
+            .map_err(|e| c10d_error("broadcast", e))
+    }
+
+    /// Every rank's `tensor`, stacked along a new leading axis of length
+    /// `world_size` (every rank must pass the same shape and dtype).
+    pub fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        self.check_device(tensor, "all_gather")?;
+        let out = self
+            .with(|g| g.all_gather(as_at(tensor)))
+            .map_err(|e| c10d_error("all_gather", e))?;
+        from_at(out)
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&self) -> Result<()> {
+        self.with(|g| g.barrier())
+            .map_err(|e| c10d_error("barrier", e))
+    }
+
+    /// Reduces host `f32` memory in place over every rank, without copying it
+    /// (libtorch wraps the memory; the Gloo engine reads and writes it there).
+    pub fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<()> {
+        let kind = reduce_kind(op);
+        self.with(|g| g.all_reduce_host_f32(data, kind))
+            .map_err(|e| c10d_error("all_reduce", e))?;
+        if op == ReduceOp::Mean {
+            let n = self.world_size as f32;
+            data.iter_mut().for_each(|x| *x /= n);
+        }
+        Ok(())
+    }
+
+    /// Reduces a [`HostTensor`] in place over every rank (any numeric dtype;
+    /// [`ReduceOp::Mean`] needs a floating-point one).
+    pub fn all_reduce_host(&self, tensor: &mut HostTensor, op: ReduceOp) -> Result<()> {
+        if tensor.dtype() == DType::F32 {
+            return self.all_reduce_f32(tensor.as_mut_slice::<f32>()?, op);
+        }
+        let native = to_tch(tensor, Device::Cpu)?;
+        self.all_reduce(&native, op)?;
+        *tensor = from_tch(&native)?;
+        Ok(())
+    }
+
+    /// Every tensor broadcast from `root`, packed into buffers of up to
+    /// `buffer_bytes` (how DDP syncs a model: few large messages).
+    pub fn broadcast_coalesced(
+        &self,
+        tensors: &[&Tensor],
+        buffer_bytes: usize,
+        root: usize,
+    ) -> Result<()> {
+        let root = self.check_root(root)?;
+        let list = tensor_list(tensors);
+        self.with(|g| g.broadcast_coalesced(&list, buffer_bytes, root))
+            .map_err(|e| c10d_error("broadcast_coalesced", e))
+    }
+
+    /// The store's key-value interface, shared by every rank of this attempt.
+    pub fn store_set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.with(|g| g.store_set(key, value))
+            .map_err(|e| c10d_error(format!("store set {key:?}"), e))
+    }
+
+    /// The value of `key`, waiting up to the timeout for some rank to set it.
+    pub fn store_get(&self, key: &str) -> Result<Vec<u8>> {
+        self.with(|g| g.store_get(key))
+            .map_err(|e| c10d_error(format!("store get {key:?}"), e))
+    }
+
+    fn check_root(&self, root: usize) -> Result<i32> {
+        if root >= self.world_size {
+            return Err(Error::invalid_argument(
+                "root",
+                format!(
+                    "rank {root} is not below the world size {}",
+                    self.world_size
+                ),
+            ));
+        }
+        rank_i32(root)
+    }
+
+    fn check_device(&self, tensor: &Tensor, what: &str) -> Result<()> {
+        if tensor.device().is_cuda() && !self.nccl {
+            return Err(Error::unsupported(format!(
+                "{what} of a CUDA tensor on a Gloo group: join with backend = \"nccl\" \
+                 (kiln's `cuda` feature)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Collectives for ProcessGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<()> {
+        ProcessGroup::all_reduce_f32(self, data, op)
+    }
+
+    fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()> {
+        let tensor = Tensor::f_from_slice(data).map_err(|e| crate::torch_error("broadcast", e))?;
+        self.broadcast(&tensor, root)?;
+        tensor
+            .f_copy_data(data, data.len())
+            .map_err(|e| crate::torch_error("broadcast", e))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        ProcessGroup::barrier(self)
+    }
+}
+
+fn reduce_kind(op: ReduceOp) -> ffi::ReduceKind {
+    match op {
+        ReduceOp::Sum | ReduceOp::Mean => ffi::ReduceKind::Sum,
+        ReduceOp::Max => ffi::ReduceKind::Max,
+        ReduceOp::Min => ffi::ReduceKind::Min,
+        ReduceOp::Product => ffi::ReduceKind::Product,
+    }
+}
+
+fn rank_i32(n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| Error::invalid_argument("rank", format!("{n} is too large")))
+}
+
+fn tensor_list(tensors: &[&Tensor]) -> UniquePtr<ffi::TensorList> {
+    let mut list = ffi::new_tensor_list();
+    for t in tensors {
+        if let Some(list) = list.as_mut() {
+            list.push(as_at(t));
+        }
+    }
+    list
+}

@@ -1,0 +1,252 @@
+//! c10d through Kiln's bridge, in real separate processes on localhost: each
+//! test re-runs this test binary as its ranks (with `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR`, ... set as a launcher sets them) and checks what they report.
+//! This is the guard that Kiln's Gloo declarations (include/gloo-api) and the
+//! torch wheel agree.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
+use kiln_core::{HostTensor, Result};
+use kiln_torch::distributed::ProcessGroup;
+use tch::Tensor;
+
+/// The variable that makes this binary a rank instead of a test driver.
+const ROLE: &str = "KILN_DIST_TEST_ROLE";
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free local port")
+}
+
+/// Starts `world` ranks of test `test` (ranks listed in `ranks`), with `extra`
+/// variables, and returns them.
+fn spawn_ranks(test: &str, world: usize, ranks: &[usize], extra: &[(&str, String)]) -> Vec<Child> {
+    let exe = std::env::current_exe().expect("the test binary");
+    let port = free_port().to_string();
+    ranks
+        .iter()
+        .map(|&rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, "rank")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("KILN_LAUNCH", "1")
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().expect("spawning a rank")
+        })
+        .collect()
+}
+
+/// Waits for every rank (at most `limit`), returning (exit code, output) each.
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
+    let start = Instant::now();
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    let mut done: Vec<Option<(Option<i32>, String)>> = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (i, slot) in children.iter_mut().enumerate() {
+            let finished = match slot {
+                Some(child) => matches!(child.try_wait(), Ok(Some(_))),
+                None => false,
+            };
+            if finished || (start.elapsed() > limit && slot.is_some()) {
+                if let Some(mut child) = slot.take() {
+                    let _ = child.kill();
+                    let out = child.wait_with_output().expect("a rank's output");
+                    let text = format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    done[i] = Some((out.status.code(), text));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.into_iter().flatten().collect()
+}
+
+fn assert_all_passed(results: &[(Option<i32>, String)]) {
+    for (rank, (code, out)) in results.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank} failed:\n{out}");
+        assert!(out.contains("1 passed"), "rank {rank} ran no test:\n{out}");
+    }
+}
+
+fn is_rank() -> bool {
+    std::env::var_os(ROLE).is_some()
+}
+
+fn join(timeout: Duration) -> Result<ProcessGroup> {
+    let rendezvous = Rendezvous::from_env()?.expect("a rank's environment");
+    let options = DistributedOptions {
+        timeout,
+        ..DistributedOptions::default()
+    };
+    ProcessGroup::join(&rendezvous, &options)
+}
+
+fn values(t: &Tensor) -> Vec<f64> {
+    Vec::<f64>::try_from(t.to_kind(tch::Kind::Double).flatten(0, -1)).expect("values")
+}
+
+#[test]
+fn collectives_over_two_ranks() -> Result<()> {
+    if !is_rank() {
+        let results = wait_all(
+            spawn_ranks("collectives_over_two_ranks", 2, &[0, 1], &[]),
+            Duration::from_secs(120),
+        );
+        assert_all_passed(&results);
+        return Ok(());
+    }
+    let group = join(Duration::from_secs(60))?;
+    let r = group.rank() as f64;
+    assert_eq!(group.world_size(), 2);
+
+    // Rank r holds [r+1, 10(r+1)]: sum [3, 30], mean [1.5, 15], max [2, 20].
+    let make = || Tensor::from_slice(&[(r + 1.0) as f32, (10.0 * (r + 1.0)) as f32]);
+    for (op, expected) in [
+        (ReduceOp::Sum, [3.0, 30.0]),
+        (ReduceOp::Mean, [1.5, 15.0]),
+        (ReduceOp::Max, [2.0, 20.0]),
+        (ReduceOp::Min, [1.0, 10.0]),
+        (ReduceOp::Product, [2.0, 200.0]),
+    ] {
+        let t = make();
+        group.all_reduce(&t, op)?;
+        assert_eq!(values(&t), expected, "{op:?}");
+    }
+
+    // Broadcast from rank 1 of a 2x3 tensor.
+    let t = Tensor::full([2, 3], r + 5.0, (tch::Kind::Float, tch::Device::Cpu));
+    group.broadcast(&t, 1)?;
+    assert_eq!(values(&t), vec![6.0; 6]);
+
+    // All-gather stacks every rank's tensor.
+    let gathered = group.all_gather(&Tensor::from_slice(&[r as i64, 7]))?;
+    assert_eq!(gathered.size(), vec![2, 2]);
+    assert_eq!(values(&gathered), vec![0.0, 7.0, 1.0, 7.0]);
+
+    // Host memory in place (TensorFlow's route) and a HostTensor of int64.
+    let mut host = vec![r as f32 + 0.5; 1000];
+    group.all_reduce_f32(&mut host, ReduceOp::Sum)?;
+    assert!(host.iter().all(|&x| x == 2.0));
+    let mut counts = HostTensor::new(vec![r as i64 + 1, 4], [2])?;
+    group.all_reduce_host(&mut counts, ReduceOp::Sum)?;
+    assert_eq!(counts.as_slice::<i64>()?, &[3, 8]);
+
+    // The store, shared by the ranks of this attempt.
+    if group.rank() == 0 {
+        group.store_set("greeting", b"from rank 0")?;
+    }
+    assert_eq!(group.store_get("greeting")?, b"from rank 0");
+
+    // Bad arguments are errors, not crashes.
+    let err = group.broadcast(&make(), 2).err().map(|e| e.to_string());
+    assert!(err.is_some_and(|m| m.contains("rank 2 is not below the world size 2")));
+
+    // Coalesced broadcast (DDP's model sync) of tensors of several dtypes.
+    let a = Tensor::full([3], r, (tch::Kind::Float, tch::Device::Cpu));
+    let b = Tensor::full([2, 2], r * 2.0, (tch::Kind::Double, tch::Device::Cpu));
+    group.broadcast_coalesced(&[&a, &b], 1 << 20, 0)?;
+    assert_eq!(values(&a), vec![0.0; 3]);
+    assert_eq!(values(&b), vec![0.0; 4]);
+
+    group.barrier()?;
+    Ok(())
+}
+
+#[test]
+fn file_store_rendezvous() -> Result<()> {
+    if !is_rank() {
+        let dir = kiln_testkit::TempDir::new("file-store");
+        let path = dir.path().join("store");
+        let results = wait_all(
+            spawn_ranks(
+                "file_store_rendezvous",
+                2,
+                &[0, 1],
+                &[("KILN_INIT_METHOD", format!("file://{}", path.display()))],
+            ),
+            Duration::from_secs(120),
+        );
+        assert_all_passed(&results);
+        return Ok(());
+    }
+    let group = join(Duration::from_secs(60))?;
+    let t = Tensor::from_slice(&[group.rank() as f32]);
+    group.all_reduce(&t, ReduceOp::Sum)?;
+    assert_eq!(values(&t), vec![1.0]);
+    Ok(())
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_a_timeout_naming_the_count() -> Result<()> {
+    if !is_rank() {
+        // Only rank 0 of 2 starts.
+        let results = wait_all(
+            spawn_ranks(
+                "a_rank_that_never_arrives_is_a_timeout_naming_the_count",
+                2,
+                &[0],
+                &[],
+            ),
+            Duration::from_secs(60),
+        );
+        assert_all_passed(&results);
+        return Ok(());
+    }
+    let start = Instant::now();
+    let err = join(Duration::from_secs(2)).err().map(|e| e.to_string());
+    let message = err.unwrap_or_default();
+    assert!(
+        message.contains("rendezvous timed out after 2 s: 1 of 2 ranks joined"),
+        "{message}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(30));
+    Ok(())
+}
+
+#[test]
+fn a_dead_rank_fails_the_next_collective() -> Result<()> {
+    if !is_rank() {
+        let results = wait_all(
+            spawn_ranks("a_dead_rank_fails_the_next_collective", 2, &[0, 1], &[]),
+            Duration::from_secs(60),
+        );
+        // Rank 1 dies on purpose; rank 0's test passes by seeing the error.
+        assert_eq!(results[1].0, Some(17), "{}", results[1].1);
+        assert_eq!(results[0].0, Some(0), "rank 0:\n{}", results[0].1);
+        return Ok(());
+    }
+    let group = join(Duration::from_secs(10))?;
+    let t = Tensor::from_slice(&[1.0f32]);
+    group.all_reduce(&t, ReduceOp::Sum)?;
+    if group.rank() == 1 {
+        std::process::exit(17);
+    }
+    let start = Instant::now();
+    let err = group.all_reduce(&t, ReduceOp::Sum).err();
+    assert!(err.is_some(), "an all-reduce with a dead peer succeeded");
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    Ok(())
+}
