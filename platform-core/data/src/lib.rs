@@ -6,6 +6,9 @@
 //! * [`DataLoader`] turns a dataset into the mini-batches of an epoch:
 //!   [`SequentialLoader`] in the calling thread, [`PrefetchLoader`] with
 //!   background worker threads and a bounded queue.
+//! * [`DistributedSampler`] gives each rank of a data-parallel run its share
+//!   of every epoch, in exactly the order of PyTorch's `DistributedSampler`;
+//!   both loaders take one.
 //! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
 //!   raw or gzip), [`load_csv`].
 //! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
@@ -24,6 +27,7 @@ mod loader;
 mod map;
 mod mnist;
 mod prefetch;
+mod sampler;
 mod source;
 mod split;
 #[cfg(test)]
@@ -40,6 +44,7 @@ pub use loader::SequentialLoader;
 pub use map::{MapDataset, TransformedDataset};
 pub use mnist::{load_mnist, load_mnist_images, load_mnist_labels, read_idx, Mnist};
 pub use prefetch::PrefetchLoader;
+pub use sampler::{DistributedSampler, LoaderSampler, ShardSampler};
 pub use split::{train_test_split, Split};
 pub use transform::{
     one_hot, Compose, Normalize, RandomCrop, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
@@ -53,8 +58,8 @@ use kiln_core::tensor::HostTensor;
 /// The data pipeline's most used names, in one `use kiln_data::prelude::*`.
 pub mod prelude {
     pub use crate::{
-        train_test_split, Batch, DataLoader, Dataset, InMemoryDataset, PrefetchLoader,
-        SequentialLoader, Transform,
+        train_test_split, Batch, DataLoader, Dataset, DistributedSampler, InMemoryDataset,
+        PrefetchLoader, SequentialLoader, Transform,
     };
 }
 
@@ -123,7 +128,8 @@ pub struct Batch {
 ///   its seed) and the same `epoch` yield the same batches; different epochs
 ///   of a shuffling loader yield different orders.
 /// * Every epoch visits each sample at most once (exactly once unless the
-///   loader drops an incomplete last batch).
+///   loader drops an incomplete last batch). A loader given a
+///   [`DistributedSampler`] visits its rank's share of the samples instead.
 /// * Failures, including those in worker threads of parallel loaders, surface
 ///   as `Err` items; the iterator never hangs or panics because of them.
 ///

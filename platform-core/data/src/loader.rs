@@ -2,6 +2,7 @@
 
 use crate::collate::StackCollate;
 use crate::dataset::InMemoryDataset;
+use crate::sampler::DistributedSampler;
 use crate::{Batch, DataLoader, Dataset};
 use kiln_core::error::{Error, Result};
 use kiln_core::rng::epoch_order;
@@ -13,6 +14,8 @@ use kiln_core::tensor::HostTensor;
 /// Without [`shuffle`](SequentialLoader::shuffle) the order is `0..len` every
 /// epoch. With it, epoch `e` uses a permutation determined by `(seed, e)`
 /// only, so a resumed run sees the same batches as an uninterrupted one.
+/// With a [`sampler`](SequentialLoader::sampler), each epoch batches the
+/// indices that sampler gives this rank instead.
 ///
 /// ```
 /// use kiln_data::{DataLoader, InMemoryDataset, SequentialLoader};
@@ -33,6 +36,7 @@ pub struct SequentialLoader<D = InMemoryDataset> {
     batch_size: usize,
     seed: Option<u64>,
     drop_last: bool,
+    sampler: Option<DistributedSampler>,
 }
 
 impl<D> SequentialLoader<D>
@@ -53,6 +57,7 @@ where
             batch_size,
             seed: None,
             drop_last: false,
+            sampler: None,
         })
     }
 
@@ -68,6 +73,29 @@ where
         self
     }
 
+    /// Visits, each epoch, the indices `sampler` gives its rank
+    /// ([`DistributedSampler::indices`]) instead of the whole dataset; the
+    /// sampler's own shuffling then decides the order, and
+    /// [`shuffle`](SequentialLoader::shuffle)'s seed is not used. The
+    /// loader's [`drop_last`](SequentialLoader::drop_last) still applies to
+    /// the last batch of the rank's share.
+    ///
+    /// ```
+    /// use kiln_data::{DataLoader, DistributedSampler, InMemoryDataset, SequentialLoader};
+    /// use kiln_core::HostTensor;
+    ///
+    /// let x = HostTensor::new((0..10).collect::<Vec<i64>>(), [10])?;
+    /// let loader = SequentialLoader::new(InMemoryDataset::new(x.clone(), x)?, 2)?
+    ///     .sampler(DistributedSampler::new(3, 1)?);
+    /// assert_eq!(loader.epoch_order(0), [1, 4, 7, 0]);
+    /// assert_eq!(loader.num_batches(), 2);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn sampler(mut self, sampler: DistributedSampler) -> Self {
+        self.sampler = Some(sampler);
+        self
+    }
+
     /// The dataset.
     pub fn dataset(&self) -> &D {
         &self.dataset
@@ -78,15 +106,35 @@ where
         self.batch_size
     }
 
+    /// The distributed sampler choosing this rank's samples, if one was set
+    /// with [`sampler`](SequentialLoader::sampler).
+    pub fn distributed_sampler(&self) -> Option<&DistributedSampler> {
+        self.sampler.as_ref()
+    }
+
     /// The sample indices of epoch `epoch`, in the order they are batched
-    /// (including any dropped tail).
+    /// (including any dropped tail): the [`sampler`](SequentialLoader::sampler)'s
+    /// indices when there is one.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        epoch_order(self.dataset.len(), self.seed, epoch)
+        let len = self.dataset.len();
+        match &self.sampler {
+            Some(sampler) => sampler.indices(len, epoch),
+            None => epoch_order(len, self.seed, epoch),
+        }
+    }
+
+    /// Number of indices in an epoch's order, before `drop_last`.
+    fn order_len(&self) -> usize {
+        let len = self.dataset.len();
+        match &self.sampler {
+            Some(sampler) => sampler.num_samples(len),
+            None => len,
+        }
     }
 
     /// Number of samples yielded per epoch.
     fn samples_per_epoch(&self) -> usize {
-        let n = self.dataset.len();
+        let n = self.order_len();
         if self.drop_last {
             n - n % self.batch_size
         } else {
@@ -266,6 +314,38 @@ mod tests {
                 assert_eq!(row, &[t as f32, 10.0 * t as f32]);
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_sampler_chooses_the_rank_s_samples() -> Result<()> {
+        // 10 samples over 4 ranks, padded to 12: rank 2 gets 2, 6 and 0.
+        let sampler = DistributedSampler::new(4, 2)?;
+        let loader = SequentialLoader::new(ten()?, 2)?
+            .shuffle(5)
+            .sampler(sampler);
+        assert_eq!(loader.distributed_sampler(), Some(&sampler));
+        assert_eq!(loader.epoch_order(3), [2, 6, 0]);
+        assert_eq!(loader.num_batches(), 2);
+        assert_eq!(targets_of(&loader, 3)?, vec![vec![2, 6], vec![0]]);
+        let dropping = loader.clone().drop_last(true);
+        assert_eq!(dropping.num_batches(), 1);
+        assert_eq!(targets_of(&dropping, 0)?, vec![vec![2, 6]]);
+
+        let shuffled = SequentialLoader::new(ten()?, 2)?.sampler(sampler.shuffle(7));
+        assert_eq!(shuffled.epoch_order(1), sampler.shuffle(7).indices(10, 1));
+        assert_eq!(
+            targets_of(&shuffled, 1)?.concat(),
+            shuffled
+                .epoch_order(1)
+                .iter()
+                .map(|&i| i as i64)
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            SequentialLoader::new(ten()?, 2)?.distributed_sampler(),
+            None
+        );
         Ok(())
     }
 

@@ -15,7 +15,8 @@ use ai_dataloader::sampler::BatchSampler;
 use ai_dataloader::Len;
 
 use crate::collate::{Collate, StackCollate};
-use crate::indexable::{batch_plan, EpochSampler};
+use crate::indexable::batch_plan;
+use crate::sampler::{DistributedSampler, LoaderSampler};
 use crate::{Batch, DataLoader, Dataset};
 use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
@@ -37,7 +38,9 @@ const LISTED_INDICES: usize = 8;
 ///   as they become free and a reorder buffer puts the results back in order.
 ///   Samples are read with [`Dataset::get_for_epoch`], so seeded
 ///   augmentations ([`TransformedDataset`](crate::TransformedDataset))
-///   reproduce across worker counts too.
+///   reproduce across worker counts too. With a
+///   [`sampler`](PrefetchLoader::sampler), the order is instead the indices
+///   that [`DistributedSampler`] gives this rank, batched the same way.
 /// * **Prefetching.** With `n` [`num_workers`](PrefetchLoader::num_workers),
 ///   loading starts when [`batches`](DataLoader::batches) is called and runs
 ///   at most `n * prefetch` batches ahead of the consumer (a bounded queue),
@@ -80,6 +83,7 @@ pub struct PrefetchLoader<D, C = StackCollate> {
     batch_size: usize,
     seed: Option<u64>,
     drop_last: bool,
+    sampler: Option<DistributedSampler>,
     num_workers: usize,
     prefetch: usize,
 }
@@ -133,6 +137,7 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             batch_size,
             seed: None,
             drop_last: false,
+            sampler: None,
             num_workers: 0,
             prefetch: DEFAULT_PREFETCH,
         })
@@ -146,6 +151,7 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             batch_size: self.batch_size,
             seed: self.seed,
             drop_last: self.drop_last,
+            sampler: self.sampler,
             num_workers: self.num_workers,
             prefetch: self.prefetch,
         }
@@ -161,6 +167,30 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
     /// Whether to drop the last batch when it has fewer than `batch_size` samples.
     pub fn drop_last(mut self, drop_last: bool) -> Self {
         self.drop_last = drop_last;
+        self
+    }
+
+    /// Loads, each epoch, the indices `sampler` gives its rank
+    /// ([`DistributedSampler::indices`]) instead of the whole dataset, as
+    /// PyTorch's `DataLoader(dataset, sampler=DistributedSampler(...))`. The
+    /// sampler's own shuffling then decides the order, and
+    /// [`shuffle`](PrefetchLoader::shuffle)'s seed is not used; the loader's
+    /// [`drop_last`](PrefetchLoader::drop_last) still applies to the last
+    /// batch of the rank's share. The workers load exactly these indices.
+    ///
+    /// ```
+    /// use kiln_data::{DataLoader, DistributedSampler, InMemoryDataset, PrefetchLoader};
+    /// use kiln_core::HostTensor;
+    ///
+    /// let x = HostTensor::new((0..10).collect::<Vec<i64>>(), [10])?;
+    /// let loader = PrefetchLoader::new(InMemoryDataset::new(x.clone(), x)?, 2)?
+    ///     .sampler(DistributedSampler::new(4, 3)?)
+    ///     .num_workers(2);
+    /// assert_eq!(loader.batch_indices(0), [vec![3, 7], vec![1]]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn sampler(mut self, sampler: DistributedSampler) -> Self {
+        self.sampler = Some(sampler);
         self
     }
 
@@ -200,27 +230,45 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
         self.num_workers
     }
 
+    /// The distributed sampler choosing this rank's samples, if one was set
+    /// with [`sampler`](PrefetchLoader::sampler).
+    pub fn distributed_sampler(&self) -> Option<&DistributedSampler> {
+        self.sampler.as_ref()
+    }
+
     /// Most batches loaded ahead of the consumer: `num_workers * prefetch`.
     pub fn queue_capacity(&self) -> usize {
         self.num_workers.saturating_mul(self.prefetch)
     }
 
     /// The sample indices of epoch `epoch` in the order they are batched
-    /// (including a tail that `drop_last` drops).
+    /// (including a tail that `drop_last` drops): the
+    /// [`sampler`](PrefetchLoader::sampler)'s indices when there is one.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        EpochSampler::with_seed(self.dataset.len(), self.seed, epoch).indices()
+        self.batch_sampler(epoch).sampler.indices()
     }
 
     /// `ai-dataloader`'s batch sampler for epoch `epoch`: iterating it gives
-    /// the sample indices of each batch, in order.
-    pub fn batch_sampler(&self, epoch: u64) -> BatchSampler<EpochSampler> {
-        batch_plan(
-            self.dataset.len(),
-            self.seed,
-            epoch,
-            self.batch_size,
-            self.drop_last,
-        )
+    /// the sample indices of each batch, in order. Its sampler is the
+    /// loader's own order ([`LoaderSampler::Epoch`]), or this rank's shard
+    /// when a [`sampler`](PrefetchLoader::sampler) is set
+    /// ([`LoaderSampler::Shard`]).
+    pub fn batch_sampler(&self, epoch: u64) -> BatchSampler<LoaderSampler> {
+        let len = self.dataset.len();
+        let BatchSampler {
+            sampler,
+            batch_size,
+            drop_last,
+        } = batch_plan(len, self.seed, epoch, self.batch_size, self.drop_last);
+        let sampler = match &self.sampler {
+            Some(distributed) => LoaderSampler::Shard(distributed.shard(len, epoch)),
+            None => LoaderSampler::Epoch(sampler),
+        };
+        BatchSampler {
+            sampler,
+            batch_size,
+            drop_last,
+        }
     }
 
     /// The sample indices of every batch of epoch `epoch`.
@@ -238,6 +286,7 @@ impl<D, C> Clone for PrefetchLoader<D, C> {
             batch_size: self.batch_size,
             seed: self.seed,
             drop_last: self.drop_last,
+            sampler: self.sampler,
             num_workers: self.num_workers,
             prefetch: self.prefetch,
         }
@@ -251,6 +300,7 @@ impl<D, C> fmt::Debug for PrefetchLoader<D, C> {
             .field("batch_size", &self.batch_size)
             .field("seed", &self.seed)
             .field("drop_last", &self.drop_last)
+            .field("sampler", &self.sampler)
             .field("num_workers", &self.num_workers)
             .field("prefetch", &self.prefetch)
             .finish()
