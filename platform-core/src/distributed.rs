@@ -22,9 +22,11 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
+use std::any::Any;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -61,6 +63,9 @@ pub trait Collectives: Send + Sync {
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+    /// The group as `Any`, for a backend to reach its own engine's group
+    /// (kiln-torch's DDP needs the c10d process group itself).
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
 /// Who started the workers, as read from their environment.

@@ -24,7 +24,6 @@ enum class ReduceKind : std::uint8_t;
 class TensorList {
  public:
   void push(const at::Tensor& tensor);
-  std::size_t len() const;
   std::vector<at::Tensor> tensors;
 };
 std::unique_ptr<TensorList> new_tensor_list();
@@ -36,9 +35,6 @@ class DistGroup {
   struct State;
   explicit DistGroup(std::unique_ptr<State> state);
   ~DistGroup();
-
-  std::int32_t rank() const;
-  std::int32_t size() const;
 
   // In-place collectives on one tensor; they return once the result is there.
   void all_reduce(const at::Tensor& tensor, ReduceKind op) const;
@@ -58,8 +54,6 @@ class DistGroup {
   // The store's key-value interface, under the group's prefix.
   void store_set(rust::Str key, rust::Slice<const std::uint8_t> value) const;
   rust::Vec<std::uint8_t> store_get(rust::Str key) const;
-  bool store_check(rust::Str key) const;
-  std::int64_t store_add(rust::Str key, std::int64_t delta) const;
 
   std::unique_ptr<State> state_;
 };

@@ -1,8 +1,11 @@
 //! [`TrainBackend`] for libtorch, what the generic `Trainer` of `kiln-train` needs,
 //! and [`EagerBackend`], the primitives its steps are made of.
 
+use std::sync::Arc;
+
 use kiln_core::{
     backend::{Backend, EagerBackend, StepPlan, TrainBackend},
+    distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
     optim::{GradClip, OptimizerConfig, ParamGroup},
@@ -12,6 +15,7 @@ use kiln_core::{
 use tch::Tensor;
 
 use crate::backend::TorchBackend;
+use crate::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::error::torch_error;
 use crate::loss::compute_loss;
 use crate::model::TorchModel;
@@ -51,7 +55,45 @@ impl TrainBackend for TorchBackend {
         targets: &Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        Self::eager_train_step(model, optimizer, inputs, targets, plan)
+        match model.distributed().cloned() {
+            Some(ddp) => data_parallel_step(&ddp, model, optimizer, inputs, targets, plan),
+            None => Self::eager_train_step(model, optimizer, inputs, targets, plan),
+        }
+    }
+
+    /// DDP on `c10d::Reducer` ([`DistributedDataParallel`]) over the c10d
+    /// group `group` must be (a `kiln_torch::distributed::ProcessGroup`).
+    fn distribute(
+        model: &mut TorchModel,
+        group: Arc<dyn Collectives>,
+        options: &DistributedOptions,
+    ) -> Result<()> {
+        use kiln_core::module::Module;
+        let group = group.into_any().downcast::<ProcessGroup>().map_err(|_| {
+            Error::unsupported(
+                "data-parallel torch training over a group that is not a \
+                 kiln_torch::distributed::ProcessGroup",
+            )
+        })?;
+        if model.device().is_cuda() != group.has_nccl() {
+            return Err(Error::invalid_argument(
+                "distributed.backend",
+                format!(
+                    "the model is on {} but the group's backend is {}: Gloo for CPU \
+                     training, NCCL for CUDA",
+                    model.device(),
+                    if group.has_nccl() { "nccl" } else { "gloo" }
+                ),
+            ));
+        }
+        let ddp = DistributedDataParallel::new(
+            group,
+            &model.named_parameters()?,
+            &model.named_buffers()?,
+            options,
+        )?;
+        model.set_distributed(ddp);
+        Ok(())
     }
 
     fn eval_step(
@@ -66,6 +108,41 @@ impl TrainBackend for TorchBackend {
     fn predict_step(model: &TorchModel, inputs: &Tensor) -> Result<HostTensor> {
         Self::eager_predict_step(model, inputs)
     }
+}
+
+/// [`EagerBackend::eager_train_step`] with DDP's hooks around the forward pass
+/// and the loss averaged over the ranks (which also makes every rank take the
+/// same decision on a non-finite loss).
+fn data_parallel_step(
+    ddp: &DistributedDataParallel,
+    model: &mut TorchModel,
+    optimizer: &mut TorchOptimizer,
+    inputs: &Tensor,
+    targets: &Tensor,
+    plan: &StepPlan<'_>,
+) -> Result<f64> {
+    use kiln_core::{module::Module, optim::Optimizer};
+    ddp.before_forward(plan.apply)?;
+    let output = model.forward(inputs)?;
+    let loss = TorchBackend::loss(plan.loss, &output, targets)?;
+    let value = ddp.mean_scalar(TorchBackend::item(&loss)?)?;
+    if !value.is_finite() {
+        return Ok(value);
+    }
+    let scaled = if plan.scale == 1.0 {
+        loss
+    } else {
+        TorchBackend::scale(&loss, plan.scale)?
+    };
+    ddp.after_forward(&scaled, plan.apply)?;
+    TorchBackend::backward(&scaled)?;
+    if plan.apply {
+        if let Some(clip) = plan.clip {
+            TorchBackend::clip_gradients(&model.named_parameters()?, clip)?;
+        }
+        optimizer.step()?;
+    }
+    Ok(value)
 }
 
 impl EagerBackend for TorchBackend {

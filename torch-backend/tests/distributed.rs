@@ -250,3 +250,208 @@ fn a_dead_rank_fails_the_next_collective() -> Result<()> {
     );
     Ok(())
 }
+
+mod ddp {
+    use super::*;
+    use kiln_core::backend::{Backend, StepPlan, TrainBackend};
+    use kiln_core::distributed::Collectives;
+    use kiln_core::loss::Loss;
+    use kiln_core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
+    use kiln_core::module::Module;
+    use kiln_core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
+    use kiln_core::Device;
+    use kiln_torch::{TorchBackend, TorchModel};
+    use std::sync::Arc;
+
+    const B: i64 = 8;
+    const STEPS: i64 = 6;
+    const ACCUMULATE: i64 = 2;
+
+    fn mlp() -> Layer {
+        Layer::sequential([
+            LinearConfig::new(12, 32).into(),
+            Layer::Relu,
+            LinearConfig::new(32, 5).into(),
+        ])
+    }
+
+    fn cnn() -> Layer {
+        Layer::sequential([
+            Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]).into(),
+            Layer::BatchNorm2d(BatchNormConfig::new(4)),
+            Layer::Relu,
+            Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+            Layer::Flatten {
+                start_dim: 1,
+                end_dim: -1,
+            },
+            LinearConfig::new(36, 5).into(),
+        ])
+    }
+
+    /// Every micro-batch of the global run: `2B` rows each.
+    fn data(image: bool) -> Vec<(Tensor, Tensor)> {
+        tch::manual_seed(99);
+        (0..STEPS * ACCUMULATE)
+            .map(|_| {
+                let x = if image {
+                    Tensor::randn([2 * B, 1, 6, 6], (tch::Kind::Float, tch::Device::Cpu))
+                } else {
+                    Tensor::randn([2 * B, 12], (tch::Kind::Float, tch::Device::Cpu))
+                };
+                (
+                    x,
+                    Tensor::randint(5, [2 * B], (tch::Kind::Int64, tch::Device::Cpu)),
+                )
+            })
+            .collect()
+    }
+
+    /// Trains `spec`; `shard` picks this rank's rows of each global batch.
+    /// Returns the per-micro-batch losses and the final parameters, flattened.
+    fn train(
+        spec: &Layer,
+        seed: i64,
+        group: Option<Arc<ProcessGroup>>,
+        batches: &[(Tensor, Tensor)],
+    ) -> Result<(Vec<f64>, Vec<f64>, TorchModel)> {
+        TorchBackend::manual_seed(seed as u64);
+        let mut model = TorchModel::new(spec, Device::Cpu)?;
+        let shard = group
+            .as_ref()
+            .map(|g| (g.rank() as i64, g.world_size() as i64));
+        if let Some(g) = group {
+            TorchBackend::distribute(&mut model, g, &DistributedOptions::default())?;
+        }
+        let mut opt = TorchBackend::build_optimizer(
+            &OptimizerConfig::Adam(AdamConfig::new(1e-2)),
+            &model,
+            &[],
+        )?;
+        let loss = Loss::cross_entropy();
+        let clip = GradClip::Norm {
+            max_norm: 0.5,
+            norm_type: 2.0,
+        };
+        let mut losses = Vec::new();
+        for (i, (x, y)) in batches.iter().enumerate() {
+            let (x, y) = match shard {
+                Some((rank, world)) => {
+                    let n = x.size()[0] / world;
+                    (x.narrow(0, rank * n, n), y.narrow(0, rank * n, n))
+                }
+                None => (x.shallow_clone(), y.shallow_clone()),
+            };
+            let micro = i as i64 % ACCUMULATE;
+            if micro == 0 {
+                opt.zero_grad()?;
+            }
+            let plan = StepPlan {
+                loss: &loss,
+                scale: 1.0 / ACCUMULATE as f64,
+                apply: micro + 1 == ACCUMULATE,
+                clip: Some(&clip),
+            };
+            losses.push(TorchBackend::train_step(
+                &mut model, &mut opt, &x, &y, &plan,
+            )?);
+        }
+        let flat: Vec<f64> = model
+            .named_parameters()?
+            .iter()
+            .chain(&model.named_buffers()?)
+            .flat_map(|(_, t)| values(t))
+            .collect();
+        Ok((losses, flat, model))
+    }
+
+    fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    }
+
+    /// Two ranks with `B` rows each against one process with `2B` rows: the
+    /// same losses and weights (an MLP: no batch statistics), with Adam,
+    /// clipping by norm and gradient accumulation; the ranks start from
+    /// different weights and DDP makes them rank 0's.
+    #[test]
+    fn two_ranks_of_b_equal_one_process_of_2b() -> Result<()> {
+        if !is_rank() {
+            let results = wait_all(
+                spawn_ranks(
+                    "ddp::two_ranks_of_b_equal_one_process_of_2b",
+                    2,
+                    &[0, 1],
+                    &[],
+                ),
+                Duration::from_secs(180),
+            );
+            assert_all_passed(&results);
+            return Ok(());
+        }
+        let group = Arc::new(join(Duration::from_secs(60))?);
+        let batches = data(false);
+        let seed = 7 + group.rank() as i64; // rank 1 starts elsewhere
+        let (losses, weights, _) = train(&mlp(), seed, Some(group.clone()), &batches)?;
+        // Every rank ends with the same weights, bit for bit.
+        let gathered = group.all_gather(&Tensor::from_slice(&weights))?;
+        let rows: Vec<Vec<f64>> = (0..2).map(|r| values(&gathered.get(r))).collect();
+        assert_eq!(rows[0], rows[1], "the ranks' weights differ");
+        let (single_losses, single_weights, _) = train(&mlp(), 7, None, &batches)?;
+        let loss_diff = max_diff(&losses, &single_losses);
+        let weight_diff = max_diff(&weights, &single_weights);
+        assert!(
+            loss_diff < 1e-6,
+            "losses differ by {loss_diff}: {losses:?} vs {single_losses:?}"
+        );
+        assert!(weight_diff < 1e-6, "weights differ by {weight_diff}");
+        Collectives::barrier(group.as_ref())?;
+        Ok(())
+    }
+
+    /// A CNN with batch norm: the weights stay identical across ranks, and the
+    /// running statistics, which each rank updates from its own rows in its
+    /// forward pass (as PyTorch's DDP without SyncBatchNorm), are rank 0's
+    /// again before every forward pass (DDP's `broadcast_buffers`).
+    #[test]
+    fn batch_norm_buffers_follow_rank_zero() -> Result<()> {
+        if !is_rank() {
+            let results = wait_all(
+                spawn_ranks("ddp::batch_norm_buffers_follow_rank_zero", 2, &[0, 1], &[]),
+                Duration::from_secs(180),
+            );
+            assert_all_passed(&results);
+            return Ok(());
+        }
+        let group = Arc::new(join(Duration::from_secs(60))?);
+        let batches = data(true);
+        let (losses, _, model) = train(
+            &cnn(),
+            3 + group.rank() as i64,
+            Some(group.clone()),
+            &batches,
+        )?;
+        assert!(losses.iter().all(|l| l.is_finite()));
+        let flat = |entries: Vec<(String, Tensor)>| -> Vec<f64> {
+            entries.iter().flat_map(|(_, t)| values(t)).collect()
+        };
+        let same_on_every_rank = |v: Vec<f64>| -> Result<bool> {
+            let gathered = group.all_gather(&Tensor::from_slice(&v))?;
+            Ok(values(&gathered.get(0)) == values(&gathered.get(1)))
+        };
+        assert!(same_on_every_rank(flat(model.named_parameters()?))?);
+        let buffers = flat(model.named_buffers()?);
+        let local_stats_differ = !same_on_every_rank(buffers)?;
+        assert!(
+            local_stats_differ,
+            "each rank's last forward pass used its own rows"
+        );
+        let ddp = model.distributed().cloned().expect("a data-parallel model");
+        ddp.before_forward(false)?;
+        assert!(same_on_every_rank(flat(model.named_buffers()?))?);
+        Ok(())
+    }
+}

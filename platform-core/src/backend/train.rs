@@ -1,7 +1,10 @@
 //! What the trainer needs from a backend beyond [`Backend`].
 
+use std::sync::Arc;
+
 use crate::backend::Backend;
 use crate::device::Device;
+use crate::distributed::{Collectives, DistributedOptions};
 use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::model::Layer;
@@ -70,6 +73,29 @@ pub trait TrainBackend: Backend {
         model: &Self::Model,
         groups: &[ParamGroup],
     ) -> Result<Self::Optim>;
+
+    /// Makes `model` train data-parallel over `group`, with
+    /// `DistributedDataParallel`'s semantics: rank 0's parameters and buffers
+    /// on every rank now, and from then on every [`train_step`](Self::train_step)
+    /// averages the gradients over the ranks before the optimizer applies them
+    /// (not on the micro-batches gradient accumulation does not apply) and
+    /// returns the loss averaged over the ranks, so every rank sees the same
+    /// values and takes the same decisions. Call it after
+    /// [`set_precision`](Self::set_precision) and before
+    /// [`build_optimizer`](Self::build_optimizer), on every rank.
+    ///
+    /// The default refuses: a backend without data-parallel training says so.
+    fn distribute(
+        model: &mut Self::Model,
+        group: Arc<dyn Collectives>,
+        options: &DistributedOptions,
+    ) -> Result<()> {
+        let _ = (model, group, options);
+        Err(Error::unsupported(format!(
+            "data-parallel training on the {} backend",
+            Self::NAME
+        )))
+    }
 
     /// One training micro-batch: forward in the model's mode, loss, gradients
     /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient

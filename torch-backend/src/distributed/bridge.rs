@@ -70,12 +70,9 @@ pub(crate) mod ffi {
         type TensorList;
         fn new_tensor_list() -> UniquePtr<TensorList>;
         fn push(self: Pin<&mut TensorList>, tensor: &Tensor);
-        fn len(self: &TensorList) -> usize;
 
         type DistGroup;
         fn new_dist_group(config: &GroupConfig) -> Result<UniquePtr<DistGroup>>;
-        fn rank(self: &DistGroup) -> i32;
-        fn size(self: &DistGroup) -> i32;
         fn all_reduce(self: &DistGroup, tensor: &Tensor, op: ReduceKind) -> Result<()>;
         fn broadcast(self: &DistGroup, tensor: &Tensor, root: i32) -> Result<()>;
         fn all_gather(self: &DistGroup, tensor: &Tensor) -> Result<UniquePtr<Tensor>>;
@@ -90,8 +87,6 @@ pub(crate) mod ffi {
         fn verify_same_tensors(self: &DistGroup, tensors: &TensorList) -> Result<()>;
         fn store_set(self: &DistGroup, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(self: &DistGroup, key: &str) -> Result<Vec<u8>>;
-        fn store_check(self: &DistGroup, key: &str) -> Result<bool>;
-        fn store_add(self: &DistGroup, key: &str, delta: i64) -> Result<i64>;
 
         type DdpReducer;
         fn new_ddp_reducer(

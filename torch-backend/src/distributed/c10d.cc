@@ -123,7 +123,6 @@ c10::intrusive_ptr<c10d::Backend> make_gloo_backend(
 }  // namespace
 
 void TensorList::push(const at::Tensor& tensor) { tensors.push_back(tensor); }
-std::size_t TensorList::len() const { return tensors.size(); }
 std::unique_ptr<TensorList> new_tensor_list() { return std::make_unique<TensorList>(); }
 
 struct DistGroup::State {
@@ -157,9 +156,6 @@ std::unique_ptr<DistGroup> new_dist_group(const GroupConfig& config) {
   return std::make_unique<DistGroup>(std::move(state));
 }
 
-std::int32_t DistGroup::rank() const { return state_->group->getRank(); }
-std::int32_t DistGroup::size() const { return state_->group->getSize(); }
-
 void DistGroup::all_reduce(const at::Tensor& tensor, ReduceKind op) const {
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
@@ -179,7 +175,7 @@ void DistGroup::broadcast(const at::Tensor& tensor, std::int32_t root) const {
 std::unique_ptr<at::Tensor> DistGroup::all_gather(const at::Tensor& tensor) const {
   std::vector<at::Tensor> inputs{tensor};
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int i = 0; i < size(); ++i) {
+  for (int i = 0; i < state_->group->getSize(); ++i) {
     outputs[0].push_back(at::empty_like(tensor));
   }
   auto work = rethrowing("all_gather", [&] { return state_->group->allgather(outputs, inputs); });
@@ -232,14 +228,6 @@ rust::Vec<std::uint8_t> DistGroup::store_get(rust::Str key) const {
     out.push_back(b);
   }
   return out;
-}
-
-bool DistGroup::store_check(rust::Str key) const {
-  return rethrowing("store check", [&] { return state_->store->check({to_string(key)}); });
-}
-
-std::int64_t DistGroup::store_add(rust::Str key, std::int64_t delta) const {
-  return rethrowing("store add", [&] { return state_->store->add(to_string(key), delta); });
 }
 
 struct DdpReducer::State {

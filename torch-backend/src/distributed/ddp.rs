@@ -1,3 +1,188 @@
-//! placeholder
-/// DDP.
-pub struct DistributedDataParallel;
+//! `DistributedDataParallel`'s semantics on `c10d::Reducer`, the engine PyTorch's
+//! DDP runs on.
+
+use std::sync::Arc;
+
+use cxx::UniquePtr;
+use kiln_core::distributed::{DistributedOptions, ReduceOp, FIRST_BUCKET_BYTES};
+use kiln_core::{Error, Result};
+use tch::Tensor;
+
+use super::bridge::ffi;
+use super::{c10d_error, tensor_list, ProcessGroup};
+use crate::error::torch_error;
+
+/// DDP's buffer for broadcasting the model from rank 0 (`broadcast_bucket_size`).
+const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
+
+/// A model's parameters and buffers kept identical across the ranks of a
+/// [`ProcessGroup`], as PyTorch's `DistributedDataParallel` keeps them:
+///
+/// - at construction, every rank checks that it has rank 0's parameter count,
+///   shapes and dtypes, then takes rank 0's parameters and buffers;
+/// - before each synchronised forward pass ([`before_forward`](Self::before_forward)),
+///   buffers (batch-norm running statistics) come from rank 0 again, unless
+///   `broadcast_buffers` is off;
+/// - after it ([`after_forward`](Self::after_forward)), `c10d::Reducer` expects the
+///   parameters' gradients: as the backward pass produces them, it averages them
+///   over the ranks in buckets (1 MiB first, then up to `bucket_cap_mb`, in
+///   reverse parameter order, rebuilt in gradient-arrival order after the first
+///   step), overlapping communication with the rest of the backward pass, and
+///   writes the means into the parameters' `.grad`.
+///
+/// A micro-batch that gradient accumulation does not apply is run with
+/// `sync = false`, DDP's `no_sync()`: its gradients accumulate locally and are
+/// reduced with the next synchronised one.
+pub struct DistributedDataParallel {
+    group: Arc<ProcessGroup>,
+    reducer: UniquePtr<ffi::DdpReducer>,
+    buffers: Vec<Tensor>,
+    broadcast_buffers: bool,
+}
+
+// SAFETY: the reducer is owned by this value alone; c10d's Reducer is driven by
+// PyTorch from the Python thread and autograd's threads. Kiln calls it only
+// from the training thread, through `&self` methods that the training step
+// calls in sequence.
+#[allow(unsafe_code)]
+unsafe impl Send for DistributedDataParallel {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl Sync for DistributedDataParallel {}
+
+impl std::fmt::Debug for DistributedDataParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DistributedDataParallel")
+            .field("group", &self.group)
+            .field("buffers", &self.buffers.len())
+            .field("broadcast_buffers", &self.broadcast_buffers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DistributedDataParallel {
+    /// Synchronises `params` and `buffers` (name, tensor; the tensors are
+    /// updated in place) from rank 0 and builds the gradient reducer over the
+    /// parameters that require gradients.
+    pub fn new(
+        group: Arc<ProcessGroup>,
+        params: &[(String, Tensor)],
+        buffers: &[(String, Tensor)],
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        let trained: Vec<&(String, Tensor)> =
+            params.iter().filter(|(_, t)| t.requires_grad()).collect();
+        if trained.is_empty() {
+            return Err(Error::distributed(
+                "DistributedDataParallel",
+                "the model has no parameter that requires a gradient",
+            ));
+        }
+        let tensors: Vec<&Tensor> = trained.iter().map(|(_, t)| t).collect();
+        let list = tensor_list(&tensors);
+        group.with(|g| g.verify_same_tensors(&list)).map_err(|e| {
+            Error::distributed(
+                "DistributedDataParallel",
+                format!(
+                    "rank {} does not have rank 0's parameters (count, shapes or dtypes): {}",
+                    group.rank(),
+                    e.what()
+                ),
+            )
+        })?;
+        // Rank 0's model, to every rank: parameters then buffers.
+        let state: Vec<&Tensor> = params.iter().chain(buffers).map(|(_, t)| t).collect();
+        tch::no_grad(|| group.broadcast_coalesced(&state, BROADCAST_BUCKET_BYTES, 0))?;
+        let cap = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
+        if !(cap >= 1.0 && cap < i64::MAX as f64) {
+            return Err(Error::invalid_argument(
+                "bucket_cap_mb",
+                format!("must be positive, got {}", options.bucket_cap_mb),
+            ));
+        }
+        let config = ffi::ReducerConfig {
+            bucket_cap_bytes: cap as i64,
+            first_bucket_bytes: FIRST_BUCKET_BYTES,
+            find_unused_parameters: options.find_unused_parameters,
+            param_names: trained.iter().map(|(n, _)| n.clone()).collect(),
+        };
+        let reducer = group
+            .with(|g| ffi::new_ddp_reducer(g, &list, &config))
+            .map_err(|e| c10d_error("creating DDP's gradient reducer", e))?;
+        log::info!(
+            "DistributedDataParallel: rank {} of {}, {} parameters, {} buffers, bucket cap {} MiB",
+            group.rank(),
+            group.world_size(),
+            trained.len(),
+            buffers.len(),
+            options.bucket_cap_mb
+        );
+        Ok(DistributedDataParallel {
+            group,
+            reducer,
+            buffers: buffers.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            broadcast_buffers: options.broadcast_buffers,
+        })
+    }
+
+    /// The process group.
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
+    }
+
+    /// Before a training forward pass: rank 0's buffers (when
+    /// `broadcast_buffers`), and, when `sync`, the reducer's bookkeeping.
+    pub fn before_forward(&self, sync: bool) -> Result<()> {
+        if self.broadcast_buffers && !self.buffers.is_empty() {
+            let buffers: Vec<&Tensor> = self.buffers.iter().collect();
+            tch::no_grad(|| {
+                self.group
+                    .broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0)
+            })?;
+        }
+        if sync {
+            self.group
+                .with(|_| self.reducer.prepare_for_forward())
+                .map_err(|e| self.reducer_error(e))?;
+        }
+        Ok(())
+    }
+
+    /// After a training forward pass whose backward pass follows: with `sync`,
+    /// the reducer hooks the gradients of the coming backward pass (searching
+    /// the graph of `loss` for unused parameters when asked to).
+    pub fn after_forward(&self, loss: &Tensor, sync: bool) -> Result<()> {
+        if !sync {
+            return Ok(());
+        }
+        let outputs = tensor_list(&[loss]);
+        self.group
+            .with(|_| self.reducer.prepare_for_backward(&outputs))
+            .map_err(|e| self.reducer_error(e))
+    }
+
+    /// The mean of a scalar (a micro-batch's loss) over the ranks: what the
+    /// training loop reports, and the one value every rank decides on.
+    pub fn mean_scalar(&self, value: f64) -> Result<f64> {
+        let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;
+        self.group.all_reduce(&t, ReduceOp::Mean)?;
+        t.f_double_value(&[0])
+            .map_err(|e| torch_error("loss mean", e))
+    }
+
+    fn reducer_error(&self, e: cxx::Exception) -> Error {
+        let message = e.what();
+        if message.contains("find_unused_parameters") {
+            Error::distributed(
+                "DistributedDataParallel",
+                format!(
+                    "a parameter got no gradient in the last step; set \
+                     `[distributed] find_unused_parameters = true` (DDP's argument) if the \
+                     model does not use every parameter in every step. c10d said: {message}"
+                ),
+            )
+        } else {
+            c10d_error("DDP's gradient reducer", e)
+        }
+    }
+}

@@ -27,7 +27,8 @@
 mod bridge;
 mod ddp;
 
-use std::sync::Mutex;
+use std::any::Any;
+use std::sync::{Arc, Mutex};
 
 use cxx::UniquePtr;
 use kiln_core::distributed::{
@@ -198,10 +199,6 @@ impl ProcessGroup {
         f(&self.inner)
     }
 
-    pub(crate) fn bridge(&self) -> &ffi::DistGroup {
-        &self.inner
-    }
-
     /// Reduces `tensor` in place over every rank. CPU tensors go through
     /// Gloo, CUDA tensors through NCCL (the `cuda` feature and
     /// `backend = "nccl"`). [`ReduceOp::Mean`] divides the sum by the world
@@ -341,6 +338,10 @@ impl Collectives for ProcessGroup {
 
     fn barrier(&self) -> Result<()> {
         ProcessGroup::barrier(self)
+    }
+
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
     }
 }
 
