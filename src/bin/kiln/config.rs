@@ -31,10 +31,12 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use kiln::core::device::Device;
+use kiln::core::distributed::{CommBackend, DistributedOptions};
 use kiln::core::error::{Error, Result};
 use kiln::core::loss::Loss;
 use kiln::core::model::Layer;
@@ -178,6 +180,104 @@ impl Default for LoggingConfig {
     }
 }
 
+/// Data-parallel training (`[distributed]`): used when the run is started by a
+/// launcher (`kiln launch`, `torchrun`, `srun`), ignored otherwise.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// `"gloo"` (CPU), `"nccl"` (CUDA) or `"auto"` (by the device).
+    #[serde(default)]
+    pub backend: CommBackendName,
+    /// Seconds the rendezvous and any collective wait for the other ranks.
+    #[serde(default = "thirty_minutes")]
+    pub timeout: f64,
+    /// Rank 0's buffers (batch-norm statistics) before every training forward pass.
+    #[serde(default = "yes")]
+    pub broadcast_buffers: bool,
+    /// Allow parameters that get no gradient in a step.
+    #[serde(default)]
+    pub find_unused_parameters: bool,
+    /// The gradient bucket cap in MiB.
+    #[serde(default = "twenty_five")]
+    pub bucket_cap_mb: f64,
+}
+
+/// The `[distributed] backend` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommBackendName {
+    /// Gloo on CPU, NCCL on CUDA.
+    #[default]
+    Auto,
+    /// Gloo.
+    Gloo,
+    /// NCCL.
+    Nccl,
+}
+
+fn thirty_minutes() -> f64 {
+    1800.0
+}
+
+fn twenty_five() -> f64 {
+    25.0
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            backend: CommBackendName::Auto,
+            timeout: thirty_minutes(),
+            broadcast_buffers: true,
+            find_unused_parameters: false,
+            bucket_cap_mb: twenty_five(),
+        }
+    }
+}
+
+impl DistributedConfig {
+    /// The options of the process group and of DDP on `device`.
+    pub fn options(&self, device: Device) -> DistributedOptions {
+        let backend = match (self.backend, device.is_cuda()) {
+            (CommBackendName::Gloo, _) | (CommBackendName::Auto, false) => CommBackend::Gloo,
+            (CommBackendName::Nccl, _) | (CommBackendName::Auto, true) => CommBackend::Nccl,
+        };
+        DistributedOptions {
+            backend,
+            timeout: Duration::from_secs_f64(self.timeout),
+            broadcast_buffers: self.broadcast_buffers,
+            find_unused_parameters: self.find_unused_parameters,
+            bucket_cap_mb: self.bucket_cap_mb,
+        }
+    }
+
+    fn validate(&self, device: Device) -> Result<()> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout < 1e9) {
+            return Err(Error::invalid_argument(
+                "distributed.timeout",
+                format!("must be a positive number of seconds, got {}", self.timeout),
+            ));
+        }
+        if !(self.bucket_cap_mb.is_finite() && self.bucket_cap_mb > 0.0) {
+            return Err(Error::invalid_argument(
+                "distributed.bucket_cap_mb",
+                format!("must be positive, got {}", self.bucket_cap_mb),
+            ));
+        }
+        match (self.backend, device.is_cuda()) {
+            (CommBackendName::Nccl, false) => Err(Error::invalid_argument(
+                "distributed.backend",
+                format!("\"nccl\" reduces CUDA tensors, but the device is {device}; use \"gloo\""),
+            )),
+            (CommBackendName::Gloo, true) => Err(Error::invalid_argument(
+                "distributed.backend",
+                format!("\"gloo\" reduces CPU tensors, but the device is {device}; use \"nccl\""),
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A whole run: model, data, optimisation, outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -219,6 +319,9 @@ pub struct RunConfig {
     /// Metric outputs.
     #[serde(default)]
     pub logging: LoggingConfig,
+    /// Data-parallel training, when started by a launcher.
+    #[serde(default)]
+    pub distributed: DistributedConfig,
 }
 
 mod device_string {
@@ -276,6 +379,7 @@ impl RunConfig {
         self.optimizer.validate()?;
         self.loss.validate()?;
         self.checkpoint.validate()?;
+        self.distributed.validate(self.device)?;
         if let Some(schedule) = &self.schedule {
             schedule.validate()?;
         }

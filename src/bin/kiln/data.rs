@@ -208,10 +208,13 @@ pub(crate) fn scale_and_shape(
         .context("data.input_shape does not match the number of features per example")
 }
 
+/// The loader of one split; `shard` (rank, world size) gives this rank its
+/// share of every epoch, in `torch.utils.data.DistributedSampler`'s order.
 pub(crate) fn loader(
     (x, y): (HostTensor, HostTensor),
     config: &RunConfig,
     shuffle: bool,
+    shard: Option<(usize, usize)>,
 ) -> Result<Box<dyn DataLoader>> {
     let data = &config.data;
     let mut loader = kiln::data::PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
@@ -219,6 +222,13 @@ pub(crate) fn loader(
         .drop_last(shuffle && data.drop_last);
     if shuffle {
         loader = loader.shuffle(config.seed);
+    }
+    if let Some((rank, world_size)) = shard {
+        let mut sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
+        if shuffle {
+            sampler = sampler.shuffle(config.seed);
+        }
+        loader = loader.sampler(sampler);
     }
     Ok(Box::new(loader))
 }

@@ -9,13 +9,16 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{BackendKind, RunConfig};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use kiln::core::distributed::Rendezvous;
 use kiln::core::{backend::TrainBackend, module::Module, precision::FloatPrecision};
 use kiln::prelude::*;
+use kiln::torch::distributed::ProcessGroup;
 use kiln::train::{
     Checkpoint, Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState,
 };
@@ -197,12 +200,34 @@ fn train(args: TrainArgs) -> Result<()> {
     config
         .validate()
         .with_context(|| format!("config {}", args.config.display()))?;
+    // Started by `kiln launch`, torchrun or srun: one rank of a data-parallel job.
+    let rendezvous = Rendezvous::from_env()?;
+    if let Some(r) = &rendezvous {
+        if let Device::Cuda(_) = config.device {
+            // One GPU per local rank, as torchrun users set with LOCAL_RANK.
+            config.device = Device::Cuda(r.local_rank);
+        }
+    }
+    let resume = args.resume.as_deref();
     match config.backend {
         BackendKind::Torch => {
-            train_on::<kiln::torch::TorchBackend>(&config, args.resume.as_deref())
+            train_on::<kiln::torch::TorchBackend>(&config, resume, rendezvous.as_ref())
         }
-        BackendKind::Tensorflow => train_on::<kiln::tf::TfBackend>(&config, args.resume.as_deref()),
+        BackendKind::Tensorflow => {
+            train_on::<kiln::tf::TfBackend>(&config, resume, rendezvous.as_ref())
+        }
     }
+}
+
+/// Where a rank other than 0 resumes from: the checkpoint rank 0 resumes from
+/// (the run directory must be visible to every rank, as in PyTorch); rank 0
+/// alone checks and writes the directory.
+fn follower_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
+    Ok(match resume {
+        None => None,
+        Some("auto") => Checkpointer::latest(&config.output_dir.join("checkpoints"))?,
+        Some(path) => Some(PathBuf::from(path)),
+    })
 }
 
 /// Where a training run starts: afresh, or from a checkpoint.
@@ -260,19 +285,36 @@ fn load_resume_checkpoint(config: &RunConfig, path: &Path) -> Result<Checkpoint>
     Ok(checkpoint)
 }
 
-fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result<()> {
+fn train_on<B: TrainBackend>(
+    config: &RunConfig,
+    resume: Option<&str>,
+    rendezvous: Option<&Rendezvous>,
+) -> Result<()> {
     let started = Instant::now();
     let out = &config.output_dir;
+    // Rank 0 of a data-parallel job (or a single process) writes the run
+    // directory, logs, plots and checkpoints; the other ranks only train.
+    let primary = rendezvous.is_none_or(Rendezvous::is_primary);
 
     // Everything that can be checked is checked before the first byte is written.
-    let resume_from = resolve_resume(config, resume)?;
+    let resume_from = if primary {
+        resolve_resume(config, resume)?
+    } else {
+        follower_resume(config, resume)?
+    };
     let data = load_data(config)?;
     let (n_train, n_val) = (
         data.train.1.dims()[0],
         data.val.as_ref().map_or(0, |v| v.1.dims()[0]),
     );
-    let train_loader = loader(data.train, config, true)?;
-    let val_loader = data.val.map(|v| loader(v, config, false)).transpose()?;
+    let shard = rendezvous.map(|r| (r.rank, r.world_size));
+    let train_loader = loader(data.train, config, true, shard)?;
+    // Every rank validates on the whole split: the same metrics everywhere, so
+    // early stopping and plateau schedules decide alike.
+    let val_loader = data
+        .val
+        .map(|v| loader(v, config, false, None))
+        .transpose()?;
 
     let mut training = config.training.clone();
     training.seed = config.seed;
@@ -280,6 +322,17 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     B::manual_seed(config.seed);
     let mut model = B::build_model(&config.model, config.device)?;
     B::set_precision(&mut model, config.training.precision)?;
+    if let Some(r) = rendezvous {
+        let options = config.distributed.options(config.device);
+        let group = ProcessGroup::join(r, &options)?;
+        if primary {
+            println!(
+                "kiln: rank 0 of {} ({}, {} backend)",
+                r.world_size, r.launcher, options.backend
+            );
+        }
+        B::distribute(&mut model, Arc::new(group), &options)?;
+    }
     let optimizer = B::build_optimizer(&config.optimizer, &model, &config.param_groups)?;
     let scheduler = match &config.schedule {
         Some(s) => Some(s.build(&optimizer.learning_rates())?),
@@ -289,6 +342,30 @@ fn train_on<B: TrainBackend>(config: &RunConfig, resume: Option<&str>) -> Result
     if let Some(path) = &resume_from {
         let checkpoint = load_resume_checkpoint(config, path)?;
         Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
+    }
+
+    if !primary {
+        let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
+        for name in &config.logging.metrics {
+            trainer = trainer.with_metric(
+                kiln::train::metric_by_name(name)
+                    .with_context(|| format!("unknown metric {name}"))?,
+            );
+        }
+        if let Some(es) = &config.early_stopping {
+            trainer = trainer.with_callback(EarlyStopping::new(
+                es.monitor.clone(),
+                es.mode,
+                es.patience,
+                es.min_delta,
+            ));
+        }
+        trainer.fit(
+            &mut state,
+            train_loader.as_ref(),
+            val_loader.as_ref().map(|v| v.as_ref()),
+        )?;
+        return Ok(());
     }
 
     // From here on the run writes, holding its directory's lock.
@@ -443,7 +520,7 @@ fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
     let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device)?;
-    let val = loader(validation_split(config)?, config, false)?;
+    let val = loader(validation_split(config)?, config, false, None)?;
     let mut training = config.training.clone();
     training.device = device;
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
@@ -482,7 +559,7 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
     let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device)?;
     let (x, y) = validation_split(config)?;
     let labels = y.as_slice::<i64>()?.to_vec();
-    let val = loader((x, y), config, false)?;
+    let val = loader((x, y), config, false, None)?;
     let mut training = config.training.clone();
     training.device = device;
     let outputs =
