@@ -5,6 +5,7 @@
 //! kiln eval --config CONFIG --checkpoint runs/digits-cnn/checkpoints/last.safetensors
 //! kiln predict --config CONFIG --checkpoint CKPT --output predictions.csv
 //! kiln inspect runs/digits-cnn/checkpoints/last.safetensors
+//! kiln launch --nproc-per-node 2 -- train --config CONFIG   # N workers, as torchrun
 //! ```
 
 use std::io::Write;
@@ -26,6 +27,7 @@ use kiln::train::{
 mod config;
 mod data;
 mod inspect;
+mod launch;
 
 use data::{load_data, loader, validation_split};
 
@@ -54,6 +56,11 @@ enum Command {
         /// A checkpoint file, or a SavedModel directory.
         checkpoint: PathBuf,
     },
+    /// Start N worker processes on this node for data-parallel training, as
+    /// `torchrun --standalone --nproc-per-node N --no-python` does: each runs
+    /// `kiln ARGS` (or `--exec PROGRAM ARGS`) with RANK, WORLD_SIZE, MASTER_ADDR,
+    /// MASTER_PORT and torchrun's other variables set.
+    Launch(launch::LaunchArgs),
 }
 
 #[derive(Args)]
@@ -132,19 +139,27 @@ fn main() {
         .init();
     if let Err(error) = run(Cli::parse()) {
         eprintln!("error: {error:#}");
-        std::process::exit(1);
+        // Interrupted by a signal: exit as the shell reports a process it killed.
+        let code = error
+            .downcast_ref::<launch::Interrupted>()
+            .map_or(1, launch::Interrupted::exit_code);
+        std::process::exit(code);
     }
 }
 
 fn run(cli: Cli) -> Result<()> {
     // Configs can then use Kiln's fused ops as layers (`type = "custom", op = "kiln::swish"`).
+    // The launcher only starts processes: its workers register them.
     #[cfg(feature = "ops")]
-    kiln::ops::register_layers()?;
+    if !matches!(cli.command, Command::Launch(_)) {
+        kiln::ops::register_layers()?;
+    }
     match cli.command {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),
         Command::Predict(args) => predict(args),
         Command::Inspect { checkpoint } => inspect::inspect(&checkpoint),
+        Command::Launch(args) => launch::launch(args),
     }
 }
 
