@@ -439,6 +439,7 @@ fn checkpoints_resume_across_backends() {
             epoch: 0,
             batch_in_epoch: 10,
             seed: 7,
+            world_size: 1,
             backend: backend.to_owned(),
             optimizer_kind: None,
             model_definition: Some(case.spec.clone()),

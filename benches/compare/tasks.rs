@@ -523,6 +523,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             epoch: 0,
             batch_in_epoch: 0,
             seed: 0,
+            world_size: 1,
             backend: "torch".into(),
             optimizer_kind: None,
             model_definition: Some(spec.clone()),

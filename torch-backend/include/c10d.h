@@ -54,6 +54,8 @@ class DistGroup {
   // The store's key-value interface, under the group's prefix.
   void store_set(rust::Str key, rust::Slice<const std::uint8_t> value) const;
   rust::Vec<std::uint8_t> store_get(rust::Str key) const;
+  // Whether `key` is set, without waiting.
+  bool store_check(rust::Str key) const;
 
   std::unique_ptr<State> state_;
 };

@@ -135,7 +135,15 @@ fn data_parallel_step(
         TorchBackend::scale(&loss, plan.scale)?
     };
     ddp.after_forward(&scaled, plan.apply)?;
-    TorchBackend::backward(&scaled)?;
+    TorchBackend::backward(&scaled).map_err(
+        |e| {
+            if plan.apply {
+                ddp.backward_error(e)
+            } else {
+                e
+            }
+        },
+    )?;
     if plan.apply {
         if let Some(clip) = plan.clip {
             TorchBackend::clip_gradients(&model.named_parameters()?, clip)?;

@@ -241,8 +241,12 @@ fn a_dead_rank_fails_the_next_collective() -> Result<()> {
         std::process::exit(17);
     }
     let start = Instant::now();
-    let err = group.all_reduce(&t, ReduceOp::Sum).err();
-    assert!(err.is_some(), "an all-reduce with a dead peer succeeded");
+    let err = group.all_reduce(&t, ReduceOp::Sum).err().map(|e| e.to_string());
+    let message = err.expect("an all-reduce with a dead peer succeeded");
+    assert!(
+        message.contains("rank 1 of 2 stopped responding"),
+        "the error does not name the dead rank: {message}"
+    );
     assert!(
         start.elapsed() < Duration::from_secs(30),
         "{:?}",

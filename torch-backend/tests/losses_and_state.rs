@@ -252,6 +252,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 epoch: 0,
                 batch_in_epoch: 2,
                 seed: 5,
+                world_size: 1,
                 backend: "torch".into(),
                 optimizer_kind: None,
                 model_definition: Some(cnn()),

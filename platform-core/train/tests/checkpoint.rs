@@ -49,6 +49,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         epoch: step / 10,
         batch_in_epoch: step % 10,
         seed: 42,
+        world_size: 2,
         backend: "torch".to_owned(),
         optimizer_kind: None,
         model_definition: Some(Layer::from(LinearConfig::new(2, 2))),

@@ -354,13 +354,16 @@ fn train_on<B: TrainBackend>(
         None => None,
     };
     let mut state = TrainingState::<B>::new(model, optimizer, scheduler);
+    let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
-        let checkpoint = load_resume_checkpoint(config, path)?;
+        let mut checkpoint = load_resume_checkpoint(config, path)?;
+        reshard(&mut checkpoint, world_size, path)?;
         Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
     }
 
     if !primary {
-        let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
+        let mut trainer =
+            Trainer::<B>::new(training, config.loss.clone())?.with_world_size(world_size);
         for name in &config.logging.metrics {
             trainer = trainer.with_metric(
                 kiln::train::metric_by_name(name)
@@ -408,10 +411,12 @@ fn train_on<B: TrainBackend>(
     );
 
     let checkpoints = out.join("checkpoints");
-    let mut trainer = Trainer::<B>::new(training, config.loss.clone())?.with_checkpointer(
-        Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
-        Some(config.model.clone()),
-    );
+    let mut trainer = Trainer::<B>::new(training, config.loss.clone())?
+        .with_world_size(world_size)
+        .with_checkpointer(
+            Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
+            Some(config.model.clone()),
+        );
     for name in &config.logging.metrics {
         let make =
             kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
@@ -492,6 +497,36 @@ fn train_on<B: TrainBackend>(
         weights.display(),
         checkpoints.display()
     );
+    Ok(())
+}
+
+/// Moves a checkpoint's position in its epoch to `world_size` ranks: each rank
+/// counts its own batches, so the same global position is `batch_in_epoch *
+/// old / new` batches per rank (with the same batch size), which must be whole.
+/// Every rank then takes its share of the rest of the epoch's global order.
+fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<()> {
+    let old = checkpoint.world_size.max(1);
+    if old == world_size {
+        return Ok(());
+    }
+    let consumed = checkpoint.batch_in_epoch * old;
+    if consumed % world_size != 0 {
+        anyhow::bail!(
+            "checkpoint {}: written by {old} ranks after {} batches each of epoch {}, which is \
+             not a whole number of batches for {world_size} ranks; resume with {old} ranks, or \
+             from a checkpoint written at the end of an epoch",
+            path.display(),
+            checkpoint.batch_in_epoch,
+            checkpoint.epoch
+        );
+    }
+    log::info!(
+        "resuming a run of {old} ranks on {world_size}: epoch {} continues at batch {} of each rank",
+        checkpoint.epoch,
+        consumed / world_size
+    );
+    checkpoint.batch_in_epoch = consumed / world_size;
+    checkpoint.world_size = world_size;
     Ok(())
 }
 

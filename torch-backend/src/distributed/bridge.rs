@@ -87,6 +87,7 @@ pub(crate) mod ffi {
         fn verify_same_tensors(self: &DistGroup, tensors: &TensorList) -> Result<()>;
         fn store_set(self: &DistGroup, key: &str, value: &[u8]) -> Result<()>;
         fn store_get(self: &DistGroup, key: &str) -> Result<Vec<u8>>;
+        fn store_check(self: &DistGroup, key: &str) -> Result<bool>;
 
         type DdpReducer;
         fn new_ddp_reducer(

@@ -230,6 +230,10 @@ rust::Vec<std::uint8_t> DistGroup::store_get(rust::Str key) const {
   return out;
 }
 
+bool DistGroup::store_check(rust::Str key) const {
+  return rethrowing("store check", [&] { return state_->store->check({to_string(key)}); });
+}
+
 struct DdpReducer::State {
   std::shared_ptr<c10d::Reducer> reducer;
   bool find_unused_parameters = false;

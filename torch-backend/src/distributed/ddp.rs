@@ -170,6 +170,15 @@ impl DistributedDataParallel {
             .map_err(|e| torch_error("loss mean", e))
     }
 
+    /// The error of a backward pass that failed while the reducer was
+    /// averaging its gradients: a rank gone is named (see
+    /// [`ProcessGroup`]'s collectives).
+    pub(crate) fn backward_error(&self, error: Error) -> Error {
+        let cause = error.display_chain().to_string();
+        self.group
+            .diagnose("backward (gradient all-reduce)", &cause)
+    }
+
     fn reducer_error(&self, e: cxx::Exception) -> Error {
         let message = e.what();
         if message.contains("find_unused_parameters") {

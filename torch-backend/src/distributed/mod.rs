@@ -29,6 +29,7 @@ mod ddp;
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cxx::UniquePtr;
 use kiln_core::distributed::{
@@ -60,6 +61,7 @@ pub struct ProcessGroup {
     rank: usize,
     world_size: usize,
     nccl: bool,
+    timeout: Duration,
     /// Serialises calls: c10d matches collectives across ranks by order.
     order: Mutex<()>,
 }
@@ -171,6 +173,7 @@ impl ProcessGroup {
             rank: rendezvous.rank,
             world_size: rendezvous.world_size,
             nccl,
+            timeout: options.timeout,
             order: Mutex::new(()),
         })
     }
@@ -206,7 +209,7 @@ impl ProcessGroup {
     pub fn all_reduce(&self, tensor: &Tensor, op: ReduceOp) -> Result<()> {
         self.check_device(tensor, "all_reduce")?;
         self.with(|g| g.all_reduce(as_at(tensor), reduce_kind(op)))
-            .map_err(|e| c10d_error("all_reduce", e))?;
+            .map_err(|e| self.diagnose("all_reduce", e.what()))?;
         if op == ReduceOp::Mean {
             let _ = tensor
                 .shallow_clone()
@@ -221,7 +224,7 @@ impl ProcessGroup {
         self.check_device(tensor, "broadcast")?;
         let root = self.check_root(root)?;
         self.with(|g| g.broadcast(as_at(tensor), root))
-            .map_err(|e| c10d_error("broadcast", e))
+            .map_err(|e| self.diagnose("broadcast", e.what()))
     }
 
     /// Every rank's `tensor`, stacked along a new leading axis of length
@@ -230,7 +233,7 @@ impl ProcessGroup {
         self.check_device(tensor, "all_gather")?;
         let out = self
             .with(|g| g.all_gather(as_at(tensor)))
-            .map_err(|e| c10d_error("all_gather", e))?;
+            .map_err(|e| self.diagnose("all_gather", e.what()))?;
         from_at(out)
     }
 
@@ -245,7 +248,7 @@ impl ProcessGroup {
     pub fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<()> {
         let kind = reduce_kind(op);
         self.with(|g| g.all_reduce_host_f32(data, kind))
-            .map_err(|e| c10d_error("all_reduce", e))?;
+            .map_err(|e| self.diagnose("all_reduce", e.what()))?;
         if op == ReduceOp::Mean {
             let n = self.world_size as f32;
             data.iter_mut().for_each(|x| *x /= n);
@@ -276,7 +279,7 @@ impl ProcessGroup {
         let root = self.check_root(root)?;
         let list = tensor_list(tensors);
         self.with(|g| g.broadcast_coalesced(&list, buffer_bytes, root))
-            .map_err(|e| c10d_error("broadcast_coalesced", e))
+            .map_err(|e| self.diagnose("broadcast_coalesced", e.what()))
     }
 
     /// The store's key-value interface, shared by every rank of this attempt.
@@ -289,6 +292,53 @@ impl ProcessGroup {
     pub fn store_get(&self, key: &str) -> Result<Vec<u8>> {
         self.with(|g| g.store_get(key))
             .map_err(|e| c10d_error(format!("store get {key:?}"), e))
+    }
+
+    /// The error of a failed collective (`context`, c10d's `cause`), naming
+    /// the ranks that are gone: every surviving rank marks itself in the store
+    /// and waits a few seconds for the others' marks; a rank without one has
+    /// died or become unreachable. When the store itself is gone, so is rank 0,
+    /// which hosts it (unless torchrun's agent does).
+    pub(crate) fn diagnose(&self, context: &str, cause: &str) -> Error {
+        let key = |rank: usize| format!("kiln/survivor/{rank}");
+        let marked = self.inner.store_set(&key(self.rank), b"1");
+        if marked.is_err() {
+            return Error::distributed(
+                context,
+                format!(
+                    "rank {} lost the rendezvous store (rank 0, or torchrun's agent, hosts \
+                     it): rank 0 has probably died; c10d said: {cause}",
+                    self.rank
+                ),
+            );
+        }
+        let wait = self.timeout.min(Duration::from_secs(5));
+        let start = Instant::now();
+        let missing = loop {
+            let missing: Vec<usize> = (0..self.world_size)
+                .filter(|&r| !matches!(self.inner.store_check(&key(r)), Ok(true)))
+                .collect();
+            if missing.is_empty() || start.elapsed() >= wait {
+                break missing;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        if missing.is_empty() {
+            return Error::distributed(
+                context,
+                format!("every rank is still there, but the collective failed: {cause}"),
+            );
+        }
+        let names: Vec<String> = missing.iter().map(usize::to_string).collect();
+        Error::distributed(
+            context,
+            format!(
+                "rank {} of {} stopped responding (its process died or its machine is \
+                 unreachable); c10d said: {cause}",
+                names.join(", "),
+                self.world_size
+            ),
+        )
     }
 
     fn check_root(&self, root: usize) -> Result<i32> {

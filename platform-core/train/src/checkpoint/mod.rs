@@ -11,6 +11,7 @@
 //! | metadata `kiln.version`, `kiln.backend` | who wrote it |
 //! | metadata `kiln.step`, `kiln.epoch`, `kiln.batch_in_epoch` | where training stood |
 //! | metadata `kiln.seed` | the run's seed (randomness is re-derived from seed and step) |
+//! | metadata `kiln.world_size` | the number of data-parallel ranks (absent: 1) |
 //! | metadata `kiln.optimizer` | the optimizer's algorithm (`adamw`, ...), when known |
 //! | metadata `kiln.optimizer_tensors` | how many `optimizer.*` tensors the file holds |
 //! | metadata `kiln.model` | the model definition ([`kiln_core::model::Layer`], JSON) |
@@ -62,6 +63,9 @@ pub struct Checkpoint<S = StateDict> {
     pub batch_in_epoch: u64,
     /// The run's seed.
     pub seed: u64,
+    /// How many data-parallel ranks trained it (1 for one process):
+    /// `batch_in_epoch` counts each rank's batches.
+    pub world_size: u64,
     /// Which backend wrote it (`"torch"`, `"tensorflow"`).
     pub backend: String,
     /// The optimizer's algorithm ([`OptimizerConfig::kind`](kiln_core::optim::OptimizerConfig::kind)),
@@ -99,6 +103,7 @@ impl<S: WritableState> Checkpoint<S> {
             self.batch_in_epoch.to_string(),
         );
         meta.insert("kiln.seed".to_owned(), self.seed.to_string());
+        meta.insert("kiln.world_size".to_owned(), self.world_size.to_string());
         if let Some(kind) = &self.optimizer_kind {
             meta.insert("kiln.optimizer".to_owned(), kind.clone());
         }
@@ -232,6 +237,11 @@ impl Checkpoint {
             epoch: number("kiln.epoch")?,
             batch_in_epoch: number("kiln.batch_in_epoch")?,
             seed: number("kiln.seed")?,
+            // Checkpoints written before data-parallel training: one process.
+            world_size: match meta.get("kiln.world_size") {
+                Some(_) => number("kiln.world_size")?,
+                None => 1,
+            },
             backend: meta.get("kiln.backend").cloned().unwrap_or_default(),
             optimizer_kind: meta.get("kiln.optimizer").cloned(),
             model_definition,

@@ -258,6 +258,7 @@ pub struct Trainer<B: TrainBackend> {
     sinks: Vec<Box<dyn MetricSink>>,
     checkpointer: Option<Checkpointer>,
     model_definition: Option<Layer>,
+    world_size: u64,
     _backend: std::marker::PhantomData<B>,
 }
 
@@ -300,6 +301,7 @@ impl<B: TrainBackend> Trainer<B> {
             sinks: Vec::new(),
             checkpointer: None,
             model_definition: None,
+            world_size: 1,
             _backend: std::marker::PhantomData,
         })
     }
@@ -328,6 +330,14 @@ impl<B: TrainBackend> Trainer<B> {
         self
     }
 
+    /// Records that this is one of `world_size` data-parallel ranks (see
+    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)),
+    /// which its checkpoints say: each rank counts only its own batches.
+    pub fn with_world_size(mut self, world_size: u64) -> Self {
+        self.world_size = world_size.max(1);
+        self
+    }
+
     /// Saves checkpoints with `checkpointer`; `definition` is recorded in them.
     pub fn with_checkpointer(
         mut self,
@@ -353,6 +363,7 @@ impl<B: TrainBackend> Trainer<B> {
             epoch: state.epoch,
             batch_in_epoch: state.batch_in_epoch,
             seed: self.config.seed,
+            world_size: self.world_size,
             backend: B::NAME.to_owned(),
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),

@@ -1,0 +1,320 @@
+//! Data-parallel training through the CLI, as users launch it: `kiln launch`
+//! and `torchrun --no-python`, two ranks on this machine (Gloo over loopback).
+//!
+//! - two ranks of batch B train what one rank of batch 2B trains (an MLP:
+//!   no batch statistics, no dropout), with the same data order
+//!   (`DistributedSampler`'s) and gradient accumulation;
+//! - torchrun drives the same binary to the same result;
+//! - a rank killed mid-run stops the job with an error naming it, and
+//!   `--resume auto` finishes with the weights of an uninterrupted run;
+//! - a run resumes on another number of ranks.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{digits_available, losses, scratch, serial, KILN};
+use kiln::core::state_dict::StateDict;
+use kiln::train::Checkpoint;
+
+mod common;
+
+/// An MLP on the digits without dropout or batch norm, so that ranks of B rows
+/// and one process of 2B rows compute the same gradients.
+fn config(dir: &Path) -> PathBuf {
+    let text = format!(
+        r#"
+seed = 5
+output_dir = "{out}"
+
+[data]
+dataset = "digits"
+batch_size = 32
+drop_last = true
+workers = 1
+scale = 16.0
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "linear", in_features = 64, out_features = 48 }},
+  {{ type = "relu" }},
+  {{ type = "linear", in_features = 48, out_features = 10 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.003
+
+[training]
+epochs = 2
+log_every = 1
+accumulate = 2
+
+[training.clip]
+type = "norm"
+max_norm = 1.0
+
+[checkpoint]
+every_n_steps = 5
+keep_last = 2
+
+[distributed]
+backend = "gloo"
+timeout = 60
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join("default-out").display()
+    );
+    let path = dir.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn run(program: &str, args: &[&str]) -> Output {
+    Command::new(program)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap()
+}
+
+fn succeeded(out: &Output, what: &str) {
+    assert!(
+        out.status.success(),
+        "{what} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `kiln launch --nproc-per-node n -- train --config cfg --output out extra...`.
+fn launch(n: usize, cfg: &Path, out: &Path, extra: &[&str]) -> Output {
+    let n = n.to_string();
+    let mut args = vec![
+        "launch",
+        "--nproc-per-node",
+        &n,
+        "--",
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    run(KILN, &args)
+}
+
+fn weights(run: &Path) -> Vec<(String, Vec<f64>)> {
+    let (state, _) = StateDict::load_safetensors(run.join("model.safetensors")).unwrap();
+    state
+        .iter()
+        .map(|(k, t)| (k.clone(), t.to_f64_vec()))
+        .collect()
+}
+
+fn max_weight_diff(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (weights(a), weights(b));
+    assert_eq!(a.len(), b.len());
+    let mut max = 0.0f64;
+    for ((ka, va), (kb, vb)) in a.iter().zip(&b) {
+        assert_eq!(ka, kb);
+        for (x, y) in va.iter().zip(vb) {
+            max = max.max((x - y).abs());
+        }
+    }
+    max
+}
+
+fn max_loss_diff(a: &Path, b: &Path) -> f64 {
+    let (a, b) = (losses(a), losses(b));
+    assert_eq!(a.len(), b.len(), "number of steps");
+    a.iter()
+        .zip(&b)
+        .map(|((_, x), (_, y))| {
+            let (x, y): (f64, f64) = (x.parse().unwrap(), y.parse().unwrap());
+            (x - y).abs()
+        })
+        .fold(0.0, f64::max)
+}
+
+#[test]
+fn two_ranks_of_b_train_what_one_rank_of_2b_trains() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-equal");
+    let cfg = config(&dir);
+    let (two, one) = (dir.join("two"), dir.join("one"));
+    succeeded(&launch(2, &cfg, &two, &["--batch-size", "16"]), "2 ranks");
+    succeeded(&launch(1, &cfg, &one, &["--batch-size", "32"]), "1 rank");
+    let steps = losses(&two).len();
+    assert!(steps > 40, "{steps} steps");
+    let (dl, dw) = (max_loss_diff(&two, &one), max_weight_diff(&two, &one));
+    eprintln!("2 ranks x 16 vs 1 rank x 32: {steps} steps, loss diff {dl:e}, weight diff {dw:e}");
+    assert!(dl < 1e-5, "losses differ by {dl}");
+    assert!(dw < 1e-5, "weights differ by {dw}");
+    // Only rank 0 wrote the run; its checkpoints say how many ranks trained.
+    let last = Checkpoint::load(&two.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!(last.world_size, 2);
+}
+
+#[test]
+fn torchrun_drives_the_cli() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let torchrun = kiln_testkit::workspace_root().join(".kiln/venv/bin/torchrun");
+    if !torchrun.exists() {
+        kiln_testkit::skip("torchrun_drives_the_cli", "no torchrun in .kiln/venv");
+        return;
+    }
+    let dir = scratch("ddp-torchrun");
+    let cfg = config(&dir);
+    let (ours, theirs) = (dir.join("kiln-launch"), dir.join("torchrun"));
+    let extra = ["--batch-size", "16", "--epochs", "1"];
+    succeeded(&launch(2, &cfg, &ours, &extra), "kiln launch");
+    let mut args = vec![
+        "--standalone",
+        "--nproc-per-node=2",
+        "--no-python",
+        KILN,
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        theirs.to_str().unwrap(),
+    ];
+    args.extend_from_slice(&extra);
+    succeeded(&run(torchrun.to_str().unwrap(), &args), "torchrun");
+    let (dl, dw) = (
+        max_loss_diff(&theirs, &ours),
+        max_weight_diff(&theirs, &ours),
+    );
+    eprintln!("torchrun vs kiln launch: loss diff {dl:e}, weight diff {dw:e}");
+    assert!(dl < 1e-6 && dw < 1e-6, "losses {dl}, weights {dw}");
+}
+
+/// The pid of the child of `parent` whose environment has `RANK=rank`.
+fn rank_pid(parent: u32, rank: usize) -> Option<u32> {
+    let want = format!("RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let has_rank = environ.split(|&b| b == 0).any(|v| v == want.as_bytes());
+        (ppid == parent && has_rank).then_some(pid)
+    })
+}
+
+#[test]
+fn a_killed_rank_stops_the_job_and_resume_auto_finishes_it() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-kill");
+    let cfg = config(&dir);
+    let (whole, killed) = (dir.join("whole"), dir.join("killed"));
+    let extra = ["--batch-size", "16", "--epochs", "4", "--resume", "auto"];
+    succeeded(&launch(2, &cfg, &whole, &extra), "uninterrupted");
+
+    let mut launcher = Command::new(KILN)
+        .args(["launch", "--nproc-per-node", "2", "--", "train", "--config"])
+        .arg(&cfg)
+        .arg("--output")
+        .arg(&killed)
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let target = killed.join("checkpoints/step-00000020.safetensors");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !target.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint at {}",
+            target.display()
+        );
+        assert!(
+            launcher.try_wait().unwrap().is_none(),
+            "the run ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(launcher.id(), 1).expect("rank 1's process");
+    let killed_at = Instant::now();
+    let status = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = launcher.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the job survived a dead rank");
+    assert!(killed_at.elapsed() < Duration::from_secs(60));
+    assert!(
+        stderr.contains("rank 1"),
+        "the error does not name rank 1:\n{stderr}"
+    );
+
+    succeeded(&launch(2, &cfg, &killed, &extra), "resumed");
+    let dw = max_weight_diff(&killed, &whole);
+    eprintln!("killed and resumed vs uninterrupted: weight diff {dw:e}");
+    assert!(dw < 1e-6, "weights differ by {dw}");
+}
+
+#[test]
+fn a_run_resumes_on_another_number_of_ranks() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-reshard");
+    let cfg = config(&dir);
+    let out = dir.join("run");
+    // Two ranks for one epoch, then one rank (twice the batch) for the second.
+    succeeded(
+        &launch(2, &cfg, &out, &["--batch-size", "16", "--epochs", "1"]),
+        "2 ranks",
+    );
+    let first = Checkpoint::load(&out.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!(
+        (first.world_size, first.epoch, first.batch_in_epoch),
+        (2, 1, 0)
+    );
+    succeeded(
+        &launch(
+            1,
+            &cfg,
+            &out,
+            &["--batch-size", "32", "--epochs", "2", "--resume", "auto"],
+        ),
+        "1 rank",
+    );
+    let last = Checkpoint::load(&out.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!((last.world_size, last.epoch), (1, 2));
+    assert_eq!(last.step, 2 * first.step);
+}
