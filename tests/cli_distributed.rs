@@ -124,6 +124,17 @@ fn weights(run: &Path) -> Vec<(String, Vec<f64>)> {
         .collect()
 }
 
+/// A column of epochs.csv.
+fn epoch_column(run: &Path, name: &str) -> Vec<f64> {
+    let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == name).unwrap();
+    lines
+        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
+        .collect()
+}
+
 fn max_weight_diff(a: &Path, b: &Path) -> f64 {
     let (a, b) = (weights(a), weights(b));
     assert_eq!(a.len(), b.len());
@@ -166,6 +177,15 @@ fn two_ranks_of_b_train_what_one_rank_of_2b_trains() {
     eprintln!("2 ranks x 16 vs 1 rank x 32: {steps} steps, loss diff {dl:e}, weight diff {dw:e}");
     assert!(dl < 1e-5, "losses differ by {dl}");
     assert!(dw < 1e-5, "weights differ by {dw}");
+    // Validation is sharded without padding and the metric states are added up
+    // across ranks: the values over the whole split, as one process gets them.
+    for column in ["val_loss", "val_accuracy"] {
+        let (a, b) = (epoch_column(&two, column), epoch_column(&one, column));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-5, "{column}: {x} vs {y}");
+        }
+    }
     // Only rank 0 wrote the run; its checkpoints say how many ranks trained.
     let last = Checkpoint::load(&two.join("checkpoints/last.safetensors")).unwrap();
     assert_eq!(last.world_size, 2);

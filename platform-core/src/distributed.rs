@@ -59,6 +59,9 @@ pub trait Collectives: Send + Sync {
     fn world_size(&self) -> usize;
     /// Reduces `data` in place over every rank (no copy of `data` is made).
     fn all_reduce_f32(&self, data: &mut [f32], op: ReduceOp) -> Result<()>;
+    /// Reduces `data` in place over every rank, in double precision (counts
+    /// and sums of metrics).
+    fn all_reduce_f64(&self, data: &mut [f64], op: ReduceOp) -> Result<()>;
     /// Replaces `data` on every rank with rank `root`'s.
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()>;
     /// Returns once every rank has called it.

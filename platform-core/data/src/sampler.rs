@@ -61,6 +61,7 @@ pub struct DistributedSampler {
     rank: usize,
     seed: Option<u64>,
     drop_last: bool,
+    pad: bool,
 }
 
 impl DistributedSampler {
@@ -86,6 +87,7 @@ impl DistributedSampler {
             rank,
             seed: None,
             drop_last: false,
+            pad: true,
         })
     }
 
@@ -95,6 +97,16 @@ impl DistributedSampler {
     /// matter to PyTorch's generator).
     pub fn shuffle(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
+        self
+    }
+
+    /// Without padding (and without `drop_last`): every sample exactly once,
+    /// the ranks' shares differing by at most one. Not PyTorch's training
+    /// sampler (whose ranks must take the same number of steps), but what
+    /// evaluation over a whole split needs: Kiln's trainer shards validation
+    /// this way and adds the ranks' metric states up.
+    pub fn without_padding(mut self) -> Self {
+        self.pad = false;
         self
     }
 
@@ -134,6 +146,9 @@ impl DistributedSampler {
     /// `ceil((n - num_replicas) / num_replicas)` when `n % num_replicas != 0`,
     /// which is the same number, 0 when `n < num_replicas`.
     pub fn num_samples(&self, n: usize) -> usize {
+        if !self.pad && !self.drop_last {
+            return n.saturating_sub(self.rank).div_ceil(self.num_replicas);
+        }
         if self.drop_last {
             n / self.num_replicas
         } else {
@@ -144,6 +159,9 @@ impl DistributedSampler {
     /// Length of the [`global_order`](DistributedSampler::global_order) all
     /// ranks share: `num_samples(n) * num_replicas`.
     pub fn total_size(&self, n: usize) -> usize {
+        if !self.pad && !self.drop_last {
+            return n;
+        }
         self.num_samples(n) * self.num_replicas
     }
 
@@ -265,6 +283,7 @@ impl Sampler for ShardSampler {
                 rank: 0,
                 seed: None,
                 drop_last: false,
+                pad: true,
             },
             len: data_source_len,
             epoch: 0,
@@ -486,5 +505,23 @@ mod tests {
         let sharded = LoaderSampler::from(sampler(2, 1).shard(5, 2));
         assert_eq!(sharded.indices(), [1, 3, 0]);
         assert_eq!(Len::len(&sharded), 3);
+    }
+
+    #[test]
+    fn without_padding_every_sample_once() -> Result<()> {
+        for (n, replicas) in [(0, 2), (1, 3), (10, 4), (12, 4), (7, 1)] {
+            let mut seen = Vec::new();
+            for rank in 0..replicas {
+                let s = DistributedSampler::new(replicas, rank)?
+                    .shuffle(3)
+                    .without_padding();
+                let mine = s.indices(n, 2);
+                assert_eq!(mine.len(), s.num_samples(n), "{n} {replicas} {rank}");
+                seen.extend(mine);
+            }
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>(), "{n} {replicas}");
+        }
+        Ok(())
     }
 }

@@ -227,6 +227,9 @@ pub(crate) fn loader(
         let mut sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
         if shuffle {
             sampler = sampler.shuffle(config.seed);
+        } else {
+            // Evaluation: every sample once, the metrics added up across ranks.
+            sampler = sampler.without_padding();
         }
         loader = loader.sampler(sampler);
     }

@@ -16,7 +16,7 @@ use std::time::Instant;
 use crate::config::{BackendKind, RunConfig};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kiln::core::distributed::Rendezvous;
+use kiln::core::distributed::{Collectives, Rendezvous};
 use kiln::core::{backend::TrainBackend, module::Module, precision::FloatPrecision};
 use kiln::prelude::*;
 use kiln::torch::distributed::ProcessGroup;
@@ -324,11 +324,12 @@ fn train_on<B: TrainBackend>(
     );
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
     let train_loader = loader(data.train, config, true, shard)?;
-    // Every rank validates on the whole split: the same metrics everywhere, so
-    // early stopping and plateau schedules decide alike.
+    // Each rank validates on its share of the split (every sample once); the
+    // trainer adds the ranks' metric states up, so every rank gets the values
+    // over the whole split and early stopping and plateau schedules decide alike.
     let val_loader = data
         .val
-        .map(|v| loader(v, config, false, None))
+        .map(|v| loader(v, config, false, shard))
         .transpose()?;
 
     let mut training = config.training.clone();
@@ -337,16 +338,18 @@ fn train_on<B: TrainBackend>(
     B::manual_seed(config.seed);
     let mut model = B::build_model(&config.model, config.device)?;
     B::set_precision(&mut model, config.training.precision)?;
+    let mut group: Option<Arc<dyn Collectives>> = None;
     if let Some(r) = rendezvous {
         let options = config.distributed.options(config.device);
-        let group = ProcessGroup::join(r, &options)?;
+        let joined: Arc<dyn Collectives> = Arc::new(ProcessGroup::join(r, &options)?);
         if primary {
             println!(
                 "kiln: rank 0 of {} ({}, {} backend)",
                 r.world_size, r.launcher, options.backend
             );
         }
-        B::distribute(&mut model, Arc::new(group), &options)?;
+        B::distribute(&mut model, joined.clone(), &options)?;
+        group = Some(joined);
     }
     let optimizer = B::build_optimizer(&config.optimizer, &model, &config.param_groups)?;
     let scheduler = match &config.schedule {
@@ -361,9 +364,12 @@ fn train_on<B: TrainBackend>(
         Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
     }
 
+    let with_group = |trainer: Trainer<B>| match &group {
+        Some(g) => trainer.with_group(g.clone()),
+        None => trainer,
+    };
     if !primary {
-        let mut trainer =
-            Trainer::<B>::new(training, config.loss.clone())?.with_world_size(world_size);
+        let mut trainer = with_group(Trainer::<B>::new(training, config.loss.clone())?);
         for name in &config.logging.metrics {
             trainer = trainer.with_metric(
                 kiln::train::metric_by_name(name)
@@ -383,6 +389,11 @@ fn train_on<B: TrainBackend>(
             train_loader.as_ref(),
             val_loader.as_ref().map(|v| v.as_ref()),
         )?;
+        // Rank 0's final evaluation reduces over every rank.
+        if let Some(val) = &val_loader {
+            state.model.set_mode(Mode::Eval);
+            trainer.evaluate(&mut state.model, val.as_ref())?;
+        }
         return Ok(());
     }
 
@@ -411,8 +422,7 @@ fn train_on<B: TrainBackend>(
     );
 
     let checkpoints = out.join("checkpoints");
-    let mut trainer = Trainer::<B>::new(training, config.loss.clone())?
-        .with_world_size(world_size)
+    let mut trainer = with_group(Trainer::<B>::new(training, config.loss.clone())?)
         .with_checkpointer(
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
             Some(config.model.clone()),

@@ -378,6 +378,14 @@ impl Collectives for ProcessGroup {
         ProcessGroup::all_reduce_f32(self, data, op)
     }
 
+    fn all_reduce_f64(&self, data: &mut [f64], op: ReduceOp) -> Result<()> {
+        let tensor = Tensor::f_from_slice(data).map_err(|e| crate::torch_error("all_reduce", e))?;
+        self.all_reduce(&tensor, op)?;
+        tensor
+            .f_copy_data(data, data.len())
+            .map_err(|e| crate::torch_error("all_reduce", e))
+    }
+
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()> {
         let tensor = Tensor::f_from_slice(data).map_err(|e| crate::torch_error("broadcast", e))?;
         self.broadcast(&tensor, root)?;

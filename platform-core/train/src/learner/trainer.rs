@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -12,6 +13,7 @@ use crate::metric::{LossMetric, Metric};
 use kiln_core::backend::Mode;
 use kiln_core::backend::{StepPlan, TrainBackend};
 use kiln_core::device::Device;
+use kiln_core::distributed::{Collectives, ReduceOp};
 use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::model::Layer;
@@ -259,6 +261,7 @@ pub struct Trainer<B: TrainBackend> {
     checkpointer: Option<Checkpointer>,
     model_definition: Option<Layer>,
     world_size: u64,
+    group: Option<Arc<dyn Collectives>>,
     _backend: std::marker::PhantomData<B>,
 }
 
@@ -282,6 +285,36 @@ fn unknown_metric(key: &str, monitor: &str, record: &EpochRecord) -> Error {
     )
 }
 
+/// Adds up the states of `metrics` over the ranks of `group` (see
+/// [`Metric::state`]): one all-reduce of the state lengths, one of the states.
+fn reduce_metrics(group: &dyn Collectives, metrics: &mut [&mut dyn Metric]) -> Result<()> {
+    let mut states = Vec::with_capacity(metrics.len());
+    for metric in metrics.iter() {
+        states.push(metric.state().ok_or_else(|| {
+            Error::unsupported(format!(
+                "data-parallel evaluation of metric `{}`: it has no additive state \
+                 (Metric::state) to add up across ranks",
+                metric.name()
+            ))
+        })?);
+    }
+    let mut lengths: Vec<f64> = states.iter().map(|s| s.len() as f64).collect();
+    group.all_reduce_f64(&mut lengths, ReduceOp::Max)?;
+    let mut flat = Vec::new();
+    for (state, &len) in states.iter_mut().zip(&lengths) {
+        state.resize(len as usize, 0.0);
+        flat.extend_from_slice(state);
+    }
+    group.all_reduce_f64(&mut flat, ReduceOp::Sum)?;
+    let mut rest = flat.as_slice();
+    for (metric, &len) in metrics.iter_mut().zip(&lengths) {
+        let (mine, tail) = rest.split_at(len as usize);
+        metric.load_state(mine)?;
+        rest = tail;
+    }
+    Ok(())
+}
+
 /// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
 /// resumed run draws exactly what an uninterrupted one would.
 fn step_seed(seed: u64, step: u64) -> u64 {
@@ -302,6 +335,7 @@ impl<B: TrainBackend> Trainer<B> {
             checkpointer: None,
             model_definition: None,
             world_size: 1,
+            group: None,
             _backend: std::marker::PhantomData,
         })
     }
@@ -330,11 +364,18 @@ impl<B: TrainBackend> Trainer<B> {
         self
     }
 
-    /// Records that this is one of `world_size` data-parallel ranks (see
-    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)),
-    /// which its checkpoints say: each rank counts only its own batches.
-    pub fn with_world_size(mut self, world_size: u64) -> Self {
-        self.world_size = world_size.max(1);
+    /// Makes this the trainer of one rank of a data-parallel job over `group`
+    /// (whose model was given to
+    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)):
+    /// evaluation adds up every rank's loss and metric states, so each rank
+    /// gives its share of the validation data (a sampler
+    /// [`without_padding`](kiln_data::DistributedSampler::without_padding)) and
+    /// every rank gets the values over the whole split; checkpoints record the
+    /// world size (each rank counts only its own batches). Only rank 0 should
+    /// be given sinks and a checkpointer.
+    pub fn with_group(mut self, group: Arc<dyn Collectives>) -> Self {
+        self.world_size = group.world_size() as u64;
+        self.group = Some(group);
         self
     }
 
@@ -618,6 +659,11 @@ impl<B: TrainBackend> Trainer<B> {
             for metric in &mut metrics {
                 metric.update(&output, &batch.targets)?;
             }
+        }
+        if let Some(group) = &self.group {
+            let mut all: Vec<&mut dyn Metric> = vec![&mut loss];
+            all.extend(metrics.iter_mut().map(|m| m.as_mut() as &mut dyn Metric));
+            reduce_metrics(group.as_ref(), &mut all)?;
         }
         let mut out = vec![("loss".to_owned(), loss.compute()?)];
         for metric in &metrics {

@@ -47,4 +47,14 @@ impl Metric for Accuracy {
     fn reset(&mut self) {
         *self = Self::default();
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(vec![self.correct as f64, self.total as f64])
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        let (correct, total) = super::pair("accuracy", state)?;
+        (self.correct, self.total) = (correct as u64, total as u64);
+        Ok(())
+    }
 }

@@ -88,6 +88,32 @@ impl ClassCounts {
         Ok(sum / labels as f64)
     }
 
+    /// `tp`, `fp` and `fn` per class, concatenated (empty before any batch).
+    pub(super) fn state(&self) -> Vec<f64> {
+        self.tp
+            .iter()
+            .chain(&self.fp)
+            .chain(&self.fn_)
+            .map(|&c| c as f64)
+            .collect()
+    }
+
+    /// The counts from a [`state`](Self::state) (or a sum of them).
+    pub(super) fn load_state(&mut self, metric: &str, state: &[f64]) -> Result<()> {
+        if state.len() % 3 != 0 {
+            return Err(super::bad_state(metric, "3 counts per class", state.len()));
+        }
+        let classes = state.len() / 3;
+        let counts = |part: usize| -> Vec<u64> {
+            state[part * classes..(part + 1) * classes]
+                .iter()
+                .map(|&c| c as u64)
+                .collect()
+        };
+        (self.tp, self.fp, self.fn_) = (counts(0), counts(1), counts(2));
+        Ok(())
+    }
+
     /// Forgets all counts, including the number of classes.
     pub(super) fn reset(&mut self) {
         *self = Self::default();

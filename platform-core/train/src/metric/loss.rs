@@ -130,6 +130,16 @@ impl Metric for LossMetric {
         self.sum = 0.0;
         self.samples = 0;
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(vec![self.sum, self.samples as f64])
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        let (sum, samples) = super::pair(&self.name, state)?;
+        (self.sum, self.samples) = (sum, samples as u64);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

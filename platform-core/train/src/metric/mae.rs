@@ -94,6 +94,16 @@ impl Metric for MeanAbsoluteError {
     fn reset(&mut self) {
         *self = Self::default();
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(vec![self.sum, self.count as f64])
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        let (sum, count) = super::pair("mae", state)?;
+        (self.sum, self.count) = (sum, count as u64);
+        Ok(())
+    }
 }
 
 #[cfg(test)]

@@ -68,6 +68,43 @@ pub trait Metric: Send {
 
     /// Forgets every batch seen so far.
     fn reset(&mut self);
+
+    /// The running state as numbers that add up over disjoint parts of the
+    /// data (counts, sums, per-class counts), or `None` for a metric without
+    /// such a form. Data-parallel evaluation sums every rank's state (the
+    /// shorter ones padded with zeros) and [`load_state`](Metric::load_state)s
+    /// the sum, so the value is the one over the whole split.
+    fn state(&self) -> Option<Vec<f64>> {
+        None
+    }
+
+    /// Replaces the running state with `state`, a sum of [`state`](Metric::state)s.
+    ///
+    /// Fails when the metric has no such state or `state` has the wrong form;
+    /// the metric is then unchanged.
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        let _ = state;
+        Err(Error::unsupported(format!(
+            "reducing metric `{}` across ranks (it has no additive state)",
+            self.name()
+        )))
+    }
+}
+
+/// The error of [`Metric::load_state`] for a state of the wrong length.
+fn bad_state(metric: &str, expected: &str, len: usize) -> Error {
+    Error::invalid_argument(
+        metric,
+        format!("a metric state must hold {expected}, got {len} numbers"),
+    )
+}
+
+/// `[a, b]` from a state, or the error naming what was expected.
+fn pair(metric: &str, state: &[f64]) -> Result<(f64, f64)> {
+    match state {
+        &[a, b] => Ok((a, b)),
+        _ => Err(bad_state(metric, "2 numbers", state.len())),
+    }
 }
 
 /// The error of [`Metric::compute`] before any sample was seen.

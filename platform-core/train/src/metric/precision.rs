@@ -59,4 +59,12 @@ impl Metric for Precision {
     fn reset(&mut self) {
         self.counts.reset();
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(self.counts.state())
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        self.counts.load_state("precision", state)
+    }
 }

@@ -42,4 +42,12 @@ impl Metric for Recall {
     fn reset(&mut self) {
         self.counts.reset();
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(self.counts.state())
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        self.counts.load_state("recall", state)
+    }
 }

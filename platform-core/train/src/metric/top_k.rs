@@ -93,6 +93,16 @@ impl Metric for TopKAccuracy {
         self.hits = 0;
         self.total = 0;
     }
+
+    fn state(&self) -> Option<Vec<f64>> {
+        Some(vec![self.hits as f64, self.total as f64])
+    }
+
+    fn load_state(&mut self, state: &[f64]) -> Result<()> {
+        let (hits, total) = super::pair(&self.name, state)?;
+        (self.hits, self.total) = (hits as u64, total as u64);
+        Ok(())
+    }
 }
 
 #[cfg(test)]
