@@ -1,0 +1,58 @@
+"""PyTorch DistributedDataParallel reference for tests/ddp_pytorch.rs.
+
+Run as `torchrun --standalone --nproc-per-node=2 ddp_reference.py DIR`: reads
+DIR/init.safetensors (the MLP's initial weights, written by Kiln) and
+DIR/data.safetensors (inputs `x`, labels `y`), trains with the Gloo backend,
+DistributedDataParallel, DistributedSampler(shuffle=True, seed) and Adam with
+clipping by norm, and has rank 0 write the per-step losses averaged over the
+ranks to DIR/losses.json.
+"""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+BATCH = 8
+EPOCHS = 2
+SEED = 11
+
+
+def main(directory):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5)
+    )
+    model.load_state_dict(load_file(f"{directory}/init.safetensors"))
+    ddp = DistributedDataParallel(model)
+    data = load_file(f"{directory}/data.safetensors")
+    dataset = TensorDataset(data["x"], data["y"])
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
+    loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+    losses = []
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.5)
+            optimizer.step()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+    if rank == 0:
+        with open(f"{directory}/losses.json", "w") as f:
+            json.dump(losses, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
