@@ -180,6 +180,16 @@ impl TorchOps {
         let cuda = if cuda::feature_enabled() && !self.cuda_sources.is_empty() {
             let mut dirs = includes.to_vec();
             dirs.extend(self.sources.includes.iter().cloned());
+            // NCCL's header (for libtorch's ProcessGroupNCCL.hpp) from the
+            // `nvidia-nccl-cu13` wheel beside torch's; libtorch_cuda links NCCL itself.
+            if let Some(nccl) = root
+                .canonicalize()
+                .ok()
+                .and_then(|torch| torch.parent().map(|site| site.join("nvidia/nccl/include")))
+                .filter(|dir| dir.join("nccl.h").is_file())
+            {
+                dirs.push(nccl);
+            }
             cuda::compile(&self.cuda_sources, &dirs, &lib, &ops)?
         } else {
             cuda::CudaObjects::default()

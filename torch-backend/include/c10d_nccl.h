@@ -20,4 +20,7 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int device,
     std::chrono::milliseconds timeout);
 
+// Whether this build has NCCL (also declared in c10d.h for the bridge).
+bool nccl_compiled();
+
 }  // namespace kiln::torch

@@ -241,7 +241,10 @@ fn a_dead_rank_fails_the_next_collective() -> Result<()> {
         std::process::exit(17);
     }
     let start = Instant::now();
-    let err = group.all_reduce(&t, ReduceOp::Sum).err().map(|e| e.to_string());
+    let err = group
+        .all_reduce(&t, ReduceOp::Sum)
+        .err()
+        .map(|e| e.to_string());
     let message = err.expect("an all-reduce with a dead peer succeeded");
     assert!(
         message.contains("rank 1 of 2 stopped responding"),
@@ -458,4 +461,66 @@ mod ddp {
         assert!(same_on_every_rank(flat(model.named_buffers()?))?);
         Ok(())
     }
+}
+
+/// NCCL on a GPU: one rank per device; with one GPU, world size 1, the
+/// CUDA-tensor collectives and a DDP step. Skips without the `cuda` feature or a
+/// CUDA device.
+#[test]
+fn nccl_collectives_on_cuda_tensors() -> Result<()> {
+    use kiln_core::backend::{Backend, StepPlan, TrainBackend};
+    use kiln_core::distributed::CommBackend;
+    use kiln_core::loss::Loss;
+    use kiln_core::model::{Layer, LinearConfig};
+    use kiln_core::optim::{Optimizer, OptimizerConfig, SgdConfig};
+    use kiln_core::Device;
+    use kiln_torch::{TorchBackend, TorchModel};
+    use std::sync::Arc;
+
+    if !cfg!(feature = "cuda") {
+        eprintln!(
+            "SKIPPED nccl_collectives_on_cuda_tensors: kiln-torch was built without its `cuda` \
+             feature (cargo test -p kiln-torch --features cuda --test distributed)"
+        );
+        return Ok(());
+    }
+    if !kiln_torch::cuda_is_available() {
+        eprintln!("SKIPPED nccl_collectives_on_cuda_tensors: no CUDA device");
+        return Ok(());
+    }
+    let dir = kiln_testkit::TempDir::new("nccl");
+    let rendezvous = Rendezvous::with_file_store(0, 1, dir.path().join("store"))?;
+    let options = DistributedOptions {
+        backend: CommBackend::Nccl,
+        timeout: Duration::from_secs(60),
+        ..DistributedOptions::default()
+    };
+    let group = Arc::new(ProcessGroup::join(&rendezvous, &options)?);
+    assert!(group.has_nccl());
+    let cuda = tch::Device::Cuda(0);
+    let t = Tensor::from_slice(&[1.0f32, 2.0]).to_device(cuda);
+    group.all_reduce(&t, ReduceOp::Sum)?;
+    group.broadcast(&t, 0)?;
+    assert_eq!(values(&t), vec![1.0, 2.0]);
+    assert_eq!(group.all_gather(&t)?.size(), vec![1, 2]);
+
+    let spec = Layer::sequential([LinearConfig::new(4, 3).into()]);
+    TorchBackend::manual_seed(1);
+    let mut model = TorchModel::new(&spec, Device::Cuda(0))?;
+    TorchBackend::distribute(&mut model, group.clone(), &options)?;
+    let mut opt =
+        TorchBackend::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[])?;
+    let loss = Loss::cross_entropy();
+    let plan = StepPlan {
+        loss: &loss,
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    let x = Tensor::randn([8, 4], (tch::Kind::Float, cuda));
+    let y = Tensor::randint(3, [8], (tch::Kind::Int64, cuda));
+    opt.zero_grad()?;
+    let value = TorchBackend::train_step(&mut model, &mut opt, &x, &y, &plan)?;
+    assert!(value.is_finite());
+    Ok(())
 }

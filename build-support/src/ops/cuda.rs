@@ -122,7 +122,9 @@ pub(crate) fn compile(
             .include(&toolkit.include)
             .files(cc_sources)
             .flag_if_supported("-Wno-unused-parameter")
-            .flag_if_supported("-Wno-missing-field-initializers");
+            .flag_if_supported("-Wno-missing-field-initializers")
+            // c10/cuda/CUDAEvent.h aligns by hardware_destructive_interference_size.
+            .flag_if_supported("-Wno-interference-size");
         objects.extend(wrappers.compile_intermediates());
     }
 

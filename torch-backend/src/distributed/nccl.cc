@@ -8,11 +8,11 @@
 #define USE_CUDA
 #endif
 
-#include "kiln-torch/include/c10d_nccl.h"
+// A CUDA source is compiled before (and apart from) the cxx bridge, without
+// its `kiln-torch/...` include prefix: headers by relative path.
+#include "../../include/c10d_nccl.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-
-#include "kiln-torch/include/c10d.h"
 
 namespace kiln::torch {
 
