@@ -304,6 +304,185 @@ fn a_killed_rank_stops_the_job_and_resume_auto_finishes_it() {
     let dw = max_weight_diff(&killed, &whole);
     eprintln!("killed and resumed vs uninterrupted: weight diff {dw:e}");
     assert!(dw < 1e-6, "weights differ by {dw}");
+
+    // torchrun's elastic restart: rank 1 killed in attempt 0, attempt 1 (keys
+    // under a new store prefix) resumes from the last checkpoint.
+    let torchrun = kiln_testkit::workspace_root().join(".kiln/venv/bin/torchrun");
+    if !torchrun.exists() {
+        kiln_testkit::skip("torchrun --max-restarts", "no torchrun in .kiln/venv");
+        return;
+    }
+    let restarted = dir.join("restarted");
+    let mut agent = Command::new(&torchrun)
+        .args([
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--no-python",
+            KILN,
+        ])
+        .args(["train", "--config"])
+        .arg(&cfg)
+        .arg("--output")
+        .arg(&restarted)
+        .args(extra)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let target = restarted.join("checkpoints/step-00000020.safetensors");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !target.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint at {}",
+            target.display()
+        );
+        assert!(
+            agent.try_wait().unwrap().is_none(),
+            "the run ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pid = rank_pid(agent.id(), 1).expect("rank 1's process under torchrun");
+    assert!(Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let out = agent.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "torchrun did not finish after its restart:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dw = max_weight_diff(&restarted, &whole);
+    eprintln!("torchrun restart vs uninterrupted: weight diff {dw:e}");
+    assert!(dw < 1e-6, "weights differ by {dw}");
+}
+
+/// Runs `program args` quietly; whether it succeeded.
+fn quietly(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Two network namespaces joined by a veth pair, removed on drop.
+struct TwoNodes {
+    names: [String; 2],
+}
+
+impl TwoNodes {
+    /// `None` (with the reason printed) where namespaces cannot be made.
+    fn new() -> Option<Self> {
+        let id = std::process::id() % 100_000;
+        let names = [format!("kiln-a-{id}"), format!("kiln-b-{id}")];
+        let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
+        if !quietly("ip", &["netns", "add", &names[0]]) {
+            eprintln!(
+                "SKIPPED two_nodes_in_network_namespaces: cannot create a network namespace \
+                 (needs root and iproute2's `ip`)"
+            );
+            return None;
+        }
+        let nodes = TwoNodes { names };
+        let [a, b] = &nodes.names;
+        let steps: [&[&str]; 9] = [
+            &["netns", "add", b],
+            &["link", "add", &va, "type", "veth", "peer", "name", &vb],
+            &["link", "set", &va, "netns", a],
+            &["link", "set", &vb, "netns", b],
+            &["-n", a, "addr", "add", "10.213.7.1/24", "dev", &va],
+            &["-n", b, "addr", "add", "10.213.7.2/24", "dev", &vb],
+            &["-n", a, "link", "set", &va, "up"],
+            &["-n", b, "link", "set", &vb, "up"],
+            &["-n", a, "link", "set", "lo", "up"],
+        ];
+        for step in steps {
+            if !quietly("ip", step) {
+                eprintln!(
+                    "SKIPPED two_nodes_in_network_namespaces: `ip {}` failed",
+                    step.join(" ")
+                );
+                return None;
+            }
+        }
+        Some(nodes)
+    }
+}
+
+impl Drop for TwoNodes {
+    fn drop(&mut self) {
+        for name in &self.names {
+            quietly("ip", &["netns", "del", name]);
+        }
+    }
+}
+
+/// Two "machines": a rank in each of two network namespaces joined by a veth
+/// pair, non-loopback addresses, the master (and the TCP store) in the first,
+/// Gloo's device chosen by interface (`GLOO_SOCKET_IFNAME`), one `kiln launch`
+/// per node with `--nnodes 2 --node-rank R`: the run of two ranks on one node.
+#[test]
+fn two_nodes_in_network_namespaces() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let Some(nodes) = TwoNodes::new() else {
+        return;
+    };
+    let dir = scratch("ddp-nodes");
+    let cfg = config(&dir);
+    let (local, spread) = (dir.join("local"), dir.join("spread"));
+    let extra = ["--batch-size", "16", "--epochs", "1"];
+    succeeded(&launch(2, &cfg, &local, &extra), "one node");
+    let id = std::process::id() % 100_000;
+    let node = |rank: usize| {
+        let interface = format!("kv{}{id}", ["a", "b"][rank]);
+        Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &nodes.names[rank],
+                KILN,
+                "launch",
+                "--nnodes",
+                "2",
+            ])
+            .args(["--node-rank", &rank.to_string(), "--nproc-per-node", "1"])
+            .args([
+                "--master-addr",
+                "10.213.7.1",
+                "--master-port",
+                "29517",
+                "--",
+            ])
+            .args(["train", "--config"])
+            .arg(&cfg)
+            .arg("--output")
+            .arg(&spread)
+            .args(extra)
+            .env("GLOO_SOCKET_IFNAME", interface)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (first, second) = (node(0), node(1));
+    for (rank, child) in [first, second].into_iter().enumerate() {
+        let out = child.wait_with_output().unwrap();
+        succeeded(&out, &format!("node {rank}"));
+    }
+    let dw = max_weight_diff(&spread, &local);
+    eprintln!("two namespaces vs one node: weight diff {dw:e}");
+    assert!(dw < 1e-6, "weights differ by {dw}");
 }
 
 #[test]
