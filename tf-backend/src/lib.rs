@@ -19,6 +19,7 @@
 mod backend;
 mod convert;
 mod custom_layer;
+mod distributed;
 mod engine;
 mod error;
 mod graph;

@@ -10,6 +10,7 @@
 //! | [`ProgramKind::Gradients`] | forward, loss, gradients (fetched) | `TfModel::gradients` |
 //! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `TrainBackend::train_step` |
 //! | [`ProgramKind::Apply`] | updates from fed or accumulated gradients | `TfOptimizer::apply_gradients`, `Optimizer::step` |
+//! | [`ProgramKind::FlatGradients`] | forward, loss, gradients as one flat vector (fetched) | data-parallel `train_step` |
 //!
 //! All programs of a model share one forward graph per input signature and mode:
 //! a program adds only what it needs on top of it.
@@ -66,6 +67,11 @@ pub(crate) enum GradientSource {
     Fed { present: Vec<bool> },
     /// The accumulators that training micro-batches without `apply` added to.
     Accumulated,
+    /// Fed by the caller as one flat float vector, what a
+    /// [`ProgramKind::FlatGradients`] program fetches: the gradients of the
+    /// parameters marked `present` (in the optimizer's order), each flattened,
+    /// then one last element that the update ignores (the loss).
+    Flat { present: Vec<bool> },
 }
 
 /// What a program computes.
@@ -96,6 +102,13 @@ pub(crate) enum ProgramKind {
     },
     /// The optimizer's gradient accumulators set to zero.
     ZeroAccumulators { optimizer: OptimizerId },
+    /// Forward, loss, and the gradients of `loss * scale` with respect to the
+    /// optimizer's parameters, fetched as **one** float vector (each gradient
+    /// flattened, in the optimizer's order, then the unscaled loss): the buffer
+    /// a data-parallel step all-reduces. No variable changes except the
+    /// forward pass's state updates (batch-norm statistics), which run when the
+    /// loss is finite, as in [`ProgramKind::Train`].
+    FlatGradients { optimizer: OptimizerId, loss: Loss },
 }
 
 /// One compiled program's identity: what it computes, in which mode, on which
@@ -148,6 +161,10 @@ impl Hash for ProgramKey {
                 clip.as_ref().map(std::mem::discriminant).hash(state);
             }
             ProgramKind::ZeroAccumulators { optimizer } => optimizer.hash(state),
+            ProgramKind::FlatGradients { optimizer, loss } => {
+                optimizer.hash(state);
+                std::mem::discriminant(loss).hash(state);
+            }
         }
         self.train.hash(state);
         self.input.hash(state);
@@ -192,6 +209,8 @@ pub(crate) struct Program {
     pub(crate) scale: Option<Output>,
     /// Gradient placeholders ([`GradientSource::Fed`]), by parameter name.
     pub(crate) gradient_feeds: Vec<(String, Output)>,
+    /// The flat gradient placeholder ([`GradientSource::Flat`]).
+    pub(crate) flat_feed: Option<Output>,
     /// Fetched: the model's output.
     pub(crate) output: Option<Output>,
     /// Fetched: the loss.
@@ -200,6 +219,11 @@ pub(crate) struct Program {
     pub(crate) finite: Option<Output>,
     /// Fetched: each parameter's gradient, by name.
     pub(crate) gradients: Vec<(String, Output)>,
+    /// Fetched: the gradients and the loss as one float vector
+    /// ([`ProgramKind::FlatGradients`]).
+    pub(crate) flat: Option<Output>,
+    /// Which of the optimizer's parameters have a gradient in `flat`.
+    pub(crate) present: Vec<bool>,
     /// Run: the ops with effects (variable updates).
     pub(crate) targets: Vec<Operation>,
 }
@@ -213,6 +237,8 @@ pub(crate) struct Fetched {
     /// Whether the updates ran (programs without a finiteness guard: `true`).
     pub(crate) applied: bool,
     pub(crate) gradients: Vec<(String, TfTensor)>,
+    /// The flat gradient vector, in the memory TensorFlow allocated for it.
+    pub(crate) flat: Option<TfTensor>,
 }
 
 /// The model a program runs: its definition and variables, and the dims of the
@@ -336,6 +362,15 @@ pub(crate) fn program(
             targets: zero_accumulators(&mut graph.engine.b, &need_rule()?.parameters(), &[])?,
             ..Program::default()
         },
+        ProgramKind::FlatGradients { loss, .. } => {
+            let base = forward(graph, need_model()?, &input(key)?, key.train)?;
+            let b = &mut graph.engine.b;
+            let saved = b.set_scope("flat_gradients");
+            let composed =
+                compose_flat_gradients(b, pieces(&base)?, need_rule()?, loss, &target(key)?);
+            b.set_scope(&saved);
+            composed?
+        }
     };
     graph.programs.insert(key.clone(), composed.clone());
     Ok(composed)
@@ -641,6 +676,70 @@ fn compose_train(
     })
 }
 
+/// One data-parallel micro-batch: forward, loss, and the gradients of
+/// `loss * scale` concatenated with the loss into one flat vector, fetched.
+/// The forward pass's state updates run behind the same finiteness gate as in
+/// [`compose_train`]; nothing else changes.
+fn compose_flat_gradients(
+    b: &mut Builder,
+    forward: &Forward,
+    rule: &dyn UpdateRule,
+    loss: &Loss,
+    target: &Signature,
+) -> Result<Program> {
+    let (target, value) = loss_on(
+        b,
+        loss,
+        &forward.output,
+        &forward.output_batch_dims(),
+        target,
+    )?;
+    let scale = b.placeholder(DataType::Float, Some(&[]))?;
+    let scaled = b.mul(&value, &scale)?;
+    let params = rule.parameters();
+    let names: Vec<&str> = params.iter().map(|(name, _, _)| *name).collect();
+    let grads = differentiate(b, &scaled, forward, &names)?;
+    let finite = b.all_finite(&value, 0)?;
+    let gate = b.gate(&finite)?;
+    let targets = add_updates(b, &forward.updates, &[&gate])?;
+    let present: Vec<bool> = grads.iter().map(Option::is_some).collect();
+    let mut parts = Vec::with_capacity(grads.len() + 1);
+    for g in grads.iter().flatten() {
+        parts.push(b.reshape(g, &[-1], DataType::Float)?);
+    }
+    if parts.is_empty() {
+        return Err(Error::invalid_argument(
+            "model",
+            "the loss depends on none of the optimizer's parameters: there is no gradient to \
+             average over the ranks",
+        ));
+    }
+    parts.push(b.reshape(&value, &[1], DataType::Float)?);
+    let flat = b.concat(&parts, 0)?;
+    Ok(Program {
+        input: Some(forward.input.clone()),
+        seed: forward.seed.clone(),
+        target: Some(target),
+        scale: Some(scale),
+        flat: Some(flat),
+        present,
+        targets,
+        ..Program::default()
+    })
+}
+
+/// The number of elements of a flat gradient vector with the gradients of the
+/// parameters marked `present` (its last, extra element included).
+pub(crate) fn flat_len(params: &[(&str, &[usize], Option<&Var>)], present: &[bool]) -> usize {
+    params
+        .iter()
+        .zip(present)
+        .filter(|(_, &p)| p)
+        .map(|((_, dims, _), _)| dims.iter().product::<usize>())
+        .sum::<usize>()
+        + 1
+}
+
 /// The optimizer's update from gradients fed by the caller or read from the
 /// accumulators (which it then zeroes), clipped first when `clip` is given.
 fn compose_apply(
@@ -652,8 +751,33 @@ fn compose_apply(
     let params = rule.parameters();
     let mut gradient_feeds = Vec::new();
     let mut grads = Vec::with_capacity(params.len());
+    let mut flat_feed = None;
+    if let GradientSource::Flat { present } = source {
+        let len = i64::try_from(flat_len(&params, present)).map_err(|_| {
+            Error::unsupported("a flat gradient vector of more than i64::MAX elements")
+        })?;
+        flat_feed = Some(b.placeholder(DataType::Float, Some(&[len]))?);
+    }
+    let mut offset = 0usize;
     for (i, (name, dims, accum)) in params.iter().enumerate() {
         grads.push(match source {
+            GradientSource::Flat { present } => match (&flat_feed, present.get(i)) {
+                (Some(flat), Some(true)) => {
+                    let n: usize = dims.iter().product();
+                    let int = |v: usize| {
+                        i32::try_from(v).map_err(|_| {
+                            Error::unsupported(
+                                "flat gradient vectors of more than i32::MAX elements",
+                            )
+                        })
+                    };
+                    let part = b.slice(flat, &[int(offset)?], &[int(n)?])?;
+                    offset += n;
+                    let shape: Vec<i32> = dims.iter().map(|&d| int(d)).collect::<Result<_>>()?;
+                    Some(b.reshape(&part, &shape, DataType::Float)?)
+                }
+                _ => None,
+            },
             GradientSource::Fed { present } if !present.get(i).copied().unwrap_or(false) => None,
             GradientSource::Fed { .. } => {
                 let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
@@ -678,6 +802,7 @@ fn compose_apply(
     }
     Ok(Program {
         gradient_feeds,
+        flat_feed,
         targets,
         ..Program::default()
     })
@@ -741,6 +866,9 @@ pub(crate) fn run(
         fetches.push((finite, DataType::UInt8));
     }
     fetches.extend(program.gradients.iter().map(|(_, g)| (g, DataType::Float)));
+    if let Some(flat) = &program.flat {
+        fetches.push((flat, DataType::Float));
+    }
     let targets: Vec<&Operation> = program.targets.iter().collect();
     let mut values = engine.run(&feeds, &fetches, &targets, context)?.into_iter();
     let missing = || Error::backend("tensorflow", context, "a fetched value is missing");
@@ -761,6 +889,9 @@ pub(crate) fn run(
         fetched
             .gradients
             .push((name.clone(), values.next().ok_or_else(missing)?));
+    }
+    if program.flat.is_some() {
+        fetched.flat = Some(values.next().ok_or_else(missing)?);
     }
     Ok(fetched)
 }

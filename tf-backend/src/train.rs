@@ -1,9 +1,13 @@
 //! [`TfBackend`]'s [`TrainBackend`]: models and optimizers as TensorFlow graphs,
 //! and training and evaluation steps as one session run each of a program
-//! compiled in [`crate::step`].
+//! compiled in [`crate::step`], or, data-parallel, two
+//! (`optim/data_parallel.rs`).
+
+use std::sync::Arc;
 
 use kiln_core::{
     backend::{StepPlan, TrainBackend},
+    distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
     module::Module,
@@ -14,6 +18,7 @@ use kiln_core::{
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
+use crate::distributed::DataParallel;
 use crate::model::{lock, TfModel};
 use crate::optim::TfOptimizer;
 use crate::step::{self, ProgramKey, ProgramKind, Signature};
@@ -47,6 +52,14 @@ impl TrainBackend for TfBackend {
     }
 
     /// Forward, loss, gradients, clipping and the optimizer update as one session run.
+    ///
+    /// Data-parallel ([`distribute`](TrainBackend::distribute)): one session run
+    /// fetches the micro-batch's gradients and loss as one flat float32 vector;
+    /// the loss is averaged over the ranks, and on the micro-batch that applies
+    /// the vector (plus the gradients that earlier micro-batches accumulated on
+    /// this rank) is averaged over the ranks in place, in TensorFlow's memory,
+    /// and fed to a second run that clips and applies it. The result is the
+    /// single-process step's on the global batch.
     fn train_step(
         model: &mut TfModel,
         optimizer: &mut TfOptimizer,
@@ -54,7 +67,39 @@ impl TrainBackend for TfBackend {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        optimizer.train_step(model, inputs, targets, plan)
+        match &model.data_parallel {
+            Some(job) => optimizer.data_parallel_step(model, job, inputs, targets, plan),
+            None => optimizer.train_step(model, inputs, targets, plan),
+        }
+    }
+
+    /// Data-parallel training over any [`Collectives`] group (kiln-torch's
+    /// c10d Gloo group in the `kiln` CLI): every rank checks that it built rank
+    /// 0's model (names, dtypes, shapes) and takes rank 0's parameters and
+    /// buffers, of any dtype, bit for bit (one broadcast); from then on
+    /// [`train_step`](TrainBackend::train_step) averages gradients and losses
+    /// over the ranks, and, with `options.broadcast_buffers` (the default),
+    /// gives every rank rank 0's buffers before each training forward pass.
+    ///
+    /// Of the options, `backend` must not be NCCL (TensorFlow trains on the CPU
+    /// here); `bucket_cap_mb` does not apply (the gradients of a step travel as
+    /// one buffer, after the session run that computes them), nor does
+    /// `find_unused_parameters` (the graph says which parameters have a
+    /// gradient, the same on every rank: the others are left out of the buffer
+    /// and not updated, as PyTorch skips parameters without a gradient).
+    ///
+    /// With `broadcast_buffers` off, a micro-batch skipped because the loss of
+    /// another rank was not finite still updated the batch-norm statistics of
+    /// the ranks whose own loss was finite (as PyTorch's forward pass always
+    /// does); with it on, they are restored.
+    fn distribute(
+        model: &mut TfModel,
+        group: Arc<dyn Collectives>,
+        options: &DistributedOptions,
+    ) -> Result<()> {
+        let job = DataParallel::new(model, group, options)?;
+        model.data_parallel = Some(Arc::new(job));
+        Ok(())
     }
 
     /// Forward and loss as one session run.

@@ -7,6 +7,7 @@
 mod adagrad;
 mod adam;
 mod clip;
+mod data_parallel;
 mod rmsprop;
 mod sgd;
 
@@ -132,8 +133,12 @@ pub struct TfOptimizer {
     coefs: Coefs,
     /// Steps taken (PyTorch's per-parameter `state["step"]`, equal for all here).
     step: u64,
-    /// Whether accumulators hold gradients not yet applied.
+    /// Whether gradients not yet applied are held (in the accumulators, or in
+    /// `local` when training data-parallel).
     pending: bool,
+    /// A data-parallel step's gradients of micro-batches that did not apply,
+    /// summed on this rank only.
+    local: Option<data_parallel::LocalGradients>,
 }
 
 fn scalar_ph(b: &mut Builder) -> Result<Output> {
@@ -203,6 +208,7 @@ impl TfOptimizer {
             coefs,
             step: 0,
             pending: false,
+            local: None,
         })
     }
 
@@ -421,16 +427,11 @@ impl TfOptimizer {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        if !Arc::ptr_eq(&self.graph, &model.graph) {
+        self.check_step(model, plan)?;
+        if self.local.is_some() {
             return Err(Error::invalid_argument(
                 "optimizer",
-                "this optimizer was built for another model",
-            ));
-        }
-        if matches!(plan.loss.reduction(), Reduction::None) {
-            return Err(Error::invalid_argument(
-                "loss",
-                "training needs a scalar loss; reduction `none` gives one value per element",
+                "this optimizer holds a data-parallel step's gradients; call zero_grad() first",
             ));
         }
         let graph_arc = Arc::clone(&self.graph);
@@ -481,6 +482,23 @@ impl TfOptimizer {
             }
         }
         fetched.loss_value()
+    }
+
+    /// Checks that a training step on `model` with `plan` can run.
+    fn check_step(&self, model: &TfModel, plan: &StepPlan<'_>) -> Result<()> {
+        if !Arc::ptr_eq(&self.graph, &model.graph) {
+            return Err(Error::invalid_argument(
+                "optimizer",
+                "this optimizer was built for another model",
+            ));
+        }
+        if matches!(plan.loss.reduction(), Reduction::None) {
+            return Err(Error::invalid_argument(
+                "loss",
+                "training needs a scalar loss; reduction `none` gives one value per element",
+            ));
+        }
+        Ok(())
     }
 
     /// Runs this optimizer's program of `kind` (no feeds but the coefficients).
@@ -555,9 +573,16 @@ impl Optimizer<TfBackend> for TfOptimizer {
     /// apply them (a no-op when there are none, as PyTorch skips parameters
     /// without gradients). [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)
     /// normally applies the update in the same run that computes the gradients.
+    ///
+    /// Data-parallel, the gradients accumulated on this rank are first averaged
+    /// over the ranks (one all-reduce): every rank must call it.
     fn step(&mut self) -> Result<()> {
         if !self.pending {
             return Ok(());
+        }
+        if let Some(local) = self.local.take() {
+            self.pending = false;
+            return self.apply_local(local);
         }
         let kind = ProgramKind::Apply {
             optimizer: self.id,
@@ -572,6 +597,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
 
     fn zero_grad(&mut self) -> Result<()> {
         if !self.pending {
+            return Ok(());
+        }
+        if self.local.take().is_some() {
+            self.pending = false;
             return Ok(());
         }
         let kind = ProgramKind::ZeroAccumulators { optimizer: self.id };

@@ -1,0 +1,457 @@
+//! The TensorFlow backend trains data-parallel on kiln-torch's c10d Gloo group,
+//! which kiln-tf sees only as `Arc<dyn Collectives>`: real ranks in separate
+//! processes on localhost. Each test re-runs this test binary as its ranks
+//! (with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ... set as a launcher sets them)
+//! and checks that they pass.
+//!
+//! - Two ranks with `B` rows each equal one process with `2B` rows (MLP, Adam,
+//!   clipping by norm, gradient accumulation 2), and end bit for bit alike.
+//! - `distribute` gives every rank rank 0's parameters and buffers.
+//! - Batch-norm buffers follow rank 0 (`broadcast_buffers`).
+//! - A loss that is not finite on one rank is skipped by every rank, and
+//!   changes nothing.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kiln::core::backend::{Backend, StepPlan, TrainBackend};
+use kiln::core::distributed::{Collectives, DistributedOptions, Rendezvous};
+use kiln::core::loss::Loss;
+use kiln::core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
+use kiln::core::module::Module;
+use kiln::core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
+use kiln::core::{DType, Device, HostTensor, Result};
+use kiln::tf::{TfBackend, TfModel, TfTensor};
+use kiln::torch::distributed::ProcessGroup;
+
+/// The variable that makes this binary a rank instead of a test driver.
+const ROLE: &str = "KILN_DIST_TF_TEST_ROLE";
+
+const B: usize = 8;
+const STEPS: usize = 8;
+const ACCUMULATE: usize = 2;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free local port")
+}
+
+/// Starts the two ranks of test `test`.
+fn spawn_ranks(test: &str) -> Vec<Child> {
+    let exe = std::env::current_exe().expect("the test binary");
+    let port = free_port().to_string();
+    (0..2)
+        .map(|rank: usize| {
+            Command::new(&exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(ROLE, "rank")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("KILN_LAUNCH", "1")
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawning a rank")
+        })
+        .collect()
+}
+
+/// Waits for every rank (at most `limit`), returning (exit code, output) each.
+fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
+    let start = Instant::now();
+    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
+    let mut done: Vec<Option<(Option<i32>, String)>> = vec![None; children.len()];
+    while done.iter().any(Option::is_none) {
+        for (i, slot) in children.iter_mut().enumerate() {
+            let finished = match slot {
+                Some(child) => matches!(child.try_wait(), Ok(Some(_))),
+                None => false,
+            };
+            if finished || (start.elapsed() > limit && slot.is_some()) {
+                if let Some(mut child) = slot.take() {
+                    let _ = child.kill();
+                    let out = child.wait_with_output().expect("a rank's output");
+                    let text = format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                    done[i] = Some((out.status.code(), text));
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    done.into_iter().flatten().collect()
+}
+
+/// Runs test `test` as two ranks and checks that both passed.
+fn run_as_two_ranks(test: &str) {
+    let results = wait_all(spawn_ranks(test), Duration::from_secs(300));
+    let failed: Vec<String> = results
+        .iter()
+        .enumerate()
+        .filter(|(_, (code, out))| *code != Some(0) || !out.contains("1 passed"))
+        .map(|(rank, (code, out))| format!("rank {rank} (exit {code:?}):\n{out}"))
+        .collect();
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    for (rank, (_, out)) in results.iter().enumerate() {
+        // What a rank measured, for the driver's output.
+        for line in out.lines() {
+            if let Some(at) = line.find("measured:") {
+                eprintln!("rank {rank} {}", &line[at..]);
+            }
+        }
+    }
+}
+
+fn is_rank() -> bool {
+    std::env::var_os(ROLE).is_some()
+}
+
+fn join() -> Result<Arc<ProcessGroup>> {
+    let rendezvous = Rendezvous::from_env()?.expect("a rank's environment");
+    let options = DistributedOptions {
+        timeout: Duration::from_secs(60),
+        ..DistributedOptions::default()
+    };
+    Ok(Arc::new(ProcessGroup::join(&rendezvous, &options)?))
+}
+
+fn mlp() -> Layer {
+    Layer::sequential([
+        LinearConfig::new(12, 32).into(),
+        Layer::Relu,
+        LinearConfig::new(32, 5).into(),
+    ])
+}
+
+fn cnn() -> Layer {
+    Layer::sequential([
+        Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]).into(),
+        Layer::BatchNorm2d(BatchNormConfig::new(4)),
+        Layer::Relu,
+        Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(36, 5).into(),
+    ])
+}
+
+/// Batch norm without a ReLU or pooling after it, which would turn a NaN into
+/// a number (TensorFlow's `Relu` gives 0 for NaN).
+fn cnn_tanh() -> Layer {
+    Layer::sequential([
+        Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]).into(),
+        Layer::BatchNorm2d(BatchNormConfig::new(4)),
+        Layer::Tanh,
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(144, 5).into(),
+    ])
+}
+
+/// Deterministic pseudo-random floats in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Every micro-batch of the global run: `2B` rows each, the same on every rank.
+fn data(image: bool) -> Result<Vec<(HostTensor, HostTensor)>> {
+    (0..STEPS * ACCUMULATE)
+        .map(|i| {
+            let seed = 1000 + i as u64;
+            let x = if image {
+                HostTensor::new(noise(2 * B * 36, seed), [2 * B, 1, 6, 6])?
+            } else {
+                HostTensor::new(noise(2 * B * 12, seed), [2 * B, 12])?
+            };
+            let y: Vec<i64> = noise(2 * B, seed + 7)
+                .iter()
+                .map(|v| ((v + 1.0) * 2.5) as i64 % 5)
+                .collect();
+            Ok((x, HostTensor::new(y, [2 * B])?))
+        })
+        .collect()
+}
+
+/// Rank `rank` of `world`'s rows of a global batch.
+fn shard(t: &HostTensor, rank: usize, world: usize) -> Result<HostTensor> {
+    let n = t.dims()[0] / world;
+    let rows: Vec<usize> = (rank * n..(rank + 1) * n).collect();
+    t.select_rows(&rows)
+}
+
+/// Every parameter and float buffer, flattened, in state-dict order.
+fn weights(model: &TfModel) -> Result<Vec<f32>> {
+    let state = Module::<TfBackend>::state_dict(model)?;
+    let mut out = Vec::new();
+    for (_, value) in state.iter() {
+        out.extend_from_slice(value.to_dtype(DType::F32).as_slice::<f32>()?);
+    }
+    Ok(out)
+}
+
+/// Every parameter, flattened.
+fn parameters(model: &TfModel) -> Result<Vec<f32>> {
+    Ok(Module::<TfBackend>::named_parameters(model)?
+        .iter()
+        .map(|(_, t)| Ok(t.to_host()?.as_slice::<f32>()?.to_vec()))
+        .collect::<Result<Vec<_>>>()?
+        .concat())
+}
+
+/// Whether `values` are bit for bit rank 0's (checked on every rank).
+fn same_as_rank_zero(group: &dyn Collectives, values: &[f32]) -> Result<bool> {
+    let mut rank0 = values.to_vec();
+    group.broadcast_f32(&mut rank0, 0)?;
+    Ok(rank0
+        .iter()
+        .zip(values)
+        .all(|(a, b)| a.to_bits() == b.to_bits()))
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// A model of `spec` with weights from `seed`, distributed over `group` if given.
+fn build(spec: &Layer, seed: u64, group: Option<Arc<ProcessGroup>>) -> Result<TfModel> {
+    TfBackend::manual_seed(seed);
+    let mut model = TfBackend::build_model(spec, Device::Cpu)?;
+    if let Some(group) = group {
+        TfBackend::distribute(&mut model, group, &DistributedOptions::default())?;
+    }
+    Ok(model)
+}
+
+/// Trains `model` on `batches` (this rank's shard of each when distributed),
+/// returning the per-micro-batch losses. At micro-batch `poison` (if any),
+/// rank 1's inputs are NaN.
+fn train(
+    model: &mut TfModel,
+    batches: &[(HostTensor, HostTensor)],
+    poison: Option<usize>,
+) -> Result<Vec<f64>> {
+    let mut opt =
+        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), model, &[])?;
+    let loss = Loss::cross_entropy();
+    let clip = GradClip::Norm {
+        max_norm: 0.5,
+        norm_type: 2.0,
+    };
+    let mut losses = Vec::new();
+    for (i, (x, y)) in batches.iter().enumerate() {
+        let (x, y) = match model.distributed_rank() {
+            Some((rank, world)) => (shard(x, rank, world)?, shard(y, rank, world)?),
+            None => (x.clone(), y.clone()),
+        };
+        let micro = i % ACCUMULATE;
+        if micro == 0 {
+            opt.zero_grad()?;
+        }
+        let plan = StepPlan {
+            loss: &loss,
+            scale: 1.0 / ACCUMULATE as f64,
+            apply: micro + 1 == ACCUMULATE,
+            clip: Some(&clip),
+        };
+        let y = TfTensor::from_host(&y)?;
+        if poison == Some(i) {
+            let nan_on_rank_1 = model.distributed_rank().is_some_and(|(r, _)| r == 1);
+            let x_bad = if nan_on_rank_1 {
+                HostTensor::new(vec![f32::NAN; x.numel()], x.dims().to_vec())?
+            } else {
+                x.clone()
+            };
+            // Buffers are rank 0's after any training step's broadcast, so the
+            // parameters are what is compared here; the buffers are compared
+            // with a run without the NaN by the caller.
+            let before = parameters(model)?;
+            let value =
+                TfBackend::train_step(model, &mut opt, &TfTensor::from_host(&x_bad)?, &y, &plan)?;
+            assert!(value.is_nan(), "every rank sees the NaN: {value}");
+            assert_eq!(
+                parameters(model)?,
+                before,
+                "a skipped micro-batch changed the parameters"
+            );
+        }
+        let x = TfTensor::from_host(&x)?;
+        losses.push(TfBackend::train_step(model, &mut opt, &x, &y, &plan)?);
+    }
+    Ok(losses)
+}
+
+/// Two ranks with `B` rows each against one process with `2B` rows: the same
+/// losses and weights, with Adam, clipping by norm and gradient accumulation;
+/// rank 1 starts from other weights, which `distribute` replaces by rank 0's.
+#[test]
+fn two_ranks_of_b_equal_one_process_of_2b() -> Result<()> {
+    if !is_rank() {
+        run_as_two_ranks("two_ranks_of_b_equal_one_process_of_2b");
+        return Ok(());
+    }
+    let group = join()?;
+    let batches = data(false)?;
+    let mut model = build(&mlp(), 7 + group.rank() as u64, Some(group.clone()))?;
+    let runs = model.session_runs()?;
+    let losses = train(&mut model, &batches, None)?;
+    // One session run to initialise the optimizer, then per step one per
+    // micro-batch (its gradients) and one to apply their average.
+    assert_eq!(
+        model.session_runs()? - runs,
+        (1 + STEPS * (ACCUMULATE + 1)) as u64
+    );
+    let trained = weights(&model)?;
+    assert!(
+        same_as_rank_zero(group.as_ref(), &trained)?,
+        "the ranks' weights differ"
+    );
+
+    let mut single = build(&mlp(), 7, None)?;
+    let single_losses = train(&mut single, &batches, None)?;
+    let single_trained = weights(&single)?;
+    let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    let loss_diff = max_diff(&losses, &single_losses);
+    let weight_diff = max_diff(&wide(&trained), &wide(&single_trained));
+    println!("measured: loss difference {loss_diff:e}, weight difference {weight_diff:e}");
+    assert!(
+        loss_diff < 1e-6,
+        "losses differ by {loss_diff}: {losses:?} vs {single_losses:?}"
+    );
+    assert!(weight_diff < 1e-6, "weights differ by {weight_diff}");
+    Collectives::barrier(group.as_ref())?;
+    Ok(())
+}
+
+/// Ranks built from different seeds, with different buffers (batch norm's
+/// float statistics and int64 step count), hold rank 0's after `distribute`,
+/// bit for bit.
+#[test]
+fn distribute_gives_every_rank_rank_zeros_variables() -> Result<()> {
+    if !is_rank() {
+        run_as_two_ranks("distribute_gives_every_rank_rank_zeros_variables");
+        return Ok(());
+    }
+    let group = join()?;
+    let rank = group.rank();
+    let rank0_model = build(&cnn(), 11, None)?;
+    let mut rank0_state = Module::<TfBackend>::state_dict(&rank0_model)?;
+    rank0_state.insert(
+        "1.running_mean".to_owned(),
+        HostTensor::new(vec![0.5f32, -1.0, 2.0, 1e-3], [4])?,
+    );
+    rank0_state.insert(
+        "1.num_batches_tracked".to_owned(),
+        HostTensor::scalar(123_456_789_012i64),
+    );
+
+    TfBackend::manual_seed(11 + rank as u64);
+    let mut model = TfBackend::build_model(&cnn(), Device::Cpu)?;
+    if rank == 0 {
+        Module::<TfBackend>::load_state_dict(&mut model, &rank0_state)?;
+    } else {
+        assert_ne!(
+            Module::<TfBackend>::state_dict(&model)?.get("0.weight"),
+            rank0_state.get("0.weight"),
+            "rank 1 starts from other weights"
+        );
+    }
+    TfBackend::distribute(&mut model, group.clone(), &DistributedOptions::default())?;
+    assert_eq!(model.distributed_rank(), Some((rank, 2)));
+    let state = Module::<TfBackend>::state_dict(&model)?;
+    assert_eq!(state.len(), rank0_state.len());
+    for (name, value) in rank0_state.iter() {
+        let got = state.get(name).expect("every entry");
+        assert_eq!(got.dtype(), value.dtype(), "{name}");
+        assert_eq!(got.as_bytes(), value.as_bytes(), "{name}");
+    }
+    Ok(())
+}
+
+/// A CNN with batch norm trained on two ranks: the parameters stay identical;
+/// the running statistics, which each rank's forward pass updates from its own
+/// rows (as PyTorch's DDP without SyncBatchNorm), differ after training until
+/// `sync_buffers` gives every rank rank 0's.
+#[test]
+fn batch_norm_buffers_follow_rank_zero() -> Result<()> {
+    if !is_rank() {
+        run_as_two_ranks("batch_norm_buffers_follow_rank_zero");
+        return Ok(());
+    }
+    let group = join()?;
+    let batches = data(true)?;
+    let mut model = build(&cnn(), 3 + group.rank() as u64, Some(group.clone()))?;
+    let losses = train(&mut model, &batches, None)?;
+    assert!(losses.iter().all(|l| l.is_finite()));
+    assert!(same_as_rank_zero(group.as_ref(), &parameters(&model)?)?);
+    let buffers = |model: &TfModel| -> Result<Vec<f32>> {
+        Ok(Module::<TfBackend>::named_buffers(model)?
+            .iter()
+            .map(|(_, t)| {
+                Ok(t.to_host()?
+                    .to_dtype(DType::F32)
+                    .as_slice::<f32>()?
+                    .to_vec())
+            })
+            .collect::<Result<Vec<_>>>()?
+            .concat())
+    };
+    let local = !same_as_rank_zero(group.as_ref(), &buffers(&model)?)?;
+    if group.rank() == 1 {
+        assert!(local, "rank 1's last forward pass used its own rows");
+    }
+    model.sync_buffers()?;
+    assert!(same_as_rank_zero(group.as_ref(), &buffers(&model)?)?);
+    Ok(())
+}
+
+/// Rank 1's loss is NaN on a micro-batch that applies: both ranks get the NaN,
+/// and nothing changes (weights, optimizer state, the gradients accumulated by
+/// the step's first micro-batch, batch-norm statistics): retrying the
+/// micro-batch ends exactly where a run without the NaN ends.
+#[test]
+fn a_non_finite_loss_on_one_rank_is_skipped_by_all() -> Result<()> {
+    if !is_rank() {
+        run_as_two_ranks("a_non_finite_loss_on_one_rank_is_skipped_by_all");
+        return Ok(());
+    }
+    let group = join()?;
+    let batches = data(true)?;
+    let mut clean = build(&cnn_tanh(), 5, Some(group.clone()))?;
+    let clean_losses = train(&mut clean, &batches[..6], None)?;
+    let mut poisoned = build(&cnn_tanh(), 5, Some(group.clone()))?;
+    let poisoned_losses = train(&mut poisoned, &batches[..6], Some(3))?;
+    assert_eq!(clean_losses, poisoned_losses);
+    let (a, b) = (weights(&clean)?, weights(&poisoned)?);
+    assert!(
+        a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+        "the skipped micro-batch left a trace"
+    );
+    Ok(())
+}

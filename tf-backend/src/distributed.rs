@@ -1,0 +1,384 @@
+//! Data-parallel training on the TensorFlow backend, over any
+//! [`Collectives`] group (in practice kiln-torch's c10d Gloo group, which this
+//! crate only sees as `Arc<dyn Collectives>`): what
+//! [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)
+//! keeps on the [`TfModel`] ([`DataParallel`]), and how a model's variables
+//! travel between ranks.
+//!
+//! The training step itself is [`TfOptimizer`](crate::TfOptimizer)'s
+//! (`optim/data_parallel.rs`): its program fetches the gradients of every
+//! parameter and the loss as **one** flat float32 vector; that vector is
+//! all-reduced in place, in the memory TensorFlow allocated for it, and fed
+//! back, the same tensor, to the program that clips and applies it.
+//!
+//! Variables travel as one flat `f32` buffer per broadcast: float32 values as
+//! they are, other dtypes (batch norm's int64 `num_batches_tracked`) as their
+//! bytes, two per element, each element an integer in `0..=65535`. Those are
+//! exact in `f32`, so every dtype arrives bit for bit without relying on how
+//! any layer treats float bit patterns.
+
+use std::fmt;
+use std::sync::Arc;
+
+use kiln_core::{
+    distributed::{Collectives, CommBackend, DistributedOptions, ReduceOp},
+    model::ParamKind,
+    DType, Error, HostTensor, Result,
+};
+
+use crate::engine::Var;
+use crate::model::{lock, TfModel};
+
+/// The context of the errors raised here.
+const CONTEXT: &str = "data-parallel TensorFlow training";
+
+/// A [`TfModel`] kept identical across the ranks of a group, with
+/// `DistributedDataParallel`'s semantics:
+///
+/// - at construction every rank checks that it has rank 0's variables (names,
+///   dtypes, shapes), then takes rank 0's parameters and buffers;
+/// - before each training forward pass (with `broadcast_buffers`, the
+///   default) the buffers (batch-norm running statistics) are rank 0's again,
+///   so that every rank's statistics are rank 0's updated by its own rows.
+pub(crate) struct DataParallel {
+    group: Arc<dyn Collectives>,
+    broadcast_buffers: bool,
+    /// The model's buffers, in state-dict order.
+    buffers: Vec<Var>,
+}
+
+impl fmt::Debug for DataParallel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DataParallel")
+            .field("rank", &self.group.rank())
+            .field("world_size", &self.group.world_size())
+            .field("broadcast_buffers", &self.broadcast_buffers)
+            .field("buffers", &self.buffers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl DataParallel {
+    /// Checks that every rank has rank 0's variables, then gives every rank
+    /// rank 0's parameters and buffers (one session run on rank 0 to read
+    /// them, one broadcast, one run on the others to write them).
+    ///
+    /// Errors on every rank alike when some rank's variables differ, when the
+    /// options ask for NCCL (TensorFlow trains on the CPU here), or when a
+    /// parameter is not float32 (gradients are averaged as float32).
+    pub(crate) fn new(
+        model: &TfModel,
+        group: Arc<dyn Collectives>,
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        if options.backend == CommBackend::Nccl {
+            return Err(Error::invalid_argument(
+                "distributed.backend",
+                "nccl reduces CUDA tensors, and the TensorFlow backend trains on the CPU: use \
+                 \"gloo\" (or \"auto\")",
+            ));
+        }
+        if group.rank() >= group.world_size() {
+            return Err(Error::distributed(
+                CONTEXT,
+                format!(
+                    "the group's rank {} is not below its world size {}",
+                    group.rank(),
+                    group.world_size()
+                ),
+            ));
+        }
+        if let Some(var) = model
+            .vars
+            .iter()
+            .find(|v| v.kind == ParamKind::Parameter && v.dtype != DType::F32)
+        {
+            return Err(Error::DTypeMismatch {
+                context: format!(
+                    "parameter `{}` of a data-parallel TensorFlow model (gradients are \
+                     averaged over the ranks as float32)",
+                    var.name
+                ),
+                expected: DType::F32,
+                actual: var.dtype,
+            });
+        }
+        check_same_variables(group.as_ref(), &model.vars)?;
+        let all: Vec<&Var> = model.vars.iter().collect();
+        broadcast_vars(group.as_ref(), model, &all)?;
+        let buffers: Vec<Var> = model
+            .vars
+            .iter()
+            .filter(|v| v.kind == ParamKind::Buffer)
+            .cloned()
+            .collect();
+        log::info!(
+            "data-parallel TensorFlow model: rank {} of {}, {} variables ({} buffers) from rank 0",
+            group.rank(),
+            group.world_size(),
+            model.vars.len(),
+            buffers.len()
+        );
+        Ok(DataParallel {
+            group,
+            broadcast_buffers: options.broadcast_buffers,
+            buffers,
+        })
+    }
+
+    /// The group.
+    pub(crate) fn group(&self) -> &dyn Collectives {
+        self.group.as_ref()
+    }
+
+    /// Rank 0's buffers to every rank now (nothing when the model has none),
+    /// returning the values every rank now holds.
+    pub(crate) fn sync_buffers(&self, model: &TfModel) -> Result<Vec<HostTensor>> {
+        if self.buffers.is_empty() {
+            return Ok(Vec::new());
+        }
+        let buffers: Vec<&Var> = self.buffers.iter().collect();
+        broadcast_vars(self.group.as_ref(), model, &buffers)
+    }
+
+    /// Before a training forward pass: with `broadcast_buffers`, rank 0's
+    /// buffers to every rank ([`sync_buffers`](Self::sync_buffers)), returned
+    /// as the values the pass starts from; `None` when nothing was broadcast.
+    pub(crate) fn before_forward(&self, model: &TfModel) -> Result<Option<Vec<HostTensor>>> {
+        if !self.broadcast_buffers || self.buffers.is_empty() {
+            return Ok(None);
+        }
+        self.sync_buffers(model).map(Some)
+    }
+
+    /// After a micro-batch that every rank skips (the mean loss is not
+    /// finite): the buffers back to what [`before_forward`](Self::before_forward)
+    /// returned, undoing the statistics update of a rank whose own loss was
+    /// finite. Without a snapshot (no buffers, or `broadcast_buffers` off)
+    /// nothing is done.
+    pub(crate) fn restore_buffers(
+        &self,
+        model: &TfModel,
+        snapshot: Option<Vec<HostTensor>>,
+    ) -> Result<()> {
+        let Some(values) = snapshot else {
+            return Ok(());
+        };
+        let vars: Vec<&Var> = self.buffers.iter().collect();
+        let refs: Vec<&HostTensor> = values.iter().collect();
+        lock(&model.graph)?.engine.write_vars(&vars, &refs)
+    }
+}
+
+/// Rank 0's values of `vars` to every rank, in one broadcast: rank 0 reads
+/// them (one session run) and the others write them (one run). Returns the
+/// values every rank now holds.
+fn broadcast_vars(
+    group: &dyn Collectives,
+    model: &TfModel,
+    vars: &[&Var],
+) -> Result<Vec<HostTensor>> {
+    let root = group.rank() == 0;
+    let total: usize = vars.iter().map(|v| words(v)).sum();
+    let mut buffer = Vec::with_capacity(total);
+    let mine = if root {
+        let owned: Vec<Var> = vars.iter().map(|v| (*v).clone()).collect();
+        let values = lock(&model.graph)?.engine.read_vars(&owned)?;
+        pack(&values, &mut buffer)?;
+        Some(values)
+    } else {
+        buffer.resize(total, 0.0);
+        None
+    };
+    if buffer.len() != total {
+        return Err(Error::distributed(
+            CONTEXT,
+            format!("packed {} words for variables of {total}", buffer.len()),
+        ));
+    }
+    // The lock is not held here: a collective may wait for the other ranks.
+    group.broadcast_f32(&mut buffer, 0)?;
+    if let Some(values) = mine {
+        return Ok(values);
+    }
+    let values = unpack(&buffer, vars)?;
+    let refs: Vec<&HostTensor> = values.iter().collect();
+    lock(&model.graph)?.engine.write_vars(vars, &refs)?;
+    Ok(values)
+}
+
+/// The `f32` words a variable takes in a broadcast buffer (see the module docs).
+fn words(var: &Var) -> usize {
+    let numel: usize = var.dims.iter().product();
+    if var.dtype == DType::F32 {
+        numel
+    } else {
+        (numel * var.dtype.size_in_bytes()).div_ceil(2)
+    }
+}
+
+/// Appends `values` to `out` as broadcast words.
+fn pack(values: &[HostTensor], out: &mut Vec<f32>) -> Result<()> {
+    for value in values {
+        if value.dtype() == DType::F32 {
+            out.extend_from_slice(value.as_slice::<f32>()?);
+        } else {
+            out.extend(value.as_bytes().chunks(2).map(|pair| {
+                let lo = pair.first().copied().unwrap_or(0);
+                let hi = pair.get(1).copied().unwrap_or(0);
+                f32::from(u16::from_le_bytes([lo, hi]))
+            }));
+        }
+    }
+    Ok(())
+}
+
+/// The values of `vars` from broadcast words.
+fn unpack(words_in: &[f32], vars: &[&Var]) -> Result<Vec<HostTensor>> {
+    let mut at = 0usize;
+    let mut values = Vec::with_capacity(vars.len());
+    for var in vars {
+        let n = words(var);
+        let chunk = words_in.get(at..at + n).ok_or_else(|| {
+            Error::distributed(
+                CONTEXT,
+                format!(
+                    "the broadcast buffer ends before variable `{}` ({} words)",
+                    var.name,
+                    words_in.len()
+                ),
+            )
+        })?;
+        at += n;
+        let value = if var.dtype == DType::F32 {
+            HostTensor::from_slice(chunk, var.dims.clone())?
+        } else {
+            let mut bytes = Vec::with_capacity(2 * n);
+            for &w in chunk {
+                let half = w as u16;
+                if f32::from(half) != w {
+                    return Err(Error::distributed(
+                        CONTEXT,
+                        format!(
+                            "variable `{}` arrived with {w} where two bytes were expected",
+                            var.name
+                        ),
+                    ));
+                }
+                bytes.extend_from_slice(&half.to_le_bytes());
+            }
+            let numel: usize = var.dims.iter().product();
+            bytes.truncate(numel * var.dtype.size_in_bytes());
+            HostTensor::from_bytes(var.dtype, var.dims.clone(), &bytes)?
+        };
+        values.push(value);
+    }
+    Ok(values)
+}
+
+/// A 64-bit FNV-1a hash of the variables' names, kinds, dtypes and shapes.
+fn fingerprint(vars: &[Var]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &byte in bytes {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    };
+    for var in vars {
+        eat(var.name.as_bytes());
+        eat(&[0, u8::from(var.kind == ParamKind::Buffer)]);
+        eat(var.dtype.name().as_bytes());
+        for &d in &var.dims {
+            eat(&(d as u64).to_le_bytes());
+        }
+        eat(&[0xff]);
+    }
+    hash
+}
+
+/// Every rank compares its variables with rank 0's (one broadcast of a
+/// fingerprint, one all-reduce of who differs), so that all ranks fail
+/// together, naming the ranks that differ, before any state moves.
+fn check_same_variables(group: &dyn Collectives, vars: &[Var]) -> Result<()> {
+    let encode =
+        |x: u64| -> [f32; 4] { [0, 16, 32, 48].map(|shift| f32::from((x >> shift) as u16)) };
+    let mine = encode(fingerprint(vars));
+    let mut rank0 = mine;
+    group.broadcast_f32(&mut rank0, 0)?;
+    let mut differs = vec![0f32; group.world_size()];
+    if let Some(flag) = differs.get_mut(group.rank()) {
+        *flag = if rank0 == mine { 0.0 } else { 1.0 };
+    }
+    group.all_reduce_f32(&mut differs, ReduceOp::Sum)?;
+    let ranks: Vec<usize> = differs
+        .iter()
+        .enumerate()
+        .filter(|(_, &flag)| flag != 0.0)
+        .map(|(rank, _)| rank)
+        .collect();
+    if ranks.is_empty() {
+        return Ok(());
+    }
+    Err(Error::distributed(
+        CONTEXT,
+        format!(
+            "rank(s) {ranks:?} do not have rank 0's variables (names, dtypes or shapes); \
+             every rank must build the same model (this is rank {}, with {} variables)",
+            group.rank(),
+            vars.len()
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    //! Packing: every dtype survives the trip through `f32` words bit for bit.
+
+    use super::*;
+
+    #[test]
+    fn words_round_trip_every_dtype() -> Result<()> {
+        let mut engine = crate::engine::Engine::new();
+        let f = engine.add_var("t", "f", DType::F32, &[3], ParamKind::Parameter)?;
+        let i = engine.add_var("t", "i", DType::I64, &[], ParamKind::Buffer)?;
+        let u = engine.add_var("t", "u", DType::U8, &[3], ParamKind::Buffer)?;
+        let values = [
+            HostTensor::new(vec![f32::NAN, -0.0, 1e-40], [3])?,
+            HostTensor::scalar(-123_456_789_012_345i64),
+            HostTensor::new(vec![1u8, 255, 7], [3])?,
+        ];
+        let mut buffer = Vec::new();
+        pack(&values, &mut buffer)?;
+        assert_eq!(buffer.len(), 3 + 4 + 2);
+        assert_eq!(buffer.len(), words(&f) + words(&i) + words(&u));
+        let back = unpack(&buffer, &[&f, &i, &u])?;
+        for (a, b) in values.iter().zip(&back) {
+            assert_eq!(a.dtype(), b.dtype());
+            assert_eq!(a.dims(), b.dims());
+            assert_eq!(a.as_bytes(), b.as_bytes());
+        }
+        // A word that is not two bytes is an error naming the variable.
+        buffer[3] = 0.5;
+        let err = unpack(&buffer, &[&f, &i, &u]).err().map(|e| e.to_string());
+        assert!(err.is_some_and(|m| m.contains("`i`")));
+        Ok(())
+    }
+
+    #[test]
+    fn fingerprints_see_names_and_shapes() -> Result<()> {
+        let mut engine = crate::engine::Engine::new();
+        let a = engine.add_var("t", "w", DType::F32, &[2, 3], ParamKind::Parameter)?;
+        let b = engine.add_var("t", "w2", DType::F32, &[3, 2], ParamKind::Parameter)?;
+        let c = engine.add_var("t", "w3", DType::F32, &[2, 3], ParamKind::Parameter)?;
+        let mut renamed = c.clone();
+        renamed.name = "w".to_owned();
+        let mut reshaped = b.clone();
+        reshaped.name = "w".to_owned();
+        let one = fingerprint(std::slice::from_ref(&a));
+        assert_eq!(one, fingerprint(&[renamed]));
+        assert_ne!(one, fingerprint(&[reshaped]));
+        assert_ne!(one, fingerprint(&[a.clone(), a]));
+        Ok(())
+    }
+}

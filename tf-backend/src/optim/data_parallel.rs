@@ -1,0 +1,271 @@
+//! [`TfOptimizer`]'s data-parallel training step: the single-process step's
+//! result on the global batch, with the gradients averaged over the ranks of a
+//! [`DataParallel`] model between the session run that computes them and the
+//! one that applies them.
+//!
+//! Per micro-batch, on every rank:
+//!
+//! 1. with `broadcast_buffers` and a model with buffers, rank 0's buffers
+//!    (one broadcast; a session run to read them on rank 0, one to write them
+//!    on the others);
+//! 2. one session run of [`ProgramKind::FlatGradients`]: forward, loss and the
+//!    gradients of `loss * plan.scale`, fetched as one float32 vector
+//!    `[grad_0.., grad_1.., .., loss]` that TensorFlow allocates (the only
+//!    tensor that crosses the FFI edge, besides the batch and the scale);
+//! 3. a micro-batch that does not apply (DDP's `no_sync`): only the loss is
+//!    averaged (an all-reduce of the vector's last element, in place), and the
+//!    gradients are added on this rank to those of the earlier micro-batches;
+//! 4. a micro-batch that applies: the earlier micro-batches' sum is added into
+//!    the vector, which is then averaged over the ranks **in place, in
+//!    TensorFlow's memory** (one all-reduce of gradients and loss together),
+//!    and the same tensor is fed to [`ProgramKind::Apply`] with
+//!    [`GradientSource::Flat`]: clipping (of the averaged gradients, so the
+//!    global batch's norm) and the update, one session run.
+//!
+//! So a step of `k` micro-batches makes `k` all-reduces: `k - 1` of one float
+//! and one of all the gradients plus one float. The returned loss is the mean
+//! over the ranks; when it is not finite every rank skips the micro-batch alike:
+//! no parameter, optimizer state or accumulated gradient changes, and buffers
+//! broadcast in step 1 are written back (see [`LocalGradients`]).
+
+use std::sync::Arc;
+
+use kiln_core::{
+    backend::StepPlan, distributed::ReduceOp, module::Module, optim::GradClip, Error, HostTensor,
+    Result,
+};
+
+use super::TfOptimizer;
+use crate::backend::TfBackend;
+use crate::convert::TfTensor;
+use crate::distributed::DataParallel;
+use crate::model::{lock, TfModel};
+use crate::step::{self, GradientSource, ProgramKey, ProgramKind, Signature, UpdateRule};
+
+/// The gradients of the micro-batches of a data-parallel step that did not
+/// apply, summed on this rank only (DDP's `no_sync`): a flat vector in the
+/// layout of [`ProgramKind::FlatGradients`], in the memory TensorFlow
+/// allocated for the first of them.
+#[derive(Debug)]
+pub(super) struct LocalGradients {
+    /// The summed gradients, then one element that is not used.
+    flat: TfTensor,
+    /// Which of the optimizer's parameters have a gradient in `flat`.
+    present: Vec<bool>,
+    /// The job the gradients are to be averaged over.
+    job: Arc<DataParallel>,
+}
+
+/// The `f32` elements of a flat gradient vector, which must have at least one.
+fn elements(flat: &mut TfTensor) -> Result<&mut [f32]> {
+    let (dtype, shape) = (flat.dtype(), flat.shape());
+    match flat {
+        TfTensor::F32(t) if !t.is_empty() => Ok(&mut t[..]),
+        _ => Err(Error::backend(
+            "tensorflow",
+            "a data-parallel training step",
+            format!("the flat gradient vector is a {dtype} tensor of shape {shape}"),
+        )),
+    }
+}
+
+/// `into[i] += from[i]` over the gradients (all but the last element).
+fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()> {
+    let from = elements(from)?;
+    if from.len() != into.len() {
+        return Err(Error::ShapeMismatch {
+            context: "accumulating data-parallel gradients".to_owned(),
+            expected: format!("[{}]", into.len()),
+            actual: format!("[{}]", from.len()),
+        });
+    }
+    let n = into.len() - 1;
+    for (a, b) in into[..n].iter_mut().zip(&from[..n]) {
+        *a += *b;
+    }
+    Ok(())
+}
+
+impl TfOptimizer {
+    /// One data-parallel training micro-batch on `model`, which trains in
+    /// `job` (see the [module docs](self)). Returns the loss averaged over the
+    /// ranks; when it is not finite, nothing changes.
+    pub(crate) fn data_parallel_step(
+        &mut self,
+        model: &TfModel,
+        job: &Arc<DataParallel>,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        self.check_step(model, plan)?;
+        if let Some(clip) = plan.clip {
+            clip.validate()?;
+        }
+        if self.pending && self.local.is_none() {
+            return Err(Error::invalid_argument(
+                "optimizer",
+                "this optimizer holds gradients accumulated before the model was distributed; \
+                 call zero_grad() first",
+            ));
+        }
+        let started_from = job.before_forward(model)?;
+        let (mut flat, present) = self.flat_gradients(model, inputs, targets, plan)?;
+        if let Some(local) = &self.local {
+            if local.present != present {
+                return Err(Error::backend(
+                    "tensorflow",
+                    "a data-parallel training step",
+                    "the micro-batches of one step differentiate different parameters",
+                ));
+            }
+        }
+        let data = elements(&mut flat)?;
+        let last = data.len() - 1;
+        if plan.apply {
+            // The earlier micro-batches' sum, added into this one's vector, so
+            // that a skipped micro-batch leaves it as it was.
+            if let Some(local) = self.local.as_mut() {
+                add_gradients(data, &mut local.flat)?;
+            }
+            job.group().all_reduce_f32(data, ReduceOp::Mean)?;
+        } else {
+            job.group()
+                .all_reduce_f32(&mut data[last..], ReduceOp::Mean)?;
+        }
+        let loss = data[last];
+        if !loss.is_finite() {
+            job.restore_buffers(model, started_from)?;
+            return Ok(f64::from(loss));
+        }
+        if plan.apply {
+            self.apply_flat(flat, &present, plan.clip)?;
+            self.local = None;
+            self.pending = false;
+        } else {
+            if let Some(mut local) = self.local.take() {
+                add_gradients(data, &mut local.flat)?;
+            }
+            self.local = Some(LocalGradients {
+                flat,
+                present,
+                job: Arc::clone(job),
+            });
+            self.pending = true;
+        }
+        Ok(f64::from(loss))
+    }
+
+    /// Runs the [`ProgramKind::FlatGradients`] program on one micro-batch:
+    /// the flat vector and which parameters it holds gradients of.
+    fn flat_gradients(
+        &self,
+        model: &TfModel,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<(TfTensor, Vec<bool>)> {
+        let key = ProgramKey {
+            kind: ProgramKind::FlatGradients {
+                optimizer: self.id,
+                loss: plan.loss.clone(),
+            },
+            train: Module::<TfBackend>::mode(model).is_train(),
+            input: Some(Signature::of(inputs)),
+            target: Some(Signature::of(targets)),
+        };
+        let batch = inputs.shape();
+        let mut graph = lock(&self.graph)?;
+        let program = step::program(
+            &mut graph,
+            &key,
+            Some(model.model_graph(batch.dims())),
+            Some(self),
+        )?;
+        let mut feeds = Vec::with_capacity(1);
+        if let Some(ph) = &program.scale {
+            feeds.push((
+                ph.clone(),
+                TfTensor::from_host(&HostTensor::scalar(plan.scale as f32))?,
+            ));
+        }
+        let fetched = step::run(
+            &mut graph.engine,
+            &program,
+            Some(inputs),
+            Some(targets),
+            &feeds,
+            "computing a data-parallel step's gradients",
+        )?;
+        let flat = fetched.flat.ok_or_else(|| {
+            Error::backend(
+                "tensorflow",
+                "computing a data-parallel step's gradients",
+                "no flat gradient vector was fetched",
+            )
+        })?;
+        Ok((flat, program.present))
+    }
+
+    /// Applies a flat gradient vector (already averaged over the ranks) in one
+    /// session run: the tensor itself is fed, clipped first when `clip` is given.
+    fn apply_flat(
+        &mut self,
+        flat: TfTensor,
+        present: &[bool],
+        clip: Option<&GradClip>,
+    ) -> Result<()> {
+        let expected = step::flat_len(&self.parameters(), present);
+        let len = flat.shape().numel();
+        if len != expected {
+            return Err(Error::ShapeMismatch {
+                context: "a data-parallel step's flat gradients".to_owned(),
+                expected: format!("[{expected}]"),
+                actual: format!("[{len}]"),
+            });
+        }
+        let key = ProgramKey {
+            kind: ProgramKind::Apply {
+                optimizer: self.id,
+                source: GradientSource::Flat {
+                    present: present.to_vec(),
+                },
+                clip: clip.copied(),
+            },
+            train: false,
+            input: None,
+            target: None,
+        };
+        let graph_arc = Arc::clone(&self.graph);
+        let mut graph = lock(&graph_arc)?;
+        let program = step::program(&mut graph, &key, None, Some(&*self))?;
+        let placeholder = program.flat_feed.clone().ok_or_else(|| {
+            Error::backend(
+                "tensorflow",
+                "applying data-parallel gradients",
+                "the program has no gradient input",
+            )
+        })?;
+        let mut feeds = self.coefficient_feeds()?;
+        feeds.push((placeholder, flat));
+        step::run(
+            &mut graph.engine,
+            &program,
+            None,
+            None,
+            &feeds,
+            "applying data-parallel gradients",
+        )?;
+        self.step += 1;
+        Ok(())
+    }
+
+    /// [`Optimizer::step`](kiln_core::optim::Optimizer::step) on gradients a
+    /// data-parallel step accumulated: averaged over the ranks, then applied
+    /// without clipping.
+    pub(super) fn apply_local(&mut self, mut local: LocalGradients) -> Result<()> {
+        let data = elements(&mut local.flat)?;
+        local.job.group().all_reduce_f32(data, ReduceOp::Mean)?;
+        self.apply_flat(local.flat, &local.present, None)
+    }
+}
