@@ -520,7 +520,7 @@ fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<
         return Ok(());
     }
     let consumed = checkpoint.batch_in_epoch * old;
-    if consumed % world_size != 0 {
+    if !consumed.is_multiple_of(world_size) {
         anyhow::bail!(
             "checkpoint {}: written by {old} ranks after {} batches each of epoch {}, which is \
              not a whole number of batches for {world_size} ranks; resume with {old} ranks, or \

@@ -100,7 +100,7 @@ impl ClassCounts {
 
     /// The counts from a [`state`](Self::state) (or a sum of them).
     pub(super) fn load_state(&mut self, metric: &str, state: &[f64]) -> Result<()> {
-        if state.len() % 3 != 0 {
+        if !state.len().is_multiple_of(3) {
             return Err(super::bad_state(metric, "3 counts per class", state.len()));
         }
         let classes = state.len() / 3;
