@@ -517,3 +517,40 @@ fn a_run_resumes_on_another_number_of_ranks() {
     assert_eq!((last.world_size, last.epoch), (1, 2));
     assert_eq!(last.step, 2 * first.step);
 }
+
+/// Sharded validation of a model with batch norm (each rank updates its own
+/// running statistics; rank 0's are given to every rank before evaluating)
+/// reports what one process measures on the whole split with rank 0's model:
+/// `kiln eval` of the checkpoint written after that evaluation.
+#[test]
+fn sharded_validation_equals_one_process_evaluating_rank_zeros_model() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-eval");
+    let cfg = kiln_testkit::workspace_root().join("examples/configs/digits-cnn.toml");
+    let out = dir.join("run");
+    let extra = ["--epochs", "1", "--no-progress"];
+    succeeded(&launch(2, &cfg, &out, &extra), "2 ranks");
+    let last = out.join("checkpoints/last.safetensors");
+    let table = common::kiln_stdout(&[
+        "eval",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--checkpoint",
+        last.to_str().unwrap(),
+    ]);
+    for (column, metric) in [
+        ("val_loss", "loss"),
+        ("val_accuracy", "accuracy"),
+        ("val_f1", "f1"),
+    ] {
+        let logged = *epoch_column(&out, column).last().unwrap();
+        let measured = common::metric(&table, metric);
+        assert!(
+            (logged - measured).abs() < 1e-6,
+            "{column}: {logged} logged by the ranks, {measured} by one process"
+        );
+    }
+}

@@ -102,6 +102,11 @@ impl TrainBackend for TfBackend {
         Ok(())
     }
 
+    /// [`TfModel::sync_buffers`].
+    fn sync_buffers(model: &mut TfModel) -> Result<()> {
+        model.sync_buffers()
+    }
+
     /// Forward and loss as one session run.
     fn eval_step(
         model: &TfModel,

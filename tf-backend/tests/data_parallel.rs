@@ -53,6 +53,10 @@ impl Collectives for Solo {
         self.record("all_reduce", data.len());
         Ok(())
     }
+    fn all_reduce_f64(&self, data: &mut [f64], _op: ReduceOp) -> Result<()> {
+        self.record("all_reduce_f64", data.len());
+        Ok(())
+    }
     fn broadcast_f32(&self, data: &mut [f32], _root: usize) -> Result<()> {
         self.record("broadcast", data.len());
         Ok(())

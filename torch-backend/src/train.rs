@@ -61,6 +61,13 @@ impl TrainBackend for TorchBackend {
         }
     }
 
+    fn sync_buffers(model: &mut TorchModel) -> Result<()> {
+        match model.distributed() {
+            Some(ddp) => ddp.sync_buffers(),
+            None => Ok(()),
+        }
+    }
+
     /// DDP on `c10d::Reducer` ([`DistributedDataParallel`]) over the c10d
     /// group `group` must be (a `kiln_torch::distributed::ProcessGroup`).
     fn distribute(

@@ -97,6 +97,15 @@ pub trait TrainBackend: Backend {
         )))
     }
 
+    /// Gives every rank rank 0's buffers (batch-norm running statistics, which
+    /// each rank updates from its own rows) when `model` trains data-parallel;
+    /// nothing otherwise. A collective: every rank calls it. The trainer does
+    /// before evaluating, so that every rank evaluates the same model.
+    fn sync_buffers(model: &mut Self::Model) -> Result<()> {
+        let _ = model;
+        Ok(())
+    }
+
     /// One training micro-batch: forward in the model's mode, loss, gradients
     /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
     /// clipping and one optimizer step. Returns the unscaled loss.

@@ -148,6 +148,19 @@ impl DistributedDataParallel {
         Ok(())
     }
 
+    /// Rank 0's buffers on every rank now, whatever `broadcast_buffers` says
+    /// (what evaluation after training needs).
+    pub fn sync_buffers(&self) -> Result<()> {
+        if self.buffers.is_empty() {
+            return Ok(());
+        }
+        let buffers: Vec<&Tensor> = self.buffers.iter().collect();
+        tch::no_grad(|| {
+            self.group
+                .broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0)
+        })
+    }
+
     /// After a training forward pass whose backward pass follows: with `sync`,
     /// the reducer hooks the gradients of the coming backward pass (searching
     /// the graph of `loss` for unused parameters when asked to).

@@ -636,6 +636,10 @@ impl<B: TrainBackend> Trainer<B> {
         model: &mut B::Model,
         loader: &dyn DataLoader,
     ) -> Result<Vec<(String, f64)>> {
+        if self.group.is_some() {
+            // Every rank evaluates rank 0's batch-norm statistics.
+            B::sync_buffers(model)?;
+        }
         let mode = model.mode();
         model.set_mode(Mode::Eval);
         let result = self.evaluate_inner(model, loader);
