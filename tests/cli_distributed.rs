@@ -192,6 +192,25 @@ fn two_ranks_of_b_train_what_one_rank_of_2b_trains() {
 }
 
 #[test]
+fn tensorflow_ranks_train_what_one_process_trains() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-tf");
+    let cfg = config(&dir);
+    let (two, one) = (dir.join("two"), dir.join("one"));
+    let tf = ["--backend", "tensorflow", "--epochs", "1"];
+    let two_args = [&tf[..], &["--batch-size", "16"]].concat();
+    let one_args = [&tf[..], &["--batch-size", "32"]].concat();
+    succeeded(&launch(2, &cfg, &two, &two_args), "2 TensorFlow ranks");
+    succeeded(&launch(1, &cfg, &one, &one_args), "1 TensorFlow rank");
+    let (dl, dw) = (max_loss_diff(&two, &one), max_weight_diff(&two, &one));
+    eprintln!("TensorFlow, 2 ranks x 16 vs 1 rank x 32: loss diff {dl:e}, weight diff {dw:e}");
+    assert!(dl < 1e-5 && dw < 1e-5, "losses {dl}, weights {dw}");
+}
+
+#[test]
 fn torchrun_drives_the_cli() {
     let _serial = serial();
     if !digits_available() {
