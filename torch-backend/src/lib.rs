@@ -23,8 +23,11 @@
 //! [`cxx_tensor`], the one conversion between a `tch::Tensor` and the C++
 //! `at::Tensor` that every crate's cxx bridges pass (`&Tensor` in,
 //! `UniquePtr<Tensor>` out), and the cxx bridges themselves (of [`autocast`], the
-//! fused Adam kernels and, with the `cuda` feature, `graph`; C++ compiled by the
-//! build script).
+//! fused Adam kernels, [`distributed`]'s c10d and, with the `cuda` feature,
+//! `graph`; C++ compiled by the build script).
+//!
+//! [`distributed`] trains data-parallel on libtorch's c10d (Gloo, and NCCL with the
+//! `cuda` feature): `ProcessGroup` and DDP's `c10d::Reducer`.
 //!
 //! With the `cuda` feature, `kiln_torch::graph` captures a whole training step in a
 //! CUDA graph (`GraphedTrainStep`) and replays it with one launch.
