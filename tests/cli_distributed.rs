@@ -573,3 +573,64 @@ fn sharded_validation_equals_one_process_evaluating_rank_zeros_model() {
         );
     }
 }
+
+/// `[distributed] timeout`: one rank of two started alone fails after that
+/// many seconds, saying how many joined; `backend = "nccl"` on a CPU run is a
+/// config error naming the key.
+#[test]
+fn distributed_config_keys() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-config");
+    let cfg = config(&dir);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let short = dir.join("short.toml");
+    std::fs::write(&short, text.replace("timeout = 60", "timeout = 2")).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap()
+        .port();
+    let start = Instant::now();
+    let out = Command::new(KILN)
+        .args(["train", "--config"])
+        .arg(&short)
+        .arg("--output")
+        .arg(dir.join("alone"))
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("KILN_LAUNCH", "1"),
+            ("RUST_LOG", "warn"),
+        ])
+        .env("MASTER_PORT", port.to_string())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("rendezvous timed out after 2 s: 1 of 2 ranks joined"),
+        "{stderr}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+
+    let nccl = dir.join("nccl.toml");
+    std::fs::write(
+        &nccl,
+        text.replace("backend = \"gloo\"", "backend = \"nccl\""),
+    )
+    .unwrap();
+    let out = run(KILN, &["train", "--config", nccl.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("distributed.backend") && stderr.contains("\"nccl\" reduces CUDA tensors"),
+        "{stderr}"
+    );
+}

@@ -322,13 +322,23 @@ mod ddp {
         group: Option<Arc<ProcessGroup>>,
         batches: &[(Tensor, Tensor)],
     ) -> Result<(Vec<f64>, Vec<f64>, TorchModel)> {
+        train_with(spec, seed, group, batches, &DistributedOptions::default())
+    }
+
+    fn train_with(
+        spec: &Layer,
+        seed: i64,
+        group: Option<Arc<ProcessGroup>>,
+        batches: &[(Tensor, Tensor)],
+        options: &DistributedOptions,
+    ) -> Result<(Vec<f64>, Vec<f64>, TorchModel)> {
         TorchBackend::manual_seed(seed as u64);
         let mut model = TorchModel::new(spec, Device::Cpu)?;
         let shard = group
             .as_ref()
             .map(|g| (g.rank() as i64, g.world_size() as i64));
         if let Some(g) = group {
-            TorchBackend::distribute(&mut model, g, &DistributedOptions::default())?;
+            TorchBackend::distribute(&mut model, g, options)?;
         }
         let mut opt = TorchBackend::build_optimizer(
             &OptimizerConfig::Adam(AdamConfig::new(1e-2)),
@@ -402,19 +412,49 @@ mod ddp {
         let group = Arc::new(join(Duration::from_secs(60))?);
         let batches = data(false);
         let seed = 7 + group.rank() as i64; // rank 1 starts elsewhere
-        let (losses, weights, _) = train(&mlp(), seed, Some(group.clone()), &batches)?;
-        // Every rank ends with the same weights, bit for bit.
-        let gathered = group.all_gather(&Tensor::from_slice(&weights))?;
-        let rows: Vec<Vec<f64>> = (0..2).map(|r| values(&gathered.get(r))).collect();
-        assert_eq!(rows[0], rows[1], "the ranks' weights differ");
         let (single_losses, single_weights, _) = train(&mlp(), 7, None, &batches)?;
-        let loss_diff = max_diff(&losses, &single_losses);
-        let weight_diff = max_diff(&weights, &single_weights);
-        assert!(
-            loss_diff < 1e-6,
-            "losses differ by {loss_diff}: {losses:?} vs {single_losses:?}"
-        );
-        assert!(weight_diff < 1e-6, "weights differ by {weight_diff}");
+        // DDP's defaults; tiny buckets (one per parameter after the first step's
+        // rebuild) with the unused-parameter search; no buffer broadcasts.
+        let variants = [
+            DistributedOptions::default(),
+            DistributedOptions {
+                bucket_cap_mb: 0.0001,
+                find_unused_parameters: true,
+                ..DistributedOptions::default()
+            },
+            DistributedOptions {
+                broadcast_buffers: false,
+                ..DistributedOptions::default()
+            },
+        ];
+        for options in &variants {
+            let (losses, weights, _) =
+                train_with(&mlp(), seed, Some(group.clone()), &batches, options)?;
+            // Every rank ends with the same weights, bit for bit.
+            let gathered = group.all_gather(&Tensor::from_slice(&weights))?;
+            let rows: Vec<Vec<f64>> = (0..2).map(|r| values(&gathered.get(r))).collect();
+            assert_eq!(rows[0], rows[1], "the ranks' weights differ ({options:?})");
+            let loss_diff = max_diff(&losses, &single_losses);
+            let weight_diff = max_diff(&weights, &single_weights);
+            assert!(
+                loss_diff < 1e-6,
+                "{options:?}: losses differ by {loss_diff}: {losses:?} vs {single_losses:?}"
+            );
+            assert!(
+                weight_diff < 1e-6,
+                "{options:?}: weights differ by {weight_diff}"
+            );
+        }
+        // A bucket cap that is not a positive size is refused, naming the option.
+        let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
+        let bad = DistributedOptions {
+            bucket_cap_mb: 0.0,
+            ..DistributedOptions::default()
+        };
+        let err = TorchBackend::distribute(&mut model, group.clone(), &bad)
+            .err()
+            .map(|e| e.to_string());
+        assert!(err.is_some_and(|m| m.contains("bucket_cap_mb")));
         Collectives::barrier(group.as_ref())?;
         Ok(())
     }

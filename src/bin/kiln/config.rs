@@ -191,15 +191,6 @@ pub struct DistributedConfig {
     /// Seconds the rendezvous and any collective wait for the other ranks.
     #[serde(default = "thirty_minutes")]
     pub timeout: f64,
-    /// Rank 0's buffers (batch-norm statistics) before every training forward pass.
-    #[serde(default = "yes")]
-    pub broadcast_buffers: bool,
-    /// Allow parameters that get no gradient in a step.
-    #[serde(default)]
-    pub find_unused_parameters: bool,
-    /// The gradient bucket cap in MiB.
-    #[serde(default = "twenty_five")]
-    pub bucket_cap_mb: f64,
 }
 
 /// The `[distributed] backend` names.
@@ -219,24 +210,19 @@ fn thirty_minutes() -> f64 {
     1800.0
 }
 
-fn twenty_five() -> f64 {
-    25.0
-}
-
 impl Default for DistributedConfig {
     fn default() -> Self {
         Self {
             backend: CommBackendName::Auto,
             timeout: thirty_minutes(),
-            broadcast_buffers: true,
-            find_unused_parameters: false,
-            bucket_cap_mb: twenty_five(),
         }
     }
 }
 
 impl DistributedConfig {
-    /// The options of the process group and of DDP on `device`.
+    /// The options of the process group and of DDP on `device` (DDP's
+    /// defaults for the rest: buffers broadcast, 25 MiB buckets, no
+    /// unused-parameter search).
     pub fn options(&self, device: Device) -> DistributedOptions {
         let backend = match (self.backend, device.is_cuda()) {
             (CommBackendName::Gloo, _) | (CommBackendName::Auto, false) => CommBackend::Gloo,
@@ -245,9 +231,7 @@ impl DistributedConfig {
         DistributedOptions {
             backend,
             timeout: Duration::from_secs_f64(self.timeout),
-            broadcast_buffers: self.broadcast_buffers,
-            find_unused_parameters: self.find_unused_parameters,
-            bucket_cap_mb: self.bucket_cap_mb,
+            ..DistributedOptions::default()
         }
     }
 
@@ -256,12 +240,6 @@ impl DistributedConfig {
             return Err(Error::invalid_argument(
                 "distributed.timeout",
                 format!("must be a positive number of seconds, got {}", self.timeout),
-            ));
-        }
-        if !(self.bucket_cap_mb.is_finite() && self.bucket_cap_mb > 0.0) {
-            return Err(Error::invalid_argument(
-                "distributed.bucket_cap_mb",
-                format!("must be positive, got {}", self.bucket_cap_mb),
             ));
         }
         match (self.backend, device.is_cuda()) {

@@ -70,6 +70,14 @@ impl DistributedDataParallel {
         buffers: &[(String, Tensor)],
         options: &DistributedOptions,
     ) -> Result<Self> {
+        // Checked before any collective, so that every rank fails alike.
+        let cap = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
+        if !(cap >= 1.0 && cap < i64::MAX as f64) {
+            return Err(Error::invalid_argument(
+                "bucket_cap_mb",
+                format!("must be positive, got {}", options.bucket_cap_mb),
+            ));
+        }
         let trained: Vec<&(String, Tensor)> =
             params.iter().filter(|(_, t)| t.requires_grad()).collect();
         if trained.is_empty() {
@@ -93,13 +101,6 @@ impl DistributedDataParallel {
         // Rank 0's model, to every rank: parameters then buffers.
         let state: Vec<&Tensor> = params.iter().chain(buffers).map(|(_, t)| t).collect();
         tch::no_grad(|| group.broadcast_coalesced(&state, BROADCAST_BUCKET_BYTES, 0))?;
-        let cap = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
-        if !(cap >= 1.0 && cap < i64::MAX as f64) {
-            return Err(Error::invalid_argument(
-                "bucket_cap_mb",
-                format!("must be positive, got {}", options.bucket_cap_mb),
-            ));
-        }
         let config = ffi::ReducerConfig {
             bucket_cap_bytes: cap as i64,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
@@ -199,7 +200,7 @@ impl DistributedDataParallel {
                 "DistributedDataParallel",
                 format!(
                     "a parameter got no gradient in the last step; set \
-                     `[distributed] find_unused_parameters = true` (DDP's argument) if the \
+                     DistributedOptions::find_unused_parameters (DDP's argument) if the \
                      model does not use every parameter in every step. c10d said: {message}"
                 ),
             )
