@@ -16,8 +16,10 @@
 //! bfloat16 reported with model FLOPs utilisation, has only the torch variants;
 //! `transformer-bf16-mixed`, the same model in float32 trained with bfloat16
 //! autocast (`bf16-mixed` against `torch.autocast`), only the eager ones. The
-//! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`) have their own. The tables are printed and, with
-//! `--write`, written to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
+//! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`, and
+//! `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
+//! `ddp.rs`) have their own. The tables are printed and, with `--write`, written
+//! to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
 //! On a machine without a Rust toolchain, run the built binary (`target/release/deps/
 //! compare-*`) with libtorch's `lib/` on `LD_LIBRARY_PATH`, and `KILN_BENCH_PYTHON` naming
@@ -26,13 +28,14 @@
 //! library (the TensorFlow variants are left out), as on a GPU machine without one.
 //! `benches/gpu/pack.sh` and `benches/gpu/run.sh` do all of that for a GPU machine.
 
+mod ddp;
 mod report;
 mod tasks;
 mod worker;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -269,8 +272,8 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint (default: all of them; on a GPU all but
-                    data and checkpoint)
+                    data, script, ops, checkpoint, ddp (default: all of them; on a GPU all
+                    but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
   --steps N         timed steps per repeat (default: per workload)
@@ -313,7 +316,13 @@ fn main() -> Result<()> {
         Workload::TransformerBf16,
         Workload::TransformerBf16Mixed,
     ];
-    let mut tasks = vec![Task::Data, Task::Script, Task::Ops, Task::Checkpoint];
+    let mut tasks = vec![
+        Task::Data,
+        Task::Script,
+        Task::Ops,
+        Task::Checkpoint,
+        Task::Ddp,
+    ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {
         steps: None,
@@ -390,7 +399,8 @@ fn main() -> Result<()> {
             "--device {}: libtorch sees no CUDA device on this machine",
             settings.device
         );
-        // Data loading and checkpoints do not depend on the device: they stay CPU tables.
+        // Data loading, checkpoints and (h) (Gloo) do not depend on the device: they stay
+        // CPU tables.
         if !workloads_given {
             tasks.retain(|t| matches!(t, Task::Script | Task::Ops));
         }
@@ -640,6 +650,11 @@ fn run_json(mut command: Command, label: &str) -> Result<Value> {
         .env("RUST_LOG", "warn")
         .output()
         .with_context(|| format!("starting {label}"))?;
+    output_json(&out, label)
+}
+
+/// The JSON line a finished benchmark process printed last, or its error.
+fn output_json(out: &Output, label: &str) -> Result<Value> {
     let stdout = String::from_utf8_lossy(&out.stdout);
     ensure!(
         out.status.success(),

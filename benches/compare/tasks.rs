@@ -1,6 +1,7 @@
-//! Workloads (d)-(g): data loading, TorchScript inference, the fused ops and
-//! checkpoint I/O. Each has its own variants and table; like the training
-//! workloads, every variant runs in its own process and prints one JSON line.
+//! Workloads (d)-(h): data loading, TorchScript inference, the fused ops,
+//! checkpoint I/O and data-parallel training (`ddp.rs`). Each has its own variants
+//! and table; like the training workloads, every variant runs in its own process
+//! (two, for (h)) and prints one JSON line.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,7 +23,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, timed};
-use crate::{num, run_json, xorshift, Settings};
+use crate::{ddp, num, run_json, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,6 +36,8 @@ pub enum Task {
     Ops,
     /// (g) checkpoint save and load of a 100M-parameter model.
     Checkpoint,
+    /// (h) data-parallel training on two ranks, and the all-reduce alone.
+    Ddp,
 }
 
 /// Images in the data-loading workload (MNIST's training set size).
@@ -61,6 +64,7 @@ impl Task {
             "script" => Task::Script,
             "ops" => Task::Ops,
             "checkpoint" => Task::Checkpoint,
+            "ddp" => Task::Ddp,
             _ => return None,
         })
     }
@@ -71,6 +75,7 @@ impl Task {
             Task::Script => "script",
             Task::Ops => "ops",
             Task::Checkpoint => "checkpoint",
+            Task::Ddp => "ddp",
         }
     }
 
@@ -86,6 +91,7 @@ impl Task {
                 "(f) fused ops against the composition of built-in ops, forward + backward"
             }
             Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
+            Task::Ddp => ddp::DESCRIBE,
         }
     }
 
@@ -105,6 +111,7 @@ impl Task {
                 "pytorch-composed",
             ],
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
+            Task::Ddp => &ddp::VARIANTS,
         }
     }
 
@@ -120,11 +127,15 @@ impl Task {
                 run_json(c, "exporting the TorchScript model").map(drop)
             }
             Task::Ops | Task::Checkpoint => Ok(()),
+            Task::Ddp => ddp::prepare(dir),
         }
     }
 
     /// Runs `variant` in its own process.
     pub fn run(self, variant: &str, dir: &Path, s: &Settings) -> Result<Value> {
+        if self == Task::Ddp {
+            return ddp::run(variant, dir, s);
+        }
         let mut c = if variant.starts_with("kiln-") || variant.starts_with("raw-tch") {
             let mut c = Command::new(std::env::current_exe()?);
             c.args(["--worker", variant]);
@@ -158,6 +169,7 @@ impl Task {
                 .map(|op| num(&r["ops_us"], op))
                 .sum(),
             Task::Checkpoint => num(r, "save_s") + num(r, "load_s"),
+            Task::Ddp => ddp::score(r),
         }
     }
 
@@ -176,6 +188,7 @@ impl Task {
                 num(r, "save_s"),
                 num(r, "load_s")
             ),
+            Task::Ddp => ddp::summary(r),
         }
     }
 
@@ -270,6 +283,8 @@ impl Task {
                     );
                 }
             }
+            // Three tables of its own (`ddp.rs`).
+            Task::Ddp => return ddp::table(s, rows),
             Task::Checkpoint => {
                 let base = ok("pytorch-save");
                 t += "Save: the model's state to a file, made durable (fsync); load: the file back \

@@ -169,8 +169,15 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         let task = args
             .get(i + 1)
             .and_then(|name| Task::parse(name))
-            .context("--task needs data, script, ops or checkpoint")?;
+            .context("--task needs data, script, ops, checkpoint or ddp")?;
         let (variant, flags) = parse_flags(args)?;
+        if task == Task::Ddp {
+            // One rank of two; rank 0 prints the result.
+            if let Some(result) = ddp::rank(&variant, &flags)? {
+                println!("{result}");
+            }
+            return Ok(());
+        }
         let result = tasks::worker(task, &variant, &TaskArgs::parse(&flags)?)?;
         println!("{result}");
         return Ok(());
