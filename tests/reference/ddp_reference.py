@@ -8,6 +8,7 @@ clipping by norm, and has rank 0 write the per-step losses averaged over the
 ranks to DIR/losses.json.
 """
 
+import gc
 import json
 import sys
 
@@ -51,6 +52,12 @@ def main(directory):
     if rank == 0:
         with open(f"{directory}/losses.json", "w") as f:
             json.dump(losses, f)
+    # Without this, DDP's reducer was sometimes destroyed during interpreter
+    # shutdown after the process group, aborting the process ("terminate called
+    # without an active exception") once the results were written.
+    del ddp, optimizer
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -28,6 +28,17 @@ class TensorList {
 };
 std::unique_ptr<TensorList> new_tensor_list();
 
+// A collective started and not yet waited for.
+class PendingWork {
+ public:
+  struct State;
+  explicit PendingWork(std::unique_ptr<State> state);
+  ~PendingWork();
+  // Returns once the collective is done; throws if it failed.
+  void wait() const;
+  std::unique_ptr<State> state_;
+};
+
 // A joined process group: the (prefixed) store every rank reached, and a
 // c10d::ProcessGroup with Gloo for CPU tensors and, when asked, NCCL for CUDA ones.
 class DistGroup {
@@ -39,6 +50,8 @@ class DistGroup {
   // In-place collectives on one tensor; they return once the result is there.
   void all_reduce(const at::Tensor& tensor, ReduceKind op) const;
   void broadcast(const at::Tensor& tensor, std::int32_t root) const;
+  // An in-place all-reduce that runs while the caller goes on.
+  std::unique_ptr<PendingWork> all_reduce_start(const at::Tensor& tensor, ReduceKind op) const;
   // The tensor of every rank, stacked along a new leading axis.
   std::unique_ptr<at::Tensor> all_gather(const at::Tensor& tensor) const;
   void barrier() const;

@@ -118,8 +118,12 @@ impl TrainBackend for TorchBackend {
 }
 
 /// [`EagerBackend::eager_train_step`] with DDP's hooks around the forward pass
-/// and the loss averaged over the ranks (which also makes every rank take the
-/// same decision on a non-finite loss).
+/// and the loss averaged over the ranks, which also makes every rank take the
+/// same decision on a non-finite loss. That average runs during the backward
+/// pass (every rank runs it: a rank that skipped it would leave the others
+/// waiting for its gradients), so when the mean loss is not finite, parameters
+/// and optimizer state are unchanged but this micro-batch's gradients were
+/// added (the trainer then stops with `NonFiniteLoss`).
 fn data_parallel_step(
     ddp: &DistributedDataParallel,
     model: &mut TorchModel,
@@ -132,10 +136,7 @@ fn data_parallel_step(
     ddp.before_forward(plan.apply)?;
     let output = model.forward(inputs)?;
     let loss = TorchBackend::loss(plan.loss, &output, targets)?;
-    let value = ddp.mean_scalar(TorchBackend::item(&loss)?)?;
-    if !value.is_finite() {
-        return Ok(value);
-    }
+    let mean = ddp.start_mean(TorchBackend::item(&loss)?)?;
     let scaled = if plan.scale == 1.0 {
         loss
     } else {
@@ -151,6 +152,10 @@ fn data_parallel_step(
             }
         },
     )?;
+    let value = mean.value()?;
+    if !value.is_finite() {
+        return Ok(value);
+    }
     if plan.apply {
         if let Some(clip) = plan.clip {
             TorchBackend::clip_gradients(&model.named_parameters()?, clip)?;

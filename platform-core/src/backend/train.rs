@@ -117,7 +117,9 @@ pub trait TrainBackend: Backend {
     ///
     /// Contract: when the loss is not finite, nothing changes (no gradient is
     /// accumulated, no parameter or optimizer state is updated) and the value is
-    /// returned for the caller to report.
+    /// returned for the caller to report. (Data-parallel torch training, which
+    /// averages the loss over the ranks while the backward pass runs, leaves the
+    /// parameters and optimizer state as they were but adds the gradients.)
     fn train_step(
         model: &mut Self::Model,
         optimizer: &mut Self::Optim,

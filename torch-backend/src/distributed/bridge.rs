@@ -75,6 +75,14 @@ pub(crate) mod ffi {
         fn new_dist_group(config: &GroupConfig) -> Result<UniquePtr<DistGroup>>;
         fn all_reduce(self: &DistGroup, tensor: &Tensor, op: ReduceKind) -> Result<()>;
         fn broadcast(self: &DistGroup, tensor: &Tensor, root: i32) -> Result<()>;
+        fn all_reduce_start(
+            self: &DistGroup,
+            tensor: &Tensor,
+            op: ReduceKind,
+        ) -> Result<UniquePtr<PendingWork>>;
+
+        type PendingWork;
+        fn wait(self: &PendingWork) -> Result<()>;
         fn all_gather(self: &DistGroup, tensor: &Tensor) -> Result<UniquePtr<Tensor>>;
         fn barrier(self: &DistGroup) -> Result<()>;
         fn all_reduce_host_f32(self: &DistGroup, data: &mut [f32], op: ReduceKind) -> Result<()>;

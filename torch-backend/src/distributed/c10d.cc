@@ -164,6 +164,34 @@ void DistGroup::all_reduce(const at::Tensor& tensor, ReduceKind op) const {
   wait(work, "all_reduce");
 }
 
+struct PendingWork::State {
+  c10::intrusive_ptr<c10d::Work> work;
+};
+
+PendingWork::PendingWork(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+PendingWork::~PendingWork() {
+  // A collective dropped unwaited still completes (or fails) in c10d's threads;
+  // nothing may escape a destructor called from Rust's Drop.
+  try {
+    state_.reset();
+  } catch (...) {
+  }
+}
+
+void PendingWork::wait() const { kiln::torch::wait(state_->work, "all_reduce"); }
+
+std::unique_ptr<PendingWork> DistGroup::all_reduce_start(const at::Tensor& tensor,
+                                                        ReduceKind op) const {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = reduce_op(op);
+  auto state = std::make_unique<PendingWork::State>();
+  state->work =
+      rethrowing("all_reduce", [&] { return state_->group->allreduce(tensors, options); });
+  return std::make_unique<PendingWork>(std::move(state));
+}
+
 void DistGroup::broadcast(const at::Tensor& tensor, std::int32_t root) const {
   std::vector<at::Tensor> tensors{tensor};
   c10d::BroadcastOptions options;

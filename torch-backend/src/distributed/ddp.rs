@@ -9,7 +9,7 @@ use kiln_core::{Error, Result};
 use tch::Tensor;
 
 use super::bridge::ffi;
-use super::{c10d_error, tensor_list, ProcessGroup};
+use super::{c10d_error, tensor_list, PendingAllReduce, ProcessGroup};
 use crate::error::torch_error;
 
 /// DDP's buffer for broadcasting the model from rank 0 (`broadcast_bucket_size`).
@@ -49,6 +49,19 @@ unsafe impl Send for DistributedDataParallel {}
 // SAFETY: as for `Send`.
 #[allow(unsafe_code)]
 unsafe impl Sync for DistributedDataParallel {}
+
+/// A mean over the ranks under way ([`DistributedDataParallel::start_mean`]).
+pub(crate) struct PendingMean<'a>(PendingAllReduce<'a>);
+
+impl PendingMean<'_> {
+    /// Waits for the mean.
+    pub(crate) fn value(self) -> Result<f64> {
+        self.0
+            .wait()?
+            .f_double_value(&[0])
+            .map_err(|e| torch_error("loss mean", e))
+    }
+}
 
 impl std::fmt::Debug for DistributedDataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -178,10 +191,16 @@ impl DistributedDataParallel {
     /// The mean of a scalar (a micro-batch's loss) over the ranks: what the
     /// training loop reports, and the one value every rank decides on.
     pub fn mean_scalar(&self, value: f64) -> Result<f64> {
+        self.start_mean(value)?.value()
+    }
+
+    /// [`mean_scalar`](Self::mean_scalar), started: the training step waits
+    /// for it after the backward pass, so that it costs no time of its own.
+    pub(crate) fn start_mean(&self, value: f64) -> Result<PendingMean<'_>> {
         let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;
-        self.group.all_reduce(&t, ReduceOp::Mean)?;
-        t.f_double_value(&[0])
-            .map_err(|e| torch_error("loss mean", e))
+        Ok(PendingMean(
+            self.group.all_reduce_start(&t, ReduceOp::Mean)?,
+        ))
     }
 
     /// The error of a backward pass that failed while the reducer was

@@ -219,6 +219,25 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// Starts reducing `tensor` in place over every rank and returns at once;
+    /// the result is there when [`PendingAllReduce::wait`] returns.
+    pub(crate) fn all_reduce_start(
+        &self,
+        tensor: &Tensor,
+        op: ReduceOp,
+    ) -> Result<PendingAllReduce<'_>> {
+        self.check_device(tensor, "all_reduce")?;
+        let work = self
+            .with(|g| g.all_reduce_start(as_at(tensor), reduce_kind(op)))
+            .map_err(|e| self.diagnose("all_reduce", e.what()))?;
+        Ok(PendingAllReduce {
+            work,
+            tensor: tensor.shallow_clone(),
+            op,
+            group: self,
+        })
+    }
+
     /// Replaces `tensor` on every rank with rank `root`'s, in place.
     pub fn broadcast(&self, tensor: &Tensor, root: usize) -> Result<()> {
         self.check_device(tensor, "broadcast")?;
@@ -362,6 +381,33 @@ impl ProcessGroup {
             )));
         }
         Ok(())
+    }
+}
+
+/// An all-reduce under way ([`ProcessGroup::all_reduce_start`]); dropping it
+/// unwaited lets it finish in c10d's threads.
+pub(crate) struct PendingAllReduce<'a> {
+    work: UniquePtr<ffi::PendingWork>,
+    /// Kept alive (and read) until the collective is done.
+    tensor: Tensor,
+    op: ReduceOp,
+    group: &'a ProcessGroup,
+}
+
+impl PendingAllReduce<'_> {
+    /// Waits for the collective; the reduced tensor.
+    pub(crate) fn wait(self) -> Result<Tensor> {
+        self.work
+            .wait()
+            .map_err(|e| self.group.diagnose("all_reduce", e.what()))?;
+        if self.op == ReduceOp::Mean {
+            let _ = self
+                .tensor
+                .shallow_clone()
+                .f_div_scalar_(self.group.world_size as f64)
+                .map_err(|e| crate::torch_error("all_reduce (mean)", e))?;
+        }
+        Ok(self.tensor)
     }
 }
 
