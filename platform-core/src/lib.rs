@@ -68,7 +68,7 @@ pub use tensor::HostTensor;
 /// `use kiln_core::prelude::*`. (It leaves out [`Error`] and [`Result`], which
 /// would shadow the standard library's; write `kiln_core::Result`.)
 pub mod prelude {
-    pub use crate::backend::{Backend, EagerBackend, Mode, TrainBackend};
+    pub use crate::backend::{Backend, EagerBackend, Mode, TrainBackend, Trainable};
     pub use crate::device::Device;
     pub use crate::dtype::{DType, Element};
     pub use crate::loss::Loss;

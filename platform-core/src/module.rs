@@ -154,6 +154,40 @@ pub trait Module<B: Backend> {
     }
 }
 
+/// A boxed module is a module (`Box<dyn Module<B> + Send>` holds any of them).
+impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
+    fn forward(&self, input: &B::Tensor) -> Result<B::Tensor> {
+        (**self).forward(input)
+    }
+    fn forward_many(&self, inputs: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
+        (**self).forward_many(inputs)
+    }
+    fn mode(&self) -> Mode {
+        (**self).mode()
+    }
+    fn set_mode(&mut self, mode: Mode) {
+        (**self).set_mode(mode);
+    }
+    fn named_parameters(&self) -> Result<Vec<(String, B::Tensor)>> {
+        (**self).named_parameters()
+    }
+    fn named_buffers(&self) -> Result<Vec<(String, B::Tensor)>> {
+        (**self).named_buffers()
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        (**self).state_dict()
+    }
+    fn state_tensors(&self) -> Result<StateTensors<B>> {
+        (**self).state_tensors()
+    }
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        (**self).load_state_dict(state)
+    }
+    fn num_parameters(&self) -> Result<usize> {
+        (**self).num_parameters()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

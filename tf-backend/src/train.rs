@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::{StepPlan, TrainBackend},
+    backend::{StepPlan, TrainBackend, Trainable},
     distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
@@ -43,36 +43,6 @@ impl TrainBackend for TfBackend {
         }
     }
 
-    fn build_optimizer(
-        config: &OptimizerConfig,
-        model: &TfModel,
-        groups: &[ParamGroup],
-    ) -> Result<TfOptimizer> {
-        TfOptimizer::new(config.clone(), model, groups)
-    }
-
-    /// Forward, loss, gradients, clipping and the optimizer update as one session run.
-    ///
-    /// Data-parallel ([`distribute`](TrainBackend::distribute)): one session run
-    /// fetches the micro-batch's gradients and loss as one flat float32 vector;
-    /// the loss is averaged over the ranks, and on the micro-batch that applies
-    /// the vector (plus the gradients that earlier micro-batches accumulated on
-    /// this rank) is averaged over the ranks in place, in TensorFlow's memory,
-    /// and fed to a second run that clips and applies it. The result is the
-    /// single-process step's on the global batch.
-    fn train_step(
-        model: &mut TfModel,
-        optimizer: &mut TfOptimizer,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        match &model.data_parallel {
-            Some(job) => optimizer.data_parallel_step(model, job, inputs, targets, plan),
-            None => optimizer.train_step(model, inputs, targets, plan),
-        }
-    }
-
     /// Data-parallel training over any [`Collectives`] group (kiln-torch's
     /// c10d Gloo group in the `kiln` CLI): every rank checks that it built rank
     /// 0's model (names, dtypes, shapes) and takes rank 0's parameters and
@@ -101,33 +71,62 @@ impl TrainBackend for TfBackend {
         model.data_parallel = Some(Arc::new(job));
         Ok(())
     }
+}
+
+impl Trainable<TfBackend> for TfModel {
+    type Optim = TfOptimizer;
+
+    fn build_optimizer(
+        &self,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<TfOptimizer> {
+        TfOptimizer::new(config.clone(), self, groups)
+    }
+
+    /// Forward, loss, gradients, clipping and the optimizer update as one session run.
+    ///
+    /// Data-parallel ([`distribute`](kiln_core::backend::TrainBackend::distribute)): one session run
+    /// fetches the micro-batch's gradients and loss as one flat float32 vector;
+    /// the loss is averaged over the ranks, and on the micro-batch that applies
+    /// the vector (plus the gradients that earlier micro-batches accumulated on
+    /// this rank) is averaged over the ranks in place, in TensorFlow's memory,
+    /// and fed to a second run that clips and applies it. The result is the
+    /// single-process step's on the global batch.
+    fn train_step(
+        &mut self,
+        optimizer: &mut TfOptimizer,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        match &self.data_parallel {
+            Some(job) => optimizer.data_parallel_step(self, job, inputs, targets, plan),
+            None => optimizer.train_step(self, inputs, targets, plan),
+        }
+    }
 
     /// [`TfModel::sync_buffers`].
-    fn sync_buffers(model: &mut TfModel) -> Result<()> {
-        model.sync_buffers()
+    fn sync_buffers(&mut self) -> Result<()> {
+        TfModel::sync_buffers(self)
     }
 
     /// Forward and loss as one session run.
     fn eval_step(
-        model: &TfModel,
+        &self,
         loss: &Loss,
         inputs: &TfTensor,
         targets: &TfTensor,
     ) -> Result<(f64, HostTensor)> {
         let key = ProgramKey {
             kind: ProgramKind::Eval { loss: loss.clone() },
-            train: Module::<TfBackend>::mode(model).is_train(),
+            train: Module::<TfBackend>::mode(self).is_train(),
             input: Some(Signature::of(inputs)),
             target: Some(Signature::of(targets)),
         };
         let batch = inputs.shape();
-        let mut graph = lock(&model.graph)?;
-        let program = step::program(
-            &mut graph,
-            &key,
-            Some(model.model_graph(batch.dims())),
-            None,
-        )?;
+        let mut graph = lock(&self.graph)?;
+        let program = step::program(&mut graph, &key, Some(self.model_graph(batch.dims())), None)?;
         let fetched = step::run(
             &mut graph.engine,
             &program,
@@ -148,7 +147,7 @@ impl TrainBackend for TfBackend {
     }
 
     /// The forward pass as one session run.
-    fn predict_step(model: &TfModel, inputs: &TfTensor) -> Result<HostTensor> {
-        Module::<TfBackend>::forward(model, inputs)?.to_host()
+    fn predict_step(&self, inputs: &TfTensor) -> Result<HostTensor> {
+        Module::<TfBackend>::forward(self, inputs)?.to_host()
     }
 }

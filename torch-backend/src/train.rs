@@ -4,10 +4,11 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::{Backend, EagerBackend, StepPlan, TrainBackend},
+    backend::{Backend, EagerBackend, StepPlan, TrainBackend, Trainable},
     distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
+    module::Module,
     optim::{GradClip, OptimizerConfig, ParamGroup},
     precision::FloatPrecision,
     Device, Error, HostTensor, Result,
@@ -15,11 +16,13 @@ use kiln_core::{
 use tch::Tensor;
 
 use crate::backend::TorchBackend;
+use crate::custom::{Chain, TchModule};
 use crate::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::error::torch_error;
 use crate::loss::compute_loss;
 use crate::model::TorchModel;
 use crate::optim::{clip_grad_norm, clip_grad_value, TorchOptimizer};
+use crate::script::ScriptModule;
 
 impl TrainBackend for TorchBackend {
     type Model = TorchModel;
@@ -33,41 +36,6 @@ impl TrainBackend for TorchBackend {
         model.set_precision(precision)
     }
 
-    fn precision(model: &TorchModel) -> FloatPrecision {
-        model.precision()
-    }
-
-    fn build_optimizer(
-        config: &OptimizerConfig,
-        model: &TorchModel,
-        groups: &[ParamGroup],
-    ) -> Result<TorchOptimizer> {
-        use kiln_core::module::Module;
-        TorchOptimizer::new(config.clone(), model.named_parameters()?, groups)
-    }
-
-    /// [`EagerBackend::eager_train_step`]: forward, loss, backward, clipping and
-    /// the optimizer step, op by op.
-    fn train_step(
-        model: &mut TorchModel,
-        optimizer: &mut TorchOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        match model.distributed().cloned() {
-            Some(ddp) => data_parallel_step(&ddp, model, optimizer, inputs, targets, plan),
-            None => Self::eager_train_step(model, optimizer, inputs, targets, plan),
-        }
-    }
-
-    fn sync_buffers(model: &mut TorchModel) -> Result<()> {
-        match model.distributed() {
-            Some(ddp) => ddp.sync_buffers(),
-            None => Ok(()),
-        }
-    }
-
     /// DDP on `c10d::Reducer` ([`DistributedDataParallel`]) over the c10d
     /// group `group` must be (a `kiln_torch::distributed::ProcessGroup`).
     fn distribute(
@@ -75,7 +43,6 @@ impl TrainBackend for TorchBackend {
         group: Arc<dyn Collectives>,
         options: &DistributedOptions,
     ) -> Result<()> {
-        use kiln_core::module::Module;
         let group = group.into_any().downcast::<ProcessGroup>().map_err(|_| {
             Error::unsupported(
                 "data-parallel torch training over a group that is not a \
@@ -102,19 +69,124 @@ impl TrainBackend for TorchBackend {
         model.set_distributed(ddp);
         Ok(())
     }
+}
+
+/// The optimizer of any torch module: its parameters that require gradients.
+pub(crate) fn optimizer_over<M: Module<TorchBackend> + ?Sized>(
+    model: &M,
+    config: &OptimizerConfig,
+    groups: &[ParamGroup],
+) -> Result<TorchOptimizer> {
+    let trainable: Vec<(String, Tensor)> = model
+        .named_parameters()?
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
+    TorchOptimizer::new(config.clone(), trainable, groups)
+}
+
+impl Trainable<TorchBackend> for TorchModel {
+    type Optim = TorchOptimizer;
+
+    fn build_optimizer(
+        &self,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<TorchOptimizer> {
+        optimizer_over(self, config, groups)
+    }
+
+    fn precision(&self) -> FloatPrecision {
+        TorchModel::precision(self)
+    }
+
+    /// [`EagerBackend::eager_train_step`]: forward, loss, backward, clipping and
+    /// the optimizer step, op by op; with DDP's hooks when data-parallel.
+    fn train_step(
+        &mut self,
+        optimizer: &mut TorchOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        match self.distributed().cloned() {
+            Some(ddp) => data_parallel_step(&ddp, self, optimizer, inputs, targets, plan),
+            None => TorchBackend::eager_train_step(self, optimizer, inputs, targets, plan),
+        }
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        match self.distributed() {
+            Some(ddp) => ddp.sync_buffers(),
+            None => Ok(()),
+        }
+    }
 
     fn eval_step(
-        model: &TorchModel,
+        &self,
         loss: &Loss,
         inputs: &Tensor,
         targets: &Tensor,
     ) -> Result<(f64, HostTensor)> {
-        Self::eager_eval_step(model, loss, inputs, targets)
+        TorchBackend::eager_eval_step(self, loss, inputs, targets)
     }
 
-    fn predict_step(model: &TorchModel, inputs: &Tensor) -> Result<HostTensor> {
-        Self::eager_predict_step(model, inputs)
+    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+        TorchBackend::eager_predict_step(self, inputs)
     }
+}
+
+/// [`Trainable`] for torch modules that train op by op with a
+/// [`TorchOptimizer`] over their parameters that require gradients.
+macro_rules! eager_trainable {
+    ($($(#[$doc:meta])* $ty:ty;)*) => {$(
+        $(#[$doc])*
+        impl Trainable<TorchBackend> for $ty {
+            type Optim = TorchOptimizer;
+
+            fn build_optimizer(
+                &self,
+                config: &OptimizerConfig,
+                groups: &[ParamGroup],
+            ) -> Result<TorchOptimizer> {
+                optimizer_over(self, config, groups)
+            }
+
+            fn train_step(
+                &mut self,
+                optimizer: &mut TorchOptimizer,
+                inputs: &Tensor,
+                targets: &Tensor,
+                plan: &StepPlan<'_>,
+            ) -> Result<f64> {
+                TorchBackend::eager_train_step(self, optimizer, inputs, targets, plan)
+            }
+
+            fn eval_step(
+                &self,
+                loss: &Loss,
+                inputs: &Tensor,
+                targets: &Tensor,
+            ) -> Result<(f64, HostTensor)> {
+                TorchBackend::eager_eval_step(self, loss, inputs, targets)
+            }
+
+            fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+                TorchBackend::eager_predict_step(self, inputs)
+            }
+        }
+    )*};
+}
+
+eager_trainable! {
+    /// A TorchScript model trains op by op, as in Python.
+    ScriptModule;
+    /// `tch` code trains op by op.
+    TchModule;
+    /// A chain (a pretrained part plus new layers) trains op by op.
+    Chain;
+    /// Any torch module of the user's, boxed.
+    Box<dyn Module<TorchBackend> + Send>;
 }
 
 /// [`EagerBackend::eager_train_step`] with DDP's hooks around the forward pass
@@ -132,7 +204,7 @@ fn data_parallel_step(
     targets: &Tensor,
     plan: &StepPlan<'_>,
 ) -> Result<f64> {
-    use kiln_core::{module::Module, optim::Optimizer};
+    use kiln_core::optim::Optimizer;
     ddp.before_forward(plan.apply)?;
     let output = model.forward(inputs)?;
     let loss = TorchBackend::loss(plan.loss, &output, targets)?;

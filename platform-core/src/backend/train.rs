@@ -27,17 +27,106 @@ pub struct StepPlan<'a> {
     pub clip: Option<&'a GradClip>,
 }
 
-/// A backend the `Trainer` (in `kiln-train`) can drive: it builds models and
-/// optimizers from Kiln definitions and runs training, evaluation and
-/// prediction steps, so one training script runs on any backend that
-/// implements it.
+/// A module the `Trainer` (in `kiln-train`) can train: it builds its optimizer
+/// and runs training, evaluation and prediction steps on backend `B`.
 ///
-/// The steps are the unit of work: an eager engine runs them op by op
-/// ([`EagerBackend`]'s provided `eager_*` steps), a graph engine as one
-/// compiled program each.
+/// Every model a backend offers implements it: on libtorch the models built
+/// from [`Layer`] definitions, TorchScript models, `tch` code and chains of
+/// them; on TensorFlow the built models and SavedModels with a training
+/// signature. The steps are the unit of work: an eager engine runs them op by
+/// op ([`EagerBackend`]'s provided `eager_*` steps, which any module can use),
+/// a graph engine as one compiled program each, and a SavedModel through its
+/// signatures.
+///
+/// ```
+/// use kiln_core::{backend::{Backend, StepPlan, Trainable}, Result};
+///
+/// /// Trains any module of any backend for one micro-batch that applies.
+/// fn one_step<B: Backend, M: Trainable<B>>(
+///     model: &mut M,
+///     optimizer: &mut M::Optim,
+///     inputs: &B::Tensor,
+///     targets: &B::Tensor,
+///     plan: &StepPlan<'_>,
+/// ) -> Result<f64> {
+///     use kiln_core::optim::Optimizer;
+///     optimizer.zero_grad()?;
+///     model.train_step(optimizer, inputs, targets, plan)
+/// }
+/// ```
+pub trait Trainable<B: Backend>: Module<B> + Send {
+    /// The optimizer that updates this module.
+    type Optim: Optimizer<B> + Send;
+
+    /// Builds an optimizer over the parameters this module trains: those that
+    /// require gradients (frozen parameters stay out, as PyTorch users build
+    /// optimizers from `filter(lambda p: p.requires_grad, ...)`), grouped by
+    /// `groups`.
+    fn build_optimizer(
+        &self,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<Self::Optim>;
+
+    /// The precision the module computes in (`32-true` unless given another;
+    /// see [`TrainBackend::set_precision`]).
+    fn precision(&self) -> FloatPrecision {
+        FloatPrecision::F32
+    }
+
+    /// One training micro-batch: forward in the module's mode, loss, gradients
+    /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
+    /// clipping and one optimizer step. Returns the unscaled loss.
+    ///
+    /// Gradients accumulate across calls until
+    /// [`Optimizer::zero_grad`], as in PyTorch: call it before the first
+    /// micro-batch of each optimizer step (the trainer does). A backend may
+    /// clear them itself after applying them.
+    ///
+    /// Contract: when the loss is not finite, nothing changes (no gradient is
+    /// accumulated, no parameter or optimizer state is updated) and the value is
+    /// returned for the caller to report. (Data-parallel torch training, which
+    /// averages the loss over the ranks while the backward pass runs, leaves the
+    /// parameters and optimizer state as they were but adds the gradients; a
+    /// SavedModel's training signature updates the variables in the same run
+    /// that computes the loss, so there a non-finite loss has been applied.)
+    fn train_step(
+        &mut self,
+        optimizer: &mut Self::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64>;
+
+    /// The loss value and the module's output on one batch, without gradients
+    /// (the module's current mode is used; the trainer sets eval mode).
+    fn eval_step(
+        &self,
+        loss: &Loss,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+    ) -> Result<(f64, HostTensor)>;
+
+    /// The module's output on one batch, without gradients, on the host.
+    fn predict_step(&self, inputs: &B::Tensor) -> Result<HostTensor>;
+
+    /// Gives every rank rank 0's buffers when the module trains data-parallel
+    /// (see [`TrainBackend::distribute`]); nothing otherwise (the default).
+    fn sync_buffers(&mut self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A backend the `Trainer` (in `kiln-train`) can drive from Kiln [`Layer`]
+/// definitions: it builds them as [`Model`](TrainBackend::Model)s, which are
+/// [`Trainable`], so one training script runs on any backend that implements
+/// it by changing one type parameter.
+///
+/// The step functions here are the model's [`Trainable`] methods, under the
+/// backend's name (`B::train_step(&mut model, ...)`).
 pub trait TrainBackend: Backend {
     /// A model built from a [`Layer`] definition.
-    type Model: Module<Self> + Send;
+    type Model: Trainable<Self, Optim = Self::Optim>;
     /// The optimizer over such a model.
     type Optim: Optimizer<Self> + Send;
 
@@ -61,18 +150,19 @@ pub trait TrainBackend: Backend {
     }
 
     /// The precision `model` was given by [`set_precision`](Self::set_precision)
-    /// (`32-true` when built).
+    /// (`32-true` when built): [`Trainable::precision`].
     fn precision(model: &Self::Model) -> FloatPrecision {
-        let _ = model;
-        FloatPrecision::F32
+        model.precision()
     }
 
-    /// Builds an optimizer over `model`'s parameters.
+    /// Builds an optimizer over `model`'s parameters: [`Trainable::build_optimizer`].
     fn build_optimizer(
         config: &OptimizerConfig,
         model: &Self::Model,
         groups: &[ParamGroup],
-    ) -> Result<Self::Optim>;
+    ) -> Result<Self::Optim> {
+        model.build_optimizer(config, groups)
+    }
 
     /// Makes `model` train data-parallel over `group`, with
     /// `DistributedDataParallel`'s semantics: rank 0's parameters and buffers
@@ -101,44 +191,38 @@ pub trait TrainBackend: Backend {
     /// each rank updates from its own rows) when `model` trains data-parallel;
     /// nothing otherwise. A collective: every rank calls it. The trainer does
     /// before evaluating, so that every rank evaluates the same model.
+    /// [`Trainable::sync_buffers`].
     fn sync_buffers(model: &mut Self::Model) -> Result<()> {
-        let _ = model;
-        Ok(())
+        model.sync_buffers()
     }
 
-    /// One training micro-batch: forward in the model's mode, loss, gradients
-    /// of `loss * plan.scale` (accumulated), and, when `plan.apply`, gradient
-    /// clipping and one optimizer step. Returns the unscaled loss.
-    ///
-    /// Gradients accumulate across calls until
-    /// [`Optimizer::zero_grad`], as in PyTorch: call it before the first
-    /// micro-batch of each optimizer step (the trainer does). A backend may
-    /// clear them itself after applying them.
-    ///
-    /// Contract: when the loss is not finite, nothing changes (no gradient is
-    /// accumulated, no parameter or optimizer state is updated) and the value is
-    /// returned for the caller to report. (Data-parallel torch training, which
-    /// averages the loss over the ranks while the backward pass runs, leaves the
-    /// parameters and optimizer state as they were but adds the gradients.)
+    /// One training micro-batch: [`Trainable::train_step`].
     fn train_step(
         model: &mut Self::Model,
         optimizer: &mut Self::Optim,
         inputs: &Self::Tensor,
         targets: &Self::Tensor,
         plan: &StepPlan<'_>,
-    ) -> Result<f64>;
+    ) -> Result<f64> {
+        model.train_step(optimizer, inputs, targets, plan)
+    }
 
-    /// The loss value and the model's output on one batch, without gradients
-    /// (the model's current mode is used; the trainer sets eval mode).
+    /// The loss value and the model's output on one batch, without gradients:
+    /// [`Trainable::eval_step`].
     fn eval_step(
         model: &Self::Model,
         loss: &Loss,
         inputs: &Self::Tensor,
         targets: &Self::Tensor,
-    ) -> Result<(f64, HostTensor)>;
+    ) -> Result<(f64, HostTensor)> {
+        model.eval_step(loss, inputs, targets)
+    }
 
-    /// The model's output on one batch, without gradients, on the host.
-    fn predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor>;
+    /// The model's output on one batch, without gradients, on the host:
+    /// [`Trainable::predict_step`].
+    fn predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor> {
+        model.predict_step(inputs)
+    }
 }
 
 /// A backend that runs operations one at a time and records them for autograd
@@ -178,13 +262,17 @@ pub trait EagerBackend: TrainBackend {
     /// [`TrainBackend::train_step`] as the eager sequence: `forward`,
     /// [`loss`](Self::loss), [`item`](Self::item), [`backward`](Self::backward),
     /// [`clip_gradients`](Self::clip_gradients), [`Optimizer::step`].
-    fn eager_train_step(
-        model: &mut Self::Model,
-        optimizer: &mut Self::Optim,
+    fn eager_train_step<M, O>(
+        model: &mut M,
+        optimizer: &mut O,
         inputs: &Self::Tensor,
         targets: &Self::Tensor,
         plan: &StepPlan<'_>,
-    ) -> Result<f64> {
+    ) -> Result<f64>
+    where
+        M: Module<Self> + ?Sized,
+        O: Optimizer<Self> + ?Sized,
+    {
         let output = model.forward(inputs)?;
         let loss = Self::loss(plan.loss, &output, targets)?;
         let value = Self::item(&loss)?;
@@ -207,8 +295,8 @@ pub trait EagerBackend: TrainBackend {
     }
 
     /// [`TrainBackend::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
-    fn eager_eval_step(
-        model: &Self::Model,
+    fn eager_eval_step<M: Module<Self> + ?Sized>(
+        model: &M,
         loss: &Loss,
         inputs: &Self::Tensor,
         targets: &Self::Tensor,
@@ -221,7 +309,10 @@ pub trait EagerBackend: TrainBackend {
     }
 
     /// [`TrainBackend::predict_step`] as forward under [`no_grad`](Self::no_grad).
-    fn eager_predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor> {
+    fn eager_predict_step<M: Module<Self> + ?Sized>(
+        model: &M,
+        inputs: &Self::Tensor,
+    ) -> Result<HostTensor> {
         Self::no_grad(|| Self::to_host(&model.forward(inputs)?))
     }
 }

@@ -11,13 +11,12 @@ use crate::checkpoint::{Checkpoint, Checkpointer};
 use crate::logger::{History, MetricSink};
 use crate::metric::{LossMetric, Metric};
 use kiln_core::backend::Mode;
-use kiln_core::backend::{StepPlan, TrainBackend};
+use kiln_core::backend::{StepPlan, TrainBackend, Trainable};
 use kiln_core::device::Device;
 use kiln_core::distributed::{Collectives, ReduceOp};
 use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::model::Layer;
-use kiln_core::module::Module;
 use kiln_core::optim::{GradClip, Optimizer};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::rng::SplitMix64;
@@ -129,11 +128,11 @@ impl TrainerConfig {
 
 /// A model, its optimizer and schedule, and where training stands: what a
 /// checkpoint saves and `fit` advances.
-pub struct TrainingState<B: TrainBackend> {
+pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
     /// The model.
-    pub model: B::Model,
+    pub model: M,
     /// Its optimizer.
-    pub optimizer: B::Optim,
+    pub optimizer: M::Optim,
     /// The learning-rate schedule, if any.
     pub scheduler: Option<Box<dyn LrScheduler + Send>>,
     /// Optimizer steps taken.
@@ -146,7 +145,7 @@ pub struct TrainingState<B: TrainBackend> {
     pub epoch_loss: LossMetric,
 }
 
-impl<B: TrainBackend> std::fmt::Debug for TrainingState<B> {
+impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for TrainingState<B, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TrainingState")
             .field("step", &self.step)
@@ -156,11 +155,11 @@ impl<B: TrainBackend> std::fmt::Debug for TrainingState<B> {
     }
 }
 
-impl<B: TrainBackend> TrainingState<B> {
+impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
     /// A fresh state at step 0.
     pub fn new(
-        model: B::Model,
-        optimizer: B::Optim,
+        model: M,
+        optimizer: M::Optim,
         scheduler: Option<Box<dyn LrScheduler + Send>>,
     ) -> Self {
         Self {
@@ -252,7 +251,7 @@ pub type EpochRecord = BTreeMap<String, f64>;
 
 /// The training loop, generic over the backend: callbacks, metric sinks,
 /// checkpoints, gradient accumulation and clipping, and a schedule.
-pub struct Trainer<B: TrainBackend> {
+pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
     config: TrainerConfig,
     loss: Loss,
     metrics: Vec<Box<dyn Fn() -> Box<dyn Metric> + Send>>,
@@ -262,10 +261,10 @@ pub struct Trainer<B: TrainBackend> {
     model_definition: Option<Layer>,
     world_size: u64,
     group: Option<Arc<dyn Collectives>>,
-    _backend: std::marker::PhantomData<B>,
+    _backend: std::marker::PhantomData<fn() -> (B, M)>,
 }
 
-impl<B: TrainBackend> std::fmt::Debug for Trainer<B> {
+impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for Trainer<B, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
             .field("config", &self.config)
@@ -321,7 +320,7 @@ fn step_seed(seed: u64, step: u64) -> u64 {
     SplitMix64::new(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
 }
 
-impl<B: TrainBackend> Trainer<B> {
+impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// A trainer minimising `loss`.
     pub fn new(config: TrainerConfig, loss: Loss) -> Result<Self> {
         config.validate()?;
@@ -394,7 +393,7 @@ impl<B: TrainBackend> Trainer<B> {
     /// (written in place, not copied to the host first).
     fn checkpoint(
         &self,
-        state: &TrainingState<B>,
+        state: &TrainingState<B, M>,
         metrics: &EpochRecord,
     ) -> Result<Checkpoint<StateTensors<B>>> {
         Ok(Checkpoint {
@@ -414,7 +413,11 @@ impl<B: TrainBackend> Trainer<B> {
         })
     }
 
-    fn save_checkpoint(&mut self, state: &TrainingState<B>, metrics: &EpochRecord) -> Result<()> {
+    fn save_checkpoint(
+        &mut self,
+        state: &TrainingState<B, M>,
+        metrics: &EpochRecord,
+    ) -> Result<()> {
         if self.checkpointer.is_none() {
             return Ok(());
         }
@@ -438,11 +441,11 @@ impl<B: TrainBackend> Trainer<B> {
     /// step; the checkpoints already written stay as they were.
     pub fn fit(
         &mut self,
-        state: &mut TrainingState<B>,
+        state: &mut TrainingState<B, M>,
         train: &dyn DataLoader,
         val: Option<&dyn DataLoader>,
     ) -> Result<History> {
-        let precision = B::precision(&state.model);
+        let precision = state.model.precision();
         if precision != self.config.precision {
             return Err(Error::invalid_argument(
                 "precision",
@@ -517,13 +520,10 @@ impl<B: TrainBackend> Trainer<B> {
                     apply,
                     clip: self.config.clip.as_ref(),
                 };
-                let value = B::train_step(
-                    &mut state.model,
-                    &mut state.optimizer,
-                    &inputs,
-                    &targets,
-                    &plan,
-                )?;
+                let value =
+                    state
+                        .model
+                        .train_step(&mut state.optimizer, &inputs, &targets, &plan)?;
                 if !value.is_finite() {
                     return Err(Error::NonFiniteLoss {
                         step: state.step + 1,
@@ -631,14 +631,10 @@ impl<B: TrainBackend> Trainer<B> {
 
     /// The loss and every metric over `loader`, in eval mode and without
     /// gradients; the model's mode is restored afterwards.
-    pub fn evaluate(
-        &self,
-        model: &mut B::Model,
-        loader: &dyn DataLoader,
-    ) -> Result<Vec<(String, f64)>> {
+    pub fn evaluate(&self, model: &mut M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
         if self.group.is_some() {
             // Every rank evaluates rank 0's batch-norm statistics.
-            B::sync_buffers(model)?;
+            model.sync_buffers()?;
         }
         let mode = model.mode();
         model.set_mode(Mode::Eval);
@@ -647,18 +643,14 @@ impl<B: TrainBackend> Trainer<B> {
         result
     }
 
-    fn evaluate_inner(
-        &self,
-        model: &B::Model,
-        loader: &dyn DataLoader,
-    ) -> Result<Vec<(String, f64)>> {
+    fn evaluate_inner(&self, model: &M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
         let mut loss = LossMetric::new("loss");
         let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
         for batch in loader.batches(0) {
             let batch = batch?;
             let inputs = B::from_host(&batch.inputs, self.config.device)?;
             let targets = B::from_host(&batch.targets, self.config.device)?;
-            let (value, output) = B::eval_step(model, &self.loss, &inputs, &targets)?;
+            let (value, output) = model.eval_step(&self.loss, &inputs, &targets)?;
             loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
             for metric in &mut metrics {
                 metric.update(&output, &batch.targets)?;
@@ -677,18 +669,14 @@ impl<B: TrainBackend> Trainer<B> {
     }
 
     /// The model's outputs for every batch of `loader`, in eval mode.
-    pub fn predict(
-        &self,
-        model: &mut B::Model,
-        loader: &dyn DataLoader,
-    ) -> Result<Vec<HostTensor>> {
+    pub fn predict(&self, model: &mut M, loader: &dyn DataLoader) -> Result<Vec<HostTensor>> {
         let mode = model.mode();
         model.set_mode(Mode::Eval);
         let result = loader
             .batches(0)
             .map(|batch| {
                 let batch = batch?;
-                B::predict_step(model, &B::from_host(&batch.inputs, self.config.device)?)
+                model.predict_step(&B::from_host(&batch.inputs, self.config.device)?)
             })
             .collect();
         model.set_mode(mode);
@@ -698,7 +686,7 @@ impl<B: TrainBackend> Trainer<B> {
     /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]);
     /// a checkpoint of another model is [`Error::Checkpoint`] naming the file, with
     /// the error naming the first key or shape that does not fit as its source.
-    pub fn resume(state: &mut TrainingState<B>, path: &Path) -> Result<Checkpoint> {
+    pub fn resume(state: &mut TrainingState<B, M>, path: &Path) -> Result<Checkpoint> {
         let checkpoint = Checkpoint::load(path)?;
         Self::resume_from(state, &checkpoint, path)?;
         Ok(checkpoint)
@@ -707,7 +695,7 @@ impl<B: TrainBackend> Trainer<B> {
     /// As [`resume`](Self::resume), from a checkpoint already read from `path`
     /// (for a caller that checks it first, as the CLI checks its definition and seed).
     pub fn resume_from(
-        state: &mut TrainingState<B>,
+        state: &mut TrainingState<B, M>,
         checkpoint: &Checkpoint,
         path: &Path,
     ) -> Result<()> {
