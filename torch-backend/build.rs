@@ -2,7 +2,8 @@
 //! examples (see kiln-build), and compiles the C++ bridges to what tch does not
 //! expose: the `at::Tensor` glue every crate's bridges share (src/cxx_tensor.rs),
 //! libtorch's autocast (src/autocast.rs, src/autocast.cc), its fused Adam kernels
-//! (src/optim/fused.rs, src/optim/fused.cc) and, with the `cuda` feature, CUDA
+//! (src/optim/fused.rs, src/optim/fused.cc), TorchScript buffers
+//! (src/script/bridge.rs, src/script/bridge.cc) and, with the `cuda` feature, CUDA
 //! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers),
 //! and c10d, libtorch's distributed engine (src/distributed/bridge.rs,
 //! src/distributed/c10d.cc; NCCL in src/distributed/nccl.cc with `cuda`).
@@ -16,6 +17,8 @@ fn main() {
         .bridge("src/cxx_tensor.rs")
         .bridge("src/autocast.rs")
         .bridge_source("src/autocast.cc")
+        .bridge("src/script/bridge.rs")
+        .bridge_source("src/script/bridge.cc")
         .bridge("src/optim/fused.rs")
         .bridge_source("src/optim/fused.cc")
         // c10d: Gloo's declarations are Kiln's own (include/gloo-api/README.md).
@@ -43,6 +46,7 @@ fn main() {
         "cuda_graph.h",
         "c10d.h",
         "c10d_nccl.h",
+        "script.h",
     ] {
         println!("cargo:rerun-if-changed=include/{header}");
     }

@@ -233,7 +233,7 @@ fn fine_tune_save_and_reload_in_python() {
     for (name, value) in after.iter() {
         common::assert_close(
             name,
-            python_out.get(&format!("param.{name}")).unwrap(),
+            python_out.get(&format!("state.{name}")).unwrap(),
             value,
             0.0,
         );
@@ -242,4 +242,147 @@ fn fine_tune_save_and_reload_in_python() {
     // And Kiln reads its own save back.
     let reloaded = ScriptModule::load(&saved, Device::Cpu).unwrap();
     assert_eq!(reloaded.state_dict().unwrap(), after);
+}
+
+/// 64 rows of 4 features and 3 regression targets, fixed.
+fn regression_data() -> (kiln_core::HostTensor, kiln_core::HostTensor) {
+    let x: Vec<f32> = (0..64 * 4)
+        .map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    let y: Vec<f32> = (0..64 * 3)
+        .map(|i| ((i * 53 % 89) as f32 / 44.0) - 1.0)
+        .collect();
+    (
+        kiln_core::HostTensor::new(x, [64, 4]).unwrap(),
+        kiln_core::HostTensor::new(y, [64, 3]).unwrap(),
+    )
+}
+
+#[test]
+fn buffers_have_pytorch_names_and_a_trainer_checkpoint_resumes_bitwise() {
+    use kiln_data::{InMemoryDataset, SequentialLoader};
+    use kiln_torch::TorchBackend;
+    use kiln_train::{CheckpointPolicy, Checkpointer, Trainer, TrainerConfig, TrainingState};
+
+    let Some((_, dir, reference)) = fixtures("buffers") else {
+        return;
+    };
+    let path = dir.join("mlp_bn.pt");
+    let model = ScriptModule::load(&path, Device::Cpu).unwrap();
+
+    // The state dict is Python's: parameters and buffers, same names and values.
+    let ours = model.state_dict().unwrap();
+    let python: Vec<String> = reference
+        .keys()
+        .filter_map(|k| k.strip_prefix("mlp_state."))
+        .map(str::to_owned)
+        .collect();
+    let mut keys: Vec<String> = ours.keys().cloned().collect();
+    keys.sort();
+    let mut expected = python.clone();
+    expected.sort();
+    assert_eq!(keys, expected);
+    assert!(keys.contains(&"bn.running_mean".to_owned()), "{keys:?}");
+    for name in &python {
+        assert_eq!(
+            ours.get(name).unwrap(),
+            reference.get(&format!("mlp_state.{name}")).unwrap(),
+            "{name}"
+        );
+    }
+    let buffers: Vec<String> = model
+        .named_buffers()
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(
+        buffers,
+        [
+            "bn.running_mean",
+            "bn.running_var",
+            "bn.num_batches_tracked"
+        ]
+    );
+
+    // Train in train mode through the Trainer (batch norm updates its statistics),
+    // checkpointing every 3 steps; resume a fresh load from step 3.
+    let (x, y) = regression_data();
+    let loader =
+        || SequentialLoader::new(InMemoryDataset::new(x.clone(), y.clone()).unwrap(), 16).unwrap();
+    let config = TrainerConfig {
+        epochs: 2,
+        ..TrainerConfig::default()
+    };
+    let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.9));
+    let state = |model: ScriptModule| {
+        let opt = kiln_core::backend::Trainable::<TorchBackend>::build_optimizer(&model, &sgd, &[])
+            .unwrap();
+        TrainingState::<TorchBackend, ScriptModule>::new(model, opt, None)
+    };
+    let run_dir = dir.join("checkpoints");
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(3),
+        every_n_epochs: None,
+        keep_last: 5,
+        ..CheckpointPolicy::default()
+    };
+    let mut full = state(ScriptModule::load(&path, Device::Cpu).unwrap());
+    Trainer::<TorchBackend, ScriptModule>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .with_checkpointer(Checkpointer::new(&run_dir, policy).unwrap(), None)
+        .fit(&mut full, &loader(), None)
+        .unwrap();
+    assert_eq!(full.step, 8);
+    let trained = full.model.state_dict().unwrap();
+    assert_ne!(
+        trained.get("bn.running_mean"),
+        ours.get("bn.running_mean"),
+        "training in train mode must move the running statistics"
+    );
+
+    let mut resumed = state(ScriptModule::load(&path, Device::Cpu).unwrap());
+    let checkpoint = Trainer::<TorchBackend, ScriptModule>::resume(
+        &mut resumed,
+        &run_dir.join("step-00000003.safetensors"),
+    )
+    .unwrap();
+    assert!(checkpoint.model.get("bn.num_batches_tracked").is_some());
+    Trainer::<TorchBackend, ScriptModule>::new(config, Loss::mse())
+        .unwrap()
+        .fit(&mut resumed, &loader(), None)
+        .unwrap();
+    assert_eq!(
+        resumed.model.state_dict().unwrap(),
+        trained,
+        "bitwise, buffers included"
+    );
+    assert_eq!(
+        resumed.optimizer.state_dict().unwrap(),
+        full.optimizer.state_dict().unwrap()
+    );
+
+    // Saving after a resume writes the same file as saving without one.
+    let (a, b) = (dir.join("full"), dir.join("resumed"));
+    std::fs::create_dir_all(&a).unwrap();
+    std::fs::create_dir_all(&b).unwrap();
+    full.model.save(a.join("model.pt")).unwrap();
+    resumed.model.save(b.join("model.pt")).unwrap();
+    let (a, b) = (
+        std::fs::read(a.join("model.pt")).unwrap(),
+        std::fs::read(b.join("model.pt")).unwrap(),
+    );
+    assert!(
+        a == b,
+        "the two saves differ ({} and {} bytes)",
+        a.len(),
+        b.len()
+    );
+
+    // A state dict missing a buffer is refused, and changes nothing.
+    let mut partial = trained.clone();
+    partial.remove("bn.running_var");
+    let err = resumed.model.load_state_dict(&partial).unwrap_err();
+    assert!(matches!(err, Error::MissingKey { .. }), "{err}");
+    assert_eq!(resumed.model.state_dict().unwrap(), trained);
 }

@@ -8,7 +8,7 @@ Usage:
         and the outputs of each model in eval and train mode.
     python torchscript_models.py run MODEL.pt INPUT.safetensors OUT.safetensors
         loads MODEL.pt with torch.jit.load, runs it in eval mode on `x` and writes `y`
-        and the model's parameters (`param.<name>`).
+        and the model's state dict, parameters and buffers (`state.<name>`).
 """
 
 import os
@@ -84,6 +84,8 @@ def make(out_dir):
         ref["mlp_train"] = loaded(x)
         ref["multi_0"], ref["multi_1"] = multi(a, b)
         ref["cnn"] = traced(img)
+    for name, value in torch.jit.load(os.path.join(out_dir, "mlp_bn.pt")).state_dict().items():
+        ref[f"mlp_state.{name}"] = value
     save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out_dir, "reference.safetensors"))
 
 
@@ -94,8 +96,8 @@ def run(model_path, input_path, out_path):
     with torch.no_grad():
         y = model(x)
     out = {"y": y}
-    for name, p in model.named_parameters():
-        out[f"param.{name}"] = p.detach().clone()
+    for name, p in model.state_dict().items():
+        out[f"state.{name}"] = p.detach().clone()
     save_file({k: v.contiguous() for k, v in out.items()}, out_path)
 
 

@@ -1,6 +1,8 @@
 //! TorchScript models (`torch.jit.script` / `torch.jit.trace` output) as Kiln modules:
 //! run, fine-tune with Kiln's optimizers, and save back for Python's `torch.jit.load`.
 
+mod bridge;
+
 use std::path::{Path, PathBuf};
 
 use kiln_core::{
@@ -17,9 +19,11 @@ use crate::error::{torch_error, TorchError};
 
 /// A TorchScript model loaded from a `.pt` file.
 ///
-/// Its parameters keep PyTorch's dotted names (`fc1.weight`) and share storage
-/// with the model, so an optimizer built from [`Module::named_parameters`]
-/// fine-tunes it in place and [`ScriptModule::save`] writes the new weights.
+/// Its parameters and buffers keep PyTorch's dotted names (`fc1.weight`,
+/// `bn1.running_mean`) and share storage with the model, so an optimizer built
+/// from [`Module::named_parameters`] fine-tunes it in place, a checkpoint of
+/// [`Module::state_tensors`] holds what `model.state_dict()` holds in Python
+/// (buffers included), and [`ScriptModule::save`] writes the new weights.
 ///
 /// ```no_run
 /// use kiln_core::{module::Module, Device};
@@ -63,6 +67,7 @@ impl ScriptModule {
         let params = module
             .named_parameters()
             .map_err(|e| torch_error("listing TorchScript parameters", e))?;
+        bridge::check_bridge(&module, &params)?;
         let float_kind = params
             .iter()
             .map(|(_, t)| t.kind())
@@ -115,20 +120,30 @@ impl ScriptModule {
         flatten_tensors(self.forward_values(&values)?)
     }
 
-    /// Saves the module, with its current weights, as a TorchScript archive that
-    /// Python's `torch.jit.load` reads. Written to a temporary file and renamed, so
-    /// an interrupted save never leaves a broken file at `path`.
+    /// Saves the module, with its current weights and buffers, as a TorchScript
+    /// archive that Python's `torch.jit.load` reads. Written into a temporary
+    /// directory beside `path` under `path`'s own file name (the archive's
+    /// records are named after it, as `torch.jit.save(path)` names them), then
+    /// renamed, so an interrupted save never leaves a broken file at `path`;
+    /// the same weights give the same bytes.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let file_name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model.pt".to_owned());
-        let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-        self.module
+        let tmp_dir = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp_dir).map_err(|e| Error::io(&tmp_dir, e))?;
+        let tmp = tmp_dir.join(&file_name);
+        let result = self
+            .module
             .save(&tmp)
-            .map_err(|e| torch_error(&format!("saving TorchScript to {}", path.display()), e))?;
-        std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+            .map_err(|e| torch_error(&format!("saving TorchScript to {}", path.display()), e))
+            .and_then(|()| std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e)));
+        if let Err(e) = std::fs::remove_dir_all(&tmp_dir) {
+            log::warn!("cannot remove the temporary {}: {e}", tmp_dir.display());
+        }
+        result
     }
 
     fn apply_mode(&mut self, mode: Mode) -> Result<()> {
@@ -263,16 +278,26 @@ impl Module<TorchBackend> for ScriptModule {
             .collect())
     }
 
-    /// Handles to the parameters: a checkpoint reads them in place.
-    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
-        StateTensors::from_handles(self.named_parameters()?)
+    /// The buffers (batch-norm running statistics and counters) with PyTorch's
+    /// names, as handles sharing storage with the model, read from the
+    /// `torch::jit::Module` each time (a TorchScript method may rebind a buffer).
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        bridge::named_buffers(&self.module)
     }
 
-    /// Copies values into the parameters. Every key must be a parameter with the
-    /// same shape (buffers of TorchScript models are not reachable through libtorch's
-    /// C API: they travel in the `.pt` file); nothing changes unless all match.
+    /// Handles to the parameters and buffers: a checkpoint reads them in place.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        let mut handles = self.named_parameters()?;
+        handles.extend(self.named_buffers()?);
+        StateTensors::from_handles(handles)
+    }
+
+    /// Copies values into the parameters and buffers, as PyTorch's
+    /// `load_state_dict(strict=True)`: every parameter and buffer must be given,
+    /// with its shape, and no other key; nothing changes unless all match.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        let targets = self.named_parameters()?;
+        let mut targets = self.named_parameters()?;
+        targets.extend(self.named_buffers()?);
         copy_state(&targets, state)
     }
 }
