@@ -154,6 +154,41 @@ pub trait Module<B: Backend> {
     }
 }
 
+/// Whether the dotted parameter name `name` matches `pattern`, a glob in which
+/// `*` stands for any run of characters, dots included (`0.*`, `backbone.*`,
+/// `*.bias`, `*bn*`), and everything else for itself.
+///
+/// ```
+/// use kiln_core::module::name_matches;
+///
+/// assert!(name_matches("0.*", "0.layer1.0.conv1.weight"));
+/// assert!(name_matches("*.bias", "fc.bias"));
+/// assert!(!name_matches("0.*", "10.weight"));
+/// assert!(name_matches("fc.weight", "fc.weight"));
+/// ```
+pub fn name_matches(pattern: &str, name: &str) -> bool {
+    let (p, n) = (pattern.as_bytes(), name.as_bytes());
+    // Greedy matching with one backtrack point: the last `*` seen.
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < n.len() {
+        if i < p.len() && p[i] == b'*' {
+            star = Some((i, j));
+            i += 1;
+        } else if i < p.len() && p[i] == n[j] {
+            i += 1;
+            j += 1;
+        } else if let Some((si, sj)) = star {
+            i = si + 1;
+            j = sj + 1;
+            star = Some((si, sj + 1));
+        } else {
+            return false;
+        }
+    }
+    p[i..].iter().all(|&c| c == b'*')
+}
+
 /// A boxed module is a module (`Box<dyn Module<B> + Send>` holds any of them).
 impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     fn forward(&self, input: &B::Tensor) -> Result<B::Tensor> {

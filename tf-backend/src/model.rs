@@ -76,6 +76,15 @@ impl TfModel {
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         crate::backend::check_device(device)?;
         spec.validate()?;
+        if let Some((path, layer)) = spec.torchscript_layers().first() {
+            return Err(Error::unsupported(format!(
+                "the torchscript layer `{}` ({}) on the TensorFlow backend: TorchScript \
+                 runs on libtorch; train this model with the torch backend \
+                 (backend = \"torch\")",
+                if path.is_empty() { "(root)" } else { path },
+                layer.path.display()
+            )));
+        }
         let specs = spec.parameter_specs("")?;
         let mut engine = Engine::new();
         engine.custom_ops = CustomOps::resolve(spec)?;

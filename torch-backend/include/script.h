@@ -27,4 +27,15 @@ rust::Vec<rust::String> parameter_names(const torch::jit::Module& module);
 // The parameter `name`, a handle sharing storage with the module's.
 std::unique_ptr<at::Tensor> parameter(const torch::jit::Module& module, rust::Str name);
 
+// The dotted names of every submodule (not the module itself) and, at the same
+// index of `types`, its TorchScript class name
+// (`__torch__.torch.nn.modules.batchnorm.BatchNorm2d`).
+rust::Vec<rust::String> submodule_names(const torch::jit::Module& module,
+                                        rust::Vec<rust::String>& types);
+
+// Sets the `training` flag of the submodule `name` and of its own submodules, as
+// Python's `module.get_submodule(name).train(training)`. Throws
+// std::out_of_range for an unknown name.
+void set_submodule_training(const torch::jit::Module& module, rust::Str name, bool training);
+
 }  // namespace kiln::script

@@ -8,6 +8,7 @@ use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, kind_from_dtype};
 use crate::device::device_to_tch;
 use crate::error::torch_error;
+use crate::freeze::Freeze;
 use crate::host_view::copy_host_into;
 
 type ForwardFn = dyn Fn(&Tensor, bool) -> std::result::Result<Tensor, TchError> + Send;
@@ -148,7 +149,7 @@ pub(crate) fn copy_state(targets: &[(String, Tensor)], state: &StateDict) -> Res
 /// so built layers, TorchScript models and [`TchModule`]s compose.
 #[derive(Default)]
 pub struct Chain {
-    children: Vec<(String, Box<dyn Module<TorchBackend> + Send>)>,
+    children: Vec<(String, Box<dyn Freeze + Send>)>,
 }
 
 impl std::fmt::Debug for Chain {
@@ -165,11 +166,13 @@ impl Chain {
         Self::default()
     }
 
-    /// Appends a module under `name` (must not contain `.` and must be unique).
+    /// Appends a module under `name` (must not contain `.` and must be unique):
+    /// a [`TorchModel`](crate::TorchModel), a [`ScriptModule`](crate::ScriptModule),
+    /// a [`TchModule`] or another chain (wrap other modules' code in a `TchModule`).
     pub fn push(
         mut self,
         name: impl Into<String>,
-        module: impl Module<TorchBackend> + Send + 'static,
+        module: impl Freeze + Send + 'static,
     ) -> Result<Self> {
         let name = name.into();
         if name.is_empty() || name.contains('.') || self.children.iter().any(|(n, _)| *n == name) {
@@ -190,6 +193,30 @@ fn prefixed(
     items
         .into_iter()
         .map(move |(n, t)| (format!("{name}.{n}"), t))
+}
+
+impl Freeze for TchModule {
+    /// None: a `TchModule`'s closure gets the training flag and decides itself
+    /// how its batch norm runs; keep frozen ones in eval there.
+    fn keep_frozen_batch_norm_in_eval(&mut self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+}
+
+impl Freeze for Chain {
+    /// Each child's, under its name.
+    fn keep_frozen_batch_norm_in_eval(&mut self) -> Result<Vec<String>> {
+        let mut kept = Vec::new();
+        for (name, child) in &mut self.children {
+            kept.extend(
+                child
+                    .keep_frozen_batch_norm_in_eval()?
+                    .into_iter()
+                    .map(|n| format!("{name}.{n}")),
+            );
+        }
+        Ok(kept)
+    }
 }
 
 impl Module<TorchBackend> for Chain {

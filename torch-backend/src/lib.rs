@@ -43,6 +43,7 @@ pub mod cxx_tensor;
 mod device;
 pub mod distributed;
 mod error;
+mod freeze;
 #[cfg(feature = "cuda")]
 pub mod graph;
 mod host_view;
@@ -60,10 +61,11 @@ pub use custom::{Chain, TchModule};
 pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
 pub use error::{torch_error, TorchError};
+pub use freeze::Freeze;
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
-pub use script::ScriptModule;
+pub use script::{resolve_torchscript_shapes, ScriptModule};
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";

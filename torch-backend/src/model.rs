@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_core::{
     backend::Mode,
@@ -21,7 +21,9 @@ use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
 use crate::distributed::DistributedDataParallel;
 use crate::error::torch_error;
+use crate::freeze::{all_frozen, Freeze};
 use crate::layers::{self, join, Failure, Forward, ForwardResult, Lookup};
+use crate::script::ScriptModule;
 
 /// One named tensor of the model: a trainable parameter or a buffer.
 #[derive(Debug)]
@@ -35,7 +37,20 @@ struct Entry {
 /// without children, each built and run by its family in [`crate::layers`].
 #[derive(Debug)]
 enum Node {
-    Leaf(Box<dyn Forward>),
+    Leaf {
+        layer: Box<dyn Forward>,
+        path: String,
+        /// A batch norm (which [`Freeze::keep_frozen_batch_norm_in_eval`] may pin).
+        batch_norm: bool,
+        /// Runs in eval behaviour even when the model trains.
+        eval: bool,
+    },
+    /// A TorchScript file ([`Layer::TorchScript`]); its tensors are also the
+    /// model's entries (handles sharing storage).
+    Script {
+        module: Mutex<ScriptModule>,
+        path: String,
+    },
     Sequential(Vec<Node>),
     Residual(Box<Node>),
 }
@@ -82,33 +97,35 @@ impl TorchModel {
     /// Builds `spec` on `device` with its initialisers (PyTorch's defaults where
     /// none is given), drawing from libtorch's generator (seed it with
     /// [`kiln_core::backend::Backend::manual_seed`] for reproducible weights). Starts in training mode.
+    ///
+    /// A [`Layer::TorchScript`] layer loads its file onto `device`: its
+    /// parameters and buffers join the model's under the layer's path
+    /// (`0.layer1.0.bn1.running_mean`), frozen when the layer is not
+    /// `trainable`. A missing or unreadable file is an error naming the layer.
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         spec.validate()?;
         let target = device_to_tch(device)?;
-        let specs = spec.parameter_specs("")?;
-        let mut entries = Vec::with_capacity(specs.len());
-        tch::no_grad(|| -> Result<()> {
-            for p in &specs {
-                let tensor = init_tensor(p, target)
-                    .map_err(|e| torch_error(&format!("initialising {}", p.name), e))?;
-                entries.push(Entry {
-                    name: p.name.clone(),
-                    kind: p.kind,
-                    tensor,
-                });
-            }
-            Ok(())
+        let mut entries = Vec::new();
+        let mut scripts = HashMap::new();
+        let mut float = false;
+        tch::no_grad(|| {
+            collect_entries(
+                spec,
+                "",
+                device,
+                target,
+                &mut entries,
+                &mut scripts,
+                &mut float,
+            )
         })?;
         let index: HashMap<&str, usize> = entries
             .iter()
             .enumerate()
             .map(|(i, e)| (e.name.as_str(), i))
             .collect();
-        let root = build(spec, "", &index)?;
-        let float_dtype = specs
-            .iter()
-            .any(|p| p.dtype.is_float())
-            .then_some(DType::F32);
+        let root = build(spec, "", &index, &mut scripts)?;
+        let float_dtype = float.then_some(DType::F32);
         Ok(Self {
             spec: spec.clone(),
             root,
@@ -238,6 +255,12 @@ impl TorchModel {
         what: &str,
         f: impl Fn(&Tensor) -> std::result::Result<Tensor, TchError>,
     ) -> Result<()> {
+        if self.has_scripts() {
+            return Err(Error::unsupported(format!(
+                "{what} a model with a torchscript layer: its tensors live in the \
+                 TorchScript module; build the model on the device it trains on, in float32"
+            )));
+        }
         if self.distributed.is_some() {
             return Err(Error::unsupported(format!(
                 "{what} a data-parallel model: its gradient reducer holds the current \
@@ -250,7 +273,8 @@ impl TorchModel {
                 .and_then(|t| t.f_detach())
                 .and_then(|t| {
                     if e.kind == ParamKind::Parameter {
-                        t.f_set_requires_grad(true)
+                        // A frozen parameter stays frozen.
+                        t.f_set_requires_grad(e.tensor.requires_grad())
                     } else {
                         Ok(t)
                     }
@@ -311,8 +335,10 @@ impl TorchModel {
     fn explain_failure(&self, input: &Tensor, error: TchError) -> Error {
         let dims: Vec<usize> = input.size().iter().map(|&d| d as usize).collect();
         match self.spec.output_shape(&dims) {
-            Err(shape_error) => shape_error,
-            Ok(_) => torch_error("forward", error),
+            // A torchscript layer whose output shape is not recorded stops the
+            // shape check: libtorch's message is then the better one.
+            Err(shape_error) if !matches!(shape_error, Error::Unsupported { .. }) => shape_error,
+            _ => torch_error("forward", error),
         }
     }
 
@@ -336,8 +362,24 @@ impl TorchModel {
                 Ok(out)
             }
             Node::Residual(block) => Ok(x.f_add(&self.run(block, x, train)?)?),
-            Node::Leaf(leaf) => leaf.forward(self, x, train),
+            Node::Leaf { layer, eval, .. } => layer.forward(self, x, train && !eval),
+            Node::Script { module, .. } => {
+                let mut module = lock_script(module).map_err(Failure::Layer)?;
+                let mode = if train { Mode::Train } else { Mode::Eval };
+                if module.mode() != mode {
+                    module.set_training(mode).map_err(Failure::Layer)?;
+                }
+                module.forward(x).map_err(Failure::Layer)
+            }
         }
+    }
+
+    /// Whether the model has a [`Layer::TorchScript`] layer.
+    fn has_scripts(&self) -> bool {
+        self.spec
+            .layers()
+            .iter()
+            .any(|(_, l)| matches!(l, Layer::TorchScript(_)))
     }
 }
 
@@ -369,21 +411,185 @@ fn init_tensor(spec: &ParamSpec, device: tch::Device) -> std::result::Result<Ten
     Ok(t)
 }
 
-/// Builds the node for `layer` at `prefix`, finding its tensors by name.
-fn build(layer: &Layer, prefix: &str, index: &HashMap<&str, usize>) -> Result<Node> {
+/// Creates the tensors of `layer` at `prefix` in state-dict order: initialised
+/// from the definition, or loaded from a TorchScript file (kept in `scripts`
+/// by path). Sets `float` when one is floating-point.
+fn collect_entries(
+    layer: &Layer,
+    prefix: &str,
+    device: Device,
+    target: tch::Device,
+    entries: &mut Vec<Entry>,
+    scripts: &mut HashMap<String, ScriptModule>,
+    float: &mut bool,
+) -> Result<()> {
+    match layer {
+        Layer::Sequential { layers } => {
+            for (i, child) in layers.iter().enumerate() {
+                collect_entries(
+                    child,
+                    &join(prefix, &i.to_string()),
+                    device,
+                    target,
+                    entries,
+                    scripts,
+                    float,
+                )?;
+            }
+        }
+        Layer::Residual { block } => {
+            collect_entries(
+                block,
+                &join(prefix, "block"),
+                device,
+                target,
+                entries,
+                scripts,
+                float,
+            )?;
+        }
+        Layer::TorchScript(config) => {
+            // Its errors name the file: Io when missing, Data when not TorchScript.
+            let mut module = ScriptModule::load(&config.path, device)?;
+            if !config.trainable {
+                module
+                    .freeze(&["*"])
+                    .or_else(|e| match module.num_parameters() {
+                        Ok(0) => Ok(Vec::new()), // nothing to freeze
+                        _ => Err(e),
+                    })?;
+            }
+            for (name, tensor) in Module::<TorchBackend>::named_parameters(&module)? {
+                *float |= is_float_kind(tensor.kind());
+                entries.push(Entry {
+                    name: join(prefix, &name),
+                    kind: ParamKind::Parameter,
+                    tensor,
+                });
+            }
+            for (name, tensor) in Module::<TorchBackend>::named_buffers(&module)? {
+                *float |= is_float_kind(tensor.kind());
+                entries.push(Entry {
+                    name: join(prefix, &name),
+                    kind: ParamKind::Buffer,
+                    tensor,
+                });
+            }
+            scripts.insert(prefix.to_owned(), module);
+        }
+        leaf => {
+            for p in leaf.parameter_specs(prefix)? {
+                *float |= p.dtype.is_float();
+                let tensor = init_tensor(&p, target)
+                    .map_err(|e| torch_error(&format!("initialising {}", p.name), e))?;
+                entries.push(Entry {
+                    name: p.name,
+                    kind: p.kind,
+                    tensor,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Builds the node for `layer` at `prefix`, finding its tensors by name and
+/// taking its TorchScript module from `scripts`.
+fn build(
+    layer: &Layer,
+    prefix: &str,
+    index: &HashMap<&str, usize>,
+    scripts: &mut HashMap<String, ScriptModule>,
+) -> Result<Node> {
     Ok(match layer {
         Layer::Sequential { layers } => Node::Sequential(
             layers
                 .iter()
                 .enumerate()
-                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index))
+                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, scripts))
                 .collect::<Result<_>>()?,
         ),
-        Layer::Residual { block } => {
-            Node::Residual(Box::new(build(block, &join(prefix, "block"), index)?))
-        }
-        leaf => Node::Leaf(layers::build(leaf, &Lookup { prefix, index })?),
+        Layer::Residual { block } => Node::Residual(Box::new(build(
+            block,
+            &join(prefix, "block"),
+            index,
+            scripts,
+        )?)),
+        Layer::TorchScript(_) => Node::Script {
+            module: Mutex::new(scripts.remove(prefix).ok_or_else(|| {
+                Error::backend(
+                    "torch",
+                    "building a torchscript layer",
+                    "its module was not loaded",
+                )
+            })?),
+            path: prefix.to_owned(),
+        },
+        leaf => Node::Leaf {
+            layer: layers::build(leaf, &Lookup { prefix, index })?,
+            path: prefix.to_owned(),
+            batch_norm: matches!(leaf, Layer::BatchNorm1d(_) | Layer::BatchNorm2d(_)),
+            eval: false,
+        },
     })
+}
+
+fn lock_script(module: &Mutex<ScriptModule>) -> Result<MutexGuard<'_, ScriptModule>> {
+    module.lock().map_err(|_| {
+        Error::backend(
+            "torch",
+            "running a torchscript layer",
+            "an earlier forward pass panicked while holding it",
+        )
+    })
+}
+
+/// Pins the frozen batch norms under `node` to eval mode; returns their names.
+fn pin_frozen_batch_norm(
+    node: &mut Node,
+    params: &[(String, Tensor)],
+    kept: &mut Vec<String>,
+) -> Result<()> {
+    match node {
+        Node::Sequential(children) => {
+            for child in children {
+                pin_frozen_batch_norm(child, params, kept)?;
+            }
+        }
+        Node::Residual(block) => pin_frozen_batch_norm(block, params, kept)?,
+        Node::Leaf {
+            path,
+            batch_norm,
+            eval,
+            ..
+        } => {
+            if *batch_norm && all_frozen(params, path) {
+                *eval = true;
+                kept.push(path.clone());
+            }
+        }
+        Node::Script { module, path } => {
+            let mut module = lock_script(module)?;
+            kept.extend(
+                module
+                    .keep_frozen_batch_norm_in_eval()?
+                    .into_iter()
+                    .map(|n| join(path, &n)),
+            );
+        }
+    }
+    Ok(())
+}
+
+impl Freeze for TorchModel {
+    /// Kiln's `BatchNorm1d`/`2d` layers whose weight and bias are frozen, and
+    /// the frozen batch norms inside TorchScript layers.
+    fn keep_frozen_batch_norm_in_eval(&mut self) -> Result<Vec<String>> {
+        let params = self.named_parameters()?;
+        let mut kept = Vec::new();
+        pin_frozen_batch_norm(&mut self.root, &params, &mut kept)?;
+        Ok(kept)
+    }
 }
 
 impl Module<TorchBackend> for TorchModel {

@@ -19,6 +19,7 @@ use crate::backend::TorchBackend;
 use crate::custom::{Chain, TchModule};
 use crate::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::error::torch_error;
+use crate::freeze::Freeze;
 use crate::loss::compute_loss;
 use crate::model::TorchModel;
 use crate::optim::{clip_grad_norm, clip_grad_value, TorchOptimizer};
@@ -34,6 +35,25 @@ impl TrainBackend for TorchBackend {
 
     fn set_precision(model: &mut TorchModel, precision: FloatPrecision) -> Result<()> {
         model.set_precision(precision)
+    }
+
+    /// [`Freeze::freeze`] and [`Freeze::keep_frozen_batch_norm_in_eval`].
+    fn freeze(
+        model: &mut TorchModel,
+        patterns: &[&str],
+        batch_norm_eval: bool,
+    ) -> Result<(Vec<String>, Vec<String>)> {
+        let frozen = if patterns.is_empty() {
+            Vec::new()
+        } else {
+            model.freeze(patterns)?
+        };
+        let pinned = if batch_norm_eval {
+            model.keep_frozen_batch_norm_in_eval()?
+        } else {
+            Vec::new()
+        };
+        Ok((frozen, pinned))
     }
 
     /// DDP on `c10d::Reducer` ([`DistributedDataParallel`]) over the c10d
@@ -60,12 +80,15 @@ impl TrainBackend for TorchBackend {
                 ),
             ));
         }
-        let ddp = DistributedDataParallel::new(
-            group,
-            &model.named_parameters()?,
-            &model.named_buffers()?,
-            options,
-        )?;
+        // As DDP: only the parameters that train are reduced; frozen ones travel
+        // with the buffers (rank 0's at the start).
+        let (trained, frozen): (Vec<_>, Vec<_>) = model
+            .named_parameters()?
+            .into_iter()
+            .partition(|(_, t)| t.requires_grad());
+        let mut buffers = frozen;
+        buffers.extend(model.named_buffers()?);
+        let ddp = DistributedDataParallel::new(group, &trained, &buffers, options)?;
         model.set_distributed(ddp);
         Ok(())
     }

@@ -155,6 +155,32 @@ pub trait TrainBackend: Backend {
         model.precision()
     }
 
+    /// Freezes the parameters of `model` whose names match one of `patterns`
+    /// (globs, [`name_matches`](crate::module::name_matches)), as PyTorch's
+    /// `p.requires_grad_(False)`: no gradient, and left out of optimizers built
+    /// afterwards; then, with `batch_norm_eval`, keeps every batch norm whose
+    /// parameters are all frozen in eval mode while the model trains. Returns
+    /// the frozen parameters' and the pinned batch norms' names. Call it before
+    /// [`build_optimizer`](Self::build_optimizer). A pattern that matches no
+    /// parameter is an error.
+    ///
+    /// The default refuses (unless there is nothing to do): a backend without
+    /// freezing says so.
+    fn freeze(
+        model: &mut Self::Model,
+        patterns: &[&str],
+        batch_norm_eval: bool,
+    ) -> Result<(Vec<String>, Vec<String>)> {
+        let _ = model;
+        if patterns.is_empty() && !batch_norm_eval {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        Err(Error::unsupported(format!(
+            "freezing parameters on the {} backend",
+            Self::NAME
+        )))
+    }
+
     /// Builds an optimizer over `model`'s parameters: [`Trainable::build_optimizer`].
     fn build_optimizer(
         config: &OptimizerConfig,

@@ -25,7 +25,7 @@ pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity
 pub use layers::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
     CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
-    LayerNormConfig, LinearConfig, Pool2dConfig,
+    LayerNormConfig, LinearConfig, Pool2dConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 
@@ -178,6 +178,10 @@ pub enum Layer {
     /// An op registered by a backend extension (kiln-ops, or a user's crate),
     /// with the parameters the layer declares; see [`CustomConfig`].
     Custom(CustomConfig),
+    /// A TorchScript file as a layer (a pretrained backbone), torch backend
+    /// only; see [`TorchScriptConfig`].
+    #[serde(rename = "torchscript")]
+    TorchScript(TorchScriptConfig),
 }
 
 /// Whether a [`ParamSpec`] is trained or only saved.
@@ -240,6 +244,7 @@ macro_rules! with_spec {
             Sequential { layers } => &structure::Sequential(layers),
             Residual { block } => &structure::Residual(block),
             Custom(c) => c,
+            TorchScript(c) => c,
         )
     };
     (@table $layer:expr, $kind:ident, $spec:ident, $body:expr;
@@ -364,6 +369,69 @@ impl Layer {
             .sum())
     }
 
+    /// Every layer of the tree with its dotted path (`""` for the root), parents
+    /// before their children, in the order of the state dict.
+    ///
+    /// ```
+    /// use kiln_core::model::{Layer, LinearConfig};
+    ///
+    /// let net = Layer::sequential([LinearConfig::new(4, 8).into(), Layer::Relu]);
+    /// let paths: Vec<String> = net.layers().into_iter().map(|(path, _)| path).collect();
+    /// assert_eq!(paths, ["", "0", "1"]);
+    /// ```
+    pub fn layers(&self) -> Vec<(String, &Layer)> {
+        fn walk<'a>(layer: &'a Layer, path: String, out: &mut Vec<(String, &'a Layer)>) {
+            out.push((path.clone(), layer));
+            match layer {
+                Layer::Sequential { layers } => {
+                    for (i, child) in layers.iter().enumerate() {
+                        walk(child, layers::join(&path, &i.to_string()), out);
+                    }
+                }
+                Layer::Residual { block } => walk(block, layers::join(&path, "block"), out),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, String::new(), &mut out);
+        out
+    }
+
+    /// The [`TorchScript`](Layer::TorchScript) layers of the tree with their paths.
+    pub fn torchscript_layers(&self) -> Vec<(String, &TorchScriptConfig)> {
+        self.layers()
+            .into_iter()
+            .filter_map(|(path, layer)| match layer {
+                Layer::TorchScript(c) => Some((path, c)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The [`TorchScript`](Layer::TorchScript) layers with their paths,
+    /// mutable, for filling in what a backend finds out (their output shapes).
+    pub fn torchscript_layers_mut(&mut self) -> Vec<(String, &mut TorchScriptConfig)> {
+        fn walk<'a>(
+            layer: &'a mut Layer,
+            path: String,
+            out: &mut Vec<(String, &'a mut TorchScriptConfig)>,
+        ) {
+            match layer {
+                Layer::Sequential { layers } => {
+                    for (i, child) in layers.iter_mut().enumerate() {
+                        walk(child, layers::join(&path, &i.to_string()), out);
+                    }
+                }
+                Layer::Residual { block } => walk(block, layers::join(&path, "block"), out),
+                Layer::TorchScript(c) => out.push((path, c)),
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        walk(self, String::new(), &mut out);
+        out
+    }
+
     fn collect_specs(&self, path: &str, out: &mut Vec<ParamSpec>) -> Result<()> {
         self.validate_own(path)?;
         with_spec!(self, |kind, spec| spec.param_specs(&mut Params {
@@ -396,6 +464,7 @@ layer_from_config! {
     EmbeddingConfig => Embedding,
     AttentionConfig => MultiHeadSelfAttention,
     CustomConfig => Custom,
+    TorchScriptConfig => TorchScript,
 }
 
 #[cfg(test)]

@@ -121,6 +121,19 @@ fn unit() -> f64 {
     1.0
 }
 
+/// How batch-norm layers whose parameters are all frozen (`freeze`, or a
+/// torchscript layer with `trainable = false`) run while the model trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FrozenBatchNorm {
+    /// As PyTorch leaves them: batch statistics, running statistics updated.
+    #[default]
+    Train,
+    /// Eval mode: normalised with the running statistics as loaded, which stay
+    /// unchanged (what fine-tuning recipes do with a frozen backbone).
+    Eval,
+}
+
 /// Early stopping settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -271,6 +284,13 @@ pub struct RunConfig {
     pub device: Device,
     /// Where checkpoints, metrics and plots go.
     pub output_dir: PathBuf,
+    /// Parameters to freeze, as globs over their names (`["0.*"]`, `["*.bn*"]`):
+    /// no gradient, and not in the optimizer (torch backend).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+    /// How the batch norms of frozen parts run while the rest trains.
+    #[serde(default)]
+    pub frozen_batch_norm: FrozenBatchNorm,
     /// The model definition.
     pub model: Layer,
     /// The data.
@@ -353,6 +373,24 @@ impl RunConfig {
     /// Checks every section's values.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        if self.backend == BackendKind::Tensorflow {
+            if let Some((path, layer)) = self.model.torchscript_layers().first() {
+                return Err(Error::invalid_argument(
+                    format!("model{}{path}", if path.is_empty() { "" } else { "." }),
+                    format!(
+                        "a torchscript layer ({}) runs on libtorch, not TensorFlow; set \
+                         backend = \"torch\"",
+                        layer.path.display()
+                    ),
+                ));
+            }
+            if !self.freeze.is_empty() || self.frozen_batch_norm == FrozenBatchNorm::Eval {
+                return Err(Error::invalid_argument(
+                    "freeze",
+                    "freezing parameters needs the torch backend (backend = \"torch\")",
+                ));
+            }
+        }
         self.training.validate()?;
         self.optimizer.validate()?;
         self.loss.validate()?;

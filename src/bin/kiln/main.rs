@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::config::{BackendKind, RunConfig};
+use crate::config::{BackendKind, FrozenBatchNorm, RunConfig};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::distributed::{Collectives, Rendezvous};
@@ -283,9 +283,9 @@ fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<Pat
 
 /// Reads the checkpoint to resume from and checks it against the config: the
 /// same model definition and seed.
-fn load_resume_checkpoint(config: &RunConfig, path: &Path) -> Result<Checkpoint> {
+fn load_resume_checkpoint(config: &RunConfig, model: &Layer, path: &Path) -> Result<Checkpoint> {
     let checkpoint = Checkpoint::load(path)?;
-    checkpoint.check_definition(&config.model, path)?;
+    checkpoint.check_definition(model, path)?;
     if checkpoint.seed != config.seed {
         anyhow::bail!(
             "checkpoint {}: the run it continues used seed {}, this one seed {}; data order \
@@ -318,6 +318,8 @@ fn train_on<B: TrainBackend>(
         follower_resume(config, resume)?
     };
     let data = load_data(config)?;
+    // Finding a torchscript layer's output shape runs it once (drawing nothing).
+    let definition = resolve_model(config, &data.train.0, config.device)?;
     let (n_train, n_val) = (
         data.train.1.dims()[0],
         data.val.as_ref().map_or(0, |v| v.1.dims()[0]),
@@ -336,8 +338,25 @@ fn train_on<B: TrainBackend>(
     training.seed = config.seed;
     training.device = config.device;
     B::manual_seed(config.seed);
-    let mut model = B::build_model(&config.model, config.device)?;
+    let mut model = B::build_model(&definition, config.device)?;
     B::set_precision(&mut model, config.training.precision)?;
+    let patterns: Vec<&str> = config.freeze.iter().map(String::as_str).collect();
+    let (frozen, pinned) = B::freeze(
+        &mut model,
+        &patterns,
+        config.frozen_batch_norm == FrozenBatchNorm::Eval,
+    )
+    .context("config key `freeze`")?;
+    if !frozen.is_empty() {
+        log::info!(
+            "frozen: {} parameters ({})",
+            frozen.len(),
+            frozen.join(", ")
+        );
+    }
+    if !pinned.is_empty() {
+        log::info!("batch norm kept in eval mode: {}", pinned.join(", "));
+    }
     let mut group: Option<Arc<dyn Collectives>> = None;
     if let Some(r) = rendezvous {
         let options = config.distributed.options(config.device);
@@ -359,7 +378,7 @@ fn train_on<B: TrainBackend>(
     let mut state = TrainingState::<B>::new(model, optimizer, scheduler);
     let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
-        let mut checkpoint = load_resume_checkpoint(config, path)?;
+        let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
         reshard(&mut checkpoint, world_size, path)?;
         Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
     }
@@ -410,13 +429,26 @@ fn train_on<B: TrainBackend>(
             .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
     }
 
+    let trainable: usize = state
+        .model
+        .named_parameters()?
+        .iter()
+        .filter(|(name, _)| !frozen.contains(name))
+        .map(|(_, t)| B::shape(t).numel())
+        .sum();
+    let total = state.model.num_parameters()?;
     println!(
-        "kiln: {} on {} in {} ({}), {} parameters; {} training and {} validation examples",
+        "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
         B::NAME,
         config.device,
         config.training.precision,
         config.output_dir.display(),
-        state.model.num_parameters()?,
+        total,
+        if trainable < total {
+            format!(" ({trainable} trainable)")
+        } else {
+            String::new()
+        },
         n_train,
         n_val
     );
@@ -425,7 +457,7 @@ fn train_on<B: TrainBackend>(
     let mut trainer = with_group(Trainer::<B>::new(training, config.loss.clone())?)
         .with_checkpointer(
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
-            Some(config.model.clone()),
+            Some(definition.clone()),
         );
     for name in &config.logging.metrics {
         let make =
@@ -540,6 +572,21 @@ fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<
     Ok(())
 }
 
+/// The config's model with the output shape of each torchscript layer found
+/// by running it once on an example of `inputs` (a batch of the data).
+fn resolve_model(config: &RunConfig, inputs: &HostTensor, device: Device) -> Result<Layer> {
+    if config.model.torchscript_layers().is_empty() {
+        return Ok(config.model.clone());
+    }
+    let example = inputs.dims().get(1..).unwrap_or_default();
+    Ok(kiln::torch::resolve_torchscript_shapes(
+        &config.model,
+        example,
+        inputs.dtype(),
+        device,
+    )?)
+}
+
 fn toml_string(config: &RunConfig) -> Result<String> {
     toml::to_string_pretty(config).context("writing the resolved config")
 }
@@ -553,9 +600,11 @@ fn restore<B: TrainBackend>(
     path: &Path,
     config: &RunConfig,
     device: Device,
+    inputs: &HostTensor,
 ) -> Result<B::Model> {
-    checkpoint.check_definition(&config.model, path)?;
-    let mut model = B::build_model(&config.model, device)?;
+    let definition = resolve_model(config, inputs, device)?;
+    checkpoint.check_definition(&definition, path)?;
+    let mut model = B::build_model(&definition, device)?;
     B::set_precision(&mut model, config.training.precision)?;
     checkpoint
         .model
@@ -579,8 +628,9 @@ fn eval(args: CheckpointArgs) -> Result<()> {
 fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
-    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device)?;
-    let val = loader(validation_split(config)?, config, false, None)?;
+    let split = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &split.0)?;
+    let val = loader(split, config, false, None)?;
     let mut training = config.training.clone();
     training.device = device;
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
@@ -616,8 +666,8 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
         );
     }
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
-    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device)?;
     let (x, y) = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &x)?;
     let labels = y.as_slice::<i64>()?.to_vec();
     let val = loader((x, y), config, false, None)?;
     let mut training = config.training.clone();

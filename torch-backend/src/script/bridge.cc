@@ -42,4 +42,31 @@ std::unique_ptr<at::Tensor> parameter(const torch::jit::Module& module, rust::St
   throw std::out_of_range("no parameter named " + wanted);
 }
 
+rust::Vec<rust::String> submodule_names(const torch::jit::Module& module,
+                                        rust::Vec<rust::String>& types) {
+  rust::Vec<rust::String> names;
+  for (const auto& item : module.named_modules()) {
+    if (item.name.empty()) {
+      continue;  // the module itself
+    }
+    names.push_back(rust::String(item.name));
+    const auto type = item.value.type();
+    types.push_back(rust::String(type && type->name() ? type->name()->qualifiedName() : ""));
+  }
+  return names;
+}
+
+void set_submodule_training(const torch::jit::Module& module, rust::Str name, bool training) {
+  const std::string wanted(name);
+  for (const auto& item : module.named_modules()) {
+    if (item.name == wanted) {
+      // A Module is a handle to its object: this copy sets the shared flag.
+      torch::jit::Module submodule = item.value;
+      submodule.train(training);
+      return;
+    }
+  }
+  throw std::out_of_range("no submodule named " + wanted);
+}
+
 }  // namespace kiln::script

@@ -43,6 +43,8 @@ mod ffi {
         fn buffer(module: &Module, name: &str) -> Result<UniquePtr<Tensor>>;
         fn parameter_names(module: &Module) -> Result<Vec<String>>;
         fn parameter(module: &Module, name: &str) -> Result<UniquePtr<Tensor>>;
+        fn submodule_names(module: &Module, types: &mut Vec<String>) -> Result<Vec<String>>;
+        fn set_submodule_training(module: &Module, name: &str, training: bool) -> Result<()>;
     }
 }
 
@@ -116,4 +118,18 @@ pub(crate) fn check_bridge(module: &CModule, params: &[(String, Tensor)]) -> Res
             "the C++ bridge does not see the module tch loaded (another tch version?)",
         ))
     }
+}
+
+/// Every submodule's dotted name with its TorchScript class name.
+pub(crate) fn submodules(module: &CModule) -> Result<Vec<(String, String)>> {
+    let mut types = Vec::new();
+    let names = ffi::submodule_names(jit_module(module), &mut types)
+        .map_err(|e| bridge_error("listing TorchScript submodules", e))?;
+    Ok(names.into_iter().zip(types).collect())
+}
+
+/// Sets the training flag of the submodule `name` (and its own submodules).
+pub(crate) fn set_submodule_training(module: &CModule, name: &str, training: bool) -> Result<()> {
+    ffi::set_submodule_training(jit_module(module), name, training)
+        .map_err(|e| bridge_error(&format!("switching TorchScript submodule {name}"), e))
 }

@@ -6,8 +6,8 @@ mod bridge;
 use std::path::{Path, PathBuf};
 
 use kiln_core::{
-    backend::Mode, module::Module, state_dict::StateDict, state_tensors::StateTensors, Device,
-    Error, Result,
+    backend::Mode, model::Layer, module::Module, state_dict::StateDict,
+    state_tensors::StateTensors, DType, Device, Error, Result,
 };
 use tch::{CModule, IValue, Kind, Tensor};
 
@@ -16,6 +16,7 @@ use crate::convert::{dtype_from_kind, is_float_kind};
 use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::{torch_error, TorchError};
+use crate::freeze::{all_frozen, Freeze};
 
 /// A TorchScript model loaded from a `.pt` file.
 ///
@@ -43,6 +44,9 @@ pub struct ScriptModule {
     device: Device,
     /// The dtype of the floating-point parameters, which float inputs must match.
     float_kind: Option<Kind>,
+    /// Submodules kept in eval mode when the module trains
+    /// ([`Freeze::keep_frozen_batch_norm_in_eval`]).
+    eval_submodules: Vec<String>,
 }
 
 impl ScriptModule {
@@ -79,6 +83,7 @@ impl ScriptModule {
             mode: Mode::Train,
             device,
             float_kind,
+            eval_submodules: Vec::new(),
         };
         loaded.apply_mode(Mode::Train)?;
         Ok(loaded)
@@ -146,12 +151,22 @@ impl ScriptModule {
         result
     }
 
+    /// Switches to `mode` (and pins the submodules kept in eval), or says why not.
+    pub(crate) fn set_training(&mut self, mode: Mode) -> Result<()> {
+        self.apply_mode(mode)
+    }
+
     fn apply_mode(&mut self, mode: Mode) -> Result<()> {
         let result = match mode {
             Mode::Train => self.module.f_set_train(),
             Mode::Eval => self.module.f_set_eval(),
         };
         result.map_err(|e| torch_error("switching TorchScript mode", e))?;
+        if mode.is_train() {
+            for name in &self.eval_submodules {
+                bridge::set_submodule_training(&self.module, name, false)?;
+            }
+        }
         self.mode = mode;
         Ok(())
     }
@@ -208,6 +223,32 @@ impl ScriptModule {
             );
         }
         torch_error(&format!("forward of {}", self.path.display()), error)
+    }
+}
+
+impl Freeze for ScriptModule {
+    /// Finds the batch-norm submodules by their TorchScript class
+    /// (`BatchNorm1d/2d/3d`, `SyncBatchNorm`) through the bridge to
+    /// `torch::jit::Module`.
+    fn keep_frozen_batch_norm_in_eval(&mut self) -> Result<Vec<String>> {
+        let params = self.named_parameters()?;
+        let whole_frozen = !params.is_empty() && params.iter().all(|(_, t)| !t.requires_grad());
+        let mut kept = Vec::new();
+        for (name, class) in bridge::submodules(&self.module)? {
+            let short = class.rsplit('.').next().unwrap_or_default();
+            if !(short.starts_with("BatchNorm") || short == "SyncBatchNorm") {
+                continue;
+            }
+            let has_params = params
+                .iter()
+                .any(|(n, _)| n.starts_with(&format!("{name}.")));
+            if all_frozen(&params, &name) || (!has_params && whole_frozen) {
+                kept.push(name);
+            }
+        }
+        self.eval_submodules = kept.clone();
+        self.apply_mode(self.mode)?;
+        Ok(kept)
     }
 }
 
@@ -299,5 +340,118 @@ impl Module<TorchBackend> for ScriptModule {
         let mut targets = self.named_parameters()?;
         targets.extend(self.named_buffers()?);
         copy_state(&targets, state)
+    }
+}
+
+/// `spec` with the output shape of each of its [`Layer::TorchScript`] layers
+/// filled in (where not given), found by running each file once, in eval
+/// mode and without gradients, on zeros of one example: `example_shape` is
+/// the shape of one example of the model's input (without the batch
+/// dimension) and `dtype` its dtype; the shapes reaching a TorchScript layer
+/// come from the layers before it. Loads the files on `device`; draws no
+/// random numbers. A model without TorchScript layers comes back unchanged.
+///
+/// ```no_run
+/// use kiln_core::{model::{Layer, LinearConfig, TorchScriptConfig}, DType, Device};
+///
+/// let spec = Layer::sequential([
+///     TorchScriptConfig::new("backbone.pt").frozen().into(),
+///     LinearConfig::new(64, 10).into(),
+/// ]);
+/// let resolved = kiln_torch::resolve_torchscript_shapes(&spec, &[1, 8, 8], DType::F32, Device::Cpu)?;
+/// assert_eq!(resolved.output_shape(&[32, 1, 8, 8])?, vec![32, 10]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn resolve_torchscript_shapes(
+    spec: &Layer,
+    example_shape: &[usize],
+    dtype: DType,
+    device: Device,
+) -> Result<Layer> {
+    let mut resolved = spec.clone();
+    if resolved.torchscript_layers().is_empty() {
+        return Ok(resolved);
+    }
+    let mut input = vec![1];
+    input.extend_from_slice(example_shape);
+    resolve_shapes(&mut resolved, "", input, dtype, device)?;
+    Ok(resolved)
+}
+
+fn resolve_shapes(
+    layer: &mut Layer,
+    path: &str,
+    input: Vec<usize>,
+    dtype: DType,
+    device: Device,
+) -> Result<Vec<usize>> {
+    let join = |name: &str| {
+        if path.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{path}.{name}")
+        }
+    };
+    match layer {
+        Layer::Sequential { layers } => {
+            let mut shape = input;
+            for (i, child) in layers.iter_mut().enumerate() {
+                shape = resolve_shapes(child, &join(&i.to_string()), shape, dtype, device)?;
+            }
+            Ok(shape)
+        }
+        Layer::Residual { block } => {
+            let out = resolve_shapes(block, &join("block"), input.clone(), dtype, device)?;
+            if out != input {
+                return Err(Error::ShapeMismatch {
+                    context: format!(
+                        "{} (Residual)",
+                        if path.is_empty() { "(root)" } else { path }
+                    ),
+                    expected: format!("the block to keep its input's shape {input:?}"),
+                    actual: format!("{out:?}"),
+                });
+            }
+            Ok(input)
+        }
+        Layer::TorchScript(config) => {
+            if config.output_shape.is_none() {
+                let mut module = ScriptModule::load(&config.path, device)?;
+                module.apply_mode(Mode::Eval)?;
+                let dims: Vec<i64> = input.iter().map(|&d| d as i64).collect();
+                let zeros = Tensor::f_zeros(
+                    dims.as_slice(),
+                    (
+                        crate::convert::kind_from_dtype(dtype)?,
+                        device_to_tch(device)?,
+                    ),
+                )
+                .map_err(|e| torch_error("making a probe input", e))?;
+                let output = tch::no_grad(|| module.forward(&zeros)).map_err(|e| {
+                    Error::invalid_argument(
+                        if path.is_empty() {
+                            "model".to_owned()
+                        } else {
+                            path.to_owned()
+                        },
+                        format!(
+                            "the torchscript layer {} does not run on an input of shape \
+                             {input:?} (what the layers before it give for the data): {}",
+                            config.path.display(),
+                            e.display_chain()
+                        ),
+                    )
+                })?;
+                let out: Vec<usize> = output.size().iter().map(|&d| d as usize).collect();
+                log::info!(
+                    "torchscript layer {} ({}): input {input:?} -> output {out:?}",
+                    if path.is_empty() { "(root)" } else { path },
+                    config.path.display()
+                );
+                config.output_shape = Some(out.get(1..).unwrap_or_default().to_vec());
+            }
+            layer.output_shape(&input)
+        }
+        other => other.output_shape(&input),
     }
 }

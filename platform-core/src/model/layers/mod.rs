@@ -24,6 +24,7 @@ pub(super) mod linear;
 pub(super) mod norm;
 pub(super) mod pool;
 pub(super) mod structure;
+pub(super) mod torchscript;
 
 use crate::error::Result;
 
@@ -35,8 +36,9 @@ pub use embedding::EmbeddingConfig;
 pub use linear::LinearConfig;
 pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig};
 pub use pool::Pool2dConfig;
+pub use torchscript::TorchScriptConfig;
 
-pub(super) use context::{FieldCheck, Params, ShapeCheck};
+pub(super) use context::{join, FieldCheck, Params, ShapeCheck};
 pub(super) use defaults::pair;
 
 /// One kind of layer's rules, independent of any backend: implemented by its
