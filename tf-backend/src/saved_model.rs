@@ -27,7 +27,9 @@ use saver_def::SaverDef;
 pub use signature::{SignatureInfo, TensorDType, TensorSpec};
 
 /// The name scope of the ops Kiln adds to a loaded graph (reads, writes, losses).
-const KILN_SCOPE: &str = "__kiln";
+/// (TensorFlow node names cannot start with `_`; an invalid name is only refused when
+/// the session is extended with the node.)
+const KILN_SCOPE: &str = "kiln_saved_model";
 
 /// The tag of the serving MetaGraph, the one TensorFlow 2 exports write.
 const SERVE_TAG: &str = "serve";
