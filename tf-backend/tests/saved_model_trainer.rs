@@ -325,7 +325,10 @@ fn trainer_losses_match_python_calling_the_train_signature() {
         .unwrap();
     let expected = cross_entropy(&out, &labels);
     assert!((value - expected).abs() <= TOL, "{value} vs {expected}");
-    assert!((val_loss - expected).abs() <= TOL, "{val_loss} vs {expected}");
+    assert!(
+        (val_loss - expected).abs() <= TOL,
+        "{val_loss} vs {expected}"
+    );
 }
 
 /// Mean softmax cross-entropy of `[N, C]` logits, in f64.
@@ -426,7 +429,13 @@ fn checkpoint_and_resume_is_bitwise() {
     );
     assert_eq!(checkpoint.optimizer_kind.as_deref(), Some("adam"));
     assert_eq!(
-        resumed.optimizer.state_dict().unwrap().get("adam/iteration").unwrap().to_f64_vec(),
+        resumed
+            .optimizer
+            .state_dict()
+            .unwrap()
+            .get("adam/iteration")
+            .unwrap()
+            .to_f64_vec(),
         [6.0]
     );
     Trainer::<TfBackend, SavedModelModule>::new(config, Loss::cross_entropy())
@@ -470,7 +479,11 @@ fn errors_are_typed_and_change_nothing() {
         .serve("predict")
         .build()
         .unwrap_err();
-    expect_invalid(err, "serve", &["`predict`", "serve, serving_default, train"]);
+    expect_invalid(
+        err,
+        "serve",
+        &["`predict`", "serve, serving_default, train"],
+    );
     let err = SavedModelModule::builder(load())
         .train("fit")
         .build()
@@ -536,13 +549,22 @@ fn errors_are_typed_and_change_nothing() {
         );
         assert_eq!(state.step, 0);
         assert_eq!(
-            state.optimizer.state_dict().unwrap().get("adam/iteration").unwrap().to_f64_vec(),
+            state
+                .optimizer
+                .state_dict()
+                .unwrap()
+                .get("adam/iteration")
+                .unwrap()
+                .to_f64_vec(),
             [0.0]
         );
     }
     // A batch the signature does not take.
-    let wrong = TfBackend::from_host(&HostTensor::new(vec![0f32; 4 * 5], [4, 5]).unwrap(), Device::Cpu)
-        .unwrap();
+    let wrong = TfBackend::from_host(
+        &HostTensor::new(vec![0f32; 4 * 5], [4, 5]).unwrap(),
+        Device::Cpu,
+    )
+    .unwrap();
     let ty = TfBackend::from_host(&y.clone(), Device::Cpu).unwrap();
     let plan = kiln_core::backend::StepPlan {
         loss: &Loss::cross_entropy(),
@@ -579,9 +601,15 @@ fn errors_are_typed_and_change_nothing() {
         HostTensor::new(vec![0f32; 8 * 16], [8, 16]).unwrap(),
     );
     let err = Module::<TfBackend>::load_state_dict(&mut module, &missing).unwrap_err();
-    assert!(matches!(&err, Error::MissingKey { key, .. } if key == "mlp/hidden/bias"), "{err:?}");
+    assert!(
+        matches!(&err, Error::MissingKey { key, .. } if key == "mlp/hidden/bias"),
+        "{err:?}"
+    );
     let mut extra = before.clone();
-    extra.insert("mlp/hidden/gamma", HostTensor::new(vec![0f32; 16], [16]).unwrap());
+    extra.insert(
+        "mlp/hidden/gamma",
+        HostTensor::new(vec![0f32; 16], [16]).unwrap(),
+    );
     let err = Module::<TfBackend>::load_state_dict(&mut module, &extra).unwrap_err();
     expect_invalid(err, "mlp/hidden/gamma", &["unexpected entry"]);
     let mut typed = optimizer_before.clone();
@@ -596,7 +624,12 @@ fn errors_are_typed_and_change_nothing() {
     // mirror: the serving output and Python (after saving) see it.
     let mut halved = StateDict::new();
     for (name, value) in before.iter() {
-        let v: Vec<f32> = value.as_slice::<f32>().unwrap().iter().map(|x| x / 2.0).collect();
+        let v: Vec<f32> = value
+            .as_slice::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x / 2.0)
+            .collect();
         halved.insert(name.clone(), HostTensor::new(v, value.shape()).unwrap());
     }
     Module::<TfBackend>::load_state_dict(&mut module, &halved).unwrap();

@@ -316,8 +316,7 @@ impl SavedModelModuleBuilder {
         }
         let loss = loss_output(train_sig)?;
 
-        let (variables, learning_rate, optimizer_kind) =
-            variables(&model, serve_sig, train_sig)?;
+        let (variables, learning_rate, optimizer_kind) = variables(&model, serve_sig, train_sig)?;
         let shared = Shared {
             serve,
             train,
@@ -582,10 +581,7 @@ impl Shared {
 
     fn build_loss(&self, loss: &Loss, dtype: DType, dims: &[usize]) -> Result<LossProgram> {
         let output_dims: Vec<i64> = match &self.output.spec.shape {
-            Some(dims) => dims
-                .iter()
-                .map(|d| d.map_or(-1, |d| d as i64))
-                .collect(),
+            Some(dims) => dims.iter().map(|d| d.map_or(-1, |d| d as i64)).collect(),
             None => {
                 return Err(Error::unsupported(format!(
                     "evaluating a loss on output `{}` of serving signature `{}`: its rank is \
@@ -616,7 +612,10 @@ impl Shared {
         // int32); Kiln's class losses take int64, a lossless widening.
         let index_loss = matches!(loss, Loss::CrossEntropy(_) | Loss::Nll(_));
         let (loss_target, loss_dtype) = if index_loss && dtype == DType::I32 {
-            (b.cast(&target, DataType::Int32, DataType::Int64)?, DType::I64)
+            (
+                b.cast(&target, DataType::Int32, DataType::Int64)?,
+                DType::I64,
+            )
         } else {
             (target.clone(), dtype)
         };
@@ -955,7 +954,11 @@ impl Optimizer<TfBackend> for SignatureOptimizer {
     /// and dtype: on error nothing changes.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let shared = &self.shared;
-        shared.load(&shared.of_role(&[VariableRole::Optimizer]), state, "optimizer")
+        shared.load(
+            &shared.of_role(&[VariableRole::Optimizer]),
+            state,
+            "optimizer",
+        )
     }
 }
 
@@ -977,7 +980,12 @@ fn signature<'a>(
                 if model.signatures.is_empty() {
                     "(none)".to_owned()
                 } else {
-                    model.signatures.keys().cloned().collect::<Vec<_>>().join(", ")
+                    model
+                        .signatures
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 }
             ),
         )
@@ -1240,9 +1248,9 @@ fn variables(model: &SavedModel, serve: &Signature, train: &Signature) -> Result
     // Read every variable once: its dtype and shape as restored.
     let mut reads = Vec::with_capacity(handles.len());
     for (handle, name) in handles.iter().zip(&names) {
-        let data_type = handle.get_attr_type("dtype").map_err(|s| {
-            tf_error(&format!("reading the dtype of variable `{name}`"), s)
-        })?;
+        let data_type = handle
+            .get_attr_type("dtype")
+            .map_err(|s| tf_error(&format!("reading the dtype of variable `{name}`"), s))?;
         let dtype = super::TensorDType::from_tf(data_type);
         let Some(dtype) = dtype.kiln() else {
             return Err(Error::unsupported(format!(
@@ -1254,7 +1262,12 @@ fn variables(model: &SavedModel, serve: &Signature, train: &Signature) -> Result
             operation: handle.clone(),
             index: 0,
         };
-        reads.push((b.read(&handle_out, data_type)?, dtype, data_type, handle_out));
+        reads.push((
+            b.read(&handle_out, data_type)?,
+            dtype,
+            data_type,
+            handle_out,
+        ));
     }
     let fetches: Vec<(&Output, DataType)> = reads.iter().map(|r| (&r.0, r.2)).collect();
     let values = if fetches.is_empty() {

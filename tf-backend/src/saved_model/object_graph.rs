@@ -175,6 +175,9 @@ mod tests {
 
     #[test]
     fn no_object_graph_is_empty() {
-        assert_eq!(object_graph(&[(2 << 3) | 2, 1, 0]), Ok(ObjectGraph::default()));
+        assert_eq!(
+            object_graph(&[(2 << 3) | 2, 1, 0]),
+            Ok(ObjectGraph::default())
+        );
     }
 }
