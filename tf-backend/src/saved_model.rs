@@ -117,6 +117,8 @@ struct Saver {
 /// [`SavedModel::train_step`] then runs `train` and returns its `loss`. The optimizer's
 /// variables are saved with the model because the `train` function uses them, so a
 /// fine-tuning run can stop, [save](SavedModel::save_variables) and resume.
+/// To fine-tune with the `Trainer` (loop, metrics, callbacks, schedules, exact-resume
+/// checkpoints), wrap the model in a [`SavedModelModule`].
 ///
 /// # Saving
 ///

@@ -67,7 +67,7 @@ struct Variable {
 
 /// A signature tensor resolved in the graph.
 #[derive(Debug, Clone)]
-struct Tensor {
+struct BoundTensor {
     spec: TensorSpec,
     port: Output,
 }
@@ -88,11 +88,11 @@ struct Shared {
     model: SavedModel,
     serve: String,
     train: String,
-    input: Tensor,
-    output: Tensor,
-    train_input: Tensor,
-    train_target: Tensor,
-    loss: Tensor,
+    input: BoundTensor,
+    output: BoundTensor,
+    train_input: BoundTensor,
+    train_target: BoundTensor,
+    loss: BoundTensor,
     variables: Vec<Variable>,
     /// Index in `variables` of the optimizer's learning rate, if it has one.
     learning_rate: Option<usize>,
@@ -1021,7 +1021,7 @@ fn only(sig: &Signature, setting: &str, specs: &[TensorSpec], what: &str) -> Res
 }
 
 /// The input (or output) `name` of `sig`.
-fn tensor(sig: &Signature, setting: &str, name: &str, input: bool) -> Result<Tensor> {
+fn tensor(sig: &Signature, setting: &str, name: &str, input: bool) -> Result<BoundTensor> {
     let (specs, ports, what) = if input {
         (&sig.info.inputs, &sig.inputs, "input")
     } else {
@@ -1029,7 +1029,7 @@ fn tensor(sig: &Signature, setting: &str, name: &str, input: bool) -> Result<Ten
     };
     let found = specs.iter().zip(ports).find(|(spec, _)| spec.name == name);
     match found {
-        Some((spec, port)) => Ok(Tensor {
+        Some((spec, port)) => Ok(BoundTensor {
             spec: spec.clone(),
             port: Output {
                 operation: port.operation.clone(),
@@ -1048,7 +1048,7 @@ fn tensor(sig: &Signature, setting: &str, name: &str, input: bool) -> Result<Ten
 }
 
 /// The training signature's `loss` output, checked to be a float scalar.
-fn loss_output(sig: &Signature) -> Result<Tensor> {
+fn loss_output(sig: &Signature) -> Result<BoundTensor> {
     let name = &sig.info.name;
     let loss = tensor(sig, "train", LOSS_OUTPUT, false).map_err(|_| {
         Error::invalid_argument(
