@@ -315,9 +315,8 @@ fn trainer_losses_match_python_calling_the_train_signature() {
     // The epoch records have the validation loss, the Trainer's cross-entropy
     // on the serving output (int32 class indices, as the signature takes them).
     let val_loss = history.last("val_loss").unwrap();
-    let (x, y) = fixture.data();
-    let (logits, labels) = (x.clone(), y);
-    let tx = TfBackend::from_host(&logits, Device::Cpu).unwrap();
+    let (inputs, labels) = fixture.data();
+    let tx = TfBackend::from_host(&inputs, Device::Cpu).unwrap();
     let ty = TfBackend::from_host(&labels, Device::Cpu).unwrap();
     let (value, out) = state
         .model
@@ -521,7 +520,7 @@ fn errors_are_typed_and_change_nothing() {
     let optimizer_before = optimizer.state_dict().unwrap();
 
     // Accumulation and clipping are refused before anything runs.
-    let (x, y) = fixture.data();
+    let (_, y) = fixture.data();
     for (name, config) in [
         (
             "gradient accumulation",
@@ -565,7 +564,7 @@ fn errors_are_typed_and_change_nothing() {
         Device::Cpu,
     )
     .unwrap();
-    let ty = TfBackend::from_host(&y.clone(), Device::Cpu).unwrap();
+    let ty = TfBackend::from_host(&y, Device::Cpu).unwrap();
     let plan = kiln_core::backend::StepPlan {
         loss: &Loss::cross_entropy(),
         scale: 1.0,
@@ -576,7 +575,6 @@ fn errors_are_typed_and_change_nothing() {
         .train_step(&mut optimizer, &wrong, &ty, &plan)
         .unwrap_err();
     assert!(matches!(err, Error::ShapeMismatch { .. }), "{err:?}");
-    drop(x);
 
     // A state dict with one mis-shaped entry, one missing, one extra: nothing is written.
     let mut shaped = before.clone();
