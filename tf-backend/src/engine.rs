@@ -144,39 +144,7 @@ impl Engine {
     ) -> Result<Vec<TfTensor>> {
         self.runs += 1;
         let session = self.session()?;
-        let mut args = SessionRunArgs::new();
-        for (output, tensor) in feeds {
-            let (op, index) = (&output.operation, output.index);
-            match tensor {
-                TfTensor::U8(t) => args.add_feed(op, index, t),
-                TfTensor::I32(t) => args.add_feed(op, index, t),
-                TfTensor::I64(t) => args.add_feed(op, index, t),
-                TfTensor::F32(t) => args.add_feed(op, index, t),
-                TfTensor::F64(t) => args.add_feed(op, index, t),
-            }
-        }
-        let tokens: Vec<_> = fetches
-            .iter()
-            .map(|(o, dtype)| (args.request_fetch(&o.operation, o.index), *dtype))
-            .collect();
-        for op in targets {
-            args.add_target(op);
-        }
-        session.run(&mut args).map_err(|s| tf_error(context, s))?;
-        tokens
-            .into_iter()
-            .map(|(token, dtype)| {
-                let fail = |s| tf_error(context, s);
-                Ok(match dtype {
-                    DataType::Float => TfTensor::F32(args.fetch(token).map_err(fail)?),
-                    DataType::Double => TfTensor::F64(args.fetch(token).map_err(fail)?),
-                    DataType::Int64 => TfTensor::I64(args.fetch(token).map_err(fail)?),
-                    DataType::Int32 => TfTensor::I32(args.fetch(token).map_err(fail)?),
-                    DataType::UInt8 => TfTensor::U8(args.fetch(token).map_err(fail)?),
-                    other => return Err(Error::unsupported(format!("fetching {other} tensors"))),
-                })
-            })
-            .collect()
+        run_session(session, feeds, fetches, targets, context)
     }
 
     /// Host copies of `vars`, in one run.
@@ -207,4 +175,47 @@ impl Engine {
         self.run(&feeds, &[], &targets, "writing variables")?;
         Ok(())
     }
+}
+
+/// One run of `session`: feeds, then fetches (with their dtypes), running `targets` too.
+pub(crate) fn run_session(
+    session: &Session,
+    feeds: &[(&Output, &TfTensor)],
+    fetches: &[(&Output, DataType)],
+    targets: &[&Operation],
+    context: &str,
+) -> Result<Vec<TfTensor>> {
+    let mut args = SessionRunArgs::new();
+    for (output, tensor) in feeds {
+        let (op, index) = (&output.operation, output.index);
+        match tensor {
+            TfTensor::U8(t) => args.add_feed(op, index, t),
+            TfTensor::I32(t) => args.add_feed(op, index, t),
+            TfTensor::I64(t) => args.add_feed(op, index, t),
+            TfTensor::F32(t) => args.add_feed(op, index, t),
+            TfTensor::F64(t) => args.add_feed(op, index, t),
+        }
+    }
+    let tokens: Vec<_> = fetches
+        .iter()
+        .map(|(o, dtype)| (args.request_fetch(&o.operation, o.index), *dtype))
+        .collect();
+    for op in targets {
+        args.add_target(op);
+    }
+    session.run(&mut args).map_err(|s| tf_error(context, s))?;
+    tokens
+        .into_iter()
+        .map(|(token, dtype)| {
+            let fail = |s| tf_error(context, s);
+            Ok(match dtype {
+                DataType::Float => TfTensor::F32(args.fetch(token).map_err(fail)?),
+                DataType::Double => TfTensor::F64(args.fetch(token).map_err(fail)?),
+                DataType::Int64 => TfTensor::I64(args.fetch(token).map_err(fail)?),
+                DataType::Int32 => TfTensor::I32(args.fetch(token).map_err(fail)?),
+                DataType::UInt8 => TfTensor::U8(args.fetch(token).map_err(fail)?),
+                other => return Err(Error::unsupported(format!("fetching {other} tensors"))),
+            })
+        })
+        .collect()
 }

@@ -38,6 +38,16 @@ impl Builder {
         }
     }
 
+    /// A builder adding ops to an existing `graph` (a loaded SavedModel's) under
+    /// `scope`, which must be a name prefix the graph does not use yet.
+    pub(crate) fn over(graph: Graph, scope: &str) -> Self {
+        Builder {
+            graph,
+            counter: 0,
+            scope: scope.to_owned(),
+        }
+    }
+
     /// Sets the name scope of the ops added next (`""` for none).
     pub(crate) fn set_scope(&mut self, scope: &str) -> String {
         std::mem::replace(&mut self.scope, scope.replace('.', "/"))

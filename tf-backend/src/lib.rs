@@ -39,4 +39,7 @@ pub use error::tf_error;
 pub use model::TfModel;
 pub use optim::TfOptimizer;
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
-pub use saved_model::{SavedModel, SignatureInfo, TensorDType, TensorSpec};
+pub use saved_model::{
+    SavedModel, SavedModelModule, SavedModelModuleBuilder, SignatureInfo, SignatureOptimizer,
+    TensorDType, TensorSpec, VariableRole,
+};

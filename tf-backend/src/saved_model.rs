@@ -2,6 +2,8 @@
 //! training signature, and write the trained variables back. See [`SavedModel`].
 
 mod files;
+mod module;
+mod object_graph;
 mod saver_def;
 mod signature;
 
@@ -11,14 +13,23 @@ use std::fmt;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
 
 use kiln_core::{DType, Error, HostTensor, Result};
 use tensorflow::{Graph, Operation, SavedModelBundle, Session, SessionRunArgs, Tensor, TensorInfo};
 
 use crate::convert::{from_tf, TfTensor};
 use crate::error::tf_error;
+use crate::graph::Builder;
+pub use module::{SavedModelModule, SavedModelModuleBuilder, SignatureOptimizer, VariableRole};
+use object_graph::ObjectGraph;
 use saver_def::SaverDef;
 pub use signature::{SignatureInfo, TensorDType, TensorSpec};
+
+/// The name scope of the ops Kiln adds to a loaded graph (reads, writes, losses).
+/// (TensorFlow node names cannot start with `_`; an invalid name is only refused when
+/// the session is extended with the node.)
+const KILN_SCOPE: &str = "kiln_saved_model";
 
 /// The tag of the serving MetaGraph, the one TensorFlow 2 exports write.
 const SERVE_TAG: &str = "serve";
@@ -106,6 +117,8 @@ struct Saver {
 /// [`SavedModel::train_step`] then runs `train` and returns its `loss`. The optimizer's
 /// variables are saved with the model because the `train` function uses them, so a
 /// fine-tuning run can stop, [save](SavedModel::save_variables) and resume.
+/// To fine-tune with the `Trainer` (loop, metrics, callbacks, schedules, exact-resume
+/// checkpoints), wrap the model in a [`SavedModelModule`].
 ///
 /// # Saving
 ///
@@ -129,6 +142,11 @@ pub struct SavedModel {
     session: Session,
     signatures: BTreeMap<String, Signature>,
     saver: Option<Saver>,
+    /// The graph the session runs, kept so that ops can be added to it (the C API
+    /// extends the session with them on its next run); see [`SavedModelModule`].
+    graph: Mutex<Builder>,
+    /// What the object graph says about the variables.
+    objects: ObjectGraph,
 }
 
 impl fmt::Debug for SavedModel {
@@ -231,6 +249,14 @@ impl SavedModel {
                 ))
             }
         };
+        let objects = object_graph::object_graph(&raw_meta_graph).unwrap_or_else(|e| {
+            log::debug!(
+                "SavedModel {}: cannot read its object graph ({e}); variables are classified \
+                 from the graph alone",
+                dir.display()
+            );
+            ObjectGraph::default()
+        });
         log::info!(
             "loaded the SavedModel {} (tags [{}]): signatures {}; {}",
             dir.display(),
@@ -248,6 +274,19 @@ impl SavedModel {
             session: bundle.session,
             signatures,
             saver,
+            graph: Mutex::new(Builder::over(graph, KILN_SCOPE)),
+            objects,
+        })
+    }
+
+    /// The graph, to add ops to; a poisoned lock is an error.
+    fn graph(&self) -> Result<MutexGuard<'_, Builder>> {
+        self.graph.lock().map_err(|_| {
+            Error::backend(
+                "tensorflow",
+                format!("adding ops to the SavedModel {}", self.dir.display()),
+                "a thread panicked while adding ops to its graph",
+            )
         })
     }
 

@@ -103,21 +103,25 @@ pub(crate) fn meta_graphs(saved_model: &[u8]) -> Result<Vec<&[u8]>, WireError> {
     Ok(graphs)
 }
 
-/// One field value; fixed-width and varint values are only skipped.
-enum Value<'a> {
+/// One field value; fixed-width values are only skipped.
+pub(super) enum Value<'a> {
+    /// A varint (integers, bools, enums).
+    Varint(u64),
+    /// A fixed-width value, skipped.
     Scalar,
+    /// A length-delimited value (strings, bytes, messages, packed repeated).
     Bytes(&'a [u8]),
 }
 
 /// The top-level fields of one message, in order.
-struct Fields<'a> {
+pub(super) struct Fields<'a> {
     bytes: &'a [u8],
     pos: usize,
     failed: bool,
 }
 
 impl<'a> Fields<'a> {
-    fn new(bytes: &'a [u8]) -> Self {
+    pub(super) fn new(bytes: &'a [u8]) -> Self {
         Self {
             bytes,
             pos: 0,
@@ -165,7 +169,7 @@ impl<'a> Fields<'a> {
         let key = self.varint()?;
         let number = key >> 3;
         let value = match key & 7 {
-            0 => self.varint().map(|_| Value::Scalar)?,
+            0 => self.varint().map(Value::Varint)?,
             1 => self.skip(8).map(|_| Value::Scalar)?,
             2 => {
                 let len = self.varint()?;

@@ -3,6 +3,7 @@
 Usage:
     python saved_models.py export OUT_DIR
     python saved_models.py serve MODEL_DIR INPUT.json OUT.json
+    python saved_models.py train MODEL_DIR BATCHES.json OUT.json
 
 `export` writes into OUT_DIR:
 
@@ -33,6 +34,13 @@ Usage:
 the `serve` method and of the `serving_default` signature on INPUT.json's tensor,
 and the optimizer's iteration count as restored from the checkpoint (null without
 `optimizer_variables`).
+
+`train` loads MODEL_DIR with tf.saved_model.load, calls its `train` signature on the
+batches of BATCHES.json ({"x": T, "y": T, "batch": int, "epochs": int,
+"serve_input": T}: the rows in order, `batch` at a time, the last batch possibly
+smaller, `epochs` times over) and writes to OUT.json {"losses": [float],
+"trained_output": T}: each call's loss, and the `serving_default` output on
+`serve_input` afterwards.
 """
 
 import json
@@ -217,12 +225,35 @@ def serve(model_dir, input_path, out_path):
         json.dump(result, f)
 
 
+def train(model_dir, batches_path, out_path):
+    loaded = tf.saved_model.load(model_dir)
+    with open(batches_path) as f:
+        spec = json.load(f)
+    x, y = tensor_from_json(spec["x"]), tensor_from_json(spec["y"])
+    batch, epochs = spec["batch"], spec["epochs"]
+    step = loaded.signatures["train"]
+    losses = []
+    for _ in range(epochs):
+        for start in range(0, len(x), batch):
+            out = step(
+                x=tf.constant(x[start : start + batch]),
+                y=tf.constant(y[start : start + batch]),
+            )
+            losses.append(float(out["loss"].numpy()))
+    serve_input = tf.constant(tensor_from_json(spec["serve_input"]))
+    (output,) = loaded.signatures["serving_default"](x=serve_input).values()
+    with open(out_path, "w") as f:
+        json.dump({"losses": losses, "trained_output": tensor_json(output.numpy())}, f)
+
+
 def main():
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command == "export" and len(sys.argv) == 3:
         export(sys.argv[2])
     elif command == "serve" and len(sys.argv) == 5:
         serve(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif command == "train" and len(sys.argv) == 5:
+        train(sys.argv[2], sys.argv[3], sys.argv[4])
     else:
         sys.exit(__doc__)
 
