@@ -699,7 +699,7 @@ fn inspect_describes_a_torchscript_file() {
         "{listing}"
     );
     assert!(
-        listing.contains("2 parameter tensors, 8 values"),
+        listing.contains("2 parameter tensors and 0 buffers, 8 values"),
         "{listing}"
     );
 }

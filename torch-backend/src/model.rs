@@ -163,6 +163,9 @@ impl TorchModel {
     /// Build optimizers after moving: they hold the parameters they update.
     pub fn to(&mut self, device: Device) -> Result<()> {
         let target = device_to_tch(device)?;
+        if device == self.device {
+            return Ok(());
+        }
         self.replace_entries(&format!("moving to {device}"), |t| t.f_to_device(target))?;
         self.device = device;
         Ok(())
@@ -195,6 +198,9 @@ impl TorchModel {
                 "dtype",
                 format!("a model's parameters convert to a floating-point dtype, not {dtype}"),
             ));
+        }
+        if self.float_dtype.is_none_or(|current| current == dtype) {
+            return Ok(()); // already there: nothing to convert
         }
         let kind = kind_from_dtype(dtype)?;
         self.replace_entries(&format!("converting to {dtype}"), |t| {

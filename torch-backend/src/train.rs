@@ -94,6 +94,16 @@ impl TrainBackend for TorchBackend {
     }
 }
 
+/// The elements of a torch module's parameters that require gradients.
+pub(crate) fn trainable_elements<M: Module<TorchBackend> + ?Sized>(model: &M) -> Result<usize> {
+    Ok(model
+        .named_parameters()?
+        .iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(_, t)| t.numel())
+        .sum())
+}
+
 /// The optimizer of any torch module: its parameters that require gradients.
 pub(crate) fn optimizer_over<M: Module<TorchBackend> + ?Sized>(
     model: &M,
@@ -117,6 +127,10 @@ impl Trainable<TorchBackend> for TorchModel {
         groups: &[ParamGroup],
     ) -> Result<TorchOptimizer> {
         optimizer_over(self, config, groups)
+    }
+
+    fn num_trainable_parameters(&self) -> Result<usize> {
+        trainable_elements(self)
     }
 
     fn precision(&self) -> FloatPrecision {
@@ -173,6 +187,10 @@ macro_rules! eager_trainable {
                 groups: &[ParamGroup],
             ) -> Result<TorchOptimizer> {
                 optimizer_over(self, config, groups)
+            }
+
+            fn num_trainable_parameters(&self) -> Result<usize> {
+                trainable_elements(self)
             }
 
             fn train_step(

@@ -68,6 +68,12 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         groups: &[ParamGroup],
     ) -> Result<Self::Optim>;
 
+    /// Number of parameter elements the optimizer trains: all of them unless
+    /// some are frozen ([`TrainBackend::freeze`]).
+    fn num_trainable_parameters(&self) -> Result<usize> {
+        self.num_parameters()
+    }
+
     /// The precision the module computes in (`32-true` unless given another;
     /// see [`TrainBackend::set_precision`]).
     fn precision(&self) -> FloatPrecision {

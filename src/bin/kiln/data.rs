@@ -128,7 +128,9 @@ pub(crate) fn check_fits(
 ) -> Result<()> {
     let mut input = features.dims().to_vec();
     input[0] = config.data.batch_size;
-    let output = config.model.output_shape(&input).with_context(|| {
+    // A torchscript layer's output shape is found by running it once.
+    let model = crate::resolve_model(config, features, config.device)?;
+    let output = model.output_shape(&input).with_context(|| {
         let shape = match &config.data.input_shape {
             Some(dims) => format!("data.input_shape = {dims:?}"),
             None => "flat examples: data.input_shape is not set".to_owned(),

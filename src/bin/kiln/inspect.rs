@@ -16,7 +16,7 @@ pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
     Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
 }
 
-/// A TorchScript file's parameters, as libtorch loads them.
+/// A TorchScript file's parameters and buffers, as libtorch loads them.
 pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
     let module = kiln::torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
         format!(
@@ -28,25 +28,32 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
     println!();
     println!(
         "{:<40} {:<8} {:<16} {:>10}",
-        "parameter", "dtype", "shape", "elements"
+        "tensor", "dtype", "shape", "elements"
     );
-    let mut total = 0usize;
-    let state = module.state_dict()?;
-    for (name, t) in state.iter() {
-        total += t.numel();
-        println!(
-            "{:<40} {:<8} {:<16} {:>10}",
-            name,
-            t.dtype().to_string(),
-            t.shape().to_string(),
-            t.numel()
-        );
+    let mut values = 0usize;
+    let (mut params, mut buffers) = (0usize, 0usize);
+    for (kind, named) in [
+        ("parameter", module.named_parameters()?),
+        ("buffer", module.named_buffers()?),
+    ] {
+        for (name, tensor) in named {
+            let t = kiln::torch::from_tch(&tensor)?;
+            values += t.numel();
+            if kind == "parameter" {
+                params += 1;
+            } else {
+                buffers += 1;
+            }
+            println!(
+                "{:<40} {:<8} {:<16} {:>10}",
+                name,
+                t.dtype().to_string(),
+                t.shape().to_string(),
+                t.numel()
+            );
+        }
     }
-    println!(
-        "\n{} parameter tensors, {total} values (buffers such as batch-norm statistics are \
-         not listed)",
-        state.len()
-    );
+    println!("\n{params} parameter tensors and {buffers} buffers, {values} values");
     Ok(())
 }
 

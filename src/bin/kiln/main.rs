@@ -17,7 +17,11 @@ use crate::config::{BackendKind, FrozenBatchNorm, RunConfig};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kiln::core::distributed::{Collectives, Rendezvous};
-use kiln::core::{backend::TrainBackend, module::Module, precision::FloatPrecision};
+use kiln::core::{
+    backend::{TrainBackend, Trainable},
+    module::Module,
+    precision::FloatPrecision,
+};
 use kiln::prelude::*;
 use kiln::torch::distributed::ProcessGroup;
 use kiln::train::{
@@ -429,13 +433,7 @@ fn train_on<B: TrainBackend>(
             .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
     }
 
-    let trainable: usize = state
-        .model
-        .named_parameters()?
-        .iter()
-        .filter(|(name, _)| !frozen.contains(name))
-        .map(|(_, t)| B::shape(t).numel())
-        .sum();
+    let trainable = state.model.num_trainable_parameters()?;
     let total = state.model.num_parameters()?;
     println!(
         "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
