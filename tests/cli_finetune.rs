@@ -80,7 +80,7 @@ progress = false
 }
 
 fn weights(run: &Path) -> StateDict {
-    StateDict::load_safetensors(&run.join("model.safetensors"))
+    StateDict::load_safetensors(run.join("model.safetensors"))
         .unwrap()
         .0
 }

@@ -87,7 +87,7 @@ fn fit<M: Trainable<TorchBackend>>(
 
 /// Python's run with `bn_mode` on Kiln's initial head `head`.
 fn python_run(python: &Path, dir: &Path, head: StateDict, bn_mode: &str) -> StateDict {
-    head.save_safetensors(&dir.join("head.safetensors"), &Default::default())
+    head.save_safetensors(dir.join("head.safetensors"), &Default::default())
         .unwrap();
     common::run_reference(
         python,
