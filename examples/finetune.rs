@@ -110,7 +110,7 @@ pub fn run(backbone: &Path, out: &Path, data: &Path) -> Result<f64> {
     // as one TorchScript file is not supported yet (a future issue); until then
     // the head's weights go to Python through model.safetensors (`1.weight`, `1.bias`).
     let scripted = run_dir.path().join("backbone.pt");
-    save_backbone(&state.model, backbone, &scripted)?;
+    state.model.save_torchscript_layer("0", &scripted)?;
     println!(
         "saved {} (the whole model) and {} (the backbone, for torch.jit.load)",
         weights.display(),
@@ -207,22 +207,4 @@ fn trainer(
         )
         .with_sink(csv)
         .with_sink(LogSink::new()))
-}
-
-/// Writes the backbone, with the model's current values of its parameters and
-/// buffers (the entries under `0.`), as a TorchScript file: the original file
-/// loaded, those values copied in (strictly: every entry, no other), in eval
-/// mode, saved.
-fn save_backbone(model: &TorchModel, original: &Path, to: &Path) -> Result<()> {
-    let mut backbone = ScriptModule::load(original, Device::Cpu)?;
-    let state: StateDict = model
-        .state_dict()?
-        .into_inner()
-        .into_iter()
-        .filter_map(|(name, t)| Some((name.strip_prefix("0.")?.to_owned(), t)))
-        .collect();
-    backbone.load_state_dict(&state)?;
-    backbone.set_mode(Mode::Eval);
-    backbone.save(to)?;
-    Ok(())
 }

@@ -181,6 +181,14 @@ lr = 0.01
 
     // eval, predict and inspect on the checkpoint.
     let last = a.join("checkpoints/last.safetensors");
+    // The parameter groups reached the backbone's parameters: its own rate.
+    let checkpoint = kiln::train::Checkpoint::load(&last).unwrap();
+    let lr = |key: &str| checkpoint.optimizer.get(key).unwrap().to_f64_vec()[0];
+    assert_eq!((lr("group.0.lr"), lr("group.1.lr")), (0.01, 0.1));
+    assert!(checkpoint
+        .optimizer
+        .get("state.0.conv.weight.momentum_buffer")
+        .is_some());
     let table =
         String::from_utf8(kiln(&["eval", "--config", s(&cfg), "--checkpoint", s(&last)]).stdout)
             .unwrap();

@@ -186,6 +186,19 @@ fn a_frozen_scripted_backbone_with_a_new_head_fine_tunes_as_in_pytorch() {
                 1e-5,
             );
         }
+        // The backbone goes back out as TorchScript, with its current state.
+        let saved = dir.join(format!("backbone-{bn_mode}.pt"));
+        state.model.save_torchscript_layer("0", &saved).unwrap();
+        let reloaded = ScriptModule::load(&saved, Device::Cpu)
+            .unwrap()
+            .state_dict()
+            .unwrap();
+        assert_eq!(reloaded, common::strip(&trained, "0."));
+        let err = state.model.save_torchscript_layer("1", &saved).unwrap_err();
+        assert!(
+            err.to_string().contains("`1` is not a torchscript layer"),
+            "{err}"
+        );
         for (name, value) in original.iter() {
             let ours = trained.get(&format!("0.{name}")).unwrap();
             let theirs = reference.get(&format!("backbone.{name}")).unwrap();

@@ -443,7 +443,7 @@ fn resolve_shapes(
                     )
                 })?;
                 let out: Vec<usize> = output.size().iter().map(|&d| d as usize).collect();
-                log::info!(
+                log::debug!(
                     "torchscript layer {} ({}): input {input:?} -> output {out:?}",
                     if path.is_empty() { "(root)" } else { path },
                     config.path.display()

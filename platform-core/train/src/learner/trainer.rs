@@ -127,7 +127,7 @@ impl TrainerConfig {
 }
 
 /// A model, its optimizer and schedule, and where training stands: what a
-/// checkpoint saves and `fit` advances.
+/// checkpoint saves and `fit` advances. `M` is the module, as for [`Trainer`].
 pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
     /// The model.
     pub model: M,
@@ -251,6 +251,26 @@ pub type EpochRecord = BTreeMap<String, f64>;
 
 /// The training loop, generic over the backend: callbacks, metric sinks,
 /// checkpoints, gradient accumulation and clipping, and a schedule.
+///
+/// `B` is the backend and `M` the module it trains: any
+/// [`Trainable`] module of `B`, by default the models the backend builds from
+/// Kiln definitions (`Trainer<TorchBackend>`, `Trainer<TfBackend>`: one type
+/// parameter switches engine). Other modules name themselves:
+/// `Trainer<TorchBackend, ScriptModule>` fine-tunes a TorchScript model,
+/// `Trainer<TorchBackend, Chain>` a pretrained part with new layers,
+/// `Trainer<TfBackend, SavedModelModule>` a SavedModel through its training
+/// signature.
+///
+/// ```
+/// use kiln_core::backend::{TrainBackend, Trainable};
+/// use kiln_core::loss::Loss;
+/// use kiln_train::{Trainer, TrainerConfig};
+///
+/// /// A trainer for any module of any backend.
+/// fn trainer_for<B: TrainBackend, M: Trainable<B>>() -> kiln_core::Result<Trainer<B, M>> {
+///     Trainer::<B, M>::new(TrainerConfig::default(), Loss::cross_entropy())
+/// }
+/// ```
 pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
     config: TrainerConfig,
     loss: Loss,
