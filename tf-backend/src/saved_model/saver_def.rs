@@ -87,6 +87,22 @@ pub(crate) fn saver_def(meta_graph_def: &[u8]) -> Result<Option<SaverDef>, WireE
     )
 }
 
+/// `MetaGraphDef.graph_def`.
+const META_GRAPH_GRAPH_DEF: u64 = 2;
+
+/// The serialized `GraphDef` (nodes and function library) of a serialized
+/// MetaGraphDef; empty when it has none.
+pub(crate) fn graph_def(meta_graph_def: &[u8]) -> Result<&[u8], WireError> {
+    let mut found: &[u8] = &[];
+    for field in Fields::new(meta_graph_def) {
+        if let (META_GRAPH_GRAPH_DEF, Value::Bytes(bytes)) = field? {
+            // A singular message split in pieces is rare; TensorFlow never writes one.
+            found = bytes;
+        }
+    }
+    Ok(found)
+}
+
 /// `SavedModel.meta_graphs` (tensorflow/core/protobuf/saved_model.proto).
 const SAVED_MODEL_META_GRAPHS: u64 = 2;
 
