@@ -23,7 +23,7 @@ fn serving_default() -> String {
 /// gradient and are not in the optimizer nor in the state dict.
 ///
 /// Its output shape is read from the signature (or found by running it once):
-/// the TensorFlow backend fills [`output_shape`](Self::output_shape) in
+/// the TensorFlow backend fills `output_shape` in
 /// (`kiln_tf::resolve_saved_model_shapes`). Until then, shape inference through
 /// this layer is [`Error::Unsupported`](crate::Error::Unsupported) saying so.
 ///
