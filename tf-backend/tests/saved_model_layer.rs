@@ -265,8 +265,41 @@ fn shapes_are_resolved_from_the_signature() {
     assert!(matches!(err, Error::DTypeMismatch { .. }), "{err:?}");
 }
 
+/// A signature whose output TensorFlow cannot size statically: `TfModel::new`
+/// leaves its shape unknown (forward is `Unsupported`, naming the resolver);
+/// `resolve_saved_model_shapes` runs it once and records the width, after which
+/// the model computes what the sized `features` signature does.
+#[test]
+fn an_unsized_output_is_found_by_running_it_once() {
+    let Some(dir) = fixture("an_unsized_output_is_found_by_running_it_once") else {
+        return;
+    };
+    let unsized_spec = Layer::sequential([
+        SavedModelLayerConfig::new(dir.join("features"))
+            .with_signature("unsized")
+            .into(),
+        LinearConfig::new(HIDDEN, 2).into(),
+    ]);
+    let model = TfModel::new(&unsized_spec, Device::Cpu).unwrap();
+    let x = TfTensor::from_host(&probe(3, 0.0)).unwrap();
+    let err = Module::<TfBackend>::forward(&model, &x).unwrap_err();
+    let Error::Unsupported { what } = &err else {
+        panic!("{err:?}");
+    };
+    assert!(what.contains("resolve_saved_model_shapes"), "{what}");
+
+    let resolved = resolve_saved_model_shapes(&unsized_spec, &[8], DType::F32).unwrap();
+    assert_eq!(resolved.output_shape(&[3, 8]).unwrap(), vec![3, 2]);
+    let mut model = TfModel::new(&resolved, Device::Cpu).unwrap();
+    let sized = TfModel::new(&spec(dir), Device::Cpu).unwrap();
+    let head = Module::<TfBackend>::state_dict(&sized).unwrap();
+    Module::<TfBackend>::load_state_dict(&mut model, &head).unwrap();
+    let x = probe(3, 0.0);
+    assert_eq!(forward(&model, &x), forward(&sized, &x));
+}
+
 /// Typed errors: a missing directory, an unknown signature or output, an input
-/// of the wrong width, an `output_shape` the signature contradicts, and two
+/// of the wrong width or dtype, an `output_shape` the signature contradicts, and two
 /// SavedModels whose variables share names.
 #[test]
 fn errors_are_typed() {
@@ -308,7 +341,10 @@ fn errors_are_typed() {
         panic!("{err:?}");
     };
     assert!(context.contains("signature `features`"), "{context}");
-    // The model still works after the refused input.
+    let doubles = TfTensor::from_host(&HostTensor::new(vec![0f64; 16], [2, 8]).unwrap()).unwrap();
+    let err = Module::<TfBackend>::forward(&model, &doubles).unwrap_err();
+    assert!(matches!(err, Error::DTypeMismatch { .. }), "{err:?}");
+    // The model still works after the refused inputs.
     assert_eq!(forward(&model, &probe(2, 0.0)).dims(), &[2, 2]);
 
     let two = Layer::sequential([

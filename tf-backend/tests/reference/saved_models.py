@@ -37,6 +37,8 @@ Usage:
                       features(x: float32[?, 8]) -> output_0: float32[?, 16] (the
                         hidden layer's ReLU activations)
                       serve(x: float32[?, 8]) -> output_0: float32[?, 3] (the logits)
+                      unsized(x: float32[?, 8]) -> output_0: float32[?, ?] (the
+                        features again, through a reshape of unknown static shape)
     features_reseeded/  the same export from another seed: other weights under the
                     same variable names.
 
@@ -228,6 +230,12 @@ def export_features(path, seed=SEED):
     archive.add_endpoint(name="features", fn=lambda x: hidden(x), input_signature=spec)
     archive.add_endpoint(
         name="serve", fn=lambda x: model(x, training=False), input_signature=spec
+    )
+    # The same features through a reshape TensorFlow cannot size statically.
+    archive.add_endpoint(
+        name="unsized",
+        fn=lambda x: tf.reshape(hidden(x), tf.stack([tf.shape(x)[0], -1])),
+        input_signature=spec,
     )
     archive.write_out(path, verbose=False)
 

@@ -18,7 +18,9 @@ fn serving_default() -> String {
 /// `{ type = "saved_model", path = "exported/", signature = "serve" }`.
 ///
 /// The layer feeds the tensor reaching it to the signature's input and passes
-/// the signature's output on. It has no parameters in Kiln's sense: its
+/// the signature's output on. The signature runs as it was exported (a Keras
+/// `serve` endpoint calls the model with `training=False`): Kiln's train and
+/// eval modes do not change it. It has no parameters in Kiln's sense: its
 /// variables are read from `<path>/variables/` when the model is built, get no
 /// gradient and are not in the optimizer nor in the state dict.
 ///
@@ -56,8 +58,8 @@ pub struct SavedModelLayerConfig {
     /// The signature to run (default `serving_default`).
     #[serde(default = "serving_default")]
     pub signature: String,
-    /// The signature input the layer's input is fed to; may be left out when
-    /// the signature has exactly one input.
+    /// The signature input the layer's input is fed to, checked when given; a
+    /// layer feeds one tensor, so the signature must have exactly one input.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub input: Option<String>,
     /// The signature output the layer passes on; may be left out when the
