@@ -81,11 +81,11 @@ fn shown(path: &str) -> &str {
 }
 
 /// The signature's tensor the layer uses: `chosen` by name, or the only one.
+/// `field` is `input` or `output`.
 fn pick<'a>(
     specs: &'a [TensorSpec],
     chosen: Option<&str>,
     field: &str,
-    what: &str,
     info: &SignatureInfo,
     at: &str,
 ) -> Result<&'a TensorSpec> {
@@ -101,7 +101,7 @@ fn pick<'a>(
             Error::invalid_argument(
                 format!("{}.{field}", shown(at)),
                 format!(
-                    "signature `{}` has no {what} `{name}`; its {what}s: {}",
+                    "signature `{}` has no {field} `{name}`; its {field}s: {}",
                     info.name,
                     names()
                 ),
@@ -111,7 +111,7 @@ fn pick<'a>(
         (None, _) => Err(Error::invalid_argument(
             format!("{}.{field}", shown(at)),
             format!(
-                "signature `{}` has {} {what}s ({}); name the one to use as `{field}`",
+                "signature `{}` has {} {field}s ({}); name the one to use as `{field}`",
                 info.name,
                 specs.len(),
                 names()
@@ -181,24 +181,8 @@ fn check_input(
 fn open(at: &str, config: &SavedModelLayerConfig) -> Result<(SavedModel, TensorSpec, TensorSpec)> {
     let model = SavedModel::load(&config.path)?;
     let info = model.signature(&config.signature)?;
-    let input = pick(
-        &info.inputs,
-        config.input.as_deref(),
-        "input",
-        "input",
-        info,
-        at,
-    )?
-    .clone();
-    let output = pick(
-        &info.outputs,
-        config.output.as_deref(),
-        "output",
-        "output",
-        info,
-        at,
-    )?
-    .clone();
+    let input = pick(&info.inputs, config.input.as_deref(), "input", info, at)?.clone();
+    let output = pick(&info.outputs, config.output.as_deref(), "output", info, at)?.clone();
     if info.inputs.len() > 1 {
         return Err(Error::unsupported(format!(
             "the saved_model layer `{}`: signature `{}` of {} takes {} inputs ({}); a layer \
@@ -321,7 +305,7 @@ impl SavedModelLayers {
     /// that is [`Error::Unsupported`].
     pub(crate) fn restore(&self, engine: &mut Engine) -> Result<()> {
         for restore in &self.restores {
-            let taken = shared_names(&engine.b.graph, None);
+            let taken = shared_names(&engine.b.graph, None)?;
             let prefix = engine.b.name("saved_model_restore");
             let context = format!(
                 "importing the graph of the SavedModel {} into the model's graph",
@@ -334,10 +318,8 @@ impl SavedModelLayers {
                 .graph
                 .import_graph_def(&restore.graph_def, &options)
                 .map_err(|s| tf_error(&context, s))?;
-            if let Some(name) = shared_names(&engine.b.graph, Some(&prefix))
-                .into_iter()
-                .find(|name| taken.contains(name))
-            {
+            let imported = shared_names(&engine.b.graph, Some(&prefix))?;
+            if let Some(name) = imported.into_iter().find(|name| taken.contains(name)) {
                 return Err(Error::unsupported(format!(
                     "the SavedModel {} names a variable `{name}`, as a SavedModel imported \
                      before it (or the model itself) does; TensorFlow would make them one \
@@ -479,24 +461,44 @@ fn saved_model_layers_mut(spec: &mut Layer) -> Vec<(String, &mut SavedModelLayer
     out
 }
 
-/// The `shared_name`s of the graph's `VarHandleOp`s (under `prefix/` when given).
-fn shared_names(graph: &Graph, prefix: Option<&str>) -> HashSet<String> {
-    graph
-        .operation_iter()
-        .filter(|op| op.op_type().is_ok_and(|t| t == "VarHandleOp"))
-        .filter(|op| {
-            prefix.is_none_or(|p| {
-                op.name()
-                    .is_ok_and(|n| n.strip_prefix(p).is_some_and(|r| r.starts_with('/')))
-            })
-        })
-        .filter_map(|op| {
-            op.get_attr_string("shared_name")
-                .ok()
-                .filter(|s| !s.is_empty())
-                .or_else(|| op.name().ok())
-        })
-        .collect()
+/// The `shared_name`s of the graph's `VarHandleOp`s (those imported under
+/// `prefix/` when given).
+///
+/// Every import of a SavedModel reaches the variables the restore filled only
+/// through these names: an imported handle without one is
+/// [`Error::Unsupported`] (TensorFlow 2's exporter always writes one).
+fn shared_names(graph: &Graph, prefix: Option<&str>) -> Result<HashSet<String>> {
+    let mut names = HashSet::new();
+    for op in graph.operation_iter() {
+        if !op.op_type().is_ok_and(|t| t == "VarHandleOp") {
+            continue;
+        }
+        let name = op.name().unwrap_or_default();
+        let imported = prefix.is_some_and(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('/'))
+        });
+        if prefix.is_some() && !imported {
+            continue;
+        }
+        match op.get_attr_string("shared_name") {
+            Ok(shared) if !shared.is_empty() => {
+                names.insert(shared);
+            }
+            _ if imported => {
+                return Err(Error::unsupported(format!(
+                    "the SavedModel variable `{name}` has no shared_name, so the copies of \
+                     the SavedModel's graph in the model's programs could not reach the \
+                     values restored into it; re-export it with TensorFlow 2 \
+                     (`tf.saved_model.save` or Keras's `model.export`)"
+                )))
+            }
+            _ => {
+                names.insert(name);
+            }
+        }
+    }
+    Ok(names)
 }
 
 /// `op:index` as `(op, index)`; a bare name is output 0.
