@@ -1,8 +1,9 @@
-//! The `SaverDef` of a loaded MetaGraphDef, read from its serialized bytes.
+//! The `SaverDef` and the `GraphDef` of a loaded MetaGraphDef, read from its
+//! serialized bytes.
 //!
 //! The `tensorflow` crate decodes only the signatures of a MetaGraphDef and keeps its
-//! generated protobuf types private, so the three strings Kiln needs are read here
-//! with a minimal protobuf wire-format walker (no schema, no dependency).
+//! generated protobuf types private, so the three strings and the graph Kiln needs
+//! are read here with a minimal protobuf wire-format walker (no schema, no dependency).
 
 use std::fmt;
 
@@ -253,6 +254,13 @@ mod tests {
         assert_eq!(saver_def(&[(2 << 3) | 2, 1, 0]), Ok(None));
         let only_restore = string_field(3, "restore_all");
         assert_eq!(saver_def(&meta_graph(&only_restore)), Ok(None));
+    }
+
+    #[test]
+    fn reads_the_graph_def() {
+        let bytes = meta_graph(&string_field(1, "saver_filename:0"));
+        assert_eq!(graph_def(&bytes), Ok(&[1u8, 2, 3][..]));
+        assert_eq!(graph_def(&string_field(3, "no graph")), Ok(&[][..]));
     }
 
     #[test]
