@@ -10,6 +10,7 @@ use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
 use crate::error::tf_error;
 use crate::graph::Builder;
+use crate::saved_model::SavedModelLayers;
 
 /// The seed [`crate::TfBackend::manual_seed`] set, and how many random draws followed it.
 static SEED: AtomicU64 = AtomicU64::new(0x5eed);
@@ -78,6 +79,8 @@ pub(crate) struct Engine {
     pub(crate) runs: u64,
     /// The model's custom-layer functions, resolved when it was built.
     pub(crate) custom_ops: CustomOps,
+    /// The model's `saved_model` layers, loaded when it was built.
+    pub(crate) saved_models: SavedModelLayers,
 }
 
 impl Engine {
@@ -87,6 +90,7 @@ impl Engine {
             session: None,
             runs: 0,
             custom_ops: CustomOps::default(),
+            saved_models: SavedModelLayers::default(),
         }
     }
 
@@ -145,6 +149,26 @@ impl Engine {
         self.runs += 1;
         let session = self.session()?;
         run_session(session, feeds, fetches, targets, context)
+    }
+
+    /// One session run feeding the string `value` to `feed` (a checkpoint
+    /// path), running `targets`.
+    pub(crate) fn run_with_string(
+        &mut self,
+        feed: &Output,
+        value: &str,
+        targets: &[&Operation],
+        context: &str,
+    ) -> Result<()> {
+        self.runs += 1;
+        let session = self.session()?;
+        let value = tensorflow::Tensor::from(value.to_owned());
+        let mut args = SessionRunArgs::new();
+        args.add_feed(&feed.operation, feed.index, &value);
+        for op in targets {
+            args.add_target(op);
+        }
+        session.run(&mut args).map_err(|s| tf_error(context, s))
     }
 
     /// Host copies of `vars`, in one run.

@@ -40,6 +40,6 @@ pub use model::TfModel;
 pub use optim::TfOptimizer;
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{
-    SavedModel, SavedModelModule, SavedModelModuleBuilder, SignatureInfo, SignatureOptimizer,
-    TensorDType, TensorSpec, VariableRole,
+    resolve_saved_model_shapes, SavedModel, SavedModelModule, SavedModelModuleBuilder,
+    SignatureInfo, SignatureOptimizer, TensorDType, TensorSpec, VariableRole,
 };

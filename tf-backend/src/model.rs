@@ -17,6 +17,7 @@ use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
 use crate::distributed::DataParallel;
 use crate::engine::{next_stream, Engine, Var};
+use crate::saved_model::SavedModelLayers;
 use crate::step::{self, CompiledGraph, ModelGraph, ProgramKey, ProgramKind, Signature};
 
 /// A model built from a Kiln [`Layer`] definition as a TensorFlow graph.
@@ -73,6 +74,13 @@ impl TfModel {
     /// [`kiln_core::backend::Backend::manual_seed`] for reproducible weights). Starts in
     /// training mode. TensorFlow runs on the CPU only here: other devices are
     /// [`Error::DeviceUnavailable`].
+    ///
+    /// A [`Layer::SavedModel`] layer loads its SavedModel now: its signature's
+    /// graph is imported into the model's graph as a frozen feature extractor
+    /// and its variables are restored from the SavedModel's checkpoint; they are
+    /// not the model's (not in the state dict, never trained). Its
+    /// `output_shape` is filled in from the signature where that knows it
+    /// ([`spec`](Self::spec) returns the definition with it).
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         crate::backend::check_device(device)?;
         spec.validate()?;
@@ -85,6 +93,8 @@ impl TfModel {
                 layer.path.display()
             )));
         }
+        let (saved_models, spec) = SavedModelLayers::load(spec)?;
+        let spec = &spec;
         let specs = spec.parameter_specs("")?;
         let mut engine = Engine::new();
         engine.custom_ops = CustomOps::resolve(spec)?;
@@ -96,6 +106,10 @@ impl TfModel {
         let refs: Vec<&Var> = vars.iter().collect();
         let value_refs: Vec<&HostTensor> = values.iter().collect();
         engine.write_vars(&refs, &value_refs)?;
+        if !saved_models.is_empty() {
+            saved_models.restore(&mut engine)?;
+            engine.saved_models = saved_models;
+        }
         Ok(TfModel {
             spec: spec.clone(),
             mode: Mode::Train,

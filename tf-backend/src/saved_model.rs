@@ -2,6 +2,7 @@
 //! training signature, and write the trained variables back. See [`SavedModel`].
 
 mod files;
+mod layer;
 mod module;
 mod object_graph;
 mod saver_def;
@@ -21,6 +22,8 @@ use tensorflow::{Graph, Operation, SavedModelBundle, Session, SessionRunArgs, Te
 use crate::convert::{from_tf, TfTensor};
 use crate::error::tf_error;
 use crate::graph::Builder;
+pub use layer::resolve_saved_model_shapes;
+pub(crate) use layer::SavedModelLayers;
 pub use module::{SavedModelModule, SavedModelModuleBuilder, SignatureOptimizer, VariableRole};
 use object_graph::ObjectGraph;
 use saver_def::SaverDef;
@@ -37,6 +40,9 @@ const SERVE_TAG: &str = "serve";
 /// Signature keys TensorFlow uses for its own purposes (`__saved_model_init_op`,
 /// `__saved_model_train_op`): they name an operation to run, not a function.
 const INTERNAL_SIGNATURE_PREFIX: &str = "__saved_model_";
+
+/// The signature key under which TensorFlow 2 exports name their init op.
+const INIT_OP_SIGNATURE: &str = "__saved_model_init_op";
 
 /// The output [`SavedModel::train_step`] reads when a signature has several.
 const LOSS_OUTPUT: &str = "loss";
@@ -147,6 +153,12 @@ pub struct SavedModel {
     graph: Mutex<Builder>,
     /// What the object graph says about the variables.
     objects: ObjectGraph,
+    /// The serialized GraphDef of the loaded MetaGraph (with its function
+    /// library), for importing into another graph (a `saved_model` layer).
+    graph_def: Vec<u8>,
+    /// The op that initializes what the checkpoint does not hold (tables), from
+    /// the `__saved_model_init_op` entry, when there is one.
+    init_op: Option<String>,
 }
 
 impl fmt::Debug for SavedModel {
@@ -201,7 +213,15 @@ impl SavedModel {
         let raw_meta_graph = std::mem::take(&mut bundle.meta_graph_def);
 
         let mut signatures = BTreeMap::new();
+        let mut init_op = None;
         for (name, def) in bundle.meta_graph_def().signatures() {
+            if name == INIT_OP_SIGNATURE {
+                init_op = def
+                    .outputs()
+                    .values()
+                    .next()
+                    .map(|info| info.name().name.clone());
+            }
             if name.starts_with(INTERNAL_SIGNATURE_PREFIX) {
                 log::debug!("SavedModel {}: skipping `{name}`", dir.display());
                 continue;
@@ -249,6 +269,16 @@ impl SavedModel {
                 ))
             }
         };
+        let graph_def = match saver_def::graph_def(&raw_meta_graph) {
+            Ok(bytes) => bytes.to_vec(),
+            Err(e) => {
+                return Err(Error::backend_with_source(
+                    "tensorflow",
+                    format!("reading the GraphDef of the SavedModel {}", dir.display()),
+                    e,
+                ))
+            }
+        };
         let objects = object_graph::object_graph(&raw_meta_graph).unwrap_or_else(|e| {
             log::debug!(
                 "SavedModel {}: cannot read its object graph ({e}); variables are classified \
@@ -276,6 +306,8 @@ impl SavedModel {
             saver,
             graph: Mutex::new(Builder::over(graph, KILN_SCOPE)),
             objects,
+            graph_def,
+            init_op,
         })
     }
 

@@ -414,10 +414,11 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
         });
     }
     spec.output_shape(model.batch_dims)?;
-    let expected = if matches!(first_layer(spec), Some(Layer::Embedding(_))) {
-        DType::I64
-    } else {
-        DType::F32
+    let expected = match first_layer(spec) {
+        Some(Layer::Embedding(_)) => DType::I64,
+        // Checked against its signature's input when the layer is imported.
+        Some(Layer::SavedModel(_)) => return Ok(()),
+        _ => DType::F32,
     };
     if input.dtype != expected {
         return Err(Error::DTypeMismatch {
@@ -465,6 +466,7 @@ fn compose_forward(
     let mut ctx = Ctx {
         b: &mut engine.b,
         custom_ops: &engine.custom_ops,
+        saved_models: &engine.saved_models,
         reads: HashMap::new(),
         handles: &handles,
         train,

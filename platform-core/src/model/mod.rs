@@ -25,7 +25,7 @@ pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity
 pub use layers::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
     CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
-    LayerNormConfig, LinearConfig, Pool2dConfig, TorchScriptConfig,
+    LayerNormConfig, LinearConfig, Pool2dConfig, SavedModelLayerConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 
@@ -182,6 +182,9 @@ pub enum Layer {
     /// only; see [`TorchScriptConfig`].
     #[serde(rename = "torchscript")]
     TorchScript(TorchScriptConfig),
+    /// A SavedModel signature as a frozen feature extractor, TensorFlow
+    /// backend only; see [`SavedModelLayerConfig`].
+    SavedModel(SavedModelLayerConfig),
 }
 
 /// Whether a [`ParamSpec`] is trained or only saved.
@@ -245,6 +248,7 @@ macro_rules! with_spec {
             Residual { block } => &structure::Residual(block),
             Custom(c) => c,
             TorchScript(c) => c,
+            SavedModel(c) => c,
         )
     };
     (@table $layer:expr, $kind:ident, $spec:ident, $body:expr;
@@ -432,6 +436,17 @@ impl Layer {
         out
     }
 
+    /// The [`SavedModel`](Layer::SavedModel) layers of the tree with their paths.
+    pub fn saved_model_layers(&self) -> Vec<(String, &SavedModelLayerConfig)> {
+        self.layers()
+            .into_iter()
+            .filter_map(|(path, layer)| match layer {
+                Layer::SavedModel(c) => Some((path, c)),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn collect_specs(&self, path: &str, out: &mut Vec<ParamSpec>) -> Result<()> {
         self.validate_own(path)?;
         with_spec!(self, |kind, spec| spec.param_specs(&mut Params {
@@ -465,6 +480,7 @@ layer_from_config! {
     AttentionConfig => MultiHeadSelfAttention,
     CustomConfig => Custom,
     TorchScriptConfig => TorchScript,
+    SavedModelLayerConfig => SavedModel,
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ mod embedding;
 mod linear;
 mod norm;
 mod pool;
+mod saved_model;
 mod structure;
 
 use std::collections::HashMap;
@@ -25,6 +26,7 @@ use tensorflow::{DataType, Operation, Output};
 
 use crate::custom_layer::CustomOps;
 use crate::graph::Builder;
+use crate::saved_model::SavedModelLayers;
 
 /// A value flowing through the graph: the tensor, its logical per-sample
 /// dimensions (PyTorch order, batch excluded) and whether a 4-d tensor is
@@ -41,6 +43,8 @@ pub(crate) struct Ctx<'a> {
     pub(crate) b: &'a mut Builder,
     /// The model's custom-layer functions.
     pub(crate) custom_ops: &'a CustomOps,
+    /// The model's `saved_model` layers.
+    pub(crate) saved_models: &'a SavedModelLayers,
     /// Reads of each variable by state-dict name, created once per forward graph.
     pub(crate) reads: HashMap<String, Output>,
     /// Variable handles by state-dict name, with their dtype.
@@ -101,7 +105,7 @@ enum Built {
 type Build = fn(&mut Ctx<'_>, &Layer, &str, Val) -> Result<Built>;
 
 /// Every family's [`Build`].
-const FAMILIES: [Build; 10] = [
+const FAMILIES: [Build; 11] = [
     linear::build,
     conv::build,
     pool::build,
@@ -112,6 +116,7 @@ const FAMILIES: [Build; 10] = [
     activation::build,
     attention::build,
     custom::build,
+    saved_model::build,
 ];
 
 fn join(prefix: &str, name: &str) -> String {

@@ -1,8 +1,9 @@
-//! The `SaverDef` of a loaded MetaGraphDef, read from its serialized bytes.
+//! The `SaverDef` and the `GraphDef` of a loaded MetaGraphDef, read from its
+//! serialized bytes.
 //!
 //! The `tensorflow` crate decodes only the signatures of a MetaGraphDef and keeps its
-//! generated protobuf types private, so the three strings Kiln needs are read here
-//! with a minimal protobuf wire-format walker (no schema, no dependency).
+//! generated protobuf types private, so the three strings and the graph Kiln needs
+//! are read here with a minimal protobuf wire-format walker (no schema, no dependency).
 
 use std::fmt;
 
@@ -85,6 +86,22 @@ pub(crate) fn saver_def(meta_graph_def: &[u8]) -> Result<Option<SaverDef>, WireE
         (present && !saver.save_tensor.is_empty() && !saver.filename_tensor.is_empty())
             .then_some(saver),
     )
+}
+
+/// `MetaGraphDef.graph_def`.
+const META_GRAPH_GRAPH_DEF: u64 = 2;
+
+/// The serialized `GraphDef` (nodes and function library) of a serialized
+/// MetaGraphDef; empty when it has none.
+pub(crate) fn graph_def(meta_graph_def: &[u8]) -> Result<&[u8], WireError> {
+    let mut found: &[u8] = &[];
+    for field in Fields::new(meta_graph_def) {
+        if let (META_GRAPH_GRAPH_DEF, Value::Bytes(bytes)) = field? {
+            // A singular message split in pieces is rare; TensorFlow never writes one.
+            found = bytes;
+        }
+    }
+    Ok(found)
 }
 
 /// `SavedModel.meta_graphs` (tensorflow/core/protobuf/saved_model.proto).
@@ -237,6 +254,13 @@ mod tests {
         assert_eq!(saver_def(&[(2 << 3) | 2, 1, 0]), Ok(None));
         let only_restore = string_field(3, "restore_all");
         assert_eq!(saver_def(&meta_graph(&only_restore)), Ok(None));
+    }
+
+    #[test]
+    fn reads_the_graph_def() {
+        let bytes = meta_graph(&string_field(1, "saver_filename:0"));
+        assert_eq!(graph_def(&bytes), Ok(&[1u8, 2, 3][..]));
+        assert_eq!(graph_def(&string_field(3, "no graph")), Ok(&[][..]));
     }
 
     #[test]

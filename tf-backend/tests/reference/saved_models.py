@@ -4,6 +4,7 @@ Usage:
     python saved_models.py export OUT_DIR
     python saved_models.py serve MODEL_DIR INPUT.json OUT.json
     python saved_models.py train MODEL_DIR BATCHES.json OUT.json
+    python saved_models.py features OUT_DIR
 
 `export` writes into OUT_DIR:
 
@@ -28,6 +29,18 @@ Usage:
                     The losses and trained_output come from an identical copy of the
                     model (same seed, checked equal) trained eagerly in Python with
                     its own Adam: the exported graph is not used for the reference.
+
+`features` writes into OUT_DIR (for the `saved_model` layer tests):
+
+    features/       the `mlp` model (same seed and weights) exported with
+                    keras.export.ExportArchive; endpoints:
+                      features(x: float32[?, 8]) -> output_0: float32[?, 16] (the
+                        hidden layer's ReLU activations)
+                      serve(x: float32[?, 8]) -> output_0: float32[?, 3] (the logits)
+                      unsized(x: float32[?, 8]) -> output_0: float32[?, ?] (the
+                        features again, through a reshape of unknown static shape)
+    features_reseeded/  the same export from another seed: other weights under the
+                    same variable names.
 
 `serve` loads MODEL_DIR with tf.saved_model.load and writes to OUT.json
 {"serve": T, "serving_default": T, "iterations": int or null}: the (only) output of
@@ -204,6 +217,29 @@ def export(out_dir):
         json.dump(reference, f)
 
 
+def export_features(path, seed=SEED):
+    model, _ = build_model()
+    if seed != SEED:
+        rng = np.random.default_rng(seed)
+        for v in model.weights:
+            v.assign(rng.standard_normal(v.shape).astype(np.float32))
+    hidden = model.get_layer("hidden")
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    spec = [tf.TensorSpec([None, 8], tf.float32, name="x")]
+    archive.add_endpoint(name="features", fn=lambda x: hidden(x), input_signature=spec)
+    archive.add_endpoint(
+        name="serve", fn=lambda x: model(x, training=False), input_signature=spec
+    )
+    # The same features through a reshape TensorFlow cannot size statically.
+    archive.add_endpoint(
+        name="unsized",
+        fn=lambda x: tf.reshape(hidden(x), tf.stack([tf.shape(x)[0], -1])),
+        input_signature=spec,
+    )
+    archive.write_out(path, verbose=False)
+
+
 def serve(model_dir, input_path, out_path):
     loaded = tf.saved_model.load(model_dir)
     with open(input_path) as f:
@@ -252,6 +288,9 @@ def main():
         export(sys.argv[2])
     elif command == "serve" and len(sys.argv) == 5:
         serve(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif command == "features" and len(sys.argv) == 3:
+        export_features(os.path.join(sys.argv[2], "features"))
+        export_features(os.path.join(sys.argv[2], "features_reseeded"), seed=SEED + 1)
     elif command == "train" and len(sys.argv) == 5:
         train(sys.argv[2], sys.argv[3], sys.argv[4])
     else:

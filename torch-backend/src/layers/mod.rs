@@ -90,6 +90,19 @@ const FAMILIES: [Build; 10] = [
 
 /// Builds the node of `layer`, a layer without children, at `at.prefix`.
 pub(crate) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Box<dyn Forward>> {
+    if let Layer::SavedModel(config) = layer {
+        return Err(Error::unsupported(format!(
+            "the saved_model layer `{}` ({}) on the torch backend: a SavedModel's graph \
+             runs on TensorFlow; train this model with the TensorFlow backend \
+             (backend = \"tensorflow\")",
+            if at.prefix.is_empty() {
+                "(root)"
+            } else {
+                at.prefix
+            },
+            config.path.display()
+        )));
+    }
     for build in FAMILIES {
         if let Some(node) = build(layer, at)? {
             return Ok(node);

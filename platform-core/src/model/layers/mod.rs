@@ -23,6 +23,7 @@ pub(super) mod embedding;
 pub(super) mod linear;
 pub(super) mod norm;
 pub(super) mod pool;
+pub(super) mod saved_model;
 pub(super) mod structure;
 pub(super) mod torchscript;
 
@@ -36,6 +37,7 @@ pub use embedding::EmbeddingConfig;
 pub use linear::LinearConfig;
 pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig};
 pub use pool::Pool2dConfig;
+pub use saved_model::SavedModelLayerConfig;
 pub use torchscript::TorchScriptConfig;
 
 pub(super) use context::{join, FieldCheck, Params, ShapeCheck};

@@ -17,7 +17,7 @@ fn yes() -> bool {
 /// A TorchScript model as a layer: `{ type = "torchscript", path = "backbone.pt" }`.
 ///
 /// Its output shape is found by running it once: the torch backend fills
-/// [`output_shape`](Self::output_shape) in from the data's input shape
+/// `output_shape` in from the data's input shape
 /// (`kiln_torch::resolve_torchscript_shapes`), and a checkpoint records it.
 /// Until then, shape inference through this layer is
 /// [`Error::Unsupported`](crate::Error::Unsupported) saying so.

@@ -1,0 +1,640 @@
+//! `saved_model` layers ([`Layer::SavedModel`]): one signature of a SavedModel
+//! imported into a [`TfModel`](crate::TfModel)'s graph as a frozen feature
+//! extractor.
+//!
+//! The SavedModel's GraphDef (its nodes and its function library) is imported
+//! with `TF_GraphImportGraphDef` under a fresh name prefix, the signature's input
+//! placeholder mapped to the tensor reaching the layer, and a `StopGradient` put
+//! after the signature's output. Each compiled program (one per input shape and
+//! mode) imports it again; the imports share the SavedModel's variables, since a
+//! `VarHandleOp` names its resource by its `shared_name` attribute, which a name
+//! prefix leaves as it is. Those variables are filled once, when the model is
+//! built, by one more import whose saver restore op (`SaverDef.restore_op_name`,
+//! fed `<dir>/variables/variables`) is run.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kiln_core::{
+    model::{Layer, SavedModelLayerConfig},
+    DType, Error, HostTensor, Result,
+};
+use tensorflow::{DataType, Graph, ImportGraphDefOptions, Output};
+
+use super::{SavedModel, SignatureInfo, TensorSpec};
+use crate::engine::{tf_dtype, Engine};
+use crate::error::tf_error;
+use crate::graph::Builder;
+
+/// The checkpoint prefix of a SavedModel's variables, inside its directory.
+const VARIABLES_PREFIX: &str = "variables/variables";
+
+/// One `saved_model` layer: the signature's tensors and the graph to import.
+struct Frozen {
+    /// The SavedModel directory as the layer names it.
+    dir: PathBuf,
+    signature: String,
+    input: TensorSpec,
+    output: TensorSpec,
+    graph_def: Arc<[u8]>,
+}
+
+/// What restores one SavedModel's variables in a model's session.
+struct Restore {
+    /// The directory, canonical (one restore per SavedModel, however many layers use it).
+    dir: PathBuf,
+    graph_def: Arc<[u8]>,
+    /// `SaverDef.filename_tensor_name` and `restore_op_name`, when it has a saver.
+    saver: Option<(String, String)>,
+    init_op: Option<String>,
+}
+
+/// The `saved_model` layers of a model, by layer path, loaded when it is built.
+#[derive(Default)]
+pub(crate) struct SavedModelLayers {
+    layers: HashMap<String, Frozen>,
+    restores: Vec<Restore>,
+}
+
+impl fmt::Debug for SavedModelLayers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut map = f.debug_map();
+        for (path, layer) in &self.layers {
+            map.entry(
+                path,
+                &format_args!("{} ({})", layer.dir.display(), layer.signature),
+            );
+        }
+        map.finish()
+    }
+}
+
+/// `(root)` for the root layer's empty path.
+fn shown(path: &str) -> &str {
+    if path.is_empty() {
+        "(root)"
+    } else {
+        path
+    }
+}
+
+/// The signature's tensor the layer uses: `chosen` by name, or the only one.
+/// `field` is `input` or `output`.
+fn pick<'a>(
+    specs: &'a [TensorSpec],
+    chosen: Option<&str>,
+    field: &str,
+    info: &SignatureInfo,
+    at: &str,
+) -> Result<&'a TensorSpec> {
+    let names = || {
+        specs
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    match (chosen, specs) {
+        (Some(name), _) => specs.iter().find(|s| s.name == name).ok_or_else(|| {
+            Error::invalid_argument(
+                format!("{}.{field}", shown(at)),
+                format!(
+                    "signature `{}` has no {field} `{name}`; its {field}s: {}",
+                    info.name,
+                    names()
+                ),
+            )
+        }),
+        (None, [only]) => Ok(only),
+        (None, _) => Err(Error::invalid_argument(
+            format!("{}.{field}", shown(at)),
+            format!(
+                "signature `{}` has {} {field}s ({}); name the one to use as `{field}`",
+                info.name,
+                specs.len(),
+                names()
+            ),
+        )),
+    }
+}
+
+/// The per-example dims of `spec`'s shape when every one is known and the
+/// first dimension is a batch.
+fn known_example_dims(spec: &TensorSpec) -> Option<Vec<usize>> {
+    let shape = spec.shape.as_ref()?;
+    let (_batch, rest) = shape.split_first()?;
+    rest.iter().copied().collect()
+}
+
+/// Checks an example shape (batch excluded) and dtype against the signature input.
+fn check_input(
+    at: &str,
+    config: &SavedModelLayerConfig,
+    input: &TensorSpec,
+    example: &[usize],
+    dtype: Option<DType>,
+) -> Result<()> {
+    let context = || {
+        format!(
+            "{} (SavedModel {}, signature `{}`): input `{}`",
+            shown(at),
+            config.path.display(),
+            config.signature,
+            input.name
+        )
+    };
+    let mut dims = vec![1];
+    dims.extend_from_slice(example);
+    let batch_free = input
+        .shape
+        .as_ref()
+        .is_none_or(|s| s.first().is_some_and(Option::is_none));
+    if !batch_free || !input.accepts(&dims) {
+        return Err(Error::ShapeMismatch {
+            context: context(),
+            expected: format!("{} (batch first, of any size)", input.shape_string()),
+            actual: format!(
+                "[batch, {}]",
+                example
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        });
+    }
+    if let (Some(actual), Some(expected)) = (dtype, input.dtype.kiln()) {
+        if actual != expected {
+            return Err(Error::DTypeMismatch {
+                context: context(),
+                expected,
+                actual,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the SavedModel of `config` and picks its signature's input and output.
+fn open(at: &str, config: &SavedModelLayerConfig) -> Result<(SavedModel, TensorSpec, TensorSpec)> {
+    let model = SavedModel::load(&config.path)?;
+    let info = model.signature(&config.signature)?;
+    let input = pick(&info.inputs, config.input.as_deref(), "input", info, at)?.clone();
+    let output = pick(&info.outputs, config.output.as_deref(), "output", info, at)?.clone();
+    if info.inputs.len() > 1 {
+        return Err(Error::unsupported(format!(
+            "the saved_model layer `{}`: signature `{}` of {} takes {} inputs ({}); a layer \
+             feeds one tensor, so export a signature of one input",
+            shown(at),
+            info.name,
+            config.path.display(),
+            info.inputs.len(),
+            info.inputs
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )));
+    }
+    if input.dtype.kiln().is_none() {
+        return Err(Error::unsupported(format!(
+            "the saved_model layer `{}`: input `{}` of signature `{}` has dtype {}, which \
+             Kiln cannot feed",
+            shown(at),
+            input.name,
+            info.name,
+            input.dtype
+        )));
+    }
+    if output.dtype.kiln() != Some(DType::F32) {
+        return Err(Error::unsupported(format!(
+            "the saved_model layer `{}`: output `{}` of signature `{}` has dtype {}; layers \
+             pass float32 activations on",
+            shown(at),
+            output.name,
+            info.name,
+            output.dtype
+        )));
+    }
+    Ok((model, input, output))
+}
+
+impl SavedModelLayers {
+    /// Loads every `saved_model` layer of `spec` (missing directory: [`Error::Io`];
+    /// unknown signature, input or output: [`Error::InvalidArgument`]) and returns
+    /// them with `spec`, each layer's `output_shape` filled in from its signature
+    /// where that knows it. A given `output_shape` that the signature contradicts
+    /// is [`Error::ShapeMismatch`].
+    pub(crate) fn load(spec: &Layer) -> Result<(Self, Layer)> {
+        let mut resolved = spec.clone();
+        let mut out = Self::default();
+        let mut seen: BTreeMap<PathBuf, usize> = BTreeMap::new();
+        for (path, config) in saved_model_layers_mut(&mut resolved) {
+            let (model, input, output) = open(&path, config)?;
+            if let Some(dims) = known_example_dims(&output) {
+                match &config.output_shape {
+                    Some(given) if *given != dims => {
+                        return Err(Error::ShapeMismatch {
+                            context: format!(
+                                "{}.output_shape (SavedModel {}, signature `{}`, output `{}`)",
+                                shown(&path),
+                                config.path.display(),
+                                config.signature,
+                                output.name
+                            ),
+                            expected: output.shape_string(),
+                            actual: format!("{given:?}"),
+                        })
+                    }
+                    _ => config.output_shape = Some(dims),
+                }
+            }
+            let canonical = config
+                .path
+                .canonicalize()
+                .map_err(|e| Error::io(&config.path, e))?;
+            let graph_def: Arc<[u8]> = match seen.get(&canonical) {
+                Some(&i) => Arc::clone(&out.restores[i].graph_def),
+                None => {
+                    let graph_def: Arc<[u8]> = Arc::from(model.graph_def.as_slice());
+                    seen.insert(canonical.clone(), out.restores.len());
+                    out.restores.push(Restore {
+                        dir: canonical,
+                        graph_def: Arc::clone(&graph_def),
+                        saver: model
+                            .saver
+                            .as_ref()
+                            .map(|s| (s.def.filename_tensor.clone(), s.def.restore_op.clone())),
+                        init_op: model.init_op.clone(),
+                    });
+                    graph_def
+                }
+            };
+            log::info!(
+                "saved_model layer `{}`: {} signature `{}` ({} -> {}), frozen",
+                shown(&path),
+                config.path.display(),
+                config.signature,
+                input,
+                output
+            );
+            out.layers.insert(
+                path,
+                Frozen {
+                    dir: config.path.clone(),
+                    signature: config.signature.clone(),
+                    input,
+                    output,
+                    graph_def,
+                },
+            );
+        }
+        Ok((out, resolved))
+    }
+
+    /// Whether the model has no `saved_model` layer.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// Imports each SavedModel once into `engine`'s graph and restores its
+    /// variables from its checkpoint, then runs its init op. Two SavedModels (or
+    /// a SavedModel and the model itself) naming a variable alike would share it:
+    /// that is [`Error::Unsupported`].
+    pub(crate) fn restore(&self, engine: &mut Engine) -> Result<()> {
+        for restore in &self.restores {
+            let taken = shared_names(&engine.b.graph, None)?;
+            let prefix = engine.b.name("saved_model_restore");
+            let context = format!(
+                "importing the graph of the SavedModel {} into the model's graph",
+                restore.dir.display()
+            );
+            let mut options = ImportGraphDefOptions::new();
+            options.set_prefix(&prefix).map_err(|e| nul(&context, e))?;
+            engine
+                .b
+                .graph
+                .import_graph_def(&restore.graph_def, &options)
+                .map_err(|s| tf_error(&context, s))?;
+            let imported = shared_names(&engine.b.graph, Some(&prefix))?;
+            if let Some(name) = imported.into_iter().find(|name| taken.contains(name)) {
+                return Err(Error::unsupported(format!(
+                    "the SavedModel {} names a variable `{name}`, as a SavedModel imported \
+                     before it (or the model itself) does; TensorFlow would make them one \
+                     variable. Use one of the two SavedModels, or re-export one with other \
+                     variable names",
+                    restore.dir.display()
+                )));
+            }
+            match &restore.saver {
+                Some((filename, restore_op)) => {
+                    let checkpoint = restore.dir.join(VARIABLES_PREFIX);
+                    let Some(checkpoint) = checkpoint.to_str() else {
+                        return Err(Error::invalid_argument(
+                            "path",
+                            format!(
+                                "{} is not valid UTF-8, which TensorFlow needs for a \
+                                 checkpoint path",
+                                checkpoint.display()
+                            ),
+                        ));
+                    };
+                    let feed = port(&engine.b.graph, &prefix, filename)?;
+                    let (op, _) = split(restore_op);
+                    let target = port(&engine.b.graph, &prefix, op)?;
+                    engine.run_with_string(
+                        &feed,
+                        checkpoint,
+                        &[&target.operation],
+                        &format!(
+                            "restoring the variables of the SavedModel {} from {checkpoint}",
+                            restore.dir.display()
+                        ),
+                    )?;
+                }
+                None => log::debug!(
+                    "SavedModel {}: no saver, so no variables to restore",
+                    restore.dir.display()
+                ),
+            }
+            if let Some(init) = &restore.init_op {
+                let (op, _) = split(init);
+                let target = port(&engine.b.graph, &prefix, op)?;
+                engine.run(
+                    &[],
+                    &[],
+                    &[&target.operation],
+                    &format!(
+                        "running the init op of the SavedModel {}",
+                        restore.dir.display()
+                    ),
+                )?;
+            }
+            log::debug!(
+                "restored the variables of the SavedModel {} (import `{prefix}`)",
+                restore.dir.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// Imports the layer at `path` on `x` (per-example dims `dims`) into `b`'s
+    /// graph and returns its output, after a `StopGradient`.
+    pub(crate) fn import(
+        &self,
+        b: &mut Builder,
+        path: &str,
+        config: &SavedModelLayerConfig,
+        x: &Output,
+        dims: &[i64],
+    ) -> Result<Output> {
+        let layer = self.layers.get(path).ok_or_else(|| {
+            Error::backend(
+                "tensorflow",
+                "building a saved_model layer",
+                format!("the layer `{}` was not loaded", shown(path)),
+            )
+        })?;
+        let example: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
+        let dtype = kiln_dtype(x.operation.output_type(x.index as usize));
+        check_input(path, config, &layer.input, &example, dtype)?;
+
+        let prefix = b.name("saved_model");
+        let context = format!(
+            "importing signature `{}` of the SavedModel {} as the layer `{}`",
+            layer.signature,
+            layer.dir.display(),
+            shown(path)
+        );
+        let mut options = ImportGraphDefOptions::new();
+        options.set_prefix(&prefix).map_err(|e| nul(&context, e))?;
+        let (input, input_index) = split(&layer.input.tensor);
+        options
+            .add_input_mapping(input, input_index as usize, x)
+            .map_err(|e| nul(&context, e))?;
+        let (output, output_index) = split(&layer.output.tensor);
+        options
+            .add_return_output(output, output_index as usize)
+            .map_err(|e| nul(&context, e))?;
+        let outputs = b
+            .graph
+            .import_graph_def_with_return_outputs(&layer.graph_def, &options)
+            .map_err(|s| tf_error(&context, s))?;
+        let y = outputs
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::backend("tensorflow", context.clone(), "no output came back"))?;
+        // Frozen: no gradient reaches the SavedModel's graph, or the layers before it.
+        b.stop_gradient(&y)
+    }
+}
+
+/// The [`Layer::SavedModel`] layers of `spec` with their paths, mutable.
+fn saved_model_layers_mut(spec: &mut Layer) -> Vec<(String, &mut SavedModelLayerConfig)> {
+    fn walk<'a>(
+        layer: &'a mut Layer,
+        path: String,
+        out: &mut Vec<(String, &'a mut SavedModelLayerConfig)>,
+    ) {
+        let join = |name: &str| {
+            if path.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{path}.{name}")
+            }
+        };
+        match layer {
+            Layer::Sequential { layers } => {
+                for (i, child) in layers.iter_mut().enumerate() {
+                    walk(child, join(&i.to_string()), out);
+                }
+            }
+            Layer::Residual { block } => walk(block, join("block"), out),
+            Layer::SavedModel(c) => out.push((path, c)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    walk(spec, String::new(), &mut out);
+    out
+}
+
+/// The `shared_name`s of the graph's `VarHandleOp`s (those imported under
+/// `prefix/` when given).
+///
+/// Every import of a SavedModel reaches the variables the restore filled only
+/// through these names: an imported handle without one is
+/// [`Error::Unsupported`] (TensorFlow 2's exporter always writes one).
+fn shared_names(graph: &Graph, prefix: Option<&str>) -> Result<HashSet<String>> {
+    let mut names = HashSet::new();
+    for op in graph.operation_iter() {
+        if !op.op_type().is_ok_and(|t| t == "VarHandleOp") {
+            continue;
+        }
+        let name = op.name().unwrap_or_default();
+        let imported = prefix.is_some_and(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('/'))
+        });
+        if prefix.is_some() && !imported {
+            continue;
+        }
+        match op.get_attr_string("shared_name") {
+            Ok(shared) if !shared.is_empty() => {
+                names.insert(shared);
+            }
+            _ if imported => {
+                return Err(Error::unsupported(format!(
+                    "the SavedModel variable `{name}` has no shared_name, so the copies of \
+                     the SavedModel's graph in the model's programs could not reach the \
+                     values restored into it; re-export it with TensorFlow 2 \
+                     (`tf.saved_model.save` or Keras's `model.export`)"
+                )))
+            }
+            _ => {
+                names.insert(name);
+            }
+        }
+    }
+    Ok(names)
+}
+
+/// `op:index` as `(op, index)`; a bare name is output 0.
+fn split(name: &str) -> (&str, i32) {
+    match name.rsplit_once(':') {
+        Some((op, index)) => match index.parse() {
+            Ok(index) => (op, index),
+            Err(_) => (name, 0),
+        },
+        None => (name, 0),
+    }
+}
+
+/// The imported tensor `prefix/name`.
+fn port(graph: &Graph, prefix: &str, name: &str) -> Result<Output> {
+    let (op, index) = split(name);
+    let full = format!("{prefix}/{op}");
+    let operation = graph
+        .operation_by_name_required(&full)
+        .map_err(|s| tf_error(&format!("finding `{full}` in the imported SavedModel"), s))?;
+    Ok(Output { operation, index })
+}
+
+fn nul(context: &str, e: std::ffi::NulError) -> Error {
+    Error::invalid_argument("name", format!("{context}: a name holds a NUL byte ({e})"))
+}
+
+fn kiln_dtype(dtype: DataType) -> Option<DType> {
+    [DType::F32, DType::F64, DType::I32, DType::I64, DType::U8]
+        .into_iter()
+        .find(|d| tf_dtype(*d).is_ok_and(|t| t == dtype))
+}
+
+/// `spec` with the output shape of each of its [`Layer::SavedModel`] layers
+/// filled in (where not given): read from the signature's output spec, or, when
+/// that leaves a dimension unknown, found by running the signature once on zeros
+/// of one example. `example_shape` is the shape of one example of the model's
+/// input (without the batch dimension) and `dtype` its dtype; the shape reaching
+/// a `saved_model` layer comes from the layers before it, and is checked against
+/// the signature's input ([`Error::ShapeMismatch`], [`Error::DTypeMismatch`]).
+/// A model without `saved_model` layers comes back unchanged.
+///
+/// ```no_run
+/// use kiln_core::model::{Layer, LinearConfig, SavedModelLayerConfig};
+/// use kiln_core::DType;
+///
+/// let spec = Layer::sequential([
+///     SavedModelLayerConfig::new("exported/mlp").with_signature("features").into(),
+///     LinearConfig::new(16, 2).into(),
+/// ]);
+/// let resolved = kiln_tf::resolve_saved_model_shapes(&spec, &[8], DType::F32)?;
+/// assert_eq!(resolved.output_shape(&[32, 8])?, vec![32, 2]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn resolve_saved_model_shapes(
+    spec: &Layer,
+    example_shape: &[usize],
+    dtype: DType,
+) -> Result<Layer> {
+    let mut resolved = spec.clone();
+    if resolved.saved_model_layers().is_empty() {
+        return Ok(resolved);
+    }
+    resolved.validate()?;
+    let mut input = vec![1];
+    input.extend_from_slice(example_shape);
+    resolve_shapes(&mut resolved, "", input, dtype)?;
+    Ok(resolved)
+}
+
+fn resolve_shapes(
+    layer: &mut Layer,
+    path: &str,
+    input: Vec<usize>,
+    dtype: DType,
+) -> Result<Vec<usize>> {
+    let join = |name: &str| {
+        if path.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{path}.{name}")
+        }
+    };
+    match layer {
+        Layer::Sequential { layers } => {
+            let mut shape = input;
+            let mut dtype = dtype;
+            for (i, child) in layers.iter_mut().enumerate() {
+                shape = resolve_shapes(child, &join(&i.to_string()), shape, dtype)?;
+                dtype = DType::F32;
+            }
+            Ok(shape)
+        }
+        Layer::Residual { block } => {
+            let out = resolve_shapes(block, &join("block"), input.clone(), dtype)?;
+            if out != input {
+                return Err(Error::ShapeMismatch {
+                    context: format!("{} (Residual)", shown(path)),
+                    expected: format!("the block to keep its input's shape {input:?}"),
+                    actual: format!("{out:?}"),
+                });
+            }
+            Ok(input)
+        }
+        Layer::SavedModel(config) => {
+            let example = input.get(1..).unwrap_or_default().to_vec();
+            if config.output_shape.is_none() {
+                let (model, spec_in, spec_out) = open(path, config)?;
+                check_input(path, config, &spec_in, &example, Some(dtype))?;
+                let dims = match known_example_dims(&spec_out) {
+                    Some(dims) => dims,
+                    None => {
+                        let mut dims = vec![1];
+                        dims.extend_from_slice(&example);
+                        let n = dims.iter().product();
+                        let zeros = HostTensor::new(vec![0f64; n], dims)?.to_dtype(dtype);
+                        let outputs =
+                            model.run(&config.signature, &[(spec_in.name.as_str(), &zeros)])?;
+                        let out = outputs.get(&spec_out.name).ok_or_else(|| {
+                            Error::backend(
+                                "tensorflow",
+                                format!("running signature `{}` once", config.signature),
+                                format!("output `{}` was not fetched", spec_out.name),
+                            )
+                        })?;
+                        out.dims().get(1..).unwrap_or_default().to_vec()
+                    }
+                };
+                log::debug!(
+                    "saved_model layer `{}`: output shape [batch, {dims:?}]",
+                    shown(path)
+                );
+                config.output_shape = Some(dims);
+            }
+            layer.output_shape(&input)
+        }
+        other => other.output_shape(&input),
+    }
+}
