@@ -318,3 +318,111 @@ fn a_frozen_backbone_stays_bit_for_bit_and_bad_configs_are_refused() {
     );
     refused(&missing, &[], &["no/such/backbone.pt"]);
 }
+
+/// The TensorFlow counterpart: a SavedModel's signature as a frozen feature
+/// extractor (`type = "saved_model"`) under a new head, through the CLI.
+#[test]
+fn a_saved_model_feature_extractor_trains_a_new_head_on_tensorflow() {
+    let _serial = serial();
+    let Some(python) = kiln_testkit::python("a_saved_model_feature_extractor_through_the_cli")
+    else {
+        return;
+    };
+    let dir = scratch("finetune-saved-model");
+    let script =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tf-backend/tests/reference/saved_models.py");
+    kiln_testkit::run_reference(&python, &script, &[Path::new("features"), &dir]);
+    // 240 rows of 8 features; the class is the largest of three sums.
+    let mut csv = String::from("a,b,c,d,e,f,g,h,label\n");
+    for i in 0..240u32 {
+        let x: Vec<f32> = (0..8)
+            .map(|j| (((i * 37 + j * 11) % 29) as f32 / 14.0) - 1.0)
+            .collect();
+        let sums = [x[0] + x[1] + x[2], x[3] + x[4] + x[5], x[6] + x[7] - x[0]];
+        let label = (0..3).fold(0, |best, k| if sums[k] > sums[best] { k } else { best });
+        let row: Vec<String> = x.iter().map(|v| v.to_string()).collect();
+        csv.push_str(&format!("{},{label}\n", row.join(",")));
+    }
+    let data = dir.join("rows.csv");
+    std::fs::write(&data, csv).unwrap();
+    let text = format!(
+        r#"
+seed = 1
+backend = "tensorflow"
+output_dir = "{out}"
+
+[data]
+dataset = "csv"
+path = "{data}"
+batch_size = 16
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "saved_model", path = "{features}", signature = "features" }},
+  {{ type = "linear", in_features = 16, out_features = 3 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.05
+
+[training]
+epochs = 3
+
+[checkpoint]
+every_n_epochs = 1
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join("default-out").display(),
+        data = data.display(),
+        features = dir.join("features").display(),
+    );
+    let cfg = dir.join("saved_model.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let run = dir.join("run");
+    let printed = train(s(&cfg), &run, &[]);
+    assert!(
+        printed.contains("51 parameters"),
+        "only the head trains: {printed}"
+    );
+    let trained = weights(&run);
+    let keys: Vec<&String> = trained.keys().collect();
+    assert_eq!(keys, ["1.bias", "1.weight"]);
+    let last = run.join("checkpoints/last.safetensors");
+    let table =
+        String::from_utf8(kiln(&["eval", "--config", s(&cfg), "--checkpoint", s(&last)]).stdout)
+            .unwrap();
+    assert!(common::metric(&table, "accuracy") > 0.5, "{table}");
+    let listing = String::from_utf8(kiln(&["inspect", s(&last)]).stdout).unwrap();
+    assert!(listing.contains(r#""output_shape":[16]"#), "{listing}");
+
+    // On the torch backend: refused before anything is written.
+    let refused = dir.join("refused");
+    let out = Command::new(KILN)
+        .args([
+            "train",
+            "--config",
+            s(&cfg),
+            "--backend",
+            "torch",
+            "--output",
+            s(&refused),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("saved_model") && err.contains("backend = \"tensorflow\""),
+        "{err}"
+    );
+    assert!(!refused.exists());
+}

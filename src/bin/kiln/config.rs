@@ -373,6 +373,18 @@ impl RunConfig {
     /// Checks every section's values.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        if self.backend == BackendKind::Torch {
+            if let Some((path, layer)) = self.model.saved_model_layers().first() {
+                return Err(Error::invalid_argument(
+                    format!("model{}{path}", if path.is_empty() { "" } else { "." }),
+                    format!(
+                        "a saved_model layer ({}) runs on TensorFlow, not libtorch; set \
+                         backend = \"tensorflow\"",
+                        layer.path.display()
+                    ),
+                ));
+            }
+        }
         if self.backend == BackendKind::Tensorflow {
             if let Some((path, layer)) = self.model.torchscript_layers().first() {
                 return Err(Error::invalid_argument(

@@ -570,19 +570,23 @@ fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<
     Ok(())
 }
 
-/// The config's model with the output shape of each torchscript layer found
-/// by running it once on an example of `inputs` (a batch of the data).
-fn resolve_model(config: &RunConfig, inputs: &HostTensor, device: Device) -> Result<Layer> {
-    if config.model.torchscript_layers().is_empty() {
-        return Ok(config.model.clone());
-    }
+/// The config's model with the output shape of each torchscript layer (torch)
+/// and saved_model layer (TensorFlow) found, by running it once on an example
+/// of `inputs` (a batch of the data) or from its signature.
+pub(crate) fn resolve_model(
+    config: &RunConfig,
+    inputs: &HostTensor,
+    device: Device,
+) -> Result<Layer> {
     let example = inputs.dims().get(1..).unwrap_or_default();
-    Ok(kiln::torch::resolve_torchscript_shapes(
-        &config.model,
-        example,
-        inputs.dtype(),
-        device,
-    )?)
+    let mut model = config.model.clone();
+    if !model.torchscript_layers().is_empty() {
+        model = kiln::torch::resolve_torchscript_shapes(&model, example, inputs.dtype(), device)?;
+    }
+    if !model.saved_model_layers().is_empty() {
+        model = kiln::tf::resolve_saved_model_shapes(&model, example, inputs.dtype())?;
+    }
+    Ok(model)
 }
 
 fn toml_string(config: &RunConfig) -> Result<String> {
