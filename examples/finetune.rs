@@ -28,7 +28,7 @@ use kiln::core::{
 };
 use kiln::data::load_digits;
 use kiln::prelude::*;
-use kiln::torch::{resolve_torchscript_shapes, Freeze, ScriptModule, TorchModel};
+use kiln::torch::{resolve_torchscript_shapes, Freeze, TorchModel};
 use kiln::train::{CheckpointPolicy, CsvSink, LogSink, RunDirectory, RunStart};
 
 const SEED: u64 = 0;
