@@ -401,6 +401,60 @@ impl Layer {
         out
     }
 
+    /// The output shape for `input`, as [`output_shape`](Layer::output_shape),
+    /// letting `fill` complete each layer first: `fill(path, layer, input)` is
+    /// called on every layer that is not a `Sequential` or `Residual`, with the
+    /// shape reaching it, before its own output shape is inferred. Backends use
+    /// it to record what only running a layer tells (the output shape of a
+    /// TorchScript or SavedModel layer).
+    ///
+    /// ```
+    /// use kiln_core::model::{Layer, LinearConfig};
+    ///
+    /// let mut net = Layer::sequential([LinearConfig::new(4, 8).into(), Layer::Relu]);
+    /// let mut seen = Vec::new();
+    /// let out = net.resolve_shapes(&[2, 4], &mut |path, _layer, input| {
+    ///     seen.push((path.to_owned(), input.to_vec()));
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(out, vec![2, 8]);
+    /// assert_eq!(seen, [("0".to_owned(), vec![2, 4]), ("1".to_owned(), vec![2, 8])]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn resolve_shapes(
+        &mut self,
+        input: &[usize],
+        fill: &mut dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()>,
+    ) -> Result<Vec<usize>> {
+        self.resolve_at("", input, fill)
+    }
+
+    fn resolve_at(
+        &mut self,
+        path: &str,
+        input: &[usize],
+        fill: &mut dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()>,
+    ) -> Result<Vec<usize>> {
+        match self {
+            Layer::Sequential { layers } => {
+                let mut shape = input.to_vec();
+                for (i, child) in layers.iter_mut().enumerate() {
+                    shape = child.resolve_at(&layers::join(path, &i.to_string()), &shape, fill)?;
+                }
+                Ok(shape)
+            }
+            Layer::Residual { block } => {
+                block.resolve_at(&layers::join(path, "block"), input, fill)?;
+                // The residual's own rule checks that the block keeps the shape.
+                self.infer(path, input)
+            }
+            leaf => {
+                fill(path, leaf, input)?;
+                leaf.infer(path, input)
+            }
+        }
+    }
+
     /// The [`TorchScript`](Layer::TorchScript) layers of the tree with their paths.
     pub fn torchscript_layers(&self) -> Vec<(String, &TorchScriptConfig)> {
         self.layers()

@@ -565,76 +565,58 @@ pub fn resolve_saved_model_shapes(
     resolved.validate()?;
     let mut input = vec![1];
     input.extend_from_slice(example_shape);
-    resolve_shapes(&mut resolved, "", input, dtype)?;
+    // The data reaches the first layer; later ones get float features.
+    let mut first = true;
+    resolved.resolve_shapes(&input, &mut |path, layer, input| {
+        let dtype = if std::mem::take(&mut first) {
+            dtype
+        } else {
+            DType::F32
+        };
+        match layer {
+            Layer::SavedModel(config) if config.output_shape.is_none() => {
+                config.output_shape = Some(output_dims(path, config, input, dtype)?);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    })?;
     Ok(resolved)
 }
 
-fn resolve_shapes(
-    layer: &mut Layer,
+/// The output shape of one example (batch dimension excluded) of the
+/// signature of `config` on `input`: from the signature when it states it,
+/// else by running it once on zeros.
+fn output_dims(
     path: &str,
-    input: Vec<usize>,
+    config: &SavedModelLayerConfig,
+    input: &[usize],
     dtype: DType,
 ) -> Result<Vec<usize>> {
-    let join = |name: &str| {
-        if path.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{path}.{name}")
+    let example = input.get(1..).unwrap_or_default().to_vec();
+    let (model, spec_in, spec_out) = open(path, config)?;
+    check_input(path, config, &spec_in, &example, Some(dtype))?;
+    let dims = match known_example_dims(&spec_out) {
+        Some(dims) => dims,
+        None => {
+            let mut dims = vec![1];
+            dims.extend_from_slice(&example);
+            let n = dims.iter().product();
+            let zeros = HostTensor::new(vec![0f64; n], dims)?.to_dtype(dtype);
+            let outputs = model.run(&config.signature, &[(spec_in.name.as_str(), &zeros)])?;
+            let out = outputs.get(&spec_out.name).ok_or_else(|| {
+                Error::backend(
+                    "tensorflow",
+                    format!("running signature `{}` once", config.signature),
+                    format!("output `{}` was not fetched", spec_out.name),
+                )
+            })?;
+            out.dims().get(1..).unwrap_or_default().to_vec()
         }
     };
-    match layer {
-        Layer::Sequential { layers } => {
-            let mut shape = input;
-            let mut dtype = dtype;
-            for (i, child) in layers.iter_mut().enumerate() {
-                shape = resolve_shapes(child, &join(&i.to_string()), shape, dtype)?;
-                dtype = DType::F32;
-            }
-            Ok(shape)
-        }
-        Layer::Residual { block } => {
-            let out = resolve_shapes(block, &join("block"), input.clone(), dtype)?;
-            if out != input {
-                return Err(Error::ShapeMismatch {
-                    context: format!("{} (Residual)", shown(path)),
-                    expected: format!("the block to keep its input's shape {input:?}"),
-                    actual: format!("{out:?}"),
-                });
-            }
-            Ok(input)
-        }
-        Layer::SavedModel(config) => {
-            let example = input.get(1..).unwrap_or_default().to_vec();
-            if config.output_shape.is_none() {
-                let (model, spec_in, spec_out) = open(path, config)?;
-                check_input(path, config, &spec_in, &example, Some(dtype))?;
-                let dims = match known_example_dims(&spec_out) {
-                    Some(dims) => dims,
-                    None => {
-                        let mut dims = vec![1];
-                        dims.extend_from_slice(&example);
-                        let n = dims.iter().product();
-                        let zeros = HostTensor::new(vec![0f64; n], dims)?.to_dtype(dtype);
-                        let outputs =
-                            model.run(&config.signature, &[(spec_in.name.as_str(), &zeros)])?;
-                        let out = outputs.get(&spec_out.name).ok_or_else(|| {
-                            Error::backend(
-                                "tensorflow",
-                                format!("running signature `{}` once", config.signature),
-                                format!("output `{}` was not fetched", spec_out.name),
-                            )
-                        })?;
-                        out.dims().get(1..).unwrap_or_default().to_vec()
-                    }
-                };
-                log::debug!(
-                    "saved_model layer `{}`: output shape [batch, {dims:?}]",
-                    shown(path)
-                );
-                config.output_shape = Some(dims);
-            }
-            layer.output_shape(&input)
-        }
-        other => other.output_shape(&input),
-    }
+    log::debug!(
+        "saved_model layer `{}`: output shape [batch, {dims:?}]",
+        shown(path)
+    );
+    Ok(dims)
 }

@@ -374,84 +374,61 @@ pub fn resolve_torchscript_shapes(
     }
     let mut input = vec![1];
     input.extend_from_slice(example_shape);
-    resolve_shapes(&mut resolved, "", input, dtype, device)?;
+    // The data reaches the first layer; later ones get float features.
+    let mut first = true;
+    resolved.resolve_shapes(&input, &mut |path, layer, input| {
+        let dtype = if std::mem::take(&mut first) {
+            dtype
+        } else {
+            DType::F32
+        };
+        match layer {
+            Layer::TorchScript(config) if config.output_shape.is_none() => {
+                config.output_shape = Some(run_once(path, config, input, dtype, device)?);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    })?;
     Ok(resolved)
 }
 
-fn resolve_shapes(
-    layer: &mut Layer,
+/// The output shape of one example (batch dimension excluded) of the
+/// TorchScript file of `config`, run once in eval mode on zeros of `input`.
+fn run_once(
     path: &str,
-    input: Vec<usize>,
+    config: &kiln_core::model::TorchScriptConfig,
+    input: &[usize],
     dtype: DType,
     device: Device,
 ) -> Result<Vec<usize>> {
-    let join = |name: &str| {
-        if path.is_empty() {
-            name.to_owned()
-        } else {
-            format!("{path}.{name}")
-        }
-    };
-    match layer {
-        Layer::Sequential { layers } => {
-            let mut shape = input;
-            for (i, child) in layers.iter_mut().enumerate() {
-                shape = resolve_shapes(child, &join(&i.to_string()), shape, dtype, device)?;
-            }
-            Ok(shape)
-        }
-        Layer::Residual { block } => {
-            let out = resolve_shapes(block, &join("block"), input.clone(), dtype, device)?;
-            if out != input {
-                return Err(Error::ShapeMismatch {
-                    context: format!(
-                        "{} (Residual)",
-                        if path.is_empty() { "(root)" } else { path }
-                    ),
-                    expected: format!("the block to keep its input's shape {input:?}"),
-                    actual: format!("{out:?}"),
-                });
-            }
-            Ok(input)
-        }
-        Layer::TorchScript(config) => {
-            if config.output_shape.is_none() {
-                let mut module = ScriptModule::load(&config.path, device)?;
-                module.apply_mode(Mode::Eval)?;
-                let dims: Vec<i64> = input.iter().map(|&d| d as i64).collect();
-                let zeros = Tensor::f_zeros(
-                    dims.as_slice(),
-                    (
-                        crate::convert::kind_from_dtype(dtype)?,
-                        device_to_tch(device)?,
-                    ),
-                )
-                .map_err(|e| torch_error("making a probe input", e))?;
-                let output = tch::no_grad(|| module.forward(&zeros)).map_err(|e| {
-                    Error::invalid_argument(
-                        if path.is_empty() {
-                            "model".to_owned()
-                        } else {
-                            path.to_owned()
-                        },
-                        format!(
-                            "the torchscript layer {} does not run on an input of shape \
-                             {input:?} (what the layers before it give for the data): {}",
-                            config.path.display(),
-                            e.display_chain()
-                        ),
-                    )
-                })?;
-                let out: Vec<usize> = output.size().iter().map(|&d| d as usize).collect();
-                log::debug!(
-                    "torchscript layer {} ({}): input {input:?} -> output {out:?}",
-                    if path.is_empty() { "(root)" } else { path },
-                    config.path.display()
-                );
-                config.output_shape = Some(out.get(1..).unwrap_or_default().to_vec());
-            }
-            layer.output_shape(&input)
-        }
-        other => other.output_shape(&input),
-    }
+    let shown = if path.is_empty() { "(root)" } else { path };
+    let mut module = ScriptModule::load(&config.path, device)?;
+    module.apply_mode(Mode::Eval)?;
+    let dims: Vec<i64> = input.iter().map(|&d| d as i64).collect();
+    let zeros = Tensor::f_zeros(
+        dims.as_slice(),
+        (
+            crate::convert::kind_from_dtype(dtype)?,
+            device_to_tch(device)?,
+        ),
+    )
+    .map_err(|e| torch_error("making a probe input", e))?;
+    let output = tch::no_grad(|| module.forward(&zeros)).map_err(|e| {
+        Error::invalid_argument(
+            if path.is_empty() { "model" } else { path },
+            format!(
+                "the torchscript layer {} does not run on an input of shape {input:?} \
+                 (what the layers before it give for the data): {}",
+                config.path.display(),
+                e.display_chain()
+            ),
+        )
+    })?;
+    let out: Vec<usize> = output.size().iter().map(|&d| d as usize).collect();
+    log::debug!(
+        "torchscript layer {shown} ({}): input {input:?} -> output {out:?}",
+        config.path.display()
+    );
+    Ok(out.get(1..).unwrap_or_default().to_vec())
 }

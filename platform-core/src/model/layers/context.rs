@@ -94,6 +94,28 @@ pub(crate) struct ShapeCheck<'a> {
 }
 
 impl ShapeCheck<'_> {
+    /// `[batch, recorded...]` for a layer whose per-example output shape a
+    /// backend recorded (TorchScript and SavedModel layers); `unknown()` before.
+    pub(crate) fn recorded(
+        &self,
+        recorded: Option<&[usize]>,
+        unknown: impl FnOnce(&str) -> Error,
+    ) -> Result<Vec<usize>> {
+        match (recorded, self.input.first()) {
+            (Some(shape), Some(&batch)) => {
+                let mut out = vec![batch];
+                out.extend_from_slice(shape);
+                Ok(out)
+            }
+            (Some(_), None) => Err(self.mismatch("[batch, ...]".to_owned())),
+            (None, _) => Err(unknown(if self.path.is_empty() {
+                "(root)"
+            } else {
+                self.path
+            })),
+        }
+    }
+
     /// The layer expected an input like `expected` and got this one.
     pub(crate) fn mismatch(&self, expected: String) -> Error {
         Error::ShapeMismatch {

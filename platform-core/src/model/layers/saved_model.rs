@@ -132,38 +132,23 @@ impl LayerSpec for SavedModelLayerConfig {
             }
         }
         if let Some(shape) = &self.output_shape {
-            if shape.contains(&0) {
-                return Err(check.invalid(
-                    "output_shape",
-                    format!("every size must be at least 1, got {shape:?}"),
-                ));
-            }
+            check.positive_all("output_shape", shape)?;
         }
         Ok(())
     }
 
-    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
-        match (&self.output_shape, input.first()) {
-            (Some(shape), Some(&batch)) => {
-                let mut out = vec![batch];
-                out.extend_from_slice(shape);
-                Ok(out)
-            }
-            (Some(_), None) => Err(at.mismatch("[batch, ...]".to_owned())),
-            (None, _) => Err(Error::unsupported(format!(
+    fn output_shape(&self, _input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        at.recorded(self.output_shape.as_deref(), |path| {
+            Error::unsupported(format!(
                 "shape inference through the saved_model layer `{}` ({}, signature `{}`) \
                  before its signature was read: its output shape is found on the \
                  TensorFlow backend (kiln_tf::resolve_saved_model_shapes), or give it as \
                  `output_shape`",
-                if at.path.is_empty() {
-                    "(root)"
-                } else {
-                    at.path
-                },
+                path,
                 self.path.display(),
                 self.signature
-            ))),
-        }
+            ))
+        })
     }
 }
 
