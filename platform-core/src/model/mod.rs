@@ -187,6 +187,9 @@ pub enum Layer {
     SavedModel(SavedModelLayerConfig),
 }
 
+/// What [`Layer::resolve_shapes`] calls on each layer: `(path, layer, input shape)`.
+pub type ShapeFill<'a> = dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()> + 'a;
+
 /// Whether a [`ParamSpec`] is trained or only saved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -424,7 +427,7 @@ impl Layer {
     pub fn resolve_shapes(
         &mut self,
         input: &[usize],
-        fill: &mut dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()>,
+        fill: &mut ShapeFill<'_>,
     ) -> Result<Vec<usize>> {
         self.resolve_at("", input, fill)
     }
@@ -433,7 +436,7 @@ impl Layer {
         &mut self,
         path: &str,
         input: &[usize],
-        fill: &mut dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()>,
+        fill: &mut ShapeFill<'_>,
     ) -> Result<Vec<usize>> {
         match self {
             Layer::Sequential { layers } => {
