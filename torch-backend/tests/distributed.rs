@@ -322,7 +322,14 @@ mod ddp {
         group: Option<Arc<ProcessGroup>>,
         batches: &[(Tensor, Tensor)],
     ) -> Result<(Vec<f64>, Vec<f64>, TorchModel)> {
-        train_with(spec, seed, group, batches, &DistributedOptions::default())
+        train_with(
+            spec,
+            seed,
+            group,
+            batches,
+            &DistributedOptions::default(),
+            &[],
+        )
     }
 
     fn train_with(
@@ -331,9 +338,13 @@ mod ddp {
         group: Option<Arc<ProcessGroup>>,
         batches: &[(Tensor, Tensor)],
         options: &DistributedOptions,
+        freeze: &[&str],
     ) -> Result<(Vec<f64>, Vec<f64>, TorchModel)> {
         TorchBackend::manual_seed(seed as u64);
         let mut model = TorchModel::new(spec, Device::Cpu)?;
+        if !freeze.is_empty() {
+            TorchBackend::freeze(&mut model, freeze, false)?;
+        }
         let shard = group
             .as_ref()
             .map(|g| (g.rank() as i64, g.world_size() as i64));
@@ -429,7 +440,7 @@ mod ddp {
         ];
         for options in &variants {
             let (losses, weights, _) =
-                train_with(&mlp(), seed, Some(group.clone()), &batches, options)?;
+                train_with(&mlp(), seed, Some(group.clone()), &batches, options, &[])?;
             // Every rank ends with the same weights, bit for bit.
             let gathered = group.all_gather(&Tensor::from_slice(&weights))?;
             let rows: Vec<Vec<f64>> = (0..2).map(|r| values(&gathered.get(r))).collect();
@@ -445,6 +456,39 @@ mod ddp {
                 "{options:?}: weights differ by {weight_diff}"
             );
         }
+        // A frozen first layer: only the rest is reduced, and the frozen
+        // weights are rank 0's on every rank (they travel with the buffers).
+        let frozen = ["0.*"];
+        let opts = DistributedOptions::default();
+        let (single_losses, single_weights, single) =
+            train_with(&mlp(), 7, None, &batches, &opts, &frozen)?;
+        let (losses, weights, _) =
+            train_with(&mlp(), seed, Some(group.clone()), &batches, &opts, &frozen)?;
+        assert!(max_diff(&losses, &single_losses) < 1e-6, "frozen: losses");
+        assert!(
+            max_diff(&weights, &single_weights) < 1e-6,
+            "frozen: weights"
+        );
+        TorchBackend::manual_seed(7);
+        let initial = TorchModel::new(&mlp(), Device::Cpu)?;
+        let first = |m: &TorchModel| -> Result<Vec<f64>> {
+            Ok(m.named_parameters()?
+                .iter()
+                .filter(|(n, _)| n.starts_with("0."))
+                .flat_map(|(_, t)| values(t))
+                .collect())
+        };
+        assert_eq!(
+            first(&single)?,
+            first(&initial)?,
+            "the frozen layer did not train"
+        );
+        assert_eq!(
+            weights[..first(&initial)?.len()],
+            first(&initial)?[..],
+            "rank 0's frozen layer"
+        );
+
         // A bucket cap that is not a positive size is refused, naming the option.
         let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
         let bad = DistributedOptions {
