@@ -2,7 +2,8 @@
 //! backbone with batch norm as a frozen `torchscript` layer under a new head,
 //! compared step by step with the same fine-tuning in Python PyTorch
 //! (`tests/reference/finetune.py`); the same backbone in a `Chain` with a
-//! `TchModule` head; and a `TchModule` alone, against a hand-written loop.
+//! `TchModule` head; and a `TchModule` alone (and boxed), against a
+//! hand-written loop.
 
 #![allow(clippy::unwrap_used)]
 
@@ -338,6 +339,21 @@ fn a_tch_module_through_the_trainer_equals_a_hand_written_loop_and_resumes() {
     assert_eq!(
         state.model.state_dict().unwrap(),
         model.state_dict().unwrap()
+    );
+
+    // Any torch module, boxed, trains the same way.
+    let boxed: Box<dyn Module<TorchBackend> + Send> = Box::new(make());
+    let optimizer = boxed.build_optimizer(&sgd(), &[]).unwrap();
+    let mut boxed_state = TrainingState::<TorchBackend, Box<dyn Module<TorchBackend> + Send>>::new(
+        boxed, optimizer, None,
+    );
+    Trainer::<TorchBackend, Box<dyn Module<TorchBackend> + Send>>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .fit(&mut boxed_state, &loader(&data), None)
+        .unwrap();
+    assert_eq!(
+        boxed_state.model.state_dict().unwrap(),
+        state.model.state_dict().unwrap()
     );
 
     // Resumed from step 3 in a fresh module: the same weights and optimizer state.
