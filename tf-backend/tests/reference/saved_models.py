@@ -58,8 +58,9 @@ and the optimizer's iteration count as restored from the checkpoint (null withou
 batches of BATCHES.json ({"x": T, "y": T, "batch": int, "epochs": int,
 "serve_input": T}: the rows in order, `batch` at a time, the last batch possibly
 smaller, `epochs` times over) and writes to OUT.json {"losses": [float],
-"trained_output": T}: each call's loss, and the `serving_default` output on
-`serve_input` afterwards.
+"trained_output": T, "variables": {name: T}}: each call's loss, the
+`serving_default` output on `serve_input` afterwards, and the model's variables
+(the archive's `variables`, by Keras name) afterwards.
 """
 
 import json
@@ -304,7 +305,17 @@ def train(model_dir, batches_path, out_path):
     serve_input = tf.constant(tensor_from_json(spec["serve_input"]))
     (output,) = loaded.signatures["serving_default"](x=serve_input).values()
     with open(out_path, "w") as f:
-        json.dump({"losses": losses, "trained_output": tensor_json(output.numpy())}, f)
+        json.dump(
+            {
+                "losses": losses,
+                "trained_output": tensor_json(output.numpy()),
+                "variables": {
+                    v.name.split(":")[0]: tensor_json(v.numpy())
+                    for v in getattr(loaded, "variables", [])
+                },
+            },
+            f,
+        )
 
 
 def main():
