@@ -720,9 +720,19 @@ fn batch_norm_statistics_are_buffers() {
     buffer_names.sort_unstable();
     assert_eq!(buffer_names, BN_BUFFERS);
     let optimizer = module.variable_names(VariableRole::Optimizer);
-    assert_eq!(optimizer.len(), 2 + 2 * BN_PARAMETERS.len(), "{optimizer:?}");
-    assert!(optimizer.iter().all(|n| n.starts_with("adam/")), "{optimizer:?}");
-    assert!(!optimizer.iter().any(|n| n.contains("moving")), "{optimizer:?}");
+    assert_eq!(
+        optimizer.len(),
+        2 + 2 * BN_PARAMETERS.len(),
+        "{optimizer:?}"
+    );
+    assert!(
+        optimizer.iter().all(|n| n.starts_with("adam/")),
+        "{optimizer:?}"
+    );
+    assert!(
+        !optimizer.iter().any(|n| n.contains("moving")),
+        "{optimizer:?}"
+    );
     assert_eq!(module.optimizer_kind(), Some("adam"));
 
     // Keras's initial statistics: mean 0, variance 1, over the 16 hidden units.
@@ -797,7 +807,10 @@ fn batch_norm_trainer_matches_python_and_saves_the_statistics() {
             TOL,
         );
     }
-    assert_eq!(python.variables.len(), BN_PARAMETERS.len() + BN_BUFFERS.len());
+    assert_eq!(
+        python.variables.len(),
+        BN_PARAMETERS.len() + BN_BUFFERS.len()
+    );
 
     let x = TfBackend::from_host(&fixture.serve_input(), Device::Cpu).unwrap();
     let mut model = state.model;
@@ -806,14 +819,26 @@ fn batch_norm_trainer_matches_python_and_saves_the_statistics() {
         .unwrap()
         .to_host()
         .unwrap();
-    assert_close("trained serve output (batch norm)", &ours, &python.output, TOL);
+    assert_close(
+        "trained serve output (batch norm)",
+        &ours,
+        &python.output,
+        TOL,
+    );
 
     let dest = common::scratch_dir("saved-model-trainer-export-bn").join("trained");
     model.saved_model().save_variables_to(&dest).unwrap();
     let (serve, serving_default, iterations) = fixture.python_serve(&dest);
     let worst = max_difference(&serve.to_f64_vec(), &ours.to_f64_vec());
-    eprintln!("batch norm: Python serve() of the saved variables vs Kiln: max difference {worst:e}");
-    assert_close("Python serve() of the saved variables (batch norm)", &serve, &ours, TOL);
+    eprintln!(
+        "batch norm: Python serve() of the saved variables vs Kiln: max difference {worst:e}"
+    );
+    assert_close(
+        "Python serve() of the saved variables (batch norm)",
+        &serve,
+        &ours,
+        TOL,
+    );
     assert_close(
         "Python serving_default of the saved variables (batch norm)",
         &serving_default,
@@ -879,6 +904,12 @@ fn batch_norm_checkpoint_and_resume_is_bitwise() {
         Module::<TfBackend>::state_dict(&full.model).unwrap()
     );
     assert_eq!(buffers(&resumed.model), buffers(&full.model));
+    // And the serving output, which reads the statistics, is the same bitwise.
+    let x = TfBackend::from_host(&fixture.serve_input(), Device::Cpu).unwrap();
+    assert_eq!(
+        resumed.model.predict_step(&x).unwrap(),
+        full.model.predict_step(&x).unwrap()
+    );
     assert_eq!(
         resumed.optimizer.state_dict().unwrap(),
         full.optimizer.state_dict().unwrap()
