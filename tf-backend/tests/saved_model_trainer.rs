@@ -3,7 +3,9 @@
 //! `kiln_tf::SavedModelModule` under `kiln_train::Trainer`: the Keras 3 `mlp` export
 //! of `tests/reference/saved_models.py` fine-tuned through its `train` signature
 //! against Python calling the same signature on the same batches, its variables
-//! saved for Python, exact resume from a Trainer checkpoint, and the typed errors.
+//! saved for Python, exact resume from a Trainer checkpoint, and the typed errors;
+//! and the same for the `mlp_bn` export, whose batch-norm moving statistics are
+//! buffers that its `train` signature updates.
 
 mod common;
 
