@@ -3,10 +3,13 @@
 //! `kiln_tf::SavedModelModule` under `kiln_train::Trainer`: the Keras 3 `mlp` export
 //! of `tests/reference/saved_models.py` fine-tuned through its `train` signature
 //! against Python calling the same signature on the same batches, its variables
-//! saved for Python, exact resume from a Trainer checkpoint, and the typed errors.
+//! saved for Python, exact resume from a Trainer checkpoint, and the typed errors;
+//! and the same for the `mlp_bn` export, whose batch-norm moving statistics are
+//! buffers that its `train` signature updates.
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -43,6 +46,11 @@ struct Fixture {
 impl Fixture {
     fn mlp(&self) -> PathBuf {
         self.dir.join("mlp")
+    }
+
+    /// The batch-norm model: Dense(16) -> BatchNormalization -> ReLU -> Dense(3).
+    fn mlp_bn(&self) -> PathBuf {
+        self.dir.join("mlp_bn")
     }
 
     /// The fixture's five training batches as one data set of 80 rows.
@@ -82,32 +90,47 @@ impl Fixture {
     fn python_training(&self) -> &(Vec<f64>, HostTensor) {
         static RESULT: OnceLock<(Vec<f64>, HostTensor)> = OnceLock::new();
         RESULT.get_or_init(|| {
-            let work = common::scratch_dir("saved-model-trainer-python-train");
-            let (x, y) = self.data();
-            let batches = work.join("batches.json");
-            let spec = json!({
-                "x": tensor_json(&x),
-                "y": tensor_json(&y),
-                "batch": BATCH,
-                "epochs": EPOCHS,
-                "serve_input": tensor_json(&self.serve_input()),
-            });
-            std::fs::write(&batches, spec.to_string()).unwrap();
-            let out = work.join("out.json");
-            run_reference(
-                &self.python,
-                SCRIPT,
-                &[Path::new("train"), &self.mlp(), &batches, &out],
-            );
-            let result = read_json(&out);
-            let losses = result["losses"]
+            let run = self.python_train(&self.mlp(), "saved-model-trainer-python-train");
+            (run.losses, run.output)
+        })
+    }
+
+    /// Python calling `model`'s `train` signature on the loader's batches for
+    /// `EPOCHS` epochs, working in the scratch directory `scratch`.
+    fn python_train(&self, model: &Path, scratch: &str) -> PythonRun {
+        let work = common::scratch_dir(scratch);
+        let (x, y) = self.data();
+        let batches = work.join("batches.json");
+        let spec = json!({
+            "x": tensor_json(&x),
+            "y": tensor_json(&y),
+            "batch": BATCH,
+            "epochs": EPOCHS,
+            "serve_input": tensor_json(&self.serve_input()),
+        });
+        std::fs::write(&batches, spec.to_string()).unwrap();
+        let out = work.join("out.json");
+        run_reference(
+            &self.python,
+            SCRIPT,
+            &[Path::new("train"), model, &batches, &out],
+        );
+        let result = read_json(&out);
+        PythonRun {
+            losses: result["losses"]
                 .as_array()
                 .unwrap()
                 .iter()
                 .map(|v| v.as_f64().unwrap())
-                .collect();
-            (losses, tensor(&result["trained_output"]))
-        })
+                .collect(),
+            output: tensor(&result["trained_output"]),
+            variables: result["variables"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(name, value)| (name.clone(), tensor(value)))
+                .collect(),
+        }
     }
 
     /// What Python's `tf.saved_model.load(dir)` serves on `serve_input`, and the
@@ -129,6 +152,15 @@ impl Fixture {
             result["iterations"].as_i64(),
         )
     }
+}
+
+/// What Python's `train` mode reports.
+struct PythonRun {
+    losses: Vec<f64>,
+    /// The `serving_default` output on `serve_input` after training.
+    output: HostTensor,
+    /// The model's variables after training, by Keras name.
+    variables: BTreeMap<String, HostTensor>,
 }
 
 fn fixture(test: &str) -> Option<&'static Fixture> {
@@ -155,7 +187,11 @@ fn fixture(test: &str) -> Option<&'static Fixture> {
 
 /// The `mlp` export as a module, every name given as a Keras user would.
 fn module(fixture: &Fixture) -> SavedModelModule {
-    SavedModelModule::builder(SavedModel::load(fixture.mlp()).unwrap())
+    module_at(&fixture.mlp())
+}
+
+fn module_at(dir: &Path) -> SavedModelModule {
+    SavedModelModule::builder(SavedModel::load(dir).unwrap())
         .serve("serve")
         .train("train")
         .input("x")
@@ -194,7 +230,11 @@ impl Callback for Losses {
 }
 
 fn fresh_state(fixture: &Fixture, schedule: bool) -> State {
-    let module = module(fixture);
+    fresh_state_at(&fixture.mlp(), schedule)
+}
+
+fn fresh_state_at(dir: &Path, schedule: bool) -> State {
+    let module = module_at(dir);
     let optimizer = module.build_optimizer(&adam(), &[]).unwrap();
     let scheduler = schedule.then(|| {
         SchedulerConfig::StepLr(StepLrConfig {
@@ -644,4 +684,236 @@ fn errors_are_typed_and_change_nothing() {
     assert_eq!(optimizer.learning_rate() as f32, 0.01f32);
     let err = optimizer.set_learning_rates(&[0.01, 0.02]).unwrap_err();
     expect_invalid(err, "lrs", &["1 parameter group"]);
+}
+
+const BN_PARAMETERS: [&str; 6] = [
+    "mlp_bn/hidden/kernel",
+    "mlp_bn/hidden/bias",
+    "mlp_bn/bn/gamma",
+    "mlp_bn/bn/beta",
+    "mlp_bn/logits/kernel",
+    "mlp_bn/logits/bias",
+];
+const BN_BUFFERS: [&str; 2] = ["mlp_bn/bn/moving_mean", "mlp_bn/bn/moving_variance"];
+
+/// The batch-norm model's buffers (moving mean, moving variance), in order.
+fn buffers(module: &SavedModelModule) -> Vec<HostTensor> {
+    Module::<TfBackend>::named_buffers(module)
+        .unwrap()
+        .iter()
+        .map(|(_, t)| t.to_host().unwrap())
+        .collect()
+}
+
+/// (e) Batch norm's moving statistics, the non-trainable model variables, are
+/// buffers; its gamma and beta are parameters with the kernels and biases.
+#[test]
+fn batch_norm_statistics_are_buffers() {
+    let Some(fixture) = fixture("batch_norm_statistics_are_buffers") else {
+        return;
+    };
+    let module = module_at(&fixture.mlp_bn());
+    let mut parameters = module.variable_names(VariableRole::Parameter);
+    parameters.sort_unstable();
+    let mut expected = BN_PARAMETERS.to_vec();
+    expected.sort_unstable();
+    assert_eq!(parameters, expected);
+    let mut buffer_names = module.variable_names(VariableRole::Buffer);
+    buffer_names.sort_unstable();
+    assert_eq!(buffer_names, BN_BUFFERS);
+    let optimizer = module.variable_names(VariableRole::Optimizer);
+    assert_eq!(
+        optimizer.len(),
+        2 + 2 * BN_PARAMETERS.len(),
+        "{optimizer:?}"
+    );
+    assert!(
+        optimizer.iter().all(|n| n.starts_with("adam/")),
+        "{optimizer:?}"
+    );
+    assert!(
+        !optimizer.iter().any(|n| n.contains("moving")),
+        "{optimizer:?}"
+    );
+    assert_eq!(module.optimizer_kind(), Some("adam"));
+
+    // Keras's initial statistics: mean 0, variance 1, over the 16 hidden units.
+    let names: Vec<String> = Module::<TfBackend>::named_buffers(&module)
+        .unwrap()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, BN_BUFFERS);
+    let initial = buffers(&module);
+    assert_eq!(initial[0].to_f64_vec(), vec![0.0; 16]);
+    assert_eq!(initial[1].to_f64_vec(), vec![1.0; 16]);
+    // 8*16 + 16 + 16 + 16 + 16*3 + 3 trainable values.
+    assert_eq!(Module::<TfBackend>::num_parameters(&module).unwrap(), 227);
+    let state = Module::<TfBackend>::state_dict(&module).unwrap();
+    let mut keys: Vec<&str> = state.iter().map(|(k, _)| k.as_str()).collect();
+    keys.sort_unstable();
+    let mut all: Vec<&str> = BN_PARAMETERS.iter().chain(&BN_BUFFERS).copied().collect();
+    all.sort_unstable();
+    assert_eq!(keys, all);
+}
+
+/// (f) The batch-norm model through the Trainer: its losses are Python's calls
+/// of the same `train` signature on the same batches, the moving statistics are
+/// updated (as Python's are), and the variables saved with `save_variables_to`
+/// serve in Python what Kiln's eval-mode forward gives.
+#[test]
+fn batch_norm_trainer_matches_python_and_saves_the_statistics() {
+    let Some(fixture) = fixture("batch_norm_trainer_matches_python_and_saves_the_statistics")
+    else {
+        return;
+    };
+    let python = fixture.python_train(&fixture.mlp_bn(), "saved-model-trainer-python-train-bn");
+    let losses = Losses::default();
+    let mut state = fresh_state_at(&fixture.mlp_bn(), false);
+    let initial = buffers(&state.model);
+    Trainer::<TfBackend, SavedModelModule>::new(config(), Loss::cross_entropy())
+        .unwrap()
+        .with_callback(losses.clone())
+        .fit(&mut state, &fixture.loader(), Some(&fixture.loader()))
+        .unwrap();
+    let losses = losses.take();
+    assert_eq!(state.step, 10);
+    assert_eq!(losses.len(), python.losses.len());
+    let worst = max_difference(&losses, &python.losses);
+    eprintln!(
+        "batch norm: {} Trainer steps against Python's train signature: max loss \
+         difference {worst:e}",
+        losses.len()
+    );
+    assert!(
+        worst <= TOL,
+        "losses {losses:?} vs Python {:?}",
+        python.losses
+    );
+
+    // The moving statistics moved, to where Python's did; validation (serving,
+    // training=False) did not move them further.
+    let trained = buffers(&state.model);
+    for (name, (before, after)) in BN_BUFFERS.iter().zip(initial.iter().zip(&trained)) {
+        let change = max_difference(&before.to_f64_vec(), &after.to_f64_vec());
+        eprintln!("batch norm: {name} changed by up to {change:e} in training");
+        assert!(change > 1e-3, "{name} did not change: {after:?}");
+        assert_close(name, after, &python.variables[*name], TOL);
+    }
+    let state_dict = Module::<TfBackend>::state_dict(&state.model).unwrap();
+    for name in BN_PARAMETERS.iter().chain(&BN_BUFFERS) {
+        assert_close(
+            name,
+            state_dict.get(name).unwrap(),
+            &python.variables[*name],
+            TOL,
+        );
+    }
+    assert_eq!(
+        python.variables.len(),
+        BN_PARAMETERS.len() + BN_BUFFERS.len()
+    );
+
+    let x = TfBackend::from_host(&fixture.serve_input(), Device::Cpu).unwrap();
+    let mut model = state.model;
+    Module::<TfBackend>::set_mode(&mut model, kiln_core::backend::Mode::Eval);
+    let ours = Module::<TfBackend>::forward(&model, &x)
+        .unwrap()
+        .to_host()
+        .unwrap();
+    assert_close(
+        "trained serve output (batch norm)",
+        &ours,
+        &python.output,
+        TOL,
+    );
+
+    let dest = common::scratch_dir("saved-model-trainer-export-bn").join("trained");
+    model.saved_model().save_variables_to(&dest).unwrap();
+    let (serve, serving_default, iterations) = fixture.python_serve(&dest);
+    let worst = max_difference(&serve.to_f64_vec(), &ours.to_f64_vec());
+    eprintln!(
+        "batch norm: Python serve() of the saved variables vs Kiln: max difference {worst:e}"
+    );
+    assert_close(
+        "Python serve() of the saved variables (batch norm)",
+        &serve,
+        &ours,
+        TOL,
+    );
+    assert_close(
+        "Python serving_default of the saved variables (batch norm)",
+        &serving_default,
+        &ours,
+        TOL,
+    );
+    assert_eq!(iterations, Some(10));
+    let reloaded = SavedModelModule::load(&dest).unwrap();
+    assert_eq!(
+        Module::<TfBackend>::state_dict(&reloaded).unwrap(),
+        state_dict
+    );
+}
+
+/// (g) A checkpoint of the batch-norm model mid-training, resumed in a fresh
+/// module, ends bitwise where the uninterrupted run does, buffers included.
+#[test]
+fn batch_norm_checkpoint_and_resume_is_bitwise() {
+    let Some(fixture) = fixture("batch_norm_checkpoint_and_resume_is_bitwise") else {
+        return;
+    };
+    let dir = common::scratch_dir("saved-model-trainer-checkpoints-bn");
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(3),
+        every_n_epochs: None,
+        keep_last: 5,
+        ..CheckpointPolicy::default()
+    };
+    let losses = Losses::default();
+    let mut full = fresh_state_at(&fixture.mlp_bn(), false);
+    let initial = buffers(&full.model);
+    Trainer::<TfBackend, SavedModelModule>::new(config(), Loss::cross_entropy())
+        .unwrap()
+        .with_callback(losses.clone())
+        .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), None)
+        .fit(&mut full, &fixture.loader(), None)
+        .unwrap();
+    let full_losses = losses.take();
+    assert_eq!(full.step, 10);
+    assert_ne!(buffers(&full.model), initial);
+
+    let mut resumed = fresh_state_at(&fixture.mlp_bn(), false);
+    let checkpoint = Trainer::<TfBackend, SavedModelModule>::resume(
+        &mut resumed,
+        &dir.join("step-00000006.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(checkpoint.step, 6);
+    // The checkpoint's statistics are in the fresh module: moved from the initial ones.
+    let at_six = buffers(&resumed.model);
+    assert_ne!(at_six, initial);
+    assert_ne!(at_six, buffers(&full.model));
+    Trainer::<TfBackend, SavedModelModule>::new(config(), Loss::cross_entropy())
+        .unwrap()
+        .with_callback(losses.clone())
+        .fit(&mut resumed, &fixture.loader(), None)
+        .unwrap();
+    let resumed_losses = losses.take();
+    assert_eq!(resumed.step, 10);
+    assert_eq!(resumed_losses, full_losses[6..], "losses after the resume");
+    assert_eq!(
+        Module::<TfBackend>::state_dict(&resumed.model).unwrap(),
+        Module::<TfBackend>::state_dict(&full.model).unwrap()
+    );
+    assert_eq!(buffers(&resumed.model), buffers(&full.model));
+    // And the serving output, which reads the statistics, is the same bitwise.
+    let x = TfBackend::from_host(&fixture.serve_input(), Device::Cpu).unwrap();
+    assert_eq!(
+        resumed.model.predict_step(&x).unwrap(),
+        full.model.predict_step(&x).unwrap()
+    );
+    assert_eq!(
+        resumed.optimizer.state_dict().unwrap(),
+        full.optimizer.state_dict().unwrap()
+    );
 }

@@ -17,6 +17,12 @@ Usage:
                       serving_default: the alias of `serve` that ExportArchive adds
                     The optimizer's variables are used by `train`, so they are saved
                     too; they are also exposed as `optimizer_variables`.
+    mlp_bn/         the same recipe (serve, train, serving_default endpoints and
+                    `optimizer_variables`) on a Keras 3 model with batch norm:
+                    Dense(16) -> BatchNormalization -> ReLU -> Dense(3), seeded;
+                    `train` calls the model with training=True, so it updates the
+                    batch-norm moving mean and variance (non-trainable variables)
+                    as well as the Adam step; `serve` uses them (training=False).
     counter/        a plain tf.Module (no Keras) with one variable w = [1, 2, 3]:
                       serving_default(x: float32[?, 3]) -> y = x * w
                       bump() -> w: w += 1, returns the new w
@@ -52,8 +58,9 @@ and the optimizer's iteration count as restored from the checkpoint (null withou
 batches of BATCHES.json ({"x": T, "y": T, "batch": int, "epochs": int,
 "serve_input": T}: the rows in order, `batch` at a time, the last batch possibly
 smaller, `epochs` times over) and writes to OUT.json {"losses": [float],
-"trained_output": T}: each call's loss, and the `serving_default` output on
-`serve_input` afterwards.
+"trained_output": T, "variables": {name: T}}: each call's loss, the
+`serving_default` output on `serve_input` afterwards, and the model's variables
+(the archive's `variables`, by Keras name) afterwards.
 """
 
 import json
@@ -102,6 +109,24 @@ def build_model():
     return model, optimizer
 
 
+def build_bn_model():
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(8,), dtype="float32"),
+            keras.layers.Dense(16, name="hidden"),
+            keras.layers.BatchNormalization(name="bn"),
+            keras.layers.ReLU(name="relu"),
+            keras.layers.Dense(3, name="logits"),
+        ],
+        name="mlp_bn",
+    )
+    # Named explicitly: a second Adam in the process would be `adam_1`.
+    optimizer = keras.optimizers.Adam(learning_rate=LEARNING_RATE, name="adam")
+    optimizer.build(model.trainable_variables)
+    return model, optimizer
+
+
 def loss_fn(y, logits):
     return tf.reduce_mean(
         tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
@@ -119,8 +144,8 @@ def make_train_step(model, optimizer):
     return train
 
 
-def export_mlp(path):
-    model, optimizer = build_model()
+def export_mlp(path, build=build_model):
+    model, optimizer = build()
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint(
@@ -187,6 +212,7 @@ def export_nosaver(path):
 
 def export(out_dir):
     exported = export_mlp(os.path.join(out_dir, "mlp"))
+    export_mlp(os.path.join(out_dir, "mlp_bn"), build=build_bn_model)
     export_counter(os.path.join(out_dir, "counter"))
     export_nosaver(os.path.join(out_dir, "nosaver"))
 
@@ -279,7 +305,17 @@ def train(model_dir, batches_path, out_path):
     serve_input = tf.constant(tensor_from_json(spec["serve_input"]))
     (output,) = loaded.signatures["serving_default"](x=serve_input).values()
     with open(out_path, "w") as f:
-        json.dump({"losses": losses, "trained_output": tensor_json(output.numpy())}, f)
+        json.dump(
+            {
+                "losses": losses,
+                "trained_output": tensor_json(output.numpy()),
+                "variables": {
+                    v.name.split(":")[0]: tensor_json(v.numpy())
+                    for v in getattr(loaded, "variables", [])
+                },
+            },
+            f,
+        )
 
 
 def main():
