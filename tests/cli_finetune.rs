@@ -238,6 +238,10 @@ fn a_frozen_backbone_stays_bit_for_bit_and_bad_configs_are_refused() {
         r#"{{ type = "torchscript", path = "{}", trainable = false }}"#,
         pt.display()
     );
+    let given_layer = format!(
+        r#"{{ type = "torchscript", path = "{}", trainable = false, output_shape = [256] }}"#,
+        pt.display()
+    );
     // Both ways of freezing: a glob, and `trainable = false` on the layer.
     for (name, layer, extra) in [
         (
@@ -246,6 +250,8 @@ fn a_frozen_backbone_stays_bit_for_bit_and_bad_configs_are_refused() {
             "freeze = [\"0.*\"]\nfrozen_batch_norm = \"eval\"",
         ),
         ("layer", &frozen_layer, "frozen_batch_norm = \"eval\""),
+        // The output shape given instead of found by running the file.
+        ("given", &given_layer, "frozen_batch_norm = \"eval\""),
     ] {
         let cfg = config(&dir, name, layer, extra, "");
         let run = dir.join(format!("run-{name}"));

@@ -80,15 +80,14 @@ impl TrainBackend for TorchBackend {
                 ),
             ));
         }
-        // As DDP: only the parameters that train are reduced; frozen ones travel
-        // with the buffers (rank 0's at the start).
-        let (trained, frozen): (Vec<_>, Vec<_>) = model
-            .named_parameters()?
-            .into_iter()
-            .partition(|(_, t)| t.requires_grad());
-        let mut buffers = frozen;
-        buffers.extend(model.named_buffers()?);
-        let ddp = DistributedDataParallel::new(group, &trained, &buffers, options)?;
+        // DDP reduces the parameters that require gradients; every parameter
+        // (frozen ones included) and buffer is rank 0's from the start.
+        let ddp = DistributedDataParallel::new(
+            group,
+            &model.named_parameters()?,
+            &model.named_buffers()?,
+            options,
+        )?;
         model.set_distributed(ddp);
         Ok(())
     }

@@ -457,7 +457,7 @@ mod ddp {
             );
         }
         // A frozen first layer: only the rest is reduced, and the frozen
-        // weights are rank 0's on every rank (they travel with the buffers).
+        // weights are rank 0's on every rank (broadcast once, at the start).
         let frozen = ["0.*"];
         let opts = DistributedOptions::default();
         let (single_losses, single_weights, single) =

@@ -187,8 +187,9 @@ pub enum Layer {
     SavedModel(SavedModelLayerConfig),
 }
 
-/// What [`Layer::resolve_shapes`] calls on each layer: `(path, layer, input shape)`.
-pub type ShapeFill<'a> = dyn FnMut(&str, &mut Layer, &[usize]) -> Result<()> + 'a;
+/// What [`Layer::resolve_shapes`] calls on each layer: `(path, layer, input
+/// shape, input dtype)`.
+pub type ShapeFill<'a> = dyn FnMut(&str, &mut Layer, &[usize], DType) -> Result<()> + 'a;
 
 /// Whether a [`ParamSpec`] is trained or only saved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -405,54 +406,68 @@ impl Layer {
     }
 
     /// The output shape for `input`, as [`output_shape`](Layer::output_shape),
-    /// letting `fill` complete each layer first: `fill(path, layer, input)` is
-    /// called on every layer that is not a `Sequential` or `Residual`, with the
-    /// shape reaching it, before its own output shape is inferred. Backends use
+    /// letting `fill` complete each layer first: `fill(path, layer, input,
+    /// dtype)` is called on every layer that is not a `Sequential` or
+    /// `Residual`, with the shape reaching it and its dtype (`dtype`, the
+    /// data's, for the first layer; float32 features after it), before its own
+    /// output shape is inferred. Backends use
     /// it to record what only running a layer tells (the output shape of a
     /// TorchScript or SavedModel layer).
     ///
     /// ```
-    /// use kiln_core::model::{Layer, LinearConfig};
+    /// use kiln_core::{model::{Layer, LinearConfig}, DType};
     ///
     /// let mut net = Layer::sequential([LinearConfig::new(4, 8).into(), Layer::Relu]);
     /// let mut seen = Vec::new();
-    /// let out = net.resolve_shapes(&[2, 4], &mut |path, _layer, input| {
-    ///     seen.push((path.to_owned(), input.to_vec()));
+    /// let out = net.resolve_shapes(&[2, 4], DType::F64, &mut |path, _layer, input, dtype| {
+    ///     seen.push((path.to_owned(), input.to_vec(), dtype));
     ///     Ok(())
     /// })?;
     /// assert_eq!(out, vec![2, 8]);
-    /// assert_eq!(seen, [("0".to_owned(), vec![2, 4]), ("1".to_owned(), vec![2, 8])]);
+    /// assert_eq!(seen, [
+    ///     ("0".to_owned(), vec![2, 4], DType::F64),
+    ///     ("1".to_owned(), vec![2, 8], DType::F32),
+    /// ]);
     /// # Ok::<(), kiln_core::Error>(())
     /// ```
     pub fn resolve_shapes(
         &mut self,
         input: &[usize],
+        dtype: DType,
         fill: &mut ShapeFill<'_>,
     ) -> Result<Vec<usize>> {
-        self.resolve_at("", input, fill)
+        let mut dtype = Some(dtype);
+        self.resolve_at("", input, &mut dtype, fill)
     }
 
+    /// `first` is the data's dtype until the first layer has taken it.
     fn resolve_at(
         &mut self,
         path: &str,
         input: &[usize],
+        first: &mut Option<DType>,
         fill: &mut ShapeFill<'_>,
     ) -> Result<Vec<usize>> {
         match self {
             Layer::Sequential { layers } => {
                 let mut shape = input.to_vec();
                 for (i, child) in layers.iter_mut().enumerate() {
-                    shape = child.resolve_at(&layers::join(path, &i.to_string()), &shape, fill)?;
+                    shape = child.resolve_at(
+                        &layers::join(path, &i.to_string()),
+                        &shape,
+                        first,
+                        fill,
+                    )?;
                 }
                 Ok(shape)
             }
             Layer::Residual { block } => {
-                block.resolve_at(&layers::join(path, "block"), input, fill)?;
+                block.resolve_at(&layers::join(path, "block"), input, first, fill)?;
                 // The residual's own rule checks that the block keeps the shape.
                 self.infer(path, input)
             }
             leaf => {
-                fill(path, leaf, input)?;
+                fill(path, leaf, input, first.take().unwrap_or(DType::F32))?;
                 leaf.infer(path, input)
             }
         }

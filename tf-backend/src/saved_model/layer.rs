@@ -565,22 +565,17 @@ pub fn resolve_saved_model_shapes(
     resolved.validate()?;
     let mut input = vec![1];
     input.extend_from_slice(example_shape);
-    // The data reaches the first layer; later ones get float features.
-    let mut first = true;
-    resolved.resolve_shapes(&input, &mut |path, layer, input| {
-        let dtype = if std::mem::take(&mut first) {
-            dtype
-        } else {
-            DType::F32
-        };
-        match layer {
+    resolved.resolve_shapes(
+        &input,
+        dtype,
+        &mut |path, layer, input, dtype| match layer {
             Layer::SavedModel(config) if config.output_shape.is_none() => {
                 config.output_shape = Some(output_dims(path, config, input, dtype)?);
                 Ok(())
             }
             _ => Ok(()),
-        }
-    })?;
+        },
+    )?;
     Ok(resolved)
 }
 

@@ -374,22 +374,17 @@ pub fn resolve_torchscript_shapes(
     }
     let mut input = vec![1];
     input.extend_from_slice(example_shape);
-    // The data reaches the first layer; later ones get float features.
-    let mut first = true;
-    resolved.resolve_shapes(&input, &mut |path, layer, input| {
-        let dtype = if std::mem::take(&mut first) {
-            dtype
-        } else {
-            DType::F32
-        };
-        match layer {
+    resolved.resolve_shapes(
+        &input,
+        dtype,
+        &mut |path, layer, input, dtype| match layer {
             Layer::TorchScript(config) if config.output_shape.is_none() => {
                 config.output_shape = Some(run_once(path, config, input, dtype, device)?);
                 Ok(())
             }
             _ => Ok(()),
-        }
-    })?;
+        },
+    )?;
     Ok(resolved)
 }
 
