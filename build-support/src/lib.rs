@@ -21,6 +21,7 @@ mod error;
 mod layout;
 mod libtorch;
 mod link;
+mod onnx;
 mod ops;
 mod provision;
 mod setup;
@@ -32,6 +33,7 @@ pub use error::{BuildError, Result};
 pub use layout::Layout;
 pub use libtorch::Libtorch;
 pub use link::{build_script, Native};
+pub use onnx::Onnx;
 pub use ops::{OpsArtifacts, TfOps, TfOpsArtifacts, TorchOps};
 pub use provision::{
     ensure_venv, existing_venv, find_python, pip_install, shared_cache_dir, shared_venv_dir, Venv,

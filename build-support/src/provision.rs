@@ -409,7 +409,7 @@ fn verify_imports(python: &Path) -> Result<PathBuf> {
         .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .args([
             "-c",
-            "import sysconfig, torch, tensorflow, sklearn, safetensors, tensorboard; \
+            "import sysconfig, torch, tensorflow, sklearn, onnx, onnxruntime, safetensors, tensorboard; \
              print(sysconfig.get_path('purelib'))",
         ])
         .output()

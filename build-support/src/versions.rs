@@ -5,11 +5,18 @@ pub const TORCH_VERSION: &str = "2.11.0";
 /// TensorFlow version whose C API the `tensorflow` 0.21 crate is used with.
 pub const TENSORFLOW_VERSION: &str = "2.21.0";
 
+/// The `onnx` wheel whose `onnx.proto` Kiln's ONNX types are generated from.
+pub const ONNX_VERSION: &str = "1.23.2";
+/// The `onnxruntime` wheel whose `libonnxruntime.so` runs ONNX models in Kiln.
+pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
+
 /// The Python packages of the project virtualenv, exactly pinned.
 ///
 /// torch and tensorflow-cpu carry the native libraries; scikit-learn ships the
-/// UCI digits data set; safetensors reads and writes checkpoints in reference
-/// scripts; tensorboard reads back the event files Kiln writes. cuda-toolkit
+/// UCI digits data set; onnx ships `onnx.proto` (Kiln's ONNX types are
+/// generated from it) and checks exported models in tests; onnxruntime ships
+/// `libonnxruntime.so` (`OnnxModel`); safetensors reads and writes checkpoints in
+/// reference scripts; tensorboard reads back the event files Kiln writes. cuda-toolkit
 /// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
 /// wheel was built with) and the CUDA C++ headers, for kiln-ops' `cuda` feature,
 /// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
@@ -20,6 +27,8 @@ pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "torch==2.11.0",
     "tensorflow-cpu==2.21.0",
     "scikit-learn==1.9.1",
+    "onnx==1.23.2",
+    "onnxruntime==1.31.1",
     "safetensors==0.8.0",
     "tensorboard==2.21.0",
     "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",

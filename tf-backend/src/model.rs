@@ -428,3 +428,9 @@ mod tests {
         Ok(())
     }
 }
+
+impl kiln_core::model::Definition for TfModel {
+    fn definition(&self) -> &Layer {
+        &self.spec
+    }
+}

@@ -724,3 +724,9 @@ fn cast_float(tensor: &Tensor, kind: Kind, what: &str) -> Result<Tensor> {
         Ok(tensor.shallow_clone())
     }
 }
+
+impl kiln_core::model::Definition for TorchModel {
+    fn definition(&self) -> &Layer {
+        &self.spec
+    }
+}

@@ -557,3 +557,11 @@ layer_from_config! {
 
 #[cfg(test)]
 mod tests;
+
+/// A model built from a [`Layer`] definition (a backend's model type), which
+/// exporters read: the definition gives the architecture, the module's state
+/// dict the weights.
+pub trait Definition {
+    /// The definition the model was built from.
+    fn definition(&self) -> &Layer;
+}

@@ -1,0 +1,1 @@
+//! Kiln model definitions to ONNX (to be written).

@@ -1,0 +1,1 @@
+//! What an ONNX file declares (to be written).

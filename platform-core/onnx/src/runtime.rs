@@ -1,0 +1,1 @@
+//! ONNX models run with ONNX Runtime (to be written).
