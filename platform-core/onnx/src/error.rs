@@ -42,6 +42,15 @@ pub enum Error {
         /// What was expected and what was given.
         reason: String,
     },
+    /// An output of an [`OnnxModel`](crate::OnnxModel) cannot be returned as a
+    /// `HostTensor` (not a tensor, or an element type Kiln lacks).
+    #[error("output '{name}': {reason}")]
+    Output {
+        /// The output's name in the model.
+        name: String,
+        /// What it is, and what Kiln can return.
+        reason: String,
+    },
     /// ONNX Runtime could not be loaded or failed.
     #[error("ONNX Runtime: {0}")]
     Runtime(String),
