@@ -4,7 +4,8 @@
 //! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
 //! datasets, loaders, readers, transforms; [`train`]: the `Trainer`, callbacks,
 //! metrics, sinks and checkpoints), the most used names at the root and in
-//! [`prelude`], and, behind features, the backends: `torch` (`kiln-torch`,
+//! [`prelude`], [`onnx`] (ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`),
+//! and, behind features, the backends: `torch` (`kiln-torch`,
 //! libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API) and `ops`
 //! (`kiln-ops`, custom C++ ops).
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
@@ -26,6 +27,7 @@
 
 pub use kiln_core as core;
 pub use kiln_data as data;
+pub use kiln_onnx as onnx;
 #[cfg(feature = "ops")]
 pub use kiln_ops as ops;
 #[cfg(feature = "tf")]
