@@ -26,7 +26,7 @@ pub mod proto {
 
 pub use error::{Error, Result};
 pub use inspect::{Dim, ModelInfo, Opset, TensorInfo};
-pub use runtime::{OnnxModel, OnnxModelBuilder, OptimizationLevel};
+pub use runtime::{OnnxModel, OnnxModelBuilder, OptimizationLevel, PredictTiming};
 
 /// The ONNX IR version Kiln writes: 10 (ONNX 1.16), which ONNX Runtime 1.31
 /// reads (it reads 13 at most; the `onnx` 1.23 package writes 14 by default).

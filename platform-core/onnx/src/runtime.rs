@@ -418,6 +418,74 @@ impl OnnxModel {
     }
 }
 
+/// Timings of [`OnnxModel::predict`] on one input, from
+/// [`OnnxModel::time_predict`]: batch-1 latency and large-batch throughput
+/// are two calls with inputs of those batch sizes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PredictTiming {
+    /// The input's leading dimension (1 for a rank-0 input).
+    pub batch: usize,
+    /// Untimed calls made first.
+    pub warmup: usize,
+    /// Timed calls.
+    pub runs: usize,
+    /// Median seconds per call.
+    pub median_s: f64,
+    /// Fastest call, in seconds.
+    pub min_s: f64,
+    /// 90th-percentile seconds per call.
+    pub p90_s: f64,
+    /// Samples per second at the median: `batch / median_s`.
+    pub samples_per_s: f64,
+}
+
+impl OnnxModel {
+    /// Times [`predict`](Self::predict) on `input`: `warmup` untimed calls,
+    /// then `runs` timed calls (each timed alone, including the output copy).
+    ///
+    /// Fails as `predict` does, and with [`Error::Input`] when `runs` is 0.
+    pub fn time_predict(
+        &self,
+        input: &HostTensor,
+        warmup: usize,
+        runs: usize,
+    ) -> Result<PredictTiming> {
+        if runs == 0 {
+            return Err(Error::Input {
+                name: "runs".to_string(),
+                reason: "time_predict needs at least one timed run".to_string(),
+            });
+        }
+        for _ in 0..warmup {
+            self.predict(input)?;
+        }
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let start = std::time::Instant::now();
+            let out = self.predict(input)?;
+            times.push(start.elapsed().as_secs_f64());
+            drop(out);
+        }
+        times.sort_by(f64::total_cmp);
+        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+        let batch = input.dims().first().copied().unwrap_or(1);
+        let median_s = if runs % 2 == 1 {
+            times[runs / 2]
+        } else {
+            (times[runs / 2 - 1] + times[runs / 2]) / 2.0
+        };
+        Ok(PredictTiming {
+            batch,
+            warmup,
+            runs,
+            median_s,
+            min_s: times[0],
+            p90_s: at(0.9),
+            samples_per_s: batch as f64 / median_s,
+        })
+    }
+}
+
 /// The Kiln dtype of an ONNX Runtime element type.
 fn dtype_of(ty: TensorElementType) -> Option<DType> {
     match ty {

@@ -398,3 +398,23 @@ fn onnxruntime_refuses_ir_14_with_a_hint() {
         other => panic!("expected Error::Runtime, got {other:?}"),
     }
 }
+
+#[test]
+fn time_predict_reports_latency_and_throughput() {
+    let Some(fx) = fixtures("time_predict_reports_latency_and_throughput") else {
+        return;
+    };
+    let model = OnnxModel::load(fx.model("mlp")).unwrap();
+    let x = fx.tensor("mlp.x.b17");
+    let t = model.time_predict(&x, 3, 9).unwrap();
+    assert_eq!((t.batch, t.warmup, t.runs), (17, 3, 9));
+    assert!(
+        t.min_s > 0.0 && t.min_s <= t.median_s && t.median_s <= t.p90_s,
+        "{t:?}"
+    );
+    assert!((t.samples_per_s - 17.0 / t.median_s).abs() < 1e-6 * t.samples_per_s);
+    assert!(matches!(
+        model.time_predict(&x, 0, 0),
+        Err(Error::Input { .. })
+    ));
+}
