@@ -20,6 +20,34 @@ pub enum Error {
         /// Why, and what would work.
         reason: String,
     },
+    /// A state-dict entry a layer needs is missing, or has another shape or
+    /// dtype than the layer declares.
+    #[error("{path} ({layer}): state dict entry `{key}` {reason}")]
+    Weight {
+        /// The layer's path in the model (`2.block.0`), or `<root>`.
+        path: String,
+        /// The layer's kind (`Linear`).
+        layer: String,
+        /// The state-dict key (`2.block.0.weight`).
+        key: String,
+        /// What was found and what was expected.
+        reason: String,
+    },
+    /// An export setting does not fit the model (a name used twice, an input
+    /// dtype the first layer cannot take).
+    #[error("{what}: {reason}")]
+    Invalid {
+        /// The setting or value (`input dtype`, `output name`).
+        what: String,
+        /// What was given and what was expected.
+        reason: String,
+    },
+    /// The directory the output file should go in does not exist.
+    #[error("the directory of {path} does not exist; create it first")]
+    MissingParent {
+        /// The output file.
+        path: PathBuf,
+    },
     /// The output file exists and overwriting was not asked for.
     #[error("{path} already exists; pass --overwrite (or `overwrite(true)`) to replace it")]
     FileExists {

@@ -25,6 +25,7 @@ pub mod proto {
 }
 
 pub use error::{Error, Result};
+pub use export::{export_onnx, CustomOp, CustomOpFn, OnnxExport};
 pub use inspect::{Dim, ModelInfo, Opset, TensorInfo};
 pub use runtime::{OnnxModel, OnnxModelBuilder, OptimizationLevel, PredictTiming};
 

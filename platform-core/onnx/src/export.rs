@@ -1,1 +1,0 @@
-//! Kiln model definitions to ONNX (to be written).

@@ -1,0 +1,42 @@
+//! `Dropout` (`Identity` at inference), `Embedding` (`Gather` on the table;
+//! `padding_idx` only matters to training) and `Flatten` (`Flatten` for
+//! `start_dim=1, end_dim=-1`, otherwise `Reshape`). `Sequential` and
+//! `Residual` (`Add`) are walked by `Emitter::layer`.
+
+use kiln_core::model::Layer;
+
+use super::graph::attr;
+use super::{flatten_start, wrong_family, Emitter, Value};
+use crate::error::Result;
+
+impl Emitter<'_> {
+    pub(crate) fn structure(
+        &mut self,
+        path: &str,
+        layer: &Layer,
+        x: &Value,
+        out: &[usize],
+    ) -> Result<String> {
+        match layer {
+            Layer::Dropout { .. } => Ok(self.g.op(path, "Identity", &[&x.name], vec![])),
+            Layer::Embedding(_) => {
+                let table = self.param(path, layer, "weight")?;
+                Ok(self
+                    .g
+                    .op(path, "Gather", &[&table, &x.name], vec![attr::int("axis", 0)]))
+            }
+            Layer::Flatten { start_dim, .. } => {
+                let rank = x.shape.len();
+                let start = flatten_start(*start_dim, rank);
+                if start == 1 && rank >= 2 && out.len() == 2 {
+                    Ok(self
+                        .g
+                        .op(path, "Flatten", &[&x.name], vec![attr::int("axis", 1)]))
+                } else {
+                    self.reshape(path, x, out, start > 0)
+                }
+            }
+            _ => Err(wrong_family(path, layer)),
+        }
+    }
+}
