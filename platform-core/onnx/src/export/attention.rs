@@ -62,9 +62,13 @@ impl Emitter<'_> {
         )?;
         let e = embed as i64;
         let split = self.g.ints(path, "split", &[e, e, e])?;
-        let parts = self
-            .g
-            .op_n(path, "Split", &[&qkv, &split], vec![attr::int("axis", 2)], 3);
+        let parts = self.g.op_n(
+            path,
+            "Split",
+            &[&qkv, &split],
+            vec![attr::int("axis", 2)],
+            3,
+        );
         // [batch, seq, embed] -> [batch, seq, heads, head_dim]
         let by_head = self
             .g
@@ -117,6 +121,9 @@ mod tests {
     #[test]
     fn the_causal_mask_hides_later_keys() {
         let inf = f64::NEG_INFINITY;
-        assert_eq!(causal_mask(3), [0.0, inf, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0]);
+        assert_eq!(
+            causal_mask(3),
+            [0.0, inf, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0]
+        );
     }
 }

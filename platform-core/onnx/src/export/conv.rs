@@ -45,12 +45,16 @@ impl Emitter<'_> {
         }
         Ok(match layer {
             Layer::Linear(_) if x.shape.len() == 2 => {
-                self.g.op(path, "Gemm", &inputs, vec![attr::int("transB", 1)])
+                self.g
+                    .op(path, "Gemm", &inputs, vec![attr::int("transB", 1)])
             }
             Layer::Linear(_) => {
-                let wt = self
-                    .g
-                    .op(path, "Transpose", &[&weight], vec![attr::ints("perm", &[1, 0])]);
+                let wt = self.g.op(
+                    path,
+                    "Transpose",
+                    &[&weight],
+                    vec![attr::ints("perm", &[1, 0])],
+                );
                 let y = self.g.op(path, "MatMul", &[&x.name, &wt], vec![]);
                 match &bias {
                     Some(b) => self.g.op(path, "Add", &[&y, b], vec![]),

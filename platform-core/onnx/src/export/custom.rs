@@ -63,7 +63,12 @@ impl CustomOp<'_, '_> {
     }
 
     /// Appends an `op_type` node of the default domain and returns its output's name.
-    pub fn node(&mut self, op_type: &str, inputs: &[&str], attributes: Vec<AttributeProto>) -> String {
+    pub fn node(
+        &mut self,
+        op_type: &str,
+        inputs: &[&str],
+        attributes: Vec<AttributeProto>,
+    ) -> String {
         self.emitter.g.op(self.path, op_type, inputs, attributes)
     }
 

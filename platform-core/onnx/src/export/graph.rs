@@ -181,7 +181,12 @@ impl Graph {
     }
 
     /// A constant initializer named `{path}/{label}` holding `tensor`.
-    pub(crate) fn constant(&mut self, path: &str, label: &str, tensor: &HostTensor) -> Result<String> {
+    pub(crate) fn constant(
+        &mut self,
+        path: &str,
+        label: &str,
+        tensor: &HostTensor,
+    ) -> Result<String> {
         let name = self.unique(scoped(path, label));
         self.initializers.push(tensor_proto(&name, tensor)?);
         Ok(name)
@@ -224,7 +229,9 @@ impl Graph {
 
     /// Whether a node produces `value`.
     pub(crate) fn produces(&self, value: &str) -> bool {
-        self.nodes.iter().any(|n| n.output.iter().any(|o| o == value))
+        self.nodes
+            .iter()
+            .any(|n| n.output.iter().any(|o| o == value))
     }
 }
 
@@ -238,9 +245,16 @@ mod tests {
         let a = g.op("2.block.0", "Gemm", &["input"], vec![]);
         let b = g.op("2.block.0", "Gemm", &[&a], vec![]);
         let c = g.op("", "Relu", &[&b], vec![]);
-        let names: Vec<_> = g.nodes.iter().map(|n| n.name.clone().unwrap_or_default()).collect();
+        let names: Vec<_> = g
+            .nodes
+            .iter()
+            .map(|n| n.name.clone().unwrap_or_default())
+            .collect();
         assert_eq!(names, ["2.block.0/Gemm", "2.block.0/Gemm_1", "Relu"]);
-        assert_eq!([a.as_str(), b.as_str(), c.as_str()], ["2.block.0/Gemm:0", "2.block.0/Gemm_1:0", "Relu:0"]);
+        assert_eq!(
+            [a.as_str(), b.as_str(), c.as_str()],
+            ["2.block.0/Gemm:0", "2.block.0/Gemm_1:0", "Relu:0"]
+        );
     }
 
     #[test]
@@ -249,7 +263,10 @@ mod tests {
         assert_eq!(a.r#type, Some(AttributeType::Ints as i32));
         assert_eq!(a.ints, [1, 2, 1, 2]);
         let f = attr::float("epsilon", 1e-5);
-        assert_eq!((f.r#type, f.f), (Some(AttributeType::Float as i32), Some(1e-5f32)));
+        assert_eq!(
+            (f.r#type, f.f),
+            (Some(AttributeType::Float as i32), Some(1e-5f32))
+        );
         let s = attr::string("approximate", "tanh");
         assert_eq!(s.s.as_deref(), Some(b"tanh".as_slice()));
         assert_eq!(attr::int("axis", -1).i, Some(-1));

@@ -116,7 +116,10 @@ impl Emitter<'_> {
                 path: shown(path),
                 layer: kind_of(layer),
                 key,
-                reason: format!("is missing (the state dict has {} entries)", self.state.len()),
+                reason: format!(
+                    "is missing (the state dict has {} entries)",
+                    self.state.len()
+                ),
             }),
         }
     }
@@ -339,16 +342,16 @@ impl<'a> OnnxExport<'a> {
     /// ```
     /// use kiln_onnx::{export::attr, OnnxExport};
     /// # use kiln_core::{model::{CustomConfig, Init, Layer}, state_dict::StateDict, HostTensor};
-    /// # let net: Layer = CustomConfig::new("my::scale").with_param("s", [1], Init::Ones).into();
+    /// # let net = Layer::sequential([CustomConfig::new("my::scale").with_param("s", [1], Init::Ones).into()]);
     /// # let mut state = StateDict::new();
-    /// # state.insert("s", HostTensor::new(vec![2.0f32], [1])?);
+    /// # state.insert("0.s", HostTensor::new(vec![2.0f32], [1])?);
     /// let export = OnnxExport::new(&net, &state, &[2, 3]).custom_op("my::scale", |op| {
     ///     let s = op.param("s")?;
     ///     let x = op.input().to_owned();
     ///     Ok(op.node("Mul", &[&x, &s], vec![]))
     /// });
     /// let model = export.to_model()?;
-    /// assert_eq!(model.graph.unwrap().node[0].name.as_deref(), Some("my::scale/Mul"));
+    /// assert_eq!(model.graph.unwrap().node[0].name.as_deref(), Some("0/Mul"));
     /// # let _ = attr::int("axis", 0);
     /// # Ok::<(), kiln_onnx::Error>(())
     /// ```
@@ -521,8 +524,9 @@ impl<'a> OnnxExport<'a> {
         if self.input_shape.is_empty() {
             return Err(Error::Invalid {
                 what: "input shape".to_owned(),
-                reason: "is empty; expected the batch dimension and the sample's, like [1, 1, 8, 8]"
-                    .to_owned(),
+                reason:
+                    "is empty; expected the batch dimension and the sample's, like [1, 1, 8, 8]"
+                        .to_owned(),
             });
         }
         Ok(())
@@ -604,7 +608,10 @@ impl<'a> OnnxExport<'a> {
                 } else if dtype != spec.dtype {
                     return Err(fail(format!("has dtype {dtype}, expected {}", spec.dtype)));
                 }
-                debug_assert!(matches!(spec.kind, ParamKind::Parameter | ParamKind::Buffer));
+                debug_assert!(matches!(
+                    spec.kind,
+                    ParamKind::Parameter | ParamKind::Buffer
+                ));
             }
         }
         Ok(float.map_or(DType::F32, |(d, _)| d))
@@ -689,11 +696,9 @@ fn write_atomically(path: &Path, bytes: &[u8], overwrite: bool) -> Result<()> {
         } else {
             match std::fs::hard_link(&temp, path) {
                 Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    Err(Error::FileExists {
-                        path: path.to_path_buf(),
-                    })
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(Error::FileExists {
+                    path: path.to_path_buf(),
+                }),
                 Err(e) => Err(Error::io("linking into", path, e)),
             }
         }

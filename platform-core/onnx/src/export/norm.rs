@@ -22,8 +22,10 @@ impl Emitter<'_> {
                         )
                     } else {
                         (
-                            self.g.floats(path, "ones", &vec![1.0; channels], &[channels])?,
-                            self.g.floats(path, "zeros", &vec![0.0; channels], &[channels])?,
+                            self.g
+                                .floats(path, "ones", &vec![1.0; channels], &[channels])?,
+                            self.g
+                                .floats(path, "zeros", &vec![0.0; channels], &[channels])?,
                         )
                     };
                     let mean = self.param(path, layer, "running_mean")?;
@@ -75,7 +77,9 @@ impl Emitter<'_> {
             }
             Layer::GroupNorm(c) => {
                 // [N, C, *] -> [N, G, C/G * prod(*)], standardized per group.
-                let grouped = self.g.ints(path, "grouped", &[0, c.num_groups as i64, -1])?;
+                let grouped = self
+                    .g
+                    .ints(path, "grouped", &[0, c.num_groups as i64, -1])?;
                 let r = self.g.op(path, "Reshape", &[&x.name, &grouped], vec![]);
                 let normalized = self.standardize(path, &r, &[2], c.eps)?;
                 let mut back: Vec<i64> = x.shape.iter().map(|&d| d as i64).collect();

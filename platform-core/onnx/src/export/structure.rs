@@ -21,9 +21,12 @@ impl Emitter<'_> {
             Layer::Dropout { .. } => Ok(self.g.op(path, "Identity", &[&x.name], vec![])),
             Layer::Embedding(_) => {
                 let table = self.param(path, layer, "weight")?;
-                Ok(self
-                    .g
-                    .op(path, "Gather", &[&table, &x.name], vec![attr::int("axis", 0)]))
+                Ok(self.g.op(
+                    path,
+                    "Gather",
+                    &[&table, &x.name],
+                    vec![attr::int("axis", 0)],
+                ))
             }
             Layer::Flatten { start_dim, .. } => {
                 let rank = x.shape.len();

@@ -42,17 +42,27 @@ fn the_model_records_its_producer_versions_and_shapes() -> Result<()> {
     let names: Vec<_> = graph.node.iter().filter_map(|n| n.name.clone()).collect();
     assert_eq!(names, ["0/Gemm", "1/Relu"]);
     assert_eq!(graph.node[1].output, ["output"]);
-    let inits: Vec<_> = graph.initializer.iter().filter_map(|t| t.name.clone()).collect();
+    let inits: Vec<_> = graph
+        .initializer
+        .iter()
+        .filter_map(|t| t.name.clone())
+        .collect();
     assert_eq!(inits, ["0.weight", "0.bias"]);
     let batch = Some(DimValue::DimParam("batch".to_owned()));
-    assert_eq!(dims(&graph.input[0]), [batch.clone(), Some(DimValue::DimValue(3))]);
+    assert_eq!(
+        dims(&graph.input[0]),
+        [batch.clone(), Some(DimValue::DimValue(3))]
+    );
     assert_eq!(dims(&graph.output[0]), [batch, Some(DimValue::DimValue(2))]);
     let fixed = OnnxExport::new(&net, &state, &[4, 3])
         .dynamic_batch(false)
         .to_model()?
         .graph
         .unwrap_or_default();
-    assert_eq!(dims(&fixed.output[0]), [Some(DimValue::DimValue(4)), Some(DimValue::DimValue(2))]);
+    assert_eq!(
+        dims(&fixed.output[0]),
+        [Some(DimValue::DimValue(4)), Some(DimValue::DimValue(2))]
+    );
     Ok(())
 }
 
@@ -63,8 +73,15 @@ fn weights_keep_their_float_dtype() -> Result<()> {
     let model = OnnxExport::new(&net, &state, &[1, 3]).to_model()?;
     let graph = model.graph.unwrap_or_default();
     let double = proto::tensor_proto::DataType::Double as i32;
-    assert!(graph.initializer.iter().all(|t| t.data_type == Some(double)));
-    match graph.input[0].r#type.as_ref().and_then(|t| t.value.as_ref()) {
+    assert!(graph
+        .initializer
+        .iter()
+        .all(|t| t.data_type == Some(double)));
+    match graph.input[0]
+        .r#type
+        .as_ref()
+        .and_then(|t| t.value.as_ref())
+    {
         Some(type_proto::Value::TensorType(t)) => assert_eq!(t.elem_type, Some(double)),
         other => panic!("input type {other:?}"),
     }
@@ -75,11 +92,24 @@ fn weights_keep_their_float_dtype() -> Result<()> {
 fn mixed_float_dtypes_and_wrong_shapes_are_typed_errors() {
     let net: Layer = LinearConfig::new(3, 2).into();
     let mut state = linear_state("", 3, 2, DType::F32);
-    state.insert("bias", HostTensor::zeros(DType::F64, [2]).unwrap_or_else(|e| panic!("{e}")));
-    let err = OnnxExport::new(&net, &state, &[1, 3]).to_model().unwrap_err();
-    assert!(matches!(&err, Error::Weight { key, .. } if key == "bias"), "{err}");
-    state.insert("bias", HostTensor::zeros(DType::F32, [3]).unwrap_or_else(|e| panic!("{e}")));
-    let err = OnnxExport::new(&net, &state, &[1, 3]).to_model().unwrap_err();
+    state.insert(
+        "bias",
+        HostTensor::zeros(DType::F64, [2]).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let err = OnnxExport::new(&net, &state, &[1, 3])
+        .to_model()
+        .unwrap_err();
+    assert!(
+        matches!(&err, Error::Weight { key, .. } if key == "bias"),
+        "{err}"
+    );
+    state.insert(
+        "bias",
+        HostTensor::zeros(DType::F32, [3]).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let err = OnnxExport::new(&net, &state, &[1, 3])
+        .to_model()
+        .unwrap_err();
     assert_eq!(
         err.to_string(),
         "<root> (Linear): state dict entry `bias` has shape [3], expected [2]"
@@ -89,13 +119,28 @@ fn mixed_float_dtypes_and_wrong_shapes_are_typed_errors() {
 #[test]
 fn unmapped_layers_are_unsupported_with_their_path() {
     let user = CustomConfig::new("me::wobble").with_param("k", [1], Init::Ones);
-    let net = Layer::sequential([Layer::residual(Layer::sequential([Layer::Relu, user.into()]))]);
+    let net = Layer::sequential([Layer::residual(Layer::sequential([
+        Layer::Relu,
+        user.into(),
+    ]))]);
     let mut state = StateDict::new();
-    state.insert("0.block.1.k", HostTensor::new(vec![1.0f32], [1]).unwrap_or_else(|e| panic!("{e}")));
-    let err = OnnxExport::new(&net, &state, &[2, 3]).to_model().unwrap_err();
+    state.insert(
+        "0.block.1.k",
+        HostTensor::new(vec![1.0f32], [1]).unwrap_or_else(|e| panic!("{e}")),
+    );
+    let err = OnnxExport::new(&net, &state, &[2, 3])
+        .to_model()
+        .unwrap_err();
     match &err {
-        Error::Unsupported { path, layer, reason } => {
-            assert_eq!((path.as_str(), layer.as_str()), ("0.block.1", "Custom(me::wobble)"));
+        Error::Unsupported {
+            path,
+            layer,
+            reason,
+        } => {
+            assert_eq!(
+                (path.as_str(), layer.as_str()),
+                ("0.block.1", "Custom(me::wobble)")
+            );
             assert!(reason.contains("custom_op"), "{reason}");
         }
         other => panic!("{other}"),
@@ -112,7 +157,9 @@ fn unmapped_layers_are_unsupported_with_their_path() {
 
     let ts: Layer = TorchScriptConfig::new("backbone.pt").into();
     let net = Layer::sequential([Layer::Relu, ts]);
-    let err = OnnxExport::new(&net, &state, &[2, 3]).to_model().unwrap_err();
+    let err = OnnxExport::new(&net, &state, &[2, 3])
+        .to_model()
+        .unwrap_err();
     assert!(
         matches!(&err, Error::Unsupported { path, layer, .. } if path == "1" && layer == "TorchScript"),
         "{err}"
@@ -133,7 +180,9 @@ fn settings_that_cannot_work_are_refused() {
         err.to_string(),
         "<root> (Linear): receives int64 data; it takes float32 features (the weights' dtype)"
     );
-    let bad_shape = OnnxExport::new(&net, &state, &[1, 4]).to_model().unwrap_err();
+    let bad_shape = OnnxExport::new(&net, &state, &[1, 4])
+        .to_model()
+        .unwrap_err();
     assert!(matches!(bad_shape, Error::Core(_)), "{bad_shape}");
 }
 
