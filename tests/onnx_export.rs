@@ -359,7 +359,7 @@ fn every_layer_matches_onnx_runtime() {
             ops.join(" ")
         );
         for d in diffs {
-            if !(d < 1e-5) {
+            if d.is_nan() || d >= 1e-5 {
                 failures.push(format!("{}: max |diff| {d:e}", c.name));
             }
         }
