@@ -20,7 +20,7 @@ use kiln::core::model::{CustomConfig, Init, Layer, LinearConfig, TorchScriptConf
 use kiln::core::module::Module;
 use kiln::onnx::{export_onnx, Error, OnnxExport};
 use kiln::torch::{TorchBackend, TorchModel};
-use kiln::{Device, HostTensor, Mode, StateDict};
+use kiln::{DType, Device, HostTensor, Mode, StateDict};
 
 /// The global libtorch generator: tests in this binary build models one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -60,6 +60,8 @@ struct Case {
     int_high: Option<usize>,
     /// Also run the export (made with batch 2) with batch 3.
     batch_check: bool,
+    /// Export the weights as float64 (the graph then computes in float64).
+    float64: bool,
 }
 
 fn case(name: &str, spec: Layer, input: &[usize]) -> Case {
@@ -69,6 +71,7 @@ fn case(name: &str, spec: Layer, input: &[usize]) -> Case {
         input: input.to_vec(),
         int_high: None,
         batch_check: false,
+        float64: false,
     }
 }
 
@@ -87,6 +90,7 @@ fn json_cases() -> Vec<Case> {
             input: serde_json::from_value(v["input"].clone()).unwrap(),
             int_high: serde_json::from_value(v["int_high"].clone()).unwrap(),
             batch_check: false,
+            float64: false,
         })
         .collect()
 }
@@ -202,6 +206,21 @@ fn cases() -> Vec<Case> {
         Layer::transformer_encoder_block(32, 4, 64, true, 0.0),
         &[2, 6, 32],
     ));
+    // float64 state dicts export as float64 graphs (on operators onnxruntime
+    // runs in float64), compared with Kiln's float32 outputs.
+    let float64: Vec<Case> = all
+        .iter()
+        .filter(|c| {
+            ["residual_mlp", "attention_causal", "batch_norm1d_3d_eval"].contains(&c.name.as_str())
+        })
+        .map(|c| Case {
+            name: format!("{}_float64", c.name),
+            spec: c.spec.clone(),
+            float64: true,
+            ..case("", Layer::Relu, &c.input)
+        })
+        .collect();
+    all.extend(float64);
     // Exported with batch 2, also run with batch 3.
     for c in &mut all {
         if [
@@ -303,8 +322,23 @@ fn every_layer_matches_onnx_runtime() {
         perturb(&mut model, 11);
         model.set_mode(Mode::Eval);
         let file = format!("{}.onnx", c.name);
-        export_onnx(&model, &c.input, dir.join(&file))
-            .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        let as_float = |t: &HostTensor| match (c.float64, t.dtype().is_float()) {
+            (true, true) => t.to_dtype(DType::F64),
+            _ => t.clone(),
+        };
+        if c.float64 {
+            let state: StateDict = Module::<TorchBackend>::state_dict(&model)
+                .unwrap()
+                .iter()
+                .map(|(k, t)| (k.clone(), as_float(t)))
+                .collect();
+            OnnxExport::new(&c.spec, &state, &c.input)
+                .write(dir.join(&file))
+                .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        } else {
+            export_onnx(&model, &c.input, dir.join(&file))
+                .unwrap_or_else(|e| panic!("{}: {e}", c.name));
+        }
         let mut batches = vec![c.input[0]];
         if c.batch_check {
             batches.push(3);
@@ -315,8 +349,8 @@ fn every_layer_matches_onnx_runtime() {
                 let x = input_for(c, b, 5 + b as u64);
                 let y = forward(&model, &x);
                 serde_json::json!({
-                    "input": save(&dir, &format!("{}-b{b}-x.safetensors", c.name), "x", &x),
-                    "expected": save(&dir, &format!("{}-b{b}-y.safetensors", c.name), "y", &y),
+                    "input": save(&dir, &format!("{}-b{b}-x.safetensors", c.name), "x", &as_float(&x)),
+                    "expected": save(&dir, &format!("{}-b{b}-y.safetensors", c.name), "y", &as_float(&y)),
                 })
             })
             .collect();
@@ -385,15 +419,9 @@ fn a_user_op_without_a_mapping_is_unsupported_naming_it() {
         ),
     ]);
     let mut state = StateDict::new();
-    state.insert(
-        "0.weight",
-        HostTensor::zeros(kiln::DType::F32, [4, 4]).unwrap(),
-    );
-    state.insert("0.bias", HostTensor::zeros(kiln::DType::F32, [4]).unwrap());
-    state.insert(
-        "1.block.k",
-        HostTensor::zeros(kiln::DType::F32, [4]).unwrap(),
-    );
+    state.insert("0.weight", HostTensor::zeros(DType::F32, [4, 4]).unwrap());
+    state.insert("0.bias", HostTensor::zeros(DType::F32, [4]).unwrap());
+    state.insert("1.block.k", HostTensor::zeros(DType::F32, [4]).unwrap());
     let err = OnnxExport::new(&spec, &state, &[2, 4])
         .to_model()
         .unwrap_err();
