@@ -228,6 +228,7 @@ fn cases() -> Vec<Case> {
             "transformer_block",
             "attention_causal",
             "flatten_middle",
+            "flatten_from_batch",
             "embedding",
             "group_norm",
             "batch_norm2d_no_running_stats_eval",

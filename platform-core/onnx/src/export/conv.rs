@@ -19,13 +19,7 @@ pub(crate) fn pads(padding: &[usize]) -> Vec<i64> {
 }
 
 impl Emitter<'_> {
-    pub(crate) fn conv(
-        &mut self,
-        path: &str,
-        layer: &Layer,
-        x: &Value,
-        _out: &[usize],
-    ) -> Result<String> {
+    pub(crate) fn conv(&mut self, path: &str, layer: &Layer, x: &Value) -> Result<String> {
         let weight = self.param(path, layer, "weight")?;
         let has_bias = match layer {
             Layer::Linear(c) => c.bias,

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use kiln_core::backend::Backend;
-use kiln_core::model::{Definition, Layer, ParamKind};
+use kiln_core::model::{Definition, Layer};
 use kiln_core::module::Module;
 use kiln_core::state_dict::StateDict;
 use kiln_core::DType;
@@ -187,7 +187,7 @@ impl Emitter<'_> {
         }
         let name = match layer {
             Layer::Linear(_) | Layer::Conv1d(_) | Layer::Conv2d(_) | Layer::ConvTranspose2d(_) => {
-                self.conv(path, layer, &x, &shape)?
+                self.conv(path, layer, &x)?
             }
             Layer::MaxPool2d(_) | Layer::AvgPool2d(_) | Layer::AdaptiveAvgPool2d { .. } => {
                 self.pool(path, layer, &x)?
@@ -608,10 +608,6 @@ impl<'a> OnnxExport<'a> {
                 } else if dtype != spec.dtype {
                     return Err(fail(format!("has dtype {dtype}, expected {}", spec.dtype)));
                 }
-                debug_assert!(matches!(
-                    spec.kind,
-                    ParamKind::Parameter | ParamKind::Buffer
-                ));
             }
         }
         Ok(float.map_or(DType::F32, |(d, _)| d))
