@@ -26,6 +26,7 @@
 
 pub use kiln_core as core;
 pub use kiln_data as data;
+pub use kiln_onnx as onnx;
 #[cfg(feature = "ops")]
 pub use kiln_ops as ops;
 #[cfg(feature = "tf")]
