@@ -16,8 +16,8 @@
 //! bfloat16 reported with model FLOPs utilisation, has only the torch variants;
 //! `transformer-bf16-mixed`, the same model in float32 trained with bfloat16
 //! autocast (`bf16-mixed` against `torch.autocast`), only the eager ones. The
-//! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`, and
-//! `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
+//! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`,
+//! `serve`, exported models at inference, in `serve.rs`, and `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
 //! `ddp.rs`) have their own. The tables are printed and, with `--write`, written
 //! to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
@@ -30,6 +30,7 @@
 
 mod ddp;
 mod report;
+mod serve;
 mod tasks;
 mod worker;
 
@@ -322,6 +323,7 @@ fn main() -> Result<()> {
         Task::Ops,
         Task::Checkpoint,
         Task::Ddp,
+        Task::Serve,
     ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {

@@ -1,5 +1,6 @@
-//! Workloads (d)-(h): data loading, TorchScript inference, the fused ops,
-//! checkpoint I/O and data-parallel training (`ddp.rs`). Each has its own variants
+//! Workloads (d)-(i): data loading, TorchScript inference, the fused ops,
+//! checkpoint I/O, data-parallel training (`ddp.rs`) and serving exported
+//! models (`serve.rs`). Each has its own variants
 //! and table; like the training workloads, every variant runs in its own process
 //! (two, for (h)) and prints one JSON line.
 
@@ -23,7 +24,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, timed};
-use crate::{ddp, num, run_json, xorshift, Settings};
+use crate::{ddp, num, run_json, serve, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -38,6 +39,8 @@ pub enum Task {
     Checkpoint,
     /// (h) data-parallel training on two ranks, and the all-reduce alone.
     Ddp,
+    /// (i) inference of exported models: latency at batch 1, throughput at batch 64.
+    Serve,
 }
 
 /// Images in the data-loading workload (MNIST's training set size).
@@ -65,6 +68,7 @@ impl Task {
             "ops" => Task::Ops,
             "checkpoint" => Task::Checkpoint,
             "ddp" => Task::Ddp,
+            "serve" => Task::Serve,
             _ => return None,
         })
     }
@@ -76,6 +80,7 @@ impl Task {
             Task::Ops => "ops",
             Task::Checkpoint => "checkpoint",
             Task::Ddp => "ddp",
+            Task::Serve => "serve",
         }
     }
 
@@ -92,6 +97,7 @@ impl Task {
             }
             Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
             Task::Ddp => ddp::DESCRIBE,
+            Task::Serve => serve::DESCRIBE,
         }
     }
 
@@ -112,6 +118,7 @@ impl Task {
             ],
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
             Task::Ddp => &ddp::VARIANTS,
+            Task::Serve => &serve::VARIANTS,
         }
     }
 
@@ -128,6 +135,7 @@ impl Task {
             }
             Task::Ops | Task::Checkpoint => Ok(()),
             Task::Ddp => ddp::prepare(dir),
+            Task::Serve => serve::prepare(dir),
         }
     }
 
@@ -170,6 +178,7 @@ impl Task {
                 .sum(),
             Task::Checkpoint => num(r, "save_s") + num(r, "load_s"),
             Task::Ddp => ddp::score(r),
+            Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
         }
     }
 
@@ -189,6 +198,18 @@ impl Task {
                 num(r, "load_s")
             ),
             Task::Ddp => ddp::summary(r),
+            Task::Serve => serve::MODELS
+                .iter()
+                .map(|(m, _)| {
+                    format!(
+                        "{m} {:.0} us at 1, {:.0}/s at {}",
+                        num(&r[*m], "latency_us"),
+                        num(&r[*m], "samples_per_s"),
+                        serve::BATCH
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
         }
     }
 
@@ -285,6 +306,47 @@ impl Task {
             }
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
+            Task::Serve => {
+                t += &format!(
+                    "Latency: mean per call at batch 1 ({} calls per repeat for the CNN, {} for \
+                     the transformer); throughput: samples/s at batch {} ({} and {} calls per \
+                     repeat). The same weights and inputs everywhere; no autograd. The digits \
+                     CNN is `examples/configs/digits-cnn.toml`'s ([1, 8, 8] in), the \
+                     transformer block is width 256, 8 heads, feed-forward 1024, sequence 64. \
+                     Ratios are against PyTorch eager (higher is better for both).\n\n\
+                     | variant | CNN latency (us) | CNN samples/s | transformer latency (us) | transformer samples/s | peak RSS (MiB) | CNN latency vs PyTorch | CNN throughput vs PyTorch | transformer latency vs PyTorch | transformer throughput vs PyTorch |\n\
+                     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+                    serve::calls("cnn").0,
+                    serve::calls("transformer").0,
+                    serve::BATCH,
+                    serve::calls("cnn").1,
+                    serve::calls("transformer").1,
+                );
+                let base = ok("pytorch-eager");
+                for (v, r) in rows {
+                    if let Ok(r) = r {
+                        let (cnn, tr) = (&r["cnn"], &r["transformer"]);
+                        let faster = |model: &str, key: &str, lower_is_better: bool| {
+                            base.map_or("-".to_owned(), |b| {
+                                let (x, y) = (num(&r[model], key), num(&b[model], key));
+                                format!("{:.2}x", if lower_is_better { y / x } else { x / y })
+                            })
+                        };
+                        t += &format!(
+                            "| {v} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} |\n",
+                            num(cnn, "latency_us"),
+                            num(cnn, "samples_per_s"),
+                            num(tr, "latency_us"),
+                            num(tr, "samples_per_s"),
+                            num(r, "peak_rss_mb"),
+                            faster("cnn", "latency_us", true),
+                            faster("cnn", "samples_per_s", false),
+                            faster("transformer", "latency_us", true),
+                            faster("transformer", "samples_per_s", false),
+                        );
+                    }
+                }
+            }
             Task::Checkpoint => {
                 let base = ok("pytorch-save");
                 t += "Save: the model's state to a file, made durable (fsync); load: the file back \
@@ -364,10 +426,10 @@ fn write_idx(dir: &Path) -> Result<()> {
 
 /// Arguments of a task worker.
 pub struct TaskArgs {
-    dir: PathBuf,
-    warmup: usize,
-    repeats: usize,
-    threads: usize,
+    pub(crate) dir: PathBuf,
+    pub(crate) warmup: usize,
+    pub(crate) repeats: usize,
+    pub(crate) threads: usize,
     device: Device,
 }
 
@@ -394,6 +456,7 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Ops, "kiln-fused") => ops(a, true)?,
         (Task::Ops, "kiln-composed") => ops(a, false)?,
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
+        (Task::Serve, variant) if variant.starts_with("kiln-") => serve::worker(variant, a)?,
         _ => bail!(
             "{variant} is not a Rust variant of the {} workload",
             task.name()

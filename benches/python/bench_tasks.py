@@ -1,7 +1,7 @@
 """Python PyTorch baselines of the non-training workloads of Kiln's benchmark harness.
 
 Usage:
-    python bench_tasks.py --task data|script|ops|checkpoint --variant V --dir DIR
+    python bench_tasks.py --task data|script|ops|checkpoint|serve --variant V --dir DIR
         [--warmup W] [--repeats R] [--threads T] [--device cpu|cuda[:N]]
 
 Each task mirrors a Kiln worker in ``benches/compare/tasks.rs`` (same sizes, same
@@ -23,6 +23,13 @@ prints one JSON line on stdout:
 - checkpoint, ``pytorch-save``: ten 3162x3162 linear layers (100M parameters);
   save is ``torch.save(state_dict)`` into a file that is then fsynced, load is
   ``torch.load`` + ``load_state_dict``.
+- serve, ``pytorch-eager``: each model of DIR (``NAME.json``, Kiln's definition,
+  rebuilt as an ``nn.Module`` by ``platform-core/tests/reference/model_specs.py``,
+  with Kiln's weights ``NAME.safetensors``) under ``torch.no_grad()`` in eval
+  mode; ``python-onnxruntime``: the ONNX file Kiln exported (``NAME.onnx``) in an
+  ``onnxruntime.InferenceSession`` on the CPU provider with ``--threads``
+  intra-op threads. Latency at batch 1 and samples/s at batch 64 on the inputs
+  of ``NAME-inputs.safetensors`` (calls per run as in ``serve.rs``).
 """
 
 import argparse
@@ -45,6 +52,9 @@ from torch import nn  # noqa: E402
 import bench_torch  # noqa: E402  (the workloads' model definitions)
 
 SCRIPT_CALLS = 2000
+# Workload (i): per model, calls per timed run at batch 1 and at batch 64 (serve.rs).
+SERVE_MODELS = {"cnn": (500, 40), "transformer": (50, 4)}
+SERVE_BATCH = 64
 OPS_CALLS = 50
 OPS_ROWS, OPS_FEATURES, OPS_CLASSES, OPS_SMOOTHING = 512, 1024, 1000, 0.1
 CKPT_LAYERS, CKPT_WIDTH = 10, 3162
@@ -207,9 +217,62 @@ def checkpoint(args):
     }
 
 
+def serve(args, variant):
+    from safetensors.numpy import load_file
+
+    out = {}
+    for name, (calls_1, calls_64) in SERVE_MODELS.items():
+        inputs = load_file(os.path.join(args.dir, f"{name}-inputs.safetensors"))
+        if variant == "pytorch-eager":
+            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
+                                            "platform-core", "tests", "reference"))
+            import model_specs
+
+            with open(os.path.join(args.dir, f"{name}.json")) as f:
+                model = model_specs.build(json.load(f))
+            state = load_file(os.path.join(args.dir, f"{name}.safetensors"))
+            model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+            model.eval()
+            xs = {b: torch.from_numpy(inputs[f"x{b}"]) for b in (1, SERVE_BATCH)}
+
+            def call(batch):
+                with torch.no_grad():
+                    return float(model(xs[batch]).sum())
+        else:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = args.threads
+            options.inter_op_num_threads = 1
+            session = ort.InferenceSession(
+                os.path.join(args.dir, f"{name}.onnx"), options, providers=["CPUExecutionProvider"])
+            input_name = session.get_inputs()[0].name
+            xs = {b: inputs[f"x{b}"] for b in (1, SERVE_BATCH)}
+
+            def call(batch):
+                return float(session.run(None, {input_name: xs[batch]})[0].sum())
+
+        def run(batch, calls):
+            def f():
+                for _ in range(calls):
+                    f.checksum = call(batch)
+            return f
+
+        at_1 = run(1, calls_1)
+        at_64 = run(SERVE_BATCH, calls_64)
+        t1 = statistics.median(timed(args, at_1)) / calls_1
+        t64 = statistics.median(timed(args, at_64)) / calls_64
+        out[name] = {
+            "latency_us": t1 * 1e6,
+            "samples_per_s": SERVE_BATCH / t64,
+            "checksum": at_64.checksum,
+        }
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "script", "ops", "checkpoint"])
+    parser.add_argument("--task", required=True, choices=["data", "script", "ops", "checkpoint", "serve"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -226,6 +289,8 @@ def main():
         ("ops", "pytorch-fused"): lambda: ops(args, True),
         ("ops", "pytorch-composed"): lambda: ops(args, False),
         ("checkpoint", "pytorch-save"): lambda: checkpoint(args),
+        ("serve", "pytorch-eager"): lambda: serve(args, "pytorch-eager"),
+        ("serve", "python-onnxruntime"): lambda: serve(args, "python-onnxruntime"),
     }
     run = runs.get((args.task, args.variant))
     if run is None:

@@ -1,4 +1,5 @@
-//! `kiln inspect`: what a checkpoint, a TorchScript file or a SavedModel holds.
+//! `kiln inspect`: what a checkpoint, a TorchScript file, an ONNX model or a
+//! SavedModel holds.
 
 use std::path::Path;
 
@@ -65,6 +66,10 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
     }
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
+    }
+    if crate::is_onnx(path) {
+        print!("{}", kiln::onnx::ModelInfo::read(path)?);
+        return Ok(());
     }
     let checkpoint = Checkpoint::load(path)?;
     println!("checkpoint  {}", path.display());

@@ -5,6 +5,8 @@
 //! kiln eval --config CONFIG --checkpoint runs/digits-cnn/checkpoints/last.safetensors
 //! kiln predict --config CONFIG --checkpoint CKPT --output predictions.csv
 //! kiln inspect runs/digits-cnn/checkpoints/last.safetensors
+//! kiln export --checkpoint CKPT --format onnx|torchscript|savedmodel --output PATH
+//! kiln predict --config CONFIG --checkpoint model.onnx --output predictions.csv
 //! kiln launch --nproc-per-node 2 -- train --config CONFIG   # N workers, as torchrun
 //! ```
 
@@ -30,6 +32,7 @@ use kiln::train::{
 
 mod config;
 mod data;
+mod export;
 mod inspect;
 mod launch;
 
@@ -54,12 +57,15 @@ enum Command {
     Eval(CheckpointArgs),
     /// Write a checkpoint's predictions for the validation split as CSV.
     Predict(PredictArgs),
-    /// Show what is inside a checkpoint (a table of tensors) or a TensorFlow
+    /// Show what is inside a checkpoint (a table of tensors), a TorchScript
+    /// file, an ONNX model (inputs, outputs, opsets, operators) or a TensorFlow
     /// SavedModel directory (its signatures with input and output names, dtypes and shapes).
     Inspect {
-        /// A checkpoint file, or a SavedModel directory.
+        /// A checkpoint, TorchScript or ONNX file, or a SavedModel directory.
         checkpoint: PathBuf,
     },
+    /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
+    Export(export::ExportArgs),
     /// Start N worker processes on this node for data-parallel training, as
     /// `torchrun --standalone --nproc-per-node N --no-python` does: each runs
     /// `kiln ARGS` (or `--exec PROGRAM ARGS`) with RANK, WORLD_SIZE, MASTER_ADDR,
@@ -117,7 +123,7 @@ struct CheckpointArgs {
     /// The run config (TOML) that names the data.
     #[arg(long)]
     config: PathBuf,
-    /// The checkpoint file.
+    /// The checkpoint file (`predict` also takes an ONNX model, `*.onnx`).
     #[arg(long)]
     checkpoint: PathBuf,
     /// Override `device`.
@@ -163,6 +169,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(args) => eval(args),
         Command::Predict(args) => predict(args),
         Command::Inspect { checkpoint } => inspect::inspect(&checkpoint),
+        Command::Export(args) => export::export(args),
         Command::Launch(args) => launch::launch(args),
     }
 }
@@ -651,6 +658,9 @@ fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result
 
 fn predict(args: PredictArgs) -> Result<()> {
     let config = load_config(&args.common.config)?;
+    if is_onnx(&args.common.checkpoint) {
+        return predict_onnx(&args, &config);
+    }
     match config.backend {
         BackendKind::Torch => predict_on::<kiln::torch::TorchBackend>(&args, &config),
         BackendKind::Tensorflow => predict_on::<kiln::tf::TfBackend>(&args, &config),
@@ -660,13 +670,7 @@ fn predict(args: PredictArgs) -> Result<()> {
 fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
-    if args.output.exists() && !args.overwrite {
-        anyhow::bail!(
-            "{} exists; predict never writes over a file unless told to: pass --overwrite \
-             to replace it, or choose another --output",
-            args.output.display()
-        );
-    }
+    refuse_existing(&args.output, args.overwrite)?;
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
     let (x, y) = validation_split(config)?;
     let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &x)?;
@@ -676,9 +680,57 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
     training.device = device;
     let outputs =
         Trainer::<B>::new(training, config.loss.clone())?.predict(&mut model, val.as_ref())?;
+    write_predictions(&args.output, &labels, outputs)
+}
+
+/// Whether `path` names an ONNX model (`*.onnx`).
+pub(crate) fn is_onnx(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+}
+
+/// `kiln predict` with an ONNX model: ONNX Runtime over the config's
+/// validation split, in batches of `data.batch_size`.
+fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+    if args.common.device.is_some_and(|d| d != Device::Cpu) {
+        anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");
+    }
+    refuse_existing(&args.output, args.overwrite)?;
+    let path = &args.common.checkpoint;
+    let model = kiln::onnx::OnnxModel::load(path)?;
+    let (x, y) = validation_split(config)?;
+    let labels = y.as_slice::<i64>()?.to_vec();
+    let rows = x.dims()[0];
+    let batch_size = config.data.batch_size.max(1);
+    let mut outputs = Vec::new();
+    for start in (0..rows).step_by(batch_size) {
+        let indices: Vec<usize> = (start..rows.min(start + batch_size)).collect();
+        let batch = x.select_rows(&indices)?;
+        outputs.push(
+            model
+                .predict(&batch)
+                .with_context(|| format!("running {}", path.display()))?,
+        );
+    }
+    write_predictions(&args.output, &labels, outputs)
+}
+
+fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
+    if output.exists() && !overwrite {
+        anyhow::bail!(
+            "{} exists; predict never writes over a file unless told to: pass --overwrite \
+             to replace it, or choose another --output",
+            output.display()
+        );
+    }
+    Ok(())
+}
+
+/// Writes one CSV row per sample: index, predicted class, label, scores.
+fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) -> Result<()> {
     // Written beside the output and renamed over it: a file the output replaces
     // is replaced whole, never written through (a link to a checkpoint stays intact).
-    let tmp = temporary_sibling(&args.output)?;
+    let tmp = temporary_sibling(output)?;
     let mut file = std::io::BufWriter::new(
         std::fs::OpenOptions::new()
             .write(true)
@@ -706,27 +758,20 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
                 })
                 .0;
             let scores: Vec<String> = row.iter().map(|v| format!("{v}")).collect();
-            writeln!(
-                file,
-                "{index},{predicted},{},{}",
-                labels[index],
-                scores.join(",")
-            )?;
+            let label = labels.get(index).copied().unwrap_or(-1);
+            writeln!(file, "{index},{predicted},{label},{}", scores.join(","))?;
             index += 1;
         }
     }
     file.into_inner()
         .map_err(|e| e.into_error())
         .and_then(|f| f.sync_all())
-        .and_then(|()| std::fs::rename(&tmp, &args.output))
-        .with_context(|| format!("writing {}", args.output.display()))
+        .and_then(|()| std::fs::rename(&tmp, output))
+        .with_context(|| format!("writing {}", output.display()))
         .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
         })?;
-    println!(
-        "kiln: {index} predictions written to {}",
-        args.output.display()
-    );
+    println!("kiln: {index} predictions written to {}", output.display());
     Ok(())
 }
 

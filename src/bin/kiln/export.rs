@@ -1,0 +1,246 @@
+//! `kiln export`: a trained model as ONNX, TorchScript or a SavedModel.
+//!
+//! The model's definition comes from the config (`--config`, checked against
+//! the one the checkpoint records) or from the checkpoint itself; the weights
+//! from the checkpoint, or from a run's `model.safetensors` with `--config`.
+//! The shape of one input comes from `--input-shape`, else from the config's
+//! data, else from the model's first layer when that fixes it (a Linear layer).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use kiln::core::backend::TrainBackend;
+use kiln::core::module::Module;
+use kiln::prelude::*;
+use kiln::train::Checkpoint;
+
+use crate::config::RunConfig;
+use crate::data::validation_split;
+
+/// The formats `kiln export` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ExportFormat {
+    /// An ONNX model of standard operators (IR 10, opset 21), for ONNX Runtime.
+    Onnx,
+    /// A TorchScript file, for `torch.jit.load`, libtorch and TorchServe.
+    Torchscript,
+    /// A TensorFlow SavedModel directory with a `serving_default` signature.
+    Savedmodel,
+}
+
+#[derive(Args)]
+pub(crate) struct ExportArgs {
+    /// A Kiln checkpoint (`checkpoints/last.safetensors`), or a run's
+    /// `model.safetensors` together with --config.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// The run config: its model is the definition exported (the checkpoint
+    /// must have been trained with it) and its data gives the input shape.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// What to write.
+    #[arg(long, value_enum)]
+    format: ExportFormat,
+    /// The file (onnx, torchscript) or directory (savedmodel) to create.
+    #[arg(long)]
+    output: PathBuf,
+    /// The shape of one input sample, without the batch dimension (`1,8,8`).
+    /// Default: the config's data, else the first layer's input (Linear).
+    #[arg(long, value_parser = parse_shape)]
+    input_shape: Option<Vec<usize>>,
+    /// A fixed batch size instead of a dynamic batch dimension.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// The input's name in the exported model (onnx, savedmodel; default `input`).
+    #[arg(long)]
+    input_name: Option<String>,
+    /// The output's name in the exported model (onnx, savedmodel; default `output`).
+    #[arg(long)]
+    output_name: Option<String>,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    overwrite: bool,
+}
+
+fn parse_shape(text: &str) -> std::result::Result<Vec<usize>, String> {
+    text.split(',')
+        .map(|d| match d.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!(
+                "`{text}`: expected positive sizes separated by commas, such as `1,8,8`"
+            )),
+        })
+        .collect()
+}
+
+/// The model, weights and input shape `kiln export` works from.
+struct Source {
+    definition: Layer,
+    state: StateDict,
+    /// The input's shape, batch dimension first.
+    input_shape: Vec<usize>,
+}
+
+pub(crate) fn export(args: ExportArgs) -> Result<()> {
+    // Nothing is read or built when the output would be refused anyway.
+    if !args.overwrite && (args.output.exists() || args.output.is_symlink()) {
+        bail!(
+            "{} exists; export never writes over a file unless told to: pass --overwrite \
+             to replace it, or choose another --output",
+            args.output.display()
+        );
+    }
+    if args.format == ExportFormat::Torchscript {
+        for (flag, given) in [
+            ("--input-name", &args.input_name),
+            ("--output-name", &args.output_name),
+        ] {
+            if given.is_some() {
+                bail!(
+                    "{flag} does not apply to --format torchscript: a TorchScript module's \
+                     forward takes and returns positional tensors"
+                );
+            }
+        }
+    }
+    let source = load_source(&args)?;
+    let input_name = args.input_name.as_deref().unwrap_or("input");
+    let output_name = args.output_name.as_deref().unwrap_or("output");
+    let dynamic = args.batch_size.is_none();
+    match args.format {
+        ExportFormat::Onnx => {
+            kiln::onnx::OnnxExport::new(&source.definition, &source.state, &source.input_shape)
+                .input_name(input_name)
+                .output_name(output_name)
+                .dynamic_batch(dynamic)
+                .overwrite(args.overwrite)
+                .write(&args.output)?;
+        }
+        ExportFormat::Torchscript => {
+            let model = build::<kiln::torch::TorchBackend>(&source, &args.checkpoint)?;
+            kiln::torch::export_torchscript(&model, &args.output, args.overwrite)?;
+        }
+        ExportFormat::Savedmodel => {
+            if args.batch_size.is_some() {
+                log::info!("the SavedModel's signature keeps a dynamic batch dimension");
+            }
+            let model = build::<kiln::tf::TfBackend>(&source, &args.checkpoint)?;
+            kiln::tf::SavedModelExport::new(&model, &source.input_shape)
+                .input_name(input_name)
+                .output_name(output_name)
+                .overwrite(args.overwrite)
+                .write(&args.output)?;
+        }
+    }
+    let output_shape = source.definition.output_shape(&source.input_shape)?;
+    let batch = |shape: &[usize]| -> String {
+        let mut dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+        if dynamic && args.format != ExportFormat::Torchscript {
+            dims[0] = "batch".into();
+        }
+        format!("[{}]", dims.join(", "))
+    };
+    println!(
+        "kiln: exported {:?} to {} (input {} {}, output {} {})",
+        args.format,
+        args.output.display(),
+        input_name,
+        batch(&source.input_shape),
+        output_name,
+        batch(&output_shape),
+    );
+    Ok(())
+}
+
+/// The model built on backend `B` with the source's weights, in eval mode.
+fn build<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
+    let mut model = B::build_model(&source.definition, Device::Cpu)?;
+    source
+        .state
+        .check_dtypes(&model.state_dict()?)
+        .and_then(|()| model.load_state_dict(&source.state))
+        .map_err(|e| {
+            kiln::core::Error::checkpoint_caused_by(path, "does not fit the model definition", e)
+        })?;
+    model.set_mode(Mode::Eval);
+    Ok(model)
+}
+
+fn load_source(args: &ExportArgs) -> Result<Source> {
+    let path = &args.checkpoint;
+    let config = args
+        .config
+        .as_deref()
+        .map(|p| RunConfig::load(p).with_context(|| format!("config {}", p.display())))
+        .transpose()?;
+    let meta = kiln::core::safetensors::load_safetensors_metadata(path)?;
+    // A checkpoint records its model's definition; a run's `model.safetensors` does not.
+    let (checkpoint, weights) = if meta.contains_key("kiln.format") {
+        (Some(Checkpoint::load(path)?), StateDict::new())
+    } else {
+        (None, StateDict::load_safetensors(path)?.0)
+    };
+    // The data fixes the input shape (and torchscript layers' output shapes).
+    let example = match (&config, &args.input_shape) {
+        (Some(config), None) => Some(validation_split(config)?.0),
+        _ => None,
+    };
+    let recorded = checkpoint.as_ref().and_then(|c| c.model_definition.clone());
+    let definition = match (&config, recorded) {
+        (Some(config), _) => {
+            let definition = match &example {
+                Some(x) => crate::resolve_model(config, x, Device::Cpu)?,
+                None => config.model.clone(),
+            };
+            if let Some(checkpoint) = &checkpoint {
+                checkpoint.check_definition(&definition, path)?;
+            }
+            definition
+        }
+        (None, Some(recorded)) => recorded,
+        (None, None) => bail!(
+            "{} holds weights only, no model definition: pass the run's --config",
+            path.display()
+        ),
+    };
+    let state = checkpoint.map_or(weights, |c| c.model);
+    let sample = match (&args.input_shape, &example) {
+        (Some(shape), _) => shape.clone(),
+        (None, Some(x)) => x.dims()[1..].to_vec(),
+        (None, None) => first_layer_input(&definition).with_context(|| {
+            format!(
+                "the input shape is not fixed by the model's first layer ({}): pass \
+                 --input-shape (one sample, without the batch dimension, such as `1,8,8`) \
+                 or the run's --config",
+                first_layer(&definition).kind()
+            )
+        })?,
+    };
+    let mut input_shape = vec![args.batch_size.unwrap_or(1)];
+    input_shape.extend(sample);
+    definition
+        .output_shape(&input_shape)
+        .with_context(|| format!("input shape {input_shape:?}"))?;
+    Ok(Source {
+        definition,
+        state,
+        input_shape,
+    })
+}
+
+fn first_layer(layer: &Layer) -> &Layer {
+    match layer {
+        Layer::Sequential { layers } => layers.first().map_or(layer, first_layer),
+        Layer::Residual { block } => first_layer(block),
+        other => other,
+    }
+}
+
+/// The sample shape a model's first layer fixes: a Linear layer's `[in_features]`.
+fn first_layer_input(layer: &Layer) -> Option<Vec<usize>> {
+    match first_layer(layer) {
+        Layer::Linear(c) => Some(vec![c.in_features]),
+        _ => None,
+    }
+}
