@@ -311,3 +311,40 @@ fn fused_layers_train_under_bf16_mixed_precision() {
         assert!(d < 5e-2, "grad {name}: {d}");
     }
 }
+
+/// A model with Kiln's fused ops cannot be exported as a SavedModel: their
+/// TensorFlow ops (`KilnBiasGelu`, `KilnSwish`) live in Kiln's op library, which
+/// Python's TensorFlow and TF Serving do not load. The error names the first
+/// such layer and its op, and nothing is written.
+#[test]
+fn saved_model_export_refuses_kilns_own_ops() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-export-fused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (spec, path, layer, op_type) in [
+        (spec(), "1", "Custom kiln::bias_gelu", "KilnBiasGelu"),
+        (
+            Layer::sequential([
+                LinearConfig::new(6, 4).into(),
+                Layer::residual(kiln_ops::layer::swish(1.0)),
+            ]),
+            "1.block",
+            "Custom kiln::swish",
+            "KilnSwish",
+        ),
+    ] {
+        let model = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
+        let err = kiln_tf::export_saved_model(&model, &[2, 6], &dir).unwrap_err();
+        match &err {
+            kiln_tf::ExportError::NonStandardOp {
+                path: p,
+                layer: l,
+                op_type: t,
+                ..
+            } => assert_eq!((p.as_str(), l.as_str(), t.as_str()), (path, layer, op_type)),
+            other => panic!("{other:?}"),
+        }
+        assert!(err.to_string().contains(path), "{err}");
+        assert!(!dir.exists());
+    }
+}

@@ -412,3 +412,55 @@ fn existing_paths_and_bad_settings_are_refused_untouched() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+/// Kiln's other readers take the export too: `describe` (what `kiln inspect`
+/// prints) lists the signature, `save_variables_to` re-saves it through the
+/// exported SaverDef, and a `saved_model` layer imports it into a new model as
+/// a frozen feature extractor that computes what the exported model did. Such
+/// a model cannot itself be exported (typed error, nothing written).
+#[test]
+fn kilns_loaders_read_the_export() {
+    let _serial = serial();
+    let root = common::scratch_dir("saved-model-export-loaders");
+    let spec = Layer::sequential([
+        LinearConfig::new(5, 7).into(),
+        Layer::BatchNorm1d(BatchNormConfig::new(7)),
+        Layer::Gelu {
+            approximate: Default::default(),
+        },
+    ]);
+    TfBackend::manual_seed(4);
+    let mut model = TfModel::new(&spec, Device::Cpu).unwrap();
+    let dir = root.join("features");
+    export_saved_model(&model, &[2, 5], &dir).unwrap();
+
+    let loaded = SavedModel::load(&dir).unwrap();
+    let text = loaded.describe();
+    for part in ["serving_default", "input", "output", "can be saved"] {
+        assert!(text.contains(part), "`{part}` missing from:\n{text}");
+    }
+    let copy = root.join("copy");
+    loaded.save_variables_to(&copy).unwrap();
+    let x = input(&[4, 5], None, 6);
+    let expected = forward_eval(&mut model, &x);
+    let out = SavedModel::load(&copy)
+        .unwrap()
+        .run("serving_default", &[("input", &x)])
+        .unwrap();
+    assert!(max_diff(&out["output"], &expected) <= 1e-6);
+
+    let imported = Layer::sequential([Layer::SavedModel(
+        kiln_core::model::SavedModelLayerConfig::new(&dir),
+    )]);
+    let mut frozen = TfModel::new(&imported, Device::Cpu).unwrap();
+    let y = forward_eval(&mut frozen, &x);
+    let d = max_diff(&y, &expected);
+    assert!(d <= 1e-6, "the imported export differs by {d:.2e}");
+    let again = root.join("again");
+    let err = export_saved_model(&frozen, &[2, 5], &again).unwrap_err();
+    assert!(
+        matches!(&err, ExportError::Unsupported { path, layer, .. } if path == "0" && layer == "SavedModel"),
+        "{err:?}"
+    );
+    assert!(!again.exists());
+}
