@@ -123,6 +123,8 @@ struct Exported {
     x: HostTensor,
     expected: HostTensor,
     state: Option<PathBuf>,
+    /// The model's state-dict entries and, of them, parameters.
+    variables: (usize, usize),
 }
 
 impl Exported {
@@ -160,6 +162,10 @@ fn export_case(
     tensors.insert("input", x.clone());
     tensors.insert("expected", expected.clone());
     tensors.save_safetensors(&data, &BTreeMap::new()).unwrap();
+    let variables = (
+        model.state_dict().unwrap().len(),
+        model.named_parameters().unwrap().len(),
+    );
     Exported {
         name: name.to_owned(),
         dir,
@@ -167,6 +173,7 @@ fn export_case(
         x,
         expected,
         state: None,
+        variables,
     }
 }
 
@@ -197,12 +204,24 @@ fn check_with_python(python: &Path, root: &Path, cases: &[Exported]) {
         let r = &results[&case.name];
         let output = r["output"].as_f64().unwrap();
         let state = r["state"].as_f64();
+        let variables = (
+            r["variables"].as_u64().unwrap() as usize,
+            r["trainable"].as_u64().unwrap() as usize,
+        );
         eprintln!(
-            "{:<36} python {output:.1e}  checkpoint {}  batch dim {}",
+            "{:<36} python {output:.1e}  checkpoint {}  batch dim {}  tf.Variables {}/{}",
             case.name,
             state.map_or("-".to_owned(), |s| format!("{s:.1e}")),
-            r["batch_dim"]
+            r["batch_dim"],
+            variables.0,
+            variables.1,
         );
+        if variables != case.variables {
+            failures.push(format!(
+                "{}: Python made {variables:?} (all, trainable) variables, the model has {:?}",
+                case.name, case.variables
+            ));
+        }
         if output > 1e-5 || state.is_some_and(|s| s > 0.0) {
             failures.push(format!("{}: {r}", case.name));
         }

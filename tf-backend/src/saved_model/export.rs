@@ -23,14 +23,16 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use kiln_core::{
-    model::{Layer, ParamSpec},
+    model::{Layer, ParamKind, ParamSpec},
     module::Module,
     DType, HostTensor, Shape,
 };
 use tensorflow::{DataType, Graph, Operation, Output, Status, Tensor};
 
 use super::files;
-use super::proto::{self, SavedModelDef, SaverNames, SignatureDefSpec, TensorInfoDef};
+use super::proto::{
+    self, SavedModelDef, SaverNames, SignatureDefSpec, TensorInfoDef, VariableDefSpec,
+};
 use crate::backend::TfBackend;
 use crate::custom_layer::CustomOps;
 use crate::engine::{tf_dtype, Engine, Var};
@@ -291,6 +293,18 @@ impl<'a> SavedModelExport<'a> {
             }),
             None => None,
         };
+        let variable_defs = export
+            .vars
+            .iter()
+            .map(|v| {
+                Ok(VariableDefSpec {
+                    handle: tensor_name(&v.handle)?,
+                    initializer: op_name(&v.load)?,
+                    snapshot: tensor_name(&v.read)?,
+                    trainable: v.kind == ParamKind::Parameter,
+                })
+            })
+            .collect::<ExportResult<Vec<_>>>()?;
         let signature = SignatureDefSpec {
             key: SERVING_SIGNATURE.to_owned(),
             method_name: PREDICT_METHOD.to_owned(),
@@ -316,6 +330,7 @@ impl<'a> SavedModelExport<'a> {
             tensorflow_version: crate::runtime::runtime_version()?,
             graph_def: &graph_def,
             saver,
+            variables: variable_defs,
             signatures: vec![signature],
         });
         let pb = dir.join("saved_model.pb");

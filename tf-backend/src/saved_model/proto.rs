@@ -19,6 +19,17 @@ const META_INFO_DEF: u32 = 1;
 const META_GRAPH_DEF: u32 = 2;
 /// `MetaGraphDef.saver_def`.
 const META_SAVER_DEF: u32 = 3;
+/// `MetaGraphDef.collection_def` (a map).
+const META_COLLECTION_DEF: u32 = 4;
+/// `CollectionDef.bytes_list` and `BytesList.value`.
+const COLLECTION_BYTES_LIST: u32 = 2;
+const BYTES_LIST_VALUE: u32 = 1;
+/// `VariableDef` fields (variable.proto).
+const VARIABLE_NAME: u32 = 1;
+const VARIABLE_INITIALIZER: u32 = 2;
+const VARIABLE_SNAPSHOT: u32 = 3;
+const VARIABLE_IS_RESOURCE: u32 = 5;
+const VARIABLE_TRAINABLE: u32 = 7;
 /// `MetaGraphDef.signature_def` (a map).
 const META_SIGNATURE_DEF: u32 = 5;
 /// `MetaInfoDef.meta_graph_version`.
@@ -123,6 +134,20 @@ pub(crate) struct SaverNames {
     pub(crate) restore_op: String,
 }
 
+/// A resource variable as TF1's `VariableDef` names it, so that Python's loader
+/// lifts it into a `tf.Variable` (`loaded.variables`).
+#[derive(Debug, Clone)]
+pub(crate) struct VariableDefSpec {
+    /// The `VarHandleOp`'s output (`op:0`).
+    pub(crate) handle: String,
+    /// An op assigning the variable (an `AssignVariableOp`).
+    pub(crate) initializer: String,
+    /// A `ReadVariableOp`'s output.
+    pub(crate) snapshot: String,
+    /// Trained (a parameter) rather than a buffer.
+    pub(crate) trainable: bool,
+}
+
 /// One signature: key, method name, inputs and outputs by key.
 #[derive(Debug, Clone)]
 pub(crate) struct SignatureDefSpec {
@@ -140,6 +165,8 @@ pub(crate) struct SavedModelDef<'a> {
     /// A serialized `GraphDef` (`TF_GraphToGraphDef`).
     pub(crate) graph_def: &'a [u8],
     pub(crate) saver: Option<SaverNames>,
+    /// The `variables` collection (and the trainable ones in `trainable_variables`).
+    pub(crate) variables: Vec<VariableDefSpec>,
     pub(crate) signatures: Vec<SignatureDefSpec>,
 }
 
@@ -167,6 +194,14 @@ fn tensor_info(w: &mut Writer, info: &TensorInfoDef) {
             shape.message(SHAPE_DIM, |dim| dim.int(DIM_SIZE, d));
         }
     });
+}
+
+fn variable_def(w: &mut Writer, v: &VariableDefSpec) {
+    w.string(VARIABLE_NAME, &v.handle);
+    w.string(VARIABLE_INITIALIZER, &v.initializer);
+    w.string(VARIABLE_SNAPSHOT, &v.snapshot);
+    w.int(VARIABLE_IS_RESOURCE, 1);
+    w.int(VARIABLE_TRAINABLE, i64::from(v.trainable));
 }
 
 fn tensor_map(w: &mut Writer, field: u32, entries: &[(String, TensorInfoDef)]) {
@@ -201,6 +236,24 @@ pub(crate) fn saved_model_bytes(def: &SavedModelDef<'_>) -> Vec<u8> {
                 s.int(SAVER_SHARDED, 0);
                 s.float(SAVER_KEEP_HOURS, 10000.0);
                 s.int(SAVER_VERSION, SAVER_V2 as i64);
+            });
+        }
+        let all: Vec<&VariableDefSpec> = def.variables.iter().collect();
+        let trainable: Vec<&VariableDefSpec> =
+            all.iter().copied().filter(|v| v.trainable).collect();
+        for (key, vars) in [("variables", all), ("trainable_variables", trainable)] {
+            if vars.is_empty() {
+                continue;
+            }
+            meta.message(META_COLLECTION_DEF, |entry| {
+                entry.string(MAP_KEY, key);
+                entry.message(MAP_VALUE, |collection| {
+                    collection.message(COLLECTION_BYTES_LIST, |list| {
+                        for v in &vars {
+                            list.message(BYTES_LIST_VALUE, |var| variable_def(var, v));
+                        }
+                    });
+                });
             });
         }
         for sig in &def.signatures {
@@ -248,6 +301,7 @@ mod tests {
                 save_tensor: "save/Identity_5:0".to_owned(),
                 restore_op: "save/NoOp_9".to_owned(),
             }),
+            variables: vec![],
             signatures: vec![SignatureDefSpec {
                 key: "serving_default".to_owned(),
                 method_name: "tensorflow/serving/predict".to_owned(),

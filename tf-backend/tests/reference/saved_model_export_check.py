@@ -11,7 +11,8 @@ by keyword. When `state` (a safetensors state dict) is given, the SavedModel's
 checkpoint `variables/variables` must hold exactly those tensors.
 
 Prints one JSON object: name -> {"output": max |python - kiln|, "state": max
-|checkpoint - state dict| or null, "batch_dim": the signature's batch dim}.
+|checkpoint - state dict| or null, "batch_dim": the signature's batch dim,
+"variables"/"trainable": how many tf.Variables the loader made of them}.
 """
 
 import json
@@ -41,6 +42,8 @@ def check(entry):
         else 0.0,
         "state": None,
         "batch_dim": spec.shape[0],
+        "variables": len(loaded.variables),
+        "trainable": sum(1 for v in loaded.variables if v.trainable),
     }
     if entry.get("state"):
         state = load_file(entry["state"])
