@@ -147,7 +147,7 @@ impl<'a> SavedModelExport<'a> {
         ));
         let result = self
             .fill(export, &state, &staging)
-            .and_then(|()| install(&staging, dest, &parent));
+            .and_then(|()| install(&staging, dest, &parent, self.overwrite));
         if result.is_err() && staging.exists() {
             if let Err(e) = fs::remove_dir_all(&staging) {
                 log::warn!("cannot remove the temporary {}: {e}", staging.display());
@@ -209,22 +209,7 @@ impl<'a> SavedModelExport<'a> {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        match fs::symlink_metadata(dest) {
-            Ok(meta) => {
-                if !self.overwrite {
-                    return Err(ExportError::Exists {
-                        path: dest.to_path_buf(),
-                    });
-                }
-                if !meta.is_dir() || !dest.join("saved_model.pb").is_file() {
-                    return Err(ExportError::NotASavedModel {
-                        path: dest.to_path_buf(),
-                    });
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(ExportError::io("reading", dest, e)),
-        }
+        replaces(dest, self.overwrite)?;
         if dest.to_str().is_none() {
             return Err(ExportError::InvalidArgument {
                 name: "dir",
@@ -348,11 +333,35 @@ impl<'a> SavedModelExport<'a> {
     }
 }
 
+/// Whether `dest` holds a SavedModel directory to replace (`false`: nothing is
+/// there); anything else there is [`ExportError::Exists`] without `overwrite`
+/// and [`ExportError::NotASavedModel`] with it.
+fn replaces(dest: &Path, overwrite: bool) -> ExportResult<bool> {
+    match fs::symlink_metadata(dest) {
+        Ok(meta) => {
+            if !overwrite {
+                return Err(ExportError::Exists {
+                    path: dest.to_path_buf(),
+                });
+            }
+            if !meta.is_dir() || !dest.join("saved_model.pb").is_file() {
+                return Err(ExportError::NotASavedModel {
+                    path: dest.to_path_buf(),
+                });
+            }
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(ExportError::io("reading", dest, e)),
+    }
+}
+
 /// Moves the complete `staging` directory to `dest`, replacing the SavedModel
 /// directory there (checked before) by way of a temporary name, so `dest` is
 /// always either the old or the new SavedModel.
-fn install(staging: &Path, dest: &Path, parent: &Path) -> ExportResult<()> {
-    if fs::symlink_metadata(dest).is_ok() {
+fn install(staging: &Path, dest: &Path, parent: &Path, overwrite: bool) -> ExportResult<()> {
+    // Checked again: something may have appeared there while the export ran.
+    if replaces(dest, overwrite)? {
         let old = parent.join(format!("{}-old", files::temp_name("export")));
         fs::rename(dest, &old).map_err(|e| ExportError::io("moving aside", dest, e))?;
         if let Err(e) = fs::rename(staging, dest) {
