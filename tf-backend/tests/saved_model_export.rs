@@ -4,7 +4,8 @@
 //! own `SavedModel`, what the model's eval-mode forward computes (<= 1e-5), at a
 //! batch size other than the export's: every case of
 //! `tests/fixtures/layer_cases.json`, the digits CNN of
-//! `examples/configs/digits-cnn.toml` and a transformer encoder block. A model
+//! `examples/configs/digits-cnn.toml`, a transformer encoder block and a custom
+//! layer built from standard TensorFlow ops. A model
 //! loaded with another model's state dict exports that state dict (the
 //! checkpoint Python reads holds exactly it). Existing paths are refused unless
 //! overwriting is asked for, and are left untouched when refused.
@@ -253,6 +254,36 @@ fn exports_serve_the_eval_forward_in_python_and_kiln() {
         name: "transformer_encoder_block".to_owned(),
         spec: Layer::transformer_encoder_block(32, 4, 64, true, 0.0),
         shape: vec![2, 6, 32],
+        int_high: None,
+    });
+    // A custom layer made of standard ops (`x * scale`, TensorFlow's Mul) exports too.
+    kiln_tf::register_custom_layer("test::scale", |graph, name, x, params, _config| {
+        let build = |graph: &mut tensorflow::Graph| {
+            let mut nd = graph.new_operation("Mul", name)?;
+            nd.add_input(x);
+            nd.add_input(params[0].clone());
+            nd.set_attr_type("T", tensorflow::DataType::Float)?;
+            nd.finish()
+        };
+        let operation = build(graph).map_err(|s| kiln_tf::tf_error(name, s))?;
+        Ok(tensorflow::Output {
+            operation,
+            index: 0,
+        })
+    });
+    all.push(Case {
+        name: "custom_standard_ops".to_owned(),
+        spec: Layer::sequential([
+            LinearConfig::new(5, 4).into(),
+            kiln_core::model::CustomConfig::new("test::scale")
+                .with_param(
+                    "scale",
+                    [4],
+                    kiln_core::model::Init::Constant { value: 1.5 },
+                )
+                .into(),
+        ]),
+        shape: vec![2, 5],
         int_high: None,
     });
     let mut worst_kiln = 0.0f64;
