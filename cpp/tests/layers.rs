@@ -311,3 +311,91 @@ fn fused_layers_train_under_bf16_mixed_precision() {
         assert!(d < 5e-2, "grad {name}: {d}");
     }
 }
+
+/// A model with Kiln's fused ops cannot be exported as a SavedModel: their
+/// TensorFlow ops (`KilnBiasGelu`, `KilnSwish`) live in Kiln's op library, which
+/// Python's TensorFlow and TF Serving do not load. The error names the first
+/// such layer and its op, and nothing is written.
+#[test]
+fn saved_model_export_refuses_kilns_own_ops() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-export-fused-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    for (spec, path, layer, op_type) in [
+        (spec(), "1", "Custom kiln::bias_gelu", "KilnBiasGelu"),
+        (
+            Layer::sequential([
+                LinearConfig::new(6, 4).into(),
+                Layer::residual(kiln_ops::layer::swish(1.0)),
+            ]),
+            "1.block",
+            "Custom kiln::swish",
+            "KilnSwish",
+        ),
+    ] {
+        let model = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
+        let err = kiln_tf::export_saved_model(&model, &[2, 6], &dir).unwrap_err();
+        match &err {
+            kiln_tf::ExportError::NonStandardOp {
+                path: p,
+                layer: l,
+                op_type: t,
+                ..
+            } => assert_eq!((p.as_str(), l.as_str(), t.as_str()), (path, layer, op_type)),
+            other => panic!("{other:?}"),
+        }
+        assert!(err.to_string().contains(path), "{err}");
+        assert!(!dir.exists());
+    }
+}
+
+/// A state dict made on libtorch (batch-norm running statistics updated by
+/// training-mode passes there) loads into a `TfModel` of the same definition and
+/// exports as a SavedModel that TensorFlow's C++ loader (Kiln's `SavedModel`)
+/// serves as libtorch computes in eval mode (1e-5), at another batch size.
+#[test]
+fn a_torch_state_dict_exports_as_a_saved_model() {
+    let _serial = serial();
+    let spec = Layer::sequential([
+        LinearConfig::new(6, 16).into(),
+        Layer::BatchNorm1d(kiln_core::model::BatchNormConfig::new(16)),
+        Layer::Relu,
+        LinearConfig::new(16, 4).into(),
+    ]);
+    TorchBackend::manual_seed(9);
+    let mut torch = TorchBackend::build_model(&spec, Device::Cpu).unwrap();
+    for seed in 0..3 {
+        let (x, _) = batch(8, 20 + seed);
+        let _ = torch
+            .forward(&TorchBackend::from_host(&x, Device::Cpu).unwrap())
+            .unwrap();
+    }
+    torch.set_mode(kiln_core::backend::Mode::Eval);
+    let state = torch.state_dict().unwrap();
+    let mean = state.get("1.running_mean").unwrap().to_f64_vec();
+    assert!(
+        mean.iter().any(|m| m.abs() > 1e-3),
+        "training-mode passes moved the statistics"
+    );
+
+    let mut tf = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
+    tf.load_state_dict(&state).unwrap();
+    let dir = std::env::temp_dir().join(format!("kiln-export-torch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    kiln_tf::export_saved_model(&tf, &[2, 6], &dir).unwrap();
+    let (x, _) = batch(7, 30);
+    let expected = from_tch(
+        &torch
+            .forward(&TorchBackend::from_host(&x, Device::Cpu).unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    let served = kiln_tf::SavedModel::load(&dir)
+        .unwrap()
+        .run("serving_default", &[("input", &x)])
+        .unwrap();
+    let d = max_diff(&served["output"], &expected);
+    eprintln!("torch state dict -> SavedModel: max difference from libtorch {d:.1e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(d <= 1e-5, "the export differs from libtorch by {d:.2e}");
+}

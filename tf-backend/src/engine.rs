@@ -65,9 +65,9 @@ pub(crate) struct Var {
     /// Placeholder fed by `load`.
     feed: Output,
     /// `variable = feed`.
-    load: Operation,
+    pub(crate) load: Operation,
     /// The current value (for state dicts).
-    read: Output,
+    pub(crate) read: Output,
 }
 
 /// A graph, its session, and the variables in it.

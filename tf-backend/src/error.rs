@@ -7,3 +7,92 @@ use kiln_core::Error;
 pub fn tf_error(context: &str, status: tensorflow::Status) -> Error {
     Error::backend_with_source("tensorflow", context, status)
 }
+
+/// Why a [`TfModel`](crate::TfModel) could not be exported as a SavedModel
+/// ([`SavedModelExport`](crate::SavedModelExport)). Every message names what was
+/// wrong and what would work; nothing was written when one is returned.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExportError {
+    /// Something exists at the target path and overwriting was not asked for.
+    #[error("{} already exists; pass `overwrite(true)` to replace it", .path.display())]
+    Exists {
+        /// The target path.
+        path: std::path::PathBuf,
+    },
+    /// Overwriting was asked for, but the path holds something other than a
+    /// SavedModel directory, which an export never replaces.
+    #[error(
+        "{} exists and is not a SavedModel directory (no saved_model.pb): an export \
+         replaces only a SavedModel; remove it yourself or choose another path",
+        .path.display()
+    )]
+    NotASavedModel {
+        /// The target path.
+        path: std::path::PathBuf,
+    },
+    /// A layer builds a TensorFlow op that only Kiln's process knows (a custom
+    /// op library), so Python's TensorFlow and TF Serving could not load the graph.
+    #[error(
+        "{path} ({layer}) cannot be exported as a SavedModel: its TensorFlow op `{op_type}` \
+         (node `{node}`) is not a standard TensorFlow op, so Python's TensorFlow and TF \
+         Serving cannot load it; build the layer from standard ops (tf.raw_ops) to export it"
+    )]
+    NonStandardOp {
+        /// The layer's path in the model (`2.block.0`), or `<root>`.
+        path: String,
+        /// The layer's kind (`Custom kiln::bias_gelu`).
+        layer: String,
+        /// The op type (`KilnBiasGelu`).
+        op_type: String,
+        /// The graph node.
+        node: String,
+    },
+    /// A layer cannot be exported at all.
+    #[error("{path} ({layer}) cannot be exported as a SavedModel: {reason}")]
+    Unsupported {
+        /// The layer's path in the model, or `<root>`.
+        path: String,
+        /// The layer's kind.
+        layer: String,
+        /// Why, and what would work.
+        reason: String,
+    },
+    /// An export setting is invalid (an empty name, an empty input shape).
+    #[error("invalid export setting `{name}`: {reason}")]
+    InvalidArgument {
+        /// The setting.
+        name: &'static str,
+        /// What was expected and what was given.
+        reason: String,
+    },
+    /// Reading or writing a file failed.
+    #[error("{action} {}", .path.display())]
+    Io {
+        /// `writing`, `renaming`, ...
+        action: &'static str,
+        /// The file or directory.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The model could not be built for the input (a shape or dtype that does
+    /// not fit the definition), or TensorFlow failed.
+    #[error(transparent)]
+    Core(#[from] kiln_core::Error),
+}
+
+impl ExportError {
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<std::path::PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
+        ExportError::Io {
+            action,
+            path: path.into(),
+            source,
+        }
+    }
+}

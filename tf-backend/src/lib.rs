@@ -35,11 +35,12 @@ mod train;
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
 pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
-pub use error::tf_error;
+pub use error::{tf_error, ExportError};
 pub use model::TfModel;
 pub use optim::TfOptimizer;
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{
-    resolve_saved_model_shapes, SavedModel, SavedModelModule, SavedModelModuleBuilder,
-    SignatureInfo, SignatureOptimizer, TensorDType, TensorSpec, VariableRole,
+    export_saved_model, resolve_saved_model_shapes, SavedModel, SavedModelExport, SavedModelModule,
+    SavedModelModuleBuilder, SignatureInfo, SignatureOptimizer, TensorDType, TensorSpec,
+    VariableRole, SERVING_SIGNATURE,
 };

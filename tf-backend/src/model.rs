@@ -346,6 +346,12 @@ impl TfModel {
     }
 }
 
+impl kiln_core::model::Definition for TfModel {
+    fn definition(&self) -> &Layer {
+        &self.spec
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! Reading the variables through [`Module`] reports the engine's errors.
@@ -426,11 +432,5 @@ mod tests {
             );
         }
         Ok(())
-    }
-}
-
-impl kiln_core::model::Definition for TfModel {
-    fn definition(&self) -> &Layer {
-        &self.spec
     }
 }

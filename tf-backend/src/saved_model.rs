@@ -1,10 +1,12 @@
 //! TensorFlow SavedModels: list their signatures, run them, fine-tune them through a
 //! training signature, and write the trained variables back. See [`SavedModel`].
 
+mod export;
 mod files;
 mod layer;
 mod module;
 mod object_graph;
+mod proto;
 mod saver_def;
 mod signature;
 
@@ -22,6 +24,7 @@ use tensorflow::{Graph, Operation, SavedModelBundle, Session, SessionRunArgs, Te
 use crate::convert::{from_tf, TfTensor};
 use crate::error::tf_error;
 use crate::graph::Builder;
+pub use export::{export_saved_model, SavedModelExport, SERVING_SIGNATURE};
 pub use layer::resolve_saved_model_shapes;
 pub(crate) use layer::SavedModelLayers;
 pub use module::{SavedModelModule, SavedModelModuleBuilder, SignatureOptimizer, VariableRole};

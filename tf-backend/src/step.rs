@@ -414,11 +414,9 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
         });
     }
     spec.output_shape(model.batch_dims)?;
-    let expected = match first_layer(spec) {
-        Some(Layer::Embedding(_)) => DType::I64,
-        // Checked against its signature's input when the layer is imported.
-        Some(Layer::SavedModel(_)) => return Ok(()),
-        _ => DType::F32,
+    // A SavedModel layer's input is checked against its signature when imported.
+    let Some(expected) = input_dtype(spec) else {
+        return Ok(());
     };
     if input.dtype != expected {
         return Err(Error::DTypeMismatch {
@@ -428,6 +426,16 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The dtype of the model's input: int64 indices for an embedding first, float32
+/// otherwise; `None` when a SavedModel layer comes first (its signature decides).
+pub(crate) fn input_dtype(spec: &Layer) -> Option<DType> {
+    match first_layer(spec) {
+        Some(Layer::Embedding(_)) => Some(DType::I64),
+        Some(Layer::SavedModel(_)) => None,
+        _ => Some(DType::F32),
+    }
 }
 
 /// The first layer that sees the input.

@@ -28,7 +28,7 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> Error + '_ {
 }
 
 /// Flushes a file's data to disk.
-fn sync_file(path: &Path) -> Result<()> {
+pub(crate) fn sync_file(path: &Path) -> Result<()> {
     fs::File::open(path)
         .and_then(|f| f.sync_all())
         .map_err(io_err(path))
