@@ -65,7 +65,7 @@ pub use freeze::Freeze;
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
-pub use script::{resolve_torchscript_shapes, ScriptModule};
+pub use script::{export_torchscript, resolve_torchscript_shapes, ScriptModule};
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";
