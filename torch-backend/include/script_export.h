@@ -23,8 +23,9 @@ class ExportBuilder {
  public:
   ExportBuilder();
 
-  // A new empty module of class `__torch__.kiln.<class_name>` (mangled by the
-  // compilation unit when the name is taken: `__torch__.kiln.___torch_mangle_3.Linear`).
+  // A new module of class `__torch__.kiln.<class_name>` (mangled by the
+  // compilation unit when the name is taken: `__torch__.kiln.___torch_mangle_3.Linear`)
+  // with nn.Module's `training` attribute and nothing else.
   std::size_t add_module(rust::Str class_name);
 
   // A deep copy of `module` on the CPU (a loaded TorchScript file), its

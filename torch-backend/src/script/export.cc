@@ -29,7 +29,10 @@ const torch::jit::Module& ExportBuilder::module_at(std::size_t node) const {
 
 std::size_t ExportBuilder::add_module(rust::Str class_name) {
   const c10::QualifiedName name("__torch__.kiln." + std::string(class_name));
-  modules_.emplace_back(name, cu_, /*shouldMangle=*/true);
+  torch::jit::Module module(name, cu_, /*shouldMangle=*/true);
+  // Every nn.Module has it: `forward` reads it, and `train()` sets it.
+  module.register_attribute("training", c10::BoolType::get(), true);
+  modules_.push_back(module);
   return modules_.size() - 1;
 }
 

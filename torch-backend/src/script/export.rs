@@ -172,8 +172,9 @@ impl Exporter<'_> {
                     let name = i.to_string();
                     let child_node = self.emit(child, &join(path, &name))?;
                     self.graph.add_child(node, &name, child_node)?;
-                    // TorchScript reaches a submodule with a numeric name this way.
-                    let _ = writeln!(body, "    x = getattr(self, \"{name}\")(x)");
+                    // TorchScript reaches a submodule with a numeric name this way;
+                    // a module is called through its `forward` (C++ TorchScript has no `__call__`).
+                    let _ = writeln!(body, "    x = getattr(self, \"{name}\").forward(x)");
                 }
                 body.push_str("    return x\n");
                 self.graph.define(node, &forward(&body), &what)?;
@@ -185,7 +186,7 @@ impl Exporter<'_> {
                 self.graph.add_child(node, "block", child)?;
                 self.graph.define(
                     node,
-                    &forward("    return torch.add(x, self.block(x))\n"),
+                    &forward("    return torch.add(x, self.block.forward(x))\n"),
                     &what,
                 )?;
                 Ok(node)
@@ -471,7 +472,7 @@ fn leaf_forward(layer: &Layer, has: &dyn Fn(&str) -> bool) -> Result<(&'static s
                  if self.training:\n        p = {}\n    \
                  attended = torch.scaled_dot_product_attention(q, k, v, None, p, {})\n    \
                  merged = torch.reshape(torch.transpose(attended, 1, 2), [batch, seq, embed])\n    \
-                 return self.out_proj(merged)\n",
+                 return self.out_proj.forward(merged)\n",
                 opt("in_proj_bias"),
                 float(c.dropout),
                 boolean(c.causal)
