@@ -422,6 +422,24 @@ impl TorchModel {
         find(&self.root, layer)
     }
 
+    /// The paths of the layers that run in eval behaviour even when the model
+    /// trains ([`Freeze::keep_frozen_batch_norm_in_eval`]).
+    pub(crate) fn eval_pinned_layers(&self) -> Vec<String> {
+        fn walk(node: &Node, out: &mut Vec<String>) {
+            match node {
+                Node::Leaf {
+                    path, eval: true, ..
+                } => out.push(path.clone()),
+                Node::Sequential(children) => children.iter().for_each(|c| walk(c, out)),
+                Node::Residual(block) => walk(block, out),
+                Node::Leaf { .. } | Node::Script { .. } => {}
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.root, &mut out);
+        out
+    }
+
     /// Whether the model has a [`Layer::TorchScript`] layer.
     fn has_scripts(&self) -> bool {
         self.spec

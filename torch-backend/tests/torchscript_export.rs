@@ -430,3 +430,49 @@ fn an_export_reads_back_as_a_torchscript_layer() {
     let theirs = forward(&wrapped, &x).to_f64_vec();
     assert_eq!(ours, theirs);
 }
+
+#[test]
+fn a_frozen_batch_norm_pinned_to_eval_stays_so_in_the_export() {
+    use kiln_core::model::BatchNormConfig;
+    use kiln_torch::Freeze;
+
+    let _guard = serial();
+    TorchBackend::manual_seed(11);
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 3).into(),
+        Layer::BatchNorm1d(BatchNormConfig::new(3)),
+        Layer::Tanh,
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let x = HostTensor::new(noise(8 * 4, 5), [8, 4]).unwrap();
+    // Running statistics away from 0 and 1: eval and train behaviour differ.
+    forward(&model, &x);
+    model.freeze(&["1.*"]).unwrap();
+    assert_eq!(model.keep_frozen_batch_norm_in_eval().unwrap(), ["1"]);
+    let dir = common::scratch_dir("torchscript-export-pinned");
+    let file = dir.join("pinned.pt");
+    export_torchscript(&model, &file, false).unwrap();
+
+    let before = model.state_dict().unwrap();
+    let script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(script.mode(), Mode::Train);
+    let frozen: Vec<String> = script
+        .named_parameters()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(frozen, ["1.weight", "1.bias"]);
+    assert_eq!(
+        forward(&script, &x),
+        forward(&model, &x),
+        "train-mode output"
+    );
+    assert_eq!(
+        script.state_dict().unwrap(),
+        before,
+        "running statistics kept"
+    );
+    assert_eq!(model.state_dict().unwrap(), before);
+}

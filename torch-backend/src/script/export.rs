@@ -11,7 +11,7 @@
 //! their children as submodules named `"0"`, `"1"`, ... (`Sequential`) and
 //! `"block"` (`Residual`), which is what makes the state-dict names Kiln's.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -37,7 +37,9 @@ use crate::model::{lock_script, TorchModel};
 /// norm follow the module's `training` flag as `nn.Dropout` and
 /// `nn.BatchNorm` do (batch statistics, running-statistics update and
 /// `num_batches_tracked` in training), so the model trains on in Python like
-/// the original. The exported `training` flag is the model's mode at export:
+/// the original; a batch norm that `keep_frozen_batch_norm_in_eval` pinned to
+/// eval behaviour keeps it in the export. The exported `training` flag is the
+/// model's mode at export:
 /// put the model in eval mode first (`model.set_mode(Mode::Eval)`) for a file
 /// that serves, as `torch.jit.load` keeps the flag it finds.
 ///
@@ -93,6 +95,7 @@ pub fn export_torchscript(
         graph: ExportGraph::new()?,
         tensors: &tensors,
         model,
+        pinned: model.eval_pinned_layers().into_iter().collect(),
     };
     let root = tch::no_grad(|| exporter.emit(spec, ""))?;
     target.write(|tmp| exporter.graph.save(root, tmp, model.mode().is_train()))?;
@@ -158,6 +161,8 @@ struct Exporter<'a> {
     /// The model's parameters and buffers by full name.
     tensors: &'a HashMap<String, (Tensor, ParamKind)>,
     model: &'a TorchModel,
+    /// The batch norms kept in eval behaviour while the model trains.
+    pinned: HashSet<String>,
 }
 
 impl Exporter<'_> {
@@ -234,7 +239,7 @@ impl Exporter<'_> {
             }
         }
         let has = |name: &str| own.iter().any(|(n, _, _)| n == name);
-        let (class, body) = leaf_forward(layer, &has)?;
+        let (class, body) = leaf_forward(layer, &has, self.pinned.contains(path))?;
         let node = self.graph.add_module(class, path)?;
         for (name, tensor, kind) in &own {
             self.graph
@@ -296,8 +301,15 @@ fn boolean(v: bool) -> &'static str {
 
 /// The class name and the forward body of a layer without children, calling
 /// the aten ops kiln-torch's layers (src/layers/) call, with the same
-/// arguments. `has(name)` says whether the layer has the tensor `name`.
-fn leaf_forward(layer: &Layer, has: &dyn Fn(&str) -> bool) -> Result<(&'static str, String)> {
+/// arguments. `has(name)` says whether the layer has the tensor `name`;
+/// `pinned`, whether it keeps its eval behaviour when the model trains (a
+/// frozen batch norm, [`Freeze::keep_frozen_batch_norm_in_eval`](crate::Freeze::keep_frozen_batch_norm_in_eval)),
+/// which the exported forward then keeps too, whatever its `training` flag.
+fn leaf_forward(
+    layer: &Layer,
+    has: &dyn Fn(&str) -> bool,
+    pinned: bool,
+) -> Result<(&'static str, String)> {
     let opt = |name: &str| {
         if has(name) {
             format!("self.{name}")
@@ -377,14 +389,15 @@ fn leaf_forward(layer: &Layer, has: &dyn Fn(&str) -> bool) -> Result<(&'static s
                 "BatchNorm2d"
             };
             let tracks = has("running_mean");
+            let training = if pinned { "False" } else { "self.training" };
             let mut body = String::new();
-            if tracks && has("num_batches_tracked") {
+            if tracks && has("num_batches_tracked") && !pinned {
                 // nn.BatchNorm counts the training batches it normalises.
                 body.push_str("    if self.training:\n");
                 body.push_str("        self.num_batches_tracked.add_(1)\n");
             }
             // Batch statistics in training, or always without running statistics.
-            let batch_stats = if tracks { "self.training" } else { "True" };
+            let batch_stats = if tracks { training } else { "True" };
             body.push_str(&ret(format!(
                 "torch.batch_norm(x, {}, {}, {}, {}, {batch_stats}, {}, {}, False)",
                 opt("weight"),
@@ -655,9 +668,11 @@ mod tests {
         let node = graph.add_module("Linear", "0").unwrap();
         let weight = Tensor::ones([2, 3], (tch::Kind::Float, tch::Device::Cpu));
         graph.add_tensor(node, "weight", &weight, false).unwrap();
-        let (class, body) = leaf_forward(&LinearConfig::new(3, 2).with_bias(false).into(), &|n| {
-            n == "weight"
-        })
+        let (class, body) = leaf_forward(
+            &LinearConfig::new(3, 2).with_bias(false).into(),
+            &|n| n == "weight",
+            false,
+        )
         .unwrap();
         graph.define(node, &forward(&body), "0 (Linear)").unwrap();
         assert_eq!(class, "Linear");
