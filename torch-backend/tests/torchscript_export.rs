@@ -1,14 +1,15 @@
 //! `export_torchscript`: every case of `tests/fixtures/layer_cases.json`, the
 //! model of `examples/configs/digits-cnn.toml`, a causal transformer block with
-//! dropout and a model around a frozen TorchScript backbone, exported and
-//! checked by Python PyTorch alone in one run
+//! dropout, and models around a TorchScript backbone (once, and twice in one
+//! model), exported and checked by Python PyTorch alone in one run
 //! (`tests/reference/torchscript_export_check.py`): state-dict keys in PyTorch's
 //! order and bitwise values, eval outputs within 1e-6, train-mode batch norm
 //! updating the running statistics as Kiln's forward does, and one SGD step
 //! that reaches every trainable parameter. In Rust, `ScriptModule::load` of
-//! each file gives Kiln's outputs bitwise and its state dict. Bad requests
-//! (an op Python cannot run, an existing file) are typed errors that leave the
-//! disk as it was.
+//! each file gives Kiln's outputs bitwise and its state dict; a batch norm
+//! pinned to eval stays pinned; a model on CUDA (when there is one) exports
+//! from the CPU copy. Bad requests (an op Python cannot run, an existing file,
+//! a missing directory) are typed errors that leave the disk as it was.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -97,6 +98,22 @@ fn backbone_case(backbone: &Path) -> Case {
         input: vec![6, 4],
         int_high: None,
         train: true,
+    }
+}
+
+/// The same TorchScript file twice, trainable then frozen, around a Linear:
+/// two modules of distinct types under one class name.
+fn two_backbones_case(backbone: &Path) -> Case {
+    Case {
+        name: "two_torchscript_backbones".to_owned(),
+        spec: Layer::sequential([
+            TorchScriptConfig::new(backbone).into(),
+            LinearConfig::new(3, 4).into(),
+            TorchScriptConfig::new(backbone).frozen().into(),
+        ]),
+        input: vec![5, 4],
+        int_high: None,
+        train: false,
     }
 }
 
@@ -251,6 +268,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
     cases.push(digits_cnn());
     cases.push(transformer_block());
     cases.push(backbone_case(&dir.join("mlp_bn.pt")));
+    cases.push(two_backbones_case(&dir.join("mlp_bn.pt")));
     let manifest: Vec<serde_json::Value> = cases
         .iter()
         .enumerate()
@@ -298,7 +316,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
         .map(|c| c.name.as_str())
         .filter(|name| results[*name]["buffers"].as_u64() > Some(0))
         .collect();
-    assert_eq!(with_batch_norm.len(), 7, "{with_batch_norm:?}");
+    assert_eq!(with_batch_norm.len(), 8, "{with_batch_norm:?}");
     for name in &with_batch_norm {
         let moved = results[*name]["train_buffers_moved"].as_f64().unwrap();
         assert!(moved > 1e-3, "{name}: running statistics moved by {moved}");
@@ -475,4 +493,31 @@ fn a_frozen_batch_norm_pinned_to_eval_stays_so_in_the_export() {
         "running statistics kept"
     );
     assert_eq!(model.state_dict().unwrap(), before);
+}
+
+#[test]
+fn a_model_on_cuda_exports_its_weights_on_the_cpu() {
+    let _guard = serial();
+    if kiln_torch::cuda_device_count() == 0 {
+        eprintln!("SKIPPED a_model_on_cuda_exports_its_weights_on_the_cpu: no CUDA device");
+        return;
+    }
+    TorchBackend::manual_seed(9);
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 3).into(),
+        Layer::BatchNorm1d(kiln_core::model::BatchNormConfig::new(3)),
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    model.set_mode(Mode::Eval);
+    let x = HostTensor::new(noise(6 * 4, 2), [6, 4]).unwrap();
+    let on_cpu = forward(&model, &x);
+    let state = model.state_dict().unwrap();
+    model.to(Device::Cuda(0)).unwrap();
+    let dir = common::scratch_dir("torchscript-export-cuda");
+    let file = dir.join("from_cuda.pt");
+    export_torchscript(&model, &file, false).unwrap();
+    let mut script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(script.state_dict().unwrap(), state);
+    script.set_mode(Mode::Eval);
+    assert_eq!(forward(&script, &x), on_cpu);
 }
