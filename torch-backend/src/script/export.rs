@@ -14,6 +14,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kiln_core::{
     model::{GeluApproximation, Layer, ParamKind},
@@ -583,9 +584,14 @@ impl Target {
     /// file that appeared since the check. The temporary directory is removed
     /// either way.
     fn write(&self, save: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
-        let tmp_dir =
-            self.path
-                .with_file_name(format!(".{}.export-{}", self.file_name, std::process::id()));
+        // Unique per process and call: two exports never share a temporary.
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let tmp_dir = self.path.with_file_name(format!(
+            ".{}.export-{}-{}",
+            self.file_name,
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
         std::fs::create_dir(&tmp_dir).map_err(|e| Error::io(&tmp_dir, e))?;
         let tmp = tmp_dir.join(&self.file_name);
         let result = save(&tmp).and_then(|()| {
