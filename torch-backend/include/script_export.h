@@ -59,6 +59,11 @@ class ExportBuilder {
   std::vector<torch::jit::Module> modules_;
 };
 
+// Empty when `module`'s forward takes one tensor (other arguments having
+// defaults) and returns one, as a layer of a Kiln model does; otherwise the
+// forward's schema (`forward(__torch__.M self, Tensor a, Tensor b) -> (Tensor, Tensor)`).
+rust::String forward_mismatch(const torch::jit::Module& module);
+
 // A builder with an empty compilation unit.
 std::unique_ptr<ExportBuilder> new_export_builder();
 

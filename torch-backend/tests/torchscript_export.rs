@@ -325,6 +325,17 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
         "torchscript export, {} cases; largest differences from Kiln: {worst:?}",
         cases.len()
     );
+
+    // A TorchScript layer with two inputs and a tuple out cannot be a layer
+    // of the exported module: a typed error naming it and its forward.
+    let spec = Layer::sequential([TorchScriptConfig::new(dir.join("multi_io.pt")).into()]);
+    let model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let err = export_torchscript(&model, dir.join("multi_io_export.pt"), false).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("0 (TorchScript)"), "{text}");
+    assert!(text.contains("Tensor a, Tensor b"), "{text}");
+    assert!(!dir.join("multi_io_export.pt").exists());
 }
 
 #[test]

@@ -1,6 +1,7 @@
 // TorchScript export (include/script_export.h).
 #include "kiln-torch/include/script_export.h"
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -90,6 +91,29 @@ void ExportBuilder::save(std::size_t root, rust::Str path, bool training) {
   torch::jit::Module& module = module_at(root);
   module.train(training);
   module.save(std::string(path));
+}
+
+rust::String forward_mismatch(const torch::jit::Module& module) {
+  const auto method = module.find_method("forward");
+  if (!method) {
+    return rust::String("(no forward method)");
+  }
+  const c10::FunctionSchema& schema = method->function().getSchema();
+  const auto& args = schema.arguments();  // args[0] is self
+  std::size_t required = 0;
+  for (std::size_t i = 1; i < args.size(); ++i) {
+    required += args[i].default_value().has_value() ? 0 : 1;
+  }
+  const auto tensor = c10::TensorType::get();
+  const bool fits = args.size() >= 2 && required <= 1 && args[1].type()->isSubtypeOf(*tensor) &&
+                    schema.returns().size() == 1 &&
+                    schema.returns()[0].type()->isSubtypeOf(*tensor);
+  if (fits) {
+    return rust::String();
+  }
+  std::ostringstream text;
+  text << schema;
+  return rust::String(text.str());
 }
 
 std::unique_ptr<ExportBuilder> new_export_builder() { return std::make_unique<ExportBuilder>(); }

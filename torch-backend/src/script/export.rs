@@ -23,7 +23,7 @@ use kiln_core::{
 };
 use tch::Tensor;
 
-use super::export_bridge::{ExportGraph, NodeId};
+use super::export_bridge::{forward_mismatch, ExportGraph, NodeId};
 use crate::layers::join;
 use crate::model::{lock_script, TorchModel};
 
@@ -55,8 +55,9 @@ use crate::model::{lock_script, TorchModel};
 /// Everything is checked before the first byte is written, and the file is
 /// written atomically (a temporary directory beside `path`, then a rename):
 ///
-/// - any other [`Layer::Custom`] op (or a `Layer::SavedModel`) is
-///   [`Error::Unsupported`] naming the layer's path and op;
+/// - any other [`Layer::Custom`] op (or a `Layer::SavedModel`, or a
+///   TorchScript layer whose forward does not take one tensor and return
+///   one) is [`Error::Unsupported`] naming the layer's path and op;
 /// - a missing parent directory is [`Error::Io`] (`NotFound`);
 /// - an existing `path` without `overwrite` is [`Error::Io`] whose source has
 ///   [`std::io::ErrorKind::AlreadyExists`], and the file is left as it was.
@@ -206,6 +207,13 @@ impl Exporter<'_> {
                     )
                 })?;
                 let module = lock_script(module)?;
+                if let Some(schema) = forward_mismatch(module.c_module())? {
+                    return Err(Error::unsupported(format!(
+                        "exporting {what} ({}): its forward is `{schema}`; a layer of an \
+                         exported model takes one tensor and returns one",
+                        config.path.display()
+                    )));
+                }
                 self.graph.add_script_module(module.c_module(), path)
             }
             leaf => self.emit_leaf(leaf, path, &what),

@@ -26,6 +26,7 @@ mod ffi {
 
         type ExportBuilder;
 
+        fn forward_mismatch(module: &Module) -> Result<String>;
         fn new_export_builder() -> Result<UniquePtr<ExportBuilder>>;
         fn add_module(self: Pin<&mut ExportBuilder>, class_name: &str) -> Result<usize>;
         fn add_script_module(self: Pin<&mut ExportBuilder>, module: &Module) -> Result<usize>;
@@ -52,6 +53,14 @@ mod ffi {
             training: bool,
         ) -> Result<()>;
     }
+}
+
+/// `None` when `module`'s forward takes one tensor and returns one (what a
+/// layer of an exported model calls); otherwise its schema, for the error.
+pub(crate) fn forward_mismatch(module: &CModule) -> Result<Option<String>> {
+    let text = ffi::forward_mismatch(jit_module(module))
+        .map_err(|e| bridge_error("reading a TorchScript forward's schema", e))?;
+    Ok((!text.is_empty()).then_some(text))
 }
 
 /// One module of an [`ExportGraph`].
