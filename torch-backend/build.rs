@@ -3,7 +3,8 @@
 //! expose: the `at::Tensor` glue every crate's bridges share (src/cxx_tensor.rs),
 //! libtorch's autocast (src/autocast.rs, src/autocast.cc), its fused Adam kernels
 //! (src/optim/fused.rs, src/optim/fused.cc), TorchScript buffers
-//! (src/script/bridge.rs, src/script/bridge.cc) and, with the `cuda` feature, CUDA
+//! (src/script/bridge.rs, src/script/bridge.cc), TorchScript export
+//! (src/script/export_bridge.rs, src/script/export.cc) and, with the `cuda` feature, CUDA
 //! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers),
 //! and c10d, libtorch's distributed engine (src/distributed/bridge.rs,
 //! src/distributed/c10d.cc; NCCL in src/distributed/nccl.cc with `cuda`).
@@ -19,6 +20,8 @@ fn main() {
         .bridge_source("src/autocast.cc")
         .bridge("src/script/bridge.rs")
         .bridge_source("src/script/bridge.cc")
+        .bridge("src/script/export_bridge.rs")
+        .bridge_source("src/script/export.cc")
         .bridge("src/optim/fused.rs")
         .bridge_source("src/optim/fused.cc")
         // c10d: Gloo's declarations are Kiln's own (include/gloo-api/README.md).
@@ -47,6 +50,7 @@ fn main() {
         "c10d.h",
         "c10d_nccl.h",
         "script.h",
+        "script_export.h",
     ] {
         println!("cargo:rerun-if-changed=include/{header}");
     }

@@ -23,8 +23,12 @@
 //! [`cxx_tensor`], the one conversion between a `tch::Tensor` and the C++
 //! `at::Tensor` that every crate's cxx bridges pass (`&Tensor` in,
 //! `UniquePtr<Tensor>` out), and the cxx bridges themselves (of [`autocast`], the
-//! fused Adam kernels, [`distributed`]'s c10d and, with the `cuda` feature,
-//! `graph`; C++ compiled by the build script).
+//! fused Adam kernels, TorchScript modules and their export, [`distributed`]'s
+//! c10d and, with the `cuda` feature, `graph`; C++ compiled by the build script).
+//!
+//! [`export_torchscript`] writes a [`TorchModel`] as a TorchScript file that
+//! Python's `torch.jit.load` runs and trains, with the model's state-dict names;
+//! [`ScriptModule`] loads TorchScript files (that one included) back into Kiln.
 //!
 //! [`distributed`] trains data-parallel on libtorch's c10d (Gloo, and NCCL with the
 //! `cuda` feature): `ProcessGroup` and DDP's `c10d::Reducer`.
@@ -65,7 +69,7 @@ pub use freeze::Freeze;
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
-pub use script::{resolve_torchscript_shapes, ScriptModule};
+pub use script::{export_torchscript, resolve_torchscript_shapes, ScriptModule};
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";

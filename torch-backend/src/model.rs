@@ -386,15 +386,7 @@ impl TorchModel {
     /// a fine-tuned backbone goes back to Python as it came. An unknown path,
     /// or one that is not a torchscript layer, is [`Error::InvalidArgument`].
     pub fn save_torchscript_layer(&self, layer: &str, path: impl AsRef<Path>) -> Result<()> {
-        fn find<'a>(node: &'a Node, wanted: &str) -> Option<&'a Mutex<ScriptModule>> {
-            match node {
-                Node::Script { module, path } if path == wanted => Some(module),
-                Node::Sequential(children) => children.iter().find_map(|c| find(c, wanted)),
-                Node::Residual(block) => find(block, wanted),
-                _ => None,
-            }
-        }
-        let module = find(&self.root, layer).ok_or_else(|| {
+        let module = self.script_layer(layer).ok_or_else(|| {
             let layers: Vec<String> = self
                 .spec
                 .torchscript_layers()
@@ -415,6 +407,37 @@ impl TorchModel {
             )
         })?;
         lock_script(module)?.save(path)
+    }
+
+    /// The module of the [`Layer::TorchScript`] layer at `layer` (its path), if any.
+    pub(crate) fn script_layer(&self, layer: &str) -> Option<&Mutex<ScriptModule>> {
+        fn find<'a>(node: &'a Node, wanted: &str) -> Option<&'a Mutex<ScriptModule>> {
+            match node {
+                Node::Script { module, path } if path == wanted => Some(module),
+                Node::Sequential(children) => children.iter().find_map(|c| find(c, wanted)),
+                Node::Residual(block) => find(block, wanted),
+                _ => None,
+            }
+        }
+        find(&self.root, layer)
+    }
+
+    /// The paths of the layers that run in eval behaviour even when the model
+    /// trains ([`Freeze::keep_frozen_batch_norm_in_eval`]).
+    pub(crate) fn eval_pinned_layers(&self) -> Vec<String> {
+        fn walk(node: &Node, out: &mut Vec<String>) {
+            match node {
+                Node::Leaf {
+                    path, eval: true, ..
+                } => out.push(path.clone()),
+                Node::Sequential(children) => children.iter().for_each(|c| walk(c, out)),
+                Node::Residual(block) => walk(block, out),
+                Node::Leaf { .. } | Node::Script { .. } => {}
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.root, &mut out);
+        out
     }
 
     /// Whether the model has a [`Layer::TorchScript`] layer.
@@ -577,7 +600,7 @@ fn build(
     })
 }
 
-fn lock_script(module: &Mutex<ScriptModule>) -> Result<MutexGuard<'_, ScriptModule>> {
+pub(crate) fn lock_script(module: &Mutex<ScriptModule>) -> Result<MutexGuard<'_, ScriptModule>> {
     module.lock().map_err(|_| {
         Error::backend(
             "torch",

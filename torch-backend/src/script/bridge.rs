@@ -57,7 +57,7 @@ const _: () = assert!(
 );
 
 /// The `torch::jit::Module` that `module` owns, borrowed as long as `module`.
-fn jit_module(module: &CModule) -> &JitModule {
+pub(super) fn jit_module(module: &CModule) -> &JitModule {
     // SAFETY: `CModule` (tch 0.24) is `struct CModule { c_module: *mut CModule_ }`:
     // a single pointer-sized, pointer-aligned field (checked above), so its bytes
     // are that pointer, which `transmute_copy` reads without moving the module.

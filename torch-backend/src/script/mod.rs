@@ -2,6 +2,10 @@
 //! run, fine-tune with Kiln's optimizers, and save back for Python's `torch.jit.load`.
 
 mod bridge;
+mod export;
+mod export_bridge;
+
+pub use export::export_torchscript;
 
 use std::path::{Path, PathBuf};
 
@@ -97,6 +101,11 @@ impl ScriptModule {
     /// The device the module lives on.
     pub fn device(&self) -> Device {
         self.device
+    }
+
+    /// The loaded TorchScript module (for the exporter, which copies it).
+    pub(crate) fn c_module(&self) -> &CModule {
+        &self.module
     }
 
     /// Runs `forward` with arbitrary TorchScript values (tensors, tuples, lists,

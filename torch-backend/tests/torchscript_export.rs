@@ -1,0 +1,534 @@
+//! `export_torchscript`: every case of `tests/fixtures/layer_cases.json`, the
+//! model of `examples/configs/digits-cnn.toml`, a causal transformer block with
+//! dropout, and models around a TorchScript backbone (once, and twice in one
+//! model), exported and checked by Python PyTorch alone in one run
+//! (`tests/reference/torchscript_export_check.py`): state-dict keys in PyTorch's
+//! order and bitwise values, eval outputs within 1e-6, train-mode batch norm
+//! updating the running statistics as Kiln's forward does, and one SGD step
+//! that reaches every trainable parameter. In Rust, `ScriptModule::load` of
+//! each file gives Kiln's outputs bitwise and its state dict; a batch norm
+//! pinned to eval stays pinned; a model on CUDA (when there is one) exports
+//! from the CPU copy. Bad requests (an op Python cannot run, an existing file,
+//! a missing directory) are typed errors that leave the disk as it was.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use kiln_core::{
+    backend::{Backend, Mode},
+    model::{CustomConfig, Init, Layer, LinearConfig, TorchScriptConfig},
+    module::Module,
+    state_dict::StateDict,
+    Device, Error, HostTensor,
+};
+use kiln_torch::{export_torchscript, from_tch, to_tch, ScriptModule, TorchBackend, TorchModel};
+
+/// libtorch's generator is global: the tests of this binary run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct Case {
+    name: String,
+    spec: Layer,
+    input: Vec<usize>,
+    /// Indices below this bound for int64 inputs; `None` for float inputs.
+    int_high: Option<usize>,
+    /// The mode the model is in at export (the file's `training` flag).
+    train: bool,
+}
+
+/// Every case of the layer suite shared by the parity tests.
+fn layer_cases() -> Vec<Case> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/layer_cases.json");
+    let text = std::fs::read_to_string(path).unwrap();
+    let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
+    values
+        .into_iter()
+        .map(|v| Case {
+            name: v["name"].as_str().unwrap().to_owned(),
+            spec: serde_json::from_value(v["layer"].clone()).unwrap(),
+            input: serde_json::from_value(v["input"].clone()).unwrap(),
+            int_high: serde_json::from_value(v["int_high"].clone()).unwrap(),
+            train: v["train"].as_bool().unwrap(),
+        })
+        .collect()
+}
+
+/// The `[model]` table of the shipped digits CNN config, read as the CLI reads it.
+fn digits_cnn() -> Case {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/digits-cnn.toml");
+    let table: toml::Table = toml::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let spec: Layer = table["model"].clone().try_into().unwrap();
+    Case {
+        name: "digits_cnn".to_owned(),
+        spec,
+        input: vec![6, 1, 8, 8],
+        int_high: None,
+        train: true,
+    }
+}
+
+fn transformer_block() -> Case {
+    Case {
+        name: "transformer_encoder_block".to_owned(),
+        spec: Layer::transformer_encoder_block(32, 4, 64, true, 0.1),
+        input: vec![3, 6, 32],
+        int_high: None,
+        train: false,
+    }
+}
+
+/// A frozen TorchScript backbone (Linear, BatchNorm1d, Linear, scripted by
+/// `torchscript_models.py`) under a trainable head.
+fn backbone_case(backbone: &Path) -> Case {
+    Case {
+        name: "torchscript_backbone".to_owned(),
+        spec: Layer::sequential([
+            TorchScriptConfig::new(backbone).frozen().into(),
+            Layer::Relu,
+            LinearConfig::new(3, 2).into(),
+        ]),
+        input: vec![6, 4],
+        int_high: None,
+        train: true,
+    }
+}
+
+/// The same TorchScript file twice, trainable then frozen, around a Linear:
+/// two modules of distinct types under one class name.
+fn two_backbones_case(backbone: &Path) -> Case {
+    Case {
+        name: "two_torchscript_backbones".to_owned(),
+        spec: Layer::sequential([
+            TorchScriptConfig::new(backbone).into(),
+            LinearConfig::new(3, 4).into(),
+            TorchScriptConfig::new(backbone).frozen().into(),
+        ]),
+        input: vec![5, 4],
+        int_high: None,
+        train: false,
+    }
+}
+
+/// Deterministic pseudo-random floats in [-1, 1).
+fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn input(case: &Case, seed: u64) -> HostTensor {
+    let n: usize = case.input.iter().product();
+    match case.int_high {
+        Some(high) => {
+            let values: Vec<i64> = noise(n, seed)
+                .iter()
+                .map(|v| (((v + 1.0) * 0.5 * high as f32) as i64).min(high as i64 - 1))
+                .collect();
+            HostTensor::new(values, case.input.clone()).unwrap()
+        }
+        None => HostTensor::new(noise(n, seed), case.input.clone()).unwrap(),
+    }
+}
+
+/// The state-dict keys in PyTorch's order: each layer's own, in
+/// `parameter_specs` order; a TorchScript layer's as `[path, file]`, which the
+/// script expands from the file itself.
+fn expected_keys(layer: &Layer, path: &str, out: &mut Vec<serde_json::Value>) {
+    let join = |name: &str| {
+        if path.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{path}.{name}")
+        }
+    };
+    match layer {
+        Layer::Sequential { layers } => {
+            for (i, child) in layers.iter().enumerate() {
+                expected_keys(child, &join(&i.to_string()), out);
+            }
+        }
+        Layer::Residual { block } => expected_keys(block, &join("block"), out),
+        Layer::TorchScript(config) => out.push(serde_json::json!([path, config.path])),
+        leaf => out.extend(
+            leaf.parameter_specs(path)
+                .unwrap()
+                .into_iter()
+                .map(|s| serde_json::Value::String(s.name)),
+        ),
+    }
+}
+
+/// Whether a train-mode forward is deterministic (no dropout that draws).
+fn deterministic_in_training(spec: &Layer) -> bool {
+    spec.layers().iter().all(|(_, layer)| match layer {
+        Layer::Dropout { p } => *p == 0.0,
+        Layer::MultiHeadSelfAttention(c) => c.dropout == 0.0,
+        _ => true,
+    })
+}
+
+fn forward(model: &impl Module<TorchBackend>, x: &HostTensor) -> HostTensor {
+    let x = to_tch(x, Device::Cpu).unwrap();
+    from_tch(&tch::no_grad(|| model.forward(&x)).unwrap()).unwrap()
+}
+
+/// Exports one case and checks it in Rust; returns its manifest entry for the
+/// Python check.
+fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
+    let name = &case.name;
+    TorchBackend::manual_seed(100 + index as u64);
+    let mut model = TorchModel::new(&case.spec, Device::Cpu).unwrap();
+    model.set_mode(if case.train { Mode::Train } else { Mode::Eval });
+    let file = dir.join(format!("{name}.pt"));
+    export_torchscript(&model, &file, false).unwrap();
+
+    let exported_state = model.state_dict().unwrap();
+    let x = input(case, 7 + index as u64);
+    model.set_mode(Mode::Eval);
+    let y_eval = forward(&model, &x);
+
+    // Kiln reads its export back: the same numbers, bit for bit.
+    let mut script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(
+        script.state_dict().unwrap(),
+        exported_state,
+        "{name}: state dict of the reloaded export"
+    );
+    script.set_mode(Mode::Eval);
+    assert_eq!(
+        forward(&script, &x),
+        y_eval,
+        "{name}: ScriptModule output of the export"
+    );
+
+    model.set_mode(Mode::Train);
+    let y_train = forward(&model, &x);
+    let after = model.state_dict().unwrap();
+
+    let mut io = StateDict::new();
+    io.insert("x", x);
+    io.insert("y_eval", y_eval);
+    if deterministic_in_training(&case.spec) {
+        io.insert("y_train", y_train);
+    }
+    for (key, value) in exported_state.iter() {
+        io.insert(format!("state.{key}"), value.clone());
+    }
+    for (key, value) in after.iter() {
+        io.insert(format!("after.{key}"), value.clone());
+    }
+    let io_path = dir.join(format!("{name}.io.safetensors"));
+    io.save_safetensors(&io_path, &Default::default()).unwrap();
+
+    let mut keys = Vec::new();
+    expected_keys(&case.spec, "", &mut keys);
+    let trainable: Vec<String> = model
+        .named_parameters()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .map(|(n, _)| n)
+        .collect();
+    serde_json::json!({
+        "name": name,
+        "file": file,
+        "io": io_path,
+        "training": case.train,
+        "keys": keys,
+        "trainable": trainable,
+    })
+}
+
+#[test]
+fn every_layer_case_exports_and_python_runs_and_trains_it() {
+    let test = "every_layer_case_exports_and_python_runs_and_trains_it";
+    let _guard = serial();
+    let Some(python) = common::python(test) else {
+        return;
+    };
+    let dir = common::scratch_dir("torchscript-export");
+    common::run_reference(&python, "torchscript_models.py", &[Path::new("make"), &dir]);
+
+    let mut cases = layer_cases();
+    assert_eq!(cases.len(), 42, "the layer suite");
+    cases.push(digits_cnn());
+    cases.push(transformer_block());
+    cases.push(backbone_case(&dir.join("mlp_bn.pt")));
+    cases.push(two_backbones_case(&dir.join("mlp_bn.pt")));
+    let manifest: Vec<serde_json::Value> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, case)| export_case(case, i, &dir))
+        .collect();
+    let manifest_path = common::write_json(&dir, "manifest.json", &manifest);
+    let results_path = dir.join("results.json");
+    common::run_reference(
+        &python,
+        "torchscript_export_check.py",
+        &[manifest_path.as_path(), results_path.as_path()],
+    );
+
+    let results: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&results_path).unwrap()).unwrap();
+    let mut worst = std::collections::BTreeMap::<&str, (f64, String)>::new();
+    for case in &cases {
+        let result = &results[case.name.as_str()];
+        assert!(result.is_object(), "{}: no result", case.name);
+        for (measure, limit) in [
+            ("state", 0.0),
+            ("eval_output", 1e-6),
+            ("train_output", 1e-6),
+            ("train_buffers", 1e-6),
+        ] {
+            let Some(diff) = result[measure].as_f64() else {
+                assert_ne!(measure, "eval_output", "{}: no eval output", case.name);
+                continue;
+            };
+            assert!(
+                diff <= limit,
+                "{}: {measure} differs from Kiln's by {diff:e} (limit {limit:e})",
+                case.name
+            );
+            let entry = worst.entry(measure).or_insert((0.0, String::new()));
+            if diff > entry.0 || entry.1.is_empty() {
+                *entry = (diff, case.name.clone());
+            }
+        }
+    }
+    // The running statistics moved in training (in Python as in Kiln): the
+    // comparison above is not between two unchanged copies.
+    let with_batch_norm: Vec<&str> = cases
+        .iter()
+        .map(|c| c.name.as_str())
+        .filter(|name| results[*name]["buffers"].as_u64() > Some(0))
+        .collect();
+    assert_eq!(with_batch_norm.len(), 8, "{with_batch_norm:?}");
+    for name in &with_batch_norm {
+        let moved = results[*name]["train_buffers_moved"].as_f64().unwrap();
+        assert!(moved > 1e-3, "{name}: running statistics moved by {moved}");
+    }
+    eprintln!(
+        "torchscript export, {} cases; largest differences from Kiln: {worst:?}",
+        cases.len()
+    );
+
+    // A TorchScript layer with two inputs and a tuple out cannot be a layer
+    // of the exported module: a typed error naming it and its forward.
+    let spec = Layer::sequential([TorchScriptConfig::new(dir.join("multi_io.pt")).into()]);
+    let model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let err = export_torchscript(&model, dir.join("multi_io_export.pt"), false).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("0 (TorchScript)"), "{text}");
+    assert!(text.contains("Tensor a, Tensor b"), "{text}");
+    assert!(!dir.join("multi_io_export.pt").exists());
+}
+
+#[test]
+fn an_op_python_cannot_run_is_a_typed_error_and_nothing_is_written() {
+    let _guard = serial();
+    kiln_torch::register_custom_layer("user::scale", |x, params, _| {
+        x.f_mul(params[0])
+            .map_err(|e| kiln_torch::torch_error("user::scale", e))
+    });
+    let spec = Layer::sequential([
+        LinearConfig::new(3, 3).into(),
+        Layer::residual(Layer::sequential([
+            Layer::Tanh,
+            CustomConfig::new("user::scale")
+                .with_param("s", [3], Init::Ones)
+                .into(),
+        ])),
+    ]);
+    let model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let dir = common::scratch_dir("torchscript-export-custom");
+    let file = dir.join("model.pt");
+    let err = export_torchscript(&model, &file, false).unwrap_err();
+    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("1.block.1 (Custom)"), "{text}");
+    assert!(text.contains("user::scale"), "{text}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "files left in {dir:?}"
+    );
+}
+
+fn small_model() -> TorchModel {
+    TorchModel::new(
+        &Layer::sequential([LinearConfig::new(4, 2).into(), Layer::Sigmoid]),
+        Device::Cpu,
+    )
+    .unwrap()
+}
+
+fn dir_entries(dir: &Path) -> Vec<PathBuf> {
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    entries.sort();
+    entries
+}
+
+#[test]
+fn an_existing_file_is_kept_unless_overwrite_is_asked_for() {
+    let _guard = serial();
+    let dir = common::scratch_dir("torchscript-export-overwrite");
+    let file = dir.join("model.pt");
+    std::fs::write(&file, b"the user's bytes").unwrap();
+    let model = small_model();
+
+    let err = export_torchscript(&model, &file, false).unwrap_err();
+    match &err {
+        Error::Io { path, source } => {
+            assert_eq!(path, &file);
+            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists, "{err}");
+        }
+        other => panic!("expected Io(AlreadyExists), got {other}"),
+    }
+    assert!(
+        err.display_chain().to_string().contains("overwrite"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&file).unwrap(), b"the user's bytes");
+    assert_eq!(dir_entries(&dir), vec![file.clone()], "no temporary left");
+
+    export_torchscript(&model, &file, true).unwrap();
+    let reloaded = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(reloaded.state_dict().unwrap(), model.state_dict().unwrap());
+    assert_eq!(dir_entries(&dir), vec![file.clone()], "no temporary left");
+
+    // The same model gives the same bytes.
+    let first = std::fs::read(&file).unwrap();
+    export_torchscript(&model, &file, true).unwrap();
+    assert!(
+        std::fs::read(&file).unwrap() == first,
+        "a second export differs"
+    );
+
+    // A missing directory, and a directory in the file's place.
+    let err = export_torchscript(&model, dir.join("missing/model.pt"), true).unwrap_err();
+    assert!(
+        matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+        "{err}"
+    );
+    let err = export_torchscript(&model, &dir, true).unwrap_err();
+    assert!(matches!(err, Error::Io { .. }), "{err}");
+    assert_eq!(dir_entries(&dir), vec![file], "nothing else written");
+}
+
+#[test]
+fn an_export_reads_back_as_a_torchscript_layer() {
+    let _guard = serial();
+    let dir = common::scratch_dir("torchscript-export-flag");
+    TorchBackend::manual_seed(3);
+    let mut model = small_model();
+    model.set_mode(Mode::Eval);
+    let file = dir.join("eval.pt");
+    export_torchscript(&model, &file, false).unwrap();
+
+    // The export is itself a TorchScript layer of a new Kiln model, whose
+    // names are the exported ones under the layer's path.
+    let wrapped = TorchModel::new(
+        &Layer::sequential([TorchScriptConfig::new(&file).into(), Layer::Relu]),
+        Device::Cpu,
+    )
+    .unwrap();
+    let names: Vec<String> = wrapped.state_dict().unwrap().keys().cloned().collect();
+    assert_eq!(names, ["0.0.bias", "0.0.weight"]);
+    let x = HostTensor::new(noise(8, 1), [2, 4]).unwrap();
+    let mut wrapped = wrapped;
+    wrapped.set_mode(Mode::Eval);
+    let ours = forward(&model, &x).to_f64_vec();
+    let theirs = forward(&wrapped, &x).to_f64_vec();
+    assert_eq!(ours, theirs);
+}
+
+#[test]
+fn a_frozen_batch_norm_pinned_to_eval_stays_so_in_the_export() {
+    use kiln_core::model::BatchNormConfig;
+    use kiln_torch::Freeze;
+
+    let _guard = serial();
+    TorchBackend::manual_seed(11);
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 3).into(),
+        Layer::BatchNorm1d(BatchNormConfig::new(3)),
+        Layer::Tanh,
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let x = HostTensor::new(noise(8 * 4, 5), [8, 4]).unwrap();
+    // Running statistics away from 0 and 1: eval and train behaviour differ.
+    forward(&model, &x);
+    model.freeze(&["1.*"]).unwrap();
+    assert_eq!(model.keep_frozen_batch_norm_in_eval().unwrap(), ["1"]);
+    let dir = common::scratch_dir("torchscript-export-pinned");
+    let file = dir.join("pinned.pt");
+    export_torchscript(&model, &file, false).unwrap();
+
+    let before = model.state_dict().unwrap();
+    let script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(script.mode(), Mode::Train);
+    let frozen: Vec<String> = script
+        .named_parameters()
+        .unwrap()
+        .into_iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(frozen, ["1.weight", "1.bias"]);
+    assert_eq!(
+        forward(&script, &x),
+        forward(&model, &x),
+        "train-mode output"
+    );
+    assert_eq!(
+        script.state_dict().unwrap(),
+        before,
+        "running statistics kept"
+    );
+    assert_eq!(model.state_dict().unwrap(), before);
+}
+
+#[test]
+fn a_model_on_cuda_exports_its_weights_on_the_cpu() {
+    let _guard = serial();
+    if kiln_torch::cuda_device_count() == 0 {
+        eprintln!("SKIPPED a_model_on_cuda_exports_its_weights_on_the_cpu: no CUDA device");
+        return;
+    }
+    TorchBackend::manual_seed(9);
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 3).into(),
+        Layer::BatchNorm1d(kiln_core::model::BatchNormConfig::new(3)),
+    ]);
+    let mut model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    model.set_mode(Mode::Eval);
+    let x = HostTensor::new(noise(6 * 4, 2), [6, 4]).unwrap();
+    let on_cpu = forward(&model, &x);
+    let state = model.state_dict().unwrap();
+    model.to(Device::Cuda(0)).unwrap();
+    let dir = common::scratch_dir("torchscript-export-cuda");
+    let file = dir.join("from_cuda.pt");
+    export_torchscript(&model, &file, false).unwrap();
+    let mut script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    assert_eq!(script.state_dict().unwrap(), state);
+    script.set_mode(Mode::Eval);
+    assert_eq!(forward(&script, &x), on_cpu);
+}
