@@ -55,7 +55,7 @@ fn trained(dir: &Path) -> PathBuf {
     train(
         CONFIG,
         &run,
-        &["--max-steps", "12", "--no-progress", "--workers", "0"],
+        &["--epochs", "1", "--no-progress", "--workers", "0"],
     );
     run.join("checkpoints/last.safetensors")
 }

@@ -48,7 +48,7 @@ pub(crate) struct ExportArgs {
     /// The shape of one input sample, without the batch dimension (`1,8,8`).
     /// Default: the config's data, else the first layer's input (Linear).
     #[arg(long, value_parser = parse_shape)]
-    input_shape: Option<Vec<usize>>,
+    input_shape: Option<SampleShape>,
     /// A fixed batch size instead of a dynamic batch dimension.
     #[arg(long)]
     batch_size: Option<usize>,
@@ -63,7 +63,11 @@ pub(crate) struct ExportArgs {
     overwrite: bool,
 }
 
-fn parse_shape(text: &str) -> std::result::Result<Vec<usize>, String> {
+/// `--input-shape`: one sample's dimensions.
+#[derive(Clone, Debug)]
+pub(crate) struct SampleShape(Vec<usize>);
+
+fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
     text.split(',')
         .map(|d| match d.trim().parse::<usize>() {
             Ok(n) if n > 0 => Ok(n),
@@ -71,7 +75,8 @@ fn parse_shape(text: &str) -> std::result::Result<Vec<usize>, String> {
                 "`{text}`: expected positive sizes separated by commas, such as `1,8,8`"
             )),
         })
-        .collect()
+        .collect::<std::result::Result<_, _>>()
+        .map(SampleShape)
 }
 
 /// The model, weights and input shape `kiln export` works from.
@@ -206,7 +211,7 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
     };
     let state = checkpoint.map_or(weights, |c| c.model);
     let sample = match (&args.input_shape, &example) {
-        (Some(shape), _) => shape.clone(),
+        (Some(shape), _) => shape.0.clone(),
         (None, Some(x)) => x.dims()[1..].to_vec(),
         (None, None) => first_layer_input(&definition).with_context(|| {
             format!(
