@@ -6,7 +6,8 @@
 //! order and bitwise values, eval outputs within 1e-6, train-mode batch norm
 //! updating the running statistics as Kiln's forward does, and one SGD step
 //! that reaches every trainable parameter. In Rust, `ScriptModule::load` of
-//! each file gives Kiln's outputs bitwise and its state dict; a batch norm
+//! each file gives Kiln's outputs bitwise and its state dict, and trains with
+//! Kiln's SGD (dropout, batch norm) exactly as the model does; a batch norm
 //! pinned to eval stays pinned; a model on CUDA (when there is one) exports
 //! from the CPU copy. Bad requests (an op Python cannot run, an existing file,
 //! a missing directory) are typed errors that leave the disk as it was.
@@ -531,4 +532,67 @@ fn a_model_on_cuda_exports_its_weights_on_the_cpu() {
     assert_eq!(script.state_dict().unwrap(), state);
     script.set_mode(Mode::Eval);
     assert_eq!(forward(&script, &x), on_cpu);
+}
+
+/// Three SGD steps (momentum 0.5) in train mode (dropout drawing the same
+/// masks from the same seed), on `model`; returns the losses.
+fn train_steps(model: &impl Module<TorchBackend>, x: &HostTensor, seed: u64) -> Vec<f64> {
+    use kiln_core::{
+        loss::Loss,
+        optim::{Optimizer, OptimizerConfig, SgdConfig},
+    };
+    use kiln_torch::{compute_loss, TorchOptimizer};
+
+    let mut optimizer = TorchOptimizer::new(
+        OptimizerConfig::Sgd(SgdConfig::new(0.01).with_momentum(0.5)),
+        model.named_parameters().unwrap(),
+        &[],
+    )
+    .unwrap();
+    let x = to_tch(x, Device::Cpu).unwrap();
+    (0..3)
+        .map(|step| {
+            TorchBackend::manual_seed(seed + step);
+            optimizer.zero_grad().unwrap();
+            let out = model.forward(&x).unwrap();
+            let target = out.zeros_like();
+            let loss = compute_loss(&Loss::mse(), &out, &target).unwrap();
+            loss.backward();
+            optimizer.step().unwrap();
+            loss.double_value(&[])
+        })
+        .collect()
+}
+
+#[test]
+fn the_export_trains_in_kiln_exactly_like_the_model() {
+    let _guard = serial();
+    let dir = common::scratch_dir("torchscript-export-train");
+    for case in [digits_cnn(), transformer_block()] {
+        TorchBackend::manual_seed(21);
+        let mut model = TorchModel::new(&case.spec, Device::Cpu).unwrap();
+        model.set_mode(Mode::Train);
+        let file = dir.join(format!("{}.pt", case.name));
+        export_torchscript(&model, &file, false).unwrap();
+        let script = ScriptModule::load(&file, Device::Cpu).unwrap();
+        let x = input(&case, 4);
+
+        let exported = model.state_dict().unwrap();
+
+        let ours = train_steps(&model, &x, 500);
+        let theirs = train_steps(&script, &x, 500);
+        assert_eq!(ours, theirs, "{}: losses", case.name);
+        assert_ne!(
+            model.state_dict().unwrap(),
+            exported,
+            "{}: trained",
+            case.name
+        );
+        assert_eq!(
+            script.state_dict().unwrap(),
+            model.state_dict().unwrap(),
+            "{}: weights and running statistics after training",
+            case.name
+        );
+    }
 }

@@ -38,11 +38,12 @@ use crate::model::{lock_script, TorchModel};
 /// norm follow the module's `training` flag as `nn.Dropout` and
 /// `nn.BatchNorm` do (batch statistics, running-statistics update and
 /// `num_batches_tracked` in training), so the model trains on in Python like
-/// the original; a batch norm that `keep_frozen_batch_norm_in_eval` pinned to
-/// eval behaviour keeps it in the export. The exported `training` flag is the
-/// model's mode at export:
-/// put the model in eval mode first (`model.set_mode(Mode::Eval)`) for a file
-/// that serves, as `torch.jit.load` keeps the flag it finds.
+/// the original; a Kiln batch norm that `keep_frozen_batch_norm_in_eval`
+/// pinned to eval behaviour keeps it in the export (one inside a TorchScript
+/// layer follows the flag again). The exported `training` flag is the model's
+/// mode at export, and `torch.jit.load` keeps it: put the model in eval mode
+/// first (`model.set_mode(Mode::Eval)`) for a file that serves, or call
+/// `.eval()` / `.train()` on the loaded module.
 ///
 /// Kiln's fused ops `kiln::bias_gelu` and `kiln::swish` export as their
 /// composition of standard ops (`gelu(x + bias)`, `x * sigmoid(beta * x)`), so
