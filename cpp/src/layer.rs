@@ -87,4 +87,14 @@ pub(crate) fn register_tf() {
         expect_params(config, &["beta"])?;
         crate::tf::swish(graph, name, x, params[0].clone()).map(out0)
     });
+    // What a SavedModel export writes instead: Python's TensorFlow and TF
+    // Serving do not load Kiln's op library.
+    kiln_tf::register_portable_custom_layer(BIAS_GELU, |graph, name, x, params, config| {
+        expect_params(config, &["bias"])?;
+        crate::tf::portable_bias_gelu(graph, name, x, params[0].clone())
+    });
+    kiln_tf::register_portable_custom_layer(SWISH, |graph, name, x, params, config| {
+        expect_params(config, &["beta"])?;
+        crate::tf::portable_swish(graph, name, x, params[0].clone())
+    });
 }

@@ -41,7 +41,7 @@
 //! ```
 
 use kiln_core::{Error, Result};
-use tensorflow::{Graph, Operation, Output, Status};
+use tensorflow::{DataType, Graph, Operation, Output, Status, Tensor};
 
 /// `KilnBiasGelu(x: T [..., C], bias: T [C]) -> y: T`: `gelu(x + bias)`, exact GELU.
 pub const BIAS_GELU: &str = "KilnBiasGelu";
@@ -126,6 +126,95 @@ pub fn softmax_cross_entropy(
 /// one-element `beta`; differentiable in `x` and `beta`.
 pub fn swish(graph: &mut Graph, name: &str, x: Output, beta: Output) -> Result<Operation> {
     add(graph, SWISH, name, vec![x, beta], None)
+}
+
+/// `gelu(x + bias)` (exact GELU, `z * 0.5 * (1 + erf(z / sqrt(2)))` with
+/// `z = x + bias`) from standard TensorFlow ops (`AddV2`, `Mul`, `Erf`, `Const`),
+/// as [`bias_gelu`] computes it in one kernel: the portable form a SavedModel
+/// export writes, which Python's TensorFlow and TF Serving load without Kiln's op
+/// library. The last op is named `name`, the others `name/...`; `T` (float or
+/// double) comes from `x`. Differentiable through TensorFlow's own gradients.
+pub fn portable_bias_gelu(
+    graph: &mut Graph,
+    name: &str,
+    x: Output,
+    bias: Output,
+) -> Result<Output> {
+    let dtype = x.operation.output_type(x.index as usize);
+    let z = standard(graph, "AddV2", &format!("{name}/add_bias"), vec![x, bias])?;
+    let rsqrt2 = scalar(
+        graph,
+        &format!("{name}/rsqrt2"),
+        std::f64::consts::FRAC_1_SQRT_2,
+        dtype,
+    )?;
+    let scaled = standard(
+        graph,
+        "Mul",
+        &format!("{name}/scaled"),
+        vec![z.clone(), rsqrt2],
+    )?;
+    let erf = standard(graph, "Erf", &format!("{name}/erf"), vec![scaled])?;
+    let one = scalar(graph, &format!("{name}/one"), 1.0, dtype)?;
+    let erf1 = standard(
+        graph,
+        "AddV2",
+        &format!("{name}/erf_plus_one"),
+        vec![erf, one],
+    )?;
+    let half = scalar(graph, &format!("{name}/half"), 0.5, dtype)?;
+    let half_z = standard(graph, "Mul", &format!("{name}/half_z"), vec![z, half])?;
+    standard(graph, "Mul", name, vec![half_z, erf1])
+}
+
+/// `x * sigmoid(beta * x)` from standard TensorFlow ops (`Mul`, `Sigmoid`), as
+/// [`swish`] computes it in one kernel: the portable form a SavedModel export
+/// writes. The last op is named `name`, the others `name/...`.
+pub fn portable_swish(graph: &mut Graph, name: &str, x: Output, beta: Output) -> Result<Output> {
+    let scaled = standard(
+        graph,
+        "Mul",
+        &format!("{name}/beta_x"),
+        vec![x.clone(), beta],
+    )?;
+    let gate = standard(graph, "Sigmoid", &format!("{name}/sigmoid"), vec![scaled])?;
+    standard(graph, "Mul", name, vec![x, gate])
+}
+
+/// Adds a standard op (its `T` inferred from the inputs) and returns its output.
+fn standard(graph: &mut Graph, op_type: &str, name: &str, inputs: Vec<Output>) -> Result<Output> {
+    let build = |graph: &mut Graph| -> std::result::Result<Operation, Status> {
+        let mut nd = graph.new_operation(op_type, name)?;
+        for input in inputs {
+            nd.add_input(input);
+        }
+        nd.finish()
+    };
+    build(graph)
+        .map(Output::from)
+        .map_err(|s| kiln_tf::tf_error(&format!("adding TensorFlow op {op_type} ({name})"), s))
+}
+
+/// A scalar `Const` of `dtype` (float or double).
+fn scalar(graph: &mut Graph, name: &str, value: f64, dtype: DataType) -> Result<Output> {
+    let build = |graph: &mut Graph| -> std::result::Result<Operation, Status> {
+        let mut nd = graph.new_operation("Const", name)?;
+        nd.set_attr_type("dtype", dtype)?;
+        match dtype {
+            DataType::Double => nd.set_attr_tensor("value", Tensor::<f64>::from(value))?,
+            _ => nd.set_attr_tensor("value", Tensor::<f32>::from(value as f32))?,
+        }
+        nd.finish()
+    };
+    if !matches!(dtype, DataType::Float | DataType::Double) {
+        return Err(Error::invalid_argument(
+            name,
+            format!("expected a float32 or float64 input, got {dtype:?}"),
+        ));
+    }
+    build(graph)
+        .map(Output::from)
+        .map_err(|s| kiln_tf::tf_error(&format!("adding TensorFlow op Const ({name})"), s))
 }
 
 fn add(

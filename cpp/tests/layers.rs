@@ -312,41 +312,204 @@ fn fused_layers_train_under_bf16_mixed_precision() {
     }
 }
 
-/// A model with Kiln's fused ops cannot be exported as a SavedModel: their
-/// TensorFlow ops (`KilnBiasGelu`, `KilnSwish`) live in Kiln's op library, which
-/// Python's TensorFlow and TF Serving do not load. The error names the first
-/// such layer and its op, and nothing is written.
-#[test]
-fn saved_model_export_refuses_kilns_own_ops() {
-    let _serial = serial();
-    let dir = std::env::temp_dir().join(format!("kiln-export-fused-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    for (spec, path, layer, op_type) in [
-        (spec(), "1", "Custom kiln::bias_gelu", "KilnBiasGelu"),
-        (
-            Layer::sequential([
-                LinearConfig::new(6, 4).into(),
-                Layer::residual(kiln_ops::layer::swish(1.0)),
-            ]),
-            "1.block",
-            "Custom kiln::swish",
-            "KilnSwish",
-        ),
-    ] {
-        let model = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
-        let err = kiln_tf::export_saved_model(&model, &[2, 6], &dir).unwrap_err();
-        match &err {
-            kiln_tf::ExportError::NonStandardOp {
-                path: p,
-                layer: l,
-                op_type: t,
-                ..
-            } => assert_eq!((p.as_str(), l.as_str(), t.as_str()), (path, layer, op_type)),
-            other => panic!("{other:?}"),
+/// The model of `examples/configs/digits-mlp-fused.toml`.
+fn digits_mlp_fused() -> Layer {
+    let text = std::fs::read_to_string(
+        kiln_testkit::workspace_root().join("examples/configs/digits-mlp-fused.toml"),
+    )
+    .unwrap();
+    let config: toml::Table = toml::from_str(&text).unwrap();
+    config["model"].clone().try_into().unwrap()
+}
+
+/// A TfModel of `spec` whose fused layers' parameters are moved off their
+/// initial values (zero biases, beta 1), so the export must carry them.
+fn tf_model_with_learned_params(spec: &Layer, seed: u64) -> kiln_tf::TfModel {
+    TfBackend::manual_seed(seed);
+    let mut model = kiln_tf::TfModel::new(spec, Device::Cpu).unwrap();
+    let mut state = model.state_dict().unwrap();
+    let names: Vec<String> = state.iter().map(|(n, _)| n.clone()).collect();
+    for (i, name) in names.iter().enumerate() {
+        let t = state.get(name).unwrap().clone();
+        if name.ends_with(".bias") && t.dims().len() == 1 && !name.starts_with('0') {
+            let n = t.dims()[0];
+            let values: Vec<f32> = noise(n, 40 + i as u64).iter().map(|v| v * 0.5).collect();
+            state.insert(name.clone(), HostTensor::new(values, [n]).unwrap());
+        } else if name.ends_with(".beta") {
+            state.insert(
+                name.clone(),
+                HostTensor::new(vec![0.6f32 + i as f32 * 0.1], [1]).unwrap(),
+            );
         }
-        assert!(err.to_string().contains(path), "{err}");
-        assert!(!dir.exists());
     }
+    model.load_state_dict(&state).unwrap();
+    model
+}
+
+/// A model with Kiln's fused ops exports as a SavedModel of standard
+/// TensorFlow ops (their portable builders: gelu(x + bias) with `Erf`,
+/// `x * Sigmoid(beta * x)`): the digits MLP of
+/// `examples/configs/digits-mlp-fused.toml` and a model with swish (and bias
+/// GELU) inside residual blocks. Python's `tf.saved_model.load`, which cannot
+/// load Kiln's op library, runs the `serving_default` signature
+/// (`tf-backend/tests/reference/saved_model_export_check.py`) as the TfModel's
+/// eval forward (fused kernels) computes it (<= 1e-5), at another batch size,
+/// and its checkpoint holds exactly the model's state dict.
+#[test]
+fn fused_layers_export_as_standard_ops_that_python_serves() {
+    let _serial = serial();
+    let root = kiln_testkit::TempDir::new("export-fused");
+    let residual = Layer::sequential([
+        LinearConfig::new(6, 8).with_bias(false).into(),
+        Layer::residual(kiln_ops::layer::bias_gelu(8)),
+        Layer::residual(kiln_ops::layer::swish(1.0)),
+        LinearConfig::new(8, 4).into(),
+        Layer::residual(Layer::sequential([
+            kiln_ops::layer::swish(1.5),
+            LinearConfig::new(4, 4).into(),
+        ])),
+    ]);
+    let cases = [
+        ("digits_mlp_fused", digits_mlp_fused(), 64usize),
+        ("swish_in_residual", residual, 6usize),
+    ];
+    let mut manifest = Vec::new();
+    let mut expected_variables = Vec::new();
+    for (i, (name, spec, features)) in cases.iter().enumerate() {
+        let mut model = tf_model_with_learned_params(spec, 21 + i as u64);
+        let dir = root.path().join(name);
+        kiln_tf::export_saved_model(&model, &[4, *features], &dir)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let pb = std::fs::read(dir.join("saved_model.pb")).unwrap();
+        for op in kiln_ops::tf::OP_TYPES {
+            assert!(
+                !pb.windows(op.len()).any(|w| w == op.as_bytes()),
+                "{name}: the exported graph names Kiln's op {op}"
+            );
+        }
+        let x = HostTensor::new(noise(7 * features, 50 + i as u64), [7, *features]).unwrap();
+        model.set_mode(kiln_core::backend::Mode::Eval);
+        let expected = model
+            .forward(&TfTensor::from_host(&x).unwrap())
+            .unwrap()
+            .to_host()
+            .unwrap();
+        let served = kiln_tf::SavedModel::load(&dir)
+            .unwrap()
+            .run("serving_default", &[("input", &x)])
+            .unwrap();
+        let d = max_diff(&served["output"], &expected);
+        eprintln!("{name}: Kiln's SavedModel loader vs the TfModel, max |diff| {d:.1e}");
+        assert!(d <= 1e-5, "{name}: Kiln's loader differs by {d:.2e}");
+
+        let state = model.state_dict().unwrap();
+        let data = root.path().join(format!("{name}.safetensors"));
+        let state_file = root.path().join(format!("{name}-state.safetensors"));
+        let mut tensors = StateDict::new();
+        tensors.insert("input", x);
+        tensors.insert("expected", expected);
+        tensors
+            .save_safetensors(&data, &Default::default())
+            .unwrap();
+        state
+            .save_safetensors(&state_file, &Default::default())
+            .unwrap();
+        manifest.push(serde_json::json!({
+            "name": name,
+            "dir": dir,
+            "data": data,
+            "input_name": "input",
+            "output_name": "output",
+            "state": state_file,
+        }));
+        expected_variables.push((
+            state.len() as u64,
+            model.named_parameters().unwrap().len() as u64,
+        ));
+    }
+
+    let Some(python) =
+        kiln_testkit::python("fused_layers_export_as_standard_ops_that_python_serves")
+    else {
+        return;
+    };
+    let manifest_file = root.path().join("manifest.json");
+    std::fs::write(&manifest_file, serde_json::to_string(&manifest).unwrap()).unwrap();
+    let stdout = kiln_testkit::run_reference(
+        &python,
+        &kiln_testkit::workspace_root()
+            .join("tf-backend/tests/reference/saved_model_export_check.py"),
+        &[manifest_file.as_os_str()],
+    );
+    let results: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    for ((name, _, _), (variables, trainable)) in cases.iter().zip(expected_variables) {
+        let r = &results[*name];
+        let output = r["output"].as_f64().unwrap();
+        eprintln!("{name}: Python's tf.saved_model.load vs the TfModel, max |diff| {output:.1e}");
+        assert!(
+            output <= 1e-5,
+            "{name}: Python differs by {output:.2e}: {r}"
+        );
+        assert_eq!(r["state"].as_f64(), Some(0.0), "{name}: checkpoint {r}");
+        assert!(r["batch_dim"].is_null(), "{name}: batch dim not open: {r}");
+        assert_eq!(
+            (r["variables"].as_u64(), r["trainable"].as_u64()),
+            (Some(variables), Some(trainable)),
+            "{name}: {r}"
+        );
+    }
+}
+
+/// A user's custom layer built from a Kiln op library kernel, with no portable
+/// builder, is still refused: `NonStandardOp` names the layer, its op and the
+/// op type, says how to fix it, and nothing is written.
+#[test]
+fn saved_model_export_refuses_a_custom_layer_without_a_portable_builder() {
+    let _serial = serial();
+    kiln_tf::register_custom_layer("user::fused_swish", |graph, name, x, params, _config| {
+        kiln_ops::tf::swish(graph, name, x, params[0].clone()).map(tensorflow::Output::from)
+    });
+    assert!(!kiln_tf::portable_custom_layer_registered(
+        "user::fused_swish"
+    ));
+    assert!(kiln_tf::portable_custom_layer_registered(
+        kiln_ops::layer::SWISH
+    ));
+    let spec = Layer::sequential([
+        LinearConfig::new(6, 4).into(),
+        kiln_ops::layer::swish(1.0),
+        Layer::residual(
+            CustomConfig::new("user::fused_swish")
+                .with_param("beta", [1], Init::Constant { value: 1.0 })
+                .into(),
+        ),
+    ]);
+    let model = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
+    let root = kiln_testkit::TempDir::new("export-user-op");
+    let dir = root.path().join("refused");
+    let err = kiln_tf::export_saved_model(&model, &[2, 6], &dir).unwrap_err();
+    match &err {
+        kiln_tf::ExportError::NonStandardOp {
+            path,
+            layer,
+            op_type,
+            ..
+        } => assert_eq!(
+            (path.as_str(), layer.as_str(), op_type.as_str()),
+            ("2.block", "Custom user::fused_swish", "KilnSwish")
+        ),
+        other => panic!("{other:?}"),
+    }
+    let message = err.to_string();
+    for part in [
+        "2.block",
+        "user::fused_swish",
+        "register_portable_custom_layer",
+    ] {
+        assert!(message.contains(part), "`{part}` missing from: {message}");
+    }
+    assert!(!dir.exists());
+    assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 0);
 }
 
 /// A state dict made on libtorch (batch-norm running statistics updated by

@@ -655,3 +655,143 @@ fn registration_is_idempotent_and_names_every_op() {
     }
     assert!(graph.get_op_def("KilnNoSuchOp").is_err());
 }
+
+// ----- the portable (standard-op) forms a SavedModel export writes -----
+
+/// Runs the fused op and its portable form on the same inputs (float32 or
+/// float64, fed as f64 values) and returns both outputs.
+fn fused_and_portable<T: TensorType + Copy + Into<f64>>(
+    dtype: DataType,
+    x: &[T],
+    x_dims: &[u64],
+    param: &[T],
+    param_dims: &[u64],
+    fused: &dyn Fn(&mut Graph, Output, Output) -> Operation,
+    portable: &dyn Fn(&mut Graph, Output, Output) -> Output,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut graph = Graph::new();
+    let xp = placeholder(&mut graph, "x", dtype, None);
+    let pp = placeholder(&mut graph, "param", dtype, None);
+    let y_fused = fused(&mut graph, xp.clone().into(), pp.clone().into());
+    let y_portable = portable(&mut graph, xp.clone().into(), pp.clone().into());
+    let session = Session::new(&SessionOptions::new(), &graph).unwrap();
+    let x_t = Tensor::<T>::new(x_dims).with_values(x).unwrap();
+    let p_t = Tensor::<T>::new(param_dims).with_values(param).unwrap();
+    let mut args = SessionRunArgs::new();
+    args.add_feed(&xp, 0, &x_t);
+    args.add_feed(&pp, 0, &p_t);
+    let a = args.request_fetch(&y_fused, 0);
+    let b = args.request_fetch(&y_portable.operation, y_portable.index);
+    session.run(&mut args).unwrap();
+    let a: Tensor<T> = args.fetch(a).unwrap();
+    let b: Tensor<T> = args.fetch(b).unwrap();
+    (
+        a.iter().map(|&v| v.into()).collect(),
+        b.iter().map(|&v| v.into()).collect(),
+    )
+}
+
+/// Differences between the fused op's outputs `a` and the portable form's `b`:
+/// the largest relative to `max(1, |a|)` (as the parity suites measure) where
+/// `in_tail` is false, and the largest absolute one where it is true.
+fn differences(a: &[f64], b: &[f64], in_tail: &dyn Fn(usize) -> bool) -> (f64, f64) {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().chain(b).all(|v| v.is_finite()));
+    let (mut body, mut tail) = (0.0f64, 0.0f64);
+    for (k, (p, q)) in a.iter().zip(b).enumerate() {
+        if in_tail(k) {
+            tail = tail.max((p - q).abs());
+        } else {
+            body = body.max((p - q).abs() / p.abs().max(1.0));
+        }
+    }
+    (body, tail)
+}
+
+/// `portable_bias_gelu` and `portable_swish` (standard TensorFlow ops only)
+/// compute what the fused kernels compute, over inputs spanning [-6, 6] and
+/// several betas: in float64 within 1e-12; in float32 within 1e-6 of
+/// `max(1, |y|)`, except bias GELU's far negative tail (`x + bias < -5`, where
+/// gelu is below 1.5e-6 in magnitude): there `1 + erf` cancels and the two float
+/// erfs (the kernel's polynomial, TensorFlow's Eigen one, each within 7 ulp of -1)
+/// leave each output about 1e-6 from the exact value, so there the bound is
+/// 2e-6 absolute.
+#[test]
+fn portable_forms_match_the_fused_kernels() {
+    ops::register().unwrap();
+    let (rows, cols) = (64usize, 50usize);
+    let x64: Vec<f64> = (0..rows * cols)
+        .map(|i| -6.0 + 12.0 * i as f64 / (rows * cols - 1) as f64)
+        .collect();
+    let bias64: Vec<f64> = (0..cols).map(|j| (j as f64 * 0.37).sin() * 0.8).collect();
+    let x_dims = [rows as u64, cols as u64];
+    let x32: Vec<f32> = x64.iter().map(|&v| v as f32).collect();
+    let bias32: Vec<f32> = bias64.iter().map(|&v| v as f32).collect();
+    let gelu_tail = |k: usize| x64[k] + bias64[k % cols] < -5.0;
+    let no_tail = |_: usize| false;
+    let bias_gelu = |g: &mut Graph, x, p| ops::bias_gelu(g, "fused", x, p).unwrap();
+    let portable_bias_gelu =
+        |g: &mut Graph, x, p| ops::portable_bias_gelu(g, "portable", x, p).unwrap();
+    let swish = |g: &mut Graph, x, p| ops::swish(g, "fused", x, p).unwrap();
+    let portable_swish = |g: &mut Graph, x, p| ops::portable_swish(g, "portable", x, p).unwrap();
+
+    let (a, b) = fused_and_portable(
+        DataType::Float,
+        &x32,
+        &x_dims,
+        &bias32,
+        &[cols as u64],
+        &bias_gelu,
+        &portable_bias_gelu,
+    );
+    let (d32, tail32) = differences(&a, &b, &gelu_tail);
+    let (a, b) = fused_and_portable(
+        DataType::Double,
+        &x64,
+        &x_dims,
+        &bias64,
+        &[cols as u64],
+        &bias_gelu,
+        &portable_bias_gelu,
+    );
+    let (d64, tail64) = differences(&a, &b, &no_tail);
+    eprintln!(
+        "bias_gelu: portable vs fused, float32 {d32:.2e} (relative; tail {tail32:.2e} absolute), \
+         float64 {d64:.2e}"
+    );
+    assert!(d32 <= 1e-6, "bias_gelu float32 differs by {d32:.2e}");
+    assert!(
+        tail32 <= 2e-6,
+        "bias_gelu float32 tail differs by {tail32:.2e}"
+    );
+    assert!(
+        d64 <= 1e-12 && tail64 == 0.0,
+        "bias_gelu float64 differs by {d64:.2e}"
+    );
+
+    for beta in [1.0f64, 1.7, -0.4] {
+        let (a, b) = fused_and_portable(
+            DataType::Float,
+            &x32,
+            &x_dims,
+            &[beta as f32],
+            &[1],
+            &swish,
+            &portable_swish,
+        );
+        let (d32, _) = differences(&a, &b, &no_tail);
+        let (a, b) = fused_and_portable(
+            DataType::Double,
+            &x64,
+            &x_dims,
+            &[beta],
+            &[1],
+            &swish,
+            &portable_swish,
+        );
+        let (d64, _) = differences(&a, &b, &no_tail);
+        eprintln!("swish beta {beta}: portable vs fused, float32 {d32:.2e}, float64 {d64:.2e}");
+        assert!(d32 <= 1e-6, "swish({beta}) float32 differs by {d32:.2e}");
+        assert!(d64 <= 1e-12, "swish({beta}) float64 differs by {d64:.2e}");
+    }
+}

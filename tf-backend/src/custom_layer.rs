@@ -1,5 +1,6 @@
 //! The TensorFlow side of [`Layer::Custom`](kiln_core::model::Layer::Custom): graph
-//! builders registered by op name, resolved when a [`TfModel`](crate::TfModel) is built.
+//! builders registered by op name, resolved when a [`TfModel`](crate::TfModel) is built,
+//! and the portable builders (standard TensorFlow ops only) a SavedModel export uses.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +22,13 @@ pub type CustomLayerFn =
 
 static REGISTRY: CustomLayerRegistry<CustomLayerFn> =
     CustomLayerRegistry::new("TensorFlow", "kiln_tf::register_custom_layer");
+
+/// The portable builders: the same computations from standard TensorFlow ops,
+/// for graphs that leave this process.
+static PORTABLE: CustomLayerRegistry<CustomLayerFn> = CustomLayerRegistry::new(
+    "TensorFlow (portable)",
+    "kiln_tf::register_portable_custom_layer",
+);
 
 /// Makes `op` (`namespace::name`) available to [`Layer::Custom`](kiln_core::model::Layer::Custom)
 /// layers built on TensorFlow. Registering a name again replaces its function, so
@@ -67,6 +75,56 @@ pub fn custom_layer_registered(op: &str) -> bool {
     REGISTRY.contains(op)
 }
 
+/// Gives `op` (`namespace::name`) a second, portable graph builder, made only
+/// of standard TensorFlow ops (those Python's TensorFlow and TF Serving know,
+/// `tf.raw_ops`), that a [`SavedModelExport`](crate::SavedModelExport) builds
+/// instead of the function of [`register_custom_layer`]. Register one for a layer
+/// whose training-time ops come from a custom op library (a fused kernel): the
+/// export then writes its standard-op decomposition, which must compute the
+/// same function. Training and [`TfModel`](crate::TfModel)'s forward keep
+/// using the function of [`register_custom_layer`].
+///
+/// `f` has [`CustomLayerFn`]'s signature and contract. A custom layer without a
+/// portable builder is exported with its ordinary function, and refused
+/// ([`ExportError::NonStandardOp`](crate::ExportError::NonStandardOp)) when that
+/// adds an op outside TensorFlow's standard set. Registering a name again
+/// replaces its portable builder.
+///
+/// ```
+/// use kiln_tf::{portable_custom_layer_registered, register_portable_custom_layer, tf_error};
+/// use tensorflow::{Graph, Operation, Output, Status};
+///
+/// // `x * sigmoid(x)` from TensorFlow's Sigmoid and Mul.
+/// register_portable_custom_layer("demo::silu", |graph, name, x, _params, _config| {
+///     let build = |graph: &mut Graph| -> Result<Operation, Status> {
+///         let mut sigmoid = graph.new_operation("Sigmoid", &format!("{name}/sigmoid"))?;
+///         sigmoid.add_input(x.clone());
+///         let sigmoid = sigmoid.finish()?;
+///         let mut mul = graph.new_operation("Mul", name)?;
+///         mul.add_input(x);
+///         mul.add_input(Output { operation: sigmoid, index: 0 });
+///         mul.finish()
+///     };
+///     let operation = build(graph).map_err(|s| tf_error(name, s))?;
+///     Ok(Output { operation, index: 0 })
+/// });
+/// assert!(portable_custom_layer_registered("demo::silu"));
+/// ```
+pub fn register_portable_custom_layer<F>(op: &str, f: F)
+where
+    F: Fn(&mut Graph, &str, Output, &[Output], &CustomConfig) -> Result<Output>
+        + Send
+        + Sync
+        + 'static,
+{
+    PORTABLE.register(op, Arc::new(f));
+}
+
+/// Whether `op` has a portable builder ([`register_portable_custom_layer`]).
+pub fn portable_custom_layer_registered(op: &str) -> bool {
+    PORTABLE.contains(op)
+}
+
 /// The functions of a model's custom layers, resolved when it is built.
 #[derive(Clone, Default)]
 pub(crate) struct CustomOps(HashMap<String, Arc<CustomLayerFn>>);
@@ -110,6 +168,19 @@ impl CustomOps {
             }
             _ => Ok(()),
         }
+    }
+
+    /// These functions with each op's portable builder in place of its own
+    /// where one is registered ([`register_portable_custom_layer`]).
+    pub(crate) fn portable(&self) -> Result<Self> {
+        let mut ops = self.clone();
+        for (op, f) in &mut ops.0 {
+            if PORTABLE.contains(op) {
+                *f = PORTABLE.lookup("op", op)?;
+                log::debug!("exporting the custom layer op {op} with its portable builder");
+            }
+        }
+        Ok(ops)
     }
 
     /// The function for `op`, resolved by [`resolve`](Self::resolve).

@@ -32,11 +32,14 @@ pub enum ExportError {
         path: std::path::PathBuf,
     },
     /// A layer builds a TensorFlow op that only Kiln's process knows (a custom
-    /// op library), so Python's TensorFlow and TF Serving could not load the graph.
+    /// op library), so Python's TensorFlow and TF Serving could not load the graph:
+    /// a custom layer with no portable builder
+    /// ([`register_portable_custom_layer`](crate::register_portable_custom_layer)).
     #[error(
         "{path} ({layer}) cannot be exported as a SavedModel: its TensorFlow op `{op_type}` \
          (node `{node}`) is not a standard TensorFlow op, so Python's TensorFlow and TF \
-         Serving cannot load it; build the layer from standard ops (tf.raw_ops) to export it"
+         Serving cannot load it; to export it, register a builder of the same computation \
+         from standard ops (tf.raw_ops) with `kiln_tf::register_portable_custom_layer`"
     )]
     NonStandardOp {
         /// The layer's path in the model (`2.block.0`), or `<root>`.

@@ -34,7 +34,10 @@ mod train;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
-pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
+pub use custom_layer::{
+    custom_layer_registered, portable_custom_layer_registered, register_custom_layer,
+    register_portable_custom_layer, CustomLayerFn,
+};
 pub use error::{tf_error, ExportError};
 pub use model::TfModel;
 pub use optim::TfOptimizer;

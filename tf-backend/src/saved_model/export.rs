@@ -60,7 +60,9 @@ type ExportResult<T> = std::result::Result<T, ExportError>;
 /// variables are saved under their state-dict names (`0.weight`).
 ///
 /// Everything is checked before anything is written (the path, the settings,
-/// the graph for the input shape and that every op is a standard TensorFlow op);
+/// the graph for the input shape and that every op is a standard TensorFlow op,
+/// a custom layer being built with its portable builder where it has one:
+/// [`register_portable_custom_layer`](crate::register_portable_custom_layer));
 /// the directory is assembled next to the target and renamed into place. An
 /// existing path is [`ExportError::Exists`] unless
 /// [`overwrite`](Self::overwrite) is set, and even then only a SavedModel
@@ -132,7 +134,13 @@ impl<'a> SavedModelExport<'a> {
         let (parent, name) = self.check_destination(dest)?;
         let spec = self.model.spec();
         check_layers(spec)?;
-        let export = ExportGraph::build(spec, &self.input_shape)?;
+        // The model's own custom-layer functions, with the portable builder of
+        // each op that has one (its fused kernel's standard-op decomposition).
+        let custom_ops = crate::model::lock(&self.model.graph)?
+            .engine
+            .custom_ops
+            .portable()?;
+        let export = ExportGraph::build(spec, custom_ops, &self.input_shape)?;
         let standard = standard_ops();
         check_ops(spec, &export.compiled.engine.b.graph, |t| {
             standard.contains(t)
@@ -508,10 +516,10 @@ struct ExportGraph {
 }
 
 impl ExportGraph {
-    fn build(spec: &Layer, input_shape: &[usize]) -> ExportResult<Self> {
+    fn build(spec: &Layer, custom_ops: CustomOps, input_shape: &[usize]) -> ExportResult<Self> {
         let specs: Vec<ParamSpec> = spec.parameter_specs("")?;
         let mut engine = Engine::new();
-        engine.custom_ops = CustomOps::resolve(spec)?;
+        engine.custom_ops = custom_ops;
         let vars = specs
             .iter()
             .map(|p| engine.add_var("model", &p.name, p.dtype, &p.shape, p.kind))
@@ -654,7 +662,7 @@ mod tests {
     use kiln_core::model::{CustomConfig, Layer, LinearConfig};
     use tensorflow::{DataType, Graph, Operation, Output, Status};
 
-    use super::{check_ops, standard_ops, ExportError, ExportGraph};
+    use super::{check_ops, standard_ops, CustomOps, ExportError, ExportGraph};
 
     #[test]
     fn the_standard_list_holds_what_kiln_builds_and_not_kilns_ops() {
@@ -694,7 +702,8 @@ mod tests {
                 CustomConfig::new("test::square").into(),
             ])),
         ]);
-        let export = ExportGraph::build(&spec, &[2, 3]).expect("builds");
+        let ops = CustomOps::resolve(&spec).expect("registered");
+        let export = ExportGraph::build(&spec, ops, &[2, 3]).expect("builds");
         let graph = &export.compiled.engine.b.graph;
         check_ops(&spec, graph, |t| standard_ops().contains(t)).expect("Square is standard");
         let err = check_ops(&spec, graph, |t| t != "Square").expect_err("Square refused");
@@ -715,5 +724,67 @@ mod tests {
             err.to_string().contains("not a standard TensorFlow op"),
             "{err}"
         );
+    }
+
+    /// Adds `op_type(x, x)` (or `op_type(x)` when `binary` is false) named `name`.
+    fn op_on_x(graph: &mut Graph, op_type: &str, name: &str, x: Output, binary: bool) -> Output {
+        let mut nd = graph.new_operation(op_type, name).expect("new op");
+        nd.add_input(x.clone());
+        if binary {
+            nd.add_input(x);
+        }
+        nd.set_attr_type("T", DataType::Float).expect("T");
+        Output::from(nd.finish().expect("op"))
+    }
+
+    #[test]
+    fn a_portable_builder_replaces_the_layers_function_in_the_export_only() {
+        // The layer's own function adds `Square`; its portable builder `Mul(x, x)`.
+        crate::register_custom_layer("test::squared", |graph, name, x, _params, _config| {
+            Ok(op_on_x(graph, "Square", name, x, false))
+        });
+        assert!(!crate::portable_custom_layer_registered("test::squared"));
+        crate::register_portable_custom_layer(
+            "test::squared",
+            |graph, name, x, _params, _config| Ok(op_on_x(graph, "Mul", name, x, true)),
+        );
+        assert!(crate::portable_custom_layer_registered("test::squared"));
+        let spec = Layer::sequential([
+            LinearConfig::new(3, 4).into(),
+            CustomConfig::new("test::squared").into(),
+        ]);
+        let ops = CustomOps::resolve(&spec).expect("registered");
+        let types = |ops: CustomOps| -> Vec<String> {
+            let export = ExportGraph::build(&spec, ops, &[2, 3]).expect("builds");
+            export
+                .compiled
+                .engine
+                .b
+                .graph
+                .operation_iter()
+                .map(|op| op.op_type().expect("type"))
+                .collect()
+        };
+        let own = types(ops.clone());
+        assert!(own.iter().any(|t| t == "Square"), "{own:?}");
+        let portable = types(ops.portable().expect("portable"));
+        assert!(!portable.iter().any(|t| t == "Square"), "{portable:?}");
+        assert!(portable.iter().any(|t| t == "Mul"), "{portable:?}");
+        // The model itself keeps running the layer's own function.
+        let model = crate::TfModel::new(&spec, kiln_core::Device::Cpu).expect("model");
+        let x = kiln_core::HostTensor::new(vec![0.5f32; 6], [2, 3]).expect("x");
+        kiln_core::module::Module::<crate::TfBackend>::forward(
+            &model,
+            &crate::TfTensor::from_host(&x).expect("tensor"),
+        )
+        .expect("forward");
+        let guard = crate::model::lock(&model.graph).expect("lock");
+        let square = guard
+            .engine
+            .b
+            .graph
+            .operation_iter()
+            .any(|op| op.op_type().expect("type") == "Square");
+        assert!(square, "the model's forward uses the layer's own function");
     }
 }
