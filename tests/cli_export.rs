@@ -308,6 +308,21 @@ fn export_refuses_what_cannot_work_and_writes_nothing() {
         "pixels",
     ]);
     assert!(err.contains("--input-name"), "{err}");
+    // A fixed batch size is an ONNX option.
+    let err = kiln_fails(&[
+        "export",
+        "--checkpoint",
+        s(&checkpoint),
+        "--input-shape",
+        "1,8,8",
+        "--batch-size",
+        "4",
+        "--format",
+        "savedmodel",
+        "--output",
+        s(&dir.join("sm")),
+    ]);
+    assert!(err.contains("--batch-size"), "{err}");
     // A missing directory.
     let err = kiln_fails(&[
         "export",
@@ -321,7 +336,7 @@ fn export_refuses_what_cannot_work_and_writes_nothing() {
         s(&dir.join("no/such/dir/out.onnx")),
     ]);
     assert!(err.contains("no/such/dir"), "{err}");
-    assert!(!target.exists() && !dir.join("x.pt").exists());
+    assert!(!target.exists() && !dir.join("x.pt").exists() && !dir.join("sm").exists());
 
     // The weights file works with the config.
     kiln(&[

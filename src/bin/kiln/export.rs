@@ -49,7 +49,7 @@ pub(crate) struct ExportArgs {
     /// Default: the config's data, else the first layer's input (Linear).
     #[arg(long, value_parser = parse_shape)]
     input_shape: Option<SampleShape>,
-    /// A fixed batch size instead of a dynamic batch dimension.
+    /// A fixed batch size instead of a dynamic batch dimension (onnx).
     #[arg(long)]
     batch_size: Option<usize>,
     /// The input's name in the exported model (onnx, savedmodel; default `input`).
@@ -96,6 +96,12 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
             args.output.display()
         );
     }
+    if args.batch_size.is_some() && args.format != ExportFormat::Onnx {
+        bail!(
+            "--batch-size applies to --format onnx only: a TorchScript module and a \
+             SavedModel's signature take any batch size"
+        );
+    }
     if args.format == ExportFormat::Torchscript {
         for (flag, given) in [
             ("--input-name", &args.input_name),
@@ -127,9 +133,6 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
             kiln::torch::export_torchscript(&model, &args.output, args.overwrite)?;
         }
         ExportFormat::Savedmodel => {
-            if args.batch_size.is_some() {
-                log::info!("the SavedModel's signature keeps a dynamic batch dimension");
-            }
             let model = build::<kiln::tf::TfBackend>(&source, &args.checkpoint)?;
             kiln::tf::SavedModelExport::new(&model, &source.input_shape)
                 .input_name(input_name)
