@@ -313,9 +313,11 @@ impl Task {
                      repeat). The same weights and inputs everywhere; no autograd. The digits \
                      CNN is `examples/configs/digits-cnn.toml`'s ([1, 8, 8] in), the \
                      transformer block is width 256, 8 heads, feed-forward 1024, sequence 64. \
-                     Ratios are against PyTorch eager (higher is better for both).\n\n\
-                     | variant | CNN latency (us) | CNN samples/s | transformer latency (us) | transformer samples/s | peak RSS (MiB) | CNN latency vs PyTorch | CNN throughput vs PyTorch | transformer latency vs PyTorch | transformer throughput vs PyTorch |\n\
-                     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+                     Ratios are against PyTorch eager (higher is better for both); `outputs` is \
+                     the largest relative difference of the batch-64 outputs' sum from PyTorch's \
+                     (every variant computes the same function).\n\n\
+                     | variant | CNN latency (us) | CNN samples/s | transformer latency (us) | transformer samples/s | peak RSS (MiB) | CNN latency vs PyTorch | CNN throughput vs PyTorch | transformer latency vs PyTorch | transformer throughput vs PyTorch | outputs |\n\
+                     | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
                     serve::calls("cnn").0,
                     serve::calls("transformer").0,
                     serve::BATCH,
@@ -332,8 +334,18 @@ impl Task {
                                 format!("{:.2}x", if lower_is_better { y / x } else { x / y })
                             })
                         };
+                        let outputs = base.map_or("-".to_owned(), |b| {
+                            let worst = serve::MODELS
+                                .iter()
+                                .map(|(m, _)| {
+                                    let (x, y) = (num(&r[*m], "checksum"), num(&b[*m], "checksum"));
+                                    (x - y).abs() / y.abs().max(1.0)
+                                })
+                                .fold(0.0, f64::max);
+                            format!("{worst:.1e}")
+                        });
                         t += &format!(
-                            "| {v} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} |\n",
+                            "| {v} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {} | {} | {} | {} | {outputs} |\n",
                             num(cnn, "latency_us"),
                             num(cnn, "samples_per_s"),
                             num(tr, "latency_us"),
