@@ -17,6 +17,7 @@ use kiln::prelude::*;
 use kiln::tf::{TfBackend, TfModel};
 use kiln::torch::TorchBackend;
 use kiln::train::Checkpoint;
+use kiln_testkit::noise;
 
 /// Both generators are global: tests in this binary run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -25,19 +26,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Deterministic pseudo-random floats in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 struct Case {

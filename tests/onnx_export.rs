@@ -13,6 +13,7 @@
 #![cfg(feature = "torch")]
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_testkit::noise;
 use std::path::{Path, PathBuf};
 
 use kiln::core::backend::{Backend, TrainBackend};
@@ -29,19 +30,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// Deterministic pseudo-random floats in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -76,19 +64,13 @@ fn case(name: &str, spec: Layer, input: &[usize]) -> Case {
 }
 
 fn json_cases() -> Vec<Case> {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/fixtures/layer_cases.json"
-    ))
-    .unwrap();
-    let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
-    values
+    kiln_testkit::layer_cases()
         .into_iter()
-        .map(|v| Case {
-            name: v["name"].as_str().unwrap().to_owned(),
-            spec: serde_json::from_value(v["layer"].clone()).unwrap(),
-            input: serde_json::from_value(v["input"].clone()).unwrap(),
-            int_high: serde_json::from_value(v["int_high"].clone()).unwrap(),
+        .map(|c| Case {
+            name: c.name,
+            spec: serde_json::from_value(c.layer).unwrap(),
+            input: c.input,
+            int_high: c.int_high,
             batch_check: false,
             float64: false,
         })
@@ -250,14 +232,7 @@ fn input_for(case: &Case, batch: usize, seed: u64) -> HostTensor {
     shape[0] = batch;
     let n: usize = shape.iter().product();
     match case.int_high {
-        Some(high) => HostTensor::new(
-            noise(n, seed)
-                .iter()
-                .map(|v| ((v + 1.0) * 0.5 * high as f32) as i64 % high as i64)
-                .collect::<Vec<_>>(),
-            shape,
-        )
-        .unwrap(),
+        Some(high) => HostTensor::new(kiln_testkit::noise_indices(n, high, seed), shape).unwrap(),
         None => HostTensor::new(noise(n, seed), shape).unwrap(),
     }
 }

@@ -17,6 +17,7 @@ use kiln_core::{
     Device, Error, HostTensor,
 };
 use kiln_data::{InMemoryDataset, SequentialLoader};
+use kiln_testkit::noise;
 use kiln_tf::{TfBackend, TfTensor};
 use kiln_torch::{from_tch, TorchBackend, TorchModel};
 use kiln_train::{Trainer, TrainerConfig, TrainingState};
@@ -28,19 +29,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     kiln_ops::register_layers().unwrap();
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// Deterministic pseudo-random floats in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
 }
 
 /// `Linear(6, 16, bias=False) -> bias_gelu(16) -> Linear(16, 4) -> swish(1.7)`.

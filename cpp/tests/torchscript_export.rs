@@ -8,6 +8,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_testkit::noise;
 use std::path::Path;
 
 use kiln_core::{
@@ -18,19 +19,6 @@ use kiln_core::{
     Device, HostTensor,
 };
 use kiln_torch::{export_torchscript, from_tch, to_tch, ScriptModule, TorchBackend, TorchModel};
-
-/// Deterministic pseudo-random floats in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn max_diff(a: &HostTensor, b: &HostTensor) -> f64 {
     assert_eq!(a.dims(), b.dims());

@@ -16,6 +16,7 @@
 
 mod common;
 
+use kiln_testkit::noise;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -47,17 +48,14 @@ struct Case {
 
 /// Every case of the layer suite shared by the parity tests.
 fn layer_cases() -> Vec<Case> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/layer_cases.json");
-    let text = std::fs::read_to_string(path).unwrap();
-    let values: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap();
-    values
+    kiln_testkit::layer_cases()
         .into_iter()
-        .map(|v| Case {
-            name: v["name"].as_str().unwrap().to_owned(),
-            spec: serde_json::from_value(v["layer"].clone()).unwrap(),
-            input: serde_json::from_value(v["input"].clone()).unwrap(),
-            int_high: serde_json::from_value(v["int_high"].clone()).unwrap(),
-            train: v["train"].as_bool().unwrap(),
+        .map(|c| Case {
+            name: c.name,
+            spec: serde_json::from_value(c.layer).unwrap(),
+            input: c.input,
+            int_high: c.int_high,
+            train: c.train,
         })
         .collect()
 }
@@ -118,29 +116,14 @@ fn two_backbones_case(backbone: &Path) -> Case {
     }
 }
 
-/// Deterministic pseudo-random floats in [-1, 1).
-fn noise(n: usize, seed: u64) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 fn input(case: &Case, seed: u64) -> HostTensor {
     let n: usize = case.input.iter().product();
     match case.int_high {
-        Some(high) => {
-            let values: Vec<i64> = noise(n, seed)
-                .iter()
-                .map(|v| (((v + 1.0) * 0.5 * high as f32) as i64).min(high as i64 - 1))
-                .collect();
-            HostTensor::new(values, case.input.clone()).unwrap()
-        }
+        Some(high) => HostTensor::new(
+            kiln_testkit::noise_indices(n, high, seed),
+            case.input.clone(),
+        )
+        .unwrap(),
         None => HostTensor::new(noise(n, seed), case.input.clone()).unwrap(),
     }
 }

@@ -218,3 +218,79 @@ pub fn assert_close(what: &str, actual: &[f64], expected: &[f64], tol: f64, refe
 pub fn close(a: f64, b: f64, rel: f64) -> bool {
     a == b || (a - b).abs() <= rel * a.abs().max(b.abs())
 }
+
+/// `n` deterministic pseudo-random floats in `[-1, 1)` (xorshift64 from
+/// `seed`): the inputs the layer suites feed every backend and exporter.
+pub fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `n` deterministic indices in `[0, high)`, drawn as [`noise`] (embedding inputs).
+pub fn noise_indices(n: usize, high: usize, seed: u64) -> Vec<i64> {
+    noise(n, seed)
+        .iter()
+        .map(|v| ((v + 1.0) * 0.5 * high as f32) as i64 % high as i64)
+        .collect()
+}
+
+/// The largest absolute difference between `a` and `b` (NaN if either has one).
+pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "element count");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, |m, d| {
+            if d.is_nan() || m.is_nan() {
+                f64::NAN
+            } else {
+                m.max(d)
+            }
+        })
+}
+
+/// One case of the layer suite every backend and exporter runs
+/// (`tests/fixtures/layer_cases.json`).
+#[derive(Clone, Debug)]
+pub struct LayerCase {
+    /// The case's name (`conv2d_stride_dilation_groups`).
+    pub name: String,
+    /// The layer definition, as the JSON of a `kiln_core::model::Layer`.
+    pub layer: serde_json::Value,
+    /// The input's shape, batch first.
+    pub input: Vec<usize>,
+    /// For integer (embedding) inputs, the exclusive upper bound of the indices.
+    pub int_high: Option<usize>,
+    /// Whether the case runs in training mode.
+    pub train: bool,
+}
+
+/// Every case of `tests/fixtures/layer_cases.json`.
+pub fn layer_cases() -> Vec<LayerCase> {
+    let path = workspace_root().join("tests/fixtures/layer_cases.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let values: Vec<serde_json::Value> = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    fn field<T: serde::de::DeserializeOwned>(v: &serde_json::Value, key: &str, path: &Path) -> T {
+        serde_json::from_value(v[key].clone())
+            .unwrap_or_else(|e| panic!("{}: case field `{key}`: {e}", path.display()))
+    }
+    values
+        .iter()
+        .map(|v| LayerCase {
+            name: field(v, "name", &path),
+            layer: v["layer"].clone(),
+            input: field(v, "input", &path),
+            int_high: field(v, "int_high", &path),
+            train: field(v, "train", &path),
+        })
+        .collect()
+}
