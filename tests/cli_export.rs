@@ -2,7 +2,8 @@
 //! exported from its checkpoint as ONNX, TorchScript and a SavedModel, which
 //! onnxruntime, `torch.jit.load` and `tf.saved_model.load` run to the same
 //! outputs (`tests/reference/export_check.py`); `kiln predict` on the ONNX file
-//! gives the checkpoint's predictions; `kiln inspect` reads the ONNX file; and
+//! gives the checkpoint's predictions, also for a checkpoint the TensorFlow
+//! backend trained; `kiln inspect` reads the ONNX file; and
 //! what must be refused is refused with nothing written.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
@@ -369,4 +370,69 @@ fn export_refuses_what_cannot_work_and_writes_nothing() {
     ]);
     assert!(err.contains("broken.onnx"), "{err}");
     assert!(!csv.exists());
+}
+
+#[test]
+fn a_tensorflow_checkpoint_exports_too() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("export-tensorflow");
+    let run = dir.join("run");
+    train(
+        CONFIG,
+        &run,
+        &[
+            "--backend",
+            "tensorflow",
+            "--epochs",
+            "1",
+            "--no-progress",
+            "--workers",
+            "0",
+        ],
+    );
+    let checkpoint = run.join("checkpoints/last.safetensors");
+    let (onnx, pt) = (dir.join("tf.onnx"), dir.join("tf.pt"));
+    for (format, path) in [("onnx", &onnx), ("torchscript", &pt)] {
+        kiln(&[
+            "export",
+            "--checkpoint",
+            s(&checkpoint),
+            "--config",
+            CONFIG,
+            "--format",
+            format,
+            "--output",
+            s(path),
+        ]);
+    }
+    // The checkpoint's predictions (its weights in the config's torch model), and
+    // ONNX Runtime's on the export.
+    let (from_checkpoint, from_onnx) = (dir.join("ckpt.csv"), dir.join("onnx.csv"));
+    for (model, csv) in [(&checkpoint, &from_checkpoint), (&onnx, &from_onnx)] {
+        kiln(&[
+            "predict",
+            "--config",
+            CONFIG,
+            "--checkpoint",
+            s(model),
+            "--output",
+            s(csv),
+        ]);
+    }
+    let (a, b) = (scores(&from_checkpoint), scores(&from_onnx));
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max);
+    println!("predict: TensorFlow checkpoint vs its ONNX export, worst score difference {worst:e}");
+    assert!(worst <= 1e-5, "{worst:e}");
+    // The TorchScript file holds the TensorFlow-trained weights under Kiln's names.
+    let shown = kiln_stdout(&["inspect", s(&pt)]);
+    assert!(shown.contains("4.running_var"), "{shown}");
 }

@@ -5,8 +5,9 @@
 //! (weights perturbed off their tidy initial values, batch-norm statistics
 //! included), put in eval mode and run; each is exported to ONNX and
 //! `tests/reference/onnx_check.py` checks every model with `onnx.checker`
-//! (full check) and runs it with onnxruntime's CPU provider, once for all cases.
-//! Every output agrees with Kiln's within 1e-5; a few cases exported with batch
+//! (full check) and runs it with onnxruntime's CPU provider, once for all cases,
+//! and Kiln's own `OnnxModel` runs every file too. Every output agrees with
+//! Kiln's within 1e-5; a few cases exported with batch
 //! 2 also run with batch 3. Then the refusals: unmapped ops, TorchScript layers,
 //! existing files, missing weights, missing directories.
 
@@ -19,7 +20,7 @@ use std::path::{Path, PathBuf};
 use kiln::core::backend::{Backend, TrainBackend};
 use kiln::core::model::{CustomConfig, Init, Layer, LinearConfig, TorchScriptConfig};
 use kiln::core::module::Module;
-use kiln::onnx::{export_onnx, Error, OnnxExport};
+use kiln::onnx::{export_onnx, Error, OnnxExport, OnnxModel};
 use kiln::torch::{TorchBackend, TorchModel};
 use kiln::{DType, Device, HostTensor, Mode, StateDict};
 
@@ -292,6 +293,7 @@ fn every_layer_matches_onnx_runtime() {
     let dir = scratch("layers");
     let cases = cases();
     let mut manifest = Vec::new();
+    let (mut rust_diffs, mut rust_failures) = (Vec::new(), Vec::new());
     for c in &cases {
         TorchBackend::manual_seed(3);
         let mut model = TorchBackend::build_model(&c.spec, Device::Cpu).unwrap();
@@ -319,11 +321,22 @@ fn every_layer_matches_onnx_runtime() {
         if c.batch_check {
             batches.push(3);
         }
+        // The same file through Kiln's own ONNX Runtime binding.
+        let onnx = OnnxModel::load(dir.join(&file)).unwrap_or_else(|e| panic!("{}: {e}", c.name));
         let runs: Vec<serde_json::Value> = batches
             .iter()
             .map(|&b| {
                 let x = input_for(c, b, 5 + b as u64);
                 let y = forward(&model, &x);
+                let from_ort = onnx
+                    .predict(&as_float(&x))
+                    .unwrap_or_else(|e| panic!("{} at batch {b}: {e}", c.name));
+                assert_eq!(from_ort.dims(), y.dims(), "{}", c.name);
+                let diff = kiln_testkit::max_abs_diff(&from_ort.to_f64_vec(), &y.to_f64_vec());
+                rust_diffs.push(diff);
+                if diff.is_nan() || diff >= 1e-5 {
+                    rust_failures.push(format!("{} at batch {b}: OnnxModel max |diff| {diff:e}", c.name));
+                }
                 serde_json::json!({
                     "input": save(&dir, &format!("{}-b{b}-x.safetensors", c.name), "x", &as_float(&x)),
                     "expected": save(&dir, &format!("{}-b{b}-y.safetensors", c.name), "y", &as_float(&y)),
@@ -375,6 +388,12 @@ fn every_layer_matches_onnx_runtime() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+    eprintln!(
+        "OnnxModel (Kiln's ONNX Runtime binding) on the same files: {} runs, worst max |diff| {:.1e}",
+        rust_diffs.len(),
+        rust_diffs.iter().copied().fold(0.0, f64::max)
+    );
+    assert!(rust_failures.is_empty(), "{rust_failures:#?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
