@@ -142,21 +142,30 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
         }
     }
     let output_shape = source.definition.output_shape(&source.input_shape)?;
-    let batch = |shape: &[usize]| -> String {
+    let shape = |shape: &[usize]| -> String {
         let mut dims: Vec<String> = shape.iter().map(usize::to_string).collect();
-        if dynamic && args.format != ExportFormat::Torchscript {
+        if dynamic {
             dims[0] = "batch".into();
         }
         format!("[{}]", dims.join(", "))
     };
+    let (input, output) = (shape(&source.input_shape), shape(&output_shape));
+    let what = match args.format {
+        ExportFormat::Onnx => format!("input {input_name} {input}, output {output_name} {output}"),
+        // A TorchScript module's forward takes positional tensors of any batch size.
+        ExportFormat::Torchscript => format!("forward takes {input}, returns {output}"),
+        ExportFormat::Savedmodel => format!(
+            "signature serving_default: input {input_name} {input}, output {output_name} {output}"
+        ),
+    };
+    let format = match args.format {
+        ExportFormat::Onnx => "ONNX",
+        ExportFormat::Torchscript => "TorchScript",
+        ExportFormat::Savedmodel => "SavedModel",
+    };
     println!(
-        "kiln: exported {:?} to {} (input {} {}, output {} {})",
-        args.format,
-        args.output.display(),
-        input_name,
-        batch(&source.input_shape),
-        output_name,
-        batch(&output_shape),
+        "kiln: exported {format} to {} ({what})",
+        args.output.display()
     );
     Ok(())
 }
