@@ -409,7 +409,8 @@ fn verify_imports(python: &Path) -> Result<PathBuf> {
         .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .args([
             "-c",
-            "import sysconfig, torch, tensorflow, sklearn, onnx, onnxruntime, safetensors, tensorboard; \
+            "import sysconfig, torch, tensorflow, sklearn, onnx, onnxruntime, safetensors, tensorboard, \
+             torchvision, PIL; \
              print(sysconfig.get_path('purelib'))",
         ])
         .output()

@@ -16,7 +16,9 @@ pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
 /// UCI digits data set; onnx ships `onnx.proto` (Kiln's ONNX types are
 /// generated from it) and checks exported models in tests; onnxruntime ships
 /// `libonnxruntime.so` (`OnnxModel`); safetensors reads and writes checkpoints in
-/// reference scripts; tensorboard reads back the event files Kiln writes. cuda-toolkit
+/// reference scripts; tensorboard reads back the event files Kiln writes;
+/// torchvision (with pillow) is the reference for image decoding, transforms and
+/// `ImageFolder`, and the data-loading benchmark's Python side. cuda-toolkit
 /// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
 /// wheel was built with) and the CUDA C++ headers, for kiln-ops' `cuda` feature,
 /// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
@@ -31,6 +33,8 @@ pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "onnxruntime==1.31.1",
     "safetensors==0.8.0",
     "tensorboard==2.21.0",
+    "torchvision==0.26.0",
+    "pillow==13.0.0",
     "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",
 ];
 

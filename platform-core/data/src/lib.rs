@@ -154,4 +154,17 @@ pub trait DataLoader {
 
     /// The batches of epoch `epoch`.
     fn batches(&self, epoch: u64) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_>;
+
+    /// The batches of epoch `epoch` from batch `first` on, what a run resumed
+    /// mid-epoch needs: the same batches as `batches(epoch).skip(first)`.
+    ///
+    /// The default loads and drops the first `first` batches; loaders that
+    /// can skip without reading samples ([`PrefetchLoader`]) override it.
+    fn batches_from(
+        &self,
+        epoch: u64,
+        first: usize,
+    ) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_> {
+        Box::new(self.batches(epoch).skip(first))
+    }
 }

@@ -317,9 +317,20 @@ where
     }
 
     fn batches(&self, epoch: u64) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_> {
-        let plan: Vec<Vec<usize>> = self.batch_indices(epoch);
+        self.batches_from(epoch, 0)
+    }
+
+    /// Skips the first `first` batches without reading their samples: a run
+    /// resumed mid-epoch decodes nothing it already trained on.
+    fn batches_from(
+        &self,
+        epoch: u64,
+        first: usize,
+    ) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_> {
+        let mut plan: Vec<Vec<usize>> = self.batch_indices(epoch);
+        plan.drain(..first.min(plan.len()));
         log::debug!(
-            "PrefetchLoader epoch {epoch}: {} batches of up to {} samples, {} workers",
+            "PrefetchLoader epoch {epoch}: {} batches of up to {} samples from batch {first}, {} workers",
             plan.len(),
             self.batch_size,
             self.num_workers
@@ -329,6 +340,7 @@ where
             collate: Arc::clone(&self.collate),
             plan: Arc::new(plan),
             epoch,
+            first,
         };
         if self.num_workers > 0 && !job.plan.is_empty() {
             if let Some(iter) = WorkerIter::start(&job, self.num_workers, self.queue_capacity()) {
@@ -349,6 +361,8 @@ struct Job<D, C> {
     collate: Arc<C>,
     plan: Arc<Vec<Vec<usize>>>,
     epoch: u64,
+    /// The epoch's batch number of `plan[0]`, for messages.
+    first: usize,
 }
 
 impl<D, C> Clone for Job<D, C> {
@@ -358,6 +372,7 @@ impl<D, C> Clone for Job<D, C> {
             collate: Arc::clone(&self.collate),
             plan: Arc::clone(&self.plan),
             epoch: self.epoch,
+            first: self.first,
         }
     }
 }
@@ -376,7 +391,8 @@ where
             Err(payload) => Some(Err(Error::backend(
                 "data loader",
                 format!(
-                    "batch {k} (dataset indices {}) on thread `{}`",
+                    "batch {} (dataset indices {}) on thread `{}`",
+                    k + self.first,
                     list_indices(indices),
                     thread::current().name().unwrap_or("unnamed")
                 ),
@@ -401,7 +417,7 @@ where
                 Err(e) => {
                     return Some(Err(with_context(
                         e,
-                        &format!("batch {k}, dataset index {index}"),
+                        &format!("batch {}, dataset index {index}", k + self.first),
                     )))
                 }
             }
@@ -410,7 +426,8 @@ where
             with_context(
                 e,
                 &format!(
-                    "batch {k}, collating dataset indices {}",
+                    "batch {}, collating dataset indices {}",
+                    k + self.first,
                     list_indices(indices)
                 ),
             )
@@ -798,7 +815,54 @@ impl Drop for WorkerIter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::InMemoryDataset;
     use std::path::PathBuf;
+    use std::sync::atomic::AtomicUsize;
+
+    /// Counts the samples read, to show that skipped batches are not loaded.
+    struct Counting {
+        inner: InMemoryDataset,
+        reads: AtomicUsize,
+    }
+
+    impl Dataset for Counting {
+        type Item = (HostTensor, HostTensor);
+        fn len(&self) -> usize {
+            self.inner.len()
+        }
+        fn get(&self, index: usize) -> Result<Self::Item> {
+            self.reads.fetch_add(1, Ordering::Relaxed);
+            self.inner.get(index)
+        }
+    }
+
+    #[test]
+    fn batches_from_skips_without_reading_and_matches_skip() -> Result<()> {
+        let x = HostTensor::new((0..46).map(|v| v as f32).collect(), [23, 2])?;
+        let y = HostTensor::new((0..23).collect::<Vec<i64>>(), [23])?;
+        for workers in [0, 2] {
+            let loader = PrefetchLoader::new(
+                Counting {
+                    inner: InMemoryDataset::new(x.clone(), y.clone())?,
+                    reads: AtomicUsize::new(0),
+                },
+                4,
+            )?
+            .shuffle(3)
+            .num_workers(workers);
+            let all: Vec<Batch> = loader.batches(1).collect::<Result<_>>()?;
+            let before = loader.dataset().reads.load(Ordering::Relaxed);
+            let rest: Vec<Batch> = loader.batches_from(1, 4).collect::<Result<_>>()?;
+            assert_eq!(rest, all[4..], "{workers} workers");
+            assert_eq!(
+                loader.dataset().reads.load(Ordering::Relaxed) - before,
+                23 - 16,
+                "only the remaining samples are read"
+            );
+            assert_eq!(loader.batches_from(1, 99).count(), 0);
+        }
+        Ok(())
+    }
 
     #[test]
     fn context_is_prepended_and_source_kept() {

@@ -518,7 +518,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
             let mut micro = 0u64;
             let skip = state.batch_in_epoch as usize;
-            for batch in train.batches(state.epoch).skip(skip) {
+            for batch in train.batches_from(state.epoch, skip) {
                 if self.config.max_steps.is_some_and(|m| state.step >= m) {
                     break 'epochs;
                 }
