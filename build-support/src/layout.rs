@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 /// .kiln/libtorch         link to the libtorch that builds use (LIBTORCH in .cargo/config.toml)
 /// .kiln/tensorflow/      lib/ and include/ links to the TensorFlow C API
 /// .kiln/pkgconfig/       tensorflow.pc, found by the `tensorflow` crate through pkg-config
-/// .kiln/data/            data sets shipped inside wheels (digits.csv.gz)
+/// .kiln/data/            data sets: digits.csv.gz (from a wheel), shapes/ (rendered images)
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {

@@ -69,6 +69,7 @@ pub fn setup(workspace_root: &Path) -> Result<Setup> {
         .site_packages
         .join("sklearn/datasets/data/digits.csv.gz");
     replace_symlink(&digits, &data.join("digits.csv.gz"))?;
+    ensure_shapes(workspace_root, &venv, &data.join("shapes"))?;
 
     Ok(Setup {
         layout,
@@ -76,6 +77,54 @@ pub fn setup(workspace_root: &Path) -> Result<Setup> {
         libtorch,
         tensorflow,
     })
+}
+
+/// The script that renders the shapes image set (class folders and tar shards).
+const SHAPES_SCRIPT: &str = "examples/images/make_shapes.py";
+
+/// Writes the shapes image set to `dir` (`.kiln/data/shapes`) with
+/// [`SHAPES_SCRIPT`], unless it is there already from the same script: a
+/// `VERSION` file holds the script's SHA-256. The set is written to a temporary
+/// directory and renamed into place, so an interrupted run leaves nothing half-made.
+fn ensure_shapes(workspace_root: &Path, venv: &Venv, dir: &Path) -> Result<()> {
+    use sha2::{Digest, Sha256};
+
+    let script = workspace_root.join(SHAPES_SCRIPT);
+    let source = fs::read(&script).map_err(|e| BuildError::io("reading", &script, e))?;
+    let version = format!("{:x}\n", Sha256::digest(&source));
+    let marker = dir.join("VERSION");
+    if fs::read_to_string(&marker).is_ok_and(|v| v == version) {
+        return Ok(());
+    }
+    let staging = dir.with_extension(format!("tmp-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&staging);
+    let output = std::process::Command::new(&venv.python)
+        .arg(&script)
+        .arg(&staging)
+        .output()
+        .map_err(|e| BuildError::Command {
+            command: format!("{} {}", venv.python.display(), script.display()),
+            detail: e.to_string(),
+        })?;
+    if !output.status.success() {
+        let _ = fs::remove_dir_all(&staging);
+        return Err(BuildError::Command {
+            command: format!(
+                "{} {} {}",
+                venv.python.display(),
+                script.display(),
+                staging.display()
+            ),
+            detail: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        });
+    }
+    fs::write(staging.join("VERSION"), &version)
+        .map_err(|e| BuildError::io("writing", &staging.join("VERSION"), e))?;
+    if dir.exists() {
+        fs::remove_dir_all(dir).map_err(|e| BuildError::io("replacing", dir, e))?;
+    }
+    fs::rename(&staging, dir).map_err(|e| BuildError::io("renaming into", dir, e))?;
+    Ok(())
 }
 
 /// A path-valued variable set by the user, ignoring the value `.cargo/config.toml`
