@@ -30,6 +30,7 @@ mod prefetch;
 mod sampler;
 mod source;
 mod split;
+mod subset;
 #[cfg(test)]
 mod testing;
 mod transform;
@@ -45,7 +46,8 @@ pub use map::{MapDataset, TransformedDataset};
 pub use mnist::{load_mnist, load_mnist_images, load_mnist_labels, read_idx, Mnist};
 pub use prefetch::PrefetchLoader;
 pub use sampler::{DistributedSampler, LoaderSampler, ShardSampler};
-pub use split::{train_test_split, Split};
+pub use split::{split_indices, train_test_split, Split};
+pub use subset::Subset;
 pub use transform::{
     one_hot, Compose, Normalize, RandomCrop, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
 };

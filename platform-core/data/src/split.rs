@@ -34,12 +34,6 @@ pub fn train_test_split(
     test_fraction: f64,
     seed: u64,
 ) -> Result<Split> {
-    if !(test_fraction > 0.0 && test_fraction < 1.0) {
-        return Err(Error::invalid_argument(
-            "test_fraction",
-            format!("expected a value strictly between 0 and 1, got {test_fraction}"),
-        ));
-    }
     let n = features.dims().first().copied().ok_or_else(|| {
         Error::invalid_argument("features", "expected shape [N, ...], got a scalar")
     })?;
@@ -52,6 +46,29 @@ pub fn train_test_split(
             expected: format!("[{n}, ...]"),
             actual: labels.shape().to_string(),
         });
+    }
+    let (train, test) = split_indices(n, test_fraction, seed)?;
+    Ok((
+        (features.select_rows(&train)?, labels.select_rows(&train)?),
+        (features.select_rows(&test)?, labels.select_rows(&test)?),
+    ))
+}
+
+/// The indices [`train_test_split`] puts in each part of `n` samples:
+/// `(train, test)`, for datasets read from files (hold out a validation split
+/// with [`Subset`](crate::Subset)s, without reading a sample).
+///
+/// ```
+/// let (train, test) = kiln_data::split_indices(10, 0.25, 0)?;
+/// assert_eq!((train.len(), test.len()), (7, 3));
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn split_indices(n: usize, test_fraction: f64, seed: u64) -> Result<(Vec<usize>, Vec<usize>)> {
+    if !(test_fraction > 0.0 && test_fraction < 1.0) {
+        return Err(Error::invalid_argument(
+            "test_fraction",
+            format!("expected a value strictly between 0 and 1, got {test_fraction}"),
+        ));
     }
     // n is far below 2^53 for any tensor that fits in memory, so this is exact
     // up to the rounding of the product; the result is at most n.
@@ -73,10 +90,7 @@ pub fn train_test_split(
         train.len(),
         test.len()
     );
-    Ok((
-        (features.select_rows(train)?, labels.select_rows(train)?),
-        (features.select_rows(test)?, labels.select_rows(test)?),
-    ))
+    Ok((train.to_vec(), test.to_vec()))
 }
 
 #[cfg(test)]
