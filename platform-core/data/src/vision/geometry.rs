@@ -51,7 +51,10 @@ impl ResizeTo {
         match *self {
             ResizeTo::Shorter { size, max_size } => {
                 if size == 0 {
-                    return Err(Error::invalid_argument("size", "Resize size must be positive, got 0"));
+                    return Err(Error::invalid_argument(
+                        "size",
+                        "Resize size must be positive, got 0",
+                    ));
                 }
                 if let Some(max) = max_size {
                     if max <= size {
@@ -95,7 +98,8 @@ impl ResizeTo {
                 }
                 // Python's int(a * b / c): an exact product, a correctly rounded
                 // true division, then truncation.
-                let scaled = |a: usize, b: usize, c: usize| ((a as f64 * b as f64) / c as f64) as usize;
+                let scaled =
+                    |a: usize, b: usize, c: usize| ((a as f64 * b as f64) / c as f64) as usize;
                 let (mut new_short, mut new_long) = (size, scaled(size, long, short));
                 if let Some(max) = max_size {
                     if new_long > max {
@@ -151,7 +155,10 @@ fn resize_to(img: &HostTensor, l: &Layout, oh: usize, ow: usize) -> Result<HostT
     if l.height == 0 || l.width == 0 {
         return Err(Error::invalid_argument(
             "img",
-            format!("cannot resize an empty image of [{}, {}]", l.height, l.width),
+            format!(
+                "cannot resize an empty image of [{}, {}]",
+                l.height, l.width
+            ),
         ));
     }
     let planes = l.count * l.channels;
@@ -257,7 +264,11 @@ fn taps_f32(input: usize, output: usize) -> Taps<f32> {
         for (j, wj) in w.iter_mut().take(xsize).enumerate() {
             let arg = ((f64::from((j + xmin) as f32 - center) + 0.5) * f64::from(invscale)) as f32;
             let x = arg.abs();
-            *wj = if x < 1.0 { (1.0 - f64::from(x)) as f32 } else { 0.0 };
+            *wj = if x < 1.0 {
+                (1.0 - f64::from(x)) as f32
+            } else {
+                0.0
+            };
             total += *wj;
         }
         if total != 0.0 {
@@ -291,7 +302,11 @@ fn taps_i16(input: usize, output: usize) -> (Taps<i32>, u32) {
         .map(|&w| {
             let v = w * scale;
             // Truncated to int16 as PyTorch stores it.
-            (if v < 0.0 { (-0.5 + v) as i32 } else { (0.5 + v) as i32 }) as i16 as i32
+            (if v < 0.0 {
+                (-0.5 + v) as i32
+            } else {
+                (0.5 + v) as i32
+            }) as i16 as i32
         })
         .collect();
     (
@@ -413,7 +428,13 @@ fn resize_f32(src: &[f32], planes: usize, h: usize, w: usize, oh: usize, ow: usi
 /// assert_eq!(crop(&img, -1, 2, 2, 2)?.as_slice::<u8>()?, &[0, 0, 3, 0]);
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
-pub fn crop(img: &HostTensor, top: i64, left: i64, height: usize, width: usize) -> Result<HostTensor> {
+pub fn crop(
+    img: &HostTensor,
+    top: i64,
+    left: i64,
+    height: usize,
+    width: usize,
+) -> Result<HostTensor> {
     let l = Layout::of(img, "crop")?;
     if height == 0 || width == 0 {
         return Err(Error::invalid_argument(
@@ -469,7 +490,8 @@ fn crop_planes<T: Element>(
             }
             let row_in = &plane_in[(yy * w) as usize..((yy + 1) * w) as usize];
             let dst = (x0 - left) as usize;
-            row_out[dst..dst + (x1 - x0) as usize].copy_from_slice(&row_in[x0 as usize..x1 as usize]);
+            row_out[dst..dst + (x1 - x0) as usize]
+                .copy_from_slice(&row_in[x0 as usize..x1 as usize]);
         }
     }
     out
@@ -598,7 +620,12 @@ mod tests {
         };
         assert!(bad.output_size(10, 10).is_err());
         assert!(ResizeTo::shorter(0).validate().is_err());
-        assert!(ResizeTo::Exact { height: 0, width: 3 }.validate().is_err());
+        assert!(ResizeTo::Exact {
+            height: 0,
+            width: 3
+        }
+        .validate()
+        .is_err());
         Ok(())
     }
 
@@ -632,7 +659,10 @@ mod tests {
         let i64_img = HostTensor::zeros(kiln_core::DType::I64, [3, 4, 4])?;
         assert!(matches!(hflip(&i64_img), Err(Error::DTypeMismatch { .. })));
         let flat = HostTensor::zeros(kiln_core::DType::U8, [4, 4])?;
-        assert!(matches!(resize(&flat, ResizeTo::shorter(2)), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(
+            resize(&flat, ResizeTo::shorter(2)),
+            Err(Error::ShapeMismatch { .. })
+        ));
         Ok(())
     }
 }

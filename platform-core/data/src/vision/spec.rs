@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 
 use super::geometry::ResizeTo;
 use super::transforms::{CenterCrop, ColorJitter, RandomResizedCrop, Resize};
-use crate::transform::{Compose, Normalize, RandomHorizontalFlip, ToFloat, Transform, TransformRng};
+use crate::transform::{
+    Compose, Normalize, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
+};
 
 /// A side length, or `[height, width]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -139,16 +141,15 @@ impl TransformSpec {
         width: Option<usize>,
         max_size: Option<usize>,
     ) -> Result<ResizeTo> {
-        let to = match (size, height, width, max_size) {
-            (Some(size), None, None, max_size) => ResizeTo::Shorter { size, max_size },
-            (None, Some(height), Some(width), None) => ResizeTo::Exact { height, width },
-            _ => {
-                return Err(Error::invalid_argument(
+        let to =
+            match (size, height, width, max_size) {
+                (Some(size), None, None, max_size) => ResizeTo::Shorter { size, max_size },
+                (None, Some(height), Some(width), None) => ResizeTo::Exact { height, width },
+                _ => return Err(Error::invalid_argument(
                     "resize",
                     "give either `size` (and optionally `max_size`) or both `height` and `width`",
-                ))
-            }
-        };
+                )),
+            };
         to.validate()?;
         Ok(to)
     }
@@ -183,7 +184,9 @@ impl TransformSpec {
                 height,
                 width,
                 max_size,
-            } => Box::new(Resize::new(Self::resize_to(*size, *height, *width, *max_size)?)?),
+            } => Box::new(Resize::new(Self::resize_to(
+                *size, *height, *width, *max_size,
+            )?)?),
             TransformSpec::CenterCrop { size } => {
                 let (h, w) = size.height_width();
                 Box::new(CenterCrop::new(h, w)?)
@@ -222,7 +225,10 @@ impl TransformSpec {
                 if let Some(c) = std.iter().position(|&s| s == 0.0 || !s.is_finite()) {
                     return Err(Error::invalid_argument(
                         "std",
-                        format!("normalize: std[{c}] = {} must be finite and non-zero", std[c]),
+                        format!(
+                            "normalize: std[{c}] = {} must be finite and non-zero",
+                            std[c]
+                        ),
                     ));
                 }
                 if mean.len() != std.len() && mean.len() != 1 && std.len() != 1 {
@@ -334,8 +340,10 @@ mod tests {
 
     #[test]
     fn unknown_fields_and_types_are_rejected() {
-        let err = serde_json::from_str::<TransformSpec>(r#"{"type": "center_crop", "size": 3, "pad": 1}"#)
-            .expect_err("unknown field");
+        let err = serde_json::from_str::<TransformSpec>(
+            r#"{"type": "center_crop", "size": 3, "pad": 1}"#,
+        )
+        .expect_err("unknown field");
         assert!(err.to_string().contains("pad"), "{err}");
         assert!(serde_json::from_str::<TransformSpec>(r#"{"type": "rotate"}"#).is_err());
     }
@@ -365,7 +373,11 @@ mod tests {
             saturation: None,
             hue: Some(0.7),
         };
-        assert!(bad_jitter.validate().expect_err("hue").to_string().contains("`hue`"));
+        assert!(bad_jitter
+            .validate()
+            .expect_err("hue")
+            .to_string()
+            .contains("`hue`"));
     }
 
     #[test]
@@ -376,8 +388,14 @@ mod tests {
             width: None,
             max_size: None,
         };
-        assert_eq!(output_shape(&[shorter.clone()], 3, Some((64, 128))), Some([3, 32, 64]));
+        assert_eq!(
+            output_shape(std::slice::from_ref(&shorter), 3, Some((64, 128))),
+            Some([3, 32, 64])
+        );
         assert_eq!(output_shape(&[shorter], 3, None), None);
-        assert_eq!(output_shape(&[TransformSpec::ToTensor {}], 1, Some((5, 6))), Some([1, 5, 6]));
+        assert_eq!(
+            output_shape(&[TransformSpec::ToTensor {}], 1, Some((5, 6))),
+            Some([1, 5, 6])
+        );
     }
 }

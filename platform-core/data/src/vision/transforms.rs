@@ -165,7 +165,9 @@ impl RandomResizedCrop {
         if !(s0 > 0.0 && s0 <= s1 && s1 <= 1.0) {
             return Err(Error::invalid_argument(
                 "scale",
-                format!("RandomResizedCrop scale must satisfy 0 < min <= max <= 1, got ({s0}, {s1})"),
+                format!(
+                    "RandomResizedCrop scale must satisfy 0 < min <= max <= 1, got ({s0}, {s1})"
+                ),
             ));
         }
         let (r0, r1) = self.ratio;
@@ -214,11 +216,20 @@ impl RandomResizedCrop {
             }
         }
         let in_ratio = width as f64 / height as f64;
-        let (r_min, r_max) = (self.ratio.0.min(self.ratio.1), self.ratio.0.max(self.ratio.1));
+        let (r_min, r_max) = (
+            self.ratio.0.min(self.ratio.1),
+            self.ratio.0.max(self.ratio.1),
+        );
         let (h, w) = if in_ratio < r_min {
-            (((width as f64 / r_min).round_ties_even() as usize).min(height), width)
+            (
+                ((width as f64 / r_min).round_ties_even() as usize).min(height),
+                width,
+            )
         } else if in_ratio > r_max {
-            (height, ((height as f64 * r_max).round_ties_even() as usize).min(width))
+            (
+                height,
+                ((height as f64 * r_max).round_ties_even() as usize).min(width),
+            )
         } else {
             (height, width)
         };
@@ -239,7 +250,10 @@ impl Transform for RandomResizedCrop {
             if l.height == 0 || l.width == 0 {
                 return Err(Error::invalid_argument(
                     "img",
-                    format!("RandomResizedCrop of an empty image [{}, {}]", l.height, l.width),
+                    format!(
+                        "RandomResizedCrop of an empty image [{}, {}]",
+                        l.height, l.width
+                    ),
                 ));
             }
             let b = self.get_params(l.height, l.width, rng);
@@ -439,7 +453,10 @@ mod tests {
             for _ in 0..200 {
                 let b = t.get_params(h, w, &mut rng);
                 assert!(b.height > 0 && b.width > 0, "{b:?}");
-                assert!(b.top + b.height <= h && b.left + b.width <= w, "{h}x{w}: {b:?}");
+                assert!(
+                    b.top + b.height <= h && b.left + b.width <= w,
+                    "{h}x{w}: {b:?}"
+                );
             }
         }
     }
@@ -468,12 +485,20 @@ mod tests {
     fn validation_names_the_argument() {
         let mut t = RandomResizedCrop::new(4, 4);
         t.scale = (0.5, 0.2);
-        assert!(t.validate().expect_err("order").to_string().contains("`scale`"));
+        assert!(t
+            .validate()
+            .expect_err("order")
+            .to_string()
+            .contains("`scale`"));
         t.scale = (0.1, 1.5);
         assert!(t.validate().is_err());
         t.scale = (0.1, 1.0);
         t.ratio = (0.0, 1.0);
-        assert!(t.validate().expect_err("ratio").to_string().contains("`ratio`"));
+        assert!(t
+            .validate()
+            .expect_err("ratio")
+            .to_string()
+            .contains("`ratio`"));
         assert!(RandomResizedCrop::new(0, 4).validate().is_err());
         assert!(ColorJitter::new(-0.1, 0.0, 0.0, 0.0)
             .expect_err("negative")
@@ -509,7 +534,10 @@ mod tests {
 
     #[test]
     fn batches_draw_per_image() -> Result<()> {
-        let x = HostTensor::new((0..2 * 3 * 20 * 20).map(|v| (v % 251) as u8).collect(), [2, 3, 20, 20])?;
+        let x = HostTensor::new(
+            (0..2 * 3 * 20 * 20).map(|v| (v % 251) as u8).collect(),
+            [2, 3, 20, 20],
+        )?;
         let y = RandomResizedCrop::new(5, 5).apply(x, &mut TransformRng::new(4))?;
         assert_eq!(y.dims(), &[2, 3, 5, 5]);
         Ok(())
