@@ -12,7 +12,9 @@
 //! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
 //!   raw or gzip), [`load_csv`].
 //! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
-//!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`].
+//!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`];
+//!   torchvision's image transforms (resize, crops, colour jitter) and their
+//!   configuration in [`vision`].
 //!
 //! Samples are `kiln-core` [`HostTensor`]s; shuffling draws from
 //! [`kiln_core::rng::SplitMix64`], so a seed gives the same order everywhere.
@@ -34,6 +36,7 @@ mod subset;
 #[cfg(test)]
 mod testing;
 mod transform;
+pub mod vision;
 
 pub use collate::{Collate, StackCollate};
 pub use csv::{load_csv, CsvOptions, LabelColumn, LabelKind};
