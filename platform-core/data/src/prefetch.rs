@@ -371,8 +371,10 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             return self.batch_sampler(epoch).iter().collect();
         }
         let order = self.epoch_order(epoch);
-        let mut batches: Vec<Vec<usize>> =
-            order.chunks(self.batch_size).map(<[usize]>::to_vec).collect();
+        let mut batches: Vec<Vec<usize>> = order
+            .chunks(self.batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
         if self.drop_last && batches.last().is_some_and(|b| b.len() < self.batch_size) {
             batches.pop();
         }
@@ -542,10 +544,7 @@ where
                     let Some(skipped) = &self.skip else {
                         return Some(Err(with_context(e, &context)));
                     };
-                    log::warn!(
-                        "PrefetchLoader: skipping {context}: {}",
-                        e.display_chain()
-                    );
+                    log::warn!("PrefetchLoader: skipping {context}: {}", e.display_chain());
                     skipped.fetch_add(1, Ordering::Relaxed);
                     last_failure = Some((e, context));
                 }

@@ -292,9 +292,9 @@ fn decode_png(bytes: &[u8], name: &Path) -> Result<Pixels> {
     // samples cut to their high byte.
     decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut reader = decoder.read_info().map_err(png_error)?;
-    let size = reader.output_buffer_size().ok_or_else(|| {
-        Error::data(name, None, "the PNG image is too large to decode in memory")
-    })?;
+    let size = reader
+        .output_buffer_size()
+        .ok_or_else(|| Error::data(name, None, "the PNG image is too large to decode in memory"))?;
     let mut data = vec![0u8; size];
     let frame = reader.next_frame(&mut data).map_err(png_error)?;
     let channels = match frame.color_type {
@@ -338,7 +338,8 @@ mod tests {
     fn luma_is_pillows_fixed_point_formula() {
         // L = R*299/1000 + G*587/1000 + B*114/1000, rounded.
         for (r, g, b) in [(255, 255, 255), (0, 0, 0), (255, 0, 0), (10, 200, 30)] {
-            let exact = (f64::from(r) * 0.299 + f64::from(g) * 0.587 + f64::from(b) * 0.114).round();
+            let exact =
+                (f64::from(r) * 0.299 + f64::from(g) * 0.587 + f64::from(b) * 0.114).round();
             assert!((f64::from(luma(r, g, b)) - exact).abs() <= 1.0);
         }
         assert_eq!(luma(255, 255, 255), 255);

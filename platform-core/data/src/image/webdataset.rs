@@ -538,9 +538,7 @@ fn check_checksum(header: &[u8], path: &Path, pos: u64) -> Result<()> {
 
 /// Shell-style brace expansion: `{000..002}` and `{a,b}`, nested and repeated.
 fn expand_braces(pattern: &str) -> Result<Vec<String>> {
-    let bad = |why: &str| {
-        Error::invalid_argument("pattern", format!("{pattern:?}: {why}"))
-    };
+    let bad = |why: &str| Error::invalid_argument("pattern", format!("{pattern:?}: {why}"));
     let Some(open) = pattern.find('{') else {
         if pattern.contains('}') {
             return Err(bad("a `}` without its `{`"));
@@ -585,10 +583,7 @@ fn expand_braces(pattern: &str) -> Result<Vec<String>> {
         } else {
             (hi..=lo).rev().collect()
         };
-        values
-            .into_iter()
-            .map(|v| format!("{v:0width$}"))
-            .collect()
+        values.into_iter().map(|v| format!("{v:0width$}")).collect()
     } else {
         let mut parts = Vec::new();
         let mut start = open + 1;
@@ -688,9 +683,7 @@ impl ShardOrder {
     /// The order of all ranks together (steps 1 to 3, before the split).
     pub fn global_order(&self, epoch: u64) -> Vec<usize> {
         let shard_order = epoch_order(self.shards.len(), Some(self.seed), epoch);
-        let stream = shard_order
-            .into_iter()
-            .flat_map(|s| self.shards[s].clone());
+        let stream = shard_order.into_iter().flat_map(|s| self.shards[s].clone());
         if self.shuffle_buffer <= 1 {
             return stream.collect();
         }
@@ -768,7 +761,10 @@ mod tests {
             expand_braces("s-{000..002}.tar")?,
             ["s-000.tar", "s-001.tar", "s-002.tar"]
         );
-        assert_eq!(expand_braces("{a,b}-{8..10}")?, ["a-8", "a-9", "a-10", "b-8", "b-9", "b-10"]);
+        assert_eq!(
+            expand_braces("{a,b}-{8..10}")?,
+            ["a-8", "a-9", "a-10", "b-8", "b-9", "b-10"]
+        );
         assert_eq!(expand_braces("{x,{y,z}}")?, ["x", "y", "z"]);
         assert_eq!(expand_braces("plain.tar")?, ["plain.tar"]);
         for bad in ["{1..", "a}", "{a}", "{x..2}"] {
