@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use kiln_core::{Error, HostTensor, Result};
 use kiln_data::{
     decode_image, Batch, ColorMode, DataLoader, Dataset, EpochOrder, ImageFolder, OnError,
-    PrefetchLoader, WebDataset,
+    PrefetchLoader, RandomHorizontalFlip, TransformedDataset, WebDataset,
 };
 use serde_json::Value;
 
@@ -446,5 +446,26 @@ fn other_color_modes_have_their_channel_counts() -> Result<()> {
     assert_eq!(read(&rgba, ColorMode::Unchanged)?.dims(), &[4, 10, 14]);
     let folder = ImageFolder::new(&root)?.color_mode(ColorMode::Gray);
     assert!((0..folder.len()).all(|i| folder.get(i).is_ok_and(|(x, _)| x.dims()[0] == 1)));
+    Ok(())
+}
+
+#[test]
+fn shards_compose_with_seeded_transforms_for_any_worker_count() -> Result<()> {
+    let Some(fx) = fixtures("shards_compose_with_seeded_transforms_for_any_worker_count") else {
+        return Ok(());
+    };
+    let ds = WebDataset::open(&shard_paths(fx))?;
+    let order = ds.epoch_order(3, 4, 0, 1)?;
+    let flipped = TransformedDataset::new(ds, RandomHorizontalFlip::default(), 9);
+    let loader = PrefetchLoader::new(flipped, 5)?.order(order);
+    let baseline: Vec<Batch> = loader.batches(0).collect::<Result<_>>()?;
+    for workers in [1, 3] {
+        let batches: Vec<Batch> = loader
+            .clone()
+            .num_workers(workers)
+            .batches(0)
+            .collect::<Result<_>>()?;
+        assert!(batches == baseline, "{workers} workers");
+    }
     Ok(())
 }

@@ -42,7 +42,9 @@ pub enum OnError {
 /// * Samples are the files under each class folder (recursively, following
 ///   symbolic links) whose names end with one of [`IMG_EXTENSIONS`], class
 ///   by class, directories in sorted path order and files sorted by name
-///   within each: torchvision's `make_dataset` order.
+///   within each: torchvision's `make_dataset` order. (A directory reached
+///   twice through symbolic links is listed once, where `os.walk` would
+///   repeat it, or loop forever on a cycle.)
 /// * Only the paths are held: [`get`](Dataset::get) reads and decodes the
 ///   file in the calling thread, so with a [`PrefetchLoader`] the worker
 ///   threads decode, and memory holds no more images than the queue.
