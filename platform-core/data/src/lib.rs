@@ -11,6 +11,9 @@
 //!   both loaders take one.
 //! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
 //!   raw or gzip), [`load_csv`].
+//! * Images: [`decode_image`] (JPEG and PNG), [`ImageFolder`] (torchvision's
+//!   class folders, or a list file) and [`WebDataset`] (`.tar` shards, with
+//!   [`ShardOrder`] as the loader's [`EpochOrder`]).
 //! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
 //!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`];
 //!   torchvision's image transforms (resize, crops, colour jitter) and their
@@ -23,6 +26,7 @@ mod collate;
 mod csv;
 mod dataset;
 mod digits;
+mod image;
 mod indexable;
 mod iterable;
 mod loader;
@@ -42,12 +46,15 @@ pub use collate::{Collate, StackCollate};
 pub use csv::{load_csv, CsvOptions, LabelColumn, LabelKind};
 pub use dataset::InMemoryDataset;
 pub use digits::load_digits;
+pub use image::{
+    decode_image, ColorMode, ImageFolder, OnError, ShardOrder, WebDataset, IMG_EXTENSIONS,
+};
 pub use indexable::{EpochSampler, IndexableDataset};
 pub use iterable::{IterableDataset, IterableLoader};
 pub use loader::SequentialLoader;
 pub use map::{MapDataset, TransformedDataset};
 pub use mnist::{load_mnist, load_mnist_images, load_mnist_labels, read_idx, Mnist};
-pub use prefetch::PrefetchLoader;
+pub use prefetch::{EpochOrder, PrefetchLoader};
 pub use sampler::{DistributedSampler, LoaderSampler, ShardSampler};
 pub use split::{split_indices, train_test_split, Split};
 pub use subset::Subset;

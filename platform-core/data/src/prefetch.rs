@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::io;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -25,6 +25,38 @@ use kiln_core::tensor::HostTensor;
 const DEFAULT_PREFETCH: usize = 2;
 /// Sample indices an error message lists before abbreviating.
 const LISTED_INDICES: usize = 8;
+
+/// A loader's own sample order per epoch, replacing its shuffling and
+/// sampler ([`PrefetchLoader::order`]); e.g. [`ShardOrder`](crate::ShardOrder),
+/// which visits a [`WebDataset`](crate::WebDataset)'s shards in a shuffled order.
+///
+/// Contract: the order depends only on `(len, epoch)` and the implementor's
+/// configuration, never on the thread or the number of workers, and every
+/// index is below `len`. Indices may repeat (padding for ranks).
+///
+/// ```
+/// use kiln_data::EpochOrder;
+///
+/// /// Visits the samples backwards, every epoch.
+/// struct Reversed;
+/// impl EpochOrder for Reversed {
+///     fn order(&self, len: usize, _epoch: u64) -> Vec<usize> {
+///         (0..len).rev().collect()
+///     }
+/// }
+/// assert_eq!(Reversed.order(3, 0), [2, 1, 0]);
+/// assert_eq!(Reversed.num_samples(3), 3);
+/// ```
+pub trait EpochOrder: Send + Sync {
+    /// The sample indices of epoch `epoch` of a dataset of `len` samples, in
+    /// the order they are batched.
+    fn order(&self, len: usize, epoch: u64) -> Vec<usize>;
+
+    /// Number of indices per epoch; the default computes epoch 0's order.
+    fn num_samples(&self, len: usize) -> usize {
+        self.order(len, 0).len()
+    }
+}
 
 /// A [`DataLoader`] that loads batches in background worker threads, like
 /// PyTorch's `DataLoader(dataset, batch_size, shuffle, num_workers,
@@ -86,6 +118,9 @@ pub struct PrefetchLoader<D, C = StackCollate> {
     sampler: Option<DistributedSampler>,
     num_workers: usize,
     prefetch: usize,
+    order: Option<Arc<dyn EpochOrder>>,
+    skip_failed: bool,
+    skipped: Arc<AtomicU64>,
 }
 
 impl<D> PrefetchLoader<D, StackCollate>
@@ -140,6 +175,9 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             sampler: None,
             num_workers: 0,
             prefetch: DEFAULT_PREFETCH,
+            order: None,
+            skip_failed: false,
+            skipped: Arc::new(AtomicU64::new(0)),
         })
     }
 
@@ -154,6 +192,9 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             sampler: self.sampler,
             num_workers: self.num_workers,
             prefetch: self.prefetch,
+            order: self.order,
+            skip_failed: self.skip_failed,
+            skipped: self.skipped,
         }
     }
 
@@ -192,6 +233,54 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
     pub fn sampler(mut self, sampler: DistributedSampler) -> Self {
         self.sampler = Some(sampler);
         self
+    }
+
+    /// Visits each epoch's samples in `order`'s order instead of the loader's
+    /// own (index order or [`shuffle`](PrefetchLoader::shuffle)d) or a
+    /// [`sampler`](PrefetchLoader::sampler)'s, which are then not used.
+    /// [`epoch_order`](PrefetchLoader::epoch_order),
+    /// [`batch_indices`](PrefetchLoader::batch_indices),
+    /// [`num_batches`](DataLoader::num_batches) and
+    /// [`batches_from`](DataLoader::batches_from) all follow it;
+    /// [`drop_last`](PrefetchLoader::drop_last) still applies.
+    ///
+    /// ```
+    /// use kiln_data::{DataLoader, EpochOrder, InMemoryDataset, PrefetchLoader};
+    /// use kiln_core::HostTensor;
+    ///
+    /// struct Reversed;
+    /// impl EpochOrder for Reversed {
+    ///     fn order(&self, len: usize, _epoch: u64) -> Vec<usize> {
+    ///         (0..len).rev().collect()
+    ///     }
+    /// }
+    /// let x = HostTensor::new((0..5).collect::<Vec<i64>>(), [5])?;
+    /// let loader = PrefetchLoader::new(InMemoryDataset::new(x.clone(), x)?, 2)?.order(Reversed);
+    /// assert_eq!(loader.batch_indices(0), [vec![4, 3], vec![2, 1], vec![0]]);
+    /// assert_eq!(loader.num_batches(), 3);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn order(mut self, order: impl EpochOrder + 'static) -> Self {
+        self.order = Some(Arc::new(order));
+        self
+    }
+
+    /// Whether a sample whose loading fails is left out of its batch (with a
+    /// `log::warn!` naming it and the error, and counted in
+    /// [`skipped_samples`](PrefetchLoader::skipped_samples)) instead of
+    /// failing the batch (`false`, the default). The decision is per sample,
+    /// so batches stay the same for any number of workers. A batch whose
+    /// samples all fail is still an error. Panics are never skipped.
+    pub fn skip_failed_samples(mut self, skip: bool) -> Self {
+        self.skip_failed = skip;
+        self
+    }
+
+    /// Samples left out because they failed to load, over this loader's
+    /// life (all epochs, counted again if an epoch is loaded again; shared
+    /// with its clones).
+    pub fn skipped_samples(&self) -> u64 {
+        self.skipped.load(Ordering::Relaxed)
     }
 
     /// Number of background threads loading batches; 0 (the default) loads
@@ -245,14 +334,19 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
     /// (including a tail that `drop_last` drops): the
     /// [`sampler`](PrefetchLoader::sampler)'s indices when there is one.
     pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
-        self.batch_sampler(epoch).sampler.indices()
+        match &self.order {
+            Some(order) => order.order(self.dataset.len(), epoch),
+            None => self.batch_sampler(epoch).sampler.indices(),
+        }
     }
 
     /// `ai-dataloader`'s batch sampler for epoch `epoch`: iterating it gives
     /// the sample indices of each batch, in order. Its sampler is the
     /// loader's own order ([`LoaderSampler::Epoch`]), or this rank's shard
     /// when a [`sampler`](PrefetchLoader::sampler) is set
-    /// ([`LoaderSampler::Shard`]).
+    /// ([`LoaderSampler::Shard`]). It does not describe a custom
+    /// [`order`](PrefetchLoader::order) (whose indices are not a `Copy`
+    /// sampler); [`batch_indices`](PrefetchLoader::batch_indices) does.
     pub fn batch_sampler(&self, epoch: u64) -> BatchSampler<LoaderSampler> {
         let len = self.dataset.len();
         let BatchSampler {
@@ -273,7 +367,18 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
 
     /// The sample indices of every batch of epoch `epoch`.
     pub fn batch_indices(&self, epoch: u64) -> Vec<Vec<usize>> {
-        self.batch_sampler(epoch).iter().collect()
+        if self.order.is_none() {
+            return self.batch_sampler(epoch).iter().collect();
+        }
+        let order = self.epoch_order(epoch);
+        let mut batches: Vec<Vec<usize>> = order
+            .chunks(self.batch_size)
+            .map(<[usize]>::to_vec)
+            .collect();
+        if self.drop_last && batches.last().is_some_and(|b| b.len() < self.batch_size) {
+            batches.pop();
+        }
+        batches
     }
 }
 
@@ -289,6 +394,9 @@ impl<D, C> Clone for PrefetchLoader<D, C> {
             sampler: self.sampler,
             num_workers: self.num_workers,
             prefetch: self.prefetch,
+            order: self.order.clone(),
+            skip_failed: self.skip_failed,
+            skipped: Arc::clone(&self.skipped),
         }
     }
 }
@@ -303,6 +411,8 @@ impl<D, C> fmt::Debug for PrefetchLoader<D, C> {
             .field("sampler", &self.sampler)
             .field("num_workers", &self.num_workers)
             .field("prefetch", &self.prefetch)
+            .field("custom_order", &self.order.is_some())
+            .field("skip_failed_samples", &self.skip_failed)
             .finish()
     }
 }
@@ -313,7 +423,17 @@ where
     C: Collate<D::Item, Output = Result<Batch>> + Send + Sync + 'static,
 {
     fn num_batches(&self) -> usize {
-        Len::len(&self.batch_sampler(0))
+        match &self.order {
+            Some(order) => {
+                let n = order.num_samples(self.dataset.len());
+                if self.drop_last {
+                    n / self.batch_size
+                } else {
+                    n.div_ceil(self.batch_size)
+                }
+            }
+            None => Len::len(&self.batch_sampler(0)),
+        }
     }
 
     fn batches(&self, epoch: u64) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_> {
@@ -341,6 +461,7 @@ where
             plan: Arc::new(plan),
             epoch,
             first,
+            skip: self.skip_failed.then(|| Arc::clone(&self.skipped)),
         };
         if self.num_workers > 0 && !job.plan.is_empty() {
             if let Some(iter) = WorkerIter::start(&job, self.num_workers, self.queue_capacity()) {
@@ -363,6 +484,8 @@ struct Job<D, C> {
     epoch: u64,
     /// The epoch's batch number of `plan[0]`, for messages.
     first: usize,
+    /// When failed samples are skipped: the loader's count of them.
+    skip: Option<Arc<AtomicU64>>,
 }
 
 impl<D, C> Clone for Job<D, C> {
@@ -373,6 +496,7 @@ impl<D, C> Clone for Job<D, C> {
             plan: Arc::clone(&self.plan),
             epoch: self.epoch,
             first: self.first,
+            skip: self.skip.clone(),
         }
     }
 }
@@ -408,6 +532,7 @@ where
         stop: Option<&AtomicBool>,
     ) -> Option<Result<Batch>> {
         let mut samples = Vec::with_capacity(indices.len());
+        let mut last_failure = None;
         for &index in indices {
             if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
                 return None;
@@ -415,12 +540,24 @@ where
             match self.dataset.get_for_epoch(index, self.epoch) {
                 Ok(sample) => samples.push(sample),
                 Err(e) => {
-                    return Some(Err(with_context(
-                        e,
-                        &format!("batch {}, dataset index {index}", k + self.first),
-                    )))
+                    let context = format!("batch {}, dataset index {index}", k + self.first);
+                    let Some(skipped) = &self.skip else {
+                        return Some(Err(with_context(e, &context)));
+                    };
+                    log::warn!("PrefetchLoader: skipping {context}: {}", e.display_chain());
+                    skipped.fetch_add(1, Ordering::Relaxed);
+                    last_failure = Some((e, context));
                 }
             }
+        }
+        if let (true, Some((e, context))) = (samples.is_empty(), last_failure) {
+            return Some(Err(with_context(
+                e,
+                &format!(
+                    "every one of the batch's {} samples failed to load; the last, {context}",
+                    indices.len()
+                ),
+            )));
         }
         Some(self.collate.collate(samples).map_err(|e| {
             with_context(

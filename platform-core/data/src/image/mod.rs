@@ -1,0 +1,10 @@
+//! Images: decoding JPEG and PNG ([`decode_image`]), class folders
+//! ([`ImageFolder`]) and WebDataset tar shards ([`WebDataset`]).
+
+mod decode;
+mod folder;
+mod webdataset;
+
+pub use decode::{decode_image, ColorMode};
+pub use folder::{ImageFolder, OnError, IMG_EXTENSIONS};
+pub use webdataset::{ShardOrder, WebDataset};
