@@ -1,7 +1,7 @@
 """Python PyTorch baselines of the non-training workloads of Kiln's benchmark harness.
 
 Usage:
-    python bench_tasks.py --task data|script|ops|checkpoint|serve --variant V --dir DIR
+    python bench_tasks.py --task data|images|script|ops|checkpoint|serve --variant V --dir DIR
         [--warmup W] [--repeats R] [--threads T] [--device cpu|cuda[:N]]
 
 Each task mirrors a Kiln worker in ``benches/compare/tasks.rs`` (same sizes, same
@@ -13,6 +13,13 @@ prints one JSON line on stdout:
   ``__getitem__`` scales a uint8 image to [0, 1] and normalises it (mean 0.1307,
   std 0.3081), in ``DataLoader(batch_size=256, shuffle=True, num_workers=2)``;
   one run is one epoch.
+- images, ``pytorch-folder-S`` (S = 64 or 224): ``torchvision.datasets.ImageFolder`` on
+  DIR/images-S/train (PIL decoding, RGB) with ``transforms.v2.Compose([ToImage(),
+  RandomResizedCrop(S, antialias=True), RandomHorizontalFlip(), ToDtype(float32,
+  scale=True), Normalize(ImageNet mean, std)])`` in ``DataLoader(batch_size=64,
+  shuffle=True, num_workers=2)``; one run is one epoch. Its memory is the peak, sampled
+  every 20 ms, of the summed proportional set size (PSS, which splits the pages forked
+  workers share) of this process and its workers.
 - script, ``export``: scripts the CNN of workload (b) in eval mode and saves it to
   DIR/cnn.pt for both sides. ``pytorch-script`` runs that file with
   ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
@@ -114,6 +121,74 @@ def data(args):
     seconds = timed(args, epoch)
     m = statistics.median(seconds)
     return {"repeats_s": seconds, "median_s": m, "samples_per_s": n / m}
+
+
+IMAGE_MEAN, IMAGE_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def tree_pss_mb():
+    """Summed PSS (MiB) of this process and its descendants, from /proc."""
+    total_kb, stack = 0, [os.getpid()]
+    while stack:
+        pid = stack.pop()
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total_kb += int(line.split()[1])
+                        break
+            with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                stack.extend(int(c) for c in fh.read().split())
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return total_kb / 1024
+
+
+def images(args, size):
+    import threading
+
+    import torchvision
+    from torchvision.transforms import v2
+
+    transform = v2.Compose([
+        v2.ToImage(),
+        v2.RandomResizedCrop(size, antialias=True),
+        v2.RandomHorizontalFlip(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(IMAGE_MEAN, IMAGE_STD),
+    ])
+    root = os.path.join(args.dir, f"images-{size}", "train")
+    dataset = torchvision.datasets.ImageFolder(root, transform=transform)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=64, shuffle=True, num_workers=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    n = len(dataset)
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample():
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], tree_pss_mb())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    def epoch():
+        seen = 0
+        for x, _ in loader:
+            if x.shape[1:] != (3, size, size):
+                raise SystemExit(f"a batch of shape {tuple(x.shape)}")
+            seen += x.shape[0]
+        if seen != n:
+            raise SystemExit(f"an epoch gave {seen} samples, not {n}")
+
+    seconds = timed(args, epoch)
+    done.set()
+    sampler.join()
+    m = statistics.median(seconds)
+    return {"repeats_s": seconds, "median_s": m, "samples_per_s": n / m, "images": n,
+            "peak_memory_mb": peak[0]}
 
 
 def export(args):
@@ -272,7 +347,7 @@ def serve(args, variant):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "script", "ops", "checkpoint", "serve"])
+    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -283,6 +358,8 @@ def main():
     bench_torch.set_threads(args.threads)
     runs = {
         ("data", "pytorch-dataloader"): lambda: data(args),
+        ("images", "pytorch-folder-64"): lambda: images(args, 64),
+        ("images", "pytorch-folder-224"): lambda: images(args, 224),
         ("script", "export"): lambda: export(args),
         ("script", "pytorch-script"): lambda: script(args, True),
         ("script", "pytorch-eager"): lambda: script(args, False),

@@ -179,4 +179,11 @@ pub trait DataLoader {
     ) -> Box<dyn Iterator<Item = Result<Batch>> + Send + '_> {
         Box::new(self.batches(epoch).skip(first))
     }
+
+    /// Samples left out of their batches because they failed to load (a
+    /// corrupt image under [`PrefetchLoader::skip_failed_samples`]), over the
+    /// loader's life; 0 for loaders that never skip.
+    fn skipped_samples(&self) -> u64 {
+        0
+    }
 }

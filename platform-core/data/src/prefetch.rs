@@ -440,6 +440,10 @@ where
         self.batches_from(epoch, 0)
     }
 
+    fn skipped_samples(&self) -> u64 {
+        PrefetchLoader::skipped_samples(self)
+    }
+
     /// Skips the first `first` batches without reading their samples: a run
     /// resumed mid-epoch decodes nothing it already trained on.
     fn batches_from(

@@ -1,11 +1,20 @@
 //! The configured data set: read, checked against the model and the loss, split.
+//!
+//! Tabular data (digits, MNIST, CSV) is read whole into memory; images
+//! (`image_folder`, `webdataset`) stay on disk and are decoded and transformed
+//! by the loader's workers, batch by batch.
 
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
-use crate::config::{DatasetKind, RunConfig};
+use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
 use anyhow::{Context, Result};
 use kiln::core::{loss::Loss, HostTensor};
-use kiln::data::{load_digits, train_test_split, DataLoader, InMemoryDataset};
+use kiln::data::vision::TransformSpec;
+use kiln::data::{
+    load_digits, split_indices, train_test_split, Batch, ColorMode, Compose, DataLoader, Dataset,
+    ImageFolder, InMemoryDataset, OnError, PrefetchLoader, Subset, TransformedDataset, WebDataset,
+};
 use kiln::prelude::*;
 
 /// The workspace's provisioned data directory, for the default digits path.
@@ -13,11 +22,43 @@ pub(crate) fn default_digits() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".kiln/data/digits.csv.gz")
 }
 
-/// Features and labels of the configured dataset, scaled and shaped, split into
-/// training and validation sets (none when `data.val_fraction` is 0).
+/// Image samples, transformed: `([C, H, W]` float image, label`)`.
+pub(crate) type SampleDataset = Arc<dyn Dataset<Item = (HostTensor, HostTensor)>>;
+
+/// One split of the configured data.
+pub(crate) enum Split {
+    /// Examples held in memory: features and labels.
+    Tensors(HostTensor, HostTensor),
+    /// Image files, decoded and transformed by the loader's workers.
+    Images(ImageSplit),
+}
+
+/// A split of image files.
+pub(crate) struct ImageSplit {
+    /// The transformed samples.
+    dataset: SampleDataset,
+    /// A webdataset's shards, which order each epoch (shards shuffled, then a
+    /// shuffle buffer, then a block per rank) instead of the loader's shuffle.
+    shards: Option<Arc<WebDataset>>,
+}
+
+impl Split {
+    /// Number of examples.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Split::Tensors(_, y) => y.dims().first().copied().unwrap_or(0),
+            Split::Images(s) => s.dataset.len(),
+        }
+    }
+}
+
+/// The training and validation splits of the configured dataset (no validation
+/// split when there is none), and one example as the model takes it.
 pub(crate) struct Data {
-    pub(crate) train: (HostTensor, HostTensor),
-    pub(crate) val: Option<(HostTensor, HostTensor)>,
+    pub(crate) train: Split,
+    pub(crate) val: Option<Split>,
+    /// One example as a batch of one, `[1, ...]`: the model's input shape and dtype.
+    pub(crate) probe: HostTensor,
 }
 
 /// Where a data set's labels come from, to name a bad one.
@@ -33,6 +74,9 @@ pub(crate) enum LabelOrigin<'a> {
 /// label against the loss and that output.
 pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
+    if data.dataset.is_images() {
+        return load_images(config);
+    }
     let path = || {
         data.path
             .clone()
@@ -73,9 +117,11 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
                     split: "test",
                 },
             )?;
+            let probe = first_example(&train)?;
             return Ok(Data {
-                train: (train, mnist.train_labels),
-                val: Some((test, mnist.test_labels)),
+                train: Split::Tensors(train, mnist.train_labels),
+                val: Some(Split::Tensors(test, mnist.test_labels)),
+                probe,
             });
         }
         DatasetKind::Csv => {
@@ -94,6 +140,9 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
             let (x, y) = kiln::data::load_csv(&path, &options)?;
             (x, y, path, if data.has_header { 2 } else { 1 })
         }
+        DatasetKind::ImageFolder | DatasetKind::Webdataset => {
+            anyhow::bail!("image data is read by load_images")
+        }
     };
     let features = scale_and_shape(features, data)?;
     check_fits(
@@ -105,17 +154,299 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
             first_line,
         },
     )?;
-    if data.val_fraction == 0.0 {
+    let probe = first_example(&features)?;
+    if data.val_fraction() == 0.0 {
         return Ok(Data {
-            train: (features, labels),
+            train: Split::Tensors(features, labels),
             val: None,
+            probe,
         });
     }
-    let (train, val) = train_test_split(&features, &labels, data.val_fraction, config.seed)?;
+    let ((x, y), (vx, vy)) =
+        train_test_split(&features, &labels, data.val_fraction(), config.seed)?;
     Ok(Data {
-        train,
-        val: Some(val),
+        train: Split::Tensors(x, y),
+        val: Some(Split::Tensors(vx, vy)),
+        probe,
     })
+}
+
+/// Example 0 of `features`, as a batch of one.
+fn first_example(features: &HostTensor) -> Result<HostTensor> {
+    if features.dims().first().is_none_or(|&n| n == 0) {
+        anyhow::bail!("the data set has no examples");
+    }
+    Ok(features.select_rows(&[0])?)
+}
+
+/// The train and validation transforms of image data: `transforms` and
+/// `val_transforms`, or their defaults (see `DataConfig`).
+fn image_transforms(config: &RunConfig) -> Result<(Vec<TransformSpec>, Vec<TransformSpec>)> {
+    let data = &config.data;
+    let spec = |value: serde_json::Value| -> Result<TransformSpec> {
+        serde_json::from_value(value).context("a default transform")
+    };
+    // Resize (shorter side) and centre-crop to `size`: what evaluation does.
+    let fit = |size: serde_json::Value| -> Result<Vec<TransformSpec>> {
+        let shorter = match &size {
+            serde_json::Value::Array(hw) => hw
+                .iter()
+                .filter_map(serde_json::Value::as_u64)
+                .min()
+                .unwrap_or(0),
+            other => other.as_u64().unwrap_or(0),
+        };
+        Ok(vec![
+            spec(serde_json::json!({ "type": "resize", "size": shorter }))?,
+            spec(serde_json::json!({ "type": "center_crop", "size": size }))?,
+        ])
+    };
+    let image_size = data.image_size.map(|s| match s {
+        crate::config::ImageSize::Square(n) => serde_json::json!(n),
+        crate::config::ImageSize::Rect(hw) => serde_json::json!(hw),
+    });
+    let train = match &data.transforms {
+        Some(t) => t.clone(),
+        None => {
+            let size = image_size.clone().context("data.image_size is required")?;
+            let mut t = fit(size)?;
+            t.push(spec(serde_json::json!({ "type": "to_tensor" }))?);
+            t
+        }
+    };
+    let val = match &data.val_transforms {
+        Some(t) => t.clone(),
+        None => {
+            // The size the training transforms crop to, when image_size is not set.
+            let size = match image_size {
+                Some(size) => size,
+                None => {
+                    let mut found = None;
+                    for t in &train {
+                        let value = serde_json::to_value(t)?;
+                        if matches!(
+                            value.get("type").and_then(|v| v.as_str()),
+                            Some("random_resized_crop" | "center_crop")
+                        ) {
+                            found = value.get("size").cloned();
+                        }
+                    }
+                    found.context(
+                        "data.val_transforms: set them, or data.image_size (validation \
+                         images are resized and centre-cropped to it)",
+                    )?
+                }
+            };
+            let mut t = fit(size)?;
+            for step in &train {
+                if matches!(step.name(), "to_tensor" | "normalize") {
+                    t.push(step.clone());
+                }
+            }
+            t
+        }
+    };
+    Ok((train, val))
+}
+
+/// The image folder (or list file) at `path`.
+fn open_folder(path: &Path, config: &RunConfig) -> Result<ImageFolder> {
+    let folder = if path.is_file() {
+        ImageFolder::from_list(path)
+    } else {
+        ImageFolder::new(path)
+    }
+    .with_context(|| format!("data set {}", path.display()))?;
+    Ok(folder
+        .color_mode(color_mode(config))
+        .on_error(on_error(config)))
+}
+
+fn on_error(config: &RunConfig) -> OnError {
+    match config.data.on_error.unwrap_or_default() {
+        OnErrorName::Fail => OnError::Fail,
+        OnErrorName::Skip => OnError::Skip,
+    }
+}
+
+fn color_mode(config: &RunConfig) -> ColorMode {
+    match config.data.color_mode.unwrap_or_default() {
+        ColorModeName::Rgb => ColorMode::Rgb,
+        ColorModeName::Gray => ColorMode::Gray,
+        ColorModeName::Rgba => ColorMode::Rgba,
+    }
+}
+
+/// Image data: the files are listed (folders) or indexed (shard headers),
+/// nothing is decoded but one example, which checks the transforms and the model.
+fn load_images(config: &RunConfig) -> Result<Data> {
+    let data = &config.data;
+    let (train_t, val_t) = image_transforms(config)?;
+    let train_transform = kiln::data::vision::compose(&train_t).context("data.transforms")?;
+    let val_transform = || kiln::data::vision::compose(&val_t).context("data.val_transforms");
+    val_transform()?;
+    let transformed = |base: SampleDataset, t: Compose| -> SampleDataset {
+        Arc::new(TransformedDataset::new(base, t, config.seed))
+    };
+    let mut classes = None;
+    let (train, val) = match data.dataset {
+        DatasetKind::ImageFolder => {
+            let path = data.path.as_deref().context("data.path is required")?;
+            let folder = open_folder(path, config)?;
+            classes = Some((path.to_path_buf(), folder.classes().to_vec()));
+            let folder = Arc::new(folder);
+            let (train_base, val_base): (SampleDataset, Option<SampleDataset>) =
+                if let Some(val_path) = &data.val_path {
+                    let val = open_folder(val_path, config)?;
+                    if val.classes() != folder.classes() {
+                        anyhow::bail!(
+                            "data.val_path {} has the classes {:?}, data.path {} has {:?}; \
+                             both need the same class folders (a class's index is its place \
+                             in the sorted names)",
+                            val_path.display(),
+                            val.classes(),
+                            path.display(),
+                            folder.classes()
+                        );
+                    }
+                    (folder, Some(Arc::new(val)))
+                } else if data.val_fraction() > 0.0 {
+                    let (tr, te) = split_indices(folder.len(), data.val_fraction(), config.seed)
+                        .context("data.val_fraction")?;
+                    (
+                        Arc::new(Subset::new(folder.clone(), tr)?),
+                        Some(Arc::new(Subset::new(folder, te)?)),
+                    )
+                } else {
+                    (folder, None)
+                };
+            let train = Split::Images(ImageSplit {
+                dataset: transformed(train_base, train_transform),
+                shards: None,
+            });
+            let val = match val_base {
+                Some(v) => Some(Split::Images(ImageSplit {
+                    dataset: transformed(v, val_transform()?),
+                    shards: None,
+                })),
+                None => None,
+            };
+            (train, val)
+        }
+        DatasetKind::Webdataset => {
+            let open = |pattern: &str| -> Result<Arc<WebDataset>> {
+                Ok(Arc::new(
+                    WebDataset::from_pattern(pattern)
+                        .with_context(|| format!("shards {pattern}"))?
+                        .color_mode(color_mode(config))
+                        .on_error(on_error(config)),
+                ))
+            };
+            let pattern = data.shards.as_deref().context("data.shards is required")?;
+            let shards = open(pattern)?;
+            let train = Split::Images(ImageSplit {
+                dataset: transformed(shards.clone(), train_transform),
+                shards: Some(shards),
+            });
+            let val = match &data.val_shards {
+                Some(pattern) => {
+                    let shards = open(pattern)?;
+                    Some(Split::Images(ImageSplit {
+                        dataset: transformed(shards.clone(), val_transform()?),
+                        shards: Some(shards),
+                    }))
+                }
+                None => None,
+            };
+            (train, val)
+        }
+        other => anyhow::bail!("dataset {} is not image data", other.name()),
+    };
+    // One example through each split's transforms: they must agree, and fit the model.
+    let example = |split: &Split, which: &str| -> Result<(HostTensor, HostTensor)> {
+        let Split::Images(s) = split else {
+            anyhow::bail!("not image data")
+        };
+        if s.dataset.is_empty() {
+            anyhow::bail!("the {which} split has no images");
+        }
+        s.dataset
+            .get_for_epoch(0, 0)
+            .with_context(|| format!("the first {which} image"))
+    };
+    let (x, y) = example(&train, "training")?;
+    if let Some(size) = data.image_size {
+        let (h, w) = size.dims();
+        let dims = x.dims();
+        if dims.len() != 3 || dims[1] != h || dims[2] != w {
+            anyhow::bail!(
+                "data.transforms give images of shape {dims:?}, data.image_size is {:?}: \
+                 end them with a crop to that size (random_resized_crop, center_crop) and \
+                 to_tensor",
+                size
+            );
+        }
+    }
+    if let Some(val) = &val {
+        let (vx, _) = example(val, "validation")?;
+        if vx.dims() != x.dims() || vx.dtype() != x.dtype() {
+            anyhow::bail!(
+                "the training transforms give {} {:?}, the validation transforms {} {:?}; \
+                 the model takes one shape: make data.val_transforms crop to the same size",
+                x.dtype(),
+                x.dims(),
+                vx.dtype(),
+                vx.dims()
+            );
+        }
+    }
+    if x.dtype() != kiln::core::DType::F32 {
+        anyhow::bail!(
+            "data.transforms give {} images; the model takes float32: add \
+             {{ type = \"to_tensor\" }} (scales to [0, 1]) to the transforms",
+            x.dtype()
+        );
+    }
+    let batch_dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
+    let probe = x.reshape(batch_dims)?;
+    let label = y.to_dtype(kiln::core::DType::I64).reshape([1])?;
+    let origin = match &classes {
+        Some((path, names)) => {
+            check_classes(config, &probe, names.len(), path)?;
+            LabelOrigin::Lines {
+                path,
+                first_line: 1,
+            }
+        }
+        None => LabelOrigin::Records {
+            path: Path::new(data.shards.as_deref().unwrap_or_default()),
+            split: "training",
+        },
+    };
+    check_fits(config, &probe, &label, &origin)?;
+    Ok(Data { train, val, probe })
+}
+
+/// Checks that the model scores as many classes as an image folder has.
+fn check_classes(
+    config: &RunConfig,
+    probe: &HostTensor,
+    classes: usize,
+    path: &Path,
+) -> Result<()> {
+    let model = crate::resolve_model(config, probe, config.device)?;
+    let output = model.output_shape(probe.dims())?;
+    if matches!(config.loss, Loss::CrossEntropy(_) | Loss::Nll(_))
+        && output.get(1).is_some_and(|&n| n < classes)
+    {
+        anyhow::bail!(
+            "{} has {classes} classes, the model's last layer gives {} scores per image; \
+             make its output size {classes}",
+            path.display(),
+            output[1]
+        );
+    }
+    Ok(())
 }
 
 /// Checks that the model takes examples of `features`' shape, and that its
@@ -211,42 +542,133 @@ pub(crate) fn scale_and_shape(
 }
 
 /// The loader of one split; `shard` (rank, world size) gives this rank its
-/// share of every epoch, in `torch.utils.data.DistributedSampler`'s order.
+/// share of every epoch, in `torch.utils.data.DistributedSampler`'s order (a
+/// webdataset: a block of the epoch's shard stream per rank).
 pub(crate) fn loader(
-    (x, y): (HostTensor, HostTensor),
+    split: Split,
     config: &RunConfig,
     shuffle: bool,
     shard: Option<(usize, usize)>,
 ) -> Result<Box<dyn DataLoader>> {
     let data = &config.data;
-    let mut loader = kiln::data::PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
-        .num_workers(data.workers)
-        .drop_last(shuffle && data.drop_last);
-    if shuffle {
-        loader = loader.shuffle(config.seed);
-    }
-    if let Some((rank, world_size)) = shard {
-        let mut sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
-        if shuffle {
-            sampler = sampler.shuffle(config.seed);
+    let sampler = |shuffle: bool| -> Result<Option<kiln::data::DistributedSampler>> {
+        let Some((rank, world_size)) = shard else {
+            return Ok(None);
+        };
+        let sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
+        // Evaluation: every sample once, the metrics added up across ranks.
+        Ok(Some(if shuffle {
+            sampler.shuffle(config.seed)
         } else {
-            // Evaluation: every sample once, the metrics added up across ranks.
-            sampler = sampler.without_padding();
+            sampler.without_padding()
+        }))
+    };
+    match split {
+        Split::Tensors(x, y) => {
+            let mut loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
+                .num_workers(data.workers)
+                .drop_last(shuffle && data.drop_last);
+            if shuffle {
+                loader = loader.shuffle(config.seed);
+            }
+            if let Some(sampler) = sampler(shuffle)? {
+                loader = loader.sampler(sampler);
+            }
+            Ok(Box::new(loader))
         }
-        loader = loader.sampler(sampler);
+        Split::Images(split) => {
+            let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
+                .num_workers(data.workers)
+                .drop_last(shuffle && data.drop_last)
+                .skip_failed_samples(config.data.on_error == Some(OnErrorName::Skip));
+            match &split.shards {
+                // Training on shards: each epoch the shards are shuffled, the
+                // stream goes through the shuffle buffer, and each rank takes a block.
+                // (Validation reads the shards in order, as a folder is read.)
+                Some(shards) if shuffle => {
+                    let (rank, world_size) = shard.unwrap_or((0, 1));
+                    let buffer = data.shuffle_buffer.unwrap_or(DEFAULT_SHUFFLE_BUFFER);
+                    loader =
+                        loader.order(shards.epoch_order(config.seed, buffer, rank, world_size)?);
+                }
+                _ => {
+                    if shuffle {
+                        loader = loader.shuffle(config.seed);
+                    }
+                    if let Some(sampler) = sampler(shuffle)? {
+                        loader = loader.sampler(sampler);
+                    }
+                }
+            }
+            Ok(Box::new(loader))
+        }
     }
-    Ok(Box::new(loader))
 }
 
-/// The validation split, which `eval` and `predict` run on.
-pub(crate) fn validation_split(config: &RunConfig) -> Result<(HostTensor, HostTensor)> {
+/// `data.shuffle_buffer` when not set: webdataset's common choice.
+pub(crate) const DEFAULT_SHUFFLE_BUFFER: usize = 1000;
+
+/// The validation split, which `eval` and `predict` run on, and one example.
+pub(crate) fn validation_split(config: &RunConfig) -> Result<(Split, HostTensor)> {
     if !config.has_validation() {
         anyhow::bail!(
             "the config has no validation split (data.val_fraction is 0); set a fraction to \
              hold out"
         );
     }
-    load_data(config)?
+    let data = load_data(config)?;
+    let val = data
         .val
-        .context("the config's data has no validation split")
+        .context("the config's data has no validation split")?;
+    Ok((val, data.probe))
+}
+
+/// A loader that keeps the targets of the batches it gives, in order: the
+/// labels `predict` writes beside each prediction.
+pub(crate) struct RecordTargets {
+    inner: Box<dyn DataLoader>,
+    targets: Mutex<Vec<i64>>,
+}
+
+impl RecordTargets {
+    pub(crate) fn new(inner: Box<dyn DataLoader>) -> Self {
+        RecordTargets {
+            inner,
+            targets: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The targets seen so far, as class indices (-1 where a target is not one).
+    pub(crate) fn targets(&self) -> Vec<i64> {
+        self.targets.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+}
+
+impl DataLoader for RecordTargets {
+    fn num_batches(&self) -> usize {
+        self.inner.num_batches()
+    }
+
+    fn skipped_samples(&self) -> u64 {
+        self.inner.skipped_samples()
+    }
+
+    fn batches(
+        &self,
+        epoch: u64,
+    ) -> Box<dyn Iterator<Item = kiln::core::Result<Batch>> + Send + '_> {
+        let targets = &self.targets;
+        Box::new(self.inner.batches(epoch).inspect(move |batch| {
+            if let (Ok(batch), Ok(mut targets)) = (batch, targets.lock()) {
+                let n = batch.targets.dims().first().copied().unwrap_or(0);
+                let classes = batch.targets.to_dtype(kiln::core::DType::I64);
+                match classes.as_slice::<i64>() {
+                    Ok(values) if values.len() == n && !batch.targets.dtype().is_float() => {
+                        targets.extend_from_slice(values)
+                    }
+                    _ => targets.extend(std::iter::repeat_n(-1, n)),
+                }
+            }
+        }))
+    }
 }

@@ -200,7 +200,7 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
     };
     // The data fixes the input shape (and torchscript layers' output shapes).
     let example = match (&config, &args.input_shape) {
-        (Some(config), None) => Some(validation_split(config)?.0),
+        (Some(config), None) => Some(validation_split(config)?.1),
         _ => None,
     };
     let recorded = checkpoint.as_ref().and_then(|c| c.model_definition.clone());

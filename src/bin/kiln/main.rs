@@ -36,7 +36,7 @@ mod export;
 mod inspect;
 mod launch;
 
-use data::{load_data, loader, validation_split};
+use data::{load_data, loader, validation_split, RecordTargets, Split};
 
 #[derive(Parser)]
 #[command(
@@ -330,11 +330,8 @@ fn train_on<B: TrainBackend>(
     };
     let data = load_data(config)?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
-    let definition = resolve_model(config, &data.train.0, config.device)?;
-    let (n_train, n_val) = (
-        data.train.1.dims()[0],
-        data.val.as_ref().map_or(0, |v| v.1.dims()[0]),
-    );
+    let definition = resolve_model(config, &data.probe, config.device)?;
+    let (n_train, n_val) = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
     let train_loader = loader(data.train, config, true, shard)?;
     // Each rank validates on its share of the split (every sample once); the
@@ -539,6 +536,14 @@ fn train_on<B: TrainBackend>(
         started.elapsed().as_secs_f64(),
         state.step,
     );
+    let skipped =
+        train_loader.skipped_samples() + val_loader.as_ref().map_or(0, |v| v.skipped_samples());
+    if skipped > 0 {
+        println!(
+            "kiln: {skipped} images skipped because they could not be read or decoded \
+             (data.on_error = \"skip\"; each is named in a warning above)"
+        );
+    }
     println!(
         "kiln: weights in {}, checkpoints in {}",
         weights.display(),
@@ -637,8 +642,8 @@ fn eval(args: CheckpointArgs) -> Result<()> {
 fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = Checkpoint::load(&args.checkpoint)?;
-    let split = validation_split(config)?;
-    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &split.0)?;
+    let (split, probe) = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &probe)?;
     let val = loader(split, config, false, None)?;
     let mut training = config.training.clone();
     training.device = device;
@@ -672,15 +677,13 @@ fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result
     let device = common.device.unwrap_or(config.device);
     refuse_existing(&args.output, args.overwrite)?;
     let checkpoint = Checkpoint::load(&common.checkpoint)?;
-    let (x, y) = validation_split(config)?;
-    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &x)?;
-    let labels = y.as_slice::<i64>()?.to_vec();
-    let val = loader((x, y), config, false, None)?;
+    let (split, probe) = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
+    let val = RecordTargets::new(loader(split, config, false, None)?);
     let mut training = config.training.clone();
     training.device = device;
-    let outputs =
-        Trainer::<B>::new(training, config.loss.clone())?.predict(&mut model, val.as_ref())?;
-    write_predictions(&args.output, &labels, outputs)
+    let outputs = Trainer::<B>::new(training, config.loss.clone())?.predict(&mut model, &val)?;
+    write_predictions(&args.output, &val.targets(), outputs)
 }
 
 /// Whether `path` names an ONNX model (`*.onnx`).
@@ -698,21 +701,17 @@ fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     refuse_existing(&args.output, args.overwrite)?;
     let path = &args.common.checkpoint;
     let model = kiln::onnx::OnnxModel::load(path)?;
-    let (x, y) = validation_split(config)?;
-    let labels = y.as_slice::<i64>()?.to_vec();
-    let rows = x.dims()[0];
-    let batch_size = config.data.batch_size.max(1);
+    let (split, _) = validation_split(config)?;
+    let val = RecordTargets::new(loader(split, config, false, None)?);
     let mut outputs = Vec::new();
-    for start in (0..rows).step_by(batch_size) {
-        let indices: Vec<usize> = (start..rows.min(start + batch_size)).collect();
-        let batch = x.select_rows(&indices)?;
+    for batch in val.batches(0) {
         outputs.push(
             model
-                .predict(&batch)
+                .predict(&batch?.inputs)
                 .with_context(|| format!("running {}", path.display()))?,
         );
     }
-    write_predictions(&args.output, &labels, outputs)
+    write_predictions(&args.output, &val.targets(), outputs)
 }
 
 fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {

@@ -1,0 +1,309 @@
+//! `kiln train` on image files: class folders (`dataset = "image_folder"`) and
+//! WebDataset shards (`dataset = "webdataset"`) made by
+//! `examples/images/make_shapes.py`, with every transform and data key the README
+//! documents; a run resumed mid-epoch from shards repeats the uninterrupted run's
+//! steps; bad data and bad keys are errors that name the file or the key.
+
+#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::{kiln, losses, scratch, serial, train, KILN};
+
+mod common;
+
+/// A small shapes set (120 training and 30 validation images of 48x48, 40 per
+/// shard) in `dir`, or `None` (a skip) without the project's Python.
+fn shapes(dir: &Path) -> Option<PathBuf> {
+    let python = kiln_testkit::python("the CLI image tests")?;
+    let out = dir.join("shapes");
+    let status = Command::new(python)
+        .arg(kiln_testkit::workspace_root().join("examples/images/make_shapes.py"))
+        .arg(&out)
+        .args([
+            "--size",
+            "48",
+            "--train-per-class",
+            "20",
+            "--val-per-class",
+            "5",
+        ])
+        .args(["--shard-size", "40", "--seed", "1"])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    Some(out)
+}
+
+/// A run config on image data: `data` is the `[data]` section's keys.
+fn image_config(dir: &Path, name: &str, data: &str, channels: usize) -> PathBuf {
+    let text = format!(
+        r#"
+seed = 5
+output_dir = "{out}"
+
+[data]
+batch_size = 16
+{data}
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "conv2d", in_channels = {channels}, out_channels = 8, kernel_size = 3, padding = 1 }},
+  {{ type = "relu" }},
+  {{ type = "max_pool2d", kernel_size = 2 }},
+  {{ type = "conv2d", in_channels = 8, out_channels = 16, kernel_size = 3, padding = 1 }},
+  {{ type = "relu" }},
+  {{ type = "adaptive_avg_pool2d", output_size = 1 }},
+  {{ type = "flatten" }},
+  {{ type = "linear", in_features = 16, out_features = 6 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.01
+
+[training]
+epochs = 2
+log_every = 1
+
+[checkpoint]
+every_n_steps = 3
+keep_last = 20
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join(format!("{name}-default-out")).display()
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn s(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// `kiln args`, which must fail: what it printed on standard error.
+fn fails(args: &[&str]) -> String {
+    let out = Command::new(KILN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "kiln {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Every transform, from class folders with a validation folder; then eval and
+/// predict on the validation folder.
+#[test]
+fn trains_on_class_folders_with_every_transform() {
+    let _serial = serial();
+    let dir = scratch("images-folder");
+    let Some(shapes) = shapes(&dir) else { return };
+    let data = format!(
+        r#"dataset = "image_folder"
+path = "{train}"
+val_path = "{val}"
+image_size = 32
+workers = 2
+transforms = [
+  {{ type = "resize", size = 40 }},
+  {{ type = "random_resized_crop", size = 32, scale = [0.5, 1.0], ratio = [0.8, 1.25] }},
+  {{ type = "random_horizontal_flip", p = 0.5 }},
+  {{ type = "color_jitter", brightness = 0.3, contrast = 0.3, saturation = 0.3, hue = 0.1 }},
+  {{ type = "to_tensor" }},
+  {{ type = "normalize", mean = [0.5, 0.5, 0.5], std = [0.25, 0.25, 0.25] }},
+]
+val_transforms = [
+  {{ type = "resize", size = 36 }},
+  {{ type = "center_crop", size = 32 }},
+  {{ type = "to_tensor" }},
+  {{ type = "normalize", mean = [0.5, 0.5, 0.5], std = [0.25, 0.25, 0.25] }},
+]"#,
+        train = shapes.join("train").display(),
+        val = shapes.join("val").display()
+    );
+    let cfg = image_config(&dir, "folder", &data, 3);
+    let run = dir.join("run");
+    let printed = train(s(&cfg), &run, &[]);
+    assert!(
+        printed.contains("120 training and 30 validation examples"),
+        "{printed}"
+    );
+    let epochs = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+    assert!(epochs.contains("val_accuracy"), "{epochs}");
+    assert_eq!(epochs.lines().count(), 3, "{epochs}");
+    // 8 batches of 16 (the last one 8) per epoch.
+    assert_eq!(losses(&run).len(), 16);
+
+    let ckpt = run.join("checkpoints/last.safetensors");
+    let table =
+        String::from_utf8(kiln(&["eval", "--config", s(&cfg), "--checkpoint", s(&ckpt)]).stdout)
+            .unwrap();
+    assert!(table.contains("accuracy"), "{table}");
+    let predictions = dir.join("predictions.csv");
+    kiln(&[
+        "predict",
+        "--config",
+        s(&cfg),
+        "--checkpoint",
+        s(&ckpt),
+        "--output",
+        s(&predictions),
+    ]);
+    let text = std::fs::read_to_string(&predictions).unwrap();
+    let labels: Vec<i64> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
+    // The validation folder in ImageFolder's order: sorted classes, 5 images each.
+    let expected: Vec<i64> = (0..6).flat_map(|c| [c; 5]).collect();
+    assert_eq!(labels, expected);
+}
+
+/// Shards with a shuffle buffer: a run stopped mid-epoch and resumed gives the
+/// uninterrupted run's losses, and every option of the webdataset section works.
+#[test]
+fn shards_resume_mid_epoch_as_the_uninterrupted_run() {
+    let _serial = serial();
+    let dir = scratch("images-shards");
+    let Some(shapes) = shapes(&dir) else { return };
+    let data = format!(
+        r#"dataset = "webdataset"
+shards = "{shards}/train-{{000000..000002}}.tar"
+val_shards = "{shards}/val-000000.tar"
+shuffle_buffer = 50
+image_size = 32
+color_mode = "gray"
+workers = 2
+transforms = [
+  {{ type = "random_resized_crop", size = 32 }},
+  {{ type = "random_horizontal_flip" }},
+  {{ type = "to_tensor" }},
+]"#,
+        shards = shapes.join("shards").display()
+    );
+    let cfg = image_config(&dir, "shards", &data, 1);
+    let (whole, parts) = (dir.join("whole"), dir.join("parts"));
+    let printed = train(s(&cfg), &whole, &[]);
+    assert!(
+        printed.contains("120 training and 30 validation examples"),
+        "{printed}"
+    );
+    // Stopped at step 11 of 16 (batch 3 of epoch 1), then resumed.
+    train(s(&cfg), &parts, &["--max-steps", "11"]);
+    train(s(&cfg), &parts, &["--resume", "auto"]);
+    assert_eq!(losses(&parts), losses(&whole));
+
+    // Other worker counts: the same batches, so the same losses.
+    let zero = dir.join("zero");
+    train(s(&cfg), &zero, &["--workers", "0"]);
+    assert_eq!(losses(&zero), losses(&whole));
+}
+
+/// A corrupt image fails the run naming the file, or with `on_error = "skip"`
+/// is left out with a warning; an empty class folder is an error.
+#[test]
+fn bad_images_are_named_or_skipped() {
+    let _serial = serial();
+    let dir = scratch("images-bad");
+    let Some(shapes) = shapes(&dir) else { return };
+    let train_dir = shapes.join("train");
+    let victim = std::fs::read_dir(train_dir.join("star"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "jpg"))
+        .unwrap();
+    let bytes = std::fs::read(&victim).unwrap();
+    std::fs::write(&victim, &bytes[..bytes.len() / 3]).unwrap();
+    let data = |extra: &str| {
+        format!(
+            "dataset = \"image_folder\"\npath = \"{}\"\nimage_size = 32\nval_fraction = 0.2\n{extra}",
+            train_dir.display()
+        )
+    };
+    let cfg = image_config(&dir, "fail", &data(""), 3);
+    let err = fails(&["train", "--config", s(&cfg), "--output", s(&dir.join("a"))]);
+    let name = victim.file_name().unwrap().to_str().unwrap();
+    assert!(err.contains(name), "{err}");
+
+    let cfg = image_config(&dir, "skip", &data("on_error = \"skip\""), 3);
+    let out = Command::new(KILN)
+        .args(["train", "--config", s(&cfg), "--output", s(&dir.join("b"))])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(name),
+        "the warning names the file: {stderr}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("skipped"),
+        "the summary counts it"
+    );
+
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(empty.join("a")).unwrap();
+    std::fs::create_dir_all(empty.join("b")).unwrap();
+    std::fs::copy(&victim, empty.join("a/x.jpg")).unwrap();
+    let cfg = image_config(
+        &dir,
+        "empty",
+        &format!(
+            "dataset = \"image_folder\"\npath = \"{}\"\nimage_size = 32",
+            empty.display()
+        ),
+        3,
+    );
+    let err = fails(&["train", "--config", s(&cfg), "--output", s(&dir.join("c"))]);
+    assert!(err.contains("empty") && err.contains('b'), "{err}");
+}
+
+/// Keys that do not apply to the dataset, and bad values, are config errors
+/// naming the key, before anything is written.
+#[test]
+fn image_keys_are_checked() {
+    let dir = scratch("images-keys");
+    let base = "dataset = \"image_folder\"\npath = \"x\"\nimage_size = 32";
+    for (data, key) in [
+        (
+            "dataset = \"image_folder\"\npath = \"x\"",
+            "data.image_size",
+        ),
+        (&format!("{base}\nscale = 255.0") as &str, "data.scale"),
+        (&format!("{base}\nshards = \"a.tar\""), "data.shards"),
+        (
+            &format!("{base}\nval_path = \"y\"\nval_fraction = 0.1"),
+            "data.val_fraction",
+        ),
+        (
+            &format!("{base}\ntransforms = [{{ type = \"resize\", sise = 3 }}]"),
+            "data.transforms",
+        ),
+        (
+            &format!("{base}\ntransforms = [{{ type = \"color_jitter\", hue = 0.9 }}]"),
+            "data.transforms[0]",
+        ),
+        ("dataset = \"digits\"\nimage_size = 32", "data.image_size"),
+        ("dataset = \"webdataset\"\nimage_size = 32", "data.shards"),
+    ] {
+        let cfg = image_config(&dir, "keys", data, 3);
+        let out = dir.join("never");
+        let err = fails(&["train", "--config", s(&cfg), "--output", s(&out)]);
+        assert!(err.contains(key), "{key}: {err}");
+        assert!(!out.exists(), "nothing written for {key}");
+    }
+}
