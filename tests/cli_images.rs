@@ -307,3 +307,45 @@ fn image_keys_are_checked() {
         assert!(!out.exists(), "nothing written for {key}");
     }
 }
+
+/// The shipped example trains on the set `cargo xtask setup` renders, from its
+/// folders and, as its comment says, from its shards.
+#[test]
+fn the_example_config_runs_from_folders_and_shards() {
+    let _serial = serial();
+    let root = kiln_testkit::workspace_root();
+    if !root.join(".kiln/data/shapes/VERSION").exists() {
+        kiln_testkit::skip(
+            "the_example_config_runs_from_folders_and_shards",
+            ".kiln/data/shapes is missing: run `cargo xtask setup`",
+        );
+        return;
+    }
+    let dir = scratch("images-example");
+    let cfg = root.join("examples/configs/images-cnn.toml");
+    let printed = train(s(&cfg), &dir.join("folders"), &["--max-steps", "2"]);
+    assert!(
+        printed.contains("3000 training and 600 validation examples"),
+        "{printed}"
+    );
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let shards = text
+        .replace("dataset = \"image_folder\"", "dataset = \"webdataset\"")
+        .replace(
+            "path = \".kiln/data/shapes/train\"",
+            "shards = \".kiln/data/shapes/shards/train-{000000..000005}.tar\"",
+        )
+        .replace(
+            "val_path = \".kiln/data/shapes/val\"",
+            "val_shards = \".kiln/data/shapes/shards/val-{000000..000001}.tar\"",
+        );
+    // What the example's comment tells a user to write.
+    assert!(text.contains("#   shards = \".kiln/data/shapes/shards/train-{000000..000005}.tar\""));
+    let shards_cfg = dir.join("shards.toml");
+    std::fs::write(&shards_cfg, shards).unwrap();
+    let printed = train(s(&shards_cfg), &dir.join("shards"), &["--max-steps", "2"]);
+    assert!(
+        printed.contains("3000 training and 600 validation examples"),
+        "{printed}"
+    );
+}

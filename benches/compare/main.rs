@@ -17,7 +17,8 @@
 //! `transformer-bf16-mixed`, the same model in float32 trained with bfloat16
 //! autocast (`bf16-mixed` against `torch.autocast`), only the eager ones. The
 //! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`,
-//! `serve`, exported models at inference, in `serve.rs`, and `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
+//! `serve`, exported models at inference, in `serve.rs`, `images`, image files
+//! decoded and augmented, and `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
 //! `ddp.rs`) have their own. The tables are printed and, with `--write`, written
 //! to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
@@ -324,6 +325,7 @@ fn main() -> Result<()> {
         Task::Checkpoint,
         Task::Ddp,
         Task::Serve,
+        Task::Images,
     ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {

@@ -1,6 +1,6 @@
-//! Workloads (d)-(i): data loading, TorchScript inference, the fused ops,
+//! Workloads (d)-(j): data loading, TorchScript inference, the fused ops,
 //! checkpoint I/O, data-parallel training (`ddp.rs`) and serving exported
-//! models (`serve.rs`). Each has its own variants
+//! models (`serve.rs`), and decoding and augmenting image files. Each has its own variants
 //! and table; like the training workloads, every variant runs in its own process
 //! (two, for (h)) and prints one JSON line.
 
@@ -23,7 +23,7 @@ use kiln::train::Checkpoint;
 use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
-use crate::worker::{device_flag, median, peak_rss_mb, timed};
+use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
 use crate::{ddp, num, run_json, serve, xorshift, Settings};
 
 /// A non-training workload.
@@ -41,7 +41,18 @@ pub enum Task {
     Ddp,
     /// (i) inference of exported models: latency at batch 1, throughput at batch 64.
     Serve,
+    /// (j) JPEG/PNG files decoded and augmented, from class folders and from shards.
+    Images,
 }
+
+/// (j): batch size and workers, the images per class of the 224 set (of
+/// 256x256 images; the 64 set is the shapes set's default 500 per class of 64x64),
+/// and ImageNet's normalisation.
+const IMAGES_BATCH: usize = 64;
+const IMAGES_WORKERS: usize = 2;
+const IMAGES_224_PER_CLASS: usize = 200;
+const IMAGE_MEAN: [f64; 3] = [0.485, 0.456, 0.406];
+const IMAGE_STD: [f64; 3] = [0.229, 0.224, 0.225];
 
 /// Images in the data-loading workload (MNIST's training set size).
 const DATA_IMAGES: usize = 60_000;
@@ -69,6 +80,7 @@ impl Task {
             "checkpoint" => Task::Checkpoint,
             "ddp" => Task::Ddp,
             "serve" => Task::Serve,
+            "images" => Task::Images,
             _ => return None,
         })
     }
@@ -81,6 +93,7 @@ impl Task {
             Task::Checkpoint => "checkpoint",
             Task::Ddp => "ddp",
             Task::Serve => "serve",
+            Task::Images => "images",
         }
     }
 
@@ -98,6 +111,10 @@ impl Task {
             Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
             Task::Ddp => ddp::DESCRIBE,
             Task::Serve => serve::DESCRIBE,
+            Task::Images => {
+                "(j) image files: decode (JPEG/PNG), RandomResizedCrop to 64 or 224, flip, \
+                 normalise, batch 64, 2 workers; from class folders and from tar shards"
+            }
         }
     }
 
@@ -119,6 +136,14 @@ impl Task {
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
             Task::Ddp => &ddp::VARIANTS,
             Task::Serve => &serve::VARIANTS,
+            Task::Images => &[
+                "kiln-folder-64",
+                "kiln-shards-64",
+                "pytorch-folder-64",
+                "kiln-folder-224",
+                "kiln-shards-224",
+                "pytorch-folder-224",
+            ],
         }
     }
 
@@ -136,6 +161,7 @@ impl Task {
             Task::Ops | Task::Checkpoint => Ok(()),
             Task::Ddp => ddp::prepare(dir),
             Task::Serve => serve::prepare(dir),
+            Task::Images => write_images(dir),
         }
     }
 
@@ -179,13 +205,14 @@ impl Task {
             Task::Checkpoint => num(r, "save_s") + num(r, "load_s"),
             Task::Ddp => ddp::score(r),
             Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
+            Task::Images => num(r, "samples_per_s"),
         }
     }
 
     /// One line of progress for a result.
     pub fn summary(self, r: &Value) -> String {
         match self {
-            Task::Data => format!("{:>9.0} samples/s", num(r, "samples_per_s")),
+            Task::Data | Task::Images => format!("{:>9.0} samples/s", num(r, "samples_per_s")),
             Task::Script => format!("{:>9.1} us/call", num(r, "latency_us")),
             Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
                 .iter()
@@ -252,6 +279,32 @@ impl Task {
                             "| {v} | {sps:.0} | {:.3} | {:.0} | {} |\n",
                             num(r, "median_s"),
                             num(r, "peak_rss_mb"),
+                            ratio(sps, base)
+                        );
+                    }
+                }
+            }
+            Task::Images => {
+                t += "One repeat is one epoch: 3,000 images of 64x64 for the 64 crops, 1,200 of \
+                      256x256 for the 224 crops, as JPEG (every 7th progressive, every 11th \
+                      grayscale) and PNG (every 13th). Memory: Kiln's peak RSS (one process); \
+                      PyTorch's peak summed PSS of the main process and its two workers, \
+                      sampled every 20 ms. \"Loading\" is the peak less the memory before the \
+                      loader was made (libraries and interpreter loaded): what reading, decoding \
+                      and augmenting took. Kiln's bench binary maps libtorch and TensorFlow.\n\n\
+                      | variant | samples/s | epoch (s) | peak memory (MiB) | loading (MiB) | vs PyTorch at that size |\n\
+                      | --- | ---: | ---: | ---: | ---: | ---: |\n";
+                for (v, r) in rows {
+                    if let Ok(r) = r {
+                        let size = v.rsplit('-').next().unwrap_or_default();
+                        let base =
+                            ok(&format!("pytorch-folder-{size}")).map(|r| num(r, "samples_per_s"));
+                        let sps = num(r, "samples_per_s");
+                        t += &format!(
+                            "| {v} | {sps:.0} | {:.3} | {:.0} | {:.0} | {} |\n",
+                            num(r, "median_s"),
+                            num(r, "peak_memory_mb"),
+                            num(r, "peak_memory_mb") - num(r, "start_memory_mb"),
                             ratio(sps, base)
                         );
                     }
@@ -463,6 +516,10 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
     tch::set_num_threads(a.threads as i32);
     let mut result = match (task, variant) {
         (Task::Data, "kiln-loader") => data(a)?,
+        (Task::Images, "kiln-folder-64") => images(a, 64, false)?,
+        (Task::Images, "kiln-shards-64") => images(a, 64, true)?,
+        (Task::Images, "kiln-folder-224") => images(a, 224, false)?,
+        (Task::Images, "kiln-shards-224") => images(a, 224, true)?,
         (Task::Script, "kiln-script") => script(a)?,
         (Task::Script, "raw-tch-script") => raw_tch_script(a)?,
         (Task::Ops, "kiln-fused") => ops(a, true)?,
@@ -513,6 +570,108 @@ fn data(a: &TaskArgs) -> Result<Value> {
     Ok(json!({
         "repeats_s": times, "median_s": m, "samples_per_s": n as f64 / m, "checksum": checksum,
     }))
+}
+
+/// (j): Kiln's `ImageFolder` or `WebDataset` with torchvision's transforms,
+/// decoded and augmented by the loader's two workers. Memory is this
+/// process's peak RSS (one process; PyTorch's is its processes' summed PSS).
+fn images(a: &TaskArgs, size: usize, shards: bool) -> Result<Value> {
+    use kiln::data::vision::RandomResizedCrop;
+    use kiln::data::{ImageFolder, RandomHorizontalFlip, WebDataset};
+
+    let start_mb = rss_mb();
+    let root = a.dir.join(format!("images-{size}"));
+    let transform = || {
+        Compose::new()
+            .then(RandomResizedCrop::new(size, size))
+            .then(RandomHorizontalFlip::default())
+            .then(ToFloat)
+            .then(Normalize {
+                mean: IMAGE_MEAN.to_vec(),
+                std: IMAGE_STD.to_vec(),
+            })
+    };
+    let (loader, n): (Box<dyn DataLoader>, usize) = if shards {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(root.join("shards"))?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<std::io::Result<_>>()?;
+        paths.retain(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("train-") && n.ends_with(".tar"))
+        });
+        paths.sort();
+        let shards = WebDataset::open(&paths)?;
+        let order = shards.epoch_order(0, 1000, 0, 1)?;
+        let n = shards.len();
+        let loader = PrefetchLoader::new(
+            TransformedDataset::new(shards, transform(), 0),
+            IMAGES_BATCH,
+        )?
+        .order(order)
+        .num_workers(IMAGES_WORKERS);
+        (Box::new(loader), n)
+    } else {
+        let folder = ImageFolder::new(root.join("train"))?;
+        let n = folder.len();
+        let loader = PrefetchLoader::new(
+            TransformedDataset::new(folder, transform(), 0),
+            IMAGES_BATCH,
+        )?
+        .shuffle(0)
+        .num_workers(IMAGES_WORKERS);
+        (Box::new(loader), n)
+    };
+    let mut epoch = 0;
+    let mut checksum = 0.0f64;
+    let times = timed(a.warmup, a.repeats, || {
+        let mut seen = 0;
+        for batch in loader.batches(epoch) {
+            let batch = batch?;
+            ensure!(
+                batch.inputs.dims()[1..] == [3, size, size],
+                "a batch of shape {:?}",
+                batch.inputs.dims()
+            );
+            seen += batch.inputs.dims()[0];
+            checksum += f64::from(batch.inputs.as_slice::<f32>()?[0]);
+        }
+        ensure!(seen == n, "an epoch gave {seen} samples, not {n}");
+        epoch += 1;
+        Ok(())
+    })?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times, "median_s": m, "samples_per_s": n as f64 / m, "images": n,
+        "peak_memory_mb": peak_rss_mb(), "start_memory_mb": start_mb, "checksum": checksum,
+    }))
+}
+
+/// (j): the shapes set twice, as class folders and shards: 64x64 images for the
+/// 64 crops, 256x256 ones for the 224 crops (`examples/images/make_shapes.py`).
+fn write_images(dir: &Path) -> Result<()> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/images/make_shapes.py");
+    for (size, image_size, per_class) in [(64, 64, 500), (224, 256, IMAGES_224_PER_CLASS)] {
+        let out = dir.join(format!("images-{size}"));
+        if out.join("train").exists() {
+            continue;
+        }
+        let _ = std::fs::remove_dir_all(&out);
+        let status = crate::python_interpreter()
+            .arg(&script)
+            .arg(&out)
+            .args(["--size", &image_size.to_string()])
+            .args(["--train-per-class", &per_class.to_string()])
+            .args(["--val-per-class", "1", "--shard-size", "500"])
+            .status()
+            .context("running make_shapes.py")?;
+        ensure!(
+            status.success(),
+            "make_shapes.py failed for {}",
+            out.display()
+        );
+    }
+    Ok(())
 }
 
 /// (e): Kiln's `ScriptModule` on one image at a time.

@@ -105,11 +105,21 @@ pub(crate) fn read_batches(
 
 /// The process's peak resident set, in MiB (`VmHWM`).
 pub(crate) fn peak_rss_mb() -> f64 {
+    status_mb("VmHWM:")
+}
+
+/// This process's resident set size now, in MiB.
+pub(crate) fn rss_mb() -> f64 {
+    status_mb("VmRSS:")
+}
+
+/// A `kB` line of `/proc/self/status`, in MiB.
+fn status_mb(key: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(key))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })

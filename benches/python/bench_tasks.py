@@ -19,7 +19,7 @@ prints one JSON line on stdout:
   scale=True), Normalize(ImageNet mean, std)])`` in ``DataLoader(batch_size=64,
   shuffle=True, num_workers=2)``; one run is one epoch. Its memory is the peak, sampled
   every 20 ms, of the summed proportional set size (PSS, which splits the pages forked
-  workers share) of this process and its workers.
+  workers share) of this process and its workers, and that sum before the loader is made.
 - script, ``export``: scripts the CNN of workload (b) in eval mode and saves it to
   DIR/cnn.pt for both sides. ``pytorch-script`` runs that file with
   ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
@@ -157,6 +157,7 @@ def images(args, size):
         v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(IMAGE_MEAN, IMAGE_STD),
     ])
+    start = tree_pss_mb()
     root = os.path.join(args.dir, f"images-{size}", "train")
     dataset = torchvision.datasets.ImageFolder(root, transform=transform)
     loader = torch.utils.data.DataLoader(
@@ -188,7 +189,7 @@ def images(args, size):
     sampler.join()
     m = statistics.median(seconds)
     return {"repeats_s": seconds, "median_s": m, "samples_per_s": n / m, "images": n,
-            "peak_memory_mb": peak[0]}
+            "peak_memory_mb": peak[0], "start_memory_mb": start}
 
 
 def export(args):
