@@ -119,7 +119,7 @@ fn ensure_shapes(workspace_root: &Path, venv: &Venv, dir: &Path) -> Result<()> {
         });
     }
     fs::write(staging.join("VERSION"), &version)
-        .map_err(|e| BuildError::io("writing", &staging.join("VERSION"), e))?;
+        .map_err(|e| BuildError::io("writing", staging.join("VERSION"), e))?;
     if dir.exists() {
         fs::remove_dir_all(dir).map_err(|e| BuildError::io("replacing", dir, e))?;
     }
