@@ -349,3 +349,39 @@ fn the_example_config_runs_from_folders_and_shards() {
         "{printed}"
     );
 }
+
+/// Two ranks under `kiln launch` split each epoch's shard stream: 60 of the
+/// 120 images each, so 4 steps of 16 per epoch.
+#[test]
+fn shards_split_across_two_ranks() {
+    let _serial = serial();
+    let dir = scratch("images-ranks");
+    let Some(shapes) = shapes(&dir) else { return };
+    let data = format!(
+        r#"dataset = "webdataset"
+shards = "{shards}/train-{{000000..000002}}.tar"
+val_shards = "{shards}/val-000000.tar"
+shuffle_buffer = 30
+image_size = 32
+workers = 1"#,
+        shards = shapes.join("shards").display()
+    );
+    let cfg = image_config(&dir, "ranks", &data, 3);
+    let run = dir.join("run");
+    let out = Command::new(KILN)
+        .args(["launch", "--nproc-per-node", "2", "--", "train", "--config"])
+        .args([s(&cfg), "--output", s(&run)])
+        .env("RUST_LOG", "warn")
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(losses(&run).len(), 8);
+    let epochs = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+    assert!(epochs.contains("val_accuracy"), "{epochs}");
+}
