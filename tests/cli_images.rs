@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{kiln, losses, scratch, serial, train, KILN};
+use common::{kiln, kiln_fails as fails, losses, scratch, serial, train, KILN};
 
 mod common;
 
@@ -89,18 +89,6 @@ progress = false
 
 fn s(path: &Path) -> &str {
     path.to_str().unwrap()
-}
-
-/// `kiln args`, which must fail: what it printed on standard error.
-fn fails(args: &[&str]) -> String {
-    let out = Command::new(KILN)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .env("TF_CPP_MIN_LOG_LEVEL", "2")
-        .output()
-        .unwrap();
-    assert!(!out.status.success(), "kiln {args:?} succeeded");
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 /// Every transform, from class folders with a validation folder; then eval and

@@ -553,12 +553,28 @@ fn data(a: &TaskArgs) -> Result<Value> {
     let loader = PrefetchLoader::new(dataset, DATA_BATCH)?
         .shuffle(0)
         .num_workers(DATA_WORKERS);
+    let (times, checksum) = time_epochs(a, &loader, n, |_| Ok(()))?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times, "median_s": m, "samples_per_s": n as f64 / m, "checksum": checksum,
+    }))
+}
+
+/// Times whole epochs of `loader`, each of which must give `n` samples, every
+/// batch passing `check`: the times, and a checksum that keeps the work observable.
+fn time_epochs(
+    a: &TaskArgs,
+    loader: &dyn DataLoader,
+    n: usize,
+    check: impl Fn(&kiln::data::Batch) -> Result<()>,
+) -> Result<(Vec<f64>, f64)> {
     let mut epoch = 0;
     let mut checksum = 0.0f64;
     let times = timed(a.warmup, a.repeats, || {
         let mut seen = 0;
         for batch in loader.batches(epoch) {
             let batch = batch?;
+            check(&batch)?;
             seen += batch.inputs.dims()[0];
             checksum += f64::from(batch.inputs.as_slice::<f32>()?[0]);
         }
@@ -566,10 +582,7 @@ fn data(a: &TaskArgs) -> Result<Value> {
         epoch += 1;
         Ok(())
     })?;
-    let m = median(times.clone());
-    Ok(json!({
-        "repeats_s": times, "median_s": m, "samples_per_s": n as f64 / m, "checksum": checksum,
-    }))
+    Ok((times, checksum))
 }
 
 /// (j): Kiln's `ImageFolder` or `WebDataset` with torchvision's transforms,
@@ -622,22 +635,12 @@ fn images(a: &TaskArgs, size: usize, shards: bool) -> Result<Value> {
         .num_workers(IMAGES_WORKERS);
         (Box::new(loader), n)
     };
-    let mut epoch = 0;
-    let mut checksum = 0.0f64;
-    let times = timed(a.warmup, a.repeats, || {
-        let mut seen = 0;
-        for batch in loader.batches(epoch) {
-            let batch = batch?;
-            ensure!(
-                batch.inputs.dims()[1..] == [3, size, size],
-                "a batch of shape {:?}",
-                batch.inputs.dims()
-            );
-            seen += batch.inputs.dims()[0];
-            checksum += f64::from(batch.inputs.as_slice::<f32>()?[0]);
-        }
-        ensure!(seen == n, "an epoch gave {seen} samples, not {n}");
-        epoch += 1;
+    let (times, checksum) = time_epochs(a, loader.as_ref(), n, |batch| {
+        ensure!(
+            batch.inputs.dims()[1..] == [3, size, size],
+            "a batch of shape {:?}",
+            batch.inputs.dims()
+        );
         Ok(())
     })?;
     let m = median(times.clone());

@@ -146,3 +146,15 @@ pub fn metric(table: &str, name: &str) -> f64 {
         })
         .unwrap_or_else(|| panic!("no {name} in\n{table}"))
 }
+
+/// Runs `kiln args`, which must fail: what it printed on standard error.
+pub fn kiln_fails(args: &[&str]) -> String {
+    let out = Command::new(KILN)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("TF_CPP_MIN_LOG_LEVEL", "2")
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "kiln {args:?} succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
