@@ -16,6 +16,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "bindgen")]
+mod bindings;
 mod cxx;
 mod error;
 mod layout;
@@ -28,6 +30,8 @@ mod setup;
 mod tensorflow;
 pub mod versions;
 
+#[cfg(feature = "bindgen")]
+pub use bindings::{bindgen_builder, libclang_dir};
 pub use cxx::configure_cxx;
 pub use error::{BuildError, Result};
 pub use layout::Layout;
