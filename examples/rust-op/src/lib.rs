@@ -1,0 +1,2 @@
+//! Ops written in Rust (see `ops`).
+pub mod ops;
