@@ -7,6 +7,9 @@
 //! - [`RmsNorm`]: `y = x / sqrt(mean(x^2, last dim) + eps) * weight`, fused, with
 //!   [`RmsNormBackward`] computing both gradients in one pass. Neither libtorch
 //!   2.11's C++ API nor TensorFlow has it as one kernel.
+//! - [`Swish`]: `y = x * sigmoid(beta * x)` with a learned one-element `beta`,
+//!   with [`SwishBackward`]: the Rust twin of kiln-ops' C++ `kiln::swish`, which
+//!   the benchmark runs side by side.
 
 use kiln_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
@@ -142,7 +145,9 @@ fn eps(attrs: &Attrs) -> Result<f64, OpError> {
     if eps > 0.0 && eps.is_finite() {
         Ok(eps)
     } else {
-        Err(OpError::new(format!("eps is {eps}, expected a positive number")))
+        Err(OpError::new(format!(
+            "eps is {eps}, expected a positive number"
+        )))
     }
 }
 
@@ -264,6 +269,105 @@ impl CustomOp for RmsNormBackward {
     }
 }
 
+/// Swish-β, `y = x * sigmoid(beta * x)`, `beta [1]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Swish;
+
+/// Checks that `beta` has one element.
+fn swish_shapes(beta: &[i64]) -> Result<(), OpError> {
+    if beta == [1] || beta == [-1] {
+        Ok(())
+    } else {
+        Err(OpError::new(format!(
+            "beta has shape {beta:?}, expected [1]"
+        )))
+    }
+}
+
+/// `1 / (1 + e^-v)`.
+fn sigmoid<T: Float>(v: T) -> T {
+    T::ONE / (T::ONE + (-v).exp())
+}
+
+impl CustomOp for Swish {
+    fn schema() -> OpSchema {
+        OpSchema::new(NAMESPACE, "swish")
+            .input("x")
+            .input("beta")
+            .output("y")
+            .gradient("swish_backward", Saved::Inputs)
+    }
+
+    fn output_shapes(inputs: &[&[i64]], _: &Attrs) -> Result<Vec<Shape>, OpError> {
+        swish_shapes(inputs[1])?;
+        Ok(vec![inputs[0].to_vec()])
+    }
+
+    fn compute<T: Float>(
+        inputs: &[TensorRef<'_, T>],
+        outputs: &mut [TensorMut<'_, T>],
+        _: &Attrs,
+        ctx: &Context<'_>,
+    ) -> Result<(), OpError> {
+        let (x, beta) = (inputs[0].data(), inputs[1].data()[0]);
+        ctx.map_chunks(outputs[0].data_mut(), 1, GRAIN, |start, y| {
+            for (y, &x) in y.iter_mut().zip(&x[start..]) {
+                *y = x * sigmoid(beta * x);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The gradient of [`Swish`]: `(grad, x, beta) -> (grad_x, grad_beta)`, with
+/// `s = sigmoid(beta x)`: `grad_x = grad (s + beta x s (1 - s))`,
+/// `grad_beta = sum(grad x^2 s (1 - s))` (accumulated in f64, in order).
+#[derive(Debug, Clone, Copy)]
+pub struct SwishBackward;
+
+impl CustomOp for SwishBackward {
+    fn schema() -> OpSchema {
+        OpSchema::new(NAMESPACE, "swish_backward")
+            .input("grad")
+            .input("x")
+            .input("beta")
+            .output("grad_x")
+            .output("grad_beta")
+    }
+
+    fn output_shapes(inputs: &[&[i64]], _: &Attrs) -> Result<Vec<Shape>, OpError> {
+        swish_shapes(inputs[2])?;
+        same_shape("grad", inputs[0], inputs[1], "x")?;
+        Ok(vec![inputs[1].to_vec(), inputs[2].to_vec()])
+    }
+
+    fn compute<T: Float>(
+        inputs: &[TensorRef<'_, T>],
+        outputs: &mut [TensorMut<'_, T>],
+        _: &Attrs,
+        ctx: &Context<'_>,
+    ) -> Result<(), OpError> {
+        let (grad, x, beta) = (inputs[0].data(), inputs[1].data(), inputs[2].data()[0]);
+        let (grad_x, grad_beta) = outputs.split_at_mut(1);
+        ctx.map_chunks(grad_x[0].data_mut(), 1, GRAIN, |start, dx| {
+            for ((dx, &g), &x) in dx.iter_mut().zip(&grad[start..]).zip(&x[start..]) {
+                let s = sigmoid(beta * x);
+                *dx = g * (s + beta * x * s * (T::ONE - s));
+            }
+        });
+        let sum: f64 = grad
+            .iter()
+            .zip(x)
+            .map(|(&g, &x)| {
+                let s = sigmoid(beta * x);
+                (g * x * x * s * (T::ONE - s)).to_f64()
+            })
+            .sum();
+        grad_beta[0].data_mut()[0] = T::from_f64(sum);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,11 +379,9 @@ mod tests {
             .iter()
             .map(|(d, s)| TensorRef::new(d, s).expect("view"))
             .collect();
-        let shapes = kiln_op::infer_shapes::<O>(
-            &inputs.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
-            attrs,
-        )
-        .expect("shapes");
+        let shapes =
+            kiln_op::infer_shapes::<O>(&inputs.iter().map(|(_, s)| *s).collect::<Vec<_>>(), attrs)
+                .expect("shapes");
         let mut data: Vec<Vec<f64>> = shapes
             .iter()
             .map(|s| vec![0.0; s.iter().product::<i64>() as usize])
@@ -296,8 +398,11 @@ mod tests {
     }
 
     fn rms_norm(x: &[f64], w: &[f64], shape: &[i64]) -> Vec<f64> {
-        run::<RmsNorm>(&[(x, shape), (w, &shape[1..])], &Attrs::defaults(&RmsNorm::schema()))
-            .remove(0)
+        run::<RmsNorm>(
+            &[(x, shape), (w, &shape[1..])],
+            &Attrs::defaults(&RmsNorm::schema()),
+        )
+        .remove(0)
     }
 
     #[test]
@@ -310,7 +415,11 @@ mod tests {
         let grads = run::<RmsNormBackward>(&[(&g, &shape), (&x, &shape), (&w, &[5])], &attrs);
         // L = sum(g * rms_norm(x, w)); dL/dv by central differences.
         let loss = |x: &[f64], w: &[f64]| -> f64 {
-            rms_norm(x, w, &shape).iter().zip(&g).map(|(y, g)| y * g).sum()
+            rms_norm(x, w, &shape)
+                .iter()
+                .zip(&g)
+                .map(|(y, g)| y * g)
+                .sum()
         };
         let h = 1e-6;
         for i in 0..x.len() {
@@ -318,19 +427,52 @@ mod tests {
             up[i] += h;
             down[i] -= h;
             let fd = (loss(&up, &w) - loss(&down, &w)) / (2.0 * h);
-            assert!((fd - grads[0][i]).abs() < 1e-7, "x[{i}]: {fd} vs {}", grads[0][i]);
+            assert!(
+                (fd - grads[0][i]).abs() < 1e-7,
+                "x[{i}]: {fd} vs {}",
+                grads[0][i]
+            );
         }
         for i in 0..w.len() {
             let (mut up, mut down) = (w.clone(), w.clone());
             up[i] += h;
             down[i] -= h;
             let fd = (loss(&x, &up) - loss(&x, &down)) / (2.0 * h);
-            assert!((fd - grads[1][i]).abs() < 1e-7, "w[{i}]: {fd} vs {}", grads[1][i]);
+            assert!(
+                (fd - grads[1][i]).abs() < 1e-7,
+                "w[{i}]: {fd} vs {}",
+                grads[1][i]
+            );
         }
+
+        // Swish: L = sum(g * swish(x, beta)).
+        let beta = [0.7];
+        let none = Attrs::default();
+        let swish = |x: &[f64], beta: &[f64]| -> f64 {
+            let y = run::<Swish>(&[(x, &shape), (beta, &[1])], &none).remove(0);
+            y.iter().zip(&g).map(|(y, g)| y * g).sum()
+        };
+        let grads = run::<SwishBackward>(&[(&g, &shape), (&x, &shape), (&beta, &[1])], &none);
+        for i in 0..x.len() {
+            let (mut up, mut down) = (x.clone(), x.clone());
+            up[i] += h;
+            down[i] -= h;
+            let fd = (swish(&up, &beta) - swish(&down, &beta)) / (2.0 * h);
+            assert!(
+                (fd - grads[0][i]).abs() < 1e-7,
+                "x[{i}]: {fd} vs {}",
+                grads[0][i]
+            );
+        }
+        let fd = (swish(&x, &[beta[0] + h]) - swish(&x, &[beta[0] - h])) / (2.0 * h);
+        assert!(
+            (fd - grads[1][0]).abs() < 1e-7,
+            "beta: {fd} vs {}",
+            grads[1][0]
+        );
 
         let x = [-1.5, 0.0, 0.25, 2.0];
         let g = [1.0, 2.0, -3.0, 0.5];
-        let none = Attrs::default();
         let dx = run::<SquaredReluBackward>(&[(&g, &[4]), (&x, &[4])], &none).remove(0);
         assert_eq!(dx, [0.0, 0.0, -1.5, 2.0]); // 2 max(x, 0) g, by hand
     }
@@ -362,13 +504,20 @@ mod tests {
         let w = [1.0f32; 2];
         let mut y = [0.0f32; 4];
         let err = kiln_op::run::<RmsNorm, f32>(
-            &[TensorRef::new(&x, &[2, 2]).expect("x"), TensorRef::new(&w, &[2]).expect("w")],
+            &[
+                TensorRef::new(&x, &[2, 2]).expect("x"),
+                TensorRef::new(&w, &[2]).expect("w"),
+            ],
             &mut [TensorMut::new(&mut y, &[2, 2]).expect("y")],
             &bad,
             &Context::serial(),
         )
         .unwrap_err();
-        assert!(err.to_string().contains("eps is 0, expected a positive number"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("eps is 0, expected a positive number"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -376,6 +525,7 @@ mod tests {
         for (fwd, bwd) in [
             (SquaredRelu::schema(), SquaredReluBackward::schema()),
             (RmsNorm::schema(), RmsNormBackward::schema()),
+            (Swish::schema(), SwishBackward::schema()),
         ] {
             fwd.validate().expect("valid");
             bwd.validate().expect("valid");
