@@ -28,12 +28,20 @@
 pub use kiln_core as core;
 pub use kiln_data as data;
 pub use kiln_onnx as onnx;
+/// Ops written in Rust: one definition for both engines (`kiln::op::CustomOp`).
+pub use kiln_op as op;
 #[cfg(feature = "ops")]
 pub use kiln_ops as ops;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;
+/// Registers Rust ops ([`op`]) in TensorFlow.
+#[cfg(feature = "tf")]
+pub use kiln_tf_op as tf_op;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
+/// Registers Rust ops ([`op`]) in libtorch.
+#[cfg(feature = "torch")]
+pub use kiln_torch_op as torch_op;
 pub use kiln_train as train;
 
 pub use kiln_core::backend::{Backend, Mode};

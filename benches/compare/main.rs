@@ -30,6 +30,7 @@
 //! `benches/gpu/pack.sh` and `benches/gpu/run.sh` do all of that for a GPU machine.
 
 mod ddp;
+mod ops;
 mod report;
 mod serve;
 mod tasks;

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Reduction, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
-use crate::{ddp, num, run_json, serve, xorshift, Settings};
+use crate::{ddp, num, ops, run_json, serve, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -60,13 +60,6 @@ const DATA_BATCH: usize = 256;
 const DATA_WORKERS: usize = 2;
 /// Calls per timed repeat of the batch-1 inference workload.
 const SCRIPT_CALLS: usize = 2000;
-/// Calls per timed repeat of each fused op (forward and backward).
-const OPS_CALLS: usize = 50;
-/// Rows of the fused-op inputs, and their feature / class counts.
-const OPS_ROWS: i64 = 512;
-const OPS_FEATURES: i64 = 1024;
-const OPS_CLASSES: i64 = 1000;
-const OPS_SMOOTHING: f64 = 0.1;
 /// Ten 3162x3162 linear layers with bias: 100,014,060 parameters.
 const CKPT_LAYERS: usize = 10;
 const CKPT_WIDTH: usize = 3162;
@@ -127,12 +120,7 @@ impl Task {
                 "pytorch-script",
                 "pytorch-eager",
             ],
-            Task::Ops => &[
-                "kiln-fused",
-                "kiln-composed",
-                "pytorch-fused",
-                "pytorch-composed",
-            ],
+            Task::Ops => &ops::VARIANTS,
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
             Task::Ddp => &ddp::VARIANTS,
             Task::Serve => &serve::VARIANTS,
@@ -330,33 +318,7 @@ impl Task {
                     }
                 }
             }
-            Task::Ops => {
-                t += &format!(
-                    "Microseconds per call of forward and backward ({OPS_CALLS} calls per repeat); \
-                     inputs [{OPS_ROWS}, {OPS_FEATURES}] float32 (logits [{OPS_ROWS}, {OPS_CLASSES}], \
-                     label smoothing {OPS_SMOOTHING}). `composed` is `F.gelu(x + b)`, \
-                     `F.cross_entropy(..., label_smoothing)`, `x * sigmoid(beta * x)`.\n\n\
-                     | op | kiln-fused | kiln-composed | pytorch-fused | pytorch-composed | fused vs composed (Kiln) | Kiln fused vs PyTorch composed |\n\
-                     | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n"
-                );
-                for op in ["bias_gelu", "softmax_xent", "swish"] {
-                    let us = |v: &str| ok(v).map(|r| num(&r["ops_us"], op));
-                    let cell = |v: &str| us(v).map_or("-".to_owned(), |x| format!("{x:.0}"));
-                    let speedup = |fast: Option<f64>, slow: Option<f64>| match (fast, slow) {
-                        (Some(f), Some(s)) => format!("{:.2}x", s / f),
-                        _ => "-".to_owned(),
-                    };
-                    t += &format!(
-                        "| {op} | {} | {} | {} | {} | {} | {} |\n",
-                        cell("kiln-fused"),
-                        cell("kiln-composed"),
-                        cell("pytorch-fused"),
-                        cell("pytorch-composed"),
-                        speedup(us("kiln-fused"), us("kiln-composed")),
-                        speedup(us("kiln-fused"), us("pytorch-composed")),
-                    );
-                }
-            }
+            Task::Ops => t += &ops::table(ok),
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
             Task::Serve => {
@@ -455,7 +417,7 @@ impl Task {
 }
 
 /// Waits for the GPU's queued work, so that a timed run ends when its work does.
-fn synchronize(device: Device) {
+pub(crate) fn synchronize(device: Device) {
     if let Device::Cuda(index) = device {
         tch::Cuda::synchronize(index as i64);
     }
@@ -522,8 +484,9 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Images, "kiln-shards-224") => images(a, 224, true)?,
         (Task::Script, "kiln-script") => script(a)?,
         (Task::Script, "raw-tch-script") => raw_tch_script(a)?,
-        (Task::Ops, "kiln-fused") => ops(a, true)?,
-        (Task::Ops, "kiln-composed") => ops(a, false)?,
+        (Task::Ops, "kiln-fused") => ops::run(a, ops::Kernels::Cpp)?,
+        (Task::Ops, "kiln-rust") => ops::run(a, ops::Kernels::Rust)?,
+        (Task::Ops, "kiln-composed") => ops::run(a, ops::Kernels::Composed)?,
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
         (Task::Serve, variant) if variant.starts_with("kiln-") => serve::worker(variant, a)?,
         _ => bail!(
@@ -712,49 +675,6 @@ fn batch_one_latency(a: &TaskArgs, forward: impl Fn(&Tensor) -> Result<Tensor>) 
     Ok(json!({
         "repeats_s": times, "median_s": m, "latency_us": m / SCRIPT_CALLS as f64 * 1e6,
     }))
-}
-
-/// (f): each fused op, or its composition of built-in ops, forward and backward.
-fn ops(a: &TaskArgs, fused: bool) -> Result<Value> {
-    tch::manual_seed(0);
-    let device = kiln::torch::device_to_tch(a.device)?;
-    let opts = (Kind::Float, device);
-    let x = Tensor::f_randn([OPS_ROWS, OPS_FEATURES], opts)?.set_requires_grad(true);
-    let bias = Tensor::f_randn([OPS_FEATURES], opts)?.set_requires_grad(true);
-    let beta = Tensor::f_ones([1], opts)?.set_requires_grad(true);
-    let logits = Tensor::f_randn([OPS_ROWS, OPS_CLASSES], opts)?.set_requires_grad(true);
-    let target = Tensor::f_randint(OPS_CLASSES, [OPS_ROWS], (Kind::Int64, device))?;
-    let mut out = serde_json::Map::new();
-    for op in ["bias_gelu", "softmax_xent", "swish"] {
-        let call = || -> Result<Tensor> {
-            Ok(match (op, fused) {
-                ("bias_gelu", true) => kiln::ops::bias_gelu(&x, &bias)?,
-                ("bias_gelu", false) => x.f_add(&bias)?.f_gelu("none")?,
-                ("softmax_xent", true) => {
-                    kiln::ops::softmax_cross_entropy(&logits, &target, OPS_SMOOTHING)?
-                }
-                ("softmax_xent", false) => logits.f_cross_entropy_loss::<Tensor>(
-                    &target,
-                    None,
-                    Reduction::None,
-                    -100,
-                    OPS_SMOOTHING,
-                )?,
-                (_, true) => kiln::ops::swish(&x, &beta)?,
-                (_, false) => x.f_mul(&beta.f_mul(&x)?.f_sigmoid()?)?,
-            })
-        };
-        let times = timed(a.warmup, a.repeats, || {
-            for _ in 0..OPS_CALLS {
-                let y = call()?;
-                y.f_sum(Kind::Float)?.f_backward()?;
-            }
-            synchronize(a.device);
-            Ok(())
-        })?;
-        out.insert(op.to_owned(), json!(median(times) / OPS_CALLS as f64 * 1e6));
-    }
-    Ok(json!({ "ops_us": out }))
 }
 
 /// (g): a 100M-parameter model's checkpoint written and read back.

@@ -25,8 +25,8 @@ prints one JSON line on stdout:
   ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
   ``torch.no_grad()``, 2000 calls per run.
 - ops, ``pytorch-fused``: Kiln's ops through ``torch.ops.load_library`` (the
-  library's path is ``KILN_OPS_LIBRARY``); ``pytorch-composed``: the same maths
-  in built-in ops. Forward and backward, 50 calls per run.
+  library's path is ``KILN_OPS_LIBRARY``), and PyTorch's own ``F.rms_norm``;
+  ``pytorch-composed``: the same maths in built-in ops. Forward and backward, 50 calls per run.
 - checkpoint, ``pytorch-save``: ten 3162x3162 linear layers (100M parameters);
   save is ``torch.save(state_dict)`` into a file that is then fsynced, load is
   ``torch.load`` + ``load_state_dict``.
@@ -64,6 +64,7 @@ SERVE_MODELS = {"cnn": (500, 40), "transformer": (50, 4)}
 SERVE_BATCH = 64
 OPS_CALLS = 50
 OPS_ROWS, OPS_FEATURES, OPS_CLASSES, OPS_SMOOTHING = 512, 1024, 1000, 0.1
+OPS_RMS_EPS = 1e-6
 CKPT_LAYERS, CKPT_WIDTH = 10, 3162
 
 
@@ -236,6 +237,8 @@ def ops(args, fused):
             "bias_gelu": lambda: kiln.bias_gelu(x, bias),
             "softmax_xent": lambda: kiln.softmax_xent(logits, target, OPS_SMOOTHING),
             "swish": lambda: kiln.swish(x, beta),
+            # No C++ kernel of Kiln's: PyTorch's own single op.
+            "rms_norm": lambda: F.rms_norm(x, (OPS_FEATURES,), weight, OPS_RMS_EPS),
         }
     else:
         calls = {
@@ -244,11 +247,14 @@ def ops(args, fused):
                 logits, target, reduction="none", label_smoothing=OPS_SMOOTHING
             ),
             "swish": lambda: x * torch.sigmoid(beta * x),
+            "squared_relu": lambda: torch.relu(x).square(),
+            "rms_norm": lambda: x * torch.rsqrt(x.square().mean(-1, keepdim=True) + OPS_RMS_EPS) * weight,
         }
     device = torch.device(args.device)
     torch.manual_seed(0)
     x = torch.randn(OPS_ROWS, OPS_FEATURES, device=device, requires_grad=True)
     bias = torch.randn(OPS_FEATURES, device=device, requires_grad=True)
+    weight = torch.randn(OPS_FEATURES, device=device, requires_grad=True)
     beta = torch.ones(1, device=device, requires_grad=True)
     logits = torch.randn(OPS_ROWS, OPS_CLASSES, device=device, requires_grad=True)
     target = torch.randint(OPS_CLASSES, (OPS_ROWS,), device=device)

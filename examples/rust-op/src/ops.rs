@@ -321,7 +321,7 @@ impl CustomOp for Swish {
 
 /// The gradient of [`Swish`]: `(grad, x, beta) -> (grad_x, grad_beta)`, with
 /// `s = sigmoid(beta x)`: `grad_x = grad (s + beta x s (1 - s))`,
-/// `grad_beta = sum(grad x^2 s (1 - s))` (accumulated in f64, in order).
+/// `grad_beta = sum(grad x^2 s (1 - s))` (computed and accumulated in f64, in order).
 #[derive(Debug, Clone, Copy)]
 pub struct SwishBackward;
 
@@ -355,12 +355,16 @@ impl CustomOp for SwishBackward {
                 *dx = g * (s + beta * x * s * (T::ONE - s));
             }
         });
+        // The terms have both signs and cancel: each is computed in f64 too,
+        // or the f32 rounding of the terms dominates the sum's error.
+        let b = beta.to_f64();
         let sum: f64 = grad
             .iter()
             .zip(x)
             .map(|(&g, &x)| {
-                let s = sigmoid(beta * x);
-                (g * x * x * s * (T::ONE - s)).to_f64()
+                let (g, x) = (g.to_f64(), x.to_f64());
+                let s = sigmoid(b * x);
+                g * x * x * s * (1.0 - s)
             })
             .sum();
         grad_beta[0].data_mut()[0] = T::from_f64(sum);
