@@ -21,7 +21,7 @@ use kiln::prelude::*;
 use kiln::torch::{ScriptModule, TorchBackend};
 use kiln::train::Checkpoint;
 use serde_json::{json, Value};
-use tch::{Kind, Reduction, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
 use crate::{ddp, num, ops, run_json, serve, xorshift, Settings};
@@ -457,7 +457,7 @@ pub struct TaskArgs {
     pub(crate) warmup: usize,
     pub(crate) repeats: usize,
     pub(crate) threads: usize,
-    device: Device,
+    pub(crate) device: Device,
 }
 
 impl TaskArgs {

@@ -40,6 +40,50 @@ fn same_shape(what: &str, got: &[i64], expected: &[i64], of: &str) -> Result<(),
     }
 }
 
+/// Partial sums of a reduction, one slot per block of a
+/// [`Context::map_chunks`] pass, added in block order afterwards: the result
+/// depends on the block size (fixed) but not on how many threads ran the
+/// blocks or in which order.
+struct BlockSums {
+    block: usize,
+    slots: Vec<std::sync::Mutex<Vec<f64>>>,
+}
+
+impl BlockSums {
+    /// Slots of `width` sums for the blocks of `block` elements of `len`.
+    fn new(len: usize, block: usize, width: usize) -> Self {
+        let block = block.max(1);
+        BlockSums {
+            block,
+            slots: (0..len.div_ceil(block))
+                .map(|_| std::sync::Mutex::new(vec![0.0; width]))
+                .collect(),
+        }
+    }
+
+    /// Stores the sums of the block starting at element `start`.
+    fn store(&self, start: usize, sums: Vec<f64>) {
+        if let Some(slot) = self.slots.get(start / self.block) {
+            *slot.lock().unwrap_or_else(|p| p.into_inner()) = sums;
+        }
+    }
+
+    /// The blocks' sums added in block order.
+    fn total(self) -> Vec<f64> {
+        let mut slots = self
+            .slots
+            .into_iter()
+            .map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()));
+        let mut total = slots.next().unwrap_or_default();
+        for sums in slots {
+            for (t, s) in total.iter_mut().zip(sums) {
+                *t += s;
+            }
+        }
+        total
+    }
+}
+
 /// Squared ReLU, `y = max(x, 0)^2`.
 #[derive(Debug, Clone, Copy)]
 pub struct SquaredRelu;
@@ -100,7 +144,9 @@ impl CustomOp for SquaredReluBackward {
         let two = T::ONE + T::ONE;
         ctx.map_chunks(outputs[0].data_mut(), 1, GRAIN, |start, dx| {
             for ((dx, &g), &x) in dx.iter_mut().zip(&grad[start..]).zip(&x[start..]) {
-                *dx = if x > T::ZERO { two * x * g } else { T::ZERO };
+                // Branch-free (a select the compiler vectorises): 2 relu(x) g.
+                let r = if x > T::ZERO { x } else { T::ZERO };
+                *dx = two * r * g;
             }
         });
         Ok(())
@@ -233,8 +279,12 @@ impl CustomOp for RmsNormBackward {
         if d == 0 {
             return Ok(());
         }
-        // grad_x row by row, in parallel.
-        ctx.map_chunks(grad_x[0].data_mut(), d, rows_per_task(d), |start, dx| {
+        // grad_x row by row, in parallel, and each block's share of
+        // grad_weight in the same pass, added in block order after it.
+        let rows = rows_per_task(d);
+        let partial = BlockSums::new(x.len(), rows * d, d);
+        ctx.map_chunks(grad_x[0].data_mut(), d, rows, |start, dx| {
+            let mut dw = vec![0.0f64; d];
             for ((dx, x), g) in dx
                 .chunks_exact_mut(d)
                 .zip(x[start..].chunks_exact(d))
@@ -248,20 +298,15 @@ impl CustomOp for RmsNormBackward {
                     .map(|((&g, &x), &w)| g.to_f64() * w.to_f64() * x.to_f64())
                     .sum();
                 let c = r * r * r / d as f64 * dot;
-                for (((dx, &g), &x), &w) in dx.iter_mut().zip(g).zip(x).zip(w) {
-                    *dx = T::from_f64(r * g.to_f64() * w.to_f64() - c * x.to_f64());
+                for ((((dx, &g), &x), &w), dw) in dx.iter_mut().zip(g).zip(x).zip(w).zip(&mut dw) {
+                    let (g, x) = (g.to_f64(), x.to_f64());
+                    *dx = T::from_f64(r * g * w.to_f64() - c * x);
+                    *dw += g * x * r;
                 }
             }
+            partial.store(start, dw);
         });
-        // grad_weight sums over rows: one pass in row order, so the result does
-        // not depend on the number of threads.
-        let mut sums = vec![0.0f64; d];
-        for (x, g) in x.chunks_exact(d).zip(grad.chunks_exact(d)) {
-            let r = inverse_rms(x, eps);
-            for ((s, &g), &x) in sums.iter_mut().zip(g).zip(x) {
-                *s += g.to_f64() * x.to_f64() * r;
-            }
-        }
+        let sums = partial.total();
         for (dw, s) in grad_w[0].data_mut().iter_mut().zip(sums) {
             *dw = T::from_f64(s);
         }
@@ -321,7 +366,7 @@ impl CustomOp for Swish {
 
 /// The gradient of [`Swish`]: `(grad, x, beta) -> (grad_x, grad_beta)`, with
 /// `s = sigmoid(beta x)`: `grad_x = grad (s + beta x s (1 - s))`,
-/// `grad_beta = sum(grad x^2 s (1 - s))` (computed and accumulated in f64, in order).
+/// `grad_beta = sum(grad x^2 s (1 - s))` (accumulated in f64, in a fixed order).
 #[derive(Debug, Clone, Copy)]
 pub struct SwishBackward;
 
@@ -349,24 +394,24 @@ impl CustomOp for SwishBackward {
     ) -> Result<(), OpError> {
         let (grad, x, beta) = (inputs[0].data(), inputs[1].data(), inputs[2].data()[0]);
         let (grad_x, grad_beta) = outputs.split_at_mut(1);
+        // With e = exp(-beta x): s = 1 / (1 + e) and s (1 - s) = e s^2, which
+        // keeps its relative precision where 1 - s would cancel. grad_beta's
+        // terms have both signs and cancel in the sum: they are taken in f64,
+        // per block, and the blocks added in order.
+        let partial = BlockSums::new(x.len(), GRAIN, 1);
         ctx.map_chunks(grad_x[0].data_mut(), 1, GRAIN, |start, dx| {
+            let mut sum = 0.0f64;
             for ((dx, &g), &x) in dx.iter_mut().zip(&grad[start..]).zip(&x[start..]) {
-                let s = sigmoid(beta * x);
-                *dx = g * (s + beta * x * s * (T::ONE - s));
+                let e = (-(beta * x)).exp();
+                let s = T::ONE / (T::ONE + e);
+                let ds = e * s * s;
+                *dx = g * (s + beta * x * ds);
+                let x64 = x.to_f64();
+                sum += g.to_f64() * x64 * x64 * ds.to_f64();
             }
+            partial.store(start, vec![sum]);
         });
-        // The terms have both signs and cancel: each is computed in f64 too,
-        // or the f32 rounding of the terms dominates the sum's error.
-        let b = beta.to_f64();
-        let sum: f64 = grad
-            .iter()
-            .zip(x)
-            .map(|(&g, &x)| {
-                let (g, x) = (g.to_f64(), x.to_f64());
-                let s = sigmoid(b * x);
-                g * x * x * s * (1.0 - s)
-            })
-            .sum();
+        let sum = partial.total().first().copied().unwrap_or(0.0);
         grad_beta[0].data_mut()[0] = T::from_f64(sum);
         Ok(())
     }

@@ -361,7 +361,14 @@ fn tensorflow_gradients_match_finite_differences_in_float64() {
 #[test]
 fn torch_and_tensorflow_agree_bitwise_in_float32() {
     register();
-    for (op, shapes) in CASES {
+    // Also inputs large enough that both engines split the work across threads
+    // (libtorch's pool, Kiln's on TensorFlow) and the sums over blocks.
+    let large: [(&str, &[&[i64]]); 3] = [
+        ("squared_relu", &[&[70, 1000]]),
+        ("rms_norm", &[&[70, 1000], &[1000]]),
+        ("swish", &[&[70, 1000], &[1]]),
+    ];
+    for (op, shapes) in CASES.into_iter().chain(large) {
         let data = inputs(op, shapes);
         let torch = torch_run(op, &data, Kind::Float, true);
         let tf = tf_run::<f32>(op, &data, true, true, |v| v as f32);

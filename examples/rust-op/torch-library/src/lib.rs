@@ -1,6 +1,6 @@
-//! The example's ops written in Rust (`../../src/ops.rs`: squared ReLU and a
-//! fused RMSNorm, each with its gradient op) as a shared library for Python's
-//! torch: loading it registers them in libtorch.
+//! The example's ops written in Rust (`../../src/ops.rs`: squared ReLU, a fused
+//! RMSNorm and Swish-β, each with its gradient op) as a shared library for
+//! Python's torch: loading it registers them in libtorch.
 //!
 //! ```python
 //! import torch
@@ -11,7 +11,6 @@
 //! Build it with `cargo build --release -p kiln-example-rust-op-torch`.
 
 #[path = "../../src/ops.rs"]
-#[allow(dead_code)] // the Python library registers two of the file's three ops
 mod ops;
 
 kiln_torch_op::torch_library!(
@@ -19,4 +18,6 @@ kiln_torch_op::torch_library!(
     ops::SquaredReluBackward,
     ops::RmsNorm,
     ops::RmsNormBackward,
+    ops::Swish,
+    ops::SwishBackward,
 );
