@@ -26,7 +26,13 @@ pub const VARIANTS: [&str; 5] = [
 ];
 
 /// The ops, in table order.
-const OPS: [&str; 5] = ["bias_gelu", "softmax_xent", "swish", "squared_relu", "rms_norm"];
+const OPS: [&str; 5] = [
+    "bias_gelu",
+    "softmax_xent",
+    "swish",
+    "squared_relu",
+    "rms_norm",
+];
 
 /// Calls per timed repeat of each op (forward and backward).
 pub const CALLS: usize = 50;
@@ -107,7 +113,8 @@ pub fn run(a: &TaskArgs, kernels: Kernels) -> Result<Value> {
                 ("rms_norm", Kernels::Rust) => rust("rms_norm", &[&x, &weight], &rms_attrs)?,
                 ("rms_norm", Kernels::Composed) => {
                     let ms = x.f_square()?.f_mean_dim(-1, true, Kind::Float)?;
-                    x.f_mul(&ms.f_add_scalar(RMS_EPS)?.f_rsqrt()?)?.f_mul(&weight)?
+                    x.f_mul(&ms.f_add_scalar(RMS_EPS)?.f_rsqrt()?)?
+                        .f_mul(&weight)?
                 }
                 // This kind of kernel does not exist for this op.
                 _ => return Ok(None),

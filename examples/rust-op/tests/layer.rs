@@ -176,7 +176,10 @@ fn a_config_file_names_the_ops_and_their_attributes() {
         .to_string();
     assert!(err.contains("epsilon"), "{err}");
     let tf_err = TfBackend::build_model(&layer, Device::Cpu)
-        .and_then(|m| m.forward(&TfTensor::from_host(&data().0).unwrap()).map(|_| ()))
+        .and_then(|m| {
+            m.forward(&TfTensor::from_host(&data().0).unwrap())
+                .map(|_| ())
+        })
         .unwrap_err()
         .display_chain()
         .to_string();

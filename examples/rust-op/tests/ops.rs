@@ -104,7 +104,9 @@ fn torch_run(op: &str, data: &[(Vec<f64>, Vec<i64>)], kind: Kind, rust: bool) ->
         .reshape(data[0].1.as_slice())
         .to_kind(kind);
     (&y * p).sum(kind).backward();
-    let flat = |t: &Tensor| Vec::<f64>::try_from(&t.detach().flatten(0, -1).to_kind(Kind::Double)).unwrap();
+    let flat = |t: &Tensor| {
+        Vec::<f64>::try_from(&t.detach().flatten(0, -1).to_kind(Kind::Double)).unwrap()
+    };
     std::iter::once(flat(&y))
         .chain(x.iter().map(|t| flat(&t.grad())))
         .collect()
@@ -122,7 +124,13 @@ fn rounded_to_f32(data: Vec<(Vec<f64>, Vec<i64>)>) -> Vec<(Vec<f64>, Vec<i64>)> 
 /// (1e-6 of the scale), and prints how far the float32 composition is: the
 /// float32 composition rounds sums of hundreds of terms in float32 (libtorch's
 /// Swish `beta` gradient is 1.1e-6 off), where the kernels sum in f64.
-fn check_float32(engine: &str, op: &str, rust: &[Vec<f64>], composed: &[Vec<f64>], exact: &[Vec<f64>]) {
+fn check_float32(
+    engine: &str,
+    op: &str,
+    rust: &[Vec<f64>],
+    composed: &[Vec<f64>],
+    exact: &[Vec<f64>],
+) {
     for (k, ((r, c), e)) in rust.iter().zip(composed).zip(exact).enumerate() {
         let d = max_rel_diff(r, e);
         eprintln!(
@@ -161,9 +169,8 @@ fn finite_differences(
     forward: impl Fn(&[(Vec<f64>, Vec<i64>)]) -> Vec<f64>,
 ) -> Vec<Vec<f64>> {
     let p = probe(&data[0].1);
-    let loss = |d: &[(Vec<f64>, Vec<i64>)]| -> f64 {
-        forward(d).iter().zip(&p).map(|(y, p)| y * p).sum()
-    };
+    let loss =
+        |d: &[(Vec<f64>, Vec<i64>)]| -> f64 { forward(d).iter().zip(&p).map(|(y, p)| y * p).sum() };
     let h = 1e-6;
     (0..data.len())
         .map(|k| {
@@ -192,13 +199,16 @@ fn torch_gradients_match_finite_differences_in_float64() {
         };
         let data = inputs(op, shapes);
         let analytic = torch_run(op, &data, Kind::Double, true);
-        let numeric = finite_differences(&data, |d| {
-            tch::no_grad(|| torch_run_forward(op, d))
-        });
+        let numeric = finite_differences(&data, |d| tch::no_grad(|| torch_run_forward(op, d)));
         for (k, (a, n)) in analytic[1..].iter().zip(&numeric).enumerate() {
             let d = max_rel_diff(a, n);
-            eprintln!("torch {op} gradient {k}: max relative difference from finite differences {d:.2e}");
-            assert!(d < 1e-7, "torch {op}: gradient of input {k} is off by {d:e}");
+            eprintln!(
+                "torch {op} gradient {k}: max relative difference from finite differences {d:.2e}"
+            );
+            assert!(
+                d < 1e-7,
+                "torch {op}: gradient of input {k} is off by {d:e}"
+            );
         }
     }
 }
@@ -289,7 +299,12 @@ fn tf_run<T: TensorType + Copy + Into<f64>>(
         tf_composed::<T>(&mut graph, op, &x, cast(EPS))
     };
     let p = placeholder(&mut graph, "probe", T::data_type());
-    let weighted = node(&mut graph, "Mul", "weighted", &[y.clone(), p.clone().into()]);
+    let weighted = node(
+        &mut graph,
+        "Mul",
+        "weighted",
+        &[y.clone(), p.clone().into()],
+    );
     let grads: Vec<Output> = if with_gradients {
         graph
             .add_gradients(None, &[weighted], &x, None)
@@ -321,7 +336,13 @@ fn tf_run<T: TensorType + Copy + Into<f64>>(
     session.run(&mut args).unwrap();
     tokens
         .into_iter()
-        .map(|t| args.fetch::<T>(t).unwrap().iter().map(|&v| v.into()).collect())
+        .map(|t| {
+            args.fetch::<T>(t)
+                .unwrap()
+                .iter()
+                .map(|&v| v.into())
+                .collect()
+        })
         .collect()
 }
 
@@ -348,12 +369,16 @@ fn tensorflow_gradients_match_finite_differences_in_float64() {
         };
         let data = inputs(op, shapes);
         let analytic = tf_run::<f64>(op, &data, true, true, |v| v);
-        let numeric =
-            finite_differences(&data, |d| tf_run::<f64>(op, d, true, false, |v| v).remove(0));
+        let numeric = finite_differences(&data, |d| {
+            tf_run::<f64>(op, d, true, false, |v| v).remove(0)
+        });
         for (k, (a, n)) in analytic[1..].iter().zip(&numeric).enumerate() {
             let d = max_rel_diff(a, n);
             eprintln!("TensorFlow {op} gradient {k}: max relative difference from finite differences {d:.2e}");
-            assert!(d < 1e-7, "TensorFlow {op}: gradient of input {k} is off by {d:e}");
+            assert!(
+                d < 1e-7,
+                "TensorFlow {op}: gradient of input {k} is off by {d:e}"
+            );
         }
     }
 }
@@ -375,7 +400,10 @@ fn torch_and_tensorflow_agree_bitwise_in_float32() {
         for (k, (a, b)) in torch.iter().zip(&tf).enumerate() {
             let a: Vec<u32> = a.iter().map(|&v| (v as f32).to_bits()).collect();
             let b: Vec<u32> = b.iter().map(|&v| (v as f32).to_bits()).collect();
-            assert!(a == b, "{op}: output {k} differs between torch and TensorFlow");
+            assert!(
+                a == b,
+                "{op}: output {k} differs between torch and TensorFlow"
+            );
         }
     }
 }
@@ -383,9 +411,6 @@ fn torch_and_tensorflow_agree_bitwise_in_float32() {
 #[test]
 fn the_default_eps_is_the_schemas() {
     let schema = RmsNorm::schema();
-    assert_eq!(
-        Attrs::defaults(&schema).float("eps").unwrap(),
-        RMS_NORM_EPS
-    );
+    assert_eq!(Attrs::defaults(&schema).float("eps").unwrap(), RMS_NORM_EPS);
     assert!(schema.torch_schema().contains("float eps=1e-06"));
 }

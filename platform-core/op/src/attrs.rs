@@ -98,9 +98,7 @@ impl Attrs {
             .values
             .iter_mut()
             .find(|(n, _)| n == name)
-            .ok_or_else(|| {
-                OpError::new(format!("no attribute `{name}`; the op has [{names}]"))
-            })?;
+            .ok_or_else(|| OpError::new(format!("no attribute `{name}`; the op has [{names}]")))?;
         if slot.1.kind() != value.kind() {
             return Err(OpError::new(format!(
                 "attribute `{name}` is {}, got a {} value",

@@ -129,7 +129,9 @@ pub fn infer_shapes<O: CustomOp>(inputs: &[&[i64]], attrs: &Attrs) -> Result<Vec
             schema.inputs.join(", ")
         )));
     }
-    let shapes = catch_panic(&schema, "shape function", || O::output_shapes(inputs, attrs))?;
+    let shapes = catch_panic(&schema, "shape function", || {
+        O::output_shapes(inputs, attrs)
+    })?;
     if shapes.len() != schema.outputs.len() {
         return Err(OpError::new(format!(
             "{}: the shape function returned {} shapes, the op declares {} outputs",
@@ -169,7 +171,9 @@ pub fn run<O: CustomOp, T: Float>(
             schema.outputs.len()
         )));
     }
-    catch_panic(&schema, "kernel", || O::compute(inputs, outputs, attrs, ctx))
+    catch_panic(&schema, "kernel", || {
+        O::compute(inputs, outputs, attrs, ctx)
+    })
 }
 
 /// Calls `f`, turning a panic into [`OpError::Panic`].
@@ -268,18 +272,31 @@ mod tests {
         .unwrap_err();
         let text = err.to_string();
         assert!(matches!(err, OpError::Panic { .. }), "{text}");
-        assert!(text.contains("t::scale") && text.contains("index out of bounds"), "{text}");
+        assert!(
+            text.contains("t::scale") && text.contains("index out of bounds"),
+            "{text}"
+        );
 
-        let err = infer_shapes::<Scale>(&[&[]], &attrs).unwrap_err().to_string();
-        assert!(err.contains("shape function panicked: scalar input"), "{err}");
+        let err = infer_shapes::<Scale>(&[&[]], &attrs)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shape function panicked: scalar input"),
+            "{err}"
+        );
     }
 
     #[test]
     fn checks_counts_and_shapes() {
         let attrs = Attrs::defaults(&Scale::schema());
-        let err = infer_shapes::<Scale>(&[&[2], &[3]], &attrs).unwrap_err().to_string();
+        let err = infer_shapes::<Scale>(&[&[2], &[3]], &attrs)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("got 2 inputs, expected 1 (x)"), "{err}");
-        assert_eq!(infer_shapes::<Scale>(&[&[-1, 4]], &attrs).unwrap(), [vec![-1, 4]]);
+        assert_eq!(
+            infer_shapes::<Scale>(&[&[-1, 4]], &attrs).unwrap(),
+            [vec![-1, 4]]
+        );
         assert!(TensorRef::new(&[1.0_f32; 3], &[2, 2]).is_err());
     }
 }

@@ -145,7 +145,10 @@ mod tests {
                     v.fetch_add(1, Ordering::Relaxed);
                 }
             });
-            assert!(seen.iter().all(|v| v.load(Ordering::Relaxed) == 1), "{len} {grain}");
+            assert!(
+                seen.iter().all(|v| v.load(Ordering::Relaxed) == 1),
+                "{len} {grain}"
+            );
         }
     }
 

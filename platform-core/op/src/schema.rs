@@ -286,7 +286,13 @@ mod tests {
 
     #[test]
     fn floats_print_as_both_parsers_read_them() {
-        for (v, text) in [(1e-6, "1e-06"), (1.0, "1.0"), (0.5, "5e-01"), (-2.5, "-2.5"), (1e10, "1e10")] {
+        for (v, text) in [
+            (1e-6, "1e-06"),
+            (1.0, "1.0"),
+            (0.5, "5e-01"),
+            (-2.5, "-2.5"),
+            (1e10, "1e10"),
+        ] {
             assert_eq!(format_float(v), text);
             assert_eq!(format_float(v).parse::<f64>().unwrap(), v);
         }
@@ -300,7 +306,10 @@ mod tests {
             .output("b")
             .attr("k", AttrValue::Int(3))
             .attr("flag", AttrValue::Bool(true));
-        assert_eq!(s.torch_schema(), "two_out(Tensor x, int k=3, bool flag=True) -> (Tensor, Tensor)");
+        assert_eq!(
+            s.torch_schema(),
+            "two_out(Tensor x, int k=3, bool flag=True) -> (Tensor, Tensor)"
+        );
         assert_eq!(s.tf_op_name(), "NsTwoOut");
         s.validate().unwrap();
     }
@@ -308,9 +317,17 @@ mod tests {
     #[test]
     fn validation_names_the_problem() {
         let bad = OpSchema::new("ns", "Op").input("x").output("y");
-        assert!(bad.validate().unwrap_err().to_string().contains("the name `Op`"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("the name `Op`"));
         let dup = OpSchema::new("ns", "op").input("x").output("x");
-        assert!(dup.validate().unwrap_err().to_string().contains("`x` is used twice"));
+        assert!(dup
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("`x` is used twice"));
         let none = OpSchema::new("ns", "op").output("y");
         assert!(none.validate().is_err());
     }
