@@ -91,6 +91,54 @@ impl Attrs {
         }
     }
 
+    /// The schema's attributes with some set from numbers, as a model file
+    /// gives them (every attribute a number): a float as is, an int when
+    /// integral, a bool as 0 or 1. The others keep their defaults.
+    ///
+    /// An unknown name, or a number its type cannot hold, is an error returned
+    /// with the attribute's name.
+    ///
+    /// ```
+    /// use kiln_op::{AttrValue, Attrs, OpSchema};
+    ///
+    /// let schema = OpSchema::new("ns", "op").input("x").output("y").attr("k", AttrValue::Int(3));
+    /// let attrs = Attrs::from_numbers(&schema, [("k", 5.0)]).unwrap();
+    /// assert_eq!(attrs.int("k").unwrap(), 5);
+    /// let (name, err) = Attrs::from_numbers(&schema, [("k", 1.5)]).unwrap_err();
+    /// assert_eq!(name, "k");
+    /// assert!(err.to_string().contains("not a valid int"));
+    /// ```
+    pub fn from_numbers<'a>(
+        schema: &OpSchema,
+        numbers: impl IntoIterator<Item = (&'a str, f64)>,
+    ) -> Result<Attrs, (String, OpError)> {
+        let mut attrs = Attrs::defaults(schema);
+        for (name, number) in numbers {
+            let fail = |message: String| (name.to_owned(), OpError::new(message));
+            let def = schema
+                .attrs
+                .iter()
+                .find(|a| a.name == name)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = schema.attrs.iter().map(|a| a.name.as_str()).collect();
+                    fail(format!(
+                        "`{}` has no attribute `{name}`; it has {names:?}",
+                        schema.qualified_name()
+                    ))
+                })?;
+            let kind = def.default.kind();
+            let value = AttrValue::from_number(kind, number).ok_or_else(|| {
+                fail(format!(
+                    "expected a value of kind {kind}, got {number}: not a valid {kind} (an int \
+                     must be integral, a bool 0 or 1)",
+                    kind = kind.name()
+                ))
+            })?;
+            attrs.set(name, value).map_err(|e| (name.to_owned(), e))?;
+        }
+        Ok(attrs)
+    }
+
     /// Sets `name`, which must exist with `value`'s type.
     pub fn set(&mut self, name: &str, value: AttrValue) -> Result<(), OpError> {
         let names = self.names();

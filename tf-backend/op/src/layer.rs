@@ -2,7 +2,7 @@
 //! of a [`TfModel`](kiln_tf::TfModel).
 
 use kiln_core::{model::CustomConfig, Error, Result};
-use kiln_op::{AttrValue, Attrs, CustomOp, OpSchema};
+use kiln_op::{Attrs, CustomOp, OpSchema};
 
 use crate::{add_op, registry};
 
@@ -64,36 +64,15 @@ fn check_params(schema: &OpSchema, config: &CustomConfig) -> Result<()> {
 
 /// The layer's attributes over the op's defaults.
 pub(crate) fn layer_attrs(schema: &OpSchema, config: &CustomConfig) -> Result<Attrs> {
-    let mut attrs = Attrs::defaults(schema);
-    for (name, &value) in &config.attrs {
-        let key = format!("{}.attrs.{name}", config.op);
-        let Some(def) = schema.attrs.iter().find(|a| &a.name == name) else {
-            let names: Vec<&str> = schema.attrs.iter().map(|a| a.name.as_str()).collect();
-            return Err(Error::invalid_argument(
-                key,
-                format!("the op has no attribute `{name}`; it has {names:?}"),
-            ));
-        };
-        let kind = def.default.kind();
-        let parsed = AttrValue::from_number(kind, value).ok_or_else(|| {
-            Error::invalid_argument(
-                key.clone(),
-                format!(
-                    "{value} is not a valid {} (an int must be integral, a bool 0 or 1)",
-                    kind.name()
-                ),
-            )
-        })?;
-        attrs
-            .set(name, parsed)
-            .map_err(|e| Error::invalid_argument(key, e.to_string()))?;
-    }
-    Ok(attrs)
+    Attrs::from_numbers(schema, config.attrs.iter().map(|(k, &v)| (k.as_str(), v))).map_err(
+        |(key, e)| Error::invalid_argument(format!("{}.attrs.{key}", config.op), e.to_string()),
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiln_op::AttrValue;
 
     fn schema() -> OpSchema {
         OpSchema::new("t", "op")

@@ -151,33 +151,7 @@ fn check_params(schema: &OpSchema, given: usize, config: &CustomConfig) -> Resul
 
 /// The op's attributes with the layer's values set by name.
 fn layer_attrs(schema: &OpSchema, config: &CustomConfig) -> Result<Attrs> {
-    let mut attrs = Attrs::defaults(schema);
-    for (key, &number) in &config.attrs {
-        let field = format!("{}.attrs.{key}", config.op);
-        let def = schema
-            .attrs
-            .iter()
-            .find(|a| &a.name == key)
-            .ok_or_else(|| {
-                let names: Vec<&str> = schema.attrs.iter().map(|a| a.name.as_str()).collect();
-                Error::invalid_argument(
-                    &field,
-                    format!(
-                        "`{}` has no attribute `{key}`; it has {names:?}",
-                        schema.qualified_name()
-                    ),
-                )
-            })?;
-        let kind = def.default.kind();
-        let value = AttrValue::from_number(kind, number).ok_or_else(|| {
-            Error::invalid_argument(
-                &field,
-                format!("expected a value of kind {}, got {number}", kind.name()),
-            )
-        })?;
-        attrs
-            .set(key, value)
-            .map_err(|e| Error::invalid_argument(&field, e.to_string()))?;
-    }
-    Ok(attrs)
+    Attrs::from_numbers(schema, config.attrs.iter().map(|(k, &v)| (k.as_str(), v))).map_err(
+        |(key, e)| Error::invalid_argument(format!("{}.attrs.{key}", config.op), e.to_string()),
+    )
 }
