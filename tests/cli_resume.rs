@@ -218,12 +218,13 @@ fn inspect_eval_predict_and_config_errors() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("config.toml"));
 }
 
-/// `--precision` (or `[training] precision`): bf16-mixed and bf16-true train to
-/// the accuracy float32 reaches here, `eval` of the run's checkpoint
-/// uses the run's precision (its written config), and the weights are stored in
-/// the precision's parameter dtype. The TensorFlow backend refuses both by name.
+/// `--precision` (or `[training] precision`): bf16-mixed, bf16-true, 16-mixed
+/// (with loss scaling: its scale is in the checkpoint) and 16-true train to the
+/// accuracy float32 reaches here, `eval` of the run's checkpoint uses the run's
+/// precision (its written config), and the weights are stored in the
+/// precision's parameter dtype. The TensorFlow backend refuses them by name.
 #[test]
-fn bf16_precisions_train_and_evaluate() {
+fn half_precisions_train_and_evaluate() {
     let _serial = serial();
     if !digits_available() {
         return;
@@ -231,8 +232,28 @@ fn bf16_precisions_train_and_evaluate() {
     let dir = scratch("precision");
     let cfg = config(&dir, 0);
     let cfg = cfg.to_str().unwrap();
-    for (precision, dtype) in [("bf16-mixed", "float32"), ("bf16-true", "bfloat16")] {
+    for (precision, dtype) in [
+        ("bf16-mixed", "float32"),
+        ("bf16-true", "bfloat16"),
+        ("16-mixed", "float32"),
+        ("16-true", "float16"),
+    ] {
         let out = dir.join(precision);
+        // Adam's default eps (1e-8) is 0 in float16, where 16-true keeps Adam's
+        // state: such a run needs a larger one, as in PyTorch.
+        let eps_cfg = dir.join("config-eps.toml");
+        std::fs::write(
+            &eps_cfg,
+            std::fs::read_to_string(cfg)
+                .unwrap()
+                .replace("lr = 0.003", "lr = 0.003\neps = 1e-4"),
+        )
+        .unwrap();
+        let cfg = if precision == "16-true" {
+            eps_cfg.to_str().unwrap()
+        } else {
+            cfg
+        };
         let stdout = train(cfg, &out, &["--epochs", "2", "--precision", precision]);
         assert!(
             stdout.contains(&format!("on cpu in {precision}")),
@@ -252,31 +273,38 @@ fn bf16_precisions_train_and_evaluate() {
             .find(|l| l.contains("model.0.weight"))
             .unwrap_or_else(|| panic!("{table}"));
         assert!(row.contains(dtype), "{precision}: {row}");
+        assert_eq!(
+            table.contains("grad_scaler.scale"),
+            precision == "16-mixed",
+            "{precision}: only 16-mixed checkpoints hold a loss scale: {table}"
+        );
 
         let (accuracy, metrics) = eval_accuracy(&run_config, &last);
         assert!(accuracy > 0.8, "{precision}: {metrics}");
     }
 
-    let out = Command::new(KILN)
-        .args([
-            "train",
-            "--config",
-            cfg,
-            "--backend",
-            "tensorflow",
-            "--precision",
-            "bf16-mixed",
-            "--output",
-            dir.join("tf").to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("bf16-mixed") && err.contains("torch backend"),
-        "{err}"
-    );
+    for precision in ["bf16-mixed", "16-mixed", "16-true"] {
+        let out = Command::new(KILN)
+            .args([
+                "train",
+                "--config",
+                cfg,
+                "--backend",
+                "tensorflow",
+                "--precision",
+                precision,
+                "--output",
+                dir.join(format!("tf-{precision}")).to_str().unwrap(),
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains(precision) && err.contains("torch backend"),
+            "{err}"
+        );
+    }
 
     let out = Command::new(KILN)
         .args(["train", "--config", cfg, "--precision", "fp8"])

@@ -17,8 +17,8 @@ use kiln::data::{InMemoryDataset, SequentialLoader};
 use kiln::prelude::*;
 use kiln::torch::TorchBackend as B;
 use kiln::train::{
-    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, MonitorMode, Trainer, TrainerConfig,
-    TrainingState,
+    Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, LossReads, MonitorMode, Trainer,
+    TrainerConfig, TrainingState,
 };
 
 /// libtorch's generator is global and the trainer reseeds it every step: tests in
@@ -152,6 +152,81 @@ fn a_nan_loss_stops_training_at_its_step_and_keeps_the_checkpoints() {
         .all(|(_, t)| t.to_f64_vec().iter().all(|v| v.is_finite())));
 }
 
+/// Reading the losses only when they are logged (what CUDA does by default)
+/// trains exactly as reading every step, with the same epoch losses and logged
+/// rows; a NaN loss is still reported with its step, at the next read (here the
+/// end of the epoch), and no checkpoint is written after it.
+#[test]
+fn deferred_loss_reads_train_the_same_and_still_report_a_nan() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-deferred-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = TrainerConfig {
+        epochs: 3,
+        log_every: 3,
+        ..TrainerConfig::default()
+    };
+    let mut runs = Vec::new();
+    for reads in [LossReads::EveryStep, LossReads::WhenLogged] {
+        let mut s = state(4);
+        let trainer = Trainer::<B>::new(config.clone(), Loss::mse())
+            .unwrap()
+            .with_loss_reads(reads);
+        assert_eq!(trainer.loss_reads(), reads);
+        let mut trainer = trainer;
+        let history = trainer.fit(&mut s, &loader(16, None), None).unwrap();
+        runs.push((history.series("loss"), s.model.state_dict().unwrap()));
+    }
+    assert_eq!(runs[0], runs[1], "the same losses and weights either way");
+    // A callback that needs every step's loss turns deferral off.
+    let trainer = Trainer::<B>::new(config.clone(), Loss::mse())
+        .unwrap()
+        .with_loss_reads(LossReads::WhenLogged)
+        .with_callback(EveryLoss(Vec::new()));
+    assert_eq!(trainer.loss_reads(), LossReads::EveryStep);
+
+    let policy = CheckpointPolicy {
+        every_n_steps: Some(2),
+        every_n_epochs: None,
+        ..CheckpointPolicy::default()
+    };
+    let mut trainer = Trainer::<B>::new(
+        TrainerConfig {
+            log_every: 0,
+            ..config
+        },
+        Loss::mse(),
+    )
+    .unwrap()
+    .with_loss_reads(LossReads::WhenLogged)
+    .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()));
+    let mut s = state(2);
+    // Row 40 is in the third batch of 16: step 3, read before step 4's checkpoint.
+    let err = trainer
+        .fit(&mut s, &loader(16, Some(40)), None)
+        .unwrap_err();
+    match err {
+        Error::NonFiniteLoss { step, value } => {
+            assert_eq!(step, 3);
+            assert!(value.is_nan());
+        }
+        other => panic!("expected NonFiniteLoss, got {other}"),
+    }
+    let last = Checkpoint::load(&Checkpointer::last_path(&dir)).unwrap();
+    assert_eq!(last.step, 2, "no checkpoint after the NaN step");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A callback that records every step's loss.
+struct EveryLoss(Vec<f64>);
+
+impl kiln::train::Callback for EveryLoss {
+    fn on_step_end(&mut self, _step: u64, loss: f64) -> kiln::Result<kiln::train::Flow> {
+        self.0.push(loss);
+        Ok(kiln::train::Flow::Continue)
+    }
+}
+
 #[test]
 fn early_stopping_evaluate_and_predict() {
     let _serial = serial();
@@ -197,13 +272,19 @@ fn resume_from_a_checkpoint_is_bitwise_in_process() {
     resume_is_bitwise(FloatPrecision::F32);
 }
 
-/// The same in bfloat16: mixed precision keeps float32 weights and Adam state
-/// (its forward under autocast), `bf16-true` keeps both in bfloat16, and the
-/// loss still falls.
+/// The same in bfloat16 and float16: mixed precision keeps float32 weights and
+/// Adam state (its forward under autocast; `16-mixed` also its loss scale, which
+/// the checkpoint carries), `bf16-true` and `16-true` keep both in the half type,
+/// and the loss still falls.
 #[test]
-fn bf16_precisions_train_and_resume_bitwise() {
+fn half_precisions_train_and_resume_bitwise() {
     let _serial = serial();
-    for precision in [FloatPrecision::Bf16Mixed, FloatPrecision::Bf16True] {
+    for precision in [
+        FloatPrecision::Bf16Mixed,
+        FloatPrecision::Bf16True,
+        FloatPrecision::F16Mixed,
+        FloatPrecision::F16True,
+    ] {
         let state = resume_is_bitwise(precision);
         let dtype = precision.parameter_dtype();
         for (name, t) in state.model.state_dict().unwrap().iter() {

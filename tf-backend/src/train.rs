@@ -32,13 +32,13 @@ impl TrainBackend for TfBackend {
     }
 
     /// Only `32-true`: TensorFlow's C API has no autocast, and Kiln's TensorFlow
-    /// graphs are float32 (bfloat16 training runs on the torch backend).
+    /// graphs are float32 (bfloat16 and float16 training run on the torch backend).
     fn set_precision(_model: &mut TfModel, precision: FloatPrecision) -> Result<()> {
         match precision {
             FloatPrecision::F32 => Ok(()),
             other => Err(Error::unsupported(format!(
                 "precision {other} on the TensorFlow backend (it trains in 32-true; \
-                 bf16-mixed and bf16-true run on the torch backend)"
+                 bf16-mixed, bf16-true, 16-mixed and 16-true run on the torch backend)"
             ))),
         }
     }

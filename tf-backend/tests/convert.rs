@@ -155,7 +155,12 @@ fn bf16_precisions_are_refused_naming_the_torch_backend() {
     )
     .unwrap();
     kiln_tf::TfBackend::set_precision(&mut model, FloatPrecision::F32).unwrap();
-    for precision in [FloatPrecision::Bf16Mixed, FloatPrecision::Bf16True] {
+    for precision in [
+        FloatPrecision::Bf16Mixed,
+        FloatPrecision::Bf16True,
+        FloatPrecision::F16Mixed,
+        FloatPrecision::F16True,
+    ] {
         let err = kiln_tf::TfBackend::set_precision(&mut model, precision).unwrap_err();
         assert!(matches!(err, Error::Unsupported { .. }), "{err:?}");
         let text = err.to_string();

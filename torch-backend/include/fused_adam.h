@@ -24,9 +24,14 @@ class FusedAdamTensors {
   void push(FusedAdamList list, const at::Tensor& tensor);
   // A 0-dim float32 learning rate, read on the device, instead of hypers.lr.
   void set_lr_tensor(const at::Tensor& lr);
+  // A 1-element float32 flag on the parameters' device: when it is non-zero the
+  // kernel skips the update and the step counts stay as they were (GradScaler's
+  // skipped step, decided on the device).
+  void set_found_inf(const at::Tensor& found_inf);
 
   std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
   std::optional<at::Tensor> lr_tensor;
+  std::optional<at::Tensor> found_inf;
 };
 
 std::unique_ptr<FusedAdamTensors> new_fused_adam_tensors();
@@ -35,5 +40,11 @@ std::unique_ptr<FusedAdamTensors> new_fused_adam_tensors();
 // the lists, without gradient recording. On error, the step counts are put back
 // and the error is rethrown as std::runtime_error.
 void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hypers);
+
+// torch.amp.GradScaler's unscale: multiplies every tensor of the `grads` list by
+// `inv_scale` in place and sets `found_inf` to 1 if any element is inf or NaN
+// (`at::_amp_foreach_non_finite_check_and_unscale_`), without synchronising.
+void non_finite_check_and_unscale(const FusedAdamTensors& tensors, const at::Tensor& found_inf,
+                                  const at::Tensor& inv_scale);
 
 }  // namespace kiln::torch

@@ -227,6 +227,8 @@ impl TorchModel {
     ///   model's last layer), so losses and metrics are computed in float32.
     /// - `bf16-true`: bfloat16 parameters; float inputs are cast to bfloat16 (as
     ///   Lightning's precision plugin does), the output is bfloat16.
+    /// - `16-mixed` and `16-true`: the same with float16; `16-mixed` optimizers
+    ///   scale the loss ([`TorchOptimizer::set_loss_scaling`](crate::TorchOptimizer::set_loss_scaling)).
     /// - `32-true`: float32 throughout (the default).
     ///
     /// Build optimizers after this: they hold the parameters they update.
@@ -669,7 +671,11 @@ impl Module<TorchBackend> for TorchModel {
                 cast = cast_float(input, Kind::BFloat16, "casting the input to bfloat16")?;
                 &cast
             }
-            FloatPrecision::F32 | FloatPrecision::Bf16Mixed => input,
+            FloatPrecision::F16True => {
+                cast = cast_float(input, Kind::Half, "casting the input to float16")?;
+                &cast
+            }
+            FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
         };
         self.check_input(input)?;
         let run = || {

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::{Backend, EagerBackend, StepPlan, TrainBackend, Trainable},
+    backend::{Backend, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable},
     distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
     module::Module,
     optim::{GradClip, OptimizerConfig, ParamGroup},
-    precision::FloatPrecision,
+    precision::{FloatPrecision, LossScaling},
     Device, Error, HostTensor, Result,
 };
 use tch::Tensor;
@@ -22,7 +22,7 @@ use crate::error::torch_error;
 use crate::freeze::Freeze;
 use crate::loss::compute_loss;
 use crate::model::TorchModel;
-use crate::optim::{clip_grad_norm, clip_grad_value, TorchOptimizer};
+use crate::optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
 use crate::script::ScriptModule;
 
 impl TrainBackend for TorchBackend {
@@ -120,12 +120,18 @@ pub(crate) fn optimizer_over<M: Module<TorchBackend> + ?Sized>(
 impl Trainable<TorchBackend> for TorchModel {
     type Optim = TorchOptimizer;
 
+    /// The optimizer over the trainable parameters; in `16-mixed`, with loss
+    /// scaling on ([`TorchOptimizer::set_loss_scaling`], `GradScaler`'s defaults).
     fn build_optimizer(
         &self,
         config: &OptimizerConfig,
         groups: &[ParamGroup],
     ) -> Result<TorchOptimizer> {
-        optimizer_over(self, config, groups)
+        let mut optimizer = optimizer_over(self, config, groups)?;
+        if self.precision().scales_loss() {
+            optimizer.set_loss_scaling(Some(LossScaling::default()))?;
+        }
+        Ok(optimizer)
     }
 
     fn num_trainable_parameters(&self) -> Result<usize> {
@@ -147,7 +153,26 @@ impl Trainable<TorchBackend> for TorchModel {
     ) -> Result<f64> {
         match self.distributed().cloned() {
             Some(ddp) => data_parallel_step(&ddp, self, optimizer, inputs, targets, plan),
-            None => TorchBackend::eager_train_step(self, optimizer, inputs, targets, plan),
+            None => {
+                eager_step(self, optimizer, inputs, targets, plan, false)?.value::<TorchBackend>()
+            }
+        }
+    }
+
+    /// [`eager_step`] without reading the loss back (data-parallel training
+    /// reads it: the ranks average it).
+    fn train_step_deferred(
+        &mut self,
+        optimizer: &mut TorchOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<StepLoss<Tensor>> {
+        match self.distributed().cloned() {
+            Some(ddp) => {
+                data_parallel_step(&ddp, self, optimizer, inputs, targets, plan).map(StepLoss::Host)
+            }
+            None => eager_step(self, optimizer, inputs, targets, plan, true),
         }
     }
 
@@ -199,7 +224,18 @@ macro_rules! eager_trainable {
                 targets: &Tensor,
                 plan: &StepPlan<'_>,
             ) -> Result<f64> {
-                TorchBackend::eager_train_step(self, optimizer, inputs, targets, plan)
+                eager_step(self, optimizer, inputs, targets, plan, false)?
+                    .value::<TorchBackend>()
+            }
+
+            fn train_step_deferred(
+                &mut self,
+                optimizer: &mut TorchOptimizer,
+                inputs: &Tensor,
+                targets: &Tensor,
+                plan: &StepPlan<'_>,
+            ) -> Result<StepLoss<Tensor>> {
+                eager_step(self, optimizer, inputs, targets, plan, true)
             }
 
             fn eval_step(
@@ -229,6 +265,78 @@ eager_trainable! {
     Box<dyn Module<TorchBackend> + Send>;
 }
 
+/// One training micro-batch of a torch module, op by op: forward, loss, the
+/// backward pass of the loss times `plan.scale` and the optimizer's loss scale
+/// (`16-mixed`), and when the micro-batch applies, [`apply_update`].
+///
+/// Unless `deferred`, the loss is read first and a non-finite one returned with
+/// nothing changed ([`Trainable::train_step`]'s contract). When `deferred`,
+/// nothing is read back from the device (clipping included), and the loss comes
+/// back as a detached tensor; only loss scaling's skip decision may read one flag
+/// (see [`TorchOptimizer::set_loss_scaling`]).
+fn eager_step<M: Module<TorchBackend> + ?Sized>(
+    model: &M,
+    optimizer: &mut TorchOptimizer,
+    inputs: &Tensor,
+    targets: &Tensor,
+    plan: &StepPlan<'_>,
+    deferred: bool,
+) -> Result<StepLoss<Tensor>> {
+    let output = model.forward(inputs)?;
+    let loss = TorchBackend::loss(plan.loss, &output, targets)?;
+    let result = if deferred {
+        StepLoss::Device(
+            loss.f_detach()
+                .map_err(|e| torch_error("keeping the loss", e))?,
+        )
+    } else {
+        let value = TorchBackend::item(&loss)?;
+        if !value.is_finite() {
+            return Ok(StepLoss::Host(value));
+        }
+        StepLoss::Host(value)
+    };
+    let scaled = if plan.scale == 1.0 {
+        loss
+    } else {
+        TorchBackend::scale(&loss, plan.scale)?
+    };
+    TorchBackend::backward(&optimizer.scale_loss(&scaled)?)?;
+    if plan.apply {
+        apply_update(model, optimizer, plan.clip, deferred)?;
+    }
+    Ok(result)
+}
+
+/// The end of a micro-batch that applies: under loss scaling the gradients are
+/// unscaled first, so that clipping sees their true values (`scaler.unscale_`
+/// before `clip_grad_norm_`); then clipping (on the device when `on_device`: no
+/// norm read back) and the optimizer step, which under loss scaling skips
+/// inf/NaN gradients and updates the scale.
+fn apply_update<M: Module<TorchBackend> + ?Sized>(
+    model: &M,
+    optimizer: &mut TorchOptimizer,
+    clip: Option<&GradClip>,
+    on_device: bool,
+) -> Result<()> {
+    use kiln_core::optim::Optimizer;
+    if let Some(clip) = clip {
+        optimizer.unscale_gradients()?;
+        let params = model.named_parameters()?;
+        match clip {
+            GradClip::Norm {
+                max_norm,
+                norm_type,
+            } if on_device => {
+                let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+                clip_grad_norm_on_device(&tensors, *max_norm, *norm_type)?;
+            }
+            _ => TorchBackend::clip_gradients(&params, clip)?,
+        }
+    }
+    optimizer.step()
+}
+
 /// [`EagerBackend::eager_train_step`] with DDP's hooks around the forward pass
 /// and the loss averaged over the ranks, which also makes every rank take the
 /// same decision on a non-finite loss. That average runs during the backward
@@ -244,7 +352,6 @@ fn data_parallel_step(
     targets: &Tensor,
     plan: &StepPlan<'_>,
 ) -> Result<f64> {
-    use kiln_core::optim::Optimizer;
     ddp.before_forward(plan.apply)?;
     let output = model.forward(inputs)?;
     let loss = TorchBackend::loss(plan.loss, &output, targets)?;
@@ -254,6 +361,7 @@ fn data_parallel_step(
     } else {
         TorchBackend::scale(&loss, plan.scale)?
     };
+    let scaled = optimizer.scale_loss(&scaled)?;
     ddp.after_forward(&scaled, plan.apply)?;
     TorchBackend::backward(&scaled).map_err(
         |e| {
@@ -269,10 +377,7 @@ fn data_parallel_step(
         return Ok(value);
     }
     if plan.apply {
-        if let Some(clip) = plan.clip {
-            TorchBackend::clip_gradients(&model.named_parameters()?, clip)?;
-        }
-        optimizer.step()?;
+        apply_update(model, optimizer, plan.clip, false)?;
     }
     Ok(value)
 }

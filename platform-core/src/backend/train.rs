@@ -27,6 +27,40 @@ pub struct StepPlan<'a> {
     pub clip: Option<&'a GradClip>,
 }
 
+/// The loss of a training step as [`Trainable::train_step_deferred`] returns it:
+/// already on the host, or still a one-element tensor on the device, read when
+/// the caller needs the number, so that a GPU can run several steps ahead of the
+/// host.
+#[derive(Debug)]
+pub enum StepLoss<T> {
+    /// The value, already read.
+    Host(f64),
+    /// A one-element tensor holding the (unscaled) loss, detached from autograd.
+    Device(T),
+}
+
+impl<T> StepLoss<T> {
+    /// The value: the host's, or one read of the device tensor through `B`.
+    pub fn value<B: Backend<Tensor = T>>(&self) -> Result<f64> {
+        match self {
+            StepLoss::Host(value) => Ok(*value),
+            StepLoss::Device(tensor) => {
+                let host = B::to_host(tensor)?;
+                let value = host
+                    .to_dtype(crate::dtype::DType::F64)
+                    .as_slice::<f64>()?
+                    .first()
+                    .copied();
+                value.ok_or_else(|| Error::ShapeMismatch {
+                    context: "a step's loss".to_owned(),
+                    expected: "one element".to_owned(),
+                    actual: host.shape().to_string(),
+                })
+            }
+        }
+    }
+}
+
 /// A module the `Trainer` (in `kiln-train`) can train: it builds its optimizer
 /// and runs training, evaluation and prediction steps on backend `B`.
 ///
@@ -103,6 +137,27 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         targets: &B::Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64>;
+
+    /// [`train_step`](Self::train_step) without waiting for the loss: an engine
+    /// that runs asynchronously (libtorch on CUDA) returns it as
+    /// [`StepLoss::Device`] and reads nothing back, so the host can queue the next
+    /// step while the device computes this one. The `Trainer` reads the values
+    /// when it logs them, before every checkpoint and at the end of each epoch.
+    ///
+    /// Contract: as `train_step`, except for a non-finite loss, which the step
+    /// does not see: the update is applied (unless loss scaling skips it, see
+    /// `16-mixed`), and the caller finds out when it reads the value. The
+    /// default calls `train_step` and returns [`StepLoss::Host`].
+    fn train_step_deferred(
+        &mut self,
+        optimizer: &mut Self::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<StepLoss<B::Tensor>> {
+        self.train_step(optimizer, inputs, targets, plan)
+            .map(StepLoss::Host)
+    }
 
     /// The loss value and the module's output on one batch, without gradients
     /// (the module's current mode is used; the trainer sets eval mode).

@@ -25,8 +25,8 @@ pub use checkpoint::{
     RunStart, CHECKPOINT_FORMAT, LOCK_FILE,
 };
 pub use learner::{
-    Callback, EarlyStopping, EpochRecord, Flow, ScheduleInterval, Trainer, TrainerConfig,
-    TrainingState,
+    Callback, EarlyStopping, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,
+    TrainerConfig, TrainingState,
 };
 pub use logger::{
     plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,

@@ -3,6 +3,7 @@
 #include "kiln-torch/include/fused_adam.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/_amp_foreach_non_finite_check_and_unscale.h>
 #include <ATen/ops/_foreach_add.h>
 #include <ATen/ops/_foreach_sub.h>
 #include <ATen/ops/_fused_adam.h>
@@ -27,6 +28,8 @@ void FusedAdamTensors::push(FusedAdamList list, const at::Tensor& tensor) {
 
 void FusedAdamTensors::set_lr_tensor(const at::Tensor& lr) { lr_tensor = lr; }
 
+void FusedAdamTensors::set_found_inf(const at::Tensor& flag) { found_inf = flag; }
+
 std::unique_ptr<FusedAdamTensors> new_fused_adam_tensors() {
   return std::make_unique<FusedAdamTensors>();
 }
@@ -49,11 +52,13 @@ void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hyp
         if (hypers.decoupled) {
           at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
                             hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
-                            hypers.amsgrad, /*maximize=*/false);
+                            hypers.amsgrad, /*maximize=*/false, /*grad_scale=*/{},
+                            tensors.found_inf);
         } else {
           at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr,
                            hypers.beta1, hypers.beta2, hypers.weight_decay, hypers.eps,
-                           hypers.amsgrad, /*maximize=*/false);
+                           hypers.amsgrad, /*maximize=*/false, /*grad_scale=*/{},
+                           tensors.found_inf);
         }
       };
       if (tensors.lr_tensor) {
@@ -61,10 +66,24 @@ void fused_adam_step(const FusedAdamTensors& tensors, const FusedAdamHypers& hyp
       } else {
         update(hypers.lr);
       }
+      if (tensors.found_inf) {
+        // As torch.optim's _fused_adam: a skipped step does not count.
+        const std::vector<at::Tensor> flags(steps.size(), *tensors.found_inf);
+        at::_foreach_sub_(steps, flags);
+      }
     } catch (...) {
       at::_foreach_sub_(steps, 1);
       throw;
     }
+  });
+}
+
+void non_finite_check_and_unscale(const FusedAdamTensors& tensors, const at::Tensor& found_inf,
+                                  const at::Tensor& inv_scale) {
+  rethrowing("unscaling the gradients", [&] {
+    const at::NoGradGuard no_grad;
+    at::Tensor flag = found_inf;
+    at::_amp_foreach_non_finite_check_and_unscale_(tensors.grads, flag, inv_scale);
   });
 }
 

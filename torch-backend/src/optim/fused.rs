@@ -56,8 +56,17 @@ mod bridge {
             /// A 0-dim float32 learning rate, read on the device, instead of
             /// `FusedAdamHypers::lr`.
             fn set_lr_tensor(self: Pin<&mut FusedAdamTensors>, lr: &Tensor);
+            /// A 1-element float32 flag: non-zero skips the update on the device.
+            fn set_found_inf(self: Pin<&mut FusedAdamTensors>, found_inf: &Tensor);
 
             fn fused_adam_step(tensors: &FusedAdamTensors, hypers: &FusedAdamHypers) -> Result<()>;
+
+            /// Unscales the `Grads` list by `inv_scale` and flags inf/NaN in `found_inf`.
+            fn non_finite_check_and_unscale(
+                tensors: &FusedAdamTensors,
+                found_inf: &Tensor,
+                inv_scale: &Tensor,
+            ) -> Result<()>;
         }
     }
 }
@@ -73,6 +82,10 @@ pub(crate) struct FusedAdamBatch<'a> {
     pub(crate) exp_avg_sqs: Vec<&'a Tensor>,
     pub(crate) max_exp_avg_sqs: Vec<&'a Tensor>,
     pub(crate) steps: Vec<&'a Tensor>,
+    /// When set, a non-zero value skips the update on the device (and the step
+    /// counts are not advanced), as `torch.optim.Adam(fused=True)` under a
+    /// `GradScaler` does.
+    pub(crate) found_inf: Option<&'a Tensor>,
 }
 
 /// Adds one to every step count of `batch`, then updates its parameters and
@@ -107,5 +120,27 @@ pub(crate) fn fused_adam_step(
     if let Some(lr) = lr_tensor {
         tensors.pin_mut().set_lr_tensor(as_at(lr));
     }
+    if let Some(flag) = batch.found_inf {
+        tensors.pin_mut().set_found_inf(as_at(flag));
+    }
     bridge::ffi::fused_adam_step(&tensors, hypers)
+}
+
+/// `torch._amp_foreach_non_finite_check_and_unscale_`: multiplies every gradient
+/// in `grads` by `inv_scale` (a 1-element float32 tensor on their device) in
+/// place and sets `found_inf` (likewise) to 1 when any element is inf or NaN, all
+/// on the device.
+pub(crate) fn non_finite_check_and_unscale(
+    grads: &[&Tensor],
+    found_inf: &Tensor,
+    inv_scale: &Tensor,
+) -> Result<(), cxx::Exception> {
+    use crate::cxx_tensor::as_at;
+    let mut tensors = bridge::ffi::new_fused_adam_tensors();
+    for grad in grads {
+        tensors
+            .pin_mut()
+            .push(bridge::ffi::FusedAdamList::Grads, as_at(grad));
+    }
+    bridge::ffi::non_finite_check_and_unscale(&tensors, as_at(found_inf), as_at(inv_scale))
 }

@@ -6,6 +6,7 @@ mod adam;
 mod clip;
 mod fused;
 mod rmsprop;
+mod scaler;
 mod sgd;
 
 use std::collections::BTreeMap;
@@ -16,9 +17,10 @@ use kiln_core::{
         save_group_hypers, set_group_learning_rates, GroupHyper, Optimizer, OptimizerConfig,
         ParamGroup,
     },
+    precision::LossScaling,
     state_dict::StateDict,
     state_tensors::{StateTensor, StateTensors},
-    Error, HostTensor, Result,
+    DType, Error, HostTensor, Result,
 };
 use tch::Tensor;
 
@@ -27,6 +29,11 @@ use crate::convert::{dtype_from_kind, to_tch};
 use crate::device::device_from_tch;
 use crate::error::torch_error;
 use fused::{fused_adam_step, FusedAdamBatch, FusedAdamHypers};
+use scaler::GradScaler;
+
+/// State-dict keys of the loss scale (`16-mixed`), beside the optimizer's own.
+const SCALE_KEY: &str = "grad_scaler.scale";
+const GROWTH_TRACKER_KEY: &str = "grad_scaler.growth_tracker";
 
 pub use clip::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value};
 
@@ -101,6 +108,10 @@ pub struct TorchOptimizer {
     /// tch has no other way to drop a gradient, and zeroing it instead costs a
     /// pass over every parameter plus an accumulating add in the next backward.
     grad_reset: tch::COptimizer,
+    /// Dynamic loss scaling (`16-mixed`), if on.
+    scaler: Option<GradScaler>,
+    /// This step's inf/NaN flag, once [`unscale_gradients`](Self::unscale_gradients) ran.
+    found_inf: Option<Tensor>,
 }
 
 impl TorchOptimizer {
@@ -144,7 +155,91 @@ impl TorchOptimizer {
             groups: hypers,
             params: slots,
             grad_reset,
+            scaler: None,
+            found_inf: None,
         })
+    }
+
+    /// Turns dynamic loss scaling on (`16-mixed`, `torch.amp.GradScaler`'s
+    /// algorithm, see [`LossScaling`]) or off (`None`). With it on, the training
+    /// step multiplies the loss by [`scale_loss`](Self::scale_loss) before the
+    /// backward pass, and [`step`](Optimizer::step) divides the gradients by the
+    /// scale (unless [`unscale_gradients`](Self::unscale_gradients) already did,
+    /// for clipping), skips the update when any gradient is inf or NaN, and
+    /// updates the scale. The scale lives on the parameters' device (all must
+    /// share one) and is part of [`state_dict`](Optimizer::state_dict)
+    /// (`grad_scaler.scale`, `grad_scaler.growth_tracker`), so a checkpoint
+    /// resumes it exactly. Turning it on again restarts at `init_scale`.
+    ///
+    /// ```no_run
+    /// use kiln_core::{optim::{AdamConfig, Optimizer, OptimizerConfig}, precision::LossScaling};
+    /// use kiln_torch::TorchOptimizer;
+    ///
+    /// let w = tch::Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
+    /// let mut opt = TorchOptimizer::new(
+    ///     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
+    ///     vec![("w".to_owned(), w.shallow_clone())],
+    ///     &[],
+    /// )?;
+    /// opt.set_loss_scaling(Some(LossScaling::default()))?;
+    /// let loss = (&w - 1.0).square().sum(tch::Kind::Float);
+    /// opt.scale_loss(&loss)?.backward();   // scaler.scale(loss).backward()
+    /// opt.step()?;                         // scaler.step(opt); scaler.update()
+    /// assert_eq!(opt.loss_scale()?, Some(65536.0));
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn set_loss_scaling(&mut self, scaling: Option<LossScaling>) -> Result<()> {
+        self.found_inf = None;
+        let Some(config) = scaling else {
+            self.scaler = None;
+            return Ok(());
+        };
+        let mut devices = self.params.iter().map(|s| s.tensor.device());
+        let device = devices.next().unwrap_or(tch::Device::Cpu);
+        if let Some(other) = devices.find(|d| *d != device) {
+            return Err(Error::unsupported(format!(
+                "loss scaling over parameters on several devices ({device:?} and {other:?}); \
+                 keep the model on one device"
+            )));
+        }
+        self.scaler = Some(GradScaler::new(config, device)?);
+        Ok(())
+    }
+
+    /// The loss scaling settings, when it is on.
+    pub fn loss_scaling(&self) -> Option<&LossScaling> {
+        self.scaler.as_ref().map(GradScaler::config)
+    }
+
+    /// The current loss scale, when scaling is on (one read from the device).
+    pub fn loss_scale(&self) -> Result<Option<f64>> {
+        self.scaler.as_ref().map(GradScaler::scale).transpose()
+    }
+
+    /// `loss` times the current loss scale (on the device, keeping the autograd
+    /// graph), or `loss` itself when scaling is off: PyTorch's `scaler.scale(loss)`.
+    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
+        match &self.scaler {
+            Some(scaler) => scaler.scale_loss(loss),
+            None => Ok(loss.shallow_clone()),
+        }
+    }
+
+    /// Divides the gradients by the loss scale in place and checks them for inf
+    /// and NaN on the device, once per step (`scaler.unscale_(optimizer)`): call it
+    /// before clipping. [`step`](Optimizer::step) calls it when it has not run.
+    /// Nothing happens when scaling is off.
+    pub fn unscale_gradients(&mut self) -> Result<()> {
+        if self.found_inf.is_some() {
+            return Ok(());
+        }
+        let Some(scaler) = &self.scaler else {
+            return Ok(());
+        };
+        let grads = self.gradients()?;
+        let defined: Vec<&Tensor> = grads.iter().flatten().collect();
+        self.found_inf = Some(tch::no_grad(|| scaler.unscale(&defined))?);
+        Ok(())
     }
 
     /// The configuration this optimizer runs.
@@ -320,7 +415,12 @@ impl TorchOptimizer {
     /// the step counts and the learning rate from the device; otherwise the step
     /// counts go in as temporary float32 tensors and the learning rate as a number.
     /// Parameters without a gradient are skipped, as PyTorch does.
-    fn fused_adam_step(&mut self, grads: &[Option<Tensor>], hypers: FusedAdamHypers) -> Result<()> {
+    fn fused_adam_step(
+        &mut self,
+        grads: &[Option<Tensor>],
+        hypers: FusedAdamHypers,
+        found_inf: Option<&Tensor>,
+    ) -> Result<()> {
         let moments: &[&'static str] = if hypers.amsgrad {
             &["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
         } else {
@@ -372,6 +472,7 @@ impl TorchOptimizer {
                 .map(|scalars| &scalars.lr);
             let mut batch = FusedAdamBatch {
                 steps: steps.iter().collect(),
+                found_inf,
                 ..FusedAdamBatch::default()
             };
             for &index in &indices {
@@ -408,6 +509,54 @@ impl TorchOptimizer {
     }
 }
 
+impl TorchOptimizer {
+    /// One update of every parameter with a gradient: libtorch's fused kernel for
+    /// Adam and AdamW on the CPU or in capturable mode (with `found_inf`, the kernel
+    /// skips the update on the device when it is set), else PyTorch's single-tensor
+    /// rules (`found_inf` must then be `None`).
+    fn update(&mut self, grads: &[Option<Tensor>], found_inf: Option<&Tensor>) -> Result<()> {
+        if let Some(hypers) = self.fused_adam_hypers() {
+            let on_cpu = self
+                .params
+                .iter()
+                .all(|s| s.tensor.device() == tch::Device::Cpu);
+            if self.is_capturable() || on_cpu {
+                return tch::no_grad(|| self.fused_adam_step(grads, hypers, found_inf));
+            }
+        }
+        // Disjoint borrows: the slots change, the config and groups are only read.
+        let Self {
+            config,
+            groups,
+            params,
+            ..
+        } = self;
+        tch::no_grad(|| -> Result<()> {
+            for (slot, grad) in params.iter_mut().zip(grads) {
+                // PyTorch skips parameters that received no gradient.
+                let Some(grad) = grad.as_ref() else { continue };
+                let hyper = &groups[slot.group];
+                slot.step += 1;
+                if let Some(scalars) = &mut slot.on_device {
+                    let _ = scalars.step.f_add_scalar_(1.0).map_err(|e| {
+                        torch_error(&format!("counting the step of {}", slot.name), e)
+                    })?;
+                }
+                let result = match &*config {
+                    OptimizerConfig::Sgd(c) => sgd::update(slot, grad, c, hyper),
+                    OptimizerConfig::Adam(c) => adam::update_adam(slot, grad, c, hyper),
+                    OptimizerConfig::AdamW(c) => adam::update_adamw(slot, grad, c, hyper),
+                    OptimizerConfig::RmsProp(c) => rmsprop::update(slot, grad, c, hyper),
+                    OptimizerConfig::Adagrad(c) => adagrad::update(slot, grad, c, hyper),
+                    _ => Ok(()), // rejected above
+                };
+                result.map_err(|e| torch_error(&format!("optimizer step for {}", slot.name), e))?;
+            }
+            Ok(())
+        })
+    }
+}
+
 impl Optimizer<TorchBackend> for TorchOptimizer {
     fn step(&mut self) -> Result<()> {
         if !matches!(
@@ -424,51 +573,46 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             )));
         }
         let grads = self.gradients()?;
-        if let Some(hypers) = self.fused_adam_hypers() {
-            let on_cpu = self
-                .params
-                .iter()
-                .all(|s| s.tensor.device() == tch::Device::Cpu);
-            if self.is_capturable() || on_cpu {
-                return tch::no_grad(|| self.fused_adam_step(&grads, hypers));
+        if self.scaler.is_none() {
+            return self.update(&grads, None);
+        }
+        // GradScaler's step and update: unscale (unless done before clipping), skip
+        // the update when a gradient is inf or NaN, then grow or back off the scale.
+        self.unscale_gradients()?;
+        let Some(found_inf) = self.found_inf.take() else {
+            return Err(Error::backend(
+                "torch",
+                "optimizer step",
+                "no inf/NaN flag after unscaling",
+            ));
+        };
+        if self.is_capturable() && self.fused_adam_hypers().is_some() {
+            // The fused kernel reads the flag on the device: nothing waits.
+            self.update(&grads, Some(&found_inf))?;
+        } else {
+            // One flag read, as torch.amp.GradScaler does for optimizers without a
+            // fused kernel.
+            let skip = found_inf
+                .f_double_value(&[])
+                .map_err(|e| torch_error("reading the inf/NaN flag of the gradients", e))?
+                != 0.0;
+            if skip {
+                log::debug!("inf or NaN gradients: step skipped, loss scale backs off");
+            } else {
+                self.update(&grads, None)?;
             }
         }
-        // Disjoint borrows: the slots change, the config and groups are only read.
-        let Self {
-            config,
-            groups,
-            params,
-            ..
-        } = self;
-        tch::no_grad(|| -> Result<()> {
-            for (slot, grad) in params.iter_mut().zip(grads) {
-                // PyTorch skips parameters that received no gradient.
-                let Some(grad) = grad else { continue };
-                let hyper = &groups[slot.group];
-                slot.step += 1;
-                if let Some(scalars) = &mut slot.on_device {
-                    let _ = scalars.step.f_add_scalar_(1.0).map_err(|e| {
-                        torch_error(&format!("counting the step of {}", slot.name), e)
-                    })?;
-                }
-                let result = match &*config {
-                    OptimizerConfig::Sgd(c) => sgd::update(slot, &grad, c, hyper),
-                    OptimizerConfig::Adam(c) => adam::update_adam(slot, &grad, c, hyper),
-                    OptimizerConfig::AdamW(c) => adam::update_adamw(slot, &grad, c, hyper),
-                    OptimizerConfig::RmsProp(c) => rmsprop::update(slot, &grad, c, hyper),
-                    OptimizerConfig::Adagrad(c) => adagrad::update(slot, &grad, c, hyper),
-                    _ => Ok(()), // rejected above
-                };
-                result.map_err(|e| torch_error(&format!("optimizer step for {}", slot.name), e))?;
-            }
-            Ok(())
-        })
+        match self.scaler.as_mut() {
+            Some(scaler) => scaler.update(&found_inf),
+            None => Ok(()),
+        }
     }
 
     /// Sets every parameter's gradient to none, as PyTorch's
     /// `zero_grad(set_to_none=True)`: the next backward writes fresh gradients
     /// instead of adding to zeroed ones.
     fn zero_grad(&mut self) -> Result<()> {
+        self.found_inf = None;
         self.grad_reset
             .zero_grad()
             .map_err(|e| torch_error("zero_grad", e))
@@ -512,6 +656,13 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
     fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
         let mut hypers = StateDict::new();
         save_group_hypers(&self.groups, &mut hypers);
+        if let Some(scaler) = &self.scaler {
+            hypers.insert(SCALE_KEY, HostTensor::scalar(scaler.scale()?));
+            hypers.insert(
+                GROWTH_TRACKER_KEY,
+                HostTensor::scalar(scaler.growth_tracker()?),
+            );
+        }
         let mut out = StateTensors::from(hypers);
         for slot in &self.params {
             out.insert(
@@ -540,6 +691,31 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             .map(|(slot, dims)| (slot.name.as_str(), dims.as_slice()))
             .collect();
         let loaded = read_optimizer_state(&self.config, &params, state)?;
+        let scale = match (
+            &self.scaler,
+            state.get(SCALE_KEY),
+            state.get(GROWTH_TRACKER_KEY),
+        ) {
+            (Some(_), Some(scale), Some(tracker)) => Some((
+                scalar_value::<f64>(SCALE_KEY, scale, DType::F64)?,
+                scalar_value::<i64>(GROWTH_TRACKER_KEY, tracker, DType::I64)?,
+            )),
+            (Some(_), ..) => {
+                return Err(Error::invalid_argument(
+                    SCALE_KEY,
+                    "the state has no loss scale (it was saved without 16-mixed loss \
+                     scaling); load it into an optimizer without loss scaling",
+                ))
+            }
+            (None, Some(_), _) => {
+                return Err(Error::invalid_argument(
+                    SCALE_KEY,
+                    "the state holds a loss scale (it was saved training in 16-mixed); \
+                     turn loss scaling on to load it",
+                ))
+            }
+            (None, None, _) => None,
+        };
         let mut steps = Vec::with_capacity(self.params.len());
         let mut buffers = Vec::with_capacity(self.params.len());
         for (slot, read) in self.params.iter().zip(loaded) {
@@ -550,6 +726,9 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
             }
             steps.push(read.step);
             buffers.push(slot_buffers);
+        }
+        if let (Some(scaler), Some((scale, tracker))) = (self.scaler.as_mut(), scale) {
+            scaler.load(scale, tracker)?;
         }
         self.groups = load_group_hypers(&self.groups, state);
         for ((slot, step), mut state) in self.params.iter_mut().zip(steps).zip(buffers) {
@@ -572,6 +751,19 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         }
         self.write_device_learning_rates()
     }
+}
+
+/// The one value of the scalar `host` at `key`, as `dtype`.
+fn scalar_value<T: kiln_core::dtype::Element>(
+    key: &str,
+    host: &HostTensor,
+    dtype: DType,
+) -> Result<T> {
+    host.to_dtype(dtype)
+        .as_slice::<T>()?
+        .first()
+        .copied()
+        .ok_or_else(|| Error::invalid_argument(key, "an empty tensor where a number was saved"))
 }
 
 fn slot_dims(tensor: &Tensor) -> Vec<usize> {

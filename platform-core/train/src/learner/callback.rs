@@ -17,9 +17,20 @@ pub enum Flow {
 /// A hook into [`Trainer::fit`](super::Trainer::fit). Every method has a default
 /// that does nothing, so a callback implements only what it needs.
 pub trait Callback: Send {
-    /// After each optimizer step, with the step count and the step's loss.
+    /// After each optimizer step, with the step count and the step's loss (the
+    /// loss of its last micro-batch; NaN when [`needs_step_loss`](Self::needs_step_loss)
+    /// is false and the trainer has not read it back at this step).
     fn on_step_end(&mut self, _step: u64, _loss: f64) -> Result<Flow> {
         Ok(Flow::Continue)
+    }
+
+    /// Whether [`on_step_end`](Self::on_step_end) needs every step's loss, which
+    /// makes the trainer read each loss back from the device as it is computed
+    /// ([`LossReads::EveryStep`](super::LossReads::EveryStep)). `true` by
+    /// default, so a callback written for the values gets them; a callback that
+    /// only looks at epochs should return `false`, letting a GPU run ahead.
+    fn needs_step_loss(&self) -> bool {
+        true
     }
 
     /// After each epoch (0-based) with its training and validation metrics
@@ -62,6 +73,11 @@ impl EarlyStopping {
 }
 
 impl Callback for EarlyStopping {
+    /// It watches epoch metrics only.
+    fn needs_step_loss(&self) -> bool {
+        false
+    }
+
     fn on_epoch_end(&mut self, epoch: u64, metrics: &BTreeMap<String, f64>) -> Result<Flow> {
         let value = *metrics.get(&self.monitor).ok_or_else(|| {
             Error::invalid_argument(

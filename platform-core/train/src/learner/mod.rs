@@ -4,4 +4,6 @@ mod callback;
 mod trainer;
 
 pub use callback::{Callback, EarlyStopping, Flow};
-pub use trainer::{EpochRecord, ScheduleInterval, Trainer, TrainerConfig, TrainingState};
+pub use trainer::{
+    EpochRecord, LossReads, ScheduleInterval, Trainer, TrainerConfig, TrainingState,
+};

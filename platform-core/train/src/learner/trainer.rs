@@ -11,7 +11,7 @@ use crate::checkpoint::{Checkpoint, Checkpointer};
 use crate::logger::{History, MetricSink};
 use crate::metric::{LossMetric, Metric};
 use kiln_core::backend::Mode;
-use kiln_core::backend::{StepPlan, TrainBackend, Trainable};
+use kiln_core::backend::{StepLoss, StepPlan, TrainBackend, Trainable};
 use kiln_core::device::Device;
 use kiln_core::distributed::{Collectives, ReduceOp};
 use kiln_core::error::{Error, Result};
@@ -249,6 +249,33 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
 /// The metrics of one epoch, by name.
 pub type EpochRecord = BTreeMap<String, f64>;
 
+/// When [`Trainer::fit`] reads each step's loss back from the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReads {
+    /// After every step ([`Trainable::train_step`]): a non-finite loss stops
+    /// training before its update is applied. What the CPU does by default, where
+    /// reading costs nothing.
+    EveryStep,
+    /// Only when a value is needed: at a logged step
+    /// ([`log_every`](TrainerConfig::log_every)), before a checkpoint, at the end of
+    /// an epoch and of training ([`Trainable::train_step_deferred`]), so that an
+    /// asynchronous device (CUDA) runs steps ahead of the host. A non-finite loss
+    /// stops training at the next read, naming its step; the steps in between
+    /// have been applied, and no checkpoint is written after it. The progress bar
+    /// advances at each read. The default on CUDA. A callback whose
+    /// [`needs_step_loss`](Callback::needs_step_loss) is true turns it back into
+    /// `EveryStep`.
+    WhenLogged,
+}
+
+/// A training micro-batch's loss not yet read: the optimizer step it belongs
+/// to, its rows, and the loss.
+struct PendingLoss<T> {
+    step: u64,
+    rows: usize,
+    loss: StepLoss<T>,
+}
+
 /// The training loop, generic over the backend: callbacks, metric sinks,
 /// checkpoints, gradient accumulation and clipping, and a schedule.
 ///
@@ -281,6 +308,7 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     model_definition: Option<Layer>,
     world_size: u64,
     group: Option<Arc<dyn Collectives>>,
+    loss_reads: Option<LossReads>,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
 }
 
@@ -355,8 +383,55 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             model_definition: None,
             world_size: 1,
             group: None,
+            loss_reads: None,
             _backend: std::marker::PhantomData,
         })
+    }
+
+    /// When `fit` reads the step losses back (see [`LossReads`]); by default
+    /// [`LossReads::WhenLogged`] on CUDA and [`LossReads::EveryStep`] on the CPU.
+    pub fn with_loss_reads(mut self, reads: LossReads) -> Self {
+        self.loss_reads = Some(reads);
+        self
+    }
+
+    /// The [`LossReads`] `fit` uses: the one given, else the device's default;
+    /// `EveryStep` when a callback needs every step's loss.
+    pub fn loss_reads(&self) -> LossReads {
+        if self.callbacks.iter().any(|c| c.needs_step_loss()) {
+            return LossReads::EveryStep;
+        }
+        self.loss_reads.unwrap_or(if self.config.device.is_cuda() {
+            LossReads::WhenLogged
+        } else {
+            LossReads::EveryStep
+        })
+    }
+
+    /// Reads the pending losses in order into the epoch's loss and the sinks'
+    /// batch records; a non-finite one is [`Error::NonFiniteLoss`] naming its
+    /// step. Returns the last value read.
+    fn read_losses(
+        &mut self,
+        state: &mut TrainingState<B, M>,
+        pending: &mut Vec<PendingLoss<B::Tensor>>,
+    ) -> Result<Option<f64>> {
+        let mut last = None;
+        for p in pending.drain(..) {
+            let value = p.loss.value::<B>()?;
+            if !value.is_finite() {
+                return Err(Error::NonFiniteLoss {
+                    step: p.step,
+                    value,
+                });
+            }
+            state.epoch_loss.update_value(value, p.rows);
+            for sink in &mut self.sinks {
+                sink.log_batch(p.rows, value)?;
+            }
+            last = Some(value);
+        }
+        Ok(last)
     }
 
     /// The configuration.
@@ -505,6 +580,30 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             kiln_core::host_memory::retain_freed_memory();
         }
         let mut history = History::new();
+        let deferred = self.loss_reads() == LossReads::WhenLogged;
+        let mut pending: Vec<PendingLoss<B::Tensor>> = Vec::new();
+        let result = self.fit_epochs(state, train, val, &mut history, &mut pending, deferred);
+        // Whatever ended training, the losses of the steps taken are read (and a
+        // non-finite one reported) before the sinks close.
+        let read = self.read_losses(state, &mut pending);
+        result?;
+        read?;
+        for sink in &mut self.sinks {
+            sink.finish()?;
+        }
+        Ok(history)
+    }
+
+    /// `fit`'s loop over epochs and batches.
+    fn fit_epochs(
+        &mut self,
+        state: &mut TrainingState<B, M>,
+        train: &dyn DataLoader,
+        val: Option<&dyn DataLoader>,
+        history: &mut History,
+        pending: &mut Vec<PendingLoss<B::Tensor>>,
+        deferred: bool,
+    ) -> Result<()> {
         let accumulate = self.config.accumulate;
         let device = self.config.device;
         'epochs: while state.epoch < self.config.epochs {
@@ -540,20 +639,30 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                     apply,
                     clip: self.config.clip.as_ref(),
                 };
-                let value =
-                    state
-                        .model
-                        .train_step(&mut state.optimizer, &inputs, &targets, &plan)?;
-                if !value.is_finite() {
-                    return Err(Error::NonFiniteLoss {
-                        step: state.step + 1,
-                        value,
-                    });
-                }
-                let rows = batch.targets.dims().first().copied().unwrap_or(1);
-                state.epoch_loss.update_value(value, rows);
-                for sink in &mut self.sinks {
-                    sink.log_batch(rows, value)?;
+                let loss = if deferred {
+                    state.model.train_step_deferred(
+                        &mut state.optimizer,
+                        &inputs,
+                        &targets,
+                        &plan,
+                    )?
+                } else {
+                    StepLoss::Host(state.model.train_step(
+                        &mut state.optimizer,
+                        &inputs,
+                        &targets,
+                        &plan,
+                    )?)
+                };
+                pending.push(PendingLoss {
+                    step: state.step + 1,
+                    rows: batch.targets.dims().first().copied().unwrap_or(1),
+                    loss,
+                });
+                // The last value read: this micro-batch's unless reads are deferred.
+                let mut value = f64::NAN;
+                if !deferred {
+                    value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
                 }
                 micro += 1;
                 state.batch_in_epoch += 1;
@@ -569,7 +678,15 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                     }
                 }
                 let log_every = self.config.log_every;
-                if log_every > 0 && state.step.is_multiple_of(log_every) {
+                let logged = log_every > 0 && state.step.is_multiple_of(log_every);
+                let checkpoint_due = self
+                    .checkpointer
+                    .as_ref()
+                    .is_some_and(|c| c.due_after_step(state.step));
+                if deferred && (logged || checkpoint_due) {
+                    value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
+                }
+                if logged {
                     let row = [
                         ("loss".to_owned(), value),
                         ("lr".to_owned(), state.optimizer.learning_rate()),
@@ -585,11 +702,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 for cb in &mut self.callbacks {
                     stop |= cb.on_step_end(state.step, value)? == Flow::Stop;
                 }
-                if self
-                    .checkpointer
-                    .as_ref()
-                    .is_some_and(|c| c.due_after_step(state.step))
-                {
+                if checkpoint_due {
                     self.save_checkpoint(state, &EpochRecord::new())?;
                 }
                 if stop {
@@ -597,6 +710,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
             }
             // The epoch is over: metrics, schedule, callbacks, checkpoint.
+            self.read_losses(state, pending)?;
             let mut record = EpochRecord::new();
             record.insert("loss".to_owned(), state.epoch_loss.compute()?);
             record.insert("lr".to_owned(), state.optimizer.learning_rate());
@@ -643,10 +757,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 break;
             }
         }
-        for sink in &mut self.sinks {
-            sink.finish()?;
-        }
-        Ok(history)
+        Ok(())
     }
 
     /// The loss and every metric over `loader`, in eval mode and without
