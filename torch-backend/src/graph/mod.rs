@@ -231,6 +231,12 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
                 format!("a captured step runs on a CUDA device, the inputs are on {device}"),
             ));
         }
+        if optimizer.loss_scaling().is_some() {
+            return Err(Error::unsupported(
+                "loss scaling (16-mixed) in a captured step: its skip decision is taken \
+                 outside the graph; capture bf16-mixed or 32-true steps, or train 16-mixed eagerly",
+            ));
+        }
         let mut graph = CudaGraph::new(device)?;
         optimizer.set_capturable(true)?;
         // The capture reads its inputs from these buffers; `step` copies into them.
