@@ -239,8 +239,8 @@ fn half_precisions_train_and_evaluate() {
         ("16-true", "float16"),
     ] {
         let out = dir.join(precision);
-        // Adam's default eps (1e-8) is 0 in float16, where 16-true keeps Adam's
-        // state: such a run needs a larger one, as in PyTorch.
+        // Adam's default eps (1e-8) is below float16's range, where 16-true keeps
+        // Adam's state: such a run needs a larger one, as in PyTorch (see below).
         let eps_cfg = dir.join("config-eps.toml");
         std::fs::write(
             &eps_cfg,
@@ -282,6 +282,29 @@ fn half_precisions_train_and_evaluate() {
         let (accuracy, metrics) = eval_accuracy(&run_config, &last);
         assert!(accuracy > 0.8, "{precision}: {metrics}");
     }
+
+    // 16-true with Adam's default eps: Kiln warns before training, and the run
+    // stops on the NaN loss that follows, as the warning says it would.
+    let out = Command::new(KILN)
+        .args([
+            "train",
+            "--config",
+            cfg,
+            "--epochs",
+            "2",
+            "--precision",
+            "16-true",
+        ])
+        .arg("--output")
+        .arg(dir.join("16-true-default-eps"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("eps 1e-8 is below float16's range") && err.contains("eps = 1e-4"),
+        "{err}"
+    );
+    assert!(!out.status.success() && err.contains("NaN"), "{err}");
 
     for precision in ["bf16-mixed", "16-mixed", "16-true"] {
         let out = Command::new(KILN)

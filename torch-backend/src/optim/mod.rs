@@ -150,6 +150,7 @@ impl TorchOptimizer {
                 on_device: None,
             });
         }
+        warn_of_a_vanishing_eps(&config, &slots);
         Ok(Self {
             config,
             groups: hypers,
@@ -764,6 +765,33 @@ fn scalar_value<T: kiln_core::dtype::Element>(
         .first()
         .copied()
         .ok_or_else(|| Error::invalid_argument(key, "an empty tensor where a number was saved"))
+}
+
+/// Warns when the optimizer's `eps` is below float16's normal range while a
+/// parameter, and so its optimizer state, is float16 (`16-true`): a second
+/// moment that underflows to zero then makes the step `lr * m / eps`, huge, and
+/// training soon stops on a NaN loss. (bfloat16 has float32's range.)
+fn warn_of_a_vanishing_eps(config: &OptimizerConfig, slots: &[ParamSlot]) {
+    let eps = match config {
+        OptimizerConfig::Adam(c) => c.eps,
+        OptimizerConfig::AdamW(c) => c.eps,
+        OptimizerConfig::RmsProp(c) => c.eps,
+        OptimizerConfig::Adagrad(c) => c.eps,
+        _ => return,
+    };
+    // float16's smallest normal number, 2^-14.
+    if eps >= 2f64.powi(-14) {
+        return;
+    }
+    if let Some(slot) = slots.iter().find(|s| s.tensor.kind() == tch::Kind::Half) {
+        log::warn!(
+            "the {} optimizer's eps {eps:e} is below float16's range, the dtype of {} and \
+             of its optimizer state (16-true): a second moment that underflows to zero \
+             then gives a huge step; use eps = 1e-4 or more, or 16-mixed",
+            config.kind(),
+            slot.name
+        );
+    }
 }
 
 fn slot_dims(tensor: &Tensor) -> Vec<usize> {
