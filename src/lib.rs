@@ -64,3 +64,44 @@ pub mod prelude {
     pub use kiln_torch::TorchBackend;
     pub use kiln_train::prelude::*;
 }
+
+/// The guide (`docs/src/*.md`, the mdBook built by `cargo xtask book`) as doctests:
+/// `cargo test -p kiln --doc` compiles every Rust block of every chapter against this
+/// crate with its default features, so the guide's code cannot drift from the API.
+#[cfg(doctest)]
+mod guide {
+    #[doc = include_str!("../docs/src/introduction.md")]
+    pub struct GuideIntroduction;
+    #[doc = include_str!("../docs/src/install.md")]
+    pub struct GuideInstall;
+    #[doc = include_str!("../docs/src/models.md")]
+    pub struct GuideModels;
+    #[doc = include_str!("../docs/src/training.md")]
+    pub struct GuideTraining;
+    #[doc = include_str!("../docs/src/images.md")]
+    pub struct GuideImages;
+    #[doc = include_str!("../docs/src/checkpoints.md")]
+    pub struct GuideCheckpoints;
+    #[doc = include_str!("../docs/src/precision.md")]
+    pub struct GuidePrecision;
+    #[doc = include_str!("../docs/src/distributed.md")]
+    pub struct GuideDistributed;
+    #[doc = include_str!("../docs/src/tensorflow.md")]
+    pub struct GuideTensorflow;
+    #[doc = include_str!("../docs/src/torchscript-savedmodel.md")]
+    pub struct GuideTorchscriptSavedmodel;
+    #[doc = include_str!("../docs/src/export.md")]
+    pub struct GuideExport;
+    #[doc = include_str!("../docs/src/custom-ops.md")]
+    pub struct GuideCustomOps;
+    #[doc = include_str!("../docs/src/gpu.md")]
+    pub struct GuideGpu;
+    #[doc = include_str!("../docs/src/benchmarks.md")]
+    pub struct GuideBenchmarks;
+    #[doc = include_str!("../docs/src/examples.md")]
+    pub struct GuideExamples;
+    #[doc = include_str!("../docs/src/own-crate.md")]
+    pub struct GuideOwnCrate;
+    #[doc = include_str!("../docs/src/development.md")]
+    pub struct GuideDevelopment;
+}

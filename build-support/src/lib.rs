@@ -18,6 +18,7 @@
 
 #[cfg(feature = "bindgen")]
 mod bindings;
+pub mod book;
 mod cxx;
 mod error;
 mod layout;

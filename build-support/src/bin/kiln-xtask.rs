@@ -7,6 +7,7 @@
 //! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
+//! cargo xtask book             build the guide (docs/) into target/book and check its links
 //! ```
 
 use std::ffi::OsString;
@@ -17,7 +18,7 @@ use std::process::{Command, ExitCode};
 use kiln_build::{setup, Setup};
 
 const USAGE: &str =
-    "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | kiln [ARGS] | cargo ARGS | env>";
+    "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | kiln [ARGS] | cargo ARGS | env | book>";
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
@@ -31,6 +32,8 @@ fn main() -> ExitCode {
     let rest: Vec<OsString> = args.collect();
     let cargo_args: Vec<OsString> = match command.to_str() {
         Some("setup") | Some("env") => Vec::new(),
+        // The guide needs no native library: no provisioning.
+        Some("book") if rest.is_empty() => return book(),
         Some("test") => ["test", "--workspace"]
             .into_iter()
             .map(OsString::from)
@@ -114,6 +117,30 @@ fn run_cargo(ready: &Setup, args: &[OsString]) -> ExitCode {
         Ok(status) => ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)),
         Err(error) => {
             eprintln!("error: cannot run {}: {error}", cargo.to_string_lossy());
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `cargo xtask book`: mdBook (installed on first use: `kiln_build::book::ensure_mdbook`)
+/// builds `docs/` into `target/book`, then every link of the guide and the README is
+/// checked.
+fn book() -> ExitCode {
+    match kiln_build::book::build(&workspace_root()) {
+        Ok(report) => {
+            if let Some(took) = report.installed_in {
+                log::info!("installed {} in {:.0?}", report.mdbook.display(), took);
+            }
+            log::info!(
+                "book built in {:.1?} into {}; links of {} files checked",
+                report.built_in,
+                report.html.display(),
+                report.files_checked
+            );
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
             ExitCode::FAILURE
         }
     }
