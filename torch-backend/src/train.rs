@@ -121,7 +121,9 @@ impl Trainable<TorchBackend> for TorchModel {
     type Optim = TorchOptimizer;
 
     /// The optimizer over the trainable parameters; in `16-mixed`, with loss
-    /// scaling on ([`TorchOptimizer::set_loss_scaling`], `GradScaler`'s defaults).
+    /// scaling on ([`TorchOptimizer::set_loss_scaling`], `GradScaler`'s defaults)
+    /// and, for Adam and AdamW on CUDA, the step counts on the device
+    /// ([`TorchOptimizer::set_steps_on_device`]), so no step waits for the host.
     fn build_optimizer(
         &self,
         config: &OptimizerConfig,
@@ -130,6 +132,11 @@ impl Trainable<TorchBackend> for TorchModel {
         let mut optimizer = optimizer_over(self, config, groups)?;
         if self.precision().scales_loss() {
             optimizer.set_loss_scaling(Some(LossScaling::default()))?;
+            let adam = matches!(config, OptimizerConfig::Adam(_) | OptimizerConfig::AdamW(_));
+            if adam && self.device().is_cuda() {
+                // The fused kernel skips inf/NaN steps on the device: no flag read.
+                optimizer.set_steps_on_device(true)?;
+            }
         }
         Ok(optimizer)
     }

@@ -5,7 +5,9 @@
 //! are skipped and the scale backs off; a growth interval of 3 makes it grow
 //! again), and the final weights. Through the model's training step, as the
 //! `Trainer` runs it, reading the loss every step or deferring it; with Adam (the
-//! fused kernel) and SGD with momentum, and clipping of the unscaled gradients.
+//! fused kernel, also with its step counts on the device, where the kernel itself
+//! skips the overflowing steps) and SGD with momentum, and clipping of the
+//! unscaled gradients.
 //! Also: a checkpoint of the optimizer mid-run resumes the scale exactly.
 
 #![allow(clippy::unwrap_used)]
@@ -68,6 +70,17 @@ fn scaling() -> LossScaling {
 /// A 16-mixed model with the reference's initial weights, and its optimizer with
 /// the test's loss scaling.
 fn setup(case: &Case, reference: &StateDict, device: Device) -> (TorchModel, TorchOptimizer) {
+    setup_with(case, reference, device, false)
+}
+
+/// [`setup`], with Adam's step counts on the device when `steps_on_device` (its
+/// fused kernel then skips inf/NaN steps there).
+fn setup_with(
+    case: &Case,
+    reference: &StateDict,
+    device: Device,
+    steps_on_device: bool,
+) -> (TorchModel, TorchOptimizer) {
     let mut model = TorchModel::new(&mlp(), device).unwrap();
     model.set_precision(FloatPrecision::F16Mixed).unwrap();
     model
@@ -80,6 +93,10 @@ fn setup(case: &Case, reference: &StateDict, device: Device) -> (TorchModel, Tor
         "16-mixed models build optimizers with GradScaler's defaults"
     );
     opt.set_loss_scaling(Some(scaling())).unwrap();
+    if steps_on_device {
+        opt.set_steps_on_device(true).unwrap();
+        assert!(opt.steps_on_device() && !opt.is_capturable());
+    }
     (model, opt)
 }
 
@@ -186,9 +203,18 @@ fn loss_scaling_matches_torch_amp_grad_scaler() {
                 "{}: the reference's scale must grow again: {scales:?}",
                 case.name
             );
-            for deferred in [false, true] {
-                let what = format!("{} on {device} (deferred: {deferred})", case.name);
-                let (mut model, mut opt) = setup(case, &reference, device);
+            let adam = matches!(case.optimizer, OptimizerConfig::Adam(_));
+            let variants: &[(bool, bool)] = if adam {
+                &[(false, false), (true, false), (true, true)]
+            } else {
+                &[(false, false), (true, false)]
+            };
+            for &(deferred, steps_on_device) in variants {
+                let what = format!(
+                    "{} on {device} (deferred: {deferred}, steps on the device: {steps_on_device})",
+                    case.name
+                );
+                let (mut model, mut opt) = setup_with(case, &reference, device, steps_on_device);
                 let got = run(
                     case,
                     &reference,
@@ -275,4 +301,13 @@ fn a_loss_scale_does_not_load_into_an_optimizer_without_scaling_nor_back() {
     let err = plain.set_loss_scaling(Some(bad)).unwrap_err().to_string();
     assert!(err.contains("backoff_factor"), "{err}");
     assert!(plain.loss_scaling().is_none());
+
+    let mut sgd = TorchOptimizer::new(
+        OptimizerConfig::Sgd(SgdConfig::new(0.1)),
+        vec![("w".to_owned(), w.shallow_clone())],
+        &[],
+    )
+    .unwrap();
+    let err = sgd.set_steps_on_device(true).unwrap_err().to_string();
+    assert!(err.contains("Adam and AdamW"), "{err}");
 }

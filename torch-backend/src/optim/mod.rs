@@ -112,6 +112,8 @@ pub struct TorchOptimizer {
     scaler: Option<GradScaler>,
     /// This step's inf/NaN flag, once [`unscale_gradients`](Self::unscale_gradients) ran.
     found_inf: Option<Tensor>,
+    /// Capturable mode: the learning rate too is read from the device.
+    lr_on_device: bool,
 }
 
 impl TorchOptimizer {
@@ -158,6 +160,7 @@ impl TorchOptimizer {
             grad_reset,
             scaler: None,
             found_inf: None,
+            lr_on_device: false,
         })
     }
 
@@ -171,6 +174,11 @@ impl TorchOptimizer {
     /// share one) and is part of [`state_dict`](Optimizer::state_dict)
     /// (`grad_scaler.scale`, `grad_scaler.growth_tracker`), so a checkpoint
     /// resumes it exactly. Turning it on again restarts at `init_scale`.
+    ///
+    /// Deciding to skip needs the flag: with the step counts on the device
+    /// ([`set_steps_on_device`](Self::set_steps_on_device), Adam and AdamW) the
+    /// fused kernel reads it there; otherwise `step` reads it back, as
+    /// `torch.amp.GradScaler` does for optimizers without a fused kernel.
     ///
     /// ```no_run
     /// use kiln_core::{optim::{AdamConfig, Optimizer, OptimizerConfig}, precision::LossScaling};
@@ -285,16 +293,8 @@ impl TorchOptimizer {
             return Ok(());
         }
         if !capturable {
-            let steps = self
-                .params
-                .iter()
-                .map(ParamSlot::step_count)
-                .collect::<Result<Vec<_>>>()?;
-            for (slot, step) in self.params.iter_mut().zip(steps) {
-                slot.step = step;
-                slot.on_device = None;
-            }
-            return Ok(());
+            self.lr_on_device = false;
+            return self.move_steps_to_host();
         }
         if !matches!(
             self.config,
@@ -305,6 +305,59 @@ impl TorchOptimizer {
                 self.config
             )));
         }
+        self.move_steps_to_device()?;
+        self.lr_on_device = true;
+        Ok(())
+    }
+
+    /// Whether capturable mode is on (see [`set_capturable`](Self::set_capturable)).
+    pub fn is_capturable(&self) -> bool {
+        self.lr_on_device && self.steps_on_device()
+    }
+
+    /// Keeps Adam's and AdamW's step counts on the parameters' device (float32
+    /// tensors, as `torch.optim.Adam(fused=True)` keeps `state["step"]`) and runs
+    /// their fused kernel, with the learning rate still a number: with loss
+    /// scaling, the kernel then skips a step with inf/NaN gradients on the device,
+    /// so the host never waits for the flag. The same results as without it. A
+    /// `16-mixed` model on CUDA builds its Adam or AdamW optimizer this way.
+    /// Capturable mode implies it. Other optimizers fail with [`Error::Unsupported`].
+    pub fn set_steps_on_device(&mut self, on: bool) -> Result<()> {
+        if self.is_capturable() || on == self.steps_on_device() {
+            return Ok(());
+        }
+        if !on {
+            return self.move_steps_to_host();
+        }
+        if self.fused_adam_hypers().is_none() {
+            return Err(Error::unsupported(format!(
+                "step counts on the device for {:?}; Adam and AdamW have them",
+                self.config
+            )));
+        }
+        self.move_steps_to_device()
+    }
+
+    /// Whether the step counts live on the device (capturable mode, or
+    /// [`set_steps_on_device`](Self::set_steps_on_device)).
+    pub fn steps_on_device(&self) -> bool {
+        self.params.iter().any(|slot| slot.on_device.is_some())
+    }
+
+    fn move_steps_to_host(&mut self) -> Result<()> {
+        let steps = self
+            .params
+            .iter()
+            .map(ParamSlot::step_count)
+            .collect::<Result<Vec<_>>>()?;
+        for (slot, step) in self.params.iter_mut().zip(steps) {
+            slot.step = step;
+            slot.on_device = None;
+        }
+        Ok(())
+    }
+
+    fn move_steps_to_device(&mut self) -> Result<()> {
         let scalars = self
             .params
             .iter()
@@ -322,11 +375,6 @@ impl TorchOptimizer {
             slot.on_device = Some(scalars);
         }
         Ok(())
-    }
-
-    /// Whether capturable mode is on (see [`set_capturable`](Self::set_capturable)).
-    pub fn is_capturable(&self) -> bool {
-        self.params.iter().any(|slot| slot.on_device.is_some())
     }
 
     /// In capturable mode, writes each group's learning rate into its parameters'
@@ -466,9 +514,11 @@ impl TorchOptimizer {
                 })
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| torch_error("creating the step counts", e))?;
-            // One learning rate per group: the first slot's device copy, if any.
+            // One learning rate per group: in capturable mode the first slot's device
+            // copy, else the number.
             let lr = indices
                 .first()
+                .filter(|_| self.lr_on_device)
                 .and_then(|&index| self.params[index].on_device.as_ref())
                 .map(|scalars| &scalars.lr);
             let mut batch = FusedAdamBatch {
@@ -512,16 +562,17 @@ impl TorchOptimizer {
 
 impl TorchOptimizer {
     /// One update of every parameter with a gradient: libtorch's fused kernel for
-    /// Adam and AdamW on the CPU or in capturable mode (with `found_inf`, the kernel
-    /// skips the update on the device when it is set), else PyTorch's single-tensor
-    /// rules (`found_inf` must then be `None`).
+    /// Adam and AdamW on the CPU or with the step counts on the device (with
+    /// `found_inf`, which needs the latter, the kernel skips the update on the device
+    /// when it is set), else PyTorch's single-tensor rules (`found_inf` must then be
+    /// `None`).
     fn update(&mut self, grads: &[Option<Tensor>], found_inf: Option<&Tensor>) -> Result<()> {
         if let Some(hypers) = self.fused_adam_hypers() {
             let on_cpu = self
                 .params
                 .iter()
                 .all(|s| s.tensor.device() == tch::Device::Cpu);
-            if self.is_capturable() || on_cpu {
+            if self.steps_on_device() || on_cpu {
                 return tch::no_grad(|| self.fused_adam_step(grads, hypers, found_inf));
             }
         }
@@ -587,7 +638,7 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
                 "no inf/NaN flag after unscaling",
             ));
         };
-        if self.is_capturable() && self.fused_adam_hypers().is_some() {
+        if self.steps_on_device() && self.fused_adam_hypers().is_some() {
             // The fused kernel reads the flag on the device: nothing waits.
             self.update(&grads, Some(&found_inf))?;
         } else {
