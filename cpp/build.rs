@@ -37,6 +37,10 @@ fn main() {
         .bridge("src/tf.rs")
         .op_source("src/tf_ops.cc")
         .op_source("src/tf/gradients.cc")
+        // Not linked whole, hidden visibility, no static initialiser: a binary that
+        // never reaches `kiln_ops::tf::register` (the `kiln` CLI, which calls
+        // `register_torch_layers`) does not load TensorFlow.
+        .link_whole(false)
         .compile()
         .unwrap_or_else(|e| {
             println!("cargo:warning=kiln-ops: {e}");

@@ -253,7 +253,7 @@ impl TorchOps {
 /// the pinned wheel (C++17, `_GLIBCXX_USE_CXX11_ABI=1`, `EIGEN_MAX_ALIGN_BYTES=64`,
 /// the wheel's `tensorflow/include` as a system include directory, so its headers'
 /// warnings stay quiet) into one static archive linked whole (so static
-/// registrations are kept), and linked against `libtensorflow_cc.so.2` (the C API
+/// registrations are kept; see [`link_whole`](Self::link_whole)), and linked against `libtensorflow_cc.so.2` (the C API
 /// and the gradient registry) and `libtensorflow_framework.so.2` (the op and kernel
 /// registries), with an rpath to their directory.
 ///
@@ -273,6 +273,7 @@ impl TorchOps {
 #[derive(Debug, Clone)]
 pub struct TfOps {
     sources: Sources,
+    link_whole: bool,
 }
 
 /// What [`TfOps::compile`] built against.
@@ -292,7 +293,19 @@ impl TfOps {
     pub fn new(name: impl Into<String>) -> Self {
         TfOps {
             sources: Sources::new(name),
+            link_whole: true,
         }
+    }
+
+    /// Whether the archive is linked whole (the default), so static registrations
+    /// are kept in every binary that links the crate. With `false` it is an ordinary
+    /// archive compiled with hidden visibility: a binary keeps only what it reaches,
+    /// so registration must be reached from Rust (a function the crate's users
+    /// call, no static initialiser), and a binary that never reaches the ops (Kiln's
+    /// `kiln` CLI) does not load TensorFlow for them.
+    pub fn link_whole(mut self, whole: bool) -> Self {
+        self.link_whole = whole;
+        self
     }
 
     source_setters!("A C++ file with op definitions, kernels, gradients and their registration.");
@@ -325,6 +338,15 @@ impl TfOps {
 
         let mut build = self.sources.archive_build();
         configure_cxx(&mut build);
+        if !self.link_whole {
+            // An object a binary pulls in but never reaches must keep nothing alive:
+            // TensorFlow's inline functions and vtables that it instantiates would
+            // otherwise be exported (TensorFlow's libraries reference them), kept,
+            // and make the binary load TensorFlow.
+            build
+                .flag("-fvisibility=hidden")
+                .flag("-fvisibility-inlines-hidden");
+        }
         build
             // -isystem: TensorFlow's, Eigen's, absl's and protobuf's headers are not ours to warn about.
             .flag("-isystem")
@@ -333,7 +355,11 @@ impl TfOps {
             .includes(&self.sources.includes)
             .files(&self.sources.op_sources)
             .files(&self.sources.bridge_sources)
-            .link_lib_modifier("+whole-archive")
+            .link_lib_modifier(if self.link_whole {
+                "+whole-archive"
+            } else {
+                "-whole-archive"
+            })
             .flag_if_supported("-Wno-unused-parameter")
             .compile(&self.sources.name);
 

@@ -48,14 +48,22 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub fn register_layers() -> Result<()> {
-    register();
-    layer::register_torch();
+    register_torch_layers();
     #[cfg(feature = "tf")]
     {
         tf::register()?;
         layer::register_tf();
     }
     Ok(())
+}
+
+/// [`register_layers`] for libtorch alone: registers the ops with libtorch and
+/// makes the fused layers available to the torch backend's models. It reaches no
+/// TensorFlow code, so a binary that calls it rather than `register_layers` (the
+/// `kiln` CLI) does not load TensorFlow. Idempotent.
+pub fn register_torch_layers() {
+    register();
+    layer::register_torch();
 }
 
 /// The `_GLIBCXX_USE_CXX11_ABI` value the C++ code was compiled with.

@@ -7,10 +7,13 @@
 //! registry, so `Graph::add_gradients` differentiates them (through the `*_GRAD`
 //! ops); the C API alone cannot register a gradient.
 //!
-//! The ops register themselves when a binary linking kiln-ops starts (a static
-//! initialiser; the archive is linked whole). [`register`] makes sure of it and
-//! reports a registration failure; the builders here call it. Registering again,
-//! or alongside another copy of these ops, never aborts.
+//! The ops are registered by the first call of [`register`], which reports a
+//! registration failure; the builders here and [`crate::register_layers`] call it
+//! (call it yourself before importing a graph that uses the ops). There is no
+//! static initialiser, so a binary that links kiln-ops but never reaches these
+//! ops (one calling [`crate::register_torch_layers`] only) does not load
+//! TensorFlow. Registering again, or alongside another copy of these ops, never
+//! aborts.
 //!
 //! Errors at run time (a bias of the wrong size, a target outside `[0, C)`) fail the
 //! session run with a [`tensorflow::Status`] carrying the op's message

@@ -12,10 +12,11 @@
 //   KilnSwishGrad(grad, x, beta) -> (dx, dbeta)
 //   T in {float, double}
 //
-// Registration runs once per process: from this object's static initialiser (the
-// archive is linked whole) and from `kiln_ops::tf::register()`, whichever comes
-// first. Nothing here lets a C++ exception reach TensorFlow: kernel errors become
-// `TF_OpKernelContext_Failure` statuses, which a session run returns.
+// Registration runs once per process, at the first `kiln_ops::tf::register()` (no
+// static initialiser: a binary that links kiln-ops but never reaches these ops,
+// such as the `kiln` CLI, must not load TensorFlow). Nothing here lets a C++
+// exception reach TensorFlow: kernel errors become `TF_OpKernelContext_Failure`
+// statuses, which a session run returns.
 
 #include <algorithm>
 #include <cstdint>
@@ -638,11 +639,6 @@ const std::string& registration() {
   }();
   return outcome;
 }
-
-// Registers when the library loads, so graphs (and imported GraphDefs) that use the
-// ops work before any Rust code runs; the archive is linked whole, so this object
-// is always kept. A failure is kept for `register_tf_ops` to report.
-[[maybe_unused]] const bool registered_at_load = (registration(), true);
 
 }  // namespace
 

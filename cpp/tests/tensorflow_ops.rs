@@ -56,6 +56,8 @@ impl OpGraph {
         label_smoothing: Option<f32>,
         wrt: &[usize],
     ) -> Self {
+        // Graphs name the ops by type: registered by the first `register` call.
+        ops::register().unwrap();
         let mut graph = Graph::new();
         let floats: Vec<Operation> = (0..n_floats)
             .map(|i| placeholder(&mut graph, &format!("in{i}"), dtype, None))

@@ -21,6 +21,9 @@ fn bindings() -> Result<(), Box<dyn std::error::Error>> {
     let tf = kiln_build::TfOps::new("kiln_tf_op_glue")
         .op_source(glue.join("gradient.cc"))
         .include(&glue)
+        // Called from Rust only (no static registration): linked where it is reached,
+        // so a binary that never registers a TensorFlow op does not load TensorFlow.
+        .link_whole(false)
         .compile()?;
     println!(
         "cargo:rerun-if-changed={}",

@@ -4,7 +4,7 @@
 //! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
 //! cargo xtask test [ARGS]      setup, then `cargo test --workspace ARGS`
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
-//! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS
+//! cargo xtask kiln [ARGS]      setup, build kiln-tensorflow, then the `kiln` CLI in release mode with ARGS
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
 //! cargo xtask book             build the guide (docs/) into target/book and check its links
@@ -42,7 +42,7 @@ fn main() -> ExitCode {
         Some("run") => std::iter::once(OsString::from("run"))
             .chain(rest.iter().cloned())
             .collect(),
-        Some("kiln") => ["run", "--release", "--bin", "kiln", "--"]
+        Some("kiln") => ["run", "--release", "-p", "kiln", "--bin", "kiln", "--"]
             .into_iter()
             .map(OsString::from)
             .chain(rest.iter().cloned())
@@ -71,6 +71,23 @@ fn main() -> ExitCode {
                 println!("export {key}='{value}'");
             }
             ExitCode::SUCCESS
+        }
+        // `kiln` runs the commands that need TensorFlow in `kiln-tensorflow`, the
+        // executable beside it: built first.
+        Some("kiln") => {
+            let sibling = [
+                "build",
+                "--release",
+                "-p",
+                "kiln",
+                "--bin",
+                "kiln-tensorflow",
+            ]
+            .map(OsString::from);
+            match run_cargo(&ready, &sibling) {
+                built if built == ExitCode::SUCCESS => run_cargo(&ready, &cargo_args),
+                failed => failed,
+            }
         }
         _ => run_cargo(&ready, &cargo_args),
     }

@@ -434,7 +434,7 @@ fn check_classes(
     classes: usize,
     path: &Path,
 ) -> Result<()> {
-    let model = crate::resolve_model(config, probe, config.device)?;
+    let model = crate::cli::resolve_model(config, probe, config.device)?;
     let output = model.output_shape(probe.dims())?;
     if matches!(config.loss, Loss::CrossEntropy(_) | Loss::Nll(_))
         && output.get(1).is_some_and(|&n| n < classes)
@@ -460,7 +460,7 @@ pub(crate) fn check_fits(
     let mut input = features.dims().to_vec();
     input[0] = config.data.batch_size;
     // A torchscript layer's output shape is found by running it once.
-    let model = crate::resolve_model(config, features, config.device)?;
+    let model = crate::cli::resolve_model(config, features, config.device)?;
     let output = model.output_shape(&input).with_context(|| {
         let shape = match &config.data.input_shape {
             Some(dims) => format!("data.input_shape = {dims:?}"),

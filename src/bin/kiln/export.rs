@@ -15,8 +15,10 @@ use kiln::core::module::Module;
 use kiln::prelude::*;
 use kiln::train::Checkpoint;
 
+use crate::cli::TensorflowCommands;
 use crate::config::RunConfig;
 use crate::data::validation_split;
+use crate::Tensorflow;
 
 /// The formats `kiln export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -80,11 +82,28 @@ fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
 }
 
 /// The model, weights and input shape `kiln export` works from.
-struct Source {
-    definition: Layer,
-    state: StateDict,
+pub(crate) struct Source {
+    /// The model's definition.
+    pub(crate) definition: Layer,
+    /// Its weights.
+    pub(crate) state: StateDict,
     /// The input's shape, batch dimension first.
-    input_shape: Vec<usize>,
+    pub(crate) input_shape: Vec<usize>,
+}
+
+/// What `kiln export --format savedmodel` writes where, besides the [`Source`].
+#[allow(dead_code, reason = "read in kiln-tensorflow only")]
+pub(crate) struct SavedModelOptions<'a> {
+    /// The checkpoint the weights come from (for error messages).
+    pub(crate) checkpoint: &'a Path,
+    /// The directory to create.
+    pub(crate) output: &'a Path,
+    /// The signature's input name.
+    pub(crate) input_name: &'a str,
+    /// The signature's output name.
+    pub(crate) output_name: &'a str,
+    /// Replace `output` if it exists.
+    pub(crate) overwrite: bool,
 }
 
 pub(crate) fn export(args: ExportArgs) -> Result<()> {
@@ -132,14 +151,16 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
             let model = build::<kiln::torch::TorchBackend>(&source, &args.checkpoint)?;
             kiln::torch::export_torchscript(&model, &args.output, args.overwrite)?;
         }
-        ExportFormat::Savedmodel => {
-            let model = build::<kiln::tf::TfBackend>(&source, &args.checkpoint)?;
-            kiln::tf::SavedModelExport::new(&model, &source.input_shape)
-                .input_name(input_name)
-                .output_name(output_name)
-                .overwrite(args.overwrite)
-                .write(&args.output)?;
-        }
+        ExportFormat::Savedmodel => Tensorflow::export_saved_model(
+            &source,
+            &SavedModelOptions {
+                checkpoint: &args.checkpoint,
+                output: &args.output,
+                input_name,
+                output_name,
+                overwrite: args.overwrite,
+            },
+        )?,
     }
     let output_shape = source.definition.output_shape(&source.input_shape)?;
     let shape = |shape: &[usize]| -> String {
@@ -171,7 +192,7 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
 }
 
 /// The model built on backend `B` with the source's weights, in eval mode.
-fn build<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
+pub(crate) fn build<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
     let mut model = B::build_model(&source.definition, Device::Cpu)?;
     source
         .state
@@ -207,7 +228,7 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
     let definition = match (&config, recorded) {
         (Some(config), _) => {
             let definition = match &example {
-                Some(x) => crate::resolve_model(config, x, Device::Cpu)?,
+                Some(x) => crate::cli::resolve_model(config, x, Device::Cpu)?,
                 None => config.model.clone(),
             };
             if let Some(checkpoint) = &checkpoint {

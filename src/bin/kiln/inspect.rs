@@ -7,6 +7,9 @@ use anyhow::{Context, Result};
 use kiln::prelude::*;
 use kiln::train::Checkpoint;
 
+use crate::cli::TensorflowCommands;
+use crate::Tensorflow;
+
 /// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
 /// files (`torch.jit.save`) are stored, unlike safetensors files.
 pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
@@ -60,14 +63,12 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
 
 pub(crate) fn inspect(path: &Path) -> Result<()> {
     if path.is_dir() {
-        let model = kiln::tf::SavedModel::load(path)?;
-        print!("{}", model.describe());
-        return Ok(());
+        return Tensorflow::inspect_saved_model(path);
     }
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
     }
-    if crate::is_onnx(path) {
+    if crate::cli::is_onnx(path) {
         print!("{}", kiln::onnx::ModelInfo::read(path)?);
         return Ok(());
     }
