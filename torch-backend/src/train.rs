@@ -166,7 +166,7 @@ impl Trainable<TorchBackend> for TorchModel {
         }
     }
 
-    /// [`eager_step`] without reading the loss back (data-parallel training
+    /// The eager step without reading the loss back (data-parallel training
     /// reads it: the ranks average it).
     fn train_step_deferred(
         &mut self,
