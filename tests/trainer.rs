@@ -116,56 +116,71 @@ fn accumulating_two_half_batches_equals_one_batch() {
 #[test]
 fn a_nan_loss_stops_training_at_its_step_and_keeps_the_checkpoints() {
     let _serial = serial();
-    let dir = std::env::temp_dir().join(format!("kiln-nan-{}", std::process::id()));
+    nan_at_step_3_keeps_the_checkpoints(LossReads::EveryStep, 1, 50);
+}
+
+/// Trains on data whose row 40 is NaN (in the third batch of 16: step 3) with a
+/// checkpoint every `checkpoint_every` steps, and checks that training stops
+/// with `NonFiniteLoss` naming step 3 and that the last checkpoint is the last
+/// good one (step 2), with finite weights.
+fn nan_at_step_3_keeps_the_checkpoints(reads: LossReads, checkpoint_every: u64, log_every: u64) {
+    let dir = std::env::temp_dir().join(format!("kiln-nan-{reads:?}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let policy = CheckpointPolicy {
-        every_n_steps: Some(1),
+        every_n_steps: Some(checkpoint_every),
         every_n_epochs: None,
         ..CheckpointPolicy::default()
     };
     let mut trainer = Trainer::<B>::new(
         TrainerConfig {
             epochs: 2,
+            log_every,
             ..TrainerConfig::default()
         },
         Loss::mse(),
     )
     .unwrap()
+    .with_loss_reads(reads)
     .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()));
     let mut s = state(2);
-    // Row 40 is in the third batch of 16 of the first epoch: step 3.
     let err = trainer
         .fit(&mut s, &loader(16, Some(40)), None)
         .unwrap_err();
     match err {
         Error::NonFiniteLoss { step, value } => {
-            assert_eq!(step, 3);
+            assert_eq!(step, 3, "{reads:?}");
             assert!(value.is_nan());
         }
-        other => panic!("expected NonFiniteLoss, got {other}"),
+        other => panic!("{reads:?}: expected NonFiniteLoss, got {other}"),
     }
     let last = Checkpoint::load(&Checkpointer::last_path(&dir)).unwrap();
-    assert_eq!(last.step, 2, "the last good checkpoint is intact");
+    assert_eq!(
+        last.step, 2,
+        "{reads:?}: the last good checkpoint is intact"
+    );
     assert!(last
         .model
         .iter()
         .all(|(_, t)| t.to_f64_vec().iter().all(|v| v.is_finite())));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// Reading the losses only when they are logged (what CUDA does by default)
-/// trains exactly as reading every step, with the same epoch losses and logged
-/// rows; a NaN loss is still reported with its step, at the next read (here the
-/// end of the epoch), and no checkpoint is written after it.
 #[test]
 fn deferred_loss_reads_train_the_same_and_still_report_a_nan() {
     let _serial = serial();
-    let dir = std::env::temp_dir().join(format!("kiln-deferred-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     let config = TrainerConfig {
         epochs: 3,
         log_every: 3,
         ..TrainerConfig::default()
     };
+    let cpu = Trainer::<B>::new(config.clone(), Loss::mse()).unwrap();
+    assert_eq!(cpu.loss_reads(), LossReads::EveryStep, "the CPU's default");
+    let cuda = TrainerConfig {
+        device: Device::Cuda(0),
+        ..config.clone()
+    };
+    let cuda = Trainer::<B>::new(cuda, Loss::mse()).unwrap();
+    assert_eq!(cuda.loss_reads(), LossReads::WhenLogged, "CUDA's default");
     let mut runs = Vec::new();
     for reads in [LossReads::EveryStep, LossReads::WhenLogged] {
         let mut s = state(4);
@@ -185,36 +200,9 @@ fn deferred_loss_reads_train_the_same_and_still_report_a_nan() {
         .with_callback(EveryLoss(Vec::new()));
     assert_eq!(trainer.loss_reads(), LossReads::EveryStep);
 
-    let policy = CheckpointPolicy {
-        every_n_steps: Some(2),
-        every_n_epochs: None,
-        ..CheckpointPolicy::default()
-    };
-    let mut trainer = Trainer::<B>::new(
-        TrainerConfig {
-            log_every: 0,
-            ..config
-        },
-        Loss::mse(),
-    )
-    .unwrap()
-    .with_loss_reads(LossReads::WhenLogged)
-    .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()));
-    let mut s = state(2);
-    // Row 40 is in the third batch of 16: step 3, read before step 4's checkpoint.
-    let err = trainer
-        .fit(&mut s, &loader(16, Some(40)), None)
-        .unwrap_err();
-    match err {
-        Error::NonFiniteLoss { step, value } => {
-            assert_eq!(step, 3);
-            assert!(value.is_nan());
-        }
-        other => panic!("expected NonFiniteLoss, got {other}"),
-    }
-    let last = Checkpoint::load(&Checkpointer::last_path(&dir)).unwrap();
-    assert_eq!(last.step, 2, "no checkpoint after the NaN step");
-    let _ = std::fs::remove_dir_all(&dir);
+    // No log and a checkpoint every 2 steps: the NaN of step 3 is read before
+    // step 4's checkpoint, which is then not written.
+    nan_at_step_3_keeps_the_checkpoints(LossReads::WhenLogged, 2, 0);
 }
 
 /// A callback that records every step's loss.

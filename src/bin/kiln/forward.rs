@@ -292,24 +292,7 @@ mod signals {
     /// Handles the forwarded signals instead of dying of them; one that is
     /// ignored (`nohup`) stays ignored, and the child inherits that.
     pub(super) fn install() -> anyhow::Result<()> {
-        for signal in FORWARDED {
-            // SAFETY: a zeroed sigaction is valid (empty mask, no flags); `pass_on`
-            // is async-signal-safe; both structs outlive the calls that use them.
-            let ok = unsafe {
-                let mut action: libc::sigaction = std::mem::zeroed();
-                let mut previous: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = pass_on as extern "C" fn(libc::c_int) as libc::sighandler_t;
-                action.sa_flags = libc::SA_RESTART;
-                libc::sigaction(signal, &action, &mut previous) == 0
-                    && (previous.sa_sigaction != libc::SIG_IGN
-                        || libc::sigaction(signal, &previous, std::ptr::null_mut()) == 0)
-            };
-            if !ok {
-                let error = std::io::Error::last_os_error();
-                anyhow::bail!("installing a handler for signal {signal}: {error}");
-            }
-        }
-        Ok(())
+        crate::launch::signals::handle(&FORWARDED, pass_on)
     }
 
     /// From now on signals go to `pid`, and one received before goes now.

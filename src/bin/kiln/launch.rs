@@ -499,7 +499,7 @@ fn run_id() -> String {
 }
 
 /// The signals the launcher forwards: SIGINT, SIGTERM, SIGHUP and SIGQUIT.
-mod signals {
+pub(crate) mod signals {
     use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 
     static LAST: AtomicI32 = AtomicI32::new(0);
@@ -514,13 +514,26 @@ mod signals {
     /// Records the forwarded signals instead of dying of them; one that is
     /// ignored (`nohup`, a background job's SIGINT) stays ignored.
     pub(super) fn install() -> anyhow::Result<()> {
-        for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
-            // SAFETY: a zeroed sigaction is valid (empty mask, no flags); `record`
-            // is async-signal-safe; both structs outlive the calls that use them.
+        handle(
+            &[libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT],
+            record,
+        )
+    }
+
+    /// Makes `handler` handle each of `signals`, except one that is ignored
+    /// (`nohup`), which stays ignored (and a child inherits that).
+    pub(crate) fn handle(
+        signals: &[libc::c_int],
+        handler: extern "C" fn(libc::c_int),
+    ) -> anyhow::Result<()> {
+        for &signal in signals {
+            // SAFETY: a zeroed sigaction is valid (empty mask, no flags); the
+            // handler is async-signal-safe (the callers' contract); both structs
+            // outlive the calls that use them.
             let ok = unsafe {
                 let mut action: libc::sigaction = std::mem::zeroed();
                 let mut previous: libc::sigaction = std::mem::zeroed();
-                action.sa_sigaction = record as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                action.sa_sigaction = handler as libc::sighandler_t;
                 action.sa_flags = libc::SA_RESTART;
                 libc::sigaction(signal, &action, &mut previous) == 0
                     && (previous.sa_sigaction != libc::SIG_IGN
