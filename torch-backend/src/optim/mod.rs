@@ -17,7 +17,6 @@ use kiln_core::{
         save_group_hypers, set_group_learning_rates, GroupHyper, Optimizer, OptimizerConfig,
         ParamGroup,
     },
-    precision::LossScaling,
     state_dict::StateDict,
     state_tensors::{StateTensor, StateTensors},
     DType, Error, HostTensor, Result,
@@ -162,93 +161,6 @@ impl TorchOptimizer {
             found_inf: None,
             lr_on_device: false,
         })
-    }
-
-    /// Turns dynamic loss scaling on (`16-mixed`, `torch.amp.GradScaler`'s
-    /// algorithm, see [`LossScaling`]) or off (`None`). With it on, the training
-    /// step multiplies the loss by [`scale_loss`](Self::scale_loss) before the
-    /// backward pass, and [`step`](Optimizer::step) divides the gradients by the
-    /// scale (unless [`unscale_gradients`](Self::unscale_gradients) already did,
-    /// for clipping), skips the update when any gradient is inf or NaN, and
-    /// updates the scale. The scale lives on the parameters' device (all must
-    /// share one) and is part of [`state_dict`](Optimizer::state_dict)
-    /// (`grad_scaler.scale`, `grad_scaler.growth_tracker`), so a checkpoint
-    /// resumes it exactly. Turning it on again restarts at `init_scale`.
-    ///
-    /// Deciding to skip needs the flag: with the step counts on the device
-    /// ([`set_steps_on_device`](Self::set_steps_on_device), Adam and AdamW) the
-    /// fused kernel reads it there; otherwise `step` reads it back, as
-    /// `torch.amp.GradScaler` does for optimizers without a fused kernel.
-    ///
-    /// ```no_run
-    /// use kiln_core::{optim::{AdamConfig, Optimizer, OptimizerConfig}, precision::LossScaling};
-    /// use kiln_torch::TorchOptimizer;
-    ///
-    /// let w = tch::Tensor::zeros([3], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
-    /// let mut opt = TorchOptimizer::new(
-    ///     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-    ///     vec![("w".to_owned(), w.shallow_clone())],
-    ///     &[],
-    /// )?;
-    /// opt.set_loss_scaling(Some(LossScaling::default()))?;
-    /// let loss = (&w - 1.0).square().sum(tch::Kind::Float);
-    /// opt.scale_loss(&loss)?.backward();   // scaler.scale(loss).backward()
-    /// opt.step()?;                         // scaler.step(opt); scaler.update()
-    /// assert_eq!(opt.loss_scale()?, Some(65536.0));
-    /// # Ok::<(), kiln_core::Error>(())
-    /// ```
-    pub fn set_loss_scaling(&mut self, scaling: Option<LossScaling>) -> Result<()> {
-        self.found_inf = None;
-        let Some(config) = scaling else {
-            self.scaler = None;
-            return Ok(());
-        };
-        let mut devices = self.params.iter().map(|s| s.tensor.device());
-        let device = devices.next().unwrap_or(tch::Device::Cpu);
-        if let Some(other) = devices.find(|d| *d != device) {
-            return Err(Error::unsupported(format!(
-                "loss scaling over parameters on several devices ({device:?} and {other:?}); \
-                 keep the model on one device"
-            )));
-        }
-        self.scaler = Some(GradScaler::new(config, device)?);
-        Ok(())
-    }
-
-    /// The loss scaling settings, when it is on.
-    pub fn loss_scaling(&self) -> Option<&LossScaling> {
-        self.scaler.as_ref().map(GradScaler::config)
-    }
-
-    /// The current loss scale, when scaling is on (one read from the device).
-    pub fn loss_scale(&self) -> Result<Option<f64>> {
-        self.scaler.as_ref().map(GradScaler::scale).transpose()
-    }
-
-    /// `loss` times the current loss scale (on the device, keeping the autograd
-    /// graph), or `loss` itself when scaling is off: PyTorch's `scaler.scale(loss)`.
-    pub fn scale_loss(&self, loss: &Tensor) -> Result<Tensor> {
-        match &self.scaler {
-            Some(scaler) => scaler.scale_loss(loss),
-            None => Ok(loss.shallow_clone()),
-        }
-    }
-
-    /// Divides the gradients by the loss scale in place and checks them for inf
-    /// and NaN on the device, once per step (`scaler.unscale_(optimizer)`): call it
-    /// before clipping. [`step`](Optimizer::step) calls it when it has not run.
-    /// Nothing happens when scaling is off.
-    pub fn unscale_gradients(&mut self) -> Result<()> {
-        if self.found_inf.is_some() {
-            return Ok(());
-        }
-        let Some(scaler) = &self.scaler else {
-            return Ok(());
-        };
-        let grads = self.gradients()?;
-        let defined: Vec<&Tensor> = grads.iter().flatten().collect();
-        self.found_inf = Some(tch::no_grad(|| scaler.unscale(&defined))?);
-        Ok(())
     }
 
     /// The configuration this optimizer runs.
