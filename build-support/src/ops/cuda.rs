@@ -160,29 +160,74 @@ pub(crate) fn compile(
     })
 }
 
+/// How many times nvcc runs when it (or a compiler it starts) crashes: a crash
+/// is a fault of the toolchain, not of the source, and has been seen to pass on a
+/// second run (a `Segmentation fault` from nvcc on a CI machine whose previous
+/// run of the same sources had built).
+const NVCC_ATTEMPTS: usize = 3;
+
 fn run(command: &mut Command) -> Result<()> {
-    let output = command.output().map_err(|e| BuildError::Command {
-        command: format!("{command:?}"),
-        detail: e.to_string(),
-    })?;
-    if output.status.success() {
-        // cargo shows a build script's output only when it fails; warnings go
-        // through cargo:warning, as cc does for the C++ compiler's.
-        for line in String::from_utf8_lossy(&output.stderr).lines() {
-            if !line.trim().is_empty() {
-                println!("cargo:warning=nvcc: {line}");
+    let mut attempt = 1;
+    loop {
+        let output = command.output().map_err(|e| BuildError::Command {
+            command: format!("{command:?}"),
+            detail: e.to_string(),
+        })?;
+        if output.status.success() {
+            // cargo shows a build script's output only when it fails; warnings go
+            // through cargo:warning, as cc does for the C++ compiler's.
+            for line in String::from_utf8_lossy(&output.stderr).lines() {
+                if !line.trim().is_empty() {
+                    println!("cargo:warning=nvcc: {line}");
+                }
             }
+            return Ok(());
         }
-        return Ok(());
-    }
-    Err(BuildError::Command {
-        command: format!("{command:?}"),
-        detail: format!(
-            "{}{}",
+        let detail = format!(
+            "{}{}{}",
             String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        ),
-    })
+            String::from_utf8_lossy(&output.stderr),
+            status_note(&output.status)
+        );
+        if attempt < NVCC_ATTEMPTS && crashed(&output.status, &detail) {
+            println!(
+                "cargo:warning=nvcc crashed (attempt {attempt} of {NVCC_ATTEMPTS}), running it again: {}",
+                detail.trim().replace('\n', " | ")
+            );
+            attempt += 1;
+            continue;
+        }
+        return Err(BuildError::Command {
+            command: format!("{command:?}"),
+            detail,
+        });
+    }
+}
+
+/// Whether a failed compiler run was a crash (a signal, or a crash of a program
+/// nvcc started, which nvcc reports in its output) rather than an error in the
+/// source.
+fn crashed(status: &std::process::ExitStatus, output: &str) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal().is_some()
+        || [
+            "Segmentation fault",
+            "died due to signal",
+            "internal compiler error",
+            "Bus error",
+        ]
+        .iter()
+        .any(|sign| output.contains(sign))
+}
+
+/// The exit status in words, where the output alone would not say it.
+fn status_note(status: &std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (_, Some(signal)) => format!(" (killed by signal {signal})"),
+        (Some(code), None) => format!(" (exit status {code})"),
+        (None, None) => String::new(),
+    }
 }
 
 /// nvcc from `NVCC`, else `CUDA_HOME` / `CUDA_PATH`, else the `nvidia/cu13` wheels
@@ -364,6 +409,63 @@ fn normalize(path: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shell command that appends a line to `count` each run, then does `then`.
+    fn counted(count: &Path, then: &str) -> Command {
+        let mut command = Command::new("sh");
+        command
+            .arg("-c")
+            .arg(format!("echo run >> '{}'; {then}", count.display()));
+        command
+    }
+
+    fn runs(count: &Path) -> usize {
+        fs::read_to_string(count).map_or(0, |s| s.lines().count())
+    }
+
+    #[test]
+    fn a_crashing_compiler_runs_again_and_an_error_in_the_source_does_not() {
+        let dir = env::temp_dir().join(format!("kiln-nvcc-retry-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+
+        // Crashes (killed by SIGSEGV) on the first run, builds on the second.
+        let count = dir.join("crash-once");
+        let script = format!(
+            "if [ $(wc -l < '{}') -lt 2 ]; then kill -SEGV $$; fi",
+            count.display()
+        );
+        run(&mut counted(&count, &script)).unwrap();
+        assert_eq!(runs(&count), 2);
+
+        // A child's crash that nvcc reports in its output, every time: three runs.
+        let count = dir.join("crash-always");
+        let err = run(&mut counted(
+            &count,
+            "echo 'Segmentation fault' >&2; exit 139",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert_eq!(runs(&count), NVCC_ATTEMPTS);
+        assert!(
+            err.contains("Segmentation fault") && err.contains("exit status 139"),
+            "{err}"
+        );
+
+        // An error in the source: one run, and its message.
+        let count = dir.join("error");
+        let err = run(&mut counted(
+            &count,
+            "echo 'k.cu(3): error: identifier x is undefined' >&2; exit 1",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert_eq!(runs(&count), 1);
+        assert!(
+            err.contains("identifier x is undefined") && err.contains("exit status 1"),
+            "{err}"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn cudart_prefers_the_unversioned_name_then_the_soname() {
