@@ -1,0 +1,129 @@
+//! Where training stands: the model, its optimizer and schedule, and the
+//! position in the data; what a checkpoint saves and `fit` advances.
+
+use crate::checkpoint::Checkpoint;
+use crate::metric::LossMetric;
+use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::error::{Error, Result};
+use kiln_core::optim::Optimizer;
+use kiln_core::schedule::LrScheduler;
+
+/// A model, its optimizer and schedule, and where training stands: what a
+/// checkpoint saves and `fit` advances. `M` is the module, as for [`Trainer`](crate::Trainer).
+pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
+    /// The model.
+    pub model: M,
+    /// Its optimizer.
+    pub optimizer: M::Optim,
+    /// The learning-rate schedule, if any.
+    pub scheduler: Option<Box<dyn LrScheduler + Send>>,
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// The epoch in progress (0-based).
+    pub epoch: u64,
+    /// Micro-batches of `epoch` already consumed.
+    pub batch_in_epoch: u64,
+    /// The training loss of those micro-batches, for the epoch's record.
+    pub epoch_loss: LossMetric,
+}
+
+impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for TrainingState<B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainingState")
+            .field("step", &self.step)
+            .field("epoch", &self.epoch)
+            .field("batch_in_epoch", &self.batch_in_epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
+    /// A fresh state at step 0.
+    pub fn new(
+        model: M,
+        optimizer: M::Optim,
+        scheduler: Option<Box<dyn LrScheduler + Send>>,
+    ) -> Self {
+        Self {
+            model,
+            optimizer,
+            scheduler,
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            epoch_loss: LossMetric::new("loss"),
+        }
+    }
+
+    /// Restores model, optimizer, schedule and position from a checkpoint.
+    ///
+    /// Contract: nothing changes if any part does not fit: a model tensor
+    /// missing, unexpected, or of another shape or dtype than the model's (never
+    /// cast), an optimizer of another algorithm than the checkpoint's, or
+    /// optimizer or schedule state that does not load.
+    pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        if let (Some(saved), Some(ours)) =
+            (checkpoint.optimizer_kind.as_deref(), self.optimizer.kind())
+        {
+            if saved != ours {
+                return Err(Error::invalid_argument(
+                    "optimizer.type",
+                    format!(
+                        "the checkpoint was trained with `{saved}`, this run builds `{ours}`; \
+                         resume with the checkpoint's optimizer, or start a new run"
+                    ),
+                ));
+            }
+        }
+        if checkpoint.backend != B::NAME {
+            log::info!(
+                "resuming a checkpoint written by the {} backend on {}",
+                checkpoint.backend,
+                B::NAME
+            );
+        }
+        let old_model = self.model.state_dict()?;
+        checkpoint.model.check_dtypes(&old_model)?;
+        // The schedule first: it is the one part whose state can be put back exactly.
+        let old_schedule = match (self.scheduler.as_mut(), &checkpoint.scheduler) {
+            (Some(scheduler), Some(state)) => {
+                let old = scheduler.state()?;
+                scheduler.load_state(state)?;
+                Some(old)
+            }
+            _ => None,
+        };
+        let loaded = self
+            .model
+            .load_state_dict(&checkpoint.model)
+            .and_then(|()| {
+                self.optimizer
+                    .load_state_dict(&checkpoint.optimizer)
+                    .inspect_err(|_| {
+                        if let Err(e) = self.model.load_state_dict(&old_model) {
+                            log::error!(
+                                "cannot put the model back after a failed restore: {}",
+                                e.display_chain()
+                            );
+                        }
+                    })
+            });
+        if let Err(e) = loaded {
+            if let (Some(scheduler), Some(old)) = (self.scheduler.as_mut(), &old_schedule) {
+                scheduler.load_state(old)?;
+            }
+            return Err(e);
+        }
+        if let (Some(scheduler), Some(_)) = (self.scheduler.as_ref(), &old_schedule) {
+            self.optimizer.set_learning_rates(scheduler.lrs())?;
+        }
+        self.step = checkpoint.step;
+        self.epoch = checkpoint.epoch;
+        self.batch_in_epoch = checkpoint.batch_in_epoch;
+        // A checkpoint without it (from before Kiln recorded it) restarts the
+        // running mean: the epoch's loss then covers the batches after it.
+        let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
+        self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
+        Ok(())
+    }
+}
