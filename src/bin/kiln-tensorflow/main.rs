@@ -12,6 +12,8 @@ mod cli;
 mod config;
 #[path = "../kiln/data.rs"]
 mod data;
+#[path = "../kiln/evaluate.rs"]
+mod evaluate;
 #[path = "../kiln/export.rs"]
 mod export;
 #[path = "../kiln/inspect.rs"]
@@ -28,8 +30,9 @@ use kiln::core::distributed::Rendezvous;
 use kiln::prelude::*;
 use kiln::tf::TfBackend;
 
-use crate::cli::{CheckpointArgs, PredictArgs, TensorflowCommands};
+use crate::cli::TensorflowCommands;
 use crate::config::RunConfig;
+use crate::evaluate::{CheckpointArgs, PredictArgs};
 
 /// The TensorFlow commands, on the TensorFlow C API.
 pub(crate) struct Tensorflow;
@@ -50,11 +53,11 @@ impl TensorflowCommands for Tensorflow {
     }
 
     fn eval(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
-        cli::eval_on::<TfBackend>(args, config)
+        evaluate::eval_on::<TfBackend>(args, config)
     }
 
     fn predict(args: &PredictArgs, config: &RunConfig) -> Result<()> {
-        cli::predict_on::<TfBackend>(args, config)
+        evaluate::predict_on::<TfBackend>(args, config)
     }
 
     fn resolve_saved_model_shapes(model: &Layer, example: &[usize], dtype: DType) -> Result<Layer> {

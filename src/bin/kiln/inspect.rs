@@ -68,7 +68,7 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
     }
-    if crate::cli::is_onnx(path) {
+    if crate::evaluate::is_onnx(path) {
         print!("{}", kiln::onnx::ModelInfo::read(path)?);
         return Ok(());
     }

@@ -11,6 +11,7 @@
 mod cli;
 mod config;
 mod data;
+mod evaluate;
 mod export;
 mod forward;
 mod inspect;
@@ -23,8 +24,9 @@ use clap::Parser;
 use kiln::core::distributed::Rendezvous;
 use kiln::prelude::*;
 
-use crate::cli::{CheckpointArgs, PredictArgs, TensorflowCommands};
+use crate::cli::TensorflowCommands;
 use crate::config::RunConfig;
+use crate::evaluate::{CheckpointArgs, PredictArgs};
 use crate::forward::NeedsTensorflow;
 
 /// `kiln`'s TensorFlow commands: each one is refused with [`NeedsTensorflow`],

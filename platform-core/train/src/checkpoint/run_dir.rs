@@ -48,7 +48,7 @@ impl RunDirectory {
         if dir.as_os_str().is_empty() {
             return Err(run_error(
                 dir,
-                "an empty path names no directory; give output_dir (or --output) a directory",
+                "an empty path names no directory; give the run a directory (`output_dir`, `--output`)",
             ));
         }
         if dir.exists() && !dir.is_dir() {
@@ -67,8 +67,9 @@ impl RunDirectory {
                     dir,
                     format!(
                         "is not empty (it holds {}); a new run never writes into a directory \
-                         with files in it. Continue the run there with `--resume auto`, or \
-                         start this one elsewhere with `--output DIR`",
+                         with files in it. Continue the run there (`--resume auto` on the \
+                         command line, `RunStart::Resume` from Rust), or start this one in \
+                         another directory (`--output DIR`)",
                         describe(&entries)
                     ),
                 ));

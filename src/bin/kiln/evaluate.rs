@@ -1,0 +1,219 @@
+//! `kiln eval` and `kiln predict`: a checkpoint (or an ONNX model) over the
+//! config's validation split, as metrics or as a CSV of predictions.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kiln::prelude::*;
+
+use crate::cli::{load_config, resolve_model, TensorflowCommands};
+use crate::config::{BackendKind, RunConfig};
+use crate::data::{loader, validation_split, RecordTargets};
+use crate::Tensorflow;
+
+#[derive(Args)]
+pub(crate) struct CheckpointArgs {
+    /// The run config (TOML) that names the data.
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// The checkpoint file (`predict` also takes an ONNX model, `*.onnx`).
+    #[arg(long)]
+    pub(crate) checkpoint: PathBuf,
+    /// Override `device`.
+    #[arg(long)]
+    pub(crate) device: Option<Device>,
+}
+
+#[derive(Args)]
+pub(crate) struct PredictArgs {
+    #[command(flatten)]
+    pub(crate) common: CheckpointArgs,
+    /// Where to write the predictions (CSV: index, predicted class, label, scores).
+    #[arg(long)]
+    pub(crate) output: PathBuf,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+}
+
+/// The config's model with the checkpoint's weights, in eval mode. The config
+/// is the source of truth: a checkpoint that records another definition is
+/// refused before the model is built, and one holding a tensor of another
+/// name, shape or dtype before any weight is loaded.
+fn restore<B: TrainBackend>(
+    checkpoint: &Checkpoint,
+    path: &Path,
+    config: &RunConfig,
+    device: Device,
+    inputs: &HostTensor,
+) -> Result<B::Model> {
+    let definition = resolve_model(config, inputs, device)?;
+    checkpoint.check_definition(&definition, path)?;
+    let mut model = B::build_model(&definition, device)?;
+    B::set_precision(&mut model, config.training.precision)?;
+    checkpoint
+        .model
+        .check_dtypes(&model.state_dict()?)
+        .and_then(|()| model.load_state_dict(&checkpoint.model))
+        .map_err(|e| {
+            kiln::core::Error::checkpoint_caused_by(path, "does not fit the config's model", e)
+        })?;
+    model.set_mode(Mode::Eval);
+    Ok(model)
+}
+
+pub(crate) fn eval(args: CheckpointArgs) -> Result<()> {
+    let config = load_config(&args.config)?;
+    match config.backend {
+        BackendKind::Torch => eval_on::<kiln::torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => Tensorflow::eval(&args, &config),
+    }
+}
+
+pub(crate) fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
+    let device = args.device.unwrap_or(config.device);
+    let checkpoint = Checkpoint::load(&args.checkpoint)?;
+    let (split, probe) = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &probe)?;
+    let val = loader(split, config, false, None)?;
+    let mut training = config.training.clone();
+    training.device = device;
+    let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
+    for name in &config.logging.metrics {
+        trainer = trainer.with_metric(
+            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?,
+        );
+    }
+    let metrics = trainer.evaluate(&mut model, val.as_ref())?;
+    println!("{:<16} {:>12}", "metric", "value");
+    for (name, value) in metrics {
+        println!("{name:<16} {value:>12.6}");
+    }
+    Ok(())
+}
+
+pub(crate) fn predict(args: PredictArgs) -> Result<()> {
+    let config = load_config(&args.common.config)?;
+    if is_onnx(&args.common.checkpoint) {
+        return predict_onnx(&args, &config);
+    }
+    match config.backend {
+        BackendKind::Torch => predict_on::<kiln::torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => Tensorflow::predict(&args, &config),
+    }
+}
+
+pub(crate) fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+    let common = &args.common;
+    let device = common.device.unwrap_or(config.device);
+    refuse_existing(&args.output, args.overwrite)?;
+    let checkpoint = Checkpoint::load(&common.checkpoint)?;
+    let (split, probe) = validation_split(config)?;
+    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
+    let val = RecordTargets::new(loader(split, config, false, None)?);
+    let mut training = config.training.clone();
+    training.device = device;
+    let outputs = Trainer::<B>::new(training, config.loss.clone())?.predict(&mut model, &val)?;
+    write_predictions(&args.output, &val.targets(), outputs)
+}
+
+/// Whether `path` names an ONNX model (`*.onnx`).
+pub(crate) fn is_onnx(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+}
+
+/// `kiln predict` with an ONNX model: ONNX Runtime over the config's
+/// validation split, in batches of `data.batch_size`.
+fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+    if args.common.device.is_some_and(|d| d != Device::Cpu) {
+        anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");
+    }
+    refuse_existing(&args.output, args.overwrite)?;
+    let path = &args.common.checkpoint;
+    let model = kiln::onnx::OnnxModel::load(path)?;
+    let (split, _) = validation_split(config)?;
+    let val = RecordTargets::new(loader(split, config, false, None)?);
+    let mut outputs = Vec::new();
+    for batch in val.batches(0) {
+        outputs.push(
+            model
+                .predict(&batch?.inputs)
+                .with_context(|| format!("running {}", path.display()))?,
+        );
+    }
+    write_predictions(&args.output, &val.targets(), outputs)
+}
+
+fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
+    if output.exists() && !overwrite {
+        anyhow::bail!(
+            "{} exists; predict never writes over a file unless told to: pass --overwrite \
+             to replace it, or choose another --output",
+            output.display()
+        );
+    }
+    Ok(())
+}
+
+/// Writes one CSV row per sample: index, predicted class, label, scores.
+fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) -> Result<()> {
+    // Written beside the output and renamed over it: a file the output replaces
+    // is replaced whole, never written through (a link to a checkpoint stays intact).
+    let tmp = temporary_sibling(output)?;
+    let mut file = std::io::BufWriter::new(
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .with_context(|| format!("creating {}", tmp.display()))?,
+    );
+    let mut index = 0usize;
+    for batch in outputs {
+        let classes = batch.dims().get(1).copied().unwrap_or(1);
+        if index == 0 {
+            let scores: Vec<String> = (0..classes).map(|c| format!("score_{c}")).collect();
+            writeln!(file, "index,predicted,label,{}", scores.join(","))?;
+        }
+        for row in batch.to_f64_vec().chunks(classes) {
+            let predicted = row
+                .iter()
+                .enumerate()
+                .fold((0, f64::NEG_INFINITY), |best, (i, v)| {
+                    if *v > best.1 {
+                        (i, *v)
+                    } else {
+                        best
+                    }
+                })
+                .0;
+            let scores: Vec<String> = row.iter().map(|v| format!("{v}")).collect();
+            let label = labels.get(index).copied().unwrap_or(-1);
+            writeln!(file, "{index},{predicted},{label},{}", scores.join(","))?;
+            index += 1;
+        }
+    }
+    file.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.sync_all())
+        .and_then(|()| std::fs::rename(&tmp, output))
+        .with_context(|| format!("writing {}", output.display()))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })?;
+    println!("kiln: {index} predictions written to {}", output.display());
+    Ok(())
+}
+
+/// `<dir>/.<name>.tmp-<pid>` beside `path`.
+fn temporary_sibling(path: &Path) -> Result<PathBuf> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} does not name a file", path.display()))?;
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".tmp-{}", std::process::id()));
+    Ok(path.with_file_name(tmp))
+}
