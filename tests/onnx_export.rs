@@ -462,6 +462,17 @@ fn an_existing_file_is_left_alone_unless_overwrite_is_asked() {
         "{err}"
     );
     assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+    // `?` in a function returning kiln's Result keeps the kind and the message.
+    let as_kiln = || -> kiln::Result<()> { Ok(export_onnx(&model, &[1, 4], &path)?) };
+    match as_kiln().unwrap_err() {
+        kiln::Error::Io { path: p, source } => {
+            assert_eq!(p, path);
+            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists);
+            assert!(source.to_string().contains("--overwrite"), "{source}");
+        }
+        other => panic!("expected Error::Io, got {other:?}"),
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), b"precious");
 
     let state = Module::<TorchBackend>::state_dict(&model).unwrap();
     let export = OnnxExport::new(

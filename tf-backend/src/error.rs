@@ -99,3 +99,114 @@ impl ExportError {
         }
     }
 }
+
+/// Into Kiln's one error type, so that `?` takes an export error in a function
+/// returning [`kiln_core::Result`]. Each kind keeps its meaning and message: an
+/// existing path is [`Error::Io`] with [`AlreadyExists`](std::io::ErrorKind::AlreadyExists),
+/// a layer that cannot be exported [`Error::Unsupported`], a bad setting
+/// [`Error::InvalidArgument`].
+impl From<ExportError> for Error {
+    fn from(error: ExportError) -> Self {
+        use std::io::{Error as IoError, ErrorKind};
+        match error {
+            ExportError::Exists { path } => Error::Io {
+                path,
+                source: IoError::new(
+                    ErrorKind::AlreadyExists,
+                    "already exists; pass `overwrite(true)` to replace it",
+                ),
+            },
+            ExportError::NotASavedModel { path } => Error::Io {
+                path,
+                source: IoError::new(
+                    ErrorKind::AlreadyExists,
+                    "exists and is not a SavedModel directory (no saved_model.pb): an export \
+                     replaces only a SavedModel; remove it yourself or choose another path",
+                ),
+            },
+            unsupported @ (ExportError::NonStandardOp { .. } | ExportError::Unsupported { .. }) => {
+                Error::unsupported(unsupported.to_string())
+            }
+            ExportError::InvalidArgument { name, reason } => Error::invalid_argument(name, reason),
+            ExportError::Io {
+                action,
+                path,
+                source,
+            } => Error::Io {
+                path,
+                source: IoError::new(source.kind(), format!("{action}: {source}")),
+            },
+            ExportError::Core(error) => error,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::ErrorKind;
+
+    fn io_kind(error: &Error) -> Option<ErrorKind> {
+        match error {
+            Error::Io { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn export_errors_become_kiln_errors_of_the_same_kind() {
+        let exists: Error = ExportError::Exists {
+            path: "out/model".into(),
+        }
+        .into();
+        assert_eq!(io_kind(&exists), Some(ErrorKind::AlreadyExists));
+        let chain = exists.display_chain().to_string();
+        assert!(
+            chain.starts_with("out/model: already exists") && chain.contains("overwrite(true)"),
+            "{chain}"
+        );
+
+        let not_saved_model: Error = ExportError::NotASavedModel {
+            path: "notes".into(),
+        }
+        .into();
+        assert_eq!(io_kind(&not_saved_model), Some(ErrorKind::AlreadyExists));
+
+        let unsupported = ExportError::Unsupported {
+            path: "2".into(),
+            layer: "SavedModel".into(),
+            reason: "a saved_model layer exports to no format".into(),
+        };
+        let message = unsupported.to_string();
+        let unsupported: Error = unsupported.into();
+        assert!(
+            matches!(&unsupported, Error::Unsupported { what } if *what == message),
+            "{unsupported:?}"
+        );
+
+        let invalid: Error = ExportError::InvalidArgument {
+            name: "input_name",
+            reason: "is empty".into(),
+        }
+        .into();
+        assert!(
+            matches!(&invalid, Error::InvalidArgument { name, reason } if name == "input_name" && reason == "is empty")
+        );
+
+        let io: Error = ExportError::Io {
+            action: "writing",
+            path: "out/model/saved_model.pb".into(),
+            source: std::io::Error::from(ErrorKind::PermissionDenied),
+        }
+        .into();
+        assert_eq!(io_kind(&io), Some(ErrorKind::PermissionDenied));
+        let chain = io.display_chain().to_string();
+        assert!(
+            chain.starts_with("out/model/saved_model.pb: writing: permission denied"),
+            "{chain}"
+        );
+
+        let core: Error = ExportError::Core(Error::unsupported("a bf16 input")).into();
+        assert_eq!(core.to_string(), "unsupported: a bf16 input");
+    }
+}

@@ -367,6 +367,16 @@ fn existing_paths_and_bad_settings_are_refused_untouched() {
         "{err:?}"
     );
     assert!(err.to_string().contains("overwrite(true)"), "{err}");
+    // `?` in a function returning kiln's Result keeps the kind and the message.
+    let as_kiln = || -> kiln_core::Result<()> { Ok(export_saved_model(&model, &[2, 4], &dir)?) };
+    match as_kiln().unwrap_err() {
+        kiln_core::Error::Io { path, source } => {
+            assert_eq!(path, dir);
+            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists);
+            assert!(source.to_string().contains("overwrite(true)"), "{source}");
+        }
+        other => panic!("expected Error::Io, got {other:?}"),
+    }
     let err = SavedModelExport::new(&model, &[2, 4])
         .overwrite(true)
         .write(&dir)

@@ -111,3 +111,143 @@ impl Error {
         }
     }
 }
+
+/// Into Kiln's one error type, so that `?` takes an ONNX error in a function
+/// returning [`kiln_core::Result`]. Each kind keeps its meaning and message: an
+/// existing file is [`kiln_core::Error::Io`] with
+/// [`AlreadyExists`](std::io::ErrorKind::AlreadyExists), a missing directory
+/// [`NotFound`](std::io::ErrorKind::NotFound), a layer that cannot be exported
+/// `Unsupported`, a file that is not ONNX `Data`, a bad input, output or setting
+/// `InvalidArgument`, ONNX Runtime's own failure `Backend` (`onnxruntime`).
+impl From<Error> for kiln_core::Error {
+    fn from(error: Error) -> Self {
+        use kiln_core::Error as Kiln;
+        use std::io::{Error as IoError, ErrorKind};
+        match error {
+            unsupported @ Error::Unsupported { .. } => Kiln::unsupported(unsupported.to_string()),
+            Error::Weight {
+                path,
+                layer,
+                key,
+                reason,
+            } => Kiln::invalid_argument(
+                format!("state dict entry `{key}`"),
+                format!("{path} ({layer}): {reason}"),
+            ),
+            Error::Invalid { what, reason } => Kiln::invalid_argument(what, reason),
+            Error::MissingParent { path } => Kiln::Io {
+                path,
+                source: IoError::new(
+                    ErrorKind::NotFound,
+                    "its directory does not exist; create it first",
+                ),
+            },
+            Error::FileExists { path } => Kiln::Io {
+                path,
+                source: IoError::new(
+                    ErrorKind::AlreadyExists,
+                    "already exists; pass --overwrite (or `overwrite(true)`) to replace it",
+                ),
+            },
+            Error::InvalidModel { path, reason } => {
+                Kiln::data(path, None, format!("not a valid ONNX model: {reason}"))
+            }
+            Error::Input { name, reason } => {
+                Kiln::invalid_argument(format!("input '{name}'"), reason)
+            }
+            Error::Output { name, reason } => {
+                Kiln::invalid_argument(format!("output '{name}'"), reason)
+            }
+            Error::Runtime(message) => {
+                Kiln::backend("onnxruntime", "running an ONNX model", message)
+            }
+            Error::Io {
+                action,
+                path,
+                source,
+            } => Kiln::Io {
+                path,
+                source: IoError::new(source.kind(), format!("{action}: {source}")),
+            },
+            Error::Core(error) => error,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::ErrorKind;
+
+    fn io_kind(error: &kiln_core::Error) -> Option<ErrorKind> {
+        match error {
+            kiln_core::Error::Io { source, .. } => Some(source.kind()),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn onnx_errors_become_kiln_errors_of_the_same_kind() {
+        use kiln_core::Error as Kiln;
+        let exists: Kiln = Error::FileExists {
+            path: "model.onnx".into(),
+        }
+        .into();
+        assert_eq!(io_kind(&exists), Some(ErrorKind::AlreadyExists));
+        let chain = exists.display_chain().to_string();
+        assert!(chain.starts_with("model.onnx: already exists"), "{chain}");
+
+        let missing: Kiln = Error::MissingParent {
+            path: "no/such/dir/model.onnx".into(),
+        }
+        .into();
+        assert_eq!(io_kind(&missing), Some(ErrorKind::NotFound));
+
+        let input: Kiln = Error::Input {
+            name: "pixels".into(),
+            reason: "dimension 1 is 7, the model expects 8".into(),
+        }
+        .into();
+        assert!(
+            matches!(&input, Kiln::InvalidArgument { name, reason }
+                if name == "input 'pixels'" && reason.contains("expects 8")),
+            "{input:?}"
+        );
+
+        let invalid: Kiln = Error::InvalidModel {
+            path: "truncated.onnx".into(),
+            reason: "the protobuf ends early".into(),
+        }
+        .into();
+        assert!(matches!(&invalid, Kiln::Data { .. }), "{invalid:?}");
+        assert!(
+            invalid.to_string().contains("not a valid ONNX model"),
+            "{invalid}"
+        );
+
+        let unsupported = Error::Unsupported {
+            path: "2".into(),
+            layer: "SavedModel".into(),
+            reason: "exports to no format".into(),
+        };
+        let message = unsupported.to_string();
+        let unsupported: Kiln = unsupported.into();
+        assert!(matches!(&unsupported, Kiln::Unsupported { what } if *what == message));
+
+        let runtime: Kiln = Error::Runtime("out of memory".into()).into();
+        assert!(matches!(
+            &runtime,
+            Kiln::Backend {
+                backend: "onnxruntime",
+                ..
+            }
+        ));
+        assert!(runtime
+            .display_chain()
+            .to_string()
+            .ends_with("out of memory"));
+
+        let core: Kiln = Error::Core(Kiln::unsupported("a complex input")).into();
+        assert_eq!(core.to_string(), "unsupported: a complex input");
+    }
+}
