@@ -17,8 +17,9 @@ use std::path::{Component, Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// The mdBook release `cargo xtask book` installs (from crates.io, without its
-/// default features `search`, `serve` and `watch`, which the HTML does not need).
+/// The mdBook release `cargo xtask book` installs (from crates.io, with its
+/// `search` feature, the guide's search box, and without `serve` and `watch`,
+/// which building the HTML does not need).
 pub const MDBOOK_VERSION: &str = "0.5.4";
 
 /// What can go wrong while building or checking the guide.
@@ -515,8 +516,8 @@ pub struct BookReport {
 }
 
 /// mdBook, installed from crates.io (with `cargo install --locked`,
-/// [`MDBOOK_VERSION`], no default features) unless a binary of that version is
-/// there already: into `mdbook-<version>` of the cache every Kiln checkout of
+/// [`MDBOOK_VERSION`], the `search` feature only) unless a binary of that version
+/// is there already: into `mdbook-<version>-search` of the cache every Kiln checkout of
 /// this user shares (where the virtualenv is, [`shared_cache_dir`]), so a second
 /// clone or a CI run in a fresh clone reuses it, else into the workspace's
 /// `.kiln/tools`. Returns the binary and, when it had to install it, how long
@@ -525,7 +526,8 @@ pub struct BookReport {
 /// [`shared_cache_dir`]: crate::shared_cache_dir
 pub fn ensure_mdbook(workspace: &Path) -> Result<(PathBuf, Option<Duration>), BookError> {
     let root = crate::shared_cache_dir()
-        .map(|cache| cache.join(format!("mdbook-{MDBOOK_VERSION}")))
+        // `-search`: an earlier Kiln installed this version without search here.
+        .map(|cache| cache.join(format!("mdbook-{MDBOOK_VERSION}-search")))
         .unwrap_or_else(|| workspace.join(".kiln").join("tools"));
     let binary = root.join("bin").join("mdbook");
     let wanted = format!("mdbook v{MDBOOK_VERSION}");
@@ -550,6 +552,8 @@ pub fn ensure_mdbook(workspace: &Path) -> Result<(PathBuf, Option<Duration>), Bo
             "mdbook",
             "--locked",
             "--no-default-features",
+            "--features",
+            "search",
             // Whatever is in `root` is not the wanted version (checked above).
             "--force",
             "--version",
@@ -597,6 +601,17 @@ pub fn build(workspace: &Path) -> Result<BookReport, BookError> {
         });
     }
     let built_in = start.elapsed();
+    if !has_search_index(&html)? {
+        return Err(BookError::Command {
+            what: format!("mdbook build {}", docs.display()),
+            detail: format!(
+                "{} wrote no search index (searchindex*.js) into {}: it was built without \
+                 mdBook's `search` feature; delete it and `cargo xtask book` installs one with it",
+                mdbook.display(),
+                html.display()
+            ),
+        });
+    }
     let src = docs.join("src");
     let mut files = vec![workspace.join("README.md")];
     let mut pages: Vec<PathBuf> = std::fs::read_dir(&src)
@@ -634,6 +649,19 @@ pub fn build(workspace: &Path) -> Result<BookReport, BookError> {
     })
 }
 
+/// Whether the built HTML in `html` has mdBook's search index.
+fn has_search_index(html: &Path) -> Result<bool, BookError> {
+    let entries = std::fs::read_dir(html).map_err(|source| BookError::Read {
+        path: html.to_path_buf(),
+        source,
+    })?;
+    Ok(entries.filter_map(|entry| entry.ok()).any(|entry| {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        name.starts_with("searchindex") && name.ends_with(".js")
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -649,6 +677,19 @@ mod tests {
     fn write(path: &Path, text: &str) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn the_search_index_is_found_by_its_name() {
+        let dir = scratch("search-index");
+        std::fs::write(dir.join("index.html"), "<html></html>").unwrap();
+        assert!(!has_search_index(&dir).unwrap());
+        std::fs::write(dir.join("searchindex-fcb0470c.js"), "window.search = {};").unwrap();
+        assert!(has_search_index(&dir).unwrap());
+        assert!(matches!(
+            has_search_index(&dir.join("missing")),
+            Err(BookError::Read { .. })
+        ));
     }
 
     #[test]
