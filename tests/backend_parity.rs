@@ -431,6 +431,7 @@ fn checkpoints_resume_across_backends() {
             backend: backend.to_owned(),
             optimizer_kind: None,
             model_definition: Some(case.spec.clone()),
+            data: None,
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,

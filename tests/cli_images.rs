@@ -373,3 +373,110 @@ workers = 1"#,
     let epochs = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
     assert!(epochs.contains("val_accuracy"), "{epochs}");
 }
+
+/// A shard pattern that expands to more paths than Kiln reads, or an empty
+/// one, is refused at once naming the pattern and what is expected: never a
+/// listing that exhausts memory and aborts the process.
+#[test]
+fn huge_or_empty_shard_patterns_are_refused_at_once() {
+    let dir = scratch("images-patterns");
+    let huge = "x-{0..99999999999}.tar";
+    for (pattern, wanted) in [
+        (huge, &[huge, "100000000000 shard paths", "1000000"][..]),
+        ("", &["data.shards", "pattern is empty", ".tar"][..]),
+    ] {
+        let data = format!("dataset = \"webdataset\"\nshards = \"{pattern}\"\nimage_size = 32");
+        let cfg = image_config(&dir, "patterns", &data, 3);
+        let out_dir = dir.join("never");
+        let started = std::time::Instant::now();
+        let out = Command::new(KILN)
+            .args(["train", "--config", s(&cfg), "--output", s(&out_dir)])
+            .env("RUST_LOG", "warn")
+            .env("TF_CPP_MIN_LOG_LEVEL", "2")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && out.status.code().is_some(),
+            "{pattern:?}: an error exit, not a signal: {:?}\n{err}",
+            out.status
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(60),
+            "{pattern:?}: took {:?}",
+            started.elapsed()
+        );
+        for w in wanted {
+            assert!(err.contains(w), "{pattern:?}: no {w:?} in\n{err}");
+        }
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(!out_dir.exists(), "nothing written for {pattern:?}");
+    }
+}
+
+/// Rewrites the shard `src` as `dst` with the `index`th `.cls` member holding
+/// `label`; the name of that member.
+fn relabel(src: &Path, dst: &Path, index: usize, label: &str) -> String {
+    const SCRIPT: &str = r#"
+import io, sys, tarfile
+src, dst, index, label = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+seen = 0
+with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.USTAR_FORMAT) as tout:
+    for info in tin.getmembers():
+        data = tin.extractfile(info).read()
+        if info.name.endswith(".cls"):
+            if seen == index:
+                data = label.encode()
+                print(info.name)
+            seen += 1
+        info.size = len(data)
+        tout.addfile(info, io.BytesIO(data))
+"#;
+    let python = kiln_testkit::python("relabelling a shard").unwrap();
+    let out = Command::new(python)
+        .args(["-c", SCRIPT, s(src), s(dst), &index.to_string(), label])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+/// A shard label outside the model's 6 classes names the shard, the member,
+/// the label and the range, as a CSV label names its file and line: the first
+/// sample's (read when the data loads) and one read mid-epoch alike.
+#[test]
+fn a_shard_label_outside_the_classes_names_its_member() {
+    let _serial = serial();
+    let dir = scratch("images-labels");
+    let Some(shapes) = shapes(&dir) else { return };
+    for (index, label) in [(0, "-1"), (7, "99")] {
+        let shard = dir.join(format!("bad-{index}.tar"));
+        let member = relabel(
+            &shapes.join("shards/train-000000.tar"),
+            &shard,
+            index,
+            label,
+        );
+        let data = format!(
+            "dataset = \"webdataset\"\nshards = \"{}\"\nimage_size = 32\nworkers = 1",
+            shard.display()
+        );
+        let cfg = image_config(&dir, &format!("labels-{index}"), &data, 3);
+        let err = fails(&[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&dir.join(format!("run-{index}"))),
+        ]);
+        let name = format!("bad-{index}.tar:{member}");
+        for wanted in [&name, &format!("label {label} "), "6 classes", "0 to 5"] {
+            assert!(err.contains(wanted), "no {wanted:?} in\n{err}");
+        }
+        assert!(!err.contains("out of bounds"), "{err}");
+    }
+}

@@ -769,3 +769,103 @@ fn an_mnist_label_outside_the_classes_names_its_record() {
     );
     assert!(!dir.join("run").exists());
 }
+
+/// A checkpoint whose optimizer tensors were stripped is refused however its
+/// metadata was edited to match, naming what is missing: with the count set to
+/// 0 (the record `kiln.optimizer_state` names the missing entries), and with
+/// the record removed too, as a file from before it (the resume checks the
+/// state against the config's Adam, which keeps moments from its first step).
+/// Plain SGD, which keeps no moments, still resumes.
+#[test]
+fn a_stripped_optimizer_state_is_refused_whatever_its_metadata_says() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("safety-stripped");
+    let cfg = config(&dir, 0);
+    let run = dir.join("run");
+    train(s(&cfg), &run, &["--max-steps", "10"]);
+    let step = run.join("checkpoints/step-00000010.safetensors");
+    let (tensors, meta) = StateDict::load_safetensors(&step).unwrap();
+    let rewrite = |name: &str, keep: &dyn Fn(&str) -> bool, drop_meta: &[&str]| {
+        let kept: StateDict = tensors
+            .iter()
+            .filter(|(k, _)| keep(k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut meta = meta.clone();
+        let count = kept.keys().filter(|k| k.starts_with("optimizer.")).count();
+        meta.insert("kiln.optimizer_tensors".to_owned(), count.to_string());
+        for key in drop_meta {
+            meta.remove(*key);
+        }
+        let path = dir.join(name);
+        kept.save_safetensors(&path, &meta).unwrap();
+        path
+    };
+    let resume = |checkpoint: &Path| {
+        fails(&[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&run),
+            "--resume",
+            s(checkpoint),
+        ])
+    };
+
+    let stripped = rewrite(
+        "stripped.safetensors",
+        &|k| !k.starts_with("optimizer."),
+        &[],
+    );
+    let err = resume(&stripped);
+    for wanted in [
+        "stripped.safetensors",
+        "kiln.optimizer_state",
+        "missing",
+        "`exp_avg`",
+        "`exp_avg_sq`",
+    ] {
+        assert!(err.contains(wanted), "no {wanted:?} in\n{err}");
+    }
+
+    let unrecorded = rewrite(
+        "unrecorded.safetensors",
+        &|k| !k.starts_with("optimizer."),
+        &["kiln.optimizer_state"],
+    );
+    let err = resume(&unrecorded);
+    for wanted in [
+        "unrecorded.safetensors",
+        "step 10",
+        "adam",
+        "exp_avg and exp_avg_sq",
+        "`state.0.weight.step`",
+    ] {
+        assert!(err.contains(wanted), "no {wanted:?} in\n{err}");
+    }
+
+    // The moments alone removed, the step counts kept.
+    let momentless = rewrite(
+        "momentless.safetensors",
+        &|k| !k.ends_with(".exp_avg") && !k.ends_with(".exp_avg_sq"),
+        &["kiln.optimizer_state"],
+    );
+    let err = resume(&momentless);
+    assert!(
+        err.contains("momentless.safetensors") && err.contains("state.0.weight.exp_avg"),
+        "{err}"
+    );
+
+    let sgd = edited(&cfg, "type = \"adam\"", "type = \"sgd\"", "sgd.toml");
+    let sgd_run = dir.join("sgd");
+    train(s(&sgd), &sgd_run, &["--max-steps", "10"]);
+    train(
+        s(&sgd),
+        &sgd_run,
+        &["--resume", "auto", "--max-steps", "12"],
+    );
+}

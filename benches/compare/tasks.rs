@@ -699,6 +699,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             backend: "torch".into(),
             optimizer_kind: None,
             model_definition: Some(spec.clone()),
+            data: None,
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,

@@ -4,17 +4,18 @@
 //! afterwards). Their speed against the equivalent compositions of built-in torch
 //! ops is a benchmark, `cpp/benches/cuda_ops.rs`.
 //!
-//! Without a CUDA device, or built without the feature, every test prints a
-//! `SKIPPED` line and passes, so the suite runs the same on every machine.
+//! Without a CUDA device, or built without the feature, every GPU test skips
+//! through `kiln_testkit::skip_without_gpu` (a `kiln-testkit: SKIPPED` line that
+//! `.ci/run` counts as skipped), so the suite runs the same on every machine.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_kernels() {
-    eprintln!(
-        "SKIPPED cuda tests: kiln-ops was built without its `cuda` feature \
-         (cargo test -p kiln-ops --features cuda)"
+    kiln_testkit::skip_without_gpu(
+        "cuda_kernels",
+        "kiln-ops was built without its `cuda` feature (cargo test -p kiln-ops --features cuda)",
     );
 }
 
@@ -24,14 +25,15 @@ mod gpu {
 
     type Op = dyn Fn(&[Tensor]) -> kiln_core::Result<Tensor>;
 
-    /// The first CUDA device, or `None` after printing why the test is skipped.
+    /// The first CUDA device, or `None` after skipping `test`.
     fn cuda_device(test: &str) -> Option<Device> {
         if tch::Cuda::is_available() {
             Some(Device::Cuda(0))
         } else {
-            eprintln!(
-                "SKIPPED {test}: no CUDA device (tch::Cuda::is_available() is false); \
-                 the CUDA kernels were compiled but not run"
+            kiln_testkit::skip_without_gpu(
+                test,
+                "no CUDA device (tch::Cuda::is_available() is false); \
+                 the CUDA kernels were compiled but not run",
             );
             None
         }

@@ -66,6 +66,45 @@ pub trait Collectives: Send + Sync {
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<()>;
+    /// Replaces `bytes` on every rank with rank `root`'s, whatever their
+    /// lengths (two broadcasts: the length, then the bytes, 16 bits to an
+    /// `f32` word, which holds them exactly).
+    fn broadcast_bytes(&self, bytes: &mut Vec<u8>, root: usize) -> Result<()> {
+        let is_root = self.rank() == root;
+        let length = if is_root { bytes.len() as u64 } else { 0 };
+        let mut header = [0, 16, 32, 48].map(|shift| f32::from((length >> shift) as u16));
+        self.broadcast_f32(&mut header, root)?;
+        let length = header
+            .iter()
+            .zip([0, 16, 32, 48])
+            .fold(0u64, |sum, (&word, shift)| {
+                sum | (u64::from(word as u16) << shift)
+            });
+        let length = usize::try_from(length).map_err(|_| {
+            Error::distributed(
+                "broadcasting bytes",
+                format!("{length} bytes do not fit memory"),
+            )
+        })?;
+        let mut words: Vec<f32> = if is_root {
+            bytes
+                .chunks(2)
+                .map(|pair| {
+                    f32::from(u16::from_le_bytes([
+                        pair[0],
+                        pair.get(1).copied().unwrap_or(0),
+                    ]))
+                })
+                .collect()
+        } else {
+            vec![0.0; length.div_ceil(2)]
+        };
+        self.broadcast_f32(&mut words, root)?;
+        bytes.clear();
+        bytes.extend(words.iter().flat_map(|&word| (word as u16).to_le_bytes()));
+        bytes.truncate(length);
+        Ok(())
+    }
     /// The group as `Any`, for a backend to reach its own engine's group
     /// (kiln-torch's DDP needs the c10d process group itself).
     fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
@@ -403,6 +442,70 @@ fn parse_init_method(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One rank of a two-rank group run in turn in one process: the root's
+    /// broadcasts are queued, the other rank's take them in order.
+    struct Queued {
+        rank: usize,
+        sent: Arc<std::sync::Mutex<std::collections::VecDeque<Vec<f32>>>>,
+    }
+
+    impl Collectives for Queued {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+        fn world_size(&self) -> usize {
+            2
+        }
+        fn all_reduce_f32(&self, _: &mut [f32], _: ReduceOp) -> Result<()> {
+            Err(Error::unsupported("all_reduce_f32 in this test"))
+        }
+        fn all_reduce_f64(&self, _: &mut [f64], _: ReduceOp) -> Result<()> {
+            Err(Error::unsupported("all_reduce_f64 in this test"))
+        }
+        fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()> {
+            let mut sent = self
+                .sent
+                .lock()
+                .map_err(|_| Error::unsupported("poisoned"))?;
+            if self.rank == root {
+                sent.push_back(data.to_vec());
+            } else {
+                let words = sent
+                    .pop_front()
+                    .ok_or_else(|| Error::unsupported("nothing sent"))?;
+                assert_eq!(words.len(), data.len(), "the receiver sized its buffer");
+                data.copy_from_slice(&words);
+            }
+            Ok(())
+        }
+        fn barrier(&self) -> Result<()> {
+            Ok(())
+        }
+        fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+            self
+        }
+    }
+
+    #[test]
+    fn broadcast_bytes_carries_every_byte_value_and_odd_lengths() -> Result<()> {
+        let sent = Arc::default();
+        let root = Queued {
+            rank: 0,
+            sent: Arc::clone(&sent),
+        };
+        let other = Queued { rank: 1, sent };
+        for length in [0usize, 1, 2, 511, 70_001] {
+            let original: Vec<u8> = (0..length).map(|i| (i * 7 + i / 256) as u8).collect();
+            let mut at_root = original.clone();
+            root.broadcast_bytes(&mut at_root, 0)?;
+            assert_eq!(at_root, original, "the root keeps its bytes");
+            let mut received = b"something longer than nothing at all".to_vec();
+            other.broadcast_bytes(&mut received, 0)?;
+            assert_eq!(received, original, "{length} bytes");
+        }
+        Ok(())
+    }
 
     fn vars<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |name| {

@@ -89,7 +89,7 @@ impl StateDict {
         path: impl AsRef<Path>,
     ) -> Result<(StateDict, BTreeMap<String, String>)> {
         let path = path.as_ref();
-        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut file = crate::fs::open_regular_file(path)?;
         let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
         let loaded = read_file(&mut file, len, path)?;
         log::debug!(
@@ -105,7 +105,7 @@ impl StateDict {
 /// alone (no tensor data is read), after the same checks as
 /// [`StateDict::load_safetensors`] makes of the header.
 pub fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>> {
-    let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let mut file = crate::fs::open_regular_file(path)?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     Ok(read_header(&mut file, len, path)?.1)
 }

@@ -16,7 +16,7 @@ fn cuda_count_or_skip(test: &str) -> Option<usize> {
         cuda_is_available()
     );
     if count == 0 {
-        println!("{test}: skipped, no CUDA device on this machine");
+        kiln_testkit::skip_without_gpu(test, "no CUDA device on this machine");
         return None;
     }
     Some(count)

@@ -3,17 +3,19 @@
 //! change (SGD, Adam, AdamW with AMSGrad; clipping by norm), and failures as errors
 //! with the device still usable afterwards.
 //!
-//! Without a CUDA device, or built without the feature, the GPU tests print a
-//! `SKIPPED` line and pass.
+//! Without a CUDA device, or built without the feature, the GPU tests skip
+//! through `kiln_testkit::skip_without_gpu` (a `kiln-testkit: SKIPPED` line that
+//! `.ci/run` counts as skipped).
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_graphs() {
-    eprintln!(
-        "SKIPPED CUDA graph tests: kiln-torch was built without its `cuda` feature \
-         (cargo test -p kiln-torch --features cuda --test cuda_graph)"
+    kiln_testkit::skip_without_gpu(
+        "cuda_graphs",
+        "kiln-torch was built without its `cuda` feature \
+         (cargo test -p kiln-torch --features cuda --test cuda_graph)",
     );
 }
 
@@ -43,9 +45,10 @@ mod gpu {
         if tch::Cuda::is_available() {
             Some(Device::Cuda(0))
         } else {
-            eprintln!(
-                "SKIPPED {test}: no CUDA device (tch::Cuda::is_available() is false); \
-                 the CUDA graph code was compiled but not run"
+            kiln_testkit::skip_without_gpu(
+                test,
+                "no CUDA device (tch::Cuda::is_available() is false); \
+                 the CUDA graph code was compiled but not run",
             );
             None
         }

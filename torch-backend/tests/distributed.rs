@@ -562,14 +562,15 @@ fn nccl_collectives_on_cuda_tensors() -> Result<()> {
     use std::sync::Arc;
 
     if !cfg!(feature = "cuda") {
-        eprintln!(
-            "SKIPPED nccl_collectives_on_cuda_tensors: kiln-torch was built without its `cuda` \
-             feature (cargo test -p kiln-torch --features cuda --test distributed)"
+        kiln_testkit::skip_without_gpu(
+            "nccl_collectives_on_cuda_tensors",
+            "kiln-torch was built without its `cuda` feature \
+             (cargo test -p kiln-torch --features cuda --test distributed)",
         );
         return Ok(());
     }
     if !kiln_torch::cuda_is_available() {
-        eprintln!("SKIPPED nccl_collectives_on_cuda_tensors: no CUDA device");
+        kiln_testkit::skip_without_gpu("nccl_collectives_on_cuda_tensors", "no CUDA device");
         return Ok(());
     }
     let dir = kiln_testkit::TempDir::new("nccl");

@@ -494,7 +494,10 @@ fn a_frozen_batch_norm_pinned_to_eval_stays_so_in_the_export() {
 fn a_model_on_cuda_exports_its_weights_on_the_cpu() {
     let _guard = serial();
     if kiln_torch::cuda_device_count() == 0 {
-        eprintln!("SKIPPED a_model_on_cuda_exports_its_weights_on_the_cpu: no CUDA device");
+        kiln_testkit::skip_without_gpu(
+            "a_model_on_cuda_exports_its_weights_on_the_cpu",
+            "no CUDA device",
+        );
         return;
     }
     TorchBackend::manual_seed(9);

@@ -48,6 +48,7 @@ pub use dataset::InMemoryDataset;
 pub use digits::load_digits;
 pub use image::{
     decode_image, ColorMode, ImageFolder, OnError, ShardOrder, WebDataset, IMG_EXTENSIONS,
+    MAX_SHARDS,
 };
 pub use indexable::{EpochSampler, IndexableDataset};
 pub use iterable::{IterableDataset, IterableLoader};

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::io;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
@@ -120,7 +120,7 @@ pub struct PrefetchLoader<D, C = StackCollate> {
     prefetch: usize,
     order: Option<Arc<dyn EpochOrder>>,
     skip_failed: bool,
-    skipped: Arc<AtomicU64>,
+    skipped: Arc<SkippedSamples>,
 }
 
 impl<D> PrefetchLoader<D, StackCollate>
@@ -177,7 +177,7 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
             prefetch: DEFAULT_PREFETCH,
             order: None,
             skip_failed: false,
-            skipped: Arc::new(AtomicU64::new(0)),
+            skipped: Arc::default(),
         })
     }
 
@@ -277,10 +277,10 @@ impl<D: Dataset, C> PrefetchLoader<D, C> {
     }
 
     /// Samples left out because they failed to load, over this loader's
-    /// life (all epochs, counted again if an epoch is loaded again; shared
-    /// with its clones).
+    /// life (shared with its clones): each sample once, however many epochs
+    /// or evaluation passes met it.
     pub fn skipped_samples(&self) -> u64 {
-        self.skipped.load(Ordering::Relaxed)
+        self.skipped.count()
     }
 
     /// Number of background threads loading batches; 0 (the default) loads
@@ -480,6 +480,27 @@ where
     }
 }
 
+/// The dataset indices a loader skipped because they failed to load.
+#[derive(Debug, Default)]
+struct SkippedSamples(std::sync::Mutex<std::collections::BTreeSet<usize>>);
+
+impl SkippedSamples {
+    /// Records `index`; whether it is new.
+    fn insert(&self, index: usize) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(index)
+    }
+
+    fn count(&self) -> u64 {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len() as u64
+    }
+}
+
 /// What every worker needs to load any batch of one epoch.
 struct Job<D, C> {
     dataset: Arc<D>,
@@ -488,8 +509,8 @@ struct Job<D, C> {
     epoch: u64,
     /// The epoch's batch number of `plan[0]`, for messages.
     first: usize,
-    /// When failed samples are skipped: the loader's count of them.
-    skip: Option<Arc<AtomicU64>>,
+    /// When failed samples are skipped: the loader's record of them.
+    skip: Option<Arc<SkippedSamples>>,
 }
 
 impl<D, C> Clone for Job<D, C> {
@@ -548,8 +569,12 @@ where
                     let Some(skipped) = &self.skip else {
                         return Some(Err(with_context(e, &context)));
                     };
-                    log::warn!("PrefetchLoader: skipping {context}: {}", e.display_chain());
-                    skipped.fetch_add(1, Ordering::Relaxed);
+                    // Named once; met again in a later epoch or pass, it is not news.
+                    if skipped.insert(index) {
+                        log::warn!("PrefetchLoader: skipping {context}: {}", e.display_chain());
+                    } else {
+                        log::debug!("PrefetchLoader: skipping {context} again");
+                    }
                     last_failure = Some((e, context));
                 }
             }

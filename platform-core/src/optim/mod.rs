@@ -28,7 +28,9 @@ pub use group::{
 };
 pub use rmsprop::RmsPropConfig;
 pub use sgd::SgdConfig;
-pub use state::{optimizer_state_key, read_optimizer_state, ParamState, StateBuffer};
+pub use state::{
+    check_state_after_steps, optimizer_state_key, read_optimizer_state, ParamState, StateBuffer,
+};
 
 /// Updates a module's parameters from their gradients.
 ///
@@ -65,6 +67,14 @@ pub trait Optimizer<B: Backend> {
     /// checkpoints so that resuming with another optimizer is refused; `None`
     /// (the default) for an optimizer that does not say.
     fn kind(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// The configuration the optimizer was built from, when it was built
+    /// from one: what a restored state is checked against
+    /// ([`check_state_after_steps`]). `None` (the default) for an optimizer
+    /// whose state follows another layout (a SavedModel's own optimizer).
+    fn config(&self) -> Option<&OptimizerConfig> {
         None
     }
 

@@ -89,8 +89,9 @@ pub struct ParamState {
 /// by any backend for an optimizer configured as `config`, and checks all of it
 /// before returning any: step counts are non-negative integers, every
 /// `state.<param>.<buffer>` entry is a buffer `config` keeps, with the
-/// parameter's shape. Entries of parameters not in `params`, and group entries,
-/// are not looked at.
+/// parameter's shape, and a parameter that took a step has every buffer
+/// `config` keeps (they are created on the first step). Entries of parameters
+/// not in `params`, and group entries, are not looked at.
 ///
 /// ```
 /// use kiln_core::{optim::{read_optimizer_state, OptimizerConfig, SgdConfig}, state_dict::StateDict, HostTensor};
@@ -155,9 +156,105 @@ pub fn read_optimizer_state(
             }
             buffers.insert(known.name, host.clone());
         }
+        if step > 0 {
+            if let Some(missing) = known.iter().find(|b| !buffers.contains_key(b.name)) {
+                return Err(Error::invalid_argument(
+                    optimizer_state_key(param, missing.name),
+                    format!(
+                        "missing: {param} has taken {step} steps, and from its first step the \
+                         {} optimizer keeps {} for each parameter; the state was removed or \
+                         saved for another configuration, so continuing from it would not be exact",
+                        config.kind(),
+                        describe(&known)
+                    ),
+                ));
+            }
+        }
         out.push(ParamState { step, buffers });
     }
     Ok(out)
+}
+
+/// Checks that `saved`, the optimizer state of a checkpoint taken after
+/// `steps` optimizer steps, holds what an optimizer configured as `config`
+/// keeps by then. `fresh` lists the keys of the state of the optimizer about
+/// to load it (built from `config`, before any step): its `state.<param>.step`
+/// keys name the parameters it updates.
+///
+/// A stateful algorithm ([`OptimizerConfig::state_buffers`] not empty) that
+/// took a step has a `state.<param>.step` entry for every parameter, written
+/// with the parameter's buffers ([`read_optimizer_state`] checks those); a
+/// state without them after `steps > 0` was removed from the checkpoint, and
+/// loading it would restart the moments instead of continuing them. That is an
+/// [`Error::InvalidArgument`] naming the optimizer, the steps and the missing
+/// keys. Plain SGD keeps no buffers, and a state at step 0 none yet: both pass.
+///
+/// ```
+/// use kiln_core::optim::{check_state_after_steps, AdamConfig, OptimizerConfig};
+/// use kiln_core::{state_dict::StateDict, HostTensor};
+///
+/// let adam = OptimizerConfig::Adam(AdamConfig::new(1e-3));
+/// let fresh = ["state.w.step", "group.0.lr"];
+/// let stripped = StateDict::new();
+/// let err = check_state_after_steps(&adam, &fresh, &stripped, 6).unwrap_err();
+/// assert!(err.to_string().contains("state.w.step"));
+/// assert!(check_state_after_steps(&adam, &fresh, &stripped, 0).is_ok());
+///
+/// let mut saved = StateDict::new();
+/// saved.insert("state.w.step".to_owned(), HostTensor::scalar(6i64));
+/// assert!(check_state_after_steps(&adam, &fresh, &saved, 6).is_ok());
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn check_state_after_steps(
+    config: &OptimizerConfig,
+    fresh: &[&str],
+    saved: &StateDict,
+    steps: u64,
+) -> Result<()> {
+    let buffers = config.state_buffers();
+    if steps == 0 || buffers.is_empty() {
+        return Ok(());
+    }
+    let params: Vec<&str> = fresh
+        .iter()
+        .filter_map(|k| k.strip_prefix("state.")?.strip_suffix(".step"))
+        .collect();
+    let missing: Vec<String> = params
+        .iter()
+        .map(|p| optimizer_state_key(p, "step"))
+        .filter(|key| saved.get(key).is_none())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    const SHOWN: usize = 4;
+    let mut names: Vec<String> = missing
+        .iter()
+        .take(SHOWN)
+        .map(|k| format!("`{k}`"))
+        .collect();
+    if missing.len() > SHOWN {
+        names.push(format!("{} more", missing.len() - SHOWN));
+    }
+    let held = if saved.is_empty() {
+        "it holds no optimizer state at all".to_owned()
+    } else {
+        format!("it holds {} optimizer entries", saved.len())
+    };
+    Err(Error::invalid_argument(
+        "optimizer state",
+        format!(
+            "the state is from step {steps}, when the {kind} optimizer keeps `step`, {buffers} \
+             for each of its {n} parameters, but {count} of them have none (missing {names}; \
+             {held}): it was removed after saving, and resuming would restart the {kind} \
+             state instead of continuing it",
+            kind = config.kind(),
+            buffers = describe(&buffers),
+            n = params.len(),
+            count = missing.len(),
+            names = names.join(", "),
+        ),
+    ))
 }
 
 /// `exp_avg and exp_avg_sq`, or `no buffers`.
@@ -236,5 +333,52 @@ mod tests {
         state.insert("state.w.step".to_owned(), HostTensor::scalar(-1i64));
         let err = read_optimizer_state(&adam, &[("w", &[2])], &state).unwrap_err();
         assert!(err.to_string().contains("negative step count -1"), "{err}");
+    }
+
+    #[test]
+    fn a_stepped_parameter_without_its_buffers_is_refused() {
+        let adam = OptimizerConfig::Adam(AdamConfig::new(0.1));
+        let mut state = StateDict::new();
+        state.insert("state.w.step".to_owned(), HostTensor::scalar(3i64));
+        state.insert(
+            "state.w.exp_avg".to_owned(),
+            HostTensor::new(vec![0f32; 2], [2]).unwrap(),
+        );
+        let err = read_optimizer_state(&adam, &[("w", &[2])], &state).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("state.w.exp_avg_sq") && text.contains("3 steps"),
+            "{text}"
+        );
+        // Before the first step there are none yet, as in PyTorch.
+        state.insert("state.w.step".to_owned(), HostTensor::scalar(0i64));
+        assert!(read_optimizer_state(&adam, &[("w", &[2])], &state).is_ok());
+        // Plain SGD keeps none.
+        let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1));
+        let mut state = StateDict::new();
+        state.insert("state.w.step".to_owned(), HostTensor::scalar(3i64));
+        assert!(read_optimizer_state(&sgd, &[("w", &[2])], &state).is_ok());
+    }
+
+    #[test]
+    fn a_stripped_state_after_steps_is_refused_unless_stateless() {
+        let fresh = ["state.a.step", "state.b.step", "group.0.lr"];
+        let adam = OptimizerConfig::Adam(AdamConfig::new(0.1));
+        let err = check_state_after_steps(&adam, &fresh, &StateDict::new(), 6).unwrap_err();
+        let text = err.to_string();
+        for wanted in [
+            "step 6",
+            "adam",
+            "exp_avg and exp_avg_sq",
+            "`state.a.step`",
+            "`state.b.step`",
+            "no optimizer state",
+        ] {
+            assert!(text.contains(wanted), "{wanted}: {text}");
+        }
+        let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1));
+        assert!(check_state_after_steps(&sgd, &fresh, &StateDict::new(), 6).is_ok());
+        let momentum = OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9));
+        assert!(check_state_after_steps(&momentum, &fresh, &StateDict::new(), 6).is_err());
     }
 }

@@ -3,10 +3,13 @@
 //! and the provisioned data sets are, and how a test that cannot reach them
 //! skips.
 //!
-//! A test that needs a reference skips with a `SKIPPED <test>: <why>` line on
-//! a machine without the virtualenv, so `cargo test` works before `cargo xtask
-//! setup`. Where [`REQUIRE_REFERENCES`] is set (`.ci/run` sets it), the same
-//! test fails instead: CI never passes a reference test that did not run.
+//! A test that needs a reference skips with a `kiln-testkit: SKIPPED <test>:
+//! <why>` line ([`SKIP_MARKER`]) on a machine without the virtualenv, so `cargo
+//! test` works before `cargo xtask setup`. Where [`REQUIRE_REFERENCES`] is set
+//! (`.ci/run` sets it), the same test fails instead: CI never passes a reference
+//! test that did not run. A test that needs a GPU skips with the same line
+//! everywhere ([`skip_without_gpu`]), and `.ci/run`'s closing line counts it as
+//! skipped, not passed.
 //!
 //! ```no_run
 //! let Some(python) = kiln_testkit::python("my_test") else {
@@ -26,7 +29,11 @@ pub fn references_required() -> bool {
     std::env::var(REQUIRE_REFERENCES).is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
-/// Skips `test` because `why`: prints `SKIPPED <test>: <why>`, or panics with
+/// The start of the line a skipped test prints (`kiln-testkit: SKIPPED <test>:
+/// <why>`); `.ci/run` counts these lines as skipped tests.
+pub const SKIP_MARKER: &str = "kiln-testkit: SKIPPED";
+
+/// Skips `test` because `why`: prints the [`SKIP_MARKER`] line, or panics with
 /// that reason where [`references_required`].
 ///
 /// # Panics
@@ -36,9 +43,25 @@ pub fn skip(test: &str, why: &str) {
     if references_required() {
         panic!("{test} cannot run its reference ({why}), and {REQUIRE_REFERENCES} is set");
     }
-    // Printed, not logged: this is test output, read in `cargo test`'s captured
-    // stderr, and tests install no logger.
-    eprintln!("SKIPPED {test}: {why}");
+    report_skip(test, why);
+}
+
+/// Skips `test`, which needs a CUDA device (or a build with a `cuda` feature)
+/// that this machine or build lacks: prints the [`SKIP_MARKER`] line, also
+/// under [`REQUIRE_REFERENCES`] (CI has no GPU), so the run counts it as skipped.
+/// Call it once per test, as the test returns.
+pub fn skip_without_gpu(test: &str, why: &str) {
+    report_skip(test, why);
+}
+
+fn report_skip(test: &str, why: &str) {
+    use std::io::Write;
+    // Written to the process's stderr, not through `eprintln!`: libtest captures
+    // what the print macros write in a passing test and never shows it, and this
+    // line must reach `cargo test`'s output, where `.ci/run` counts it. One write,
+    // so that parallel tests cannot split it.
+    let line = format!("{SKIP_MARKER} {test}: {why}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// The workspace root (the directory holding `.kiln/`).
@@ -92,13 +115,32 @@ mod tests {
     }
 }
 
-/// Tolerances the parity suites share, relative to `max(1, |expected|)`.
+/// Tolerances the parity suites share: [`F32`](tolerance::F32) and
+/// [`TF32`](tolerance::TF32) relative to `max(1, |expected|)` (for
+/// [`assert_close`]); [`BF16`](tolerance::BF16) as `torch.testing` states it
+/// (for [`assert_allclose`]).
 pub mod tolerance {
     /// float32 on the CPU against Python float32 (summation order differs).
     pub const F32: f64 = 1e-5;
     /// float32 on CUDA, where cuDNN convolutions use TF32 by default (as in
     /// PyTorch), rounding inputs to 10 mantissa bits.
     pub const TF32: f64 = 2e-3;
+    /// `torch.testing.assert_close`'s default for bfloat16 (8 significant
+    /// bits): rtol 1.6e-2, atol 1e-5.
+    pub const BF16: AllClose = AllClose {
+        rtol: 1.6e-2,
+        atol: 1e-5,
+    };
+
+    /// A tolerance as `torch.testing.assert_close` and `numpy.allclose` state
+    /// it: `|actual - expected| <= atol + rtol * |expected|`.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    pub struct AllClose {
+        /// The part relative to `|expected|`.
+        pub rtol: f64,
+        /// The absolute part, which alone bounds values near zero.
+        pub atol: f64,
+    }
 }
 
 /// Runs `python script args...` (TensorFlow's C++ logging quietened) and
@@ -211,6 +253,60 @@ pub fn assert_close(what: &str, actual: &[f64], expected: &[f64], tol: f64, refe
         actual[worst.1],
         expected[worst.1],
         worst.0
+    );
+}
+
+/// Asserts `|actual - expected| <= atol + rtol * |expected|` elementwise
+/// (`torch.testing.assert_close`'s rule), naming `what`, the worst element
+/// (the largest ratio of its difference to its allowance) and `reference` on
+/// failure. NaN anywhere fails.
+///
+/// ```
+/// use kiln_testkit::tolerance::BF16;
+/// kiln_testkit::assert_allclose("y", &[1.01, 1e-3 + 5e-6], &[1.0, 1e-3], BF16, "PyTorch");
+/// ```
+///
+/// ```should_panic
+/// // A difference of 1e-4 at 1e-3 is 10% relative: outside bf16's tolerance.
+/// use kiln_testkit::tolerance::BF16;
+/// kiln_testkit::assert_allclose("y", &[1.1e-3], &[1e-3], BF16, "PyTorch");
+/// ```
+pub fn assert_allclose(
+    what: &str,
+    actual: &[f64],
+    expected: &[f64],
+    tol: tolerance::AllClose,
+    reference: &str,
+) {
+    assert_eq!(actual.len(), expected.len(), "{what}: element count");
+    let mut worst = (0.0f64, 0usize);
+    for (i, (x, y)) in actual.iter().zip(expected).enumerate() {
+        // Equal values agree, also where the allowance is zero (or both are infinite).
+        let ratio = if x == y {
+            0.0
+        } else {
+            (x - y).abs() / (tol.atol + tol.rtol * y.abs())
+        };
+        if ratio.is_nan() || ratio > worst.0 {
+            worst = (ratio, i);
+        }
+        if ratio.is_nan() {
+            break;
+        }
+    }
+    if actual.is_empty() {
+        return;
+    }
+    let (x, y) = (actual[worst.1], expected[worst.1]);
+    assert!(
+        !worst.0.is_nan() && worst.0 <= 1.0,
+        "{what}: element {} is {x} but {reference} gives {y} (|difference| {:.3e} > atol {:.0e} + \
+         rtol {:.1e} * |expected| = {:.3e})",
+        worst.1,
+        (x - y).abs(),
+        tol.atol,
+        tol.rtol,
+        tol.atol + tol.rtol * y.abs()
     );
 }
 

@@ -21,8 +21,9 @@ mod logger;
 mod metric;
 
 pub use checkpoint::{
-    checkpoint_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, RunDirectory,
-    RunStart, CHECKPOINT_FORMAT, LOCK_FILE,
+    checkpoint_path, find_non_finite, first_difference, refuse_non_finite, Checkpoint,
+    CheckpointPolicy, Checkpointer, MonitorMode, NonFinite, RunDirectory, RunStart,
+    CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
     Callback, EarlyStopping, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,
@@ -40,7 +41,7 @@ pub use metric::{
 /// The training loop's most used names, in one `use kiln_train::prelude::*`.
 pub mod prelude {
     pub use crate::{
-        Accuracy, Callback, Checkpoint, Checkpointer, EarlyStopping, Metric, Trainer,
+        Accuracy, Callback, Checkpoint, Checkpointer, EarlyStopping, Flow, Metric, Trainer,
         TrainerConfig, TrainingState,
     };
 }

@@ -53,6 +53,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         backend: "torch".to_owned(),
         optimizer_kind: None,
         model_definition: Some(Layer::from(LinearConfig::new(2, 2))),
+        data: Some(serde_json::json!({"dataset": "digits", "train_samples": 40})),
         scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),
         metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),
         epoch_loss: Some((12.5, 40)),

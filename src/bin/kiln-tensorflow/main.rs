@@ -20,6 +20,10 @@ mod export;
 mod inspect;
 #[path = "../kiln/launch.rs"]
 mod launch;
+#[path = "../kiln/ranks.rs"]
+mod ranks;
+#[path = "../kiln/resume.rs"]
+mod resume;
 mod stderr;
 
 use std::path::Path;
@@ -30,9 +34,10 @@ use kiln::core::distributed::Rendezvous;
 use kiln::prelude::*;
 use kiln::tf::TfBackend;
 
-use crate::cli::TensorflowCommands;
+use crate::cli::{out, TensorflowCommands};
 use crate::config::RunConfig;
 use crate::evaluate::{CheckpointArgs, PredictArgs};
+use crate::resume::Resume;
 
 /// The TensorFlow commands, on the TensorFlow C API.
 pub(crate) struct Tensorflow;
@@ -44,11 +49,7 @@ impl TensorflowCommands for Tensorflow {
         Ok(())
     }
 
-    fn train(
-        config: &RunConfig,
-        resume: Option<&str>,
-        rendezvous: Option<&Rendezvous>,
-    ) -> Result<()> {
+    fn train(config: &RunConfig, resume: &Resume, rendezvous: Option<&Rendezvous>) -> Result<()> {
         cli::train_on::<TfBackend>(config, resume, rendezvous)
     }
 
@@ -79,7 +80,7 @@ impl TensorflowCommands for Tensorflow {
 
     fn inspect_saved_model(path: &Path) -> Result<()> {
         let model = kiln::tf::SavedModel::load(path)?;
-        print!("{}", model.describe());
+        out!("{}", model.describe());
         Ok(())
     }
 }

@@ -31,11 +31,13 @@ use kiln::core::{
 };
 use kiln::prelude::*;
 use kiln::torch::distributed::ProcessGroup;
-use kiln::train::{
-    Checkpoint, Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState,
-};
+use kiln::train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::data::{load_data, loader, Split};
+use crate::resume::{
+    check_resume_data, check_resume_position, data_identity, follower_resume,
+    load_resume_checkpoint, reshard, resolve_resume, Resume,
+};
 
 #[derive(Parser)]
 #[command(
@@ -92,7 +94,7 @@ struct TrainArgs {
     /// Override `backend` (torch, tensorflow).
     #[arg(long, value_parser = parse_backend)]
     backend: Option<BackendKind>,
-    /// Override `training.precision` (32-true, bf16-mixed, bf16-true).
+    /// Override `training.precision` (32-true, bf16-mixed, bf16-true, 16-mixed, 16-true).
     #[arg(long)]
     precision: Option<FloatPrecision>,
     /// Override `output_dir`.
@@ -112,6 +114,11 @@ struct TrainArgs {
     /// run when the directory is absent or empty).
     #[arg(long)]
     resume: Option<String>,
+    /// With --resume: continue the checkpoint's run on data other than the data
+    /// it recorded (another size or content), starting the epoch in progress
+    /// again from its first batch. Without it such a resume is refused.
+    #[arg(long, requires = "resume")]
+    resume_on_other_data: bool,
     /// No progress bar (plain log lines only).
     #[arg(long)]
     no_progress: bool,
@@ -137,11 +144,7 @@ pub(crate) trait TensorflowCommands {
     /// backends this executable runs.
     fn register_layers() -> Result<()>;
     /// `kiln train` on the TensorFlow backend.
-    fn train(
-        config: &RunConfig,
-        resume: Option<&str>,
-        rendezvous: Option<&Rendezvous>,
-    ) -> Result<()>;
+    fn train(config: &RunConfig, resume: &Resume, rendezvous: Option<&Rendezvous>) -> Result<()>;
     /// `kiln eval` on the TensorFlow backend.
     fn eval(args: &CheckpointArgs, config: &RunConfig) -> Result<()>;
     /// `kiln predict` on the TensorFlow backend.
@@ -156,6 +159,45 @@ pub(crate) trait TensorflowCommands {
     /// `kiln inspect` of a SavedModel directory.
     fn inspect_saved_model(path: &Path) -> Result<()>;
 }
+
+/// Writes a command's output to stdout. A reader that went away (`kiln inspect
+/// CKPT | head -1`) ends the output, as it does for Unix tools: the rest is
+/// dropped without a word, and the command finishes its work (a training run
+/// goes on; its results are in the run directory).
+pub(crate) fn write_out(text: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static CLOSED: AtomicBool = AtomicBool::new(false);
+    if CLOSED.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(error) = stdout.write_fmt(text).and_then(|()| stdout.flush()) {
+        CLOSED.store(true, Ordering::Relaxed);
+        if error.kind() != std::io::ErrorKind::BrokenPipe {
+            log::warn!("writing to stdout failed ({error}); the rest of the output is dropped");
+        }
+    }
+}
+
+/// `println!` for a command's output, through [`write_out`].
+macro_rules! outln {
+    () => {
+        $crate::cli::write_out(format_args!("\n"))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::write_out(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+pub(crate) use outln;
+
+/// `print!` for a command's output, through [`write_out`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_out(format_args!($($arg)*))
+    };
+}
+pub(crate) use out;
 
 /// Kiln's log lines on stderr, at `RUST_LOG`'s level (default `info`).
 pub(crate) fn init_logging() {
@@ -251,84 +293,21 @@ fn train(args: TrainArgs) -> Result<()> {
             config.device = Device::Cuda(r.local_rank);
         }
     }
-    let resume = args.resume.as_deref();
+    let resume = Resume {
+        from: args.resume,
+        on_other_data: args.resume_on_other_data,
+    };
     match config.backend {
         BackendKind::Torch => {
-            train_on::<kiln::torch::TorchBackend>(&config, resume, rendezvous.as_ref())
+            train_on::<kiln::torch::TorchBackend>(&config, &resume, rendezvous.as_ref())
         }
-        BackendKind::Tensorflow => Tensorflow::train(&config, resume, rendezvous.as_ref()),
+        BackendKind::Tensorflow => Tensorflow::train(&config, &resume, rendezvous.as_ref()),
     }
-}
-
-/// Where a rank other than 0 resumes from: the checkpoint rank 0 resumes from
-/// (the run directory must be visible to every rank, as in PyTorch); rank 0
-/// alone checks and writes the directory.
-fn follower_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
-    Ok(match resume {
-        None => None,
-        Some("auto") => Checkpointer::latest(&config.output_dir.join("checkpoints"))?,
-        Some(path) => Some(PathBuf::from(path)),
-    })
-}
-
-/// Where a training run starts: afresh, or from a checkpoint.
-fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
-    let out = &config.output_dir;
-    match resume {
-        None => {
-            RunDirectory::check(out, RunStart::New)?;
-            Ok(None)
-        }
-        Some("auto") => {
-            RunDirectory::check(out, RunStart::Resume)?;
-            if let Some(path) = Checkpointer::latest(&out.join("checkpoints"))? {
-                return Ok(Some(path));
-            }
-            // Nothing to resume: a new run, but only where it destroys nothing.
-            if RunDirectory::check(out, RunStart::New).is_err() {
-                anyhow::bail!(
-                    "output directory {}: --resume auto found no checkpoint to resume from \
-                     (neither checkpoints/last.safetensors nor checkpoints/step-*.safetensors), \
-                     and the directory is not empty, so a new run there would write over what \
-                     it holds; start the run elsewhere with --output DIR",
-                    out.display()
-                );
-            }
-            log::info!(
-                "--resume auto: no run in {} yet; starting a new one",
-                out.display()
-            );
-            Ok(None)
-        }
-        Some(path) => {
-            RunDirectory::check(out, RunStart::Resume)?;
-            Ok(Some(PathBuf::from(path)))
-        }
-    }
-}
-
-/// Reads the checkpoint to resume from and checks it against the config: the
-/// same model definition and seed.
-fn load_resume_checkpoint(config: &RunConfig, model: &Layer, path: &Path) -> Result<Checkpoint> {
-    let checkpoint = Checkpoint::load(path)?;
-    checkpoint.check_definition(model, path)?;
-    if checkpoint.seed != config.seed {
-        anyhow::bail!(
-            "checkpoint {}: the run it continues used seed {}, this one seed {}; data order \
-             and dropout derive from the seed, so another one would not continue that run \
-             (pass --seed {} to resume it)",
-            path.display(),
-            checkpoint.seed,
-            config.seed,
-            checkpoint.seed
-        );
-    }
-    Ok(checkpoint)
 }
 
 pub(crate) fn train_on<B: TrainBackend>(
     config: &RunConfig,
-    resume: Option<&str>,
+    resume: &Resume,
     rendezvous: Option<&Rendezvous>,
 ) -> Result<()> {
     let started = Instant::now();
@@ -339,14 +318,15 @@ pub(crate) fn train_on<B: TrainBackend>(
 
     // Everything that can be checked is checked before the first byte is written.
     let resume_from = if primary {
-        resolve_resume(config, resume)?
+        resolve_resume(config, resume.from.as_deref())?
     } else {
-        follower_resume(config, resume)?
+        follower_resume(config, resume.from.as_deref())?
     };
     let data = load_data(config)?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
     let definition = resolve_model(config, &data.probe, config.device)?;
     let (n_train, n_val) = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
+    let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
     let train_loader = loader(data.train, config, true, shard)?;
     // Each rank validates on its share of the split (every sample once); the
@@ -384,10 +364,22 @@ pub(crate) fn train_on<B: TrainBackend>(
     if let Some(r) = rendezvous {
         let options = config.distributed.options(config.device);
         let joined: Arc<dyn Collectives> = Arc::new(ProcessGroup::join(r, &options)?);
+        // Ranks that would run different steps would wait on each other forever.
+        crate::ranks::check_ranks_agree(
+            joined.as_ref(),
+            &crate::ranks::what_ranks_share(
+                config,
+                &definition,
+                &identity,
+                resume_from.as_deref(),
+            )?,
+        )?;
         if primary {
-            println!(
+            outln!(
                 "kiln: rank 0 of {} ({}, {} backend)",
-                r.world_size, r.launcher, options.backend
+                r.world_size,
+                r.launcher,
+                options.backend
             );
         }
         B::distribute(&mut model, joined.clone(), &options)?;
@@ -402,7 +394,9 @@ pub(crate) fn train_on<B: TrainBackend>(
     let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
         let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
+        check_resume_data(&mut checkpoint, &identity, path, resume.on_other_data)?;
         reshard(&mut checkpoint, world_size, path)?;
+        check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
         Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
     }
 
@@ -445,16 +439,17 @@ pub(crate) fn train_on<B: TrainBackend>(
     } else {
         RunStart::New
     };
-    let _run = RunDirectory::acquire(out, start)?;
-    if start == RunStart::New {
-        // A new run's directory was empty: the resolved config is the run's own file.
-        std::fs::write(out.join("config.toml"), toml_string(config)?)
-            .with_context(|| format!("writing {}", out.join("config.toml").display()))?;
+    let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, start)?));
+    // The resolved config is the run's own file: a new run's directory was
+    // empty; a run resumed into a directory without one records it too.
+    let config_file = out.join("config.toml");
+    if start == RunStart::New || !config_file.exists() {
+        write_new_file(&config_file, toml_string(config)?.as_bytes())?;
     }
 
     let trainable = state.model.num_trainable_parameters()?;
     let total = state.model.num_parameters()?;
-    println!(
+    outln!(
         "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
         B::NAME,
         config.device,
@@ -475,7 +470,8 @@ pub(crate) fn train_on<B: TrainBackend>(
         .with_checkpointer(
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
             Some(definition.clone()),
-        );
+        )
+        .with_data_identity(identity);
     for name in &config.logging.metrics {
         let make =
             kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
@@ -528,7 +524,7 @@ pub(crate) fn train_on<B: TrainBackend>(
     if config.logging.plots && !history.is_empty() {
         let png = out.join("curves.png");
         kiln::train::plot_curves(&history, &png, &kiln::train::PlotOptions::default())?;
-        println!("kiln: curves plotted to {}", png.display());
+        outln!("kiln: curves plotted to {}", png.display());
     }
     let summary = if final_metrics.is_empty() {
         "no validation split".to_owned()
@@ -546,7 +542,7 @@ pub(crate) fn train_on<B: TrainBackend>(
                 .join(", ")
         )
     };
-    println!(
+    outln!(
         "kiln: done in {:.1}s, {} steps; {summary}",
         started.elapsed().as_secs_f64(),
         state.step,
@@ -554,47 +550,64 @@ pub(crate) fn train_on<B: TrainBackend>(
     let skipped =
         train_loader.skipped_samples() + val_loader.as_ref().map_or(0, |v| v.skipped_samples());
     if skipped > 0 {
-        println!(
+        outln!(
             "kiln: {skipped} images skipped because they could not be read or decoded \
              (data.on_error = \"skip\"; each is named in a warning above)"
         );
     }
-    println!(
+    outln!(
         "kiln: weights in {}, checkpoints in {}",
         weights.display(),
         checkpoints.display()
     );
+    run.succeeded();
     Ok(())
 }
 
-/// Moves a checkpoint's position in its epoch to `world_size` ranks: each rank
-/// counts its own batches, so the same global position is `batch_in_epoch *
-/// old / new` batches per rank (with the same batch size), which must be whole.
-/// Every rank then takes its share of the rest of the epoch's global order.
-fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<()> {
-    let old = checkpoint.world_size.max(1);
-    if old == world_size {
-        return Ok(());
+/// Holds a run's directory; when the run fails before its first checkpoint,
+/// removes what it wrote there ([`RunDirectory::discard_failed_start`]), so
+/// that the same command can run again once the cause is fixed.
+struct UndoFailedStart(Option<RunDirectory>);
+
+impl UndoFailedStart {
+    /// The run finished: its directory stays as it is.
+    fn succeeded(&mut self) {
+        self.0.take();
     }
-    let consumed = checkpoint.batch_in_epoch * old;
-    if !consumed.is_multiple_of(world_size) {
-        anyhow::bail!(
-            "checkpoint {}: written by {old} ranks after {} batches each of epoch {}, which is \
-             not a whole number of batches for {world_size} ranks; resume with {old} ranks, or \
-             from a checkpoint written at the end of an epoch",
-            path.display(),
-            checkpoint.batch_in_epoch,
-            checkpoint.epoch
-        );
+}
+
+impl Drop for UndoFailedStart {
+    fn drop(&mut self) {
+        let Some(run) = self.0.take() else {
+            return;
+        };
+        let dir = run.path().to_path_buf();
+        match run.discard_failed_start() {
+            Ok(removed) if !removed.is_empty() => log::info!(
+                "the run failed before its first checkpoint: removed what it wrote in {} ({}), \
+                 so that it can start there again",
+                dir.display(),
+                removed.join(", ")
+            ),
+            Ok(_) => {}
+            Err(error) => log::warn!(
+                "the run failed before its first checkpoint, and removing what it wrote in {} \
+                 failed too: {error}",
+                dir.display()
+            ),
+        }
     }
-    log::info!(
-        "resuming a run of {old} ranks on {world_size}: epoch {} continues at batch {} of each rank",
-        checkpoint.epoch,
-        consumed / world_size
-    );
-    checkpoint.batch_in_epoch = consumed / world_size;
-    checkpoint.world_size = world_size;
-    Ok(())
+}
+
+/// Writes `bytes` to a new file at `path`, refusing to replace one.
+fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .and_then(|mut file| file.write_all(bytes))
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// The config's model with the output shape of each torchscript layer (torch)
@@ -614,6 +627,46 @@ pub(crate) fn resolve_model(
         model = Tensorflow::resolve_saved_model_shapes(&model, example, inputs.dtype())?;
     }
     Ok(model)
+}
+
+/// Checks, before anything is read or written, that `command` (`predict`,
+/// `export`) may write its output at `output`: its directory exists, and
+/// nothing is there unless `overwrite` (a link whose target is missing is named
+/// as such).
+pub(crate) fn check_output(output: &Path, overwrite: bool, command: &str) -> Result<()> {
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !parent.is_dir() {
+        anyhow::bail!(
+            "--output {}: the directory {} does not exist; {command} writes into an existing \
+             directory: create it first, or choose another --output",
+            output.display(),
+            parent.display()
+        );
+    }
+    if overwrite {
+        return Ok(());
+    }
+    let Ok(meta) = std::fs::symlink_metadata(output) else {
+        return Ok(());
+    };
+    if meta.file_type().is_symlink() && !output.exists() {
+        let target = std::fs::read_link(output).unwrap_or_default();
+        anyhow::bail!(
+            "--output {} is a symbolic link to {}, which does not exist; {command} never \
+             writes through or over a link unless told to: pass --overwrite to replace the \
+             link, or choose another --output",
+            output.display(),
+            target.display()
+        );
+    }
+    anyhow::bail!(
+        "{} exists; {command} never writes over a file unless told to: pass --overwrite to \
+         replace it, or choose another --output",
+        output.display()
+    )
 }
 
 fn toml_string(config: &RunConfig) -> Result<String> {

@@ -611,6 +611,22 @@ impl RunConfig {
     /// Checks every section's values.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        // A TorchScript layer's parameters are the file's, not the definition's.
+        if self.model.torchscript_layers().is_empty() && self.model.num_parameters()? == 0 {
+            let (key, found) = match &self.model {
+                Layer::Sequential { layers } if layers.is_empty() => ("model.layers", "no layers"),
+                Layer::Sequential { .. } => ("model.layers", "only layers without weights"),
+                _ => ("model", "a layer without weights"),
+            };
+            return Err(Error::invalid_argument(
+                key,
+                format!(
+                    "the model has {found}, so there is no parameter to train; add a layer \
+                     with weights, such as {{ type = \"linear\", in_features = 64, \
+                     out_features = 10 }}"
+                ),
+            ));
+        }
         if self.backend == BackendKind::Torch {
             if let Some((path, layer)) = self.model.saved_model_layers().first() {
                 return Err(Error::invalid_argument(

@@ -13,7 +13,8 @@ use kiln::core::{loss::Loss, HostTensor};
 use kiln::data::vision::TransformSpec;
 use kiln::data::{
     load_digits, split_indices, train_test_split, Batch, ColorMode, Compose, DataLoader, Dataset,
-    ImageFolder, InMemoryDataset, OnError, PrefetchLoader, Subset, TransformedDataset, WebDataset,
+    ImageFolder, InMemoryDataset, OnError, PrefetchLoader, Subset, Transform, TransformRng,
+    TransformedDataset, WebDataset,
 };
 use kiln::prelude::*;
 
@@ -334,23 +335,35 @@ fn load_images(config: &RunConfig) -> Result<Data> {
             (train, val)
         }
         DatasetKind::Webdataset => {
-            let open = |pattern: &str| -> Result<Arc<WebDataset>> {
-                Ok(Arc::new(
-                    WebDataset::from_pattern(pattern)
-                        .with_context(|| format!("shards {pattern}"))?
-                        .color_mode(color_mode(config))
-                        .on_error(on_error(config)),
-                ))
+            let open = |key: &str, pattern: &str| -> Result<WebDataset> {
+                Ok(WebDataset::from_pattern(pattern)
+                    .with_context(|| format!("data.{key} = {pattern:?}"))?
+                    .color_mode(color_mode(config))
+                    .on_error(on_error(config)))
             };
             let pattern = data.shards.as_deref().context("data.shards is required")?;
-            let shards = open(pattern)?;
+            let train_shards = open("shards", pattern)?;
+            let val_shards = match &data.val_shards {
+                Some(pattern) => Some(open("val_shards", pattern)?),
+                None => None,
+            };
+            // Labels are read batch by batch: each is checked against the
+            // model's classes as it is read, naming its shard and member.
+            let classes = shard_classes(config, &train_shards, &train_transform)?;
+            let checked = |shards: WebDataset| {
+                Arc::new(match classes {
+                    Some((n, ignore_index)) => shards.num_classes(n, ignore_index),
+                    None => shards,
+                })
+            };
+            let shards = checked(train_shards);
             let train = Split::Images(ImageSplit {
                 dataset: transformed(shards.clone(), train_transform),
                 shards: Some(shards),
             });
-            let val = match &data.val_shards {
-                Some(pattern) => {
-                    let shards = open(pattern)?;
+            let val = match val_shards {
+                Some(shards) => {
+                    let shards = checked(shards);
                     Some(Split::Images(ImageSplit {
                         dataset: transformed(shards.clone(), val_transform()?),
                         shards: Some(shards),
@@ -425,6 +438,42 @@ fn load_images(config: &RunConfig) -> Result<Data> {
     };
     check_fits(config, &probe, &label, &origin)?;
     Ok(Data { train, val, probe })
+}
+
+/// The classes a shard label must be one of, with the loss's ignored label:
+/// the model's scores per image for the first training image, when the loss
+/// takes class indices. `None` when that cannot be told here; the checks on
+/// the first image then say what is wrong.
+fn shard_classes(
+    config: &RunConfig,
+    shards: &WebDataset,
+    transform: &Compose,
+) -> Result<Option<(usize, Option<i64>)>> {
+    let ignore_index = match &config.loss {
+        Loss::CrossEntropy(c) => c.ignore_index,
+        Loss::Nll(c) => c.ignore_index,
+        _ => return Ok(None),
+    };
+    if shards.is_empty() {
+        return Ok(None);
+    }
+    let Ok((image, _)) = shards.get(0) else {
+        return Ok(None);
+    };
+    let mut rng = TransformRng::for_sample(config.seed, 0, 0);
+    let Ok(x) = transform.apply(image, &mut rng) else {
+        return Ok(None);
+    };
+    let dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
+    let probe = x.reshape(dims)?;
+    let Ok(model) = crate::cli::resolve_model(config, &probe, config.device) else {
+        return Ok(None);
+    };
+    Ok(model
+        .output_shape(probe.dims())
+        .ok()
+        .and_then(|output| output.get(1).copied())
+        .map(|classes| (classes, ignore_index)))
 }
 
 /// Checks that the model scores as many classes as an image folder has.

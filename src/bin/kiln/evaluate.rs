@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::Args;
 use kiln::prelude::*;
 
-use crate::cli::{load_config, resolve_model, TensorflowCommands};
+use crate::cli::{load_config, outln, resolve_model, TensorflowCommands};
 use crate::config::{BackendKind, RunConfig};
 use crate::data::{loader, validation_split, RecordTargets};
 use crate::Tensorflow;
@@ -74,7 +74,7 @@ pub(crate) fn eval(args: CheckpointArgs) -> Result<()> {
 
 pub(crate) fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
-    let checkpoint = Checkpoint::load(&args.checkpoint)?;
+    let checkpoint = open_checkpoint(&args.checkpoint)?;
     let (split, probe) = validation_split(config)?;
     let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &probe)?;
     let val = loader(split, config, false, None)?;
@@ -87,9 +87,9 @@ pub(crate) fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig
         );
     }
     let metrics = trainer.evaluate(&mut model, val.as_ref())?;
-    println!("{:<16} {:>12}", "metric", "value");
+    outln!("{:<16} {:>12}", "metric", "value");
     for (name, value) in metrics {
-        println!("{name:<16} {value:>12.6}");
+        outln!("{name:<16} {value:>12.6}");
     }
     Ok(())
 }
@@ -108,8 +108,8 @@ pub(crate) fn predict(args: PredictArgs) -> Result<()> {
 pub(crate) fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
-    refuse_existing(&args.output, args.overwrite)?;
-    let checkpoint = Checkpoint::load(&common.checkpoint)?;
+    crate::cli::check_output(&args.output, args.overwrite, "predict")?;
+    let checkpoint = open_checkpoint(&common.checkpoint)?;
     let (split, probe) = validation_split(config)?;
     let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
     let val = RecordTargets::new(loader(split, config, false, None)?);
@@ -120,6 +120,41 @@ pub(crate) fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig
 }
 
 /// Whether `path` names an ONNX model (`*.onnx`).
+/// Reads the Kiln checkpoint at `path` to evaluate, predict with or export it,
+/// after checking that it is one: a pipe, a device, a TorchScript file or an
+/// ONNX model is named as what it is, and a checkpoint holding NaN or infinite
+/// values is refused naming them.
+pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
+    refuse_other_formats(path)?;
+    let checkpoint = Checkpoint::load(path)?;
+    checkpoint.check_finite(path)?;
+    Ok(checkpoint)
+}
+
+/// Checks that `path` is a regular file that may be a Kiln checkpoint (or a
+/// run's `model.safetensors`): not a pipe or device (which would block or read
+/// forever), a TorchScript file or an ONNX model.
+pub(crate) fn refuse_other_formats(path: &Path) -> Result<()> {
+    kiln::core::fs::check_regular_file(path)?;
+    if crate::inspect::is_zip_archive(path)? {
+        anyhow::bail!(
+            "{} is a TorchScript file (a zip archive), not a Kiln checkpoint: give the \
+             safetensors checkpoint of a Kiln run (`checkpoints/last.safetensors`), or use the \
+             TorchScript file as a `torchscript` layer in a config",
+            path.display()
+        );
+    }
+    if is_onnx(path) {
+        anyhow::bail!(
+            "{} is an ONNX model, not a Kiln checkpoint: `kiln predict` runs ONNX models; \
+             `kiln eval` and `kiln export` read the safetensors checkpoint of a Kiln run \
+             (`checkpoints/last.safetensors`)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn is_onnx(path: &Path) -> bool {
     path.extension()
         .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
@@ -131,8 +166,9 @@ fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     if args.common.device.is_some_and(|d| d != Device::Cpu) {
         anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");
     }
-    refuse_existing(&args.output, args.overwrite)?;
+    crate::cli::check_output(&args.output, args.overwrite, "predict")?;
     let path = &args.common.checkpoint;
+    kiln::core::fs::check_regular_file(path)?;
     let model = kiln::onnx::OnnxModel::load(path)?;
     let (split, _) = validation_split(config)?;
     let val = RecordTargets::new(loader(split, config, false, None)?);
@@ -145,17 +181,6 @@ fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
         );
     }
     write_predictions(&args.output, &val.targets(), outputs)
-}
-
-fn refuse_existing(output: &Path, overwrite: bool) -> Result<()> {
-    if output.exists() && !overwrite {
-        anyhow::bail!(
-            "{} exists; predict never writes over a file unless told to: pass --overwrite \
-             to replace it, or choose another --output",
-            output.display()
-        );
-    }
-    Ok(())
 }
 
 /// Writes one CSV row per sample: index, predicted class, label, scores.
@@ -203,7 +228,7 @@ fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) ->
         .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
         })?;
-    println!("kiln: {index} predictions written to {}", output.display());
+    outln!("kiln: {index} predictions written to {}", output.display());
     Ok(())
 }
 

@@ -13,9 +13,8 @@ use clap::{Args, ValueEnum};
 use kiln::core::backend::TrainBackend;
 use kiln::core::module::Module;
 use kiln::prelude::*;
-use kiln::train::Checkpoint;
 
-use crate::cli::TensorflowCommands;
+use crate::cli::{outln, TensorflowCommands};
 use crate::config::RunConfig;
 use crate::data::validation_split;
 use crate::Tensorflow;
@@ -108,11 +107,12 @@ pub(crate) struct SavedModelOptions<'a> {
 
 pub(crate) fn export(args: ExportArgs) -> Result<()> {
     // Nothing is read or built when the output would be refused anyway.
-    if !args.overwrite && (args.output.exists() || args.output.is_symlink()) {
+    crate::cli::check_output(&args.output, args.overwrite, "export")?;
+    if args.batch_size == Some(0) {
         bail!(
-            "{} exists; export never writes over a file unless told to: pass --overwrite \
-             to replace it, or choose another --output",
-            args.output.display()
+            "--batch-size 0 would fix the model's batch dimension to 0, so that it takes only \
+             empty batches: give the batch size it must take (at least 1), or leave the \
+             option out for a model that takes any batch size"
         );
     }
     if args.batch_size.is_some() && args.format != ExportFormat::Onnx {
@@ -184,7 +184,7 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
         ExportFormat::Torchscript => "TorchScript",
         ExportFormat::Savedmodel => "SavedModel",
     };
-    println!(
+    outln!(
         "kiln: exported {format} to {} ({what})",
         args.output.display()
     );
@@ -212,12 +212,18 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
         .as_deref()
         .map(|p| RunConfig::load(p).with_context(|| format!("config {}", p.display())))
         .transpose()?;
+    crate::evaluate::refuse_other_formats(path)?;
     let meta = kiln::core::safetensors::load_safetensors_metadata(path)?;
     // A checkpoint records its model's definition; a run's `model.safetensors` does not.
     let (checkpoint, weights) = if meta.contains_key("kiln.format") {
-        (Some(Checkpoint::load(path)?), StateDict::new())
+        (
+            Some(crate::evaluate::open_checkpoint(path)?),
+            StateDict::new(),
+        )
     } else {
-        (None, StateDict::load_safetensors(path)?.0)
+        let weights = StateDict::load_safetensors(path)?.0;
+        kiln::train::refuse_non_finite(path, &kiln::train::find_non_finite("", &weights))?;
+        (None, weights)
     };
     // The data fixes the input shape (and torchscript layers' output shapes).
     let example = match (&config, &args.input_shape) {

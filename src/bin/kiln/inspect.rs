@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use kiln::prelude::*;
 use kiln::train::Checkpoint;
 
-use crate::cli::TensorflowCommands;
+use crate::cli::{out, outln, TensorflowCommands};
 use crate::Tensorflow;
 
 /// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
@@ -28,11 +28,14 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
             path.display()
         )
     })?;
-    println!("torchscript {}", path.display());
-    println!();
-    println!(
+    outln!("torchscript {}", path.display());
+    outln!();
+    outln!(
         "{:<40} {:<8} {:<16} {:>10}",
-        "tensor", "dtype", "shape", "elements"
+        "tensor",
+        "dtype",
+        "shape",
+        "elements"
     );
     let mut values = 0usize;
     let (mut params, mut buffers) = (0usize, 0usize);
@@ -48,7 +51,7 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
             } else {
                 buffers += 1;
             }
-            println!(
+            outln!(
                 "{:<40} {:<8} {:<16} {:>10}",
                 name,
                 t.dtype().to_string(),
@@ -57,7 +60,7 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
             );
         }
     }
-    println!("\n{params} parameter tensors and {buffers} buffers, {values} values");
+    outln!("\n{params} parameter tensors and {buffers} buffers, {values} values");
     Ok(())
 }
 
@@ -65,34 +68,40 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
     if path.is_dir() {
         return Tensorflow::inspect_saved_model(path);
     }
+    kiln::core::fs::check_regular_file(path)?;
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
     }
     if crate::evaluate::is_onnx(path) {
-        print!("{}", kiln::onnx::ModelInfo::read(path)?);
+        out!("{}", kiln::onnx::ModelInfo::read(path)?);
         return Ok(());
     }
     let checkpoint = Checkpoint::load(path)?;
-    println!("checkpoint  {}", path.display());
-    println!("backend     {}", checkpoint.backend);
-    println!(
+    outln!("checkpoint  {}", path.display());
+    outln!("backend     {}", checkpoint.backend);
+    outln!(
         "position    step {}, epoch {}, batch {} of the epoch",
-        checkpoint.step, checkpoint.epoch, checkpoint.batch_in_epoch
+        checkpoint.step,
+        checkpoint.epoch,
+        checkpoint.batch_in_epoch
     );
-    println!("seed        {}", checkpoint.seed);
+    outln!("seed        {}", checkpoint.seed);
     if let Some(def) = &checkpoint.model_definition {
-        println!("model       {}", serde_json::to_string(def)?);
+        outln!("model       {}", serde_json::to_string(def)?);
     }
     if let Some(s) = &checkpoint.scheduler {
-        println!("schedule    {s}");
+        outln!("schedule    {s}");
     }
     for (k, v) in &checkpoint.metrics {
-        println!("metric      {k} = {v}");
+        outln!("metric      {k} = {v}");
     }
-    println!();
-    println!(
+    outln!();
+    outln!(
         "{:<40} {:<8} {:<16} {:>10}",
-        "tensor", "dtype", "shape", "elements"
+        "tensor",
+        "dtype",
+        "shape",
+        "elements"
     );
     let mut params = 0usize;
     for (section, dict) in [
@@ -103,7 +112,7 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
             if section == "model" {
                 params += t.numel();
             }
-            println!(
+            outln!(
                 "{:<40} {:<8} {:<16} {:>10}",
                 format!("{section}.{name}"),
                 t.dtype().to_string(),
@@ -112,10 +121,22 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
             );
         }
     }
-    println!(
+    outln!(
         "\n{} model values, {} optimizer tensors",
         params,
         checkpoint.optimizer.len()
     );
+    let non_finite = checkpoint.non_finite_tensors();
+    if !non_finite.is_empty() {
+        outln!();
+        outln!(
+            "non-finite values in {} tensors (eval, predict, export and resume refuse this \
+             checkpoint):",
+            non_finite.len()
+        );
+        for tensor in &non_finite {
+            outln!("  {tensor}");
+        }
+    }
     Ok(())
 }

@@ -26,7 +26,7 @@ use clap::Args;
 /// `kiln launch`'s options.
 #[derive(Args, Debug)]
 pub struct LaunchArgs {
-    /// Worker processes to start on this node.
+    /// Worker processes to start on this node (at most 4 per CPU, and 1024).
     #[arg(long, alias = "nproc_per_node", value_name = "N")]
     nproc_per_node: usize,
     /// Nodes in the job; each runs its own `kiln launch`.
@@ -86,6 +86,23 @@ impl std::fmt::Display for Interrupted {
 }
 
 impl std::error::Error for Interrupted {}
+
+/// Workers per CPU `kiln launch` starts at most: CPU ranks share the cores, and
+/// more than a few per core only wait on each other.
+const WORKERS_PER_CPU: usize = 4;
+
+/// Workers per node `kiln launch` starts at most, whatever the CPU count.
+const MAX_WORKERS_PER_NODE: usize = 1024;
+
+/// The CPUs this process may run on (its affinity mask, as `nproc` counts).
+fn available_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// The most workers `--nproc-per-node` may ask for on this node.
+fn max_workers_per_node() -> usize {
+    (WORKERS_PER_CPU * available_cpus()).min(MAX_WORKERS_PER_NODE)
+}
 
 /// A checked launch: what each worker runs, and where it sits in the job.
 struct Plan {
@@ -186,6 +203,18 @@ impl Plan {
         if args.nproc_per_node == 0 {
             bail!("--nproc-per-node must be at least 1 (workers on this node), got 0");
         }
+        let limit = max_workers_per_node();
+        if args.nproc_per_node > limit {
+            bail!(
+                "--nproc-per-node {} is more workers than this node can run: at most {limit} \
+                 ({WORKERS_PER_CPU} per CPU this process may use, {} here, and never more than \
+                 {MAX_WORKERS_PER_NODE}). Each worker is a whole training process with its own \
+                 copy of libtorch; data-parallel jobs run one worker per GPU, or a few per \
+                 node on CPUs",
+                args.nproc_per_node,
+                available_cpus()
+            );
+        }
         if args.nnodes == 0 {
             bail!("--nnodes must be at least 1, got 0");
         }
@@ -252,6 +281,11 @@ impl Plan {
         let (output_done, output_rx) = mpsc::channel();
         let mut workers = Vec::new();
         for local_rank in 0..self.nproc_per_node {
+            // A signal stops the launch at once, with the workers started so far.
+            if let Some(signal) = signals::received() {
+                let stopped = stop(&mut workers, signal, self.grace);
+                return Err(Interrupted { signal, stopped }.into());
+            }
             let rank = self.node_rank * self.nproc_per_node + local_rank;
             let mut command = Command::new(&self.program);
             command

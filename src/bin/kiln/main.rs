@@ -16,6 +16,8 @@ mod export;
 mod forward;
 mod inspect;
 mod launch;
+mod ranks;
+mod resume;
 
 use std::path::Path;
 
@@ -28,6 +30,7 @@ use crate::cli::TensorflowCommands;
 use crate::config::RunConfig;
 use crate::evaluate::{CheckpointArgs, PredictArgs};
 use crate::forward::NeedsTensorflow;
+use crate::resume::Resume;
 
 /// `kiln`'s TensorFlow commands: each one is refused with [`NeedsTensorflow`],
 /// which `main` answers by running `kiln-tensorflow`.
@@ -40,7 +43,7 @@ impl TensorflowCommands for Tensorflow {
         Ok(())
     }
 
-    fn train(_: &RunConfig, _: Option<&str>, _: Option<&Rendezvous>) -> Result<()> {
+    fn train(_: &RunConfig, _: &Resume, _: Option<&Rendezvous>) -> Result<()> {
         Err(NeedsTensorflow::new("training on the TensorFlow backend").into())
     }
 

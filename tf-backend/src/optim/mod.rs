@@ -613,6 +613,10 @@ impl Optimizer<TfBackend> for TfOptimizer {
         Some(self.config.kind())
     }
 
+    fn config(&self) -> Option<&OptimizerConfig> {
+        Some(&self.config)
+    }
+
     fn learning_rate(&self) -> f64 {
         self.groups.first().map_or(0.0, |g| g.lr)
     }

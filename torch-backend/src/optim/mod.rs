@@ -586,6 +586,10 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         Some(self.config.kind())
     }
 
+    fn config(&self) -> Option<&OptimizerConfig> {
+        Some(&self.config)
+    }
+
     fn learning_rate(&self) -> f64 {
         self.groups.first().map_or(0.0, |g| g.lr)
     }

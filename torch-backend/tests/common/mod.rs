@@ -52,6 +52,20 @@ pub fn assert_close(what: &str, actual: &HostTensor, expected: &HostTensor, tol:
     kiln_testkit::assert_close(what, &a, &e, tol, "PyTorch");
 }
 
+/// Asserts `|actual - expected| <= tol.atol + tol.rtol * |expected|`
+/// elementwise (`torch.testing.assert_close`'s rule), naming `what` and the
+/// worst element on failure.
+pub fn assert_allclose(
+    what: &str,
+    actual: &HostTensor,
+    expected: &HostTensor,
+    tol: kiln_testkit::tolerance::AllClose,
+) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shape");
+    let (a, e) = (actual.to_f64_vec(), expected.to_f64_vec());
+    kiln_testkit::assert_allclose(what, &a, &e, tol, "PyTorch");
+}
+
 /// The devices the parity suites run on, with their tolerance: the CPU always
 /// ([`kiln_testkit::tolerance::F32`]), and `cuda:0` when libtorch sees a GPU
 /// ([`kiln_testkit::tolerance::TF32`]).

@@ -7,4 +7,4 @@ mod webdataset;
 
 pub use decode::{decode_image, ColorMode};
 pub use folder::{ImageFolder, OnError, IMG_EXTENSIONS};
-pub use webdataset::{ShardOrder, WebDataset};
+pub use webdataset::{ShardOrder, WebDataset, MAX_SHARDS};

@@ -22,6 +22,9 @@ const BLOCK: u64 = 512;
 const DEFAULT_IMAGE_KEYS: [&str; 4] = ["jpg", "jpeg", "png", "webp"];
 /// Most bytes of a GNU long name or a pax header Kiln reads.
 const MAX_META: u64 = 1 << 20;
+/// Most shard paths a pattern may expand to: far more shards than any data
+/// set has, far fewer than would exhaust memory listing them.
+pub const MAX_SHARDS: u64 = 1_000_000;
 
 /// One member of a sample: `000123.jpg` has extension `jpg`.
 #[derive(Clone, Debug)]
@@ -86,6 +89,15 @@ pub struct WebDataset {
     label_key: String,
     color_mode: ColorMode,
     on_error: OnError,
+    /// The labels a sample may have ([`WebDataset::num_classes`]).
+    classes: Option<LabelRange>,
+}
+
+/// Class indices `0..classes`, and a label a loss ignores.
+#[derive(Clone, Copy, Debug)]
+struct LabelRange {
+    classes: usize,
+    ignore_index: Option<i64>,
 }
 
 impl WebDataset {
@@ -146,6 +158,7 @@ impl WebDataset {
             label_key: "cls".to_string(),
             color_mode: ColorMode::Rgb,
             on_error: OnError::Fail,
+            classes: None,
         })
     }
 
@@ -156,10 +169,28 @@ impl WebDataset {
     ///
     /// # Errors
     ///
-    /// [`Error::InvalidArgument`] for unbalanced braces or a malformed range,
-    /// and [`open`](WebDataset::open)'s errors (a missing shard is an
+    /// [`Error::InvalidArgument`] for an empty pattern, unbalanced braces, a
+    /// malformed range, or a pattern that names more than [`MAX_SHARDS`] paths
+    /// (counted before any is listed), and [`open`](WebDataset::open)'s errors (a missing shard is an
     /// [`Error::Io`] naming it).
     pub fn from_pattern(pattern: &str) -> Result<Self> {
+        if pattern.trim().is_empty() {
+            return Err(Error::invalid_argument(
+                "pattern",
+                "the shard pattern is empty; expected the path of the `.tar` shards, \
+                 such as `data/train-{000000..000099}.tar`",
+            ));
+        }
+        let count = count_expansions(pattern)?;
+        if count > MAX_SHARDS {
+            return Err(Error::invalid_argument(
+                "pattern",
+                format!(
+                    "{pattern:?} expands to {count} shard paths, more than the {MAX_SHARDS} \
+                     Kiln reads; check the brace ranges (`{{000000..000099}}` names 100 shards)"
+                ),
+            ));
+        }
         let shards: Vec<PathBuf> = expand_braces(pattern)?
             .into_iter()
             .map(PathBuf::from)
@@ -178,6 +209,19 @@ impl WebDataset {
     /// is its `"label"` field; any other member holds an ASCII integer.
     pub fn label_key(mut self, key: &str) -> Self {
         self.label_key = key.trim().to_lowercase();
+        self
+    }
+
+    /// Checks each label read against `classes` class indices: a label outside
+    /// `0..classes`, other than `ignore_index` (a loss's ignored target),
+    /// fails its sample ([`get`](Dataset::get)) with an [`Error::Data`]
+    /// naming the member (`shard.tar:key.cls`), the label and the range,
+    /// rather than reaching the loss. Unchecked by default.
+    pub fn num_classes(mut self, classes: usize, ignore_index: Option<i64>) -> Self {
+        self.classes = Some(LabelRange {
+            classes,
+            ignore_index,
+        });
         self
     }
 
@@ -318,7 +362,11 @@ impl Dataset for WebDataset {
         let bytes = self.read_member(&file, s, image)?;
         let image = decode_image(&bytes, self.color_mode, &member_name(shard, s, &image.ext))?;
         let text = self.read_member(&file, s, label)?;
-        let label = parse_label(&text, &label.ext, &member_name(shard, s, &label.ext))?;
+        let name = member_name(shard, s, &label.ext);
+        let label = parse_label(&text, &label.ext, &name)?;
+        if let Some(range) = self.classes {
+            check_label(label, range, &name)?;
+        }
         Ok((image, HostTensor::scalar(label)))
     }
 }
@@ -345,6 +393,29 @@ fn parse_label(bytes: &[u8], ext: &str, name: &Path) -> Result<i64> {
                 ),
             )
         })
+}
+
+/// Checks that `label`, read from the member `name`, is a class of `range`.
+fn check_label(label: i64, range: LabelRange, name: &Path) -> Result<()> {
+    let classes = range.classes;
+    if Some(label) == range.ignore_index
+        || usize::try_from(label).is_ok_and(|index| index < classes)
+    {
+        return Ok(());
+    }
+    let expected = match classes {
+        0 => "there are no classes".to_owned(),
+        n => format!("expected a class index from 0 to {}", n - 1),
+    };
+    let ignored = match range.ignore_index {
+        Some(i) => format!(", or {i}, the ignored label"),
+        None => String::new(),
+    };
+    Err(Error::data(
+        name,
+        None,
+        format!("label {label} is outside the {classes} classes: {expected}{ignored}"),
+    ))
 }
 
 /// `(key, extension)` of a member path as `webdataset` splits it: the
@@ -536,14 +607,31 @@ fn check_checksum(header: &[u8], path: &Path, pos: u64) -> Result<()> {
     }
 }
 
-/// Shell-style brace expansion: `{000..002}` and `{a,b}`, nested and repeated.
-fn expand_braces(pattern: &str) -> Result<Vec<String>> {
+/// The first brace group of a pattern: the text before it, its
+/// alternatives, and the text after it.
+struct BraceGroup<'a> {
+    head: &'a str,
+    alternatives: Alternatives<'a>,
+    tail: &'a str,
+}
+
+/// What a brace group stands for.
+enum Alternatives<'a> {
+    /// `{a..b}`: the integers from `lo` to `hi` (either way round),
+    /// zero-padded to `width`.
+    Range { lo: u64, hi: u64, width: usize },
+    /// `{x,y}`: each part, itself a pattern.
+    List(Vec<&'a str>),
+}
+
+/// Splits off the first brace group of `pattern`, `None` when it has none.
+fn first_group(pattern: &str) -> Result<Option<BraceGroup<'_>>> {
     let bad = |why: &str| Error::invalid_argument("pattern", format!("{pattern:?}: {why}"));
     let Some(open) = pattern.find('{') else {
         if pattern.contains('}') {
             return Err(bad("a `}` without its `{`"));
         }
-        return Ok(vec![pattern.to_string()]);
+        return Ok(None);
     };
     let mut depth = 0usize;
     let mut close = None;
@@ -563,12 +651,8 @@ fn expand_braces(pattern: &str) -> Result<Vec<String>> {
         }
     }
     let close = close.ok_or_else(|| bad("a `{` without its `}`"))?;
-    let (head, body, tail) = (
-        &pattern[..open],
-        &pattern[open + 1..close],
-        &pattern[close + 1..],
-    );
-    let alternatives: Vec<String> = if commas.is_empty() {
+    let body = &pattern[open + 1..close];
+    let alternatives = if commas.is_empty() {
         let (a, b) = body
             .split_once("..")
             .ok_or_else(|| bad("expected `{a..b}` or `{x,y}`"))?;
@@ -578,21 +662,64 @@ fn expand_braces(pattern: &str) -> Result<Vec<String>> {
         };
         let padded = (a.len() > 1 && a.starts_with('0')) || (b.len() > 1 && b.starts_with('0'));
         let width = if padded { a.len().max(b.len()) } else { 0 };
-        let values: Vec<u64> = if lo <= hi {
-            (lo..=hi).collect()
-        } else {
-            (hi..=lo).rev().collect()
-        };
-        values.into_iter().map(|v| format!("{v:0width$}")).collect()
+        Alternatives::Range { lo, hi, width }
     } else {
         let mut parts = Vec::new();
         let mut start = open + 1;
         for &c in &commas {
-            parts.push(pattern[start..c].to_string());
+            parts.push(&pattern[start..c]);
             start = c + 1;
         }
-        parts.push(pattern[start..close].to_string());
-        parts
+        parts.push(&pattern[start..close]);
+        Alternatives::List(parts)
+    };
+    Ok(Some(BraceGroup {
+        head: &pattern[..open],
+        alternatives,
+        tail: &pattern[close + 1..],
+    }))
+}
+
+/// How many paths `pattern` expands to (saturating at `u64::MAX`), counted
+/// without expanding it; checks the whole pattern as
+/// [`expand_braces`] does.
+fn count_expansions(pattern: &str) -> Result<u64> {
+    let Some(group) = first_group(pattern)? else {
+        return Ok(1);
+    };
+    // The head has no braces and a group's parts are balanced, so the
+    // expansions of a group followed by the tail are every pairing of the two.
+    let here = match group.alternatives {
+        Alternatives::Range { lo, hi, .. } => lo.abs_diff(hi).saturating_add(1),
+        Alternatives::List(parts) => parts.iter().try_fold(0u64, |n, part| {
+            Ok::<_, Error>(n.saturating_add(count_expansions(part)?))
+        })?,
+    };
+    Ok(here.saturating_mul(count_expansions(group.tail)?))
+}
+
+/// Shell-style brace expansion: `{000..002}` and `{a,b}`, nested and
+/// repeated. Callers check the count first ([`count_expansions`]): a range
+/// is expanded in full.
+fn expand_braces(pattern: &str) -> Result<Vec<String>> {
+    let Some(BraceGroup {
+        head,
+        alternatives,
+        tail,
+    }) = first_group(pattern)?
+    else {
+        return Ok(vec![pattern.to_string()]);
+    };
+    let alternatives: Vec<String> = match alternatives {
+        Alternatives::Range { lo, hi, width } => {
+            let values: Vec<u64> = if lo <= hi {
+                (lo..=hi).collect()
+            } else {
+                (hi..=lo).rev().collect()
+            };
+            values.into_iter().map(|v| format!("{v:0width$}")).collect()
+        }
+        Alternatives::List(parts) => parts.into_iter().map(str::to_owned).collect(),
     };
     let mut out = Vec::new();
     for alt in alternatives {
@@ -770,8 +897,65 @@ mod tests {
         for bad in ["{1..", "a}", "{a}", "{x..2}"] {
             let err = expand_braces(bad).expect_err(bad);
             assert!(matches!(err, Error::InvalidArgument { .. }), "{bad}: {err}");
+            let err = count_expansions(bad).expect_err(bad);
+            assert!(matches!(err, Error::InvalidArgument { .. }), "{bad}: {err}");
         }
         Ok(())
+    }
+
+    #[test]
+    fn counts_match_expansions_without_listing_them() -> Result<()> {
+        for pattern in [
+            "s-{000..002}.tar",
+            "{a,b}-{8..10}",
+            "{x,{y,z}}",
+            "p",
+            "{3..1}{a,{b,c}d{0..1}}",
+        ] {
+            assert_eq!(
+                count_expansions(pattern)?,
+                expand_braces(pattern)?.len() as u64,
+                "{pattern}"
+            );
+        }
+        assert_eq!(count_expansions("x-{0..99999999999}.tar")?, 100_000_000_000);
+        assert_eq!(count_expansions(&"{0..99999}".repeat(8))?, u64::MAX);
+        Ok(())
+    }
+
+    #[test]
+    fn labels_outside_the_classes_name_member_value_and_range() {
+        let name = Path::new("s.tar:000001.cls");
+        let range = LabelRange {
+            classes: 10,
+            ignore_index: Some(-100),
+        };
+        for ok in [0, 9, -100] {
+            assert!(check_label(ok, range, name).is_ok(), "{ok}");
+        }
+        for bad in [-1, 10, 99] {
+            let err = check_label(bad, range, name).unwrap_err().to_string();
+            for wanted in [
+                "s.tar:000001.cls",
+                &format!("label {bad} "),
+                "10 classes",
+                "0 to 9",
+                "-100",
+            ] {
+                assert!(err.contains(wanted), "{wanted}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn huge_and_empty_patterns_are_refused_before_listing() {
+        let err = WebDataset::from_pattern("x-{0..99999999999}.tar").unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("x-{0..99999999999}.tar"), "{text}");
+        assert!(text.contains("100000000000 shard paths"), "{text}");
+        assert!(text.contains(&MAX_SHARDS.to_string()), "{text}");
+        let err = WebDataset::from_pattern(" ").unwrap_err();
+        assert!(err.to_string().contains("pattern is empty"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,9 @@
 //! | metadata `kiln.world_size` | the number of data-parallel ranks (absent: 1) |
 //! | metadata `kiln.optimizer` | the optimizer's algorithm (`adamw`, ...), when known |
 //! | metadata `kiln.optimizer_tensors` | how many `optimizer.*` tensors the file holds |
+//! | metadata `kiln.optimizer_state` | a record of that state: algorithm, step, entries of each name, checksum (JSON) |
 //! | metadata `kiln.model` | the model definition ([`kiln_core::model::Layer`], JSON) |
+//! | metadata `kiln.data` | what identifies the training data (JSON, as the trainer was given it) |
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
 //! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
@@ -22,9 +24,12 @@
 //! Files are written atomically (temporary file, fsync, rename), so a crash
 //! mid-write never leaves a broken checkpoint under the final name. A file whose
 //! optimizer tensors were removed after it was written (fewer than
-//! `kiln.optimizer_tensors`) is refused: a resume from it would not be exact.
+//! `kiln.optimizer_tensors`), or that differ from `kiln.optimizer_state`, is
+//! refused: a resume from it would not be exact.
 
+mod finite;
 mod manager;
+mod manifest;
 mod run_dir;
 
 use std::collections::BTreeMap;
@@ -35,8 +40,9 @@ use kiln_core::model::Layer;
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{WritableState, WritableTensor};
 
+pub use finite::{find_non_finite, refuse_non_finite, NonFinite};
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
-pub use run_dir::{RunDirectory, RunStart, LOCK_FILE};
+pub use run_dir::{RunDirectory, RunStart, LOCK_FILE, RUN_OUTPUTS};
 
 /// The format tag written into every checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "kiln-checkpoint-1";
@@ -73,6 +79,11 @@ pub struct Checkpoint<S = StateDict> {
     pub optimizer_kind: Option<String>,
     /// The model definition, when the model was built from one.
     pub model_definition: Option<Layer>,
+    /// What identifies the data the run trained on (the CLI records the
+    /// dataset's kind, path, sample counts and a fingerprint), when the trainer
+    /// was given it ([`Trainer::with_data_identity`](crate::Trainer::with_data_identity)):
+    /// a resume on other data can then be refused.
+    pub data: Option<serde_json::Value>,
     /// The learning-rate schedule's state, if any.
     pub scheduler: Option<serde_json::Value>,
     /// Metrics at the time of saving (e.g. validation loss and accuracy).
@@ -111,11 +122,23 @@ impl<S: WritableState> Checkpoint<S> {
             OPTIMIZER_TENSORS.to_owned(),
             self.optimizer.writable_tensors().len().to_string(),
         );
+        let manifest = manifest::OptimizerManifest::of_writable(
+            self.optimizer_kind.as_deref(),
+            self.step,
+            &self.optimizer,
+        )?;
+        meta.insert(
+            manifest::OPTIMIZER_STATE.to_owned(),
+            to_json(&manifest, path)?,
+        );
         if let Some(def) = &self.model_definition {
             meta.insert("kiln.model".to_owned(), to_json(def, path)?);
         }
         if let Some(s) = &self.scheduler {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
+        }
+        if let Some(data) = &self.data {
+            meta.insert("kiln.data".to_owned(), to_json(data, path)?);
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
         if let Some(loss) = &self.epoch_loss {
@@ -230,10 +253,17 @@ impl Checkpoint {
                 optimizer.len()
             )));
         }
+        let step = number("kiln.step")?;
+        // Checkpoints from before the record have none; resuming checks them
+        // against the optimizer instead.
+        if let Some(recorded) = meta.get(manifest::OPTIMIZER_STATE) {
+            let kind = meta.get("kiln.optimizer").map(String::as_str);
+            manifest::check_manifest(recorded, kind, step, &optimizer, path)?;
+        }
         Ok(Self {
             model,
             optimizer,
-            step: number("kiln.step")?,
+            step,
             epoch: number("kiln.epoch")?,
             batch_in_epoch: number("kiln.batch_in_epoch")?,
             seed: number("kiln.seed")?,
@@ -245,6 +275,7 @@ impl Checkpoint {
             backend: meta.get("kiln.backend").cloned().unwrap_or_default(),
             optimizer_kind: meta.get("kiln.optimizer").cloned(),
             model_definition,
+            data: parse_json("kiln.data")?,
             scheduler: parse_json("kiln.scheduler")?,
             metrics,
             epoch_loss: match parse_json("kiln.epoch_loss")? {
@@ -285,9 +316,17 @@ impl<S> Checkpoint<S> {
     }
 }
 
-/// The first path at which `a` and `b` differ, with the two values there
-/// (`missing` where one side lacks the key).
-fn first_difference(
+/// The first path at which the JSON values `a` and `b` differ (`at` names
+/// their root, as `model`), with the two values there (`missing` where one side
+/// lacks the key): what messages about two configs or definitions name.
+///
+/// ```
+/// let a = serde_json::json!({"data": {"batch_size": 64, "workers": 2}});
+/// let b = serde_json::json!({"data": {"batch_size": 16, "workers": 2}});
+/// let (at, x, y) = kiln_train::first_difference(&a, &b, "config");
+/// assert_eq!((at.as_str(), x.as_str(), y.as_str()), ("config.data.batch_size", "64", "16"));
+/// ```
+pub fn first_difference(
     a: &serde_json::Value,
     b: &serde_json::Value,
     at: &str,

@@ -34,9 +34,25 @@ pub enum RunStart {
 #[derive(Debug)]
 pub struct RunDirectory {
     dir: PathBuf,
+    start: RunStart,
+    /// Whether [`acquire`](RunDirectory::acquire) created the directory.
+    created: bool,
     // Held for the lock; closing it releases the lock.
     _lock: File,
 }
+
+/// What a run writes into its directory, by name: the run's config, the CSV
+/// logs, TensorBoard's event files, the checkpoints, the final weights and the
+/// curves. [`RunDirectory::discard_failed_start`] removes these and nothing else.
+pub const RUN_OUTPUTS: [&str; 7] = [
+    "config.toml",
+    crate::logger::STEPS_FILE,
+    crate::logger::EPOCHS_FILE,
+    "tensorboard",
+    "checkpoints",
+    "model.safetensors",
+    "curves.png",
+];
 
 impl RunDirectory {
     /// Checks, without writing anything, that a run can start in `dir`:
@@ -83,6 +99,7 @@ impl RunDirectory {
     /// since). The lock file records this process's PID.
     pub fn acquire(dir: &Path, start: RunStart) -> Result<Self> {
         Self::check(dir, start)?;
+        let created = !dir.exists();
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
         let path = dir.join(LOCK_FILE);
         let mut file = OpenOptions::new()
@@ -107,6 +124,8 @@ impl RunDirectory {
         }
         Ok(Self {
             dir: dir.to_path_buf(),
+            start,
+            created,
             _lock: file,
         })
     }
@@ -114,6 +133,43 @@ impl RunDirectory {
     /// The directory.
     pub fn path(&self) -> &Path {
         &self.dir
+    }
+
+    /// Undoes a new run that failed before its first checkpoint (bad data found
+    /// mid-epoch, a non-finite loss at the first step), so that the directory
+    /// takes a new run again instead of refusing it: removes the run's outputs
+    /// ([`RUN_OUTPUTS`]) and the lock file, and the directory itself when
+    /// [`acquire`](Self::acquire) created it and nothing else is left in it.
+    /// Anything else in the directory stays. Returns the names it removed.
+    ///
+    /// Does nothing for a resumed run, or once a checkpoint has been written
+    /// (the run can then be resumed with `--resume auto`).
+    pub fn discard_failed_start(self) -> Result<Vec<String>> {
+        if self.start != RunStart::New
+            || super::Checkpointer::latest(&self.dir.join("checkpoints"))?.is_some()
+        {
+            return Ok(Vec::new());
+        }
+        let mut removed = Vec::new();
+        for name in RUN_OUTPUTS {
+            let path = self.dir.join(name);
+            let Ok(meta) = std::fs::symlink_metadata(&path) else {
+                continue;
+            };
+            if meta.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            }
+            .map_err(|e| Error::io(&path, e))?;
+            removed.push(name.to_owned());
+        }
+        let lock = self.dir.join(LOCK_FILE);
+        std::fs::remove_file(&lock).map_err(|e| Error::io(&lock, e))?;
+        if self.created && contents(&self.dir)?.is_empty() {
+            std::fs::remove_dir(&self.dir).map_err(|e| Error::io(&self.dir, e))?;
+        }
+        Ok(removed)
     }
 }
 

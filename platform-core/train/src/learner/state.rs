@@ -5,8 +5,9 @@ use crate::checkpoint::Checkpoint;
 use crate::metric::LossMetric;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::{Error, Result};
-use kiln_core::optim::Optimizer;
+use kiln_core::optim::{check_state_after_steps, Optimizer};
 use kiln_core::schedule::LrScheduler;
+use kiln_core::state_tensors::WritableState;
 
 /// A model, its optimizer and schedule, and where training stands: what a
 /// checkpoint saves and `fit` advances. `M` is the module, as for [`Trainer`](crate::Trainer).
@@ -59,8 +60,10 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
     ///
     /// Contract: nothing changes if any part does not fit: a model tensor
     /// missing, unexpected, or of another shape or dtype than the model's (never
-    /// cast), an optimizer of another algorithm than the checkpoint's, or
-    /// optimizer or schedule state that does not load.
+    /// cast), an optimizer of another algorithm than the checkpoint's, a
+    /// checkpoint past step 0 without the state its optimizer keeps by then
+    /// ([`check_state_after_steps`]: its moments were removed), or optimizer or
+    /// schedule state that does not load.
     pub fn restore(&mut self, checkpoint: &Checkpoint) -> Result<()> {
         if let (Some(saved), Some(ours)) =
             (checkpoint.optimizer_kind.as_deref(), self.optimizer.kind())
@@ -74,6 +77,15 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
                     ),
                 ));
             }
+        }
+        if let Some(config) = self.optimizer.config() {
+            let fresh = self.optimizer.state_tensors()?;
+            let keys: Vec<&str> = fresh
+                .writable_tensors()
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            check_state_after_steps(config, &keys, &checkpoint.optimizer, checkpoint.step)?;
         }
         if checkpoint.backend != B::NAME {
             log::info!(

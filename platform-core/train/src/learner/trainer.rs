@@ -186,6 +186,7 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     sinks: Vec<Box<dyn MetricSink>>,
     checkpointer: Option<Checkpointer>,
     model_definition: Option<Layer>,
+    data_identity: Option<serde_json::Value>,
     world_size: u64,
     group: Option<Arc<dyn Collectives>>,
     loss_reads: Option<LossReads>,
@@ -261,6 +262,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             sinks: Vec::new(),
             checkpointer: None,
             model_definition: None,
+            data_identity: None,
             world_size: 1,
             group: None,
             loss_reads: None,
@@ -364,6 +366,14 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self
     }
 
+    /// Records `identity` (what identifies the training data: its kind, path,
+    /// size, a fingerprint) in every checkpoint, as [`Checkpoint::data`], so
+    /// that a resume can check it trains on the same data.
+    pub fn with_data_identity(mut self, identity: serde_json::Value) -> Self {
+        self.data_identity = Some(identity);
+        self
+    }
+
     /// The checkpoint of `state`, holding the model's and optimizer's own tensors
     /// (written in place, not copied to the host first).
     fn checkpoint(
@@ -382,6 +392,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             backend: B::NAME.to_owned(),
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),
+            data: self.data_identity.clone(),
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
             epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
@@ -486,6 +497,20 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     ) -> Result<()> {
         let accumulate = self.config.accumulate;
         let device = self.config.device;
+        // A resumed position past the end of an epoch of this data: the state
+        // was saved on other data (or another batch size), not this.
+        if state.batch_in_epoch > train.num_batches() as u64 {
+            return Err(Error::invalid_argument(
+                "training state",
+                format!(
+                    "stands at batch {} of epoch {}, but an epoch of this data has {} batches: \
+                     resume on the data and batch size it was saved with",
+                    state.batch_in_epoch,
+                    state.epoch,
+                    train.num_batches()
+                ),
+            ));
+        }
         'epochs: while state.epoch < self.config.epochs {
             state.model.set_mode(Mode::Train);
             let batches = train.num_batches() as u64;
@@ -705,11 +730,14 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
 
     /// As [`resume`](Self::resume), from a checkpoint already read from `path`
     /// (for a caller that checks it first, as the CLI checks its definition and seed).
+    /// A checkpoint holding NaN or infinite values is refused, naming them
+    /// ([`Checkpoint::check_finite`]), and `state` is left as it was.
     pub fn resume_from(
         state: &mut TrainingState<B, M>,
         checkpoint: &Checkpoint,
         path: &Path,
     ) -> Result<()> {
+        checkpoint.check_finite(path)?;
         state.restore(checkpoint).map_err(|e| {
             Error::checkpoint_caused_by(path, "does not fit this model and optimizer", e)
         })?;

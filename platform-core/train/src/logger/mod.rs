@@ -17,6 +17,7 @@ mod progress;
 mod tensorboard;
 
 pub use self::csv::CsvSink;
+pub(crate) use self::csv::{EPOCHS_FILE, STEPS_FILE};
 pub use history::{EpochValues, History};
 pub use log_sink::LogSink;
 pub use plot::{plot_curves, CurveSource, PlotOptions};

@@ -1,0 +1,241 @@
+//! Where a training run starts: afresh, or from a checkpoint, and the checks a
+//! checkpoint passes before a run continues from it: the same model definition
+//! and seed, the same data (kind, size, fingerprint: [`data_identity`]), and a
+//! position inside that data.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use kiln::prelude::*;
+use kiln::train::{Checkpoint, Checkpointer, RunDirectory, RunStart};
+
+use crate::config::RunConfig;
+
+/// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
+pub(crate) struct Resume {
+    /// A checkpoint file, or `auto`; `None` for a new run.
+    pub(crate) from: Option<String>,
+    /// Continue on data other than the checkpoint recorded.
+    pub(crate) on_other_data: bool,
+}
+use crate::data::{Data, Split};
+
+/// Where a rank other than 0 resumes from: the checkpoint rank 0 resumes from
+/// (the run directory must be visible to every rank, as in PyTorch); rank 0
+/// alone checks and writes the directory.
+pub(crate) fn follower_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
+    Ok(match resume {
+        None => None,
+        Some("auto") => Checkpointer::latest(&config.output_dir.join("checkpoints"))?,
+        Some(path) => Some(PathBuf::from(path)),
+    })
+}
+
+/// Where a training run starts: afresh, or from a checkpoint.
+pub(crate) fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result<Option<PathBuf>> {
+    let out = &config.output_dir;
+    match resume {
+        None => {
+            RunDirectory::check(out, RunStart::New)?;
+            Ok(None)
+        }
+        Some("auto") => {
+            RunDirectory::check(out, RunStart::Resume)?;
+            if let Some(path) = Checkpointer::latest(&out.join("checkpoints"))? {
+                return Ok(Some(path));
+            }
+            // Nothing to resume: a new run, but only where it destroys nothing.
+            if RunDirectory::check(out, RunStart::New).is_err() {
+                anyhow::bail!(
+                    "output directory {}: --resume auto found no checkpoint to resume from \
+                     (neither checkpoints/last.safetensors nor checkpoints/step-*.safetensors), \
+                     and the directory is not empty, so a new run there would write over what \
+                     it holds; start the run elsewhere with --output DIR",
+                    out.display()
+                );
+            }
+            log::info!(
+                "--resume auto: no run in {} yet; starting a new one",
+                out.display()
+            );
+            Ok(None)
+        }
+        Some(path) => {
+            RunDirectory::check(out, RunStart::Resume)?;
+            Ok(Some(PathBuf::from(path)))
+        }
+    }
+}
+
+/// Reads the checkpoint to resume from and checks it against the config: the
+/// same model definition and seed.
+pub(crate) fn load_resume_checkpoint(
+    config: &RunConfig,
+    model: &Layer,
+    path: &Path,
+) -> Result<Checkpoint> {
+    let checkpoint = Checkpoint::load(path)?;
+    checkpoint.check_definition(model, path)?;
+    if checkpoint.seed != config.seed {
+        anyhow::bail!(
+            "checkpoint {}: the run it continues used seed {}, this one seed {}; data order \
+             and dropout derive from the seed, so another one would not continue that run \
+             (pass --seed {} to resume it)",
+            path.display(),
+            checkpoint.seed,
+            config.seed,
+            checkpoint.seed
+        );
+    }
+    Ok(checkpoint)
+}
+
+/// Moves a checkpoint's position in its epoch to `world_size` ranks: each rank
+/// counts its own batches, so the same global position is `batch_in_epoch *
+/// old / new` batches per rank (with the same batch size), which must be whole.
+/// Every rank then takes its share of the rest of the epoch's global order.
+pub(crate) fn reshard(checkpoint: &mut Checkpoint, world_size: u64, path: &Path) -> Result<()> {
+    let old = checkpoint.world_size.max(1);
+    if old == world_size {
+        return Ok(());
+    }
+    let consumed = checkpoint.batch_in_epoch * old;
+    if !consumed.is_multiple_of(world_size) {
+        anyhow::bail!(
+            "checkpoint {}: written by {old} ranks after {} batches each of epoch {}, which is \
+             not a whole number of batches for {world_size} ranks; resume with {old} ranks, or \
+             from a checkpoint written at the end of an epoch",
+            path.display(),
+            checkpoint.batch_in_epoch,
+            checkpoint.epoch
+        );
+    }
+    log::info!(
+        "resuming a run of {old} ranks on {world_size}: epoch {} continues at batch {} of each rank",
+        checkpoint.epoch,
+        consumed / world_size
+    );
+    checkpoint.batch_in_epoch = consumed / world_size;
+    checkpoint.world_size = world_size;
+    Ok(())
+}
+
+/// What identifies a run's training data, recorded in its checkpoints: the
+/// dataset's kind and path (or shard pattern), the sizes of the training and
+/// validation splits, and a fingerprint (FNV-1a, 64 bits) of the training
+/// split's examples and labels as the model sees them (for image data, of its
+/// first example).
+pub(crate) fn data_identity(config: &RunConfig, data: &Data) -> serde_json::Value {
+    let mut hash = Fnv1a::default();
+    match &data.train {
+        Split::Tensors(x, y) => {
+            hash.eat(x.as_bytes());
+            hash.eat(y.as_bytes());
+        }
+        Split::Images(_) => hash.eat(data.probe.as_bytes()),
+    }
+    let location = config
+        .data
+        .path
+        .as_ref()
+        .map(|p| p.display().to_string())
+        .or_else(|| config.data.shards.clone());
+    serde_json::json!({
+        "dataset": config.data.dataset.name(),
+        "path": location,
+        "train_samples": data.train.len(),
+        "val_samples": data.val.as_ref().map_or(0, Split::len),
+        "fingerprint": format!("{:016x}", hash.0),
+    })
+}
+
+/// Checks that a run resumed from `checkpoint` trains on the data it was
+/// trained on (kind, sizes, fingerprint; a moved file with the same contents
+/// passes). On other data the run fails naming the first difference, unless
+/// `on_other_data` (`--resume-on-other-data`), when the epoch in progress
+/// restarts from its first batch of the new data.
+pub(crate) fn check_resume_data(
+    checkpoint: &mut Checkpoint,
+    identity: &serde_json::Value,
+    path: &Path,
+    on_other_data: bool,
+) -> Result<()> {
+    let Some(recorded) = &checkpoint.data else {
+        return Ok(());
+    };
+    let same = |key: &str| recorded.get(key) == identity.get(key);
+    let key = ["dataset", "train_samples", "val_samples", "fingerprint"]
+        .into_iter()
+        .find(|k| !same(k));
+    let Some(key) = key else {
+        if !same("path") {
+            log::info!(
+                "checkpoint {}: the data moved ({} then, {} now), with the same contents",
+                path.display(),
+                recorded["path"],
+                identity["path"]
+            );
+        }
+        return Ok(());
+    };
+    let difference = format!(
+        "was trained on other data: its `{key}` was {}, this data's is {} (it recorded {}; \
+         this run has {})",
+        recorded[key], identity[key], recorded, identity
+    );
+    if !on_other_data {
+        anyhow::bail!(
+            "checkpoint {} {difference}. Resume on the data the run trained on, or pass \
+             --resume-on-other-data to continue training it on this data (the epoch in \
+             progress then starts again from its first batch)",
+            path.display()
+        );
+    }
+    log::warn!(
+        "checkpoint {} {difference}; --resume-on-other-data: epoch {} starts again from its \
+         first batch of this data",
+        path.display(),
+        checkpoint.epoch
+    );
+    checkpoint.batch_in_epoch = 0;
+    checkpoint.epoch_loss = None;
+    Ok(())
+}
+
+/// Checks that the checkpoint's position in its epoch (after [`reshard`]) lies
+/// inside an epoch of `batches` batches per rank.
+pub(crate) fn check_resume_position(
+    checkpoint: &Checkpoint,
+    batches: usize,
+    path: &Path,
+) -> Result<()> {
+    if checkpoint.batch_in_epoch <= batches as u64 {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "checkpoint {} stands at batch {} of epoch {}, but an epoch of this data has {batches} \
+         batches per rank: it was written on other data, or with another batch size. Resume \
+         with the data and `data.batch_size` it was trained with",
+        path.display(),
+        checkpoint.batch_in_epoch,
+        checkpoint.epoch
+    )
+}
+
+/// 64-bit FNV-1a: stable across Rust releases and machines, unlike std's hasher.
+struct Fnv1a(u64);
+
+impl Default for Fnv1a {
+    fn default() -> Self {
+        Fnv1a(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Fnv1a {
+    fn eat(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 ^= u64::from(byte);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
