@@ -50,6 +50,51 @@ impl Image {
     }
 }
 
+impl Image {
+    /// Both curves are drawn, in both panels (the image's halves; a panel is at
+    /// least a few hundred pixels of line).
+    fn assert_both_curves_in_both_panels(&self) {
+        assert!(
+            self.count(TRAIN) > 600,
+            "{} train pixels",
+            self.count(TRAIN)
+        );
+        assert!(
+            self.count(VAL) > 600,
+            "{} validation pixels",
+            self.count(VAL)
+        );
+        let w = self.width as usize;
+        let half = |x_lo: usize, x_hi: usize, color: [u8; 3]| {
+            self.pixels()
+                .enumerate()
+                .filter(|(i, p)| (x_lo..x_hi).contains(&(i % w)) && *p == color)
+                .count()
+        };
+        for (lo, hi) in [(0, w / 2), (w / 2, w)] {
+            assert!(
+                half(lo, hi, TRAIN) > 200,
+                "train curve in columns {lo}..{hi}"
+            );
+            assert!(
+                half(lo, hi, VAL) > 200,
+                "validation curve in columns {lo}..{hi}"
+            );
+        }
+    }
+
+    /// The title is text in the top band, blank without a title (where the
+    /// panels' own text starts a few rows lower).
+    fn assert_titled(&self) {
+        let dark = self.dark_in_rows(TITLE_BAND);
+        assert!(dark > 100, "{dark} dark pixels in the title band");
+    }
+}
+
+/// The rows the title's text fills (measured: none dark without a title, a few
+/// hundred with one; the panels' captions start at row 16).
+const TITLE_BAND: std::ops::Range<u32> = 0..16;
+
 fn history(epochs: u64) -> History {
     let mut h = History::new();
     for e in 1..=epochs {
@@ -80,40 +125,15 @@ fn curves_from_a_history() {
     assert_eq!((img.width, img.height), (900, 360));
     let colors: HashSet<[u8; 3]> = img.pixels().collect();
     assert!(colors.len() > 20, "{} colours", colors.len());
-    // Both curves are drawn, in both panels (a panel is at least a few hundred pixels of line).
-    assert!(img.count(TRAIN) > 600, "{} train pixels", img.count(TRAIN));
-    assert!(img.count(VAL) > 600, "{} validation pixels", img.count(VAL));
-    let half = |x_lo: usize, x_hi: usize, color: [u8; 3]| {
-        img.rgb
-            .chunks_exact(3)
-            .enumerate()
-            .filter(|(i, p)| (x_lo..x_hi).contains(&(i % 900)) && *p == color)
-            .count()
-    };
-    for (lo, hi) in [(0, 450), (450, 900)] {
-        assert!(
-            half(lo, hi, TRAIN) > 200,
-            "train curve in columns {lo}..{hi}"
-        );
-        assert!(
-            half(lo, hi, VAL) > 200,
-            "validation curve in columns {lo}..{hi}"
-        );
-    }
-
-    // The title is text in the top band; without a title that band is blank.
-    assert!(
-        img.dark_in_rows(0..22) > 50,
-        "{} dark title pixels",
-        img.dark_in_rows(0..22)
-    );
+    img.assert_both_curves_in_both_panels();
+    img.assert_titled();
     let untitled = dir.path().join("untitled.png");
     let no_title = PlotOptions {
         title: None,
         ..options.clone()
     };
     plot_curves(&history(20), &untitled, &no_title).expect("plot");
-    assert_eq!(Image::read(&untitled).dark_in_rows(0..8), 0);
+    assert_eq!(Image::read(&untitled).dark_in_rows(TITLE_BAND), 0);
 }
 
 #[test]
@@ -186,14 +206,21 @@ fn nothing_to_draw_and_bad_sizes_are_errors() {
     );
 }
 
-/// Writes the PNG a person would look at, when `KILN_PLOT_OUT` names a path.
+/// The plot a person looks at (the default 1200 x 450, a title, 20 epochs):
+/// the size asked for, both curves in both panels, the title drawn. Kept at
+/// `KILN_PLOT_OUT` when that names a path, to look at.
 #[test]
-fn sample_plot_for_people() {
-    if let Some(path) = std::env::var_os("KILN_PLOT_OUT") {
-        let options = PlotOptions {
-            title: Some("digits: CNN, 20 epochs".into()),
-            ..PlotOptions::default()
-        };
-        plot_curves(&history(20), Path::new(&path), &options).expect("plot");
-    }
+fn sample_plot_at_the_default_size_shows_both_curves_and_the_title() {
+    let dir = kiln_testkit::TempDir::new("plot-sample");
+    let path =
+        std::env::var_os("KILN_PLOT_OUT").map_or_else(|| dir.path().join("sample.png"), Into::into);
+    let options = PlotOptions {
+        title: Some("digits: CNN, 20 epochs".into()),
+        ..PlotOptions::default()
+    };
+    plot_curves(&history(20), &path, &options).expect("plot");
+    let img = Image::read(&path);
+    assert_eq!((img.width, img.height), (1200, 450));
+    img.assert_both_curves_in_both_panels();
+    img.assert_titled();
 }
