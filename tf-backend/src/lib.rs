@@ -13,7 +13,8 @@
 //! assert_eq!(tf.to_host()?, host);
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
-#![forbid(unsafe_code)]
+// `unsafe` only in `quiet`: the one call into Abseil, TensorFlow's logger.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod backend;
@@ -27,6 +28,7 @@ mod layers;
 mod loss;
 mod model;
 mod optim;
+mod quiet;
 mod runtime;
 mod saved_model;
 mod step;
@@ -41,6 +43,7 @@ pub use custom_layer::{
 pub use error::{tf_error, ExportError};
 pub use model::TfModel;
 pub use optim::TfOptimizer;
+pub use quiet::{follow_log_level, TENSORFLOW_LOG_TARGET};
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{
     export_saved_model, resolve_saved_model_shapes, SavedModel, SavedModelExport, SavedModelModule,

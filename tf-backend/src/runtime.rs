@@ -93,6 +93,7 @@ fn config_proto((intra_op, inter_op): (u32, u32)) -> Vec<u8> {
 
 /// Options for a new session, with the thread counts of [`set_thread_counts`].
 pub(crate) fn session_options() -> Result<tensorflow::SessionOptions> {
+    crate::quiet::follow_log_level();
     let counts = *THREAD_COUNTS
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
