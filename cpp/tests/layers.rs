@@ -296,7 +296,8 @@ fn fused_layers_train_under_bf16_mixed_precision() {
         let g = grads.get(name).unwrap();
         assert_eq!(g.dtype(), kiln_core::DType::F32, "{name}");
         let d = max_diff(g, g32);
-        assert!(d < 5e-2, "grad {name}: {d}");
+        // Not 0: the gradient went through the bf16 activations (and backward).
+        assert!(d > 0.0 && d < 5e-2, "grad {name}: {d}");
     }
 }
 

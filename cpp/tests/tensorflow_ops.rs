@@ -3,7 +3,8 @@
 //! `KilnSwish`), built with the `tensorflow` crate directly: outputs and
 //! `Graph::add_gradients` gradients against the libtorch ops with autograd (float32,
 //! 1e-5) and against central finite differences of the TensorFlow op itself
-//! (float64); shape inference; and bad inputs failing the session run (or the graph
+//! (float64); the float64 forward on both engines against PyTorch's composition of
+//! built-in ops (`tests/reference/fused_ops_float64.py`, 1e-12); shape inference; and bad inputs failing the session run (or the graph
 //! construction, when shapes are known) with the op's message instead of aborting.
 
 use kiln_ops::tf as ops;
@@ -392,25 +393,147 @@ fn float64_gradients_match_finite_differences() {
     );
 }
 
+// ----- float64: both engines against PyTorch's composition, outside Kiln -----
+
+/// A tensor as the reference script reads it.
+fn tensor_json(t: &tch::Tensor) -> serde_json::Value {
+    let data: Vec<f64> = values(&t.to_kind(Kind::Double));
+    serde_json::json!({ "shape": t.size(), "data": data })
+}
+
+/// Kiln's float64 forward of every fused op, on libtorch (`kiln_ops::*`) and in a
+/// TensorFlow graph (`Kiln*` ops), against PyTorch's composition of built-in ops
+/// in float64 (`tests/reference/fused_ops_float64.py`, which does not load Kiln's
+/// library): within 1e-12 of `max(1, |expected|)`. Inputs reach GELU's and the
+/// sigmoid's tails and rows of logits far apart.
 #[test]
-fn float64_outputs_match_libtorch() {
+fn float64_outputs_match_pytorch_composition() {
+    let test = "float64_outputs_match_pytorch_composition";
+    let Some(python) = kiln_testkit::python(test) else {
+        return;
+    };
     tch::manual_seed(5);
     let d = Kind::Double;
-    let x = randn(&[6, 9], d);
-    let b = randn(&[9], d);
-    let graph = OpGraph::new(ops::BIAS_GELU, DataType::Double, 2, false, None, &[]);
-    let (xv, bv) = (values::<f64>(&x), values::<f64>(&b));
-    let (y, _) = graph
-        .run(&[(&xv, &[6, 9]), (&bv, &[9])], None, (&[0.0], &[]), false)
-        .unwrap();
-    let expected = values::<f64>(&kiln_ops::bias_gelu(&x, &b).unwrap());
-    let err = y
+    // Label smoothing exactly representable in float32 (TensorFlow's attribute).
+    let (n, c, eps) = (9, 7, 0.125);
+    let cases: Vec<(&str, Vec<tch::Tensor>, Option<tch::Tensor>, f64)> = vec![
+        (
+            "bias_gelu",
+            vec![randn(&[6, 9], d) * 4.0, randn(&[9], d)],
+            None,
+            0.0,
+        ),
+        (
+            "bias_gelu",
+            vec![randn(&[2, 3, 4], d), randn(&[4], d)],
+            None,
+            0.0,
+        ),
+        (
+            "softmax_xent",
+            vec![randn(&[n, c], d) * 10.0],
+            Some(tch::Tensor::randint(
+                c,
+                [n],
+                (Kind::Int64, tch::Device::Cpu),
+            )),
+            eps,
+        ),
+        (
+            "softmax_xent",
+            vec![randn(&[4, 5], d)],
+            Some(tch::Tensor::from_slice(&[0i64, 4, 2, 2])),
+            0.0,
+        ),
+        (
+            "swish",
+            vec![randn(&[5, 8], d) * 6.0, tch::Tensor::from_slice(&[1.7f64])],
+            None,
+            0.0,
+        ),
+    ];
+    let request: Vec<serde_json::Value> = cases
         .iter()
-        .zip(&expected)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f64::max);
-    eprintln!("bias_gelu float64: TensorFlow vs libtorch max |diff| {err:.2e}");
-    assert!(err < 1e-12, "{err}");
+        .map(|(op, inputs, target, eps)| {
+            serde_json::json!({
+                "op": op,
+                "inputs": inputs.iter().map(tensor_json).collect::<Vec<_>>(),
+                "target": target.as_ref().map(tensor_json),
+                "label_smoothing": eps,
+            })
+        })
+        .collect();
+    let dir = kiln_testkit::TempDir::new("fused-ops-float64");
+    let request_path = dir.path().join("cases.json");
+    std::fs::write(&request_path, serde_json::to_vec(&request).unwrap()).unwrap();
+    let stdout =
+        kiln_testkit::run_reference_script!(&python, "fused_ops_float64.py", &[&request_path]);
+    let expected: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(expected.len(), cases.len(), "reference outputs");
+
+    for ((op, inputs, target, eps), expected) in cases.iter().zip(&expected) {
+        let what = format!("{op} {:?}", inputs[0].size());
+        let shape: Vec<i64> = serde_json::from_value(expected["shape"].clone()).unwrap();
+        let expected: Vec<f64> = serde_json::from_value(expected["data"].clone()).unwrap();
+
+        let torch = match *op {
+            "bias_gelu" => kiln_ops::bias_gelu(&inputs[0], &inputs[1]),
+            "softmax_xent" => {
+                kiln_ops::softmax_cross_entropy(&inputs[0], target.as_ref().unwrap(), *eps)
+            }
+            _ => kiln_ops::swish(&inputs[0], &inputs[1]),
+        }
+        .unwrap();
+        assert_eq!(torch.kind(), Kind::Double, "{what}: libtorch output kind");
+        assert_eq!(torch.size(), shape, "{what}: libtorch output shape");
+        let torch = values::<f64>(&torch);
+        kiln_testkit::assert_close(
+            &format!("{what} on libtorch"),
+            &torch,
+            &expected,
+            1e-12,
+            "PyTorch's float64 composition",
+        );
+
+        let op_type = match *op {
+            "bias_gelu" => ops::BIAS_GELU,
+            "softmax_xent" => ops::SOFTMAX_XENT,
+            _ => ops::SWISH,
+        };
+        let smoothing = target.is_some().then_some(*eps as f32);
+        let graph = OpGraph::new(
+            op_type,
+            DataType::Double,
+            inputs.len(),
+            target.is_some(),
+            smoothing,
+            &[],
+        );
+        let data: Vec<(Vec<f64>, Vec<u64>)> =
+            inputs.iter().map(|t| (values(t), udims(t))).collect();
+        let feeds: Vec<(&[f64], &[u64])> = data.iter().map(|(v, d)| (&v[..], &d[..])).collect();
+        let target_data = target.as_ref().map(|t| (values::<i64>(t), udims(t)));
+        let (tf, _) = graph
+            .run(
+                &feeds,
+                target_data.as_ref().map(|(v, d)| (&v[..], &d[..])),
+                (&[0.0], &[]),
+                false,
+            )
+            .unwrap();
+        kiln_testkit::assert_close(
+            &format!("{what} in TensorFlow"),
+            &tf,
+            &expected,
+            1e-12,
+            "PyTorch's float64 composition",
+        );
+        let (worst_torch, worst_tf) = (
+            kiln_testkit::max_abs_diff(&torch, &expected),
+            kiln_testkit::max_abs_diff(&tf, &expected),
+        );
+        eprintln!("{what}: float64 max |diff| from PyTorch: libtorch {worst_torch:.2e}, TensorFlow {worst_tf:.2e}");
+    }
 }
 
 // ----- a loss as in training: mean of the per-row loss, default upstream gradient -----
