@@ -641,3 +641,85 @@ fn outputs_are_checked_before_anything_is_read() {
         "{help}"
     );
 }
+
+#[test]
+fn a_skipped_validation_image_is_counted_once_over_the_run() {
+    let Some(python) = kiln_testkit::python("writing a small image folder") else {
+        return;
+    };
+    let _serial = serial();
+    let dir = scratch("hostile-skip-once");
+    // Two classes of 8x8 PNGs to train on; a validation folder with one good
+    // image and one JPEG cut short.
+    let script = r#"
+import sys, os, numpy as np
+from PIL import Image
+root = sys.argv[1]
+rng = np.random.default_rng(0)
+for split, per_class in (("train", 4), ("val", 1)):
+    for label in ("a", "b"):
+        os.makedirs(os.path.join(root, split, label), exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(root, split, label, f"{i}.png"))
+Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(os.path.join(root, "bad.jpg"))
+data = open(os.path.join(root, "bad.jpg"), "rb").read()
+open(os.path.join(root, "val", "b", "cut.jpg"), "wb").write(data[: len(data) // 3])
+"#;
+    let status = Command::new(python)
+        .args(["-c", script, s(&dir)])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let cfg = dir.join("images.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"
+seed = 1
+output_dir = "{out}"
+
+[data]
+dataset = "image_folder"
+path = "{train}"
+val_path = "{val}"
+image_size = 8
+on_error = "skip"
+batch_size = 4
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "conv2d", in_channels = 3, out_channels = 4, kernel_size = 3, padding = 1 }},
+  {{ type = "flatten" }},
+  {{ type = "linear", in_features = 256, out_features = 2 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.01
+
+[training]
+epochs = 3
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+            out = dir.join("run").display(),
+            train = dir.join("train").display(),
+            val = dir.join("val").display(),
+        ),
+    )
+    .unwrap();
+    // Validated after each of 3 epochs and once more at the end: 4 passes.
+    let printed = train(s(&cfg), &dir.join("run"), &[]);
+    assert!(
+        printed.contains("kiln: 1 images skipped because they could not be read or decoded"),
+        "{printed}"
+    );
+}
