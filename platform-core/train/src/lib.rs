@@ -38,7 +38,23 @@ pub use metric::{
     TopKAccuracy, F1,
 };
 
-/// The training loop's most used names, in one `use kiln_train::prelude::*`.
+/// The training loop's most used names, in one `use kiln_train::prelude::*`:
+/// enough to write a [`Callback`] without another import.
+///
+/// ```
+/// use kiln_train::prelude::*;
+///
+/// /// Stops training after 100 steps.
+/// struct StopAt100;
+///
+/// impl Callback for StopAt100 {
+///     fn on_step_end(&mut self, step: u64, _loss: f64) -> kiln_core::Result<Flow> {
+///         Ok(if step >= 100 { Flow::Stop } else { Flow::Continue })
+///     }
+/// }
+/// # assert_eq!(StopAt100.on_step_end(100, 0.0)?, Flow::Stop);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
 pub mod prelude {
     pub use crate::{
         Accuracy, Callback, Checkpoint, Checkpointer, EarlyStopping, Flow, Metric, Trainer,
