@@ -81,9 +81,16 @@ mod tests {
     }
 
     #[test]
-    fn empty_tensors_copy_nothing() -> Result<()> {
+    fn empty_tensors_copy_nothing_and_read_as_no_bytes() -> Result<()> {
         let host = HostTensor::zeros(DType::F32, [0, 4])?;
-        let mut target = Tensor::zeros([0, 4], (Kind::Float, tch::Device::Cpu));
-        copy_host_into(&mut target, &host, "empty")
+        // A float64 target: the load keeps the target's dtype, shape and device.
+        let mut target = Tensor::zeros([0, 4], (Kind::Double, tch::Device::Cpu));
+        copy_host_into(&mut target, &host, "empty")?;
+        assert_eq!(target.size(), [0, 4]);
+        assert_eq!(target.kind(), Kind::Double);
+        assert_eq!(target.device(), tch::Device::Cpu);
+        assert_eq!(crate::from_tch(&target)?, host.to_dtype(DType::F64));
+        assert_eq!(with_host_bytes(&target, <[u8]>::len)?, 0);
+        Ok(())
     }
 }
