@@ -41,7 +41,7 @@ pub const SKIP_MARKER: &str = "kiln-testkit: SKIPPED";
 /// Where [`REQUIRE_REFERENCES`] is set.
 pub fn skip(test: &str, why: &str) {
     if references_required() {
-        panic!("{test} cannot run its reference ({why}), and {REQUIRE_REFERENCES} is set");
+        panic!("{test} cannot run what it checks against ({why}), and {REQUIRE_REFERENCES} is set");
     }
     report_skip(test, why);
 }
