@@ -391,21 +391,41 @@ fn quietly(program: &str, args: &[&str]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Runs `ip args`; `Err` says why it did not succeed (no `ip`, or its message).
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run `ip` ({e}): install iproute2"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`ip {}` failed ({}): {}",
+            args.join(" "),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
 /// Two network namespaces joined by a veth pair, removed on drop.
 struct TwoNodes {
     names: [String; 2],
 }
 
 impl TwoNodes {
-    /// `None` (with the reason printed) where namespaces cannot be made.
-    fn new() -> Option<Self> {
+    /// `None` after `kiln_testkit::skip`ping `test` where namespaces cannot be
+    /// made (not root, no iproute2): a failure in CI, which runs as root and
+    /// installs iproute2 (`.ci/run`).
+    fn new(test: &str) -> Option<Self> {
         let id = std::process::id() % 100_000;
         let names = [format!("kiln-a-{id}"), format!("kiln-b-{id}")];
         let (va, vb) = (format!("kva{id}"), format!("kvb{id}"));
-        if !quietly("ip", &["netns", "add", &names[0]]) {
-            eprintln!(
-                "SKIPPED two_nodes_in_network_namespaces: cannot create a network namespace \
-                 (needs root and iproute2's `ip`)"
+        if let Err(why) = ip(&["netns", "add", &names[0]]) {
+            kiln_testkit::skip(
+                test,
+                &format!("cannot create a network namespace (needs root and iproute2): {why}"),
             );
             return None;
         }
@@ -423,11 +443,9 @@ impl TwoNodes {
             &["-n", a, "link", "set", "lo", "up"],
         ];
         for step in steps {
-            if !quietly("ip", step) {
-                eprintln!(
-                    "SKIPPED two_nodes_in_network_namespaces: `ip {}` failed",
-                    step.join(" ")
-                );
+            if let Err(why) = ip(step) {
+                // `nodes` removes what was made, also when the skip panics (CI).
+                kiln_testkit::skip(test, &format!("cannot join two network namespaces: {why}"));
                 return None;
             }
         }
@@ -453,7 +471,7 @@ fn two_nodes_in_network_namespaces() {
     if !digits_available() {
         return;
     }
-    let Some(nodes) = TwoNodes::new() else {
+    let Some(nodes) = TwoNodes::new("two_nodes_in_network_namespaces") else {
         return;
     };
     let dir = scratch("ddp-nodes");

@@ -41,7 +41,7 @@ pub const SKIP_MARKER: &str = "kiln-testkit: SKIPPED";
 /// Where [`REQUIRE_REFERENCES`] is set.
 pub fn skip(test: &str, why: &str) {
     if references_required() {
-        panic!("{test} cannot run what it checks against ({why}), and {REQUIRE_REFERENCES} is set");
+        panic!("{test} cannot run here ({why}), and {REQUIRE_REFERENCES} is set: a skip fails");
     }
     report_skip(test, why);
 }
