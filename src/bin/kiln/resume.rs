@@ -10,6 +10,7 @@ use kiln::prelude::*;
 use kiln::train::{Checkpoint, Checkpointer, RunDirectory, RunStart};
 
 use crate::config::RunConfig;
+use crate::data::{Data, Split};
 
 /// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
 pub(crate) struct Resume {
@@ -18,7 +19,6 @@ pub(crate) struct Resume {
     /// Continue on data other than the checkpoint recorded.
     pub(crate) on_other_data: bool,
 }
-use crate::data::{Data, Split};
 
 /// Where a rank other than 0 resumes from: the checkpoint rank 0 resumes from
 /// (the run directory must be visible to every rank, as in PyTorch); rank 0
@@ -67,13 +67,15 @@ pub(crate) fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result
     }
 }
 
-/// Reads the checkpoint to resume from and checks it against the config: the
-/// same model definition and seed.
+/// Reads the checkpoint to resume from and checks it against the config: a
+/// Kiln checkpoint (not a pipe, a TorchScript file or an ONNX model) of the same
+/// model definition and seed.
 pub(crate) fn load_resume_checkpoint(
     config: &RunConfig,
     model: &Layer,
     path: &Path,
 ) -> Result<Checkpoint> {
+    crate::evaluate::refuse_other_formats(path)?;
     let checkpoint = Checkpoint::load(path)?;
     checkpoint.check_definition(model, path)?;
     if checkpoint.seed != config.seed {
