@@ -22,7 +22,6 @@
 //! are passed to ONNX Runtime without copying; each output is copied once into
 //! a [`HostTensor`].
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
@@ -30,7 +29,7 @@ use half::{bf16, f16};
 use kiln_core::{DType, HostTensor};
 use ort::environment::Environment;
 use ort::session::builder::{GraphOptimizationLevel, SessionBuilder};
-use ort::session::{Session, SessionInputValue};
+use ort::session::{Session, SessionInputValue, SessionOutputs};
 use ort::value::{DynValue, TensorElementType, TensorRef, ValueType};
 
 use crate::error::{Error, Result};
@@ -343,6 +342,22 @@ impl OnnxModel {
     /// when an output is not a tensor of a Kiln dtype; and with
     /// [`Error::Runtime`] when ONNX Runtime fails.
     pub fn run(&self, inputs: &[(&str, &HostTensor)]) -> Result<Vec<(String, HostTensor)>> {
+        self.run_session(inputs, |outputs| {
+            self.info
+                .outputs
+                .iter()
+                .map(|o| Ok((o.name.clone(), self.output(outputs, &o.name)?)))
+                .collect()
+        })
+    }
+
+    /// Checks `inputs`, runs the session on them (borrowed, not copied) and
+    /// hands ONNX Runtime's outputs to `read`, which copies what it needs out.
+    fn run_session<R>(
+        &self,
+        inputs: &[(&str, &HostTensor)],
+        read: impl FnOnce(&SessionOutputs<'_>) -> Result<R>,
+    ) -> Result<R> {
         let order = check_inputs(&self.info.inputs, inputs)?;
         let mut values: Vec<(&str, SessionInputValue<'_>)> = Vec::with_capacity(order.len());
         for (declared, &i) in self.info.inputs.iter().zip(&order) {
@@ -361,20 +376,18 @@ impl OnnxModel {
         let outputs = session
             .run(values)
             .map_err(|e| Error::Runtime(format!("running {}: {e}", self.path.display())))?;
-        self.info
-            .outputs
-            .iter()
-            .map(|o| {
-                let value = outputs.get(&o.name).ok_or_else(|| {
-                    Error::Runtime(format!(
-                        "running {}: ONNX Runtime returned no output '{}'",
-                        self.path.display(),
-                        o.name
-                    ))
-                })?;
-                Ok((o.name.clone(), to_host(&o.name, value)?))
-            })
-            .collect()
+        read(&outputs)
+    }
+
+    /// The output `name` of a run, copied into a [`HostTensor`].
+    fn output(&self, outputs: &SessionOutputs<'_>, name: &str) -> Result<HostTensor> {
+        let value = outputs.get(name).ok_or_else(|| {
+            Error::Runtime(format!(
+                "running {}: ONNX Runtime returned no output '{name}'",
+                self.path.display(),
+            ))
+        })?;
+        to_host(name, value)
     }
 
     /// Runs a model of exactly one input on `input` and returns its first output.
@@ -394,11 +407,13 @@ impl OnnxModel {
                 ),
             });
         };
-        self.run(&[(only.name.as_str(), input)])?
-            .into_iter()
-            .next()
-            .map(|(_, t)| t)
-            .ok_or_else(|| Error::Runtime(format!("{} declares no outputs", self.path.display())))
+        let first = self.info.outputs.first().ok_or_else(|| {
+            Error::Runtime(format!("{} declares no outputs", self.path.display()))
+        })?;
+        // Only the output returned is copied out of ONNX Runtime.
+        self.run_session(&[(only.name.as_str(), input)], |outputs| {
+            self.output(outputs, &first.name)
+        })
     }
 
     /// A borrowed ONNX Runtime tensor over `tensor`'s buffer (no copy).
@@ -565,7 +580,6 @@ pub fn check_inputs(declared: &[TensorInfo], given: &[(&str, &HostTensor)]) -> R
         }
         order[d] = Some(i);
     }
-    let mut symbols: BTreeMap<&str, (usize, &str)> = BTreeMap::new();
     let mut out = Vec::with_capacity(declared.len());
     for (info, slot) in declared.iter().zip(&order) {
         let err = |reason: String| Error::Input {
@@ -620,17 +634,28 @@ pub fn check_inputs(declared: &[TensorInfo], given: &[(&str, &HostTensor)]) -> R
                         info.shape_string()
                     )))
                 }
-                Dim::Symbolic(s) => match symbols.get(s.as_str()) {
-                    Some(&(m, first)) if m != n => {
+                Dim::Symbolic(s) => {
+                    // The first size given to `s`, by an earlier input or an
+                    // earlier axis of this one (found by looking back: models have
+                    // few inputs, and this keeps a call free of allocations).
+                    let earlier = declared
+                        .iter()
+                        .zip(&out)
+                        .map(|(d, &j)| (d, given[j].1.dims()))
+                        .chain(std::iter::once((info, &dims[..axis])));
+                    let first = earlier.filter(|(d, _)| d.ranked).find_map(|(d, ds)| {
+                        d.shape
+                            .iter()
+                            .zip(ds)
+                            .find(|(e, _)| matches!(e, Dim::Symbolic(t) if t == s))
+                            .map(|(_, &m)| (m, d.name.as_str()))
+                    });
+                    if let Some((m, first)) = first.filter(|&(m, _)| m != n) {
                         return Err(err(format!(
                             "dimension {axis} ('{s}') is {n}, but input '{first}' set '{s}' to {m}"
-                        )))
+                        )));
                     }
-                    Some(_) => {}
-                    None => {
-                        symbols.insert(s.as_str(), (n, info.name.as_str()));
-                    }
-                },
+                }
                 _ => {}
             }
         }
@@ -720,6 +745,21 @@ mod tests {
         assert_eq!(name, "ids");
         assert!(
             r.contains("'batch'") && r.contains("'x' set 'batch' to 3"),
+            "{r}"
+        );
+    }
+
+    #[test]
+    fn a_symbol_repeated_within_one_input() {
+        let n = || Dim::Symbolic("n".into());
+        let d = vec![info("sq", DType::F32, vec![n(), n()])];
+        let ok = HostTensor::zeros(DType::F32, [3, 3]).unwrap();
+        assert_eq!(check_inputs(&d, &[("sq", &ok)]).unwrap(), vec![0]);
+        let bad = HostTensor::zeros(DType::F32, [3, 4]).unwrap();
+        let (name, r) = reason(check_inputs(&d, &[("sq", &bad)]));
+        assert_eq!(name, "sq");
+        assert!(
+            r.contains("dimension 1 ('n') is 4, but input 'sq' set 'n' to 3"),
             "{r}"
         );
     }
