@@ -458,6 +458,9 @@ pub struct TaskArgs {
     pub(crate) repeats: usize,
     pub(crate) threads: usize,
     pub(crate) device: Device,
+    /// (i) only: the models to run (`--models transformer`, for a profile of
+    /// one model); every model when not given.
+    pub(crate) models: Option<Vec<String>>,
 }
 
 impl TaskArgs {
@@ -469,6 +472,9 @@ impl TaskArgs {
             repeats: get("repeats")?.parse()?,
             threads: get("threads")?.parse()?,
             device: device_flag(flags)?,
+            models: flags
+                .get("models")
+                .map(|m| m.split(',').map(str::to_owned).collect()),
         })
     }
 }
