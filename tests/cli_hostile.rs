@@ -136,28 +136,19 @@ fn ranks_with_different_configs_fail_at_once_naming_the_difference() {
     let base = std::fs::read_to_string(&cfg).unwrap()
         + "\n[distributed]\nbackend = \"gloo\"\ntimeout = 60\n";
     std::fs::write(dir.join("cfg-0.toml"), &base).unwrap();
-    let other = base.replace("batch_size = 32", "batch_size = 16");
-    assert_ne!(other, base);
-    std::fs::write(dir.join("cfg-1.toml"), other).unwrap();
-    let script = r#"exec "$0" train --config "$1/cfg-$RANK.toml" --output "$1/run""#;
-    let ended = within(
-        Duration::from_secs(50),
-        &dir,
-        KILN,
-        &[
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--exec",
-            "/bin/sh",
-            "--",
-            "-c",
-            script,
-            KILN,
-            s(&dir),
-        ],
-    );
-    assert!(!ended.status.success(), "{}", ended.stderr);
+    // Two ranks, rank 1 with `other` as its config.
+    let launch = |other: String| {
+        assert_ne!(other, base);
+        std::fs::write(dir.join("cfg-1.toml"), other).unwrap();
+        let script = r#"exec "$0" train --config "$1/cfg-$RANK.toml" --output "$1/run""#;
+        let args = ["--exec", "/bin/sh", "--", "-c", script, KILN, s(&dir)];
+        let mut launch = vec!["launch", "--nproc-per-node", "2"];
+        launch.extend(args);
+        let ended = within(Duration::from_secs(50), &dir, KILN, &launch);
+        assert!(!ended.status.success(), "{}", ended.stderr);
+        ended
+    };
+    let ended = launch(base.replace("batch_size = 32", "batch_size = 16"));
     // Both ranks say it, naming the first difference with both values.
     let message = "rank 1 differs from rank 0 at `config.data.batch_size`, where rank 0 has 32 \
                    and rank 1 16";
@@ -171,25 +162,7 @@ fn ranks_with_different_configs_fail_at_once_naming_the_difference() {
     assert!(!dir.join("run/checkpoints").exists());
 
     // A different learning rate on one rank is a difference too.
-    let other = base.replace("lr = 0.003", "lr = 0.001");
-    std::fs::write(dir.join("cfg-1.toml"), other).unwrap();
-    let ended = within(
-        Duration::from_secs(50),
-        &dir,
-        KILN,
-        &[
-            "launch",
-            "--nproc-per-node",
-            "2",
-            "--exec",
-            "/bin/sh",
-            "--",
-            "-c",
-            script,
-            KILN,
-            s(&dir),
-        ],
-    );
+    let ended = launch(base.replace("lr = 0.003", "lr = 0.001"));
     assert!(
         ended
             .stderr
