@@ -39,6 +39,8 @@ pub use kiln_tf as tf;
 pub use kiln_tf_op as tf_op;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
+#[cfg(feature = "torch")]
+pub use kiln_c10d as c10d;
 /// Registers Rust ops ([`op`]) in libtorch.
 #[cfg(feature = "torch")]
 pub use kiln_torch_op as torch_op;

@@ -5,9 +5,8 @@
 //! (src/optim/fused.rs, src/optim/fused.cc), TorchScript buffers
 //! (src/script/bridge.rs, src/script/bridge.cc), TorchScript export
 //! (src/script/export_bridge.rs, src/script/export.cc) and, with the `cuda` feature, CUDA
-//! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers),
-//! and c10d, libtorch's distributed engine (src/distributed/bridge.rs,
-//! src/distributed/c10d.cc; NCCL in src/distributed/nccl.cc with `cuda`).
+//! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers).
+//! libtorch's distributed engine, c10d, is the `kiln-c10d` crate's.
 
 fn main() {
     kiln_build::build_script(kiln_build::Native {
@@ -23,20 +22,13 @@ fn main() {
         .bridge("src/script/export_bridge.rs")
         .bridge_source("src/script/export.cc")
         .bridge("src/optim/fused.rs")
-        .bridge_source("src/optim/fused.cc")
-        // c10d: Gloo's declarations are Kiln's own (include/gloo-api/README.md).
-        .bridge("src/distributed/bridge.rs")
-        .bridge_source("src/distributed/c10d.cc")
-        .include("include/gloo-api");
+        .bridge_source("src/optim/fused.cc");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The graph's C++ needs the CUDA headers: a CUDA source (compiled only with
         // the feature, which also links torch_cuda, c10_cuda and the CUDA runtime).
         bridges = bridges
             .bridge("src/graph/bridge.rs")
-            .cuda_source("src/graph/cuda_graph.cc")
-            .cuda_source("src/distributed/nccl.cc");
-    } else {
-        bridges = bridges.bridge_source("src/distributed/no_nccl.cc");
+            .cuda_source("src/graph/cuda_graph.cc");
     }
     bridges.compile().unwrap_or_else(|e| {
         println!("cargo:warning=kiln-torch: {e}");
@@ -47,8 +39,6 @@ fn main() {
         "autocast.h",
         "fused_adam.h",
         "cuda_graph.h",
-        "c10d.h",
-        "c10d_nccl.h",
         "script.h",
         "script_export.h",
     ] {

@@ -2,7 +2,7 @@
 //! ([`Rendezvous`], read from the variables `torchrun`, SLURM's `srun` and
 //! `kiln launch` set), the reductions ([`ReduceOp`]), and the collectives every
 //! backend's training step uses ([`Collectives`]). The engine is libtorch's c10d
-//! (`kiln_torch::distributed`): Gloo for CPU tensors, NCCL for CUDA ones.
+//! (the `kiln-c10d` crate): Gloo for CPU tensors, NCCL for CUDA ones.
 //!
 //! ```
 //! use kiln_core::distributed::{Launcher, Rendezvous, StoreAddress};
@@ -22,11 +22,9 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
-use std::any::Any;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -47,7 +45,7 @@ pub enum ReduceOp {
 }
 
 /// The collectives a training step needs, on host memory, implemented by a
-/// process group (`kiln_torch::distributed::ProcessGroup`). Every rank must
+/// process group (`kiln_c10d::ProcessGroup`). Every rank must
 /// make the same calls in the same order.
 ///
 /// Contract: on error the data is unspecified (a collective may have been half
@@ -105,9 +103,6 @@ pub trait Collectives: Send + Sync {
         bytes.truncate(length);
         Ok(())
     }
-    /// The group as `Any`, for a backend to reach its own engine's group
-    /// (kiln-torch's DDP needs the c10d process group itself).
-    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
 }
 
 /// Who started the workers, as read from their environment.
@@ -442,6 +437,7 @@ fn parse_init_method(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     /// One rank of a two-rank group run in turn in one process: the root's
     /// broadcasts are queued, the other rank's take them in order.
@@ -481,9 +477,6 @@ mod tests {
         }
         fn barrier(&self) -> Result<()> {
             Ok(())
-        }
-        fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-            self
         }
     }
 

@@ -55,6 +55,7 @@ pub mod schedule;
 pub mod shape;
 pub mod state_dict;
 pub mod state_tensors;
+pub mod strategy;
 pub mod tensor;
 #[cfg(test)]
 mod testing;
@@ -80,5 +81,6 @@ pub mod prelude {
     pub use crate::schedule::{LrScheduler, SchedulerConfig};
     pub use crate::shape::Shape;
     pub use crate::state_dict::StateDict;
+    pub use crate::strategy::{DataParallel, StepHooks};
     pub use crate::tensor::HostTensor;
 }

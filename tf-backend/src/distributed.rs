@@ -1,9 +1,9 @@
 //! Data-parallel training on the TensorFlow backend, over any
-//! [`Collectives`] group (in practice kiln-torch's c10d Gloo group, which this
-//! crate only sees as `Arc<dyn Collectives>`): what
-//! [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)
-//! keeps on the [`TfModel`] ([`DataParallel`]), and how a model's variables
-//! travel between ranks.
+//! [`Collectives`] group (in practice kiln-c10d's Gloo group, which this
+//! crate only sees as `Arc<dyn Collectives>`): [`GradientAllReduce`], the
+//! [`StepHooks`] of [`DataParallel`](kiln_core::strategy::DataParallel) around a
+//! [`TfModel`], and how a model's variables travel between ranks. The model
+//! itself knows nothing of ranks.
 //!
 //! The training step itself is [`TfOptimizer`](crate::TfOptimizer)'s
 //! (`optim/data_parallel.rs`): its program fetches the gradients of every
@@ -18,15 +18,18 @@
 //! any layer treats float bit patterns.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use kiln_core::{
     distributed::{Collectives, CommBackend, DistributedOptions, ReduceOp},
     model::ParamKind,
+    strategy::{DataParallel, StepHooks},
     DType, Error, HostTensor, Result,
 };
 
+use crate::backend::TfBackend;
 use crate::engine::Var;
+use crate::step::CompiledGraph;
 use crate::model::{lock, TfModel};
 
 /// The context of the errors raised here.
@@ -40,16 +43,24 @@ const CONTEXT: &str = "data-parallel TensorFlow training";
 /// - before each training forward pass (with `broadcast_buffers`, the
 ///   default) the buffers (batch-norm running statistics) are rank 0's again,
 ///   so that every rank's statistics are rank 0's updated by its own rows.
-pub(crate) struct DataParallel {
+/// - every micro-batch's gradients (flat, with the loss) are averaged over the
+///   ranks in place before the update, and only the loss on the micro-batches
+///   gradient accumulation does not apply.
+pub struct GradientAllReduce {
     group: Arc<dyn Collectives>,
     broadcast_buffers: bool,
     /// The model's buffers, in state-dict order.
     buffers: Vec<Var>,
+    /// The model's session, where the buffers are read and written.
+    graph: Arc<Mutex<CompiledGraph>>,
+    /// The buffers' values before this micro-batch's forward pass, when it
+    /// broadcast them: what a skipped micro-batch restores.
+    snapshot: Option<Vec<HostTensor>>,
 }
 
-impl fmt::Debug for DataParallel {
+impl fmt::Debug for GradientAllReduce {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DataParallel")
+        f.debug_struct("GradientAllReduce")
             .field("rank", &self.group.rank())
             .field("world_size", &self.group.world_size())
             .field("broadcast_buffers", &self.broadcast_buffers)
@@ -58,15 +69,16 @@ impl fmt::Debug for DataParallel {
     }
 }
 
-impl DataParallel {
+impl GradientAllReduce {
     /// Checks that every rank has rank 0's variables, then gives every rank
     /// rank 0's parameters and buffers (one session run on rank 0 to read
-    /// them, one broadcast, one run on the others to write them).
+    /// them, one broadcast, one run on the others to write them). Call it on
+    /// every rank, before building the optimizer.
     ///
     /// Errors on every rank alike when some rank's variables differ, when the
     /// options ask for NCCL (TensorFlow trains on the CPU here), or when a
     /// parameter is not float32 (gradients are averaged as float32).
-    pub(crate) fn new(
+    pub fn new(
         model: &TfModel,
         group: Arc<dyn Collectives>,
         options: &DistributedOptions,
@@ -105,7 +117,7 @@ impl DataParallel {
         }
         check_same_variables(group.as_ref(), &model.vars)?;
         let all: Vec<&Var> = model.vars.iter().collect();
-        broadcast_vars(group.as_ref(), model, &all)?;
+        broadcast_vars(group.as_ref(), &model.graph, &all)?;
         let buffers: Vec<Var> = model
             .vars
             .iter()
@@ -119,54 +131,100 @@ impl DataParallel {
             model.vars.len(),
             buffers.len()
         );
-        Ok(DataParallel {
+        Ok(GradientAllReduce {
             group,
             broadcast_buffers: options.broadcast_buffers,
             buffers,
+            graph: Arc::clone(&model.graph),
+            snapshot: None,
         })
-    }
-
-    /// The group.
-    pub(crate) fn group(&self) -> &dyn Collectives {
-        self.group.as_ref()
     }
 
     /// Rank 0's buffers to every rank now (nothing when the model has none),
     /// returning the values every rank now holds.
-    pub(crate) fn sync_buffers(&self, model: &TfModel) -> Result<Vec<HostTensor>> {
+    fn broadcast_buffers_now(&self) -> Result<Vec<HostTensor>> {
         if self.buffers.is_empty() {
             return Ok(Vec::new());
         }
         let buffers: Vec<&Var> = self.buffers.iter().collect();
-        broadcast_vars(self.group.as_ref(), model, &buffers)
+        broadcast_vars(self.group.as_ref(), &self.graph, &buffers)
+    }
+}
+
+/// `model` wrapped to train data-parallel over `group` ([`GradientAllReduce::new`],
+/// then [`DataParallel::new`]): rank 0's variables on every rank now, the
+/// gradients averaged over the ranks in every step. Call it on every rank,
+/// before building the optimizer.
+///
+/// With `broadcast_buffers` off, a micro-batch skipped because the loss of
+/// another rank was not finite still updated the batch-norm statistics of the
+/// ranks whose own loss was finite (as PyTorch's forward pass always does);
+/// with it on, they are restored. `bucket_cap_mb` does not apply (the gradients
+/// of a step travel as one buffer, after the session run that computes them),
+/// nor does `find_unused_parameters` (the graph says which parameters have a
+/// gradient, the same on every rank).
+pub fn data_parallel(
+    model: TfModel,
+    group: Arc<dyn Collectives>,
+    options: &DistributedOptions,
+) -> Result<DataParallel<TfModel, GradientAllReduce>> {
+    let sync = GradientAllReduce::new(&model, group, options)?;
+    DataParallel::new(model, sync)
+}
+
+impl StepHooks<TfBackend> for GradientAllReduce {
+    fn name(&self) -> &str {
+        "DataParallel"
     }
 
-    /// Before a training forward pass: with `broadcast_buffers`, rank 0's
-    /// buffers to every rank ([`sync_buffers`](Self::sync_buffers)), returned
-    /// as the values the pass starts from; `None` when nothing was broadcast.
-    pub(crate) fn before_forward(&self, model: &TfModel) -> Result<Option<Vec<HostTensor>>> {
-        if !self.broadcast_buffers || self.buffers.is_empty() {
-            return Ok(None);
+    fn needs_gradients(&self) -> bool {
+        true
+    }
+
+    fn agrees_on_loss(&self) -> bool {
+        true
+    }
+
+    /// With `broadcast_buffers`, rank 0's buffers to every rank, kept as the
+    /// values the pass starts from.
+    fn before_forward(&mut self, _sync: bool) -> Result<()> {
+        self.snapshot = None;
+        if self.broadcast_buffers && !self.buffers.is_empty() {
+            self.snapshot = Some(self.broadcast_buffers_now()?);
         }
-        self.sync_buffers(model).map(Some)
+        Ok(())
     }
 
-    /// After a micro-batch that every rank skips (the mean loss is not
-    /// finite): the buffers back to what [`before_forward`](Self::before_forward)
-    /// returned, undoing the statistics update of a rank whose own loss was
+    fn reduce_flat(&mut self, flat: &mut [f32], sync: bool) -> Result<()> {
+        if sync {
+            self.group.all_reduce_f32(flat, ReduceOp::Mean)
+        } else {
+            let last = flat.len().saturating_sub(1);
+            self.group.all_reduce_f32(&mut flat[last..], ReduceOp::Mean)
+        }
+    }
+
+    /// The buffers back to what [`before_forward`](StepHooks::before_forward)
+    /// broadcast, undoing the statistics update of a rank whose own loss was
     /// finite. Without a snapshot (no buffers, or `broadcast_buffers` off)
     /// nothing is done.
-    pub(crate) fn restore_buffers(
-        &self,
-        model: &TfModel,
-        snapshot: Option<Vec<HostTensor>>,
-    ) -> Result<()> {
-        let Some(values) = snapshot else {
+    fn skipped(&mut self) -> Result<()> {
+        let Some(values) = self.snapshot.take() else {
             return Ok(());
         };
         let vars: Vec<&Var> = self.buffers.iter().collect();
         let refs: Vec<&HostTensor> = values.iter().collect();
-        lock(&model.graph)?.engine.write_vars(&vars, &refs)
+        lock(&self.graph)?.engine.write_vars(&vars, &refs)
+    }
+
+    /// Rank 0's buffers (batch-norm running statistics) to every rank now, in
+    /// one broadcast: what makes every rank's evaluation identical.
+    fn sync_buffers(&mut self) -> Result<()> {
+        self.broadcast_buffers_now().map(|_| ())
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        Some(Arc::clone(&self.group))
     }
 }
 
@@ -175,7 +233,7 @@ impl DataParallel {
 /// values every rank now holds.
 fn broadcast_vars(
     group: &dyn Collectives,
-    model: &TfModel,
+    graph: &Mutex<CompiledGraph>,
     vars: &[&Var],
 ) -> Result<Vec<HostTensor>> {
     let root = group.rank() == 0;
@@ -183,7 +241,7 @@ fn broadcast_vars(
     let mut buffer = Vec::with_capacity(total);
     let mine = if root {
         let owned: Vec<Var> = vars.iter().map(|v| (*v).clone()).collect();
-        let values = lock(&model.graph)?.engine.read_vars(&owned)?;
+        let values = lock(graph)?.engine.read_vars(&owned)?;
         pack(&values, &mut buffer)?;
         Some(values)
     } else {
@@ -203,7 +261,7 @@ fn broadcast_vars(
     }
     let values = unpack(&buffer, vars)?;
     let refs: Vec<&HostTensor> = values.iter().collect();
-    lock(&model.graph)?.engine.write_vars(vars, &refs)?;
+    lock(graph)?.engine.write_vars(vars, &refs)?;
     Ok(values)
 }
 

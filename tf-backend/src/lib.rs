@@ -36,6 +36,7 @@ mod train;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
+pub use distributed::{data_parallel, GradientAllReduce};
 pub use custom_layer::{
     custom_layer_registered, portable_custom_layer_registered, register_custom_layer,
     register_portable_custom_layer, CustomLayerFn,

@@ -15,7 +15,6 @@ use kiln_core::{
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
-use crate::distributed::DataParallel;
 use crate::engine::{next_stream, Engine, Var};
 use crate::saved_model::SavedModelLayers;
 use crate::step::{self, CompiledGraph, ModelGraph, ProgramKey, ProgramKind, Signature};
@@ -51,10 +50,6 @@ pub struct TfModel {
     /// the model's optimizers).
     pub(crate) graph: Arc<Mutex<CompiledGraph>>,
     pub(crate) vars: Vec<Var>,
-    /// The data-parallel job this model trains in, once
-    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)
-    /// made it one.
-    pub(crate) data_parallel: Option<Arc<DataParallel>>,
 }
 
 /// Locks a model's graph; a poisoned lock (a panic elsewhere) is an error, not a panic.
@@ -115,35 +110,12 @@ impl TfModel {
             mode: Mode::Train,
             graph: Arc::new(Mutex::new(CompiledGraph::new(engine))),
             vars,
-            data_parallel: None,
         })
     }
 
     /// The definition this model was built from.
     pub fn spec(&self) -> &Layer {
         &self.spec
-    }
-
-    /// This process's rank and the world size once the model trains
-    /// data-parallel ([`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)),
-    /// `None` before.
-    pub fn distributed_rank(&self) -> Option<(usize, usize)> {
-        self.data_parallel
-            .as_ref()
-            .map(|dp| (dp.group().rank(), dp.group().world_size()))
-    }
-
-    /// Gives every rank rank 0's buffers (batch-norm running statistics) now,
-    /// in one broadcast: what each data-parallel training step does before its
-    /// forward pass when `broadcast_buffers` is on (the default), and what makes
-    /// every rank's evaluation identical after training. A collective: every
-    /// rank must call it. Nothing is done when the model is not distributed or
-    /// has no buffers.
-    pub fn sync_buffers(&self) -> Result<()> {
-        match &self.data_parallel {
-            Some(dp) => dp.sync_buffers(self).map(|_| ()),
-            None => Ok(()),
-        }
     }
 
     /// How many session runs this model's graph has executed (forward passes,

@@ -1,24 +1,21 @@
 //! [`TfBackend`]'s [`TrainBackend`]: models and optimizers as TensorFlow graphs,
 //! and training and evaluation steps as one session run each of a program
-//! compiled in [`crate::step`], or, data-parallel, two
-//! (`optim/data_parallel.rs`).
-
-use std::sync::Arc;
+//! compiled in [`crate::step`], or, under a strategy that needs the gradients
+//! (data parallelism), two (`optim/data_parallel.rs`).
 
 use kiln_core::{
-    backend::{StepPlan, TrainBackend, Trainable},
-    distributed::{Collectives, DistributedOptions},
+    backend::{StepLoss, StepPlan, TrainBackend, Trainable},
     loss::Loss,
     model::Layer,
     module::Module,
     optim::{OptimizerConfig, ParamGroup},
     precision::FloatPrecision,
+    strategy::StepHooks,
     Device, Error, HostTensor, Result,
 };
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
-use crate::distributed::DataParallel;
 use crate::model::{lock, TfModel};
 use crate::optim::TfOptimizer;
 use crate::step::{self, ProgramKey, ProgramKind, Signature};
@@ -42,35 +39,6 @@ impl TrainBackend for TfBackend {
             ))),
         }
     }
-
-    /// Data-parallel training over any [`Collectives`] group (kiln-torch's
-    /// c10d Gloo group in the `kiln` CLI): every rank checks that it built rank
-    /// 0's model (names, dtypes, shapes) and takes rank 0's parameters and
-    /// buffers, of any dtype, bit for bit (one broadcast); from then on
-    /// [`train_step`](TrainBackend::train_step) averages gradients and losses
-    /// over the ranks, and, with `options.broadcast_buffers` (the default),
-    /// gives every rank rank 0's buffers before each training forward pass.
-    ///
-    /// Of the options, `backend` must not be NCCL (TensorFlow trains on the CPU
-    /// here); `bucket_cap_mb` does not apply (the gradients of a step travel as
-    /// one buffer, after the session run that computes them), nor does
-    /// `find_unused_parameters` (the graph says which parameters have a
-    /// gradient, the same on every rank: the others are left out of the buffer
-    /// and not updated, as PyTorch skips parameters without a gradient).
-    ///
-    /// With `broadcast_buffers` off, a micro-batch skipped because the loss of
-    /// another rank was not finite still updated the batch-norm statistics of
-    /// the ranks whose own loss was finite (as PyTorch's forward pass always
-    /// does); with it on, they are restored.
-    fn distribute(
-        model: &mut TfModel,
-        group: Arc<dyn Collectives>,
-        options: &DistributedOptions,
-    ) -> Result<()> {
-        let job = DataParallel::new(model, group, options)?;
-        model.data_parallel = Some(Arc::new(job));
-        Ok(())
-    }
 }
 
 impl Trainable<TfBackend> for TfModel {
@@ -85,14 +53,6 @@ impl Trainable<TfBackend> for TfModel {
     }
 
     /// Forward, loss, gradients, clipping and the optimizer update as one session run.
-    ///
-    /// Data-parallel ([`distribute`](kiln_core::backend::TrainBackend::distribute)): one session run
-    /// fetches the micro-batch's gradients and loss as one flat float32 vector;
-    /// the loss is averaged over the ranks, and on the micro-batch that applies
-    /// the vector (plus the gradients that earlier micro-batches accumulated on
-    /// this rank) is averaged over the ranks in place, in TensorFlow's memory,
-    /// and fed to a second run that clips and applies it. The result is the
-    /// single-process step's on the global batch.
     fn train_step(
         &mut self,
         optimizer: &mut TfOptimizer,
@@ -100,15 +60,39 @@ impl Trainable<TfBackend> for TfModel {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        match &self.data_parallel {
-            Some(job) => optimizer.data_parallel_step(self, job, inputs, targets, plan),
-            None => optimizer.train_step(self, inputs, targets, plan),
-        }
+        optimizer.train_step(self, inputs, targets, plan)
     }
 
-    /// [`TfModel::sync_buffers`].
-    fn sync_buffers(&mut self) -> Result<()> {
-        TfModel::sync_buffers(self)
+    fn takes_step_hooks(&self) -> bool {
+        true
+    }
+
+    /// Under a strategy that needs the gradients ([`StepHooks::needs_gradients`],
+    /// data parallelism): one session run fetches the micro-batch's gradients
+    /// and loss as one flat float32 vector; the hooks reduce it (on the
+    /// micro-batch that applies, with the gradients that earlier micro-batches
+    /// accumulated on this rank; otherwise only the loss) in place, in
+    /// TensorFlow's memory, and a second run clips and applies it. The result
+    /// is the single-process step's on the global batch. Otherwise the fused
+    /// step, between [`StepHooks::before_forward`] and [`StepHooks::agreed_loss`].
+    /// The loss is always read (`deferred` changes nothing here).
+    fn train_step_hooked(
+        &mut self,
+        optimizer: &mut TfOptimizer,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        _deferred: bool,
+    ) -> Result<StepLoss<TfTensor>> {
+        if hooks.needs_gradients() {
+            return optimizer
+                .hooked_step(self, hooks, inputs, targets, plan)
+                .map(StepLoss::Host);
+        }
+        hooks.before_forward(plan.apply)?;
+        let local = optimizer.train_step(self, inputs, targets, plan)?;
+        hooks.agreed_loss(local).map(StepLoss::Host)
     }
 
     /// Forward and loss as one session run.

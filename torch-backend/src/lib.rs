@@ -23,15 +23,16 @@
 //! [`cxx_tensor`], the one conversion between a `tch::Tensor` and the C++
 //! `at::Tensor` that every crate's cxx bridges pass (`&Tensor` in,
 //! `UniquePtr<Tensor>` out), and the cxx bridges themselves (of [`autocast`], the
-//! fused Adam kernels, TorchScript modules and their export, [`distributed`]'s
-//! c10d and, with the `cuda` feature, `graph`; C++ compiled by the build script).
+//! fused Adam kernels, TorchScript modules and their export and, with the `cuda`
+//! feature, `graph`; C++ compiled by the build script).
 //!
 //! [`export_torchscript`] writes a [`TorchModel`] as a TorchScript file that
 //! Python's `torch.jit.load` runs and trains, with the model's state-dict names;
 //! [`ScriptModule`] loads TorchScript files (that one included) back into Kiln.
 //!
-//! [`distributed`] trains data-parallel on libtorch's c10d (Gloo, and NCCL with the
-//! `cuda` feature): `ProcessGroup` and DDP's `c10d::Reducer`.
+//! Nothing here knows of ranks: data-parallel training is a strategy around any
+//! of these modules (`kiln_core::strategy::DataParallel`), and the `kiln-c10d`
+//! crate holds libtorch's c10d (process groups, DDP's `c10d::Reducer`).
 //!
 //! With the `cuda` feature, `kiln_torch::graph` captures a whole training step in a
 //! CUDA graph (`GraphedTrainStep`) and replays it with one launch.
@@ -45,7 +46,6 @@ mod custom;
 mod custom_layer;
 pub mod cxx_tensor;
 mod device;
-pub mod distributed;
 mod error;
 mod freeze;
 #[cfg(feature = "cuda")]
@@ -70,6 +70,7 @@ pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
 pub use script::{export_torchscript, resolve_torchscript_shapes, ScriptModule};
+pub use train::train_step;
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";

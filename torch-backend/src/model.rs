@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 use kiln_core::{
     backend::Mode,
@@ -19,7 +19,6 @@ use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
-use crate::distributed::DistributedDataParallel;
 use crate::error::torch_error;
 use crate::freeze::{all_frozen, Freeze};
 use crate::layers::{self, join, Failure, Forward, ForwardResult, Lookup};
@@ -88,9 +87,6 @@ pub struct TorchModel {
     float_dtype: Option<DType>,
     /// How the forward pass computes ([`set_precision`](TorchModel::set_precision)).
     precision: FloatPrecision,
-    /// Data-parallel training over a process group
-    /// ([`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)).
-    distributed: Option<Arc<DistributedDataParallel>>,
 }
 
 impl TorchModel {
@@ -134,19 +130,7 @@ impl TorchModel {
             device,
             float_dtype,
             precision: FloatPrecision::F32,
-            distributed: None,
         })
-    }
-
-    /// The data-parallel engine this model trains with, if any.
-    pub fn distributed(&self) -> Option<&Arc<DistributedDataParallel>> {
-        self.distributed.as_ref()
-    }
-
-    /// Trains with `ddp` from now on (see
-    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)).
-    pub fn set_distributed(&mut self, ddp: DistributedDataParallel) {
-        self.distributed = Some(Arc::new(ddp));
     }
 
     /// The definition this model was built from.
@@ -267,12 +251,6 @@ impl TorchModel {
             return Err(Error::unsupported(format!(
                 "{what} a model with a torchscript layer: its tensors live in the \
                  TorchScript module; build the model on the device it trains on, in float32"
-            )));
-        }
-        if self.distributed.is_some() {
-            return Err(Error::unsupported(format!(
-                "{what} a data-parallel model: its gradient reducer holds the current \
-                 tensors; move it and set its precision before TrainBackend::distribute"
             )));
         }
         let mut replaced = Vec::with_capacity(self.entries.len());

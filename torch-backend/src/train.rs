@@ -1,23 +1,20 @@
 //! [`TrainBackend`] for libtorch, what the generic `Trainer` of `kiln-train` needs,
 //! and [`EagerBackend`], the primitives its steps are made of.
 
-use std::sync::Arc;
-
 use kiln_core::{
     backend::{Backend, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable},
-    distributed::{Collectives, DistributedOptions},
     loss::Loss,
     model::Layer,
     module::Module,
     optim::{GradClip, OptimizerConfig, ParamGroup},
     precision::{FloatPrecision, LossScaling},
+    strategy::{NoHooks, StepHooks},
     Device, Error, HostTensor, Result,
 };
 use tch::Tensor;
 
 use crate::backend::TorchBackend;
 use crate::custom::{Chain, TchModule};
-use crate::distributed::{DistributedDataParallel, ProcessGroup};
 use crate::error::torch_error;
 use crate::freeze::Freeze;
 use crate::loss::compute_loss;
@@ -26,6 +23,7 @@ use crate::optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, To
 use crate::script::ScriptModule;
 
 impl TrainBackend for TorchBackend {
+    const CAN_FREEZE: bool = true;
     type Model = TorchModel;
     type Optim = TorchOptimizer;
 
@@ -54,42 +52,6 @@ impl TrainBackend for TorchBackend {
             Vec::new()
         };
         Ok((frozen, pinned))
-    }
-
-    /// DDP on `c10d::Reducer` ([`DistributedDataParallel`]) over the c10d
-    /// group `group` must be (a `kiln_torch::distributed::ProcessGroup`).
-    fn distribute(
-        model: &mut TorchModel,
-        group: Arc<dyn Collectives>,
-        options: &DistributedOptions,
-    ) -> Result<()> {
-        let group = group.into_any().downcast::<ProcessGroup>().map_err(|_| {
-            Error::unsupported(
-                "data-parallel torch training over a group that is not a \
-                 kiln_torch::distributed::ProcessGroup",
-            )
-        })?;
-        if model.device().is_cuda() != group.has_nccl() {
-            return Err(Error::invalid_argument(
-                "distributed.backend",
-                format!(
-                    "the model is on {} but the group's backend is {}: Gloo for CPU \
-                     training, NCCL for CUDA",
-                    model.device(),
-                    if group.has_nccl() { "nccl" } else { "gloo" }
-                ),
-            ));
-        }
-        // DDP reduces the parameters that require gradients; every parameter
-        // (frozen ones included) and buffer is rank 0's from the start.
-        let ddp = DistributedDataParallel::new(
-            group,
-            &model.named_parameters()?,
-            &model.named_buffers()?,
-            options,
-        )?;
-        model.set_distributed(ddp);
-        Ok(())
     }
 }
 
@@ -149,8 +111,8 @@ impl Trainable<TorchBackend> for TorchModel {
         TorchModel::precision(self)
     }
 
-    /// [`EagerBackend::eager_train_step`]: forward, loss, backward, clipping and
-    /// the optimizer step, op by op; with DDP's hooks when data-parallel.
+    /// [`train_step`]: forward, loss, backward, clipping and the optimizer
+    /// step, op by op.
     fn train_step(
         &mut self,
         optimizer: &mut TorchOptimizer,
@@ -158,16 +120,11 @@ impl Trainable<TorchBackend> for TorchModel {
         targets: &Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        match self.distributed().cloned() {
-            Some(ddp) => data_parallel_step(&ddp, self, optimizer, inputs, targets, plan),
-            None => {
-                eager_step(self, optimizer, inputs, targets, plan, false)?.value::<TorchBackend>()
-            }
-        }
+        train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, false)?
+            .value::<TorchBackend>()
     }
 
-    /// The eager step without reading the loss back (data-parallel training
-    /// reads it: the ranks average it).
+    /// The same step without reading the loss back.
     fn train_step_deferred(
         &mut self,
         optimizer: &mut TorchOptimizer,
@@ -175,19 +132,23 @@ impl Trainable<TorchBackend> for TorchModel {
         targets: &Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<StepLoss<Tensor>> {
-        match self.distributed().cloned() {
-            Some(ddp) => {
-                data_parallel_step(&ddp, self, optimizer, inputs, targets, plan).map(StepLoss::Host)
-            }
-            None => eager_step(self, optimizer, inputs, targets, plan, true),
-        }
+        train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, true)
     }
 
-    fn sync_buffers(&mut self) -> Result<()> {
-        match self.distributed() {
-            Some(ddp) => ddp.sync_buffers(),
-            None => Ok(()),
-        }
+    fn takes_step_hooks(&self) -> bool {
+        true
+    }
+
+    fn train_step_hooked(
+        &mut self,
+        optimizer: &mut TorchOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+        hooks: &mut dyn StepHooks<TorchBackend>,
+        deferred: bool,
+    ) -> Result<StepLoss<Tensor>> {
+        train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
     }
 
     fn eval_step(
@@ -231,7 +192,7 @@ macro_rules! eager_trainable {
                 targets: &Tensor,
                 plan: &StepPlan<'_>,
             ) -> Result<f64> {
-                eager_step(self, optimizer, inputs, targets, plan, false)?
+                train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, false)?
                     .value::<TorchBackend>()
             }
 
@@ -242,7 +203,23 @@ macro_rules! eager_trainable {
                 targets: &Tensor,
                 plan: &StepPlan<'_>,
             ) -> Result<StepLoss<Tensor>> {
-                eager_step(self, optimizer, inputs, targets, plan, true)
+                train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, true)
+            }
+
+            fn takes_step_hooks(&self) -> bool {
+                true
+            }
+
+            fn train_step_hooked(
+                &mut self,
+                optimizer: &mut TorchOptimizer,
+                inputs: &Tensor,
+                targets: &Tensor,
+                plan: &StepPlan<'_>,
+                hooks: &mut dyn StepHooks<TorchBackend>,
+                deferred: bool,
+            ) -> Result<StepLoss<Tensor>> {
+                train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
             }
 
             fn eval_step(
@@ -272,33 +249,45 @@ eager_trainable! {
     Box<dyn Module<TorchBackend> + Send>;
 }
 
-/// One training micro-batch of a torch module, op by op: forward, loss, the
+/// The one training step of every torch module, op by op: forward, loss, the
 /// backward pass of the loss times `plan.scale` and the optimizer's loss scale
-/// (`16-mixed`), and when the micro-batch applies, [`apply_update`].
+/// (`16-mixed`), and when the micro-batch applies, the update (unscaling,
+/// clipping, the optimizer step). A strategy takes part through `hooks` (see
+/// [`StepHooks`]: DDP averages the gradients during the backward pass and the
+/// loss over the ranks); a single process passes [`NoHooks`]. A CUDA graph
+/// captures this same step (`kiln_torch::graph`).
 ///
-/// Unless `deferred`, the loss is read first and a non-finite one returned with
-/// nothing changed ([`Trainable::train_step`]'s contract). When `deferred`,
-/// nothing is read back from the device (clipping included), and the loss comes
-/// back as a detached tensor; only loss scaling's skip decision may read one flag
-/// (see [`TorchOptimizer::set_loss_scaling`]).
-fn eager_step<M: Module<TorchBackend> + ?Sized>(
+/// Unless `deferred`, the loss is read and, when the agreed value is not finite,
+/// returned with parameters and optimizer state unchanged
+/// ([`Trainable::train_step`]'s contract: alone, before the backward pass, so no
+/// gradient is added either; under a strategy that agrees on the loss, after
+/// it, since every rank must run it). When `deferred` and the hooks need no
+/// agreement, nothing is read back from the device (clipping included) and the
+/// loss comes back as a detached tensor; only loss scaling's skip decision may
+/// read one flag (see [`TorchOptimizer::set_loss_scaling`]).
+pub fn train_step<M: Module<TorchBackend> + ?Sized>(
     model: &M,
     optimizer: &mut TorchOptimizer,
     inputs: &Tensor,
     targets: &Tensor,
     plan: &StepPlan<'_>,
+    hooks: &mut dyn StepHooks<TorchBackend>,
     deferred: bool,
 ) -> Result<StepLoss<Tensor>> {
+    let agree = hooks.agrees_on_loss();
+    let on_device = deferred && !agree;
+    hooks.before_forward(plan.apply)?;
     let output = model.forward(inputs)?;
     let loss = TorchBackend::loss(plan.loss, &output, targets)?;
-    let result = if deferred {
+    // The loss on the host, or kept on the device.
+    let local = if on_device {
         StepLoss::Device(
             loss.f_detach()
                 .map_err(|e| torch_error("keeping the loss", e))?,
         )
     } else {
         let value = TorchBackend::item(&loss)?;
-        if !value.is_finite() {
+        if !value.is_finite() && !agree {
             return Ok(StepLoss::Host(value));
         }
         StepLoss::Host(value)
@@ -308,9 +297,24 @@ fn eager_step<M: Module<TorchBackend> + ?Sized>(
     } else {
         TorchBackend::scale(&loss, plan.scale)?
     };
-    TorchBackend::backward(&optimizer.scale_loss(&scaled)?)?;
+    let scaled = optimizer.scale_loss(&scaled)?;
+    if let StepLoss::Host(value) = local {
+        hooks.before_backward(value, &scaled, plan.apply)?;
+    }
+    TorchBackend::backward(&scaled).map_err(|e| hooks.backward_failed(e, plan.apply))?;
+    let result = match local {
+        StepLoss::Host(value) => {
+            let agreed = hooks.agreed_loss(value)?;
+            if !agreed.is_finite() {
+                hooks.skipped()?;
+                return Ok(StepLoss::Host(agreed));
+            }
+            StepLoss::Host(agreed)
+        }
+        device => device,
+    };
     if plan.apply {
-        apply_update(model, optimizer, plan.clip, deferred)?;
+        apply_update(model, optimizer, plan.clip, on_device)?;
     }
     Ok(result)
 }
@@ -342,51 +346,6 @@ fn apply_update<M: Module<TorchBackend> + ?Sized>(
         }
     }
     optimizer.step()
-}
-
-/// [`EagerBackend::eager_train_step`] with DDP's hooks around the forward pass
-/// and the loss averaged over the ranks, which also makes every rank take the
-/// same decision on a non-finite loss. That average runs during the backward
-/// pass (every rank runs it: a rank that skipped it would leave the others
-/// waiting for its gradients), so when the mean loss is not finite, parameters
-/// and optimizer state are unchanged but this micro-batch's gradients were
-/// added (the trainer then stops with `NonFiniteLoss`).
-fn data_parallel_step(
-    ddp: &DistributedDataParallel,
-    model: &mut TorchModel,
-    optimizer: &mut TorchOptimizer,
-    inputs: &Tensor,
-    targets: &Tensor,
-    plan: &StepPlan<'_>,
-) -> Result<f64> {
-    ddp.before_forward(plan.apply)?;
-    let output = model.forward(inputs)?;
-    let loss = TorchBackend::loss(plan.loss, &output, targets)?;
-    let mean = ddp.start_mean(TorchBackend::item(&loss)?)?;
-    let scaled = if plan.scale == 1.0 {
-        loss
-    } else {
-        TorchBackend::scale(&loss, plan.scale)?
-    };
-    let scaled = optimizer.scale_loss(&scaled)?;
-    ddp.after_forward(&scaled, plan.apply)?;
-    TorchBackend::backward(&scaled).map_err(
-        |e| {
-            if plan.apply {
-                ddp.backward_error(e)
-            } else {
-                e
-            }
-        },
-    )?;
-    let value = mean.value()?;
-    if !value.is_finite() {
-        return Ok(value);
-    }
-    if plan.apply {
-        apply_update(model, optimizer, plan.clip, false)?;
-    }
-    Ok(value)
 }
 
 impl EagerBackend for TorchBackend {

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::device::Device;
-use crate::distributed::{Collectives, DistributedOptions};
+use crate::distributed::Collectives;
+use crate::strategy::StepHooks;
 use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::model::Layer;
@@ -13,7 +14,7 @@ use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
 use crate::precision::FloatPrecision;
 use crate::tensor::HostTensor;
 
-/// What one training micro-batch does, for [`TrainBackend::train_step`].
+/// What one training micro-batch does, for [`Trainable::train_step`].
 #[derive(Clone, Copy, Debug)]
 pub struct StepPlan<'a> {
     /// The loss to minimise.
@@ -171,10 +172,58 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
     /// The module's output on one batch, without gradients, on the host.
     fn predict_step(&self, inputs: &B::Tensor) -> Result<HostTensor>;
 
-    /// Gives every rank rank 0's buffers when the module trains data-parallel
-    /// (see [`TrainBackend::distribute`]); nothing otherwise (the default).
+    /// Gives every rank rank 0's buffers when the module trains under a
+    /// strategy that spans ranks ([`DataParallel`](crate::strategy::DataParallel));
+    /// nothing otherwise (the default). A collective: every rank calls it. The
+    /// trainer does before evaluating, so that every rank evaluates the same model.
     fn sync_buffers(&mut self) -> Result<()> {
         Ok(())
+    }
+
+    /// What this module is, in messages (`"a SavedModel trained through its train
+    /// signature"`); the type's name unless given.
+    fn kind(&self) -> String {
+        std::any::type_name::<Self>().to_owned()
+    }
+
+    /// Whether [`train_step_hooked`](Self::train_step_hooked) calls a
+    /// strategy's hooks: the one query a strategy such as
+    /// [`DataParallel`](crate::strategy::DataParallel) makes before wrapping the
+    /// module. `false` unless the module implements it.
+    fn takes_step_hooks(&self) -> bool {
+        false
+    }
+
+    /// [`train_step`](Self::train_step) (or, when `deferred`,
+    /// [`train_step_deferred`](Self::train_step_deferred)) with a strategy's
+    /// [`StepHooks`] called at their points: what a strategy wrapper calls. The
+    /// loss returned is the one the hooks agreed on
+    /// ([`StepHooks::agreed_loss`]); when it is not finite, parameters and
+    /// optimizer state are unchanged.
+    ///
+    /// The default refuses: a module whose step cannot be hooked says so, and
+    /// [`takes_step_hooks`](Self::takes_step_hooks) is `false` for it.
+    fn train_step_hooked(
+        &mut self,
+        optimizer: &mut Self::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+        hooks: &mut dyn StepHooks<B>,
+        deferred: bool,
+    ) -> Result<StepLoss<B::Tensor>> {
+        let _ = (optimizer, inputs, targets, plan, deferred);
+        Err(Error::unsupported(format!(
+            "{} under {}: its training step cannot be hooked",
+            self.kind(),
+            hooks.name()
+        )))
+    }
+
+    /// The ranks this module trains across, when a strategy spans several
+    /// (the trainer adds metrics up over them); `None` for a single process.
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        None
     }
 }
 
@@ -183,9 +232,13 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
 /// [`Trainable`], so one training script runs on any backend that implements
 /// it by changing one type parameter.
 ///
-/// The step functions here are the model's [`Trainable`] methods, under the
-/// backend's name (`B::train_step(&mut model, ...)`).
+/// Training itself is the model's: [`Trainable`]'s steps (`model.train_step(...)`),
+/// and strategies such as [`DataParallel`](crate::strategy::DataParallel) wrap it.
 pub trait TrainBackend: Backend {
+    /// Whether [`freeze`](Self::freeze) can freeze parameters on this backend:
+    /// the query to make before anything is read or built.
+    const CAN_FREEZE: bool = false;
+
     /// A model built from a [`Layer`] definition.
     type Model: Trainable<Self, Optim = Self::Optim>;
     /// The optimizer over such a model.
@@ -196,7 +249,7 @@ pub trait TrainBackend: Backend {
 
     /// Gives `model` a training [`FloatPrecision`]: converts its floating-point
     /// parameters to [`FloatPrecision::parameter_dtype`] and sets how its forward
-    /// pass computes. Call it before [`build_optimizer`](Self::build_optimizer)
+    /// pass computes. Call it before [`Trainable::build_optimizer`]
     /// (the optimizer holds the parameters it updates); nothing changes on error.
     ///
     /// The default accepts only [`FloatPrecision::F32`], what every model starts in.
@@ -210,23 +263,17 @@ pub trait TrainBackend: Backend {
         }
     }
 
-    /// The precision `model` was given by [`set_precision`](Self::set_precision)
-    /// (`32-true` when built): [`Trainable::precision`].
-    fn precision(model: &Self::Model) -> FloatPrecision {
-        model.precision()
-    }
-
     /// Freezes the parameters of `model` whose names match one of `patterns`
     /// (globs, [`name_matches`](crate::module::name_matches)), as PyTorch's
     /// `p.requires_grad_(False)`: no gradient, and left out of optimizers built
     /// afterwards; then, with `batch_norm_eval`, keeps every batch norm whose
     /// parameters are all frozen in eval mode while the model trains. Returns
     /// the frozen parameters' and the pinned batch norms' names. Call it before
-    /// [`build_optimizer`](Self::build_optimizer). A pattern that matches no
+    /// [`Trainable::build_optimizer`]. A pattern that matches no
     /// parameter is an error.
     ///
     /// The default refuses (unless there is nothing to do): a backend without
-    /// freezing says so.
+    /// freezing says so, and [`CAN_FREEZE`](Self::CAN_FREEZE) is `false` for it.
     fn freeze(
         model: &mut Self::Model,
         patterns: &[&str],
@@ -241,81 +288,12 @@ pub trait TrainBackend: Backend {
             Self::NAME
         )))
     }
-
-    /// Builds an optimizer over `model`'s parameters: [`Trainable::build_optimizer`].
-    fn build_optimizer(
-        config: &OptimizerConfig,
-        model: &Self::Model,
-        groups: &[ParamGroup],
-    ) -> Result<Self::Optim> {
-        model.build_optimizer(config, groups)
-    }
-
-    /// Makes `model` train data-parallel over `group`, with
-    /// `DistributedDataParallel`'s semantics: rank 0's parameters and buffers
-    /// on every rank now, and from then on every [`train_step`](Self::train_step)
-    /// averages the gradients over the ranks before the optimizer applies them
-    /// (not on the micro-batches gradient accumulation does not apply) and
-    /// returns the loss averaged over the ranks, so every rank sees the same
-    /// values and takes the same decisions. Call it after
-    /// [`set_precision`](Self::set_precision) and before
-    /// [`build_optimizer`](Self::build_optimizer), on every rank.
-    ///
-    /// The default refuses: a backend without data-parallel training says so.
-    fn distribute(
-        model: &mut Self::Model,
-        group: Arc<dyn Collectives>,
-        options: &DistributedOptions,
-    ) -> Result<()> {
-        let _ = (model, group, options);
-        Err(Error::unsupported(format!(
-            "data-parallel training on the {} backend",
-            Self::NAME
-        )))
-    }
-
-    /// Gives every rank rank 0's buffers (batch-norm running statistics, which
-    /// each rank updates from its own rows) when `model` trains data-parallel;
-    /// nothing otherwise. A collective: every rank calls it. The trainer does
-    /// before evaluating, so that every rank evaluates the same model.
-    /// [`Trainable::sync_buffers`].
-    fn sync_buffers(model: &mut Self::Model) -> Result<()> {
-        model.sync_buffers()
-    }
-
-    /// One training micro-batch: [`Trainable::train_step`].
-    fn train_step(
-        model: &mut Self::Model,
-        optimizer: &mut Self::Optim,
-        inputs: &Self::Tensor,
-        targets: &Self::Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        model.train_step(optimizer, inputs, targets, plan)
-    }
-
-    /// The loss value and the model's output on one batch, without gradients:
-    /// [`Trainable::eval_step`].
-    fn eval_step(
-        model: &Self::Model,
-        loss: &Loss,
-        inputs: &Self::Tensor,
-        targets: &Self::Tensor,
-    ) -> Result<(f64, HostTensor)> {
-        model.eval_step(loss, inputs, targets)
-    }
-
-    /// The model's output on one batch, without gradients, on the host:
-    /// [`Trainable::predict_step`].
-    fn predict_step(model: &Self::Model, inputs: &Self::Tensor) -> Result<HostTensor> {
-        model.predict_step(inputs)
-    }
 }
 
 /// A backend that runs operations one at a time and records them for autograd
 /// (libtorch): the primitives an eager training loop is written from, and the
-/// [`TrainBackend`] steps built from them, which such a backend's
-/// `train_step`, `eval_step` and `predict_step` call.
+/// evaluation and prediction steps built from them, which such a backend's
+/// modules' [`Trainable::eval_step`] and [`Trainable::predict_step`] call.
 ///
 /// ```
 /// use kiln_core::{backend::EagerBackend, optim::Optimizer, Result};
@@ -346,42 +324,7 @@ pub trait EagerBackend: TrainBackend {
     /// Runs `f` without recording operations for autograd (evaluation).
     fn no_grad<T>(f: impl FnOnce() -> T) -> T;
 
-    /// [`TrainBackend::train_step`] as the eager sequence: `forward`,
-    /// [`loss`](Self::loss), [`item`](Self::item), [`backward`](Self::backward),
-    /// [`clip_gradients`](Self::clip_gradients), [`Optimizer::step`].
-    fn eager_train_step<M, O>(
-        model: &mut M,
-        optimizer: &mut O,
-        inputs: &Self::Tensor,
-        targets: &Self::Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64>
-    where
-        M: Module<Self> + ?Sized,
-        O: Optimizer<Self> + ?Sized,
-    {
-        let output = model.forward(inputs)?;
-        let loss = Self::loss(plan.loss, &output, targets)?;
-        let value = Self::item(&loss)?;
-        if !value.is_finite() {
-            return Ok(value);
-        }
-        let scaled = if plan.scale == 1.0 {
-            loss
-        } else {
-            Self::scale(&loss, plan.scale)?
-        };
-        Self::backward(&scaled)?;
-        if plan.apply {
-            if let Some(clip) = plan.clip {
-                Self::clip_gradients(&model.named_parameters()?, clip)?;
-            }
-            optimizer.step()?;
-        }
-        Ok(value)
-    }
-
-    /// [`TrainBackend::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
+    /// [`Trainable::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
     fn eager_eval_step<M: Module<Self> + ?Sized>(
         model: &M,
         loss: &Loss,
@@ -395,7 +338,7 @@ pub trait EagerBackend: TrainBackend {
         })
     }
 
-    /// [`TrainBackend::predict_step`] as forward under [`no_grad`](Self::no_grad).
+    /// [`Trainable::predict_step`] as forward under [`no_grad`](Self::no_grad).
     fn eager_predict_step<M: Module<Self> + ?Sized>(
         model: &M,
         inputs: &Self::Tensor,

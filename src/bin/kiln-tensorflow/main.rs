@@ -34,10 +34,28 @@ use kiln::core::distributed::Rendezvous;
 use kiln::prelude::*;
 use kiln::tf::TfBackend;
 
-use crate::cli::{out, TensorflowCommands};
+use crate::cli::{out, ParallelBackend, TensorflowCommands};
 use crate::config::RunConfig;
 use crate::evaluate::{CheckpointArgs, PredictArgs};
 use crate::resume::Resume;
+
+/// TensorFlow models train data-parallel over c10d's Gloo group through a host
+/// all-reduce of their gradients.
+impl ParallelBackend for TfBackend {
+    type Sync = kiln::tf::GradientAllReduce;
+
+    fn data_parallel(
+        model: &kiln::tf::TfModel,
+        group: &std::sync::Arc<kiln::c10d::ProcessGroup>,
+        options: &kiln::core::distributed::DistributedOptions,
+    ) -> Result<kiln::tf::GradientAllReduce> {
+        Ok(kiln::tf::GradientAllReduce::new(
+            model,
+            group.clone(),
+            options,
+        )?)
+    }
+}
 
 /// The TensorFlow commands, on the TensorFlow C API.
 pub(crate) struct Tensorflow;

@@ -23,14 +23,14 @@ use crate::evaluate::{CheckpointArgs, PredictArgs};
 use crate::{evaluate, export, inspect, launch, Tensorflow};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kiln::core::distributed::{Collectives, Rendezvous};
+use kiln::c10d::{DistributedDataParallel, ProcessGroup};
+use kiln::core::distributed::{DistributedOptions, Rendezvous};
+use kiln::core::strategy::{DataParallel, StepHooks};
 use kiln::core::{
     backend::{TrainBackend, Trainable},
-    module::Module,
     precision::FloatPrecision,
 };
 use kiln::prelude::*;
-use kiln::torch::distributed::ProcessGroup;
 use kiln::train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::data::{load_data, loader, Split};
@@ -305,16 +305,70 @@ fn train(args: TrainArgs) -> Result<()> {
     }
 }
 
-pub(crate) fn train_on<B: TrainBackend>(
+/// How a backend's models train data-parallel: the engine that keeps the ranks
+/// identical is the backend's own (DDP's `c10d::Reducer` on libtorch, a host
+/// all-reduce of the gradients on TensorFlow), inside the one
+/// [`DataParallel`](kiln::core::strategy::DataParallel) wrapper.
+pub(crate) trait ParallelBackend: TrainBackend {
+    /// The engine.
+    type Sync: StepHooks<Self>;
+
+    /// The engine for `model` over `group` (rank 0's weights on every rank now).
+    fn data_parallel(
+        model: &Self::Model,
+        group: &Arc<ProcessGroup>,
+        options: &DistributedOptions,
+    ) -> Result<Self::Sync>;
+}
+
+impl ParallelBackend for kiln::torch::TorchBackend {
+    type Sync = DistributedDataParallel;
+
+    fn data_parallel(
+        model: &kiln::torch::TorchModel,
+        group: &Arc<ProcessGroup>,
+        options: &DistributedOptions,
+    ) -> Result<DistributedDataParallel> {
+        Ok(DistributedDataParallel::of(
+            Arc::clone(group),
+            model,
+            options,
+        )?)
+    }
+}
+
+/// What a training run has prepared before its model trains: the checks done,
+/// the data loaded, the definition resolved.
+struct Prepared<'a> {
+    config: &'a RunConfig,
+    resume: &'a Resume,
+    rendezvous: Option<&'a Rendezvous>,
+    started: Instant,
+    /// Rank 0 of a data-parallel job, or a single process: writes the run directory.
+    primary: bool,
+    resume_from: Option<PathBuf>,
+    definition: Layer,
+    identity: serde_json::Value,
+    train_loader: Box<dyn DataLoader>,
+    val_loader: Option<Box<dyn DataLoader>>,
+    examples: (usize, usize),
+}
+
+pub(crate) fn train_on<B: ParallelBackend>(
     config: &RunConfig,
     resume: &Resume,
     rendezvous: Option<&Rendezvous>,
 ) -> Result<()> {
     let started = Instant::now();
-    let out = &config.output_dir;
     // Rank 0 of a data-parallel job (or a single process) writes the run
     // directory, logs, plots and checkpoints; the other ranks only train.
     let primary = rendezvous.is_none_or(Rendezvous::is_primary);
+    if !config.freeze.is_empty() && !B::CAN_FREEZE {
+        anyhow::bail!(
+            "config key `freeze`: freezing parameters is not supported on the {} backend",
+            B::NAME
+        );
+    }
 
     // Everything that can be checked is checked before the first byte is written.
     let resume_from = if primary {
@@ -325,7 +379,7 @@ pub(crate) fn train_on<B: TrainBackend>(
     let data = load_data(config)?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
     let definition = resolve_model(config, &data.probe, config.device)?;
-    let (n_train, n_val) = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
+    let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
     let train_loader = loader(data.train, config, true, shard)?;
@@ -337,9 +391,6 @@ pub(crate) fn train_on<B: TrainBackend>(
         .map(|v| loader(v, config, false, shard))
         .transpose()?;
 
-    let mut training = config.training.clone();
-    training.seed = config.seed;
-    training.device = config.device;
     B::manual_seed(config.seed);
     let mut model = B::build_model(&definition, config.device)?;
     B::set_precision(&mut model, config.training.precision)?;
@@ -360,66 +411,98 @@ pub(crate) fn train_on<B: TrainBackend>(
     if !pinned.is_empty() {
         log::info!("batch norm kept in eval mode: {}", pinned.join(", "));
     }
-    let mut group: Option<Arc<dyn Collectives>> = None;
-    if let Some(r) = rendezvous {
-        let options = config.distributed.options(config.device);
-        let joined: Arc<dyn Collectives> = Arc::new(ProcessGroup::join(r, &options)?);
-        // Ranks that would run different steps would wait on each other forever.
-        crate::ranks::check_ranks_agree(
-            joined.as_ref(),
-            &crate::ranks::what_ranks_share(
-                config,
-                &definition,
-                &identity,
-                resume_from.as_deref(),
-            )?,
-        )?;
-        if primary {
-            outln!(
-                "kiln: rank 0 of {} ({}, {} backend)",
-                r.world_size,
-                r.launcher,
-                options.backend
-            );
-        }
-        B::distribute(&mut model, joined.clone(), &options)?;
-        group = Some(joined);
+    let prepared = Prepared {
+        config,
+        resume,
+        rendezvous,
+        started,
+        primary,
+        resume_from,
+        definition,
+        identity,
+        train_loader,
+        val_loader,
+        examples,
+    };
+    let Some(r) = rendezvous else {
+        return fit::<B, _>(prepared, model);
+    };
+    let options = config.distributed.options(config.device);
+    let group = Arc::new(ProcessGroup::join(r, &options)?);
+    // Ranks that would run different steps would wait on each other forever.
+    crate::ranks::check_ranks_agree(
+        group.as_ref(),
+        &crate::ranks::what_ranks_share(
+            config,
+            &prepared.definition,
+            &prepared.identity,
+            prepared.resume_from.as_deref(),
+        )?,
+    )?;
+    if primary {
+        outln!(
+            "kiln: rank 0 of {} ({}, {} backend)",
+            r.world_size,
+            r.launcher,
+            options.backend
+        );
     }
-    let optimizer = B::build_optimizer(&config.optimizer, &model, &config.param_groups)?;
+    let sync = B::data_parallel(&model, &group, &options)?;
+    fit::<B, _>(prepared, DataParallel::new(model, sync)?)
+}
+
+/// Trains `model` (a single process's, or one rank's inside its strategy) as
+/// `prepared` says: the optimizer and schedule, the resume, one `Trainer` (rank
+/// 0's with the run's outputs: checkpoints, sinks), the final evaluation, and on
+/// rank 0 the weights, plots and summary.
+fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Result<()> {
+    let Prepared {
+        config,
+        resume,
+        rendezvous,
+        started,
+        primary,
+        resume_from,
+        definition,
+        identity,
+        train_loader,
+        val_loader,
+        examples: (n_train, n_val),
+    } = prepared;
+    let out = &config.output_dir;
+    let optimizer = model.build_optimizer(&config.optimizer, &config.param_groups)?;
     let scheduler = match &config.schedule {
         Some(s) => Some(s.build(&optimizer.learning_rates())?),
         None => None,
     };
-    let mut state = TrainingState::<B>::new(model, optimizer, scheduler);
+    let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
     let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
         let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
         check_resume_data(&mut checkpoint, &identity, path, resume.on_other_data)?;
         reshard(&mut checkpoint, world_size, path)?;
         check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
-        Trainer::<B>::resume_from(&mut state, &checkpoint, path)?;
+        Trainer::<B, M>::resume_from(&mut state, &checkpoint, path)?;
     }
 
-    let with_group = |trainer: Trainer<B>| match &group {
-        Some(g) => trainer.with_group(g.clone()),
-        None => trainer,
-    };
+    let mut training = config.training.clone();
+    training.seed = config.seed;
+    training.device = config.device;
+    let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?;
+    for name in &config.logging.metrics {
+        let make =
+            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
+        trainer = trainer.with_metric(make);
+    }
+    if let Some(es) = &config.early_stopping {
+        trainer = trainer.with_callback(EarlyStopping::new(
+            es.monitor.clone(),
+            es.mode,
+            es.patience,
+            es.min_delta,
+        ));
+    }
     if !primary {
-        let mut trainer = with_group(Trainer::<B>::new(training, config.loss.clone())?);
-        for name in &config.logging.metrics {
-            trainer = trainer.with_metric(
-                kiln::train::metric_by_name(name)
-                    .with_context(|| format!("unknown metric {name}"))?,
-            );
-        }
-        if let Some(es) = &config.early_stopping {
-            trainer = trainer.with_callback(EarlyStopping::new(
-                es.monitor.clone(),
-                es.mode,
-                es.patience,
-                es.min_delta,
-            ));
-        }
         trainer.fit(
             &mut state,
             train_loader.as_ref(),
@@ -465,26 +548,14 @@ pub(crate) fn train_on<B: TrainBackend>(
         n_val
     );
 
+    // Rank 0's outputs: checkpoints and metric sinks.
     let checkpoints = out.join("checkpoints");
-    let mut trainer = with_group(Trainer::<B>::new(training, config.loss.clone())?)
+    trainer = trainer
         .with_checkpointer(
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
             Some(definition.clone()),
         )
         .with_data_identity(identity);
-    for name in &config.logging.metrics {
-        let make =
-            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
-        trainer = trainer.with_metric(make);
-    }
-    if let Some(es) = &config.early_stopping {
-        trainer = trainer.with_callback(EarlyStopping::new(
-            es.monitor.clone(),
-            es.mode,
-            es.patience,
-            es.min_delta,
-        ));
-    }
     if config.logging.csv {
         trainer = trainer.with_sink(match &resume_from {
             Some(_) => kiln::train::CsvSink::resume(out, state.step)?,

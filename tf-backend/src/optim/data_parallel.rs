@@ -1,7 +1,8 @@
-//! [`TfOptimizer`]'s data-parallel training step: the single-process step's
-//! result on the global batch, with the gradients averaged over the ranks of a
-//! [`DataParallel`] model between the session run that computes them and the
-//! one that applies them.
+//! [`TfOptimizer`]'s training step under a strategy that needs the gradients
+//! ([`StepHooks::needs_gradients`]; data parallelism, kiln-tf's
+//! [`GradientAllReduce`](crate::GradientAllReduce)): the single-process step's
+//! result on the global batch, with the gradients averaged over the ranks
+//! between the session run that computes them and the one that applies them.
 //!
 //! Per micro-batch, on every rank:
 //!
@@ -31,14 +32,17 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::StepPlan, distributed::ReduceOp, module::Module, optim::GradClip, Error, HostTensor,
-    Result,
+    backend::StepPlan,
+    distributed::{Collectives, ReduceOp},
+    module::Module,
+    optim::GradClip,
+    strategy::StepHooks,
+    Error, HostTensor, Result,
 };
 
 use super::TfOptimizer;
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
-use crate::distributed::DataParallel;
 use crate::model::{lock, TfModel};
 use crate::step::{self, GradientSource, ProgramKey, ProgramKind, Signature, UpdateRule};
 
@@ -46,14 +50,24 @@ use crate::step::{self, GradientSource, ProgramKey, ProgramKind, Signature, Upda
 /// apply, summed on this rank only (DDP's `no_sync`): a flat vector in the
 /// layout of [`ProgramKind::FlatGradients`], in the memory TensorFlow
 /// allocated for the first of them.
-#[derive(Debug)]
 pub(super) struct LocalGradients {
     /// The summed gradients, then one element that is not used.
     flat: TfTensor,
     /// Which of the optimizer's parameters have a gradient in `flat`.
     present: Vec<bool>,
-    /// The job the gradients are to be averaged over.
-    job: Arc<DataParallel>,
+    /// The ranks the gradients are to be averaged over (none: a strategy that
+    /// spans no ranks).
+    group: Option<Arc<dyn Collectives>>,
+}
+
+impl std::fmt::Debug for LocalGradients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalGradients")
+            .field("flat", &self.flat)
+            .field("present", &self.present)
+            .field("ranks", &self.group.as_ref().map(|g| g.world_size()))
+            .finish()
+    }
 }
 
 /// The `f32` elements of a flat gradient vector, which must have at least one.
@@ -87,13 +101,13 @@ fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()> {
 }
 
 impl TfOptimizer {
-    /// One data-parallel training micro-batch on `model`, which trains in
-    /// `job` (see the [module docs](self)). Returns the loss averaged over the
-    /// ranks; when it is not finite, nothing changes.
-    pub(crate) fn data_parallel_step(
+    /// One training micro-batch on `model` with `hooks` (see the [module
+    /// docs](self)). Returns the loss averaged over the ranks; when it is not
+    /// finite, nothing changes.
+    pub(crate) fn hooked_step(
         &mut self,
         model: &TfModel,
-        job: &Arc<DataParallel>,
+        hooks: &mut dyn StepHooks<TfBackend>,
         inputs: &TfTensor,
         targets: &TfTensor,
         plan: &StepPlan<'_>,
@@ -105,11 +119,11 @@ impl TfOptimizer {
         if self.pending && self.local.is_none() {
             return Err(Error::invalid_argument(
                 "optimizer",
-                "this optimizer holds gradients accumulated before the model was distributed; \
-                 call zero_grad() first",
+                "this optimizer holds gradients accumulated before the model was wrapped in \
+                 a strategy; call zero_grad() first",
             ));
         }
-        let started_from = job.before_forward(model)?;
+        hooks.before_forward(plan.apply)?;
         let (mut flat, present) = self.flat_gradients(model, inputs, targets, plan)?;
         if let Some(local) = &self.local {
             if local.present != present {
@@ -128,14 +142,11 @@ impl TfOptimizer {
             if let Some(local) = self.local.as_mut() {
                 add_gradients(data, &mut local.flat)?;
             }
-            job.group().all_reduce_f32(data, ReduceOp::Mean)?;
-        } else {
-            job.group()
-                .all_reduce_f32(&mut data[last..], ReduceOp::Mean)?;
         }
+        hooks.reduce_flat(data, plan.apply)?;
         let loss = data[last];
         if !loss.is_finite() {
-            job.restore_buffers(model, started_from)?;
+            hooks.skipped()?;
             return Ok(f64::from(loss));
         }
         if plan.apply {
@@ -149,7 +160,7 @@ impl TfOptimizer {
             self.local = Some(LocalGradients {
                 flat,
                 present,
-                job: Arc::clone(job),
+                group: hooks.collectives(),
             });
             self.pending = true;
         }
@@ -261,11 +272,13 @@ impl TfOptimizer {
     }
 
     /// [`Optimizer::step`](kiln_core::optim::Optimizer::step) on gradients a
-    /// data-parallel step accumulated: averaged over the ranks, then applied
-    /// without clipping.
+    /// hooked step accumulated: averaged over the ranks, then applied without
+    /// clipping.
     pub(super) fn apply_local(&mut self, mut local: LocalGradients) -> Result<()> {
         let data = elements(&mut local.flat)?;
-        local.job.group().all_reduce_f32(data, ReduceOp::Mean)?;
+        if let Some(group) = &local.group {
+            group.all_reduce_f32(data, ReduceOp::Mean)?;
+        }
         self.apply_flat(local.flat, &local.present, None)
     }
 }

@@ -41,12 +41,13 @@ mod bridge;
 
 use std::pin::Pin;
 
-use crate::{TorchBackend, TorchOptimizer};
+use crate::{train_step, TorchBackend, TorchOptimizer};
 use kiln_core::{
-    backend::EagerBackend,
+    backend::{StepLoss, StepPlan},
     loss::Loss,
     module::Module,
     optim::{GradClip, Optimizer},
+    strategy::NoHooks,
     Device, Error, Result,
 };
 use tch::Tensor;
@@ -178,7 +179,7 @@ fn graph_error(what: &str, e: cxx::Exception) -> Error {
 /// ([`TorchOptimizer::set_capturable`]).
 ///
 /// Differences from the eager
-/// [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step): the loss comes back as
+/// [`train_step`](crate::train_step): the loss comes back as
 /// a tensor on the device (reading it synchronises, so read it only when you log),
 /// and a step with a non-finite loss is applied like any other (the eager step skips
 /// it, which needs the host to look at the loss).
@@ -249,27 +250,31 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
 
         let model_state = model.state_dict()?;
         let optimizer_state = optimizer.state_dict()?;
+        // The one torch step (`train_step`), reading nothing back: what is
+        // captured is exactly what an eager run does.
+        let plan = StepPlan {
+            loss,
+            scale: 1.0,
+            apply: true,
+            clip: clip.as_ref(),
+        };
         let run_step = |model: &mut M, optimizer: &mut TorchOptimizer| -> Result<Tensor> {
-            let output = model.forward(&static_inputs)?;
-            let value = TorchBackend::loss(loss, &output, &static_targets)?;
-            TorchBackend::backward(&value)?;
-            match &clip {
-                None => {}
-                Some(GradClip::Norm {
-                    max_norm,
-                    norm_type,
-                }) => {
-                    let params = optimizer.parameters();
-                    let _norm = crate::clip_grad_norm_on_device(&params, *max_norm, *norm_type)?;
-                }
-                Some(GradClip::Value { clip_value }) => {
-                    crate::clip_grad_value(&optimizer.parameters(), *clip_value)?;
-                }
+            match train_step(
+                model,
+                optimizer,
+                &static_inputs,
+                &static_targets,
+                &plan,
+                &mut NoHooks,
+                true,
+            )? {
+                StepLoss::Device(loss) => Ok(loss),
+                StepLoss::Host(_) => Err(Error::backend(
+                    "torch",
+                    "capturing a training step",
+                    "the step read its loss back to the host",
+                )),
             }
-            optimizer.step()?;
-            value
-                .f_detach()
-                .map_err(|e| crate::torch_error("detaching the loss", e))
         };
         graph.on_capture_stream(|| {
             for _ in 0..Self::WARMUP_STEPS {

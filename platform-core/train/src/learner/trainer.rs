@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -187,8 +186,6 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     checkpointer: Option<Checkpointer>,
     model_definition: Option<Layer>,
     data_identity: Option<serde_json::Value>,
-    world_size: u64,
-    group: Option<Arc<dyn Collectives>>,
     loss_reads: Option<LossReads>,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
 }
@@ -263,8 +260,6 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             checkpointer: None,
             model_definition: None,
             data_identity: None,
-            world_size: 1,
-            group: None,
             loss_reads: None,
             _backend: std::marker::PhantomData,
         })
@@ -340,21 +335,6 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self
     }
 
-    /// Makes this the trainer of one rank of a data-parallel job over `group`
-    /// (whose model was given to
-    /// [`TrainBackend::distribute`](kiln_core::backend::TrainBackend::distribute)):
-    /// evaluation adds up every rank's loss and metric states, so each rank
-    /// gives its share of the validation data (a sampler
-    /// [`without_padding`](kiln_data::DistributedSampler::without_padding)) and
-    /// every rank gets the values over the whole split; checkpoints record the
-    /// world size (each rank counts only its own batches). Only rank 0 should
-    /// be given sinks and a checkpointer.
-    pub fn with_group(mut self, group: Arc<dyn Collectives>) -> Self {
-        self.world_size = group.world_size() as u64;
-        self.group = Some(group);
-        self
-    }
-
     /// Saves checkpoints with `checkpointer`; `definition` is recorded in them.
     pub fn with_checkpointer(
         mut self,
@@ -388,7 +368,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             epoch: state.epoch,
             batch_in_epoch: state.batch_in_epoch,
             seed: self.config.seed,
-            world_size: self.world_size,
+            world_size: state.model.collectives().map_or(1, |g| g.world_size() as u64),
             backend: B::NAME.to_owned(),
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),
@@ -667,8 +647,18 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
 
     /// The loss and every metric over `loader`, in eval mode and without
     /// gradients; the model's mode is restored afterwards.
+    ///
+    /// A model that trains across ranks (under
+    /// [`DataParallel`](kiln_core::strategy::DataParallel), which says so
+    /// through [`Trainable::collectives`]) evaluates rank 0's buffers on every
+    /// rank, and the loss and metric states are added up over the ranks: each
+    /// rank gives its share of the validation data (a sampler
+    /// [`without_padding`](kiln_data::DistributedSampler::without_padding)) and
+    /// every rank gets the values over the whole split. Checkpoints record the
+    /// world size (each rank counts only its own batches). Only rank 0 should be
+    /// given sinks and a checkpointer.
     pub fn evaluate(&self, model: &mut M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
-        if self.group.is_some() {
+        if model.collectives().is_some() {
             // Every rank evaluates rank 0's batch-norm statistics.
             model.sync_buffers()?;
         }
@@ -692,7 +682,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 metric.update(&output, &batch.targets)?;
             }
         }
-        if let Some(group) = &self.group {
+        if let Some(group) = model.collectives() {
             let mut all: Vec<&mut dyn Metric> = vec![&mut loss];
             all.extend(metrics.iter_mut().map(|m| m.as_mut() as &mut dyn Metric));
             reduce_metrics(group.as_ref(), &mut all)?;

@@ -529,6 +529,17 @@ fn named(shared: &Shared, role: VariableRole) -> Result<Vec<(String, TfTensor)>>
 impl Trainable<TfBackend> for SavedModelModule {
     type Optim = SignatureOptimizer;
 
+    /// Its `train` signature computes and applies the gradients in one session
+    /// run, so no strategy can take part in it ([`Trainable::takes_step_hooks`]
+    /// is `false`): to train a SavedModel data-parallel, use it as a
+    /// `saved_model` layer of a model, whose gradients Kiln computes.
+    fn kind(&self) -> String {
+        "a SavedModel trained through its `train` signature (which computes and applies \
+         the gradients in one native call; to train it data-parallel, use it as a \
+         `saved_model` layer of a model, whose gradients Kiln computes)"
+            .to_owned()
+    }
+
     /// The optimizer is the one exported with the training signature; `config`
     /// is checked against it and gives it its learning rate:
     ///

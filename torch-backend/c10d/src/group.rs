@@ -1,33 +1,5 @@
-//! Data-parallel training on libtorch's own c10d: the engine PyTorch's
-//! `torch.distributed` and `DistributedDataParallel` run on, reached through a cxx
-//! bridge (tch has no distributed API).
-//!
-//! - [`ProcessGroup`]: the ranks of a job after their rendezvous (a TCP store
-//!   hosted by rank 0 or torchrun's agent, or a file store), with Gloo for CPU
-//!   tensors and, with the `cuda` feature, NCCL for CUDA tensors; collectives
-//!   on `tch::Tensor`s, on [`HostTensor`]s and on host `f32` memory in place.
-//! - [`DistributedDataParallel`]: DDP's semantics on `c10d::Reducer`: parameters
-//!   and buffers broadcast from rank 0, gradients averaged in buckets while the
-//!   backward pass runs, buffers broadcast before each training forward pass,
-//!   and no synchronisation on the micro-batches gradient accumulation does not
-//!   apply.
-//!
-//! ```no_run
-//! use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
-//! use kiln_torch::distributed::ProcessGroup;
-//!
-//! // Started by `torchrun --nproc-per-node=2 --no-python ...` or `kiln launch`.
-//! let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
-//! let group = ProcessGroup::join(&rendezvous, &DistributedOptions::default())?;
-//! let x = tch::Tensor::from_slice(&[group.rank() as f32 + 1.0]);
-//! group.all_reduce(&x, ReduceOp::Sum)?; // 3.0 on both ranks
-//! # Ok::<(), kiln_core::Error>(())
-//! ```
+//! [`ProcessGroup`]: the ranks of a job, joined, and their collectives.
 
-mod bridge;
-mod ddp;
-
-use std::any::Any;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,16 +10,14 @@ use kiln_core::distributed::{
 use kiln_core::{DType, Device, Error, HostTensor, Result};
 use tch::Tensor;
 
-use crate::convert::{from_tch, to_tch};
-use crate::cxx_tensor::{as_at, from_at};
-use bridge::ffi;
-
-pub use ddp::DistributedDataParallel;
+use kiln_torch::{from_tch, to_tch};
+use kiln_torch::cxx_tensor::{as_at, from_at};
+use crate::bridge::ffi;
 
 /// The backend name of errors from c10d.
-const C10D: &str = "c10d";
+pub(crate) const C10D: &str = "c10d";
 
-fn c10d_error(context: impl Into<String>, e: cxx::Exception) -> Error {
+pub(crate) fn c10d_error(context: impl Into<String>, e: cxx::Exception) -> Error {
     Error::backend_with_source(C10D, context, e)
 }
 
@@ -99,7 +69,7 @@ impl ProcessGroup {
             CommBackend::Nccl => {
                 if !ffi::nccl_compiled() {
                     return Err(Error::unsupported(
-                        "the NCCL backend: kiln-torch was built without its `cuda` feature",
+                        "the NCCL backend: kiln-c10d was built without its `cuda` feature",
                     ));
                 }
                 true
@@ -194,7 +164,7 @@ impl ProcessGroup {
     }
 
     /// Runs `f` on the C++ group, one call at a time.
-    fn with<T>(&self, f: impl FnOnce(&ffi::DistGroup) -> T) -> T {
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&ffi::DistGroup) -> T) -> T {
         let _order = self
             .order
             .lock()
@@ -214,7 +184,7 @@ impl ProcessGroup {
             let _ = tensor
                 .shallow_clone()
                 .f_div_scalar_(self.world_size as f64)
-                .map_err(|e| crate::torch_error("all_reduce (mean)", e))?;
+                .map_err(|e| kiln_torch::torch_error("all_reduce (mean)", e))?;
         }
         Ok(())
     }
@@ -222,10 +192,10 @@ impl ProcessGroup {
     /// Starts reducing `tensor` in place over every rank and returns at once;
     /// the result is there when [`PendingAllReduce::wait`] returns.
     pub(crate) fn all_reduce_start(
-        &self,
+        self: &Arc<Self>,
         tensor: &Tensor,
         op: ReduceOp,
-    ) -> Result<PendingAllReduce<'_>> {
+    ) -> Result<PendingAllReduce> {
         self.check_device(tensor, "all_reduce")?;
         let work = self
             .with(|g| g.all_reduce_start(as_at(tensor), reduce_kind(op)))
@@ -234,7 +204,7 @@ impl ProcessGroup {
             work,
             tensor: tensor.shallow_clone(),
             op,
-            group: self,
+            group: Arc::clone(self),
         })
     }
 
@@ -386,15 +356,15 @@ impl ProcessGroup {
 
 /// An all-reduce under way ([`ProcessGroup::all_reduce_start`]); dropping it
 /// unwaited lets it finish in c10d's threads.
-pub(crate) struct PendingAllReduce<'a> {
+pub(crate) struct PendingAllReduce {
     work: UniquePtr<ffi::PendingWork>,
     /// Kept alive (and read) until the collective is done.
     tensor: Tensor,
     op: ReduceOp,
-    group: &'a ProcessGroup,
+    group: Arc<ProcessGroup>,
 }
 
-impl PendingAllReduce<'_> {
+impl PendingAllReduce {
     /// Waits for the collective; the reduced tensor.
     pub(crate) fn wait(self) -> Result<Tensor> {
         self.work
@@ -405,7 +375,7 @@ impl PendingAllReduce<'_> {
                 .tensor
                 .shallow_clone()
                 .f_div_scalar_(self.group.world_size as f64)
-                .map_err(|e| crate::torch_error("all_reduce (mean)", e))?;
+                .map_err(|e| kiln_torch::torch_error("all_reduce (mean)", e))?;
         }
         Ok(self.tensor)
     }
@@ -425,28 +395,25 @@ impl Collectives for ProcessGroup {
     }
 
     fn all_reduce_f64(&self, data: &mut [f64], op: ReduceOp) -> Result<()> {
-        let tensor = Tensor::f_from_slice(data).map_err(|e| crate::torch_error("all_reduce", e))?;
+        let tensor = Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("all_reduce", e))?;
         self.all_reduce(&tensor, op)?;
         tensor
             .f_copy_data(data, data.len())
-            .map_err(|e| crate::torch_error("all_reduce", e))
+            .map_err(|e| kiln_torch::torch_error("all_reduce", e))
     }
 
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()> {
-        let tensor = Tensor::f_from_slice(data).map_err(|e| crate::torch_error("broadcast", e))?;
+        let tensor = Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("broadcast", e))?;
         self.broadcast(&tensor, root)?;
         tensor
             .f_copy_data(data, data.len())
-            .map_err(|e| crate::torch_error("broadcast", e))
+            .map_err(|e| kiln_torch::torch_error("broadcast", e))
     }
 
     fn barrier(&self) -> Result<()> {
         ProcessGroup::barrier(self)
     }
 
-    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-        self
-    }
 }
 
 fn reduce_kind(op: ReduceOp) -> ffi::ReduceKind {
@@ -462,7 +429,7 @@ fn rank_i32(n: usize) -> Result<i32> {
     i32::try_from(n).map_err(|_| Error::invalid_argument("rank", format!("{n} is too large")))
 }
 
-fn tensor_list(tensors: &[&Tensor]) -> UniquePtr<ffi::TensorList> {
+pub(crate) fn tensor_list(tensors: &[&Tensor]) -> UniquePtr<ffi::TensorList> {
     let mut list = ffi::new_tensor_list();
     for t in tensors {
         if let Some(list) = list.as_mut() {

@@ -1,7 +1,7 @@
-//! The cxx bridge to libtorch's c10d (include/c10d.h, src/distributed/c10d.cc).
+//! The cxx bridge to libtorch's c10d (include/c10d.h, src/c10d.cc).
 
 #[allow(unsafe_code)]
-#[cxx::bridge(namespace = "kiln::torch")]
+#[cxx::bridge(namespace = "kiln::dist")]
 pub(crate) mod ffi {
     /// Where the ranks meet.
     #[repr(u8)]
@@ -62,10 +62,10 @@ pub(crate) mod ffi {
     // handles (a reference count); host memory crosses as a `&mut [f32]` that
     // C++ uses only for the duration of the call.
     unsafe extern "C++" {
-        include!("kiln-torch/include/c10d.h");
+        include!("kiln-c10d/include/c10d.h");
 
         #[namespace = "at"]
-        type Tensor = crate::cxx_tensor::AtTensor;
+        type Tensor = kiln_torch::cxx_tensor::AtTensor;
 
         type TensorList;
         fn new_tensor_list() -> UniquePtr<TensorList>;

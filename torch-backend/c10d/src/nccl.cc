@@ -1,4 +1,4 @@
-// kiln-torch with its `cuda` feature: libtorch's ProcessGroupNCCL for CUDA
+// kiln-c10d with its `cuda` feature: libtorch's ProcessGroupNCCL for CUDA
 // tensors (see include/c10d_nccl.h). Compiled with the CUDA and NCCL headers.
 
 #ifndef USE_C10D_NCCL
@@ -9,12 +9,12 @@
 #endif
 
 // A CUDA source is compiled before (and apart from) the cxx bridge, without
-// its `kiln-torch/...` include prefix: headers by relative path.
-#include "../../include/c10d_nccl.h"
+// its `kiln-c10d/...` include prefix: headers by relative path.
+#include "../include/c10d_nccl.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
-namespace kiln::torch {
+namespace kiln::dist {
 
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, int device,
@@ -29,4 +29,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
 
 bool nccl_compiled() { return true; }
 
-}  // namespace kiln::torch
+}  // namespace kiln::dist

@@ -1,6 +1,6 @@
 // libtorch's c10d (include/c10d.h): stores, process groups with Gloo (CPU) and
 // NCCL (CUDA) backends, their collectives, and DDP's gradient reducer, for
-// kiln-torch's `distributed` module (src/distributed/bridge.rs). tch 0.24 has no
+// kiln-c10d (src/bridge.rs). tch 0.24 has no
 // distributed API.
 #pragma once
 
@@ -12,9 +12,9 @@
 
 #include "rust/cxx.h"
 
-namespace kiln::torch {
+namespace kiln::dist {
 
-// Defined by the cxx bridge (src/distributed/bridge.rs).
+// Defined by the cxx bridge (src/bridge.rs).
 struct GroupConfig;
 struct ReducerConfig;
 enum class ReduceKind : std::uint8_t;
@@ -99,7 +99,7 @@ class DdpReducer {
 std::unique_ptr<DdpReducer> new_ddp_reducer(
     const DistGroup& group, const TensorList& params, const ReducerConfig& config);
 
-// Whether this build has NCCL (kiln-torch's `cuda` feature).
+// Whether this build has NCCL (kiln-c10d's `cuda` feature).
 bool nccl_compiled();
 
-}  // namespace kiln::torch
+}  // namespace kiln::dist

@@ -1,5 +1,5 @@
-// The NCCL half of kiln-torch's c10d bridge (include/c10d_nccl.h): defined by
-// src/distributed/nccl.cc with the `cuda` feature, by src/distributed/no_nccl.cc
+// The NCCL half of kiln-c10d's bridge (include/c10d_nccl.h): defined by
+// src/nccl.cc with the `cuda` feature, by src/no_nccl.cc
 // without it.
 #pragma once
 
@@ -12,7 +12,7 @@ class Backend;
 class Store;
 }  // namespace c10d
 
-namespace kiln::torch {
+namespace kiln::dist {
 
 // A ProcessGroupNCCL for `rank` of `size` bound to CUDA device `device`; throws
 // without the `cuda` feature.
@@ -23,4 +23,4 @@ c10::intrusive_ptr<c10d::Backend> make_nccl_backend(
 // Whether this build has NCCL (also declared in c10d.h for the bridge).
 bool nccl_compiled();
 
-}  // namespace kiln::torch
+}  // namespace kiln::dist

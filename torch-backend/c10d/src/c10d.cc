@@ -1,4 +1,4 @@
-// The C++ side of src/distributed/bridge.rs (see include/c10d.h).
+// The C++ side of src/bridge.rs (see include/c10d.h).
 
 // libtorch's Gloo process group is declared only with this macro; Gloo's own
 // headers are Kiln's declarations in include/gloo-api (see its README).
@@ -6,7 +6,7 @@
 #define USE_C10D_GLOO
 #endif
 
-#include "kiln-torch/include/c10d.h"
+#include "kiln-c10d/include/c10d.h"
 
 #include <algorithm>
 #include <chrono>
@@ -27,12 +27,12 @@
 #include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
-#include "kiln-torch/include/c10d_nccl.h"
+#include "kiln-c10d/include/c10d_nccl.h"
 #include "kiln/rethrowing.h"
 
-#include "kiln-torch/src/distributed/bridge.rs.h"
+#include "kiln-c10d/src/bridge.rs.h"
 
-namespace kiln::torch {
+namespace kiln::dist {
 
 namespace {
 
@@ -179,7 +179,7 @@ PendingWork::~PendingWork() {
   }
 }
 
-void PendingWork::wait() const { kiln::torch::wait(state_->work, "all_reduce"); }
+void PendingWork::wait() const { kiln::dist::wait(state_->work, "all_reduce"); }
 
 std::unique_ptr<PendingWork> DistGroup::all_reduce_start(const at::Tensor& tensor,
                                                         ReduceKind op) const {
@@ -331,4 +331,4 @@ void DdpReducer::prepare_for_backward(const TensorList& outputs) const {
   });
 }
 
-}  // namespace kiln::torch
+}  // namespace kiln::dist

@@ -4,13 +4,15 @@
 use std::sync::Arc;
 
 use cxx::UniquePtr;
-use kiln_core::distributed::{DistributedOptions, ReduceOp, FIRST_BUCKET_BYTES};
+use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp, FIRST_BUCKET_BYTES};
+use kiln_core::module::Module;
+use kiln_core::strategy::StepHooks;
 use kiln_core::{Error, Result};
+use kiln_torch::{device_from_tch, torch_error, TorchBackend};
 use tch::Tensor;
 
-use super::bridge::ffi;
-use super::{c10d_error, tensor_list, PendingAllReduce, ProcessGroup};
-use crate::error::torch_error;
+use crate::bridge::ffi;
+use crate::group::{c10d_error, tensor_list, PendingAllReduce, ProcessGroup};
 
 /// DDP's buffer for broadcasting the model from rank 0 (`broadcast_bucket_size`).
 const BROADCAST_BUCKET_BYTES: usize = 250 * 1024 * 1024;
@@ -38,12 +40,14 @@ pub struct DistributedDataParallel {
     reducer: UniquePtr<ffi::DdpReducer>,
     buffers: Vec<Tensor>,
     broadcast_buffers: bool,
+    /// The loss mean started before the backward pass ([`StepHooks::before_backward`]).
+    pending_loss: Option<PendingMean>,
 }
 
-// SAFETY: the reducer is owned by this value alone; c10d's Reducer is driven by
-// PyTorch from the Python thread and autograd's threads. Kiln calls it only
-// from the training thread, through `&self` methods that the training step
-// calls in sequence.
+// SAFETY: the reducer and the pending collective are owned by this value alone;
+// c10d's Reducer is driven by PyTorch from the Python thread and autograd's
+// threads. Kiln calls it only from the training thread, through methods that the
+// training step calls in sequence.
 #[allow(unsafe_code)]
 unsafe impl Send for DistributedDataParallel {}
 // SAFETY: as for `Send`.
@@ -51,9 +55,9 @@ unsafe impl Send for DistributedDataParallel {}
 unsafe impl Sync for DistributedDataParallel {}
 
 /// A mean over the ranks under way ([`DistributedDataParallel::start_mean`]).
-pub(crate) struct PendingMean<'a>(PendingAllReduce<'a>);
+pub(crate) struct PendingMean(PendingAllReduce);
 
-impl PendingMean<'_> {
+impl PendingMean {
     /// Waits for the mean.
     pub(crate) fn value(self) -> Result<f64> {
         self.0
@@ -136,6 +140,7 @@ impl DistributedDataParallel {
             reducer,
             buffers: buffers.iter().map(|(_, t)| t.shallow_clone()).collect(),
             broadcast_buffers: options.broadcast_buffers,
+            pending_loss: None,
         })
     }
 
@@ -196,7 +201,7 @@ impl DistributedDataParallel {
 
     /// [`mean_scalar`](Self::mean_scalar), started: the training step waits
     /// for it after the backward pass, so that it costs no time of its own.
-    pub(crate) fn start_mean(&self, value: f64) -> Result<PendingMean<'_>> {
+    pub(crate) fn start_mean(&self, value: f64) -> Result<PendingMean> {
         let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;
         Ok(PendingMean(
             self.group.all_reduce_start(&t, ReduceOp::Mean)?,
@@ -226,5 +231,84 @@ impl DistributedDataParallel {
         } else {
             c10d_error("DDP's gradient reducer", e)
         }
+    }
+}
+
+impl DistributedDataParallel {
+    /// DDP over `group` for `module` (any torch module: a built model, a
+    /// TorchScript module, `tch` code, a chain): checks that the module's device
+    /// suits the group (Gloo for CPU, NCCL for CUDA), then [`new`](Self::new)
+    /// over its parameters (every one rank 0's; those that require gradients
+    /// reduced) and buffers. Call it after setting the module's precision and
+    /// freezing, before building its optimizer, on every rank.
+    pub fn of<M: Module<TorchBackend> + ?Sized>(
+        group: Arc<ProcessGroup>,
+        module: &M,
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        let params = module.named_parameters()?;
+        if let Some((_, first)) = params.first() {
+            let device = device_from_tch(first.device())?;
+            if device.is_cuda() != group.has_nccl() {
+                return Err(Error::invalid_argument(
+                    "distributed.backend",
+                    format!(
+                        "the model is on {device} but the group's backend is {}: Gloo for CPU \
+                         training, NCCL for CUDA",
+                        if group.has_nccl() { "nccl" } else { "gloo" }
+                    ),
+                ));
+            }
+        }
+        Self::new(group, &params, &module.named_buffers()?, options)
+    }
+}
+
+/// DDP's part in the one torch step (`kiln_torch::train`): rank 0's buffers and
+/// the reducer's bookkeeping before the forward pass; the loss mean started and
+/// the gradients hooked before the backward pass, which averages them in
+/// buckets as it runs; the mean waited for after it. Micro-batches that do not
+/// apply run as DDP's `no_sync()`.
+impl StepHooks<TorchBackend> for DistributedDataParallel {
+    fn name(&self) -> &str {
+        "DataParallel"
+    }
+
+    fn agrees_on_loss(&self) -> bool {
+        true
+    }
+
+    fn before_forward(&mut self, sync: bool) -> Result<()> {
+        self.pending_loss = None;
+        DistributedDataParallel::before_forward(self, sync)
+    }
+
+    fn before_backward(&mut self, local_loss: f64, scaled: &Tensor, sync: bool) -> Result<()> {
+        self.pending_loss = Some(self.start_mean(local_loss)?);
+        self.after_forward(scaled, sync)
+    }
+
+    fn backward_failed(&mut self, error: Error, sync: bool) -> Error {
+        if sync {
+            self.backward_error(error)
+        } else {
+            error
+        }
+    }
+
+    fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
+        match self.pending_loss.take() {
+            Some(pending) => pending.value(),
+            // A step that did not start the mean: every rank takes this path.
+            None => self.mean_scalar(local_loss),
+        }
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        DistributedDataParallel::sync_buffers(self)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        Some(Arc::clone(&self.group) as Arc<dyn Collectives>)
     }
 }

@@ -1,0 +1,338 @@
+//! Strategies: how a training step is spread over processes, as wrappers
+//! around a trainable module (Burn's learner strategies, PyTorch's DDP and FSDP
+//! wrappers). The module knows nothing of ranks: its step calls a strategy's
+//! [`StepHooks`] at fixed points, and the strategy does its collectives there.
+//!
+//! | hook | called | data parallelism (DDP) does |
+//! |---|---|---|
+//! | [`before_forward`](StepHooks::before_forward) | before each micro-batch's forward pass | rank 0's buffers; the reducer's bookkeeping |
+//! | [`before_backward`](StepHooks::before_backward) | eager engines, loss known, before `backward` | starts the loss mean; hooks the gradients |
+//! | [`backward_failed`](StepHooks::backward_failed) | the backward pass failed | names the rank that died |
+//! | [`agreed_loss`](StepHooks::agreed_loss) | after `backward` | the loss averaged over the ranks |
+//! | [`reduce_flat`](StepHooks::reduce_flat) | graph engines, gradients fetched as one vector | averages them (and the loss) in place |
+//! | [`skipped`](StepHooks::skipped) | the agreed loss is not finite, nothing applied | undoes `before_forward` |
+//! | [`sync_buffers`](StepHooks::sync_buffers) | before evaluating | rank 0's buffers |
+//!
+//! A second strategy (state sharded across ranks, parameters gathered per
+//! block) is a second implementation of [`StepHooks`] around the same modules;
+//! no model type changes.
+//!
+//! ```
+//! use kiln_core::backend::Backend;
+//! use kiln_core::strategy::StepHooks;
+//! use kiln_core::Result;
+//!
+//! /// Counts the micro-batches whose gradients would be synchronised.
+//! #[derive(Default)]
+//! struct CountSyncs(usize);
+//!
+//! impl<B: Backend> StepHooks<B> for CountSyncs {
+//!     fn name(&self) -> &str {
+//!         "counting"
+//!     }
+//!     fn before_forward(&mut self, sync: bool) -> Result<()> {
+//!         self.0 += usize::from(sync);
+//!         Ok(())
+//!     }
+//! }
+//! ```
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, Mode, StepLoss, StepPlan, Trainable};
+use crate::distributed::Collectives;
+use crate::error::{Error, Result};
+use crate::loss::Loss;
+use crate::module::Module;
+use crate::optim::{OptimizerConfig, ParamGroup};
+use crate::precision::FloatPrecision;
+use crate::state_dict::StateDict;
+use crate::state_tensors::StateTensors;
+use crate::tensor::HostTensor;
+
+/// The points of one training micro-batch at which a strategy acts (see the
+/// [module docs](self) for the table). Every hook has a default that does
+/// nothing, so a single-process step runs with [`NoHooks`] unchanged.
+///
+/// `sync` is the micro-batch's [`StepPlan::apply`]: gradients are synchronised
+/// on the micro-batches that apply, as DDP's `no_sync()` leaves the others local.
+///
+/// Contract: the hooks of a data-parallel strategy are collectives, so every
+/// rank's step must call the same hooks in the same order; a step calls
+/// [`agreed_loss`](Self::agreed_loss) or [`reduce_flat`](Self::reduce_flat)
+/// on every micro-batch, finite loss or not.
+pub trait StepHooks<B: Backend>: Send {
+    /// What the strategy is called in messages (`"DataParallel"`).
+    fn name(&self) -> &str;
+
+    /// Whether the step must let the strategy see gradients: an engine that
+    /// otherwise computes and applies them in one program (TensorFlow's fused
+    /// step) fetches them instead, for [`reduce_flat`](Self::reduce_flat).
+    fn needs_gradients(&self) -> bool {
+        false
+    }
+
+    /// Whether every rank must see the same loss before deciding to apply it
+    /// (the step then reads it back even when asked not to wait for it).
+    fn agrees_on_loss(&self) -> bool {
+        false
+    }
+
+    /// Before the forward pass of a micro-batch.
+    fn before_forward(&mut self, sync: bool) -> Result<()> {
+        let _ = sync;
+        Ok(())
+    }
+
+    /// Eager engines: the micro-batch's loss is `local_loss` on this rank, and
+    /// `scaled` (the loss times the accumulation and loss scales) is about to
+    /// be differentiated.
+    fn before_backward(&mut self, local_loss: f64, scaled: &B::Tensor, sync: bool) -> Result<()> {
+        let _ = (local_loss, scaled, sync);
+        Ok(())
+    }
+
+    /// The error to report for a backward pass that failed with `error`.
+    fn backward_failed(&mut self, error: Error, sync: bool) -> Error {
+        let _ = sync;
+        error
+    }
+
+    /// Eager engines, after the backward pass: the loss every rank decides on
+    /// (the mean over the ranks under data parallelism).
+    fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
+        Ok(local_loss)
+    }
+
+    /// Graph engines: the micro-batch's gradients as one flat `f32` vector
+    /// with the loss as its last element, reduced in place: the whole vector
+    /// when `sync`, else only the loss.
+    fn reduce_flat(&mut self, flat: &mut [f32], sync: bool) -> Result<()> {
+        let _ = (flat, sync);
+        Ok(())
+    }
+
+    /// The agreed loss was not finite and nothing was applied: undo what
+    /// [`before_forward`](Self::before_forward) changed (buffers).
+    fn skipped(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Gives every rank rank 0's buffers (before evaluating). A collective.
+    fn sync_buffers(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The ranks this strategy spans, if it spans any.
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        None
+    }
+}
+
+impl<B: Backend> StepHooks<B> for Box<dyn StepHooks<B>> {
+    fn name(&self) -> &str {
+        (**self).name()
+    }
+    fn needs_gradients(&self) -> bool {
+        (**self).needs_gradients()
+    }
+    fn agrees_on_loss(&self) -> bool {
+        (**self).agrees_on_loss()
+    }
+    fn before_forward(&mut self, sync: bool) -> Result<()> {
+        (**self).before_forward(sync)
+    }
+    fn before_backward(&mut self, local_loss: f64, scaled: &B::Tensor, sync: bool) -> Result<()> {
+        (**self).before_backward(local_loss, scaled, sync)
+    }
+    fn backward_failed(&mut self, error: Error, sync: bool) -> Error {
+        (**self).backward_failed(error, sync)
+    }
+    fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
+        (**self).agreed_loss(local_loss)
+    }
+    fn reduce_flat(&mut self, flat: &mut [f32], sync: bool) -> Result<()> {
+        (**self).reduce_flat(flat, sync)
+    }
+    fn skipped(&mut self) -> Result<()> {
+        (**self).skipped()
+    }
+    fn sync_buffers(&mut self) -> Result<()> {
+        (**self).sync_buffers()
+    }
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        (**self).collectives()
+    }
+}
+
+/// The hooks of a single process: none.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoHooks;
+
+impl<B: Backend> StepHooks<B> for NoHooks {
+    fn name(&self) -> &str {
+        "single process"
+    }
+}
+
+/// A module trained data-parallel: every rank holds the whole module, trains it
+/// on its share of each batch, and `sync` (the backend's engine: kiln-c10d's
+/// `Ddp` on libtorch, kiln-tf's `GradientAllReduce` on TensorFlow) keeps the
+/// ranks identical, with `DistributedDataParallel`'s semantics: rank 0's
+/// parameters and buffers when built, gradients averaged over the ranks before
+/// every update, the loss averaged so that every rank takes the same decisions.
+///
+/// It is a [`Trainable`] like the module it wraps, so the `Trainer` and any
+/// hand-written loop train it unchanged; parameters and state-dict names are
+/// the module's own (no `module.` prefix).
+///
+/// Building it checks, by one typed query ([`Trainable::takes_step_hooks`]),
+/// that the module's step calls the hooks; a module that cannot (a SavedModel
+/// trained through its own `train` signature) is refused with
+/// [`Error::Unsupported`].
+#[derive(Debug)]
+pub struct DataParallel<M, S> {
+    module: M,
+    sync: S,
+}
+
+impl<M, S> DataParallel<M, S> {
+    /// Wraps `module`, kept identical across the ranks by `sync` (built from
+    /// the same module, which it has already made rank 0's).
+    pub fn new<B: Backend>(module: M, sync: S) -> Result<Self>
+    where
+        M: Trainable<B>,
+        S: StepHooks<B>,
+    {
+        if !module.takes_step_hooks() {
+            return Err(Error::unsupported(format!(
+                "{} under {}: its training step runs as one native call that no strategy \
+                 can take part in",
+                module.kind(),
+                sync.name()
+            )));
+        }
+        Ok(DataParallel { module, sync })
+    }
+
+    /// The wrapped module. There is no mutable access: the engine holds the
+    /// module's tensors, so moving or converting them is done before wrapping.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The synchronisation engine.
+    pub fn sync(&self) -> &S {
+        &self.sync
+    }
+
+    /// The module, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.module
+    }
+}
+
+impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
+    fn forward(&self, input: &B::Tensor) -> Result<B::Tensor> {
+        self.module.forward(input)
+    }
+    fn forward_many(&self, inputs: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
+        self.module.forward_many(inputs)
+    }
+    fn mode(&self) -> Mode {
+        self.module.mode()
+    }
+    fn set_mode(&mut self, mode: Mode) {
+        self.module.set_mode(mode);
+    }
+    fn named_parameters(&self) -> Result<Vec<(String, B::Tensor)>> {
+        self.module.named_parameters()
+    }
+    fn named_buffers(&self) -> Result<Vec<(String, B::Tensor)>> {
+        self.module.named_buffers()
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        self.module.state_dict()
+    }
+    fn state_tensors(&self) -> Result<StateTensors<B>> {
+        self.module.state_tensors()
+    }
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        self.module.load_state_dict(state)
+    }
+    fn num_parameters(&self) -> Result<usize> {
+        self.module.num_parameters()
+    }
+}
+
+impl<B, M, S> Trainable<B> for DataParallel<M, S>
+where
+    B: Backend,
+    M: Trainable<B>,
+    S: StepHooks<B>,
+{
+    type Optim = M::Optim;
+
+    fn build_optimizer(&self, config: &OptimizerConfig, groups: &[ParamGroup]) -> Result<M::Optim> {
+        self.module.build_optimizer(config, groups)
+    }
+
+    fn num_trainable_parameters(&self) -> Result<usize> {
+        self.module.num_trainable_parameters()
+    }
+
+    fn precision(&self) -> FloatPrecision {
+        self.module.precision()
+    }
+
+    fn kind(&self) -> String {
+        format!("{} ({})", self.sync.name(), self.module.kind())
+    }
+
+    /// The module's step with the engine's hooks: the loss averaged over the
+    /// ranks; when that mean is not finite, parameters and optimizer state are
+    /// unchanged on every rank.
+    fn train_step(
+        &mut self,
+        optimizer: &mut M::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        self.module
+            .train_step_hooked(optimizer, inputs, targets, plan, &mut self.sync, false)?
+            .value::<B>()
+    }
+
+    fn train_step_deferred(
+        &mut self,
+        optimizer: &mut M::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<StepLoss<B::Tensor>> {
+        self.module
+            .train_step_hooked(optimizer, inputs, targets, plan, &mut self.sync, true)
+    }
+
+    fn eval_step(
+        &self,
+        loss: &Loss,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        self.module.eval_step(loss, inputs, targets)
+    }
+
+    fn predict_step(&self, inputs: &B::Tensor) -> Result<HostTensor> {
+        self.module.predict_step(inputs)
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        self.sync.sync_buffers()
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        self.sync.collectives()
+    }
+}

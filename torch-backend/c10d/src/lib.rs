@@ -1,0 +1,85 @@
+//! Kiln's bridge to libtorch's own c10d, the engine PyTorch's
+//! `torch.distributed` and `DistributedDataParallel` run on, reached through a cxx
+//! bridge (tch has no distributed API). It is the one crate that knows of ranks
+//! on libtorch; models, optimizers and the trainer do not.
+//!
+//! - [`ProcessGroup`]: the ranks of a job after their rendezvous
+//!   ([`Rendezvous`]: a TCP store hosted by rank 0 or torchrun's agent, or a
+//!   file store), with Gloo for CPU tensors and, with the `cuda` feature, NCCL
+//!   for CUDA tensors; typed collectives on `tch::Tensor`s, on
+//!   [`HostTensor`](kiln_core::HostTensor)s and on host `f32` memory in place
+//!   ([`Collectives`], which the TensorFlow backend's data parallelism uses).
+//! - [`DistributedDataParallel`]: DDP's semantics on `c10d::Reducer`, as the
+//!   [`StepHooks`](kiln_core::strategy::StepHooks) of
+//!   [`DataParallel`](kiln_core::strategy::DataParallel) around any torch
+//!   module: parameters and buffers broadcast from rank 0, gradients averaged
+//!   in buckets while the backward pass runs, buffers broadcast before each
+//!   training forward pass, and no synchronisation on the micro-batches
+//!   gradient accumulation does not apply. [`data_parallel`] builds the wrapper.
+//!
+//! ```no_run
+//! use kiln_c10d::{data_parallel, ProcessGroup};
+//! use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
+//! use kiln_core::{backend::Trainable, model::{Layer, LinearConfig}, Device};
+//! use std::sync::Arc;
+//!
+//! // Started by `torchrun --nproc-per-node=2 --no-python ...` or `kiln launch`.
+//! let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
+//! let options = DistributedOptions::default();
+//! let group = Arc::new(ProcessGroup::join(&rendezvous, &options)?);
+//! let x = tch::Tensor::from_slice(&[group.rank() as f32 + 1.0]);
+//! group.all_reduce(&x, ReduceOp::Sum)?; // 3.0 on both ranks
+//!
+//! // Any torch module trains data-parallel inside the wrapper.
+//! let model = kiln_torch::TorchModel::new(&Layer::Linear(LinearConfig::new(4, 2)), Device::Cpu)?;
+//! let model = data_parallel(model, group, &options)?;
+//! # let _ = model.num_trainable_parameters()?;
+//! # Ok::<(), kiln_core::Error>(())
+//! ```
+//!
+//! `unsafe` is denied but for the cxx bridge (`bridge.rs`) and the `Send`/`Sync`
+//! promises of the two types that own C++ objects, each with a `// SAFETY:` note.
+
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+mod bridge;
+mod ddp;
+mod group;
+
+use std::sync::Arc;
+
+use kiln_core::backend::Trainable;
+use kiln_core::distributed::DistributedOptions;
+use kiln_core::module::Module;
+use kiln_core::strategy::DataParallel;
+use kiln_core::Result;
+use kiln_torch::TorchBackend;
+
+pub use ddp::DistributedDataParallel;
+pub use group::ProcessGroup;
+pub use kiln_core::distributed::{Collectives, Rendezvous};
+
+/// `module` wrapped to train data-parallel over `group`
+/// ([`DistributedDataParallel::of`], then [`DataParallel::new`]): rank 0's
+/// parameters and buffers on every rank now, DDP's gradient averaging in every
+/// step. Call it on every rank, after setting precision and freezing, before
+/// building the optimizer.
+pub fn data_parallel<M>(
+    module: M,
+    group: Arc<ProcessGroup>,
+    options: &DistributedOptions,
+) -> Result<DataParallel<M, DistributedDataParallel>>
+where
+    M: Trainable<TorchBackend> + Module<TorchBackend>,
+{
+    if !module.takes_step_hooks() {
+        // Refused before any collective, alike on every rank.
+        return Err(kiln_core::Error::unsupported(format!(
+            "{} under DataParallel: its training step cannot be hooked",
+            module.kind()
+        )));
+    }
+    let ddp = DistributedDataParallel::of(group, &module, options)?;
+    DataParallel::new(module, ddp)
+}
