@@ -1,7 +1,15 @@
 //! [`SignatureOptimizer`]: the optimizer a SavedModel's training signature
 //! applies, as Kiln's `Optimizer`.
 
-use super::*;
+use std::fmt;
+use std::sync::Arc;
+
+use kiln_core::{optim::Optimizer, state_dict::StateDict, Error, Result};
+
+use super::shared::Shared;
+use super::variable::VariableRole;
+use crate::backend::TfBackend;
+use crate::convert::TfTensor;
 
 /// The optimizer of a [`SavedModelModule`]: the one its training signature
 /// applies. [`step`](Optimizer::step) and [`zero_grad`](Optimizer::zero_grad) do
@@ -10,6 +18,9 @@ use super::*;
 /// variables (step count, moments, learning rate), so a Trainer checkpoint
 /// resumes exactly; its learning rate is the Keras optimizer's `learning_rate`
 /// variable, which schedules set.
+///
+/// [`SavedModelModule`]: crate::SavedModelModule
+/// [`Trainable`]: kiln_core::backend::Trainable
 pub struct SignatureOptimizer {
     pub(super) shared: Arc<Shared>,
     pub(super) kind: Option<&'static str>,
