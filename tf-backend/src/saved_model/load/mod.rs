@@ -144,6 +144,8 @@ pub(crate) struct Signature {
 /// Running a training signature changes the variables in this session only; write
 /// them out with [`save_variables`](Self::save_variables) or
 /// [`save_variables_to`](Self::save_variables_to).
+///
+/// [`SavedModelModule`]: crate::SavedModelModule
 pub struct SavedModel {
     dir: PathBuf,
     tags: Vec<String>,
@@ -151,7 +153,8 @@ pub struct SavedModel {
     signatures: BTreeMap<String, Signature>,
     saver: Option<Saver>,
     /// The graph the session runs, kept so that ops can be added to it (the C API
-    /// extends the session with them on its next run); see [`SavedModelModule`].
+    /// extends the session with them on its next run); see
+    /// [`SavedModelModule`](crate::SavedModelModule).
     graph: Mutex<Builder>,
     /// What the object graph says about the variables.
     objects: ObjectGraph,
