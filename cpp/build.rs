@@ -15,7 +15,7 @@ fn main() {
         .cuda_source("src/cuda_ops.cc")
         .compile()
         .unwrap_or_else(|e| {
-            println!("cargo:warning=kiln-ops: {e}");
+            println!("cargo:warning=kiln-ops: {}", e.display_chain());
             std::process::exit(1);
         });
     // Some: there are op sources to link for Python.
@@ -43,7 +43,7 @@ fn main() {
         .link_whole(false)
         .compile()
         .unwrap_or_else(|e| {
-            println!("cargo:warning=kiln-ops: {e}");
+            println!("cargo:warning=kiln-ops: {}", e.display_chain());
             std::process::exit(1);
         });
     for path in ["src/tf/register.h", "src/tf/gradients.h"] {

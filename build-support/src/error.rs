@@ -1,5 +1,12 @@
 //! The one error type of kiln-build.
+//!
+//! An error with a cause (an I/O error) keeps it as its
+//! [`source`](std::error::Error::source) and leaves it out of its own message, as
+//! kiln-core's errors do; show an error to a user with
+//! [`BuildError::display_chain`] (or [`ErrorChain`] for any error), which prints
+//! each cause once: `creating .kiln/venv: Permission denied (os error 13)`.
 
+use std::fmt;
 use std::path::PathBuf;
 
 /// Result alias for kiln-build.
@@ -110,8 +117,8 @@ pub enum BuildError {
         /// What the user can do.
         fix: String,
     },
-    /// A file-system operation failed.
-    #[error("{action} {path}: {source}")]
+    /// A file-system operation failed; the I/O error is the source.
+    #[error("{action} {path}")]
     Io {
         /// What was being done ("creating", "reading", ...).
         action: &'static str,
@@ -132,6 +139,12 @@ pub enum BuildError {
 }
 
 impl BuildError {
+    /// This error with all its causes, `context: cause: cause`: the message to
+    /// show a user.
+    pub fn display_chain(&self) -> ErrorChain<'_> {
+        ErrorChain(self)
+    }
+
     pub(crate) fn io(
         action: &'static str,
         path: impl Into<PathBuf>,
@@ -156,4 +169,69 @@ impl BuildError {
 /// ENOSPC (28) or EDQUOT (122) on Linux.
 fn is_disk_full(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(28) | Some(122))
+}
+
+/// An error and its [`source`](std::error::Error::source)s displayed as one line,
+/// `context: cause: cause` (the text of `anyhow`'s `{:#}`): from
+/// [`BuildError::display_chain`], [`BookError::display_chain`](crate::book::BookError::display_chain),
+/// or [`ErrorChain::new`] for any error (a build script's boxed one).
+///
+/// ```
+/// let err: Box<dyn std::error::Error> = "no libtorch".into();
+/// assert_eq!(kiln_build::ErrorChain::new(&*err).to_string(), "no libtorch");
+/// ```
+#[derive(Clone, Copy)]
+pub struct ErrorChain<'a>(&'a (dyn std::error::Error + 'static));
+
+impl<'a> ErrorChain<'a> {
+    /// The chain of `error` and its sources.
+    pub fn new(error: &'a (dyn std::error::Error + 'static)) -> Self {
+        ErrorChain(error)
+    }
+}
+
+impl fmt::Display for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut next = self.0.source();
+        while let Some(cause) = next {
+            write!(f, ": {cause}")?;
+            next = cause.source();
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ErrorChain<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chain walked by hand through `source`, independent of [`ErrorChain`].
+    fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+        let mut out = error.to_string();
+        let mut next = error.source();
+        while let Some(cause) = next {
+            out.push_str(": ");
+            out.push_str(&cause.to_string());
+            next = cause.source();
+        }
+        out
+    }
+
+    #[test]
+    fn an_io_error_prints_its_cause_once() {
+        let cause = "disk on fire";
+        let error = BuildError::io("creating", ".kiln/venv", std::io::Error::other(cause));
+        assert!(matches!(error, BuildError::Io { .. }), "{error:?}");
+        let walked = chain(&error);
+        assert_eq!(walked, "creating .kiln/venv: disk on fire");
+        assert_eq!(walked.matches(cause).count(), 1, "{walked}");
+        assert_eq!(error.display_chain().to_string(), walked);
+    }
 }

@@ -34,7 +34,7 @@ pub mod versions;
 #[cfg(feature = "bindgen")]
 pub use bindings::{bindgen_builder, libclang_dir};
 pub use cxx::configure_cxx;
-pub use error::{BuildError, Result};
+pub use error::{BuildError, ErrorChain, Result};
 pub use layout::Layout;
 pub use libtorch::Libtorch;
 pub use link::{build_script, Native};

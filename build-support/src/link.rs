@@ -36,13 +36,13 @@ pub struct Native {
 /// ```
 pub fn build_script(native: Native) {
     if let Err(error) = emit_links(native) {
-        for line in error.to_string().lines() {
+        for line in error.display_chain().to_string().lines() {
             println!("cargo:warning=kiln: {line}");
         }
         println!(
             "cargo:warning=kiln: in the Kiln workspace, `cargo xtask setup` provisions both libraries"
         );
-        eprintln!("kiln-build: {error}");
+        eprintln!("kiln-build: {}", error.display_chain());
         std::process::exit(1);
     }
 }

@@ -109,7 +109,7 @@ macro_rules! source_setters {
 ///     .bridge_source("cpp/bridge.cc")
 ///     .op_source("cpp/my_op.cc")
 ///     .compile()
-///     .unwrap_or_else(|e| panic!("{e}"));
+///     .unwrap_or_else(|e| panic!("{}", e.display_chain()));
 /// if let Some(library) = &ops.shared_library {
 ///     println!("cargo:rustc-env=MY_OPS_LIBRARY={}", library.display());
 /// }
@@ -268,7 +268,7 @@ impl TorchOps {
 ///     .bridge("src/tf.rs")
 ///     .op_source("src/tf_ops.cc")
 ///     .compile()
-///     .unwrap_or_else(|e| panic!("{e}"));
+///     .unwrap_or_else(|e| panic!("{}", e.display_chain()));
 /// ```
 #[derive(Debug, Clone)]
 pub struct TfOps {

@@ -17,7 +17,7 @@ fn main() {
         .op_source("cpp/squared_relu.cc")
         .compile()
         .unwrap_or_else(|e| {
-            println!("cargo:warning={e}");
+            println!("cargo:warning={}", e.display_chain());
             std::process::exit(1);
         });
     // Some: there are op sources to link for Python.
@@ -31,7 +31,7 @@ fn main() {
         .op_source("cpp/squared_relu_tf.cc")
         .compile()
         .unwrap_or_else(|e| {
-            println!("cargo:warning={e}");
+            println!("cargo:warning={}", e.display_chain());
             std::process::exit(1);
         });
     println!("cargo:rerun-if-changed=cpp/squared_relu_tf.h");

@@ -12,7 +12,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=KILN_ONNXRUNTIME_LIB");
     let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let onnx = kiln_build::Onnx::find_from(&manifest).unwrap_or_else(|e| {
-        println!("cargo:warning=kiln-onnx: {e}");
+        println!("cargo:warning=kiln-onnx: {}", e.display_chain());
         std::process::exit(1);
     });
     println!("cargo:rerun-if-changed={}", onnx.proto.display());

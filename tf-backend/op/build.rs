@@ -10,7 +10,10 @@ fn main() {
         tensorflow: true,
     });
     if let Err(e) = bindings() {
-        println!("cargo:warning=kiln-tf-op: {e}");
+        println!(
+            "cargo:warning=kiln-tf-op: {}",
+            kiln_build::ErrorChain::new(&*e)
+        );
         std::process::exit(1);
     }
 }

@@ -11,7 +11,10 @@ fn main() {
         tensorflow: false,
     });
     if let Err(e) = glue_and_bindings() {
-        println!("cargo:warning=kiln-torch-op: {e}");
+        println!(
+            "cargo:warning=kiln-torch-op: {}",
+            kiln_build::ErrorChain::new(&*e)
+        );
         std::process::exit(1);
     }
 }

@@ -57,7 +57,7 @@ fn main() -> ExitCode {
     let ready = match setup(&workspace_root()) {
         Ok(ready) => ready,
         Err(error) => {
-            eprintln!("error: {error}");
+            eprintln!("error: {}", error.display_chain());
             return ExitCode::FAILURE;
         }
     };
@@ -157,7 +157,7 @@ fn book() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(error) => {
-            eprintln!("error: {error}");
+            eprintln!("error: {}", error.display_chain());
             ExitCode::FAILURE
         }
     }

@@ -23,12 +23,13 @@ pub use mdbook::{build, ensure_mdbook, BookReport, MDBOOK_VERSION};
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BookError {
-    /// A file or directory could not be read.
-    #[error("cannot read {path}: {source}")]
+    /// A file or directory could not be read; the I/O error is the source.
+    #[error("cannot read {path}")]
     Read {
         /// The path.
         path: PathBuf,
         /// The I/O error.
+        #[source]
         source: std::io::Error,
     },
     /// A program could not be started or failed.
@@ -42,6 +43,14 @@ pub enum BookError {
     /// Links that do not resolve.
     #[error("{} broken link(s) in the guide or the README:\n{}", .0.len(), list(.0))]
     BrokenLinks(Vec<BrokenLink>),
+}
+
+impl BookError {
+    /// This error with all its causes, `context: cause`: the message to show a
+    /// user (`cannot read docs/src/guide.md: No such file or directory (os error 2)`).
+    pub fn display_chain(&self) -> crate::ErrorChain<'_> {
+        crate::ErrorChain::new(self)
+    }
 }
 
 fn list(links: &[BrokenLink]) -> String {
@@ -512,6 +521,36 @@ mod tests {
     fn write(path: &Path, text: &str) {
         std::fs::create_dir_all(path.parent().unwrap()).unwrap();
         std::fs::write(path, text).unwrap();
+    }
+
+    /// The chain walked by hand through `source`, as `anyhow`'s `{:#}` prints it.
+    fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+        let mut out = error.to_string();
+        let mut next = error.source();
+        while let Some(cause) = next {
+            out.push_str(": ");
+            out.push_str(&cause.to_string());
+            next = cause.source();
+        }
+        out
+    }
+
+    #[test]
+    fn a_read_error_prints_its_cause_once() {
+        let dir = scratch("read-error");
+        let missing = dir.join("missing.md");
+        let error = check_links(std::slice::from_ref(&missing), None).unwrap_err();
+        assert!(matches!(error, BookError::Read { .. }), "{error:?}");
+        let cause = std::error::Error::source(&error)
+            .expect("the I/O error")
+            .to_string();
+        let walked = chain(&error);
+        assert_eq!(
+            walked,
+            format!("cannot read {}: {cause}", missing.display())
+        );
+        assert_eq!(walked.matches(&cause).count(), 1, "{walked}");
+        assert_eq!(error.display_chain().to_string(), walked);
     }
 
     #[test]

@@ -82,8 +82,11 @@ pub enum Error {
     /// ONNX Runtime could not be loaded or failed.
     #[error("ONNX Runtime: {0}")]
     Runtime(String),
-    /// Reading or writing a file failed.
-    #[error("{action} {path}: {source}")]
+    /// Reading or writing a file failed. The I/O error is the
+    /// [`source`](std::error::Error::source), left out of this message: show the
+    /// whole chain (`anyhow`'s `{:#}`, or [`kiln_core::error::ErrorChain`]) for
+    /// `writing model.onnx: Permission denied (os error 13)`.
+    #[error("{action} {path}")]
     Io {
         /// `reading`, `writing`, ...
         action: &'static str,
@@ -249,5 +252,33 @@ mod tests {
 
         let core: Kiln = Error::Core(Kiln::unsupported("a complex input")).into();
         assert_eq!(core.to_string(), "unsupported: a complex input");
+    }
+
+    /// The whole chain, as `anyhow`'s `{:#}` prints it: each error's message,
+    /// then its sources', joined by `: `.
+    fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+        let mut out = error.to_string();
+        let mut next = error.source();
+        while let Some(cause) = next {
+            out.push_str(": ");
+            out.push_str(&cause.to_string());
+            next = cause.source();
+        }
+        out
+    }
+
+    #[test]
+    fn an_io_error_prints_its_cause_once() {
+        let cause = "disk on fire";
+        let error = Error::io("writing", "out/model.onnx", std::io::Error::other(cause));
+        let walked = chain(&error);
+        assert_eq!(walked, "writing out/model.onnx: disk on fire");
+        assert_eq!(walked.matches(cause).count(), 1, "{walked}");
+
+        // The same once converted into Kiln's error, as `kiln export` reports it.
+        let kiln: kiln_core::Error = error.into();
+        let walked = chain(&kiln);
+        assert_eq!(walked, "out/model.onnx: writing: disk on fire");
+        assert_eq!(walked.matches(cause).count(), 1, "{walked}");
     }
 }

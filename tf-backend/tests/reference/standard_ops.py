@@ -2,14 +2,14 @@
 every op type Python's TensorFlow registers (TF_GetAllOpList in a fresh process,
 internal `_` ops included), which is what it can load in a graph.
 
-The SavedModel exporter (tf-backend/src/saved_model/export.rs) refuses a graph
+The SavedModel exporter (tf-backend/src/saved_model/export/graph.rs) refuses a graph
 holding an op outside this list: Python's TensorFlow, TF Serving and other
 readers register exactly these ops, not Kiln's own (`KilnBiasGelu`, ...), so a
 graph with another op type would not load there. Regenerate after a TensorFlow
 upgrade:
 
     .kiln/venv/bin/python tf-backend/tests/reference/standard_ops.py \
-        tf-backend/src/saved_model/standard_ops.txt
+        tf-backend/src/saved_model/export/standard_ops.txt
 """
 
 import sys

@@ -1,15 +1,26 @@
 //! [`SignatureOptimizer`]: the optimizer a SavedModel's training signature
 //! applies, as Kiln's `Optimizer`.
 
-use super::*;
+use std::fmt;
+use std::sync::Arc;
+
+use kiln_core::{optim::Optimizer, state_dict::StateDict, Error, Result};
+
+use super::shared::Shared;
+use super::variable::VariableRole;
+use crate::backend::TfBackend;
+use crate::convert::TfTensor;
 
 /// The optimizer of a [`SavedModelModule`]: the one its training signature
 /// applies. [`step`](Optimizer::step) and [`zero_grad`](Optimizer::zero_grad) do
 /// nothing (the signature has updated the variables in
-/// [`train_step`](Trainable::train_step)); its state is the exported optimizer's
+/// [`train_step`]); its state is the exported optimizer's
 /// variables (step count, moments, learning rate), so a Trainer checkpoint
 /// resumes exactly; its learning rate is the Keras optimizer's `learning_rate`
 /// variable, which schedules set.
+///
+/// [`SavedModelModule`]: crate::SavedModelModule
+/// [`train_step`]: kiln_core::backend::Trainable::train_step
 pub struct SignatureOptimizer {
     pub(super) shared: Arc<Shared>,
     pub(super) kind: Option<&'static str>,

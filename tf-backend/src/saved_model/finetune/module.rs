@@ -3,103 +3,27 @@
 //! it: the Trainer drives the loop, metrics, callbacks and checkpoints, and the
 //! signature computes the loss and applies its own optimizer.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use kiln_core::{
     backend::{Mode, StepPlan, Trainable},
     loss::Loss,
     module::Module,
-    optim::{Optimizer, OptimizerConfig, ParamGroup},
+    optim::{OptimizerConfig, ParamGroup},
     state_dict::StateDict,
-    DType, Error, HostTensor, Result,
+    Error, HostTensor, Result,
 };
-use tensorflow::{DataType, Operation, Output};
 
-use super::{SavedModel, Signature, TensorSpec, LOSS_OUTPUT};
+use super::builder::SavedModelModuleBuilder;
+use super::checks::{check_feed, fetch_dtype};
+use super::optimizer::SignatureOptimizer;
+use super::shared::Shared;
+use super::variable::VariableRole;
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
-use crate::engine::{run_session, tf_dtype};
-use crate::error::tf_error;
-
-/// The serving signature used when none is named: the endpoint name of Keras's
-/// `model.export` and the `ExportArchive` examples.
-const DEFAULT_SERVE: &str = "serve";
-/// The serving signature used when the SavedModel has no [`DEFAULT_SERVE`].
-const FALLBACK_SERVE: &str = "serving_default";
-/// The training signature used when none is named.
-const DEFAULT_TRAIN: &str = "train";
-
-/// The optimizer names Kiln's [`OptimizerConfig`] knows, which are also the name
-/// prefixes of Keras 3's optimizer variables (`adam/iteration`).
-const KNOWN_OPTIMIZERS: [&str; 5] = ["sgd", "adam", "adamw", "rmsprop", "adagrad"];
-
-/// What a SavedModel variable is to the [`SavedModelModule`] wrapping it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum VariableRole {
-    /// Trainable model state: in [`Module::named_parameters`].
-    Parameter,
-    /// Non-trainable model state (batch-norm statistics): in
-    /// [`Module::named_buffers`].
-    Buffer,
-    /// The exported optimizer's state (step count, moments, learning rate): in the
-    /// [`SignatureOptimizer`]'s state dict.
-    Optimizer,
-}
-
-/// One SavedModel variable with the ops Kiln added to read and write it.
-#[derive(Debug)]
-struct Variable {
-    name: String,
-    role: VariableRole,
-    dtype: DType,
-    dims: Vec<usize>,
-    /// The handle's current value.
-    read: Output,
-    /// The placeholder that [`write`](Self::write) assigns.
-    feed: Output,
-    /// `handle = feed`, and `mirror = feed` for a Keras mirror.
-    write: Vec<Operation>,
-}
-
-/// A signature tensor resolved in the graph.
-#[derive(Debug, Clone)]
-struct BoundTensor {
-    spec: TensorSpec,
-    port: Output,
-}
-
-/// The loss the Trainer evaluates, built on the serving output.
-#[derive(Debug)]
-struct LossProgram {
-    loss: Loss,
-    target_dtype: DType,
-    target_rank: usize,
-    target: Output,
-    value: Output,
-}
-
-/// What a module and its optimizer share: the session and the ops Kiln added.
-#[derive(Debug)]
-struct Shared {
-    model: SavedModel,
-    serve: String,
-    train: String,
-    input: BoundTensor,
-    output: BoundTensor,
-    train_input: BoundTensor,
-    train_target: BoundTensor,
-    loss: BoundTensor,
-    variables: Vec<Variable>,
-    /// Index in `variables` of the optimizer's learning rate, if it has one.
-    learning_rate: Option<usize>,
-    /// The exported optimizer's algorithm, when its variables name it.
-    optimizer_kind: Option<&'static str>,
-    losses: Mutex<Vec<LossProgram>>,
-}
+use crate::saved_model::load::{loss_not_scalar, SavedModel};
 
 /// A TensorFlow SavedModel with a serving and a training signature, as a Kiln
 /// [`Module`] and [`Trainable`] module on [`TfBackend`]: the `Trainer` (in
@@ -163,8 +87,8 @@ struct Shared {
 /// [`save_variables_to`](SavedModel::save_variables_to) writes a SavedModel that
 /// Python's `tf.saved_model.load` reads with the trained variables.
 pub struct SavedModelModule {
-    shared: Arc<Shared>,
-    mode: Mode,
+    pub(super) shared: Arc<Shared>,
+    pub(super) mode: Mode,
 }
 
 impl fmt::Debug for SavedModelModule {
@@ -177,14 +101,6 @@ impl fmt::Debug for SavedModelModule {
             .finish_non_exhaustive()
     }
 }
-
-mod builder;
-mod checks;
-mod optimizer;
-
-pub use builder::SavedModelModuleBuilder;
-use checks::*;
-pub use optimizer::SignatureOptimizer;
 
 impl SavedModelModule {
     /// A builder over `model`, to name its signatures and tensors.
@@ -228,250 +144,6 @@ impl SavedModelModule {
         self.shared.optimizer_kind
     }
 }
-
-impl Shared {
-    fn count(&self, role: VariableRole) -> usize {
-        self.variables.iter().filter(|v| v.role == role).count()
-    }
-
-    fn of_role(&self, roles: &[VariableRole]) -> Vec<&Variable> {
-        self.variables
-            .iter()
-            .filter(|v| roles.contains(&v.role))
-            .collect()
-    }
-
-    fn run(
-        &self,
-        feeds: &[(&Output, &TfTensor)],
-        fetches: &[(&Output, DataType)],
-        targets: &[&Operation],
-        context: &str,
-    ) -> Result<Vec<TfTensor>> {
-        run_session(&self.model.session, feeds, fetches, targets, context)
-    }
-
-    /// The current values of `vars`, in one run.
-    fn read(&self, vars: &[&Variable]) -> Result<Vec<TfTensor>> {
-        if vars.is_empty() {
-            return Ok(Vec::new());
-        }
-        let fetches = vars
-            .iter()
-            .map(|v| Ok((&v.read, tf_dtype(v.dtype)?)))
-            .collect::<Result<Vec<_>>>()?;
-        self.run(&[], &fetches, &[], "reading the SavedModel's variables")
-    }
-
-    /// Host copies of `vars` by name.
-    fn state_dict(&self, vars: &[&Variable]) -> Result<StateDict> {
-        let values = self.read(vars)?;
-        let mut state = StateDict::new();
-        for (var, value) in vars.iter().zip(values) {
-            state.insert(var.name.clone(), value.to_host()?);
-        }
-        Ok(state)
-    }
-
-    /// Writes `state` into `vars`: every key, shape and dtype is checked first, and
-    /// all of them are written in one run, so nothing changes on error.
-    fn load(&self, vars: &[&Variable], state: &StateDict, what: &str) -> Result<()> {
-        let mut values = Vec::with_capacity(vars.len());
-        for var in vars {
-            values.push(state.expect_entry(&var.name, var.dims.as_slice(), var.dtype)?);
-        }
-        let known: BTreeSet<&str> = vars.iter().map(|v| v.name.as_str()).collect();
-        if let Some(extra) = state.keys().find(|k| !known.contains(k.as_str())) {
-            return Err(Error::invalid_argument(
-                extra.as_str(),
-                format!(
-                    "unexpected entry in the {what} state dict; the {} expected entries \
-                     (the SavedModel {}'s {what} variables) do not include it",
-                    vars.len(),
-                    self.model.dir().display()
-                ),
-            ));
-        }
-        self.write(vars, &values, what)
-    }
-
-    fn write(&self, vars: &[&Variable], values: &[&HostTensor], what: &str) -> Result<()> {
-        if vars.is_empty() {
-            return Ok(());
-        }
-        let tensors = values
-            .iter()
-            .map(|h| TfTensor::from_host(h))
-            .collect::<Result<Vec<_>>>()?;
-        let feeds: Vec<(&Output, &TfTensor)> =
-            vars.iter().map(|v| &v.feed).zip(tensors.iter()).collect();
-        let targets: Vec<&Operation> = vars.iter().flat_map(|v| v.write.iter()).collect();
-        self.run(
-            &feeds,
-            &[],
-            &targets,
-            &format!("writing the SavedModel's {what} variables"),
-        )?;
-        Ok(())
-    }
-
-    /// The serving output on `inputs`, and the values of `extra` fetched in the
-    /// same run with `feeds`.
-    fn serve(
-        &self,
-        inputs: &TfTensor,
-        feeds: &[(&Output, &TfTensor)],
-        extra: &[(&Output, DataType)],
-    ) -> Result<Vec<TfTensor>> {
-        check_feed(&self.serve, &self.input.spec, inputs)?;
-        let out_dtype = fetch_dtype(&self.serve, &self.output.spec)?;
-        let mut all_feeds = vec![(&self.input.port, inputs)];
-        all_feeds.extend_from_slice(feeds);
-        let mut fetches = vec![(&self.output.port, out_dtype)];
-        fetches.extend_from_slice(extra);
-        self.run(
-            &all_feeds,
-            &fetches,
-            &[],
-            &format!(
-                "running serving signature `{}` of the SavedModel {}",
-                self.serve,
-                self.model.dir().display()
-            ),
-        )
-    }
-
-    fn learning_rate(&self) -> Option<&Variable> {
-        self.learning_rate.and_then(|i| self.variables.get(i))
-    }
-
-    fn set_learning_rate(&self, lr: f64) -> Result<()> {
-        let Some(var) = self.learning_rate() else {
-            return Err(Error::unsupported(format!(
-                "setting the learning rate of the SavedModel {}'s training signature: its \
-                 optimizer has no learning-rate variable (a Keras optimizer exported with a \
-                 LearningRateSchedule computes the rate inside the signature, and a \
-                 signature without a Keras optimizer applies whatever it applies); \
-                 schedule the rate in Python, or export a Keras optimizer with a float \
-                 learning rate",
-                self.model.dir().display()
-            )));
-        };
-        let value = match var.dtype {
-            DType::F64 => HostTensor::scalar(lr),
-            _ => HostTensor::scalar(lr as f32),
-        };
-        self.write(&[var], &[&value], "learning-rate")
-    }
-
-    /// The loss program for `loss` on targets like `target`, built on first use.
-    fn loss_value(
-        &self,
-        loss: &Loss,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-    ) -> Result<(f64, HostTensor)> {
-        let (dtype, rank) = (targets.dtype(), targets.shape().dims().len());
-        let mut programs = self.losses.lock().map_err(|_| {
-            Error::backend(
-                "tensorflow",
-                "evaluating a SavedModel",
-                "a thread panicked while building its loss",
-            )
-        })?;
-        let index = match programs
-            .iter()
-            .position(|p| p.loss == *loss && p.target_dtype == dtype && p.target_rank == rank)
-        {
-            Some(index) => index,
-            None => {
-                programs.push(self.build_loss(loss, dtype, targets.shape().dims())?);
-                programs.len() - 1
-            }
-        };
-        let program = &programs[index];
-        let fetched = self.serve(
-            inputs,
-            &[(&program.target, targets)],
-            &[(&program.value, DataType::Float)],
-        )?;
-        let [output, value] = fetched.as_slice() else {
-            return Err(Error::backend(
-                "tensorflow",
-                "evaluating a SavedModel",
-                "missing outputs",
-            ));
-        };
-        let value = value.to_host()?;
-        match value.to_f64_vec().as_slice() {
-            [v] => Ok((*v, output.to_host()?)),
-            _ => Err(Error::ShapeMismatch {
-                context: format!("loss {} on the serving output", loss.torch_name()),
-                expected: "a single number (a `mean` or `sum` reduction)".to_owned(),
-                actual: value.shape().to_string(),
-            }),
-        }
-    }
-
-    fn build_loss(&self, loss: &Loss, dtype: DType, dims: &[usize]) -> Result<LossProgram> {
-        let output_dims: Vec<i64> = match &self.output.spec.shape {
-            Some(dims) => dims.iter().map(|d| d.map_or(-1, |d| d as i64)).collect(),
-            None => {
-                return Err(Error::unsupported(format!(
-                    "evaluating a loss on output `{}` of serving signature `{}`: its rank is \
-                     unknown, and Kiln builds losses on outputs of a known rank",
-                    self.output.spec.name, self.serve
-                )))
-            }
-        };
-        if self.output.spec.dtype.kiln() != Some(DType::F32) {
-            return Err(Error::DTypeMismatch {
-                context: format!(
-                    "output `{}` of serving signature `{}`, for the Trainer's loss",
-                    self.output.spec.name, self.serve
-                ),
-                expected: DType::F32,
-                actual: self.output.spec.dtype.kiln().unwrap_or(DType::F64),
-            });
-        }
-        // The batch dimension is left open; the others are the targets'.
-        let target_dims: Vec<i64> = dims
-            .iter()
-            .enumerate()
-            .map(|(i, &d)| if i == 0 { -1 } else { d as i64 })
-            .collect();
-        let mut b = self.model.graph()?;
-        let target = b.placeholder(tf_dtype(dtype)?, Some(&target_dims))?;
-        // Class indices arrive as the training signature takes them (Keras uses
-        // int32); Kiln's class losses take int64, a lossless widening.
-        let index_loss = matches!(loss, Loss::CrossEntropy(_) | Loss::Nll(_));
-        let (loss_target, loss_dtype) = if index_loss && dtype == DType::I32 {
-            (
-                b.cast(&target, DataType::Int32, DataType::Int64)?,
-                DType::I64,
-            )
-        } else {
-            (target.clone(), dtype)
-        };
-        let value = crate::loss::build_loss(
-            &mut b,
-            loss,
-            &self.output.port,
-            &output_dims,
-            &loss_target,
-            loss_dtype,
-            &target_dims,
-        )?;
-        Ok(LossProgram {
-            loss: loss.clone(),
-            target_dtype: dtype,
-            target_rank: dims.len(),
-            target,
-            value,
-        })
-    }
-}
-
 impl Module<TfBackend> for SavedModelModule {
     /// The serving signature's output, as one session run.
     fn forward(&self, input: &TfTensor) -> Result<TfTensor> {
@@ -682,7 +354,7 @@ impl Trainable<TfBackend> for SavedModelModule {
         };
         match loss.to_f64_vec().as_slice() {
             [value] => Ok(*value),
-            _ => Err(super::loss_not_scalar(
+            _ => Err(loss_not_scalar(
                 &shared.train,
                 &shared.loss.spec.name,
                 &loss.shape().to_string(),

@@ -121,7 +121,7 @@ pub(crate) fn meta_graphs(saved_model: &[u8]) -> Result<Vec<&[u8]>, WireError> {
 }
 
 /// One field value; fixed-width values are only skipped.
-pub(super) enum Value<'a> {
+pub(crate) enum Value<'a> {
     /// A varint (integers, bools, enums).
     Varint(u64),
     /// A fixed-width value, skipped.
@@ -131,14 +131,14 @@ pub(super) enum Value<'a> {
 }
 
 /// The top-level fields of one message, in order.
-pub(super) struct Fields<'a> {
+pub(crate) struct Fields<'a> {
     bytes: &'a [u8],
     pos: usize,
     failed: bool,
 }
 
 impl<'a> Fields<'a> {
-    pub(super) fn new(bytes: &'a [u8]) -> Self {
+    pub(crate) fn new(bytes: &'a [u8]) -> Self {
         Self {
             bytes,
             pos: 0,

@@ -3,7 +3,7 @@
 //! The `tensorflow` crate keeps its generated protobuf types private and the TF
 //! wheel ships no `.proto` files (only `*_pb2.py` and C++ headers), so this is a
 //! minimal protobuf wire-format writer, the counterpart of the reader in
-//! [`super::saver_def`]. Field numbers are those of TensorFlow's
+//! [`saver_def`](crate::saved_model::load::saver_def). Field numbers are those of TensorFlow's
 //! `saved_model.proto`, `meta_graph.proto`, `saver.proto` and
 //! `tensor_shape.proto` (checked against the wheel's descriptors).
 
@@ -274,8 +274,8 @@ pub(crate) fn saved_model_bytes(def: &SavedModelDef<'_>) -> Vec<u8> {
 mod tests {
     //! What is written reads back through Kiln's own wire-format reader.
 
-    use super::super::saver_def::{graph_def, meta_graphs, saver_def, Fields, Value};
     use super::*;
+    use crate::saved_model::load::saver_def::{graph_def, meta_graphs, saver_def, Fields, Value};
 
     #[test]
     fn varints_match_protobuf() {

@@ -1,7 +1,23 @@
 //! [`SavedModelModuleBuilder`]: naming and checking a SavedModel's signatures
 //! and tensors before it trains.
 
-use super::*;
+use std::sync::{Arc, Mutex};
+
+use kiln_core::{backend::Mode, Error, Result};
+
+use super::checks::{loss_output, names_of, only, signature, tensor, variables};
+use super::module::SavedModelModule;
+use super::shared::Shared;
+use super::variable::VariableRole;
+use crate::saved_model::load::SavedModel;
+
+/// The serving signature used when none is named: the endpoint name of Keras's
+/// `model.export` and the `ExportArchive` examples.
+const DEFAULT_SERVE: &str = "serve";
+/// The serving signature used when the SavedModel has no [`DEFAULT_SERVE`].
+const FALLBACK_SERVE: &str = "serving_default";
+/// The training signature used when none is named.
+const DEFAULT_TRAIN: &str = "train";
 
 /// Names the signatures and tensors of a [`SavedModelModule`]; made by
 /// [`SavedModelModule::builder`].
@@ -68,8 +84,12 @@ impl SavedModelModuleBuilder {
         let model = self.model;
         let serve = match self.serve {
             Some(name) => name,
-            None if model.signatures.contains_key(DEFAULT_SERVE) => DEFAULT_SERVE.to_owned(),
-            None if model.signatures.contains_key(FALLBACK_SERVE) => FALLBACK_SERVE.to_owned(),
+            None if model.resolved_signatures().contains_key(DEFAULT_SERVE) => {
+                DEFAULT_SERVE.to_owned()
+            }
+            None if model.resolved_signatures().contains_key(FALLBACK_SERVE) => {
+                FALLBACK_SERVE.to_owned()
+            }
             None => DEFAULT_SERVE.to_owned(),
         };
         let train = self.train.unwrap_or_else(|| DEFAULT_TRAIN.to_owned());

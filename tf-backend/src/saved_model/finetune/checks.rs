@@ -1,7 +1,23 @@
 //! Finding and checking a SavedModel's signatures, tensors and variables
-//! for [`SavedModelModule`].
+//! for [`SavedModelModule`](crate::SavedModelModule).
 
-use super::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+use kiln_core::{DType, Error, Result};
+use tensorflow::{DataType, Operation, Output};
+
+use super::variable::{BoundTensor, Variable, VariableRole};
+use crate::convert::TfTensor;
+use crate::engine::{run_session, tf_dtype};
+use crate::error::tf_error;
+use crate::saved_model::load::{
+    loss_not_scalar, SavedModel, Signature, TensorDType, TensorSpec, LOSS_OUTPUT,
+};
+
+/// The optimizer names Kiln's [`OptimizerConfig`](kiln_core::optim::OptimizerConfig)
+/// knows, which are also the name prefixes of Keras 3's optimizer variables
+/// (`adam/iteration`).
+const KNOWN_OPTIMIZERS: [&str; 5] = ["sgd", "adam", "adamw", "rmsprop", "adagrad"];
 
 pub(super) fn signature<'a>(
     model: &'a SavedModel,
@@ -9,18 +25,18 @@ pub(super) fn signature<'a>(
     name: &str,
     what: &str,
 ) -> Result<&'a Signature> {
-    model.signatures.get(name).ok_or_else(|| {
+    model.resolved_signatures().get(name).ok_or_else(|| {
         Error::invalid_argument(
             setting,
             format!(
                 "the SavedModel {} has no {what} signature `{name}`; its signatures: {}; \
                  name the {what} signature with .{setting}(...)",
                 model.dir().display(),
-                if model.signatures.is_empty() {
+                if model.resolved_signatures().is_empty() {
                     "(none)".to_owned()
                 } else {
                     model
-                        .signatures
+                        .resolved_signatures()
                         .keys()
                         .cloned()
                         .collect::<Vec<_>>()
@@ -111,7 +127,7 @@ pub(super) fn loss_output(sig: &Signature) -> Result<BoundTensor> {
     })?;
     if let Some(dims) = &loss.spec.shape {
         if dims.iter().any(|d| *d != Some(1)) {
-            return Err(super::super::loss_not_scalar(
+            return Err(loss_not_scalar(
                 name,
                 LOSS_OUTPUT,
                 &loss.spec.shape_string(),
@@ -176,12 +192,12 @@ pub(super) fn fetch_dtype(signature: &str, spec: &TensorSpec) -> Result<DataType
 
 // ----- variables -----
 
-pub(super) fn is(op: &Operation, ty: &str) -> bool {
+fn is(op: &Operation, ty: &str) -> bool {
     op.op_type().is_ok_and(|t| t == ty)
 }
 
 /// A handle's variable name: its `shared_name`, or the op's name without one.
-pub(super) fn shared_name(op: &Operation) -> String {
+fn shared_name(op: &Operation) -> String {
     match op.get_attr_string("shared_name") {
         Ok(name) if !name.is_empty() => name,
         _ => op.name().unwrap_or_default(),
@@ -190,7 +206,7 @@ pub(super) fn shared_name(op: &Operation) -> String {
 
 /// The `VarHandleOp`s that `roots` depend on, in depth-first order of the
 /// inputs (the order the functions capture them in: a model's definition order).
-pub(super) fn reachable_handles(roots: &[Operation]) -> Vec<Operation> {
+fn reachable_handles(roots: &[Operation]) -> Vec<Operation> {
     let mut seen = BTreeSet::new();
     let mut found = Vec::new();
     let mut stack: Vec<Operation> = roots.iter().rev().cloned().collect();
@@ -215,10 +231,9 @@ pub(super) fn reachable_handles(roots: &[Operation]) -> Vec<Operation> {
 /// The readable name of each handle (see [`SavedModelModule`]'s "Variables"): the
 /// shared name, less a `_<n>` suffix where the graph also holds a handle of the
 /// bare name that is not saved (Keras's traced copy), unless names would collide.
-pub(super) fn variable_names(
-    handles: &[Operation],
-    graph_handles: &BTreeSet<String>,
-) -> Vec<String> {
+///
+/// [`SavedModelModule`]: crate::SavedModelModule
+fn variable_names(handles: &[Operation], graph_handles: &BTreeSet<String>) -> Vec<String> {
     let raw: Vec<String> = handles.iter().map(shared_name).collect();
     let saved: BTreeSet<&str> = raw.iter().map(String::as_str).collect();
     let cleaned: Vec<String> = raw
@@ -303,7 +318,7 @@ pub(super) fn variables(model: &SavedModel, serve: &Signature, train: &Signature
         let data_type = handle
             .get_attr_type("dtype")
             .map_err(|s| tf_error(&format!("reading the dtype of variable `{name}`"), s))?;
-        let dtype = super::super::TensorDType::from_tf(data_type);
+        let dtype = TensorDType::from_tf(data_type);
         let Some(dtype) = dtype.kiln() else {
             return Err(Error::unsupported(format!(
                 "variable `{name}` of the SavedModel {dir} has dtype {dtype}, which Kiln \
@@ -326,7 +341,7 @@ pub(super) fn variables(model: &SavedModel, serve: &Signature, train: &Signature
         Vec::new()
     } else {
         run_session(
-            &model.session,
+            model.session(),
             &[],
             &fetches,
             &[],
@@ -334,7 +349,7 @@ pub(super) fn variables(model: &SavedModel, serve: &Signature, train: &Signature
         )?
     };
 
-    let objects = &model.objects;
+    let objects = model.objects();
     let mut variables = Vec::with_capacity(handles.len());
     for (((handle, name), (read, dtype, data_type, handle_out)), value) in
         handles.iter().zip(names).zip(reads).zip(values)
