@@ -465,9 +465,8 @@ pub fn train<B: TrainBackend>(text: &str, out: &Path, s: &Settings) -> Result<Tr
     B::manual_seed(s.seed);
     let model = B::build_model(&definition(v, s), s.device)?;
     println!("model: {} parameters", model.num_parameters()?);
-    let optimizer = B::build_optimizer(
+    let optimizer = model.build_optimizer(
         &OptimizerConfig::AdamW(AdamWConfig::new(s.lr).with_weight_decay(0.01)),
-        &model,
         &[],
     )?;
     let steps = s.epochs * train.num_batches() as u64;

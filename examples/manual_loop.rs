@@ -18,7 +18,7 @@
 //! ```
 //!
 //! written against [`TrainBackend`]: the model is built from a [`Layer`]
-//! definition by the backend, `TrainBackend::train_step` runs forward, loss,
+//! definition by the backend, `Trainable::train_step` runs forward, loss,
 //! backward and the optimizer step (on TensorFlow as one compiled program),
 //! `TrainBackend::eval_step` gives the loss and the logits without gradients,
 //! and the learning-rate schedule is stepped by hand after each epoch. The
@@ -151,9 +151,8 @@ pub fn train<B: TrainBackend>(options: &Options) -> Result<Report> {
     let val_loader = SequentialLoader::new(InMemoryDataset::new(val_x, val_y)?, 256)?;
 
     let mut model = B::build_model(&definition(), options.device)?;
-    let mut optimizer = B::build_optimizer(
+    let mut optimizer = model.build_optimizer(
         &OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(1e-2)),
-        &model,
         &[],
     )?;
     // torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs, eta_min=1e-5)
@@ -192,7 +191,7 @@ pub fn train<B: TrainBackend>(options: &Options) -> Result<Report> {
             let y = B::from_host(&batch.targets, options.device)?;
             optimizer.zero_grad()?;
             // forward, loss, backward, optimizer.step(); returns loss.item()
-            let loss = B::train_step(&mut model, &mut optimizer, &x, &y, &plan)?;
+            let loss = model.train_step(&mut optimizer, &x, &y, &plan)?;
             if !loss.is_finite() {
                 bail!("epoch {}: the training loss is {loss}", epoch + 1);
             }
@@ -208,7 +207,7 @@ pub fn train<B: TrainBackend>(options: &Options) -> Result<Report> {
             let batch = batch?;
             let x = B::from_host(&batch.inputs, options.device)?;
             let y = B::from_host(&batch.targets, options.device)?;
-            let (loss, logits) = B::eval_step(&model, &loss_fn, &x, &y)?; // under no_grad
+            let (loss, logits) = model.eval_step(&loss_fn, &x, &y)?; // under no_grad
             let rows = batch.targets.numel();
             val_loss += loss * rows as f64; // the loss is the batch's mean
             correct += count_correct(&logits, &batch.targets)?;

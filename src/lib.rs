@@ -25,6 +25,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(feature = "torch")]
+pub use kiln_c10d as c10d;
 pub use kiln_core as core;
 pub use kiln_data as data;
 pub use kiln_onnx as onnx;
@@ -39,8 +41,6 @@ pub use kiln_tf as tf;
 pub use kiln_tf_op as tf_op;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
-#[cfg(feature = "torch")]
-pub use kiln_c10d as c10d;
 /// Registers Rust ops ([`op`]) in libtorch.
 #[cfg(feature = "torch")]
 pub use kiln_torch_op as torch_op;

@@ -314,7 +314,7 @@ fn forward_and_gradients_agree_within_1e5() {
     }
 }
 
-/// Losses of `steps` training steps through `B::train_step` on fixed batches.
+/// Losses of `steps` training steps through `Trainable::train_step` on fixed batches.
 fn train<B: TrainBackend>(
     model: &mut B::Model,
     optimizer: &mut B::Optim,
@@ -332,14 +332,14 @@ fn train<B: TrainBackend>(
                 apply: true,
                 clip: None,
             };
-            B::train_step(
-                model,
-                optimizer,
-                &B::from_host(&x, Device::Cpu).unwrap(),
-                &B::from_host(&y, Device::Cpu).unwrap(),
-                &plan,
-            )
-            .unwrap()
+            model
+                .train_step(
+                    optimizer,
+                    &B::from_host(&x, Device::Cpu).unwrap(),
+                    &B::from_host(&y, Device::Cpu).unwrap(),
+                    &plan,
+                )
+                .unwrap()
         })
         .collect()
 }
@@ -362,8 +362,8 @@ fn fifty_steps_of_sgd_and_adam_agree_within_1e4() {
     for case in cases() {
         for config in &optimizers {
             let (mut torch, mut tf) = pair(&case);
-            let mut t_opt = TorchBackend::build_optimizer(config, &torch, &[]).unwrap();
-            let mut f_opt = TfBackend::build_optimizer(config, &tf, &[]).unwrap();
+            let mut t_opt = torch.build_optimizer(config, &[]).unwrap();
+            let mut f_opt = tf.build_optimizer(config, &[]).unwrap();
             let runs_before = tf.session_runs().unwrap();
             let t_losses = train::<TorchBackend>(&mut torch, &mut t_opt, &case, 50, 10);
             let f_losses = train::<TfBackend>(&mut tf, &mut f_opt, &case, 50, 10);
@@ -410,14 +410,14 @@ fn checkpoints_resume_across_backends() {
 
     // Reference: 20 steps on torch alone.
     let (mut torch, _) = pair(case);
-    let mut t_opt = TorchBackend::build_optimizer(&config, &torch, &[]).unwrap();
+    let mut t_opt = torch.build_optimizer(&config, &[]).unwrap();
     let reference = train::<TorchBackend>(&mut torch, &mut t_opt, case, 20, 0);
 
     // 10 steps on torch, checkpoint, 10 more on TensorFlow; and the reverse.
     for (first, second) in [("torch", "tensorflow"), ("tensorflow", "torch")] {
         let (mut torch, mut tf) = pair(case);
-        let mut t_opt = TorchBackend::build_optimizer(&config, &torch, &[]).unwrap();
-        let mut f_opt = TfBackend::build_optimizer(&config, &tf, &[]).unwrap();
+        let mut t_opt = torch.build_optimizer(&config, &[]).unwrap();
+        let mut f_opt = tf.build_optimizer(&config, &[]).unwrap();
         let mut losses = Vec::new();
         let path = dir.join(format!("{first}.safetensors"));
         let checkpoint = |model: StateDict, optimizer: StateDict, backend: &str| Checkpoint {
@@ -527,8 +527,8 @@ fn every_optimizer_groups_accumulation_and_clipping_agree() {
         let accumulate = if i % 2 == 0 { 1 } else { 2 };
         let group_list: &[ParamGroup] = if i % 3 == 1 { &groups } else { &[] };
         let (mut torch, mut tf) = pair(case);
-        let mut t_opt = TorchBackend::build_optimizer(config, &torch, group_list).unwrap();
-        let mut f_opt = TfBackend::build_optimizer(config, &tf, group_list).unwrap();
+        let mut t_opt = torch.build_optimizer(config, group_list).unwrap();
+        let mut f_opt = tf.build_optimizer(config, group_list).unwrap();
         let mut worst_loss = 0.0f64;
         for step in 0..20u64 {
             t_opt.zero_grad().unwrap();
@@ -541,22 +541,22 @@ fn every_optimizer_groups_accumulation_and_clipping_agree() {
                     apply: micro + 1 == accumulate,
                     clip: clip.as_ref(),
                 };
-                let a = TorchBackend::train_step(
-                    &mut torch,
-                    &mut t_opt,
-                    &TorchBackend::from_host(&x, Device::Cpu).unwrap(),
-                    &TorchBackend::from_host(&y, Device::Cpu).unwrap(),
-                    &plan,
-                )
-                .unwrap();
-                let b = TfBackend::train_step(
-                    &mut tf,
-                    &mut f_opt,
-                    &TfBackend::from_host(&x, Device::Cpu).unwrap(),
-                    &TfBackend::from_host(&y, Device::Cpu).unwrap(),
-                    &plan,
-                )
-                .unwrap();
+                let a = torch
+                    .train_step(
+                        &mut t_opt,
+                        &TorchBackend::from_host(&x, Device::Cpu).unwrap(),
+                        &TorchBackend::from_host(&y, Device::Cpu).unwrap(),
+                        &plan,
+                    )
+                    .unwrap();
+                let b = tf
+                    .train_step(
+                        &mut f_opt,
+                        &TfBackend::from_host(&x, Device::Cpu).unwrap(),
+                        &TfBackend::from_host(&y, Device::Cpu).unwrap(),
+                        &plan,
+                    )
+                    .unwrap();
                 worst_loss = worst_loss.max((a - b).abs());
             }
         }
@@ -589,9 +589,9 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
     };
     TfBackend::manual_seed(1);
     let mut tf = TfBackend::build_model(&spec, Device::Cpu).unwrap();
-    let mut opt =
-        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &tf, &[])
-            .unwrap();
+    let mut opt = tf
+        .build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &[])
+        .unwrap();
     let plan = StepPlan {
         loss: &loss,
         scale: 1.0,
@@ -601,14 +601,16 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
     let x = HostTensor::new(noise(24, 1), [4, 6]).unwrap();
     let y = HostTensor::new(noise(8, 2), [4, 2]).unwrap();
     let to_tf = |h: &HostTensor| TfBackend::from_host(h, Device::Cpu).unwrap();
-    TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&y), &plan).unwrap();
+    tf.train_step(&mut opt, &to_tf(&x), &to_tf(&y), &plan)
+        .unwrap();
     let (model_before, opt_before) = (tf.state_dict().unwrap(), opt.state_dict().unwrap());
     for bad in [f32::NAN, f32::INFINITY] {
         let mut values = noise(8, 2);
         values[3] = bad;
         let poisoned = HostTensor::new(values, [4, 2]).unwrap();
-        let value =
-            TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&poisoned), &plan).unwrap();
+        let value = tf
+            .train_step(&mut opt, &to_tf(&x), &to_tf(&poisoned), &plan)
+            .unwrap();
         assert!(
             !value.is_finite(),
             "the non-finite loss is reported: {value}"
@@ -617,7 +619,9 @@ fn a_non_finite_loss_leaves_the_model_and_optimizer_unchanged() {
         assert_eq!(opt.state_dict().unwrap(), opt_before);
     }
     // And training goes on.
-    let value = TfBackend::train_step(&mut tf, &mut opt, &to_tf(&x), &to_tf(&y), &plan).unwrap();
+    let value = tf
+        .train_step(&mut opt, &to_tf(&x), &to_tf(&y), &plan)
+        .unwrap();
     assert!(value.is_finite());
     assert_ne!(tf.state_dict().unwrap(), model_before);
 }
@@ -645,8 +649,8 @@ fn tensorflow_gradients_then_apply_equals_a_training_step() {
     let mut fused = TfBackend::build_model(&spec, Device::Cpu).unwrap();
     let mut split = TfBackend::build_model(&spec, Device::Cpu).unwrap();
     split.load_state_dict(&fused.state_dict().unwrap()).unwrap();
-    let mut fused_opt = TfBackend::build_optimizer(&config, &fused, &[]).unwrap();
-    let mut split_opt = TfBackend::build_optimizer(&config, &split, &[]).unwrap();
+    let mut fused_opt = fused.build_optimizer(&config, &[]).unwrap();
+    let mut split_opt = split.build_optimizer(&config, &[]).unwrap();
     let plan = StepPlan {
         loss: &loss,
         scale: 1.0,
@@ -657,7 +661,7 @@ fn tensorflow_gradients_then_apply_equals_a_training_step() {
     for step in 0..3u64 {
         let x = to_tf(&HostTensor::new(noise(24, 10 + step), [4, 6]).unwrap());
         let y = to_tf(&HostTensor::new(noise(8, 20 + step), [4, 2]).unwrap());
-        let fused_loss = TfBackend::train_step(&mut fused, &mut fused_opt, &x, &y, &plan).unwrap();
+        let fused_loss = fused.train_step(&mut fused_opt, &x, &y, &plan).unwrap();
         let (split_loss, grads) = split.gradients(&loss, &x, &y).unwrap();
         assert_eq!(grads.len(), 4, "every parameter has a gradient");
         split_opt.apply_gradients(&grads, Some(&clip)).unwrap();

@@ -9,6 +9,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln::core::backend::Trainable;
 use kiln::core::{
     backend::{StepPlan, TrainBackend},
     loss::{Loss, Reduction},
@@ -63,7 +64,9 @@ fn model<B: TrainBackend>() -> B::Model {
 }
 
 fn sgd<B: TrainBackend>(model: &B::Model) -> B::Optim {
-    B::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(LR)), model, &[]).unwrap()
+    model
+        .build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(LR)), &[])
+        .unwrap()
 }
 
 /// The hand-derived forward pass, loss and gradients on `rows` of the batch.
@@ -134,7 +137,7 @@ fn step<B: TrainBackend>(
     plan: &StepPlan<'_>,
 ) -> kiln::Result<f64> {
     optimizer.zero_grad()?;
-    B::train_step(model, optimizer, x, t, plan)
+    model.train_step(optimizer, x, t, plan)
 }
 
 fn plan<'a>(loss: &'a Loss, scale: f64, apply: bool, clip: Option<&'a GradClip>) -> StepPlan<'a> {
@@ -150,16 +153,12 @@ fn eval_step_gives_the_hand_computed_loss_and_output<B: TrainBackend>() {
     let mut model = model::<B>();
     model.set_mode(kiln::core::backend::Mode::Eval);
     let expected = reference(0..4);
-    let (loss, output) = B::eval_step(
-        &model,
-        &mse(),
-        &tensor::<B>(&host(&X)),
-        &tensor::<B>(&targets(&T)),
-    )
-    .unwrap();
+    let (loss, output) = model
+        .eval_step(&mse(), &tensor::<B>(&host(&X)), &tensor::<B>(&targets(&T)))
+        .unwrap();
     assert_close(&[loss], &[expected.loss], "loss");
     assert_close(&output.to_f64_vec(), &expected.output, "output");
-    let predicted = B::predict_step(&model, &tensor::<B>(&host(&X))).unwrap();
+    let predicted = model.predict_step(&tensor::<B>(&host(&X))).unwrap();
     assert_eq!(predicted, output, "predict_step gives eval_step's output");
 }
 
@@ -168,14 +167,14 @@ fn one_sgd_step_matches_the_hand_derived_update<B: TrainBackend>() {
     let mut optimizer = sgd::<B>(&model);
     let expected = reference(0..4);
     let loss = mse();
-    let value = B::train_step(
-        &mut model,
-        &mut optimizer,
-        &tensor::<B>(&host(&X)),
-        &tensor::<B>(&targets(&T)),
-        &plan(&loss, 1.0, true, None),
-    )
-    .unwrap();
+    let value = model
+        .train_step(
+            &mut optimizer,
+            &tensor::<B>(&host(&X)),
+            &tensor::<B>(&targets(&T)),
+            &plan(&loss, 1.0, true, None),
+        )
+        .unwrap();
     assert_close(&[value], &[expected.loss], "the returned loss");
     assert_sgd_update::<B>(&model, expected.grad_w, expected.grad_b);
 }
@@ -186,14 +185,14 @@ fn accumulating_two_halves_equals_one_step_on_the_whole_batch<B: TrainBackend>()
     let loss = mse();
     for (rows, apply) in [(0..2, false), (2..4, true)] {
         let before = model.state_dict().unwrap();
-        B::train_step(
-            &mut model,
-            &mut optimizer,
-            &tensor::<B>(&host(&X[rows.clone()])),
-            &tensor::<B>(&targets(&T[rows])),
-            &plan(&loss, 0.5, apply, None),
-        )
-        .unwrap();
+        model
+            .train_step(
+                &mut optimizer,
+                &tensor::<B>(&host(&X[rows.clone()])),
+                &tensor::<B>(&targets(&T[rows])),
+                &plan(&loss, 0.5, apply, None),
+            )
+            .unwrap();
         if !apply {
             assert_eq!(model.state_dict().unwrap(), before, "nothing applied yet");
         }
@@ -208,14 +207,14 @@ fn clipping_by_value_matches_the_hand_derived_update<B: TrainBackend>() {
     let mut optimizer = sgd::<B>(&model);
     let clip = GradClip::Value { clip_value: 0.3 };
     let loss = mse();
-    B::train_step(
-        &mut model,
-        &mut optimizer,
-        &tensor::<B>(&host(&X)),
-        &tensor::<B>(&targets(&T)),
-        &plan(&loss, 1.0, true, Some(&clip)),
-    )
-    .unwrap();
+    model
+        .train_step(
+            &mut optimizer,
+            &tensor::<B>(&host(&X)),
+            &tensor::<B>(&targets(&T)),
+            &plan(&loss, 1.0, true, Some(&clip)),
+        )
+        .unwrap();
     let expected = reference(0..4);
     let clamp = |g: f64| g.clamp(-0.3, 0.3);
     assert!(
@@ -230,7 +229,7 @@ fn clipping_by_value_matches_the_hand_derived_update<B: TrainBackend>() {
 fn a_non_finite_loss_changes_nothing<B: TrainBackend>() {
     let mut model = model::<B>();
     let config = OptimizerConfig::Adam(AdamConfig::new(1e-2));
-    let mut optimizer = B::build_optimizer(&config, &model, &[]).unwrap();
+    let mut optimizer = model.build_optimizer(&config, &[]).unwrap();
     let loss = mse();
     let good = plan(&loss, 1.0, true, None);
     let (x, t) = (tensor::<B>(&host(&X)), tensor::<B>(&targets(&T)));
@@ -264,7 +263,7 @@ fn state_dicts_resume_into_fresh_objects<B: TrainBackend>() {
     let one = plan(&loss, 1.0, true, None);
     let (x, t) = (tensor::<B>(&host(&X)), tensor::<B>(&targets(&T)));
     let mut model = model::<B>();
-    let mut optimizer = B::build_optimizer(&config, &model, &[]).unwrap();
+    let mut optimizer = model.build_optimizer(&config, &[]).unwrap();
     for _ in 0..2 {
         step::<B>(&mut model, &mut optimizer, &x, &t, &one).unwrap();
     }
@@ -272,7 +271,7 @@ fn state_dicts_resume_into_fresh_objects<B: TrainBackend>() {
     resumed
         .load_state_dict(&model.state_dict().unwrap())
         .unwrap();
-    let mut resumed_optimizer = B::build_optimizer(&config, &resumed, &[]).unwrap();
+    let mut resumed_optimizer = resumed.build_optimizer(&config, &[]).unwrap();
     resumed_optimizer
         .load_state_dict(&optimizer.state_dict().unwrap())
         .unwrap();
@@ -291,14 +290,14 @@ fn a_batch_of_the_wrong_width_is_an_error_and_changes_nothing<B: TrainBackend>()
     let before = model.state_dict().unwrap();
     let loss = mse();
     let wide = HostTensor::new(vec![0.5f32; 8], [2, 4]).unwrap();
-    let err = B::train_step(
-        &mut model,
-        &mut optimizer,
-        &tensor::<B>(&wide),
-        &tensor::<B>(&targets(&T[..2])),
-        &plan(&loss, 1.0, true, None),
-    )
-    .unwrap_err();
+    let err = model
+        .train_step(
+            &mut optimizer,
+            &tensor::<B>(&wide),
+            &tensor::<B>(&targets(&T[..2])),
+            &plan(&loss, 1.0, true, None),
+        )
+        .unwrap_err();
     let message = err.to_string();
     assert!(message.contains('3') && message.contains('4'), "{message}");
     assert_eq!(model.state_dict().unwrap(), before);

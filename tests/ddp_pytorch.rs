@@ -11,7 +11,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kiln::core::backend::{Backend, StepPlan, TrainBackend};
+use kiln::c10d::{data_parallel, ProcessGroup};
+use kiln::core::backend::{Backend, StepPlan, Trainable};
 use kiln::core::distributed::{DistributedOptions, Rendezvous};
 use kiln::core::loss::Loss;
 use kiln::core::model::{Layer, LinearConfig};
@@ -20,7 +21,6 @@ use kiln::core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
 use kiln::core::state_dict::StateDict;
 use kiln::core::{Device, HostTensor, Result};
 use kiln::data::{DataLoader, DistributedSampler, InMemoryDataset, PrefetchLoader};
-use kiln::torch::distributed::ProcessGroup;
 use kiln::torch::{TorchBackend, TorchModel};
 
 const ROLE: &str = "KILN_DDP_TEST_DIR";
@@ -57,9 +57,8 @@ fn rank(dir: &Path) -> Result<()> {
     let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
     let (init, _) = StateDict::load_safetensors(dir.join("init.safetensors"))?;
     model.load_state_dict(&init)?;
-    TorchBackend::distribute(&mut model, group.clone(), &options)?;
-    let mut opt =
-        TorchBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &model, &[])?;
+    let mut model = data_parallel(model, group.clone(), &options)?;
+    let mut opt = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &[])?;
     let (x, y) = data()?;
     let sampler = DistributedSampler::new(rendezvous.world_size, rendezvous.rank)?.shuffle(SEED);
     let loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, BATCH)?.sampler(sampler);
@@ -81,9 +80,7 @@ fn rank(dir: &Path) -> Result<()> {
             opt.zero_grad()?;
             let inputs = TorchBackend::from_host(&batch.inputs, Device::Cpu)?;
             let targets = TorchBackend::from_host(&batch.targets, Device::Cpu)?;
-            losses.push(TorchBackend::train_step(
-                &mut model, &mut opt, &inputs, &targets, &plan,
-            )?);
+            losses.push(model.train_step(&mut opt, &inputs, &targets, &plan)?);
         }
     }
     if rendezvous.rank == 0 {

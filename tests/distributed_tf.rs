@@ -6,7 +6,7 @@
 //!
 //! - Two ranks with `B` rows each equal one process with `2B` rows (MLP, Adam,
 //!   clipping by norm, gradient accumulation 2), and end bit for bit alike.
-//! - `distribute` gives every rank rank 0's parameters and buffers.
+//! - `kiln::tf::data_parallel` gives every rank rank 0's parameters and buffers.
 //! - Batch-norm buffers follow rank 0 (`broadcast_buffers`).
 //! - A loss that is not finite on one rank is skipped by every rank, and
 //!   changes nothing.
@@ -15,15 +15,17 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kiln::c10d::ProcessGroup;
+use kiln::core::backend::Trainable;
 use kiln::core::backend::{Backend, StepPlan, TrainBackend};
 use kiln::core::distributed::{Collectives, DistributedOptions, Rendezvous};
 use kiln::core::loss::Loss;
 use kiln::core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
 use kiln::core::module::Module;
 use kiln::core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
+use kiln::core::strategy::{DataParallel, NoHooks, StepHooks};
 use kiln::core::{DType, Device, HostTensor, Result};
 use kiln::tf::{TfBackend, TfModel, TfTensor};
-use kiln::torch::distributed::ProcessGroup;
 
 /// The variable that makes this binary a rank instead of a test driver.
 const ROLE: &str = "KILN_DIST_TF_TEST_ROLE";
@@ -203,7 +205,7 @@ fn shard(t: &HostTensor, rank: usize, world: usize) -> Result<HostTensor> {
 }
 
 /// Every parameter and float buffer, flattened, in state-dict order.
-fn weights(model: &TfModel) -> Result<Vec<f32>> {
+fn weights(model: &impl Module<TfBackend>) -> Result<Vec<f32>> {
     let state = Module::<TfBackend>::state_dict(model)?;
     let mut out = Vec::new();
     for (_, value) in state.iter() {
@@ -213,7 +215,7 @@ fn weights(model: &TfModel) -> Result<Vec<f32>> {
 }
 
 /// Every parameter, flattened.
-fn parameters(model: &TfModel) -> Result<Vec<f32>> {
+fn parameters(model: &impl Module<TfBackend>) -> Result<Vec<f32>> {
     Ok(Module::<TfBackend>::named_parameters(model)?
         .iter()
         .map(|(_, t)| Ok(t.to_host()?.as_slice::<f32>()?.to_vec()))
@@ -239,26 +241,39 @@ fn max_diff(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// A model trained by these tests: inside `DataParallel` with the TensorFlow
+/// engine when distributed, or with no hooks (which trains as the bare model).
+type Wrapped = DataParallel<TfModel, Box<dyn StepHooks<TfBackend>>>;
+
 /// A model of `spec` with weights from `seed`, distributed over `group` if given.
-fn build(spec: &Layer, seed: u64, group: Option<Arc<ProcessGroup>>) -> Result<TfModel> {
+fn build(spec: &Layer, seed: u64, group: Option<Arc<ProcessGroup>>) -> Result<Wrapped> {
     TfBackend::manual_seed(seed);
-    let mut model = TfBackend::build_model(spec, Device::Cpu)?;
-    if let Some(group) = group {
-        TfBackend::distribute(&mut model, group, &DistributedOptions::default())?;
-    }
-    Ok(model)
+    let model = TfBackend::build_model(spec, Device::Cpu)?;
+    let hooks: Box<dyn StepHooks<TfBackend>> = match group {
+        Some(group) => Box::new(kiln::tf::GradientAllReduce::new(
+            &model,
+            group,
+            &DistributedOptions::default(),
+        )?),
+        None => Box::new(NoHooks),
+    };
+    Ok(DataParallel::new(model, hooks)?)
+}
+
+/// This process's rank and the world size when `model` trains across ranks.
+fn rank_of(model: &Wrapped) -> Option<(usize, usize)> {
+    model.collectives().map(|g| (g.rank(), g.world_size()))
 }
 
 /// Trains `model` on `batches` (this rank's shard of each when distributed),
 /// returning the per-micro-batch losses. At micro-batch `poison` (if any),
 /// rank 1's inputs are NaN.
 fn train(
-    model: &mut TfModel,
+    model: &mut Wrapped,
     batches: &[(HostTensor, HostTensor)],
     poison: Option<usize>,
 ) -> Result<Vec<f64>> {
-    let mut opt =
-        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), model, &[])?;
+    let mut opt = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &[])?;
     let loss = Loss::cross_entropy();
     let clip = GradClip::Norm {
         max_norm: 0.5,
@@ -266,7 +281,7 @@ fn train(
     };
     let mut losses = Vec::new();
     for (i, (x, y)) in batches.iter().enumerate() {
-        let (x, y) = match model.distributed_rank() {
+        let (x, y) = match rank_of(model) {
             Some((rank, world)) => (shard(x, rank, world)?, shard(y, rank, world)?),
             None => (x.clone(), y.clone()),
         };
@@ -282,7 +297,7 @@ fn train(
         };
         let y = TfTensor::from_host(&y)?;
         if poison == Some(i) {
-            let nan_on_rank_1 = model.distributed_rank().is_some_and(|(r, _)| r == 1);
+            let nan_on_rank_1 = rank_of(model).is_some_and(|(r, _)| r == 1);
             let x_bad = if nan_on_rank_1 {
                 HostTensor::new(vec![f32::NAN; x.numel()], x.dims().to_vec())?
             } else {
@@ -292,8 +307,7 @@ fn train(
             // parameters are what is compared here; the buffers are compared
             // with a run without the NaN by the caller.
             let before = parameters(model)?;
-            let value =
-                TfBackend::train_step(model, &mut opt, &TfTensor::from_host(&x_bad)?, &y, &plan)?;
+            let value = model.train_step(&mut opt, &TfTensor::from_host(&x_bad)?, &y, &plan)?;
             assert!(value.is_nan(), "every rank sees the NaN: {value}");
             assert_eq!(
                 parameters(model)?,
@@ -302,14 +316,14 @@ fn train(
             );
         }
         let x = TfTensor::from_host(&x)?;
-        losses.push(TfBackend::train_step(model, &mut opt, &x, &y, &plan)?);
+        losses.push(model.train_step(&mut opt, &x, &y, &plan)?);
     }
     Ok(losses)
 }
 
 /// Two ranks with `B` rows each against one process with `2B` rows: the same
 /// losses and weights, with Adam, clipping by norm and gradient accumulation;
-/// rank 1 starts from other weights, which `distribute` replaces by rank 0's.
+/// rank 1 starts from other weights, which `data_parallel` replaces by rank 0's.
 #[test]
 fn two_ranks_of_b_equal_one_process_of_2b() -> Result<()> {
     if !is_rank() {
@@ -319,12 +333,12 @@ fn two_ranks_of_b_equal_one_process_of_2b() -> Result<()> {
     let group = join()?;
     let batches = data(false)?;
     let mut model = build(&mlp(), 7 + group.rank() as u64, Some(group.clone()))?;
-    let runs = model.session_runs()?;
+    let runs = model.module().session_runs()?;
     let losses = train(&mut model, &batches, None)?;
     // One session run to initialise the optimizer, then per step one per
     // micro-batch (its gradients) and one to apply their average.
     assert_eq!(
-        model.session_runs()? - runs,
+        model.module().session_runs()? - runs,
         (1 + STEPS * (ACCUMULATE + 1)) as u64
     );
     let trained = weights(&model)?;
@@ -350,7 +364,7 @@ fn two_ranks_of_b_equal_one_process_of_2b() -> Result<()> {
 }
 
 /// Ranks built from different seeds, with different buffers (batch norm's
-/// float statistics and int64 step count), hold rank 0's after `distribute`,
+/// float statistics and int64 step count), hold rank 0's after `data_parallel`,
 /// bit for bit.
 #[test]
 fn distribute_gives_every_rank_rank_zeros_variables() -> Result<()> {
@@ -382,8 +396,11 @@ fn distribute_gives_every_rank_rank_zeros_variables() -> Result<()> {
             "rank 1 starts from other weights"
         );
     }
-    TfBackend::distribute(&mut model, group.clone(), &DistributedOptions::default())?;
-    assert_eq!(model.distributed_rank(), Some((rank, 2)));
+    let model = kiln::tf::data_parallel(model, group.clone(), &DistributedOptions::default())?;
+    assert_eq!(
+        model.collectives().map(|g| (g.rank(), g.world_size())),
+        Some((rank, 2))
+    );
     let state = Module::<TfBackend>::state_dict(&model)?;
     assert_eq!(state.len(), rank0_state.len());
     for (name, value) in rank0_state.iter() {
@@ -410,7 +427,7 @@ fn batch_norm_buffers_follow_rank_zero() -> Result<()> {
     let losses = train(&mut model, &batches, None)?;
     assert!(losses.iter().all(|l| l.is_finite()));
     assert!(same_as_rank_zero(group.as_ref(), &parameters(&model)?)?);
-    let buffers = |model: &TfModel| -> Result<Vec<f32>> {
+    let buffers = |model: &Wrapped| -> Result<Vec<f32>> {
         Ok(Module::<TfBackend>::named_buffers(model)?
             .iter()
             .map(|(_, t)| {

@@ -64,7 +64,9 @@ fn data(poison_row: Option<usize>) -> (HostTensor, HostTensor) {
 fn state(seed: u64) -> TrainingState<B> {
     B::manual_seed(seed);
     let model = B::build_model(&spec(), Device::Cpu).unwrap();
-    let opt = B::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[]).unwrap();
+    let opt = model
+        .build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &[])
+        .unwrap();
     TrainingState::new(model, opt, None)
 }
 
@@ -301,12 +303,12 @@ fn resume_is_bitwise(precision: FloatPrecision) -> TrainingState<B> {
     let make = || {
         let mut model = B::build_model(&spec, Device::Cpu).unwrap();
         B::set_precision(&mut model, precision).unwrap();
-        let opt = B::build_optimizer(
-            &OptimizerConfig::Adam(kiln::core::optim::AdamConfig::new(0.01)),
-            &model,
-            &[],
-        )
-        .unwrap();
+        let opt = model
+            .build_optimizer(
+                &OptimizerConfig::Adam(kiln::core::optim::AdamConfig::new(0.01)),
+                &[],
+            )
+            .unwrap();
         let schedule =
             kiln::core::schedule::SchedulerConfig::StepLr(kiln::core::schedule::StepLrConfig {
                 step_size: 2,
@@ -434,7 +436,9 @@ fn a_checkpoint_of_another_model_is_refused_naming_file_and_key() {
         LinearConfig::new(9, 1).into(),
     ]);
     let model = B::build_model(&wide, Device::Cpu).unwrap();
-    let opt = B::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[]).unwrap();
+    let opt = model
+        .build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &[])
+        .unwrap();
     let mut other = TrainingState::<B>::new(model, opt, None);
     let before = other.model.state_dict().unwrap();
     let last = Checkpointer::last_path(&dir);

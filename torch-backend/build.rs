@@ -31,7 +31,7 @@ fn main() {
             .cuda_source("src/graph/cuda_graph.cc");
     }
     bridges.compile().unwrap_or_else(|e| {
-        println!("cargo:warning=kiln-torch: {e}");
+        println!("cargo:warning=kiln-torch: {}", e.display_chain());
         std::process::exit(1);
     });
     for header in [

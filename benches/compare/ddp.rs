@@ -1,5 +1,5 @@
 //! (h) Data-parallel training on two ranks of this machine, one intra-op thread
-//! each: Kiln's DDP (`TorchBackend::distribute`, c10d's `Reducer` over a Gloo
+//! each: Kiln's DDP (`kiln::c10d::data_parallel`, c10d's `Reducer` over a Gloo
 //! `ProcessGroup`) against PyTorch's `DistributedDataParallel` under `torchrun`,
 //! on the models, data and batch of (a)-(c); and the all-reduce alone (the latency
 //! of one float, the bandwidth of 100 MB), Kiln's `ProcessGroup::all_reduce`
@@ -25,13 +25,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
+use kiln::c10d::{data_parallel, DistributedDataParallel, ProcessGroup};
 use kiln::core::{
-    backend::{EagerBackend, StepPlan, TrainBackend},
+    backend::{EagerBackend, StepPlan, TrainBackend, Trainable},
     distributed::{CommBackend, DistributedOptions, ReduceOp, Rendezvous},
     loss::Loss,
     optim::{AdamConfig, Optimizer, OptimizerConfig},
 };
-use kiln::torch::distributed::{DistributedDataParallel, ProcessGroup};
 use kiln::torch::TorchBackend;
 use kiln::{Backend, Device, Module};
 use serde_json::{json, Value};
@@ -349,18 +349,18 @@ fn train(
     let adam = OptimizerConfig::Adam(AdamConfig::new(1e-3));
 
     TorchBackend::manual_seed(0);
-    let mut model = TorchBackend::build_model(&w.spec(), Device::Cpu)?;
-    TorchBackend::distribute(&mut model, group.clone(), options)?;
-    let mut optimizer = TorchBackend::build_optimizer(&adam, &model, &[])?;
+    let model = TorchBackend::build_model(&w.spec(), Device::Cpu)?;
+    let mut model = data_parallel(model, group.clone(), options)?;
+    let mut optimizer = model.build_optimizer(&adam, &[])?;
     // The same model without DDP: its step is the compute alone.
     TorchBackend::manual_seed(0);
     let mut local = TorchBackend::build_model(&w.spec(), Device::Cpu)?;
-    let mut local_optimizer = TorchBackend::build_optimizer(&adam, &local, &[])?;
+    let mut local_optimizer = local.build_optimizer(&adam, &[])?;
     // Kiln's data-parallel step without its one-float all-reduce of the loss:
     // the step of `train_step` rebuilt from DDP's hooks, the loss read locally.
     TorchBackend::manual_seed(0);
     let bare = TorchBackend::build_model(&w.spec(), Device::Cpu)?;
-    let mut bare_optimizer = TorchBackend::build_optimizer(&adam, &bare, &[])?;
+    let mut bare_optimizer = bare.build_optimizer(&adam, &[])?;
     let bare_ddp = DistributedDataParallel::new(
         group.clone(),
         &bare.named_parameters()?,
@@ -387,7 +387,7 @@ fn train(
         for _ in 0..n {
             let (x, y) = &batches[next % batches.len()];
             optimizer.zero_grad()?;
-            last_loss = TorchBackend::train_step(&mut model, &mut optimizer, x, y, &plan)?;
+            last_loss = model.train_step(&mut optimizer, x, y, &plan)?;
             next += 1;
         }
         Ok(())
@@ -396,7 +396,7 @@ fn train(
         for _ in 0..n {
             let (x, y) = &batches[next_local % batches.len()];
             local_optimizer.zero_grad()?;
-            TorchBackend::train_step(&mut local, &mut local_optimizer, x, y, &plan)?;
+            local.train_step(&mut local_optimizer, x, y, &plan)?;
             next_local += 1;
         }
         Ok(())

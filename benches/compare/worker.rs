@@ -257,7 +257,7 @@ pub(crate) fn to_device<B: TrainBackend>(
         .collect()
 }
 
-/// Kiln's training step (`TrainBackend::train_step`: forward, loss, backward,
+/// Kiln's training step (`Trainable::train_step`: forward, loss, backward,
 /// optimizer step; one session run on TensorFlow) on batches already on the device.
 pub(crate) fn kiln_step<B: TrainBackend>(
     a: &WorkerArgs,
@@ -268,7 +268,7 @@ pub(crate) fn kiln_step<B: TrainBackend>(
     let mut model = B::build_model(&a.workload.spec(), a.device)?;
     prepare(&mut model)?;
     let mut optimizer =
-        B::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &model, &[])?;
+        model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &[])?;
     let batches = to_device::<B>(host, a.device)?;
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
@@ -280,7 +280,7 @@ pub(crate) fn kiln_step<B: TrainBackend>(
     time_steps(a, |i| {
         let (x, y) = &batches[i % batches.len()];
         optimizer.zero_grad()?;
-        Ok(B::train_step(&mut model, &mut optimizer, x, y, &plan)?)
+        Ok(model.train_step(&mut optimizer, x, y, &plan)?)
     })
 }
 

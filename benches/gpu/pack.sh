@@ -19,6 +19,7 @@ build bench --bench compare --no-default-features --features torch,cuda --no-run
 build test -p kiln-ops --no-default-features --features cuda --no-run
 build bench -p kiln-ops --bench cuda_ops --no-default-features --features cuda --no-run
 build test -p kiln-torch --features cuda --no-run
+build test -p kiln-c10d --features cuda --no-run
 build build --release --example digits --no-default-features --features torch,cuda
 python3 - "$json" "$out/kiln-gpu" "$PWD" <<'PY'
 import json, os, shutil, subprocess, sys
@@ -27,7 +28,8 @@ messages, dest, workspace = sys.argv[1], sys.argv[2], sys.argv[3]
 # The suites with CUDA parts (the others need no GPU and run in CI).
 TESTS = {"kiln-ops": {"cuda", "torch_ops"},
          "kiln-torch": {"cuda", "cuda_graph", "layer_parity", "losses_and_state", "optim_parity",
-                        "torchscript"}}
+                        "torchscript"},
+         "kiln-c10d": {"distributed"}}
 
 
 def package_name(package_id):

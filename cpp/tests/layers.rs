@@ -7,6 +7,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_core::backend::Trainable;
 use kiln_core::{
     backend::{Backend, EagerBackend, TrainBackend},
     loss::Loss,
@@ -169,7 +170,7 @@ fn state<B: TrainBackend>(initial: &StateDict) -> TrainingState<B> {
     let mut model = B::build_model(&spec(), Device::Cpu).unwrap();
     model.load_state_dict(initial).unwrap();
     let config = OptimizerConfig::Sgd(SgdConfig::new(0.2).with_momentum(0.9));
-    let optimizer = B::build_optimizer(&config, &model, &[]).unwrap();
+    let optimizer = model.build_optimizer(&config, &[]).unwrap();
     TrainingState::new(model, optimizer, None)
 }
 

@@ -29,8 +29,8 @@ use kiln_core::{
 
 use crate::backend::TfBackend;
 use crate::engine::Var;
-use crate::step::CompiledGraph;
 use crate::model::{lock, TfModel};
+use crate::step::CompiledGraph;
 
 /// The context of the errors raised here.
 const CONTEXT: &str = "data-parallel TensorFlow training";

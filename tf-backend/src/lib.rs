@@ -36,11 +36,11 @@ mod train;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
-pub use distributed::{data_parallel, GradientAllReduce};
 pub use custom_layer::{
     custom_layer_registered, portable_custom_layer_registered, register_custom_layer,
     register_portable_custom_layer, CustomLayerFn,
 };
+pub use distributed::{data_parallel, GradientAllReduce};
 pub use error::{tf_error, ExportError};
 pub use model::TfModel;
 pub use optim::TfOptimizer;

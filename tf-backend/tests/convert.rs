@@ -3,6 +3,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_core::backend::Trainable;
 use kiln_core::{DType, Error, HostTensor};
 use kiln_tf::{from_tf, to_tf, TfTensor};
 use tensorflow::{DataType, Graph, Session, SessionOptions, SessionRunArgs, Tensor};
@@ -169,5 +170,5 @@ fn bf16_precisions_are_refused_naming_the_torch_backend() {
             "{text}"
         );
     }
-    assert_eq!(kiln_tf::TfBackend::precision(&model), FloatPrecision::F32);
+    assert_eq!(model.precision(), FloatPrecision::F32);
 }

@@ -4,19 +4,23 @@
 //! collectives it says it makes. The two-process tests against kiln-torch's
 //! Gloo group are the workspace's `tests/distributed_tf.rs`.
 
-use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{
-    backend::{Backend, StepPlan, TrainBackend},
+    backend::{Backend, StepPlan, TrainBackend, Trainable},
     distributed::{Collectives, CommBackend, DistributedOptions, ReduceOp},
     loss::Loss,
     model::{BatchNormConfig, Layer, LinearConfig},
     module::Module,
     optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig},
+    strategy::{DataParallel, NoHooks, StepHooks},
     Device, HostTensor, Result,
 };
-use kiln_tf::{TfBackend, TfModel, TfTensor};
+use kiln_tf::{GradientAllReduce, TfBackend, TfModel, TfTensor};
+
+/// The model of these tests: inside `DataParallel`, with the TensorFlow engine
+/// over a recording group, or with no hooks (which trains as the bare model).
+type Wrapped = DataParallel<TfModel, Box<dyn StepHooks<TfBackend>>>;
 
 /// The models of this binary draw from one global generator.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -64,9 +68,6 @@ impl Collectives for Solo {
     fn barrier(&self) -> Result<()> {
         Ok(())
     }
-    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
-        self
-    }
 }
 
 fn spec(batch_norm: bool) -> Layer {
@@ -90,9 +91,8 @@ fn batch(i: usize) -> Result<(TfTensor, TfTensor)> {
 }
 
 /// Trains 3 steps of 2 micro-batches; returns the losses and the state.
-fn train(model: &mut TfModel) -> Result<(Vec<f64>, Vec<HostTensor>)> {
-    let mut opt =
-        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), model, &[])?;
+fn train(model: &mut Wrapped) -> Result<(Vec<f64>, Vec<HostTensor>)> {
+    let mut opt = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &[])?;
     let loss = Loss::cross_entropy();
     let clip = GradClip::Norm {
         max_norm: 0.1,
@@ -110,19 +110,24 @@ fn train(model: &mut TfModel) -> Result<(Vec<f64>, Vec<HostTensor>)> {
             clip: Some(&clip),
         };
         let (x, y) = batch(i)?;
-        losses.push(TfBackend::train_step(model, &mut opt, &x, &y, &plan)?);
+        losses.push(model.train_step(&mut opt, &x, &y, &plan)?);
     }
     let state = Module::<TfBackend>::state_dict(model)?;
     Ok((losses, state.iter().map(|(_, v)| v.clone()).collect()))
 }
 
-fn build(batch_norm: bool, group: Option<Arc<Solo>>) -> Result<TfModel> {
+fn build(batch_norm: bool, group: Option<Arc<Solo>>) -> Result<Wrapped> {
     TfBackend::manual_seed(5);
-    let mut model = TfBackend::build_model(&spec(batch_norm), Device::Cpu)?;
-    if let Some(group) = group {
-        TfBackend::distribute(&mut model, group, &DistributedOptions::default())?;
-    }
-    Ok(model)
+    let model = TfBackend::build_model(&spec(batch_norm), Device::Cpu)?;
+    let hooks: Box<dyn StepHooks<TfBackend>> = match group {
+        Some(group) => Box::new(GradientAllReduce::new(
+            &model,
+            group,
+            &DistributedOptions::default(),
+        )?),
+        None => Box::new(NoHooks),
+    };
+    DataParallel::new(model, hooks)
 }
 
 /// One rank is the single-process run, bit for bit, and a step of two
@@ -134,7 +139,7 @@ fn one_rank_is_the_single_process_run() -> Result<()> {
     let (single_losses, single_state) = train(&mut build(false, None)?)?;
     let group = Arc::new(Solo::default());
     let mut model = build(false, Some(group.clone()))?;
-    // distribute: the fingerprint, who differs, then the 6*16+16+16*3+3 values.
+    // Wrapping: the fingerprint, who differs, then the 6*16+16+16*3+3 values.
     assert_eq!(
         group.take(),
         [("broadcast", 4), ("all_reduce", 1), ("broadcast", 163)]
@@ -178,18 +183,18 @@ fn buffers_are_broadcast_before_each_forward_pass() -> Result<()> {
 #[test]
 fn nccl_is_refused() -> Result<()> {
     let _serial = SERIAL.lock();
-    let mut model = build(false, None)?;
+    TfBackend::manual_seed(5);
+    let model = TfBackend::build_model(&spec(false), Device::Cpu)?;
     let options = DistributedOptions {
         backend: CommBackend::Nccl,
         ..DistributedOptions::default()
     };
-    let err = TfBackend::distribute(&mut model, Arc::new(Solo::default()), &options)
+    let err = kiln_tf::data_parallel(model, Arc::new(Solo::default()), &options)
         .err()
         .map(|e| e.to_string());
     assert!(
         err.as_deref().is_some_and(|m| m.contains("gloo")),
         "{err:?}"
     );
-    assert_eq!(model.distributed_rank(), None);
     Ok(())
 }

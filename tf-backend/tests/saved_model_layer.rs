@@ -8,6 +8,7 @@
 
 mod common;
 
+use kiln_core::backend::Trainable;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -152,9 +153,9 @@ fn training_moves_only_the_head() {
     TfBackend::manual_seed(3);
     let mut model = TfModel::new(&spec(dir), Device::Cpu).unwrap();
     let before = Module::<TfBackend>::state_dict(&model).unwrap();
-    let mut opt =
-        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(5e-2)), &model, &[])
-            .unwrap();
+    let mut opt = model
+        .build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(5e-2)), &[])
+        .unwrap();
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
         loss: &loss,
@@ -171,7 +172,7 @@ fn training_moves_only_the_head() {
     let mut losses = Vec::new();
     for _ in 0..5 {
         opt.zero_grad().unwrap();
-        losses.push(TfBackend::train_step(&mut model, &mut opt, &tx, &ty, &plan).unwrap());
+        losses.push(model.train_step(&mut opt, &tx, &ty, &plan).unwrap());
     }
     assert!(
         losses.last().unwrap() < losses.first().unwrap(),
@@ -222,9 +223,9 @@ fn layers_before_the_extractor_get_no_gradient() {
     let mut model = TfModel::new(&spec, Device::Cpu).unwrap();
     assert_eq!(keys(&model), ["0.bias", "0.weight", "2.bias", "2.weight"]);
     let before = Module::<TfBackend>::state_dict(&model).unwrap();
-    let mut opt =
-        TfBackend::build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(5e-2)), &model, &[])
-            .unwrap();
+    let mut opt = model
+        .build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(5e-2)), &[])
+        .unwrap();
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
         loss: &loss,
@@ -236,7 +237,7 @@ fn layers_before_the_extractor_get_no_gradient() {
     let y = TfTensor::from_host(&HostTensor::new(vec![0i64, 1, 0, 1], [4]).unwrap()).unwrap();
     for _ in 0..2 {
         opt.zero_grad().unwrap();
-        TfBackend::train_step(&mut model, &mut opt, &x, &y, &plan).unwrap();
+        model.train_step(&mut opt, &x, &y, &plan).unwrap();
     }
     let after = Module::<TfBackend>::state_dict(&model).unwrap();
     assert_eq!(before.get("0.weight"), after.get("0.weight"));

@@ -18,7 +18,7 @@ fn main() {
         bridge.bridge_source("src/no_nccl.cc")
     };
     bridge.compile().unwrap_or_else(|e| {
-        println!("cargo:warning=kiln-c10d: {e}");
+        println!("cargo:warning=kiln-c10d: {}", e.display_chain());
         std::process::exit(1);
     });
     for header in ["c10d.h", "c10d_nccl.h"] {

@@ -160,8 +160,7 @@ mod gpu {
                 }
                 let (x, y) = &batches[i % batches.len()];
                 eager_opt.zero_grad().unwrap();
-                let eager_loss =
-                    TorchBackend::train_step(&mut eager, &mut eager_opt, x, y, &plan).unwrap();
+                let eager_loss = eager.train_step(&mut eager_opt, x, y, &plan).unwrap();
                 let graphed_loss = step.step(x, y).unwrap().double_value(&[]);
                 assert!(
                     (eager_loss - graphed_loss).abs() < 1e-5,

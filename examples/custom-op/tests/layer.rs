@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_core::backend::Trainable;
 use kiln_core::{
     backend::{Backend, EagerBackend, TrainBackend},
     loss::Loss,
@@ -108,7 +109,7 @@ fn fit<B: TrainBackend>(weights: &StateDict) -> Vec<f64> {
     let mut model = B::build_model(&spec(), Device::Cpu).unwrap();
     model.load_state_dict(weights).unwrap();
     let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.05).with_momentum(0.5));
-    let optimizer = B::build_optimizer(&sgd, &model, &[]).unwrap();
+    let optimizer = model.build_optimizer(&sgd, &[]).unwrap();
     let mut state = TrainingState::new(model, optimizer, None);
     let (x, y) = data();
     let loader = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 16).unwrap();

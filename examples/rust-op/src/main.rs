@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use kiln_core::{
-    backend::TrainBackend,
+    backend::{TrainBackend, Trainable},
     loss::Loss,
     model::{Layer, LinearConfig},
     optim::{AdamConfig, OptimizerConfig},
@@ -75,11 +75,8 @@ fn fit<B: TrainBackend>(
 ) -> Result<f64> {
     B::manual_seed(0);
     let model = B::build_model(spec, Device::Cpu)?;
-    let optimizer = B::build_optimizer(
-        &OptimizerConfig::Adam(AdamConfig::new(LEARNING_RATE)),
-        &model,
-        &[],
-    )?;
+    let optimizer =
+        model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(LEARNING_RATE)), &[])?;
     let mut state = TrainingState::new(model, optimizer, None);
     let train =
         SequentialLoader::new(InMemoryDataset::new(train_x, train_y)?, BATCH_SIZE)?.shuffle(0);

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::device::Device;
 use crate::distributed::Collectives;
-use crate::strategy::StepHooks;
 use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::model::Layer;
 use crate::module::Module;
 use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
 use crate::precision::FloatPrecision;
+use crate::strategy::StepHooks;
 use crate::tensor::HostTensor;
 
 /// What one training micro-batch does, for [`Trainable::train_step`].

@@ -8,6 +8,7 @@
 mod common;
 
 use common::*;
+use kiln_core::backend::Trainable;
 use kiln_core::{
     backend::{Backend, TrainBackend},
     loss::Loss,
@@ -123,7 +124,7 @@ fn the_trainer_trains_a_model_with_the_op_as_a_layer() {
         .unwrap()
         .to_f64_vec();
     let config = OptimizerConfig::Sgd(SgdConfig::new(0.1).with_momentum(0.9));
-    let optimizer = TfBackend::build_optimizer(&config, &model, &[]).unwrap();
+    let optimizer = model.build_optimizer(&config, &[]).unwrap();
     let mut state = TrainingState::<TfBackend>::new(model, optimizer, None);
     let (x, y) = batch(96, 11);
     let loader = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 32).unwrap();

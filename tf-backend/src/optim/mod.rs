@@ -418,7 +418,7 @@ impl TfOptimizer {
     }
 
     /// Runs one training micro-batch on `model` (see
-    /// [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)): one
+    /// [`Trainable::train_step`](kiln_core::backend::TrainBackend::train_step)): one
     /// session run. A non-finite loss updates nothing and is returned.
     pub(crate) fn train_step(
         &mut self,
@@ -571,7 +571,7 @@ fn full(value: f32, dims: &[usize]) -> Result<HostTensor> {
 impl Optimizer<TfBackend> for TfOptimizer {
     /// Applies the gradients accumulated by training micro-batches that did not
     /// apply them (a no-op when there are none, as PyTorch skips parameters
-    /// without gradients). [`TrainBackend::train_step`](kiln_core::backend::TrainBackend::train_step)
+    /// without gradients). [`Trainable::train_step`](kiln_core::backend::TrainBackend::train_step)
     /// normally applies the update in the same run that computes the gradients.
     ///
     /// Data-parallel, the gradients accumulated on this rank are first averaged

@@ -8,7 +8,7 @@
 //! | [`ProgramKind::Forward`] | forward | `Module::forward` |
 //! | [`ProgramKind::Eval`] | forward, loss | `TrainBackend::eval_step` |
 //! | [`ProgramKind::Gradients`] | forward, loss, gradients (fetched) | `TfModel::gradients` |
-//! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `TrainBackend::train_step` |
+//! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `Trainable::train_step` |
 //! | [`ProgramKind::Apply`] | updates from fed or accumulated gradients | `TfOptimizer::apply_gradients`, `Optimizer::step` |
 //! | [`ProgramKind::FlatGradients`] | forward, loss, gradients as one flat vector (fetched) | data-parallel `train_step` |
 //!

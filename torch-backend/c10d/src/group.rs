@@ -10,9 +10,9 @@ use kiln_core::distributed::{
 use kiln_core::{DType, Device, Error, HostTensor, Result};
 use tch::Tensor;
 
-use kiln_torch::{from_tch, to_tch};
-use kiln_torch::cxx_tensor::{as_at, from_at};
 use crate::bridge::ffi;
+use kiln_torch::cxx_tensor::{as_at, from_at};
+use kiln_torch::{from_tch, to_tch};
 
 /// The backend name of errors from c10d.
 pub(crate) const C10D: &str = "c10d";
@@ -395,7 +395,8 @@ impl Collectives for ProcessGroup {
     }
 
     fn all_reduce_f64(&self, data: &mut [f64], op: ReduceOp) -> Result<()> {
-        let tensor = Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("all_reduce", e))?;
+        let tensor =
+            Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("all_reduce", e))?;
         self.all_reduce(&tensor, op)?;
         tensor
             .f_copy_data(data, data.len())
@@ -403,7 +404,8 @@ impl Collectives for ProcessGroup {
     }
 
     fn broadcast_f32(&self, data: &mut [f32], root: usize) -> Result<()> {
-        let tensor = Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("broadcast", e))?;
+        let tensor =
+            Tensor::f_from_slice(data).map_err(|e| kiln_torch::torch_error("broadcast", e))?;
         self.broadcast(&tensor, root)?;
         tensor
             .f_copy_data(data, data.len())
@@ -413,7 +415,6 @@ impl Collectives for ProcessGroup {
     fn barrier(&self) -> Result<()> {
         ProcessGroup::barrier(self)
     }
-
 }
 
 fn reduce_kind(op: ReduceOp) -> ffi::ReduceKind {

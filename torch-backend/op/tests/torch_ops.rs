@@ -10,6 +10,7 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_core::backend::Trainable;
 use std::sync::OnceLock;
 
 use kiln_core::{
@@ -953,7 +954,7 @@ fn a_rust_op_as_a_custom_layer_trains() {
     );
 
     let config = OptimizerConfig::Sgd(SgdConfig::new(0.2).with_momentum(0.9));
-    let optimizer = TorchBackend::build_optimizer(&config, &model, &[]).unwrap();
+    let optimizer = model.build_optimizer(&config, &[]).unwrap();
     let mut state = TrainingState::new(model, optimizer, None);
     let (x, y) = batch(128, 7);
     let loader = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 32).unwrap();

@@ -368,7 +368,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             epoch: state.epoch,
             batch_in_epoch: state.batch_in_epoch,
             seed: self.config.seed,
-            world_size: state.model.collectives().map_or(1, |g| g.world_size() as u64),
+            world_size: state
+                .model
+                .collectives()
+                .map_or(1, |g| g.world_size() as u64),
             backend: B::NAME.to_owned(),
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),

@@ -7,9 +7,9 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kiln_c10d::{data_parallel, ProcessGroup};
 use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
 use kiln_core::{HostTensor, Result};
-use kiln_torch::distributed::ProcessGroup;
 use tch::Tensor;
 
 /// The variable that makes this binary a rank instead of a test driver.
@@ -260,14 +260,14 @@ fn a_dead_rank_fails_the_next_collective() -> Result<()> {
 
 mod ddp {
     use super::*;
-    use kiln_core::backend::{Backend, StepPlan, TrainBackend};
+    use kiln_core::backend::{Backend, StepPlan, TrainBackend, Trainable};
     use kiln_core::distributed::Collectives;
     use kiln_core::loss::Loss;
     use kiln_core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
     use kiln_core::module::Module;
     use kiln_core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
     use kiln_core::Device;
-    use kiln_torch::{TorchBackend, TorchModel};
+    use kiln_torch::{TorchBackend, TorchModel, TorchOptimizer};
     use std::sync::Arc;
 
     const B: i64 = 8;
@@ -345,17 +345,35 @@ mod ddp {
         if !freeze.is_empty() {
             TorchBackend::freeze(&mut model, freeze, false)?;
         }
-        let shard = group
-            .as_ref()
-            .map(|g| (g.rank() as i64, g.world_size() as i64));
-        if let Some(g) = group {
-            TorchBackend::distribute(&mut model, g, options)?;
-        }
-        let mut opt = TorchBackend::build_optimizer(
-            &OptimizerConfig::Adam(AdamConfig::new(1e-2)),
-            &model,
-            &[],
-        )?;
+        let (losses, model) = match group {
+            Some(g) => {
+                let shard = (g.rank() as i64, g.world_size() as i64);
+                let mut model = data_parallel(model, g, options)?;
+                let losses = fit(&mut model, Some(shard), batches)?;
+                (losses, model.into_inner())
+            }
+            None => {
+                let losses = fit(&mut model, None, batches)?;
+                (losses, model)
+            }
+        };
+        let flat: Vec<f64> = model
+            .named_parameters()?
+            .iter()
+            .chain(&model.named_buffers()?)
+            .flat_map(|(_, t)| values(t))
+            .collect();
+        Ok((losses, flat, model))
+    }
+
+    /// Adam with clipping and gradient accumulation over `batches`; `shard`
+    /// (rank, world size) picks this rank's rows of each global batch.
+    fn fit<M: Trainable<TorchBackend, Optim = TorchOptimizer>>(
+        model: &mut M,
+        shard: Option<(i64, i64)>,
+        batches: &[(Tensor, Tensor)],
+    ) -> Result<Vec<f64>> {
+        let mut opt = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-2)), &[])?;
         let loss = Loss::cross_entropy();
         let clip = GradClip::Norm {
             max_norm: 0.5,
@@ -380,17 +398,9 @@ mod ddp {
                 apply: micro + 1 == ACCUMULATE,
                 clip: Some(&clip),
             };
-            losses.push(TorchBackend::train_step(
-                &mut model, &mut opt, &x, &y, &plan,
-            )?);
+            losses.push(model.train_step(&mut opt, &x, &y, &plan)?);
         }
-        let flat: Vec<f64> = model
-            .named_parameters()?
-            .iter()
-            .chain(&model.named_buffers()?)
-            .flat_map(|(_, t)| values(t))
-            .collect();
-        Ok((losses, flat, model))
+        Ok(losses)
     }
 
     fn max_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -490,12 +500,12 @@ mod ddp {
         );
 
         // A bucket cap that is not a positive size is refused, naming the option.
-        let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
+        let model = TorchModel::new(&mlp(), Device::Cpu)?;
         let bad = DistributedOptions {
             bucket_cap_mb: 0.0,
             ..DistributedOptions::default()
         };
-        let err = TorchBackend::distribute(&mut model, group.clone(), &bad)
+        let err = data_parallel(model, group.clone(), &bad)
             .err()
             .map(|e| e.to_string());
         assert!(err.is_some_and(|m| m.contains("bucket_cap_mb")));
@@ -540,8 +550,9 @@ mod ddp {
             local_stats_differ,
             "each rank's last forward pass used its own rows"
         );
-        let ddp = model.distributed().cloned().expect("a data-parallel model");
-        ddp.before_forward(false)?;
+        // What DDP does before every training forward pass (`broadcast_buffers`).
+        let mut model = data_parallel(model, group.clone(), &DistributedOptions::default())?;
+        model.sync_buffers()?;
         assert!(same_on_every_rank(flat(model.named_buffers()?))?);
         Ok(())
     }
@@ -552,7 +563,7 @@ mod ddp {
 /// CUDA device.
 #[test]
 fn nccl_collectives_on_cuda_tensors() -> Result<()> {
-    use kiln_core::backend::{Backend, StepPlan, TrainBackend};
+    use kiln_core::backend::{Backend, StepPlan, Trainable};
     use kiln_core::distributed::CommBackend;
     use kiln_core::loss::Loss;
     use kiln_core::model::{Layer, LinearConfig};
@@ -564,8 +575,8 @@ fn nccl_collectives_on_cuda_tensors() -> Result<()> {
     if !cfg!(feature = "cuda") {
         kiln_testkit::skip_without_gpu(
             "nccl_collectives_on_cuda_tensors",
-            "kiln-torch was built without its `cuda` feature \
-             (cargo test -p kiln-torch --features cuda --test distributed)",
+            "kiln-c10d was built without its `cuda` feature \
+             (cargo test -p kiln-c10d --features cuda --test distributed)",
         );
         return Ok(());
     }
@@ -591,10 +602,9 @@ fn nccl_collectives_on_cuda_tensors() -> Result<()> {
 
     let spec = Layer::sequential([LinearConfig::new(4, 3).into()]);
     TorchBackend::manual_seed(1);
-    let mut model = TorchModel::new(&spec, Device::Cuda(0))?;
-    TorchBackend::distribute(&mut model, group.clone(), &options)?;
-    let mut opt =
-        TorchBackend::build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &model, &[])?;
+    let model = TorchModel::new(&spec, Device::Cuda(0))?;
+    let mut model = data_parallel(model, group.clone(), &options)?;
+    let mut opt = model.build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.1)), &[])?;
     let loss = Loss::cross_entropy();
     let plan = StepPlan {
         loss: &loss,
@@ -605,7 +615,7 @@ fn nccl_collectives_on_cuda_tensors() -> Result<()> {
     let x = Tensor::randn([8, 4], (tch::Kind::Float, cuda));
     let y = Tensor::randint(3, [8], (tch::Kind::Int64, cuda));
     opt.zero_grad()?;
-    let value = TorchBackend::train_step(&mut model, &mut opt, &x, &y, &plan)?;
+    let value = model.train_step(&mut opt, &x, &y, &plan)?;
     assert!(value.is_finite());
     Ok(())
 }
