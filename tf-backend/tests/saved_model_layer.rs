@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use kiln_core::{
-    backend::{Backend, StepPlan, TrainBackend},
+    backend::{Backend, StepPlan},
     loss::Loss,
     model::{Layer, LinearConfig, SavedModelLayerConfig},
     module::Module,

@@ -255,6 +255,24 @@ fn max_difference(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// A SavedModel trained through its `train` signature computes and applies its
+/// gradients in one native call, so no strategy can take part: `DataParallel`
+/// refuses it up front (the typed query `takes_step_hooks`), saying what to do.
+#[test]
+fn data_parallel_refuses_a_train_signature_naming_the_way() {
+    let Some(fixture) = fixture("data_parallel_refuses_a_train_signature_naming_the_way") else {
+        return;
+    };
+    let module = SavedModelModule::load(fixture.mlp()).unwrap();
+    assert!(!module.takes_step_hooks());
+    let err = kiln_core::strategy::DataParallel::new(module, kiln_core::strategy::NoHooks)
+        .err()
+        .map(|e| e.to_string())
+        .expect("refused");
+    assert!(err.contains("`train` signature"), "{err}");
+    assert!(err.contains("`saved_model` layer"), "{err}");
+}
+
 #[test]
 fn the_module_is_send_and_names_the_keras_variables() {
     fn check<T: Send>() {}

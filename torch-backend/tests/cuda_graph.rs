@@ -155,8 +155,8 @@ mod gpu {
             for i in 0..12 {
                 if i == 6 {
                     let lr = eager_opt.learning_rate() / 4.0;
-                    eager_opt.set_learning_rate(lr);
-                    step.set_learning_rate(lr);
+                    eager_opt.set_learning_rate(lr).unwrap();
+                    step.set_learning_rate(lr).unwrap();
                 }
                 let (x, y) = &batches[i % batches.len()];
                 eager_opt.zero_grad().unwrap();

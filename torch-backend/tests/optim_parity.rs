@@ -552,7 +552,7 @@ fn capturable_mode_follows_learning_rates_and_loaded_state() {
             step(&model, &mut opt, &data[2].0, &data[2].1, &None);
             // Back to the state after two steps (the third step is undone).
             opt.load_state_dict(&saved).unwrap();
-            opt.set_learning_rate(opt.learning_rate() / 3.0);
+            opt.set_learning_rate(opt.learning_rate() / 3.0).unwrap();
             for (x, y) in &data[2..] {
                 step(&model, &mut opt, x, y, &None);
             }

@@ -61,7 +61,9 @@ pub trait Optimizer<B: Backend> {
     fn learning_rate(&self) -> f64;
 
     /// Sets the learning rate of every parameter group for subsequent steps.
-    fn set_learning_rate(&mut self, lr: f64);
+    /// An optimizer whose rate lives in the native library (a variable, a
+    /// device tensor) returns the error of writing it; nothing is swallowed.
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()>;
 
     /// The algorithm ([`OptimizerConfig::kind`]: `adamw`, ...), recorded in
     /// checkpoints so that resuming with another optimizer is refused; `None`
@@ -93,10 +95,7 @@ pub trait Optimizer<B: Backend> {
     /// Fails with [`Error::InvalidArgument`] unless there is one rate per group.
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
         match lrs {
-            [lr] => {
-                self.set_learning_rate(*lr);
-                Ok(())
-            }
+            [lr] => self.set_learning_rate(*lr),
             _ => Err(Error::invalid_argument(
                 "lrs",
                 format!(
@@ -327,8 +326,9 @@ mod tests {
             self.lr
         }
 
-        fn set_learning_rate(&mut self, lr: f64) {
+        fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
             self.lr = lr;
+            Ok(())
         }
 
         fn state_dict(&self) -> Result<StateDict> {

@@ -621,10 +621,11 @@ impl Optimizer<TfBackend> for TfOptimizer {
         self.groups.first().map_or(0.0, |g| g.lr)
     }
 
-    fn set_learning_rate(&mut self, lr: f64) {
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         for group in &mut self.groups {
             group.lr = lr;
         }
+        Ok(())
     }
 
     fn learning_rates(&self) -> Vec<f64> {

@@ -267,8 +267,9 @@ mod ddp {
     use kiln_core::module::Module;
     use kiln_core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
     use kiln_core::Device;
-    use kiln_torch::{TorchBackend, TorchModel, TorchOptimizer};
+    use kiln_torch::{Chain, ScriptModule, TchModule, TorchBackend, TorchModel, TorchOptimizer};
     use std::sync::Arc;
+    use tch::nn::Module as _;
 
     const B: i64 = 8;
     const STEPS: i64 = 6;
@@ -509,6 +510,123 @@ mod ddp {
             .err()
             .map(|e| e.to_string());
         assert!(err.is_some_and(|m| m.contains("bucket_cap_mb")));
+        Collectives::barrier(group.as_ref())?;
+        Ok(())
+    }
+
+    /// The weights of a trained module, parameters then buffers, flattened.
+    fn weights(model: &impl Module<TorchBackend>) -> Result<Vec<f64>> {
+        Ok(model
+            .named_parameters()?
+            .iter()
+            .chain(&model.named_buffers()?)
+            .flat_map(|(_, t)| values(t))
+            .collect())
+    }
+
+    /// Two ranks of `B` train module `make` builds (rank 1 from other
+    /// weights) as one process of `2B` does, under `DataParallel` (Adam,
+    /// clipping, gradient accumulation); returns the largest loss and weight
+    /// differences.
+    fn as_one_process<M>(
+        group: &Arc<ProcessGroup>,
+        make: impl Fn(i64, &str) -> Result<M>,
+    ) -> Result<(f64, f64)>
+    where
+        M: Trainable<TorchBackend, Optim = TorchOptimizer> + Module<TorchBackend>,
+    {
+        let batches = data(false);
+        let mut single = make(7, "single")?;
+        let single_losses = fit(&mut single, None, &batches)?;
+        let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+        let module = make(7 + rank, &format!("rank{rank}"))?;
+        let mut model = data_parallel(module, group.clone(), &DistributedOptions::default())?;
+        let losses = fit(&mut model, Some((rank, world)), &batches)?;
+        Ok((
+            max_diff(&losses, &single_losses),
+            max_diff(&weights(&model)?, &weights(&single)?),
+        ))
+    }
+
+    /// Every kind of torch module trains under `DataParallel`, two ranks of
+    /// `B` giving what one process of `2B` gives: a built model, a TorchScript
+    /// module, `tch` code, a chain of them, and a boxed module.
+    #[test]
+    fn every_torch_module_kind_trains_under_data_parallel() -> Result<()> {
+        if !is_rank() {
+            let results = wait_all(
+                spawn_ranks(
+                    "ddp::every_torch_module_kind_trains_under_data_parallel",
+                    2,
+                    &[0, 1],
+                    &[],
+                ),
+                Duration::from_secs(300),
+            );
+            assert_all_passed(&results);
+            return Ok(());
+        }
+        let group = Arc::new(join(Duration::from_secs(60))?);
+        let dir = kiln_testkit::TempDir::new("every-kind");
+        let built = |seed: i64| -> Result<TorchModel> {
+            TorchBackend::manual_seed(seed as u64);
+            TorchModel::new(&mlp(), Device::Cpu)
+        };
+        // `tch` code: two linear layers with a tanh between them.
+        let tch_code = |seed: i64| -> Result<TchModule> {
+            tch::manual_seed(seed);
+            TchModule::new(Device::Cpu, |p| {
+                let hidden = tch::nn::linear(p / "hidden", 12, 16, Default::default());
+                let out = tch::nn::linear(p / "out", 16, 5, Default::default());
+                move |x: &Tensor, _train: bool| Ok(out.forward(&hidden.forward(x).f_tanh()?))
+            })
+        };
+        let mut measured = Vec::new();
+        measured.push(("TorchModel", as_one_process(&group, |seed, _| built(seed))?));
+        measured.push((
+            "ScriptModule",
+            as_one_process(&group, |seed, tag| {
+                let path = dir.path().join(format!("{tag}.pt"));
+                kiln_torch::export_torchscript(&built(seed)?, &path, false)?;
+                ScriptModule::load(&path, Device::Cpu)
+            })?,
+        ));
+        measured.push((
+            "TchModule",
+            as_one_process(&group, |seed, _| tch_code(seed))?,
+        ));
+        measured.push((
+            "Chain",
+            as_one_process(&group, |seed, _| {
+                TorchBackend::manual_seed(seed as u64);
+                let body = TorchModel::new(
+                    &Layer::sequential([LinearConfig::new(12, 16).into(), Layer::Tanh]),
+                    Device::Cpu,
+                )?;
+                tch::manual_seed(seed);
+                let head = TchModule::new(Device::Cpu, |p| {
+                    let out = tch::nn::linear(p / "out", 16, 5, Default::default());
+                    move |x: &Tensor, _train: bool| Ok(out.forward(x))
+                })?;
+                Chain::new().push("body", body)?.push("head", head)
+            })?,
+        ));
+        measured.push((
+            "Box<dyn Module>",
+            as_one_process(&group, |seed, _| {
+                Ok(Box::new(built(seed)?) as Box<dyn Module<TorchBackend> + Send>)
+            })?,
+        ));
+        for (kind, (loss_diff, weight_diff)) in measured {
+            println!(
+                "measured: {kind}: losses within {loss_diff:e}, weights within {weight_diff:e}"
+            );
+            assert!(loss_diff < 1e-6, "{kind}: losses differ by {loss_diff}");
+            assert!(
+                weight_diff < 1e-6,
+                "{kind}: weights differ by {weight_diff}"
+            );
+        }
         Collectives::barrier(group.as_ref())?;
         Ok(())
     }

@@ -328,8 +328,8 @@ impl<M: Module<TorchBackend>> GraphedTrainStep<M> {
 
     /// Sets every group's learning rate for the following steps (a device-side
     /// write the replays read; no new capture).
-    pub fn set_learning_rate(&mut self, lr: f64) {
-        self.optimizer.set_learning_rate(lr);
+    pub fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.optimizer.set_learning_rate(lr)
     }
 
     /// Sets each group's learning rate, as an `LrScheduler` returns them.

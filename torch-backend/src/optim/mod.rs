@@ -594,13 +594,11 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
         self.groups.first().map_or(0.0, |g| g.lr)
     }
 
-    fn set_learning_rate(&mut self, lr: f64) {
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
         for group in &mut self.groups {
             group.lr = lr;
         }
-        if let Err(e) = self.write_device_learning_rates() {
-            log::error!("{}", e.display_chain());
-        }
+        self.write_device_learning_rates()
     }
 
     fn learning_rates(&self) -> Vec<f64> {

@@ -67,13 +67,10 @@ impl Optimizer<TfBackend> for SignatureOptimizer {
         }
     }
 
-    /// Assigns the learning-rate variable; a failure, or an optimizer without
-    /// one, is logged (use [`set_learning_rates`](Optimizer::set_learning_rates)
-    /// for the error).
-    fn set_learning_rate(&mut self, lr: f64) {
-        if let Err(e) = self.shared.set_learning_rate(lr) {
-            log::error!("{}", e.display_chain());
-        }
+    /// Assigns the learning-rate variable; an optimizer without one is
+    /// [`Error::Unsupported`].
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.shared.set_learning_rate(lr)
     }
 
     /// Assigns the learning-rate variable: one rate (there is one group); an
