@@ -13,7 +13,7 @@ use crate::prefetch::{EpochOrder, PrefetchLoader};
 use crate::transform::TransformRng;
 use crate::Dataset;
 use kiln_core::error::{Error, Result};
-use kiln_core::rng::epoch_order;
+use kiln_core::rng::{permutation, SplitMix64};
 use kiln_core::tensor::HostTensor;
 
 /// A tar block.
@@ -731,8 +731,8 @@ fn expand_braces(pattern: &str) -> Result<Vec<String>> {
 /// The epoch order of a [`WebDataset`] ([`WebDataset::epoch_order`]), an
 /// [`EpochOrder`] for [`PrefetchLoader::order`]. Epoch `e`:
 ///
-/// 1. the shards are permuted by `(seed, e)` (Kiln's seeded epoch
-///    permutation, [`kiln_core::rng::epoch_order`]);
+/// 1. the shards are permuted by `(seed, e)` (a SplitMix64 permutation, the
+///    loaders' order before they took PyTorch's [`kiln_core::rng::epoch_order`]);
 /// 2. their samples are concatenated in file order, the order a streaming
 ///    reader meets them;
 /// 3. that stream goes through a shuffle buffer of `shuffle_buffer`
@@ -809,7 +809,7 @@ impl ShardOrder {
 
     /// The order of all ranks together (steps 1 to 3, before the split).
     pub fn global_order(&self, epoch: u64) -> Vec<usize> {
-        let shard_order = epoch_order(self.shards.len(), Some(self.seed), epoch);
+        let shard_order = shard_permutation(self.shards.len(), self.seed, epoch);
         let stream = shard_order.into_iter().flat_map(|s| self.shards[s].clone());
         if self.shuffle_buffer <= 1 {
             return stream.collect();
@@ -837,6 +837,15 @@ impl ShardOrder {
     pub fn per_rank(&self, n: usize) -> usize {
         n.div_ceil(self.world_size)
     }
+}
+
+/// The order of the shards in epoch `epoch` under `seed`: a SplitMix64
+/// permutation, the one Kiln's loaders used before they took PyTorch's
+/// `randperm` ([`kiln_core::rng::epoch_order`]). Shard streaming keeps it, so
+/// that a run on shards resumes on the order it started with.
+fn shard_permutation(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
+    let epoch_key = SplitMix64::new(epoch).next_u64();
+    permutation(n, seed ^ epoch_key)
 }
 
 impl EpochOrder for ShardOrder {
