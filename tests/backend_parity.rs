@@ -432,6 +432,7 @@ fn checkpoints_resume_across_backends() {
             optimizer_kind: None,
             model_definition: Some(case.spec.clone()),
             data: None,
+            data_order: None,
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,

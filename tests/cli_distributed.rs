@@ -191,6 +191,52 @@ fn two_ranks_of_b_train_what_one_rank_of_2b_trains() {
     assert_eq!(last.world_size, 2);
 }
 
+/// How a run is launched does not change its data order: `kiln train` of
+/// batch 2B shuffles with the global order of `DistributedSampler` at world
+/// size 1, whose positions `[2Bk, 2B(k+1))` are exactly the union of the
+/// k-th batches of two ranks of batch B (with `drop_last`).
+#[test]
+fn kiln_train_and_launches_of_one_and_two_ranks_train_the_same_weights() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-plain");
+    let cfg = config(&dir);
+    let (plain, one, two) = (dir.join("plain"), dir.join("one"), dir.join("two"));
+    let train = [
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        plain.to_str().unwrap(),
+        "--batch-size",
+        "32",
+    ];
+    succeeded(&run(KILN, &train), "kiln train");
+    succeeded(&launch(1, &cfg, &one, &["--batch-size", "32"]), "1 rank");
+    succeeded(&launch(2, &cfg, &two, &["--batch-size", "16"]), "2 ranks");
+    let (plain_one, plain_two) = (max_weight_diff(&plain, &one), max_weight_diff(&plain, &two));
+    let one_two = max_weight_diff(&one, &two);
+    eprintln!(
+        "kiln train x 32 vs launch 1 x 32: {plain_one:e}; vs launch 2 x 16: {plain_two:e}; \
+         launch 1 vs 2: {one_two:e}"
+    );
+    assert!(
+        plain_one < 1e-6,
+        "kiln train vs 1 rank: weights differ by {plain_one}"
+    );
+    assert!(
+        plain_two < 1e-6,
+        "kiln train vs 2 ranks: weights differ by {plain_two}"
+    );
+    assert!(
+        one_two < 1e-6,
+        "1 rank vs 2 ranks: weights differ by {one_two}"
+    );
+    assert!(max_loss_diff(&plain, &one) < 1e-6);
+}
+
 #[test]
 fn tensorflow_ranks_train_what_one_process_trains() {
     let _serial = serial();

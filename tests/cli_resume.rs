@@ -9,7 +9,10 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{config, digits_available, kiln, losses, scratch, serial, train, KILN};
+use common::{
+    config, digits_available, kiln, kiln_fails, kiln_stdout, losses, scratch, serial, train, KILN,
+};
+use kiln::core::state_dict::StateDict;
 use kiln::train::Checkpoint;
 
 mod common;
@@ -124,6 +127,88 @@ fn killed_run_resumes_bitwise() {
         "steps.csv rows after resume"
     );
     assert_same_run(&resumed, &reference, "resumed");
+}
+
+/// A copy of the checkpoint `from` at `to` without `kiln.data_order`, as a
+/// Kiln from before the loaders took PyTorch's order wrote it.
+fn unstamped(from: &Path, to: &Path) -> Checkpoint {
+    let (tensors, mut meta) = StateDict::load_safetensors(from).unwrap();
+    assert_eq!(
+        meta.remove("kiln.data_order").as_deref(),
+        Some(kiln::core::rng::EPOCH_ORDER),
+        "the trainer stamps its checkpoints"
+    );
+    tensors.save_safetensors(to, &meta).unwrap();
+    Checkpoint::load(to).unwrap()
+}
+
+/// A checkpoint of an older Kiln (no `kiln.data_order`, another shuffle):
+/// written mid-epoch it is refused, naming the file and what to do; at an
+/// epoch boundary it resumes.
+#[test]
+fn an_older_kiln_s_checkpoint_resumes_only_at_an_epoch_boundary() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("data-order");
+    let cfg = config(&dir, 0);
+    let cfg = cfg.to_str().unwrap();
+    let run = dir.join("run");
+    let out = run.to_str().unwrap();
+    // 45 steps of one epoch; checkpoints at steps 35, 40 and 45 are kept.
+    train(cfg, &run, &["--epochs", "1"]);
+    let checkpoints = run.join("checkpoints");
+    let (mid, boundary) = (
+        dir.join("old-mid.safetensors"),
+        dir.join("old-end.safetensors"),
+    );
+    let old_mid = unstamped(&checkpoints.join("step-00000040.safetensors"), &mid);
+    let old_end = unstamped(&checkpoints.join("step-00000045.safetensors"), &boundary);
+    assert_eq!((old_mid.epoch, old_mid.batch_in_epoch), (0, 40));
+    assert_eq!((old_end.epoch, old_end.batch_in_epoch), (1, 0));
+    assert_eq!(old_mid.data_order, None);
+    let shown = kiln_stdout(&["inspect", mid.to_str().unwrap()]);
+    assert!(shown.contains("data order  not recorded"), "{shown}");
+
+    let steps = std::fs::read_to_string(run.join("steps.csv")).unwrap();
+    let err = kiln_fails(&[
+        "train",
+        "--config",
+        cfg,
+        "--output",
+        out,
+        "--epochs",
+        "2",
+        "--resume",
+        mid.to_str().unwrap(),
+    ]);
+    for part in [
+        mid.to_str().unwrap(),
+        "stands at batch 40 of epoch 0",
+        "by an older Kiln, whose shuffled data order differs",
+        "Resume from a checkpoint written at the end of an epoch",
+        "start the run over",
+    ] {
+        assert!(err.contains(part), "no {part:?} in:\n{err}");
+    }
+    assert_eq!(
+        std::fs::read_to_string(run.join("steps.csv")).unwrap(),
+        steps,
+        "nothing written"
+    );
+
+    train(
+        cfg,
+        &run,
+        &["--epochs", "2", "--resume", boundary.to_str().unwrap()],
+    );
+    assert_eq!(losses(&run).len(), 2 * 45);
+    let last = Checkpoint::load(&checkpoints.join("last.safetensors")).unwrap();
+    assert_eq!(
+        last.data_order.as_deref(),
+        Some(kiln::core::rng::EPOCH_ORDER)
+    );
 }
 
 #[test]

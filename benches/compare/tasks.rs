@@ -706,6 +706,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             optimizer_kind: None,
             model_definition: Some(spec.clone()),
             data: None,
+            data_order: None,
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,

@@ -1,14 +1,16 @@
 //! Deterministic random number generators for shuffling.
 //!
-//! * [`SplitMix64`]: Kiln's own seeded generator, behind [`permutation`],
-//!   [`epoch_order`] and [`sample_seed`].
+//! * [`SplitMix64`]: Kiln's own seeded generator, behind [`permutation`]
+//!   and [`sample_seed`].
 //! * [`Mt19937`] and [`torch_randperm`]: PyTorch's CPU generator and its
-//!   `torch.randperm`, reproduced bit for bit, so that a
-//!   `DistributedSampler` visits samples in exactly PyTorch's order.
+//!   `torch.randperm`, reproduced bit for bit, behind [`epoch_order`]: the
+//!   data order of every loader and of `DistributedSampler`, exactly PyTorch's.
 
 /// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and fully determined by
-/// its seed. Kiln's one seeded generator: data order, per-sample transforms,
-/// per-step seeds and the TensorFlow backend's initial weights all draw from it.
+/// its seed. Kiln's own seeded generator: per-sample transforms, per-step
+/// seeds, shard and split shuffles and the TensorFlow backend's initial
+/// weights draw from it (the loaders' sample order is PyTorch's
+/// [`torch_randperm`], through [`epoch_order`]).
 ///
 /// ```
 /// use kiln_core::rng::SplitMix64;
@@ -80,16 +82,41 @@ pub fn permutation(n: usize, seed: u64) -> Vec<usize> {
     order
 }
 
+/// The name of [`epoch_order`]'s order, which Kiln's trainer records in its
+/// checkpoints (`kiln.data_order`): a checkpoint written mid-epoch under
+/// another order (or none recorded, before this one) cannot resume on the
+/// samples it left off at.
+///
+/// `randperm-v2` is `torch.randperm` of `seed + epoch`; the order before it
+/// was a SplitMix64 permutation of `seed` and the epoch.
+pub const EPOCH_ORDER: &str = "randperm-v2";
+
 /// The sample order of epoch `epoch` of a loader shuffling with `seed`, or
-/// `0..n` without a seed. Every loader uses this, so two loaders with the same
-/// seed visit the samples in the same order.
+/// `0..n` without a seed: [`torch_randperm`]`(n, seed + epoch)` (the sum
+/// wrapping at 2^64), which is
+/// `torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))`.
+///
+/// This is also the global order of PyTorch's (and Kiln's)
+/// `DistributedSampler(shuffle=True, seed=seed)` after `set_epoch(epoch)`,
+/// before it is padded or cut for the ranks. Every map-style loader and
+/// `kiln_data::DistributedSampler` shuffle with this one function, so one
+/// process with batches of `2B` and two ranks with batches of `B` (with
+/// `drop_last`) visit the same samples at each step: the union of the ranks'
+/// `k`-th batches is the entries `[2Bk, 2B(k+1))` of this order. Its name is
+/// [`EPOCH_ORDER`].
+///
+/// ```
+/// use kiln_core::rng::{epoch_order, torch_randperm};
+///
+/// assert_eq!(epoch_order(4, None, 3), [0, 1, 2, 3]);
+/// // torch.randperm(10, generator=torch.Generator().manual_seed(0)).tolist()
+/// assert_eq!(epoch_order(10, Some(0), 0), [4, 1, 7, 5, 3, 9, 0, 8, 6, 2]);
+/// assert_eq!(epoch_order(10, Some(5), 2), torch_randperm(10, 7));
+/// ```
 pub fn epoch_order(n: usize, seed: Option<u64>, epoch: u64) -> Vec<usize> {
     match seed {
         None => (0..n).collect(),
-        Some(seed) => {
-            let epoch_key = SplitMix64::new(epoch).next_u64();
-            permutation(n, seed ^ epoch_key)
-        }
+        Some(seed) => torch_randperm(n, seed.wrapping_add(epoch)),
     }
 }
 
@@ -287,9 +314,10 @@ mod tests {
         assert_eq!(a, epoch_order(30, Some(9), 0));
         assert_ne!(a, epoch_order(30, Some(9), 1));
         assert_ne!(a, epoch_order(30, Some(10), 0));
-        // epoch 0's key is the first SplitMix64 output for seed 0
-        let key = SplitMix64::new(0).next_u64();
-        assert_eq!(a, permutation(30, 9 ^ key));
+        // torch.randperm of seed + epoch: only the sum matters.
+        assert_eq!(a, torch_randperm(30, 9));
+        assert_eq!(epoch_order(30, Some(7), 2), a);
+        assert_eq!(epoch_order(3, Some(u64::MAX), 1), torch_randperm(3, 0));
     }
 
     #[test]

@@ -257,6 +257,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 optimizer_kind: None,
                 model_definition: Some(cnn()),
                 data: None,
+                data_order: None,
                 scheduler: None,
                 metrics: Default::default(),
                 epoch_loss: None,

@@ -9,7 +9,9 @@
 //! * the shuffling: `ai-dataloader`'s `RandomSampler` draws from
 //!   `rand::thread_rng()` and cannot be seeded, so an epoch's order could not
 //!   be reproduced. [`EpochSampler`] implements `ai-dataloader`'s
-//!   [`Sampler`] trait with Kiln's seeded SplitMix64 permutation instead;
+//!   [`Sampler`] trait with Kiln's seeded epoch order instead
+//!   ([`epoch_order`]: `torch.randperm` of `seed + epoch`, the order of
+//!   [`DistributedSampler`](crate::DistributedSampler) at world size 1);
 //! * the loading: `ai-dataloader`'s `DataLoader` fetches each batch inside a
 //!   global rayon pool on the caller's thread, with no prefetching, and its
 //!   `GetSample` cannot report errors (it panics instead). Kiln's
@@ -186,13 +188,19 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_core::rng::{permutation, SplitMix64};
+    use kiln_core::rng::torch_randperm;
 
     #[test]
     fn sampler_order_matches_the_seeded_permutation() {
         let s = EpochSampler::shuffled(12, 77, 4);
-        let key = SplitMix64::new(4).next_u64();
-        assert_eq!(s.indices(), permutation(12, 77 ^ key));
+        assert_eq!(s.indices(), torch_randperm(12, 77 + 4));
+        assert_eq!(
+            s.indices(),
+            crate::DistributedSampler::new(1, 0)
+                .expect("one replica")
+                .shuffle(77)
+                .indices(12, 4)
+        );
         assert_eq!(s.into_iter().collect::<Vec<_>>(), s.indices());
         assert_eq!(Len::len(&s), 12);
         assert_eq!(<EpochSampler as Sampler>::new(3).indices(), vec![0, 1, 2]);

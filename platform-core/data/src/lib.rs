@@ -19,8 +19,10 @@
 //!   torchvision's image transforms (resize, crops, colour jitter) and their
 //!   configuration in [`vision`].
 //!
-//! Samples are `kiln-core` [`HostTensor`]s; shuffling draws from
-//! [`kiln_core::rng::SplitMix64`], so a seed gives the same order everywhere.
+//! Samples are `kiln-core` [`HostTensor`]s. The loaders shuffle with
+//! [`kiln_core::rng::epoch_order`] (`torch.randperm` of `seed + epoch`, the
+//! order of [`DistributedSampler`] at world size 1), so a seed gives the same
+//! order everywhere, however the run is launched.
 
 mod collate;
 mod csv;

@@ -5,6 +5,8 @@ use ai_dataloader::Len;
 
 use crate::indexable::EpochSampler;
 use kiln_core::error::{Error, Result};
+use kiln_core::rng::epoch_order;
+#[cfg(test)]
 use kiln_core::rng::torch_randperm;
 
 /// The samples one rank of a data-parallel run visits each epoch, exactly as
@@ -15,7 +17,9 @@ use kiln_core::rng::torch_randperm;
 ///
 /// 1. the order is `0..n`, or with [`shuffle`](DistributedSampler::shuffle)`(seed)`
 ///    the permutation `torch.randperm(n)` draws from a generator seeded with
-///    `seed + epoch` ([`torch_randperm`]);
+///    `seed + epoch` ([`epoch_order`], the order every Kiln loader shuffles
+///    with: at world size 1 this sampler visits what a loader with
+///    `.shuffle(seed)` visits);
 /// 2. it is cut or padded to [`total_size`](DistributedSampler::total_size)`(n)`,
 ///    a multiple of `num_replicas`: with [`drop_last`](DistributedSampler::drop_last)
 ///    the tail beyond `(n / num_replicas) * num_replicas` is dropped, without
@@ -92,7 +96,8 @@ impl DistributedSampler {
     }
 
     /// Shuffles every epoch as PyTorch does with `shuffle=True, seed=seed`:
-    /// epoch `e`'s order is [`torch_randperm`]`(n, seed + e)` (the sum
+    /// epoch `e`'s order is [`epoch_order`]`(n, Some(seed), e)`, that is
+    /// [`torch_randperm`](kiln_core::rng::torch_randperm)`(n, seed + e)` (the sum
     /// wrapping at 2^64, where PyTorch would raise; only its low 32 bits
     /// matter to PyTorch's generator).
     pub fn shuffle(mut self, seed: u64) -> Self {
@@ -166,12 +171,9 @@ impl DistributedSampler {
     }
 
     /// The order of epoch `epoch` over `0..n` before it is cut or padded:
-    /// `0..n`, or the shuffle's [`torch_randperm`].
+    /// the loaders' own [`epoch_order`].
     fn base_order(&self, n: usize, epoch: u64) -> Vec<usize> {
-        match self.seed {
-            None => (0..n).collect(),
-            Some(seed) => torch_randperm(n, seed.wrapping_add(epoch)),
-        }
+        epoch_order(n, self.seed, epoch)
     }
 
     /// The order of epoch `epoch` that all ranks share, cut or padded to

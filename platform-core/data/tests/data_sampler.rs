@@ -272,3 +272,89 @@ fn loaders_without_a_sampler_keep_their_own_order() -> Result<()> {
     assert_eq!(prefetch.batch_indices(2), chunked(&order, 3, false));
     Ok(())
 }
+
+#[test]
+fn plain_loaders_shuffle_in_the_order_of_one_rank() -> Result<()> {
+    for n in [0, 1, 7, 23, 100] {
+        for seed in [0, 99, 12_345] {
+            let one_rank = DistributedSampler::new(1, 0)?.shuffle(seed);
+            let sequential = SequentialLoader::new(indexed(n)?, 4)?.shuffle(seed);
+            let prefetch = PrefetchLoader::new(indexed(n)?, 4)?.shuffle(seed);
+            for epoch in [0, 1, 5] {
+                let order = one_rank.indices(n, epoch);
+                assert_eq!(order, torch_randperm(n, seed + epoch), "{n} {seed} {epoch}");
+                assert_eq!(one_rank.drop_last(true).indices(n, epoch), order);
+                assert_eq!(sequential.epoch_order(epoch), order, "{n} {seed} {epoch}");
+                assert_eq!(prefetch.epoch_order(epoch), order, "{n} {seed} {epoch}");
+                assert_eq!(targets(&sequential, epoch)?.concat(), order);
+                let workers = prefetch.clone().num_workers(2);
+                assert_eq!(targets(&workers, epoch)?.concat(), order);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The k-th batch of each of two ranks of batch `b`, put together, is the
+/// k-th batch of one process of batch `2b` (as sets): both loaders and the
+/// samplers drop the short tail (the sampler's `drop_last` too, so that no
+/// rank pads its share with samples from the start of the order).
+#[test]
+fn two_ranks_of_b_batch_together_what_one_process_of_2b_batches() -> Result<()> {
+    let sorted = |mut v: Vec<usize>| {
+        v.sort_unstable();
+        v
+    };
+    for (n, b) in [
+        (23, 4),
+        (24, 3),
+        (7, 2),
+        (10, 5),
+        (9, 1),
+        (100, 8),
+        (31, 8),
+        (3, 2),
+    ] {
+        for seed in [0, 12_345] {
+            let what = format!("n {n}, b {b}, seed {seed}");
+            let one = SequentialLoader::new(indexed(n)?, 2 * b)?
+                .shuffle(seed)
+                .drop_last(true);
+            let one_rank = PrefetchLoader::new(indexed(n)?, 2 * b)?
+                .drop_last(true)
+                .sampler(DistributedSampler::new(1, 0)?.shuffle(seed).drop_last(true));
+            let ranks = (0..2)
+                .map(|rank| {
+                    let sampler = DistributedSampler::new(2, rank)?
+                        .shuffle(seed)
+                        .drop_last(true);
+                    Ok(PrefetchLoader::new(indexed(n)?, b)?
+                        .drop_last(true)
+                        .sampler(sampler)
+                        .num_workers(1))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            assert_eq!(one.num_batches(), n / (2 * b), "{what}");
+            assert_eq!(one_rank.num_batches(), one.num_batches(), "{what}");
+            for epoch in [0, 2] {
+                let whole = targets(&one, epoch)?;
+                assert_eq!(targets(&one_rank, epoch)?, whole, "{what}");
+                let (r0, r1) = (targets(&ranks[0], epoch)?, targets(&ranks[1], epoch)?);
+                assert_eq!(r0.len(), whole.len(), "{what}: rank 0's batches");
+                assert_eq!(r1.len(), whole.len(), "{what}: rank 1's batches");
+                for (k, batch) in whole.iter().enumerate() {
+                    let union = [r0[k].clone(), r1[k].clone()].concat();
+                    assert_eq!(sorted(union), sorted(batch.clone()), "{what}, batch {k}");
+                }
+            }
+        }
+    }
+    // Padding instead of dropping in the sampler: 7 samples over 2 ranks are
+    // padded to 8, so each rank has 2 batches of 2, one process of batch 4
+    // only 1 (the second rank batch holds a padded sample).
+    let padded = PrefetchLoader::new(indexed(7)?, 2)?
+        .drop_last(true)
+        .sampler(DistributedSampler::new(2, 1)?.shuffle(0));
+    assert_eq!(padded.num_batches(), 2);
+    Ok(())
+}

@@ -54,6 +54,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         optimizer_kind: None,
         model_definition: Some(Layer::from(LinearConfig::new(2, 2))),
         data: Some(serde_json::json!({"dataset": "digits", "train_samples": 40})),
+        data_order: Some(kiln_core::rng::EPOCH_ORDER.to_owned()),
         scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),
         metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),
         epoch_loss: Some((12.5, 40)),
@@ -67,6 +68,15 @@ fn round_trip_keeps_everything() {
     let original = sample(17, 0.25);
     original.save(&path).expect("save");
     assert_eq!(Checkpoint::load(&path).expect("load"), original);
+    // A checkpoint of a Kiln that recorded no data order reads back without one.
+    let unstamped = Checkpoint {
+        data_order: None,
+        ..sample(17, 0.25)
+    };
+    unstamped.save(&path).expect("save");
+    let read = Checkpoint::load(&path).expect("load");
+    assert_eq!(read.data_order, None);
+    assert_eq!(read, unstamped);
 }
 
 #[test]

@@ -480,6 +480,9 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     if let Some(path) = &resume_from {
         let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
         check_resume_data(&mut checkpoint, &identity, path, resume.on_other_data)?;
+        // Before resharding: a position under another data order means
+        // nothing for any number of ranks.
+        checkpoint.check_data_order(path)?;
         reshard(&mut checkpoint, world_size, path)?;
         check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
         Trainer::<B, M>::resume_from(&mut state, &checkpoint, path)?;

@@ -605,9 +605,14 @@ pub(crate) fn loader(
             return Ok(None);
         };
         let sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
-        // Evaluation: every sample once, the metrics added up across ranks.
+        // Training: the order of one process (`kiln train`), dealt out to the
+        // ranks. With `drop_last` the sampler drops the uneven tail too rather
+        // than padding it with samples from the start of the order, so the
+        // ranks' k-th batches together are one process's k-th batch of
+        // `world_size` times the size. Evaluation: every sample once, the
+        // metrics added up across ranks.
         Ok(Some(if shuffle {
-            sampler.shuffle(config.seed)
+            sampler.shuffle(config.seed).drop_last(data.drop_last)
         } else {
             sampler.without_padding()
         }))

@@ -86,6 +86,13 @@ pub(crate) fn inspect(path: &Path) -> Result<()> {
         checkpoint.batch_in_epoch
     );
     outln!("seed        {}", checkpoint.seed);
+    outln!(
+        "data order  {}",
+        checkpoint
+            .data_order
+            .as_deref()
+            .unwrap_or("not recorded (an older Kiln, which shuffled otherwise)")
+    );
     if let Some(def) = &checkpoint.model_definition {
         outln!("model       {}", serde_json::to_string(def)?);
     }

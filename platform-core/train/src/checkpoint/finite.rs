@@ -119,6 +119,7 @@ mod tests {
             optimizer_kind: None,
             model_definition: None,
             data: None,
+            data_order: None,
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,

@@ -17,6 +17,7 @@
 //! | metadata `kiln.optimizer_state` | a record of that state: algorithm, step, entries of each name, checksum (JSON) |
 //! | metadata `kiln.model` | the model definition ([`kiln_core::model::Layer`], JSON) |
 //! | metadata `kiln.data` | what identifies the training data (JSON, as the trainer was given it) |
+//! | metadata `kiln.data_order` | the loaders' shuffle order ([`kiln_core::rng::EPOCH_ORDER`]; absent: written by a Kiln before it) |
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
 //! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
@@ -27,6 +28,7 @@
 //! `kiln.optimizer_tensors`), or that differ from `kiln.optimizer_state`, is
 //! refused: a resume from it would not be exact.
 
+mod data_order;
 mod finite;
 mod manager;
 mod manifest;
@@ -40,6 +42,7 @@ use kiln_core::model::Layer;
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{WritableState, WritableTensor};
 
+pub use data_order::DATA_ORDER_KEY;
 pub use finite::{find_non_finite, refuse_non_finite, NonFinite};
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
 pub use run_dir::{RunDirectory, RunStart, LOCK_FILE, RUN_OUTPUTS};
@@ -84,6 +87,12 @@ pub struct Checkpoint<S = StateDict> {
     /// was given it ([`Trainer::with_data_identity`](crate::Trainer::with_data_identity)):
     /// a resume on other data can then be refused.
     pub data: Option<serde_json::Value>,
+    /// The shuffle order of the data loaders the run trained with
+    /// ([`kiln_core::rng::EPOCH_ORDER`], which the [`Trainer`](crate::Trainer)
+    /// records), or `None` for a checkpoint written before Kiln recorded it,
+    /// whose loaders shuffled in another order: one written mid-epoch cannot
+    /// resume on the samples it left off at ([`Checkpoint::check_data_order`]).
+    pub data_order: Option<String>,
     /// The learning-rate schedule's state, if any.
     pub scheduler: Option<serde_json::Value>,
     /// Metrics at the time of saving (e.g. validation loss and accuracy).
@@ -139,6 +148,9 @@ impl<S: WritableState> Checkpoint<S> {
         }
         if let Some(data) = &self.data {
             meta.insert("kiln.data".to_owned(), to_json(data, path)?);
+        }
+        if let Some(order) = &self.data_order {
+            meta.insert(DATA_ORDER_KEY.to_owned(), order.clone());
         }
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
         if let Some(loss) = &self.epoch_loss {
@@ -276,6 +288,7 @@ impl Checkpoint {
             optimizer_kind: meta.get("kiln.optimizer").cloned(),
             model_definition,
             data: parse_json("kiln.data")?,
+            data_order: meta.get(DATA_ORDER_KEY).cloned(),
             scheduler: parse_json("kiln.scheduler")?,
             metrics,
             epoch_loss: match parse_json("kiln.epoch_loss")? {

@@ -376,6 +376,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),
             data: self.data_identity.clone(),
+            data_order: Some(kiln_core::rng::EPOCH_ORDER.to_owned()),
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
             epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
@@ -724,13 +725,16 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// As [`resume`](Self::resume), from a checkpoint already read from `path`
     /// (for a caller that checks it first, as the CLI checks its definition and seed).
     /// A checkpoint holding NaN or infinite values is refused, naming them
-    /// ([`Checkpoint::check_finite`]), and `state` is left as it was.
+    /// ([`Checkpoint::check_finite`]), and so is one written mid-epoch under
+    /// another data order than this Kiln's, or by a Kiln that recorded none
+    /// ([`Checkpoint::check_data_order`]); `state` is then left as it was.
     pub fn resume_from(
         state: &mut TrainingState<B, M>,
         checkpoint: &Checkpoint,
         path: &Path,
     ) -> Result<()> {
         checkpoint.check_finite(path)?;
+        checkpoint.check_data_order(path)?;
         state.restore(checkpoint).map_err(|e| {
             Error::checkpoint_caused_by(path, "does not fit this model and optimizer", e)
         })?;
