@@ -545,8 +545,8 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
          `torch.set_num_threads(1)`), on libtorch's c10d with Gloo over localhost, on the CPU \
          whatever `--device` says. Each rank trains the model of (a), (b) or (c) on its own batch of \
          that workload's size (the global batch is twice it), float32, Adam (lr 1e-3); at step k \
-         rank r takes batch 2k + r of the {NUM_BATCHES}. Kiln: `TorchBackend::distribute` (DDP on \
-         c10d's `Reducer`, default buckets) and `TrainBackend::train_step`, which also averages \
+         rank r takes batch 2k + r of the {NUM_BATCHES}. Kiln: `kiln::c10d::data_parallel` (DDP on \
+         c10d's `Reducer`, default buckets, in `DataParallel`) and `Trainable::train_step`, which averages \
          the loss over the ranks (a one-float all-reduce per step); its ranks are started by the \
          harness with `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and a free `MASTER_PORT`. PyTorch: \
          `DistributedDataParallel` (defaults) over the same model, `init_process_group(\"gloo\")`, \

@@ -79,6 +79,63 @@ pub(crate) fn optimizer_over<M: Module<TorchBackend> + ?Sized>(
     TorchOptimizer::new(config.clone(), trainable, groups)
 }
 
+/// The steps every torch module's [`Trainable`] has: [`train_step`] (forward,
+/// loss, backward, clipping and the optimizer step, op by op; alone, deferred,
+/// or with a strategy's hooks) and the eager evaluation and prediction steps.
+macro_rules! torch_steps {
+    () => {
+        fn train_step(
+            &mut self,
+            optimizer: &mut TorchOptimizer,
+            inputs: &Tensor,
+            targets: &Tensor,
+            plan: &StepPlan<'_>,
+        ) -> Result<f64> {
+            train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, false)?
+                .value::<TorchBackend>()
+        }
+
+        fn train_step_deferred(
+            &mut self,
+            optimizer: &mut TorchOptimizer,
+            inputs: &Tensor,
+            targets: &Tensor,
+            plan: &StepPlan<'_>,
+        ) -> Result<StepLoss<Tensor>> {
+            train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, true)
+        }
+
+        fn takes_step_hooks(&self) -> bool {
+            true
+        }
+
+        fn train_step_hooked(
+            &mut self,
+            optimizer: &mut TorchOptimizer,
+            inputs: &Tensor,
+            targets: &Tensor,
+            plan: &StepPlan<'_>,
+            hooks: &mut dyn StepHooks<TorchBackend>,
+            deferred: bool,
+        ) -> Result<StepLoss<Tensor>> {
+            train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
+        }
+
+        fn eval_step(
+            &self,
+            loss: &Loss,
+            inputs: &Tensor,
+            targets: &Tensor,
+        ) -> Result<(f64, HostTensor)> {
+            TorchBackend::eager_eval_step(self, loss, inputs, targets)
+        }
+
+        fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+            TorchBackend::eager_predict_step(self, inputs)
+        }
+    };
+}
+
 impl Trainable<TorchBackend> for TorchModel {
     type Optim = TorchOptimizer;
 
@@ -111,58 +168,7 @@ impl Trainable<TorchBackend> for TorchModel {
         TorchModel::precision(self)
     }
 
-    /// [`train_step`]: forward, loss, backward, clipping and the optimizer
-    /// step, op by op.
-    fn train_step(
-        &mut self,
-        optimizer: &mut TorchOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, false)?
-            .value::<TorchBackend>()
-    }
-
-    /// The same step without reading the loss back.
-    fn train_step_deferred(
-        &mut self,
-        optimizer: &mut TorchOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<StepLoss<Tensor>> {
-        train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, true)
-    }
-
-    fn takes_step_hooks(&self) -> bool {
-        true
-    }
-
-    fn train_step_hooked(
-        &mut self,
-        optimizer: &mut TorchOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-        hooks: &mut dyn StepHooks<TorchBackend>,
-        deferred: bool,
-    ) -> Result<StepLoss<Tensor>> {
-        train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
-    }
-
-    fn eval_step(
-        &self,
-        loss: &Loss,
-        inputs: &Tensor,
-        targets: &Tensor,
-    ) -> Result<(f64, HostTensor)> {
-        TorchBackend::eager_eval_step(self, loss, inputs, targets)
-    }
-
-    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
-        TorchBackend::eager_predict_step(self, inputs)
-    }
+    torch_steps!();
 }
 
 /// [`Trainable`] for torch modules that train op by op with a
@@ -185,55 +191,7 @@ macro_rules! eager_trainable {
                 trainable_elements(self)
             }
 
-            fn train_step(
-                &mut self,
-                optimizer: &mut TorchOptimizer,
-                inputs: &Tensor,
-                targets: &Tensor,
-                plan: &StepPlan<'_>,
-            ) -> Result<f64> {
-                train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, false)?
-                    .value::<TorchBackend>()
-            }
-
-            fn train_step_deferred(
-                &mut self,
-                optimizer: &mut TorchOptimizer,
-                inputs: &Tensor,
-                targets: &Tensor,
-                plan: &StepPlan<'_>,
-            ) -> Result<StepLoss<Tensor>> {
-                train_step(self, optimizer, inputs, targets, plan, &mut NoHooks, true)
-            }
-
-            fn takes_step_hooks(&self) -> bool {
-                true
-            }
-
-            fn train_step_hooked(
-                &mut self,
-                optimizer: &mut TorchOptimizer,
-                inputs: &Tensor,
-                targets: &Tensor,
-                plan: &StepPlan<'_>,
-                hooks: &mut dyn StepHooks<TorchBackend>,
-                deferred: bool,
-            ) -> Result<StepLoss<Tensor>> {
-                train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
-            }
-
-            fn eval_step(
-                &self,
-                loss: &Loss,
-                inputs: &Tensor,
-                targets: &Tensor,
-            ) -> Result<(f64, HostTensor)> {
-                TorchBackend::eager_eval_step(self, loss, inputs, targets)
-            }
-
-            fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
-                TorchBackend::eager_predict_step(self, inputs)
-            }
+            torch_steps!();
         }
     )*};
 }

@@ -564,6 +564,11 @@ mod ddp {
                 Duration::from_secs(300),
             );
             assert_all_passed(&results);
+            let (_, rank0) = &results[0];
+            rank0
+                .lines()
+                .filter(|l| l.starts_with("measured:"))
+                .for_each(|l| println!("{l}"));
             return Ok(());
         }
         let group = Arc::new(join(Duration::from_secs(60))?);
