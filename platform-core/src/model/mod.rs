@@ -273,6 +273,34 @@ impl Layer {
         with_spec!(self, |kind, _spec| kind)
     }
 
+    /// The first layer the input reaches, through `Sequential` and `Residual`
+    /// containers; `None` for an empty `Sequential`.
+    ///
+    /// ```
+    /// use kiln_core::model::{Layer, LinearConfig};
+    ///
+    /// let model = Layer::sequential([LinearConfig::new(4, 2).into(), Layer::Relu]);
+    /// assert_eq!(model.first_leaf().map(Layer::kind), Some("Linear"));
+    /// ```
+    pub fn first_leaf(&self) -> Option<&Layer> {
+        match self {
+            Layer::Sequential { layers } => layers.first().and_then(Layer::first_leaf),
+            Layer::Residual { block } => block.first_leaf(),
+            leaf => Some(leaf),
+        }
+    }
+
+    /// The dtype of the model's input: int64 indices when an `Embedding`
+    /// comes first, float32 otherwise; `None` when a `SavedModel` layer comes
+    /// first (its signature decides).
+    pub fn input_dtype(&self) -> Option<DType> {
+        match self.first_leaf() {
+            Some(Layer::Embedding(_)) => Some(DType::I64),
+            Some(Layer::SavedModel(_)) => None,
+            _ => Some(DType::F32),
+        }
+    }
+
     /// Checks every layer's configuration for values that can never work:
     /// zero sizes, `groups` not dividing the channels, `embed_dim` not
     /// divisible by `num_heads`, probabilities outside `[0, 1)`, negative

@@ -273,18 +273,10 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
     })
 }
 
-fn first_layer(layer: &Layer) -> &Layer {
-    match layer {
-        Layer::Sequential { layers } => layers.first().map_or(layer, first_layer),
-        Layer::Residual { block } => first_layer(block),
-        other => other,
-    }
-}
-
 /// The sample shape a model's first layer fixes: a Linear layer's `[in_features]`.
 fn first_layer_input(layer: &Layer) -> Option<Vec<usize>> {
-    match first_layer(layer) {
-        Layer::Linear(c) => Some(vec![c.in_features]),
+    match layer.first_leaf() {
+        Some(Layer::Linear(c)) => Some(vec![c.in_features]),
         _ => None,
     }
 }

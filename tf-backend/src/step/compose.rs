@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use kiln_core::{loss::Loss, model::Layer, optim::GradClip, DType, Error, HostTensor, Result};
+use kiln_core::{loss::Loss, model::Layer, optim::GradClip, Error, HostTensor, Result};
 use tensorflow::{DataType, Operation, Output};
 
 use super::key::{GradientSource, ProgramKey, ProgramKind, Signature};
@@ -261,7 +261,7 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
     }
     spec.output_shape(model.batch_dims)?;
     // A SavedModel layer's input is checked against its signature when imported.
-    let Some(expected) = input_dtype(spec) else {
+    let Some(expected) = spec.input_dtype() else {
         return Ok(());
     };
     if input.dtype != expected {
@@ -272,25 +272,6 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
         });
     }
     Ok(())
-}
-
-/// The dtype of the model's input: int64 indices for an embedding first, float32
-/// otherwise; `None` when a SavedModel layer comes first (its signature decides).
-pub(crate) fn input_dtype(spec: &Layer) -> Option<DType> {
-    match first_layer(spec) {
-        Some(Layer::Embedding(_)) => Some(DType::I64),
-        Some(Layer::SavedModel(_)) => None,
-        _ => Some(DType::F32),
-    }
-}
-
-/// The first layer that sees the input.
-fn first_layer(layer: &Layer) -> Option<&Layer> {
-    match layer {
-        Layer::Sequential { layers } => layers.first().and_then(first_layer),
-        Layer::Residual { block } => first_layer(block),
-        other => Some(other),
-    }
 }
 
 /// The forward pass: `[batch, sample...]` in, the model's output out, and in

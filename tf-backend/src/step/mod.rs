@@ -24,6 +24,6 @@ mod compose;
 mod key;
 
 pub(crate) use compose::{
-    flat_len, input_dtype, program, run, CompiledGraph, ModelGraph, UpdateRule,
+    flat_len, program, run, CompiledGraph, ModelGraph, UpdateRule,
 };
 pub(crate) use key::{GradientSource, OptimizerId, ProgramKey, ProgramKind, Signature};

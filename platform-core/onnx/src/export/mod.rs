@@ -614,7 +614,7 @@ impl<'a> OnnxExport<'a> {
     }
 
     fn resolve_input_dtype(&self, float: DType) -> Result<DType> {
-        let embedding_first = matches!(first_leaf(self.spec), Some(Layer::Embedding(_)));
+        let embedding_first = matches!(self.spec.first_leaf(), Some(Layer::Embedding(_)));
         let default = if embedding_first { DType::I64 } else { float };
         let dtype = self.input_dtype.unwrap_or(default);
         if onnx_dtype(dtype) == proto::tensor_proto::DataType::Undefined {
@@ -624,15 +624,6 @@ impl<'a> OnnxExport<'a> {
             });
         }
         Ok(dtype)
-    }
-}
-
-/// The first layer data reaches (through `Sequential` and `Residual`).
-fn first_leaf(layer: &Layer) -> Option<&Layer> {
-    match layer {
-        Layer::Sequential { layers } => layers.first().and_then(first_leaf),
-        Layer::Residual { block } => first_leaf(block),
-        leaf => Some(leaf),
     }
 }
 

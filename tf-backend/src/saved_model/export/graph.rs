@@ -162,7 +162,7 @@ impl ExportGraph {
             .map(|p| engine.add_var("model", &p.name, p.dtype, &p.shape, p.kind))
             .collect::<kiln_core::Result<Vec<_>>>()?;
         let mut compiled = CompiledGraph::new(engine);
-        let dtype = step::input_dtype(spec).unwrap_or(DType::F32);
+        let dtype = spec.input_dtype().unwrap_or(DType::F32);
         let mut dims: Vec<i64> = input_shape.iter().map(|&d| d as i64).collect();
         if let Some(first) = dims.first_mut() {
             *first = -1;
