@@ -245,3 +245,28 @@ fn inspect_lists_a_keras_savedmodels_signatures() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Freezing is a capability the TensorFlow backend does not have: the config is
+/// refused before any data is read or anything written, naming the key.
+#[test]
+fn freezing_on_tensorflow_is_refused_before_anything_is_written() {
+    let dir = scratch("tf-freeze");
+    let config = config_for(&dir, "tensorflow");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("seed = 0\n", "seed = 0\nfreeze = [\"0.*\"]\n"),
+    )
+    .unwrap();
+    let out = dir.join("run");
+    let stderr = common::kiln_fails(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(stderr.contains("`freeze`"), "{stderr}");
+    assert!(stderr.contains("tensorflow backend"), "{stderr}");
+    assert!(!out.exists(), "nothing is written");
+}

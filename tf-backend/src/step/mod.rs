@@ -23,7 +23,5 @@
 mod compose;
 mod key;
 
-pub(crate) use compose::{
-    flat_len, program, run, CompiledGraph, ModelGraph, UpdateRule,
-};
+pub(crate) use compose::{flat_len, program, run, CompiledGraph, ModelGraph, UpdateRule};
 pub(crate) use key::{GradientSource, OptimizerId, ProgramKey, ProgramKind, Signature};
