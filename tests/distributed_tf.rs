@@ -257,7 +257,7 @@ fn build(spec: &Layer, seed: u64, group: Option<Arc<ProcessGroup>>) -> Result<Wr
         )?),
         None => Box::new(NoHooks),
     };
-    Ok(DataParallel::new(model, hooks)?)
+    DataParallel::new(model, hooks)
 }
 
 /// This process's rank and the world size when `model` trains across ranks.

@@ -257,7 +257,7 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
                 "the input shape is not fixed by the model's first layer ({}): pass \
                  --input-shape (one sample, without the batch dimension, such as `1,8,8`) \
                  or the run's --config",
-                first_layer(&definition).kind()
+                definition.first_leaf().unwrap_or(&definition).kind()
             )
         })?,
     };

@@ -1,6 +1,7 @@
 //! [`SavedModelModuleBuilder`]: naming and checking a SavedModel's signatures
 //! and tensors before it trains.
 
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{backend::Mode, Error, Result};
@@ -30,6 +31,28 @@ pub struct SavedModelModuleBuilder {
     pub(super) input: Option<String>,
     pub(super) target: Option<String>,
     pub(super) output: Option<String>,
+}
+
+/// Building a [`SavedModelModule`]: here, beside the builder, so that the
+/// module's file does not import its builder back.
+impl SavedModelModule {
+    /// A builder over `model`, to name its signatures and tensors.
+    pub fn builder(model: SavedModel) -> SavedModelModuleBuilder {
+        SavedModelModuleBuilder {
+            model,
+            serve: None,
+            train: None,
+            input: None,
+            target: None,
+            output: None,
+        }
+    }
+
+    /// Loads the SavedModel in `dir` and wraps it with every name at its default
+    /// (see [`SavedModelModuleBuilder`]).
+    pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::builder(SavedModel::load(dir)?).build()
+    }
 }
 
 impl SavedModelModuleBuilder {

@@ -4,7 +4,6 @@
 //! signature computes the loss and applies its own optimizer.
 
 use std::fmt;
-use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::{
@@ -16,7 +15,6 @@ use kiln_core::{
     Error, HostTensor, Result,
 };
 
-use super::builder::SavedModelModuleBuilder;
 use super::checks::{check_feed, fetch_dtype};
 use super::optimizer::SignatureOptimizer;
 use super::shared::Shared;
@@ -53,7 +51,7 @@ use crate::saved_model::load::{loss_not_scalar, SavedModel};
 /// serving signature `serve` (or `serving_default` when there is no `serve`), the
 /// training signature `train`, the serving signature's only input and only
 /// output, and the training signature's input other than the input as the target.
-/// [`build`](SavedModelModuleBuilder::build) checks everything before returning.
+/// [`build`](super::SavedModelModuleBuilder::build) checks everything before returning.
 ///
 /// # Variables
 ///
@@ -103,24 +101,6 @@ impl fmt::Debug for SavedModelModule {
 }
 
 impl SavedModelModule {
-    /// A builder over `model`, to name its signatures and tensors.
-    pub fn builder(model: SavedModel) -> SavedModelModuleBuilder {
-        SavedModelModuleBuilder {
-            model,
-            serve: None,
-            train: None,
-            input: None,
-            target: None,
-            output: None,
-        }
-    }
-
-    /// Loads the SavedModel in `dir` and wraps it with every name at its default
-    /// (see [`SavedModelModuleBuilder`]).
-    pub fn load(dir: impl AsRef<Path>) -> Result<Self> {
-        Self::builder(SavedModel::load(dir)?).build()
-    }
-
     /// The wrapped SavedModel: its signatures, and
     /// [`save_variables_to`](SavedModel::save_variables_to) to write the trained
     /// variables as a SavedModel.
