@@ -22,7 +22,7 @@ fn cuda_graphs() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use kiln_core::{
-        backend::{Backend, StepPlan, TrainBackend},
+        backend::{Backend, StepPlan, Trainable},
         loss::Loss,
         model::{Layer, LinearConfig},
         module::Module,
