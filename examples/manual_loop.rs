@@ -20,7 +20,7 @@
 //! written against [`TrainBackend`]: the model is built from a [`Layer`]
 //! definition by the backend, `Trainable::train_step` runs forward, loss,
 //! backward and the optimizer step (on TensorFlow as one compiled program),
-//! `TrainBackend::eval_step` gives the loss and the logits without gradients,
+//! `Trainable::eval_step` gives the loss and the logits without gradients,
 //! and the learning-rate schedule is stepped by hand after each epoch. The
 //! accuracy is counted by hand from the logits. `--save` writes the trained
 //! weights as safetensors with PyTorch's state-dict names (Python:

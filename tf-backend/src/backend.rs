@@ -8,7 +8,7 @@ use crate::convert::TfTensor;
 /// The TensorFlow backend: graphs built once through the TensorFlow C API and
 /// run in a session, on the CPU.
 ///
-/// Training is graph mode: [`Trainable::train_step`](kiln_core::backend::TrainBackend::train_step)
+/// Training is graph mode: [`Trainable::train_step`](kiln_core::backend::Trainable::train_step)
 /// runs forward, loss, gradients (`Graph::add_gradients`) and the optimizer's
 /// apply ops as **one** session run of a program compiled on the first step.
 /// It is a [`TrainBackend`](kiln_core::backend::TrainBackend) but not an

@@ -118,7 +118,7 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
 /// An optimizer whose update is part of its model's TensorFlow graph.
 ///
-/// Built by [`TrainBackend::build_optimizer`](kiln_core::backend::TrainBackend::build_optimizer)
+/// Built by [`Trainable::build_optimizer`](kiln_core::backend::Trainable::build_optimizer)
 /// (or [`TfOptimizer::new`]) over a [`TfModel`]. SGD, Adam, AdamW, RMSprop and
 /// Adagrad follow PyTorch's formulas; state dicts use kiln-core's portable
 /// layout, the torch backend's, so optimizer state moves between backends in
@@ -418,7 +418,7 @@ impl TfOptimizer {
     }
 
     /// Runs one training micro-batch on `model` (see
-    /// [`Trainable::train_step`](kiln_core::backend::TrainBackend::train_step)): one
+    /// [`Trainable::train_step`](kiln_core::backend::Trainable::train_step)): one
     /// session run. A non-finite loss updates nothing and is returned.
     pub(crate) fn train_step(
         &mut self,
@@ -571,7 +571,7 @@ fn full(value: f32, dims: &[usize]) -> Result<HostTensor> {
 impl Optimizer<TfBackend> for TfOptimizer {
     /// Applies the gradients accumulated by training micro-batches that did not
     /// apply them (a no-op when there are none, as PyTorch skips parameters
-    /// without gradients). [`Trainable::train_step`](kiln_core::backend::TrainBackend::train_step)
+    /// without gradients). [`Trainable::train_step`](kiln_core::backend::Trainable::train_step)
     /// normally applies the update in the same run that computes the gradients.
     ///
     /// Data-parallel, the gradients accumulated on this rank are first averaged

@@ -6,7 +6,7 @@
 //! | program | parts | used by |
 //! |---|---|---|
 //! | [`ProgramKind::Forward`] | forward | `Module::forward` |
-//! | [`ProgramKind::Eval`] | forward, loss | `TrainBackend::eval_step` |
+//! | [`ProgramKind::Eval`] | forward, loss | `Trainable::eval_step` |
 //! | [`ProgramKind::Gradients`] | forward, loss, gradients (fetched) | `TfModel::gradients` |
 //! | [`ProgramKind::Train`] | forward, loss, gradients, then updates or accumulation | `Trainable::train_step` |
 //! | [`ProgramKind::Apply`] | updates from fed or accumulated gradients | `TfOptimizer::apply_gradients`, `Optimizer::step` |

@@ -21,7 +21,7 @@ pub(crate) fn c10d_error(context: impl Into<String>, e: cxx::Exception) -> Error
     Error::backend_with_source(C10D, context, e)
 }
 
-/// The ranks of a data-parallel job, joined (see the [module docs](self)).
+/// The ranks of a data-parallel job, joined (see the [crate docs](crate)).
 ///
 /// Every rank must make the same collective calls in the same order. A rank
 /// that dies makes the others' next collective fail at once (its connection

@@ -11,7 +11,7 @@
 //!   ([`Collectives`], which the TensorFlow backend's data parallelism uses).
 //! - [`DistributedDataParallel`]: DDP's semantics on `c10d::Reducer`, as the
 //!   [`StepHooks`](kiln_core::strategy::StepHooks) of
-//!   [`DataParallel`](kiln_core::strategy::DataParallel) around any torch
+//!   [`DataParallel`] around any torch
 //!   module: parameters and buffers broadcast from rank 0, gradients averaged
 //!   in buckets while the backward pass runs, buffers broadcast before each
 //!   training forward pass, and no synchronisation on the micro-batches
