@@ -35,17 +35,17 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use kiln::core::device::Device;
-use kiln::core::distributed::{CommBackend, DistributedOptions};
-use kiln::core::error::{Error, Result};
-use kiln::core::loss::Loss;
-use kiln::core::model::Layer;
-use kiln::core::optim::{OptimizerConfig, ParamGroup};
-use kiln::core::schedule::SchedulerConfig;
-use kiln::data::vision::TransformSpec;
-use kiln::train::metric_by_name;
-use kiln::train::TrainerConfig;
-use kiln::train::{CheckpointPolicy, MonitorMode};
+use kiln_core::device::Device;
+use kiln_core::distributed::{CommBackend, DistributedOptions};
+use kiln_core::error::{Error, Result};
+use kiln_core::loss::Loss;
+use kiln_core::model::Layer;
+use kiln_core::optim::{OptimizerConfig, ParamGroup};
+use kiln_core::schedule::SchedulerConfig;
+use kiln_data::vision::TransformSpec;
+use kiln_train::metric_by_name;
+use kiln_train::TrainerConfig;
+use kiln_train::{CheckpointPolicy, MonitorMode};
 
 /// Which engine runs the model.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -563,7 +563,7 @@ pub struct RunConfig {
 mod device_string {
     use serde::{Deserialize, Deserializer, Serializer};
 
-    use kiln::core::device::Device;
+    use kiln_core::device::Device;
 
     pub(super) fn serialize<S: Serializer>(device: &Device, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&device.to_string())
@@ -704,7 +704,7 @@ impl RunConfig {
             ),
         ];
         if let Some(monitor) = self.schedule.as_ref().and_then(|s| s.monitor()) {
-            if self.training.schedule_interval == kiln::train::ScheduleInterval::Step {
+            if self.training.schedule_interval == kiln_train::ScheduleInterval::Step {
                 return Err(Error::invalid_argument(
                     "training.schedule_interval",
                     format!(
@@ -777,8 +777,8 @@ fn tagged_key_path(root: &toml::Value, section: &str) -> String {
     match section {
         "optimizer" => culprit::<OptimizerConfig>(value),
         "loss" => culprit::<Loss>(value),
-        "schedule" => culprit::<kiln::core::schedule::SchedulerConfig>(value),
-        "training.clip" => culprit::<kiln::core::optim::GradClip>(value),
+        "schedule" => culprit::<kiln_core::schedule::SchedulerConfig>(value),
+        "training.clip" => culprit::<kiln_core::optim::GradClip>(value),
         "model" => culprit::<Layer>(value),
         _ => String::new(),
     }
