@@ -24,7 +24,7 @@ use crate::prelude::*;
 use crate::resume::Resume;
 
 /// The engines an executable runs: `kiln`'s implementation keeps the defaults
-/// (every TensorFlow method refuses with [`NeedsTensorflow`]);
+/// (every TensorFlow method refuses with a `NeedsTensorflow` error);
 /// `kiln-tensorflow`'s runs them on the TensorFlow C API.
 pub trait Engines {
     /// Whether this executable runs TensorFlow itself. When it does not, the

@@ -6,7 +6,7 @@
 //! `kiln-tensorflow` alone (generic code is instantiated only where it is used).
 //! `kiln` decides from the command line and the config, before it reads
 //! anything else, whether a command needs TensorFlow
-//! ([`needs_tensorflow`](engines::needs_tensorflow)), and runs it in
+//! (`engines::needs_tensorflow`), and runs it in
 //! `kiln-tensorflow` at once when it does (`forward.rs`).
 //!
 //! ```text
