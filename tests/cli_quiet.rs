@@ -301,3 +301,122 @@ fn what_tensorflow_printed_before_dying_at_start_is_shown() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `kiln` decides from the command line and the config alone that a command
+/// needs TensorFlow, and runs it in `kiln-tensorflow` before it reads anything
+/// else: a stand-in sibling that prints its arguments runs even though the
+/// checkpoint does not exist (`kiln` itself refuses it as soon as it reads it,
+/// as it still does for the commands it runs itself).
+#[test]
+fn commands_that_need_tensorflow_go_to_kiln_tensorflow_before_anything_is_read() {
+    let script = "#!/bin/sh\necho \"kiln-tensorflow ran: $*\"\n";
+    let (dir, kiln) = lone_kiln("quiet-decided", Some(script));
+    let path = |name: &str| dir.join(name).to_str().unwrap().to_owned();
+    let missing = path("missing.safetensors");
+    // A TensorFlow model with a SavedModel feature extractor (which does not exist either).
+    let saved_model = dir.join("saved_model.toml");
+    std::fs::write(
+        &saved_model,
+        format!(
+            r#"
+backend = "tensorflow"
+output_dir = "{run}"
+
+[data]
+dataset = "digits"
+batch_size = 16
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "saved_model", path = "{features}" }},
+  {{ type = "linear", in_features = 16, out_features = 10 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.01
+"#,
+            run = path("run"),
+            features = path("no-such-savedmodel"),
+        ),
+    )
+    .unwrap();
+    let saved_model = saved_model.to_str().unwrap();
+    let torch = tiny_config(&dir, "torch");
+    let torch = torch.to_str().unwrap();
+    let (out, onnx) = (path("out"), path("out.onnx"));
+    let forwarded: [&[&str]; 5] = [
+        &[
+            "export",
+            "--format",
+            "savedmodel",
+            "--checkpoint",
+            &missing,
+            "--output",
+            &out,
+        ],
+        &[
+            "export",
+            "--format",
+            "onnx",
+            "--config",
+            saved_model,
+            "--checkpoint",
+            &missing,
+            "--output",
+            &onnx,
+        ],
+        &["eval", "--config", saved_model, "--checkpoint", &missing],
+        // The flags are applied to the config before the decision.
+        &[
+            "train",
+            "--config",
+            torch,
+            "--backend",
+            "tensorflow",
+            "--output",
+            &out,
+        ],
+        &["inspect", dir.to_str().unwrap()],
+    ];
+    for args in forwarded {
+        let result = run(&kiln, args, &[]);
+        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+        assert!(result.status.success(), "{args:?}: {stderr}");
+        assert_eq!(
+            stdout.trim(),
+            format!("kiln-tensorflow ran: {}", args.join(" ")),
+            "{args:?}: {stderr}"
+        );
+    }
+    // Torch's commands run in `kiln`, which reads the checkpoint and refuses it.
+    let own: [&[&str]; 2] = [
+        &[
+            "export",
+            "--format",
+            "onnx",
+            "--config",
+            torch,
+            "--checkpoint",
+            &missing,
+            "--output",
+            &onnx,
+        ],
+        &["eval", "--config", torch, "--checkpoint", &missing],
+    ];
+    for args in own {
+        let result = run(&kiln, args, &[]);
+        let (stdout, stderr) = (text(&result.stdout), text(&result.stderr));
+        assert_eq!(result.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            !stdout.contains("kiln-tensorflow ran"),
+            "{args:?}: {stdout}"
+        );
+        assert!(stderr.contains("missing.safetensors"), "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,4 +1,4 @@
-//! `kiln-tensorflow`'s side of the start-up capture (`../kiln/forward.rs`): when
+//! `kiln-tensorflow`'s side of the start-up capture (`src/cli/forward.rs`): when
 //! `kiln` started it with fd 2 on an anonymous file and the real stderr as the
 //! descriptor [`STDERR_FD_VAR`] names, `main` puts the real stderr back on fd 2,
 //! reads what TensorFlow printed while loading and empties the capture (which
@@ -8,7 +8,7 @@ use std::fs::File;
 use std::io::{Read, Seek};
 use std::os::fd::{FromRawFd, OwnedFd};
 
-use crate::cli::{CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
+use kiln_cli::{CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
 
 /// What TensorFlow printed before `main`, when `kiln` captured it; fd 2 is the
 /// real stderr again. `None` when nothing was captured (this process was run

@@ -5,15 +5,15 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::prelude::*;
 use anyhow::Result;
-use kiln::prelude::*;
-use kiln::train::{Checkpoint, Checkpointer, RunDirectory, RunStart};
+use kiln_train::{Checkpoint, Checkpointer, RunDirectory, RunStart};
 
 use crate::config::RunConfig;
 use crate::data::{Data, Split};
 
 /// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
-pub(crate) struct Resume {
+pub struct Resume {
     /// A checkpoint file, or `auto`; `None` for a new run.
     pub(crate) from: Option<String>,
     /// Continue on data other than the checkpoint recorded.

@@ -1,37 +1,26 @@
-//! The command line both executables share: `kiln` and `kiln-tensorflow` include
-//! this module (and config, data, evaluate, export, inspect, launch) and differ only in their
-//! [`TensorflowCommands`]: `kiln`'s asks for the sibling executable, so that the
-//! `kiln` binary references no TensorFlow symbol and never loads TensorFlow;
-//! `kiln-tensorflow`'s runs the command on the TensorFlow C API.
-//!
-//! ```text
-//! kiln train --config examples/configs/digits-cnn.toml [--epochs N] [--device cuda:0] ...
-//! kiln eval --config CONFIG --checkpoint runs/digits-cnn/checkpoints/last.safetensors
-//! kiln predict --config CONFIG --checkpoint CKPT --output predictions.csv
-//! kiln inspect runs/digits-cnn/checkpoints/last.safetensors
-//! kiln export --checkpoint CKPT --format onnx|torchscript|savedmodel --output PATH
-//! kiln predict --config CONFIG --checkpoint model.onnx --output predictions.csv
-//! kiln launch --nproc-per-node 2 -- train --config CONFIG   # N workers, as torchrun
-//! ```
+//! The commands: parsing the command line, running one command with an
+//! executable's [`Engines`], and `kiln train` (`train_on`, `fit`).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::{BackendKind, FrozenBatchNorm, RunConfig};
+use crate::engines::{needs_tensorflow, DataParallelEngine, Engines, TorchDdp};
 use crate::evaluate::{CheckpointArgs, PredictArgs};
-use crate::{evaluate, export, inspect, launch, Tensorflow};
+use crate::forward::{self, NeedsTensorflow};
+use crate::prelude::*;
+use crate::{evaluate, export, inspect, launch};
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kiln::c10d::{DistributedDataParallel, ProcessGroup};
-use kiln::core::distributed::{DistributedOptions, Rendezvous};
-use kiln::core::strategy::{DataParallel, StepHooks};
-use kiln::core::{
+use kiln_c10d::ProcessGroup;
+use kiln_core::distributed::Rendezvous;
+use kiln_core::strategy::DataParallel;
+use kiln_core::{
     backend::{TrainBackend, Trainable},
     precision::FloatPrecision,
 };
-use kiln::prelude::*;
-use kiln::train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
+use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::data::{load_data, loader, Split};
 use crate::resume::{
@@ -45,13 +34,14 @@ use crate::resume::{
     version,
     about = "Train neural networks from Rust on libtorch or TensorFlow"
 )]
-pub(crate) struct Cli {
+struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
+/// A command of `kiln`, as parsed.
 #[derive(Subcommand)]
-enum Command {
+pub(crate) enum Command {
     /// Train a model described by a TOML config.
     Train(TrainArgs),
     /// Evaluate a checkpoint on the config's validation split.
@@ -74,8 +64,9 @@ enum Command {
     Launch(launch::LaunchArgs),
 }
 
+/// `kiln train`'s arguments.
 #[derive(Args)]
-struct TrainArgs {
+pub(crate) struct TrainArgs {
     /// The run config (TOML).
     #[arg(long)]
     config: PathBuf,
@@ -125,40 +116,15 @@ struct TrainArgs {
 }
 
 /// The log target of TensorFlow's own lines (`RUST_LOG=kiln=debug` shows them).
-pub(crate) const TENSORFLOW_LOG_TARGET: &str = "kiln::tensorflow";
+pub const TENSORFLOW_LOG_TARGET: &str = "kiln::tensorflow";
 
 /// The name of the anonymous file (memfd) that captures TensorFlow's start-up lines.
-pub(crate) const CAPTURE_NAME: &str = "kiln-tensorflow-start";
+pub const CAPTURE_NAME: &str = "kiln-tensorflow-start";
 
 /// Set by `kiln` for `kiln-tensorflow` when it captures what TensorFlow prints
 /// while its libraries load: `FD:DEV:INO`, the descriptor of the real stderr and
 /// the device and inode it refers to (fd 2 is the capture, an anonymous file).
-pub(crate) const STDERR_FD_VAR: &str = "KILN_TENSORFLOW_STDERR";
-
-/// What only `kiln-tensorflow` runs: the commands and steps that use TensorFlow.
-/// `kiln`'s implementation returns an error that names what needed TensorFlow
-/// (its `main` then runs the sibling executable); `kiln-tensorflow`'s does the work.
-/// Each executable's `crate::Tensorflow` implements it.
-pub(crate) trait TensorflowCommands {
-    /// Makes Kiln's fused C++ ops available as layers (`type = "custom"`) to the
-    /// backends this executable runs.
-    fn register_layers() -> Result<()>;
-    /// `kiln train` on the TensorFlow backend.
-    fn train(config: &RunConfig, resume: &Resume, rendezvous: Option<&Rendezvous>) -> Result<()>;
-    /// `kiln eval` on the TensorFlow backend.
-    fn eval(args: &CheckpointArgs, config: &RunConfig) -> Result<()>;
-    /// `kiln predict` on the TensorFlow backend.
-    fn predict(args: &PredictArgs, config: &RunConfig) -> Result<()>;
-    /// The model with each saved_model layer's output shape, from its signature.
-    fn resolve_saved_model_shapes(model: &Layer, example: &[usize], dtype: DType) -> Result<Layer>;
-    /// `kiln export --format savedmodel`.
-    fn export_saved_model(
-        source: &export::Source,
-        options: &export::SavedModelOptions<'_>,
-    ) -> Result<()>;
-    /// `kiln inspect` of a SavedModel directory.
-    fn inspect_saved_model(path: &Path) -> Result<()>;
-}
+pub const STDERR_FD_VAR: &str = "KILN_TENSORFLOW_STDERR";
 
 /// Writes a command's output to stdout. A reader that went away (`kiln inspect
 /// CKPT | head -1`) ends the output, as it does for Unix tools: the rest is
@@ -200,14 +166,14 @@ macro_rules! out {
 pub(crate) use out;
 
 /// Kiln's log lines on stderr, at `RUST_LOG`'s level (default `info`).
-pub(crate) fn init_logging() {
+pub fn init_logging() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format_target(false)
         .init();
 }
 
 /// Prints the error and exits as `kiln` does when a command fails.
-pub(crate) fn exit_with(error: &anyhow::Error) -> ! {
+fn exit_with(error: &anyhow::Error) -> ! {
     eprintln!("error: {error:#}");
     // Interrupted by a signal: exit as the shell reports a process it killed.
     let code = error
@@ -216,19 +182,40 @@ pub(crate) fn exit_with(error: &anyhow::Error) -> ! {
     std::process::exit(code);
 }
 
+/// Runs the command on this process's command line with engines `E`, and
+/// exits as `kiln` does when it fails. `kiln` runs a command that needs
+/// TensorFlow (decided before anything is read) in `kiln-tensorflow` instead.
+pub fn run<E: Engines>() {
+    let cli = Cli::parse();
+    if !E::TENSORFLOW {
+        if let Some(needs) = needs_tensorflow(&cli.command) {
+            // Returns only when kiln-tensorflow could not be run.
+            exit_with(&forward::run_tensorflow(&needs));
+        }
+    }
+    let Err(error) = run_command::<E>(cli.command) else {
+        return;
+    };
+    match error.downcast_ref::<NeedsTensorflow>() {
+        // The safety net: a case `needs_tensorflow` did not foresee.
+        Some(needs) if !E::TENSORFLOW => exit_with(&forward::run_tensorflow(needs)),
+        _ => exit_with(&error),
+    }
+}
+
 /// Runs one command.
-pub(crate) fn run(cli: Cli) -> Result<()> {
+fn run_command<E: Engines>(command: Command) -> Result<()> {
     // Configs can then use Kiln's fused ops as layers (`type = "custom", op = "kiln::swish"`).
     // The launcher only starts processes: its workers register them.
-    if !matches!(cli.command, Command::Launch(_)) {
-        Tensorflow::register_layers()?;
+    if !matches!(command, Command::Launch(_)) {
+        E::register_layers()?;
     }
-    match cli.command {
-        Command::Train(args) => train(args),
-        Command::Eval(args) => evaluate::eval(args),
-        Command::Predict(args) => evaluate::predict(args),
-        Command::Inspect { checkpoint } => inspect::inspect(&checkpoint),
-        Command::Export(args) => export::export(args),
+    match command {
+        Command::Train(args) => train::<E>(args),
+        Command::Eval(args) => evaluate::eval::<E>(args),
+        Command::Predict(args) => evaluate::predict::<E>(args),
+        Command::Inspect { checkpoint } => inspect::inspect::<E>(&checkpoint),
+        Command::Export(args) => export::export::<E>(args),
         Command::Launch(args) => launch::launch(args),
     }
 }
@@ -247,44 +234,45 @@ fn parse_backend(value: &str) -> std::result::Result<BackendKind, String> {
     }
 }
 
-fn train(args: TrainArgs) -> Result<()> {
-    let mut config = load_config(&args.config)?;
-    if let Some(v) = args.epochs {
-        config.training.epochs = v;
+impl TrainArgs {
+    /// The config with these flags applied, validated.
+    pub(crate) fn config(&self) -> Result<RunConfig> {
+        let mut config = load_config(&self.config)?;
+        self.apply(&mut config);
+        config
+            .validate()
+            .with_context(|| format!("config {}", self.config.display()))?;
+        Ok(config)
     }
-    if let Some(v) = args.max_steps {
-        config.training.max_steps = Some(v);
+
+    /// Puts each flag given in place of the config's value: the one place
+    /// where `kiln train`'s flags meet the config.
+    fn apply(&self, config: &mut RunConfig) {
+        fn set<T: Clone>(field: &mut T, flag: &Option<T>) {
+            if let Some(value) = flag {
+                *field = value.clone();
+            }
+        }
+        set(&mut config.training.epochs, &self.epochs);
+        set(&mut config.training.max_steps, &self.max_steps.map(Some));
+        set(&mut config.device, &self.device);
+        set(&mut config.seed, &self.seed);
+        set(&mut config.backend, &self.backend);
+        set(&mut config.training.precision, &self.precision);
+        set(&mut config.output_dir, &self.output);
+        set(&mut config.data.batch_size, &self.batch_size);
+        set(&mut config.data.workers, &self.workers);
+        if let Some(lr) = self.lr {
+            config.optimizer = config.optimizer.clone().with_lr(lr);
+        }
+        if self.no_progress {
+            config.logging.progress = false;
+        }
     }
-    if let Some(v) = args.device {
-        config.device = v;
-    }
-    if let Some(v) = args.seed {
-        config.seed = v;
-    }
-    if let Some(v) = args.backend {
-        config.backend = v;
-    }
-    if let Some(v) = args.precision {
-        config.training.precision = v;
-    }
-    if let Some(v) = args.output {
-        config.output_dir = v;
-    }
-    if let Some(v) = args.lr {
-        config.optimizer = config.optimizer.with_lr(v);
-    }
-    if let Some(v) = args.batch_size {
-        config.data.batch_size = v;
-    }
-    if let Some(v) = args.workers {
-        config.data.workers = v;
-    }
-    if args.no_progress {
-        config.logging.progress = false;
-    }
-    config
-        .validate()
-        .with_context(|| format!("config {}", args.config.display()))?;
+}
+
+fn train<E: Engines>(args: TrainArgs) -> Result<()> {
+    let mut config = args.config()?;
     // Started by `kiln launch`, torchrun or srun: one rank of a data-parallel job.
     let rendezvous = Rendezvous::from_env()?;
     if let Some(r) = &rendezvous {
@@ -299,41 +287,9 @@ fn train(args: TrainArgs) -> Result<()> {
     };
     match config.backend {
         BackendKind::Torch => {
-            train_on::<kiln::torch::TorchBackend>(&config, &resume, rendezvous.as_ref())
+            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &resume, rendezvous.as_ref())
         }
-        BackendKind::Tensorflow => Tensorflow::train(&config, &resume, rendezvous.as_ref()),
-    }
-}
-
-/// How a backend's models train data-parallel: the engine that keeps the ranks
-/// identical is the backend's own (DDP's `c10d::Reducer` on libtorch, a host
-/// all-reduce of the gradients on TensorFlow), inside the one
-/// [`DataParallel`](kiln::core::strategy::DataParallel) wrapper.
-pub(crate) trait ParallelBackend: TrainBackend {
-    /// The engine.
-    type Sync: StepHooks<Self>;
-
-    /// The engine for `model` over `group` (rank 0's weights on every rank now).
-    fn data_parallel(
-        model: &Self::Model,
-        group: &Arc<ProcessGroup>,
-        options: &DistributedOptions,
-    ) -> Result<Self::Sync>;
-}
-
-impl ParallelBackend for kiln::torch::TorchBackend {
-    type Sync = DistributedDataParallel;
-
-    fn data_parallel(
-        model: &kiln::torch::TorchModel,
-        group: &Arc<ProcessGroup>,
-        options: &DistributedOptions,
-    ) -> Result<DistributedDataParallel> {
-        Ok(DistributedDataParallel::of(
-            Arc::clone(group),
-            model,
-            options,
-        )?)
+        BackendKind::Tensorflow => E::train_tensorflow(&config, &resume, rendezvous.as_ref()),
     }
 }
 
@@ -354,7 +310,9 @@ struct Prepared<'a> {
     examples: (usize, usize),
 }
 
-pub(crate) fn train_on<B: ParallelBackend>(
+/// `kiln train` on backend `B`, data-parallel through `P` when started as one
+/// rank of a job.
+pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     config: &RunConfig,
     resume: &Resume,
     rendezvous: Option<&Rendezvous>,
@@ -376,9 +334,9 @@ pub(crate) fn train_on<B: ParallelBackend>(
     } else {
         follower_resume(config, resume.from.as_deref())?
     };
-    let data = load_data(config)?;
+    let data = load_data::<E>(config)?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
-    let definition = resolve_model(config, &data.probe, config.device)?;
+    let definition = resolve_model::<E>(config, &data.probe, config.device)?;
     let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
@@ -447,7 +405,7 @@ pub(crate) fn train_on<B: ParallelBackend>(
             options.backend
         );
     }
-    let sync = B::data_parallel(&model, &group, &options)?;
+    let sync = P::data_parallel(&model, &group, &options)?;
     fit::<B, _>(prepared, DataParallel::new(model, sync)?)
 }
 
@@ -494,7 +452,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?;
     for name in &config.logging.metrics {
         let make =
-            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
+            kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
         trainer = trainer.with_metric(make);
     }
     if let Some(es) = &config.early_stopping {
@@ -561,21 +519,21 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         .with_data_identity(identity);
     if config.logging.csv {
         trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln::train::CsvSink::resume(out, state.step)?,
-            None => kiln::train::CsvSink::new(out)?,
+            Some(_) => kiln_train::CsvSink::resume(out, state.step)?,
+            None => kiln_train::CsvSink::new(out)?,
         });
     }
     if config.logging.tensorboard {
         let dir = out.join("tensorboard");
         trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln::train::TensorBoardSink::resume(dir, state.step)?,
-            None => kiln::train::TensorBoardSink::new(dir)?,
+            Some(_) => kiln_train::TensorBoardSink::resume(dir, state.step)?,
+            None => kiln_train::TensorBoardSink::new(dir)?,
         });
     }
     if config.logging.progress {
-        trainer = trainer.with_sink(kiln::train::ProgressSink::new());
+        trainer = trainer.with_sink(kiln_train::ProgressSink::new());
     } else {
-        trainer = trainer.with_sink(kiln::train::LogSink::new());
+        trainer = trainer.with_sink(kiln_train::LogSink::new());
     }
 
     let history = trainer.fit(
@@ -597,7 +555,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         .save_safetensors(&weights, &metadata)?;
     if config.logging.plots && !history.is_empty() {
         let png = out.join("curves.png");
-        kiln::train::plot_curves(&history, &png, &kiln::train::PlotOptions::default())?;
+        kiln_train::plot_curves(&history, &png, &kiln_train::PlotOptions::default())?;
         outln!("kiln: curves plotted to {}", png.display());
     }
     let summary = if final_metrics.is_empty() {
@@ -687,7 +645,7 @@ fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
 /// The config's model with the output shape of each torchscript layer (torch)
 /// and saved_model layer (TensorFlow) found, by running it once on an example
 /// of `inputs` (a batch of the data) or from its signature.
-pub(crate) fn resolve_model(
+pub(crate) fn resolve_model<E: Engines>(
     config: &RunConfig,
     inputs: &HostTensor,
     device: Device,
@@ -695,10 +653,10 @@ pub(crate) fn resolve_model(
     let example = inputs.dims().get(1..).unwrap_or_default();
     let mut model = config.model.clone();
     if !model.torchscript_layers().is_empty() {
-        model = kiln::torch::resolve_torchscript_shapes(&model, example, inputs.dtype(), device)?;
+        model = kiln_torch::resolve_torchscript_shapes(&model, example, inputs.dtype(), device)?;
     }
     if !model.saved_model_layers().is_empty() {
-        model = Tensorflow::resolve_saved_model_shapes(&model, example, inputs.dtype())?;
+        model = E::resolve_saved_model_shapes(&model, example, inputs.dtype())?;
     }
     Ok(model)
 }

@@ -4,17 +4,18 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use crate::prelude::*;
 use anyhow::{Context, Result};
 use clap::Args;
-use kiln::prelude::*;
 
-use crate::cli::{load_config, outln, resolve_model, TensorflowCommands};
+use crate::cli::{load_config, outln, resolve_model};
 use crate::config::{BackendKind, RunConfig};
 use crate::data::{loader, validation_split, RecordTargets};
-use crate::Tensorflow;
+use crate::engines::Engines;
 
+/// `kiln eval`'s arguments (and `kiln predict`'s, but its output).
 #[derive(Args)]
-pub(crate) struct CheckpointArgs {
+pub struct CheckpointArgs {
     /// The run config (TOML) that names the data.
     #[arg(long)]
     pub(crate) config: PathBuf,
@@ -26,8 +27,9 @@ pub(crate) struct CheckpointArgs {
     pub(crate) device: Option<Device>,
 }
 
+/// `kiln predict`'s arguments.
 #[derive(Args)]
-pub(crate) struct PredictArgs {
+pub struct PredictArgs {
     #[command(flatten)]
     pub(crate) common: CheckpointArgs,
     /// Where to write the predictions (CSV: index, predicted class, label, scores).
@@ -42,14 +44,14 @@ pub(crate) struct PredictArgs {
 /// is the source of truth: a checkpoint that records another definition is
 /// refused before the model is built, and one holding a tensor of another
 /// name, shape or dtype before any weight is loaded.
-fn restore<B: TrainBackend>(
+fn restore<E: Engines, B: TrainBackend>(
     checkpoint: &Checkpoint,
     path: &Path,
     config: &RunConfig,
     device: Device,
     inputs: &HostTensor,
 ) -> Result<B::Model> {
-    let definition = resolve_model(config, inputs, device)?;
+    let definition = resolve_model::<E>(config, inputs, device)?;
     checkpoint.check_definition(&definition, path)?;
     let mut model = B::build_model(&definition, device)?;
     B::set_precision(&mut model, config.training.precision)?;
@@ -58,32 +60,36 @@ fn restore<B: TrainBackend>(
         .check_dtypes(&model.state_dict()?)
         .and_then(|()| model.load_state_dict(&checkpoint.model))
         .map_err(|e| {
-            kiln::core::Error::checkpoint_caused_by(path, "does not fit the config's model", e)
+            kiln_core::Error::checkpoint_caused_by(path, "does not fit the config's model", e)
         })?;
     model.set_mode(Mode::Eval);
     Ok(model)
 }
 
-pub(crate) fn eval(args: CheckpointArgs) -> Result<()> {
+pub(crate) fn eval<E: Engines>(args: CheckpointArgs) -> Result<()> {
     let config = load_config(&args.config)?;
     match config.backend {
-        BackendKind::Torch => eval_on::<kiln::torch::TorchBackend>(&args, &config),
-        BackendKind::Tensorflow => Tensorflow::eval(&args, &config),
+        BackendKind::Torch => eval_on::<E, kiln_torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => E::eval_tensorflow(&args, &config),
     }
 }
 
-pub(crate) fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
+/// `kiln eval` on backend `B`.
+pub fn eval_on<E: Engines, B: TrainBackend>(
+    args: &CheckpointArgs,
+    config: &RunConfig,
+) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = open_checkpoint(&args.checkpoint)?;
-    let (split, probe) = validation_split(config)?;
-    let mut model = restore::<B>(&checkpoint, &args.checkpoint, config, device, &probe)?;
+    let (split, probe) = validation_split::<E>(config)?;
+    let mut model = restore::<E, B>(&checkpoint, &args.checkpoint, config, device, &probe)?;
     let val = loader(split, config, false, None)?;
     let mut training = config.training.clone();
     training.device = device;
     let mut trainer = Trainer::<B>::new(training, config.loss.clone())?;
     for name in &config.logging.metrics {
         trainer = trainer.with_metric(
-            kiln::train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?,
+            kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?,
         );
     }
     let metrics = trainer.evaluate(&mut model, val.as_ref())?;
@@ -94,24 +100,28 @@ pub(crate) fn eval_on<B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig
     Ok(())
 }
 
-pub(crate) fn predict(args: PredictArgs) -> Result<()> {
+pub(crate) fn predict<E: Engines>(args: PredictArgs) -> Result<()> {
     let config = load_config(&args.common.config)?;
     if is_onnx(&args.common.checkpoint) {
-        return predict_onnx(&args, &config);
+        return predict_onnx::<E>(&args, &config);
     }
     match config.backend {
-        BackendKind::Torch => predict_on::<kiln::torch::TorchBackend>(&args, &config),
-        BackendKind::Tensorflow => Tensorflow::predict(&args, &config),
+        BackendKind::Torch => predict_on::<E, kiln_torch::TorchBackend>(&args, &config),
+        BackendKind::Tensorflow => E::predict_tensorflow(&args, &config),
     }
 }
 
-pub(crate) fn predict_on<B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+/// `kiln predict` on backend `B`.
+pub fn predict_on<E: Engines, B: TrainBackend>(
+    args: &PredictArgs,
+    config: &RunConfig,
+) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
     crate::cli::check_output(&args.output, args.overwrite, "predict")?;
     let checkpoint = open_checkpoint(&common.checkpoint)?;
-    let (split, probe) = validation_split(config)?;
-    let mut model = restore::<B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
+    let (split, probe) = validation_split::<E>(config)?;
+    let mut model = restore::<E, B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
     let val = RecordTargets::new(loader(split, config, false, None)?);
     let mut training = config.training.clone();
     training.device = device;
@@ -135,7 +145,7 @@ pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
 /// run's `model.safetensors`): not a pipe or device (which would block or read
 /// forever), a TorchScript file or an ONNX model.
 pub(crate) fn refuse_other_formats(path: &Path) -> Result<()> {
-    kiln::core::fs::check_regular_file(path)?;
+    kiln_core::fs::check_regular_file(path)?;
     if crate::inspect::is_zip_archive(path)? {
         anyhow::bail!(
             "{} is a TorchScript file (a zip archive), not a Kiln checkpoint: give the \
@@ -162,15 +172,15 @@ pub(crate) fn is_onnx(path: &Path) -> bool {
 
 /// `kiln predict` with an ONNX model: ONNX Runtime over the config's
 /// validation split, in batches of `data.batch_size`.
-fn predict_onnx(args: &PredictArgs, config: &RunConfig) -> Result<()> {
+fn predict_onnx<E: Engines>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     if args.common.device.is_some_and(|d| d != Device::Cpu) {
         anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");
     }
     crate::cli::check_output(&args.output, args.overwrite, "predict")?;
     let path = &args.common.checkpoint;
-    kiln::core::fs::check_regular_file(path)?;
-    let model = kiln::onnx::OnnxModel::load(path)?;
-    let (split, _) = validation_split(config)?;
+    kiln_core::fs::check_regular_file(path)?;
+    let model = kiln_onnx::OnnxModel::load(path)?;
+    let (split, _) = validation_split::<E>(config)?;
     let val = RecordTargets::new(loader(split, config, false, None)?);
     let mut outputs = Vec::new();
     for batch in val.batches(0) {

@@ -6,9 +6,9 @@
 
 use std::path::Path;
 
+use crate::prelude::*;
 use anyhow::Result;
-use kiln::core::distributed::{Collectives, ReduceOp};
-use kiln::prelude::*;
+use kiln_core::distributed::{Collectives, ReduceOp};
 
 use crate::config::RunConfig;
 
@@ -69,7 +69,7 @@ pub(crate) fn check_ranks_agree(group: &dyn Collectives, mine: &serde_json::Valu
     group.broadcast_bytes(&mut theirs, first)?;
     let rank0: serde_json::Value = serde_json::from_slice(&rank0)?;
     let theirs: serde_json::Value = serde_json::from_slice(&theirs)?;
-    let (at, ours, other) = kiln::train::first_difference(&rank0, &theirs, "");
+    let (at, ours, other) = kiln_train::first_difference(&rank0, &theirs, "");
     anyhow::bail!(
         "the ranks of this job do not run the same training: rank {first} differs from rank 0 \
          at `{}`, where rank 0 has {ours} and rank {first} {other} (ranks that differ from rank \

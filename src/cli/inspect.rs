@@ -3,12 +3,12 @@
 
 use std::path::Path;
 
+use crate::prelude::*;
 use anyhow::{Context, Result};
-use kiln::prelude::*;
-use kiln::train::Checkpoint;
+use kiln_train::Checkpoint;
 
-use crate::cli::{out, outln, TensorflowCommands};
-use crate::Tensorflow;
+use crate::cli::{out, outln};
+use crate::engines::Engines;
 
 /// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
 /// files (`torch.jit.save`) are stored, unlike safetensors files.
@@ -22,7 +22,7 @@ pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
 
 /// A TorchScript file's parameters and buffers, as libtorch loads them.
 pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
-    let module = kiln::torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
+    let module = kiln_torch::ScriptModule::load(path, Device::Cpu).with_context(|| {
         format!(
             "{} is a zip archive, as TorchScript files are, but libtorch cannot load it",
             path.display()
@@ -44,7 +44,7 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
         ("buffer", module.named_buffers()?),
     ] {
         for (name, tensor) in named {
-            let t = kiln::torch::from_tch(&tensor)?;
+            let t = kiln_torch::from_tch(&tensor)?;
             values += t.numel();
             if kind == "parameter" {
                 params += 1;
@@ -64,16 +64,17 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn inspect(path: &Path) -> Result<()> {
+pub(crate) fn inspect<E: Engines>(path: &Path) -> Result<()> {
     if path.is_dir() {
-        return Tensorflow::inspect_saved_model(path);
+        out!("{}", E::describe_saved_model(path)?);
+        return Ok(());
     }
-    kiln::core::fs::check_regular_file(path)?;
+    kiln_core::fs::check_regular_file(path)?;
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
     }
     if crate::evaluate::is_onnx(path) {
-        out!("{}", kiln::onnx::ModelInfo::read(path)?);
+        out!("{}", kiln_onnx::ModelInfo::read(path)?);
         return Ok(());
     }
     let checkpoint = Checkpoint::load(path)?;

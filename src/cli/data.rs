@@ -8,19 +8,25 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
+use crate::engines::Engines;
+use crate::prelude::*;
 use anyhow::{Context, Result};
-use kiln::core::{loss::Loss, HostTensor};
-use kiln::data::vision::TransformSpec;
-use kiln::data::{
+use kiln_core::{loss::Loss, HostTensor};
+use kiln_data::vision::TransformSpec;
+use kiln_data::{
     load_digits, split_indices, train_test_split, Batch, ColorMode, Compose, DataLoader, Dataset,
     ImageFolder, InMemoryDataset, OnError, PrefetchLoader, Subset, Transform, TransformRng,
     TransformedDataset, WebDataset,
 };
-use kiln::prelude::*;
 
-/// The workspace's provisioned data directory, for the default digits path.
+/// The workspace's provisioned data directory, for the default digits path
+/// (this crate is `src/cli/` in the workspace).
 pub(crate) fn default_digits() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".kiln/data/digits.csv.gz")
+    let cli = Path::new(env!("CARGO_MANIFEST_DIR"));
+    cli.ancestors()
+        .nth(2)
+        .unwrap_or(cli)
+        .join(".kiln/data/digits.csv.gz")
 }
 
 /// Image samples, transformed: `([C, H, W]` float image, label`)`.
@@ -73,10 +79,10 @@ pub(crate) enum LabelOrigin<'a> {
 /// Reads the configured dataset and checks it against the model before anything
 /// is written: the model's output shape for the data's input shape, and every
 /// label against the loss and that output.
-pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
+pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
     if data.dataset.is_images() {
-        return load_images(config);
+        return load_images::<E>(config);
     }
     let path = || {
         data.path
@@ -97,9 +103,9 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
         DatasetKind::Mnist => {
             // MNIST has its own test split: it is the validation set.
             let dir = path()?;
-            let mnist = kiln::data::load_mnist(&dir)?;
+            let mnist = kiln_data::load_mnist(&dir)?;
             let train = scale_and_shape(mnist.train_images, data)?;
-            check_fits(
+            check_fits::<E>(
                 config,
                 &train,
                 &mnist.train_labels,
@@ -109,7 +115,7 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
                 },
             )?;
             let test = scale_and_shape(mnist.test_images, data)?;
-            check_fits(
+            check_fits::<E>(
                 config,
                 &test,
                 &mnist.test_labels,
@@ -126,19 +132,19 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
             });
         }
         DatasetKind::Csv => {
-            let options = kiln::data::CsvOptions {
+            let options = kiln_data::CsvOptions {
                 has_header: data.has_header,
                 label_column: match &data.label_column {
-                    None => kiln::data::LabelColumn::Last,
+                    None => kiln_data::LabelColumn::Last,
                     Some(c) => match c.parse::<usize>() {
-                        Ok(index) => kiln::data::LabelColumn::Index(index),
-                        Err(_) => kiln::data::LabelColumn::Name(c.clone()),
+                        Ok(index) => kiln_data::LabelColumn::Index(index),
+                        Err(_) => kiln_data::LabelColumn::Name(c.clone()),
                     },
                 },
                 ..Default::default()
             };
             let path = path()?;
-            let (x, y) = kiln::data::load_csv(&path, &options)?;
+            let (x, y) = kiln_data::load_csv(&path, &options)?;
             (x, y, path, if data.has_header { 2 } else { 1 })
         }
         DatasetKind::ImageFolder | DatasetKind::Webdataset => {
@@ -146,7 +152,7 @@ pub(crate) fn load_data(config: &RunConfig) -> Result<Data> {
         }
     };
     let features = scale_and_shape(features, data)?;
-    check_fits(
+    check_fits::<E>(
         config,
         &features,
         &labels,
@@ -280,11 +286,11 @@ fn color_mode(config: &RunConfig) -> ColorMode {
 
 /// Image data: the files are listed (folders) or indexed (shard headers),
 /// nothing is decoded but one example, which checks the transforms and the model.
-fn load_images(config: &RunConfig) -> Result<Data> {
+fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
     let (train_t, val_t) = image_transforms(config)?;
-    let train_transform = kiln::data::vision::compose(&train_t).context("data.transforms")?;
-    let val_transform = || kiln::data::vision::compose(&val_t).context("data.val_transforms");
+    let train_transform = kiln_data::vision::compose(&train_t).context("data.transforms")?;
+    let val_transform = || kiln_data::vision::compose(&val_t).context("data.val_transforms");
     val_transform()?;
     let transformed = |base: SampleDataset, t: Compose| -> SampleDataset {
         Arc::new(TransformedDataset::new(base, t, config.seed))
@@ -349,7 +355,7 @@ fn load_images(config: &RunConfig) -> Result<Data> {
             };
             // Labels are read batch by batch: each is checked against the
             // model's classes as it is read, naming its shard and member.
-            let classes = shard_classes(config, &train_shards, &train_transform)?;
+            let classes = shard_classes::<E>(config, &train_shards, &train_transform)?;
             let checked = |shards: WebDataset| {
                 Arc::new(match classes {
                     Some((n, ignore_index)) => shards.num_classes(n, ignore_index),
@@ -413,7 +419,7 @@ fn load_images(config: &RunConfig) -> Result<Data> {
             );
         }
     }
-    if x.dtype() != kiln::core::DType::F32 {
+    if x.dtype() != kiln_core::DType::F32 {
         anyhow::bail!(
             "data.transforms give {} images; the model takes float32: add \
              {{ type = \"to_tensor\" }} (scales to [0, 1]) to the transforms",
@@ -422,10 +428,10 @@ fn load_images(config: &RunConfig) -> Result<Data> {
     }
     let batch_dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
     let probe = x.reshape(batch_dims)?;
-    let label = y.to_dtype(kiln::core::DType::I64).reshape([1])?;
+    let label = y.to_dtype(kiln_core::DType::I64).reshape([1])?;
     let origin = match &classes {
         Some((path, names)) => {
-            check_classes(config, &probe, names.len(), path)?;
+            check_classes::<E>(config, &probe, names.len(), path)?;
             LabelOrigin::Lines {
                 path,
                 first_line: 1,
@@ -436,7 +442,7 @@ fn load_images(config: &RunConfig) -> Result<Data> {
             split: "training",
         },
     };
-    check_fits(config, &probe, &label, &origin)?;
+    check_fits::<E>(config, &probe, &label, &origin)?;
     Ok(Data { train, val, probe })
 }
 
@@ -444,7 +450,7 @@ fn load_images(config: &RunConfig) -> Result<Data> {
 /// the model's scores per image for the first training image, when the loss
 /// takes class indices. `None` when that cannot be told here; the checks on
 /// the first image then say what is wrong.
-fn shard_classes(
+fn shard_classes<E: Engines>(
     config: &RunConfig,
     shards: &WebDataset,
     transform: &Compose,
@@ -466,7 +472,7 @@ fn shard_classes(
     };
     let dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
     let probe = x.reshape(dims)?;
-    let Ok(model) = crate::cli::resolve_model(config, &probe, config.device) else {
+    let Ok(model) = crate::cli::resolve_model::<E>(config, &probe, config.device) else {
         return Ok(None);
     };
     Ok(model
@@ -477,13 +483,13 @@ fn shard_classes(
 }
 
 /// Checks that the model scores as many classes as an image folder has.
-fn check_classes(
+fn check_classes<E: Engines>(
     config: &RunConfig,
     probe: &HostTensor,
     classes: usize,
     path: &Path,
 ) -> Result<()> {
-    let model = crate::cli::resolve_model(config, probe, config.device)?;
+    let model = crate::cli::resolve_model::<E>(config, probe, config.device)?;
     let output = model.output_shape(probe.dims())?;
     if matches!(config.loss, Loss::CrossEntropy(_) | Loss::Nll(_))
         && output.get(1).is_some_and(|&n| n < classes)
@@ -500,7 +506,7 @@ fn check_classes(
 
 /// Checks that the model takes examples of `features`' shape, and that its
 /// output and the loss take every one of `labels`.
-pub(crate) fn check_fits(
+pub(crate) fn check_fits<E: Engines>(
     config: &RunConfig,
     features: &HostTensor,
     labels: &HostTensor,
@@ -509,7 +515,7 @@ pub(crate) fn check_fits(
     let mut input = features.dims().to_vec();
     input[0] = config.data.batch_size;
     // A torchscript layer's output shape is found by running it once.
-    let model = crate::cli::resolve_model(config, features, config.device)?;
+    let model = crate::cli::resolve_model::<E>(config, features, config.device)?;
     let output = model.output_shape(&input).with_context(|| {
         let shape = match &config.data.input_shape {
             Some(dims) => format!("data.input_shape = {dims:?}"),
@@ -544,7 +550,7 @@ pub(crate) fn check_fits(
             "it needs [batch, classes] scores, the model gives {output:?}"
         )));
     };
-    let labels = labels.to_dtype(kiln::core::DType::I64);
+    let labels = labels.to_dtype(kiln_core::DType::I64);
     let values = labels.as_slice::<i64>()?;
     let bad = values
         .iter()
@@ -600,11 +606,11 @@ pub(crate) fn loader(
     shard: Option<(usize, usize)>,
 ) -> Result<Box<dyn DataLoader>> {
     let data = &config.data;
-    let sampler = |shuffle: bool| -> Result<Option<kiln::data::DistributedSampler>> {
+    let sampler = |shuffle: bool| -> Result<Option<kiln_data::DistributedSampler>> {
         let Some((rank, world_size)) = shard else {
             return Ok(None);
         };
-        let sampler = kiln::data::DistributedSampler::new(world_size, rank)?;
+        let sampler = kiln_data::DistributedSampler::new(world_size, rank)?;
         // Training: the order of one process (`kiln train`), dealt out to the
         // ranks. With `drop_last` the sampler drops the uneven tail too rather
         // than padding it with samples from the start of the order, so the
@@ -663,14 +669,14 @@ pub(crate) fn loader(
 pub(crate) const DEFAULT_SHUFFLE_BUFFER: usize = 1000;
 
 /// The validation split, which `eval` and `predict` run on, and one example.
-pub(crate) fn validation_split(config: &RunConfig) -> Result<(Split, HostTensor)> {
+pub(crate) fn validation_split<E: Engines>(config: &RunConfig) -> Result<(Split, HostTensor)> {
     if !config.has_validation() {
         anyhow::bail!(
             "the config has no validation split (data.val_fraction is 0); set a fraction to \
              hold out"
         );
     }
-    let data = load_data(config)?;
+    let data = load_data::<E>(config)?;
     let val = data
         .val
         .context("the config's data has no validation split")?;
@@ -710,12 +716,12 @@ impl DataLoader for RecordTargets {
     fn batches(
         &self,
         epoch: u64,
-    ) -> Box<dyn Iterator<Item = kiln::core::Result<Batch>> + Send + '_> {
+    ) -> Box<dyn Iterator<Item = kiln_core::Result<Batch>> + Send + '_> {
         let targets = &self.targets;
         Box::new(self.inner.batches(epoch).inspect(move |batch| {
             if let (Ok(batch), Ok(mut targets)) = (batch, targets.lock()) {
                 let n = batch.targets.dims().first().copied().unwrap_or(0);
-                let classes = batch.targets.to_dtype(kiln::core::DType::I64);
+                let classes = batch.targets.to_dtype(kiln_core::DType::I64);
                 match classes.as_slice::<i64>() {
                     Ok(values) if values.len() == n && !batch.targets.dtype().is_float() => {
                         targets.extend_from_slice(values)

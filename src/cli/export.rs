@@ -8,16 +8,16 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::prelude::*;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kiln::core::backend::TrainBackend;
-use kiln::core::module::Module;
-use kiln::prelude::*;
+use kiln_core::backend::TrainBackend;
+use kiln_core::module::Module;
 
-use crate::cli::{outln, TensorflowCommands};
+use crate::cli::outln;
 use crate::config::RunConfig;
 use crate::data::validation_split;
-use crate::Tensorflow;
+use crate::engines::Engines;
 
 /// The formats `kiln export` writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -39,17 +39,17 @@ pub(crate) struct ExportArgs {
     /// The run config: its model is the definition exported (the checkpoint
     /// must have been trained with it) and its data gives the input shape.
     #[arg(long)]
-    config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// What to write.
     #[arg(long, value_enum)]
-    format: ExportFormat,
+    pub(crate) format: ExportFormat,
     /// The file (onnx, torchscript) or directory (savedmodel) to create.
     #[arg(long)]
     output: PathBuf,
     /// The shape of one input sample, without the batch dimension (`1,8,8`).
     /// Default: the config's data, else the first layer's input (Linear).
     #[arg(long, value_parser = parse_shape)]
-    input_shape: Option<SampleShape>,
+    pub(crate) input_shape: Option<SampleShape>,
     /// A fixed batch size instead of a dynamic batch dimension (onnx).
     #[arg(long)]
     batch_size: Option<usize>,
@@ -81,31 +81,30 @@ fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
 }
 
 /// The model, weights and input shape `kiln export` works from.
-pub(crate) struct Source {
+pub struct Source {
     /// The model's definition.
-    pub(crate) definition: Layer,
+    pub definition: Layer,
     /// Its weights.
-    pub(crate) state: StateDict,
+    pub state: StateDict,
     /// The input's shape, batch dimension first.
-    pub(crate) input_shape: Vec<usize>,
+    pub input_shape: Vec<usize>,
 }
 
 /// What `kiln export --format savedmodel` writes where, besides the [`Source`].
-#[allow(dead_code, reason = "read in kiln-tensorflow only")]
-pub(crate) struct SavedModelOptions<'a> {
+pub struct SavedModelOptions<'a> {
     /// The checkpoint the weights come from (for error messages).
-    pub(crate) checkpoint: &'a Path,
+    pub checkpoint: &'a Path,
     /// The directory to create.
-    pub(crate) output: &'a Path,
+    pub output: &'a Path,
     /// The signature's input name.
-    pub(crate) input_name: &'a str,
+    pub input_name: &'a str,
     /// The signature's output name.
-    pub(crate) output_name: &'a str,
+    pub output_name: &'a str,
     /// Replace `output` if it exists.
-    pub(crate) overwrite: bool,
+    pub overwrite: bool,
 }
 
-pub(crate) fn export(args: ExportArgs) -> Result<()> {
+pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
     // Nothing is read or built when the output would be refused anyway.
     crate::cli::check_output(&args.output, args.overwrite, "export")?;
     if args.batch_size == Some(0) {
@@ -134,13 +133,13 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
             }
         }
     }
-    let source = load_source(&args)?;
+    let source = load_source::<E>(&args)?;
     let input_name = args.input_name.as_deref().unwrap_or("input");
     let output_name = args.output_name.as_deref().unwrap_or("output");
     let dynamic = args.batch_size.is_none();
     match args.format {
         ExportFormat::Onnx => {
-            kiln::onnx::OnnxExport::new(&source.definition, &source.state, &source.input_shape)
+            kiln_onnx::OnnxExport::new(&source.definition, &source.state, &source.input_shape)
                 .input_name(input_name)
                 .output_name(output_name)
                 .dynamic_batch(dynamic)
@@ -148,10 +147,10 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
                 .write(&args.output)?;
         }
         ExportFormat::Torchscript => {
-            let model = build::<kiln::torch::TorchBackend>(&source, &args.checkpoint)?;
-            kiln::torch::export_torchscript(&model, &args.output, args.overwrite)?;
+            let model = build_model::<kiln_torch::TorchBackend>(&source, &args.checkpoint)?;
+            kiln_torch::export_torchscript(&model, &args.output, args.overwrite)?;
         }
-        ExportFormat::Savedmodel => Tensorflow::export_saved_model(
+        ExportFormat::Savedmodel => E::export_saved_model(
             &source,
             &SavedModelOptions {
                 checkpoint: &args.checkpoint,
@@ -192,20 +191,20 @@ pub(crate) fn export(args: ExportArgs) -> Result<()> {
 }
 
 /// The model built on backend `B` with the source's weights, in eval mode.
-pub(crate) fn build<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
+pub fn build_model<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
     let mut model = B::build_model(&source.definition, Device::Cpu)?;
     source
         .state
         .check_dtypes(&model.state_dict()?)
         .and_then(|()| model.load_state_dict(&source.state))
         .map_err(|e| {
-            kiln::core::Error::checkpoint_caused_by(path, "does not fit the model definition", e)
+            kiln_core::Error::checkpoint_caused_by(path, "does not fit the model definition", e)
         })?;
     model.set_mode(Mode::Eval);
     Ok(model)
 }
 
-fn load_source(args: &ExportArgs) -> Result<Source> {
+fn load_source<E: Engines>(args: &ExportArgs) -> Result<Source> {
     let path = &args.checkpoint;
     let config = args
         .config
@@ -213,7 +212,7 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
         .map(|p| RunConfig::load(p).with_context(|| format!("config {}", p.display())))
         .transpose()?;
     crate::evaluate::refuse_other_formats(path)?;
-    let meta = kiln::core::safetensors::load_safetensors_metadata(path)?;
+    let meta = kiln_core::safetensors::load_safetensors_metadata(path)?;
     // A checkpoint records its model's definition; a run's `model.safetensors` does not.
     let (checkpoint, weights) = if meta.contains_key("kiln.format") {
         (
@@ -222,19 +221,19 @@ fn load_source(args: &ExportArgs) -> Result<Source> {
         )
     } else {
         let weights = StateDict::load_safetensors(path)?.0;
-        kiln::train::refuse_non_finite(path, &kiln::train::find_non_finite("", &weights))?;
+        kiln_train::refuse_non_finite(path, &kiln_train::find_non_finite("", &weights))?;
         (None, weights)
     };
     // The data fixes the input shape (and torchscript layers' output shapes).
     let example = match (&config, &args.input_shape) {
-        (Some(config), None) => Some(validation_split(config)?.1),
+        (Some(config), None) => Some(validation_split::<E>(config)?.1),
         _ => None,
     };
     let recorded = checkpoint.as_ref().and_then(|c| c.model_definition.clone());
     let definition = match (&config, recorded) {
         (Some(config), _) => {
             let definition = match &example {
-                Some(x) => crate::cli::resolve_model(config, x, Device::Cpu)?,
+                Some(x) => crate::cli::resolve_model::<E>(config, x, Device::Cpu)?,
                 None => config.model.clone(),
             };
             if let Some(checkpoint) = &checkpoint {

@@ -1,0 +1,85 @@
+//! `[distributed]`: data-parallel training, when a launcher started the run.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use kiln_core::device::Device;
+use kiln_core::distributed::{CommBackend, DistributedOptions};
+use kiln_core::error::{Error, Result};
+
+/// Data-parallel training (`[distributed]`): used when the run is started by a
+/// launcher (`kiln launch`, `torchrun`, `srun`), ignored otherwise.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// `"gloo"` (CPU), `"nccl"` (CUDA) or `"auto"` (by the device).
+    #[serde(default)]
+    pub backend: CommBackendName,
+    /// Seconds the rendezvous and any collective wait for the other ranks.
+    #[serde(default = "thirty_minutes")]
+    pub timeout: f64,
+}
+
+/// The `[distributed] backend` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CommBackendName {
+    /// Gloo on CPU, NCCL on CUDA.
+    #[default]
+    Auto,
+    /// Gloo.
+    Gloo,
+    /// NCCL.
+    Nccl,
+}
+
+fn thirty_minutes() -> f64 {
+    1800.0
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            backend: CommBackendName::Auto,
+            timeout: thirty_minutes(),
+        }
+    }
+}
+
+impl DistributedConfig {
+    /// The options of the process group and of DDP on `device` (DDP's
+    /// defaults for the rest: buffers broadcast, 25 MiB buckets, no
+    /// unused-parameter search).
+    pub fn options(&self, device: Device) -> DistributedOptions {
+        let backend = match (self.backend, device.is_cuda()) {
+            (CommBackendName::Gloo, _) | (CommBackendName::Auto, false) => CommBackend::Gloo,
+            (CommBackendName::Nccl, _) | (CommBackendName::Auto, true) => CommBackend::Nccl,
+        };
+        DistributedOptions {
+            backend,
+            timeout: Duration::from_secs_f64(self.timeout),
+            ..DistributedOptions::default()
+        }
+    }
+
+    pub(super) fn validate(&self, device: Device) -> Result<()> {
+        if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout < 1e9) {
+            return Err(Error::invalid_argument(
+                "distributed.timeout",
+                format!("must be a positive number of seconds, got {}", self.timeout),
+            ));
+        }
+        match (self.backend, device.is_cuda()) {
+            (CommBackendName::Nccl, false) => Err(Error::invalid_argument(
+                "distributed.backend",
+                format!("\"nccl\" reduces CUDA tensors, but the device is {device}; use \"gloo\""),
+            )),
+            (CommBackendName::Gloo, true) => Err(Error::invalid_argument(
+                "distributed.backend",
+                format!("\"gloo\" reduces CPU tensors, but the device is {device}; use \"nccl\""),
+            )),
+            _ => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,66 @@
+//! `[logging]` (where metrics go) and `[early_stopping]`.
+
+use serde::{Deserialize, Serialize};
+
+use kiln_train::MonitorMode;
+
+use super::yes;
+
+/// Early stopping settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStoppingConfig {
+    /// The metric watched (`val_loss`, `val_accuracy`, ...).
+    pub monitor: String,
+    /// Whether smaller or larger is better.
+    #[serde(default)]
+    pub mode: MonitorMode,
+    /// Epochs without improvement before stopping.
+    #[serde(default = "five")]
+    pub patience: u64,
+    /// The least change that counts as an improvement.
+    #[serde(default)]
+    pub min_delta: f64,
+}
+
+fn five() -> u64 {
+    5
+}
+
+/// Where metrics go, besides the log.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// `steps.csv` and `epochs.csv` in the output directory.
+    #[serde(default = "yes")]
+    pub csv: bool,
+    /// TensorBoard event files in `<output_dir>/tensorboard`.
+    #[serde(default = "yes")]
+    pub tensorboard: bool,
+    /// A progress bar per epoch (plain lines when not on a terminal).
+    #[serde(default = "yes")]
+    pub progress: bool,
+    /// PNG plots of the training and validation curves at the end.
+    #[serde(default = "yes")]
+    pub plots: bool,
+    /// Extra metrics on validation: `accuracy`, `top5_accuracy`, `precision`,
+    /// `recall`, `f1`, `mae`.
+    #[serde(default = "accuracy")]
+    pub metrics: Vec<String>,
+}
+
+fn accuracy() -> Vec<String> {
+    vec!["accuracy".to_owned()]
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self {
+            csv: true,
+            tensorboard: true,
+            progress: true,
+            plots: true,
+            metrics: accuracy(),
+        }
+    }
+}

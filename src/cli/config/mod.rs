@@ -1,0 +1,453 @@
+//! A whole training run described in one TOML file: the `kiln train` config.
+//!
+//! ```toml
+//! seed = 0
+//! backend = "torch"          # or "tensorflow"
+//! device = "cpu"             # or "cuda:0"
+//! output_dir = "runs/digits-cnn"
+//!
+//! [model]                    # a kiln_core::model::Layer
+//! type = "sequential"
+//! layers = [
+//!   { type = "conv2d", in_channels = 1, out_channels = 32, kernel_size = 3, padding = 1 },
+//!   { type = "relu" },
+//!   { type = "flatten" },
+//!   { type = "linear", in_features = 2048, out_features = 10 },
+//! ]
+//!
+//! [data]
+//! dataset = "digits"         # digits | mnist | csv | image_folder | webdataset
+//! batch_size = 64
+//!
+//! [training]                 # a kiln_train::TrainerConfig
+//! epochs = 20
+//!
+//! [optimizer]                # a kiln_core::optim::OptimizerConfig
+//! type = "adamw"
+//! lr = 0.002
+//!
+//! [loss]                     # a kiln_core::loss::Loss
+//! type = "cross_entropy"
+//! ```
+//!
+//! Here: [`RunConfig`], reading it (`from_toml`, `load`) and its checks
+//! (`validate`); its sections in `data.rs` (`[data]`), `logging.rs`
+//! (`[logging]`, `[early_stopping]`), `distributed.rs` (`[distributed]`); which key
+//! of a section that fails to parse is the culprit in `key_path.rs`.
+
+mod data;
+mod distributed;
+mod key_path;
+mod logging;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use kiln_core::device::Device;
+use kiln_core::error::{Error, Result};
+use kiln_core::loss::Loss;
+use kiln_core::model::Layer;
+use kiln_core::optim::{OptimizerConfig, ParamGroup};
+use kiln_core::schedule::SchedulerConfig;
+use kiln_train::metric_by_name;
+use kiln_train::CheckpointPolicy;
+use kiln_train::TrainerConfig;
+
+pub use data::{ColorModeName, DataConfig, DatasetKind, ImageSize, OnErrorName};
+pub use distributed::DistributedConfig;
+use key_path::tagged_key_path;
+pub use logging::{EarlyStoppingConfig, LoggingConfig};
+
+/// Which engine runs the model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// libtorch through tch.
+    #[default]
+    Torch,
+    /// The TensorFlow C API.
+    Tensorflow,
+}
+
+/// How batch-norm layers whose parameters are all frozen (`freeze`, or a
+/// torchscript layer with `trainable = false`) run while the model trains.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FrozenBatchNorm {
+    /// As PyTorch leaves them: batch statistics, running statistics updated.
+    #[default]
+    Train,
+    /// Eval mode: normalised with the running statistics as loaded, which stay
+    /// unchanged (what fine-tuning recipes do with a frozen backbone).
+    Eval,
+}
+
+/// `true`, the default of the sections' switches.
+fn yes() -> bool {
+    true
+}
+
+/// A whole run: model, data, optimisation, outputs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    /// The seed of everything random in the run.
+    #[serde(default)]
+    pub seed: u64,
+    /// The engine.
+    #[serde(default)]
+    pub backend: BackendKind,
+    /// The device, `"cpu"` or `"cuda:N"`.
+    #[serde(default, with = "device_string")]
+    pub device: Device,
+    /// Where checkpoints, metrics and plots go.
+    pub output_dir: PathBuf,
+    /// Parameters to freeze, as globs over their names (`["0.*"]`, `["*.bn*"]`):
+    /// no gradient, and not in the optimizer (torch backend).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+    /// How the batch norms of frozen parts run while the rest trains.
+    #[serde(default)]
+    pub frozen_batch_norm: FrozenBatchNorm,
+    /// The model definition.
+    pub model: Layer,
+    /// The data.
+    pub data: DataConfig,
+    /// The loop.
+    #[serde(default)]
+    pub training: TrainerConfig,
+    /// The optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Parameter groups with their own learning rate or weight decay.
+    #[serde(default)]
+    pub param_groups: Vec<ParamGroup>,
+    /// The learning-rate schedule.
+    #[serde(default)]
+    pub schedule: Option<SchedulerConfig>,
+    /// The loss.
+    pub loss: Loss,
+    /// When to checkpoint and what to keep.
+    #[serde(default)]
+    pub checkpoint: CheckpointPolicy,
+    /// Early stopping.
+    #[serde(default)]
+    pub early_stopping: Option<EarlyStoppingConfig>,
+    /// Metric outputs.
+    #[serde(default)]
+    pub logging: LoggingConfig,
+    /// Data-parallel training, when started by a launcher.
+    #[serde(default)]
+    pub distributed: DistributedConfig,
+}
+
+mod device_string {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use kiln_core::device::Device;
+
+    pub(super) fn serialize<S: Serializer>(device: &Device, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&device.to_string())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+impl RunConfig {
+    /// Parses a TOML config; errors name the file, the key and what is allowed
+    /// (serde's messages list the accepted variants and fields).
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self> {
+        let bad = |reason: String| Error::Config {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let deserializer = toml::Deserializer::parse(text).map_err(|e| bad(e.to_string()))?;
+        // The path to the failing key (`optimizer.type`) leads the message; toml's
+        // own message after it shows the line.
+        let config: RunConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
+            let mut key = e.path().to_string();
+            // serde loses the path inside internally tagged sections (`type = ...`);
+            // find the key there by probing the section.
+            if let Ok(root) = toml::from_str::<toml::Value>(text) {
+                key.push_str(&tagged_key_path(&root, &key));
+            }
+            bad(format!("key `{key}`: {}", e.into_inner()))
+        })?;
+        config.validate().map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(config)
+    }
+
+    /// Reads and parses a TOML config file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Checks every section's values.
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate()?;
+        // A TorchScript layer's parameters are the file's, not the definition's.
+        if self.model.torchscript_layers().is_empty() && self.model.num_parameters()? == 0 {
+            let (key, found) = match &self.model {
+                Layer::Sequential { layers } if layers.is_empty() => ("model.layers", "no layers"),
+                Layer::Sequential { .. } => ("model.layers", "only layers without weights"),
+                _ => ("model", "a layer without weights"),
+            };
+            return Err(Error::invalid_argument(
+                key,
+                format!(
+                    "the model has {found}, so there is no parameter to train; add a layer \
+                     with weights, such as {{ type = \"linear\", in_features = 64, \
+                     out_features = 10 }}"
+                ),
+            ));
+        }
+        if self.backend == BackendKind::Torch {
+            if let Some((path, layer)) = self.model.saved_model_layers().first() {
+                return Err(Error::invalid_argument(
+                    format!("model{}{path}", if path.is_empty() { "" } else { "." }),
+                    format!(
+                        "a saved_model layer ({}) runs on TensorFlow, not libtorch; set \
+                         backend = \"tensorflow\"",
+                        layer.path.display()
+                    ),
+                ));
+            }
+        }
+        if self.backend == BackendKind::Tensorflow {
+            if let Some((path, layer)) = self.model.torchscript_layers().first() {
+                return Err(Error::invalid_argument(
+                    format!("model{}{path}", if path.is_empty() { "" } else { "." }),
+                    format!(
+                        "a torchscript layer ({}) runs on libtorch, not TensorFlow; set \
+                         backend = \"torch\"",
+                        layer.path.display()
+                    ),
+                ));
+            }
+            if !self.freeze.is_empty() || self.frozen_batch_norm == FrozenBatchNorm::Eval {
+                return Err(Error::invalid_argument(
+                    "freeze",
+                    "freezing parameters needs the torch backend (backend = \"torch\")",
+                ));
+            }
+        }
+        self.training.validate()?;
+        self.optimizer.validate()?;
+        self.loss.validate()?;
+        self.checkpoint.validate()?;
+        self.distributed.validate(self.device)?;
+        if let Some(schedule) = &self.schedule {
+            schedule.validate()?;
+        }
+        if self.output_dir.as_os_str().is_empty() {
+            return Err(Error::invalid_argument(
+                "output_dir",
+                "is empty; name the directory the run writes to (e.g. \"runs/digits\")",
+            ));
+        }
+        self.data.validate()?;
+        if self.data.batch_size == 0 {
+            return Err(Error::invalid_argument(
+                "data.batch_size",
+                "must be at least 1",
+            ));
+        }
+        if self.data.scale == 0.0 || !self.data.scale.is_finite() {
+            return Err(Error::invalid_argument(
+                "data.scale",
+                "must be a finite, non-zero number",
+            ));
+        }
+        for metric in &self.logging.metrics {
+            if metric_by_name(metric).is_none() {
+                return Err(Error::invalid_argument(
+                    "logging.metrics",
+                    format!("unknown metric `{metric}`; allowed: accuracy, top5_accuracy, precision, recall, f1, mae"),
+                ));
+            }
+        }
+        let monitors = [
+            ("checkpoint.monitor", self.checkpoint.monitor.as_deref()),
+            (
+                "early_stopping.monitor",
+                self.early_stopping.as_ref().map(|e| e.monitor.as_str()),
+            ),
+            (
+                "schedule.monitor",
+                self.schedule.as_ref().and_then(|s| s.monitor()),
+            ),
+        ];
+        if let Some(monitor) = self.schedule.as_ref().and_then(|s| s.monitor()) {
+            if self.training.schedule_interval == kiln_train::ScheduleInterval::Step {
+                return Err(Error::invalid_argument(
+                    "training.schedule_interval",
+                    format!(
+                        "the schedule steps on the epoch metric `{monitor}`, so it needs \
+                         schedule_interval = \"epoch\""
+                    ),
+                ));
+            }
+        }
+        let known = self.epoch_metrics();
+        for (key, monitor) in monitors {
+            if let Some(monitor) = monitor {
+                if !known.iter().any(|k| k == monitor) {
+                    return Err(Error::invalid_argument(
+                        key,
+                        format!(
+                            "`{monitor}` is not a metric of this run; it records {}{}",
+                            known.join(", "),
+                            if self.has_validation() {
+                                " (add a metric to `logging.metrics` to monitor it)"
+                            } else {
+                                " (no `val_*` metrics: data.val_fraction is 0)"
+                            }
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the run validates after each epoch: the dataset has a test
+    /// split (MNIST), or `data.val_fraction` holds one out.
+    pub fn has_validation(&self) -> bool {
+        self.data.dataset == DatasetKind::Mnist
+            || self.data.val_path.is_some()
+            || self.data.val_shards.is_some()
+            || self.data.val_fraction() > 0.0
+    }
+
+    /// The names of the metrics each epoch records, which `monitor` keys can
+    /// name: `loss`, `lr`, and with validation `val_loss` and `val_<metric>`
+    /// for each of `logging.metrics`.
+    pub fn epoch_metrics(&self) -> Vec<String> {
+        let mut names = vec!["loss".to_owned(), "lr".to_owned()];
+        if self.has_validation() {
+            names.push("val_loss".to_owned());
+            for metric in &self.logging.metrics {
+                // The name the metric records under (the config's, for every metric Kiln has).
+                let name = metric_by_name(metric)
+                    .map_or_else(|| metric.clone(), |make| make().name().to_owned());
+                names.push(format!("val_{name}"));
+            }
+        }
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const BASE: &str = r#"
+seed = 1
+output_dir = "runs/x"
+[data]
+dataset = "digits"
+[model]
+type = "sequential"
+layers = [
+  { type = "linear", in_features = 64, out_features = 32 },
+  { type = "relu" },
+  { type = "residual", block = { type = "linear", in_features = 32, out_features = 32 } },
+  { type = "linear", in_features = 32, out_features = 10 },
+]
+[loss]
+type = "cross_entropy"
+[optimizer]
+type = "adam"
+lr = 0.001
+[schedule]
+type = "reduce_lr_on_plateau"
+patience = 1
+[training]
+clip = { type = "norm", max_norm = 1.0 }
+"#;
+
+    fn error_of(edit: (&str, &str)) -> String {
+        assert!(BASE.contains(edit.0), "{}", edit.0);
+        let text = BASE.replace(edit.0, edit.1);
+        RunConfig::from_toml(&text, Path::new("c.toml"))
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn the_base_config_parses() {
+        let config = RunConfig::from_toml(BASE, Path::new("c.toml")).unwrap();
+        assert_eq!(config.schedule.unwrap().monitor(), Some("val_loss"));
+    }
+
+    #[test]
+    fn errors_inside_tagged_sections_name_the_full_key() {
+        for (edit, key) in [
+            (("lr = 0.001", "lr = \"fast\""), "optimizer.lr"),
+            (
+                (
+                    "type = \"cross_entropy\"",
+                    "type = \"cross_entropy\"\nlabel_smoothing = \"x\"",
+                ),
+                "loss.label_smoothing",
+            ),
+            (("patience = 1", "patience = -1"), "schedule.patience"),
+            (
+                ("max_norm = 1.0", "max_norm = \"big\""),
+                "training.clip.max_norm",
+            ),
+            (
+                (
+                    "in_features = 32, out_features = 10",
+                    "in_features = 32, out_features = \"ten\"",
+                ),
+                "model.layers[3].out_features",
+            ),
+            (
+                (
+                    "block = { type = \"linear\", in_features = 32,",
+                    "block = { type = \"linear\", in_features = true,",
+                ),
+                "model.layers[2].block.in_features",
+            ),
+        ] {
+            let err = error_of(edit);
+            assert!(err.contains(&format!("key `{key}`")), "{key}: {err}");
+        }
+    }
+
+    #[test]
+    fn monitors_must_name_a_metric_of_the_run() {
+        let err = error_of((
+            "[training]",
+            "[checkpoint]\nkeep_best = 1\nmonitor = \"val_acc\"\n[training]",
+        ));
+        assert!(
+            err.contains("checkpoint.monitor") && err.contains("val_accuracy"),
+            "{err}"
+        );
+        let err = error_of(("patience = 1", "patience = 1\nmonitor = \"val_f1\""));
+        assert!(err.contains("schedule.monitor"), "{err}");
+        let err = error_of((
+            "dataset = \"digits\"",
+            "dataset = \"digits\"\nval_fraction = 0.0",
+        ));
+        assert!(
+            err.contains("schedule.monitor") && err.contains("val_fraction is 0"),
+            "{err}"
+        );
+        let err = error_of(("[training]", "[training]\nschedule_interval = \"step\""));
+        assert!(err.contains("training.schedule_interval"), "{err}");
+        let err = error_of(("output_dir = \"runs/x\"", "output_dir = \"\""));
+        assert!(err.contains("output_dir"), "{err}");
+    }
+}

@@ -1,0 +1,173 @@
+//! What differs between the two executables, and which of them runs a command.
+//!
+//! [`Engines`] is what only `kiln-tensorflow` can do; its methods' defaults are
+//! `kiln`'s, which refuse with [`NeedsTensorflow`]. [`needs_tensorflow`] decides
+//! from the command line and the config alone (no data, checkpoint or model
+//! read) whether a command needs TensorFlow; `kiln` then runs it in
+//! `kiln-tensorflow` at once. The refusals stay as a safety net: a command that
+//! reached one anyway is run there too, after what it did in `kiln`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Result;
+use kiln_c10d::{DistributedDataParallel, ProcessGroup};
+use kiln_core::distributed::{DistributedOptions, Rendezvous};
+use kiln_core::strategy::StepHooks;
+
+use crate::cli::Command;
+use crate::config::{BackendKind, RunConfig};
+use crate::evaluate::{is_onnx, CheckpointArgs, PredictArgs};
+use crate::export::{ExportFormat, SavedModelOptions, Source};
+use crate::forward::NeedsTensorflow;
+use crate::prelude::*;
+use crate::resume::Resume;
+
+/// The engines an executable runs: `kiln`'s implementation keeps the defaults
+/// (every TensorFlow method refuses with a `NeedsTensorflow` error);
+/// `kiln-tensorflow`'s runs them on the TensorFlow C API.
+pub trait Engines {
+    /// Whether this executable runs TensorFlow itself. When it does not, the
+    /// commands that need TensorFlow run in `kiln-tensorflow` beside it.
+    const TENSORFLOW: bool;
+
+    /// Makes Kiln's fused C++ ops available as layers (`type = "custom"`) to the
+    /// backends this executable runs.
+    fn register_layers() -> Result<()>;
+
+    /// `kiln train` on the TensorFlow backend.
+    fn train_tensorflow(
+        _config: &RunConfig,
+        _resume: &Resume,
+        _rendezvous: Option<&Rendezvous>,
+    ) -> Result<()> {
+        Err(NeedsTensorflow::new("training on the TensorFlow backend").into())
+    }
+
+    /// `kiln eval` on the TensorFlow backend.
+    fn eval_tensorflow(_args: &CheckpointArgs, _config: &RunConfig) -> Result<()> {
+        Err(NeedsTensorflow::new("evaluating on the TensorFlow backend").into())
+    }
+
+    /// `kiln predict` on the TensorFlow backend.
+    fn predict_tensorflow(_args: &PredictArgs, _config: &RunConfig) -> Result<()> {
+        Err(NeedsTensorflow::new("predicting on the TensorFlow backend").into())
+    }
+
+    /// The model with each saved_model layer's output shape, from its signature.
+    fn resolve_saved_model_shapes(
+        _model: &Layer,
+        _example: &[usize],
+        _dtype: DType,
+    ) -> Result<Layer> {
+        Err(NeedsTensorflow::new("a saved_model layer").into())
+    }
+
+    /// `kiln export --format savedmodel`.
+    fn export_saved_model(_source: &Source, _options: &SavedModelOptions<'_>) -> Result<()> {
+        Err(NeedsTensorflow::new("exporting a SavedModel").into())
+    }
+
+    /// What `kiln inspect` prints for a SavedModel directory.
+    fn describe_saved_model(_path: &Path) -> Result<String> {
+        Err(NeedsTensorflow::new("inspecting a SavedModel").into())
+    }
+}
+
+/// How backend `B`'s models train data-parallel: the engine that keeps the
+/// ranks identical is the backend's own (DDP's `c10d::Reducer` on libtorch, a
+/// host all-reduce of the gradients on TensorFlow), inside the one
+/// [`DataParallel`](kiln_core::strategy::DataParallel) wrapper.
+pub trait DataParallelEngine<B: TrainBackend> {
+    /// The engine.
+    type Sync: StepHooks<B>;
+
+    /// The engine for `model` over `group` (rank 0's weights on every rank now).
+    fn data_parallel(
+        model: &B::Model,
+        group: &Arc<ProcessGroup>,
+        options: &DistributedOptions,
+    ) -> Result<Self::Sync>;
+}
+
+/// libtorch's engine: DDP's reducer.
+pub(crate) struct TorchDdp;
+
+impl DataParallelEngine<kiln_torch::TorchBackend> for TorchDdp {
+    type Sync = DistributedDataParallel;
+
+    fn data_parallel(
+        model: &kiln_torch::TorchModel,
+        group: &Arc<ProcessGroup>,
+        options: &DistributedOptions,
+    ) -> Result<DistributedDataParallel> {
+        Ok(DistributedDataParallel::of(
+            Arc::clone(group),
+            model,
+            options,
+        )?)
+    }
+}
+
+/// What in `command` needs TensorFlow, decided from the command line and its
+/// config (read and validated, with the command's flags applied), before any
+/// data, checkpoint or model is read:
+///
+/// | command | needs TensorFlow when |
+/// |---|---|
+/// | `train` | the backend (after `--backend`) is `tensorflow` |
+/// | `eval` | the backend is `tensorflow`, or the model has a saved_model layer |
+/// | `predict` | as `eval`, unless the model is ONNX (ONNX Runtime runs it) |
+/// | `inspect` | the path is a directory (a SavedModel) |
+/// | `export` | `--format savedmodel`, or `--config`'s model has a saved_model layer whose output shape the data fixes (no `--input-shape`) |
+/// | `launch` | never: each worker decides for itself |
+///
+/// A config that cannot be read or is invalid needs nothing: the command
+/// itself reports it, in `kiln`.
+pub(crate) fn needs_tensorflow(command: &Command) -> Option<NeedsTensorflow> {
+    let needs = NeedsTensorflow::new;
+    let uses_tensorflow = |config: &RunConfig, what| {
+        if config.backend == BackendKind::Tensorflow {
+            Some(needs(what))
+        } else if has_saved_model_layer(config) {
+            Some(needs("a saved_model layer"))
+        } else {
+            None
+        }
+    };
+    match command {
+        Command::Train(args) => {
+            let config = args.config().ok()?;
+            uses_tensorflow(&config, "training on the TensorFlow backend")
+        }
+        Command::Eval(args) => {
+            let config = RunConfig::load(&args.config).ok()?;
+            uses_tensorflow(&config, "evaluating on the TensorFlow backend")
+        }
+        Command::Predict(args) => {
+            if is_onnx(&args.common.checkpoint) {
+                return None;
+            }
+            let config = RunConfig::load(&args.common.config).ok()?;
+            uses_tensorflow(&config, "predicting on the TensorFlow backend")
+        }
+        Command::Inspect { checkpoint } => checkpoint
+            .is_dir()
+            .then(|| needs("inspecting a SavedModel")),
+        Command::Export(args) => {
+            if args.format == ExportFormat::Savedmodel {
+                return Some(needs("exporting a SavedModel"));
+            }
+            if args.input_shape.is_some() {
+                return None;
+            }
+            let config = RunConfig::load(args.config.as_deref()?).ok()?;
+            has_saved_model_layer(&config).then(|| needs("a saved_model layer"))
+        }
+        Command::Launch(_) => None,
+    }
+}
+
+fn has_saved_model_layer(config: &RunConfig) -> bool {
+    !config.model.saved_model_layers().is_empty()
+}
