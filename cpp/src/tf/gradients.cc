@@ -103,7 +103,7 @@ std::string register_gradients() {
   for (const Entry& entry : entries) {
     tensorflow::ops::GradFunc existing = nullptr;
     // Register() CHECK-fails (aborts) on a duplicate: another copy of these ops
-    // in the process (a second library linking kiln-ops) keeps its gradient.
+    // in the process (a second library linking kiln-fused-ops) keeps its gradient.
     if (registry->Lookup(entry.op, &existing).ok()) continue;
     if (!registry->Register(entry.op, entry.grad)) {
       return std::string("kiln: could not register the gradient of ") + entry.op;

@@ -63,7 +63,7 @@ pub(crate) struct Tensorflow;
 impl TensorflowCommands for Tensorflow {
     fn register_layers() -> Result<()> {
         #[cfg(feature = "ops")]
-        kiln::ops::register_layers()?;
+        kiln::fused_ops::register_layers()?;
         Ok(())
     }
 

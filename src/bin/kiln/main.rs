@@ -39,7 +39,7 @@ pub(crate) struct Tensorflow;
 impl TensorflowCommands for Tensorflow {
     fn register_layers() -> Result<()> {
         #[cfg(feature = "ops")]
-        kiln::ops::register_torch_layers();
+        kiln::fused_ops::register_torch_layers();
         Ok(())
     }
 

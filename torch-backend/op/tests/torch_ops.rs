@@ -21,11 +21,11 @@ use kiln_core::{
     optim::{OptimizerConfig, SgdConfig},
     Device, Error, HostTensor,
 };
-use kiln_data::{InMemoryDataset, SequentialLoader};
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
     TensorRef,
 };
+use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_testkit::noise;
 use kiln_torch::{TorchBackend, TorchModel};
 use kiln_train::{Trainer, TrainerConfig, TrainingState};
@@ -772,7 +772,7 @@ fn wrong_dtypes_and_devices_are_typed_errors() {
         let (_, text) = call_err("scale", &[&gpu], &none);
         assert!(
             text.contains(
-                "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-ops)"
+                "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-fused-ops)"
             ),
             "{text}"
         );

@@ -5,7 +5,7 @@
 //   consults TensorFlow's C++ gradient registry (`ops::GradOpRegistry`, in
 //   libtensorflow_cc.so.2), which holds plain function pointers. One generic
 //   GradFunc serves every Rust op: it finds the op type's entry in a table and
-//   adds one node of the gradient op, following kiln_op::Saved's convention.
+//   adds one node of the gradient op, following kiln_custom_op::Saved's convention.
 // - Whether an op type is registered (TF_RegisterOpDefinition aborts on a
 //   duplicate once TensorFlow's op registry is initialised).
 // - Attribute values in a shape function.
@@ -118,7 +118,7 @@ absl::Status grad_body(const Scope& scope, const Operation& op,
       inputs.push_back(grad_inputs[i]);
       continue;
     }
-    // No gradient reached this output (nobody used it): zeros, as kiln_op::Saved says.
+    // No gradient reached this output (nobody used it): zeros, as kiln_custom_op::Saved says.
     std::vector<Output> zeros;
     absl::Status s = add_node(scope, "ZerosLike",
                               {op.output(i)}, {}, 1, &zeros);

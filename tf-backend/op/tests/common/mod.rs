@@ -3,7 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses part of it
 
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
     TensorRef,
 };
