@@ -913,10 +913,7 @@ fn spec() -> Layer {
 fn batch(rows: usize, seed: u64) -> (HostTensor, HostTensor) {
     let values = noise(rows * 6, seed);
     // Learnable labels: which of the first four features is largest.
-    let labels: Vec<i64> = values
-        .chunks(6)
-        .map(|row| (0..4).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i64)
-        .collect();
+    let labels = kiln_testkit::argmax_labels(&values, 6, 4);
     (
         HostTensor::new(values, [rows, 6]).unwrap(),
         HostTensor::new(labels, [rows]).unwrap(),
