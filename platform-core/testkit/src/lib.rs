@@ -346,7 +346,7 @@ pub fn noise_indices(n: usize, high: usize, seed: u64) -> Vec<i64> {
 /// ```
 pub fn argmax_labels<T: PartialOrd>(x: &[T], features: usize, classes: usize) -> Vec<i64> {
     assert!(
-        (1..=features).contains(&classes) && x.len() % features == 0,
+        (1..=features).contains(&classes) && x.len().is_multiple_of(features),
         "{} values in rows of {features}, labelled by the first {classes}",
         x.len()
     );
