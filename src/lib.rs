@@ -7,7 +7,8 @@
 //! [`prelude`], [`onnx`] (ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`),
 //! and, behind features, the backends: `torch` (`kiln-torch`,
 //! libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API) and `ops`
-//! (`kiln-ops`, custom C++ ops).
+//! (`kiln-fused-ops` as `fused_ops`: Kiln's own fused C++/CUDA ops). Writing
+//! your own ops in Rust is [`custom_op`] (`kiln-custom-op`), always present.
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
 //!
@@ -28,20 +29,20 @@
 #[cfg(feature = "torch")]
 pub use kiln_c10d as c10d;
 pub use kiln_core as core;
+/// Ops written in Rust: one definition for both engines (`kiln::custom_op::CustomOp`).
+pub use kiln_custom_op as custom_op;
 pub use kiln_data as data;
-pub use kiln_onnx as onnx;
-/// Ops written in Rust: one definition for both engines (`kiln::op::CustomOp`).
-pub use kiln_op as op;
 #[cfg(feature = "ops")]
-pub use kiln_ops as ops;
+pub use kiln_fused_ops as fused_ops;
+pub use kiln_onnx as onnx;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;
-/// Registers Rust ops ([`op`]) in TensorFlow.
+/// Registers Rust ops ([`custom_op`]) in TensorFlow.
 #[cfg(feature = "tf")]
 pub use kiln_tf_op as tf_op;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
-/// Registers Rust ops ([`op`]) in libtorch.
+/// Registers Rust ops ([`custom_op`]) in libtorch.
 #[cfg(feature = "torch")]
 pub use kiln_torch_op as torch_op;
 pub use kiln_train as train;

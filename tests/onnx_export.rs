@@ -289,7 +289,7 @@ fn every_layer_matches_onnx_runtime() {
         return;
     };
     #[cfg(feature = "ops")]
-    kiln::ops::register_layers().unwrap();
+    kiln::fused_ops::register_layers().unwrap();
     let dir = scratch("layers");
     let cases = cases();
     let mut manifest = Vec::new();

@@ -1,5 +1,5 @@
 //! Workload (f): each fused op, forward and backward, against the composition
-//! of built-in ops: Kiln's C++ kernels (kiln-ops), the same ops' kernels written
+//! of built-in ops: Kiln's C++ kernels (kiln-fused-ops), the same ops' kernels written
 //! in Rust (`examples/rust-op`, registered through libtorch's stable C ABI by
 //! kiln-torch-op), and PyTorch.
 
@@ -10,7 +10,7 @@ use tch::{Kind, Reduction, Tensor};
 use crate::tasks::{synchronize, TaskArgs};
 use crate::worker::{median, timed};
 
-/// The example's Rust ops, compiled into the benchmark (the file depends on kiln-op alone).
+/// The example's Rust ops, compiled into the benchmark (the file depends on kiln-custom-op alone).
 #[path = "../../examples/rust-op/src/ops.rs"]
 #[allow(dead_code)]
 mod rust_ops;
@@ -46,7 +46,7 @@ const RMS_EPS: f64 = rust_ops::RMS_NORM_EPS;
 /// How a variant computes an op.
 #[derive(Clone, Copy, PartialEq)]
 pub enum Kernels {
-    /// kiln-ops' C++ kernels.
+    /// kiln-fused-ops' C++ kernels.
     Cpp,
     /// The Rust kernels of examples/rust-op.
     Rust,
@@ -84,19 +84,20 @@ pub fn run(a: &TaskArgs, kernels: Kernels) -> Result<Value> {
     let beta = Tensor::f_ones([1], opts)?.set_requires_grad(true);
     let logits = Tensor::f_randn([ROWS, CLASSES], opts)?.set_requires_grad(true);
     let target = Tensor::f_randint(CLASSES, [ROWS], (Kind::Int64, device))?;
-    let no_attrs = kiln_op::Attrs::default();
-    let rms_attrs = kiln_op::Attrs::defaults(&<rust_ops::RmsNorm as kiln_op::CustomOp>::schema());
-    let rust = |op: &str, inputs: &[&Tensor], attrs: &kiln_op::Attrs| -> Result<Tensor> {
+    let no_attrs = kiln_custom_op::Attrs::default();
+    let rms_attrs =
+        kiln_custom_op::Attrs::defaults(&<rust_ops::RmsNorm as kiln_custom_op::CustomOp>::schema());
+    let rust = |op: &str, inputs: &[&Tensor], attrs: &kiln_custom_op::Attrs| -> Result<Tensor> {
         Ok(kiln::torch_op::call(&format!("example_rs::{op}"), inputs, attrs)?.remove(0))
     };
     let mut out = serde_json::Map::new();
     for op in OPS {
         let call = || -> Result<Option<Tensor>> {
             Ok(Some(match (op, kernels) {
-                ("bias_gelu", Kernels::Cpp) => kiln::ops::bias_gelu(&x, &bias)?,
+                ("bias_gelu", Kernels::Cpp) => kiln::fused_ops::bias_gelu(&x, &bias)?,
                 ("bias_gelu", Kernels::Composed) => x.f_add(&bias)?.f_gelu("none")?,
                 ("softmax_xent", Kernels::Cpp) => {
-                    kiln::ops::softmax_cross_entropy(&logits, &target, SMOOTHING)?
+                    kiln::fused_ops::softmax_cross_entropy(&logits, &target, SMOOTHING)?
                 }
                 ("softmax_xent", Kernels::Composed) => logits.f_cross_entropy_loss::<Tensor>(
                     &target,
@@ -105,7 +106,7 @@ pub fn run(a: &TaskArgs, kernels: Kernels) -> Result<Value> {
                     -100,
                     SMOOTHING,
                 )?,
-                ("swish", Kernels::Cpp) => kiln::ops::swish(&x, &beta)?,
+                ("swish", Kernels::Cpp) => kiln::fused_ops::swish(&x, &beta)?,
                 ("swish", Kernels::Rust) => rust("swish", &[&x, &beta], &no_attrs)?,
                 ("swish", Kernels::Composed) => x.f_mul(&beta.f_mul(&x)?.f_sigmoid()?)?,
                 ("squared_relu", Kernels::Rust) => rust("squared_relu", &[&x], &no_attrs)?,
@@ -142,11 +143,11 @@ pub fn table<'a>(ok: impl Fn(&str) -> Option<&'a Value>) -> String {
     let mut t = format!(
         "Microseconds per call of forward and backward ({CALLS} calls per repeat); \
          inputs [{ROWS}, {FEATURES}] float32 (logits [{ROWS}, {CLASSES}], label smoothing \
-         {SMOOTHING}). `kiln-fused` is kiln-ops' C++ kernel, `kiln-rust` the Rust kernel of \
+         {SMOOTHING}). `kiln-fused` is kiln-fused-ops' C++ kernel, `kiln-rust` the Rust kernel of \
          `examples/rust-op` (registered through libtorch's stable C ABI), `composed` is \
          `F.gelu(x + b)`, `F.cross_entropy(..., label_smoothing)`, `x * sigmoid(beta * x)`, \
          `relu(x).square()` and `x * rsqrt(mean(x^2, -1) + 1e-6) * w`; `pytorch-fused` is \
-         kiln-ops' library in Python, and PyTorch's own `F.rms_norm` for rms_norm.\n\n\
+         kiln-fused-ops' library in Python, and PyTorch's own `F.rms_norm` for rms_norm.\n\n\
          | op | kiln-fused (C++) | kiln-rust | kiln-composed | pytorch-fused | pytorch-composed | C++ vs composed (Kiln) | Rust vs composed (Kiln) | Rust vs C++ | Kiln fastest vs PyTorch composed |\n\
          | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     );

@@ -165,11 +165,11 @@ impl Task {
         } else {
             // The ops' library for Python: where the build put it, unless the
             // environment names another copy (a binary carried to another machine).
-            let library = std::env::var_os("KILN_OPS_LIBRARY")
-                .unwrap_or_else(|| kiln::ops::TORCH_LIBRARY.into());
+            let library = std::env::var_os("KILN_FUSED_OPS_LIBRARY")
+                .unwrap_or_else(|| kiln::fused_ops::TORCH_LIBRARY.into());
             let mut c = python();
             c.args(["--variant", variant])
-                .env("KILN_OPS_LIBRARY", library);
+                .env("KILN_FUSED_OPS_LIBRARY", library);
             c
         };
         c.args(["--task", self.name(), "--dir"])

@@ -3,7 +3,7 @@
 # but no Rust toolchain: the benchmark harness, the fused ops' CUDA benchmark, the CUDA
 # test suites and the digits example, built here against the project's libtorch 2.11.0 with the `cuda` feature
 # and without TensorFlow. Writes target/gpu-pack/kiln-gpu.tar.xz (stripped binaries,
-# kiln-ops' shared libraries and a manifest); copy it into a checkout of the same
+# kiln-fused-ops' shared libraries and a manifest); copy it into a checkout of the same
 # commit on the GPU machine and run benches/gpu/run.sh there.
 #
 # usage: benches/gpu/pack.sh          (from the repository root)
@@ -16,8 +16,8 @@ json="$out/build.jsonl"
 : >"$json"
 build() { cargo xtask cargo "$@" --message-format=json-render-diagnostics >>"$json"; }
 build bench --bench compare --no-default-features --features torch,cuda --no-run
-build test -p kiln-ops --no-default-features --features cuda --no-run
-build bench -p kiln-ops --bench cuda_ops --no-default-features --features cuda --no-run
+build test -p kiln-fused-ops --no-default-features --features cuda --no-run
+build bench -p kiln-fused-ops --bench cuda_ops --no-default-features --features cuda --no-run
 build test -p kiln-torch --features cuda --no-run
 build test -p kiln-c10d --features cuda --no-run
 build build --release --example digits --no-default-features --features torch,cuda
@@ -26,7 +26,7 @@ import json, os, shutil, subprocess, sys
 
 messages, dest, workspace = sys.argv[1], sys.argv[2], sys.argv[3]
 # The suites with CUDA parts (the others need no GPU and run in CI).
-TESTS = {"kiln-ops": {"cuda", "torch_ops"},
+TESTS = {"kiln-fused-ops": {"cuda", "torch_ops"},
          "kiln-torch": {"cuda", "cuda_graph", "layer_parity", "losses_and_state", "optim_parity",
                         "torchscript"},
          "kiln-c10d": {"distributed"}}
@@ -42,9 +42,9 @@ manifest = [f"workspace {workspace}"]
 for line in open(messages):
     msg = json.loads(line)
     package = package_name(msg.get("package_id", ""))
-    if msg.get("reason") == "build-script-executed" and package == "kiln-ops":
+    if msg.get("reason") == "build-script-executed" and package == "kiln-fused-ops":
         for key, value in msg["env"]:
-            if key == "KILN_OPS_TORCH_LIBRARY":
+            if key == "KILN_FUSED_OPS_TORCH_LIBRARY":
                 name = value.split("/build/")[1].split("/")[0] + ".so"
                 shutil.copy(value, os.path.join(dest, "bin", name))
                 if f"lib {name} {value}" not in manifest:

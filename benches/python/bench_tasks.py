@@ -25,7 +25,7 @@ prints one JSON line on stdout:
   ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
   ``torch.no_grad()``, 2000 calls per run.
 - ops, ``pytorch-fused``: Kiln's ops through ``torch.ops.load_library`` (the
-  library's path is ``KILN_OPS_LIBRARY``), and PyTorch's own ``F.rms_norm``;
+  library's path is ``KILN_FUSED_OPS_LIBRARY``), and PyTorch's own ``F.rms_norm``;
   ``pytorch-composed``: the same maths in built-in ops. Forward and backward, 50 calls per run.
 - checkpoint, ``pytorch-save``: ten 3162x3162 linear layers (100M parameters);
   save is ``torch.save(state_dict)`` into a file that is then fsynced, load is
@@ -231,7 +231,7 @@ def script(args, scripted):
 
 def ops(args, fused):
     if fused:
-        torch.ops.load_library(os.environ["KILN_OPS_LIBRARY"])
+        torch.ops.load_library(os.environ["KILN_FUSED_OPS_LIBRARY"])
         kiln = torch.ops.kiln
         calls = {
             "bias_gelu": lambda: kiln.bias_gelu(x, bias),

@@ -262,6 +262,10 @@ impl TorchOps {
 /// `tensorflow.pc`). It must be a wheel's `tensorflow/` directory: the C API archive
 /// ships neither the C++ headers nor the gradient registry.
 ///
+/// Kiln's own headers (`build-support/include`) are on the include path: a
+/// gradient adds its node and registers through `kiln/tf_gradient.h`, which
+/// kiln-fused-ops and kiln-tf-op share.
+///
 /// ```no_run
 /// // in build.rs of a crate with TensorFlow ops (its dependency on kiln-tf supplies the library)
 /// kiln_build::TfOps::new("my_tf_ops")
@@ -352,6 +356,8 @@ impl TfOps {
             .flag("-isystem")
             .flag(include.display().to_string())
             .define("EIGEN_MAX_ALIGN_BYTES", "64")
+            // Kiln's own headers for C++ that calls TensorFlow (`kiln/tf_gradient.h`).
+            .include(Path::new(env!("CARGO_MANIFEST_DIR")).join("include"))
             .includes(&self.sources.includes)
             .files(&self.sources.op_sources)
             .files(&self.sources.bridge_sources)
@@ -369,6 +375,12 @@ impl TfOps {
         println!("cargo:rustc-link-lib=dylib:+verbatim=libtensorflow_framework.so.2");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());
         self.sources.watch();
+        println!(
+            "cargo:rerun-if-changed={}",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("include/kiln/tf_gradient.h")
+                .display()
+        );
         Ok(TfOpsArtifacts {
             tensorflow_lib: lib,
             tensorflow_include: include,

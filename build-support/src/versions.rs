@@ -20,7 +20,7 @@ pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
 /// torchvision (with pillow) is the reference for image decoding, transforms and
 /// `ImageFolder`, and the data-loading benchmark's Python side. cuda-toolkit
 /// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
-/// wheel was built with) and the CUDA C++ headers, for kiln-ops' `cuda` feature,
+/// wheel was built with) and the CUDA C++ headers, for kiln-fused-ops' `cuda` feature,
 /// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
 /// pulls the newest nvvm and crt, whose PTX ptxas 13.0 rejects (`Unsupported
 /// .version 9.5`), and without cccl, `cuda_fp16.h` (which libtorch's headers

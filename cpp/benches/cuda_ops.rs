@@ -3,7 +3,7 @@
 //! ratios (above 1: the fused kernel is faster), printed, never asserted.
 //!
 //! ```sh
-//! cargo xtask cargo bench -p kiln-ops --features cuda --bench cuda_ops
+//! cargo xtask cargo bench -p kiln-fused-ops --features cuda --bench cuda_ops
 //! benches/gpu/run.sh ops      # on a GPU machine, from benches/gpu/pack.sh's build
 //! ```
 //!
@@ -71,7 +71,7 @@ fn main() {
             Tensor::randint_low(0, c, [n], (Kind::Int64, device)),
         ],
         differentiable: vec![0],
-        fused: Box::new(move |t| kiln_ops::softmax_cross_entropy(&t[0], &t[1], eps).unwrap()),
+        fused: Box::new(move |t| kiln_fused_ops::softmax_cross_entropy(&t[0], &t[1], eps).unwrap()),
         composed: Box::new(move |t| {
             t[0].cross_entropy_loss::<Tensor>(&t[1], None, Reduction::None, -100, eps)
         }),
@@ -82,7 +82,7 @@ fn main() {
             shape: "[8192, 4096]".into(),
             inputs: vec![Tensor::randn([8192, 4096], f32), Tensor::randn([4096], f32)],
             differentiable: vec![0, 1],
-            fused: Box::new(|t| kiln_ops::bias_gelu(&t[0], &t[1]).unwrap()),
+            fused: Box::new(|t| kiln_fused_ops::bias_gelu(&t[0], &t[1]).unwrap()),
             composed: Box::new(|t| (&t[0] + &t[1]).gelu("none")),
         },
         xent(8192, 1000, 0.1),
@@ -95,7 +95,7 @@ fn main() {
                 Tensor::from_slice(&[1.3f32]).to_device(device),
             ],
             differentiable: vec![0, 1],
-            fused: Box::new(|t| kiln_ops::swish(&t[0], &t[1]).unwrap()),
+            fused: Box::new(|t| kiln_fused_ops::swish(&t[0], &t[1]).unwrap()),
             composed: Box::new(|t| &t[0] * (&t[1] * &t[0]).sigmoid()),
         },
     ];

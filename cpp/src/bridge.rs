@@ -7,7 +7,7 @@ pub(crate) mod ffi {
     // and return a new `std::unique_ptr<at::Tensor>` (kiln-torch's `cxx_tensor`
     // converts both); every function that can throw returns `Result`.
     unsafe extern "C++" {
-        include!("kiln-ops/include/ops.h");
+        include!("kiln-fused-ops/include/ops.h");
 
         /// libtorch's tensor, shared by every bridge (`kiln_torch::cxx_tensor`).
         #[namespace = "at"]

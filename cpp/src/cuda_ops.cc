@@ -3,7 +3,7 @@
 // functions of torch_ops.cc call the ops through the dispatcher, so autograd,
 // TorchScript and the Rust API work on CUDA tensors through these.
 //
-// Compiled only with kiln-ops' `cuda` feature, by the host C++ compiler (the
+// Compiled only with kiln-fused-ops' `cuda` feature, by the host C++ compiler (the
 // kernels by nvcc). Like torch_ops.cc it has no Rust dependency: the same object
 // links into the shared library Python loads.
 

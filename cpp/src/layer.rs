@@ -27,7 +27,7 @@ pub const SWISH: &str = "kiln::swish";
 ///
 /// let net = Layer::sequential([
 ///     LinearConfig::new(64, 128).with_bias(false).into(),
-///     kiln_ops::layer::bias_gelu(128),
+///     kiln_fused_ops::layer::bias_gelu(128),
 ///     LinearConfig::new(128, 10).into(),
 /// ]);
 /// assert_eq!(net.parameter_specs("")?[1].name, "1.bias");

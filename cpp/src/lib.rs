@@ -1,4 +1,6 @@
-//! Kiln's custom C++ (and, with the `cuda` feature, CUDA) ops.
+//! Kiln's own fused C++ (and, with the `cuda` feature, CUDA) ops: bias+GELU,
+//! softmax cross-entropy and Swish-β, with their gradients (`kiln::fused_ops` in
+//! the facade). For ops you write yourself in Rust, see `kiln-custom-op`.
 //!
 //! The C++ sources under `src/` are compiled by the build script with `cc`
 //! (flags from kiln-build: C++17, libtorch's `_GLIBCXX_USE_CXX11_ABI`) and bridged
@@ -11,8 +13,8 @@
 //! `unsafe` block.
 //!
 //! ```
-//! assert_eq!(kiln_ops::checked_numel(&[2, 3, 4])?, 24);
-//! assert!(kiln_ops::checked_numel(&[2, -1]).is_err());
+//! assert_eq!(kiln_fused_ops::checked_numel(&[2, 3, 4])?, 24);
+//! assert!(kiln_fused_ops::checked_numel(&[2, -1]).is_err());
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 #![deny(unsafe_code)]
@@ -40,8 +42,8 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 /// ```
 /// use kiln_core::{model::{Layer, LinearConfig}, module::Module, Device};
 ///
-/// kiln_ops::register_layers()?;
-/// let net = Layer::sequential([LinearConfig::new(4, 8).into(), kiln_ops::layer::swish(1.0)]);
+/// kiln_fused_ops::register_layers()?;
+/// let net = Layer::sequential([LinearConfig::new(4, 8).into(), kiln_fused_ops::layer::swish(1.0)]);
 /// let model = kiln_torch::TorchModel::new(&net, Device::Cpu)?;
 /// let y = model.forward(&tch::Tensor::ones([2, 4], (tch::Kind::Float, tch::Device::Cpu)))?;
 /// assert_eq!(y.size(), [2, 8]);
@@ -82,7 +84,7 @@ pub fn checked_numel(dims: &[i64]) -> Result<i64> {
 /// A C++ exception caught by the bridge, as a Kiln error with the exception as
 /// its source.
 fn cxx_error(op: &str, exception: cxx::Exception) -> Error {
-    Error::backend_with_source("kiln-ops", op, exception)
+    Error::backend_with_source("kiln-fused-ops", op, exception)
 }
 
 #[cfg(test)]

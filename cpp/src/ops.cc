@@ -1,4 +1,4 @@
-#include "kiln-ops/include/ops.h"
+#include "kiln-fused-ops/include/ops.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 

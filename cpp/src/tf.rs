@@ -10,7 +10,7 @@
 //! The ops are registered by the first call of [`register`], which reports a
 //! registration failure; the builders here and [`crate::register_layers`] call it
 //! (call it yourself before importing a graph that uses the ops). There is no
-//! static initialiser, so a binary that links kiln-ops but never reaches these
+//! static initialiser, so a binary that links kiln-fused-ops but never reaches these
 //! ops (one calling [`crate::register_torch_layers`] only) does not load
 //! TensorFlow. Registering again, or alongside another copy of these ops, never
 //! aborts.
@@ -36,7 +36,7 @@
 //! let mut graph = Graph::new();
 //! let x = placeholder(&mut graph, "x", DataType::Float)?;
 //! let bias = placeholder(&mut graph, "bias", DataType::Float)?;
-//! let y = kiln_ops::tf::bias_gelu(&mut graph, "y", x.into(), bias.clone().into())?;
+//! let y = kiln_fused_ops::tf::bias_gelu(&mut graph, "y", x.into(), bias.clone().into())?;
 //! let grads = graph.add_gradients(None, &[y.into()], &[bias.into()], None)?;
 //! # let _ = grads;
 //! # Ok(())
@@ -80,7 +80,7 @@ mod ffi {
     // at compile time); the function takes no pointers and reports failure by
     // throwing, which `Result` turns into an error.
     unsafe extern "C++" {
-        include!("kiln-ops/src/tf/register.h");
+        include!("kiln-fused-ops/src/tf/register.h");
 
         fn register_tf_ops() -> Result<()>;
         /// For tests: the registration again, past the once-per-process guard.
@@ -96,8 +96,9 @@ mod ffi {
 ///
 /// A failed registration (reported by TensorFlow) is an [`Error::Backend`].
 pub fn register() -> Result<()> {
-    ffi::register_tf_ops()
-        .map_err(|e| Error::backend_with_source("kiln-ops", "registering the TensorFlow ops", e))
+    ffi::register_tf_ops().map_err(|e| {
+        Error::backend_with_source("kiln-fused-ops", "registering the TensorFlow ops", e)
+    })
 }
 
 /// Adds a `KilnBiasGelu` node named `name`: `gelu(x + bias)` with `bias` of `x`'s

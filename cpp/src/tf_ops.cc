@@ -12,8 +12,8 @@
 //   KilnSwishGrad(grad, x, beta) -> (dx, dbeta)
 //   T in {float, double}
 //
-// Registration runs once per process, at the first `kiln_ops::tf::register()` (no
-// static initialiser: a binary that links kiln-ops but never reaches these ops,
+// Registration runs once per process, at the first `kiln_fused_ops::tf::register()` (no
+// static initialiser: a binary that links kiln-fused-ops but never reaches these ops,
 // such as the `kiln` CLI, must not load TensorFlow). Nothing here lets a C++
 // exception reach TensorFlow: kernel errors become `TF_OpKernelContext_Failure`
 // statuses, which a session run returns.

@@ -8,9 +8,9 @@ use crate::bridge::ffi;
 use crate::cxx_error;
 
 /// The shared library holding the `kiln` ops for Python:
-/// `torch.ops.load_library(kiln_ops::TORCH_LIBRARY)` makes them
+/// `torch.ops.load_library(kiln_fused_ops::TORCH_LIBRARY)` makes them
 /// `torch.ops.kiln.bias_gelu`, `torch.ops.kiln.softmax_xent` and `torch.ops.kiln.swish`.
-pub const TORCH_LIBRARY: &str = env!("KILN_OPS_TORCH_LIBRARY");
+pub const TORCH_LIBRARY: &str = env!("KILN_FUSED_OPS_TORCH_LIBRARY");
 
 /// Makes sure the `kiln` ops are registered with libtorch in this process (they
 /// register when the library loads; this keeps the linker from dropping them).
@@ -33,7 +33,7 @@ fn adopt(
 /// ```no_run
 /// let x = tch::Tensor::randn([4, 8], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
 /// let b = tch::Tensor::zeros([8], (tch::Kind::Float, tch::Device::Cpu)).set_requires_grad(true);
-/// let y = kiln_ops::bias_gelu(&x, &b)?;
+/// let y = kiln_fused_ops::bias_gelu(&x, &b)?;
 /// y.sum(tch::Kind::Float).backward();
 /// # Ok::<(), kiln_core::Error>(())
 /// ```

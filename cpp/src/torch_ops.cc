@@ -276,7 +276,7 @@ at::Tensor swish_autocast(const at::Tensor& x, const at::Tensor& beta) {
 }  // namespace
 
 // Referenced from the cxx bridge so that the linker keeps this object file (and
-// with it the static registrations below) in every Rust binary using kiln-ops.
+// with it the static registrations below) in every Rust binary using kiln-fused-ops.
 int torch_ops_registered() { return 1; }
 
 }  // namespace kiln::ops

@@ -1,4 +1,4 @@
-//! The CUDA kernels of the fused ops (kiln-ops' `cuda` feature): forward and
+//! The CUDA kernels of the fused ops (kiln-fused-ops' `cuda` feature): forward and
 //! backward against the CPU kernels on the same data (float32 1e-5, float64 1e-10),
 //! mixed devices and bad targets as `Err` (with the CUDA context still usable
 //! afterwards). Their speed against the equivalent compositions of built-in torch
@@ -15,7 +15,7 @@
 fn cuda_kernels() {
     kiln_testkit::skip_without_gpu(
         "cuda_kernels",
-        "kiln-ops was built without its `cuda` feature (cargo test -p kiln-ops --features cuda)",
+        "kiln-fused-ops was built without its `cuda` feature (cargo test -p kiln-fused-ops --features cuda)",
     );
 }
 
@@ -54,7 +54,7 @@ mod gpu {
                         'softmax_xent_backward', 'swish', 'swish_backward']:\n\
              \x20   for key in ['CPU', 'CUDA']:\n\
              \x20       print(op, key, torch._C._dispatch_has_kernel_for_dispatch_key('kiln::' + op, key))\n",
-            library = kiln_ops::TORCH_LIBRARY
+            library = kiln_fused_ops::TORCH_LIBRARY
         );
         let out = std::process::Command::new(&python)
             .args(["-c", &script])
@@ -196,7 +196,7 @@ mod gpu {
                     ],
                     &[0, 1],
                     &[1, rows],
-                    &|t| kiln_ops::bias_gelu(&t[0], &t[1]),
+                    &|t| kiln_fused_ops::bias_gelu(&t[0], &t[1]),
                 );
             }
             // A warp per row up to 1024 classes, a block of 256 or 512 threads beyond.
@@ -209,7 +209,7 @@ mod gpu {
                         &[Tensor::randn([n, c], cpu) * 3.0, target],
                         &[0],
                         &[1],
-                        &move |t| kiln_ops::softmax_cross_entropy(&t[0], &t[1], eps),
+                        &move |t| kiln_fused_ops::softmax_cross_entropy(&t[0], &t[1], eps),
                     );
                 }
             }
@@ -224,7 +224,7 @@ mod gpu {
                     ],
                     &[0, 1],
                     &[1, n],
-                    &|t| kiln_ops::swish(&t[0], &t[1]),
+                    &|t| kiln_fused_ops::swish(&t[0], &t[1]),
                 );
             }
         }
@@ -240,20 +240,20 @@ mod gpu {
         let opts = (Kind::Float, device);
         let x = Tensor::zeros([0, 6], opts).set_requires_grad(true);
         let b = Tensor::ones([6], opts).set_requires_grad(true);
-        let y = kiln_ops::bias_gelu(&x, &b).unwrap();
+        let y = kiln_fused_ops::bias_gelu(&x, &b).unwrap();
         assert_eq!(y.size(), [0, 6]);
         y.sum(Kind::Float).backward();
         assert_eq!(b.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
 
         let x = Tensor::zeros([0], opts).set_requires_grad(true);
         let beta = Tensor::ones([1], opts).set_requires_grad(true);
-        let y = kiln_ops::swish(&x, &beta).unwrap();
+        let y = kiln_fused_ops::swish(&x, &beta).unwrap();
         y.sum(Kind::Float).backward();
         assert_eq!(beta.grad().double_value(&[0]), 0.0);
 
         let logits = Tensor::zeros([0, 4], opts);
         let target = Tensor::zeros([0], (Kind::Int64, device));
-        let loss = kiln_ops::softmax_cross_entropy(&logits, &target, 0.1).unwrap();
+        let loss = kiln_fused_ops::softmax_cross_entropy(&logits, &target, 0.1).unwrap();
         assert_eq!(loss.size(), [0]);
     }
 
@@ -289,47 +289,47 @@ mod gpu {
         let b_cpu = Tensor::randn([8], on(Device::Cpu));
         expect_err(
             "bias_gelu(cuda x, cpu bias)",
-            kiln_ops::bias_gelu(&x_gpu, &b_cpu),
+            kiln_fused_ops::bias_gelu(&x_gpu, &b_cpu),
             &["x is on cuda", "bias is on cpu"],
         );
         expect_err(
             "bias_gelu(cpu x, cuda bias)",
-            kiln_ops::bias_gelu(&x_cpu, &b_gpu),
+            kiln_fused_ops::bias_gelu(&x_cpu, &b_gpu),
             &["x is on cpu", "bias is on cuda"],
         );
         expect_err(
             "swish(cuda x, cpu beta)",
-            kiln_ops::swish(&x_gpu, &Tensor::ones([1], on(Device::Cpu))),
+            kiln_fused_ops::swish(&x_gpu, &Tensor::ones([1], on(Device::Cpu))),
             &["beta is on cpu"],
         );
         let target_cpu = Tensor::zeros([4], (Kind::Int64, Device::Cpu));
         let target_gpu = Tensor::from_slice(&[0i64, 3, 8, 1]).to_device(cuda);
         expect_err(
             "softmax_xent(cuda logits, cpu target)",
-            kiln_ops::softmax_cross_entropy(&x_gpu, &target_cpu, 0.0),
+            kiln_fused_ops::softmax_cross_entropy(&x_gpu, &target_cpu, 0.0),
             &["target is on cpu", "logits are on cuda"],
         );
         expect_err(
             "bias_gelu(int64 x on cuda)",
-            kiln_ops::bias_gelu(&Tensor::zeros([4, 8], (Kind::Int64, cuda)), &b_gpu),
+            kiln_fused_ops::bias_gelu(&Tensor::zeros([4, 8], (Kind::Int64, cuda)), &b_gpu),
             &["must be float32 or float64"],
         );
         expect_err(
             "bias_gelu(wrong bias shape on cuda)",
-            kiln_ops::bias_gelu(&x_gpu, &Tensor::zeros([7], on(cuda))),
+            kiln_fused_ops::bias_gelu(&x_gpu, &Tensor::zeros([7], on(cuda))),
             &["bias must have shape [8]"],
         );
         // Row 2's target 8 is outside [0, 8): the same error as on the CPU, found
         // on the device without a device-side assert...
         expect_err(
             "softmax_xent(target out of range on cuda)",
-            kiln_ops::softmax_cross_entropy(&x_gpu, &target_gpu, 0.1),
+            kiln_fused_ops::softmax_cross_entropy(&x_gpu, &target_gpu, 0.1),
             &["target 8 at row 2 is outside [0, 8)"],
         );
         // ...so the CUDA context is still usable afterwards.
         let good = Tensor::from_slice(&[0i64, 3, 7, 1]).to_device(cuda);
-        let loss = kiln_ops::softmax_cross_entropy(&x_gpu, &good, 0.1).unwrap();
-        let want = kiln_ops::softmax_cross_entropy(
+        let loss = kiln_fused_ops::softmax_cross_entropy(&x_gpu, &good, 0.1).unwrap();
+        let want = kiln_fused_ops::softmax_cross_entropy(
             &x_gpu.to_device(Device::Cpu),
             &good.to_device(Device::Cpu),
             0.1,

@@ -1,4 +1,4 @@
-//! Kiln's fused ops as layers of a model definition (`kiln_ops::layer`): on
+//! Kiln's fused ops as layers of a model definition (`kiln_fused_ops::layer`): on
 //! libtorch they equal the composition of built-in ops (forward and every
 //! parameter gradient, 1e-5); TensorFlow agrees with libtorch on the same weights
 //! (1e-5); `Trainer` trains them on both backends with the same losses epoch by
@@ -28,7 +28,7 @@ use tch::{Kind, Tensor};
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
-    kiln_ops::register_layers().unwrap();
+    kiln_fused_ops::register_layers().unwrap();
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -36,9 +36,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 fn spec() -> Layer {
     Layer::sequential([
         LinearConfig::new(6, 16).with_bias(false).into(),
-        kiln_ops::layer::bias_gelu(16),
+        kiln_fused_ops::layer::bias_gelu(16),
         LinearConfig::new(16, 4).into(),
-        kiln_ops::layer::swish(1.7),
+        kiln_fused_ops::layer::swish(1.7),
     ])
 }
 
@@ -240,7 +240,7 @@ fn misuse_fails_with_errors_that_name_the_problem() {
     }
 
     // kiln::swish declared without its parameter.
-    let bare: Layer = CustomConfig::new(kiln_ops::layer::SWISH).into();
+    let bare: Layer = CustomConfig::new(kiln_fused_ops::layer::SWISH).into();
     let torch = TorchModel::new(&bare, Device::Cpu).unwrap();
     let x = Tensor::ones([2, 3], (Kind::Float, tch::Device::Cpu));
     let message = torch.forward(&x).unwrap_err().to_string();
@@ -259,7 +259,7 @@ fn misuse_fails_with_errors_that_name_the_problem() {
     );
 
     // A bias of the wrong length: the C++ kernel's check comes back as a backend error.
-    let wrong: Layer = CustomConfig::new(kiln_ops::layer::BIAS_GELU)
+    let wrong: Layer = CustomConfig::new(kiln_fused_ops::layer::BIAS_GELU)
         .with_param("bias", [5], Init::Zeros)
         .into();
     let err = TorchModel::new(&wrong, Device::Cpu)
@@ -351,11 +351,11 @@ fn fused_layers_export_as_standard_ops_that_python_serves() {
     let root = kiln_testkit::TempDir::new("export-fused");
     let residual = Layer::sequential([
         LinearConfig::new(6, 8).with_bias(false).into(),
-        Layer::residual(kiln_ops::layer::bias_gelu(8)),
-        Layer::residual(kiln_ops::layer::swish(1.0)),
+        Layer::residual(kiln_fused_ops::layer::bias_gelu(8)),
+        Layer::residual(kiln_fused_ops::layer::swish(1.0)),
         LinearConfig::new(8, 4).into(),
         Layer::residual(Layer::sequential([
-            kiln_ops::layer::swish(1.5),
+            kiln_fused_ops::layer::swish(1.5),
             LinearConfig::new(4, 4).into(),
         ])),
     ]);
@@ -371,7 +371,7 @@ fn fused_layers_export_as_standard_ops_that_python_serves() {
         kiln_tf::export_saved_model(&model, &[4, *features], &dir)
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let pb = std::fs::read(dir.join("saved_model.pb")).unwrap();
-        for op in kiln_ops::tf::OP_TYPES {
+        for op in kiln_fused_ops::tf::OP_TYPES {
             assert!(
                 !pb.windows(op.len()).any(|w| w == op.as_bytes()),
                 "{name}: the exported graph names Kiln's op {op}"
@@ -457,17 +457,17 @@ fn fused_layers_export_as_standard_ops_that_python_serves() {
 fn saved_model_export_refuses_a_custom_layer_without_a_portable_builder() {
     let _serial = serial();
     kiln_tf::register_custom_layer("user::fused_swish", |graph, name, x, params, _config| {
-        kiln_ops::tf::swish(graph, name, x, params[0].clone()).map(tensorflow::Output::from)
+        kiln_fused_ops::tf::swish(graph, name, x, params[0].clone()).map(tensorflow::Output::from)
     });
     assert!(!kiln_tf::portable_custom_layer_registered(
         "user::fused_swish"
     ));
     assert!(kiln_tf::portable_custom_layer_registered(
-        kiln_ops::layer::SWISH
+        kiln_fused_ops::layer::SWISH
     ));
     let spec = Layer::sequential([
         LinearConfig::new(6, 4).into(),
-        kiln_ops::layer::swish(1.0),
+        kiln_fused_ops::layer::swish(1.0),
         Layer::residual(
             CustomConfig::new("user::fused_swish")
                 .with_param("beta", [1], Init::Constant { value: 1.0 })

@@ -7,7 +7,7 @@
 //! built-in ops (`tests/reference/fused_ops_float64.py`, 1e-12); shape inference; and bad inputs failing the session run (or the graph
 //! construction, when shapes are known) with the op's message instead of aborting.
 
-use kiln_ops::tf as ops;
+use kiln_fused_ops::tf as ops;
 use tch::Kind;
 use tensorflow::{
     Code, DataType, Graph, Operation, Output, Session, SessionOptions, SessionRunArgs, Shape,
@@ -252,7 +252,7 @@ fn float32_outputs_and_gradients_match_libtorch() {
             None,
             None,
             &[0, 1],
-            &|t, _| kiln_ops::bias_gelu(&t[0], &t[1]).unwrap(),
+            &|t, _| kiln_fused_ops::bias_gelu(&t[0], &t[1]).unwrap(),
         );
     }
     compare_with_torch(
@@ -262,7 +262,7 @@ fn float32_outputs_and_gradients_match_libtorch() {
         None,
         None,
         &[0, 1],
-        &|t, _| kiln_ops::bias_gelu(&t[0], &t[1]).unwrap(),
+        &|t, _| kiln_fused_ops::bias_gelu(&t[0], &t[1]).unwrap(),
     );
     for (n, c, eps) in [(4, 6, 0.0), (4, 6, 0.1), (100, 37, 0.2)] {
         let target = tch::Tensor::randint(c, [n], (Kind::Int64, tch::Device::Cpu));
@@ -273,7 +273,9 @@ fn float32_outputs_and_gradients_match_libtorch() {
             Some(target),
             Some(eps as f32),
             &[0],
-            &move |t, target| kiln_ops::softmax_cross_entropy(&t[0], target.unwrap(), eps).unwrap(),
+            &move |t, target| {
+                kiln_fused_ops::softmax_cross_entropy(&t[0], target.unwrap(), eps).unwrap()
+            },
         );
     }
     for dims in [vec![7], vec![5, 4, 3], vec![10_000]] {
@@ -284,7 +286,7 @@ fn float32_outputs_and_gradients_match_libtorch() {
             None,
             None,
             &[0, 1],
-            &|t, _| kiln_ops::swish(&t[0], &t[1]).unwrap(),
+            &|t, _| kiln_fused_ops::swish(&t[0], &t[1]).unwrap(),
         );
     }
 }
@@ -401,7 +403,7 @@ fn tensor_json(t: &tch::Tensor) -> serde_json::Value {
     serde_json::json!({ "shape": t.size(), "data": data })
 }
 
-/// Kiln's float64 forward of every fused op, on libtorch (`kiln_ops::*`) and in a
+/// Kiln's float64 forward of every fused op, on libtorch (`kiln_fused_ops::*`) and in a
 /// TensorFlow graph (`Kiln*` ops), against PyTorch's composition of built-in ops
 /// in float64 (`tests/reference/fused_ops_float64.py`, which does not load Kiln's
 /// library): within 1e-12 of `max(1, |expected|)`. Inputs reach GELU's and the
@@ -477,11 +479,11 @@ fn float64_outputs_match_pytorch_composition() {
         let expected: Vec<f64> = serde_json::from_value(expected["data"].clone()).unwrap();
 
         let torch = match *op {
-            "bias_gelu" => kiln_ops::bias_gelu(&inputs[0], &inputs[1]),
+            "bias_gelu" => kiln_fused_ops::bias_gelu(&inputs[0], &inputs[1]),
             "softmax_xent" => {
-                kiln_ops::softmax_cross_entropy(&inputs[0], target.as_ref().unwrap(), *eps)
+                kiln_fused_ops::softmax_cross_entropy(&inputs[0], target.as_ref().unwrap(), *eps)
             }
-            _ => kiln_ops::swish(&inputs[0], &inputs[1]),
+            _ => kiln_fused_ops::swish(&inputs[0], &inputs[1]),
         }
         .unwrap();
         assert_eq!(torch.kind(), Kind::Double, "{what}: libtorch output kind");
@@ -546,7 +548,7 @@ fn mean_loss_gradient_through_add_gradients() {
     let eps = 0.1;
 
     let leaf = logits.copy().set_requires_grad(true);
-    let loss = kiln_ops::softmax_cross_entropy(&leaf, &target, eps)
+    let loss = kiln_fused_ops::softmax_cross_entropy(&leaf, &target, eps)
         .unwrap()
         .mean(Kind::Float);
     loss.backward();

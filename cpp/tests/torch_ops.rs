@@ -75,7 +75,7 @@ fn gradients_match_finite_differences() {
         "bias_gelu",
         vec![Tensor::randn([3, 5], d), Tensor::randn([5], d)],
         &[0, 1],
-        &|t| kiln_ops::bias_gelu(&t[0], &t[1]).unwrap(),
+        &|t| kiln_fused_ops::bias_gelu(&t[0], &t[1]).unwrap(),
     );
     check_against_finite_differences(
         "softmax_xent",
@@ -84,13 +84,13 @@ fn gradients_match_finite_differences() {
             Tensor::from_slice(&[1i64, 0, 5, 2]),
         ],
         &[0],
-        &|t| kiln_ops::softmax_cross_entropy(&t[0], &t[1], 0.15).unwrap(),
+        &|t| kiln_fused_ops::softmax_cross_entropy(&t[0], &t[1], 0.15).unwrap(),
     );
     check_against_finite_differences(
         "swish",
         vec![Tensor::randn([4, 7], d), Tensor::from_slice(&[0.8f64])],
         &[0, 1],
-        &|t| kiln_ops::swish(&t[0], &t[1]).unwrap(),
+        &|t| kiln_fused_ops::swish(&t[0], &t[1]).unwrap(),
     );
 }
 
@@ -120,7 +120,7 @@ fn ops_equal_the_composition_of_builtin_ops() {
     compare(
         "bias_gelu",
         &[x.shallow_clone(), b.shallow_clone()],
-        kiln_ops::bias_gelu(&x, &b).unwrap(),
+        kiln_fused_ops::bias_gelu(&x, &b).unwrap(),
         (&x + &b).gelu("none"),
         1e-5,
     );
@@ -129,7 +129,7 @@ fn ops_equal_the_composition_of_builtin_ops() {
     compare(
         "softmax_xent",
         std::slice::from_ref(&logits),
-        kiln_ops::softmax_cross_entropy(&logits, &target, 0.1).unwrap(),
+        kiln_fused_ops::softmax_cross_entropy(&logits, &target, 0.1).unwrap(),
         logits.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::None, -100, 0.1),
         1e-5,
     );
@@ -137,7 +137,7 @@ fn ops_equal_the_composition_of_builtin_ops() {
     compare(
         "swish",
         &[x.shallow_clone(), beta.shallow_clone()],
-        kiln_ops::swish(&x, &beta).unwrap(),
+        kiln_fused_ops::swish(&x, &beta).unwrap(),
         &x * (&beta * &x).sigmoid(),
         1e-5,
     );
@@ -149,29 +149,29 @@ fn bad_input_is_an_error_not_an_abort() {
     let x = Tensor::randn([4, 8], f);
     let cases = [
         (
-            kiln_ops::bias_gelu(&x, &Tensor::zeros([7], f)).unwrap_err(),
+            kiln_fused_ops::bias_gelu(&x, &Tensor::zeros([7], f)).unwrap_err(),
             "kiln::bias_gelu: bias must have shape [8] (x's last dimension), got [7] for x of shape [4, 8]",
         ),
         (
-            kiln_ops::bias_gelu(&x, &Tensor::zeros([8], opts(Kind::Double))).unwrap_err(),
+            kiln_fused_ops::bias_gelu(&x, &Tensor::zeros([8], opts(Kind::Double))).unwrap_err(),
             "kiln::bias_gelu: x is Float but bias is Double",
         ),
         (
-            kiln_ops::softmax_cross_entropy(&x, &Tensor::zeros([4], opts(Kind::Int)), 0.0)
+            kiln_fused_ops::softmax_cross_entropy(&x, &Tensor::zeros([4], opts(Kind::Int)), 0.0)
                 .unwrap_err(),
             "kiln::softmax_xent: target must be int64 class indices, got Int",
         ),
         (
-            kiln_ops::softmax_cross_entropy(&x, &Tensor::from_slice(&[0i64, 1, 8, 2]), 0.0)
+            kiln_fused_ops::softmax_cross_entropy(&x, &Tensor::from_slice(&[0i64, 1, 8, 2]), 0.0)
                 .unwrap_err(),
             "kiln::softmax_xent: target 8 at row 2 is outside [0, 8)",
         ),
         (
-            kiln_ops::swish(&x, &Tensor::ones([2], f)).unwrap_err(),
+            kiln_fused_ops::swish(&x, &Tensor::ones([2], f)).unwrap_err(),
             "kiln::swish: beta must have one element, got shape [2]",
         ),
         (
-            kiln_ops::swish(&Tensor::zeros([3], opts(Kind::Int64)), &Tensor::ones([1], f))
+            kiln_fused_ops::swish(&Tensor::zeros([3], opts(Kind::Int64)), &Tensor::ones([1], f))
                 .unwrap_err(),
             "kiln::swish: x must be float32 or float64, got Long",
         ),
@@ -189,7 +189,7 @@ fn bad_input_is_an_error_not_an_abort() {
 }
 
 fn python() -> Option<PathBuf> {
-    kiln_testkit::python("kiln-ops torch_ops reference")
+    kiln_testkit::python("kiln-fused-ops torch_ops reference")
 }
 
 fn tensor(value: &serde_json::Value, kind: Kind) -> Tensor {
@@ -203,7 +203,7 @@ fn tensor(value: &serde_json::Value, kind: Kind) -> Tensor {
 #[test]
 fn torchscript_round_trip_through_python() {
     let Some(python) = python() else { return };
-    assert!(kiln_ops::register());
+    assert!(kiln_fused_ops::register());
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("ops-ts-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let script = concat!(
@@ -211,7 +211,7 @@ fn torchscript_round_trip_through_python() {
         "/tests/reference/torchscript_ops.py"
     );
     let out = std::process::Command::new(&python)
-        .args([script, kiln_ops::TORCH_LIBRARY, dir.to_str().unwrap()])
+        .args([script, kiln_fused_ops::TORCH_LIBRARY, dir.to_str().unwrap()])
         .output()
         .unwrap();
     eprintln!("{}", String::from_utf8_lossy(&out.stdout));

@@ -53,7 +53,7 @@ fn output_and_gradients(
 
 #[test]
 fn the_fused_mlp_exports_as_standard_ops_that_python_runs() {
-    kiln_ops::register_layers().unwrap();
+    kiln_fused_ops::register_layers().unwrap();
     let config =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/configs/digits-mlp-fused.toml");
     let table: toml::Table = toml::from_str(&std::fs::read_to_string(config).unwrap()).unwrap();

@@ -1,53 +1,21 @@
 //! Trains an MLP whose activation is the custom op (squared ReLU) on the UCI
 //! handwritten digits with Kiln's `Trainer`, on libtorch (the default) or on
-//! TensorFlow: the model is one definition, and the op is a layer of it.
+//! TensorFlow: the model is one definition, and the op is a layer of it. Loading
+//! the digits and the training loop are examples/shared/digits_demo.rs.
 //!
 //! ```sh
 //! cargo xtask run --release -p kiln-example-custom-op
 //! cargo xtask run --release -p kiln-example-custom-op -- --backend tensorflow
 //! ```
 
-use std::path::PathBuf;
+#[path = "../../shared/digits_demo.rs"]
+mod digits_demo;
 
-use anyhow::{bail, Context, Result};
-use kiln_core::backend::Trainable;
-use kiln_core::{
-    backend::TrainBackend,
-    loss::Loss,
-    model::{Layer, LinearConfig},
-    optim::{AdamConfig, OptimizerConfig},
-    Device, HostTensor,
-};
-use kiln_data::{load_digits, train_test_split, InMemoryDataset, SequentialLoader};
-use kiln_tf::TfBackend;
-use kiln_torch::TorchBackend;
-use kiln_train::{Accuracy, Trainer, TrainerConfig, TrainingState};
-
-const EPOCHS: u64 = 30;
-const BATCH_SIZE: usize = 64;
-const LEARNING_RATE: f64 = 1e-3;
-
-/// Features `[N, 64]` (float32 in `[0, 1]`) and labels `[N]` (int64).
-type Split = (HostTensor, HostTensor);
+use anyhow::Result;
+use kiln_core::model::{Layer, LinearConfig};
 
 fn main() -> Result<()> {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
-        .format_target(false)
-        .init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let backend = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
-        [] | ["--backend", "torch"] => "torch",
-        ["--backend", "tensorflow"] => "tensorflow",
-        _ => bail!("usage: kiln-example-custom-op [--backend torch|tensorflow]"),
-    };
-
-    let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.kiln/data/digits.csv.gz");
-    let (pixels, labels) = load_digits(&data)
-        .context("the digits come with the project virtualenv: run `cargo xtask setup`")?;
-    let pixels = pixels.to_dtype(kiln_core::DType::F32);
-    let scaled: Vec<f32> = pixels.as_slice::<f32>()?.iter().map(|v| v / 16.0).collect();
-    let pixels = HostTensor::new(scaled, pixels.shape().clone())?;
-    let split = train_test_split(&pixels, &labels, 0.2, 0)?;
+    let backend = digits_demo::start("kiln-example-custom-op")?;
 
     // Step 6 of the op's path: the backends learn the op, and the model uses it.
     kiln_example_custom_op::register_layer()?;
@@ -56,40 +24,10 @@ fn main() -> Result<()> {
         kiln_example_custom_op::layer(),
         LinearConfig::new(128, 10).into(),
     ]);
-    let accuracy = match backend {
-        "torch" => fit::<TorchBackend>(&spec, split)?,
-        _ => fit::<TfBackend>(&spec, split)?,
-    };
+    let accuracy = digits_demo::train(backend, &spec)?;
     println!(
         "held-out accuracy with the squared-ReLU op ({backend}): {:.2}%",
         100.0 * accuracy
     );
     Ok(())
-}
-
-/// Trains `spec` with Adam and returns the held-out accuracy.
-fn fit<B: TrainBackend>(
-    spec: &Layer,
-    ((train_x, train_y), (test_x, test_y)): (Split, Split),
-) -> Result<f64> {
-    B::manual_seed(0);
-    let model = B::build_model(spec, Device::Cpu)?;
-    let optimizer =
-        model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(LEARNING_RATE)), &[])?;
-    let mut state = TrainingState::new(model, optimizer, None);
-    let train =
-        SequentialLoader::new(InMemoryDataset::new(train_x, train_y)?, BATCH_SIZE)?.shuffle(0);
-    let test = SequentialLoader::new(InMemoryDataset::new(test_x, test_y)?, 256)?;
-    let config = TrainerConfig {
-        epochs: EPOCHS,
-        ..TrainerConfig::default()
-    };
-    let mut trainer =
-        Trainer::<B>::new(config, Loss::cross_entropy())?.with_metric(|| Box::new(Accuracy::new()));
-    trainer.fit(&mut state, &train, Some(&test))?;
-    let metrics = trainer.evaluate(&mut state.model, &test)?;
-    metrics
-        .iter()
-        .find_map(|(name, value)| (name == "accuracy").then_some(*value))
-        .context("the trainer reports accuracy")
 }

@@ -1,6 +1,6 @@
 //! Ops written in Rust, registered in libtorch and TensorFlow from one definition.
 //!
-//! [`ops`] defines three ops, each a type implementing `kiln_op::CustomOp`
+//! [`ops`] defines three ops, each a type implementing `kiln_custom_op::CustomOp`
 //! (schema, shape function, kernel generic over f32/f64) with its gradient as
 //! another such op: squared ReLU, a fused RMSNorm and Swish-β. There is no C++ and
 //! no `unsafe` here:

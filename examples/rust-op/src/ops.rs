@@ -1,5 +1,5 @@
 //! The ops, in Rust, each defined once: a schema, a shape function and a
-//! kernel generic over `f32`/`f64`. This file depends on `kiln-op` alone, so the
+//! kernel generic over `f32`/`f64`. This file depends on `kiln-custom-op` alone, so the
 //! Python library (`torch-library/`) compiles the same file.
 //!
 //! - [`SquaredRelu`]: `y = max(x, 0)^2` (the Primer activation; the C++ version
@@ -8,10 +8,10 @@
 //!   [`RmsNormBackward`] computing both gradients in one pass. Neither libtorch
 //!   2.11's C++ API nor TensorFlow has it as one kernel.
 //! - [`Swish`]: `y = x * sigmoid(beta * x)` with a learned one-element `beta`,
-//!   with [`SwishBackward`]: the Rust twin of kiln-ops' C++ `kiln::swish`, which
+//!   with [`SwishBackward`]: the Rust twin of kiln-fused-ops' C++ `kiln::swish`, which
 //!   the benchmark runs side by side.
 
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
     TensorRef,
 };
@@ -420,7 +420,7 @@ impl CustomOp for SwishBackward {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_op::ThreadPool;
+    use kiln_custom_op::ThreadPool;
 
     /// Runs `O` on f64 host buffers with three threads.
     fn run<O: CustomOp>(inputs: &[(&[f64], &[i64])], attrs: &Attrs) -> Vec<Vec<f64>> {
@@ -428,9 +428,11 @@ mod tests {
             .iter()
             .map(|(d, s)| TensorRef::new(d, s).expect("view"))
             .collect();
-        let shapes =
-            kiln_op::infer_shapes::<O>(&inputs.iter().map(|(_, s)| *s).collect::<Vec<_>>(), attrs)
-                .expect("shapes");
+        let shapes = kiln_custom_op::infer_shapes::<O>(
+            &inputs.iter().map(|(_, s)| *s).collect::<Vec<_>>(),
+            attrs,
+        )
+        .expect("shapes");
         let mut data: Vec<Vec<f64>> = shapes
             .iter()
             .map(|s| vec![0.0; s.iter().product::<i64>() as usize])
@@ -441,7 +443,7 @@ mod tests {
             .map(|(d, s)| TensorMut::new(d, s).expect("view"))
             .collect();
         let pool = ThreadPool::new(3);
-        kiln_op::run::<O, f64>(&views, &mut outs, attrs, &Context::new(&pool)).expect("run");
+        kiln_custom_op::run::<O, f64>(&views, &mut outs, attrs, &Context::new(&pool)).expect("run");
         drop(outs);
         data
     }
@@ -541,18 +543,18 @@ mod tests {
     #[test]
     fn bad_shapes_and_attributes_are_named() {
         let attrs = Attrs::defaults(&RmsNorm::schema());
-        let err = kiln_op::infer_shapes::<RmsNorm>(&[&[4, 8], &[7]], &attrs).unwrap_err();
+        let err = kiln_custom_op::infer_shapes::<RmsNorm>(&[&[4, 8], &[7]], &attrs).unwrap_err();
         assert_eq!(
             err.to_string(),
             "example_rs::rms_norm: weight has shape [7], expected [8] (x's last dimension; x has shape [4, 8])"
         );
-        assert!(kiln_op::infer_shapes::<RmsNorm>(&[&[-1, 8], &[8]], &attrs).is_ok());
+        assert!(kiln_custom_op::infer_shapes::<RmsNorm>(&[&[-1, 8], &[8]], &attrs).is_ok());
         let mut bad = attrs.clone();
         bad.set("eps", AttrValue::Float(0.0)).expect("eps exists");
         let x = [1.0f32; 4];
         let w = [1.0f32; 2];
         let mut y = [0.0f32; 4];
-        let err = kiln_op::run::<RmsNorm, f32>(
+        let err = kiln_custom_op::run::<RmsNorm, f32>(
             &[
                 TensorRef::new(&x, &[2, 2]).expect("x"),
                 TensorRef::new(&w, &[2]).expect("w"),

@@ -5,8 +5,8 @@
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
+use kiln_custom_op::{AttrValue, Attrs, CustomOp};
 use kiln_example_rust_op::ops::{RmsNorm, SquaredRelu, Swish, RMS_NORM_EPS};
-use kiln_op::{AttrValue, Attrs, CustomOp};
 use tch::{Kind, Tensor};
 use tensorflow::{
     DataType, Graph, Operation, Output, Session, SessionOptions, SessionRunArgs,

@@ -99,7 +99,7 @@ impl Attrs {
     /// with the attribute's name.
     ///
     /// ```
-    /// use kiln_op::{AttrValue, Attrs, OpSchema};
+    /// use kiln_custom_op::{AttrValue, Attrs, OpSchema};
     ///
     /// let schema = OpSchema::new("ns", "op").input("x").output("y").attr("k", AttrValue::Int(3));
     /// let attrs = Attrs::from_numbers(&schema, [("k", 5.0)]).unwrap();

@@ -1,4 +1,6 @@
-//! Ops written in Rust, defined once and registered in both of Kiln's engines.
+//! The API for writing your own ops in Rust, defined once and registered in both
+//! of Kiln's engines (`kiln::custom_op` in the facade). Kiln's own fused C++/CUDA
+//! ops are another crate, `kiln-fused-ops`.
 //!
 //! An op is a type implementing [`CustomOp`]: its [`OpSchema`] (namespace, name,
 //! tensor inputs and outputs, scalar attributes, and the op that computes its
@@ -18,7 +20,7 @@
 //! # Example: squared ReLU and its gradient
 //!
 //! ```
-//! use kiln_op::{CustomOp, Context, Float, OpError, OpSchema, Saved, Shape, TensorMut, TensorRef, Attrs};
+//! use kiln_custom_op::{CustomOp, Context, Float, OpError, OpSchema, Saved, Shape, TensorMut, TensorRef, Attrs};
 //!
 //! /// `y = max(x, 0)^2`.
 //! struct SquaredRelu;
@@ -53,7 +55,7 @@
 //! // What a backend does with it, here on host buffers:
 //! let x = [-1.0_f32, 0.5, 2.0];
 //! let mut y = [0.0_f32; 3];
-//! kiln_op::run::<SquaredRelu, f32>(
+//! kiln_custom_op::run::<SquaredRelu, f32>(
 //!     &[TensorRef::new(&x, &[3])?],
 //!     &mut [TensorMut::new(&mut y, &[3])?],
 //!     &Attrs::defaults(&SquaredRelu::schema()),

@@ -105,7 +105,7 @@ impl<'a> Context<'a> {
     ///
     /// ```
     /// let mut y = vec![0_u32; 10];
-    /// kiln_op::Context::serial().map_chunks(&mut y, 2, 1, |start, block| {
+    /// kiln_custom_op::Context::serial().map_chunks(&mut y, 2, 1, |start, block| {
     ///     for (i, v) in block.iter_mut().enumerate() {
     ///         *v = (start + i) as u32 / 2; // the row index
     ///     }

@@ -31,7 +31,7 @@ pub struct Gradient {
 /// An op's name, tensor arguments, attributes and gradient.
 ///
 /// ```
-/// use kiln_op::{AttrValue, OpSchema, Saved};
+/// use kiln_custom_op::{AttrValue, OpSchema, Saved};
 ///
 /// let schema = OpSchema::new("my_ops", "rms_norm")
 ///     .input("x")
@@ -42,7 +42,7 @@ pub struct Gradient {
 /// assert_eq!(schema.torch_schema(), "rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> Tensor");
 /// assert_eq!(schema.tf_op_name(), "MyOpsRmsNorm");
 /// schema.validate()?;
-/// # Ok::<(), kiln_op::OpError>(())
+/// # Ok::<(), kiln_custom_op::OpError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpSchema {

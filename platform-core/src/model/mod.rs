@@ -175,7 +175,7 @@ pub enum Layer {
         /// The residual branch; its output shape must equal its input shape.
         block: Box<Layer>,
     },
-    /// An op registered by a backend extension (kiln-ops, or a user's crate),
+    /// An op registered by a backend extension (kiln-fused-ops, or a user's crate),
     /// with the parameters the layer declares; see [`CustomConfig`].
     Custom(CustomConfig),
     /// A TorchScript file as a layer (a pretrained backbone), torch backend

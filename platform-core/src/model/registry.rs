@@ -108,7 +108,7 @@ impl<F: ?Sized> CustomLayerRegistry<F> {
             field,
             format!(
                 "custom op `{op}` is not registered with the {} backend (registered: [{}]); \
-                 call kiln_ops::register_layers() for Kiln's fused ops, or {} for your own",
+                 call kiln_fused_ops::register_layers() for Kiln's fused ops, or {} for your own",
                 self.backend,
                 self.names().join(", "),
                 self.register_fn

@@ -337,6 +337,24 @@ pub fn noise_indices(n: usize, high: usize, seed: u64) -> Vec<i64> {
         .collect()
 }
 
+/// Labels a model can learn, for training tests: for each row of `features`
+/// values in `x`, the index of the largest of its first `classes` values.
+///
+/// ```
+/// let x = [0.1, 0.7, 0.2, 9.0, /* row 2 */ 0.5, -1.0, 0.4, 9.0];
+/// assert_eq!(kiln_testkit::argmax_labels(&x, 4, 3), [1, 0]);
+/// ```
+pub fn argmax_labels<T: PartialOrd>(x: &[T], features: usize, classes: usize) -> Vec<i64> {
+    assert!(
+        (1..=features).contains(&classes) && x.len().is_multiple_of(features),
+        "{} values in rows of {features}, labelled by the first {classes}",
+        x.len()
+    );
+    x.chunks(features)
+        .map(|row| (0..classes).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i64)
+        .collect()
+}
+
 /// The largest absolute difference between `a` and `b` (NaN if either has one).
 pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len(), "element count");

@@ -30,7 +30,7 @@ impl Engines for Tensorflow {
 
     fn register_layers() -> Result<()> {
         #[cfg(feature = "ops")]
-        kiln::ops::register_layers()?;
+        kiln::fused_ops::register_layers()?;
         Ok(())
     }
 

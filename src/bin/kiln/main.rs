@@ -19,7 +19,7 @@ impl kiln_cli::Engines for Torch {
 
     fn register_layers() -> Result<()> {
         #[cfg(feature = "ops")]
-        kiln::ops::register_torch_layers();
+        kiln::fused_ops::register_torch_layers();
         Ok(())
     }
 }

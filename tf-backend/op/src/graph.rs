@@ -1,7 +1,7 @@
 //! Adding a registered op's node to a TensorFlow graph.
 
 use kiln_core::{DType, Error, Result};
-use kiln_op::{AttrValue, Attrs, CustomOp};
+use kiln_custom_op::{AttrValue, Attrs, CustomOp};
 use tensorflow::{DataType, Graph, Operation, Output, Status};
 
 use crate::registry::is_registered;

@@ -8,7 +8,7 @@ use std::any::Any;
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kiln_op::{
+use kiln_custom_op::{
     AttrKind, AttrValue, Attrs, Context, CustomOp, Float, OpError, Shape, TensorMut, TensorRef,
     ThreadPool,
 };
@@ -47,7 +47,7 @@ impl From<OpError> for Failure {
 }
 
 /// Runs `body`, turning a panic in it (in Kiln's own callback code: the op's
-/// kernel and shape function are already guarded by kiln_op) into a failure.
+/// kernel and shape function are already guarded by kiln_custom_op) into a failure.
 fn guarded<R>(
     op: &str,
     what: &str,
@@ -119,7 +119,7 @@ fn infer<O: CustomOp>(
     }
     let attrs = shape_attrs(ctx, &schema)?;
     let refs: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
-    let outputs = kiln_op::infer_shapes::<O>(&refs, &attrs)?;
+    let outputs = kiln_custom_op::infer_shapes::<O>(&refs, &attrs)?;
     for (i, shape) in outputs.iter().enumerate() {
         let mut err = [0 as c_char; 512];
         // SAFETY: ctx is live; `shape` holds `len` sizes; err is a writable buffer of its length.
@@ -148,7 +148,7 @@ fn infer<O: CustomOp>(
 /// The node's attribute values, as the shape function sees them.
 fn shape_attrs(
     ctx: *mut sys::TF_ShapeInferenceContext,
-    schema: &kiln_op::OpSchema,
+    schema: &kiln_custom_op::OpSchema,
 ) -> Result<Attrs, Failure> {
     let mut attrs = Attrs::defaults(schema);
     for def in &schema.attrs {
@@ -217,7 +217,7 @@ pub(crate) extern "C" fn create<O: CustomOp>(
 
 fn kernel_attrs(
     ctx: *mut sys::TF_OpKernelConstruction,
-    schema: &kiln_op::OpSchema,
+    schema: &kiln_custom_op::OpSchema,
 ) -> Result<Attrs, Failure> {
     let mut attrs = Attrs::defaults(schema);
     for def in &schema.attrs {
@@ -287,7 +287,7 @@ pub(crate) extern "C" fn delete(state: *mut c_void) {
 }
 
 /// `O`'s CPU kernel on `T`: reads the inputs, allocates the outputs with the
-/// shapes `O`'s shape function gives, and runs `kiln_op::run` on a
+/// shapes `O`'s shape function gives, and runs `kiln_custom_op::run` on a
 /// [`ThreadPool`]; an error or panic becomes the node's failure status.
 pub(crate) extern "C" fn compute<O: CustomOp, T: Float>(
     state: *mut c_void,
@@ -347,7 +347,7 @@ fn run_kernel<O: CustomOp, T: Float>(
     }
     let shapes: Vec<Shape> = inputs.iter().map(Tensor::dims).collect();
     let refs: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
-    let out_shapes = kiln_op::infer_shapes::<O>(&refs, attrs)?;
+    let out_shapes = kiln_custom_op::infer_shapes::<O>(&refs, attrs)?;
     let mut outputs = Vec::with_capacity(out_shapes.len());
     for (i, (shape, name)) in out_shapes.iter().zip(&schema.outputs).enumerate() {
         if shape.iter().any(|&d| d < 0) {
@@ -408,6 +408,6 @@ fn run_kernel<O: CustomOp, T: Float>(
     }
     // TensorFlow's C API exposes no CPU thread pool to kernels: Kiln's own.
     let threads = ThreadPool::available();
-    kiln_op::run::<O, T>(&views, &mut out_views, attrs, &Context::new(&threads))?;
+    kiln_custom_op::run::<O, T>(&views, &mut out_views, attrs, &Context::new(&threads))?;
     Ok(())
 }

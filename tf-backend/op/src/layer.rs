@@ -2,7 +2,7 @@
 //! of a [`TfModel`](kiln_tf::TfModel).
 
 use kiln_core::{model::CustomConfig, Error, Result};
-use kiln_op::{Attrs, CustomOp, OpSchema};
+use kiln_custom_op::{Attrs, CustomOp, OpSchema};
 
 use crate::{add_op, registry};
 
@@ -72,7 +72,7 @@ pub(crate) fn layer_attrs(schema: &OpSchema, config: &CustomConfig) -> Result<At
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_op::AttrValue;
+    use kiln_custom_op::AttrValue;
 
     fn schema() -> OpSchema {
         OpSchema::new("t", "op")

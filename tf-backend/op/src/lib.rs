@@ -1,4 +1,4 @@
-//! Kiln's ops written in Rust ([`kiln_op::CustomOp`]) in TensorFlow graphs,
+//! Kiln's ops written in Rust ([`kiln_custom_op::CustomOp`]) in TensorFlow graphs,
 //! registered through TensorFlow's C op and kernel API, with gradients.
 //!
 //! [`register`] tells TensorFlow about an op (its definition, shape function and
@@ -18,12 +18,12 @@
 //!   in a shape function: a small C++ file (`src/glue/gradient.cc`, compiled with
 //!   the wheel's flags) does both, behind plain C functions that never throw.
 //!   Every Rust op with a gradient shares one C++ gradient function, which adds
-//!   one node of the gradient op (inputs per [`kiln_op::Saved`], the forward
+//!   one node of the gradient op (inputs per [`kiln_custom_op::Saved`], the forward
 //!   node's attributes copied; an output no gradient reached gets zeros).
 //!
 //! # Errors at run time
 //!
-//! A kernel's [`OpError`](kiln_op::OpError) (a bad shape, say) fails the session
+//! A kernel's [`OpError`](kiln_custom_op::OpError) (a bad shape, say) fails the session
 //! run with `INVALID_ARGUMENT` and the kernel's message; a panic in the kernel
 //! (or in Kiln's code around it) is caught before it reaches C++ and fails the run
 //! with `INTERNAL` and a message saying what panicked; the process goes on. An
@@ -32,7 +32,7 @@
 //! # Example
 //!
 //! ```
-//! use kiln_op::{Attrs, Context, CustomOp, Float, OpError, OpSchema, Shape, TensorMut, TensorRef};
+//! use kiln_custom_op::{Attrs, Context, CustomOp, Float, OpError, OpSchema, Shape, TensorMut, TensorRef};
 //! use tensorflow::{DataType, Graph, Session, SessionOptions, SessionRunArgs, Tensor};
 //!
 //! /// `y = 2x`.

@@ -7,7 +7,7 @@ use std::ffi::c_char;
 use std::sync::{Mutex, MutexGuard};
 
 use kiln_core::{Error, Result};
-use kiln_op::{AttrValue, CustomOp, OpSchema, Saved};
+use kiln_custom_op::{AttrValue, CustomOp, OpSchema, Saved};
 
 use crate::kernel;
 use crate::sys::{self, Status};
@@ -129,8 +129,9 @@ pub(crate) fn register_inner<O: CustomOp>(allow_same: bool) -> Result<()> {
 /// Checks `schema` against its gradient op and the ops it is the gradient of,
 /// where those are registered through this crate.
 fn check_gradient_pairs(schema: &OpSchema, table: &BTreeMap<String, Registered>) -> Result<()> {
-    let invalid =
-        |e: kiln_op::OpError| Error::invalid_argument(schema.qualified_name(), e.to_string());
+    let invalid = |e: kiln_custom_op::OpError| {
+        Error::invalid_argument(schema.qualified_name(), e.to_string())
+    };
     if let Some(grad) = schema.tf_gradient_op_name().and_then(|g| table.get(&g)) {
         schema.check_gradient_op(&grad.schema).map_err(invalid)?;
     }

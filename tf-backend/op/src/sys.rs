@@ -26,7 +26,7 @@ include!(concat!(env!("OUT_DIR"), "/tf_c_api.rs"));
 
 use std::ffi::{c_char, CStr, CString};
 
-use kiln_op::FloatType;
+use kiln_custom_op::FloatType;
 
 /// An owned `TF_Status`.
 pub(crate) struct Status(*mut TF_Status);

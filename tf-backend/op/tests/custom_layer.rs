@@ -49,10 +49,7 @@ fn spec() -> Layer {
 
 fn batch(rows: usize, seed: u64) -> (HostTensor, HostTensor) {
     let x = values(rows * 4, seed);
-    let labels: Vec<i64> = x
-        .chunks(4)
-        .map(|r| (0..3).fold(0, |best, i| if r[i] > r[best] { i } else { best }) as i64)
-        .collect();
+    let labels = kiln_testkit::argmax_labels(&x, 4, 3);
     let x: Vec<f32> = x.iter().map(|&v| v as f32).collect();
     (
         HostTensor::new(x, [rows, 4]).unwrap(),

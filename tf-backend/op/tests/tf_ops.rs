@@ -12,7 +12,7 @@ use std::sync::Once;
 
 use common::*;
 use kiln_core::{DType, Error};
-use kiln_op::{AttrValue, Attrs, CustomOp, OpSchema};
+use kiln_custom_op::{AttrValue, Attrs, CustomOp, OpSchema};
 use kiln_tf_op::{add_op, register};
 use tensorflow::{DataType, Output};
 
@@ -464,15 +464,18 @@ fn misuse_is_refused_with_errors_not_aborts() {
                 .input("b")
                 .output("c")
         }
-        fn output_shapes(i: &[&[i64]], a: &Attrs) -> Result<Vec<kiln_op::Shape>, kiln_op::OpError> {
+        fn output_shapes(
+            i: &[&[i64]],
+            a: &Attrs,
+        ) -> Result<Vec<kiln_custom_op::Shape>, kiln_custom_op::OpError> {
             SquaredRelu::output_shapes(i, a)
         }
-        fn compute<T: kiln_op::Float>(
-            i: &[kiln_op::TensorRef<'_, T>],
-            o: &mut [kiln_op::TensorMut<'_, T>],
+        fn compute<T: kiln_custom_op::Float>(
+            i: &[kiln_custom_op::TensorRef<'_, T>],
+            o: &mut [kiln_custom_op::TensorMut<'_, T>],
             a: &Attrs,
-            c: &kiln_op::Context<'_>,
-        ) -> Result<(), kiln_op::OpError> {
+            c: &kiln_custom_op::Context<'_>,
+        ) -> Result<(), kiln_custom_op::OpError> {
             SquaredRelu::compute(i, o, a, c)
         }
     }
@@ -491,15 +494,18 @@ fn misuse_is_refused_with_errors_not_aborts() {
                 .input("weight")
                 .output("dx")
         }
-        fn output_shapes(i: &[&[i64]], a: &Attrs) -> Result<Vec<kiln_op::Shape>, kiln_op::OpError> {
+        fn output_shapes(
+            i: &[&[i64]],
+            a: &Attrs,
+        ) -> Result<Vec<kiln_custom_op::Shape>, kiln_custom_op::OpError> {
             SquaredRelu::output_shapes(i, a)
         }
-        fn compute<T: kiln_op::Float>(
-            i: &[kiln_op::TensorRef<'_, T>],
-            o: &mut [kiln_op::TensorMut<'_, T>],
+        fn compute<T: kiln_custom_op::Float>(
+            i: &[kiln_custom_op::TensorRef<'_, T>],
+            o: &mut [kiln_custom_op::TensorMut<'_, T>],
             a: &Attrs,
-            c: &kiln_op::Context<'_>,
-        ) -> Result<(), kiln_op::OpError> {
+            c: &kiln_custom_op::Context<'_>,
+        ) -> Result<(), kiln_custom_op::OpError> {
             SquaredRelu::compute(i, o, a, c)
         }
     }
@@ -510,17 +516,20 @@ fn misuse_is_refused_with_errors_not_aborts() {
                 .input("x")
                 .input("weight")
                 .output("y")
-                .gradient("rms_norm_backward_bad", kiln_op::Saved::Inputs)
+                .gradient("rms_norm_backward_bad", kiln_custom_op::Saved::Inputs)
         }
-        fn output_shapes(i: &[&[i64]], _: &Attrs) -> Result<Vec<kiln_op::Shape>, kiln_op::OpError> {
+        fn output_shapes(
+            i: &[&[i64]],
+            _: &Attrs,
+        ) -> Result<Vec<kiln_custom_op::Shape>, kiln_custom_op::OpError> {
             Ok(vec![i[0].to_vec()])
         }
-        fn compute<T: kiln_op::Float>(
-            _: &[kiln_op::TensorRef<'_, T>],
-            _: &mut [kiln_op::TensorMut<'_, T>],
+        fn compute<T: kiln_custom_op::Float>(
+            _: &[kiln_custom_op::TensorRef<'_, T>],
+            _: &mut [kiln_custom_op::TensorMut<'_, T>],
             _: &Attrs,
-            _: &kiln_op::Context<'_>,
-        ) -> Result<(), kiln_op::OpError> {
+            _: &kiln_custom_op::Context<'_>,
+        ) -> Result<(), kiln_custom_op::OpError> {
             Ok(())
         }
     }

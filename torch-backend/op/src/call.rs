@@ -5,7 +5,7 @@ use std::ffi::{c_char, CString};
 
 use kiln_core::model::CustomConfig;
 use kiln_core::{Error, Result};
-use kiln_op::{AttrValue, Attrs, CustomOp, OpSchema};
+use kiln_custom_op::{AttrValue, Attrs, CustomOp, OpSchema};
 use tch::Tensor;
 
 use crate::registry::{c_message, ensure_registered};
@@ -23,12 +23,12 @@ const MAX_OUTPUTS: usize = 64;
 ///
 /// ```no_run
 /// # struct RmsNorm;
-/// # impl kiln_op::CustomOp for RmsNorm {
-/// #     fn schema() -> kiln_op::OpSchema { kiln_op::OpSchema::new("demo", "rms_norm").input("x").input("weight").output("y").attr("eps", kiln_op::AttrValue::Float(1e-6)) }
-/// #     fn output_shapes(i: &[&[i64]], _: &kiln_op::Attrs) -> Result<Vec<kiln_op::Shape>, kiln_op::OpError> { Ok(vec![i[0].to_vec()]) }
-/// #     fn compute<T: kiln_op::Float>(_: &[kiln_op::TensorRef<'_, T>], _: &mut [kiln_op::TensorMut<'_, T>], _: &kiln_op::Attrs, _: &kiln_op::Context<'_>) -> Result<(), kiln_op::OpError> { Ok(()) }
+/// # impl kiln_custom_op::CustomOp for RmsNorm {
+/// #     fn schema() -> kiln_custom_op::OpSchema { kiln_custom_op::OpSchema::new("demo", "rms_norm").input("x").input("weight").output("y").attr("eps", kiln_custom_op::AttrValue::Float(1e-6)) }
+/// #     fn output_shapes(i: &[&[i64]], _: &kiln_custom_op::Attrs) -> Result<Vec<kiln_custom_op::Shape>, kiln_custom_op::OpError> { Ok(vec![i[0].to_vec()]) }
+/// #     fn compute<T: kiln_custom_op::Float>(_: &[kiln_custom_op::TensorRef<'_, T>], _: &mut [kiln_custom_op::TensorMut<'_, T>], _: &kiln_custom_op::Attrs, _: &kiln_custom_op::Context<'_>) -> Result<(), kiln_custom_op::OpError> { Ok(()) }
 /// # }
-/// use kiln_op::{AttrValue, Attrs, CustomOp};
+/// use kiln_custom_op::{AttrValue, Attrs, CustomOp};
 ///
 /// kiln_torch_op::register::<RmsNorm>()?;
 /// let x = tch::Tensor::randn([4, 8], (tch::Kind::Float, tch::Device::Cpu));

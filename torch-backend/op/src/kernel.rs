@@ -12,7 +12,7 @@ use std::ffi::c_void;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpSchema, Parallel, TensorMut, TensorRef,
 };
 
@@ -21,7 +21,7 @@ use crate::tensor::{device_name, dtype_name, OwnedTensor};
 
 /// What Rust kernels say about a tensor on a GPU.
 pub(crate) const CPU_ONLY: &str =
-    "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-ops)";
+    "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-fused-ops)";
 
 /// The type of a boxed kernel, as this crate defines it: `C-unwind`, because
 /// it raises errors as C++ exceptions that unwind through it.
@@ -170,7 +170,8 @@ unsafe fn run_boxed<O: CustomOp>(
         shapes.push(input.sizes()?);
     }
     let shape_refs: Vec<&[i64]> = shapes.iter().map(Vec::as_slice).collect();
-    let out_shapes = kiln_op::infer_shapes::<O>(&shape_refs, &attrs).map_err(|e| e.to_string())?;
+    let out_shapes =
+        kiln_custom_op::infer_shapes::<O>(&shape_refs, &attrs).map_err(|e| e.to_string())?;
     let mut outputs = Vec::with_capacity(n_out);
     for (shape, name) in out_shapes.iter().zip(&schema.outputs) {
         if shape.iter().any(|&d| d < 0) {
@@ -321,7 +322,7 @@ fn compute<O: CustomOp, T: Float>(
         };
         muts.push(TensorMut::new(data, shape).map_err(|e| e.to_string())?);
     }
-    kiln_op::run::<O, T>(&refs, &mut muts, attrs, &Context::new(&TorchParallel))
+    kiln_custom_op::run::<O, T>(&refs, &mut muts, attrs, &Context::new(&TorchParallel))
         .map_err(|e| e.to_string())
 }
 
@@ -377,7 +378,7 @@ impl Parallel for TorchParallel {
         }
         if rc != 0 {
             // The Parallel trait has no error channel: a panic, which
-            // kiln_op::run (the only caller of a kernel) turns into an error.
+            // kiln_custom_op::run (the only caller of a kernel) turns into an error.
             std::panic::panic_any(format!("libtorch's parallel_for failed (error code {rc})"));
         }
     }

@@ -1,4 +1,4 @@
-//! Registers Kiln's ops written in Rust ([`kiln_op::CustomOp`]) in libtorch
+//! Registers Kiln's ops written in Rust ([`kiln_custom_op::CustomOp`]) in libtorch
 //! through its stable C ABI (`torch/csrc/stable/c/shim.h`), with autograd.
 //!
 //! [`register::<Op>()`](register) defines the op's schema and registers its
@@ -11,7 +11,7 @@
 //! TorchScript, and from Python as `torch.ops.<namespace>.<name>`, in this
 //! process or, through a `cdylib` built with [`torch_library!`], in Python's.
 //!
-//! Errors a kernel reports ([`kiln_op::OpError`]: a bad shape, a dtype, a
+//! Errors a kernel reports ([`kiln_custom_op::OpError`]: a bad shape, a dtype, a
 //! device) reach the caller as libtorch's own error, a `c10::Error` (a
 //! `RuntimeError` in Python, an [`Error::Backend`](kiln_core::Error::Backend)
 //! from [`call`]), naming the op and the input. A panic in a Rust kernel never
@@ -42,7 +42,7 @@
 //! `shim.h` records a graph node or registers a backward), so the Autograd
 //! kernel is C++, written once for every op: it runs the op below autograd
 //! and, when an input requires grad, records a node whose backward calls the
-//! gradient op (see [`kiln_op::Saved`]) through the dispatcher. Double
+//! gradient op (see [`kiln_custom_op::Saved`]) through the dispatcher. Double
 //! backward is not supported.
 #![warn(missing_docs)]
 

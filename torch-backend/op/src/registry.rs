@@ -7,7 +7,7 @@ use std::ffi::{c_char, CString};
 use std::sync::{Mutex, PoisonError};
 
 use kiln_core::{Error, Result};
-use kiln_op::{CustomOp, OpSchema, Saved};
+use kiln_custom_op::{CustomOp, OpSchema, Saved};
 
 use crate::kernel::{boxed, boxed_meta, BoxedKernel};
 use crate::sys::{self, TorchLibraryHandle};
@@ -25,7 +25,7 @@ static REGISTRY: Mutex<BTreeMap<String, Registered>> = Mutex::new(BTreeMap::new(
 /// namespace), its CPU kernel, a CUDA kernel that refuses the tensors (Rust
 /// kernels run on the CPU), a Meta kernel (output shapes from the shape
 /// function, for fake tensors and `torch.compile`) and an Autograd kernel.
-/// With a [`Gradient`](kiln_op::Gradient) in the schema, backward calls the
+/// With a [`Gradient`](kiln_custom_op::Gradient) in the schema, backward calls the
 /// gradient op through the dispatcher, looked up by name when backward runs
 /// (so registration order does not matter); without one, backward fails with
 /// an error naming the op.
@@ -45,10 +45,10 @@ static REGISTRY: Mutex<BTreeMap<String, Registered>> = Mutex::new(BTreeMap::new(
 ///
 /// ```no_run
 /// # struct MyOp;
-/// # impl kiln_op::CustomOp for MyOp {
-/// #     fn schema() -> kiln_op::OpSchema { kiln_op::OpSchema::new("demo", "my_op").input("x").output("y") }
-/// #     fn output_shapes(i: &[&[i64]], _: &kiln_op::Attrs) -> Result<Vec<kiln_op::Shape>, kiln_op::OpError> { Ok(vec![i[0].to_vec()]) }
-/// #     fn compute<T: kiln_op::Float>(_: &[kiln_op::TensorRef<'_, T>], _: &mut [kiln_op::TensorMut<'_, T>], _: &kiln_op::Attrs, _: &kiln_op::Context<'_>) -> Result<(), kiln_op::OpError> { Ok(()) }
+/// # impl kiln_custom_op::CustomOp for MyOp {
+/// #     fn schema() -> kiln_custom_op::OpSchema { kiln_custom_op::OpSchema::new("demo", "my_op").input("x").output("y") }
+/// #     fn output_shapes(i: &[&[i64]], _: &kiln_custom_op::Attrs) -> Result<Vec<kiln_custom_op::Shape>, kiln_custom_op::OpError> { Ok(vec![i[0].to_vec()]) }
+/// #     fn compute<T: kiln_custom_op::Float>(_: &[kiln_custom_op::TensorRef<'_, T>], _: &mut [kiln_custom_op::TensorMut<'_, T>], _: &kiln_custom_op::Attrs, _: &kiln_custom_op::Context<'_>) -> Result<(), kiln_custom_op::OpError> { Ok(()) }
 /// # }
 /// kiln_torch_op::register::<MyOp>()?;
 /// assert!(kiln_torch_op::register::<MyOp>().is_err()); // once per process
@@ -98,8 +98,9 @@ pub(crate) fn ensure_registered<O: CustomOp>() -> Result<()> {
 /// Checks `schema` against its gradient op and the ops whose gradient it is,
 /// among those registered already (the others are checked when they come).
 fn check_gradients(schema: &OpSchema, registry: &BTreeMap<String, Registered>) -> Result<()> {
-    let fail =
-        |e: kiln_op::OpError| Error::invalid_argument(schema.qualified_name(), e.to_string());
+    let fail = |e: kiln_custom_op::OpError| {
+        Error::invalid_argument(schema.qualified_name(), e.to_string())
+    };
     if let Some(grad) = schema
         .gradient_qualified_name()
         .and_then(|g| registry.get(&g))

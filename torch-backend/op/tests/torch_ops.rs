@@ -21,11 +21,11 @@ use kiln_core::{
     optim::{OptimizerConfig, SgdConfig},
     Device, Error, HostTensor,
 };
-use kiln_data::{InMemoryDataset, SequentialLoader};
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
     TensorRef,
 };
+use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_testkit::noise;
 use kiln_torch::{TorchBackend, TorchModel};
 use kiln_train::{Trainer, TrainerConfig, TrainingState};
@@ -772,7 +772,7 @@ fn wrong_dtypes_and_devices_are_typed_errors() {
         let (_, text) = call_err("scale", &[&gpu], &none);
         assert!(
             text.contains(
-                "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-ops)"
+                "kiln ops written in Rust run on CPU; write a CUDA kernel in C++ (see kiln-fused-ops)"
             ),
             "{text}"
         );
@@ -913,10 +913,7 @@ fn spec() -> Layer {
 fn batch(rows: usize, seed: u64) -> (HostTensor, HostTensor) {
     let values = noise(rows * 6, seed);
     // Learnable labels: which of the first four features is largest.
-    let labels: Vec<i64> = values
-        .chunks(6)
-        .map(|row| (0..4).fold(0, |best, i| if row[i] > row[best] { i } else { best }) as i64)
-        .collect();
+    let labels = kiln_testkit::argmax_labels(&values, 6, 4);
     (
         HostTensor::new(values, [rows, 6]).unwrap(),
         HostTensor::new(labels, [rows]).unwrap(),

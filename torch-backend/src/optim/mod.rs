@@ -187,7 +187,7 @@ impl TorchOptimizer {
     /// Turns capturable mode on or off (PyTorch's `capturable=True`): each step then
     /// reads its step count and learning rate from 0-dim tensors on the parameters'
     /// device and does all its arithmetic there, with no host synchronisation, so
-    /// that the step can be captured in a CUDA graph and replayed (see kiln-ops'
+    /// that the step can be captured in a CUDA graph and replayed (see kiln-fused-ops'
     /// `graph` module). Learning-rate changes write those tensors, so schedulers keep
     /// working with a captured step; `load_state_dict` copies into the existing state
     /// tensors instead of replacing them. Adam and AdamW then run libtorch's fused

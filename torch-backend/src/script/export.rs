@@ -504,12 +504,12 @@ fn leaf_forward(
         }
         Layer::Custom(c) if c.op == "kiln::bias_gelu" => (
             "BiasGelu",
-            // kiln-ops: gelu(x + bias), the exact (erf) GELU.
+            // kiln-fused-ops: gelu(x + bias), the exact (erf) GELU.
             ret("torch.gelu(torch.add(x, self.bias))".to_owned()),
         ),
         Layer::Custom(c) if c.op == "kiln::swish" => (
             "Swish",
-            // kiln-ops: x * sigmoid(beta * x).
+            // kiln-fused-ops: x * sigmoid(beta * x).
             ret("torch.mul(x, torch.sigmoid(torch.mul(self.beta, x)))".to_owned()),
         ),
         other => {

@@ -1,6 +1,6 @@
 //! `Layer::Custom` ops: Kiln's own fused ops as their standard-operator
 //! decompositions (`kiln::bias_gelu`: `Gelu(x + bias)`, exact GELU, as
-//! kiln-ops' kernels compute it; `kiln::swish`: `x * Sigmoid(beta * x)`), and
+//! kiln-fused-ops' kernels compute it; `kiln::swish`: `x * Sigmoid(beta * x)`), and
 //! the mappings users register with
 //! [`OnnxExport::custom_op`](super::OnnxExport::custom_op).
 
@@ -83,7 +83,7 @@ impl CustomOp<'_, '_> {
     }
 }
 
-/// Kiln's own custom ops' mappings (kiln-ops' `kiln::bias_gelu` and `kiln::swish`).
+/// Kiln's own custom ops' mappings (kiln-fused-ops' `kiln::bias_gelu` and `kiln::swish`).
 pub(crate) fn builtin() -> HashMap<String, Arc<CustomOpFn>> {
     let mut ops: HashMap<String, Arc<CustomOpFn>> = HashMap::new();
     // gelu(x + bias), exact (erf) GELU, bias on the last dimension.

@@ -11,7 +11,7 @@ use crate::model::init::Init;
 use crate::model::ParamKind;
 
 /// A layer computed by an op a backend extension registered under `op`
-/// (Kiln's fused ops in kiln-ops, or a user's own): the backend creates the
+/// (Kiln's fused ops in kiln-fused-ops, or a user's own): the backend creates the
 /// declared parameters and calls the op with the input, the parameters in
 /// declaration order, and the attributes.
 ///
@@ -19,12 +19,12 @@ use crate::model::ParamKind;
 /// activation, normalisations); the backends check the op's output against it.
 /// The op must be registered with the backend that builds the model
 /// (`kiln_torch::register_custom_layer`, `kiln_tf::register_custom_layer`,
-/// or `kiln_ops::register_layers()` for `kiln::bias_gelu` and `kiln::swish`).
+/// or `kiln_fused_ops::register_layers()` for `kiln::bias_gelu` and `kiln::swish`).
 ///
 /// ```
 /// use kiln_core::model::{CustomConfig, Init, Layer};
 ///
-/// // Swish-β with one learned β starting at 1, as kiln-ops declares it.
+/// // Swish-β with one learned β starting at 1, as kiln-fused-ops declares it.
 /// let layer: Layer = CustomConfig::new("kiln::swish")
 ///     .with_param("beta", [1], Init::Ones)
 ///     .into();

@@ -5,7 +5,9 @@
 //   consults TensorFlow's C++ gradient registry (`ops::GradOpRegistry`, in
 //   libtensorflow_cc.so.2), which holds plain function pointers. One generic
 //   GradFunc serves every Rust op: it finds the op type's entry in a table and
-//   adds one node of the gradient op, following kiln_op::Saved's convention.
+//   adds one node of the gradient op, following kiln_custom_op::Saved's convention.
+//   Adding the node and registering go through kiln/tf_gradient.h
+//   (build-support/include), shared with kiln-fused-ops' C++ ops.
 // - Whether an op type is registered (TF_RegisterOpDefinition aborts on a
 //   duplicate once TensorFlow's op registry is initialised).
 // - Attribute values in a shape function.
@@ -24,21 +26,16 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tensorflow/cc/framework/grad_op_registry.h"
-#include "tensorflow/cc/framework/gradients.h"
-#include "tensorflow/cc/framework/ops.h"
-#include "tensorflow/cc/framework/scope.h"
-#include "tensorflow/core/framework/node_def.pb.h"
+#include "kiln/tf_gradient.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/graph/graph.h"
-#include "tensorflow/core/graph/node_builder.h"
 
 namespace {
 
 using tensorflow::Operation;
 using tensorflow::Output;
 using tensorflow::Scope;
+using kiln::tf_gradient::add_node;
 
 // What the gradient of one Rust op needs to know.
 struct GradEntry {
@@ -69,27 +66,6 @@ int fail(const std::string& message, char* err, size_t err_len) {
   return 1;
 }
 
-// Adds one `op_type` node fed by `inputs` with `attrs`, and returns its first
-// `num_outputs` outputs; errors are recorded in `scope`, as TensorFlow's
-// generated op wrappers do, and returned.
-absl::Status add_node(const Scope& scope, const std::string& op_type,
-                      const std::vector<Output>& inputs,
-                      const std::vector<std::pair<std::string, tensorflow::AttrValue>>& attrs,
-                      int num_outputs, std::vector<Output>* outputs) {
-  if (!scope.ok()) return scope.status();
-  tensorflow::NodeBuilder builder(scope.GetUniqueNameForOp(op_type), op_type);
-  for (const Output& input : inputs) builder.Input(input.node(), input.index());
-  for (const auto& [name, value] : attrs) builder.Attr(name, value);
-  scope.UpdateBuilder(&builder);
-  tensorflow::Node* node = nullptr;
-  scope.UpdateStatus(builder.Finalize(scope.graph(), &node));
-  if (!scope.ok()) return scope.status();
-  scope.UpdateStatus(scope.DoShapeInference(node));
-  if (!scope.ok()) return scope.status();
-  for (int i = 0; i < num_outputs; ++i) outputs->emplace_back(node, i);
-  return absl::OkStatus();
-}
-
 absl::Status grad_body(const Scope& scope, const Operation& op,
                        const std::vector<Output>& grad_inputs,
                        std::vector<Output>* grad_outputs) {
@@ -118,7 +94,7 @@ absl::Status grad_body(const Scope& scope, const Operation& op,
       inputs.push_back(grad_inputs[i]);
       continue;
     }
-    // No gradient reached this output (nobody used it): zeros, as kiln_op::Saved says.
+    // No gradient reached this output (nobody used it): zeros, as kiln_custom_op::Saved says.
     std::vector<Output> zeros;
     absl::Status s = add_node(scope, "ZerosLike",
                               {op.output(i)}, {}, 1, &zeros);
@@ -129,12 +105,8 @@ absl::Status grad_body(const Scope& scope, const Operation& op,
   if (entry.save_outputs) {
     for (int i = 0; i < entry.n_outputs; ++i) inputs.push_back(op.output(i));
   }
-  // `T` and the op's own attributes; internal ones (`_class`, ...) stay behind.
-  std::vector<std::pair<std::string, tensorflow::AttrValue>> attrs;
-  for (const auto& [name, value] : op.node()->def().attr()) {
-    if (!name.empty() && name[0] != '_') attrs.emplace_back(name, value);
-  }
-  return add_node(scope, entry.grad_op_type, inputs, attrs, entry.n_inputs, grad_outputs);
+  return add_node(scope, entry.grad_op_type, inputs, kiln::tf_gradient::forward_attrs(op),
+                  entry.n_inputs, grad_outputs);
 }
 
 // The one GradFunc of every Rust op with a gradient.
@@ -175,19 +147,19 @@ extern "C" int kiln_tf_op_register_gradient(const char* op_type, const char* gra
                                             char* err, size_t err_len) {
   try {
     std::lock_guard<std::mutex> lock(table_mutex());
-    auto* registry = tensorflow::ops::GradOpRegistry::Global();
-    tensorflow::ops::GradFunc existing = nullptr;
-    // Register() CHECK-fails (aborts) on a duplicate: refuse it here instead.
-    if (registry->Lookup(op_type, &existing).ok()) {
-      return fail(std::string("the op type ") + op_type + " already has a gradient", err,
-                  err_len);
+    // The table is filled under the lock that generic_grad takes, so no gradient
+    // is built from it before the entry is there.
+    switch (kiln::tf_gradient::register_gradient(op_type, &generic_grad)) {
+      case kiln::tf_gradient::Registration::kAdded:
+        table()[op_type] = GradEntry{grad_op_type, n_inputs, n_outputs, save_outputs != 0};
+        return 0;
+      case kiln::tf_gradient::Registration::kAlreadyRegistered:
+        return fail(std::string("the op type ") + op_type + " already has a gradient", err,
+                    err_len);
+      case kiln::tf_gradient::Registration::kRefused:
+        break;
     }
-    table()[op_type] = GradEntry{grad_op_type, n_inputs, n_outputs, save_outputs != 0};
-    if (!registry->Register(op_type, &generic_grad)) {
-      table().erase(op_type);
-      return fail(std::string("TensorFlow refused the gradient of ") + op_type, err, err_len);
-    }
-    return 0;
+    return fail(std::string("TensorFlow refused the gradient of ") + op_type, err, err_len);
   } catch (const std::exception& e) {
     return fail(std::string("registering the gradient of ") + op_type + ": " + e.what(), err,
                 err_len);

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses part of it
 
-use kiln_op::{
+use kiln_custom_op::{
     AttrValue, Attrs, Context, CustomOp, Float, OpError, OpSchema, Saved, Shape, TensorMut,
     TensorRef,
 };
@@ -484,25 +484,13 @@ impl Net {
     }
 }
 
-/// Deterministic values in [-1, 1) (a small LCG), different per `seed`.
+/// `n` deterministic values in [-1, 1), different per `seed` (kiln-testkit's
+/// [`noise`](kiln_testkit::noise), the inputs of the torch op tests too).
 pub fn values(n: usize, seed: u64) -> Vec<f64> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-        })
+    kiln_testkit::noise(n, seed)
+        .into_iter()
+        .map(f64::from)
         .collect()
 }
 
-pub fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
-    assert_eq!(a.len(), b.len(), "lengths differ");
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-}
+pub use kiln_testkit::max_abs_diff;

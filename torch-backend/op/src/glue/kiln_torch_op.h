@@ -40,7 +40,7 @@ int kiln_torch_op_register_autograd(
 // default overload), else 0 (also on any error).
 void kiln_torch_op_exists(const char* name, int* exists);
 
-// Attribute kinds of kiln_torch_op_call (kiln_op::AttrKind).
+// Attribute kinds of kiln_torch_op_call (kiln_custom_op::AttrKind).
 #define KILN_TORCH_OP_ATTR_FLOAT 0
 #define KILN_TORCH_OP_ATTR_INT 1
 #define KILN_TORCH_OP_ATTR_BOOL 2
