@@ -246,8 +246,9 @@ fn inspect_lists_a_keras_savedmodels_signatures() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Freezing is a capability the TensorFlow backend does not have: the config is
-/// refused before any data is read or anything written, naming the key.
+/// Freezing is a capability the TensorFlow backend does not have
+/// (`TrainBackend::CAN_FREEZE`): the config is refused when it is checked, before
+/// any data is read or anything written, naming the key and what it needs.
 #[test]
 fn freezing_on_tensorflow_is_refused_before_anything_is_written() {
     let dir = scratch("tf-freeze");
@@ -267,6 +268,6 @@ fn freezing_on_tensorflow_is_refused_before_anything_is_written() {
         out.to_str().unwrap(),
     ]);
     assert!(stderr.contains("`freeze`"), "{stderr}");
-    assert!(stderr.contains("tensorflow backend"), "{stderr}");
+    assert!(stderr.contains("torch backend"), "{stderr}");
     assert!(!out.exists(), "nothing is written");
 }
