@@ -177,7 +177,8 @@ impl<B: Backend> StepHooks<B> for NoHooks {
 
 /// A module trained data-parallel: every rank holds the whole module, trains it
 /// on its share of each batch, and `sync` (the backend's engine: kiln-c10d's
-/// `Ddp` on libtorch, kiln-tf's `GradientAllReduce` on TensorFlow) keeps the
+/// `DistributedDataParallel` on libtorch, kiln-tf's `GradientAllReduce` on
+/// TensorFlow) keeps the
 /// ranks identical, with `DistributedDataParallel`'s semantics: rank 0's
 /// parameters and buffers when built, gradients averaged over the ranks before
 /// every update, the loss averaged so that every rank takes the same decisions.
@@ -206,8 +207,7 @@ impl<M, S> DataParallel<M, S> {
     {
         if !module.takes_step_hooks() {
             return Err(Error::unsupported(format!(
-                "{} under {}: its training step runs as one native call that no strategy \
-                 can take part in",
+                "{} cannot train under {}: its training step takes no strategy's hooks",
                 module.kind(),
                 sync.name()
             )));
