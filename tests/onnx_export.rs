@@ -18,9 +18,10 @@ use kiln_testkit::noise;
 use std::path::{Path, PathBuf};
 
 use kiln::core::backend::{Backend, TrainBackend};
+use kiln::core::export::{ExportError, ExportOptions};
 use kiln::core::model::{CustomConfig, Init, Layer, LinearConfig, TorchScriptConfig};
 use kiln::core::module::Module;
-use kiln::onnx::{export_onnx, Error, OnnxExport, OnnxModel};
+use kiln::onnx::{export_onnx, OnnxExport, OnnxModel};
 use kiln::torch::{TorchBackend, TorchModel};
 use kiln::{DType, Device, HostTensor, Mode, StateDict};
 
@@ -310,11 +311,11 @@ fn every_layer_matches_onnx_runtime() {
                 .iter()
                 .map(|(k, t)| (k.clone(), as_float(t)))
                 .collect();
-            OnnxExport::new(&c.spec, &state, &c.input)
+            OnnxExport::new(&c.spec, &state, &ExportOptions::new(&c.input))
                 .write(dir.join(&file))
                 .unwrap_or_else(|e| panic!("{}: {e}", c.name));
         } else {
-            export_onnx(&model, &c.input, dir.join(&file))
+            export_onnx(&model, dir.join(&file), &ExportOptions::new(&c.input))
                 .unwrap_or_else(|e| panic!("{}: {e}", c.name));
         }
         let mut batches = vec![c.input[0]];
@@ -417,16 +418,20 @@ fn a_user_op_without_a_mapping_is_unsupported_naming_it() {
     state.insert("0.weight", HostTensor::zeros(DType::F32, [4, 4]).unwrap());
     state.insert("0.bias", HostTensor::zeros(DType::F32, [4]).unwrap());
     state.insert("1.block.k", HostTensor::zeros(DType::F32, [4]).unwrap());
-    let err = OnnxExport::new(&spec, &state, &[2, 4])
+    let err = OnnxExport::new(&spec, &state, &ExportOptions::new(&[2, 4]))
         .to_model()
         .unwrap_err();
     assert!(
-        matches!(&err, Error::Unsupported { path, layer, .. }
+        matches!(&err, ExportError::Unsupported { path, layer, .. }
             if path == "1.block" && layer == "Custom(acme::wiggle)"),
         "{err}"
     );
     assert!(err.to_string().contains("acme::wiggle"), "{err}");
-    assert!(err.to_string().contains("custom_op"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("kiln_onnx::register_onnx_lowering"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -439,11 +444,11 @@ fn a_torchscript_layer_is_unsupported() {
         LinearConfig::new(16, 2).into(),
     ]);
     let state = StateDict::new();
-    let err = OnnxExport::new(&spec, &state, &[1, 3, 8, 8])
+    let err = OnnxExport::new(&spec, &state, &ExportOptions::new(&[1, 3, 8, 8]))
         .to_model()
         .unwrap_err();
     assert!(
-        matches!(&err, Error::Unsupported { path, layer, .. } if path == "0" && layer == "TorchScript"),
+        matches!(&err, ExportError::Unsupported { path, layer, .. } if path == "0" && layer == "TorchScript"),
         "{err}"
     );
     assert!(err.to_string().contains("backbone.pt"), "{err}");
@@ -456,21 +461,24 @@ fn an_existing_file_is_left_alone_unless_overwrite_is_asked() {
     let model = linear_model();
     let path = dir.join("model.onnx");
     std::fs::write(&path, b"precious").unwrap();
-    let err = export_onnx(&model, &[1, 4], &path).unwrap_err();
+    let err = export_onnx(&model, &path, &ExportOptions::new(&[1, 4])).unwrap_err();
     assert!(
-        matches!(&err, Error::FileExists { path: p } if *p == path),
+        matches!(&err, ExportError::Exists { path: p } if *p == path),
         "{err}"
     );
     assert_eq!(std::fs::read(&path).unwrap(), b"precious");
     // `?` in a function returning kiln's Result keeps the kind and the message.
-    let as_kiln = || -> kiln::Result<()> { Ok(export_onnx(&model, &[1, 4], &path)?) };
+    let as_kiln =
+        || -> kiln::Result<()> { Ok(export_onnx(&model, &path, &ExportOptions::new(&[1, 4]))?) };
     match as_kiln().unwrap_err() {
-        kiln::Error::Io { path: p, source } => {
-            assert_eq!(p, path);
-            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists);
-            assert!(source.to_string().contains("--overwrite"), "{source}");
+        kiln::Error::Export(e) => {
+            assert!(
+                matches!(&*e, ExportError::Exists { path: p } if *p == path),
+                "{e}"
+            );
+            assert!(e.to_string().contains("--overwrite"), "{e}");
         }
-        other => panic!("expected Error::Io, got {other:?}"),
+        other => panic!("expected Error::Export, got {other:?}"),
     }
     assert_eq!(std::fs::read(&path).unwrap(), b"precious");
 
@@ -478,10 +486,20 @@ fn an_existing_file_is_left_alone_unless_overwrite_is_asked() {
     let export = OnnxExport::new(
         kiln::core::model::Definition::definition(&model),
         &state,
-        &[1, 4],
+        &ExportOptions::new(&[1, 4]),
     );
-    assert!(matches!(export.write(&path), Err(Error::FileExists { .. })));
-    export.clone().overwrite(true).write(&path).unwrap();
+    assert!(matches!(
+        export.write(&path),
+        Err(ExportError::Exists { .. })
+    ));
+    let replacing = ExportOptions::new(&[1, 4]).with_overwrite(true);
+    OnnxExport::new(
+        kiln::core::model::Definition::definition(&model),
+        &state,
+        &replacing,
+    )
+    .write(&path)
+    .unwrap();
     assert_eq!(std::fs::read(&path).unwrap(), export.to_bytes().unwrap());
     // Nothing but the model is left in the directory (no temporary files).
     let names: Vec<_> = std::fs::read_dir(&dir)
@@ -501,11 +519,11 @@ fn a_missing_weight_is_a_typed_error_and_nothing_is_written() {
     state.remove("0.bias");
     let path = dir.join("model.onnx");
     let spec = kiln::core::model::Definition::definition(&model);
-    let err = OnnxExport::new(spec, &state, &[1, 4])
+    let err = OnnxExport::new(spec, &state, &ExportOptions::new(&[1, 4]))
         .write(&path)
         .unwrap_err();
     match &err {
-        Error::Weight {
+        ExportError::Weight {
             path, layer, key, ..
         } => {
             assert_eq!(
@@ -532,9 +550,9 @@ fn a_missing_directory_is_a_typed_error() {
     let _serial = serial();
     let model = linear_model();
     let path = scratch("parent").join("no/such/dir/model.onnx");
-    let err = export_onnx(&model, &[1, 4], &path).unwrap_err();
+    let err = export_onnx(&model, &path, &ExportOptions::new(&[1, 4])).unwrap_err();
     assert!(
-        matches!(&err, Error::MissingParent { path: p } if *p == path),
+        matches!(&err, ExportError::MissingParent { path: p } if *p == path),
         "{err}"
     );
     assert!(!path.exists());

@@ -12,6 +12,7 @@ use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use kiln::core::backend::TrainBackend;
+use kiln::core::export::ExportOptions;
 use kiln::core::model::Layer;
 use kiln::core::module::Module;
 use kiln::onnx::{OnnxExport, OnnxModel};
@@ -83,10 +84,17 @@ pub fn prepare(dir: &Path) -> Result<()> {
         )?;
         state.save_safetensors(dir.join(format!("{name}.safetensors")), &BTreeMap::new())?;
         let shape: Vec<usize> = std::iter::once(1).chain(sample.iter().copied()).collect();
-        OnnxExport::new(&spec, &state, &shape)
-            .overwrite(true)
-            .write(dir.join(format!("{name}.onnx")))?;
-        kiln::torch::export_torchscript(&model, dir.join(format!("{name}.pt")), true)?;
+        OnnxExport::new(
+            &spec,
+            &state,
+            &ExportOptions::new(&shape).with_overwrite(true),
+        )
+        .write(dir.join(format!("{name}.onnx")))?;
+        kiln::torch::export_torchscript(
+            &model,
+            dir.join(format!("{name}.pt")),
+            &ExportOptions::default().with_overwrite(true),
+        )?;
         let mut inputs = StateDict::new();
         let mut next = crate::xorshift(0x5eed);
         for batch in [1, BATCH] {

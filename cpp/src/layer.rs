@@ -12,6 +12,7 @@ use kiln_core::{
     model::{CustomConfig, Init, Layer},
     Error, Result,
 };
+use kiln_torch::TorchScriptLowering;
 
 /// The op name of the fused bias + GELU layer.
 pub const BIAS_GELU: &str = "kiln::bias_gelu";
@@ -58,6 +59,43 @@ fn expect_params(config: &CustomConfig, names: &[&str]) -> Result<()> {
             format!("expected the parameters {names:?}, got {declared:?}"),
         ))
     }
+}
+
+/// Registers the ops' lowerings to standard ops with the exporters, so that an
+/// exported model needs no Kiln library: `gelu(x + bias)` (exact GELU, bias on
+/// the last dimension) and `x * sigmoid(beta * x)`, in ONNX and in TorchScript
+/// (the TensorFlow ones are in [`register_tf`]).
+pub(crate) fn register_lowerings() {
+    use kiln_onnx::export::attr;
+    kiln_onnx::register_onnx_lowering(BIAS_GELU, |op| {
+        expect_params(op.config(), &["bias"])?;
+        let bias = op.param("bias")?;
+        let x = op.input().to_owned();
+        let z = op.node("Add", &[&x, &bias], vec![]);
+        Ok(op.node("Gelu", &[&z], vec![attr::string("approximate", "none")]))
+    });
+    kiln_onnx::register_onnx_lowering(SWISH, |op| {
+        expect_params(op.config(), &["beta"])?;
+        let beta = op.param("beta")?;
+        let x = op.input().to_owned();
+        let bx = op.node("Mul", &[&beta, &x], vec![]);
+        let s = op.node("Sigmoid", &[&bx], vec![]);
+        Ok(op.node("Mul", &[&x, &s], vec![]))
+    });
+    kiln_torch::register_torchscript_lowering(BIAS_GELU, |config| {
+        expect_params(config, &["bias"])?;
+        Ok(TorchScriptLowering {
+            class: "BiasGelu".to_owned(),
+            forward: "return torch.gelu(torch.add(x, self.bias))".to_owned(),
+        })
+    });
+    kiln_torch::register_torchscript_lowering(SWISH, |config| {
+        expect_params(config, &["beta"])?;
+        Ok(TorchScriptLowering {
+            class: "Swish".to_owned(),
+            forward: "return torch.mul(x, torch.sigmoid(torch.mul(self.beta, x)))".to_owned(),
+        })
+    });
 }
 
 pub(crate) fn register_torch() {

@@ -34,7 +34,9 @@ pub use torch::{bias_gelu, register, softmax_cross_entropy, swish, TORCH_LIBRARY
 /// Registers the ops with libtorch and TensorFlow and makes the fused layers
 /// ([`layer::BIAS_GELU`], [`layer::SWISH`]) available to both backends' models,
 /// so a [`Layer`](kiln_core::model::Layer) holding them trains with `Trainer<TorchBackend>`
-/// or `Trainer<TfBackend>`. Idempotent; call it once at start-up. Without the
+/// or `Trainer<TfBackend>`, and registers the layers' lowerings to standard ops
+/// with the exporters (ONNX, TorchScript and SavedModel), so exported models
+/// need no Kiln library. Idempotent; call it once at start-up. Without the
 /// `tf` feature (on by default) only libtorch's side is registered.
 ///
 /// A failed TensorFlow registration is an [`Error::Backend`].
@@ -59,13 +61,15 @@ pub fn register_layers() -> Result<()> {
     Ok(())
 }
 
-/// [`register_layers`] for libtorch alone: registers the ops with libtorch and
-/// makes the fused layers available to the torch backend's models. It reaches no
+/// [`register_layers`] for libtorch alone: registers the ops with libtorch,
+/// makes the fused layers available to the torch backend's models, and
+/// registers their ONNX and TorchScript lowerings. It reaches no
 /// TensorFlow code, so a binary that calls it rather than `register_layers` (the
 /// `kiln` CLI) does not load TensorFlow. Idempotent.
 pub fn register_torch_layers() {
     register();
     layer::register_torch();
+    layer::register_lowerings();
 }
 
 /// The `_GLIBCXX_USE_CXX11_ABI` value the C++ code was compiled with.

@@ -10,6 +10,7 @@
 use kiln_core::backend::Trainable;
 use kiln_core::{
     backend::{Backend, EagerBackend, TrainBackend},
+    export::ExportOptions,
     loss::Loss,
     model::{CustomConfig, Init, Layer, LinearConfig},
     module::Module,
@@ -368,7 +369,7 @@ fn fused_layers_export_as_standard_ops_that_python_serves() {
     for (i, (name, spec, features)) in cases.iter().enumerate() {
         let mut model = tf_model_with_learned_params(spec, 21 + i as u64);
         let dir = root.path().join(name);
-        kiln_tf::export_saved_model(&model, &[4, *features], &dir)
+        kiln_tf::export_saved_model(&model, &dir, &ExportOptions::new(&[4, *features]))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         let pb = std::fs::read(dir.join("saved_model.pb")).unwrap();
         for op in kiln_fused_ops::tf::OP_TYPES {
@@ -477,15 +478,12 @@ fn saved_model_export_refuses_a_custom_layer_without_a_portable_builder() {
     let model = kiln_tf::TfModel::new(&spec, Device::Cpu).unwrap();
     let root = kiln_testkit::TempDir::new("export-user-op");
     let dir = root.path().join("refused");
-    let err = kiln_tf::export_saved_model(&model, &[2, 6], &dir).unwrap_err();
+    let err = kiln_tf::export_saved_model(&model, &dir, &ExportOptions::new(&[2, 6])).unwrap_err();
     match &err {
-        kiln_tf::ExportError::NonStandardOp {
-            path,
-            layer,
-            op_type,
-            ..
+        kiln_core::export::ExportError::NonStandardOp {
+            path, layer, op, ..
         } => assert_eq!(
-            (path.as_str(), layer.as_str(), op_type.as_str()),
+            (path.as_str(), layer.as_str(), op.as_str()),
             ("2.block", "Custom user::fused_swish", "KilnSwish")
         ),
         other => panic!("{other:?}"),
@@ -535,7 +533,7 @@ fn a_torch_state_dict_exports_as_a_saved_model() {
     tf.load_state_dict(&state).unwrap();
     let dir = std::env::temp_dir().join(format!("kiln-export-torch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    kiln_tf::export_saved_model(&tf, &[2, 6], &dir).unwrap();
+    kiln_tf::export_saved_model(&tf, &dir, &ExportOptions::new(&[2, 6])).unwrap();
     let (x, _) = batch(7, 30);
     let expected = from_tch(
         &torch

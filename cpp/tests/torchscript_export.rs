@@ -13,6 +13,7 @@ use std::path::Path;
 
 use kiln_core::{
     backend::{Backend, Mode},
+    export::ExportOptions,
     model::Layer,
     module::Module,
     state_dict::StateDict,
@@ -79,7 +80,7 @@ fn the_fused_mlp_exports_as_standard_ops_that_python_runs() {
     let dir = kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "fused-export");
     let file = dir.join("digits-mlp-fused.pt");
     model.set_mode(Mode::Eval);
-    export_torchscript(&model, &file, false).unwrap();
+    export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
 
     let x_host = HostTensor::new(noise(16 * 64, 11), [16, 64]).unwrap();
     let x = to_tch(&x_host, Device::Cpu).unwrap();
@@ -145,4 +146,22 @@ fn the_fused_mlp_exports_as_standard_ops_that_python_runs() {
     }
     assert_eq!(case["state"].as_f64(), Some(0.0));
     assert_eq!(case["sgd_changed"].as_u64(), Some(keys.len() as u64));
+}
+
+#[test]
+fn a_fused_op_with_other_parameters_is_refused_before_anything_is_written() {
+    use kiln_core::export::ExportError;
+    use kiln_core::model::{CustomConfig, Init};
+
+    kiln_fused_ops::register_layers().unwrap();
+    // The layer builds (its op checks its parameters when it runs); the export
+    // asks the op's lowering, which refuses them.
+    let spec = Layer::from(CustomConfig::new("kiln::swish").with_param("gamma", [1], Init::Ones));
+    let model = TorchModel::new(&spec, Device::Cpu).unwrap();
+    let dir = kiln_testkit::TempDir::new("fused-export-refused");
+    let file = dir.path().join("swish.pt");
+    let err = export_torchscript(&model, &file, &ExportOptions::default()).unwrap_err();
+    assert!(matches!(err, ExportError::Unsupported { .. }), "{err}");
+    assert!(err.to_string().contains("[\"beta\"]"), "{err}");
+    assert!(!file.exists());
 }

@@ -219,6 +219,22 @@ pub enum Error {
         /// The loss value.
         value: f64,
     },
+
+    /// An export failed (ONNX, TorchScript, SavedModel): the exporters' one
+    /// error, kept whole so that `?` in a function returning [`Result`] loses
+    /// nothing of it.
+    #[error(transparent)]
+    Export(Box<crate::export::ExportError>),
+}
+
+impl From<crate::export::ExportError> for Error {
+    fn from(error: crate::export::ExportError) -> Self {
+        match error {
+            // An engine's own error comes back as itself, not wrapped twice.
+            crate::export::ExportError::Core(error) => error,
+            other => Error::Export(Box::new(other)),
+        }
+    }
 }
 
 /// Formats an optional byte offset as `" at byte N"` or nothing.

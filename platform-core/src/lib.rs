@@ -42,6 +42,7 @@ pub mod device;
 pub mod distributed;
 pub mod dtype;
 pub mod error;
+pub mod export;
 pub mod fs;
 pub mod host_memory;
 pub mod loss;

@@ -18,10 +18,11 @@ use kiln_core::strategy::StepHooks;
 use crate::cli::Command;
 use crate::config::{BackendKind, RunConfig};
 use crate::evaluate::{is_onnx, CheckpointArgs, PredictArgs};
-use crate::export::{ExportFormat, SavedModelOptions, Source};
+use crate::export::{ExportFormat, Source};
 use crate::forward::NeedsTensorflow;
 use crate::prelude::*;
 use crate::resume::Resume;
+use kiln_core::export::ExportOptions;
 
 /// The engines an executable runs: `kiln`'s implementation keeps the defaults
 /// (every TensorFlow method refuses with a `NeedsTensorflow` error);
@@ -63,8 +64,14 @@ pub trait Engines {
         Err(NeedsTensorflow::new("a saved_model layer").into())
     }
 
-    /// `kiln export --format savedmodel`.
-    fn export_saved_model(_source: &Source, _options: &SavedModelOptions<'_>) -> Result<()> {
+    /// `kiln export --format savedmodel`: the [`Source`] (its weights from
+    /// `checkpoint`) as the SavedModel directory `output`.
+    fn export_saved_model(
+        _source: &Source,
+        _checkpoint: &Path,
+        _output: &Path,
+        _options: &ExportOptions,
+    ) -> Result<()> {
         Err(NeedsTensorflow::new("exporting a SavedModel").into())
     }
 

@@ -12,6 +12,7 @@ use crate::prelude::*;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kiln_core::backend::TrainBackend;
+use kiln_core::export::ExportOptions;
 use kiln_core::module::Module;
 
 use crate::cli::outln;
@@ -28,6 +29,16 @@ pub(crate) enum ExportFormat {
     Torchscript,
     /// A TensorFlow SavedModel directory with a `serving_default` signature.
     Savedmodel,
+}
+
+impl From<ExportFormat> for kiln_core::export::ExportFormat {
+    fn from(format: ExportFormat) -> Self {
+        match format {
+            ExportFormat::Onnx => Self::Onnx,
+            ExportFormat::Torchscript => Self::TorchScript,
+            ExportFormat::Savedmodel => Self::SavedModel,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -90,20 +101,6 @@ pub struct Source {
     pub input_shape: Vec<usize>,
 }
 
-/// What `kiln export --format savedmodel` writes where, besides the [`Source`].
-pub struct SavedModelOptions<'a> {
-    /// The checkpoint the weights come from (for error messages).
-    pub checkpoint: &'a Path,
-    /// The directory to create.
-    pub output: &'a Path,
-    /// The signature's input name.
-    pub input_name: &'a str,
-    /// The signature's output name.
-    pub output_name: &'a str,
-    /// Replace `output` if it exists.
-    pub overwrite: bool,
-}
-
 pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
     // Nothing is read or built when the output would be refused anyway.
     crate::cli::check_output(&args.output, args.overwrite, "export")?;
@@ -134,33 +131,30 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
         }
     }
     let source = load_source::<E>(&args)?;
-    let input_name = args.input_name.as_deref().unwrap_or("input");
-    let output_name = args.output_name.as_deref().unwrap_or("output");
     let dynamic = args.batch_size.is_none();
+    let mut options = ExportOptions::new(&source.input_shape)
+        .with_dynamic_batch(dynamic)
+        .with_overwrite(args.overwrite);
+    if let Some(name) = &args.input_name {
+        options = options.with_input_name(name);
+    }
+    if let Some(name) = &args.output_name {
+        options = options.with_output_name(name);
+    }
     match args.format {
         ExportFormat::Onnx => {
-            kiln_onnx::OnnxExport::new(&source.definition, &source.state, &source.input_shape)
-                .input_name(input_name)
-                .output_name(output_name)
-                .dynamic_batch(dynamic)
-                .overwrite(args.overwrite)
+            kiln_onnx::OnnxExport::new(&source.definition, &source.state, &options)
                 .write(&args.output)?;
         }
         ExportFormat::Torchscript => {
             let model = build_model::<kiln_torch::TorchBackend>(&source, &args.checkpoint)?;
-            kiln_torch::export_torchscript(&model, &args.output, args.overwrite)?;
+            kiln_torch::export_torchscript(&model, &args.output, &options)?;
         }
-        ExportFormat::Savedmodel => E::export_saved_model(
-            &source,
-            &SavedModelOptions {
-                checkpoint: &args.checkpoint,
-                output: &args.output,
-                input_name,
-                output_name,
-                overwrite: args.overwrite,
-            },
-        )?,
+        ExportFormat::Savedmodel => {
+            E::export_saved_model(&source, &args.checkpoint, &args.output, &options)?
+        }
     }
+    let (input_name, output_name) = (&options.input_name, &options.output_name);
     let output_shape = source.definition.output_shape(&source.input_shape)?;
     let shape = |shape: &[usize]| -> String {
         let mut dims: Vec<String> = shape.iter().map(usize::to_string).collect();
@@ -178,13 +172,9 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
             "signature serving_default: input {input_name} {input}, output {output_name} {output}"
         ),
     };
-    let format = match args.format {
-        ExportFormat::Onnx => "ONNX",
-        ExportFormat::Torchscript => "TorchScript",
-        ExportFormat::Savedmodel => "SavedModel",
-    };
     outln!(
-        "kiln: exported {format} to {} ({what})",
+        "kiln: exported {} to {} ({what})",
+        kiln_core::export::ExportFormat::from(args.format),
         args.output.display()
     );
     Ok(())

@@ -40,7 +40,7 @@ pub use cli::{init_logging, run, train_on, CAPTURE_NAME, STDERR_FD_VAR, TENSORFL
 pub use config::RunConfig;
 pub use engines::{DataParallelEngine, Engines};
 pub use evaluate::{eval_on, predict_on, CheckpointArgs, PredictArgs};
-pub use export::{build_model, SavedModelOptions, Source};
+pub use export::{build_model, Source};
 pub use resume::Resume;
 
 /// The names the commands use from Kiln's crates (the facade's prelude,

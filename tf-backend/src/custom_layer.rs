@@ -86,7 +86,7 @@ pub fn custom_layer_registered(op: &str) -> bool {
 ///
 /// `f` has [`CustomLayerFn`]'s signature and contract. A custom layer without a
 /// portable builder is exported with its ordinary function, and refused
-/// ([`ExportError::NonStandardOp`](crate::ExportError::NonStandardOp)) when that
+/// ([`ExportError::NonStandardOp`](kiln_core::export::ExportError::NonStandardOp)) when that
 /// adds an op outside TensorFlow's standard set. Registering a name again
 /// replaces its portable builder.
 ///

@@ -41,7 +41,7 @@ pub use custom_layer::{
     register_portable_custom_layer, CustomLayerFn,
 };
 pub use distributed::{data_parallel, GradientAllReduce};
-pub use error::{tf_error, ExportError};
+pub use error::tf_error;
 pub use model::TfModel;
 pub use optim::TfOptimizer;
 pub use quiet::{follow_log_level, TENSORFLOW_LOG_TARGET};

@@ -18,6 +18,7 @@ use kiln_testkit::noise;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use kiln_core::export::{ExportError, ExportOptions};
 use kiln_core::{
     backend::{Backend, Mode},
     model::{BatchNormConfig, Layer, LinearConfig},
@@ -25,7 +26,7 @@ use kiln_core::{
     state_dict::StateDict,
     Device, HostTensor,
 };
-use kiln_tf::{export_saved_model, ExportError, SavedModel, SavedModelExport, TfBackend, TfModel};
+use kiln_tf::{export_saved_model, SavedModel, SavedModelExport, TfBackend, TfModel};
 
 /// The backend's generator is global: tests in this binary run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -131,7 +132,8 @@ fn export_case(
     let dir = root.join(name);
     // The model is in training mode: the export is eval-mode all the same.
     model.set_mode(Mode::Train);
-    export_saved_model(model, shape, &dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    export_saved_model(model, &dir, &ExportOptions::new(shape))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut other = shape.to_vec();
     other[0] += 1;
     let x = input(&other, int_high, 5);
@@ -361,59 +363,69 @@ fn existing_paths_and_bad_settings_are_refused_untouched() {
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("notes.txt"), b"mine").unwrap();
     let before = snapshot(&root);
-    let err = export_saved_model(&model, &[2, 4], &dir).unwrap_err();
+    let err = export_saved_model(&model, &dir, &ExportOptions::new(&[2, 4])).unwrap_err();
     assert!(
         matches!(&err, ExportError::Exists { path } if path == &dir),
         "{err:?}"
     );
-    assert!(err.to_string().contains("overwrite(true)"), "{err}");
-    // `?` in a function returning kiln's Result keeps the kind and the message.
-    let as_kiln = || -> kiln_core::Result<()> { Ok(export_saved_model(&model, &[2, 4], &dir)?) };
+    assert!(err.to_string().contains("with_overwrite(true)"), "{err}");
+    // `?` in a function returning kiln's Result keeps the error whole.
+    let as_kiln = || -> kiln_core::Result<()> {
+        Ok(export_saved_model(
+            &model,
+            &dir,
+            &ExportOptions::new(&[2, 4]),
+        )?)
+    };
     match as_kiln().unwrap_err() {
-        kiln_core::Error::Io { path, source } => {
-            assert_eq!(path, dir);
-            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists);
-            assert!(source.to_string().contains("overwrite(true)"), "{source}");
+        kiln_core::Error::Export(e) => {
+            assert!(
+                matches!(&*e, ExportError::Exists { path } if path == &dir),
+                "{e}"
+            );
+            assert!(e.to_string().contains("with_overwrite(true)"), "{e}");
         }
-        other => panic!("expected Error::Io, got {other:?}"),
+        other => panic!("expected Error::Export, got {other:?}"),
     }
-    let err = SavedModelExport::new(&model, &[2, 4])
-        .overwrite(true)
+    let err = SavedModelExport::new(&model, &ExportOptions::new(&[2, 4]).with_overwrite(true))
         .write(&dir)
         .unwrap_err();
-    assert!(matches!(err, ExportError::NotASavedModel { .. }), "{err:?}");
+    assert!(matches!(err, ExportError::NotReplaceable { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("not a SavedModel directory"),
+        "{err}"
+    );
     let file = root.join("file");
     std::fs::write(&file, b"data").unwrap();
-    let err = export_saved_model(&model, &[2, 4], &file).unwrap_err();
+    let err = export_saved_model(&model, &file, &ExportOptions::new(&[2, 4])).unwrap_err();
     assert!(matches!(err, ExportError::Exists { .. }), "{err:?}");
     std::fs::remove_file(&file).unwrap();
+    let nested = root.join("no/such/dir/model");
+    let err = export_saved_model(&model, &nested, &ExportOptions::new(&[2, 4])).unwrap_err();
+    assert!(matches!(err, ExportError::MissingParent { .. }), "{err:?}");
     assert_eq!(snapshot(&root), before, "a refused export changed files");
 
     let fresh = root.join("fresh");
-    let err = export_saved_model(&model, &[2, 5], &fresh).unwrap_err();
+    let err = export_saved_model(&model, &fresh, &ExportOptions::new(&[2, 5])).unwrap_err();
     assert!(matches!(err, ExportError::Core(_)), "{err:?}");
-    let err = export_saved_model(&model, &[], &fresh).unwrap_err();
+    let err = export_saved_model(&model, &fresh, &ExportOptions::new(&[])).unwrap_err();
     assert!(
         matches!(
             err,
-            ExportError::InvalidArgument {
-                name: "input_shape",
-                ..
-            }
+            ExportError::Invalid { ref what, .. } if what == "input shape"
         ),
         "{err:?}"
     );
-    let err = SavedModelExport::new(&model, &[2, 4])
-        .output_name("input")
-        .write(&fresh)
-        .unwrap_err();
+    let err = SavedModelExport::new(
+        &model,
+        &ExportOptions::new(&[2, 4]).with_output_name("input"),
+    )
+    .write(&fresh)
+    .unwrap_err();
     assert!(
         matches!(
             err,
-            ExportError::InvalidArgument {
-                name: "output_name",
-                ..
-            }
+            ExportError::Invalid { ref what, .. } if what == "output name"
         ),
         "{err:?}"
     );
@@ -421,21 +433,27 @@ fn existing_paths_and_bad_settings_are_refused_untouched() {
     assert!(!fresh.exists());
 
     // An earlier export is replaced with overwrite, and only with it.
-    SavedModelExport::new(&model, &[2, 4])
-        .input_name("x")
-        .output_name("y")
-        .write(&fresh)
-        .unwrap();
+    SavedModelExport::new(
+        &model,
+        &ExportOptions::new(&[2, 4])
+            .with_input_name("x")
+            .with_output_name("y"),
+    )
+    .write(&fresh)
+    .unwrap();
     TfBackend::manual_seed(2);
     let mut other = TfModel::new(&spec, Device::Cpu).unwrap();
-    let err = export_saved_model(&other, &[2, 4], &fresh).unwrap_err();
+    let err = export_saved_model(&other, &fresh, &ExportOptions::new(&[2, 4])).unwrap_err();
     assert!(matches!(err, ExportError::Exists { .. }), "{err:?}");
-    SavedModelExport::new(&other, &[2, 4])
-        .input_name("x")
-        .output_name("y")
-        .overwrite(true)
-        .write(&fresh)
-        .unwrap();
+    SavedModelExport::new(
+        &other,
+        &ExportOptions::new(&[2, 4])
+            .with_input_name("x")
+            .with_output_name("y")
+            .with_overwrite(true),
+    )
+    .write(&fresh)
+    .unwrap();
     let x = input(&[3, 4], None, 8);
     let out = SavedModel::load(&fresh)
         .unwrap()
@@ -470,7 +488,7 @@ fn kilns_loaders_read_the_export() {
     TfBackend::manual_seed(4);
     let mut model = TfModel::new(&spec, Device::Cpu).unwrap();
     let dir = root.join("features");
-    export_saved_model(&model, &[2, 5], &dir).unwrap();
+    export_saved_model(&model, &dir, &ExportOptions::new(&[2, 5])).unwrap();
 
     let loaded = SavedModel::load(&dir).unwrap();
     let text = loaded.describe();
@@ -495,7 +513,7 @@ fn kilns_loaders_read_the_export() {
     let d = max_diff(&y, &expected);
     assert!(d <= 1e-6, "the imported export differs by {d:.2e}");
     let again = root.join("again");
-    let err = export_saved_model(&frozen, &[2, 5], &again).unwrap_err();
+    let err = export_saved_model(&frozen, &again, &ExportOptions::new(&[2, 5])).unwrap_err();
     assert!(
         matches!(&err, ExportError::Unsupported { path, layer, .. } if path == "0" && layer == "SavedModel"),
         "{err:?}"

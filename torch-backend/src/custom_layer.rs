@@ -61,3 +61,65 @@ pub(crate) fn lookup(path: &str, op: &str) -> Result<Arc<CustomLayerFn>> {
     };
     REGISTRY.lookup(&field, op)
 }
+
+/// A custom op written in TorchScript from standard ops, for
+/// [`export_torchscript`](crate::export_torchscript): the class name of the
+/// layer's exported module and the statements of its
+/// `forward(self, x: Tensor) -> Tensor`, ending in a `return`, which reach the
+/// layer's parameters as `self.<name>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TorchScriptLowering {
+    /// The module's class (`BiasGelu` becomes `__torch__.kiln.BiasGelu`).
+    pub class: String,
+    /// The body of `forward`, one statement per line (`return torch.mul(x, self.scale)`).
+    pub forward: String,
+}
+
+/// Writes a custom layer's [`TorchScriptLowering`] from its configuration
+/// (checking its parameters and attributes: an error refuses the export).
+pub type TorchScriptLoweringFn = dyn Fn(&CustomConfig) -> Result<TorchScriptLowering> + Send + Sync;
+
+static LOWERINGS: CustomLayerRegistry<TorchScriptLoweringFn> = CustomLayerRegistry::new(
+    "TorchScript export",
+    "kiln_torch::register_torchscript_lowering",
+);
+
+/// Registers how [`export_torchscript`](crate::export_torchscript) writes the
+/// custom op `op` from standard TorchScript ops, so that Python loads the
+/// file without Kiln's op library. The crate that defines an op registers it
+/// beside the op's kernels (kiln-fused-ops' `register_layers` registers
+/// `kiln::bias_gelu` and `kiln::swish`); registering a name again replaces it.
+///
+/// ```no_run
+/// use kiln_core::model::{CustomConfig, Init, Layer};
+/// use kiln_core::export::ExportOptions;
+/// use kiln_torch::{export_torchscript, register_torchscript_lowering, TorchModel, TorchScriptLowering};
+///
+/// register_torchscript_lowering("demo::scale", |_config| {
+///     Ok(TorchScriptLowering {
+///         class: "Scale".into(),
+///         forward: "return torch.mul(x, self.s)".into(),
+///     })
+/// });
+/// # kiln_torch::register_custom_layer("demo::scale", |x, p, _| Ok(x * p[0]));
+/// let layer = Layer::from(CustomConfig::new("demo::scale").with_param("s", [1], Init::Ones));
+/// let model = TorchModel::new(&layer, kiln_core::Device::Cpu)?;
+/// export_torchscript(&model, "scale.pt", &ExportOptions::default())?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn register_torchscript_lowering<F>(op: &str, lowering: F)
+where
+    F: Fn(&CustomConfig) -> Result<TorchScriptLowering> + Send + Sync + 'static,
+{
+    LOWERINGS.register(op, Arc::new(lowering));
+}
+
+/// Whether `op` has a TorchScript lowering ([`register_torchscript_lowering`]).
+pub fn torchscript_lowering_registered(op: &str) -> bool {
+    LOWERINGS.contains(op)
+}
+
+/// The TorchScript lowering registered for `op`.
+pub(crate) fn torchscript_lowering(op: &str) -> Option<Arc<TorchScriptLoweringFn>> {
+    LOWERINGS.get(op)
+}

@@ -62,7 +62,10 @@ pub use autocast::autocast;
 pub use backend::TorchBackend;
 pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};
 pub use custom::{Chain, TchModule};
-pub use custom_layer::{custom_layer_registered, register_custom_layer, CustomLayerFn};
+pub use custom_layer::{
+    custom_layer_registered, register_custom_layer, register_torchscript_lowering,
+    torchscript_lowering_registered, CustomLayerFn, TorchScriptLowering, TorchScriptLoweringFn,
+};
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
 pub use error::{torch_error, TorchError};
 pub use freeze::Freeze;

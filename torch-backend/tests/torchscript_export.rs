@@ -22,10 +22,11 @@ use std::sync::Mutex;
 
 use kiln_core::{
     backend::{Backend, Mode},
+    export::{ExportError, ExportOptions},
     model::{CustomConfig, Init, Layer, LinearConfig, TorchScriptConfig},
     module::Module,
     state_dict::StateDict,
-    Device, Error, HostTensor,
+    Device, HostTensor,
 };
 use kiln_torch::{export_torchscript, from_tch, to_tch, ScriptModule, TorchBackend, TorchModel};
 
@@ -178,7 +179,7 @@ fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
     let mut model = TorchModel::new(&case.spec, Device::Cpu).unwrap();
     model.set_mode(if case.train { Mode::Train } else { Mode::Eval });
     let file = dir.join(format!("{name}.pt"));
-    export_torchscript(&model, &file, false).unwrap();
+    export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
 
     let exported_state = model.state_dict().unwrap();
     let x = input(case, 7 + index as u64);
@@ -314,8 +315,13 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
     // of the exported module: a typed error naming it and its forward.
     let spec = Layer::sequential([TorchScriptConfig::new(dir.join("multi_io.pt")).into()]);
     let model = TorchModel::new(&spec, Device::Cpu).unwrap();
-    let err = export_torchscript(&model, dir.join("multi_io_export.pt"), false).unwrap_err();
-    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let err = export_torchscript(
+        &model,
+        dir.join("multi_io_export.pt"),
+        &ExportOptions::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, ExportError::Unsupported { .. }), "{err}");
     let text = err.to_string();
     assert!(text.contains("0 (TorchScript)"), "{text}");
     assert!(text.contains("Tensor a, Tensor b"), "{text}");
@@ -341,10 +347,10 @@ fn an_op_python_cannot_run_is_a_typed_error_and_nothing_is_written() {
     let model = TorchModel::new(&spec, Device::Cpu).unwrap();
     let dir = common::scratch_dir("torchscript-export-custom");
     let file = dir.join("model.pt");
-    let err = export_torchscript(&model, &file, false).unwrap_err();
-    assert!(matches!(err, Error::Unsupported { .. }), "{err}");
+    let err = export_torchscript(&model, &file, &ExportOptions::default()).unwrap_err();
+    assert!(matches!(err, ExportError::Unsupported { .. }), "{err}");
     let text = err.to_string();
-    assert!(text.contains("1.block.1 (Custom)"), "{text}");
+    assert!(text.contains("1.block.1 (Custom(user::scale))"), "{text}");
     assert!(text.contains("user::scale"), "{text}");
     assert_eq!(
         std::fs::read_dir(&dir).unwrap().count(),
@@ -378,42 +384,49 @@ fn an_existing_file_is_kept_unless_overwrite_is_asked_for() {
     std::fs::write(&file, b"the user's bytes").unwrap();
     let model = small_model();
 
-    let err = export_torchscript(&model, &file, false).unwrap_err();
+    let err = export_torchscript(&model, &file, &ExportOptions::default()).unwrap_err();
     match &err {
-        Error::Io { path, source } => {
-            assert_eq!(path, &file);
-            assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists, "{err}");
-        }
-        other => panic!("expected Io(AlreadyExists), got {other}"),
+        ExportError::Exists { path } => assert_eq!(path, &file),
+        other => panic!("expected Exists, got {other}"),
     }
-    assert!(
-        err.display_chain().to_string().contains("overwrite"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("overwrite"), "{err}");
     assert_eq!(std::fs::read(&file).unwrap(), b"the user's bytes");
     assert_eq!(dir_entries(&dir), vec![file.clone()], "no temporary left");
 
-    export_torchscript(&model, &file, true).unwrap();
+    export_torchscript(
+        &model,
+        &file,
+        &ExportOptions::default().with_overwrite(true),
+    )
+    .unwrap();
     let reloaded = ScriptModule::load(&file, Device::Cpu).unwrap();
     assert_eq!(reloaded.state_dict().unwrap(), model.state_dict().unwrap());
     assert_eq!(dir_entries(&dir), vec![file.clone()], "no temporary left");
 
     // The same model gives the same bytes.
     let first = std::fs::read(&file).unwrap();
-    export_torchscript(&model, &file, true).unwrap();
+    export_torchscript(
+        &model,
+        &file,
+        &ExportOptions::default().with_overwrite(true),
+    )
+    .unwrap();
     assert!(
         std::fs::read(&file).unwrap() == first,
         "a second export differs"
     );
 
     // A missing directory, and a directory in the file's place.
-    let err = export_torchscript(&model, dir.join("missing/model.pt"), true).unwrap_err();
-    assert!(
-        matches!(&err, Error::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
-        "{err}"
-    );
-    let err = export_torchscript(&model, &dir, true).unwrap_err();
-    assert!(matches!(err, Error::Io { .. }), "{err}");
+    let err = export_torchscript(
+        &model,
+        dir.join("missing/model.pt"),
+        &ExportOptions::default().with_overwrite(true),
+    )
+    .unwrap_err();
+    assert!(matches!(&err, ExportError::MissingParent { .. }), "{err}");
+    let err = export_torchscript(&model, &dir, &ExportOptions::default().with_overwrite(true))
+        .unwrap_err();
+    assert!(matches!(err, ExportError::NotReplaceable { .. }), "{err}");
     assert_eq!(dir_entries(&dir), vec![file], "nothing else written");
 }
 
@@ -425,7 +438,7 @@ fn an_export_reads_back_as_a_torchscript_layer() {
     let mut model = small_model();
     model.set_mode(Mode::Eval);
     let file = dir.join("eval.pt");
-    export_torchscript(&model, &file, false).unwrap();
+    export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
 
     // The export is itself a TorchScript layer of a new Kiln model, whose
     // names are the exported ones under the layer's path.
@@ -464,7 +477,7 @@ fn a_frozen_batch_norm_pinned_to_eval_stays_so_in_the_export() {
     assert_eq!(model.keep_frozen_batch_norm_in_eval().unwrap(), ["1"]);
     let dir = common::scratch_dir("torchscript-export-pinned");
     let file = dir.join("pinned.pt");
-    export_torchscript(&model, &file, false).unwrap();
+    export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
 
     let before = model.state_dict().unwrap();
     let script = ScriptModule::load(&file, Device::Cpu).unwrap();
@@ -513,7 +526,7 @@ fn a_model_on_cuda_exports_its_weights_on_the_cpu() {
     model.to(Device::Cuda(0)).unwrap();
     let dir = common::scratch_dir("torchscript-export-cuda");
     let file = dir.join("from_cuda.pt");
-    export_torchscript(&model, &file, false).unwrap();
+    export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
     let mut script = ScriptModule::load(&file, Device::Cpu).unwrap();
     assert_eq!(script.state_dict().unwrap(), state);
     script.set_mode(Mode::Eval);
@@ -559,7 +572,7 @@ fn the_export_trains_in_kiln_exactly_like_the_model() {
         let mut model = TorchModel::new(&case.spec, Device::Cpu).unwrap();
         model.set_mode(Mode::Train);
         let file = dir.join(format!("{}.pt", case.name));
-        export_torchscript(&model, &file, false).unwrap();
+        export_torchscript(&model, &file, &ExportOptions::default()).unwrap();
         let script = ScriptModule::load(&file, Device::Cpu).unwrap();
         let x = input(&case, 4);
 

@@ -1,59 +1,17 @@
-//! The one error type of kiln-onnx.
+//! The error of reading and running ONNX models (exports fail with
+//! [`kiln_core::export::ExportError`]).
 
 use std::path::PathBuf;
 
 /// Result alias for kiln-onnx.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// What can go wrong exporting, reading or running an ONNX model. Every
-/// message names what was wrong and what was expected.
+/// What can go wrong reading or running an ONNX model. Every message names
+/// what was wrong and what was expected. Exporting fails with the exporters'
+/// one error, [`ExportError`](kiln_core::export::ExportError).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A layer (or one of its settings) has no ONNX mapping.
-    #[error("{path} ({layer}) cannot be exported to ONNX: {reason}")]
-    Unsupported {
-        /// The layer's path in the model (`2.block.0`), or `<root>`.
-        path: String,
-        /// The layer's kind (`Linear`, `Custom(kiln::my_op)`).
-        layer: String,
-        /// Why, and what would work.
-        reason: String,
-    },
-    /// A state-dict entry a layer needs is missing, or has another shape or
-    /// dtype than the layer declares.
-    #[error("{path} ({layer}): state dict entry `{key}` {reason}")]
-    Weight {
-        /// The layer's path in the model (`2.block.0`), or `<root>`.
-        path: String,
-        /// The layer's kind (`Linear`).
-        layer: String,
-        /// The state-dict key (`2.block.0.weight`).
-        key: String,
-        /// What was found and what was expected.
-        reason: String,
-    },
-    /// An export setting does not fit the model (a name used twice, an input
-    /// dtype the first layer cannot take).
-    #[error("{what}: {reason}")]
-    Invalid {
-        /// The setting or value (`input dtype`, `output name`).
-        what: String,
-        /// What was given and what was expected.
-        reason: String,
-    },
-    /// The directory the output file should go in does not exist.
-    #[error("the directory of {path} does not exist; create it first")]
-    MissingParent {
-        /// The output file.
-        path: PathBuf,
-    },
-    /// The output file exists and overwriting was not asked for.
-    #[error("{path} already exists; pass --overwrite (or `overwrite(true)`) to replace it")]
-    FileExists {
-        /// The file.
-        path: PathBuf,
-    },
     /// A file is not a readable ONNX model (truncated, not protobuf, not ONNX).
     #[error("{path} is not a valid ONNX model: {reason}")]
     InvalidModel {
@@ -117,41 +75,13 @@ impl Error {
 
 /// Into Kiln's one error type, so that `?` takes an ONNX error in a function
 /// returning [`kiln_core::Result`]. Each kind keeps its meaning and message: an
-/// existing file is [`kiln_core::Error::Io`] with
-/// [`AlreadyExists`](std::io::ErrorKind::AlreadyExists), a missing directory
-/// [`NotFound`](std::io::ErrorKind::NotFound), a layer that cannot be exported
-/// `Unsupported`, a file that is not ONNX `Data`, a bad input, output or setting
-/// `InvalidArgument`, ONNX Runtime's own failure `Backend` (`onnxruntime`).
+/// file that is not ONNX is `Data`, a bad input or output `InvalidArgument`,
+/// ONNX Runtime's own failure `Backend` (`onnxruntime`), a failed read `Io`.
 impl From<Error> for kiln_core::Error {
     fn from(error: Error) -> Self {
         use kiln_core::Error as Kiln;
-        use std::io::{Error as IoError, ErrorKind};
+        use std::io::Error as IoError;
         match error {
-            unsupported @ Error::Unsupported { .. } => Kiln::unsupported(unsupported.to_string()),
-            Error::Weight {
-                path,
-                layer,
-                key,
-                reason,
-            } => Kiln::invalid_argument(
-                format!("state dict entry `{key}`"),
-                format!("{path} ({layer}): {reason}"),
-            ),
-            Error::Invalid { what, reason } => Kiln::invalid_argument(what, reason),
-            Error::MissingParent { path } => Kiln::Io {
-                path,
-                source: IoError::new(
-                    ErrorKind::NotFound,
-                    "its directory does not exist; create it first",
-                ),
-            },
-            Error::FileExists { path } => Kiln::Io {
-                path,
-                source: IoError::new(
-                    ErrorKind::AlreadyExists,
-                    "already exists; pass --overwrite (or `overwrite(true)`) to replace it",
-                ),
-            },
             Error::InvalidModel { path, reason } => {
                 Kiln::data(path, None, format!("not a valid ONNX model: {reason}"))
             }
@@ -180,32 +110,10 @@ impl From<Error> for kiln_core::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::ErrorKind;
-
-    fn io_kind(error: &kiln_core::Error) -> Option<ErrorKind> {
-        match error {
-            kiln_core::Error::Io { source, .. } => Some(source.kind()),
-            _ => None,
-        }
-    }
 
     #[test]
     fn onnx_errors_become_kiln_errors_of_the_same_kind() {
         use kiln_core::Error as Kiln;
-        let exists: Kiln = Error::FileExists {
-            path: "model.onnx".into(),
-        }
-        .into();
-        assert_eq!(io_kind(&exists), Some(ErrorKind::AlreadyExists));
-        let chain = exists.display_chain().to_string();
-        assert!(chain.starts_with("model.onnx: already exists"), "{chain}");
-
-        let missing: Kiln = Error::MissingParent {
-            path: "no/such/dir/model.onnx".into(),
-        }
-        .into();
-        assert_eq!(io_kind(&missing), Some(ErrorKind::NotFound));
-
         let input: Kiln = Error::Input {
             name: "pixels".into(),
             reason: "dimension 1 is 7, the model expects 8".into(),
@@ -227,15 +135,6 @@ mod tests {
             invalid.to_string().contains("not a valid ONNX model"),
             "{invalid}"
         );
-
-        let unsupported = Error::Unsupported {
-            path: "2".into(),
-            layer: "SavedModel".into(),
-            reason: "exports to no format".into(),
-        };
-        let message = unsupported.to_string();
-        let unsupported: Kiln = unsupported.into();
-        assert!(matches!(&unsupported, Kiln::Unsupported { what } if *what == message));
 
         let runtime: Kiln = Error::Runtime("out of memory".into()).into();
         assert!(matches!(
@@ -270,15 +169,15 @@ mod tests {
     #[test]
     fn an_io_error_prints_its_cause_once() {
         let cause = "disk on fire";
-        let error = Error::io("writing", "out/model.onnx", std::io::Error::other(cause));
+        let error = Error::io("reading", "out/model.onnx", std::io::Error::other(cause));
         let walked = chain(&error);
-        assert_eq!(walked, "writing out/model.onnx: disk on fire");
+        assert_eq!(walked, "reading out/model.onnx: disk on fire");
         assert_eq!(walked.matches(cause).count(), 1, "{walked}");
 
-        // The same once converted into Kiln's error, as `kiln export` reports it.
+        // The same once converted into Kiln's error, as `kiln predict` reports it.
         let kiln: kiln_core::Error = error.into();
         let walked = chain(&kiln);
-        assert_eq!(walked, "out/model.onnx: writing: disk on fire");
+        assert_eq!(walked, "out/model.onnx: reading: disk on fire");
         assert_eq!(walked.matches(cause).count(), 1, "{walked}");
     }
 }

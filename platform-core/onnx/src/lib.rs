@@ -25,7 +25,9 @@ pub mod proto {
 }
 
 pub use error::{Error, Result};
-pub use export::{export_onnx, CustomOp, CustomOpFn, OnnxExport};
+pub use export::{
+    export_onnx, onnx_lowering_registered, register_onnx_lowering, CustomOp, CustomOpFn, OnnxExport,
+};
 pub use inspect::{Dim, ModelInfo, Opset, TensorInfo};
 pub use runtime::{OnnxModel, OnnxModelBuilder, OptimizationLevel, PredictTiming};
 

@@ -92,17 +92,21 @@ impl<F: ?Sized> CustomLayerRegistry<F> {
         names
     }
 
+    /// The function for `op`, if one is registered.
+    pub fn get(&self, op: &str) -> Option<Arc<F>> {
+        self.ops()
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(op)
+            .map(Arc::clone)
+    }
+
     /// The function for `op`, of the layer whose `op` key is at `field` (for the
     /// message); an unregistered op is [`Error::InvalidArgument`] listing the
     /// registered ones and how to register.
     pub fn lookup(&self, field: &str, op: &str) -> Result<Arc<F>> {
-        if let Some(f) = self
-            .ops()
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(op)
-        {
-            return Ok(Arc::clone(f));
+        if let Some(f) = self.get(op) {
+            return Ok(f);
         }
         Err(Error::invalid_argument(
             field,

@@ -15,11 +15,11 @@ use std::sync::Arc;
 use anyhow::Result;
 use kiln::c10d::ProcessGroup;
 use kiln::core::distributed::{DistributedOptions, Rendezvous};
+use kiln::core::export::ExportOptions;
 use kiln::prelude::*;
 use kiln::tf::{GradientAllReduce, TfBackend, TfModel};
 use kiln_cli::{
-    CheckpointArgs, DataParallelEngine, Engines, PredictArgs, Resume, RunConfig, SavedModelOptions,
-    Source,
+    CheckpointArgs, DataParallelEngine, Engines, PredictArgs, Resume, RunConfig, Source,
 };
 
 /// Both engines: the TensorFlow commands on the TensorFlow C API.
@@ -54,13 +54,14 @@ impl Engines for Tensorflow {
         Ok(kiln::tf::resolve_saved_model_shapes(model, example, dtype)?)
     }
 
-    fn export_saved_model(source: &Source, options: &SavedModelOptions<'_>) -> Result<()> {
-        let model = kiln_cli::build_model::<TfBackend>(source, options.checkpoint)?;
-        kiln::tf::SavedModelExport::new(&model, &source.input_shape)
-            .input_name(options.input_name)
-            .output_name(options.output_name)
-            .overwrite(options.overwrite)
-            .write(options.output)?;
+    fn export_saved_model(
+        source: &Source,
+        checkpoint: &Path,
+        output: &Path,
+        options: &ExportOptions,
+    ) -> Result<()> {
+        let model = kiln_cli::build_model::<TfBackend>(source, checkpoint)?;
+        kiln::tf::SavedModelExport::new(&model, options).write(output)?;
         Ok(())
     }
 

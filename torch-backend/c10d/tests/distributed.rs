@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use kiln_c10d::{data_parallel, ProcessGroup};
 use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
+use kiln_core::export::ExportOptions;
 use kiln_core::{HostTensor, Result};
 use tch::Tensor;
 
@@ -592,7 +593,7 @@ mod ddp {
             "ScriptModule",
             as_one_process(&group, |seed, tag| {
                 let path = dir.path().join(format!("{tag}.pt"));
-                kiln_torch::export_torchscript(&built(seed)?, &path, false)?;
+                kiln_torch::export_torchscript(&built(seed)?, &path, &ExportOptions::default())?;
                 ScriptModule::load(&path, Device::Cpu)
             })?,
         ));

@@ -7,6 +7,7 @@ use kiln_core::{
 };
 use tch::{Kind, Tensor};
 
+use super::script::{float, ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -44,6 +45,38 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    let (class, expr) = match layer {
+        Layer::Relu => ("ReLU", "torch.relu(x)".to_owned()),
+        // As this family computes it: x > 0 ? x : slope * x.
+        Layer::LeakyRelu { negative_slope } => (
+            "LeakyReLU",
+            format!(
+                "torch.where(torch.gt(x, 0.0), x, torch.mul(x, {}))",
+                float(*negative_slope)
+            ),
+        ),
+        Layer::Gelu { approximate } => (
+            "GELU",
+            format!(
+                "torch.gelu(x, approximate=\"{}\")",
+                match approximate {
+                    GeluApproximation::Tanh => "tanh",
+                    _ => "none",
+                }
+            ),
+        ),
+        Layer::Silu => ("SiLU", "torch.silu(x)".to_owned()),
+        Layer::Tanh => ("Tanh", "torch.tanh(x)".to_owned()),
+        Layer::Sigmoid => ("Sigmoid", "torch.sigmoid(x)".to_owned()),
+        Layer::Softmax { dim } => ("Softmax", format!("torch.softmax(x, {dim})")),
+        Layer::LogSoftmax { dim } => ("LogSoftmax", format!("torch.log_softmax(x, {dim})")),
+        _ => return Ok(None),
+    };
+    Ok(Some(Scripted::returning(class, expr)))
 }
 
 impl Forward for Activation {

@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{boolean, float, ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -33,6 +34,37 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's: this node's
+/// computation step by step, with the output projection as the `out_proj`
+/// submodule `nn.MultiheadAttention` has (which the exporter adds).
+pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    let Layer::MultiHeadSelfAttention(c) = layer else {
+        return Ok(None);
+    };
+    let heads = c.num_heads;
+    let body = format!(
+        "    batch = x.size(0)\n    seq = x.size(1)\n    embed = x.size(2)\n    \
+         head_dim = embed // {heads}\n    \
+         qkv = torch.linear(x, self.in_proj_weight, {})\n    \
+         parts = torch.chunk(qkv, 3, -1)\n    \
+         q = torch.transpose(torch.reshape(parts[0], [batch, seq, {heads}, head_dim]), 1, 2)\n    \
+         k = torch.transpose(torch.reshape(parts[1], [batch, seq, {heads}, head_dim]), 1, 2)\n    \
+         v = torch.transpose(torch.reshape(parts[2], [batch, seq, {heads}, head_dim]), 1, 2)\n    \
+         p = 0.0\n    \
+         if self.training:\n        p = {}\n    \
+         attended = torch.scaled_dot_product_attention(q, k, v, None, p, {})\n    \
+         merged = torch.reshape(torch.transpose(attended, 1, 2), [batch, seq, embed])\n    \
+         return self.out_proj.forward(merged)\n",
+        leaf.opt("in_proj_bias"),
+        float(c.dropout),
+        boolean(c.causal)
+    );
+    Ok(Some(Scripted {
+        class: "MultiheadAttention".to_owned(),
+        body,
+    }))
 }
 
 impl Forward for Attention {

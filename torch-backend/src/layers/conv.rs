@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{ints, ScriptLeaf, Scripted};
 use super::{pair, Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -68,6 +69,47 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(Some(match layer {
+        Layer::Conv1d(c) => Scripted::returning(
+            "Conv1d",
+            format!(
+                "torch.conv1d(x, self.weight, {}, {}, {}, {}, {})",
+                leaf.opt("bias"),
+                ints(&[c.stride]),
+                ints(&[c.padding]),
+                ints(&[c.dilation]),
+                c.groups
+            ),
+        ),
+        Layer::Conv2d(c) => Scripted::returning(
+            "Conv2d",
+            format!(
+                "torch.conv2d(x, self.weight, {}, {}, {}, {}, {})",
+                leaf.opt("bias"),
+                ints(&c.stride),
+                ints(&c.padding),
+                ints(&c.dilation),
+                c.groups
+            ),
+        ),
+        Layer::ConvTranspose2d(c) => Scripted::returning(
+            "ConvTranspose2d",
+            format!(
+                "torch.conv_transpose2d(x, self.weight, {}, {}, {}, {}, {}, {})",
+                leaf.opt("bias"),
+                ints(&c.stride),
+                ints(&c.padding),
+                ints(&c.output_padding),
+                c.groups,
+                ints(&c.dilation)
+            ),
+        ),
+        _ => return Ok(None),
+    }))
 }
 
 impl Forward for Conv {

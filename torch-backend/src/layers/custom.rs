@@ -9,8 +9,9 @@ use kiln_core::{
 };
 use tch::Tensor;
 
+use super::script::{ScriptLeaf, Scripted};
 use super::{Failure, Forward, ForwardResult, Lookup};
-use crate::custom_layer::{lookup, CustomLayerFn};
+use crate::custom_layer::{lookup, torchscript_lowering, CustomLayerFn};
 use crate::model::TorchModel;
 
 /// A registered custom-layer function (shown by its layer's op name).
@@ -49,6 +50,29 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's: the lowering
+/// its op's crate registered ([`register_torchscript_lowering`](crate::register_torchscript_lowering)),
+/// `None` for an op without one (which the exporter refuses, naming it).
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    let Layer::Custom(c) = layer else {
+        return Ok(None);
+    };
+    let Some(lowering) = torchscript_lowering(&c.op) else {
+        return Ok(None);
+    };
+    let lowered = lowering(c)?;
+    let body = lowered
+        .forward
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| format!("    {line}\n"))
+        .collect();
+    Ok(Some(Scripted {
+        class: lowered.class,
+        body,
+    }))
 }
 
 impl Forward for Custom {

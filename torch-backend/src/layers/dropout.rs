@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{float, ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -19,6 +20,17 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(match layer {
+        Layer::Dropout { p } => Some(Scripted::returning(
+            "Dropout",
+            format!("torch.dropout(x, {}, self.training)", float(*p)),
+        )),
+        _ => None,
+    })
 }
 
 impl Forward for Dropout {

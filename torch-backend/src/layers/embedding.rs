@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -23,6 +24,20 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(match layer {
+        Layer::Embedding(c) => Some(Scripted::returning(
+            "Embedding",
+            format!(
+                "torch.embedding(self.weight, x, {}, False, False)",
+                c.padding_idx.map_or(-1, |i| i as i64)
+            ),
+        )),
+        _ => None,
+    })
 }
 
 impl Forward for Embedding {

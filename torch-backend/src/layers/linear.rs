@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -23,6 +24,17 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(match layer {
+        Layer::Linear(_) => Some(Scripted::returning(
+            "Linear",
+            format!("torch.linear(x, self.weight, {})", leaf.opt("bias")),
+        )),
+        _ => None,
+    })
 }
 
 impl Forward for Linear {

@@ -3,7 +3,8 @@
 //! [`TorchModel`] keeps the tree (`Sequential`, `Residual`) and walks it.
 //!
 //! Adding a layer to a family touches only that family's file: [`build`] asks
-//! each family in turn.
+//! each family in turn, and so does [`script::script`], the TorchScript each
+//! family writes for an export.
 
 mod activation;
 mod attention;
@@ -14,6 +15,7 @@ mod embedding;
 mod linear;
 mod norm;
 mod pool;
+pub(crate) mod script;
 mod structure;
 
 use std::collections::HashMap;

@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{float, ints, ret, ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -61,6 +62,71 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's. A batch norm
+/// follows the module's `training` flag as `nn.BatchNorm` does (batch
+/// statistics, running-statistics update, `num_batches_tracked`), unless it is
+/// pinned to eval behaviour.
+pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    let has = leaf.has;
+    Ok(Some(match layer {
+        Layer::BatchNorm1d(c) | Layer::BatchNorm2d(c) => {
+            let class = if matches!(layer, Layer::BatchNorm1d(_)) {
+                "BatchNorm1d"
+            } else {
+                "BatchNorm2d"
+            };
+            let tracks = has("running_mean");
+            let training = if leaf.pinned {
+                "False"
+            } else {
+                "self.training"
+            };
+            let mut body = String::new();
+            if tracks && has("num_batches_tracked") && !leaf.pinned {
+                // nn.BatchNorm counts the training batches it normalises.
+                body.push_str("    if self.training:\n");
+                body.push_str("        self.num_batches_tracked.add_(1)\n");
+            }
+            // Batch statistics in training, or always without running statistics.
+            let batch_stats = if tracks { training } else { "True" };
+            body.push_str(&ret(format!(
+                "torch.batch_norm(x, {}, {}, {}, {}, {batch_stats}, {}, {}, False)",
+                leaf.opt("weight"),
+                leaf.opt("bias"),
+                leaf.opt("running_mean"),
+                leaf.opt("running_var"),
+                float(c.momentum),
+                float(c.eps)
+            )));
+            Scripted {
+                class: class.to_owned(),
+                body,
+            }
+        }
+        Layer::LayerNorm(c) => Scripted::returning(
+            "LayerNorm",
+            format!(
+                "torch.layer_norm(x, {}, {}, {}, {}, False)",
+                ints(&c.normalized_shape),
+                leaf.opt("weight"),
+                leaf.opt("bias"),
+                float(c.eps)
+            ),
+        ),
+        Layer::GroupNorm(c) => Scripted::returning(
+            "GroupNorm",
+            format!(
+                "torch.group_norm(x, {}, {}, {}, {}, False)",
+                c.num_groups,
+                leaf.opt("weight"),
+                leaf.opt("bias"),
+                float(c.eps)
+            ),
+        ),
+        _ => return Ok(None),
+    }))
 }
 
 impl Forward for Norm {

@@ -3,6 +3,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{ints, ScriptLeaf, Scripted};
 use super::{pair, Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -43,6 +44,35 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(Some(match layer {
+        Layer::MaxPool2d(c) => Scripted::returning(
+            "MaxPool2d",
+            format!(
+                "torch.max_pool2d(x, {}, {}, {}, [1, 1], False)",
+                ints(&c.kernel_size),
+                ints(&c.effective_stride()),
+                ints(&c.padding)
+            ),
+        ),
+        Layer::AvgPool2d(c) => Scripted::returning(
+            "AvgPool2d",
+            format!(
+                "torch.avg_pool2d(x, {}, {}, {}, False, True, None)",
+                ints(&c.kernel_size),
+                ints(&c.effective_stride()),
+                ints(&c.padding)
+            ),
+        ),
+        Layer::AdaptiveAvgPool2d { output_size } => Scripted::returning(
+            "AdaptiveAvgPool2d",
+            format!("torch.adaptive_avg_pool2d(x, {})", ints(output_size)),
+        ),
+        _ => return Ok(None),
+    }))
 }
 
 impl Forward for Pool {

@@ -4,6 +4,7 @@
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
+use super::script::{ScriptLeaf, Scripted};
 use super::{Forward, ForwardResult, Lookup};
 use crate::model::TorchModel;
 
@@ -24,6 +25,17 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(match layer {
+        Layer::Flatten { start_dim, end_dim } => Some(Scripted::returning(
+            "Flatten",
+            format!("torch.flatten(x, {start_dim}, {end_dim})"),
+        )),
+        _ => None,
+    })
 }
 
 impl Forward for Flatten {

@@ -8,8 +8,8 @@
 use kiln_core::model::{AttentionConfig, Layer};
 
 use super::graph::attr;
+use super::Result;
 use super::{Emitter, Value};
-use crate::error::Result;
 
 /// The additive causal mask of `seq` positions, row-major: 0 where key `j`
 /// is at or before query `i`, -inf after.

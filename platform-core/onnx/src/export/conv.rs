@@ -4,8 +4,8 @@
 use kiln_core::model::Layer;
 
 use super::graph::attr;
+use super::Result;
 use super::{wrong_family, Emitter, Value};
-use crate::error::Result;
 
 fn i64s(v: &[usize]) -> Vec<i64> {
     v.iter().map(|&d| d as i64).collect()

@@ -1,18 +1,15 @@
-//! `Layer::Custom` ops: Kiln's own fused ops as their standard-operator
-//! decompositions (`kiln::bias_gelu`: `Gelu(x + bias)`, exact GELU, as
-//! kiln-fused-ops' kernels compute it; `kiln::swish`: `x * Sigmoid(beta * x)`), and
-//! the mappings users register with
-//! [`OnnxExport::custom_op`](super::OnnxExport::custom_op).
+//! `Layer::Custom` ops: the lowerings to standard operators that the crates
+//! defining the ops register ([`register_onnx_lowering`]), or that one export
+//! is given ([`OnnxExport::custom_op`](super::OnnxExport::custom_op)).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_core::model::{CustomConfig, Layer};
+use kiln_core::model::{CustomConfig, CustomLayerRegistry, Layer};
 use kiln_core::DType;
 
-use super::graph::attr;
 use super::{Emitter, Value};
-use crate::error::{Error, Result};
+use super::{Error, Result};
 use crate::proto::AttributeProto;
 
 /// A custom op's ONNX mapping: appends nodes through the [`CustomOp`] and
@@ -83,31 +80,52 @@ impl CustomOp<'_, '_> {
     }
 }
 
-/// Kiln's own custom ops' mappings (kiln-fused-ops' `kiln::bias_gelu` and `kiln::swish`).
-pub(crate) fn builtin() -> HashMap<String, Arc<CustomOpFn>> {
-    let mut ops: HashMap<String, Arc<CustomOpFn>> = HashMap::new();
-    // gelu(x + bias), exact (erf) GELU, bias on the last dimension.
-    ops.insert(
-        "kiln::bias_gelu".to_owned(),
-        Arc::new(|op: &mut CustomOp<'_, '_>| {
-            let bias = op.param("bias")?;
-            let x = op.input().to_owned();
-            let z = op.node("Add", &[&x, &bias], vec![]);
-            Ok(op.node("Gelu", &[&z], vec![attr::string("approximate", "none")]))
-        }),
-    );
-    // x * sigmoid(beta * x), beta of one element.
-    ops.insert(
-        "kiln::swish".to_owned(),
-        Arc::new(|op: &mut CustomOp<'_, '_>| {
-            let beta = op.param("beta")?;
-            let x = op.input().to_owned();
-            let bx = op.node("Mul", &[&beta, &x], vec![]);
-            let s = op.node("Sigmoid", &[&bx], vec![]);
-            Ok(op.node("Mul", &[&x, &s], vec![]))
-        }),
-    );
-    ops
+/// The ONNX lowerings registered by the crates that define custom ops.
+static LOWERINGS: CustomLayerRegistry<CustomOpFn> =
+    CustomLayerRegistry::new("ONNX", "kiln_onnx::register_onnx_lowering");
+
+/// Registers the ONNX lowering of the custom op `op` (a [`Layer::Custom`]'s
+/// `op`, such as `"my::scale"`), used by every later export: `lowering`
+/// appends standard ONNX nodes through the [`CustomOp`] it is given and
+/// returns the name of the layer's output value, which must have the input's
+/// shape. The crate that defines an op registers it beside the op's kernels
+/// (kiln-fused-ops' `register_layers` registers `kiln::bias_gelu` and
+/// `kiln::swish`); registering a name again replaces its lowering.
+///
+/// ```
+/// use kiln_core::{export::ExportOptions, model::{CustomConfig, Init, Layer}, state_dict::StateDict, HostTensor};
+/// use kiln_onnx::{register_onnx_lowering, OnnxExport};
+///
+/// register_onnx_lowering("demo::scale", |op| {
+///     let s = op.param("s")?;
+///     let x = op.input().to_owned();
+///     Ok(op.node("Mul", &[&x, &s], vec![]))
+/// });
+/// let net = Layer::from(CustomConfig::new("demo::scale").with_param("s", [1], Init::Ones));
+/// let mut state = StateDict::new();
+/// state.insert("s", HostTensor::new(vec![2.0f32], [1])?);
+/// let model = OnnxExport::new(&net, &state, &ExportOptions::new(&[2, 3])).to_model()?;
+/// assert_eq!(model.graph.unwrap().node[0].op_type.as_deref(), Some("Mul"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn register_onnx_lowering<F>(op: &str, lowering: F)
+where
+    F: Fn(&mut CustomOp<'_, '_>) -> Result<String> + Send + Sync + 'static,
+{
+    LOWERINGS.register(op, Arc::new(lowering));
+}
+
+/// Whether `op` has a registered ONNX lowering ([`register_onnx_lowering`]).
+pub fn onnx_lowering_registered(op: &str) -> bool {
+    LOWERINGS.contains(op)
+}
+
+/// The lowering of `op`: the export's own (`overrides`), else the registered one.
+pub(crate) fn lowering(
+    overrides: &HashMap<String, Arc<CustomOpFn>>,
+    op: &str,
+) -> Option<Arc<CustomOpFn>> {
+    overrides.get(op).cloned().or_else(|| LOWERINGS.get(op))
 }
 
 impl Emitter<'_> {
@@ -118,13 +136,14 @@ impl Emitter<'_> {
         config: &CustomConfig,
         x: &Value,
     ) -> Result<String> {
-        let Some(mapping) = self.custom.get(&config.op).cloned() else {
+        let Some(mapping) = lowering(self.custom, &config.op) else {
             return Err(Error::Unsupported {
+                format: kiln_core::export::ExportFormat::Onnx,
                 path: super::shown(path),
                 layer: super::kind_of(layer),
                 reason: format!(
-                    "the custom op `{}` has no ONNX mapping; register one with \
-                     OnnxExport::custom_op",
+                    "the custom op `{}` has no ONNX lowering; register one with \
+                     kiln_onnx::register_onnx_lowering",
                     config.op
                 ),
             });

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 
 use kiln_core::{DType, HostTensor};
 
-use crate::error::{Error, Result};
+use super::{Error, Result};
 use crate::proto::{
     attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, NodeProto, TensorProto,
 };

@@ -3,14 +3,14 @@
 //! [`OPSET`], IR version [`IR_VERSION`]) with inference (eval-mode) semantics.
 //!
 //! ```no_run
-//! use kiln_core::{model::{Layer, LinearConfig}, state_dict::StateDict};
+//! use kiln_core::{export::ExportOptions, model::{Layer, LinearConfig}, state_dict::StateDict};
 //! use kiln_onnx::OnnxExport;
 //!
 //! # fn weights() -> StateDict { StateDict::new() }
 //! let net = Layer::sequential([LinearConfig::new(4, 2).into(), Layer::Relu]);
 //! let state: StateDict = weights(); // `Module::state_dict()` of a built model
-//! OnnxExport::new(&net, &state, &[1, 4]).write("net.onnx")?;
-//! # Ok::<(), kiln_onnx::Error>(())
+//! OnnxExport::new(&net, &state, &ExportOptions::new(&[1, 4])).write("net.onnx")?;
+//! # Ok::<(), kiln_core::export::ExportError>(())
 //! ```
 //!
 //! Weights are graph initializers named by their state-dict keys (`0.weight`),
@@ -27,8 +27,7 @@ mod pool;
 mod structure;
 
 use std::collections::HashMap;
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use kiln_core::backend::Backend;
@@ -38,14 +37,19 @@ use kiln_core::state_dict::StateDict;
 use kiln_core::DType;
 use prost::Message;
 
-use crate::error::{Error, Result};
+use kiln_core::export::{ExportFormat, ExportOptions, FileTarget};
+
+/// The exporters' one error ([`kiln_core::export::ExportError`]).
+pub use kiln_core::export::ExportError as Error;
+/// Result alias of the export.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
 use crate::proto::{
     self, tensor_shape_proto::dimension, tensor_shape_proto::Dimension, type_proto,
     OperatorSetIdProto, TensorShapeProto, TypeProto, ValueInfoProto,
 };
 use crate::{IR_VERSION, OPSET};
 
-pub use custom::{CustomOp, CustomOpFn};
+pub use custom::{onnx_lowering_registered, register_onnx_lowering, CustomOp, CustomOpFn};
 pub use graph::attr;
 
 use graph::{onnx_dtype, Graph};
@@ -72,13 +76,7 @@ pub(crate) struct Value {
 }
 
 /// The layer's path as errors show it: `2.block.0`, or `<root>`.
-pub(crate) fn shown(path: &str) -> String {
-    if path.is_empty() {
-        "<root>".to_owned()
-    } else {
-        path.to_owned()
-    }
-}
+pub(crate) use kiln_core::export::shown_path as shown;
 
 /// `prefix.name`, or `name` at the root.
 pub(crate) fn join(prefix: &str, name: &str) -> String {
@@ -225,6 +223,7 @@ impl Emitter<'_> {
 /// `Emitter::leaf` never does this).
 pub(crate) fn wrong_family(path: &str, layer: &Layer) -> Error {
     Error::Unsupported {
+        format: ExportFormat::Onnx,
         path: shown(path),
         layer: kind_of(layer),
         reason: "kiln-onnx sent the layer to the wrong mapping (a bug)".to_owned(),
@@ -253,12 +252,7 @@ pub(crate) fn flatten_start(start_dim: isize, rank: usize) -> usize {
 pub struct OnnxExport<'a> {
     spec: &'a Layer,
     state: &'a StateDict,
-    input_shape: Vec<usize>,
-    input_name: String,
-    output_name: String,
-    dynamic_batch: bool,
-    input_dtype: Option<DType>,
-    overwrite: bool,
+    options: ExportOptions,
     custom: HashMap<String, Arc<CustomOpFn>>,
 }
 
@@ -267,12 +261,7 @@ impl std::fmt::Debug for OnnxExport<'_> {
         let mut ops: Vec<&String> = self.custom.keys().collect();
         ops.sort();
         f.debug_struct("OnnxExport")
-            .field("input_shape", &self.input_shape)
-            .field("input_name", &self.input_name)
-            .field("output_name", &self.output_name)
-            .field("dynamic_batch", &self.dynamic_batch)
-            .field("input_dtype", &self.input_dtype)
-            .field("overwrite", &self.overwrite)
+            .field("options", &self.options)
             .field("custom_ops", &ops)
             .finish_non_exhaustive()
     }
@@ -280,72 +269,36 @@ impl std::fmt::Debug for OnnxExport<'_> {
 
 impl<'a> OnnxExport<'a> {
     /// An export of `spec` with the weights `state` (a module's
-    /// `state_dict()`) for inputs of `input_shape`, batch dimension included
-    /// (`[1, 1, 8, 8]`).
+    /// `state_dict()`) with `options` (the input's shape, batch dimension
+    /// included, such as `[1, 1, 8, 8]`; names; a fixed or dynamic batch).
     ///
-    /// Kiln's own custom ops (`kiln::bias_gelu`, `kiln::swish`) have their
-    /// mappings already; add others with [`custom_op`](OnnxExport::custom_op).
-    pub fn new(spec: &'a Layer, state: &'a StateDict, input_shape: &[usize]) -> Self {
+    /// A custom op exports through the lowering its crate registered
+    /// ([`register_onnx_lowering`](super::register_onnx_lowering): kiln-fused-ops'
+    /// `register_layers` registers its ops'), or one given for this export
+    /// with [`custom_op`](OnnxExport::custom_op).
+    pub fn new(spec: &'a Layer, state: &'a StateDict, options: &ExportOptions) -> Self {
         OnnxExport {
             spec,
             state,
-            input_shape: input_shape.to_vec(),
-            input_name: "input".to_owned(),
-            output_name: "output".to_owned(),
-            dynamic_batch: true,
-            input_dtype: None,
-            overwrite: false,
-            custom: custom::builtin(),
+            options: options.clone(),
+            custom: HashMap::new(),
         }
-    }
-
-    /// The graph input's name (default `"input"`).
-    pub fn input_name(mut self, name: impl Into<String>) -> Self {
-        self.input_name = name.into();
-        self
-    }
-
-    /// The graph output's name (default `"output"`).
-    pub fn output_name(mut self, name: impl Into<String>) -> Self {
-        self.output_name = name.into();
-        self
-    }
-
-    /// Whether dimension 0 of the input and output is the symbolic `batch`
-    /// (default `true`); otherwise every dimension is fixed.
-    pub fn dynamic_batch(mut self, yes: bool) -> Self {
-        self.dynamic_batch = yes;
-        self
-    }
-
-    /// The input's element type. By default int64 where the first layer is
-    /// an `Embedding`, otherwise the weights' float dtype (float32 for a
-    /// float32 state dict).
-    pub fn input_dtype(mut self, dtype: DType) -> Self {
-        self.input_dtype = Some(dtype);
-        self
-    }
-
-    /// Whether [`write`](OnnxExport::write) may replace an existing file
-    /// (default `false`).
-    pub fn overwrite(mut self, yes: bool) -> Self {
-        self.overwrite = yes;
-        self
     }
 
     /// Maps the custom op `name` (a [`Layer::Custom`]'s `op`, such as
     /// `"my::scale"`) to ONNX: `mapping` appends nodes through the
     /// [`CustomOp`] it is given and returns the name of the layer's output
-    /// value, which must have the input's shape. Replaces an earlier mapping
-    /// of the same name (Kiln's own included).
+    /// value, which must have the input's shape. Takes the place of a
+    /// registered lowering of the same name for this export.
     ///
     /// ```
     /// use kiln_onnx::{export::attr, OnnxExport};
+    /// use kiln_core::export::ExportOptions;
     /// # use kiln_core::{model::{CustomConfig, Init, Layer}, state_dict::StateDict, HostTensor};
     /// # let net = Layer::sequential([CustomConfig::new("my::scale").with_param("s", [1], Init::Ones).into()]);
     /// # let mut state = StateDict::new();
     /// # state.insert("0.s", HostTensor::new(vec![2.0f32], [1])?);
-    /// let export = OnnxExport::new(&net, &state, &[2, 3]).custom_op("my::scale", |op| {
+    /// let export = OnnxExport::new(&net, &state, &ExportOptions::new(&[2, 3])).custom_op("my::scale", |op| {
     ///     let s = op.param("s")?;
     ///     let x = op.input().to_owned();
     ///     Ok(op.node("Mul", &[&x, &s], vec![]))
@@ -353,7 +306,7 @@ impl<'a> OnnxExport<'a> {
     /// let model = export.to_model()?;
     /// assert_eq!(model.graph.unwrap().node[0].name.as_deref(), Some("0/Mul"));
     /// # let _ = attr::int("axis", 0);
-    /// # Ok::<(), kiln_onnx::Error>(())
+    /// # Ok::<(), kiln_core::export::ExportError>(())
     /// ```
     pub fn custom_op(
         mut self,
@@ -364,29 +317,37 @@ impl<'a> OnnxExport<'a> {
         self
     }
 
+    /// The lowering of the custom op `op`: this export's own, else the registered one.
+    fn lowering(&self, op: &str) -> Option<Arc<CustomOpFn>> {
+        custom::lowering(&self.custom, op)
+    }
+
     /// The ONNX model, built in memory after every check.
     pub fn to_model(&self) -> Result<proto::ModelProto> {
         self.check_settings()?;
         self.check_supported()?;
         // Shapes and configurations, with the failing layer's path.
-        let output_shape = self.spec.output_shape(&self.input_shape)?;
+        let output_shape = self.spec.output_shape(&self.options.input_shape)?;
         let float = self.check_weights()?;
         let input_dtype = self.resolve_input_dtype(float)?;
 
-        let reserved = [self.input_name.as_str(), self.output_name.as_str()];
+        let reserved = [
+            self.options.input_name.as_str(),
+            self.options.output_name.as_str(),
+        ];
         let mut emitter = Emitter {
             g: Graph::new(float, &reserved),
             state: self.state,
             custom: &self.custom,
         };
-        let dim0 = if self.dynamic_batch {
+        let dim0 = if self.options.dynamic_batch {
             Dim0::Batch
         } else {
             Dim0::Static
         };
         let x = Value {
-            name: self.input_name.clone(),
-            shape: self.input_shape.clone(),
+            name: self.options.input_name.clone(),
+            shape: self.options.input_shape.clone(),
             dtype: input_dtype,
             dim0,
         };
@@ -402,11 +363,11 @@ impl<'a> OnnxExport<'a> {
         }
         let mut g = emitter.g;
         if g.produces(&y.name) {
-            g.rename(&y.name, &self.output_name);
+            g.rename(&y.name, &self.options.output_name);
         } else {
             // The output is the input itself (no layer changes it).
             let out = g.op("", "Identity", &[&y.name], vec![]);
-            g.rename(&out, &self.output_name);
+            g.rename(&out, &self.options.output_name);
         }
         log::debug!(
             "ONNX export: {} nodes, {} initializers",
@@ -418,12 +379,17 @@ impl<'a> OnnxExport<'a> {
             node: g.nodes,
             initializer: g.initializers,
             input: vec![value_info(
-                &self.input_name,
+                &self.options.input_name,
                 input_dtype,
-                &self.input_shape,
+                &self.options.input_shape,
                 dim0,
             )],
-            output: vec![value_info(&self.output_name, y.dtype, &y.shape, y.dim0)],
+            output: vec![value_info(
+                &self.options.output_name,
+                y.dtype,
+                &y.shape,
+                y.dim0,
+            )],
             ..Default::default()
         };
         Ok(proto::ModelProto {
@@ -447,6 +413,7 @@ impl<'a> OnnxExport<'a> {
         let len = model.encoded_len();
         if len > i32::MAX as usize {
             return Err(Error::Unsupported {
+                format: ExportFormat::Onnx,
                 path: "<root>".to_owned(),
                 layer: self.spec.kind().to_owned(),
                 reason: format!(
@@ -459,75 +426,31 @@ impl<'a> OnnxExport<'a> {
     }
 
     /// Writes the model to `path` atomically (a temporary file next to it,
-    /// renamed into place). Fails with [`Error::FileExists`] if `path` exists
-    /// and [`overwrite`](OnnxExport::overwrite) was not asked for, and with
-    /// [`Error::MissingParent`] if its directory does not exist; in every
-    /// failure nothing is left at `path` that was not there before.
+    /// moved into place). Fails with [`Error::Exists`] if `path` exists and
+    /// the options do not allow overwriting, and with [`Error::MissingParent`]
+    /// if its directory does not exist; in every failure nothing is left at
+    /// `path` that was not there before.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        self.check_target(path)?;
+        let target = FileTarget::check(path, self.options.overwrite)?;
         let bytes = self.to_bytes()?;
-        self.check_target(path)?;
-        write_atomically(path, &bytes, self.overwrite)?;
+        target.write_bytes(&bytes)?;
         log::info!("wrote {} ({} bytes)", path.display(), bytes.len());
         Ok(())
     }
 
-    fn check_target(&self, path: &Path) -> Result<()> {
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        if !parent.is_dir() {
-            return Err(Error::MissingParent {
-                path: path.to_path_buf(),
-            });
-        }
-        match std::fs::symlink_metadata(path) {
-            Ok(meta) if meta.is_dir() => Err(Error::Invalid {
-                what: format!("output path {}", path.display()),
-                reason: "is a directory; expected a file name".to_owned(),
-            }),
-            Ok(_) if !self.overwrite => Err(Error::FileExists {
-                path: path.to_path_buf(),
-            }),
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(Error::io("checking", path, e)),
-        }
-    }
-
     fn check_settings(&self) -> Result<()> {
+        self.options.check(ExportFormat::Onnx)?;
         for (what, name) in [
-            ("input name", &self.input_name),
-            ("output name", &self.output_name),
+            ("input name", &self.options.input_name),
+            ("output name", &self.options.output_name),
         ] {
-            if name.is_empty() {
-                return Err(Error::Invalid {
-                    what: what.to_owned(),
-                    reason: "must not be empty".to_owned(),
-                });
-            }
             if self.state.contains_key(name) {
-                return Err(Error::Invalid {
-                    what: what.to_owned(),
-                    reason: format!("`{name}` is also a weight's name; choose another"),
-                });
+                return Err(Error::invalid(
+                    what,
+                    format!("`{name}` is also a weight's name; choose another"),
+                ));
             }
-        }
-        if self.input_name == self.output_name {
-            return Err(Error::Invalid {
-                what: "output name".to_owned(),
-                reason: format!("`{}` is also the input's name", self.output_name),
-            });
-        }
-        if self.input_shape.is_empty() {
-            return Err(Error::Invalid {
-                what: "input shape".to_owned(),
-                reason:
-                    "is empty; expected the batch dimension and the sample's, like [1, 1, 8, 8]"
-                        .to_owned(),
-            });
         }
         Ok(())
     }
@@ -546,14 +469,17 @@ impl<'a> OnnxExport<'a> {
                      SavedModel with tf2onnx",
                     c.path.display()
                 ),
-                Layer::Custom(c) if !self.custom.contains_key(&c.op) => format!(
-                    "the custom op `{}` has no ONNX mapping; register one with \
-                     OnnxExport::custom_op(\"{}\", ..)",
+                Layer::Custom(c) if self.lowering(&c.op).is_none() => format!(
+                    "the custom op `{}` has no ONNX lowering; register one with \
+                     kiln_onnx::register_onnx_lowering(\"{}\", ..) (kiln-fused-ops' \
+                     register_layers() registers Kiln's fused ops'), or give one to this \
+                     export with OnnxExport::custom_op",
                     c.op, c.op
                 ),
                 _ => continue,
             };
             return Err(Error::Unsupported {
+                format: ExportFormat::Onnx,
                 path: shown(&path),
                 layer: kind_of(layer),
                 reason,
@@ -616,7 +542,7 @@ impl<'a> OnnxExport<'a> {
     fn resolve_input_dtype(&self, float: DType) -> Result<DType> {
         let embedding_first = matches!(self.spec.first_leaf(), Some(Layer::Embedding(_)));
         let default = if embedding_first { DType::I64 } else { float };
-        let dtype = self.input_dtype.unwrap_or(default);
+        let dtype = self.options.input_dtype.unwrap_or(default);
         if onnx_dtype(dtype) == proto::tensor_proto::DataType::Undefined {
             return Err(Error::Invalid {
                 what: "input dtype".to_owned(),
@@ -653,64 +579,17 @@ fn value_info(name: &str, dtype: DType, shape: &[usize], dim0: Dim0) -> ValueInf
     }
 }
 
-/// Writes `bytes` to a temporary file next to `path`, flushes it to disk and
-/// moves it into place: with `overwrite` by renaming over `path`, otherwise by
-/// hard-linking, which fails if `path` appeared meanwhile.
-fn write_atomically(path: &Path, bytes: &[u8], overwrite: bool) -> Result<()> {
-    let file_name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model.onnx".to_owned());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let temp = path.with_file_name(format!(
-        ".{file_name}.kiln-tmp-{}-{nanos}",
-        std::process::id()
-    ));
-    let result = (|| {
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            .map_err(|e| Error::io("creating", &temp, e))?;
-        file.write_all(bytes)
-            .map_err(|e| Error::io("writing", &temp, e))?;
-        file.sync_all()
-            .map_err(|e| Error::io("flushing", &temp, e))?;
-        if overwrite {
-            std::fs::rename(&temp, path).map_err(|e| Error::io("renaming into", path, e))
-        } else {
-            match std::fs::hard_link(&temp, path) {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(Error::FileExists {
-                    path: path.to_path_buf(),
-                }),
-                Err(e) => Err(Error::io("linking into", path, e)),
-            }
-        }
-    })();
-    // After a rename the temporary name is gone; after a link (or a failure)
-    // it is removed here.
-    if temp.exists() {
-        if let Err(e) = std::fs::remove_file(&temp) {
-            log::warn!("could not remove {}: {e}", temp.display());
-        }
-    }
-    result
-}
-
 /// Writes `model` (its definition and weights, with eval-mode semantics) as an
-/// ONNX file at `path`, for inputs of `input_shape` (batch dimension
-/// included) with a dynamic batch: the Rust one-liner for
-/// [`OnnxExport`]. Fails with [`Error::FileExists`] if `path` exists.
+/// ONNX file at `path` with `options`: the Rust one-liner for [`OnnxExport`].
+/// Fails with [`Error::Exists`] if `path` exists and the options do not allow
+/// overwriting.
 pub fn export_onnx<B: Backend, M: Module<B> + Definition>(
     model: &M,
-    input_shape: &[usize],
     path: impl AsRef<Path>,
+    options: &ExportOptions,
 ) -> Result<()> {
     let state = model.state_dict()?;
-    OnnxExport::new(model.definition(), &state, input_shape).write(path)
+    OnnxExport::new(model.definition(), &state, options).write(path)
 }
 
 #[cfg(test)]

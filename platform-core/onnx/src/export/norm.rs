@@ -6,8 +6,8 @@
 use kiln_core::model::Layer;
 
 use super::graph::attr;
+use super::Result;
 use super::{wrong_family, Emitter, Value};
-use crate::error::Result;
 
 impl Emitter<'_> {
     pub(crate) fn norm(&mut self, path: &str, layer: &Layer, x: &Value) -> Result<String> {

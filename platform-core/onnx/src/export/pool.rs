@@ -7,8 +7,8 @@ use kiln_core::model::Layer;
 
 use super::conv::pads;
 use super::graph::attr;
+use super::Result;
 use super::{wrong_family, Emitter, Value};
-use crate::error::Result;
 
 /// PyTorch's adaptive pooling window of output cell `i` of `out` over `len`:
 /// `[floor(i * len / out), ceil((i + 1) * len / out))`.

@@ -6,8 +6,8 @@
 use kiln_core::model::Layer;
 
 use super::graph::attr;
+use super::Result;
 use super::{flatten_start, wrong_family, Emitter, Value};
-use crate::error::Result;
 
 impl Emitter<'_> {
     pub(crate) fn structure(

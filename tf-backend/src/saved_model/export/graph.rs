@@ -11,9 +11,10 @@ use tensorflow::{DataType, Graph, Operation, Output, Status, Tensor};
 
 use crate::custom_layer::CustomOps;
 use crate::engine::{tf_dtype, Engine, Var};
-use crate::error::{tf_error, ExportError};
+use crate::error::tf_error;
 use crate::graph::{out0, Builder};
 use crate::step::{self, CompiledGraph, ModelGraph, ProgramKey, ProgramKind, Signature};
+use kiln_core::export::{ExportError, ExportFormat};
 
 /// The name scope of the saver's ops.
 const SAVE_SCOPE: &str = "save";
@@ -37,18 +38,13 @@ pub(super) fn op_name(op: &Operation) -> ExportResult<String> {
 }
 
 /// A layer's path as error messages show it.
-fn shown(path: &str) -> String {
-    if path.is_empty() {
-        "<root>".to_owned()
-    } else {
-        path.to_owned()
-    }
-}
+use kiln_core::export::shown_path as shown;
 
 /// Refuses the layers no export can carry.
 pub(super) fn check_layers(spec: &Layer) -> ExportResult<()> {
     if let Some((path, layer)) = spec.saved_model_layers().first() {
         return Err(ExportError::Unsupported {
+            format: ExportFormat::SavedModel,
             path: shown(path),
             layer: "SavedModel".to_owned(),
             reason: format!(
@@ -60,6 +56,7 @@ pub(super) fn check_layers(spec: &Layer) -> ExportResult<()> {
     }
     if let Some((path, layer)) = spec.torchscript_layers().first() {
         return Err(ExportError::Unsupported {
+            format: ExportFormat::SavedModel,
             path: shown(path),
             layer: "TorchScript".to_owned(),
             reason: format!(
@@ -117,9 +114,10 @@ pub(super) fn check_ops(
             })
             .unwrap_or_else(|| ("<graph>".to_owned(), "op".to_owned()));
         return Err(ExportError::NonStandardOp {
+            format: ExportFormat::SavedModel,
             path,
             layer,
-            op_type,
+            op: op_type,
             node,
         });
     }
@@ -346,14 +344,11 @@ mod tests {
         let err = check_ops(&spec, graph, |t| t != "Square").expect_err("Square refused");
         match &err {
             ExportError::NonStandardOp {
-                path,
-                layer,
-                op_type,
-                ..
+                path, layer, op, ..
             } => {
                 assert_eq!(path, "1.block.1");
                 assert_eq!(layer, "Custom test::square");
-                assert_eq!(op_type, "Square");
+                assert_eq!(op, "Square");
             }
             other => panic!("{other:?}"),
         }

@@ -29,17 +29,18 @@ mod proto;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use kiln_core::{model::ParamKind, module::Module, HostTensor, Shape};
+use kiln_core::{model::ParamKind, module::Module, HostTensor};
 use tensorflow::DataType;
 
 use crate::backend::TfBackend;
 use crate::engine::Var;
-use crate::error::{tf_error, ExportError};
+use crate::error::tf_error;
 use crate::model::TfModel;
 use crate::saved_model::load::{files, SERVE_TAG};
 use graph::{
     check_layers, check_ops, op_name, standard_ops, tensor_name, ExportGraph, ExportResult,
 };
+use kiln_core::export::{ExportError, ExportFormat, ExportOptions};
 use proto::{SavedModelDef, SaverNames, SignatureDefSpec, TensorInfoDef, VariableDefSpec};
 
 /// The signature key TensorFlow Serving and `tf.saved_model.load(..).signatures` use by default.
@@ -61,17 +62,18 @@ const PREDICT_METHOD: &str = "tensorflow/serving/predict";
 /// a custom layer being built with its portable builder where it has one:
 /// [`register_portable_custom_layer`](crate::register_portable_custom_layer));
 /// the directory is assembled next to the target and renamed into place. An
-/// existing path is [`ExportError::Exists`] unless
-/// [`overwrite`](Self::overwrite) is set, and even then only a SavedModel
-/// directory is replaced ([`ExportError::NotASavedModel`]).
+/// existing path is [`ExportError::Exists`] unless the options allow
+/// overwriting, and even then only a SavedModel directory is replaced
+/// ([`ExportError::NotReplaceable`]).
 ///
 /// ```no_run
-/// use kiln_core::{model::{Layer, LinearConfig}, Device};
+/// use kiln_core::{export::ExportOptions, model::{Layer, LinearConfig}, Device};
 /// use kiln_tf::{SavedModelExport, TfModel};
 ///
 /// let spec = Layer::sequential([LinearConfig::new(4, 8).into(), Layer::Relu]);
 /// let model = TfModel::new(&spec, Device::Cpu)?;
-/// SavedModelExport::new(&model, &[1, 4]).overwrite(true).write("exported/mlp")?;
+/// let options = ExportOptions::new(&[1, 4]).with_overwrite(true);
+/// SavedModelExport::new(&model, &options).write("exported/mlp")?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
@@ -79,49 +81,27 @@ const PREDICT_METHOD: &str = "tensorflow/serving/predict";
 #[derive(Debug, Clone)]
 pub struct SavedModelExport<'a> {
     model: &'a TfModel,
-    input_shape: Vec<usize>,
-    input_name: String,
-    output_name: String,
-    overwrite: bool,
+    options: ExportOptions,
 }
 
-/// Exports `model` to `dir` with the default settings of [`SavedModelExport`].
+/// Exports `model` to the SavedModel directory `dir` with `options`.
 pub fn export_saved_model(
     model: &TfModel,
-    input_shape: &[usize],
     dir: impl AsRef<Path>,
+    options: &ExportOptions,
 ) -> ExportResult<()> {
-    SavedModelExport::new(model, input_shape).write(dir)
+    SavedModelExport::new(model, options).write(dir)
 }
 
 impl<'a> SavedModelExport<'a> {
-    /// An export of `model` for batches shaped like `input_shape` (batch first).
-    pub fn new(model: &'a TfModel, input_shape: &[usize]) -> Self {
+    /// An export of `model` with `options`: batches shaped like
+    /// `options.input_shape` (batch first), the signature's input and output
+    /// keys, and whether an existing SavedModel directory is replaced.
+    pub fn new(model: &'a TfModel, options: &ExportOptions) -> Self {
         SavedModelExport {
             model,
-            input_shape: input_shape.to_vec(),
-            input_name: "input".to_owned(),
-            output_name: "output".to_owned(),
-            overwrite: false,
+            options: options.clone(),
         }
-    }
-
-    /// The signature's input key (default `input`).
-    pub fn input_name(mut self, name: impl Into<String>) -> Self {
-        self.input_name = name.into();
-        self
-    }
-
-    /// The signature's output key (default `output`).
-    pub fn output_name(mut self, name: impl Into<String>) -> Self {
-        self.output_name = name.into();
-        self
-    }
-
-    /// Whether an existing SavedModel directory at the target is replaced (default: no).
-    pub fn overwrite(mut self, overwrite: bool) -> Self {
-        self.overwrite = overwrite;
-        self
     }
 
     /// Writes the SavedModel directory `dir`.
@@ -137,14 +117,13 @@ impl<'a> SavedModelExport<'a> {
             .engine
             .custom_ops
             .portable()?;
-        let export = ExportGraph::build(spec, custom_ops, &self.input_shape)?;
+        let export = ExportGraph::build(spec, custom_ops, &self.options.input_shape)?;
         let standard = standard_ops();
         check_ops(spec, &export.compiled.engine.b.graph, |t| {
             standard.contains(t)
         })?;
         let state = Module::<TfBackend>::state_dict(self.model)?;
 
-        fs::create_dir_all(&parent).map_err(|e| ExportError::io("creating", &parent, e))?;
         let staging = parent.join(format!(
             "{}-{}",
             files::temp_name("export"),
@@ -152,7 +131,7 @@ impl<'a> SavedModelExport<'a> {
         ));
         let result = self
             .fill(export, &state, &staging)
-            .and_then(|()| install(&staging, dest, &parent, self.overwrite));
+            .and_then(|()| install(&staging, dest, &parent, self.options.overwrite));
         if result.is_err() && staging.exists() {
             if let Err(e) = fs::remove_dir_all(&staging) {
                 log::warn!("cannot remove the temporary {}: {e}", staging.display());
@@ -162,67 +141,42 @@ impl<'a> SavedModelExport<'a> {
         log::info!(
             "exported the SavedModel {} (signature `{SERVING_SIGNATURE}`: {} -> {})",
             dest.display(),
-            self.input_name,
-            self.output_name
+            self.options.input_name,
+            self.options.output_name
         );
         Ok(())
     }
 
     fn check_settings(&self) -> ExportResult<()> {
-        for (name, value) in [
-            ("input_name", &self.input_name),
-            ("output_name", &self.output_name),
-        ] {
-            if value.is_empty() {
-                return Err(ExportError::InvalidArgument {
-                    name,
-                    reason: "an empty name; give the signature key, e.g. `input`".to_owned(),
-                });
-            }
-        }
-        if self.input_name == self.output_name {
-            return Err(ExportError::InvalidArgument {
-                name: "output_name",
-                reason: format!(
-                    "`{}` is also the input's name; the signature's keys must differ",
-                    self.output_name
-                ),
-            });
-        }
-        if self.input_shape.is_empty() || self.input_shape.contains(&0) {
-            return Err(ExportError::InvalidArgument {
-                name: "input_shape",
-                reason: format!(
-                    "expected one batch's shape, batch first, with no zero dimension \
-                     (e.g. [1, 3, 32, 32]), got {}",
-                    Shape::new(self.input_shape.clone())
-                ),
-            });
-        }
-        Ok(())
+        self.options.check(ExportFormat::SavedModel)
     }
 
     /// The target's parent and name, after refusing what may not be replaced.
     fn check_destination(&self, dest: &Path) -> ExportResult<(PathBuf, std::ffi::OsString)> {
         let Some(name) = dest.file_name() else {
-            return Err(ExportError::InvalidArgument {
-                name: "dir",
-                reason: format!("{} does not name a directory to create", dest.display()),
-            });
+            return Err(ExportError::invalid(
+                "output path",
+                format!("{} does not name a directory to create", dest.display()),
+            ));
         };
         let parent = match dest.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        replaces(dest, self.overwrite)?;
+        if !parent.is_dir() {
+            return Err(ExportError::MissingParent {
+                path: dest.to_path_buf(),
+            });
+        }
+        replaces(dest, self.options.overwrite)?;
         if dest.to_str().is_none() {
-            return Err(ExportError::InvalidArgument {
-                name: "dir",
-                reason: format!(
+            return Err(ExportError::invalid(
+                "output path",
+                format!(
                     "{} is not valid UTF-8, which TensorFlow needs for a checkpoint path",
                     dest.display()
                 ),
-            });
+            ));
         }
         Ok((parent, name.to_owned()))
     }
@@ -255,12 +209,12 @@ impl<'a> SavedModelExport<'a> {
             let engine = &mut export.compiled.engine;
             engine.write_vars(&vars, &refs)?;
             let prefix = variables.join(files::VARIABLES_STEM);
-            let prefix = prefix
-                .to_str()
-                .ok_or_else(|| ExportError::InvalidArgument {
-                    name: "dir",
-                    reason: format!("{} is not valid UTF-8", prefix.display()),
-                })?;
+            let prefix = prefix.to_str().ok_or_else(|| {
+                ExportError::invalid(
+                    "output path",
+                    format!("{} is not valid UTF-8", prefix.display()),
+                )
+            })?;
             engine.run_with_string(
                 &saver.filename,
                 prefix,
@@ -299,7 +253,7 @@ impl<'a> SavedModelExport<'a> {
             key: SERVING_SIGNATURE.to_owned(),
             method_name: PREDICT_METHOD.to_owned(),
             inputs: vec![(
-                self.input_name.clone(),
+                self.options.input_name.clone(),
                 TensorInfoDef {
                     name: tensor_name(&export.input)?,
                     dtype: export.input_dtype,
@@ -307,7 +261,7 @@ impl<'a> SavedModelExport<'a> {
                 },
             )],
             outputs: vec![(
-                self.output_name.clone(),
+                self.options.output_name.clone(),
                 TensorInfoDef {
                     name: tensor_name(&export.output)?,
                     dtype: DataType::Float,
@@ -340,7 +294,7 @@ impl<'a> SavedModelExport<'a> {
 
 /// Whether `dest` holds a SavedModel directory to replace (`false`: nothing is
 /// there); anything else there is [`ExportError::Exists`] without `overwrite`
-/// and [`ExportError::NotASavedModel`] with it.
+/// and [`ExportError::NotReplaceable`] with it.
 fn replaces(dest: &Path, overwrite: bool) -> ExportResult<bool> {
     match fs::symlink_metadata(dest) {
         Ok(meta) => {
@@ -350,8 +304,12 @@ fn replaces(dest: &Path, overwrite: bool) -> ExportResult<bool> {
                 });
             }
             if !meta.is_dir() || !dest.join("saved_model.pb").is_file() {
-                return Err(ExportError::NotASavedModel {
+                return Err(ExportError::NotReplaceable {
                     path: dest.to_path_buf(),
+                    reason: "exists and is not a SavedModel directory (no saved_model.pb): an \
+                             export replaces only a SavedModel; remove it yourself or choose \
+                             another path"
+                        .to_owned(),
                 });
             }
             Ok(true)
