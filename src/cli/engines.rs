@@ -15,14 +15,22 @@ use kiln_c10d::{DistributedDataParallel, ProcessGroup};
 use kiln_core::distributed::{DistributedOptions, Rendezvous};
 use kiln_core::strategy::StepHooks;
 
-use crate::cli::Command;
+use crate::args::{CheckpointArgs, Command, ExportFormat, PredictArgs, Resume};
 use crate::config::{BackendKind, RunConfig};
-use crate::evaluate::{is_onnx, CheckpointArgs, PredictArgs};
-use crate::export::{ExportFormat, Source};
+use crate::formats::is_onnx;
 use crate::forward::NeedsTensorflow;
 use crate::prelude::*;
-use crate::resume::Resume;
 use kiln_core::export::ExportOptions;
+
+/// The model, weights and input shape `kiln export` works from.
+pub struct Source {
+    /// The model's definition.
+    pub definition: Layer,
+    /// Its weights.
+    pub state: StateDict,
+    /// The input's shape, batch dimension first.
+    pub input_shape: Vec<usize>,
+}
 
 /// The engines an executable runs: `kiln`'s implementation keeps the defaults
 /// (every TensorFlow method refuses with a `NeedsTensorflow` error);

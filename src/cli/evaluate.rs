@@ -6,39 +6,14 @@ use std::path::{Path, PathBuf};
 
 use crate::prelude::*;
 use anyhow::{Context, Result};
-use clap::Args;
 
-use crate::cli::{load_config, outln, resolve_model};
+use crate::args::{CheckpointArgs, PredictArgs};
 use crate::config::{BackendKind, RunConfig};
 use crate::data::{loader, validation_split, RecordTargets};
 use crate::engines::Engines;
-
-/// `kiln eval`'s arguments (and `kiln predict`'s, but its output).
-#[derive(Args)]
-pub struct CheckpointArgs {
-    /// The run config (TOML) that names the data.
-    #[arg(long)]
-    pub(crate) config: PathBuf,
-    /// The checkpoint file (`predict` also takes an ONNX model, `*.onnx`).
-    #[arg(long)]
-    pub(crate) checkpoint: PathBuf,
-    /// Override `device`.
-    #[arg(long)]
-    pub(crate) device: Option<Device>,
-}
-
-/// `kiln predict`'s arguments.
-#[derive(Args)]
-pub struct PredictArgs {
-    #[command(flatten)]
-    pub(crate) common: CheckpointArgs,
-    /// Where to write the predictions (CSV: index, predicted class, label, scores).
-    #[arg(long)]
-    pub(crate) output: PathBuf,
-    /// Replace `--output` if it exists (it is never written over otherwise).
-    #[arg(long)]
-    pub(crate) overwrite: bool,
-}
+use crate::formats::{is_onnx, open_checkpoint};
+use crate::model::resolve_model;
+use crate::output::{check_output, outln};
 
 /// The config's model with the checkpoint's weights, in eval mode. The config
 /// is the source of truth: a checkpoint that records another definition is
@@ -67,7 +42,7 @@ fn restore<E: Engines, B: TrainBackend>(
 }
 
 pub(crate) fn eval<E: Engines>(args: CheckpointArgs) -> Result<()> {
-    let config = load_config(&args.config)?;
+    let config = RunConfig::load(&args.config)?;
     match config.backend {
         BackendKind::Torch => eval_on::<E, kiln_torch::TorchBackend>(&args, &config),
         BackendKind::Tensorflow => E::eval_tensorflow(&args, &config),
@@ -101,7 +76,7 @@ pub fn eval_on<E: Engines, B: TrainBackend>(
 }
 
 pub(crate) fn predict<E: Engines>(args: PredictArgs) -> Result<()> {
-    let config = load_config(&args.common.config)?;
+    let config = RunConfig::load(&args.common.config)?;
     if is_onnx(&args.common.checkpoint) {
         return predict_onnx::<E>(&args, &config);
     }
@@ -118,7 +93,7 @@ pub fn predict_on<E: Engines, B: TrainBackend>(
 ) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
-    crate::cli::check_output(&args.output, args.overwrite, "predict")?;
+    check_output(&args.output, args.overwrite, "predict")?;
     let checkpoint = open_checkpoint(&common.checkpoint)?;
     let (split, probe) = validation_split::<E>(config)?;
     let mut model = restore::<E, B>(&checkpoint, &common.checkpoint, config, device, &probe)?;
@@ -130,53 +105,13 @@ pub fn predict_on<E: Engines, B: TrainBackend>(
 }
 
 /// Whether `path` names an ONNX model (`*.onnx`).
-/// Reads the Kiln checkpoint at `path` to evaluate, predict with or export it,
-/// after checking that it is one: a pipe, a device, a TorchScript file or an
-/// ONNX model is named as what it is, and a checkpoint holding NaN or infinite
-/// values is refused naming them.
-pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
-    refuse_other_formats(path)?;
-    let checkpoint = Checkpoint::load(path)?;
-    checkpoint.check_finite(path)?;
-    Ok(checkpoint)
-}
-
-/// Checks that `path` is a regular file that may be a Kiln checkpoint (or a
-/// run's `model.safetensors`): not a pipe or device (which would block or read
-/// forever), a TorchScript file or an ONNX model.
-pub(crate) fn refuse_other_formats(path: &Path) -> Result<()> {
-    kiln_core::fs::check_regular_file(path)?;
-    if crate::inspect::is_zip_archive(path)? {
-        anyhow::bail!(
-            "{} is a TorchScript file (a zip archive), not a Kiln checkpoint: give the \
-             safetensors checkpoint of a Kiln run (`checkpoints/last.safetensors`), or use the \
-             TorchScript file as a `torchscript` layer in a config",
-            path.display()
-        );
-    }
-    if is_onnx(path) {
-        anyhow::bail!(
-            "{} is an ONNX model, not a Kiln checkpoint: `kiln predict` runs ONNX models; \
-             `kiln eval` and `kiln export` read the safetensors checkpoint of a Kiln run \
-             (`checkpoints/last.safetensors`)",
-            path.display()
-        );
-    }
-    Ok(())
-}
-
-pub(crate) fn is_onnx(path: &Path) -> bool {
-    path.extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
-}
-
 /// `kiln predict` with an ONNX model: ONNX Runtime over the config's
 /// validation split, in batches of `data.batch_size`.
 fn predict_onnx<E: Engines>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     if args.common.device.is_some_and(|d| d != Device::Cpu) {
         anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");
     }
-    crate::cli::check_output(&args.output, args.overwrite, "predict")?;
+    check_output(&args.output, args.overwrite, "predict")?;
     let path = &args.common.checkpoint;
     kiln_core::fs::check_regular_file(path)?;
     let model = kiln_onnx::OnnxModel::load(path)?;

@@ -6,104 +6,22 @@
 //! The shape of one input comes from `--input-shape`, else from the config's
 //! data, else from the model's first layer when that fixes it (a Linear layer).
 
-use std::path::{Path, PathBuf};
-
 use crate::prelude::*;
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
-use kiln_core::backend::TrainBackend;
 use kiln_core::export::ExportOptions;
-use kiln_core::module::Module;
 
-use crate::cli::outln;
+use crate::args::{ExportArgs, ExportFormat};
 use crate::config::RunConfig;
 use crate::data::validation_split;
 use crate::engines::Engines;
-
-/// The formats `kiln export` writes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub(crate) enum ExportFormat {
-    /// An ONNX model of standard operators (IR 10, opset 21), for ONNX Runtime.
-    Onnx,
-    /// A TorchScript file, for `torch.jit.load`, libtorch and TorchServe.
-    Torchscript,
-    /// A TensorFlow SavedModel directory with a `serving_default` signature.
-    Savedmodel,
-}
-
-impl From<ExportFormat> for kiln_core::export::ExportFormat {
-    fn from(format: ExportFormat) -> Self {
-        match format {
-            ExportFormat::Onnx => Self::Onnx,
-            ExportFormat::Torchscript => Self::TorchScript,
-            ExportFormat::Savedmodel => Self::SavedModel,
-        }
-    }
-}
-
-#[derive(Args)]
-pub(crate) struct ExportArgs {
-    /// A Kiln checkpoint (`checkpoints/last.safetensors`), or a run's
-    /// `model.safetensors` together with --config.
-    #[arg(long)]
-    checkpoint: PathBuf,
-    /// The run config: its model is the definition exported (the checkpoint
-    /// must have been trained with it) and its data gives the input shape.
-    #[arg(long)]
-    pub(crate) config: Option<PathBuf>,
-    /// What to write.
-    #[arg(long, value_enum)]
-    pub(crate) format: ExportFormat,
-    /// The file (onnx, torchscript) or directory (savedmodel) to create.
-    #[arg(long)]
-    output: PathBuf,
-    /// The shape of one input sample, without the batch dimension (`1,8,8`).
-    /// Default: the config's data, else the first layer's input (Linear).
-    #[arg(long, value_parser = parse_shape)]
-    pub(crate) input_shape: Option<SampleShape>,
-    /// A fixed batch size instead of a dynamic batch dimension (onnx).
-    #[arg(long)]
-    batch_size: Option<usize>,
-    /// The input's name in the exported model (onnx, savedmodel; default `input`).
-    #[arg(long)]
-    input_name: Option<String>,
-    /// The output's name in the exported model (onnx, savedmodel; default `output`).
-    #[arg(long)]
-    output_name: Option<String>,
-    /// Replace `--output` if it exists (it is never written over otherwise).
-    #[arg(long)]
-    overwrite: bool,
-}
-
-/// `--input-shape`: one sample's dimensions.
-#[derive(Clone, Debug)]
-pub(crate) struct SampleShape(Vec<usize>);
-
-fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
-    text.split(',')
-        .map(|d| match d.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!(
-                "`{text}`: expected positive sizes separated by commas, such as `1,8,8`"
-            )),
-        })
-        .collect::<std::result::Result<_, _>>()
-        .map(SampleShape)
-}
-
-/// The model, weights and input shape `kiln export` works from.
-pub struct Source {
-    /// The model's definition.
-    pub definition: Layer,
-    /// Its weights.
-    pub state: StateDict,
-    /// The input's shape, batch dimension first.
-    pub input_shape: Vec<usize>,
-}
+use crate::engines::Source;
+use crate::formats::{open_checkpoint, refuse_other_formats};
+use crate::model::{build_model, resolve_model};
+use crate::output::{check_output, outln};
 
 pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
     // Nothing is read or built when the output would be refused anyway.
-    crate::cli::check_output(&args.output, args.overwrite, "export")?;
+    check_output(&args.output, args.overwrite, "export")?;
     if args.batch_size == Some(0) {
         bail!(
             "--batch-size 0 would fix the model's batch dimension to 0, so that it takes only \
@@ -180,20 +98,6 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
     Ok(())
 }
 
-/// The model built on backend `B` with the source's weights, in eval mode.
-pub fn build_model<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
-    let mut model = B::build_model(&source.definition, Device::Cpu)?;
-    source
-        .state
-        .check_dtypes(&model.state_dict()?)
-        .and_then(|()| model.load_state_dict(&source.state))
-        .map_err(|e| {
-            kiln_core::Error::checkpoint_caused_by(path, "does not fit the model definition", e)
-        })?;
-    model.set_mode(Mode::Eval);
-    Ok(model)
-}
-
 fn load_source<E: Engines>(args: &ExportArgs) -> Result<Source> {
     let path = &args.checkpoint;
     let config = args
@@ -201,14 +105,11 @@ fn load_source<E: Engines>(args: &ExportArgs) -> Result<Source> {
         .as_deref()
         .map(|p| RunConfig::load(p).with_context(|| format!("config {}", p.display())))
         .transpose()?;
-    crate::evaluate::refuse_other_formats(path)?;
+    refuse_other_formats(path)?;
     let meta = kiln_core::safetensors::load_safetensors_metadata(path)?;
     // A checkpoint records its model's definition; a run's `model.safetensors` does not.
     let (checkpoint, weights) = if meta.contains_key("kiln.format") {
-        (
-            Some(crate::evaluate::open_checkpoint(path)?),
-            StateDict::new(),
-        )
+        (Some(open_checkpoint(path)?), StateDict::new())
     } else {
         let weights = StateDict::load_safetensors(path)?.0;
         kiln_train::refuse_non_finite(path, &kiln_train::find_non_finite("", &weights))?;
@@ -223,7 +124,7 @@ fn load_source<E: Engines>(args: &ExportArgs) -> Result<Source> {
     let definition = match (&config, recorded) {
         (Some(config), _) => {
             let definition = match &example {
-                Some(x) => crate::cli::resolve_model::<E>(config, x, Device::Cpu)?,
+                Some(x) => resolve_model::<E>(config, x, Device::Cpu)?,
                 None => config.model.clone(),
             };
             if let Some(checkpoint) = &checkpoint {

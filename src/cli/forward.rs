@@ -12,7 +12,7 @@
 //!   setting applies (absl's `WARNING: All log messages before
 //!   absl::InitializeLog()`, oneDNN's notice), goes to an anonymous file: the child
 //!   starts with it as fd 2 and the real stderr as another descriptor (named by
-//!   [`STDERR_FD_VAR`](crate::cli::STDERR_FD_VAR)), which its `main` puts back
+//!   [`STDERR_FD_VAR`](crate::output::STDERR_FD_VAR)), which its `main` puts back
 //!   first. This process waits for the child, passing it the signals it gets, and
 //!   exits as the child did; when the child died before its `main` (TensorFlow
 //!   aborting as it loads), the capture, which the child empties when it takes
@@ -31,7 +31,7 @@ use std::process::{Command, ExitStatus, Stdio};
 
 use anyhow::{Context, Result};
 
-use crate::cli::{CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
+use crate::output::{CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
 
 /// The file name of the executable that runs the TensorFlow commands, in the
 /// directory of the `kiln` executable.

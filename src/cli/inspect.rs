@@ -7,18 +7,9 @@ use crate::prelude::*;
 use anyhow::{Context, Result};
 use kiln_train::Checkpoint;
 
-use crate::cli::{out, outln};
 use crate::engines::Engines;
-
-/// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
-/// files (`torch.jit.save`) are stored, unlike safetensors files.
-pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
-    use std::io::Read;
-    let mut magic = [0u8; 4];
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
-}
+use crate::formats::is_zip_archive;
+use crate::output::{out, outln};
 
 /// A TorchScript file's parameters and buffers, as libtorch loads them.
 pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
@@ -73,7 +64,7 @@ pub(crate) fn inspect<E: Engines>(path: &Path) -> Result<()> {
     if is_zip_archive(path)? {
         return inspect_torchscript(path);
     }
-    if crate::evaluate::is_onnx(path) {
+    if crate::formats::is_onnx(path) {
         out!("{}", kiln_onnx::ModelInfo::read(path)?);
         return Ok(());
     }

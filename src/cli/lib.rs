@@ -19,29 +19,39 @@
 //! kiln launch --nproc-per-node 2 -- train --config CONFIG   # N workers, as torchrun
 //! ```
 //!
-//! Modules: `cli` (the commands, `kiln train`), `engines` (the [`Engines`]
-//! trait and the decision), `evaluate` (`eval`, `predict`), `export`,
-//! `inspect`, `launch`, `forward` (running `kiln-tensorflow`), `config` (the
-//! TOML), `data`, `resume`, `ranks`.
+//! Modules, leaves first (none imports a module after it): `config` (the
+//! TOML), `args` (the command line), `output` (what commands print, the output
+//! check), `formats` (what a checkpoint path holds), `launch`, `forward`
+//! (running `kiln-tensorflow`), `engines` (the [`Engines`] trait and the
+//! decision), `model`, `data`, `resume`, `ranks`, then the commands: `train`,
+//! `evaluate` (`eval`, `predict`), `export`, `inspect`, and `cli`, which
+//! dispatches to them.
 
+mod args;
 mod cli;
 mod config;
 mod data;
 mod engines;
 mod evaluate;
 mod export;
+mod formats;
 mod forward;
 mod inspect;
 mod launch;
+mod model;
+mod output;
 mod ranks;
 mod resume;
+mod train;
 
-pub use cli::{init_logging, run, train_on, CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
+pub use args::{CheckpointArgs, PredictArgs, Resume};
+pub use cli::run;
 pub use config::RunConfig;
-pub use engines::{DataParallelEngine, Engines};
-pub use evaluate::{eval_on, predict_on, CheckpointArgs, PredictArgs};
-pub use export::{build_model, Source};
-pub use resume::Resume;
+pub use engines::{DataParallelEngine, Engines, Source};
+pub use evaluate::{eval_on, predict_on};
+pub use model::build_model;
+pub use output::{init_logging, CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
+pub use train::train_on;
 
 /// The names the commands use from Kiln's crates (the facade's prelude,
 /// without the facade, which depends on this crate).

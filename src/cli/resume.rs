@@ -12,14 +12,6 @@ use kiln_train::{Checkpoint, Checkpointer, RunDirectory, RunStart};
 use crate::config::RunConfig;
 use crate::data::{Data, Split};
 
-/// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
-pub struct Resume {
-    /// A checkpoint file, or `auto`; `None` for a new run.
-    pub(crate) from: Option<String>,
-    /// Continue on data other than the checkpoint recorded.
-    pub(crate) on_other_data: bool,
-}
-
 /// Where a rank other than 0 resumes from: the checkpoint rank 0 resumes from
 /// (the run directory must be visible to every rank, as in PyTorch); rank 0
 /// alone checks and writes the directory.
@@ -75,7 +67,7 @@ pub(crate) fn load_resume_checkpoint(
     model: &Layer,
     path: &Path,
 ) -> Result<Checkpoint> {
-    crate::evaluate::refuse_other_formats(path)?;
+    crate::formats::refuse_other_formats(path)?;
     let checkpoint = Checkpoint::load(path)?;
     checkpoint.check_definition(model, path)?;
     if checkpoint.seed != config.seed {

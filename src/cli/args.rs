@@ -1,0 +1,253 @@
+//! The command line as `clap` parses it: every command's arguments, and how
+//! `kiln train`'s flags meet the config. A leaf: the commands import it, it
+//! imports none of them.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::config::{BackendKind, RunConfig};
+use crate::launch::LaunchArgs;
+use crate::prelude::*;
+use kiln_core::precision::FloatPrecision;
+
+#[derive(Parser)]
+#[command(
+    name = "kiln",
+    version,
+    about = "Train neural networks from Rust on libtorch or TensorFlow"
+)]
+pub(crate) struct Cli {
+    #[command(subcommand)]
+    pub(crate) command: Command,
+}
+
+/// A command of `kiln`, as parsed.
+#[derive(Subcommand)]
+pub(crate) enum Command {
+    /// Train a model described by a TOML config.
+    Train(TrainArgs),
+    /// Evaluate a checkpoint on the config's validation split.
+    Eval(CheckpointArgs),
+    /// Write a checkpoint's predictions for the validation split as CSV.
+    Predict(PredictArgs),
+    /// Show what is inside a checkpoint (a table of tensors), a TorchScript
+    /// file, an ONNX model (inputs, outputs, opsets, operators) or a TensorFlow
+    /// SavedModel directory (its signatures with input and output names, dtypes and shapes).
+    Inspect {
+        /// A checkpoint, TorchScript or ONNX file, or a SavedModel directory.
+        checkpoint: PathBuf,
+    },
+    /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
+    Export(ExportArgs),
+    /// Start N worker processes on this node for data-parallel training, as
+    /// `torchrun --standalone --nproc-per-node N --no-python` does: each runs
+    /// `kiln ARGS` (or `--exec PROGRAM ARGS`) with RANK, WORLD_SIZE, MASTER_ADDR,
+    /// MASTER_PORT and torchrun's other variables set.
+    Launch(LaunchArgs),
+}
+
+/// `kiln train`'s arguments.
+#[derive(Args)]
+pub(crate) struct TrainArgs {
+    /// The run config (TOML).
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// Override `training.epochs`.
+    #[arg(long)]
+    pub(crate) epochs: Option<u64>,
+    /// Override `training.max_steps`.
+    #[arg(long)]
+    pub(crate) max_steps: Option<u64>,
+    /// Override `device` (cpu, cuda, cuda:N).
+    #[arg(long)]
+    pub(crate) device: Option<Device>,
+    /// Override `seed`.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Override `backend` (torch, tensorflow).
+    #[arg(long, value_parser = parse_backend)]
+    pub(crate) backend: Option<BackendKind>,
+    /// Override `training.precision` (32-true, bf16-mixed, bf16-true, 16-mixed, 16-true).
+    #[arg(long)]
+    pub(crate) precision: Option<FloatPrecision>,
+    /// Override `output_dir`.
+    #[arg(long)]
+    pub(crate) output: Option<PathBuf>,
+    /// Override the optimizer's learning rate.
+    #[arg(long)]
+    pub(crate) lr: Option<f64>,
+    /// Override `data.batch_size`.
+    #[arg(long)]
+    pub(crate) batch_size: Option<usize>,
+    /// Override `data.workers`.
+    #[arg(long)]
+    pub(crate) workers: Option<usize>,
+    /// Resume from a checkpoint file, or `auto` for the run in `output_dir`
+    /// (`checkpoints/last.safetensors`, else its newest step checkpoint; a new
+    /// run when the directory is absent or empty).
+    #[arg(long)]
+    pub(crate) resume: Option<String>,
+    /// With --resume: continue the checkpoint's run on data other than the data
+    /// it recorded (another size or content), starting the epoch in progress
+    /// again from its first batch. Without it such a resume is refused.
+    #[arg(long, requires = "resume")]
+    pub(crate) resume_on_other_data: bool,
+    /// No progress bar (plain log lines only).
+    #[arg(long)]
+    pub(crate) no_progress: bool,
+}
+
+fn parse_backend(value: &str) -> std::result::Result<BackendKind, String> {
+    match value {
+        "torch" => Ok(BackendKind::Torch),
+        "tensorflow" | "tf" => Ok(BackendKind::Tensorflow),
+        other => Err(format!(
+            "unknown backend `{other}`; expected `torch` or `tensorflow`"
+        )),
+    }
+}
+
+impl TrainArgs {
+    /// The config with these flags applied, validated.
+    pub(crate) fn config(&self) -> Result<RunConfig> {
+        let mut config = RunConfig::load(&self.config)?;
+        self.apply(&mut config);
+        config
+            .validate()
+            .with_context(|| format!("config {}", self.config.display()))?;
+        Ok(config)
+    }
+
+    /// Puts each flag given in place of the config's value: the one place
+    /// where `kiln train`'s flags meet the config.
+    fn apply(&self, config: &mut RunConfig) {
+        fn set<T: Clone>(field: &mut T, flag: &Option<T>) {
+            if let Some(value) = flag {
+                *field = value.clone();
+            }
+        }
+        set(&mut config.training.epochs, &self.epochs);
+        set(&mut config.training.max_steps, &self.max_steps.map(Some));
+        set(&mut config.device, &self.device);
+        set(&mut config.seed, &self.seed);
+        set(&mut config.backend, &self.backend);
+        set(&mut config.training.precision, &self.precision);
+        set(&mut config.output_dir, &self.output);
+        set(&mut config.data.batch_size, &self.batch_size);
+        set(&mut config.data.workers, &self.workers);
+        if let Some(lr) = self.lr {
+            config.optimizer = config.optimizer.clone().with_lr(lr);
+        }
+        if self.no_progress {
+            config.logging.progress = false;
+        }
+    }
+}
+
+/// `kiln eval`'s arguments (and `kiln predict`'s, but its output).
+#[derive(Args)]
+pub struct CheckpointArgs {
+    /// The run config (TOML) that names the data.
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// The checkpoint file (`predict` also takes an ONNX model, `*.onnx`).
+    #[arg(long)]
+    pub(crate) checkpoint: PathBuf,
+    /// Override `device`.
+    #[arg(long)]
+    pub(crate) device: Option<Device>,
+}
+
+/// `kiln predict`'s arguments.
+#[derive(Args)]
+pub struct PredictArgs {
+    #[command(flatten)]
+    pub(crate) common: CheckpointArgs,
+    /// Where to write the predictions (CSV: index, predicted class, label, scores).
+    #[arg(long)]
+    pub(crate) output: PathBuf,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+}
+
+/// The formats `kiln export` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum ExportFormat {
+    /// An ONNX model of standard operators (IR 10, opset 21), for ONNX Runtime.
+    Onnx,
+    /// A TorchScript file, for `torch.jit.load`, libtorch and TorchServe.
+    Torchscript,
+    /// A TensorFlow SavedModel directory with a `serving_default` signature.
+    Savedmodel,
+}
+
+impl From<ExportFormat> for kiln_core::export::ExportFormat {
+    fn from(format: ExportFormat) -> Self {
+        match format {
+            ExportFormat::Onnx => Self::Onnx,
+            ExportFormat::Torchscript => Self::TorchScript,
+            ExportFormat::Savedmodel => Self::SavedModel,
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct ExportArgs {
+    /// A Kiln checkpoint (`checkpoints/last.safetensors`), or a run's
+    /// `model.safetensors` together with --config.
+    #[arg(long)]
+    pub(crate) checkpoint: PathBuf,
+    /// The run config: its model is the definition exported (the checkpoint
+    /// must have been trained with it) and its data gives the input shape.
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// What to write.
+    #[arg(long, value_enum)]
+    pub(crate) format: ExportFormat,
+    /// The file (onnx, torchscript) or directory (savedmodel) to create.
+    #[arg(long)]
+    pub(crate) output: PathBuf,
+    /// The shape of one input sample, without the batch dimension (`1,8,8`).
+    /// Default: the config's data, else the first layer's input (Linear).
+    #[arg(long, value_parser = parse_shape)]
+    pub(crate) input_shape: Option<SampleShape>,
+    /// A fixed batch size instead of a dynamic batch dimension (onnx).
+    #[arg(long)]
+    pub(crate) batch_size: Option<usize>,
+    /// The input's name in the exported model (onnx, savedmodel; default `input`).
+    #[arg(long)]
+    pub(crate) input_name: Option<String>,
+    /// The output's name in the exported model (onnx, savedmodel; default `output`).
+    #[arg(long)]
+    pub(crate) output_name: Option<String>,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+}
+
+/// `--input-shape`: one sample's dimensions.
+#[derive(Clone, Debug)]
+pub(crate) struct SampleShape(pub(crate) Vec<usize>);
+
+fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
+    text.split(',')
+        .map(|d| match d.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!(
+                "`{text}`: expected positive sizes separated by commas, such as `1,8,8`"
+            )),
+        })
+        .collect::<std::result::Result<_, _>>()
+        .map(SampleShape)
+}
+
+/// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
+pub struct Resume {
+    /// A checkpoint file, or `auto`; `None` for a new run.
+    pub(crate) from: Option<String>,
+    /// Continue on data other than the checkpoint recorded.
+    pub(crate) on_other_data: bool,
+}

@@ -1,0 +1,335 @@
+//! Image data (`image_folder`, `webdataset`): opened, its classes checked
+//! against the model, its transforms built; decoded by the loader's workers.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
+use crate::engines::Engines;
+use anyhow::{Context, Result};
+use kiln_core::{loss::Loss, HostTensor};
+use kiln_data::vision::TransformSpec;
+use kiln_data::{
+    split_indices, ColorMode, Compose, Dataset, ImageFolder, OnError, Subset, Transform,
+    TransformRng, TransformedDataset, WebDataset,
+};
+
+use super::{check_fits, Data, ImageSplit, LabelOrigin, SampleDataset, Split};
+
+/// The train and validation transforms of image data: `transforms` and
+/// `val_transforms`, or their defaults (see `DataConfig`).
+fn image_transforms(config: &RunConfig) -> Result<(Vec<TransformSpec>, Vec<TransformSpec>)> {
+    let data = &config.data;
+    let spec = |value: serde_json::Value| -> Result<TransformSpec> {
+        serde_json::from_value(value).context("a default transform")
+    };
+    // Resize (shorter side) and centre-crop to `size`: what evaluation does.
+    let fit = |size: serde_json::Value| -> Result<Vec<TransformSpec>> {
+        let shorter = match &size {
+            serde_json::Value::Array(hw) => hw
+                .iter()
+                .filter_map(serde_json::Value::as_u64)
+                .min()
+                .unwrap_or(0),
+            other => other.as_u64().unwrap_or(0),
+        };
+        Ok(vec![
+            spec(serde_json::json!({ "type": "resize", "size": shorter }))?,
+            spec(serde_json::json!({ "type": "center_crop", "size": size }))?,
+        ])
+    };
+    let image_size = data.image_size.map(|s| match s {
+        crate::config::ImageSize::Square(n) => serde_json::json!(n),
+        crate::config::ImageSize::Rect(hw) => serde_json::json!(hw),
+    });
+    let train = match &data.transforms {
+        Some(t) => t.clone(),
+        None => {
+            let size = image_size.clone().context("data.image_size is required")?;
+            let mut t = fit(size)?;
+            t.push(spec(serde_json::json!({ "type": "to_tensor" }))?);
+            t
+        }
+    };
+    let val = match &data.val_transforms {
+        Some(t) => t.clone(),
+        None => {
+            // The size the training transforms crop to, when image_size is not set.
+            let size = match image_size {
+                Some(size) => size,
+                None => {
+                    let mut found = None;
+                    for t in &train {
+                        let value = serde_json::to_value(t)?;
+                        if matches!(
+                            value.get("type").and_then(|v| v.as_str()),
+                            Some("random_resized_crop" | "center_crop")
+                        ) {
+                            found = value.get("size").cloned();
+                        }
+                    }
+                    found.context(
+                        "data.val_transforms: set them, or data.image_size (validation \
+                         images are resized and centre-cropped to it)",
+                    )?
+                }
+            };
+            let mut t = fit(size)?;
+            for step in &train {
+                if matches!(step.name(), "to_tensor" | "normalize") {
+                    t.push(step.clone());
+                }
+            }
+            t
+        }
+    };
+    Ok((train, val))
+}
+
+/// The image folder (or list file) at `path`.
+fn open_folder(path: &Path, config: &RunConfig) -> Result<ImageFolder> {
+    let folder = if path.is_file() {
+        ImageFolder::from_list(path)
+    } else {
+        ImageFolder::new(path)
+    }
+    .with_context(|| format!("data set {}", path.display()))?;
+    Ok(folder
+        .color_mode(color_mode(config))
+        .on_error(on_error(config)))
+}
+
+fn on_error(config: &RunConfig) -> OnError {
+    match config.data.on_error.unwrap_or_default() {
+        OnErrorName::Fail => OnError::Fail,
+        OnErrorName::Skip => OnError::Skip,
+    }
+}
+
+fn color_mode(config: &RunConfig) -> ColorMode {
+    match config.data.color_mode.unwrap_or_default() {
+        ColorModeName::Rgb => ColorMode::Rgb,
+        ColorModeName::Gray => ColorMode::Gray,
+        ColorModeName::Rgba => ColorMode::Rgba,
+    }
+}
+
+/// Image data: the files are listed (folders) or indexed (shard headers),
+/// nothing is decoded but one example, which checks the transforms and the model.
+pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
+    let data = &config.data;
+    let (train_t, val_t) = image_transforms(config)?;
+    let train_transform = kiln_data::vision::compose(&train_t).context("data.transforms")?;
+    let val_transform = || kiln_data::vision::compose(&val_t).context("data.val_transforms");
+    val_transform()?;
+    let transformed = |base: SampleDataset, t: Compose| -> SampleDataset {
+        Arc::new(TransformedDataset::new(base, t, config.seed))
+    };
+    let mut classes = None;
+    let (train, val) = match data.dataset {
+        DatasetKind::ImageFolder => {
+            let path = data.path.as_deref().context("data.path is required")?;
+            let folder = open_folder(path, config)?;
+            classes = Some((path.to_path_buf(), folder.classes().to_vec()));
+            let folder = Arc::new(folder);
+            let (train_base, val_base): (SampleDataset, Option<SampleDataset>) =
+                if let Some(val_path) = &data.val_path {
+                    let val = open_folder(val_path, config)?;
+                    if val.classes() != folder.classes() {
+                        anyhow::bail!(
+                            "data.val_path {} has the classes {:?}, data.path {} has {:?}; \
+                             both need the same class folders (a class's index is its place \
+                             in the sorted names)",
+                            val_path.display(),
+                            val.classes(),
+                            path.display(),
+                            folder.classes()
+                        );
+                    }
+                    (folder, Some(Arc::new(val)))
+                } else if data.val_fraction() > 0.0 {
+                    let (tr, te) = split_indices(folder.len(), data.val_fraction(), config.seed)
+                        .context("data.val_fraction")?;
+                    (
+                        Arc::new(Subset::new(folder.clone(), tr)?),
+                        Some(Arc::new(Subset::new(folder, te)?)),
+                    )
+                } else {
+                    (folder, None)
+                };
+            let train = Split::Images(ImageSplit {
+                dataset: transformed(train_base, train_transform),
+                shards: None,
+            });
+            let val = match val_base {
+                Some(v) => Some(Split::Images(ImageSplit {
+                    dataset: transformed(v, val_transform()?),
+                    shards: None,
+                })),
+                None => None,
+            };
+            (train, val)
+        }
+        DatasetKind::Webdataset => {
+            let open = |key: &str, pattern: &str| -> Result<WebDataset> {
+                Ok(WebDataset::from_pattern(pattern)
+                    .with_context(|| format!("data.{key} = {pattern:?}"))?
+                    .color_mode(color_mode(config))
+                    .on_error(on_error(config)))
+            };
+            let pattern = data.shards.as_deref().context("data.shards is required")?;
+            let train_shards = open("shards", pattern)?;
+            let val_shards = match &data.val_shards {
+                Some(pattern) => Some(open("val_shards", pattern)?),
+                None => None,
+            };
+            // Labels are read batch by batch: each is checked against the
+            // model's classes as it is read, naming its shard and member.
+            let classes = shard_classes::<E>(config, &train_shards, &train_transform)?;
+            let checked = |shards: WebDataset| {
+                Arc::new(match classes {
+                    Some((n, ignore_index)) => shards.num_classes(n, ignore_index),
+                    None => shards,
+                })
+            };
+            let shards = checked(train_shards);
+            let train = Split::Images(ImageSplit {
+                dataset: transformed(shards.clone(), train_transform),
+                shards: Some(shards),
+            });
+            let val = match val_shards {
+                Some(shards) => {
+                    let shards = checked(shards);
+                    Some(Split::Images(ImageSplit {
+                        dataset: transformed(shards.clone(), val_transform()?),
+                        shards: Some(shards),
+                    }))
+                }
+                None => None,
+            };
+            (train, val)
+        }
+        other => anyhow::bail!("dataset {} is not image data", other.name()),
+    };
+    // One example through each split's transforms: they must agree, and fit the model.
+    let example = |split: &Split, which: &str| -> Result<(HostTensor, HostTensor)> {
+        let Split::Images(s) = split else {
+            anyhow::bail!("not image data")
+        };
+        if s.dataset.is_empty() {
+            anyhow::bail!("the {which} split has no images");
+        }
+        s.dataset
+            .get_for_epoch(0, 0)
+            .with_context(|| format!("the first {which} image"))
+    };
+    let (x, y) = example(&train, "training")?;
+    if let Some(size) = data.image_size {
+        let (h, w) = size.dims();
+        let dims = x.dims();
+        if dims.len() != 3 || dims[1] != h || dims[2] != w {
+            anyhow::bail!(
+                "data.transforms give images of shape {dims:?}, data.image_size is {:?}: \
+                 end them with a crop to that size (random_resized_crop, center_crop) and \
+                 to_tensor",
+                size
+            );
+        }
+    }
+    if let Some(val) = &val {
+        let (vx, _) = example(val, "validation")?;
+        if vx.dims() != x.dims() || vx.dtype() != x.dtype() {
+            anyhow::bail!(
+                "the training transforms give {} {:?}, the validation transforms {} {:?}; \
+                 the model takes one shape: make data.val_transforms crop to the same size",
+                x.dtype(),
+                x.dims(),
+                vx.dtype(),
+                vx.dims()
+            );
+        }
+    }
+    if x.dtype() != kiln_core::DType::F32 {
+        anyhow::bail!(
+            "data.transforms give {} images; the model takes float32: add \
+             {{ type = \"to_tensor\" }} (scales to [0, 1]) to the transforms",
+            x.dtype()
+        );
+    }
+    let batch_dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
+    let probe = x.reshape(batch_dims)?;
+    let label = y.to_dtype(kiln_core::DType::I64).reshape([1])?;
+    let origin = match &classes {
+        Some((path, names)) => {
+            check_classes::<E>(config, &probe, names.len(), path)?;
+            LabelOrigin::Lines {
+                path,
+                first_line: 1,
+            }
+        }
+        None => LabelOrigin::Records {
+            path: Path::new(data.shards.as_deref().unwrap_or_default()),
+            split: "training",
+        },
+    };
+    check_fits::<E>(config, &probe, &label, &origin)?;
+    Ok(Data { train, val, probe })
+}
+
+/// The classes a shard label must be one of, with the loss's ignored label:
+/// the model's scores per image for the first training image, when the loss
+/// takes class indices. `None` when that cannot be told here; the checks on
+/// the first image then say what is wrong.
+fn shard_classes<E: Engines>(
+    config: &RunConfig,
+    shards: &WebDataset,
+    transform: &Compose,
+) -> Result<Option<(usize, Option<i64>)>> {
+    let ignore_index = match &config.loss {
+        Loss::CrossEntropy(c) => c.ignore_index,
+        Loss::Nll(c) => c.ignore_index,
+        _ => return Ok(None),
+    };
+    if shards.is_empty() {
+        return Ok(None);
+    }
+    let Ok((image, _)) = shards.get(0) else {
+        return Ok(None);
+    };
+    let mut rng = TransformRng::for_sample(config.seed, 0, 0);
+    let Ok(x) = transform.apply(image, &mut rng) else {
+        return Ok(None);
+    };
+    let dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
+    let probe = x.reshape(dims)?;
+    let Ok(model) = crate::model::resolve_model::<E>(config, &probe, config.device) else {
+        return Ok(None);
+    };
+    Ok(model
+        .output_shape(probe.dims())
+        .ok()
+        .and_then(|output| output.get(1).copied())
+        .map(|classes| (classes, ignore_index)))
+}
+
+/// Checks that the model scores as many classes as an image folder has.
+fn check_classes<E: Engines>(
+    config: &RunConfig,
+    probe: &HostTensor,
+    classes: usize,
+    path: &Path,
+) -> Result<()> {
+    let model = crate::model::resolve_model::<E>(config, probe, config.device)?;
+    let output = model.output_shape(probe.dims())?;
+    if matches!(config.loss, Loss::CrossEntropy(_) | Loss::Nll(_))
+        && output.get(1).is_some_and(|&n| n < classes)
+    {
+        anyhow::bail!(
+            "{} has {classes} classes, the model's last layer gives {} scores per image; \
+             make its output size {classes}",
+            path.display(),
+            output[1]
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,133 @@
+//! A split's loader: in memory or prefetched by workers, shuffled by epoch,
+//! and sharded per rank as `DistributedSampler` does; and `RecordTargets`,
+//! which keeps the labels `predict` writes.
+
+use std::sync::Mutex;
+
+use crate::config::{OnErrorName, RunConfig};
+use anyhow::Result;
+use kiln_data::{Batch, DataLoader, InMemoryDataset, PrefetchLoader};
+
+use super::Split;
+
+/// The loader of one split; `shard` (rank, world size) gives this rank its
+/// share of every epoch, in `torch.utils.data.DistributedSampler`'s order (a
+/// webdataset: a block of the epoch's shard stream per rank).
+pub(crate) fn loader(
+    split: Split,
+    config: &RunConfig,
+    shuffle: bool,
+    shard: Option<(usize, usize)>,
+) -> Result<Box<dyn DataLoader>> {
+    let data = &config.data;
+    let sampler = |shuffle: bool| -> Result<Option<kiln_data::DistributedSampler>> {
+        let Some((rank, world_size)) = shard else {
+            return Ok(None);
+        };
+        let sampler = kiln_data::DistributedSampler::new(world_size, rank)?;
+        // Training: the order of one process (`kiln train`), dealt out to the
+        // ranks. With `drop_last` the sampler drops the uneven tail too rather
+        // than padding it with samples from the start of the order, so the
+        // ranks' k-th batches together are one process's k-th batch of
+        // `world_size` times the size. Evaluation: every sample once, the
+        // metrics added up across ranks.
+        Ok(Some(if shuffle {
+            sampler.shuffle(config.seed).drop_last(data.drop_last)
+        } else {
+            sampler.without_padding()
+        }))
+    };
+    match split {
+        Split::Tensors(x, y) => {
+            let mut loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
+                .num_workers(data.workers)
+                .drop_last(shuffle && data.drop_last);
+            if shuffle {
+                loader = loader.shuffle(config.seed);
+            }
+            if let Some(sampler) = sampler(shuffle)? {
+                loader = loader.sampler(sampler);
+            }
+            Ok(Box::new(loader))
+        }
+        Split::Images(split) => {
+            let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
+                .num_workers(data.workers)
+                .drop_last(shuffle && data.drop_last)
+                .skip_failed_samples(config.data.on_error == Some(OnErrorName::Skip));
+            match &split.shards {
+                // Training on shards: each epoch the shards are shuffled, the
+                // stream goes through the shuffle buffer, and each rank takes a block.
+                // (Validation reads the shards in order, as a folder is read.)
+                Some(shards) if shuffle => {
+                    let (rank, world_size) = shard.unwrap_or((0, 1));
+                    let buffer = data.shuffle_buffer.unwrap_or(DEFAULT_SHUFFLE_BUFFER);
+                    loader =
+                        loader.order(shards.epoch_order(config.seed, buffer, rank, world_size)?);
+                }
+                _ => {
+                    if shuffle {
+                        loader = loader.shuffle(config.seed);
+                    }
+                    if let Some(sampler) = sampler(shuffle)? {
+                        loader = loader.sampler(sampler);
+                    }
+                }
+            }
+            Ok(Box::new(loader))
+        }
+    }
+}
+
+/// `data.shuffle_buffer` when not set: webdataset's common choice.
+pub(crate) const DEFAULT_SHUFFLE_BUFFER: usize = 1000;
+
+/// A loader that keeps the targets of the batches it gives, in order: the
+/// labels `predict` writes beside each prediction.
+pub(crate) struct RecordTargets {
+    inner: Box<dyn DataLoader>,
+    targets: Mutex<Vec<i64>>,
+}
+
+impl RecordTargets {
+    pub(crate) fn new(inner: Box<dyn DataLoader>) -> Self {
+        RecordTargets {
+            inner,
+            targets: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The targets seen so far, as class indices (-1 where a target is not one).
+    pub(crate) fn targets(&self) -> Vec<i64> {
+        self.targets.lock().map(|t| t.clone()).unwrap_or_default()
+    }
+}
+
+impl DataLoader for RecordTargets {
+    fn num_batches(&self) -> usize {
+        self.inner.num_batches()
+    }
+
+    fn skipped_samples(&self) -> u64 {
+        self.inner.skipped_samples()
+    }
+
+    fn batches(
+        &self,
+        epoch: u64,
+    ) -> Box<dyn Iterator<Item = kiln_core::Result<Batch>> + Send + '_> {
+        let targets = &self.targets;
+        Box::new(self.inner.batches(epoch).inspect(move |batch| {
+            if let (Ok(batch), Ok(mut targets)) = (batch, targets.lock()) {
+                let n = batch.targets.dims().first().copied().unwrap_or(0);
+                let classes = batch.targets.to_dtype(kiln_core::DType::I64);
+                match classes.as_slice::<i64>() {
+                    Ok(values) if values.len() == n && !batch.targets.dtype().is_float() => {
+                        targets.extend_from_slice(values)
+                    }
+                    _ => targets.extend(std::iter::repeat_n(-1, n)),
+                }
+            }
+        }))
+    }
+}

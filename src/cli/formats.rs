@@ -1,0 +1,57 @@
+//! What a path given as a checkpoint is: a Kiln checkpoint, a TorchScript
+//! file (a zip archive) or an ONNX model, told apart before anything is loaded.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use kiln_train::Checkpoint;
+
+/// Reads the Kiln checkpoint at `path` to evaluate, predict with or export it,
+/// after checking that it is one: a pipe, a device, a TorchScript file or an
+/// ONNX model is named as what it is, and a checkpoint holding NaN or infinite
+/// values is refused naming them.
+pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
+    refuse_other_formats(path)?;
+    let checkpoint = Checkpoint::load(path)?;
+    checkpoint.check_finite(path)?;
+    Ok(checkpoint)
+}
+
+/// Checks that `path` is a regular file that may be a Kiln checkpoint (or a
+/// run's `model.safetensors`): not a pipe or device (which would block or read
+/// forever), a TorchScript file or an ONNX model.
+pub(crate) fn refuse_other_formats(path: &Path) -> Result<()> {
+    kiln_core::fs::check_regular_file(path)?;
+    if is_zip_archive(path)? {
+        anyhow::bail!(
+            "{} is a TorchScript file (a zip archive), not a Kiln checkpoint: give the \
+             safetensors checkpoint of a Kiln run (`checkpoints/last.safetensors`), or use the \
+             TorchScript file as a `torchscript` layer in a config",
+            path.display()
+        );
+    }
+    if is_onnx(path) {
+        anyhow::bail!(
+            "{} is an ONNX model, not a Kiln checkpoint: `kiln predict` runs ONNX models; \
+             `kiln eval` and `kiln export` read the safetensors checkpoint of a Kiln run \
+             (`checkpoints/last.safetensors`)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn is_onnx(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("onnx"))
+}
+
+/// Whether `path` starts as a zip archive does (`PK\x03\x04`): how TorchScript
+/// files (`torch.jit.save`) are stored, unlike safetensors files.
+pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
+}

@@ -1,0 +1,401 @@
+//! `kiln train`: a run config trained on one backend, on one process or as
+//! one rank of a data-parallel job ([`train_on`]), with its run directory,
+//! checkpoints, metric sinks and summary on rank 0 ([`fit`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use kiln_c10d::ProcessGroup;
+use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::distributed::Rendezvous;
+use kiln_core::strategy::DataParallel;
+use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
+
+use crate::args::{Resume, TrainArgs};
+use crate::config::{BackendKind, FrozenBatchNorm, RunConfig};
+use crate::data::{load_data, loader, Split};
+use crate::engines::{DataParallelEngine, Engines, TorchDdp};
+use crate::model::resolve_model;
+use crate::output::outln;
+use crate::prelude::*;
+use crate::resume::{
+    check_resume_data, check_resume_position, data_identity, follower_resume,
+    load_resume_checkpoint, reshard, resolve_resume,
+};
+
+pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
+    let mut config = args.config()?;
+    // Started by `kiln launch`, torchrun or srun: one rank of a data-parallel job.
+    let rendezvous = Rendezvous::from_env()?;
+    if let Some(r) = &rendezvous {
+        if let Device::Cuda(_) = config.device {
+            // One GPU per local rank, as torchrun users set with LOCAL_RANK.
+            config.device = Device::Cuda(r.local_rank);
+        }
+    }
+    let resume = Resume {
+        from: args.resume,
+        on_other_data: args.resume_on_other_data,
+    };
+    match config.backend {
+        BackendKind::Torch => {
+            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &resume, rendezvous.as_ref())
+        }
+        BackendKind::Tensorflow => E::train_tensorflow(&config, &resume, rendezvous.as_ref()),
+    }
+}
+
+/// What a training run has prepared before its model trains: the checks done,
+/// the data loaded, the definition resolved.
+struct Prepared<'a> {
+    config: &'a RunConfig,
+    resume: &'a Resume,
+    rendezvous: Option<&'a Rendezvous>,
+    started: Instant,
+    /// Rank 0 of a data-parallel job, or a single process: writes the run directory.
+    primary: bool,
+    resume_from: Option<PathBuf>,
+    definition: Layer,
+    identity: serde_json::Value,
+    train_loader: Box<dyn DataLoader>,
+    val_loader: Option<Box<dyn DataLoader>>,
+    examples: (usize, usize),
+}
+
+/// `kiln train` on backend `B`, data-parallel through `P` when started as one
+/// rank of a job.
+pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
+    config: &RunConfig,
+    resume: &Resume,
+    rendezvous: Option<&Rendezvous>,
+) -> Result<()> {
+    let started = Instant::now();
+    // Rank 0 of a data-parallel job (or a single process) writes the run
+    // directory, logs, plots and checkpoints; the other ranks only train.
+    let primary = rendezvous.is_none_or(Rendezvous::is_primary);
+    if !config.freeze.is_empty() && !B::CAN_FREEZE {
+        anyhow::bail!(
+            "config key `freeze`: freezing parameters is not supported on the {} backend",
+            B::NAME
+        );
+    }
+
+    // Everything that can be checked is checked before the first byte is written.
+    let resume_from = if primary {
+        resolve_resume(config, resume.from.as_deref())?
+    } else {
+        follower_resume(config, resume.from.as_deref())?
+    };
+    let data = load_data::<E>(config)?;
+    // Finding a torchscript layer's output shape runs it once (drawing nothing).
+    let definition = resolve_model::<E>(config, &data.probe, config.device)?;
+    let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
+    let identity = data_identity(config, &data);
+    let shard = rendezvous.map(|r| (r.rank, r.world_size));
+    let train_loader = loader(data.train, config, true, shard)?;
+    // Each rank validates on its share of the split (every sample once); the
+    // trainer adds the ranks' metric states up, so every rank gets the values
+    // over the whole split and early stopping and plateau schedules decide alike.
+    let val_loader = data
+        .val
+        .map(|v| loader(v, config, false, shard))
+        .transpose()?;
+
+    B::manual_seed(config.seed);
+    let mut model = B::build_model(&definition, config.device)?;
+    B::set_precision(&mut model, config.training.precision)?;
+    let patterns: Vec<&str> = config.freeze.iter().map(String::as_str).collect();
+    let (frozen, pinned) = B::freeze(
+        &mut model,
+        &patterns,
+        config.frozen_batch_norm == FrozenBatchNorm::Eval,
+    )
+    .context("config key `freeze`")?;
+    if !frozen.is_empty() {
+        log::info!(
+            "frozen: {} parameters ({})",
+            frozen.len(),
+            frozen.join(", ")
+        );
+    }
+    if !pinned.is_empty() {
+        log::info!("batch norm kept in eval mode: {}", pinned.join(", "));
+    }
+    let prepared = Prepared {
+        config,
+        resume,
+        rendezvous,
+        started,
+        primary,
+        resume_from,
+        definition,
+        identity,
+        train_loader,
+        val_loader,
+        examples,
+    };
+    let Some(r) = rendezvous else {
+        return fit::<B, _>(prepared, model);
+    };
+    let options = config.distributed.options(config.device);
+    let group = Arc::new(ProcessGroup::join(r, &options)?);
+    // Ranks that would run different steps would wait on each other forever.
+    crate::ranks::check_ranks_agree(
+        group.as_ref(),
+        &crate::ranks::what_ranks_share(
+            config,
+            &prepared.definition,
+            &prepared.identity,
+            prepared.resume_from.as_deref(),
+        )?,
+    )?;
+    if primary {
+        outln!(
+            "kiln: rank 0 of {} ({}, {} backend)",
+            r.world_size,
+            r.launcher,
+            options.backend
+        );
+    }
+    let sync = P::data_parallel(&model, &group, &options)?;
+    fit::<B, _>(prepared, DataParallel::new(model, sync)?)
+}
+
+/// Trains `model` (a single process's, or one rank's inside its strategy) as
+/// `prepared` says: the optimizer and schedule, the resume, one `Trainer` (rank
+/// 0's with the run's outputs: checkpoints, sinks), the final evaluation, and on
+/// rank 0 the weights, plots and summary.
+fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Result<()> {
+    let Prepared {
+        config,
+        resume,
+        rendezvous,
+        started,
+        primary,
+        resume_from,
+        definition,
+        identity,
+        train_loader,
+        val_loader,
+        examples: (n_train, n_val),
+    } = prepared;
+    let out = &config.output_dir;
+    let optimizer = model.build_optimizer(&config.optimizer, &config.param_groups)?;
+    let scheduler = match &config.schedule {
+        Some(s) => Some(s.build(&optimizer.learning_rates())?),
+        None => None,
+    };
+    let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
+    let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
+    if let Some(path) = &resume_from {
+        let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
+        check_resume_data(&mut checkpoint, &identity, path, resume.on_other_data)?;
+        // Before resharding: a position under another data order means
+        // nothing for any number of ranks.
+        checkpoint.check_data_order(path)?;
+        reshard(&mut checkpoint, world_size, path)?;
+        check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
+        Trainer::<B, M>::resume_from(&mut state, &checkpoint, path)?;
+    }
+
+    let mut training = config.training.clone();
+    training.seed = config.seed;
+    training.device = config.device;
+    let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?;
+    for name in &config.logging.metrics {
+        let make =
+            kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
+        trainer = trainer.with_metric(make);
+    }
+    if let Some(es) = &config.early_stopping {
+        trainer = trainer.with_callback(EarlyStopping::new(
+            es.monitor.clone(),
+            es.mode,
+            es.patience,
+            es.min_delta,
+        ));
+    }
+    if !primary {
+        trainer.fit(
+            &mut state,
+            train_loader.as_ref(),
+            val_loader.as_ref().map(|v| v.as_ref()),
+        )?;
+        // Rank 0's final evaluation reduces over every rank.
+        if let Some(val) = &val_loader {
+            state.model.set_mode(Mode::Eval);
+            trainer.evaluate(&mut state.model, val.as_ref())?;
+        }
+        return Ok(());
+    }
+
+    // From here on the run writes, holding its directory's lock.
+    let start = if resume_from.is_some() {
+        RunStart::Resume
+    } else {
+        RunStart::New
+    };
+    let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, start)?));
+    // The resolved config is the run's own file: a new run's directory was
+    // empty; a run resumed into a directory without one records it too.
+    let config_file = out.join("config.toml");
+    if start == RunStart::New || !config_file.exists() {
+        write_new_file(&config_file, toml_string(config)?.as_bytes())?;
+    }
+
+    let trainable = state.model.num_trainable_parameters()?;
+    let total = state.model.num_parameters()?;
+    outln!(
+        "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
+        B::NAME,
+        config.device,
+        config.training.precision,
+        config.output_dir.display(),
+        total,
+        if trainable < total {
+            format!(" ({trainable} trainable)")
+        } else {
+            String::new()
+        },
+        n_train,
+        n_val
+    );
+
+    // Rank 0's outputs: checkpoints and metric sinks.
+    let checkpoints = out.join("checkpoints");
+    trainer = trainer
+        .with_checkpointer(
+            Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
+            Some(definition.clone()),
+        )
+        .with_data_identity(identity);
+    if config.logging.csv {
+        trainer = trainer.with_sink(match &resume_from {
+            Some(_) => kiln_train::CsvSink::resume(out, state.step)?,
+            None => kiln_train::CsvSink::new(out)?,
+        });
+    }
+    if config.logging.tensorboard {
+        let dir = out.join("tensorboard");
+        trainer = trainer.with_sink(match &resume_from {
+            Some(_) => kiln_train::TensorBoardSink::resume(dir, state.step)?,
+            None => kiln_train::TensorBoardSink::new(dir)?,
+        });
+    }
+    if config.logging.progress {
+        trainer = trainer.with_sink(kiln_train::ProgressSink::new());
+    } else {
+        trainer = trainer.with_sink(kiln_train::LogSink::new());
+    }
+
+    let history = trainer.fit(
+        &mut state,
+        train_loader.as_ref(),
+        val_loader.as_ref().map(|v| v.as_ref()),
+    )?;
+    state.model.set_mode(Mode::Eval);
+    let final_metrics = match &val_loader {
+        Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,
+        None => Vec::new(),
+    };
+    let weights = out.join("model.safetensors");
+    let mut metadata = std::collections::BTreeMap::new();
+    metadata.insert("format".to_owned(), "pt".to_owned());
+    state
+        .model
+        .state_tensors()?
+        .save_safetensors(&weights, &metadata)?;
+    if config.logging.plots && !history.is_empty() {
+        let png = out.join("curves.png");
+        kiln_train::plot_curves(&history, &png, &kiln_train::PlotOptions::default())?;
+        outln!("kiln: curves plotted to {}", png.display());
+    }
+    let summary = if final_metrics.is_empty() {
+        "no validation split".to_owned()
+    } else {
+        format!(
+            "validation {}",
+            final_metrics
+                .iter()
+                .map(|(k, v)| if k.contains("loss") {
+                    format!("{k} {v:.4}")
+                } else {
+                    format!("{k} {:.2}%", 100.0 * v)
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    };
+    outln!(
+        "kiln: done in {:.1}s, {} steps; {summary}",
+        started.elapsed().as_secs_f64(),
+        state.step,
+    );
+    let skipped =
+        train_loader.skipped_samples() + val_loader.as_ref().map_or(0, |v| v.skipped_samples());
+    if skipped > 0 {
+        outln!(
+            "kiln: {skipped} images skipped because they could not be read or decoded \
+             (data.on_error = \"skip\"; each is named in a warning above)"
+        );
+    }
+    outln!(
+        "kiln: weights in {}, checkpoints in {}",
+        weights.display(),
+        checkpoints.display()
+    );
+    run.succeeded();
+    Ok(())
+}
+
+/// Holds a run's directory; when the run fails before its first checkpoint,
+/// removes what it wrote there ([`RunDirectory::discard_failed_start`]), so
+/// that the same command can run again once the cause is fixed.
+struct UndoFailedStart(Option<RunDirectory>);
+
+impl UndoFailedStart {
+    /// The run finished: its directory stays as it is.
+    fn succeeded(&mut self) {
+        self.0.take();
+    }
+}
+
+impl Drop for UndoFailedStart {
+    fn drop(&mut self) {
+        let Some(run) = self.0.take() else {
+            return;
+        };
+        let dir = run.path().to_path_buf();
+        match run.discard_failed_start() {
+            Ok(removed) if !removed.is_empty() => log::info!(
+                "the run failed before its first checkpoint: removed what it wrote in {} ({}), \
+                 so that it can start there again",
+                dir.display(),
+                removed.join(", ")
+            ),
+            Ok(_) => {}
+            Err(error) => log::warn!(
+                "the run failed before its first checkpoint, and removing what it wrote in {} \
+                 failed too: {error}",
+                dir.display()
+            ),
+        }
+    }
+}
+
+/// Writes `bytes` to a new file at `path`, refusing to replace one.
+fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .and_then(|mut file| file.write_all(bytes))
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+fn toml_string(config: &RunConfig) -> Result<String> {
+    toml::to_string_pretty(config).context("writing the resolved config")
+}
