@@ -11,9 +11,10 @@
 //! - A loss that is not finite on one rank is skipped by every rank, and
 //!   changes nothing.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use kiln_testkit::ranks::{assert_all_passed, spawn_ranks, wait_all};
 
 use kiln::c10d::ProcessGroup;
 use kiln::core::backend::Trainable;
@@ -34,77 +35,11 @@ const B: usize = 8;
 const STEPS: usize = 8;
 const ACCUMULATE: usize = 2;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free local port")
-}
-
-/// Starts the two ranks of test `test`.
-fn spawn_ranks(test: &str) -> Vec<Child> {
-    let exe = std::env::current_exe().expect("the test binary");
-    let port = free_port().to_string();
-    (0..2)
-        .map(|rank: usize| {
-            Command::new(&exe)
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "rank")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "2")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", "2")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("KILN_LAUNCH", "1")
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawning a rank")
-        })
-        .collect()
-}
-
-/// Waits for every rank (at most `limit`), returning (exit code, output) each.
-fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
-    let start = Instant::now();
-    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
-    let mut done: Vec<Option<(Option<i32>, String)>> = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (i, slot) in children.iter_mut().enumerate() {
-            let finished = match slot {
-                Some(child) => matches!(child.try_wait(), Ok(Some(_))),
-                None => false,
-            };
-            if finished || (start.elapsed() > limit && slot.is_some()) {
-                if let Some(mut child) = slot.take() {
-                    let _ = child.kill();
-                    let out = child.wait_with_output().expect("a rank's output");
-                    let text = format!(
-                        "{}{}",
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                    done[i] = Some((out.status.code(), text));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().flatten().collect()
-}
-
 /// Runs test `test` as two ranks and checks that both passed.
 fn run_as_two_ranks(test: &str) {
-    let results = wait_all(spawn_ranks(test), Duration::from_secs(300));
-    let failed: Vec<String> = results
-        .iter()
-        .enumerate()
-        .filter(|(_, (code, out))| *code != Some(0) || !out.contains("1 passed"))
-        .map(|(rank, (code, out))| format!("rank {rank} (exit {code:?}):\n{out}"))
-        .collect();
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    let children = spawn_ranks(ROLE, test, 2, &[0, 1], &[]);
+    let results = wait_all(children, Duration::from_secs(300));
+    assert_all_passed(&results);
     for (rank, (_, out)) in results.iter().enumerate() {
         // What a rank measured, for the driver's output.
         for line in out.lines() {

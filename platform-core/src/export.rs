@@ -364,6 +364,22 @@ pub fn shown_path(path: &str) -> String {
     }
 }
 
+/// The directory `path` goes in (`.` for a bare name), which must exist:
+/// [`ExportError::MissingParent`] otherwise, as every exporter reports it.
+pub fn existing_parent(path: &Path) -> Result<PathBuf, ExportError> {
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if parent.is_dir() {
+        Ok(parent)
+    } else {
+        Err(ExportError::MissingParent {
+            path: path.to_path_buf(),
+        })
+    }
+}
+
 /// The file an export writes, checked before anything is built: its directory
 /// exists, it is not a directory, and it is free unless overwriting was asked
 /// for. [`write`](Self::write) then places the file atomically.
@@ -391,15 +407,7 @@ impl FileTarget {
                 )
             })?
             .to_owned();
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        if !parent.is_dir() {
-            return Err(ExportError::MissingParent {
-                path: path.to_path_buf(),
-            });
-        }
+        existing_parent(path)?;
         let target = FileTarget {
             path: path.to_path_buf(),
             file_name,

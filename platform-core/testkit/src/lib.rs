@@ -18,6 +18,8 @@
 //! # let _ = python;
 //! ```
 
+pub mod ranks;
+
 use std::path::{Path, PathBuf};
 
 /// The environment variable that turns every reference skip into a failure.

@@ -4,8 +4,10 @@
 //! This is the guard that Kiln's Gloo declarations (include/gloo-api) and the
 //! torch wheel agree.
 
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
+
+use kiln_testkit::ranks::{assert_all_passed, wait_all};
 
 use kiln_c10d::{data_parallel, ProcessGroup};
 use kiln_core::distributed::{DistributedOptions, ReduceOp, Rendezvous};
@@ -16,76 +18,10 @@ use tch::Tensor;
 /// The variable that makes this binary a rank instead of a test driver.
 const ROLE: &str = "KILN_DIST_TEST_ROLE";
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free local port")
-}
-
 /// Starts `world` ranks of test `test` (ranks listed in `ranks`), with `extra`
-/// variables, and returns them.
+/// variables.
 fn spawn_ranks(test: &str, world: usize, ranks: &[usize], extra: &[(&str, String)]) -> Vec<Child> {
-    let exe = std::env::current_exe().expect("the test binary");
-    let port = free_port().to_string();
-    ranks
-        .iter()
-        .map(|&rank| {
-            let mut cmd = Command::new(&exe);
-            cmd.args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(ROLE, "rank")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("KILN_LAUNCH", "1")
-                .env("OMP_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().expect("spawning a rank")
-        })
-        .collect()
-}
-
-/// Waits for every rank (at most `limit`), returning (exit code, output) each.
-fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<(Option<i32>, String)> {
-    let start = Instant::now();
-    let mut children: Vec<Option<Child>> = children.into_iter().map(Some).collect();
-    let mut done: Vec<Option<(Option<i32>, String)>> = vec![None; children.len()];
-    while done.iter().any(Option::is_none) {
-        for (i, slot) in children.iter_mut().enumerate() {
-            let finished = match slot {
-                Some(child) => matches!(child.try_wait(), Ok(Some(_))),
-                None => false,
-            };
-            if finished || (start.elapsed() > limit && slot.is_some()) {
-                if let Some(mut child) = slot.take() {
-                    let _ = child.kill();
-                    let out = child.wait_with_output().expect("a rank's output");
-                    let text = format!(
-                        "{}{}",
-                        String::from_utf8_lossy(&out.stdout),
-                        String::from_utf8_lossy(&out.stderr)
-                    );
-                    done[i] = Some((out.status.code(), text));
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    done.into_iter().flatten().collect()
-}
-
-fn assert_all_passed(results: &[(Option<i32>, String)]) {
-    for (rank, (code, out)) in results.iter().enumerate() {
-        assert_eq!(*code, Some(0), "rank {rank} failed:\n{out}");
-        assert!(out.contains("1 passed"), "rank {rank} ran no test:\n{out}");
-    }
+    kiln_testkit::ranks::spawn_ranks(ROLE, test, world, ranks, extra)
 }
 
 fn is_rank() -> bool {

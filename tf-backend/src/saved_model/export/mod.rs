@@ -40,7 +40,7 @@ use crate::saved_model::load::{files, SERVE_TAG};
 use graph::{
     check_layers, check_ops, op_name, standard_ops, tensor_name, ExportGraph, ExportResult,
 };
-use kiln_core::export::{ExportError, ExportFormat, ExportOptions};
+use kiln_core::export::{existing_parent, ExportError, ExportFormat, ExportOptions};
 use proto::{SavedModelDef, SaverNames, SignatureDefSpec, TensorInfoDef, VariableDefSpec};
 
 /// The signature key TensorFlow Serving and `tf.saved_model.load(..).signatures` use by default.
@@ -159,15 +159,7 @@ impl<'a> SavedModelExport<'a> {
                 format!("{} does not name a directory to create", dest.display()),
             ));
         };
-        let parent = match dest.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        if !parent.is_dir() {
-            return Err(ExportError::MissingParent {
-                path: dest.to_path_buf(),
-            });
-        }
+        let parent = existing_parent(dest)?;
         replaces(dest, self.options.overwrite)?;
         if dest.to_str().is_none() {
             return Err(ExportError::invalid(
