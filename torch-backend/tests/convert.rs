@@ -143,17 +143,9 @@ fn missing_cuda_device_is_a_typed_error() {
     );
 }
 
-/// `error: cause: cause`, walking `source()` as `anyhow`'s `{:#}` does (what the
-/// CLI prints).
+/// `error: cause: cause`, as `anyhow`'s `{:#}` (and the CLI) prints it.
 fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = error.to_string();
-    let mut next = error.source();
-    while let Some(cause) = next {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        next = cause.source();
-    }
-    text
+    kiln_core::error::ErrorChain::new(error).to_string()
 }
 
 #[test]

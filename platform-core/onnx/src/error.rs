@@ -153,17 +153,9 @@ mod tests {
         assert_eq!(core.to_string(), "unsupported: a complex input");
     }
 
-    /// The whole chain, as `anyhow`'s `{:#}` prints it: each error's message,
-    /// then its sources', joined by `: `.
+    /// The whole chain, as `anyhow`'s `{:#}` prints it.
     fn chain(error: &(dyn std::error::Error + 'static)) -> String {
-        let mut out = error.to_string();
-        let mut next = error.source();
-        while let Some(cause) = next {
-            out.push_str(": ");
-            out.push_str(&cause.to_string());
-            next = cause.source();
-        }
-        out
+        kiln_core::error::ErrorChain::new(error).to_string()
     }
 
     #[test]
