@@ -10,7 +10,6 @@ use crate::convert::TfTensor;
 use crate::custom_layer::CustomOps;
 use crate::error::tf_error;
 use crate::graph::Builder;
-use crate::saved_model::SavedModelLayers;
 
 /// The seed [`crate::TfBackend::manual_seed`] set, and how many random draws followed it.
 static SEED: AtomicU64 = AtomicU64::new(0x5eed);
@@ -79,8 +78,6 @@ pub(crate) struct Engine {
     pub(crate) runs: u64,
     /// The model's custom-layer functions, resolved when it was built.
     pub(crate) custom_ops: CustomOps,
-    /// The model's `saved_model` layers, loaded when it was built.
-    pub(crate) saved_models: SavedModelLayers,
 }
 
 impl Engine {
@@ -90,7 +87,6 @@ impl Engine {
             session: None,
             runs: 0,
             custom_ops: CustomOps::default(),
-            saved_models: SavedModelLayers::default(),
         }
     }
 

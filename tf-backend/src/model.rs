@@ -103,12 +103,13 @@ impl TfModel {
         engine.write_vars(&refs, &value_refs)?;
         if !saved_models.is_empty() {
             saved_models.restore(&mut engine)?;
-            engine.saved_models = saved_models;
         }
+        let mut graph = CompiledGraph::new(engine);
+        graph.saved_models = saved_models;
         Ok(TfModel {
             spec: spec.clone(),
             mode: Mode::Train,
-            graph: Arc::new(Mutex::new(CompiledGraph::new(engine))),
+            graph: Arc::new(Mutex::new(graph)),
             vars,
         })
     }

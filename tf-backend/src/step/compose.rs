@@ -17,6 +17,7 @@ use crate::convert::TfTensor;
 use crate::engine::{seed_tensor, tf_dtype, Engine, Var};
 use crate::graph::Builder;
 use crate::layers::{add_updates, Ctx, Update, Val};
+use crate::saved_model::SavedModelLayers;
 
 /// The graph pieces of a forward pass, which the other programs build on.
 #[derive(Debug, Clone)]
@@ -122,6 +123,9 @@ pub(crate) trait UpdateRule {
 #[derive(Debug)]
 pub(crate) struct CompiledGraph {
     pub(crate) engine: Engine,
+    /// The model's `saved_model` layers, loaded when it was built (their
+    /// graphs are in the engine's; the forward pass wires them in).
+    pub(crate) saved_models: SavedModelLayers,
     programs: HashMap<ProgramKey, Program>,
 }
 
@@ -129,6 +133,7 @@ impl CompiledGraph {
     pub(crate) fn new(engine: Engine) -> Self {
         CompiledGraph {
             engine,
+            saved_models: SavedModelLayers::default(),
             programs: HashMap::new(),
         }
     }
@@ -165,9 +170,13 @@ pub(crate) fn program(
         })
     };
     let composed = match &key.kind {
-        ProgramKind::Forward => {
-            compose_forward(&mut graph.engine, need_model()?, &input(key)?, key.train)?
-        }
+        ProgramKind::Forward => compose_forward(
+            &mut graph.engine,
+            &graph.saved_models,
+            need_model()?,
+            &input(key)?,
+            key.train,
+        )?,
         ProgramKind::Eval { loss } => {
             let base = forward(graph, need_model()?, &input(key)?, key.train)?;
             compose_eval(&mut graph.engine.b, base, loss, &target(key)?)?
@@ -278,6 +287,7 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
 /// training mode its state updates as ops of their own (batch-norm statistics).
 fn compose_forward(
     engine: &mut Engine,
+    saved_models: &SavedModelLayers,
     model: ModelGraph<'_>,
     input: &Signature,
     train: bool,
@@ -301,7 +311,7 @@ fn compose_forward(
     let mut ctx = Ctx {
         b: &mut engine.b,
         custom_ops: &engine.custom_ops,
-        saved_models: &engine.saved_models,
+        saved_models,
         reads: HashMap::new(),
         handles: &handles,
         train,
