@@ -51,6 +51,24 @@ impl ExportFormat {
         }
     }
 
+    /// Whose standard ops the format holds: `ONNX`, `aten`, `TensorFlow`.
+    fn op_set(self) -> &'static str {
+        match self {
+            ExportFormat::Onnx => "ONNX",
+            ExportFormat::TorchScript => "aten",
+            ExportFormat::SavedModel => "TensorFlow",
+        }
+    }
+
+    /// What loads the format without Kiln.
+    fn runtimes(self) -> &'static str {
+        match self {
+            ExportFormat::Onnx => "ONNX Runtime",
+            ExportFormat::TorchScript => "Python's torch.jit.load",
+            ExportFormat::SavedModel => "Python's TensorFlow and TF Serving",
+        }
+    }
+
     /// `to ONNX`, `as TorchScript`, `as a SavedModel`: how messages say it.
     fn phrase(self) -> &'static str {
         match self {
@@ -254,9 +272,9 @@ pub enum ExportError {
     /// ([`ExportFormat::lowering_registrar`]).
     #[error(
         "{path} ({layer}) cannot be exported {}: its op `{op}` (node `{node}`) is not a \
-         standard {format} op, so {format}'s own runtime cannot load it; register a \
-         lowering of the same computation from standard ops with `{}`",
-        .format.phrase(), .format.lowering_registrar()
+         standard {} op, so {} cannot load it; register a lowering of the same \
+         computation from standard ops with `{}`",
+        .format.phrase(), .format.op_set(), .format.runtimes(), .format.lowering_registrar()
     )]
     NonStandardOp {
         /// The format.
