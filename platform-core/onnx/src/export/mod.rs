@@ -273,7 +273,7 @@ impl<'a> OnnxExport<'a> {
     /// included, such as `[1, 1, 8, 8]`; names; a fixed or dynamic batch).
     ///
     /// A custom op exports through the lowering its crate registered
-    /// ([`register_onnx_lowering`](super::register_onnx_lowering): kiln-fused-ops'
+    /// ([`register_onnx_lowering`]: kiln-fused-ops'
     /// `register_layers` registers its ops'), or one given for this export
     /// with [`custom_op`](OnnxExport::custom_op).
     pub fn new(spec: &'a Layer, state: &'a StateDict, options: &ExportOptions) -> Self {
