@@ -47,6 +47,7 @@ mod custom_layer;
 pub mod cxx_tensor;
 mod device;
 mod error;
+mod export;
 mod freeze;
 #[cfg(feature = "cuda")]
 pub mod graph;
@@ -68,11 +69,12 @@ pub use custom_layer::{
 };
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
 pub use error::{torch_error, TorchError};
+pub use export::export_torchscript;
 pub use freeze::Freeze;
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
-pub use script::{export_torchscript, resolve_torchscript_shapes, ScriptModule};
+pub use script::{resolve_torchscript_shapes, ScriptModule};
 pub use train::train_step;
 
 /// The libtorch version this crate is built for.

@@ -89,6 +89,12 @@ pub struct TorchModel {
     precision: FloatPrecision,
 }
 
+impl crate::layers::Tensors for TorchModel {
+    fn tensor(&self, index: usize) -> &Tensor {
+        TorchModel::tensor(self, index)
+    }
+}
+
 impl TorchModel {
     /// Builds `spec` on `device` with its initialisers (PyTorch's defaults where
     /// none is given), drawing from libtorch's generator (seed it with
@@ -331,11 +337,6 @@ impl TorchModel {
     /// The parameter or buffer at `index` in the entries.
     pub(crate) fn tensor(&self, index: usize) -> &Tensor {
         &self.entries[index].tensor
-    }
-
-    /// The parameter or buffer at `index`, when the layer has it.
-    pub(crate) fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
-        index.map(|i| self.tensor(i))
     }
 
     fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {

@@ -8,8 +8,7 @@ use kiln_core::{
 use tch::{Kind, Tensor};
 
 use super::script::{float, ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built activation.
 #[derive(Debug)]
@@ -80,7 +79,7 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Activation {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Activation::Relu => x.f_relu(),
             Activation::LeakyRelu { slope } => {

@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{boolean, float, ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::MultiHeadSelfAttention`].
 #[derive(Debug)]
@@ -68,7 +67,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
 }
 
 impl Forward for Attention {
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
         let Attention {
             in_proj_weight,
             in_proj_bias,
@@ -81,7 +80,7 @@ impl Forward for Attention {
         let size = x.size();
         let (batch, seq, embed) = (size[0], size[1], size[2]);
         let head_dim = embed / heads;
-        let qkv = x.f_linear(model.tensor(*in_proj_weight), model.opt(*in_proj_bias))?;
+        let qkv = x.f_linear(tensors.tensor(*in_proj_weight), tensors.opt(*in_proj_bias))?;
         let parts = qkv.f_chunk(3, -1)?;
         let split = |t: &Tensor| {
             t.f_reshape([batch, seq, *heads, head_dim])?
@@ -100,6 +99,6 @@ impl Forward for Attention {
             false,
         )?;
         let merged = attended.f_transpose(1, 2)?.f_reshape([batch, seq, embed])?;
-        Ok(merged.f_linear(model.tensor(*out_weight), model.opt(*out_bias))?)
+        Ok(merged.f_linear(tensors.tensor(*out_weight), tensors.opt(*out_bias))?)
     }
 }

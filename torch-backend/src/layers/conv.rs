@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ints, ScriptLeaf, Scripted};
-use super::{pair, Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{pair, Forward, ForwardResult, Lookup, Tensors};
 
 /// A built convolution; its variants are named after the layers they build.
 #[derive(Debug)]
@@ -113,7 +112,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
 }
 
 impl Forward for Conv {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Conv::Conv1d {
                 weight,
@@ -123,8 +122,8 @@ impl Forward for Conv {
                 dilation,
                 groups,
             } => x.f_conv1d(
-                model.tensor(*weight),
-                model.opt(*bias),
+                tensors.tensor(*weight),
+                tensors.opt(*bias),
                 [*stride],
                 [*padding],
                 [*dilation],
@@ -138,8 +137,8 @@ impl Forward for Conv {
                 dilation,
                 groups,
             } => x.f_conv2d(
-                model.tensor(*weight),
-                model.opt(*bias),
+                tensors.tensor(*weight),
+                tensors.opt(*bias),
                 stride.as_slice(),
                 padding.as_slice(),
                 dilation.as_slice(),
@@ -154,8 +153,8 @@ impl Forward for Conv {
                 dilation,
                 groups,
             } => x.f_conv_transpose2d(
-                model.tensor(*weight),
-                model.opt(*bias),
+                tensors.tensor(*weight),
+                tensors.opt(*bias),
                 stride.as_slice(),
                 padding.as_slice(),
                 output_padding.as_slice(),

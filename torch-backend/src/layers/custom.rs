@@ -10,9 +10,8 @@ use kiln_core::{
 use tch::Tensor;
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Failure, Forward, ForwardResult, Lookup};
+use super::{Failure, Forward, ForwardResult, Lookup, Tensors};
 use crate::custom_layer::{lookup, torchscript_lowering, CustomLayerFn};
-use crate::model::TorchModel;
 
 /// A registered custom-layer function (shown by its layer's op name).
 #[derive(Clone)]
@@ -76,14 +75,14 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Custom {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         let Custom {
             path,
             op,
             params,
             config,
         } = self;
-        let params: Vec<&Tensor> = params.iter().map(|&i| model.tensor(i)).collect();
+        let params: Vec<&Tensor> = params.iter().map(|&i| tensors.tensor(i)).collect();
         let y = (op.0)(x, &params, config).map_err(Failure::Layer)?;
         if y.size() != x.size() {
             let dims = |t: &Tensor| {

@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{float, ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::Dropout`].
 #[derive(Debug)]
@@ -34,7 +33,7 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Dropout {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
         Ok(x.f_dropout(self.p, train)?)
     }
 }

@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::Embedding`]; `padding_idx` is -1 without a padding row.
 #[derive(Debug)]
@@ -41,9 +40,9 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Embedding {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(Tensor::f_embedding(
-            model.tensor(self.weight),
+            tensors.tensor(self.weight),
             x,
             self.padding_idx,
             false,

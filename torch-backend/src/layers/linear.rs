@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::Linear`].
 #[derive(Debug)]
@@ -38,7 +37,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
 }
 
 impl Forward for Linear {
-    fn forward(&self, model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
-        Ok(x.f_linear(model.tensor(self.weight), model.opt(self.bias))?)
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        Ok(x.f_linear(tensors.tensor(self.weight), tensors.opt(self.bias))?)
     }
 }

@@ -1,6 +1,7 @@
 //! Kiln's layers on libtorch, one file per family: each turns its layers'
 //! definitions into nodes, finding their tensors by name, and runs them.
-//! [`TorchModel`] keeps the tree (`Sequential`, `Residual`) and walks it.
+//! [`TorchModel`](crate::TorchModel) keeps the tree (`Sequential`, `Residual`)
+//! and walks it, giving the layers its tensors ([`Tensors`]).
 //!
 //! Adding a layer to a family touches only that family's file: [`build`] asks
 //! each family in turn, and so does [`script::script`], the TorchScript each
@@ -23,8 +24,6 @@ use std::collections::HashMap;
 use kiln_core::{model::Layer, Error, Result};
 use tch::{TchError, Tensor};
 
-use crate::model::TorchModel;
-
 /// Why a forward pass failed: libtorch rejected an op, or a custom layer failed.
 pub(crate) enum Failure {
     Torch(TchError),
@@ -40,12 +39,25 @@ impl From<TchError> for Failure {
 /// What running a node gives: its output, or why it failed.
 pub(crate) type ForwardResult = std::result::Result<Tensor, Failure>;
 
+/// The tensors built layers read, by index: a model's parameters and buffers
+/// ([`TorchModel`](crate::TorchModel) is one), so that the layers need
+/// nothing else of the model.
+pub(crate) trait Tensors {
+    /// The parameter or buffer at `index`.
+    fn tensor(&self, index: usize) -> &Tensor;
+
+    /// The parameter or buffer at `index`, when the layer has it.
+    fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
+        index.map(|i| self.tensor(i))
+    }
+}
+
 /// A built layer without children. Its tensors are indices into the model's
 /// entries, so that moving the model to another device only replaces the entries.
 pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
-    /// Runs the layer on `x` with `model`'s tensors, in training behaviour
+    /// Runs the layer on `x` with the model's `tensors`, in training behaviour
     /// (dropout, batch statistics) when `train`.
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult;
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult;
 }
 
 /// Finds a layer's tensors by their names under the layer's path while the

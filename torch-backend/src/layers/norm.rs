@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{float, ints, ret, ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built normalisation layer; its variants are named after the layers they
 /// build (both batch norms are `BatchNorm`).
@@ -130,7 +129,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
 }
 
 impl Forward for Norm {
-    fn forward(&self, model: &TorchModel, x: &Tensor, train: bool) -> ForwardResult {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
         Ok(match self {
             Norm::BatchNorm {
                 weight,
@@ -146,15 +145,15 @@ impl Forward for Norm {
                 let use_batch_stats = train || !tracks;
                 if train && tracks {
                     if let Some(n) = num_batches_tracked {
-                        let mut count = model.tensor(*n).shallow_clone();
+                        let mut count = tensors.tensor(*n).shallow_clone();
                         let _ = tch::no_grad(|| count.f_add_scalar_(1))?;
                     }
                 }
                 x.f_batch_norm(
-                    model.opt(*weight),
-                    model.opt(*bias),
-                    model.opt(*running_mean),
-                    model.opt(*running_var),
+                    tensors.opt(*weight),
+                    tensors.opt(*bias),
+                    tensors.opt(*running_mean),
+                    tensors.opt(*running_var),
                     use_batch_stats,
                     *momentum,
                     *eps,
@@ -168,8 +167,8 @@ impl Forward for Norm {
                 eps,
             } => x.f_layer_norm(
                 shape.as_slice(),
-                model.opt(*weight),
-                model.opt(*bias),
+                tensors.opt(*weight),
+                tensors.opt(*bias),
                 *eps,
                 false,
             ),
@@ -178,7 +177,13 @@ impl Forward for Norm {
                 weight,
                 bias,
                 eps,
-            } => x.f_group_norm(*groups, model.opt(*weight), model.opt(*bias), *eps, false),
+            } => x.f_group_norm(
+                *groups,
+                tensors.opt(*weight),
+                tensors.opt(*bias),
+                *eps,
+                false,
+            ),
         }?)
     }
 }

@@ -4,8 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ints, ScriptLeaf, Scripted};
-use super::{pair, Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{pair, Forward, ForwardResult, Lookup, Tensors};
 
 /// A built pooling layer.
 #[derive(Debug)]
@@ -76,7 +75,7 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Pool {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(match self {
             Pool::MaxPool2d {
                 kernel,

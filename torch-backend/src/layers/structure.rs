@@ -5,8 +5,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup};
-use crate::model::TorchModel;
+use super::{Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::Flatten`].
 #[derive(Debug)]
@@ -39,7 +38,7 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
 }
 
 impl Forward for Flatten {
-    fn forward(&self, _model: &TorchModel, x: &Tensor, _train: bool) -> ForwardResult {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(x.f_flatten(self.start, self.end)?)
     }
 }

@@ -2,10 +2,8 @@
 //! run, fine-tune with Kiln's optimizers, and save back for Python's `torch.jit.load`.
 
 mod bridge;
-mod export;
-mod export_bridge;
-
-pub use export::export_torchscript;
+/// The cxx bridge the TorchScript export builds its module tree with (`crate::export`).
+pub(crate) mod export_bridge;
 
 use std::path::{Path, PathBuf};
 

@@ -23,17 +23,17 @@ use kiln_core::{
 };
 use tch::Tensor;
 
-use super::export_bridge::{forward_mismatch, ExportGraph, NodeId};
 use crate::custom_layer::torchscript_lowering;
 use crate::layers::join;
 use crate::layers::script::{script, ScriptLeaf, Scripted};
 use crate::model::{lock_script, TorchModel};
+use crate::script::export_bridge::{forward_mismatch, ExportGraph, NodeId};
 
 /// The export's result.
 type Result<T, E = ExportError> = std::result::Result<T, E>;
 
 /// Writes `model` as a TorchScript file (its current weights, on CPU) that
-/// Python's `torch.jit.load` runs, and [`ScriptModule::load`](super::ScriptModule::load)
+/// Python's `torch.jit.load` runs, and [`ScriptModule::load`](crate::ScriptModule::load)
 /// loads back into Kiln.
 ///
 /// The file holds one module per Kiln layer, with the model's state-dict names
