@@ -12,7 +12,7 @@ use crate::config::{BackendKind, RunConfig};
 use crate::data::{loader, validation_split, RecordTargets};
 use crate::engines::Engines;
 use crate::formats::{is_onnx, open_checkpoint};
-use crate::model::resolve_model;
+use crate::model::{load_for_eval, resolve_model};
 use crate::output::{check_output, outln};
 
 /// The config's model with the checkpoint's weights, in eval mode. The config
@@ -30,14 +30,12 @@ fn restore<E: Engines, B: TrainBackend>(
     checkpoint.check_definition(&definition, path)?;
     let mut model = B::build_model(&definition, device)?;
     B::set_precision(&mut model, config.training.precision)?;
-    checkpoint
-        .model
-        .check_dtypes(&model.state_dict()?)
-        .and_then(|()| model.load_state_dict(&checkpoint.model))
-        .map_err(|e| {
-            kiln_core::Error::checkpoint_caused_by(path, "does not fit the config's model", e)
-        })?;
-    model.set_mode(Mode::Eval);
+    load_for_eval::<B>(
+        &mut model,
+        &checkpoint.model,
+        path,
+        "does not fit the config's model",
+    )?;
     Ok(model)
 }
 

@@ -34,13 +34,28 @@ pub(crate) fn resolve_model<E: Engines>(
 /// The model built on backend `B` with the source's weights, in eval mode.
 pub fn build_model<B: TrainBackend>(source: &Source, path: &Path) -> Result<B::Model> {
     let mut model = B::build_model(&source.definition, Device::Cpu)?;
-    source
-        .state
-        .check_dtypes(&model.state_dict()?)
-        .and_then(|()| model.load_state_dict(&source.state))
-        .map_err(|e| {
-            kiln_core::Error::checkpoint_caused_by(path, "does not fit the model definition", e)
-        })?;
-    model.set_mode(Mode::Eval);
+    load_for_eval::<B>(
+        &mut model,
+        &source.state,
+        path,
+        "does not fit the model definition",
+    )?;
     Ok(model)
+}
+
+/// Loads the weights `state` (from the checkpoint at `path`) into `model`,
+/// their dtypes checked first, and puts it in eval mode; weights that do not
+/// fit are a checkpoint error saying `mismatch`.
+pub(crate) fn load_for_eval<B: TrainBackend>(
+    model: &mut B::Model,
+    state: &StateDict,
+    path: &Path,
+    mismatch: &str,
+) -> Result<()> {
+    state
+        .check_dtypes(&model.state_dict()?)
+        .and_then(|()| model.load_state_dict(state))
+        .map_err(|e| kiln_core::Error::checkpoint_caused_by(path, mismatch, e))?;
+    model.set_mode(Mode::Eval);
+    Ok(())
 }
