@@ -18,7 +18,10 @@ pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
 /// `libonnxruntime.so` (`OnnxModel`); safetensors reads and writes checkpoints in
 /// reference scripts; tensorboard reads back the event files Kiln writes;
 /// torchvision (with pillow) is the reference for image decoding, transforms and
-/// `ImageFolder`, and the data-loading benchmark's Python side. cuda-toolkit
+/// `ImageFolder`, and the data-loading benchmark's Python side; transformers and
+/// tokenizers are the reference for the Hugging Face model families, their
+/// checkpoints (`save_pretrained`/`from_pretrained`), tokenizers and generation
+/// (tiny models made locally: nothing is downloaded at test time). cuda-toolkit
 /// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
 /// wheel was built with) and the CUDA C++ headers, for kiln-fused-ops' `cuda` feature,
 /// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
@@ -35,6 +38,8 @@ pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "tensorboard==2.21.0",
     "torchvision==0.26.0",
     "pillow==13.0.0",
+    "transformers==5.23.0",
+    "tokenizers==0.23.3",
     "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",
 ];
 
