@@ -44,6 +44,7 @@ pub mod dtype;
 pub mod error;
 pub mod export;
 pub mod fs;
+pub mod generation;
 pub mod host_memory;
 pub mod loss;
 pub mod model;

@@ -252,12 +252,21 @@ impl Exporter<'_> {
         }
     }
 
-    /// A layer without children: its tensors under their local names (the
-    /// attention's `out_proj.*` in an `out_proj` submodule), and its forward.
+    /// A layer without children: its tensors under their local names (a
+    /// dotted name, such as the attention's `out_proj.weight` or `q_proj.bias`,
+    /// in a submodule of that name), and its forward. A [`Layer::TiedLinear`]
+    /// holds the tensor it shares as its `weight` (the one storage, twice).
     fn emit_leaf(&mut self, layer: &Layer, path: &str, what: &str) -> Result<NodeId> {
         let specs = layer.parameter_specs(path)?;
         let mut own = Vec::new();
-        let mut out_proj = Vec::new();
+        let mut submodules: Vec<(String, Vec<(String, &Tensor, ParamKind)>)> = Vec::new();
+        if let Layer::TiedLinear(c) = layer {
+            let (tensor, kind) = self.tensors.get(&c.weight).ok_or_else(|| Error::MissingKey {
+                key: c.weight.clone(),
+                available: self.tensors.len(),
+            })?;
+            own.push(("weight".to_owned(), tensor, *kind));
+        }
         for spec in &specs {
             let local = match path {
                 "" => spec.name.as_str(),
@@ -274,8 +283,14 @@ impl Exporter<'_> {
                     key: spec.name.clone(),
                     available: self.tensors.len(),
                 })?;
-            match local.strip_prefix("out_proj.") {
-                Some(name) => out_proj.push((name.to_owned(), tensor, *kind)),
+            match local.split_once('.') {
+                Some((child, name)) => {
+                    let entry = (name.to_owned(), tensor, *kind);
+                    match submodules.iter_mut().find(|(c, _)| c == child) {
+                        Some((_, tensors)) => tensors.push(entry),
+                        None => submodules.push((child.to_owned(), vec![entry])),
+                    }
+                }
                 None => own.push((local.to_owned(), tensor, *kind)),
             }
         }
@@ -284,7 +299,12 @@ impl Exporter<'_> {
             has: &has,
             pinned: self.pinned.contains(path),
         };
-        let Some(Scripted { class, body }) = script(layer, &leaf)? else {
+        let Some(Scripted {
+            class,
+            body,
+            children,
+        }) = script(layer, &leaf)?
+        else {
             return Err(unsupported(
                 path,
                 layer,
@@ -296,27 +316,33 @@ impl Exporter<'_> {
             self.graph
                 .add_tensor(node, name, tensor, *kind == ParamKind::Buffer)?;
         }
-        if !out_proj.is_empty() {
-            // nn.MultiheadAttention's output projection is a Linear submodule.
-            let child = self.graph.add_module("Linear", &join(path, "out_proj"))?;
-            for (name, tensor, kind) in &out_proj {
-                self.graph
-                    .add_tensor(child, name, tensor, *kind == ParamKind::Buffer)?;
-            }
-            let bias = if out_proj.iter().any(|(n, _, _)| n == "bias") {
-                "self.bias"
-            } else {
-                "None"
+        for (name, tensors) in &submodules {
+            // A projection (nn.MultiheadAttention's out_proj, q_proj, ...) is a
+            // Linear submodule unless the family wrote the child's forward.
+            let written = children.iter().find(|c| &c.name == name);
+            let (class, body) = match written {
+                Some(c) => (c.class.clone(), c.body.clone()),
+                None => {
+                    let bias = if tensors.iter().any(|(n, _, _)| n == "bias") {
+                        "self.bias"
+                    } else {
+                        "None"
+                    };
+                    (
+                        "Linear".to_owned(),
+                        format!("    return torch.linear(x, self.weight, {bias})\n"),
+                    )
+                }
             };
-            let source = forward(&format!(
-                "    return torch.linear(x, self.weight, {bias})\n"
-            ));
-            self.graph.define(
-                child,
-                &source,
-                &format!("{} (Linear)", join(path, "out_proj")),
-            )?;
-            self.graph.add_child(node, "out_proj", child)?;
+            let child_path = join(path, name);
+            let child = self.graph.add_module(&class, &child_path)?;
+            for (local, tensor, kind) in tensors {
+                self.graph
+                    .add_tensor(child, local, tensor, *kind == ParamKind::Buffer)?;
+            }
+            self.graph
+                .define(child, &forward(&body), &format!("{child_path} ({class})"))?;
+            self.graph.add_child(node, name, child)?;
         }
         self.graph.define(node, &forward(&body), what)?;
         Ok(node)

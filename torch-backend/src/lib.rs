@@ -49,6 +49,7 @@ mod device;
 mod error;
 mod export;
 mod freeze;
+mod generate;
 #[cfg(feature = "cuda")]
 pub mod graph;
 mod host_view;
@@ -71,6 +72,7 @@ pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_t
 pub use error::{torch_error, TorchError};
 pub use export::export_torchscript;
 pub use freeze::Freeze;
+pub use generate::{generate, KvCache};
 pub use loss::compute_loss;
 pub use model::TorchModel;
 pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};

@@ -21,7 +21,7 @@ use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
 use crate::freeze::{all_frozen, Freeze};
-use crate::layers::{self, join, Failure, Forward, ForwardResult, Lookup};
+use crate::layers::{self, join, DecodeStep, Failure, Forward, ForwardResult, Lookup};
 use crate::script::ScriptModule;
 
 /// One named tensor of the model: a trainable parameter or a buffer.
@@ -337,6 +337,43 @@ impl TorchModel {
     /// The parameter or buffer at `index` in the entries.
     pub(crate) fn tensor(&self, index: usize) -> &Tensor {
         &self.entries[index].tensor
+    }
+
+    /// Runs `node` on one cached decoding step (eval behaviour).
+    fn run_decode(&self, node: &Node, x: &Tensor, step: &mut DecodeStep) -> ForwardResult {
+        match node {
+            Node::Sequential(children) => {
+                let mut out = x.shallow_clone();
+                for child in children {
+                    out = self.run_decode(child, &out, step)?;
+                }
+                Ok(out)
+            }
+            Node::Residual(block) => Ok(x.f_add(&self.run_decode(block, x, step)?)?),
+            Node::Leaf { layer, .. } => layer.decode(self, x, step),
+            Node::Script { path, .. } => Err(Failure::Layer(Error::unsupported(format!(
+                "cached decoding through the torchscript layer `{path}`: Kiln cannot give it \
+                 positions or a key/value cache"
+            )))),
+        }
+    }
+
+    /// Runs the model on one step of cached decoding (`step`), in eval
+    /// behaviour with the model's precision; the output is float32.
+    pub(crate) fn decode_step(&self, tokens: &Tensor, step: &mut DecodeStep) -> Result<Tensor> {
+        self.check_input(tokens)?;
+        let mut run = || {
+            self.run_decode(&self.root, tokens, step)
+                .map_err(|e| match e {
+                    Failure::Torch(e) => torch_error("decoding", e),
+                    Failure::Layer(e) => e,
+                })
+        };
+        let output = match self.precision.autocast_dtype() {
+            None => run()?,
+            Some(dtype) => crate::autocast(self.device, dtype, run)??,
+        };
+        cast_float(&output, Kind::Float, "casting the logits to float32")
     }
 
     fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {

@@ -25,7 +25,9 @@ pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity
 pub use layers::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
     CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
-    LayerNormConfig, LinearConfig, Pool2dConfig, SavedModelLayerConfig, TorchScriptConfig,
+    GatedActivation, GatedMlpConfig, LayerNormConfig, LinearConfig, Pool2dConfig,
+    PositionEmbeddingConfig, PositionEncoding, RmsNormConfig, RopeConfig, SavedModelLayerConfig,
+    SelfAttentionConfig, TiedLinearConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 
@@ -115,6 +117,8 @@ pub enum Layer {
     LayerNorm(LayerNormConfig),
     /// `nn.GroupNorm`.
     GroupNorm(GroupNormConfig),
+    /// RMSNorm over the last dimension (`nn.RMSNorm`, LLaMA's `LlamaRMSNorm`).
+    RmsNorm(RmsNormConfig),
     /// `nn.Dropout`: zeroes elements with probability `p` in training.
     Dropout {
         /// Probability of zeroing an element, in `[0, 1)` (default 0.5).
@@ -165,6 +169,15 @@ pub enum Layer {
     /// Multi-head self-attention on `[batch, seq, embed]` with
     /// `nn.MultiheadAttention`'s parameters (`batch_first=True`).
     MultiHeadSelfAttention(AttentionConfig),
+    /// Self-attention with separate projections, grouped-query heads, RoPE and
+    /// QK-norm, as in the Hugging Face decoder and encoder families.
+    SelfAttention(SelfAttentionConfig),
+    /// A gated feed-forward block (SwiGLU, GeGLU).
+    GatedMlp(GatedMlpConfig),
+    /// Adds a learned or sinusoidal position embedding to `[batch, seq, dim]`.
+    PositionEmbedding(PositionEmbeddingConfig),
+    /// An output projection sharing another layer's weight (tied embeddings).
+    TiedLinear(TiedLinearConfig),
     /// `nn.Sequential`: the layers applied in order; children are named `"0"`, `"1"`, ...
     Sequential {
         /// The layers, first applied first.
@@ -236,6 +249,7 @@ macro_rules! with_spec {
             BatchNorm2d(c) => &norm::BatchNorm2d(c),
             LayerNorm(c) => c,
             GroupNorm(c) => c,
+            RmsNorm(c) => c,
             Dropout { p } => &dropout::Dropout(*p),
             Embedding(c) => c,
             Flatten { start_dim, end_dim } => &structure::Flatten { start_dim: *start_dim, end_dim: *end_dim },
@@ -248,6 +262,10 @@ macro_rules! with_spec {
             Softmax { dim } => &activation::Softmax(*dim),
             LogSoftmax { dim } => &activation::Softmax(*dim),
             MultiHeadSelfAttention(c) => c,
+            SelfAttention(c) => c,
+            GatedMlp(c) => c,
+            PositionEmbedding(c) => c,
+            TiedLinear(c) => c,
             Sequential { layers } => &structure::Sequential(layers),
             Residual { block } => &structure::Residual(block),
             Custom(c) => c,
@@ -324,7 +342,43 @@ impl Layer {
     /// ```
     pub fn validate(&self) -> Result<()> {
         let mut specs = Vec::new();
-        self.collect_specs("", &mut specs)
+        self.collect_specs("", &mut specs)?;
+        self.check_tied(&specs)
+    }
+
+    /// Checks that every [`Layer::TiedLinear`] names a parameter of the model
+    /// (whose state dict is `specs`) of shape `[out_features, in_features]`.
+    fn check_tied(&self, specs: &[ParamSpec]) -> Result<()> {
+        for (path, layer) in self.layers() {
+            let Layer::TiedLinear(c) = layer else {
+                continue;
+            };
+            let field = layers::join(&path, "weight");
+            let expected = [c.out_features, c.in_features];
+            match specs.iter().find(|s| s.name == c.weight) {
+                Some(s) if s.kind == ParamKind::Parameter && s.shape == expected => {}
+                Some(s) => {
+                    return Err(crate::Error::invalid_argument(
+                        field,
+                        format!(
+                            "TiedLinear: `{}` is a {:?} of shape {:?}; the tied weight must be a \
+                             parameter of shape {expected:?} ([out_features, in_features])",
+                            c.weight, s.kind, s.shape
+                        ),
+                    ))
+                }
+                None => {
+                    return Err(crate::Error::invalid_argument(
+                        field,
+                        format!(
+                            "TiedLinear: the model has no parameter `{}` to share",
+                            c.weight
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks this layer's own fields (not its children's).
@@ -385,6 +439,9 @@ impl Layer {
     pub fn parameter_specs(&self, prefix: &str) -> Result<Vec<ParamSpec>> {
         let mut specs = Vec::new();
         self.collect_specs(prefix, &mut specs)?;
+        if prefix.is_empty() {
+            self.check_tied(&specs)?;
+        }
         Ok(specs)
     }
 
@@ -578,6 +635,11 @@ layer_from_config! {
     GroupNormConfig => GroupNorm,
     EmbeddingConfig => Embedding,
     AttentionConfig => MultiHeadSelfAttention,
+    RmsNormConfig => RmsNorm,
+    SelfAttentionConfig => SelfAttention,
+    GatedMlpConfig => GatedMlp,
+    PositionEmbeddingConfig => PositionEmbedding,
+    TiedLinearConfig => TiedLinear,
     CustomConfig => Custom,
     TorchScriptConfig => TorchScript,
     SavedModelLayerConfig => SavedModel,

@@ -102,6 +102,117 @@ class SelfAttention(nn.MultiheadAttention):
         return out
 
 
+class GroupedQueryAttention(nn.Module):
+    """Kiln's self_attention: the Hugging Face attention (LlamaAttention's projections,
+    transformers' own rotate_half and RMSNorm for RoPE and QK-norm, as Qwen3 has them),
+    with partial rotary dimensions as GPT-NeoX and Phi split them, through SDPA."""
+
+    def __init__(self, spec):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        e, h = spec["embed_dim"], spec["num_heads"]
+        self.heads = h
+        self.kv_heads = spec.get("num_kv_heads") or h
+        self.head_dim = spec.get("head_dim") or e // h
+        self.causal = spec["causal"]
+        self.dropout = spec["dropout"]
+        self.rope = spec.get("rope")
+        qkv_bias, out_bias = spec["qkv_bias"], spec["out_bias"]
+        self.q_proj = nn.Linear(e, h * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(h * self.head_dim, e, bias=out_bias)
+        if spec.get("qk_norm_eps") is not None:
+            self.q_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
+            self.k_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x):
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if self.rope is not None:
+            rot = self.rope.get("rotary_dim") or self.head_dim
+            inv_freq = 1.0 / (self.rope["theta"] ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+            pos = torch.arange(s)[None, :]
+            freqs = pos[..., None].float() * inv_freq.to(x.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+
+            def apply(t):
+                r, rest = t[..., :rot], t[..., rot:]
+                return torch.cat((r * cos + rotate_half(r) * sin, rest), dim=-1)
+
+            q, k = apply(q), apply(k)
+        # Grouped heads as transformers' SDPA path passes them (enable_gqa, torch >= 2.5).
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal,
+            enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class GatedMlp(nn.Module):
+    """Kiln's gated_mlp: transformers' LlamaMLP with the activation Kiln names."""
+
+    def __new__(cls, spec):
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP
+
+        act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec["activation"]]
+        config = LlamaConfig(hidden_size=spec["dim"], intermediate_size=spec["hidden_dim"],
+                             hidden_act=act, mlp_bias=spec["bias"],
+                             num_attention_heads=1, num_key_value_heads=1)
+        return LlamaMLP(config)
+
+
+class PositionEmbedding(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        m, d = spec["max_positions"], spec["dim"]
+        self.learned = spec["encoding"] == "learned"
+        if self.learned:
+            self.weight = nn.Parameter(torch.randn(m, d))
+        else:
+            # "Attention Is All You Need", as the PyTorch tutorial writes it.
+            pe = torch.zeros(m, d, dtype=torch.float64)
+            pos = torch.arange(m, dtype=torch.float64)[:, None]
+            div = torch.exp(torch.arange(0, d, 2, dtype=torch.float64) * (-torch.log(torch.tensor(10000.0, dtype=torch.float64)) / d))
+            pe[:, 0::2] = torch.sin(pos * div)
+            pe[:, 1::2] = torch.cos(pos * div)[:, : d // 2]
+            self.register_buffer("table", pe.float(), persistent=False)
+
+    def forward(self, x):
+        table = self.weight if self.learned else self.table
+        return x + table[: x.shape[1]].to(x.dtype)
+
+
+class TiedLinear(nn.Module):
+    """y = x W^T with W another module's parameter, found by name on the root model."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.name = spec["weight"]
+        self.root = []  # set by tie(); a list, so that the root is not a submodule
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.root[0].get_parameter(self.name))
+
+
+def tie(root):
+    for m in root.modules():
+        if isinstance(m, TiedLinear):
+            m.root[:] = [root]
+    return root
+
+
 def with_inits(module, spec):
     with torch.no_grad():
         if spec.get("weight_init") is not None:
@@ -121,6 +232,10 @@ def pool_args(spec):
 
 
 def build(spec):
+    return tie(build_layer(spec))
+
+
+def build_layer(spec):
     kind = spec["type"]
     if kind == "linear":
         return with_inits(nn.Linear(spec["in_features"], spec["out_features"], bias=spec["bias"]), spec)
@@ -184,10 +299,28 @@ def build(spec):
         return nn.LogSoftmax(dim=spec["dim"])
     if kind == "multi_head_self_attention":
         return SelfAttention(spec["embed_dim"], spec["num_heads"], spec["dropout"], spec["bias"], spec["causal"])
+    if kind == "rms_norm":
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        offset = spec["weight_offset"]
+        if offset == 0:
+            return LlamaRMSNorm(spec["dim"], eps=spec["eps"])
+        if offset == 1:
+            return GemmaRMSNorm(spec["dim"], eps=spec["eps"])
+        raise ValueError(f"no reference RMSNorm with weight_offset {offset}")
+    if kind == "self_attention":
+        return GroupedQueryAttention(spec)
+    if kind == "gated_mlp":
+        return GatedMlp(spec)
+    if kind == "position_embedding":
+        return PositionEmbedding(spec)
+    if kind == "tied_linear":
+        return TiedLinear(spec)
     if kind == "sequential":
-        return nn.Sequential(*[build(child) for child in spec["layers"]])
+        return nn.Sequential(*[build_layer(child) for child in spec["layers"]])
     if kind == "residual":
-        return Residual(build(spec["block"]))
+        return Residual(build_layer(spec["block"]))
     raise ValueError(f"unknown layer type {kind}")
 
 

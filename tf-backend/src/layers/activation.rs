@@ -6,7 +6,10 @@ use kiln_core::{
     Error, Result,
 };
 
+use tensorflow::Output;
+
 use super::{Built, Ctx, Val};
+use crate::graph::Builder;
 
 /// Builds `layer` on `x` when it is one of this family's; hands `x` back otherwise.
 pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, _prefix: &str, x: Val) -> Result<Built> {
@@ -17,31 +20,10 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, _prefix: &str, x: Val) -> 
             ctx.elementwise(x, move |b, v| b.leaky_relu(v, slope))
         }
         Layer::Gelu { approximate } => match approximate {
-            GeluApproximation::Tanh => ctx.elementwise(x, |b, v| {
-                // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-                let x3 = b.mul(v, v)?;
-                let x3 = b.mul(&x3, v)?;
-                let inner = b.mul_scalar(&x3, 0.044715)?;
-                let inner = b.add(v, &inner)?;
-                let inner = b.mul_scalar(&inner, (2.0f64 / std::f64::consts::PI).sqrt() as f32)?;
-                let t = b.unary("Tanh", &inner)?;
-                let t = b.add_scalar(&t, 1.0)?;
-                let half = b.mul_scalar(v, 0.5)?;
-                b.mul(&half, &t)
-            }),
-            _ => ctx.elementwise(x, |b, v| {
-                // x * 0.5 * (1 + erf(x / sqrt(2)))
-                let scaled = b.mul_scalar(v, std::f64::consts::FRAC_1_SQRT_2 as f32)?;
-                let e = b.unary("Erf", &scaled)?;
-                let e = b.add_scalar(&e, 1.0)?;
-                let half = b.mul_scalar(v, 0.5)?;
-                b.mul(&half, &e)
-            }),
+            GeluApproximation::Tanh => ctx.elementwise(x, gelu_tanh),
+            _ => ctx.elementwise(x, gelu),
         },
-        Layer::Silu => ctx.elementwise(x, |b, v| {
-            let s = b.unary("Sigmoid", v)?;
-            b.mul(v, &s)
-        }),
+        Layer::Silu => ctx.elementwise(x, silu),
         Layer::Tanh => ctx.elementwise(x, |b, v| b.unary("Tanh", v)),
         Layer::Sigmoid => ctx.elementwise(x, |b, v| b.unary("Sigmoid", v)),
         Layer::Softmax { dim } => ctx.along(x, *dim, |b, v| b.softmax(v)),
@@ -61,4 +43,32 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, _prefix: &str, x: Val) -> 
         _ => return Ok(Built::Pass(x)),
     };
     y.map(Built::Out)
+}
+
+/// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub(super) fn gelu_tanh(b: &mut Builder, v: &Output) -> Result<Output> {
+    let x3 = b.mul(v, v)?;
+    let x3 = b.mul(&x3, v)?;
+    let inner = b.mul_scalar(&x3, 0.044715)?;
+    let inner = b.add(v, &inner)?;
+    let inner = b.mul_scalar(&inner, (2.0f64 / std::f64::consts::PI).sqrt() as f32)?;
+    let t = b.unary("Tanh", &inner)?;
+    let t = b.add_scalar(&t, 1.0)?;
+    let half = b.mul_scalar(v, 0.5)?;
+    b.mul(&half, &t)
+}
+
+/// `x * 0.5 * (1 + erf(x / sqrt(2)))`.
+pub(super) fn gelu(b: &mut Builder, v: &Output) -> Result<Output> {
+    let scaled = b.mul_scalar(v, std::f64::consts::FRAC_1_SQRT_2 as f32)?;
+    let e = b.unary("Erf", &scaled)?;
+    let e = b.add_scalar(&e, 1.0)?;
+    let half = b.mul_scalar(v, 0.5)?;
+    b.mul(&half, &e)
+}
+
+/// `x * sigmoid(x)`.
+pub(super) fn silu(b: &mut Builder, v: &Output) -> Result<Output> {
+    let s = b.unary("Sigmoid", v)?;
+    b.mul(v, &s)
 }

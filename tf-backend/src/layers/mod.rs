@@ -18,6 +18,7 @@ mod norm;
 mod pool;
 mod saved_model;
 mod structure;
+mod transformer;
 
 use std::collections::HashMap;
 
@@ -105,7 +106,7 @@ enum Built {
 type Build = fn(&mut Ctx<'_>, &Layer, &str, Val) -> Result<Built>;
 
 /// Every family's [`Build`].
-const FAMILIES: [Build; 11] = [
+const FAMILIES: [Build; 12] = [
     linear::build,
     conv::build,
     pool::build,
@@ -117,6 +118,7 @@ const FAMILIES: [Build; 11] = [
     attention::build,
     custom::build,
     saved_model::build,
+    transformer::build,
 ];
 
 fn join(prefix: &str, name: &str) -> String {

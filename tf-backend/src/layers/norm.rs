@@ -1,5 +1,5 @@
 //! Normalisation as TensorFlow graph ops: `BatchNorm1d`, `BatchNorm2d`
-//! (with their running-statistics updates), `LayerNorm`, `GroupNorm`.
+//! (with their running-statistics updates), `LayerNorm`, `GroupNorm`, `RmsNorm`.
 
 use kiln_core::{model::Layer, Error, Result};
 use tensorflow::{DataType, Output};
@@ -70,6 +70,15 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
                 dims: x.dims,
                 nhwc: false,
             })
+        }
+        Layer::RmsNorm(c) => {
+            let x = ctx.nchw(x)?;
+            let mut weight = ctx.param(&p("weight"))?;
+            if c.weight_offset != 0.0 {
+                weight = ctx.b.add_scalar(&weight, c.weight_offset as f32)?;
+            }
+            let out = ctx.rms_norm(&x.out, Some(&weight), c.eps)?;
+            Ok(Val { out, ..x })
         }
         _ => return Ok(Built::Pass(x)),
     };

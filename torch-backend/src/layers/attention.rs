@@ -4,7 +4,7 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{boolean, float, ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup, Tensors};
+use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Tensors};
 
 /// A built [`Layer::MultiHeadSelfAttention`].
 #[derive(Debug)]
@@ -63,6 +63,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
     Ok(Some(Scripted {
         class: "MultiheadAttention".to_owned(),
         body,
+        children: Vec::new(),
     }))
 }
 
@@ -100,5 +101,12 @@ impl Forward for Attention {
         )?;
         let merged = attended.f_transpose(1, 2)?.f_reshape([batch, seq, embed])?;
         Ok(merged.f_linear(tensors.tensor(*out_weight), tensors.opt(*out_bias))?)
+    }
+
+    fn decode(&self, _tensors: &dyn Tensors, _x: &Tensor, _step: &mut DecodeStep) -> ForwardResult {
+        Err(Failure::Layer(kiln_core::Error::unsupported(
+            "cached decoding through MultiHeadSelfAttention (nn.MultiheadAttention keeps no \
+             key/value cache); build the model with SelfAttention layers to generate",
+        )))
     }
 }

@@ -71,6 +71,7 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
     Ok(Some(Scripted {
         class: lowered.class,
         body,
+        children: Vec::new(),
     }))
 }
 

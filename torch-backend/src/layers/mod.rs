@@ -18,6 +18,7 @@ mod norm;
 mod pool;
 pub(crate) mod script;
 mod structure;
+mod transformer;
 
 use std::collections::HashMap;
 
@@ -58,6 +59,63 @@ pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
     /// Runs the layer on `x` with the model's `tensors`, in training behaviour
     /// (dropout, batch statistics) when `train`.
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult;
+
+    /// Runs the layer on this decoding step's tokens `x` in eval behaviour,
+    /// reading and extending `step`'s cache; by default, as [`forward`](Forward::forward).
+    fn decode(&self, tensors: &dyn Tensors, x: &Tensor, _step: &mut DecodeStep) -> ForwardResult {
+        self.forward(tensors, x, false)
+    }
+}
+
+/// What one step of cached decoding gives the layers: the positions of its
+/// tokens, the keys each may attend to, and every attention layer's keys and
+/// values so far, one slot per attention layer in the order they run.
+#[derive(Debug)]
+pub(crate) struct DecodeStep {
+    /// Position ids of this step's tokens, `[batch, seq]` int64 (left padding
+    /// shifts each row's positions, as `transformers` does).
+    pub(crate) positions: Tensor,
+    /// `[batch, 1, seq, past + seq]` booleans: which keys a causal layer's
+    /// queries see (earlier non-padding tokens, and always themselves).
+    pub(crate) causal_mask: Tensor,
+    /// The same for a non-causal layer: every non-padding token.
+    pub(crate) padding_mask: Tensor,
+    /// Keys and values `[batch, kv_heads, past, head_dim]` of each attention layer.
+    pub(crate) cache: Vec<Option<(Tensor, Tensor)>>,
+    /// The slot of the next attention layer to run in this step.
+    slot: usize,
+}
+
+impl DecodeStep {
+    /// A step with `positions` and the masks, over `cache` from the step before.
+    pub(crate) fn new(
+        positions: Tensor,
+        causal_mask: Tensor,
+        padding_mask: Tensor,
+        cache: Vec<Option<(Tensor, Tensor)>>,
+    ) -> Self {
+        DecodeStep {
+            positions,
+            causal_mask,
+            padding_mask,
+            cache,
+            slot: 0,
+        }
+    }
+
+    /// Takes the next attention layer's slot.
+    pub(crate) fn next_slot(&mut self) -> usize {
+        self.slot += 1;
+        self.slot - 1
+    }
+
+    /// Stores the keys and values (past and new) of the attention layer at `slot`.
+    pub(crate) fn store(&mut self, slot: usize, keys: Tensor, values: Tensor) {
+        if self.cache.len() <= slot {
+            self.cache.resize_with(slot + 1, || None);
+        }
+        self.cache[slot] = Some((keys, values));
+    }
 }
 
 /// Finds a layer's tensors by their names under the layer's path while the
@@ -75,6 +133,15 @@ impl Lookup<'_> {
         self.index.get(join(self.prefix, name).as_str()).copied()
     }
 
+    /// The index of the tensor with the full name `name` (a tied weight), which
+    /// the model must have.
+    pub(crate) fn need_absolute(&self, name: &str) -> Result<usize> {
+        self.index.get(name).copied().ok_or_else(|| Error::MissingKey {
+            key: name.to_owned(),
+            available: self.index.len(),
+        })
+    }
+
     /// The index of the layer's tensor `name`, which it must have.
     pub(crate) fn need(&self, name: &str) -> Result<usize> {
         self.find(name).ok_or_else(|| Error::MissingKey {
@@ -89,7 +156,7 @@ impl Lookup<'_> {
 type Build = fn(&Layer, &Lookup<'_>) -> Result<Option<Box<dyn Forward>>>;
 
 /// Every family's [`Build`].
-const FAMILIES: [Build; 10] = [
+const FAMILIES: [Build; 11] = [
     linear::build,
     conv::build,
     pool::build,
@@ -100,6 +167,7 @@ const FAMILIES: [Build; 10] = [
     activation::build,
     attention::build,
     custom::build,
+    transformer::build,
 ];
 
 /// Builds the node of `layer`, a layer without children, at `at.prefix`.

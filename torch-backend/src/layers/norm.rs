@@ -1,4 +1,5 @@
-//! Normalisation on libtorch: `BatchNorm1d`, `BatchNorm2d`, `LayerNorm`, `GroupNorm`.
+//! Normalisation on libtorch: `BatchNorm1d`, `BatchNorm2d`, `LayerNorm`,
+//! `GroupNorm`, `RmsNorm`.
 
 use kiln_core::{model::Layer, Result};
 use tch::Tensor;
@@ -32,6 +33,11 @@ enum Norm {
         bias: Option<usize>,
         eps: f64,
     },
+    RmsNorm {
+        weight: usize,
+        eps: f64,
+        offset: f64,
+    },
 }
 
 /// The node of `layer` when it is one of this family's; `None` otherwise.
@@ -57,6 +63,11 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             weight: at.find("weight"),
             bias: at.find("bias"),
             eps: c.eps,
+        },
+        Layer::RmsNorm(c) => Norm::RmsNorm {
+            weight: at.need("weight")?,
+            eps: c.eps,
+            offset: c.weight_offset,
         },
         _ => return Ok(None),
     };
@@ -102,6 +113,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
             Scripted {
                 class: class.to_owned(),
                 body,
+                children: Vec::new(),
             }
         }
         Layer::LayerNorm(c) => Scripted::returning(
@@ -124,6 +136,11 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
                 float(c.eps)
             ),
         ),
+        Layer::RmsNorm(c) => Scripted {
+            class: "RMSNorm".to_owned(),
+            body: super::transformer::rms_norm_script(c.eps, c.weight_offset),
+            children: Vec::new(),
+        },
         _ => return Ok(None),
     }))
 }
@@ -184,6 +201,18 @@ impl Forward for Norm {
                 *eps,
                 false,
             ),
+            Norm::RmsNorm {
+                weight,
+                eps,
+                offset,
+            } => {
+                let weight = tensors.tensor(*weight);
+                return if *offset == 0.0 {
+                    super::transformer::rms_norm(x, weight, *eps)
+                } else {
+                    super::transformer::rms_norm(x, &weight.f_add_scalar(*offset)?, *eps)
+                };
+            }
         }?)
     }
 }

@@ -29,9 +29,20 @@ impl ScriptLeaf<'_> {
 }
 
 /// A leaf layer in TorchScript: its module's class name and its `forward`'s
-/// body (statements indented four spaces, ending in a `return`).
+/// body (statements indented four spaces, ending in a `return`), and the
+/// forwards of the submodules its dotted tensors go into (`q_norm.weight`)
+/// other than linear projections, which the exporter writes itself.
 #[derive(Debug)]
 pub(crate) struct Scripted {
+    pub(crate) class: String,
+    pub(crate) body: String,
+    pub(crate) children: Vec<ScriptChild>,
+}
+
+/// A submodule of a [`Scripted`] leaf: its attribute name, class and `forward` body.
+#[derive(Debug)]
+pub(crate) struct ScriptChild {
+    pub(crate) name: String,
     pub(crate) class: String,
     pub(crate) body: String,
 }
@@ -42,6 +53,7 @@ impl Scripted {
         Scripted {
             class: class.to_owned(),
             body: ret(expr),
+            children: Vec::new(),
         }
     }
 }
@@ -77,7 +89,7 @@ pub(crate) fn boolean(v: bool) -> &'static str {
 type Script = fn(&Layer, &ScriptLeaf<'_>) -> Result<Option<Scripted>>;
 
 /// Every family's [`Script`].
-const FAMILIES: [Script; 10] = [
+const FAMILIES: [Script; 11] = [
     super::linear::script,
     super::conv::script,
     super::pool::script,
@@ -88,6 +100,7 @@ const FAMILIES: [Script; 10] = [
     super::activation::script,
     super::attention::script,
     super::custom::script,
+    super::transformer::script,
 ];
 
 /// The class and forward of `layer`, a layer without children; `None` for a

@@ -26,6 +26,7 @@ pub(super) mod pool;
 pub(super) mod saved_model;
 pub(super) mod structure;
 pub(super) mod torchscript;
+pub(super) mod transformer;
 
 use crate::error::Result;
 
@@ -35,10 +36,14 @@ pub use conv::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig};
 pub use custom::{CustomConfig, CustomParam};
 pub use embedding::EmbeddingConfig;
 pub use linear::LinearConfig;
-pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig};
+pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig, RmsNormConfig};
 pub use pool::Pool2dConfig;
 pub use saved_model::SavedModelLayerConfig;
 pub use torchscript::TorchScriptConfig;
+pub use transformer::{
+    GatedActivation, GatedMlpConfig, PositionEmbeddingConfig, PositionEncoding, RopeConfig,
+    SelfAttentionConfig, TiedLinearConfig,
+};
 
 pub(super) use context::{join, FieldCheck, Params, ShapeCheck};
 pub(super) use defaults::pair;

@@ -256,3 +256,74 @@ impl LayerSpec for GroupNormConfig {
         Ok(())
     }
 }
+
+/// RMSNorm over the last dimension, as the LLaMA, Mistral, Qwen and Gemma
+/// families use it (`torch.nn.RMSNorm` when `weight_offset` is 0):
+///
+/// ```text
+/// y = x / sqrt(mean(x², last axis) + eps) * (weight_offset + weight)
+/// ```
+///
+/// The mean is taken in float32 whatever the input's dtype (as the Hugging Face
+/// modules do). Gemma stores `weight` as an offset from one: `weight_offset = 1`
+/// (its weight then starts at 0).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RmsNormConfig {
+    /// Size of the last dimension.
+    pub dim: usize,
+    /// Added to the mean square for stability (default 1e-6, LLaMA's `rms_norm_eps`).
+    #[serde(default = "default_rms_eps")]
+    pub eps: f64,
+    /// Added to `weight` before it scales (default 0; Gemma: 1).
+    #[serde(default)]
+    pub weight_offset: f64,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+
+config_builder! {
+    RmsNormConfig {
+        /// RMSNorm with `eps = 1e-6` and no weight offset.
+        new(dim: usize) {
+            dim,
+            eps: 1e-6,
+            weight_offset: 0.0,
+        }
+        /// Sets `eps`.
+        with_eps(eps: f64);
+        /// Sets the weight offset (1 for Gemma's `1 + weight`).
+        with_weight_offset(weight_offset: f64);
+    }
+}
+
+impl LayerSpec for RmsNormConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("dim", self.dim)?;
+        check.non_negative("eps", self.eps)?;
+        if !self.weight_offset.is_finite() {
+            return Err(check.invalid("weight_offset", "must be finite"));
+        }
+        Ok(())
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match input.last() {
+            Some(&d) if d == self.dim => Ok(input.to_vec()),
+            _ => Err(at.mismatch(format!("[*, {}]", self.dim))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        // The scale starts at 1 in effect: `weight_offset + weight == 1`.
+        params.constant(
+            "weight",
+            vec![self.dim],
+            1.0 - self.weight_offset,
+            ParamKind::Parameter,
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,513 @@
+//! The layers of today's transformers: `SelfAttention` (grouped-query heads,
+//! rotary position embeddings, QK-norm), `GatedMlp` (SwiGLU, GeGLU),
+//! `PositionEmbedding` (learned or sinusoidal) and `TiedLinear` (an output
+//! projection that shares the token embedding's weight). Their parameter names
+//! are those of the Hugging Face modules (`q_proj`, `gate_proj`, ...).
+
+use serde::{Deserialize, Serialize};
+
+use super::builder::config_builder;
+use super::context::join;
+use super::{FieldCheck, LayerSpec, Params, ShapeCheck};
+use crate::error::Result;
+use crate::model::init::InitDistribution;
+use crate::model::ParamKind;
+use crate::dtype::DType;
+
+/// Rotary position embeddings (RoPE) in the "rotate half" layout of the
+/// Hugging Face models: the first `rotary_dim` features of each head are
+/// rotated, pairing feature `i` with feature `i + rotary_dim / 2`, at angle
+/// `position * theta^(-2i / rotary_dim)`; the rest pass unchanged.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RopeConfig {
+    /// The base of the frequencies (LLaMA 2: 10000, LLaMA 3: 500000; default 10000).
+    #[serde(default = "default_theta")]
+    pub theta: f64,
+    /// How many features of each head rotate (even; default: all, `head_dim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotary_dim: Option<usize>,
+}
+
+fn default_theta() -> f64 {
+    10_000.0
+}
+
+impl Default for RopeConfig {
+    fn default() -> Self {
+        RopeConfig {
+            theta: default_theta(),
+            rotary_dim: None,
+        }
+    }
+}
+
+impl RopeConfig {
+    /// RoPE with base `theta` over every feature of a head.
+    pub fn new(theta: f64) -> Self {
+        RopeConfig {
+            theta,
+            rotary_dim: None,
+        }
+    }
+
+    /// Rotates only the first `rotary_dim` features of each head.
+    pub fn with_rotary_dim(mut self, rotary_dim: usize) -> Self {
+        self.rotary_dim = Some(rotary_dim);
+        self
+    }
+
+    /// The rotated features per head, for heads of `head_dim` features.
+    pub fn rotary_dim(&self, head_dim: usize) -> usize {
+        self.rotary_dim.unwrap_or(head_dim)
+    }
+
+    /// The `rotary_dim / 2` inverse frequencies `theta^(-2i / rotary_dim)`,
+    /// computed in float64 and rounded once (as `transformers` computes them in
+    /// float32 from `arange(0, dim, 2) / dim`).
+    pub fn inverse_frequencies(&self, head_dim: usize) -> Vec<f32> {
+        let dim = self.rotary_dim(head_dim);
+        (0..dim / 2)
+            .map(|i| {
+                let exponent = (2 * i) as f32 / dim as f32;
+                1.0 / (self.theta as f32).powf(exponent)
+            })
+            .collect()
+    }
+}
+
+/// Self-attention with the Hugging Face modules' parameters: separate
+/// `q_proj`, `k_proj`, `v_proj` and `o_proj` projections, `num_kv_heads` key
+/// and value heads shared by groups of query heads (grouped-query attention;
+/// multi-query with one), optional rotary position embeddings and per-head
+/// RMSNorm of queries and keys (QK-norm, as Qwen3 and OLMo 2 have). Runs on
+/// `[batch, seq, embed_dim]` through `scaled_dot_product_attention`.
+///
+/// ```
+/// use kiln_core::model::{Layer, RopeConfig, SelfAttentionConfig};
+///
+/// // LLaMA's attention: 8 query heads sharing 2 key/value heads, RoPE, no biases.
+/// let attn: Layer = SelfAttentionConfig::new(64, 8)
+///     .with_num_kv_heads(2)
+///     .with_causal(true)
+///     .with_rope(RopeConfig::new(500_000.0))
+///     .into();
+/// assert_eq!(attn.output_shape(&[2, 10, 64])?, vec![2, 10, 64]);
+/// let specs = attn.parameter_specs("")?;
+/// assert_eq!(specs[1].name, "k_proj.weight");
+/// assert_eq!(specs[1].shape, vec![16, 64]);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SelfAttentionConfig {
+    /// Model width (the input's last dimension).
+    pub embed_dim: usize,
+    /// Number of query heads.
+    pub num_heads: usize,
+    /// Number of key and value heads; divides `num_heads` (default `num_heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_kv_heads: Option<usize>,
+    /// Features per head (default `embed_dim / num_heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Whether position `i` may only attend to positions `<= i` (default `false`).
+    #[serde(default)]
+    pub causal: bool,
+    /// Whether `q_proj`, `k_proj` and `v_proj` have biases (default `false`;
+    /// Qwen2, GPT-2 and BERT have them).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Whether `o_proj` has a bias (default `false`).
+    #[serde(default)]
+    pub out_bias: bool,
+    /// Rotary position embeddings of queries and keys (default none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope: Option<RopeConfig>,
+    /// RMSNorm epsilon of the per-head query and key norms (`q_norm`,
+    /// `k_norm`), applied before RoPE; none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qk_norm_eps: Option<f64>,
+    /// Dropout on the attention weights in training, in `[0, 1)` (default 0).
+    #[serde(default)]
+    pub dropout: f64,
+}
+
+config_builder! {
+    SelfAttentionConfig {
+        /// Multi-head (not grouped) non-causal attention without biases, RoPE or QK-norm.
+        new(embed_dim: usize, num_heads: usize) {
+            embed_dim,
+            num_heads,
+            num_kv_heads: None,
+            head_dim: None,
+            causal: false,
+            qkv_bias: false,
+            out_bias: false,
+            rope: None,
+            qk_norm_eps: None,
+            dropout: 0.0,
+        }
+        /// Sets the number of key and value heads (grouped-query attention).
+        with_num_kv_heads(num_kv_heads: Some(usize));
+        /// Sets the features per head.
+        with_head_dim(head_dim: Some(usize));
+        /// Sets whether the attention is causal.
+        with_causal(causal: bool);
+        /// Sets whether the query, key and value projections have biases.
+        with_qkv_bias(qkv_bias: bool);
+        /// Sets whether the output projection has a bias.
+        with_out_bias(out_bias: bool);
+        /// Applies rotary position embeddings to queries and keys.
+        with_rope(rope: Some(RopeConfig));
+        /// Normalises each query and key head with an RMSNorm of this epsilon.
+        with_qk_norm_eps(qk_norm_eps: Some(f64));
+        /// Sets the attention dropout.
+        with_dropout(dropout: f64);
+    }
+}
+
+impl SelfAttentionConfig {
+    /// Features per head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.embed_dim / self.num_heads.max(1))
+    }
+
+    /// Key and value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_kv_heads.unwrap_or(self.num_heads)
+    }
+}
+
+impl LayerSpec for SelfAttentionConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        let c = self;
+        check.positive("embed_dim", c.embed_dim)?;
+        check.positive("num_heads", c.num_heads)?;
+        match c.head_dim {
+            Some(d) => check.positive("head_dim", d)?,
+            None => check.divisible("num_heads", "embed_dim", c.embed_dim, c.num_heads)?,
+        }
+        let kv = c.kv_heads();
+        check.positive("num_kv_heads", kv)?;
+        if !c.num_heads.is_multiple_of(kv) {
+            return Err(check.invalid(
+                "num_kv_heads",
+                format!(
+                    "must divide num_heads ({}) so that each key/value head serves a group \
+                     of query heads, got {kv}",
+                    c.num_heads
+                ),
+            ));
+        }
+        if let Some(rope) = &c.rope {
+            let head_dim = c.head_dim();
+            let rotary = rope.rotary_dim(head_dim);
+            if rotary == 0 || !rotary.is_multiple_of(2) || rotary > head_dim {
+                return Err(check.invalid(
+                    "rope.rotary_dim",
+                    format!("must be even and in 2..={head_dim} (head_dim), got {rotary}"),
+                ));
+            }
+            if !(rope.theta.is_finite() && rope.theta > 1.0) {
+                return Err(check.invalid(
+                    "rope.theta",
+                    format!("must be finite and above 1, got {}", rope.theta),
+                ));
+            }
+        }
+        if let Some(eps) = c.qk_norm_eps {
+            check.non_negative("qk_norm_eps", eps)?;
+        }
+        check.probability("dropout", c.dropout)
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match *input {
+            [_, _, e] if e == self.embed_dim => Ok(input.to_vec()),
+            _ => Err(at.mismatch(format!("[batch, seq, {}]", self.embed_dim))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        let c = self;
+        let (e, d) = (c.embed_dim, c.head_dim());
+        let q = c.num_heads * d;
+        let kv = c.kv_heads() * d;
+        for (name, out, inp, bias) in [
+            ("q_proj", q, e, c.qkv_bias),
+            ("k_proj", kv, e, c.qkv_bias),
+            ("v_proj", kv, e, c.qkv_bias),
+            ("o_proj", e, q, c.out_bias),
+        ] {
+            linear_params(params, name, out, inp, bias)?;
+        }
+        if c.qk_norm_eps.is_some() {
+            params.constant("q_norm.weight", vec![d], 1.0, ParamKind::Parameter);
+            params.constant("k_norm.weight", vec![d], 1.0, ParamKind::Parameter);
+        }
+        Ok(())
+    }
+}
+
+/// The `weight` (and `bias`) of an `nn.Linear(inp, out)` child named `name`,
+/// with PyTorch's default initialisation.
+fn linear_params(
+    params: &mut Params<'_>,
+    name: &str,
+    out: usize,
+    inp: usize,
+    bias: bool,
+) -> Result<()> {
+    let path = join(params.path, name);
+    Params {
+        path: &path,
+        kind: params.kind,
+        out: params.out,
+    }
+    .weight_and_bias(vec![out, inp], bias.then_some(out), None, None)
+}
+
+/// The activation of a [`GatedMlpConfig`]'s gate.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatedActivation {
+    /// SiLU (SwiGLU: LLaMA, Mistral, Qwen; `hidden_act = "silu"`).
+    #[default]
+    Silu,
+    /// Exact GELU (GeGLU).
+    Gelu,
+    /// Tanh-approximated GELU (Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// A gated feed-forward block with the Hugging Face LLaMA MLP's parameters:
+///
+/// ```text
+/// y = down_proj(act(gate_proj(x)) * up_proj(x))
+/// ```
+///
+/// SwiGLU with [`GatedActivation::Silu`], GeGLU with a GELU.
+///
+/// ```
+/// use kiln_core::model::{GatedMlpConfig, Layer};
+///
+/// let mlp: Layer = GatedMlpConfig::new(64, 172).into();
+/// assert_eq!(mlp.output_shape(&[2, 10, 64])?, vec![2, 10, 64]);
+/// assert_eq!(mlp.num_parameters()?, 3 * 64 * 172);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatedMlpConfig {
+    /// Model width (the input's and output's last dimension).
+    pub dim: usize,
+    /// Width of the gated hidden layer (`intermediate_size`).
+    pub hidden_dim: usize,
+    /// The gate's activation (default SiLU).
+    #[serde(default)]
+    pub activation: GatedActivation,
+    /// Whether the three projections have biases (default `false`).
+    #[serde(default)]
+    pub bias: bool,
+}
+
+config_builder! {
+    GatedMlpConfig {
+        /// SwiGLU without biases.
+        new(dim: usize, hidden_dim: usize) {
+            dim,
+            hidden_dim,
+            activation: GatedActivation::Silu,
+            bias: false,
+        }
+        /// Sets the gate's activation.
+        with_activation(activation: GatedActivation);
+        /// Sets whether the projections have biases.
+        with_bias(bias: bool);
+    }
+}
+
+impl LayerSpec for GatedMlpConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("dim", self.dim)?;
+        check.positive("hidden_dim", self.hidden_dim)
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match input.last() {
+            Some(&d) if d == self.dim => Ok(input.to_vec()),
+            _ => Err(at.mismatch(format!("[*, {}]", self.dim))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        let (d, h, b) = (self.dim, self.hidden_dim, self.bias);
+        linear_params(params, "gate_proj", h, d, b)?;
+        linear_params(params, "up_proj", h, d, b)?;
+        linear_params(params, "down_proj", d, h, b)
+    }
+}
+
+/// How a [`PositionEmbeddingConfig`] encodes positions.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PositionEncoding {
+    /// A learned table `weight` of `[max_positions, dim]` (GPT-2's `wpe`,
+    /// BERT's `position_embeddings`), starting from `N(0, 1)`.
+    #[default]
+    Learned,
+    /// The fixed sines and cosines of "Attention Is All You Need", no parameters:
+    /// `pe[p, 2i] = sin(p / 10000^(2i / dim))`, `pe[p, 2i + 1] = cos(p / 10000^(2i / dim))`.
+    Sinusoidal,
+}
+
+/// Adds a position embedding to `[batch, seq, dim]`: row `offset + t` to
+/// position `t`, where `offset` is 0 in training and the number of cached
+/// positions when decoding with a cache.
+///
+/// ```
+/// use kiln_core::model::{Layer, PositionEmbeddingConfig, PositionEncoding};
+///
+/// let wpe: Layer = PositionEmbeddingConfig::new(1024, 64).into();
+/// assert_eq!(wpe.parameter_specs("")?[0].shape, vec![1024, 64]);
+/// let fixed: Layer = PositionEmbeddingConfig::new(1024, 64)
+///     .with_encoding(PositionEncoding::Sinusoidal)
+///     .into();
+/// assert_eq!(fixed.num_parameters()?, 0);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PositionEmbeddingConfig {
+    /// The longest sequence (GPT-2's `n_positions`).
+    pub max_positions: usize,
+    /// Model width.
+    pub dim: usize,
+    /// Learned or sinusoidal (default learned).
+    #[serde(default)]
+    pub encoding: PositionEncoding,
+}
+
+config_builder! {
+    PositionEmbeddingConfig {
+        /// A learned position embedding.
+        new(max_positions: usize, dim: usize) {
+            max_positions,
+            dim,
+            encoding: PositionEncoding::Learned,
+        }
+        /// Sets learned or sinusoidal positions.
+        with_encoding(encoding: PositionEncoding);
+    }
+}
+
+impl PositionEmbeddingConfig {
+    /// The sinusoidal table `[max_positions, dim]`, row-major, computed in float64.
+    pub fn sinusoidal_table(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.max_positions * self.dim);
+        for p in 0..self.max_positions {
+            for j in 0..self.dim {
+                let i2 = (j - j % 2) as f64;
+                let angle = p as f64 / 10_000f64.powf(i2 / self.dim as f64);
+                out.push(if j % 2 == 0 { angle.sin() } else { angle.cos() } as f32);
+            }
+        }
+        out
+    }
+}
+
+impl LayerSpec for PositionEmbeddingConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("max_positions", self.max_positions)?;
+        check.positive("dim", self.dim)
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match *input {
+            [_, s, d] if d == self.dim && s <= self.max_positions => Ok(input.to_vec()),
+            _ => Err(at.mismatch(format!(
+                "[batch, seq <= {} (max_positions), {}]",
+                self.max_positions, self.dim
+            ))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        if self.encoding == PositionEncoding::Learned {
+            params.push(
+                "weight",
+                vec![self.max_positions, self.dim],
+                DType::F32,
+                ParamKind::Parameter,
+                InitDistribution::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// An output projection without bias whose weight is another layer's
+/// parameter: `y = x W^T` with `W` the `[out_features, in_features]` tensor
+/// named `weight` in the model's state dict. This is how a language model's
+/// head is tied to its token embedding (`tie_word_embeddings`): both read, and
+/// train, the one tensor.
+///
+/// ```
+/// use kiln_core::model::{EmbeddingConfig, Layer, TiedLinearConfig};
+///
+/// let lm = Layer::sequential([
+///     EmbeddingConfig::new(100, 16).into(),
+///     TiedLinearConfig::new("0.weight", 16, 100).into(),
+/// ]);
+/// assert_eq!(lm.output_shape(&[2, 7])?, vec![2, 7, 100]);
+/// assert_eq!(lm.num_parameters()?, 1600);
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TiedLinearConfig {
+    /// The full state-dict name of the shared weight (`"0.weight"`).
+    pub weight: String,
+    /// Size of the input's last dimension.
+    pub in_features: usize,
+    /// Size of the output's last dimension.
+    pub out_features: usize,
+}
+
+impl TiedLinearConfig {
+    /// `y = x W^T` with `W` the `[out_features, in_features]` tensor named `weight`.
+    pub fn new(weight: impl Into<String>, in_features: usize, out_features: usize) -> Self {
+        TiedLinearConfig {
+            weight: weight.into(),
+            in_features,
+            out_features,
+        }
+    }
+}
+
+impl LayerSpec for TiedLinearConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("in_features", self.in_features)?;
+        check.positive("out_features", self.out_features)?;
+        if self.weight.is_empty() {
+            return Err(check.invalid("weight", "must name a tensor of the model"));
+        }
+        Ok(())
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match input.split_last() {
+            Some((&last, rest)) if last == self.in_features => {
+                let mut out = rest.to_vec();
+                out.push(self.out_features);
+                Ok(out)
+            }
+            _ => Err(at.mismatch(format!("[*, {}]", self.in_features))),
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! `SelfAttention`, `GatedMlp`, `PositionEmbedding` and `TiedLinear` on
+//! libtorch, with the Hugging Face modules' arithmetic op for op (so that
+//! logits match `transformers`), and the cached decoding path generation uses.
+
+use kiln_core::model::{GatedActivation, Layer, PositionEncoding, SelfAttentionConfig};
+use kiln_core::{Error, Result};
+use tch::{Kind, Tensor};
+
+use super::script::{boolean, float, ScriptChild, ScriptLeaf, Scripted};
+use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Tensors};
+
+/// A built [`Layer::SelfAttention`].
+#[derive(Debug)]
+struct Attention {
+    q: (usize, Option<usize>),
+    k: (usize, Option<usize>),
+    v: (usize, Option<usize>),
+    o: (usize, Option<usize>),
+    norms: Option<(usize, usize, f64)>,
+    heads: i64,
+    kv_heads: i64,
+    head_dim: i64,
+    causal: bool,
+    dropout: f64,
+    /// `(theta, rotary_dim)`.
+    rope: Option<(f64, i64)>,
+}
+
+/// A built [`Layer::GatedMlp`].
+#[derive(Debug)]
+struct GatedMlp {
+    gate: (usize, Option<usize>),
+    up: (usize, Option<usize>),
+    down: (usize, Option<usize>),
+    activation: GatedActivation,
+}
+
+/// A built [`Layer::PositionEmbedding`]: the learned table, or the sinusoidal one.
+#[derive(Debug)]
+enum Positions {
+    Learned(usize),
+    /// The `[max_positions, dim]` table, row-major.
+    Sinusoidal(Vec<f32>, [i64; 2]),
+}
+
+/// A built [`Layer::TiedLinear`]: the shared weight's index.
+#[derive(Debug)]
+struct TiedLinear(usize);
+
+/// The node of `layer` when it is one of this family's; `None` otherwise.
+pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
+    let proj = |name: &str| -> Result<(usize, Option<usize>)> {
+        Ok((
+            at.need(&format!("{name}.weight"))?,
+            at.find(&format!("{name}.bias")),
+        ))
+    };
+    Ok(Some(match layer {
+        Layer::SelfAttention(c) => Box::new(Attention {
+            q: proj("q_proj")?,
+            k: proj("k_proj")?,
+            v: proj("v_proj")?,
+            o: proj("o_proj")?,
+            norms: match c.qk_norm_eps {
+                Some(eps) => Some((at.need("q_norm.weight")?, at.need("k_norm.weight")?, eps)),
+                None => None,
+            },
+            heads: c.num_heads as i64,
+            kv_heads: c.kv_heads() as i64,
+            head_dim: c.head_dim() as i64,
+            causal: c.causal,
+            dropout: c.dropout,
+            rope: c
+                .rope
+                .as_ref()
+                .map(|r| (r.theta, r.rotary_dim(c.head_dim()) as i64)),
+        }),
+        Layer::GatedMlp(c) => Box::new(GatedMlp {
+            gate: proj("gate_proj")?,
+            up: proj("up_proj")?,
+            down: proj("down_proj")?,
+            activation: c.activation,
+        }),
+        Layer::PositionEmbedding(c) => Box::new(match c.encoding {
+            PositionEncoding::Learned => Positions::Learned(at.need("weight")?),
+            PositionEncoding::Sinusoidal => Positions::Sinusoidal(
+                c.sinusoidal_table(),
+                [c.max_positions as i64, c.dim as i64],
+            ),
+        }),
+        Layer::TiedLinear(c) => Box::new(TiedLinear(at.need_absolute(&c.weight)?)),
+        _ => return Ok(None),
+    }))
+}
+
+/// `x W^T + b` with the projection's tensors.
+fn project(tensors: &dyn Tensors, x: &Tensor, (w, b): (usize, Option<usize>)) -> ForwardResult {
+    Ok(x.f_linear(tensors.tensor(w), tensors.opt(b))?)
+}
+
+/// `x / sqrt(mean(x², -1) + eps) * weight`, in float32 as `LlamaRMSNorm`.
+pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> ForwardResult {
+    let dtype = x.kind();
+    let h = x.f_to_kind(Kind::Float)?;
+    let var = h.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, None)?;
+    let h = h.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?;
+    Ok(weight.f_mul(&h.f_to_kind(dtype)?)?)
+}
+
+/// `[batch, 1, seq, rotary_dim]` cosines and sines of `positions` (`[batch, seq]`
+/// or `[1, seq]`), as `LlamaRotaryEmbedding` computes them.
+fn rope_tables(positions: &Tensor, theta: f64, rot: i64, kind: Kind) -> Result<(Tensor, Tensor), Failure> {
+    let device = positions.device();
+    let exponents = Tensor::f_arange_start_step(0, rot, 2, (Kind::Int64, device))?
+        .f_to_kind(Kind::Float)?
+        .f_div_scalar(rot as f64)?;
+    let inv_freq = Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()?;
+    let freqs = positions
+        .f_to_kind(Kind::Float)?
+        .f_unsqueeze(-1)?
+        .f_mul(&inv_freq)?;
+    let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_unsqueeze(1)?;
+    Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+}
+
+/// Rotates the first `rot` features of `x` (`[batch, heads, seq, head_dim]`).
+fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, rot: i64, head_dim: i64) -> ForwardResult {
+    let (xr, pass) = if rot == head_dim {
+        (x.shallow_clone(), None)
+    } else {
+        (x.f_narrow(-1, 0, rot)?, Some(x.f_narrow(-1, rot, head_dim - rot)?))
+    };
+    let half = rot / 2;
+    let rotated = Tensor::f_cat(
+        &[&xr.f_narrow(-1, half, half)?.f_neg()?, &xr.f_narrow(-1, 0, half)?],
+        -1,
+    )?;
+    let out = xr.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?;
+    Ok(match pass {
+        None => out,
+        Some(pass) => Tensor::f_cat(&[&out, &pass], -1)?,
+    })
+}
+
+impl Attention {
+    /// The heads of `x`: queries `[b, heads, s, d]`, keys and values
+    /// `[b, kv_heads, s, d]`, normalised and rotated at `positions`.
+    fn heads(
+        &self,
+        tensors: &dyn Tensors,
+        x: &Tensor,
+        positions: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor), Failure> {
+        let size = x.size();
+        let (b, s) = (size[0], size[1]);
+        let split = |t: Tensor, heads: i64| t.f_reshape([b, s, heads, self.head_dim]);
+        let mut q = split(project(tensors, x, self.q)?, self.heads)?;
+        let mut k = split(project(tensors, x, self.k)?, self.kv_heads)?;
+        let v = split(project(tensors, x, self.v)?, self.kv_heads)?.f_transpose(1, 2)?;
+        if let Some((qn, kn, eps)) = self.norms {
+            q = rms_norm(&q, tensors.tensor(qn), eps)?;
+            k = rms_norm(&k, tensors.tensor(kn), eps)?;
+        }
+        let (mut q, mut k) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?);
+        if let Some((theta, rot)) = self.rope {
+            // In the input's dtype, as transformers' rotary module returns them:
+            // under autocast q is bfloat16 and the rotation runs in float32.
+            let (cos, sin) = rope_tables(positions, theta, rot, x.kind())?;
+            q = apply_rope(&q, &cos, &sin, rot, self.head_dim)?;
+            k = apply_rope(&k, &cos, &sin, rot, self.head_dim)?;
+        }
+        Ok((q, k, v))
+    }
+
+    /// `o_proj` of the attended heads `[b, heads, s, d]`.
+    fn merge(&self, tensors: &dyn Tensors, attended: &Tensor) -> ForwardResult {
+        let size = attended.size();
+        let merged = attended
+            .f_transpose(1, 2)?
+            .f_reshape([size[0], size[2], self.heads * self.head_dim])?;
+        project(tensors, &merged, self.o)
+    }
+}
+
+impl Forward for Attention {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        let s = x.size()[1];
+        let positions = Tensor::f_arange(s, (Kind::Int64, x.device()))?.f_unsqueeze(0)?;
+        let (q, k, v) = self.heads(tensors, x, &positions)?;
+        let p = if train { self.dropout } else { 0.0 };
+        let attended = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            None::<Tensor>,
+            p,
+            self.causal,
+            None,
+            self.kv_heads != self.heads,
+        )?;
+        self.merge(tensors, &attended)
+    }
+
+    fn decode(&self, tensors: &dyn Tensors, x: &Tensor, step: &mut DecodeStep) -> ForwardResult {
+        let (q, k, v) = self.heads(tensors, x, &step.positions)?;
+        let slot = step.next_slot();
+        let (k, v) = match step.cache.get(slot).and_then(Option::as_ref) {
+            Some((past_k, past_v)) => (
+                Tensor::f_cat(&[past_k, &k], 2)?,
+                Tensor::f_cat(&[past_v, &v], 2)?,
+            ),
+            None => (k, v),
+        };
+        let mask = if self.causal {
+            &step.causal_mask
+        } else {
+            &step.padding_mask
+        };
+        let attended = Tensor::f_scaled_dot_product_attention(
+            &q,
+            &k,
+            &v,
+            Some(mask),
+            0.0,
+            false,
+            None,
+            self.kv_heads != self.heads,
+        )?;
+        step.store(slot, k, v);
+        self.merge(tensors, &attended)
+    }
+}
+
+impl Forward for GatedMlp {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        let gate = project(tensors, x, self.gate)?;
+        let gate = match self.activation {
+            GatedActivation::Silu => gate.f_silu()?,
+            GatedActivation::Gelu => gate.f_gelu("none")?,
+            GatedActivation::GeluTanh => gate.f_gelu("tanh")?,
+        };
+        let hidden = gate.f_mul(&project(tensors, x, self.up)?)?;
+        project(tensors, &hidden, self.down)
+    }
+}
+
+impl Positions {
+    fn add(&self, tensors: &dyn Tensors, x: &Tensor, positions: &Tensor) -> ForwardResult {
+        let table = match self {
+            Positions::Learned(w) => tensors.tensor(*w).shallow_clone(),
+            Positions::Sinusoidal(table, shape) => Tensor::from_slice(table)
+                .f_reshape(shape)?
+                .f_to_device(x.device())?
+                .f_to_kind(x.kind())?,
+        };
+        let max = table.size()[0];
+        let last = positions.max().int64_value(&[]);
+        if last >= max {
+            return Err(Failure::Layer(Error::invalid_argument(
+                "positions",
+                format!(
+                    "PositionEmbedding: position {last} is past the table's {max} rows \
+                     (max_positions); shorten the sequence"
+                ),
+            )));
+        }
+        Ok(x.f_add(&Tensor::f_embedding(&table, positions, -1, false, false)?)?)
+    }
+}
+
+impl Forward for Positions {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        let s = x.size()[1];
+        let positions = Tensor::f_arange(s, (Kind::Int64, x.device()))?.f_unsqueeze(0)?;
+        self.add(tensors, x, &positions)
+    }
+
+    fn decode(&self, tensors: &dyn Tensors, x: &Tensor, step: &mut DecodeStep) -> ForwardResult {
+        self.add(tensors, x, &step.positions)
+    }
+}
+
+impl Forward for TiedLinear {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        Ok(x.f_linear(tensors.tensor(self.0), None::<Tensor>)?)
+    }
+}
+
+/// `self.<name>.forward(x)` for a projection child.
+fn call(child: &str, x: &str) -> String {
+    format!("self.{child}.forward({x})")
+}
+
+/// The TorchScript of `layer` when it is one of this family's.
+pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scripted>> {
+    Ok(Some(match layer {
+        Layer::SelfAttention(c) => attention_script(c),
+        Layer::GatedMlp(c) => {
+            let act = match c.activation {
+                GatedActivation::Silu => "torch.nn.functional.silu(g)",
+                GatedActivation::Gelu => "torch.nn.functional.gelu(g)",
+                GatedActivation::GeluTanh => "torch.nn.functional.gelu(g, approximate='tanh')",
+            };
+            Scripted {
+                class: "GatedMlp".to_owned(),
+                body: format!(
+                    "    g = {}\n    h = {act} * {}\n    return {}\n",
+                    call("gate_proj", "x"),
+                    call("up_proj", "x"),
+                    call("down_proj", "h")
+                ),
+                children: Vec::new(),
+            }
+        }
+        Layer::PositionEmbedding(c) => {
+            let table = match c.encoding {
+                PositionEncoding::Learned => "self.weight".to_owned(),
+                PositionEncoding::Sinusoidal => format!(
+                    "torch.stack([torch.sin(angles), torch.cos(angles)], -1).reshape([{m}, -1])[:, :{d}].to(x.dtype)",
+                    m = c.max_positions,
+                    d = c.dim
+                ),
+            };
+            let angles = match c.encoding {
+                PositionEncoding::Learned => String::new(),
+                PositionEncoding::Sinusoidal => format!(
+                    "    half = torch.arange(0, {d}, 2, dtype=torch.float64, device=x.device)\n    \
+                     angles = torch.outer(torch.arange({m}, dtype=torch.float64, device=x.device), \
+                     torch.pow(10000.0, -half / {d}))\n",
+                    d = c.dim,
+                    m = c.max_positions
+                ),
+            };
+            Scripted {
+                class: "PositionEmbedding".to_owned(),
+                body: format!(
+                    "{angles}    table = {table}\n    \
+                     return x + table[:x.size(1)].to(x.dtype)\n"
+                ),
+                children: Vec::new(),
+            }
+        }
+        Layer::TiedLinear(_) => Scripted::returning("TiedLinear", "torch.linear(x, self.weight, None)".to_owned()),
+        _ => return Ok(None),
+    }))
+}
+
+/// `SelfAttention`'s TorchScript: the steps of [`Attention::forward`].
+fn attention_script(c: &SelfAttentionConfig) -> Scripted {
+    let (h, kv, d) = (c.num_heads, c.kv_heads(), c.head_dim());
+    let mut body = format!(
+        "    b = x.size(0)\n    s = x.size(1)\n    \
+         q = torch.reshape({}, [b, s, {h}, {d}])\n    \
+         k = torch.reshape({}, [b, s, {kv}, {d}])\n    \
+         v = torch.transpose(torch.reshape({}, [b, s, {kv}, {d}]), 1, 2)\n",
+        call("q_proj", "x"),
+        call("k_proj", "x"),
+        call("v_proj", "x"),
+    );
+    let mut children = Vec::new();
+    if let Some(eps) = c.qk_norm_eps {
+        body.push_str(&format!("    q = {}\n    k = {}\n", call("q_norm", "q"), call("k_norm", "k")));
+        for name in ["q_norm", "k_norm"] {
+            children.push(ScriptChild {
+                name: name.to_owned(),
+                class: "RMSNorm".to_owned(),
+                body: rms_norm_script(eps, 0.0),
+            });
+        }
+    }
+    body.push_str("    q = torch.transpose(q, 1, 2)\n    k = torch.transpose(k, 1, 2)\n");
+    if let Some(rope) = &c.rope {
+        let rot = rope.rotary_dim(d);
+        let half = rot / 2;
+        body.push_str(&format!(
+            "    inv = torch.reciprocal(torch.pow({theta}, torch.arange(0, {rot}, 2, dtype=torch.int64, device=x.device).float() / {rot}))\n    \
+             freqs = torch.outer(torch.arange(s, device=x.device).float(), inv)\n    \
+             emb = torch.cat([freqs, freqs], -1)\n    \
+             cos = torch.cos(emb).to(x.dtype)\n    \
+             sin = torch.sin(emb).to(x.dtype)\n",
+            theta = float(rope.theta),
+        ));
+        for t in ["q", "k"] {
+            body.push_str(&format!(
+                "    r = {t}[:, :, :, :{rot}]\n    \
+                 r = r * cos + torch.cat([-r[:, :, :, {half}:], r[:, :, :, :{half}]], -1) * sin\n    \
+                 {t} = torch.cat([r, {t}[:, :, :, {rot}:]], -1)\n"
+            ));
+        }
+    }
+    body.push_str(&format!(
+        "    p = 0.0\n    if self.training:\n        p = {}\n    \
+         a = torch.scaled_dot_product_attention(q, k, v, None, p, {}, scale=None, enable_gqa={})\n    \
+         a = torch.reshape(torch.transpose(a, 1, 2), [b, s, {}])\n    \
+         return {}\n",
+        float(c.dropout),
+        boolean(c.causal),
+        boolean(kv != h),
+        h * d,
+        call("o_proj", "a"),
+    ));
+    Scripted {
+        class: "SelfAttention".to_owned(),
+        body,
+        children,
+    }
+}
+
+/// The body of an RMSNorm module's forward (also `RmsNorm`'s, in `norm.rs`).
+pub(super) fn rms_norm_script(eps: f64, offset: f64) -> String {
+    let weight = if offset == 0.0 {
+        "self.weight".to_owned()
+    } else {
+        format!("(self.weight + {})", float(offset))
+    };
+    format!(
+        "    dtype = x.dtype\n    h = x.to(torch.float32)\n    \
+         h = h * torch.rsqrt(torch.mean(torch.pow(h, 2), [-1], True) + {})\n    \
+         return {weight} * h.to(dtype)\n",
+        float(eps)
+    )
+}
