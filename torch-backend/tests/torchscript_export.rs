@@ -148,6 +148,8 @@ fn expected_keys(layer: &Layer, path: &str, out: &mut Vec<serde_json::Value>) {
         }
         Layer::Residual { block } => expected_keys(block, &join("block"), out),
         Layer::TorchScript(config) => out.push(serde_json::json!([path, config.path])),
+        // The shared weight, held again by the projection's module.
+        Layer::TiedLinear(_) => out.push(serde_json::Value::String(join("weight"))),
         leaf => out.extend(
             leaf.parameter_specs(path)
                 .unwrap()
@@ -171,6 +173,19 @@ fn forward(model: &impl Module<TorchBackend>, x: &HostTensor) -> HostTensor {
     from_tch(&tch::no_grad(|| model.forward(&x)).unwrap()).unwrap()
 }
 
+/// `state` with a tied projection's weight also under the projection's name,
+/// as its exported module holds the shared tensor.
+fn with_tied(spec: &Layer, state: &StateDict) -> StateDict {
+    let mut out = state.clone();
+    for (path, layer) in spec.layers() {
+        if let Layer::TiedLinear(c) = layer {
+            let shared = state.get(&c.weight).unwrap().clone();
+            out.insert(format!("{path}.weight"), shared);
+        }
+    }
+    out
+}
+
 /// Exports one case and checks it in Rust; returns its manifest entry for the
 /// Python check.
 fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
@@ -188,9 +203,10 @@ fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
 
     // Kiln reads its export back: the same numbers, bit for bit.
     let mut script = ScriptModule::load(&file, Device::Cpu).unwrap();
+    let expected_state = with_tied(&case.spec, &exported_state);
     assert_eq!(
         script.state_dict().unwrap(),
-        exported_state,
+        expected_state,
         "{name}: state dict of the reloaded export"
     );
     script.set_mode(Mode::Eval);
@@ -210,10 +226,10 @@ fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
     if deterministic_in_training(&case.spec) {
         io.insert("y_train", y_train);
     }
-    for (key, value) in exported_state.iter() {
+    for (key, value) in expected_state.iter() {
         io.insert(format!("state.{key}"), value.clone());
     }
-    for (key, value) in after.iter() {
+    for (key, value) in with_tied(&case.spec, &after).iter() {
         io.insert(format!("after.{key}"), value.clone());
     }
     let io_path = dir.join(format!("{name}.io.safetensors"));
@@ -221,13 +237,19 @@ fn export_case(case: &Case, index: usize, dir: &Path) -> serde_json::Value {
 
     let mut keys = Vec::new();
     expected_keys(&case.spec, "", &mut keys);
-    let trainable: Vec<String> = model
+    let mut trainable: Vec<String> = model
         .named_parameters()
         .unwrap()
         .into_iter()
         .filter(|(_, t)| t.requires_grad())
         .map(|(n, _)| n)
         .collect();
+    // TorchScript lists a shared parameter under each module that holds it.
+    for (path, layer) in case.spec.layers() {
+        if matches!(layer, Layer::TiedLinear(_)) {
+            trainable.push(format!("{path}.weight"));
+        }
+    }
     serde_json::json!({
         "name": name,
         "file": file,
@@ -249,7 +271,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
     common::run_reference(&python, "torchscript_models.py", &[Path::new("make"), &dir]);
 
     let mut cases = layer_cases();
-    assert_eq!(cases.len(), 42, "the layer suite");
+    assert_eq!(cases.len(), 51, "the layer suite");
     cases.push(digits_cnn());
     cases.push(transformer_block());
     cases.push(backbone_case(&dir.join("mlp_bn.pt")));

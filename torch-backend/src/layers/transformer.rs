@@ -297,9 +297,9 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
         Layer::SelfAttention(c) => attention_script(c),
         Layer::GatedMlp(c) => {
             let act = match c.activation {
-                GatedActivation::Silu => "torch.nn.functional.silu(g)",
-                GatedActivation::Gelu => "torch.nn.functional.gelu(g)",
-                GatedActivation::GeluTanh => "torch.nn.functional.gelu(g, approximate='tanh')",
+                GatedActivation::Silu => "torch.silu(g)",
+                GatedActivation::Gelu => "torch.gelu(g)",
+                GatedActivation::GeluTanh => "torch.gelu(g, approximate=\"tanh\")",
             };
             Scripted {
                 class: "GatedMlp".to_owned(),
@@ -324,8 +324,8 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
             let angles = match c.encoding {
                 PositionEncoding::Learned => String::new(),
                 PositionEncoding::Sinusoidal => format!(
-                    "    half = torch.arange(0, {d}, 2, dtype=torch.float64, device=x.device)\n    \
-                     angles = torch.outer(torch.arange({m}, dtype=torch.float64, device=x.device), \
+                    "    half = torch.arange(0, {d}, 2, device=x.device).double()\n    \
+                     angles = torch.outer(torch.arange({m}, device=x.device).double(), \
                      torch.pow(10000.0, -half / {d}))\n",
                     d = c.dim,
                     m = c.max_positions
@@ -373,7 +373,7 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
         let rot = rope.rotary_dim(d);
         let half = rot / 2;
         body.push_str(&format!(
-            "    inv = torch.reciprocal(torch.pow({theta}, torch.arange(0, {rot}, 2, dtype=torch.int64, device=x.device).float() / {rot}))\n    \
+            "    inv = torch.reciprocal(torch.pow({theta}, torch.arange(0, {rot}, 2, device=x.device).float() / {rot}))\n    \
              freqs = torch.outer(torch.arange(s, device=x.device).float(), inv)\n    \
              emb = torch.cat([freqs, freqs], -1)\n    \
              cos = torch.cos(emb).to(x.dtype)\n    \
@@ -414,7 +414,7 @@ pub(super) fn rms_norm_script(eps: f64, offset: f64) -> String {
         format!("(self.weight + {})", float(offset))
     };
     format!(
-        "    dtype = x.dtype\n    h = x.to(torch.float32)\n    \
+        "    dtype = x.dtype\n    h = x.float()\n    \
          h = h * torch.rsqrt(torch.mean(torch.pow(h, 2), [-1], True) + {})\n    \
          return {weight} * h.to(dtype)\n",
         float(eps)
