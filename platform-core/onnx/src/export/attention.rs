@@ -21,7 +21,7 @@ pub(crate) fn causal_mask(seq: usize) -> Vec<f64> {
 
 impl Emitter<'_> {
     /// `x @ weight^T (+ bias)` on the last axis.
-    fn project(
+    pub(crate) fn project(
         &mut self,
         path: &str,
         layer: &Layer,

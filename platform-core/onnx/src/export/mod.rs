@@ -25,6 +25,7 @@ mod graph;
 mod norm;
 mod pool;
 mod structure;
+mod transformer;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -195,6 +196,11 @@ impl Emitter<'_> {
             | Layer::LayerNorm(_)
             | Layer::GroupNorm(_) => self.norm(path, layer, &x)?,
             Layer::MultiHeadSelfAttention(c) => self.attention(path, layer, c, &x)?,
+            Layer::RmsNorm(_)
+            | Layer::SelfAttention(_)
+            | Layer::GatedMlp(_)
+            | Layer::PositionEmbedding(_)
+            | Layer::TiedLinear(_) => self.transformer(path, layer, &x)?,
             Layer::Custom(c) => self.custom_op(path, layer, c, &x)?,
             Layer::Dropout { .. } | Layer::Embedding(_) | Layer::Flatten { .. } => {
                 self.structure(path, layer, &x, &shape)?
