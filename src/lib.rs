@@ -34,6 +34,7 @@ pub use kiln_custom_op as custom_op;
 pub use kiln_data as data;
 #[cfg(feature = "ops")]
 pub use kiln_fused_ops as fused_ops;
+pub use kiln_hf as hf;
 pub use kiln_onnx as onnx;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;

@@ -125,11 +125,16 @@ impl GenerationConfig {
             if !(temperature.is_finite() && *temperature > 0.0) {
                 return Err(Error::invalid_argument(
                     "temperature",
-                    format!("must be finite and above 0, got {temperature} (use greedy decoding for 0)"),
+                    format!(
+                        "must be finite and above 0, got {temperature} (use greedy decoding for 0)"
+                    ),
                 ));
             }
             if *top_k == Some(0) {
-                return Err(Error::invalid_argument("top_k", "must be at least 1, got 0"));
+                return Err(Error::invalid_argument(
+                    "top_k",
+                    "must be at least 1, got 0",
+                ));
             }
             if let Some(p) = top_p {
                 if !(*p > 0.0 && *p <= 1.0) {
@@ -175,7 +180,10 @@ impl Sampler {
     /// Fails on an empty row or one whose logits are not numbers.
     pub fn pick(&mut self, logits: &[f32]) -> Result<usize> {
         if logits.is_empty() {
-            return Err(Error::invalid_argument("logits", "an empty row has no token to pick"));
+            return Err(Error::invalid_argument(
+                "logits",
+                "an empty row has no token to pick",
+            ));
         }
         if logits.iter().any(|v| v.is_nan()) {
             return Err(Error::invalid_argument(
@@ -282,9 +290,15 @@ mod tests {
     #[test]
     fn top_k_and_top_p_cut_the_tail() {
         // softmax of ln([0.5, 0.3, 0.15, 0.05]) is that distribution.
-        let logits: Vec<f32> = [0.5f64, 0.3, 0.15, 0.05].iter().map(|p| p.ln() as f32).collect();
+        let logits: Vec<f32> = [0.5f64, 0.3, 0.15, 0.05]
+            .iter()
+            .map(|p| p.ln() as f32)
+            .collect();
         let p = filtered_probabilities(&logits, 1.0, Some(2), None);
-        assert!((p[0] - 0.625).abs() < 1e-6 && (p[1] - 0.375).abs() < 1e-6, "{p:?}");
+        assert!(
+            (p[0] - 0.625).abs() < 1e-6 && (p[1] - 0.375).abs() < 1e-6,
+            "{p:?}"
+        );
         assert_eq!(&p[2..], &[0.0, 0.0]);
         // 0.5 < 0.8, 0.5 + 0.3 >= 0.8: the two most likely remain.
         let p = filtered_probabilities(&logits, 1.0, None, Some(0.8));
@@ -309,7 +323,9 @@ mod tests {
         };
         let mut s = Sampler::new(&decoding, 42);
         let mut counts = [0usize; 3];
-        let draws: Vec<usize> = (0..20_000).map(|_| s.pick(&logits).expect("picks")).collect();
+        let draws: Vec<usize> = (0..20_000)
+            .map(|_| s.pick(&logits).expect("picks"))
+            .collect();
         for d in &draws {
             counts[*d] += 1;
         }
@@ -318,7 +334,9 @@ mod tests {
             assert!((*c as f64 / 20_000.0 - p).abs() < 0.015, "{counts:?}");
         }
         let mut again = Sampler::new(&decoding, 42);
-        let replay: Vec<usize> = (0..100).map(|_| again.pick(&logits).expect("picks")).collect();
+        let replay: Vec<usize> = (0..100)
+            .map(|_| again.pick(&logits).expect("picks"))
+            .collect();
         assert_eq!(replay, draws[..100]);
     }
 
@@ -329,7 +347,11 @@ mod tests {
             top_k: None,
             top_p: None,
         });
-        assert!(bad.validate().expect_err("t = 0").to_string().contains("temperature"));
+        assert!(bad
+            .validate()
+            .expect_err("t = 0")
+            .to_string()
+            .contains("temperature"));
         let mut s = Sampler::new(&Decoding::Greedy, 0);
         assert!(s.pick(&[]).is_err());
         assert!(s.pick(&[f32::NAN]).is_err());

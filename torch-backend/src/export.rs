@@ -261,10 +261,13 @@ impl Exporter<'_> {
         let mut own = Vec::new();
         let mut submodules: Vec<(String, Vec<(String, &Tensor, ParamKind)>)> = Vec::new();
         if let Layer::TiedLinear(c) = layer {
-            let (tensor, kind) = self.tensors.get(&c.weight).ok_or_else(|| Error::MissingKey {
-                key: c.weight.clone(),
-                available: self.tensors.len(),
-            })?;
+            let (tensor, kind) = self
+                .tensors
+                .get(&c.weight)
+                .ok_or_else(|| Error::MissingKey {
+                    key: c.weight.clone(),
+                    available: self.tensors.len(),
+                })?;
             own.push(("weight".to_owned(), tensor, *kind));
         }
         for spec in &specs {

@@ -105,7 +105,11 @@ impl TorchModel {
             None => Tensor::f_full([batch, 1], -1, (Kind::Int64, device)).map_err(err)?,
         };
         // Each token's position is the count of real tokens before it; padding gets 1.
-        let counted = mask.f_cumsum(1, Kind::Int64).map_err(err)?.f_add(&last).map_err(err)?;
+        let counted = mask
+            .f_cumsum(1, Kind::Int64)
+            .map_err(err)?
+            .f_add(&last)
+            .map_err(err)?;
         let positions = counted
             .f_masked_fill(&mask.f_eq(0).map_err(err)?, 1)
             .map_err(err)?;

@@ -24,10 +24,10 @@ use crate::shape::Shape;
 pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity};
 pub use layers::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
-    CustomConfig, CustomParam, EmbeddingConfig, GeluApproximation, GroupNormConfig,
-    GatedActivation, GatedMlpConfig, LayerNormConfig, LinearConfig, Pool2dConfig,
-    PositionEmbeddingConfig, PositionEncoding, RmsNormConfig, RopeConfig, SavedModelLayerConfig,
-    SelfAttentionConfig, TiedLinearConfig, TorchScriptConfig,
+    CustomConfig, CustomParam, EmbeddingConfig, GatedActivation, GatedMlpConfig, GeluApproximation,
+    GroupNormConfig, LayerNormConfig, LinearConfig, Pool2dConfig, PositionEmbeddingConfig,
+    PositionEncoding, RmsNormConfig, RopeConfig, SavedModelLayerConfig, SelfAttentionConfig,
+    TiedLinearConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 

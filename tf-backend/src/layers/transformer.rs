@@ -19,7 +19,12 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
         Layer::SelfAttention(c) => ctx.self_attention(x, prefix, c),
         Layer::GatedMlp(c) => {
             let hidden = c.hidden_dim as i64;
-            let gate = ctx.linear(x.clone(), &p("gate_proj.weight"), &p("gate_proj.bias"), hidden)?;
+            let gate = ctx.linear(
+                x.clone(),
+                &p("gate_proj.weight"),
+                &p("gate_proj.bias"),
+                hidden,
+            )?;
             let up = ctx.linear(x, &p("up_proj.weight"), &p("up_proj.bias"), hidden)?;
             let act = match c.activation {
                 GatedActivation::Silu => silu(ctx.b, &gate.out)?,
@@ -46,7 +51,12 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 
 impl Ctx<'_> {
     /// `x / sqrt(mean(x², last axis) + eps) * weight` (weight `None`: unscaled).
-    pub(super) fn rms_norm(&mut self, x: &Output, weight: Option<&Output>, eps: f64) -> Result<Output> {
+    pub(super) fn rms_norm(
+        &mut self,
+        x: &Output,
+        weight: Option<&Output>,
+        eps: f64,
+    ) -> Result<Output> {
         let sq = self.b.unary("Square", x)?;
         let ms = self.b.reduce("Mean", &sq, &[-1], true)?;
         let ms = self.b.add_scalar(&ms, eps as f32)?;
@@ -67,9 +77,21 @@ impl Ctx<'_> {
         let q = self.linear(x.clone(), &p("q_proj.weight"), &p("q_proj.bias"), h * d)?;
         let k = self.linear(x.clone(), &p("k_proj.weight"), &p("k_proj.bias"), kv * d)?;
         let v = self.linear(x, &p("v_proj.weight"), &p("v_proj.bias"), kv * d)?;
-        let mut q = self.b.reshape(&q.out, &[-1, seq as i32, h as i32, d as i32], DataType::Float)?;
-        let mut k = self.b.reshape(&k.out, &[-1, seq as i32, kv as i32, d as i32], DataType::Float)?;
-        let v = self.b.reshape(&v.out, &[-1, seq as i32, kv as i32, d as i32], DataType::Float)?;
+        let mut q = self.b.reshape(
+            &q.out,
+            &[-1, seq as i32, h as i32, d as i32],
+            DataType::Float,
+        )?;
+        let mut k = self.b.reshape(
+            &k.out,
+            &[-1, seq as i32, kv as i32, d as i32],
+            DataType::Float,
+        )?;
+        let v = self.b.reshape(
+            &v.out,
+            &[-1, seq as i32, kv as i32, d as i32],
+            DataType::Float,
+        )?;
         if let Some(eps) = c.qk_norm_eps {
             let qw = self.param(&p("q_norm.weight"))?;
             let kw = self.param(&p("k_norm.weight"))?;
@@ -102,7 +124,9 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         let scores = self.b.einsum("bqngd,bknd->bngqk", &q, &k)?;
-        let mut scores = self.b.mul_scalar(&scores, (1.0 / (d as f64).sqrt()) as f32)?;
+        let mut scores = self
+            .b
+            .mul_scalar(&scores, (1.0 / (d as f64).sqrt()) as f32)?;
         if c.causal {
             let mut mask = vec![0f32; (seq * seq) as usize];
             for i in 0..seq {
@@ -125,9 +149,11 @@ impl Ctx<'_> {
             )?
             .out;
         let attended = self.b.einsum("bngqk,bknd->bqngd", &weights, &v)?;
-        let merged = self
-            .b
-            .reshape(&attended, &[-1, seq as i32, (h * d) as i32], DataType::Float)?;
+        let merged = self.b.reshape(
+            &attended,
+            &[-1, seq as i32, (h * d) as i32],
+            DataType::Float,
+        )?;
         self.linear(
             Val {
                 out: merged,
@@ -166,7 +192,9 @@ impl Ctx<'_> {
         if rot == d {
             return Ok(out);
         }
-        let pass = self.b.slice(x, &[0, 0, 0, rot], &[-1, -1, heads, d - rot])?;
+        let pass = self
+            .b
+            .slice(x, &[0, 0, 0, rot], &[-1, -1, heads, d - rot])?;
         self.b.concat(&[out, pass], 3)
     }
 

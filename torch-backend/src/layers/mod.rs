@@ -136,10 +136,13 @@ impl Lookup<'_> {
     /// The index of the tensor with the full name `name` (a tied weight), which
     /// the model must have.
     pub(crate) fn need_absolute(&self, name: &str) -> Result<usize> {
-        self.index.get(name).copied().ok_or_else(|| Error::MissingKey {
-            key: name.to_owned(),
-            available: self.index.len(),
-        })
+        self.index
+            .get(name)
+            .copied()
+            .ok_or_else(|| Error::MissingKey {
+                key: name.to_owned(),
+                available: self.index.len(),
+            })
     }
 
     /// The index of the layer's tensor `name`, which it must have.

@@ -83,10 +83,9 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         }),
         Layer::PositionEmbedding(c) => Box::new(match c.encoding {
             PositionEncoding::Learned => Positions::Learned(at.need("weight")?),
-            PositionEncoding::Sinusoidal => Positions::Sinusoidal(
-                c.sinusoidal_table(),
-                [c.max_positions as i64, c.dim as i64],
-            ),
+            PositionEncoding::Sinusoidal => {
+                Positions::Sinusoidal(c.sinusoidal_table(), [c.max_positions as i64, c.dim as i64])
+            }
         }),
         Layer::TiedLinear(c) => Box::new(TiedLinear(at.need_absolute(&c.weight)?)),
         _ => return Ok(None),
@@ -109,7 +108,12 @@ pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> ForwardResult {
 
 /// `[batch, 1, seq, rotary_dim]` cosines and sines of `positions` (`[batch, seq]`
 /// or `[1, seq]`), as `LlamaRotaryEmbedding` computes them.
-fn rope_tables(positions: &Tensor, theta: f64, rot: i64, kind: Kind) -> Result<(Tensor, Tensor), Failure> {
+fn rope_tables(
+    positions: &Tensor,
+    theta: f64,
+    rot: i64,
+    kind: Kind,
+) -> Result<(Tensor, Tensor), Failure> {
     let device = positions.device();
     let exponents = Tensor::f_arange_start_step(0, rot, 2, (Kind::Int64, device))?
         .f_to_kind(Kind::Float)?
@@ -128,11 +132,17 @@ fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, rot: i64, head_dim: i64) -
     let (xr, pass) = if rot == head_dim {
         (x.shallow_clone(), None)
     } else {
-        (x.f_narrow(-1, 0, rot)?, Some(x.f_narrow(-1, rot, head_dim - rot)?))
+        (
+            x.f_narrow(-1, 0, rot)?,
+            Some(x.f_narrow(-1, rot, head_dim - rot)?),
+        )
     };
     let half = rot / 2;
     let rotated = Tensor::f_cat(
-        &[&xr.f_narrow(-1, half, half)?.f_neg()?, &xr.f_narrow(-1, 0, half)?],
+        &[
+            &xr.f_narrow(-1, half, half)?.f_neg()?,
+            &xr.f_narrow(-1, 0, half)?,
+        ],
         -1,
     )?;
     let out = xr.f_mul(cos)?.f_add(&rotated.f_mul(sin)?)?;
@@ -175,9 +185,11 @@ impl Attention {
     /// `o_proj` of the attended heads `[b, heads, s, d]`.
     fn merge(&self, tensors: &dyn Tensors, attended: &Tensor) -> ForwardResult {
         let size = attended.size();
-        let merged = attended
-            .f_transpose(1, 2)?
-            .f_reshape([size[0], size[2], self.heads * self.head_dim])?;
+        let merged = attended.f_transpose(1, 2)?.f_reshape([
+            size[0],
+            size[2],
+            self.heads * self.head_dim,
+        ])?;
         project(tensors, &merged, self.o)
     }
 }
@@ -340,7 +352,10 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
                 children: Vec::new(),
             }
         }
-        Layer::TiedLinear(_) => Scripted::returning("TiedLinear", "torch.linear(x, self.weight, None)".to_owned()),
+        Layer::TiedLinear(_) => Scripted::returning(
+            "TiedLinear",
+            "torch.linear(x, self.weight, None)".to_owned(),
+        ),
         _ => return Ok(None),
     }))
 }
@@ -359,7 +374,11 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
     );
     let mut children = Vec::new();
     if let Some(eps) = c.qk_norm_eps {
-        body.push_str(&format!("    q = {}\n    k = {}\n", call("q_norm", "q"), call("k_norm", "k")));
+        body.push_str(&format!(
+            "    q = {}\n    k = {}\n",
+            call("q_norm", "q"),
+            call("k_norm", "k")
+        ));
         for name in ["q_norm", "k_norm"] {
             children.push(ScriptChild {
                 name: name.to_owned(),

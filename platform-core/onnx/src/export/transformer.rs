@@ -7,9 +7,7 @@
 //! learned table, or the sinusoidal table as a constant) and `TiedLinear`
 //! (`MatMul` with the shared initializer, transposed).
 
-use kiln_core::model::{
-    GatedActivation, Layer, PositionEncoding, SelfAttentionConfig,
-};
+use kiln_core::model::{GatedActivation, Layer, PositionEncoding, SelfAttentionConfig};
 
 use super::attention::causal_mask;
 use super::graph::attr;
@@ -32,18 +30,41 @@ impl Emitter<'_> {
             Layer::SelfAttention(c) => self.self_attention(path, layer, c, x),
             Layer::GatedMlp(c) => {
                 let bias = |name: &'static str| c.bias.then_some(name);
-                let gate = self.project(path, layer, &x.name, "gate_proj.weight", bias("gate_proj.bias"))?;
+                let gate = self.project(
+                    path,
+                    layer,
+                    &x.name,
+                    "gate_proj.weight",
+                    bias("gate_proj.bias"),
+                )?;
                 let act = match c.activation {
                     GatedActivation::Silu => {
                         let s = self.g.op(path, "Sigmoid", &[&gate], vec![]);
                         self.g.op(path, "Mul", &[&gate, &s], vec![])
                     }
-                    GatedActivation::Gelu => self.g.op(path, "Gelu", &[&gate], vec![attr::string("approximate", "none")]),
-                    GatedActivation::GeluTanh => self.g.op(path, "Gelu", &[&gate], vec![attr::string("approximate", "tanh")]),
+                    GatedActivation::Gelu => self.g.op(
+                        path,
+                        "Gelu",
+                        &[&gate],
+                        vec![attr::string("approximate", "none")],
+                    ),
+                    GatedActivation::GeluTanh => self.g.op(
+                        path,
+                        "Gelu",
+                        &[&gate],
+                        vec![attr::string("approximate", "tanh")],
+                    ),
                 };
-                let up = self.project(path, layer, &x.name, "up_proj.weight", bias("up_proj.bias"))?;
+                let up =
+                    self.project(path, layer, &x.name, "up_proj.weight", bias("up_proj.bias"))?;
                 let hidden = self.g.op(path, "Mul", &[&act, &up], vec![]);
-                self.project(path, layer, &hidden, "down_proj.weight", bias("down_proj.bias"))
+                self.project(
+                    path,
+                    layer,
+                    &hidden,
+                    "down_proj.weight",
+                    bias("down_proj.bias"),
+                )
             }
             Layer::PositionEmbedding(c) => {
                 let seq = x.shape[1];
@@ -53,7 +74,8 @@ impl Emitter<'_> {
                         let starts = self.g.ints(path, "starts", &[0])?;
                         let ends = self.g.ints(path, "ends", &[seq as i64])?;
                         let axes = self.g.ints(path, "axes", &[0])?;
-                        self.g.op(path, "Slice", &[&table, &starts, &ends, &axes], vec![])
+                        self.g
+                            .op(path, "Slice", &[&table, &starts, &ends, &axes], vec![])
                     }
                     PositionEncoding::Sinusoidal => {
                         let table: Vec<f64> = c.sinusoidal_table()[..seq * c.dim]
@@ -73,7 +95,9 @@ impl Emitter<'_> {
                     reason: "(the tied weight) is missing".to_owned(),
                 })?;
                 let w = self.g.weight(&c.weight, tensor)?;
-                let wt = self.g.op(path, "Transpose", &[&w], vec![attr::ints("perm", &[1, 0])]);
+                let wt = self
+                    .g
+                    .op(path, "Transpose", &[&w], vec![attr::ints("perm", &[1, 0])]);
                 Ok(self.g.op(path, "MatMul", &[&x.name, &wt], vec![]))
             }
             _ => Err(wrong_family(path, layer)),
@@ -84,7 +108,12 @@ impl Emitter<'_> {
     fn rms(&mut self, path: &str, x: &str, weight: &str, eps: f64) -> Result<String> {
         let axes = self.g.ints(path, "axes", &[-1])?;
         let squared = self.g.op(path, "Mul", &[x, x], vec![]);
-        let mean = self.g.op(path, "ReduceMean", &[&squared, &axes], vec![attr::int("keepdims", 1)]);
+        let mean = self.g.op(
+            path,
+            "ReduceMean",
+            &[&squared, &axes],
+            vec![attr::int("keepdims", 1)],
+        );
         let eps = self.g.scalar(path, "eps", eps)?;
         let shifted = self.g.op(path, "Add", &[&mean, &eps], vec![]);
         let root = self.g.op(path, "Sqrt", &[&shifted], vec![]);
@@ -97,17 +126,33 @@ impl Emitter<'_> {
         let starts = self.g.ints(path, "starts", &[start as i64])?;
         let ends = self.g.ints(path, "ends", &[end as i64])?;
         let axes = self.g.ints(path, "axes", &[3])?;
-        Ok(self.g.op(path, "Slice", &[x, &starts, &ends, &axes], vec![]))
+        Ok(self
+            .g
+            .op(path, "Slice", &[x, &starts, &ends, &axes], vec![]))
     }
 
     /// Rotates the first `rot` of `d` features of `x` (`[b, heads, s, d]`).
-    fn rotate(&mut self, path: &str, x: &str, cos: &str, sin: &str, rot: usize, d: usize) -> Result<String> {
+    fn rotate(
+        &mut self,
+        path: &str,
+        x: &str,
+        cos: &str,
+        sin: &str,
+        rot: usize,
+        d: usize,
+    ) -> Result<String> {
         let half = rot / 2;
-        let r = if rot == d { x.to_owned() } else { self.last_axis(path, x, 0, rot)? };
+        let r = if rot == d {
+            x.to_owned()
+        } else {
+            self.last_axis(path, x, 0, rot)?
+        };
         let first = self.last_axis(path, &r, 0, half)?;
         let second = self.last_axis(path, &r, half, rot)?;
         let neg = self.g.op(path, "Neg", &[&second], vec![]);
-        let rotated = self.g.op(path, "Concat", &[&neg, &first], vec![attr::int("axis", 3)]);
+        let rotated = self
+            .g
+            .op(path, "Concat", &[&neg, &first], vec![attr::int("axis", 3)]);
         let a = self.g.op(path, "Mul", &[&r, cos], vec![]);
         let b = self.g.op(path, "Mul", &[&rotated, sin], vec![]);
         let out = self.g.op(path, "Add", &[&a, &b], vec![]);
@@ -115,7 +160,9 @@ impl Emitter<'_> {
             return Ok(out);
         }
         let pass = self.last_axis(path, x, rot, d)?;
-        Ok(self.g.op(path, "Concat", &[&out, &pass], vec![attr::int("axis", 3)]))
+        Ok(self
+            .g
+            .op(path, "Concat", &[&out, &pass], vec![attr::int("axis", 3)]))
     }
 
     fn self_attention(
@@ -132,7 +179,9 @@ impl Emitter<'_> {
         let k = self.project(path, layer, &x.name, "k_proj.weight", bias("k_proj.bias"))?;
         let v = self.project(path, layer, &x.name, "v_proj.weight", bias("v_proj.bias"))?;
         let q_heads = self.g.ints(path, "q_heads", &[0, 0, h as i64, d as i64])?;
-        let kv_heads = self.g.ints(path, "kv_heads", &[0, 0, kv as i64, d as i64])?;
+        let kv_heads = self
+            .g
+            .ints(path, "kv_heads", &[0, 0, kv as i64, d as i64])?;
         let mut q = self.g.op(path, "Reshape", &[&q, &q_heads], vec![]);
         let mut k = self.g.op(path, "Reshape", &[&k, &kv_heads], vec![]);
         let v = self.g.op(path, "Reshape", &[&v, &kv_heads], vec![]);
@@ -166,7 +215,9 @@ impl Emitter<'_> {
             // Each key/value head serves `h / kv` consecutive query heads.
             let axis = self.g.ints(path, "group_axis", &[2])?;
             let expand = self.g.ints(path, "group", &[1, 1, (h / kv) as i64, 1, 1])?;
-            let merged = self.g.ints(path, "merged_heads", &[0, h as i64, seq as i64, d as i64])?;
+            let merged = self
+                .g
+                .ints(path, "merged_heads", &[0, h as i64, seq as i64, d as i64])?;
             let mut repeat = |t: &str| {
                 let u = self.g.op(path, "Unsqueeze", &[t, &axis], vec![]);
                 let e = self.g.op(path, "Expand", &[&u, &expand], vec![]);
@@ -175,19 +226,34 @@ impl Emitter<'_> {
             k = repeat(&k);
             v = repeat(&v);
         }
-        let kt = self.g.op(path, "Transpose", &[&k], vec![attr::ints("perm", &[0, 1, 3, 2])]);
+        let kt = self.g.op(
+            path,
+            "Transpose",
+            &[&k],
+            vec![attr::ints("perm", &[0, 1, 3, 2])],
+        );
         let scores = self.g.op(path, "MatMul", &[&q, &kt], vec![]);
         let scale = self.g.scalar(path, "scale", 1.0 / (d as f64).sqrt())?;
         let mut scores = self.g.op(path, "Mul", &[&scores, &scale], vec![]);
         if c.causal {
-            let mask = self.g.floats(path, "causal_mask", &causal_mask(seq), &[seq, seq])?;
+            let mask = self
+                .g
+                .floats(path, "causal_mask", &causal_mask(seq), &[seq, seq])?;
             scores = self.g.op(path, "Add", &[&scores, &mask], vec![]);
         }
-        let weights = self.g.op(path, "Softmax", &[&scores], vec![attr::int("axis", -1)]);
+        let weights = self
+            .g
+            .op(path, "Softmax", &[&scores], vec![attr::int("axis", -1)]);
         let attended = self.g.op(path, "MatMul", &[&weights, &v], vec![]);
         let merged = self.g.op(path, "Transpose", &[&attended], heads_first());
         let flat = self.g.ints(path, "merged_shape", &[0, 0, (h * d) as i64])?;
         let merged = self.g.op(path, "Reshape", &[&merged, &flat], vec![]);
-        self.project(path, layer, &merged, "o_proj.weight", c.out_bias.then_some("o_proj.bias"))
+        self.project(
+            path,
+            layer,
+            &merged,
+            "o_proj.weight",
+            c.out_bias.then_some("o_proj.bias"),
+        )
     }
 }

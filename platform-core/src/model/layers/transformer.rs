@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 use super::builder::config_builder;
 use super::context::join;
 use super::{FieldCheck, LayerSpec, Params, ShapeCheck};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::model::init::InitDistribution;
 use crate::model::ParamKind;
-use crate::dtype::DType;
 
 /// Rotary position embeddings (RoPE) in the "rotate half" layout of the
 /// Hugging Face models: the first `rotary_dim` features of each head are

@@ -1,0 +1,121 @@
+//! What can go wrong reading or writing a Hugging Face model directory.
+
+use std::path::PathBuf;
+
+/// A problem with a Hugging Face model directory, naming the file, key or
+/// tensor at fault and what was expected.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HfError {
+    /// The directory lacks a file every model directory has.
+    #[error("{}: not a Hugging Face model directory: {what}", .dir.display())]
+    NotAModel {
+        /// The directory.
+        dir: PathBuf,
+        /// What is missing (`config.json`, the weights).
+        what: String,
+    },
+    /// `config.json` (or another JSON file) is malformed or lacks a key.
+    #[error("{}: `{key}`: {reason}", .path.display())]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// The key at fault.
+        key: String,
+        /// What is wrong and what was expected.
+        reason: String,
+    },
+    /// A `model_type` Kiln does not build.
+    #[error("{}: `model_type` {model_type:?} is not a family Kiln builds (supported: {supported})", .path.display())]
+    UnknownFamily {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The family named by the file.
+        model_type: String,
+        /// The families Kiln builds.
+        supported: String,
+    },
+    /// A config key whose value changes the model in a way Kiln does not implement.
+    #[error("{}: `{key}` = {value} is not supported: {reason}", .path.display())]
+    UnsupportedKey {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// Its value, as JSON.
+        value: String,
+        /// What Kiln implements instead.
+        reason: String,
+    },
+    /// The weights hold a tensor the model does not have.
+    #[error("{}: unexpected tensor `{name}`: a {family} model with this config has no such weight", .file.display())]
+    UnexpectedTensor {
+        /// The safetensors file.
+        file: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// The family.
+        family: &'static str,
+    },
+    /// The weights lack a tensor the model needs.
+    #[error("{}: missing tensor `{name}` of the {family} model", .dir.display())]
+    MissingTensor {
+        /// The model directory.
+        dir: PathBuf,
+        /// The tensor's name in the checkpoint.
+        name: String,
+        /// The family.
+        family: &'static str,
+    },
+    /// A tensor of the wrong shape.
+    #[error("{}: tensor `{name}` has shape {actual:?}, the config gives {expected:?}", .file.display())]
+    TensorShape {
+        /// The file holding it.
+        file: PathBuf,
+        /// The tensor's name.
+        name: String,
+        /// The shape the config implies.
+        expected: Vec<usize>,
+        /// The file's shape.
+        actual: Vec<usize>,
+    },
+    /// A tokenizer file that cannot be read.
+    #[error("{}: {reason}", .path.display())]
+    Tokenizer {
+        /// The `tokenizer.json`.
+        path: PathBuf,
+        /// The tokenizers crate's message.
+        reason: String,
+    },
+    /// Reading or writing a file, or a Kiln check, failed.
+    #[error(transparent)]
+    Core(#[from] kiln_core::Error),
+}
+
+/// Results of this crate.
+pub type Result<T, E = HfError> = std::result::Result<T, E>;
+
+impl From<HfError> for kiln_core::Error {
+    fn from(e: HfError) -> Self {
+        match e {
+            HfError::Core(inner) => inner,
+            other => kiln_core::Error::Checkpoint {
+                path: match &other {
+                    HfError::NotAModel { dir, .. } | HfError::MissingTensor { dir, .. } => {
+                        dir.clone()
+                    }
+                    HfError::Config { path, .. }
+                    | HfError::UnknownFamily { path, .. }
+                    | HfError::UnsupportedKey { path, .. }
+                    | HfError::Tokenizer { path, .. } => path.clone(),
+                    HfError::UnexpectedTensor { file, .. } | HfError::TensorShape { file, .. } => {
+                        file.clone()
+                    }
+                    HfError::Core(_) => PathBuf::new(),
+                },
+                reason: other.to_string(),
+                source: None,
+            },
+        }
+    }
+}

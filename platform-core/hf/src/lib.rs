@@ -1,0 +1,359 @@
+//! Kiln's Hugging Face formats.
+//!
+//! A model directory as `save_pretrained` writes it (`config.json` and
+//! `model.safetensors`, or shards listed in `model.safetensors.index.json`)
+//! becomes a Kiln [`Layer`] definition and its weights under Kiln's names
+//! ([`Pretrained`]); Kiln's weights go back to the same format, which
+//! `from_pretrained` reads ([`Pretrained::save`]). The families built are
+//! LLaMA (and the Mistral, Qwen2 and Qwen3 variants of its block) and GPT-2.
+//! [`TextTokenizer`] reads the directory's `tokenizer.json` with the
+//! `tokenizers` crate, the code Python's `tokenizers` runs.
+//!
+//! ```no_run
+//! use kiln_hf::Pretrained;
+//!
+//! let pretrained = Pretrained::open("models/tiny-llama")?;
+//! let spec = pretrained.layer();          // a kiln_core::model::Layer
+//! let weights = pretrained.load_weights()?; // a StateDict under Kiln's names
+//! // ... build it on a backend, fine-tune, then:
+//! pretrained.save(&weights, "runs/tuned-llama")?;
+//! # Ok::<(), kiln_hf::HfError>(())
+//! ```
+
+mod config;
+mod error;
+mod gpt2;
+mod llama;
+mod names;
+mod tokenizer;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use kiln_core::model::Layer;
+use kiln_core::state_dict::StateDict;
+use kiln_core::{DType, HostTensor};
+
+pub use config::HfConfig;
+pub use error::{HfError, Result};
+pub use names::{Mapping, NameMap};
+pub use tokenizer::TextTokenizer;
+
+/// The model families Kiln builds from a `config.json`'s `model_type`.
+pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2"];
+
+/// The file names of a model directory.
+const CONFIG: &str = "config.json";
+const WEIGHTS: &str = "model.safetensors";
+const INDEX: &str = "model.safetensors.index.json";
+
+/// A pretrained model directory, read: its config, the Kiln definition it
+/// describes and how its tensors map to Kiln's.
+#[derive(Clone, Debug)]
+pub struct Pretrained {
+    dir: PathBuf,
+    config: HfConfig,
+    family: &'static str,
+    layer: Layer,
+    names: NameMap,
+}
+
+impl Pretrained {
+    /// Reads `dir/config.json` and builds the definition it describes.
+    ///
+    /// Fails with [`HfError::NotAModel`] without a `config.json`, with
+    /// [`HfError::UnknownFamily`] for a `model_type` outside [`FAMILIES`], and
+    /// with [`HfError::UnsupportedKey`] naming a key whose value Kiln does not
+    /// implement (scaled RoPE, sliding-window attention, ...).
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref().to_owned();
+        let path = dir.join(CONFIG);
+        if !path.is_file() {
+            return Err(HfError::NotAModel {
+                what: format!("no {CONFIG}"),
+                dir,
+            });
+        }
+        let config = HfConfig::read(&path)?;
+        Self::from_config(dir, config)
+    }
+
+    /// The definition `config` describes, for weights in `dir`.
+    pub fn from_config(dir: PathBuf, config: HfConfig) -> Result<Self> {
+        let model_type = config.str_or("model_type", "")?.to_owned();
+        let (family, (layer, names)) = match model_type.as_str() {
+            "llama" => ("llama", llama::build(&config, "llama")?),
+            "mistral" => ("mistral", llama::build(&config, "mistral")?),
+            "qwen2" => ("qwen2", llama::build(&config, "qwen2")?),
+            "qwen3" => ("qwen3", llama::build(&config, "qwen3")?),
+            "gpt2" => ("gpt2", gpt2::build(&config)?),
+            _ => {
+                return Err(HfError::UnknownFamily {
+                    path: config.path().to_owned(),
+                    model_type,
+                    supported: FAMILIES.join(", "),
+                })
+            }
+        };
+        if let Some(archs) = config.get("architectures").and_then(|v| v.as_array()) {
+            for arch in archs.iter().filter_map(|a| a.as_str()) {
+                if !arch.ends_with("ForCausalLM") && !arch.ends_with("LMHeadModel") {
+                    return Err(config.unsupported(
+                        "architectures",
+                        format!(
+                            "{arch}: Kiln builds the causal language model of the {family} family"
+                        ),
+                    ));
+                }
+            }
+        }
+        layer.validate()?;
+        Ok(Pretrained {
+            dir,
+            config,
+            family,
+            layer,
+            names,
+        })
+    }
+
+    /// The family (`llama`, `qwen2`, `gpt2`, ...).
+    pub fn family(&self) -> &'static str {
+        self.family
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The config as read.
+    pub fn config(&self) -> &HfConfig {
+        &self.config
+    }
+
+    /// The Kiln definition: it takes `[batch, seq]` int64 token ids and gives
+    /// `[batch, seq, vocab_size]` logits.
+    pub fn layer(&self) -> &Layer {
+        &self.layer
+    }
+
+    /// How checkpoint tensors map to the definition's.
+    pub fn names(&self) -> &NameMap {
+        &self.names
+    }
+
+    /// The tokens that end generation (`eos_token_id` of
+    /// `generation_config.json`, else of `config.json`).
+    pub fn eos_token_ids(&self) -> Result<Vec<i64>> {
+        let generation = self.dir.join("generation_config.json");
+        if generation.is_file() {
+            let ids = HfConfig::read(&generation)?.token_ids("eos_token_id")?;
+            if !ids.is_empty() {
+                return Ok(ids);
+            }
+        }
+        self.config.token_ids("eos_token_id")
+    }
+
+    /// The padding token (`pad_token_id`), if the config names one.
+    pub fn pad_token_id(&self) -> Result<Option<i64>> {
+        Ok(self.config.token_ids("pad_token_id")?.first().copied())
+    }
+
+    /// The files holding the weights: `model.safetensors`, or every shard
+    /// `model.safetensors.index.json` lists.
+    pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
+        let single = self.dir.join(WEIGHTS);
+        if single.is_file() {
+            return Ok(vec![single]);
+        }
+        let index = self.dir.join(INDEX);
+        if !index.is_file() {
+            return Err(HfError::NotAModel {
+                dir: self.dir.clone(),
+                what: format!(
+                    "neither {WEIGHTS} nor {INDEX} (Kiln reads safetensors weights only)"
+                ),
+            });
+        }
+        let map = HfConfig::read(&index)?;
+        let Some(weight_map) = map.get("weight_map").and_then(|v| v.as_object()) else {
+            return Err(HfError::Config {
+                path: index,
+                key: "weight_map".to_owned(),
+                reason: "missing; expected an object of tensor name to shard file".to_owned(),
+            });
+        };
+        let mut files: Vec<PathBuf> = Vec::new();
+        for (name, file) in weight_map {
+            let Some(file) = file.as_str() else {
+                return Err(HfError::Config {
+                    path: index,
+                    key: format!("weight_map.{name}"),
+                    reason: format!("expected a file name, got {file}"),
+                });
+            };
+            if file.contains('/') || file.contains('\\') || file == ".." {
+                return Err(HfError::Config {
+                    path: index,
+                    key: format!("weight_map.{name}"),
+                    reason: format!("{file:?} is not a file of the model directory"),
+                });
+            }
+            let path = self.dir.join(file);
+            if !files.contains(&path) {
+                files.push(path);
+            }
+        }
+        Ok(files)
+    }
+
+    /// Reads the weights into a state dict under the definition's names, in
+    /// float32. A tensor of the checkpoint the model does not have, one it
+    /// lacks, or one of the wrong shape is an error naming it.
+    pub fn load_weights(&self) -> Result<StateDict> {
+        let specs = self.layer.parameter_specs("")?;
+        let shapes: HashMap<&str, &[usize]> = specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.shape.as_slice()))
+            .collect();
+        let mut out = StateDict::new();
+        let mut seen: Vec<&str> = Vec::new();
+        for file in self.weight_files()? {
+            let (tensors, _) = StateDict::load_safetensors(&file)?;
+            for (name, tensor) in tensors {
+                let Some(mapping) = self.names.find(&name) else {
+                    if self.names.is_ignored(&name) {
+                        continue;
+                    }
+                    return Err(HfError::UnexpectedTensor {
+                        file,
+                        name,
+                        family: self.family,
+                    });
+                };
+                let expected = expected_shape(mapping, &shapes);
+                if tensor.dims() != expected.as_slice() {
+                    return Err(HfError::TensorShape {
+                        file,
+                        name,
+                        expected,
+                        actual: tensor.dims().to_vec(),
+                    });
+                }
+                for (kiln, part) in mapping.kiln.iter().zip(names::split(mapping, &tensor)?) {
+                    out.insert(kiln.clone(), part);
+                }
+                seen.push(mapping.hf.as_str());
+            }
+        }
+        if let Some(missing) = self
+            .names
+            .mappings
+            .iter()
+            .find(|m| !seen.contains(&m.hf.as_str()))
+        {
+            return Err(HfError::MissingTensor {
+                dir: self.dir.clone(),
+                name: missing.hf.clone(),
+                family: self.family,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Writes `weights` (under the definition's names) to `dir` as
+    /// `model.safetensors` with this model's `config.json` (its `dtype` set to
+    /// `float32`), plus the tokenizer and generation files of the source
+    /// directory, so that `from_pretrained(dir)` loads them. `dir` is created
+    /// when missing; a file already there is never replaced.
+    pub fn save(&self, weights: &StateDict, dir: impl AsRef<Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        let mut hf = StateDict::new();
+        for mapping in &self.names.mappings {
+            let parts: Vec<&HostTensor> = mapping
+                .kiln
+                .iter()
+                .map(|k| {
+                    weights.get(k).ok_or_else(|| {
+                        HfError::Core(kiln_core::Error::MissingKey {
+                            key: k.clone(),
+                            available: weights.len(),
+                        })
+                    })
+                })
+                .collect::<Result<_>>()?;
+            hf.insert(
+                mapping.hf.clone(),
+                names::join(mapping, &parts)?.to_dtype(DType::F32),
+            );
+        }
+        let copies: Vec<&str> = COPIED
+            .iter()
+            .copied()
+            .filter(|f| self.dir.join(f).is_file())
+            .collect();
+        let mut targets = vec![dir.join(CONFIG), dir.join(WEIGHTS)];
+        targets.extend(copies.iter().map(|f| dir.join(f)));
+        if let Some(taken) = targets.iter().find(|t| t.exists()) {
+            return Err(HfError::Core(kiln_core::Error::invalid_argument(
+                "dir",
+                format!(
+                    "{} exists; Kiln never replaces a file it did not write (choose a new directory)",
+                    taken.display()
+                ),
+            )));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| kiln_core::Error::io(dir, e))?;
+        let metadata = BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+        hf.save_safetensors(dir.join(WEIGHTS), &metadata)?;
+        let mut config = self.config.clone();
+        config.set("dtype", serde_json::Value::from("float32"));
+        write_new(&dir.join(CONFIG), config.to_json().as_bytes())?;
+        for file in copies {
+            let bytes = std::fs::read(self.dir.join(file))
+                .map_err(|e| kiln_core::Error::io(self.dir.join(file), e))?;
+            write_new(&dir.join(file), &bytes)?;
+        }
+        log::info!("saved the {} model to {}", self.family, dir.display());
+        Ok(())
+    }
+}
+
+/// The tokenizer and generation files a saved directory carries over.
+const COPIED: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+];
+
+/// Writes a file that must not exist yet.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| kiln_core::Error::io(path, e))?;
+    file.write_all(bytes)
+        .map_err(|e| kiln_core::Error::io(path, e))?;
+    Ok(())
+}
+
+/// The checkpoint shape of `mapping`'s tensor: its Kiln tensors' rows stacked,
+/// transposed back where the checkpoint stores `[in, out]`.
+fn expected_shape(mapping: &Mapping, shapes: &HashMap<&str, &[usize]>) -> Vec<usize> {
+    let mut dims: Vec<usize> = shapes
+        .get(mapping.kiln[0].as_str())
+        .map(|s| s.to_vec())
+        .unwrap_or_default();
+    if let Some(first) = dims.first_mut() {
+        *first *= mapping.kiln.len();
+    }
+    if mapping.transposed && dims.len() == 2 {
+        dims.swap(0, 1);
+    }
+    dims
+}

@@ -1,0 +1,176 @@
+//! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`): a token embedding,
+//! pre-norm decoder blocks of RMSNorm, grouped-query self-attention with RoPE
+//! and a SwiGLU MLP, a final RMSNorm and the language-model head.
+
+use kiln_core::model::{
+    EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig,
+    RopeConfig, SelfAttentionConfig, TiedLinearConfig,
+};
+use serde_json::Value;
+
+use crate::config::HfConfig;
+use crate::error::Result;
+use crate::names::NameMap;
+
+/// The model of `config` and the names of its tensors in the checkpoint.
+pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
+    let vocab = config.usize("vocab_size")?;
+    let hidden = config.usize("hidden_size")?;
+    let layers = config.usize("num_hidden_layers")?;
+    let heads = config.usize("num_attention_heads")?;
+    let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+    let head_dim = config
+        .opt_usize("head_dim")?
+        .unwrap_or(hidden / heads.max(1));
+    let intermediate = config.usize("intermediate_size")?;
+    let eps = config.f64_or("rms_norm_eps", 1e-6)?;
+    let tied = config.bool_or("tie_word_embeddings", false)?;
+    let activation = match config.str_or("hidden_act", "silu")? {
+        "silu" | "swish" => GatedActivation::Silu,
+        "gelu" => GatedActivation::Gelu,
+        "gelu_pytorch_tanh" | "gelu_new" => GatedActivation::GeluTanh,
+        _ => {
+            return Err(config.unsupported(
+                "hidden_act",
+                "Kiln's gated MLP takes silu, gelu or gelu_pytorch_tanh",
+            ))
+        }
+    };
+    let (qkv_bias, out_bias) = match model_type {
+        // Qwen2 has biases on q, k and v only.
+        "qwen2" => (true, false),
+        _ => {
+            let b = config.bool_or("attention_bias", false)?;
+            (b, b)
+        }
+    };
+    let mlp_bias = config.bool_or("mlp_bias", false)?;
+    let qk_norm = (model_type == "qwen3").then_some(eps);
+    let rope = rope(config, head_dim)?;
+    let sliding = config.bool_or("use_sliding_window", config.get("sliding_window").is_some())?;
+    if sliding && config.get("sliding_window").is_some() {
+        return Err(config.unsupported(
+            "sliding_window",
+            "Kiln's attention sees the whole causal context; set it to null (or \
+             use_sliding_window to false) for sequences within the window",
+        ));
+    }
+
+    if let Some(types) = config.get("layer_types").and_then(Value::as_array) {
+        if types.iter().any(|t| t.as_str() != Some("full_attention")) {
+            return Err(config.unsupported(
+                "layer_types",
+                "Kiln's attention is full causal attention in every layer (no sliding windows)",
+            ));
+        }
+    }
+    let attention = SelfAttentionConfig::new(hidden, heads)
+        .with_num_kv_heads(kv_heads)
+        .with_head_dim(head_dim)
+        .with_causal(true)
+        .with_qkv_bias(qkv_bias)
+        .with_out_bias(out_bias)
+        .with_rope(rope)
+        .with_dropout(config.f64_or("attention_dropout", 0.0)?);
+    let attention = match qk_norm {
+        Some(eps) => attention.with_qk_norm_eps(eps),
+        None => attention,
+    };
+    let mlp = GatedMlpConfig::new(hidden, intermediate)
+        .with_activation(activation)
+        .with_bias(mlp_bias);
+    let mut stack = vec![Layer::from(EmbeddingConfig::new(vocab, hidden))];
+    for _ in 0..layers {
+        stack.push(Layer::sequential([
+            Layer::residual(Layer::sequential([
+                RmsNormConfig::new(hidden).with_eps(eps).into(),
+                attention.clone().into(),
+            ])),
+            Layer::residual(Layer::sequential([
+                RmsNormConfig::new(hidden).with_eps(eps).into(),
+                mlp.clone().into(),
+            ])),
+        ]));
+    }
+    stack.push(RmsNormConfig::new(hidden).with_eps(eps).into());
+    stack.push(if tied {
+        TiedLinearConfig::new("0.weight", hidden, vocab).into()
+    } else {
+        LinearConfig::new(hidden, vocab).with_bias(false).into()
+    });
+    let model = Layer::sequential(stack);
+
+    let names: Vec<String> = model
+        .parameter_specs("")?
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    let mut map = NameMap::default();
+    map.prefix(&names, "0", "model.embed_tokens");
+    for i in 0..layers {
+        let k = i + 1;
+        let hf = format!("model.layers.{i}");
+        map.prefix(
+            &names,
+            &format!("{k}.0.block.0"),
+            &format!("{hf}.input_layernorm"),
+        );
+        map.prefix(
+            &names,
+            &format!("{k}.0.block.1"),
+            &format!("{hf}.self_attn"),
+        );
+        map.prefix(
+            &names,
+            &format!("{k}.1.block.0"),
+            &format!("{hf}.post_attention_layernorm"),
+        );
+        map.prefix(&names, &format!("{k}.1.block.1"), &format!("{hf}.mlp"));
+    }
+    map.prefix(&names, &(layers + 1).to_string(), "model.norm");
+    if tied {
+        // Some writers store the tied head anyway: the same tensor, dropped.
+        map.ignored.push("lm_head.weight".to_owned());
+    } else {
+        map.prefix(&names, &(layers + 2).to_string(), "lm_head");
+    }
+    map.ignored_suffixes.push(".rotary_emb.inv_freq".to_owned());
+    Ok((model, map))
+}
+
+/// The rotary embedding of `config`: `rope_parameters` (transformers 5) or
+/// the older top-level `rope_theta` and `rope_scaling`.
+fn rope(config: &HfConfig, head_dim: usize) -> Result<RopeConfig> {
+    let params = config.get("rope_parameters").and_then(Value::as_object);
+    let theta = match params.and_then(|p| p.get("rope_theta")) {
+        Some(v) => v.as_f64().ok_or_else(|| {
+            config.unsupported("rope_parameters", "`rope_theta` must be a number")
+        })?,
+        None => config.f64_or("rope_theta", 10_000.0)?,
+    };
+    let rope_type = params
+        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    if rope_type != "default" {
+        return Err(config.unsupported(
+            "rope_parameters",
+            format!("rope_type {rope_type:?}: Kiln implements the default rotary embedding only"),
+        ));
+    }
+    if config.get("rope_scaling").is_some() {
+        return Err(config.unsupported(
+            "rope_scaling",
+            "scaled rotary embeddings (linear, dynamic, yarn, llama3) are not implemented",
+        ));
+    }
+    let factor = match params.and_then(|p| p.get("partial_rotary_factor")) {
+        Some(v) => v.as_f64().unwrap_or(1.0),
+        None => config.f64_or("partial_rotary_factor", 1.0)?,
+    };
+    let mut rope = RopeConfig::new(theta);
+    if factor != 1.0 {
+        rope = rope.with_rotary_dim((head_dim as f64 * factor) as usize);
+    }
+    Ok(rope)
+}

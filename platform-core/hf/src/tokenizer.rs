@@ -1,0 +1,84 @@
+//! `tokenizer.json` through the `tokenizers` crate: text to token ids and back.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{HfError, Result};
+
+/// A model directory's tokenizer.
+///
+/// ```no_run
+/// use kiln_hf::TextTokenizer;
+///
+/// let tok = TextTokenizer::open("models/tiny-llama")?;
+/// let ids = tok.encode("Hello there")?;
+/// assert_eq!(tok.decode(&ids)?, "Hello there");
+/// # Ok::<(), kiln_hf::HfError>(())
+/// ```
+pub struct TextTokenizer {
+    path: PathBuf,
+    inner: tokenizers::Tokenizer,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TextTokenizer {
+    /// Reads `dir/tokenizer.json`.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        let path = dir.as_ref().join("tokenizer.json");
+        if !path.is_file() {
+            return Err(HfError::NotAModel {
+                dir: dir.as_ref().to_owned(),
+                what: "no tokenizer.json (generation from text needs the model's tokenizer; \
+                       pass token ids instead)"
+                    .to_owned(),
+            });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| HfError::Tokenizer {
+            path: path.clone(),
+            reason: format!("not a tokenizer the tokenizers crate reads: {e}"),
+        })?;
+        Ok(TextTokenizer { path, inner })
+    }
+
+    /// The ids of `text`, with the special tokens the tokenizer adds (a BOS).
+    pub fn encode(&self, text: &str) -> Result<Vec<i64>> {
+        let encoding = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| HfError::Tokenizer {
+                path: self.path.clone(),
+                reason: format!("encoding {text:?}: {e}"),
+            })?;
+        Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
+    }
+
+    /// The text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[i64]) -> Result<String> {
+        let ids: Vec<u32> = ids
+            .iter()
+            .map(|&id| {
+                u32::try_from(id).map_err(|_| HfError::Tokenizer {
+                    path: self.path.clone(),
+                    reason: format!("token id {id} is outside the vocabulary"),
+                })
+            })
+            .collect::<Result<_>>()?;
+        self.inner
+            .decode(&ids, true)
+            .map_err(|e| HfError::Tokenizer {
+                path: self.path.clone(),
+                reason: format!("decoding: {e}"),
+            })
+    }
+
+    /// The id of token `token` (`"</s>"`), if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<i64> {
+        self.inner.token_to_id(token).map(i64::from)
+    }
+}

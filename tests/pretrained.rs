@@ -1,0 +1,361 @@
+//! Hugging Face checkpoints against `transformers`: tiny LLaMA, Mistral, Qwen2,
+//! Qwen3 and GPT-2 models with random weights, saved by `save_pretrained`
+//! (one sharded), load into Kiln; their logits match `transformers`' within
+//! 1e-5 on libtorch and on TensorFlow; greedy generation of left-padded
+//! prompts equals `generate(do_sample=False)` token for token, and cached
+//! decoding gives the uncached logits; Kiln's saved weights load back with
+//! `from_pretrained` to the same logits. The references come from
+//! `tests/reference/pretrained.py`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use kiln::core::generation::GenerationConfig;
+use kiln::hf::{HfError, Pretrained, TextTokenizer};
+use kiln::prelude::*;
+use kiln::tf::TfBackend;
+use kiln::torch::{from_tch, generate, to_tch, KvCache, TorchModel};
+use kiln_testkit::assert_close;
+
+/// The reference models, made once per test binary: `(dir, cases)`, or `None`
+/// where the reference cannot run.
+fn references(test: &str) -> Option<&'static (PathBuf, Vec<serde_json::Value>)> {
+    static MADE: OnceLock<(PathBuf, Vec<serde_json::Value>)> = OnceLock::new();
+    let python = kiln_testkit::python(test)?;
+    Some(MADE.get_or_init(|| {
+        let dir = kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "pretrained");
+        kiln_testkit::run_reference_script!(&python, "pretrained.py", &[Path::new("make"), &dir]);
+        let cases = std::fs::read_to_string(dir.join("cases.json")).unwrap();
+        (dir, serde_json::from_str(&cases).unwrap())
+    }))
+}
+
+fn io(dir: &Path, name: &str) -> StateDict {
+    StateDict::load_safetensors(dir.join(format!("{name}.io.safetensors")))
+        .unwrap()
+        .0
+}
+
+fn floats(t: &HostTensor) -> Vec<f64> {
+    t.to_f64_vec()
+}
+
+fn torch_model(pretrained: &Pretrained) -> TorchModel {
+    let mut model = TorchModel::new(pretrained.layer(), Device::Cpu).unwrap();
+    model
+        .load_state_dict(&pretrained.load_weights().unwrap())
+        .unwrap();
+    model.set_mode(Mode::Eval);
+    model
+}
+
+fn torch_logits(model: &TorchModel, ids: &HostTensor) -> HostTensor {
+    let x = to_tch(ids, Device::Cpu).unwrap();
+    from_tch(&tch::no_grad(|| model.forward(&x)).unwrap()).unwrap()
+}
+
+#[test]
+fn every_family_loads_and_matches_transformers_on_both_engines() {
+    let test = "every_family_loads_and_matches_transformers_on_both_engines";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        assert_eq!(pretrained.family(), case["family"].as_str().unwrap());
+        if case["sharded"].as_bool().unwrap() {
+            assert!(
+                pretrained.weight_files().unwrap().len() > 1,
+                "{name}: sharded"
+            );
+        }
+        let io = io(dir, name);
+        let ids = io.get("input_ids").unwrap();
+        let expected = floats(io.get("logits").unwrap());
+        let model = torch_model(&pretrained);
+        let logits = torch_logits(&model, ids);
+        assert_close(
+            &format!("{name}: torch logits"),
+            &floats(&logits),
+            &expected,
+            1e-5,
+            "transformers",
+        );
+
+        let mut tf = TfBackend::build_model(pretrained.layer(), Device::Cpu).unwrap();
+        tf.load_state_dict(&pretrained.load_weights().unwrap())
+            .unwrap();
+        tf.set_mode(Mode::Eval);
+        let out = tf
+            .forward(&TfBackend::from_host(ids, Device::Cpu).unwrap())
+            .unwrap();
+        let tf_logits = TfBackend::to_host(&out).unwrap();
+        assert_close(
+            &format!("{name}: TensorFlow logits"),
+            &floats(&tf_logits),
+            &expected,
+            1e-5,
+            "transformers",
+        );
+    }
+}
+
+/// The rows of `[batch, len]` `ids` without the positions `mask` zeroes.
+fn unpadded(ids: &HostTensor, mask: &HostTensor) -> Vec<Vec<i64>> {
+    let len = ids.dims()[1];
+    let ids = ids.as_slice::<i64>().unwrap();
+    let mask = mask.as_slice::<i64>().unwrap();
+    ids.chunks(len)
+        .zip(mask.chunks(len))
+        .map(|(row, m)| {
+            row.iter()
+                .zip(m)
+                .filter(|(_, m)| **m != 0)
+                .map(|(t, _)| *t)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn greedy_generation_equals_transformers_and_the_cache_changes_nothing() {
+    let test = "greedy_generation_equals_transformers_and_the_cache_changes_nothing";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        let model = torch_model(&pretrained);
+        let io = io(dir, name);
+        let (prompt_ids, mask) = (
+            io.get("prompt_ids").unwrap(),
+            io.get("attention_mask").unwrap(),
+        );
+        let prompts = unpadded(prompt_ids, mask);
+        let new = case["new_tokens"].as_u64().unwrap() as usize;
+        let greedy = io.get("greedy").unwrap();
+        let width = greedy.dims()[1];
+        let expected: Vec<Vec<i64>> = greedy
+            .as_slice::<i64>()
+            .unwrap()
+            .chunks(width)
+            .map(|row| row[width - new..].to_vec())
+            .collect();
+        for use_cache in [true, false] {
+            let config = GenerationConfig::greedy(new)
+                .with_pad_token(case["pad_id"].as_i64().unwrap())
+                .with_cache(use_cache);
+            let out = generate(&model, &prompts, &config).unwrap();
+            assert_eq!(
+                out, expected,
+                "{name}: greedy tokens (cache {use_cache}) against transformers"
+            );
+        }
+
+        // Prompt then two single tokens through the cache, against one pass.
+        let full = to_tch(prompt_ids, Device::Cpu).unwrap();
+        let tmask = to_tch(mask, Device::Cpu).unwrap();
+        let mut cache = KvCache::new();
+        let first = model
+            .forward_cached(
+                &full.narrow(1, 0, 3),
+                Some(&tmask.narrow(1, 0, 3)),
+                &mut cache,
+            )
+            .unwrap();
+        let second = model
+            .forward_cached(&full.narrow(1, 3, 1), None, &mut cache)
+            .unwrap();
+        let third = model
+            .forward_cached(&full.narrow(1, 4, 1), None, &mut cache)
+            .unwrap();
+        let stepped = tch::Tensor::cat(&[first, second, third], 1);
+        let whole = model
+            .forward_cached(&full, Some(&tmask), &mut KvCache::new())
+            .unwrap();
+        let (a, b) = (from_tch(&stepped).unwrap(), from_tch(&whole).unwrap());
+        // Padding positions' logits are never read; compare the real tokens'.
+        let m: Vec<bool> = mask
+            .as_slice::<i64>()
+            .unwrap()
+            .iter()
+            .map(|v| *v != 0)
+            .collect();
+        let vocab = a.dims()[2];
+        let keep = |t: &HostTensor| -> Vec<f64> {
+            floats(t)
+                .chunks(vocab)
+                .zip(&m)
+                .filter(|(_, k)| **k)
+                .flat_map(|(row, _)| row.to_vec())
+                .collect()
+        };
+        assert_close(
+            &format!("{name}: cached logits"),
+            &keep(&a),
+            &keep(&b),
+            1e-5,
+            "uncached Kiln",
+        );
+    }
+}
+
+#[test]
+fn saved_weights_load_in_transformers_and_nothing_is_overwritten() {
+    let test = "saved_weights_load_in_transformers_and_nothing_is_overwritten";
+    let Some((dir, _)) = references(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    for name in ["llama_tied_sharded", "gpt2", "qwen2"] {
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        let mut model = torch_model(&pretrained);
+        // Changed weights, so that the check cannot pass on the original file.
+        let state = model.state_dict().unwrap();
+        let scaled: StateDict = state
+            .iter()
+            .map(|(k, t)| {
+                let v: Vec<f32> = t
+                    .as_slice::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x * 0.9 + 0.01)
+                    .collect();
+                (k.clone(), HostTensor::new(v, t.dims().to_vec()).unwrap())
+            })
+            .collect();
+        model.load_state_dict(&scaled).unwrap();
+        let state = model.state_dict().unwrap();
+        let out = kiln_testkit::scratch_dir(
+            Path::new(env!("CARGO_TARGET_TMPDIR")),
+            &format!("saved-{name}"),
+        );
+        let saved = out.join("model");
+        pretrained.save(&state, &saved).unwrap();
+        assert!(
+            saved.join("tokenizer.json").is_file(),
+            "{name}: the tokenizer travels"
+        );
+
+        let mut io_file = io(dir, name);
+        io_file.insert(
+            "kiln_logits",
+            torch_logits(&model, io_file.get("input_ids").unwrap()),
+        );
+        let io_path = out.join("io.safetensors");
+        io_file
+            .save_safetensors(&io_path, &Default::default())
+            .unwrap();
+        let stdout = kiln_testkit::run_reference_script!(
+            &python,
+            "pretrained.py",
+            &[Path::new("check"), &saved, &io_path]
+        );
+        let report: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+        let diff = report["max_abs_diff"].as_f64().unwrap();
+        assert!(
+            diff < 1e-5,
+            "{name}: from_pretrained of Kiln's save gives logits {diff} away"
+        );
+
+        // Kiln's reload of its own save gives the same weights.
+        let again = Pretrained::open(&saved).unwrap().load_weights().unwrap();
+        assert_eq!(again, state, "{name}: reloaded weights");
+        // A second save into the same directory is refused, the files intact.
+        let before = std::fs::read(saved.join("model.safetensors")).unwrap();
+        let err = pretrained
+            .save(&state, &saved)
+            .expect_err("the directory is taken");
+        assert!(err.to_string().contains("never replaces"), "{err}");
+        assert_eq!(
+            std::fs::read(saved.join("model.safetensors")).unwrap(),
+            before
+        );
+    }
+}
+
+#[test]
+fn bad_directories_are_typed_errors_naming_the_key_or_tensor() {
+    let test = "bad_directories_are_typed_errors_naming_the_key_or_tensor";
+    let Some((dir, _)) = references(test) else {
+        return;
+    };
+    let scratch =
+        kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "pretrained-bad");
+    let copy = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| -> PathBuf {
+        let to = scratch.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        for f in ["model.safetensors", "tokenizer.json"] {
+            std::fs::copy(dir.join("llama").join(f), to.join(f)).unwrap();
+        }
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("llama/config.json")).unwrap())
+                .unwrap();
+        edit(&mut config);
+        std::fs::write(to.join("config.json"), config.to_string()).unwrap();
+        to
+    };
+
+    let err = Pretrained::open(copy("bert", &|c| c["model_type"] = "t5".into())).unwrap_err();
+    assert!(matches!(err, HfError::UnknownFamily { .. }), "{err}");
+    assert!(err.to_string().contains("\"t5\""), "{err}");
+
+    let err =
+        Pretrained::open(copy(
+            "yarn",
+            &|c| {
+                c["rope_parameters"] =
+                    serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+            },
+        ))
+        .unwrap_err();
+    assert!(
+        matches!(err, HfError::UnsupportedKey { ref key, .. } if key == "rope_parameters"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("yarn"), "{err}");
+
+    // Three layers in the config, two in the weights: the third's tensors are missing.
+    let deeper = Pretrained::open(copy("deeper", &|c| c["num_hidden_layers"] = 3.into())).unwrap();
+    let err = deeper.load_weights().unwrap_err();
+    assert!(
+        matches!(err, HfError::MissingTensor { ref name, .. } if name.starts_with("model.layers.2.")),
+        "{err}"
+    );
+
+    // One layer in the config: the second layer's tensors are unexpected.
+    let shallower =
+        Pretrained::open(copy("shallower", &|c| c["num_hidden_layers"] = 1.into())).unwrap();
+    let err = shallower.load_weights().unwrap_err();
+    assert!(
+        matches!(err, HfError::UnexpectedTensor { ref name, .. } if name.starts_with("model.layers.1.")),
+        "{err}"
+    );
+
+    // A wider config: every tensor's shape is checked.
+    let wider = Pretrained::open(copy("wider", &|c| c["intermediate_size"] = 64.into())).unwrap();
+    let err = wider.load_weights().unwrap_err();
+    assert!(matches!(err, HfError::TensorShape { .. }), "{err}");
+
+    let err = Pretrained::open(scratch.join("nowhere")).unwrap_err();
+    assert!(matches!(err, HfError::NotAModel { .. }), "{err}");
+}
+
+#[test]
+fn the_tokenizer_reads_tokenizer_json_as_python_does() {
+    let test = "the_tokenizer_reads_tokenizer_json_as_python_does";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    let tok = TextTokenizer::open(dir.join("llama")).unwrap();
+    let text = cases[0]["text"].as_str().unwrap();
+    let ids = tok.encode(text).unwrap();
+    let python: Vec<i64> = serde_json::from_value(cases[0]["text_ids"].clone()).unwrap();
+    assert_eq!(ids, python, "ids of {text:?} against the tokenizers wheel");
+    assert_eq!(tok.decode(&ids).unwrap(), text);
+    assert_eq!(tok.token_id("</s>"), Some(2));
+}

@@ -1,0 +1,121 @@
+"""Reference for Kiln's Hugging Face checkpoints and generation (tests/pretrained.rs).
+
+Usage: python pretrained.py make OUT_DIR
+       python pretrained.py check MODEL_DIR IO.safetensors
+
+`make` writes tiny models with random weights through `save_pretrained` (nothing is
+downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
+`tokenizer.json` trained here on a few sentences, and OUT_DIR/<case>.io.safetensors:
+
+    input_ids         [2, 7] int64 token ids
+    logits            transformers' logits for them, float32
+    prompt_ids        [3, 5] int64 prompts, left-padded with pad_id (attention_mask says where)
+    attention_mask    [3, 5] int64, 0 on the padding
+    greedy            [3, 5 + NEW] transformers' `generate(do_sample=False)` (prompt included)
+
+and OUT_DIR/cases.json lists {"name", "family", "sharded", "pad_id", "new_tokens"}.
+
+`check` loads MODEL_DIR (a directory Kiln saved) with `from_pretrained` and prints
+the largest difference between its logits for `input_ids` and IO's `kiln_logits`.
+"""
+
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+
+NEW = 12
+TEXT = [
+    "the quick brown fox jumps over the lazy dog",
+    "a kiln fires clay into stone, slowly and evenly",
+    "rust engineers train neural networks from rust",
+    "hello there, general kenobi",
+]
+
+
+def tokenizer(vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TEXT, trainer)
+    return tok
+
+
+def configs():
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=300, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    llama = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, **common)
+    return [
+        ("llama", LlamaConfig(**llama, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), False),
+        ("llama_tied_sharded", LlamaConfig(**llama, tie_word_embeddings=True), True),
+        ("mistral", MistralConfig(**llama, sliding_window=None), False),
+        ("qwen2", Qwen2Config(**llama, use_sliding_window=False), False),
+        ("qwen3", Qwen3Config(**llama, head_dim=12, use_sliding_window=False), False),
+        ("gpt2", GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common), False),
+    ]
+
+
+def make(out):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cases = []
+    for name, config, sharded in configs():
+        config.architectures = None
+        model = AutoModelForCausalLM.from_config(config).eval()
+        # Random, not the init's small normal: logits then span a useful range.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        d = os.path.join(out, name)
+        model.save_pretrained(d, max_shard_size="40KB" if sharded else "5GB")
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer(config.vocab_size), bos_token="<s>",
+                                       eos_token="</s>", pad_token="<pad>")
+        fast.save_pretrained(d)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(3, config.vocab_size, (2, 7), generator=g)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+        prompts = torch.randint(3, config.vocab_size, (3, 5), generator=g)
+        mask = torch.ones_like(prompts)
+        prompts[1, :2] = 0
+        mask[1, :2] = 0
+        prompts[2, :1] = 0
+        mask[2, :1] = 0
+        with torch.no_grad():
+            greedy = model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
+                                    max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+        save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
+                   "attention_mask": mask, "greedy": greedy.contiguous()},
+                  os.path.join(out, f"{name}.io.safetensors"))
+        text = "the quick brown fox, slowly: a kiln!"
+        cases.append({"name": name, "family": config.model_type, "sharded": sharded, "pad_id": 0,
+                      "new_tokens": NEW, "text": text, "text_ids": fast(text)["input_ids"]})
+    with open(os.path.join(out, "cases.json"), "w") as f:
+        json.dump(cases, f)
+
+
+def check(model_dir, io_path):
+    from transformers import AutoModelForCausalLM
+
+    io = load_file(io_path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=io["input_ids"]).logits.float()
+    print(json.dumps({"max_abs_diff": float((logits - io["kiln_logits"]).abs().max())}))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        check(sys.argv[2], sys.argv[3])
