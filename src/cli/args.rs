@@ -41,6 +41,9 @@ pub(crate) enum Command {
     },
     /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
     Export(ExportArgs),
+    /// Generate text with a language model (a Hugging Face directory or a
+    /// Kiln checkpoint) on libtorch, with a key/value cache.
+    Generate(GenerateArgs),
     /// Start N worker processes on this node for data-parallel training, as
     /// `torchrun --standalone --nproc-per-node N --no-python` does: each runs
     /// `kiln ARGS` (or `--exec PROGRAM ARGS`) with RANK, WORLD_SIZE, MASTER_ADDR,
@@ -250,4 +253,47 @@ pub struct Resume {
     pub(crate) from: Option<String>,
     /// Continue on data other than the checkpoint recorded.
     pub(crate) on_other_data: bool,
+}
+
+/// `kiln generate`'s arguments.
+#[derive(Args)]
+pub(crate) struct GenerateArgs {
+    /// A Hugging Face model directory (config.json and safetensors weights),
+    /// or a Kiln checkpoint (`checkpoints/last.safetensors`) of a language model.
+    #[arg(long)]
+    pub(crate) model: PathBuf,
+    /// A prompt (repeat for a batch; prompts of different lengths are padded on the left).
+    #[arg(long, required_unless_present = "prompt_ids")]
+    pub(crate) prompt: Vec<String>,
+    /// A prompt as comma-separated token ids, without a tokenizer (repeatable).
+    #[arg(long, conflicts_with = "prompt")]
+    pub(crate) prompt_ids: Vec<String>,
+    /// The directory of `tokenizer.json` (default: the model directory).
+    #[arg(long)]
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// New tokens per prompt at most.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_new_tokens: usize,
+    /// Sample with this temperature instead of decoding greedily.
+    #[arg(long)]
+    pub(crate) temperature: Option<f64>,
+    /// Sample from the k most likely tokens.
+    #[arg(long)]
+    pub(crate) top_k: Option<usize>,
+    /// Sample from the most likely tokens holding this probability.
+    #[arg(long)]
+    pub(crate) top_p: Option<f64>,
+    /// The sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// A token id that ends a sequence (repeatable; default the model's
+    /// `eos_token_id`).
+    #[arg(long)]
+    pub(crate) stop: Vec<i64>,
+    /// Rerun the whole sequence every step instead of caching keys and values.
+    #[arg(long)]
+    pub(crate) no_cache: bool,
+    /// The device (cpu, cuda, cuda:N).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: Device,
 }

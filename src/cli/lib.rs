@@ -24,7 +24,7 @@
 //! check), `formats` (what a checkpoint path holds), `launch`, `forward`
 //! (running `kiln-tensorflow`), `engines` (the [`Engines`] trait and the
 //! decision), `model`, `data`, `resume`, `ranks`, then the commands: `train`,
-//! `evaluate` (`eval`, `predict`), `export`, `inspect`, and `cli`, which
+//! `evaluate` (`eval`, `predict`), `export`, `inspect`, `generate`, and `cli`, which
 //! dispatches to them.
 
 mod args;
@@ -36,6 +36,7 @@ mod evaluate;
 mod export;
 mod formats;
 mod forward;
+mod generate;
 mod inspect;
 mod launch;
 mod model;

@@ -14,7 +14,7 @@ use kiln_core::strategy::DataParallel;
 use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::args::{Resume, TrainArgs};
-use crate::config::{BackendKind, FrozenBatchNorm, RunConfig};
+use crate::config::{BackendKind, FrozenBatchNorm, PretrainedModel, RunConfig};
 use crate::data::{load_data, loader, Split};
 use crate::engines::{DataParallelEngine, Engines, TorchDdp};
 use crate::model::resolve_model;
@@ -45,6 +45,29 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
         }
         BackendKind::Tensorflow => E::train_tensorflow(&config, &resume, rendezvous.as_ref()),
     }
+}
+
+/// Loads the weights of `[model] pretrained` into `model`: every tensor of the
+/// checkpoint's model (a new head keeps its initial values).
+fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedModel) -> Result<()> {
+    let pretrained = source
+        .open()
+        .with_context(|| format!("config key `model.pretrained` ({})", source.dir.display()))?;
+    let weights = pretrained
+        .load_weights()
+        .with_context(|| format!("config key `model.pretrained` ({})", source.dir.display()))?;
+    let mut state = model.state_dict()?;
+    let count = weights.len();
+    for (name, tensor) in weights {
+        state.insert(name, tensor);
+    }
+    model.load_state_dict(&state)?;
+    log::info!(
+        "loaded {count} pretrained tensors ({} model) from {}",
+        pretrained.family(),
+        source.dir.display()
+    );
+    Ok(())
 }
 
 /// What a training run has prepared before its model trains: the checks done,
@@ -105,6 +128,10 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
 
     B::manual_seed(config.seed);
     let mut model = B::build_model(&definition, config.device)?;
+    // A fresh run starts from the pretrained weights (a resumed one from its checkpoint's).
+    if let (Some(source), None) = (&config.pretrained, &resume_from) {
+        load_pretrained::<B>(&mut model, source)?;
+    }
     B::set_precision(&mut model, config.training.precision)?;
     let patterns: Vec<&str> = config.freeze.iter().map(String::as_str).collect();
     let (frozen, pinned) = B::freeze(

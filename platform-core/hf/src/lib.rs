@@ -56,6 +56,8 @@ pub struct Pretrained {
     family: &'static str,
     layer: Layer,
     names: NameMap,
+    /// Whether [`with_head`](Pretrained::with_head) replaced the LM head.
+    head_replaced: bool,
 }
 
 impl Pretrained {
@@ -114,7 +116,71 @@ impl Pretrained {
             family,
             layer,
             names,
+            head_replaced: false,
         })
+    }
+
+    /// The model with `head` in place of its language-model head: the layers
+    /// run after the final norm on `[batch, seq, hidden]` (a classifier:
+    /// `[{ type = "select", dim = 1, index = -1 }, { type = "linear", ... }]`).
+    /// The checkpoint's head is then ignored; the new layers start from their
+    /// initialisers. An empty `head` keeps the final hidden states.
+    ///
+    /// ```no_run
+    /// use kiln_core::model::{Layer, LinearConfig};
+    /// use kiln_hf::Pretrained;
+    ///
+    /// let classifier = Pretrained::open("models/tiny-llama")?.with_head(vec![
+    ///     Layer::Select { dim: 1, index: -1 },
+    ///     LinearConfig::new(32, 2).into(),
+    /// ])?;
+    /// # Ok::<(), kiln_hf::HfError>(())
+    /// ```
+    pub fn with_head(mut self, head: Vec<Layer>) -> Result<Self> {
+        let Layer::Sequential { layers } = &mut self.layer else {
+            return Err(HfError::Core(kiln_core::Error::unsupported(
+                "a new head on a model that is not a Sequential",
+            )));
+        };
+        let at = layers.len() - 1;
+        layers.truncate(at);
+        layers.extend(head);
+        let prefix = format!("{at}.");
+        for m in self
+            .names
+            .mappings
+            .iter()
+            .filter(|m| m.kiln[0].starts_with(&prefix))
+        {
+            self.names.ignored.push(m.hf.clone());
+        }
+        self.names
+            .mappings
+            .retain(|m| !m.kiln[0].starts_with(&prefix));
+        self.layer.validate()?;
+        self.head_replaced = true;
+        Ok(self)
+    }
+
+    /// The model as `transformers`' `*ForSequenceClassification` with
+    /// `num_labels`: the hidden state of the last token through a new linear
+    /// layer without bias (`score`), in place of the language-model head.
+    pub fn with_num_labels(self, num_labels: usize) -> Result<Self> {
+        let hidden = self.hidden_size()?;
+        self.with_head(vec![
+            Layer::Select { dim: 1, index: -1 },
+            kiln_core::model::LinearConfig::new(hidden, num_labels)
+                .with_bias(false)
+                .into(),
+        ])
+    }
+
+    /// The width of the hidden states (`hidden_size`, GPT-2's `n_embd`).
+    pub fn hidden_size(&self) -> Result<usize> {
+        match self.family {
+            "gpt2" => self.config.usize("n_embd"),
+            _ => self.config.usize("hidden_size"),
+        }
     }
 
     /// The family (`llama`, `qwen2`, `gpt2`, ...).
@@ -270,6 +336,12 @@ impl Pretrained {
     /// when missing; a file already there is never replaced.
     pub fn save(&self, weights: &StateDict, dir: impl AsRef<Path>) -> Result<()> {
         let dir = dir.as_ref();
+        if self.head_replaced {
+            return Err(HfError::Core(kiln_core::Error::unsupported(
+                "saving a model with a new head in the Hugging Face format: transformers' \
+                 causal-LM class would miss it; save Kiln's checkpoint instead",
+            )));
+        }
         let mut hf = StateDict::new();
         for mapping in &self.names.mappings {
             let parts: Vec<&HostTensor> = mapping

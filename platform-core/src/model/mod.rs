@@ -136,6 +136,15 @@ pub enum Layer {
         #[serde(default = "minus_one")]
         end_dim: isize,
     },
+    /// `torch.select(x, dim, index)`: the slice at `index` of dimension `dim`,
+    /// which it removes (`{ dim = 1, index = -1 }` takes a sequence's last
+    /// token, `index = 0` its first, as classification heads pool).
+    Select {
+        /// The dimension (not the batch's, 0; negative counts from the end).
+        dim: isize,
+        /// The position along it (negative counts from the end).
+        index: isize,
+    },
     /// `nn.ReLU`.
     Relu,
     /// `nn.LeakyReLU`.
@@ -253,6 +262,7 @@ macro_rules! with_spec {
             Dropout { p } => &dropout::Dropout(*p),
             Embedding(c) => c,
             Flatten { start_dim, end_dim } => &structure::Flatten { start_dim: *start_dim, end_dim: *end_dim },
+            Select { dim, index } => &structure::Select { dim: *dim, index: *index },
             Relu {} => &activation::Elementwise,
             LeakyRelu { negative_slope } => &activation::LeakyRelu(*negative_slope),
             Gelu { .. } => &activation::Elementwise,

@@ -194,6 +194,15 @@ class PositionEmbedding(nn.Module):
         return x + table[: x.shape[1]].to(x.dtype)
 
 
+class Select(nn.Module):
+    def __init__(self, dim, index):
+        super().__init__()
+        self.dim, self.index = dim, index
+
+    def forward(self, x):
+        return torch.select(x, self.dim, self.index)
+
+
 class TiedLinear(nn.Module):
     """y = x W^T with W another module's parameter, found by name on the root model."""
 
@@ -281,6 +290,8 @@ def build_layer(spec):
         return m
     if kind == "flatten":
         return nn.Flatten(spec["start_dim"], spec["end_dim"])
+    if kind == "select":
+        return Select(spec["dim"], spec["index"])
     if kind == "relu":
         return nn.ReLU()
     if kind == "leaky_relu":

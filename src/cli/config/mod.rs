@@ -88,6 +88,88 @@ fn yes() -> bool {
     true
 }
 
+/// `[model] pretrained = "dir"`: a Hugging Face model directory to start from,
+/// with the layers of `head` in place of its language-model head.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PretrainedModel {
+    /// The directory (`config.json`, `model.safetensors` or shards).
+    pub dir: PathBuf,
+    /// The new head, when the config gives one.
+    pub head: Option<Vec<Layer>>,
+    /// A classification head for this many labels (`*ForSequenceClassification`).
+    pub num_labels: Option<usize>,
+}
+
+impl PretrainedModel {
+    /// The directory read, with the head.
+    pub fn open(&self) -> std::result::Result<kiln_hf::Pretrained, kiln_hf::HfError> {
+        let pretrained = kiln_hf::Pretrained::open(&self.dir)?;
+        match (&self.head, self.num_labels) {
+            (Some(head), _) => pretrained.with_head(head.clone()),
+            (None, Some(n)) => pretrained.with_num_labels(n),
+            (None, None) => Ok(pretrained),
+        }
+    }
+}
+
+/// Replaces `[model] pretrained = "dir"` (and its `head`) in `root` by the
+/// definition the directory describes; returns what it named.
+fn expand_pretrained(
+    root: &mut toml::Value,
+) -> std::result::Result<Option<PretrainedModel>, String> {
+    let Some(model) = root.get_mut("model").and_then(toml::Value::as_table_mut) else {
+        return Ok(None);
+    };
+    let Some(dir) = model.remove("pretrained") else {
+        return Ok(None);
+    };
+    let dir = match dir {
+        toml::Value::String(s) => PathBuf::from(s),
+        other => {
+            return Err(format!(
+                "key `model.pretrained`: expected a directory, got {other}"
+            ))
+        }
+    };
+    let head = match model.remove("head") {
+        None => None,
+        Some(value) => Some(
+            Vec::<Layer>::deserialize(value)
+                .map_err(|e| format!("key `model.head`: expected a list of layers: {e}"))?,
+        ),
+    };
+    let num_labels = match model.remove("num_labels") {
+        None => None,
+        Some(toml::Value::Integer(n)) if n > 0 => Some(n as usize),
+        Some(other) => {
+            return Err(format!(
+                "key `model.num_labels`: expected a positive integer, got {other}"
+            ))
+        }
+    };
+    if head.is_some() && num_labels.is_some() {
+        return Err("key `model.num_labels`: give `head` or `num_labels`, not both".to_owned());
+    }
+    if let Some(key) = model.keys().next() {
+        return Err(format!(
+            "key `model.{key}`: a pretrained model takes `pretrained`, `head` and `num_labels` \
+             only (its layers come from the directory's config.json)"
+        ));
+    }
+    let source = PretrainedModel {
+        dir,
+        head,
+        num_labels,
+    };
+    let pretrained = source
+        .open()
+        .map_err(|e| format!("key `model.pretrained`: {e}"))?;
+    let layer = toml::Value::try_from(pretrained.layer())
+        .map_err(|e| format!("key `model.pretrained`: the definition does not fit TOML: {e}"))?;
+    root["model"] = layer;
+    Ok(Some(source))
+}
+
 /// A whole run: model, data, optimisation, outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -110,8 +192,13 @@ pub struct RunConfig {
     /// How the batch norms of frozen parts run while the rest trains.
     #[serde(default)]
     pub frozen_batch_norm: FrozenBatchNorm,
-    /// The model definition.
+    /// The model definition (with `[model] pretrained = "dir"`, the one that
+    /// directory's `config.json` describes, and its `head`).
     pub model: Layer,
+    /// The Hugging Face directory `[model] pretrained` names, whose weights a
+    /// fresh run starts from; `None` for a model defined in the config.
+    #[serde(skip)]
+    pub pretrained: Option<PretrainedModel>,
     /// The data.
     pub data: DataConfig,
     /// The loop.
@@ -164,18 +251,31 @@ impl RunConfig {
             path: path.to_path_buf(),
             reason,
         };
+        let mut root: toml::Value =
+            toml::from_str(text).map_err(|e: toml::de::Error| bad(e.to_string()))?;
+        let pretrained = expand_pretrained(&mut root).map_err(bad)?;
+        let expanded;
+        let text = match pretrained {
+            Some(_) => {
+                expanded = toml::to_string(&root).map_err(|e| bad(e.to_string()))?;
+                expanded.as_str()
+            }
+            None => text,
+        };
         let deserializer = toml::Deserializer::parse(text).map_err(|e| bad(e.to_string()))?;
         // The path to the failing key (`optimizer.type`) leads the message; toml's
         // own message after it shows the line.
-        let config: RunConfig = serde_path_to_error::deserialize(deserializer).map_err(|e| {
-            let mut key = e.path().to_string();
-            // serde loses the path inside internally tagged sections (`type = ...`);
-            // find the key there by probing the section.
-            if let Ok(root) = toml::from_str::<toml::Value>(text) {
-                key.push_str(&tagged_key_path(&root, &key));
-            }
-            bad(format!("key `{key}`: {}", e.into_inner()))
-        })?;
+        let mut config: RunConfig =
+            serde_path_to_error::deserialize(deserializer).map_err(|e| {
+                let mut key = e.path().to_string();
+                // serde loses the path inside internally tagged sections (`type = ...`);
+                // find the key there by probing the section.
+                if let Ok(root) = toml::from_str::<toml::Value>(text) {
+                    key.push_str(&tagged_key_path(&root, &key));
+                }
+                bad(format!("key `{key}`: {}", e.into_inner()))
+            })?;
+        config.pretrained = pretrained;
         config.validate().map_err(|e| Error::Config {
             path: path.to_path_buf(),
             reason: e.to_string(),

@@ -154,6 +154,12 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
         }
     };
     let features = scale_and_shape(features, data)?;
+    // A model that starts with a token embedding takes int64 ids.
+    let features = if config.model.input_dtype() == Some(DType::I64) {
+        token_ids(&features, &origin_path)?
+    } else {
+        features
+    };
     check_fits::<E>(
         config,
         &features,
@@ -278,6 +284,27 @@ pub(crate) fn scale_and_shape(
     }
     HostTensor::new(scaled, shape)
         .context("data.input_shape does not match the number of features per example")
+}
+
+/// `features` as int64 token ids, every one a non-negative whole number.
+fn token_ids(features: &HostTensor, path: &Path) -> Result<HostTensor> {
+    let values = features.as_slice::<f32>()?;
+    if let Some((i, v)) = values
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !(v.fract() == 0.0 && **v >= 0.0 && **v < 16_777_216.0))
+    {
+        let row_len = features.numel() / features.dims()[0].max(1);
+        anyhow::bail!(
+            "{}: example {}, feature {}: {v} is not a token id (the model starts with an \
+             embedding and takes whole numbers >= 0; with data.scale = 1)",
+            path.display(),
+            i / row_len.max(1),
+            i % row_len.max(1)
+        );
+    }
+    let ids: Vec<i64> = values.iter().map(|&v| v as i64).collect();
+    Ok(HostTensor::new(ids, features.dims().to_vec())?)
 }
 
 /// The validation split, which `eval` and `predict` run on, and one example.

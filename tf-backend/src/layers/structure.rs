@@ -4,7 +4,7 @@
 use kiln_core::{model::Layer, Error, Result};
 use tensorflow::DataType;
 
-use super::{i32s, join, Built, Ctx, Val};
+use super::{batched, i32s, join, Built, Ctx, Val};
 
 /// How the graph computes one child (or a run of children) of a
 /// [`Layer::Sequential`]; see [`plan`].
@@ -96,6 +96,30 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
             let y = ctx.b.reshape(&x.out, &i32s(&shape), DataType::Float)?;
             // With start_dim 0 the batch merges into the first dimension.
             let dims = shape[1..].to_vec();
+            Ok(Val {
+                out: y,
+                dims,
+                nhwc: false,
+            })
+        }
+        Layer::Select { dim, index } => {
+            let x = ctx.nchw(x)?;
+            let rank = x.dims.len() as isize + 1;
+            let d = (if *dim < 0 { dim + rank } else { *dim }) as usize;
+            let size = x.dims[d - 1];
+            let i = if *index < 0 {
+                *index as i64 + size
+            } else {
+                *index as i64
+            };
+            let mut begin = vec![0i32; rank as usize];
+            begin[d] = i as i32;
+            let mut extent = vec![-1i32; rank as usize];
+            extent[d] = 1;
+            let sliced = ctx.b.slice(&x.out, &begin, &extent)?;
+            let mut dims = x.dims.clone();
+            dims.remove(d - 1);
+            let y = ctx.b.reshape(&sliced, &batched(&dims), DataType::Float)?;
             Ok(Val {
                 out: y,
                 dims,

@@ -14,16 +14,32 @@ struct Flatten {
     end: i64,
 }
 
+/// A built [`Layer::Select`].
+#[derive(Debug)]
+struct Select {
+    dim: i64,
+    index: i64,
+}
+
 /// The node of `layer` when it is one of this family's; `None` otherwise.
 pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
-    let node = match layer {
-        Layer::Flatten { start_dim, end_dim } => Flatten {
+    Ok(Some(match layer {
+        Layer::Flatten { start_dim, end_dim } => Box::new(Flatten {
             start: *start_dim as i64,
             end: *end_dim as i64,
-        },
+        }),
+        Layer::Select { dim, index } => Box::new(Select {
+            dim: *dim as i64,
+            index: *index as i64,
+        }),
         _ => return Ok(None),
-    };
-    Ok(Some(Box::new(node)))
+    }))
+}
+
+impl Forward for Select {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        Ok(x.f_select(self.dim, self.index)?)
+    }
 }
 
 /// The TorchScript of `layer` when it is one of this family's.
@@ -32,6 +48,10 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
         Layer::Flatten { start_dim, end_dim } => Some(Scripted::returning(
             "Flatten",
             format!("torch.flatten(x, {start_dim}, {end_dim})"),
+        )),
+        Layer::Select { dim, index } => Some(Scripted::returning(
+            "Select",
+            format!("torch.select(x, {dim}, {index})"),
         )),
         _ => None,
     })

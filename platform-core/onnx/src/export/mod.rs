@@ -202,9 +202,10 @@ impl Emitter<'_> {
             | Layer::PositionEmbedding(_)
             | Layer::TiedLinear(_) => self.transformer(path, layer, &x)?,
             Layer::Custom(c) => self.custom_op(path, layer, c, &x)?,
-            Layer::Dropout { .. } | Layer::Embedding(_) | Layer::Flatten { .. } => {
-                self.structure(path, layer, &x, &shape)?
-            }
+            Layer::Dropout { .. }
+            | Layer::Embedding(_)
+            | Layer::Flatten { .. }
+            | Layer::Select { .. } => self.structure(path, layer, &x, &shape)?,
             _ => self.activation(path, layer, &x)?,
         };
         let dim0 = match layer {

@@ -39,6 +39,20 @@ impl Emitter<'_> {
                     self.reshape(path, x, out, start > 0)
                 }
             }
+            Layer::Select { dim, index } => {
+                // A scalar index removes the axis, as torch.select does.
+                let index = self.g.constant(
+                    path,
+                    "index",
+                    &kiln_core::HostTensor::scalar(*index as i64),
+                )?;
+                Ok(self.g.op(
+                    path,
+                    "Gather",
+                    &[&x.name, &index],
+                    vec![attr::int("axis", *dim as i64)],
+                ))
+            }
             _ => Err(wrong_family(path, layer)),
         }
     }

@@ -116,6 +116,32 @@ impl LayerSpec for Flatten {
     }
 }
 
+/// [`Layer::Select`]'s dimension and index.
+pub(crate) struct Select {
+    pub(crate) dim: isize,
+    pub(crate) index: isize,
+}
+
+impl LayerSpec for Select {
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        let Select { dim, index } = *self;
+        let wanted = || {
+            format!("a tensor with a dimension {dim} (not the batch's) that has a position {index}")
+        };
+        let d = match normalize_dim(dim, input.len()) {
+            Some(d) if d > 0 => d,
+            _ => return Err(at.mismatch(wanted())),
+        };
+        let size = input[d] as isize;
+        if !(-size..size).contains(&index) {
+            return Err(at.mismatch(wanted()));
+        }
+        let mut out = input.to_vec();
+        out.remove(d);
+        Ok(out)
+    }
+}
+
 /// [`Layer::Sequential`]'s layers: children named `"0"`, `"1"`, ...
 pub(crate) struct Sequential<'a>(pub(crate) &'a [Layer]);
 

@@ -1,0 +1,138 @@
+//! `kiln generate`: text (or token ids) from a Hugging Face model directory or
+//! a Kiln checkpoint, on libtorch with a key/value cache: greedy by default,
+//! sampled with `--temperature`, `--top-k` or `--top-p` from a seeded generator.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use kiln_core::generation::{Decoding, GenerationConfig};
+use kiln_core::module::Module;
+use kiln_hf::{Pretrained, TextTokenizer};
+use kiln_torch::TorchModel;
+
+use crate::args::GenerateArgs;
+use crate::formats::open_checkpoint;
+use crate::output::outln;
+use crate::prelude::*;
+
+/// The model to generate with, its stop and padding tokens, and the
+/// directory a tokenizer may be in.
+struct Loaded {
+    model: TorchModel,
+    eos: Vec<i64>,
+    pad: i64,
+    dir: Option<PathBuf>,
+}
+
+fn load(path: &Path, device: Device) -> Result<Loaded> {
+    if path.is_dir() {
+        let pretrained = Pretrained::open(path)?;
+        let mut model = TorchModel::new(pretrained.layer(), device)?;
+        model.load_state_dict(&pretrained.load_weights()?)?;
+        let eos = pretrained.eos_token_ids()?;
+        let pad = pretrained
+            .pad_token_id()?
+            .or(eos.first().copied())
+            .unwrap_or(0);
+        return Ok(Loaded {
+            model,
+            eos,
+            pad,
+            dir: Some(path.to_owned()),
+        });
+    }
+    let checkpoint = open_checkpoint(path)?;
+    let definition = checkpoint.model_definition.clone().with_context(|| {
+        format!(
+            "{}: the checkpoint records no model definition (a run's model.safetensors does \
+             not): give `checkpoints/last.safetensors`",
+            path.display()
+        )
+    })?;
+    let mut model = TorchModel::new(&definition, device)?;
+    crate::model::load_for_eval::<kiln_torch::TorchBackend>(
+        &mut model,
+        &checkpoint.model,
+        path,
+        "does not fit its recorded definition",
+    )?;
+    Ok(Loaded {
+        model,
+        eos: Vec::new(),
+        pad: 0,
+        dir: None,
+    })
+}
+
+/// `kiln generate`.
+pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
+    let decoding = if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
+        Decoding::Sample {
+            temperature: args.temperature.unwrap_or(1.0),
+            top_k: args.top_k,
+            top_p: args.top_p,
+        }
+    } else {
+        Decoding::Greedy
+    };
+    let mut loaded = load(&args.model, args.device)
+        .with_context(|| format!("--model {}", args.model.display()))?;
+    loaded.model.set_mode(Mode::Eval);
+    let tokenizer = match (&args.tokenizer, args.prompt.is_empty()) {
+        (_, true) => None,
+        (Some(dir), false) => Some(TextTokenizer::open(dir)?),
+        (None, false) => match &loaded.dir {
+            Some(dir) => Some(TextTokenizer::open(dir)?),
+            None => anyhow::bail!(
+                "--tokenizer is needed to read text prompts with a checkpoint (the model \
+                 directory holding tokenizer.json), or give --prompt-ids"
+            ),
+        },
+    };
+    let prompts: Vec<Vec<i64>> = match &tokenizer {
+        Some(tok) => args
+            .prompt
+            .iter()
+            .map(|p| tok.encode(p).map_err(anyhow::Error::from))
+            .collect::<Result<_>>()?,
+        None => args
+            .prompt_ids
+            .iter()
+            .map(|p| {
+                p.split(',')
+                    .map(|t| {
+                        t.trim()
+                            .parse::<i64>()
+                            .with_context(|| format!("--prompt-ids {p:?}: {t:?} is not a token id"))
+                    })
+                    .collect::<Result<Vec<i64>>>()
+            })
+            .collect::<Result<_>>()?,
+    };
+    let stop = if args.stop.is_empty() {
+        loaded.eos.clone()
+    } else {
+        args.stop.clone()
+    };
+    let config = GenerationConfig::greedy(args.max_new_tokens)
+        .with_decoding(decoding)
+        .with_stop_tokens(stop)
+        .with_pad_token(loaded.pad)
+        .with_seed(args.seed)
+        .with_cache(!args.no_cache);
+    let out = kiln_torch::generate(&loaded.model, &prompts, &config)?;
+    for (i, tokens) in out.iter().enumerate() {
+        match &tokenizer {
+            Some(tok) => outln!("{}{}", args.prompt[i], tok.decode(tokens)?),
+            None => outln!(
+                "{}",
+                tokens
+                    .iter()
+                    .map(i64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
+    }
+    Ok(())
+}

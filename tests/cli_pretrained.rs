@@ -1,0 +1,316 @@
+//! `[model] pretrained = "dir"` through the CLI: a tiny LLaMA and a tiny GPT-2
+//! saved by `transformers` fine-tune as sequence classifiers (`num_labels`)
+//! on a CSV of token ids, with frozen layers, parameter groups and bf16
+//! autocast; a run stopped after one epoch resumes to the uninterrupted run's
+//! losses; the checkpoint exports to ONNX and TorchScript; the TensorFlow
+//! backend trains the same config; and `kiln generate` decodes greedily
+//! exactly as `transformers`' `generate` does.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::{kiln, kiln_fails, kiln_stdout, losses, scratch, serial, train};
+use kiln::prelude::*;
+use kiln::train::Checkpoint;
+
+/// The reference models in a scratch directory, or `None` without Python.
+fn models(test: &str, dir: &Path) -> Option<PathBuf> {
+    let python = kiln_testkit::python(test)?;
+    let out = dir.join("models");
+    std::fs::create_dir_all(&out).unwrap();
+    kiln_testkit::run_reference(
+        &python,
+        &kiln_testkit::workspace_root().join("tests/reference/pretrained.py"),
+        &[Path::new("make"), &out],
+    );
+    Some(out)
+}
+
+/// 96 rows of 8 token ids and a label: whether the last token is in the upper
+/// half of the vocabulary (which the last position's hidden state can tell).
+fn token_csv(dir: &Path) -> PathBuf {
+    let ids = kiln_testkit::noise_indices(96 * 8, 297, 5);
+    let mut text = String::new();
+    for row in ids.chunks(8) {
+        let tokens: Vec<String> = row.iter().map(|t| (t + 3).to_string()).collect();
+        let label = i64::from(row[7] + 3 >= 150);
+        text.push_str(&format!("{},{label}\n", tokens.join(",")));
+    }
+    let path = dir.join("tokens.csv");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn config(dir: &Path, model: &Path, csv: &Path, name: &str, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+seed = 4
+output_dir = "{out}"
+{extra}
+
+[data]
+dataset = "csv"
+path = "{csv}"
+batch_size = 16
+val_fraction = 0.25
+
+[model]
+pretrained = "{model}"
+num_labels = 2
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adamw"
+lr = 0.003
+
+[training]
+epochs = 2
+log_every = 1
+
+[checkpoint]
+every_n_epochs = 1
+keep_last = 4
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join("default-out").display(),
+        csv = csv.display(),
+        model = model.display(),
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The finite per-step losses of two runs agree to 1e-4 relative (two
+/// processes; the in-process trainer tests check resume bitwise).
+fn assert_same_losses(actual: &[(String, String)], expected: &[(String, String)], what: &str) {
+    assert_eq!(actual.len(), expected.len(), "{what}: steps");
+    for ((step, a), (_, b)) in actual.iter().zip(expected) {
+        let (a, b): (f64, f64) = (a.parse().unwrap(), b.parse().unwrap());
+        assert!(a.is_finite(), "{what}: step {step} loss {a}");
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+            "{what}: step {step}: {a} vs {b}"
+        );
+    }
+}
+
+#[test]
+fn pretrained_models_fine_tune_resume_export_and_generate_through_the_cli() {
+    let test = "pretrained_models_fine_tune_resume_export_and_generate_through_the_cli";
+    let _serial = serial();
+    let dir = scratch("pretrained");
+    let Some(models) = models(test, &dir) else {
+        return;
+    };
+    let csv = token_csv(&dir);
+    let frozen = r#"freeze = ["1.0.*"]
+
+[[param_groups]]
+name = "body"
+params = { prefix = "2." }
+lr = 0.001
+"#;
+    for family in ["llama", "gpt2"] {
+        // GPT-2's first block is at 3 (after its embeddings and dropout).
+        let extra = if family == "gpt2" {
+            frozen.replace("1.0.*", "3.0.*").replace("\"2.\"", "\"4.\"")
+        } else {
+            frozen.to_owned()
+        };
+        let cfg = config(&dir, &models.join(family), &csv, family, &extra);
+        let cfg = cfg.to_str().unwrap();
+        let (a, b) = (
+            dir.join(format!("{family}-whole")),
+            dir.join(format!("{family}-stopped")),
+        );
+        let printed = train(cfg, &a, &["--precision", "bf16-mixed"]);
+        assert!(printed.contains("loss"), "{printed}");
+        let reference = losses(&a);
+        assert_eq!(
+            reference.len(),
+            10,
+            "{family}: 72 training rows in batches of 16, 2 epochs"
+        );
+        train(cfg, &b, &["--precision", "bf16-mixed", "--epochs", "1"]);
+        train(
+            cfg,
+            &b,
+            &[
+                "--precision",
+                "bf16-mixed",
+                "--epochs",
+                "2",
+                "--resume",
+                "auto",
+            ],
+        );
+        assert_same_losses(&losses(&b), &reference, &format!("{family}: resumed"));
+
+        // The frozen block kept its pretrained weights; the rest trained.
+        let last = Checkpoint::load(&a.join("checkpoints/last.safetensors")).unwrap();
+        let pretrained = kiln::hf::Pretrained::open(models.join(family))
+            .unwrap()
+            .load_weights()
+            .unwrap();
+        let (frozen_name, trained_name) = if family == "gpt2" {
+            ("3.0.block.1.q_proj.weight", "4.0.block.1.q_proj.weight")
+        } else {
+            ("1.0.block.1.q_proj.weight", "2.0.block.1.q_proj.weight")
+        };
+        assert_eq!(
+            last.model.get(frozen_name),
+            pretrained.get(frozen_name),
+            "{family}: frozen"
+        );
+        assert_ne!(
+            last.model.get(trained_name),
+            pretrained.get(trained_name),
+            "{family}: trained"
+        );
+
+        for (format, file) in [("onnx", "model.onnx"), ("torchscript", "model.pt")] {
+            let out = dir.join(format!("{family}-{file}"));
+            kiln(&[
+                "export",
+                "--checkpoint",
+                a.join("checkpoints/last.safetensors").to_str().unwrap(),
+                "--config",
+                cfg,
+                "--format",
+                format,
+                "--output",
+                out.to_str().unwrap(),
+            ]);
+            assert!(out.is_file(), "{family}: {format} export");
+        }
+    }
+
+    // The TensorFlow backend trains the same model (without freezing, which it lacks).
+    let cfg = config(&dir, &models.join("llama"), &csv, "llama-tf", "");
+    let tf = dir.join("llama-tf");
+    train(
+        cfg.to_str().unwrap(),
+        &tf,
+        &["--backend", "tensorflow", "--epochs", "1"],
+    );
+    let tf_losses = losses(&tf);
+    assert_eq!(tf_losses.len(), 5);
+    for (step, loss) in &tf_losses {
+        assert!(
+            loss.parse::<f64>().unwrap().is_finite(),
+            "TensorFlow step {step}: {loss}"
+        );
+    }
+
+    // Bad keys name themselves.
+    let bad = dir.join("bad.toml");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("num_labels = 2", "num_labels = 2\nlayers = []");
+    std::fs::write(&bad, text).unwrap();
+    let err = kiln_fails(&["train", "--config", bad.to_str().unwrap()]);
+    assert!(err.contains("model.layers"), "{err}");
+}
+
+#[test]
+fn kiln_generate_decodes_as_transformers_generate() {
+    let test = "kiln_generate_decodes_as_transformers_generate";
+    let dir = scratch("generate");
+    let Some(models) = models(test, &dir) else {
+        return;
+    };
+    for family in ["llama", "gpt2"] {
+        let (io, _) =
+            StateDict::load_safetensors(models.join(format!("{family}.io.safetensors"))).unwrap();
+        let (ids, mask, greedy) = (
+            io.get("prompt_ids").unwrap(),
+            io.get("attention_mask").unwrap(),
+            io.get("greedy").unwrap(),
+        );
+        let width = ids.dims()[1];
+        let out_width = greedy.dims()[1];
+        let mut args: Vec<String> = vec![
+            "generate".into(),
+            "--model".into(),
+            models.join(family).display().to_string(),
+            "--max-new-tokens".into(),
+            (out_width - width).to_string(),
+            // The reference ran without a stop token.
+            "--stop=-1".into(),
+        ];
+        let rows = ids.as_slice::<i64>().unwrap().chunks(width);
+        for (row, m) in rows.zip(mask.as_slice::<i64>().unwrap().chunks(width)) {
+            let prompt: Vec<String> = row
+                .iter()
+                .zip(m)
+                .filter(|(_, m)| **m != 0)
+                .map(|(t, _)| t.to_string())
+                .collect();
+            args.push("--prompt-ids".into());
+            args.push(prompt.join(","));
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let printed = kiln_stdout(&args);
+        let expected: Vec<String> = greedy
+            .as_slice::<i64>()
+            .unwrap()
+            .chunks(out_width)
+            .map(|row| {
+                row[width..]
+                    .iter()
+                    .map(i64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .collect();
+        let lines: Vec<&str> = printed.lines().collect();
+        assert_eq!(
+            lines, expected,
+            "{family}: kiln generate against transformers"
+        );
+
+        // Text in, text out, sampled reproducibly from the seed.
+        let sample = |seed: &str| {
+            kiln_stdout(&[
+                "generate",
+                "--model",
+                models.join(family).to_str().unwrap(),
+                "--prompt",
+                "the quick brown fox",
+                "--max-new-tokens",
+                "6",
+                "--temperature",
+                "0.9",
+                "--top-p",
+                "0.9",
+                "--seed",
+                seed,
+            ])
+        };
+        let first = sample("7");
+        assert!(first.starts_with("the quick brown fox"), "{first}");
+        assert_eq!(
+            sample("7"),
+            first,
+            "{family}: the same seed samples the same text"
+        );
+    }
+    let err = kiln_fails(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+    ]);
+    assert!(err.contains("config.json"), "{err}");
+}
