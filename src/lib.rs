@@ -5,6 +5,7 @@
 //! datasets, loaders, readers, transforms; [`train`]: the `Trainer`, callbacks,
 //! metrics, sinks and checkpoints), the most used names at the root and in
 //! [`prelude`], [`onnx`] (ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`),
+//! [`hf`] (Hugging Face checkpoints and tokenizers),
 //! and, behind features, the backends: `torch` (`kiln-torch`,
 //! libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API) and `ops`
 //! (`kiln-fused-ops` as `fused_ops`: Kiln's own fused C++/CUDA ops). Writing
@@ -94,6 +95,8 @@ mod guide {
     pub struct GuideTensorflow;
     #[doc = include_str!("../docs/src/torchscript-savedmodel.md")]
     pub struct GuideTorchscriptSavedmodel;
+    #[doc = include_str!("../docs/src/pretrained.md")]
+    pub struct GuidePretrained;
     #[doc = include_str!("../docs/src/export.md")]
     pub struct GuideExport;
     #[doc = include_str!("../docs/src/custom-ops.md")]

@@ -1,0 +1,63 @@
+"""Makes a tiny LLaMA-style model directory, as `save_pretrained` writes one, for
+examples/pretrained_lm.rs: random weights (transformers' own initialisation: nothing
+is downloaded), a byte-level BPE tokenizer trained here on a small text, and that
+text as train.txt.
+
+Usage: .kiln/venv/bin/python examples/pretrained/make_tiny_llama.py OUT_DIR
+"""
+
+import os
+import random
+import sys
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+NAMES = ["anna", "ben", "clara", "david", "emma", "felix"]
+ANIMALS = ["cat", "dog", "fox", "owl", "horse", "duck", "mouse", "bear"]
+ADJECTIVES = ["little", "old", "brown", "quiet", "happy", "sleepy", "clever", "big"]
+PLACES = ["garden", "river", "forest", "barn", "hill", "market"]
+RESTS = ["sleeps", "sings", "runs", "waits", "dances", "rests"]
+
+
+def story(seed, sentences):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(sentences):
+        if rng.random() < 0.5:
+            out.append(f"The {rng.choice(ADJECTIVES)} {rng.choice(ANIMALS)} {rng.choice(RESTS)} "
+                       f"by the {rng.choice(PLACES)}.")
+        else:
+            out.append(f"{rng.choice(NAMES).title()} sees the {rng.choice(ADJECTIVES)} "
+                       f"{rng.choice(ANIMALS)}.")
+    return " ".join(out) + "\n"
+
+
+def main():
+    out = sys.argv[1]
+    if os.path.exists(out) and os.listdir(out):
+        sys.exit(f"{out} is not empty: choose a new directory")
+    text = story(0, 600)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=172,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
+    with open(os.path.join(out, "train.txt"), "w") as f:
+        f.write(text)
+    print(f"wrote a {sum(p.numel() for p in LlamaForCausalLM(config).parameters())}-parameter "
+          f"LLaMA, its tokenizer and train.txt to {out}")
+
+
+if __name__ == "__main__":
+    main()
