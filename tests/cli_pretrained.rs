@@ -1,4 +1,4 @@
-//! `[model] pretrained = "dir"` through the CLI: a tiny LLaMA and a tiny GPT-2
+//! `[model] pretrained = "dir"` through the CLI: a tiny LLaMA, GPT-2 and BERT
 //! saved by `transformers` fine-tune as sequence classifiers (`num_labels`)
 //! on a CSV of token ids, with frozen layers, parameter groups and bf16
 //! autocast; a run stopped after one epoch resumes to the uninterrupted run's
@@ -120,13 +120,17 @@ name = "body"
 params = { prefix = "2." }
 lr = 0.001
 "#;
-    for family in ["llama", "gpt2"] {
-        // GPT-2's first block is at 3 (after its embeddings and dropout).
-        let extra = if family == "gpt2" {
-            frozen.replace("1.0.*", "3.0.*").replace("\"2.\"", "\"4.\"")
-        } else {
-            frozen.to_owned()
+    for family in ["llama", "gpt2", "bert"] {
+        // The first block: after GPT-2's embeddings and dropout (3), BERT's
+        // embeddings, norm and dropout (5).
+        let first = match family {
+            "gpt2" => 3,
+            "bert" => 5,
+            _ => 1,
         };
+        let extra = frozen
+            .replace("1.0.*", &format!("{first}.0.*"))
+            .replace("\"2.\"", &format!("\"{}.\"", first + 1));
         let cfg = config(&dir, &models.join(family), &csv, family, &extra);
         let cfg = cfg.to_str().unwrap();
         let (a, b) = (
@@ -162,11 +166,14 @@ lr = 0.001
             .unwrap()
             .load_weights()
             .unwrap();
-        let (frozen_name, trained_name) = if family == "gpt2" {
-            ("3.0.block.1.q_proj.weight", "4.0.block.1.q_proj.weight")
+        let attention = if family == "bert" {
+            "0.block.0"
         } else {
-            ("1.0.block.1.q_proj.weight", "2.0.block.1.q_proj.weight")
+            "0.block.1"
         };
+        let frozen_name = format!("{first}.{attention}.q_proj.weight");
+        let trained_name = format!("{}.{attention}.q_proj.weight", first + 1);
+        let (frozen_name, trained_name) = (frozen_name.as_str(), trained_name.as_str());
         assert_eq!(
             last.model.get(frozen_name),
             pretrained.get(frozen_name),
@@ -313,4 +320,43 @@ fn kiln_generate_decodes_as_transformers_generate() {
         "hi",
     ]);
     assert!(err.contains("config.json"), "{err}");
+}
+
+#[test]
+fn the_shipped_pretrained_config_trains_on_the_example_model() {
+    let test = "the_shipped_pretrained_config_trains_on_the_example_model";
+    let Some(python) = kiln_testkit::python(test) else {
+        return;
+    };
+    let _serial = serial();
+    let dir = scratch("pretrained-shipped");
+    kiln_testkit::run_reference(
+        &python,
+        &kiln_testkit::workspace_root().join("examples/pretrained/make_tiny_llama.py"),
+        &[dir.join("models/tiny-llama")],
+    );
+    // The config's paths are relative to where kiln runs, as for a user in the workspace.
+    let config = kiln_testkit::workspace_root().join("examples/configs/pretrained-llama.toml");
+    let out = std::process::Command::new(common::KILN)
+        .current_dir(&dir)
+        .args([
+            "train",
+            "--config",
+            config.to_str().unwrap(),
+            "--epochs",
+            "1",
+        ])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let run = dir.join("runs/pretrained-llama");
+    assert!(run.join("checkpoints/last.safetensors").is_file());
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("accuracy"), "{printed}");
 }

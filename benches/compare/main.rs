@@ -30,6 +30,7 @@
 //! `benches/gpu/pack.sh` and `benches/gpu/run.sh` do all of that for a GPU machine.
 
 mod ddp;
+mod llm;
 mod ops;
 mod report;
 mod serve;
@@ -275,8 +276,8 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint, ddp (default: all of them; on a GPU all
-                    but data, checkpoint and ddp)
+                    data, script, ops, checkpoint, ddp, serve, images, llm (default: all of
+                    them; on a GPU all but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
   --steps N         timed steps per repeat (default: per workload)
@@ -327,6 +328,7 @@ fn main() -> Result<()> {
         Task::Ddp,
         Task::Serve,
         Task::Images,
+        Task::Llm,
     ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {

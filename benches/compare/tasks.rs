@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
-use crate::{ddp, num, ops, run_json, serve, xorshift, Settings};
+use crate::{ddp, llm, num, ops, run_json, serve, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,6 +43,8 @@ pub enum Task {
     Serve,
     /// (j) JPEG/PNG files decoded and augmented, from class folders and from shards.
     Images,
+    /// (k) a 100M LLaMA-style model: training and generation against transformers.
+    Llm,
 }
 
 /// (j): batch size and workers, the images per class of the 224 set (of
@@ -74,6 +76,7 @@ impl Task {
             "ddp" => Task::Ddp,
             "serve" => Task::Serve,
             "images" => Task::Images,
+            "llm" => Task::Llm,
             _ => return None,
         })
     }
@@ -87,6 +90,7 @@ impl Task {
             Task::Ddp => "ddp",
             Task::Serve => "serve",
             Task::Images => "images",
+            Task::Llm => "llm",
         }
     }
 
@@ -104,6 +108,7 @@ impl Task {
             Task::Checkpoint => "(g) checkpoint save and load, 100M parameters (float32, 400 MB)",
             Task::Ddp => ddp::DESCRIBE,
             Task::Serve => serve::DESCRIBE,
+            Task::Llm => llm::DESCRIBE,
             Task::Images => {
                 "(j) image files: decode (JPEG/PNG), RandomResizedCrop to 64 or 224, flip, \
                  normalise, batch 64, 2 workers; from class folders and from tar shards"
@@ -124,6 +129,7 @@ impl Task {
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
             Task::Ddp => &ddp::VARIANTS,
             Task::Serve => &serve::VARIANTS,
+            Task::Llm => &llm::VARIANTS,
             Task::Images => &[
                 "kiln-folder-64",
                 "kiln-shards-64",
@@ -150,6 +156,7 @@ impl Task {
             Task::Ddp => ddp::prepare(dir),
             Task::Serve => serve::prepare(dir),
             Task::Images => write_images(dir),
+            Task::Llm => llm::prepare(dir, python()),
         }
     }
 
@@ -194,6 +201,7 @@ impl Task {
             Task::Ddp => ddp::score(r),
             Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
             Task::Images => num(r, "samples_per_s"),
+            Task::Llm => num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s"),
         }
     }
 
@@ -201,6 +209,12 @@ impl Task {
     pub fn summary(self, r: &Value) -> String {
         match self {
             Task::Data | Task::Images => format!("{:>9.0} samples/s", num(r, "samples_per_s")),
+            Task::Llm if r.get("b1").is_some() => format!(
+                "{:.1} tokens/s at batch 1, {:.1} at batch 8",
+                num(&r["b1"], "tokens_per_s"),
+                num(&r["b8"], "tokens_per_s")
+            ),
+            Task::Llm => format!("{:.0} tokens/s", num(r, "tokens_per_s")),
             Task::Script => format!("{:>9.1} us/call", num(r, "latency_us")),
             Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
                 .iter()
@@ -239,11 +253,16 @@ impl Task {
                 .find(|(v, _)| v == name)
                 .and_then(|(_, r)| r.as_ref().ok())
         };
+        // (k)'s steps take seconds: at most 3 repeats after 1 warm-up.
+        let (repeats, warmup) = match self {
+            Task::Llm => (s.repeats.min(3), s.warmup.min(1)),
+            _ => (s.repeats, s.warmup),
+        };
         let mut t = format!(
             "### {}\n\nMedian of {} repeats after {} warm-up, {} threads; the median of {} rounds.\n\n",
             self.describe(),
-            s.repeats,
-            s.warmup,
+            repeats,
+            warmup,
             s.threads,
             s.rounds
         );
@@ -319,6 +338,7 @@ impl Task {
                 }
             }
             Task::Ops => t += &ops::table(ok),
+            Task::Llm => t += &llm::table(ok),
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
             Task::Serve => {
@@ -495,6 +515,7 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Ops, "kiln-composed") => ops::run(a, ops::Kernels::Composed)?,
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
         (Task::Serve, variant) if variant.starts_with("kiln-") => serve::worker(variant, a)?,
+        (Task::Llm, variant) if variant.starts_with("kiln-") => llm::worker(variant, a)?,
         _ => bail!(
             "{variant} is not a Rust variant of the {} workload",
             task.name()

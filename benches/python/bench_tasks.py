@@ -352,9 +352,76 @@ def serve(args, variant):
     return out
 
 
+LLM_BATCH, LLM_SEQ, LLM_NEW = 2, 256, 128
+
+
+def llm(args, variant):
+    """(k): the LLaMA-style model of benches/compare/llm.rs, in transformers."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model_dir = os.path.join(args.dir, "model")
+    if variant == "prepare":
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                                 num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                                 max_position_embeddings=1024, tie_word_embeddings=True,
+                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            torch.manual_seed(0)
+            LlamaForCausalLM(config).save_pretrained(model_dir)
+            g = torch.Generator().manual_seed(1)
+            save_file({"train": torch.randint(3, 32000, (LLM_BATCH, LLM_SEQ + 1), generator=g),
+                       "prompts": torch.randint(3, 32000, (8, 16), generator=g)},
+                      os.path.join(args.dir, "tokens.safetensors"))
+        return {}
+    tokens = load_file(os.path.join(args.dir, "tokens.safetensors"))
+    device = torch.device(args.device)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    if variant == "transformers-generate":
+        model.eval()
+        out = {}
+        for batch in (1, 8):
+            prompts = tokens["prompts"][:batch].to(device)
+            result = {}
+
+            def run():
+                with torch.no_grad():
+                    result["ids"] = model.generate(
+                        input_ids=prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                        max_new_tokens=LLM_NEW, min_new_tokens=LLM_NEW, pad_token_id=0)
+                synchronize(device)
+
+            times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), run)
+            m = statistics.median(times)
+            out[f"b{batch}"] = {"repeats_s": times, "tokens_per_s": batch * LLM_NEW / m,
+                                "first_row": result["ids"][0, prompts.shape[1]:].tolist()}
+        return out
+    if variant.endswith("bf16"):
+        model = model.to(torch.bfloat16)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = tokens["train"].to(device)
+    x, y = ids[:, :-1], ids[:, 1:].reshape(-1)
+    losses = []
+
+    def step():
+        opt.zero_grad()
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
+        loss.backward()
+        opt.step()
+        synchronize(device)
+        losses.append(float(loss))
+
+    times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), step)
+    m = statistics.median(times)
+    return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": LLM_BATCH * LLM_SEQ / m,
+            "losses": losses}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve"])
+    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve", "llm"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -375,6 +442,10 @@ def main():
         ("checkpoint", "pytorch-save"): lambda: checkpoint(args),
         ("serve", "pytorch-eager"): lambda: serve(args, "pytorch-eager"),
         ("serve", "python-onnxruntime"): lambda: serve(args, "python-onnxruntime"),
+        ("llm", "prepare"): lambda: llm(args, "prepare"),
+        ("llm", "pytorch-train-f32"): lambda: llm(args, "pytorch-train-f32"),
+        ("llm", "pytorch-train-bf16"): lambda: llm(args, "pytorch-train-bf16"),
+        ("llm", "transformers-generate"): lambda: llm(args, "transformers-generate"),
     }
     run = runs.get((args.task, args.variant))
     if run is None:

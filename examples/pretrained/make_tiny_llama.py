@@ -1,7 +1,9 @@
 """Makes a tiny LLaMA-style model directory, as `save_pretrained` writes one, for
 examples/pretrained_lm.rs: random weights (transformers' own initialisation: nothing
 is downloaded), a byte-level BPE tokenizer trained here on a small text, and that
-text as train.txt.
+text as train.txt; and classify.csv, for examples/configs/pretrained-llama.toml: one
+sentence of the text per row as 12 token ids (left-padded with <pad>) and a label, 1 for
+"The ... by the ..." sentences and 0 for "... sees the ..." ones.
 
 Usage: .kiln/venv/bin/python examples/pretrained/make_tiny_llama.py OUT_DIR
 """
@@ -55,6 +57,13 @@ def main():
                             pad_token="<pad>").save_pretrained(out)
     with open(os.path.join(out, "train.txt"), "w") as f:
         f.write(text)
+    rows = []
+    for sentence in story(1, 400).strip().split(". "):
+        sentence = sentence.rstrip(".") + "."
+        ids = tok.encode(sentence).ids[-12:]
+        rows.append(",".join(map(str, [0] * (12 - len(ids)) + ids)) + f",{int(sentence.startswith('The '))}")
+    with open(os.path.join(out, "classify.csv"), "w") as f:
+        f.write("\n".join(rows) + "\n")
     print(f"wrote a {sum(p.numel() for p in LlamaForCausalLM(config).parameters())}-parameter "
           f"LLaMA, its tokenizer and train.txt to {out}")
 

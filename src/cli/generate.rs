@@ -27,6 +27,14 @@ struct Loaded {
 fn load(path: &Path, device: Device) -> Result<Loaded> {
     if path.is_dir() {
         let pretrained = Pretrained::open(path)?;
+        if !pretrained.is_decoder() {
+            anyhow::bail!(
+                "{} is a {} model, not a causal language model: kiln generate runs the \
+                 llama, mistral, qwen2, qwen3 and gpt2 families",
+                path.display(),
+                pretrained.family()
+            );
+        }
         let mut model = TorchModel::new(pretrained.layer(), device)?;
         model.load_state_dict(&pretrained.load_weights()?)?;
         let eos = pretrained.eos_token_ids()?;

@@ -13,7 +13,10 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
     attention_mask    [3, 5] int64, 0 on the padding
     greedy            [3, 5 + NEW] transformers' `generate(do_sample=False)` (prompt included)
 
-and OUT_DIR/cases.json lists {"name", "family", "sharded", "pad_id", "new_tokens"}.
+and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens"}.
+Two encoders, BERT (`BertForSequenceClassification`, 3 labels) and ViT
+(`ViTForImageClassification`, 16x16 images, 5 labels), have only `input_ids` (`pixel_values`
+for ViT) and `logits`.
 
 `check` loads MODEL_DIR (a directory Kiln saved) with `from_pretrained` and prints
 the largest difference between its logits for `input_ids` and IO's `kiln_logits`.
@@ -63,6 +66,44 @@ def configs():
     ]
 
 
+def encoders():
+    from transformers import BertConfig, ViTConfig
+
+    bert = BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=48, max_position_embeddings=64, num_labels=3, pad_token_id=0)
+    bert.architectures = ["BertForSequenceClassification"]
+    vit = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=48, num_labels=5)
+    vit.architectures = ["ViTForImageClassification"]
+    return [("bert", bert), ("vit", vit)]
+
+
+def make_encoders(out, cases):
+    from transformers import AutoModelForImageClassification, AutoModelForSequenceClassification
+
+    for name, config in encoders():
+        torch.manual_seed(0)
+        auto = AutoModelForImageClassification if name == "vit" else AutoModelForSequenceClassification
+        model = auto.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        d = os.path.join(out, name)
+        model.save_pretrained(d)
+        g = torch.Generator().manual_seed(1)
+        if name == "vit":
+            x = torch.randn(2, 3, 16, 16, generator=g)
+            with torch.no_grad():
+                logits = model(pixel_values=x).logits.float()
+            save_file({"pixel_values": x, "logits": logits.contiguous()}, os.path.join(out, f"{name}.io.safetensors"))
+        else:
+            ids = torch.randint(3, config.vocab_size, (2, 7), generator=g)
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits.float()
+            save_file({"input_ids": ids, "logits": logits.contiguous()}, os.path.join(out, f"{name}.io.safetensors"))
+        cases.append({"name": name, "family": name, "sharded": False, "decoder": False})
+
+
 def make(out):
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -98,16 +139,19 @@ def make(out):
                   os.path.join(out, f"{name}.io.safetensors"))
         text = "the quick brown fox, slowly: a kiln!"
         cases.append({"name": name, "family": config.model_type, "sharded": sharded, "pad_id": 0,
-                      "new_tokens": NEW, "text": text, "text_ids": fast(text)["input_ids"]})
+                      "new_tokens": NEW, "text": text, "text_ids": fast(text)["input_ids"], "decoder": True})
+    make_encoders(out, cases)
     with open(os.path.join(out, "cases.json"), "w") as f:
         json.dump(cases, f)
 
 
 def check(model_dir, io_path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     io = load_file(io_path)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    arch = AutoConfig.from_pretrained(model_dir).architectures[0]
+    auto = AutoModelForSequenceClassification if "Sequence" in arch else AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir).eval()
     with torch.no_grad():
         logits = model(input_ids=io["input_ids"]).logits.float()
     print(json.dumps({"max_abs_diff": float((logits - io["kiln_logits"]).abs().max())}))

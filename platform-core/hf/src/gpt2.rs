@@ -111,6 +111,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
                     .map(|p| format!("{k}.0.block.1.{p}.{part}"))
                     .collect(),
                 transposed: part == "weight",
+                hf_shape: None,
             });
         }
         map.prefix_with(

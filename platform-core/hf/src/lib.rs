@@ -5,7 +5,9 @@
 //! becomes a Kiln [`Layer`] definition and its weights under Kiln's names
 //! ([`Pretrained`]); Kiln's weights go back to the same format, which
 //! `from_pretrained` reads ([`Pretrained::save`]). The families built are
-//! LLaMA (and the Mistral, Qwen2 and Qwen3 variants of its block) and GPT-2.
+//! LLaMA (and the Mistral, Qwen2 and Qwen3 variants of its block) and GPT-2
+//! (causal language models), BERT (a sequence classifier, or the bare encoder)
+//! and ViT (an image classifier).
 //! [`TextTokenizer`] reads the directory's `tokenizer.json` with the
 //! `tokenizers` crate, the code Python's `tokenizers` runs.
 //!
@@ -20,12 +22,14 @@
 //! # Ok::<(), kiln_hf::HfError>(())
 //! ```
 
+mod bert;
 mod config;
 mod error;
 mod gpt2;
 mod llama;
 mod names;
 mod tokenizer;
+mod vit;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -40,7 +44,10 @@ pub use names::{Mapping, NameMap};
 pub use tokenizer::TextTokenizer;
 
 /// The model families Kiln builds from a `config.json`'s `model_type`.
-pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2"];
+pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "vit"];
+
+/// The families that are causal language models (and generate).
+const DECODERS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2"];
 
 /// The file names of a model directory.
 const CONFIG: &str = "config.json";
@@ -83,12 +90,42 @@ impl Pretrained {
     /// The definition `config` describes, for weights in `dir`.
     pub fn from_config(dir: PathBuf, config: HfConfig) -> Result<Self> {
         let model_type = config.str_or("model_type", "")?.to_owned();
+        let archs: Vec<String> = config
+            .get("architectures")
+            .and_then(|v| v.as_array())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let wants = |suffixes: &[&str], family: &str| -> Result<()> {
+            match archs
+                .iter()
+                .find(|a| !suffixes.iter().any(|s| a.ends_with(s)))
+            {
+                Some(arch) => Err(config.unsupported(
+                    "architectures",
+                    format!("{arch}: Kiln builds {family} as {}", suffixes.join(" or ")),
+                )),
+                None => Ok(()),
+            }
+        };
         let (family, (layer, names)) = match model_type.as_str() {
             "llama" => ("llama", llama::build(&config, "llama")?),
             "mistral" => ("mistral", llama::build(&config, "mistral")?),
             "qwen2" => ("qwen2", llama::build(&config, "qwen2")?),
             "qwen3" => ("qwen3", llama::build(&config, "qwen3")?),
             "gpt2" => ("gpt2", gpt2::build(&config)?),
+            "bert" => {
+                wants(&["ForSequenceClassification", "BertModel"], "BERT")?;
+                let bare = archs.iter().any(|a| a == "BertModel");
+                ("bert", bert::build(&config, !bare)?)
+            }
+            "vit" => {
+                wants(&["ForImageClassification"], "ViT")?;
+                ("vit", vit::build(&config)?)
+            }
             _ => {
                 return Err(HfError::UnknownFamily {
                     path: config.path().to_owned(),
@@ -97,17 +134,8 @@ impl Pretrained {
                 })
             }
         };
-        if let Some(archs) = config.get("architectures").and_then(|v| v.as_array()) {
-            for arch in archs.iter().filter_map(|a| a.as_str()) {
-                if !arch.ends_with("ForCausalLM") && !arch.ends_with("LMHeadModel") {
-                    return Err(config.unsupported(
-                        "architectures",
-                        format!(
-                            "{arch}: Kiln builds the causal language model of the {family} family"
-                        ),
-                    ));
-                }
-            }
+        if DECODERS.contains(&family) {
+            wants(&["ForCausalLM", "LMHeadModel"], family)?;
         }
         layer.validate()?;
         Ok(Pretrained {
@@ -167,6 +195,13 @@ impl Pretrained {
     /// layer without bias (`score`), in place of the language-model head.
     pub fn with_num_labels(self, num_labels: usize) -> Result<Self> {
         let hidden = self.hidden_size()?;
+        if !self.is_decoder() {
+            // BERT and ViT: a new classifier after their pooling.
+            return self.with_head(vec![kiln_core::model::LinearConfig::new(
+                hidden, num_labels,
+            )
+            .into()]);
+        }
         self.with_head(vec![
             Layer::Select { dim: 1, index: -1 },
             kiln_core::model::LinearConfig::new(hidden, num_labels)
@@ -181,6 +216,11 @@ impl Pretrained {
             "gpt2" => self.config.usize("n_embd"),
             _ => self.config.usize("hidden_size"),
         }
+    }
+
+    /// Whether the model is a causal language model (which generates).
+    pub fn is_decoder(&self) -> bool {
+        DECODERS.contains(&self.family)
     }
 
     /// The family (`llama`, `qwen2`, `gpt2`, ...).
@@ -308,7 +348,15 @@ impl Pretrained {
                         actual: tensor.dims().to_vec(),
                     });
                 }
-                for (kiln, part) in mapping.kiln.iter().zip(names::split(mapping, &tensor)?) {
+                let kiln_shape = shapes
+                    .get(mapping.kiln[0].as_str())
+                    .copied()
+                    .unwrap_or_default();
+                for (kiln, part) in mapping
+                    .kiln
+                    .iter()
+                    .zip(names::split(mapping, &tensor, kiln_shape)?)
+                {
                     out.insert(kiln.clone(), part);
                 }
                 seen.push(mapping.hf.as_str());
@@ -417,6 +465,9 @@ fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
 /// The checkpoint shape of `mapping`'s tensor: its Kiln tensors' rows stacked,
 /// transposed back where the checkpoint stores `[in, out]`.
 fn expected_shape(mapping: &Mapping, shapes: &HashMap<&str, &[usize]>) -> Vec<usize> {
+    if let Some(shape) = &mapping.hf_shape {
+        return shape.clone();
+    }
     let mut dims: Vec<usize> = shapes
         .get(mapping.kiln[0].as_str())
         .map(|s| s.to_vec())

@@ -16,6 +16,9 @@ pub struct Mapping {
     pub kiln: Vec<String>,
     /// Whether the checkpoint stores the matrix transposed (`[in, out]`).
     pub transposed: bool,
+    /// The checkpoint's shape where it differs from Kiln's by unit
+    /// dimensions only (ViT's `[1, n, hidden]` position table is Kiln's `[n, hidden]`).
+    pub hf_shape: Option<Vec<usize>>,
 }
 
 /// Every tensor of a family's checkpoint, and the tensors it may hold that
@@ -51,6 +54,7 @@ impl NameMap {
                     hf: format!("{hf_prefix}.{local}"),
                     kiln: vec![name.clone()],
                     transposed: transposed && local == "weight",
+                    hf_shape: None,
                 });
             }
         }
@@ -82,9 +86,17 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     out
 }
 
-/// The Kiln tensors (float32) of a checkpoint tensor, as `mapping` says.
-pub(crate) fn split(mapping: &Mapping, tensor: &HostTensor) -> Result<Vec<HostTensor>> {
+/// The Kiln tensors (float32) of a checkpoint tensor, as `mapping` says;
+/// `kiln_shape` is the shape of each.
+pub(crate) fn split(
+    mapping: &Mapping,
+    tensor: &HostTensor,
+    kiln_shape: &[usize],
+) -> Result<Vec<HostTensor>> {
     let mut dims = tensor.dims().to_vec();
+    if mapping.hf_shape.is_some() {
+        dims = kiln_shape.to_vec();
+    }
     let mut values: Vec<f32> = tensor.to_dtype(DType::F32).into_vec()?;
     if mapping.transposed && dims.len() == 2 {
         values = transpose(&values, dims[0], dims[1]);
@@ -116,6 +128,9 @@ pub(crate) fn join(mapping: &Mapping, parts: &[&HostTensor]) -> Result<HostTenso
         values = transpose(&values, dims[0], dims[1]);
         dims.swap(0, 1);
     }
+    if let Some(shape) = &mapping.hf_shape {
+        dims = shape.clone();
+    }
     Ok(HostTensor::new(values, dims)?)
 }
 
@@ -132,8 +147,9 @@ mod tests {
             hf: "c_attn.weight".to_owned(),
             kiln: vec!["q".into(), "k".into(), "v".into()],
             transposed: true,
+            hf_shape: None,
         };
-        let parts = split(&m, &fused).expect("splits");
+        let parts = split(&m, &fused, &[2, 2]).expect("splits");
         // q = columns 0..2 of the [2, 6] matrix, transposed to [out, in].
         assert_eq!(
             parts[0].as_slice::<f32>().expect("f32"),

@@ -23,11 +23,12 @@ use crate::shape::Shape;
 
 pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity};
 pub use layers::{
-    AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
-    CustomConfig, CustomParam, EmbeddingConfig, GatedActivation, GatedMlpConfig, GeluApproximation,
-    GroupNormConfig, LayerNormConfig, LinearConfig, Pool2dConfig, PositionEmbeddingConfig,
-    PositionEncoding, RmsNormConfig, RopeConfig, SavedModelLayerConfig, SelfAttentionConfig,
-    TiedLinearConfig, TorchScriptConfig,
+    AttentionConfig, BatchNormConfig, ClassTokenConfig, Conv1dConfig, Conv2dConfig,
+    ConvTranspose2dConfig, CustomConfig, CustomParam, EmbeddingConfig, GatedActivation,
+    GatedMlpConfig, GeluApproximation, GroupNormConfig, LayerNormConfig, LinearConfig,
+    Pool2dConfig, PositionEmbeddingConfig, PositionEncoding, RmsNormConfig, RopeConfig,
+    SavedModelLayerConfig, SelfAttentionConfig, TiedLinearConfig, TokenTypeEmbeddingConfig,
+    TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 
@@ -145,6 +146,13 @@ pub enum Layer {
         /// The position along it (negative counts from the end).
         index: isize,
     },
+    /// `torch.transpose(x, dim0, dim1)`: swaps two dimensions (not the batch's).
+    Transpose {
+        /// One dimension (negative counts from the end).
+        dim0: isize,
+        /// The other.
+        dim1: isize,
+    },
     /// `nn.ReLU`.
     Relu,
     /// `nn.LeakyReLU`.
@@ -187,6 +195,10 @@ pub enum Layer {
     PositionEmbedding(PositionEmbeddingConfig),
     /// An output projection sharing another layer's weight (tied embeddings).
     TiedLinear(TiedLinearConfig),
+    /// Adds BERT's token-type embedding of segment 0.
+    TokenTypeEmbedding(TokenTypeEmbeddingConfig),
+    /// Prepends a learned token (ViT's `[CLS]`) to `[batch, seq, dim]`.
+    ClassToken(ClassTokenConfig),
     /// `nn.Sequential`: the layers applied in order; children are named `"0"`, `"1"`, ...
     Sequential {
         /// The layers, first applied first.
@@ -263,6 +275,7 @@ macro_rules! with_spec {
             Embedding(c) => c,
             Flatten { start_dim, end_dim } => &structure::Flatten { start_dim: *start_dim, end_dim: *end_dim },
             Select { dim, index } => &structure::Select { dim: *dim, index: *index },
+            Transpose { dim0, dim1 } => &structure::Transpose { dim0: *dim0, dim1: *dim1 },
             Relu {} => &activation::Elementwise,
             LeakyRelu { negative_slope } => &activation::LeakyRelu(*negative_slope),
             Gelu { .. } => &activation::Elementwise,
@@ -276,6 +289,8 @@ macro_rules! with_spec {
             GatedMlp(c) => c,
             PositionEmbedding(c) => c,
             TiedLinear(c) => c,
+            TokenTypeEmbedding(c) => c,
+            ClassToken(c) => c,
             Sequential { layers } => &structure::Sequential(layers),
             Residual { block } => &structure::Residual(block),
             Custom(c) => c,
@@ -650,6 +665,8 @@ layer_from_config! {
     GatedMlpConfig => GatedMlp,
     PositionEmbeddingConfig => PositionEmbedding,
     TiedLinearConfig => TiedLinear,
+    TokenTypeEmbeddingConfig => TokenTypeEmbedding,
+    ClassTokenConfig => ClassToken,
     CustomConfig => Custom,
     TorchScriptConfig => TorchScript,
     SavedModelLayerConfig => SavedModel,

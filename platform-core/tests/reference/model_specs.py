@@ -203,6 +203,37 @@ class Select(nn.Module):
         return torch.select(x, self.dim, self.index)
 
 
+class Transpose(nn.Module):
+    def __init__(self, dim0, dim1):
+        super().__init__()
+        self.dims = (dim0, dim1)
+
+    def forward(self, x):
+        return x.transpose(*self.dims)
+
+
+class TokenTypeEmbedding(nn.Module):
+    """BERT's token_type_embeddings for one segment: row 0 added."""
+
+    def __init__(self, num_types, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(num_types, dim))
+
+    def forward(self, x):
+        return x + self.weight[0]
+
+
+class ClassToken(nn.Module):
+    """ViT's cls_token, prepended."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(1, 1, dim))
+
+    def forward(self, x):
+        return torch.cat([self.weight.expand(x.shape[0], -1, -1), x], dim=1)
+
+
 class TiedLinear(nn.Module):
     """y = x W^T with W another module's parameter, found by name on the root model."""
 
@@ -292,6 +323,12 @@ def build_layer(spec):
         return nn.Flatten(spec["start_dim"], spec["end_dim"])
     if kind == "select":
         return Select(spec["dim"], spec["index"])
+    if kind == "transpose":
+        return Transpose(spec["dim0"], spec["dim1"])
+    if kind == "token_type_embedding":
+        return TokenTypeEmbedding(spec["num_types"], spec["dim"])
+    if kind == "class_token":
+        return ClassToken(spec["dim"])
     if kind == "relu":
         return nn.ReLU()
     if kind == "leaky_relu":

@@ -102,6 +102,22 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
                 nhwc: false,
             })
         }
+        Layer::Transpose { dim0, dim1 } => {
+            let x = ctx.nchw(x)?;
+            let rank = x.dims.len() as isize + 1;
+            let norm = |d: isize| (if d < 0 { d + rank } else { d }) as usize;
+            let (a, b) = (norm(*dim0), norm(*dim1));
+            let mut perm: Vec<i32> = (0..rank as i32).collect();
+            perm.swap(a, b);
+            let out = ctx.b.transpose(&x.out, &perm)?;
+            let mut dims = x.dims.clone();
+            dims.swap(a - 1, b - 1);
+            Ok(Val {
+                out,
+                dims,
+                nhwc: false,
+            })
+        }
         Layer::Select { dim, index } => {
             let x = ctx.nchw(x)?;
             let rank = x.dims.len() as isize + 1;

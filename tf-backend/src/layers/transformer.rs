@@ -40,6 +40,29 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
             )
         }
         Layer::PositionEmbedding(c) => ctx.positions(x, prefix, c),
+        Layer::TokenTypeEmbedding(c) => {
+            let x = ctx.nchw(x)?;
+            let table = ctx.param(&p("weight"))?;
+            let row = ctx.b.slice(&table, &[0, 0], &[1, c.dim as i32])?;
+            let out = ctx.b.add(&x.out, &row)?;
+            Ok(Val { out, ..x })
+        }
+        Layer::ClassToken(_) => {
+            let x = ctx.nchw(x)?;
+            let token = ctx.param(&p("weight"))?;
+            // [batch, 1, dim] of zeros (no gradient to x) plus the token.
+            let first = ctx.b.slice(&x.out, &[0, 0, 0], &[-1, 1, -1])?;
+            let zeros = ctx.b.unary("ZerosLike", &first)?;
+            let tokens = ctx.b.add(&zeros, &token)?;
+            let out = ctx.b.concat(&[tokens, x.out.clone()], 1)?;
+            let mut dims = x.dims.clone();
+            dims[0] += 1;
+            Ok(Val {
+                out,
+                dims,
+                nhwc: false,
+            })
+        }
         Layer::TiedLinear(c) => {
             // No bias: the name below is no variable of the model.
             ctx.linear(x, &c.weight, &p("(no bias)"), c.out_features as i64)

@@ -32,8 +32,19 @@ pub(super) fn build(layer: &Layer, _at: &Lookup<'_>) -> Result<Option<Box<dyn Fo
             dim: *dim as i64,
             index: *index as i64,
         }),
+        Layer::Transpose { dim0, dim1 } => Box::new(Transpose(*dim0 as i64, *dim1 as i64)),
         _ => return Ok(None),
     }))
+}
+
+/// A built [`Layer::Transpose`].
+#[derive(Debug)]
+struct Transpose(i64, i64);
+
+impl Forward for Transpose {
+    fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        Ok(x.f_transpose(self.0, self.1)?)
+    }
 }
 
 impl Forward for Select {
@@ -52,6 +63,10 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
         Layer::Select { dim, index } => Some(Scripted::returning(
             "Select",
             format!("torch.select(x, {dim}, {index})"),
+        )),
+        Layer::Transpose { dim0, dim1 } => Some(Scripted::returning(
+            "Transpose",
+            format!("torch.transpose(x, {dim0}, {dim1})"),
         )),
         _ => None,
     })

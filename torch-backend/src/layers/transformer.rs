@@ -47,6 +47,14 @@ enum Positions {
 #[derive(Debug)]
 struct TiedLinear(usize);
 
+/// A built [`Layer::TokenTypeEmbedding`]: the table's index.
+#[derive(Debug)]
+struct TokenType(usize);
+
+/// A built [`Layer::ClassToken`]: the token's index.
+#[derive(Debug)]
+struct ClassToken(usize);
+
 /// The node of `layer` when it is one of this family's; `None` otherwise.
 pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
     let proj = |name: &str| -> Result<(usize, Option<usize>)> {
@@ -88,6 +96,8 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             }
         }),
         Layer::TiedLinear(c) => Box::new(TiedLinear(at.need_absolute(&c.weight)?)),
+        Layer::TokenTypeEmbedding(_) => Box::new(TokenType(at.need("weight")?)),
+        Layer::ClassToken(_) => Box::new(ClassToken(at.need("weight")?)),
         _ => return Ok(None),
     }))
 }
@@ -298,6 +308,22 @@ impl Forward for TiedLinear {
     }
 }
 
+impl Forward for TokenType {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        Ok(x.f_add(&tensors.tensor(self.0).f_select(0, 0)?)?)
+    }
+}
+
+impl Forward for ClassToken {
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
+        let size = x.size();
+        let token = tensors
+            .tensor(self.0)
+            .f_expand([size[0], 1, size[2]], false)?;
+        Ok(Tensor::f_cat(&[&token, x], 1)?)
+    }
+}
+
 /// `self.<name>.forward(x)` for a projection child.
 fn call(child: &str, x: &str) -> String {
     format!("self.{child}.forward({x})")
@@ -355,6 +381,13 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
         Layer::TiedLinear(_) => Scripted::returning(
             "TiedLinear",
             "torch.linear(x, self.weight, None)".to_owned(),
+        ),
+        Layer::TokenTypeEmbedding(_) => {
+            Scripted::returning("TokenTypeEmbedding", "x + self.weight[0]".to_owned())
+        }
+        Layer::ClassToken(_) => Scripted::returning(
+            "ClassToken",
+            "torch.cat([self.weight.expand([x.size(0), 1, x.size(2)]), x], 1)".to_owned(),
         ),
         _ => return Ok(None),
     }))

@@ -200,12 +200,15 @@ impl Emitter<'_> {
             | Layer::SelfAttention(_)
             | Layer::GatedMlp(_)
             | Layer::PositionEmbedding(_)
-            | Layer::TiedLinear(_) => self.transformer(path, layer, &x)?,
+            | Layer::TiedLinear(_)
+            | Layer::TokenTypeEmbedding(_)
+            | Layer::ClassToken(_) => self.transformer(path, layer, &x)?,
             Layer::Custom(c) => self.custom_op(path, layer, c, &x)?,
             Layer::Dropout { .. }
             | Layer::Embedding(_)
             | Layer::Flatten { .. }
-            | Layer::Select { .. } => self.structure(path, layer, &x, &shape)?,
+            | Layer::Select { .. }
+            | Layer::Transpose { .. } => self.structure(path, layer, &x, &shape)?,
             _ => self.activation(path, layer, &x)?,
         };
         let dim0 = match layer {

@@ -39,6 +39,18 @@ impl Emitter<'_> {
                     self.reshape(path, x, out, start > 0)
                 }
             }
+            Layer::Transpose { dim0, dim1 } => {
+                let rank = x.shape.len() as isize;
+                let norm = |d: isize| if d < 0 { d + rank } else { d };
+                let mut perm: Vec<i64> = (0..rank as i64).collect();
+                perm.swap(norm(*dim0) as usize, norm(*dim1) as usize);
+                Ok(self.g.op(
+                    path,
+                    "Transpose",
+                    &[&x.name],
+                    vec![attr::ints("perm", &perm)],
+                ))
+            }
             Layer::Select { dim, index } => {
                 // A scalar index removes the axis, as torch.select does.
                 let index = self.g.constant(

@@ -87,6 +87,35 @@ impl Emitter<'_> {
                 };
                 Ok(self.g.op(path, "Add", &[&x.name, &rows], vec![]))
             }
+            Layer::TokenTypeEmbedding(_) => {
+                let table = self.param(path, layer, "weight")?;
+                let zero =
+                    self.g
+                        .constant(path, "segment", &kiln_core::HostTensor::scalar(0i64))?;
+                let row = self
+                    .g
+                    .op(path, "Gather", &[&table, &zero], vec![attr::int("axis", 0)]);
+                Ok(self.g.op(path, "Add", &[&x.name, &row], vec![]))
+            }
+            Layer::ClassToken(c) => {
+                let token = self.param(path, layer, "weight")?;
+                // [batch, 1, dim]: the token expanded to the input's batch.
+                let shape = self.g.op(path, "Shape", &[&x.name], vec![]);
+                let starts = self.g.ints(path, "starts", &[0])?;
+                let ends = self.g.ints(path, "ends", &[1])?;
+                let batch = self.g.op(path, "Slice", &[&shape, &starts, &ends], vec![]);
+                let rest = self.g.ints(path, "token_shape", &[1, c.dim as i64])?;
+                let target =
+                    self.g
+                        .op(path, "Concat", &[&batch, &rest], vec![attr::int("axis", 0)]);
+                let tokens = self.g.op(path, "Expand", &[&token, &target], vec![]);
+                Ok(self.g.op(
+                    path,
+                    "Concat",
+                    &[&tokens, &x.name],
+                    vec![attr::int("axis", 1)],
+                ))
+            }
             Layer::TiedLinear(c) => {
                 let tensor = self.state.get(&c.weight).ok_or_else(|| Error::Weight {
                     path: super::shown(path),

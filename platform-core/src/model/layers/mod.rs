@@ -41,8 +41,8 @@ pub use pool::Pool2dConfig;
 pub use saved_model::SavedModelLayerConfig;
 pub use torchscript::TorchScriptConfig;
 pub use transformer::{
-    GatedActivation, GatedMlpConfig, PositionEmbeddingConfig, PositionEncoding, RopeConfig,
-    SelfAttentionConfig, TiedLinearConfig,
+    ClassTokenConfig, GatedActivation, GatedMlpConfig, PositionEmbeddingConfig, PositionEncoding,
+    RopeConfig, SelfAttentionConfig, TiedLinearConfig, TokenTypeEmbeddingConfig,
 };
 
 pub(super) use context::{join, FieldCheck, Params, ShapeCheck};

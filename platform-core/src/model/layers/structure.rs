@@ -142,6 +142,31 @@ impl LayerSpec for Select {
     }
 }
 
+/// [`Layer::Transpose`]'s dimensions.
+pub(crate) struct Transpose {
+    pub(crate) dim0: isize,
+    pub(crate) dim1: isize,
+}
+
+impl LayerSpec for Transpose {
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        let Transpose { dim0, dim1 } = *self;
+        match (
+            normalize_dim(dim0, input.len()),
+            normalize_dim(dim1, input.len()),
+        ) {
+            (Some(a), Some(b)) if a > 0 && b > 0 => {
+                let mut out = input.to_vec();
+                out.swap(a, b);
+                Ok(out)
+            }
+            _ => Err(at.mismatch(format!(
+                "a tensor with dimensions {dim0} and {dim1}, neither the batch's"
+            ))),
+        }
+    }
+}
+
 /// [`Layer::Sequential`]'s layers: children named `"0"`, `"1"`, ...
 pub(crate) struct Sequential<'a>(pub(crate) &'a [Layer]);
 

@@ -511,3 +511,94 @@ impl LayerSpec for TiedLinearConfig {
         }
     }
 }
+
+/// BERT's token-type (segment) embedding for inputs of one segment: adds row 0
+/// of a learned `[num_types, dim]` table (`token_type_embeddings`) to
+/// `[batch, seq, dim]`. The other rows are kept (and saved) for checkpoints
+/// that have them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenTypeEmbeddingConfig {
+    /// Rows of the table (`type_vocab_size`, 2 for BERT).
+    pub num_types: usize,
+    /// Model width.
+    pub dim: usize,
+}
+
+impl TokenTypeEmbeddingConfig {
+    /// A `[num_types, dim]` table starting from `N(0, 1)`.
+    pub fn new(num_types: usize, dim: usize) -> Self {
+        TokenTypeEmbeddingConfig { num_types, dim }
+    }
+}
+
+impl LayerSpec for TokenTypeEmbeddingConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("num_types", self.num_types)?;
+        check.positive("dim", self.dim)
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match input.last() {
+            Some(&d) if d == self.dim && input.len() >= 2 => Ok(input.to_vec()),
+            _ => Err(at.mismatch(format!("[batch, *, {}]", self.dim))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        params.push(
+            "weight",
+            vec![self.num_types, self.dim],
+            DType::F32,
+            ParamKind::Parameter,
+            InitDistribution::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+        );
+        Ok(())
+    }
+}
+
+/// Prepends a learned token to `[batch, seq, dim]` (ViT's `[CLS]`), giving
+/// `[batch, seq + 1, dim]`; its `weight` is `[1, 1, dim]`, as `cls_token` is.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassTokenConfig {
+    /// Model width.
+    pub dim: usize,
+}
+
+impl ClassTokenConfig {
+    /// A class token of width `dim`, starting from `N(0, 1)`.
+    pub fn new(dim: usize) -> Self {
+        ClassTokenConfig { dim }
+    }
+}
+
+impl LayerSpec for ClassTokenConfig {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        check.positive("dim", self.dim)
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        match *input {
+            [b, s, d] if d == self.dim => Ok(vec![b, s + 1, d]),
+            _ => Err(at.mismatch(format!("[batch, seq, {}]", self.dim))),
+        }
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        params.push(
+            "weight",
+            vec![1, 1, self.dim],
+            DType::F32,
+            ParamKind::Parameter,
+            InitDistribution::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+        );
+        Ok(())
+    }
+}
