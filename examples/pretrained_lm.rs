@@ -103,7 +103,7 @@ pub struct Finetuned {
 /// new directory `out` (`steps.csv`, `epochs.csv`, the model in the Hugging
 /// Face format under `model/`, `greedy.txt` and `sampled.txt`).
 pub fn run(model_dir: &Path, out: &Path, epochs: u64) -> Result<Finetuned> {
-    if out.exists() && std::fs::read_dir(&out)?.next().is_some() {
+    if out.exists() && std::fs::read_dir(out)?.next().is_some() {
         bail!(
             "{} is not empty: choose a new or empty directory (the example never writes over files)",
             out.display()

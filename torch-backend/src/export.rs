@@ -259,7 +259,7 @@ impl Exporter<'_> {
     fn emit_leaf(&mut self, layer: &Layer, path: &str, what: &str) -> Result<NodeId> {
         let specs = layer.parameter_specs(path)?;
         let mut own = Vec::new();
-        let mut submodules: Vec<(String, Vec<(String, &Tensor, ParamKind)>)> = Vec::new();
+        let mut submodules: Vec<(String, Vec<LocalTensor<'_>>)> = Vec::new();
         if let Layer::TiedLinear(c) = layer {
             let (tensor, kind) = self
                 .tensors
@@ -351,6 +351,9 @@ impl Exporter<'_> {
         Ok(node)
     }
 }
+
+/// A tensor of a leaf under its local name, with its kind.
+type LocalTensor<'a> = (String, &'a Tensor, ParamKind);
 
 /// A `forward` of one tensor with `body` (indented four spaces).
 fn forward(body: &str) -> String {
