@@ -3,8 +3,9 @@
 //! on a CSV of token ids, with frozen layers, parameter groups and bf16
 //! autocast; a run stopped after one epoch resumes to the uninterrupted run's
 //! losses; the checkpoint exports to ONNX and TorchScript; the TensorFlow
-//! backend trains the same config; and `kiln generate` decodes greedily
-//! exactly as `transformers`' `generate` does.
+//! backend trains the same config; ViT fine-tunes on image folders; two ranks
+//! under `kiln launch` train what one process does; and `kiln generate`
+//! decodes greedily exactly as `transformers`' `generate` does.
 
 #![allow(clippy::unwrap_used)]
 
@@ -16,17 +17,23 @@ use common::{kiln, kiln_fails, kiln_stdout, losses, scratch, serial, train};
 use kiln::prelude::*;
 use kiln::train::Checkpoint;
 
-/// The reference models in a scratch directory, or `None` without Python.
-fn models(test: &str, dir: &Path) -> Option<PathBuf> {
+/// The reference models, made once per test binary (in the first caller's
+/// scratch directory), or `None` without Python.
+fn models(test: &str) -> Option<PathBuf> {
+    static MADE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     let python = kiln_testkit::python(test)?;
-    let out = dir.join("models");
-    std::fs::create_dir_all(&out).unwrap();
-    kiln_testkit::run_reference(
-        &python,
-        &kiln_testkit::workspace_root().join("tests/reference/pretrained.py"),
-        &[Path::new("make"), &out],
-    );
-    Some(out)
+    Some(
+        MADE.get_or_init(|| {
+            let out = scratch("pretrained-models");
+            kiln_testkit::run_reference(
+                &python,
+                &kiln_testkit::workspace_root().join("tests/reference/pretrained.py"),
+                &[Path::new("make"), &out],
+            );
+            out
+        })
+        .clone(),
+    )
 }
 
 /// 96 rows of 8 token ids and a label: whether the last token is in the upper
@@ -109,7 +116,7 @@ fn pretrained_models_fine_tune_resume_export_and_generate_through_the_cli() {
     let test = "pretrained_models_fine_tune_resume_export_and_generate_through_the_cli";
     let _serial = serial();
     let dir = scratch("pretrained");
-    let Some(models) = models(test, &dir) else {
+    let Some(models) = models(test) else {
         return;
     };
     let csv = token_csv(&dir);
@@ -233,7 +240,7 @@ lr = 0.001
 fn kiln_generate_decodes_as_transformers_generate() {
     let test = "kiln_generate_decodes_as_transformers_generate";
     let dir = scratch("generate");
-    let Some(models) = models(test, &dir) else {
+    let Some(models) = models(test) else {
         return;
     };
     for family in ["llama", "gpt2"] {
@@ -320,6 +327,77 @@ fn kiln_generate_decodes_as_transformers_generate() {
         "hi",
     ]);
     assert!(err.contains("config.json"), "{err}");
+
+    // Top-k sampling without the cache draws what it draws with it.
+    let llama = models.join("llama");
+    let sampled = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            llama.to_str().unwrap(),
+            "--prompt",
+            "a kiln fires",
+            "--max-new-tokens",
+            "8",
+            "--top-k",
+            "5",
+            "--seed",
+            "3",
+        ];
+        args.extend_from_slice(extra);
+        kiln_stdout(&args)
+    };
+    assert_eq!(
+        sampled(&["--no-cache"]),
+        sampled(&[]),
+        "sampling with and without the cache"
+    );
+
+    // A Kiln checkpoint of the language model, with the directory's tokenizer.
+    let csv = token_csv(&dir);
+    let cfg = config(&dir, &llama, &csv, "generate", "");
+    let run = dir.join("classifier");
+    train(cfg.to_str().unwrap(), &run, &["--epochs", "1"]);
+    let mut checkpoint = Checkpoint::load(&run.join("checkpoints/last.safetensors")).unwrap();
+    let pretrained = kiln::hf::Pretrained::open(&llama).unwrap();
+    checkpoint.model = pretrained.load_weights().unwrap();
+    checkpoint.model_definition = Some(pretrained.layer().clone());
+    let lm = dir.join("lm.safetensors");
+    checkpoint.save(&lm).unwrap();
+    let from_checkpoint = kiln_stdout(&[
+        "generate",
+        "--model",
+        lm.to_str().unwrap(),
+        "--tokenizer",
+        llama.to_str().unwrap(),
+        "--prompt",
+        "the quick brown fox",
+        "--max-new-tokens",
+        "6",
+    ]);
+    let from_dir = kiln_stdout(&[
+        "generate",
+        "--model",
+        llama.to_str().unwrap(),
+        "--prompt",
+        "the quick brown fox",
+        "--max-new-tokens",
+        "6",
+        "--stop=-1",
+    ]);
+    assert_eq!(
+        from_checkpoint, from_dir,
+        "a checkpoint generates as its directory does"
+    );
+    // A classifier's checkpoint does not generate.
+    let err = kiln_fails(&[
+        "generate",
+        "--model",
+        run.join("checkpoints/last.safetensors").to_str().unwrap(),
+        "--prompt-ids",
+        "5,6,7",
+    ]);
+    assert!(err.contains("[batch, seq, vocab]"), "{err}");
 }
 
 #[test]
@@ -359,4 +437,133 @@ fn the_shipped_pretrained_config_trains_on_the_example_model() {
     assert!(run.join("checkpoints/last.safetensors").is_file());
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(printed.contains("accuracy"), "{printed}");
+}
+
+/// ViT from its checkpoint on image folders (a new 6-class classifier, as a
+/// `head`), and
+/// a LLaMA classifier data-parallel on two ranks with `kiln launch`: both
+/// train, and the two ranks end with the single process's loss curve.
+#[test]
+fn vit_on_image_folders_and_llama_on_two_ranks() {
+    let test = "vit_on_image_folders_and_llama_on_two_ranks";
+    let _serial = serial();
+    let dir = scratch("pretrained-vit-ddp");
+    let Some(models) = models(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    let shapes = dir.join("shapes");
+    let status = std::process::Command::new(python)
+        .arg(kiln_testkit::workspace_root().join("examples/images/make_shapes.py"))
+        .arg(&shapes)
+        .args([
+            "--size",
+            "24",
+            "--train-per-class",
+            "8",
+            "--val-per-class",
+            "2",
+            "--seed",
+            "1",
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = format!(
+        r#"
+seed = 2
+output_dir = "{out}"
+
+[data]
+dataset = "image_folder"
+path = "{train}"
+val_path = "{val}"
+image_size = 16
+batch_size = 12
+workers = 1
+
+[model]
+pretrained = "{model}"
+# The classifier after the class token's LayerNorm and selection, replaced.
+head = [{{ type = "linear", in_features = 32, out_features = 6 }}]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adamw"
+lr = 0.001
+
+[training]
+epochs = 2
+log_every = 1
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+        out = dir.join("vit-default").display(),
+        train = shapes.join("train").display(),
+        val = shapes.join("val").display(),
+        model = models.join("vit").display(),
+    );
+    let cfg = dir.join("vit.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let run = dir.join("vit");
+    train(cfg.to_str().unwrap(), &run, &[]);
+    let steps = losses(&run);
+    assert_eq!(steps.len(), 8, "48 images in batches of 12, 2 epochs");
+    let export = dir.join("vit.onnx");
+    kiln(&[
+        "export",
+        "--checkpoint",
+        run.join("checkpoints/last.safetensors").to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--format",
+        "onnx",
+        "--output",
+        export.to_str().unwrap(),
+    ]);
+    assert!(export.is_file());
+
+    // Data-parallel: two ranks of batch 8 train what one process of batch 16
+    // trains (LLaMA has no dropout and no batch statistics).
+    let csv = token_csv(&dir);
+    let base = config(&dir, &models.join("llama"), &csv, "llama-ddp", "");
+    let text = std::fs::read_to_string(&base).unwrap();
+    let single_cfg = dir.join("llama-single.toml");
+    std::fs::write(
+        &single_cfg,
+        text.replace("batch_size = 16", "batch_size = 16\ndrop_last = true"),
+    )
+    .unwrap();
+    let cfg = dir.join("llama-ranks.toml");
+    std::fs::write(
+        &cfg,
+        text.replace("batch_size = 16", "batch_size = 8\ndrop_last = true"),
+    )
+    .unwrap();
+    let single = dir.join("llama-single");
+    train(single_cfg.to_str().unwrap(), &single, &["--epochs", "1"]);
+    let ranks = dir.join("llama-ranks");
+    kiln(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--output",
+        ranks.to_str().unwrap(),
+        "--epochs",
+        "1",
+    ]);
+    assert_same_losses(
+        &losses(&ranks),
+        &losses(&single),
+        "two ranks against one process",
+    );
 }

@@ -233,6 +233,15 @@ pub fn generate(
             let mut fresh = KvCache::new();
             model.forward_cached(&sequence, Some(&full_mask), &mut fresh)?
         };
+        if logits.dim() != 3 {
+            return Err(Error::ShapeMismatch {
+                context: "generate: the model's output (generation needs [batch, seq, vocab] \
+                          logits, a causal language model's)"
+                    .to_owned(),
+                expected: "[batch, seq, vocab]".to_owned(),
+                actual: format!("{:?}", logits.size()),
+            });
+        }
         let last = logits
             .f_select(1, -1)
             .map_err(err)?
