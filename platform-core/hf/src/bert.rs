@@ -88,13 +88,8 @@ pub(crate) fn build(config: &HfConfig, classifier: bool) -> Result<(Layer, NameM
     }
     let model = Layer::sequential(stack);
 
-    let names: Vec<String> = model
-        .parameter_specs("")?
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
     let root = if classifier { "bert." } else { "" };
-    let mut map = NameMap::default();
+    let (mut map, names) = NameMap::for_model(&model)?;
     let emb = format!("{root}embeddings");
     map.prefix(&names, "0", &format!("{emb}.word_embeddings"));
     map.prefix(&names, "1", &format!("{emb}.position_embeddings"));

@@ -91,12 +91,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
     stack.push(TiedLinearConfig::new("0.weight", embed, vocab).into());
     let model = Layer::sequential(stack);
 
-    let names: Vec<String> = model
-        .parameter_specs("")?
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    let mut map = NameMap::default();
+    let (mut map, names) = NameMap::for_model(&model)?;
     map.prefix(&names, "0", "transformer.wte");
     map.prefix(&names, "1", "transformer.wpe");
     for i in 0..layers {

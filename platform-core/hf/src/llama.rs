@@ -100,12 +100,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     });
     let model = Layer::sequential(stack);
 
-    let names: Vec<String> = model
-        .parameter_specs("")?
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    let mut map = NameMap::default();
+    let (mut map, names) = NameMap::for_model(&model)?;
     map.prefix(&names, "0", "model.embed_tokens");
     for i in 0..layers {
         let k = i + 1;

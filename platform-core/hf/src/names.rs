@@ -34,6 +34,17 @@ pub struct NameMap {
 }
 
 impl NameMap {
+    /// An empty map for `model`, and the names of its parameters and buffers
+    /// (what [`prefix`](NameMap::prefix) maps).
+    pub(crate) fn for_model(model: &kiln_core::model::Layer) -> Result<(Self, Vec<String>)> {
+        let names = model
+            .parameter_specs("")?
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        Ok((NameMap::default(), names))
+    }
+
     /// Maps every Kiln tensor under `kiln_prefix` to the same local name under `hf_prefix`.
     pub(crate) fn prefix(&mut self, names: &[String], kiln_prefix: &str, hf_prefix: &str) {
         self.prefix_with(names, kiln_prefix, hf_prefix, false);

@@ -80,12 +80,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
     ]);
     let model = Layer::sequential(stack);
 
-    let names: Vec<String> = model
-        .parameter_specs("")?
-        .into_iter()
-        .map(|s| s.name)
-        .collect();
-    let mut map = NameMap::default();
+    let (mut map, names) = NameMap::for_model(&model)?;
     map.prefix(&names, "0", "vit.embeddings.patch_embeddings.projection");
     map.mappings.push(Mapping {
         hf: "vit.embeddings.cls_token".to_owned(),

@@ -44,19 +44,7 @@ impl Ctx<'_> {
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
         let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
-        let mut scores = self
-            .b
-            .mul_scalar(&scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
-        if c.causal {
-            let mut mask = vec![0f32; (seq * seq) as usize];
-            for i in 0..seq {
-                for j in (i + 1)..seq {
-                    mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
-                }
-            }
-            let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;
-            scores = self.b.add(&scores, &mask)?;
-        }
+        let scores = self.scaled_scores(&scores, head_dim, seq, c.causal)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(
@@ -82,5 +70,30 @@ impl Ctx<'_> {
             &p("out_proj.bias"),
             embed,
         )
+    }
+
+    /// `scores / sqrt(head_dim)`, with -inf above the diagonal of the last
+    /// two (`[seq, seq]`) dimensions when `causal`.
+    pub(super) fn scaled_scores(
+        &mut self,
+        scores: &Output,
+        head_dim: i64,
+        seq: i64,
+        causal: bool,
+    ) -> Result<Output> {
+        let scores = self
+            .b
+            .mul_scalar(scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
+        if !causal {
+            return Ok(scores);
+        }
+        let mut mask = vec![0f32; (seq * seq) as usize];
+        for i in 0..seq {
+            for j in (i + 1)..seq {
+                mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
+            }
+        }
+        let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;
+        self.b.add(&scores, &mask)
     }
 }

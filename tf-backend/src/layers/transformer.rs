@@ -147,19 +147,7 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         let scores = self.b.einsum("bqngd,bknd->bngqk", &q, &k)?;
-        let mut scores = self
-            .b
-            .mul_scalar(&scores, (1.0 / (d as f64).sqrt()) as f32)?;
-        if c.causal {
-            let mut mask = vec![0f32; (seq * seq) as usize];
-            for i in 0..seq {
-                for j in (i + 1)..seq {
-                    mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
-                }
-            }
-            let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;
-            scores = self.b.add(&scores, &mask)?;
-        }
+        let scores = self.scaled_scores(&scores, d, seq, c.causal)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(
