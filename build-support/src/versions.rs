@@ -40,6 +40,8 @@ pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "pillow==13.0.0",
     "transformers==5.23.0",
     "tokenizers==0.23.3",
+    "peft==0.21.2",
+    "datasets==5.2.0",
     "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",
 ];
 

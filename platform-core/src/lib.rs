@@ -45,6 +45,7 @@ pub mod error;
 pub mod export;
 pub mod fs;
 pub mod generation;
+pub mod lora;
 pub mod host_memory;
 pub mod loss;
 pub mod model;

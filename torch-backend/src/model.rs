@@ -6,6 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use kiln_core::{
     backend::Mode,
+    lora::LoraConfig,
     model::{InitDistribution, Layer, ParamKind, ParamSpec},
     module::Module,
     precision::FloatPrecision,
@@ -87,6 +88,8 @@ pub struct TorchModel {
     float_dtype: Option<DType>,
     /// How the forward pass computes ([`set_precision`](TorchModel::set_precision)).
     precision: FloatPrecision,
+    /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora).
+    lora: Option<LoraConfig>,
 }
 
 impl crate::layers::Tensors for TorchModel {
@@ -126,7 +129,7 @@ impl TorchModel {
             .enumerate()
             .map(|(i, e)| (e.name.as_str(), i))
             .collect();
-        let root = build(spec, "", &index, &mut scripts)?;
+        let root = build(spec, "", &index, None, &mut scripts)?;
         let float_dtype = float.then_some(DType::F32);
         Ok(Self {
             spec: spec.clone(),
@@ -136,7 +139,100 @@ impl TorchModel {
             device,
             float_dtype,
             precision: FloatPrecision::F32,
+            lora: None,
         })
+    }
+
+    /// Adds LoRA adapters to the projections `lora` targets and freezes
+    /// everything else, as `peft.get_peft_model` does: each targeted
+    /// projection gains `{module}.lora_A.weight` (`[r, in]`, PEFT's
+    /// initialisation) and `{module}.lora_B.weight` (`[out, r]`, zero), so
+    /// the model computes what it did until the adapters train. Returns the
+    /// adapters' parameter names. Call it before [`set_precision`](TorchModel::set_precision)
+    /// and before building the optimizer, which then holds the adapters only.
+    ///
+    /// A target that matches no projection, a model that already has
+    /// adapters, or one with TorchScript layers, is an error; the model is
+    /// unchanged then.
+    ///
+    /// ```no_run
+    /// use kiln_core::{lora::LoraConfig, model::{Layer, LinearConfig}, Device};
+    /// use kiln_torch::TorchModel;
+    ///
+    /// let spec = Layer::sequential([LinearConfig::new(64, 64).into(), Layer::Relu,
+    ///                               LinearConfig::new(64, 10).into()]);
+    /// let mut model = TorchModel::new(&spec, Device::Cpu)?;
+    /// let adapters = model.add_lora(&LoraConfig::new(8, 16.0).with_target_modules(["0"]))?;
+    /// assert_eq!(adapters, ["0.lora_A.weight", "0.lora_B.weight"]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn add_lora(&mut self, lora: &LoraConfig) -> Result<Vec<String>> {
+        if let Some(existing) = &self.lora {
+            return Err(Error::invalid_argument(
+                "lora",
+                format!(
+                    "the model already has LoRA adapters (r = {}, on {:?})",
+                    existing.r, existing.target_modules
+                ),
+            ));
+        }
+        if self.has_scripts() {
+            return Err(Error::unsupported(
+                "LoRA adapters on a model with torchscript layers: Kiln adapts its own \
+                 linear, attention and MLP projections",
+            ));
+        }
+        let specs = lora.parameter_specs(&self.spec)?;
+        let target = device_to_tch(self.device)?;
+        let kind = self
+            .float_dtype
+            .map(kind_from_dtype)
+            .transpose()?
+            .unwrap_or(Kind::Float);
+        let mut added = Vec::with_capacity(specs.len());
+        tch::no_grad(|| -> Result<()> {
+            for spec in &specs {
+                let tensor = init_tensor(spec, target)
+                    .and_then(|t| t.f_to_kind(kind))
+                    .and_then(|t| t.f_set_requires_grad(true))
+                    .map_err(|e| torch_error(&format!("initialising {}", spec.name), e))?;
+                added.push(Entry {
+                    name: spec.name.clone(),
+                    kind: ParamKind::Parameter,
+                    tensor,
+                });
+            }
+            Ok(())
+        })?;
+        let mut entries: Vec<&str> = self.entries.iter().map(|e| e.name.as_str()).collect();
+        entries.extend(added.iter().map(|e| e.name.as_str()));
+        let index: HashMap<&str, usize> = entries.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        let root = build(
+            &self.spec,
+            "",
+            &index,
+            Some((lora.scale(), lora.dropout)),
+            &mut HashMap::new(),
+        )?;
+        // Built: now the model changes, all at once.
+        for entry in &mut self.entries {
+            if entry.kind == ParamKind::Parameter && entry.tensor.requires_grad() {
+                let _ = entry
+                    .tensor
+                    .f_set_requires_grad(false)
+                    .map_err(|e| torch_error(&format!("freezing {}", entry.name), e))?;
+            }
+        }
+        let names = added.iter().map(|e| e.name.clone()).collect();
+        self.entries.extend(added);
+        self.root = root;
+        self.lora = Some(lora.clone());
+        Ok(names)
+    }
+
+    /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora), if any.
+    pub fn lora(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
     }
 
     /// The definition this model was built from.
@@ -583,6 +679,7 @@ fn build(
     layer: &Layer,
     prefix: &str,
     index: &HashMap<&str, usize>,
+    lora: Option<(f64, f64)>,
     scripts: &mut HashMap<String, ScriptModule>,
 ) -> Result<Node> {
     Ok(match layer {
@@ -590,13 +687,14 @@ fn build(
             layers
                 .iter()
                 .enumerate()
-                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, scripts))
+                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, lora, scripts))
                 .collect::<Result<_>>()?,
         ),
         Layer::Residual { block } => Node::Residual(Box::new(build(
             block,
             &join(prefix, "block"),
             index,
+            lora,
             scripts,
         )?)),
         Layer::TorchScript(_) => Node::Script {
@@ -610,7 +708,14 @@ fn build(
             path: prefix.to_owned(),
         },
         leaf => Node::Leaf {
-            layer: layers::build(leaf, &Lookup { prefix, index })?,
+            layer: layers::build(
+                leaf,
+                &Lookup {
+                    prefix,
+                    index,
+                    lora,
+                },
+            )?,
             path: prefix.to_owned(),
             batch_norm: matches!(leaf, Layer::BatchNorm1d(_) | Layer::BatchNorm2d(_)),
             eval: false,

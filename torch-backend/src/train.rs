@@ -24,6 +24,7 @@ use crate::script::ScriptModule;
 
 impl TrainBackend for TorchBackend {
     const CAN_FREEZE: bool = true;
+    const CAN_LORA: bool = true;
     type Model = TorchModel;
     type Optim = TorchOptimizer;
 
@@ -52,6 +53,14 @@ impl TrainBackend for TorchBackend {
             Vec::new()
         };
         Ok((frozen, pinned))
+    }
+
+    /// [`TorchModel::add_lora`].
+    fn add_lora(
+        model: &mut TorchModel,
+        lora: &kiln_core::lora::LoraConfig,
+    ) -> Result<Vec<String>> {
+        model.add_lora(lora)
     }
 }
 

@@ -14,6 +14,8 @@
 //! * Images: [`decode_image`] (JPEG and PNG), [`ImageFolder`] (torchvision's
 //!   class folders, or a list file) and [`WebDataset`] (`.tar` shards, with
 //!   [`ShardOrder`] as the loader's [`EpochOrder`]).
+//! * Text ([`text`]): JSON Lines and CSV rows tokenized for language
+//!   modelling, instruction tuning or classification, padded or packed.
 //! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
 //!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`];
 //!   torchvision's image transforms (resize, crops, colour jitter) and their
@@ -41,6 +43,7 @@ mod split;
 mod subset;
 #[cfg(test)]
 mod testing;
+pub mod text;
 mod transform;
 pub mod vision;
 

@@ -87,6 +87,15 @@ pub enum HfError {
         /// The tokenizers crate's message.
         reason: String,
     },
+    /// A PEFT adapter that does not fit: another base model, another kind of
+    /// adapter, a setting Kiln does not implement.
+    #[error("{}: {reason}", .path.display())]
+    Adapter {
+        /// The adapter directory or file.
+        path: PathBuf,
+        /// What is wrong, and what was expected.
+        reason: String,
+    },
     /// Reading or writing a file, or a Kiln check, failed.
     #[error(transparent)]
     Core(#[from] kiln_core::Error),
@@ -107,7 +116,8 @@ impl From<HfError> for kiln_core::Error {
                     HfError::Config { path, .. }
                     | HfError::UnknownFamily { path, .. }
                     | HfError::UnsupportedKey { path, .. }
-                    | HfError::Tokenizer { path, .. } => path.clone(),
+                    | HfError::Tokenizer { path, .. }
+                    | HfError::Adapter { path, .. } => path.clone(),
                     HfError::UnexpectedTensor { file, .. } | HfError::TensorShape { file, .. } => {
                         file.clone()
                     }

@@ -28,6 +28,7 @@ mod error;
 mod gpt2;
 mod llama;
 mod names;
+mod peft;
 mod tokenizer;
 mod vit;
 
@@ -41,6 +42,7 @@ use kiln_core::{DType, HostTensor};
 pub use config::HfConfig;
 pub use error::{HfError, Result};
 pub use names::{Mapping, NameMap};
+pub use peft::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 pub use tokenizer::TextTokenizer;
 
 /// The model families Kiln builds from a `config.json`'s `model_type`.

@@ -48,9 +48,15 @@ impl TextTokenizer {
 
     /// The ids of `text`, with the special tokens the tokenizer adds (a BOS).
     pub fn encode(&self, text: &str) -> Result<Vec<i64>> {
+        self.encode_with(text, true)
+    }
+
+    /// The ids of `text`, with the tokenizer's special tokens when
+    /// `add_special_tokens` (Python's `tokenizer(text, add_special_tokens=...)`).
+    pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>> {
         let encoding = self
             .inner
-            .encode(text, true)
+            .encode(text, add_special_tokens)
             .map_err(|e| HfError::Tokenizer {
                 path: self.path.clone(),
                 reason: format!("encoding {text:?}: {e}"),
@@ -80,5 +86,11 @@ impl TextTokenizer {
     /// The id of token `token` (`"</s>"`), if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<i64> {
         self.inner.token_to_id(token).map(i64::from)
+    }
+}
+
+impl kiln_data::text::TokenizeText for TextTokenizer {
+    fn encode_text(&self, text: &str, add_special_tokens: bool) -> kiln_core::Result<Vec<i64>> {
+        Ok(self.encode_with(text, add_special_tokens)?)
     }
 }

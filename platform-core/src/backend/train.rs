@@ -239,6 +239,9 @@ pub trait TrainBackend: Backend {
     /// the query to make before anything is read or built.
     const CAN_FREEZE: bool = false;
 
+    /// Whether [`add_lora`](Self::add_lora) can add LoRA adapters on this backend.
+    const CAN_LORA: bool = false;
+
     /// A model built from a [`Layer`] definition.
     type Model: Trainable<Self, Optim = Self::Optim>;
     /// The optimizer over such a model.
@@ -285,6 +288,20 @@ pub trait TrainBackend: Backend {
         }
         Err(Error::unsupported(format!(
             "freezing parameters on the {} backend",
+            Self::NAME
+        )))
+    }
+
+    /// Adds the LoRA adapters `lora` declares to `model` and freezes every
+    /// other parameter (PEFT's `get_peft_model`); returns the adapters' names.
+    /// Call it after loading the base weights and before
+    /// [`set_precision`](Self::set_precision) and [`Trainable::build_optimizer`].
+    ///
+    /// The default refuses: a backend without adapters says so before anything runs.
+    fn add_lora(model: &mut Self::Model, lora: &crate::lora::LoraConfig) -> Result<Vec<String>> {
+        let _ = (model, lora);
+        Err(Error::unsupported(format!(
+            "LoRA adapters on the {} backend (they train on the torch backend)",
             Self::NAME
         )))
     }

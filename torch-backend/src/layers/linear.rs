@@ -4,22 +4,16 @@ use kiln_core::{model::Layer, Result};
 use tch::Tensor;
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup, Tensors};
+use super::{Forward, ForwardResult, Lookup, Projection, Tensors};
 
-/// A built [`Layer::Linear`].
+/// A built [`Layer::Linear`], with its LoRA adapter when it has one.
 #[derive(Debug)]
-struct Linear {
-    weight: usize,
-    bias: Option<usize>,
-}
+struct Linear(Projection);
 
 /// The node of `layer` when it is one of this family's; `None` otherwise.
 pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
     let node = match layer {
-        Layer::Linear(_) => Linear {
-            weight: at.need("weight")?,
-            bias: at.find("bias"),
-        },
+        Layer::Linear(_) => Linear(at.projection(None)?),
         _ => return Ok(None),
     };
     Ok(Some(Box::new(node)))
@@ -37,7 +31,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
 }
 
 impl Forward for Linear {
-    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
-        Ok(x.f_linear(tensors.tensor(self.weight), tensors.opt(self.bias))?)
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        self.0.forward(tensors, x, train)
     }
 }

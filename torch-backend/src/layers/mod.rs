@@ -125,9 +125,75 @@ pub(crate) struct Lookup<'a> {
     pub(crate) prefix: &'a str,
     /// Every entry's index by full name.
     pub(crate) index: &'a HashMap<&'a str, usize>,
+    /// The model's LoRA adapters, when it has them: `(scale, dropout)`.
+    pub(crate) lora: Option<(f64, f64)>,
+}
+
+/// A LoRA adapter on a projection: `scale * B (A dropout(x))`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Adapter {
+    a: usize,
+    b: usize,
+    scale: f64,
+    dropout: f64,
+}
+
+/// A projection `x W^T + b`, with its LoRA adapter when it has one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Projection {
+    weight: usize,
+    bias: Option<usize>,
+    adapter: Option<Adapter>,
+}
+
+impl Projection {
+    /// The projection on `x`, with the adapter's update (its dropout when `train`).
+    pub(crate) fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        let y = x.f_linear(tensors.tensor(self.weight), tensors.opt(self.bias))?;
+        let Some(ad) = self.adapter else {
+            return Ok(y);
+        };
+        let input = if train && ad.dropout > 0.0 {
+            x.f_dropout(ad.dropout, true)?
+        } else {
+            x.shallow_clone()
+        };
+        let down = input.f_linear(tensors.tensor(ad.a), None::<Tensor>)?;
+        let up = down.f_linear(tensors.tensor(ad.b), None::<Tensor>)?;
+        Ok(y.f_add(&up.f_mul_scalar(ad.scale)?)?)
+    }
 }
 
 impl Lookup<'_> {
+    /// The projection `module` of the layer (`None`: the layer itself, a
+    /// `linear`): its `weight`, optional `bias` and LoRA adapter.
+    pub(crate) fn projection(&self, module: Option<&str>) -> Result<Projection> {
+        let name = |leaf: &str| match module {
+            Some(m) => format!("{m}.{leaf}"),
+            None => leaf.to_owned(),
+        };
+        let adapter = match self.lora {
+            Some((scale, dropout)) => match (
+                self.find(&name(kiln_core::lora::LORA_A)),
+                self.find(&name(kiln_core::lora::LORA_B)),
+            ) {
+                (Some(a), Some(b)) => Some(Adapter {
+                    a,
+                    b,
+                    scale,
+                    dropout,
+                }),
+                _ => None,
+            },
+            None => None,
+        };
+        Ok(Projection {
+            weight: self.need(&name("weight"))?,
+            bias: self.find(&name("bias")),
+            adapter,
+        })
+    }
+
     /// The index of the layer's tensor `name`, if the layer has it.
     pub(crate) fn find(&self, name: &str) -> Option<usize> {
         self.index.get(join(self.prefix, name).as_str()).copied()

@@ -7,15 +7,15 @@ use kiln_core::{Error, Result};
 use tch::{Kind, Tensor};
 
 use super::script::{boolean, float, ScriptChild, ScriptLeaf, Scripted};
-use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Tensors};
+use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Projection, Tensors};
 
 /// A built [`Layer::SelfAttention`].
 #[derive(Debug)]
 struct Attention {
-    q: (usize, Option<usize>),
-    k: (usize, Option<usize>),
-    v: (usize, Option<usize>),
-    o: (usize, Option<usize>),
+    q: Projection,
+    k: Projection,
+    v: Projection,
+    o: Projection,
     norms: Option<(usize, usize, f64)>,
     heads: i64,
     kv_heads: i64,
@@ -29,9 +29,9 @@ struct Attention {
 /// A built [`Layer::GatedMlp`].
 #[derive(Debug)]
 struct GatedMlp {
-    gate: (usize, Option<usize>),
-    up: (usize, Option<usize>),
-    down: (usize, Option<usize>),
+    gate: Projection,
+    up: Projection,
+    down: Projection,
     activation: GatedActivation,
 }
 
@@ -57,12 +57,7 @@ struct ClassToken(usize);
 
 /// The node of `layer` when it is one of this family's; `None` otherwise.
 pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn Forward>>> {
-    let proj = |name: &str| -> Result<(usize, Option<usize>)> {
-        Ok((
-            at.need(&format!("{name}.weight"))?,
-            at.find(&format!("{name}.bias")),
-        ))
-    };
+    let proj = |name: &str| at.projection(Some(name));
     Ok(Some(match layer {
         Layer::SelfAttention(c) => Box::new(Attention {
             q: proj("q_proj")?,
@@ -100,11 +95,6 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
         Layer::ClassToken(_) => Box::new(ClassToken(at.need("weight")?)),
         _ => return Ok(None),
     }))
-}
-
-/// `x W^T + b` with the projection's tensors.
-fn project(tensors: &dyn Tensors, x: &Tensor, (w, b): (usize, Option<usize>)) -> ForwardResult {
-    Ok(x.f_linear(tensors.tensor(w), tensors.opt(b))?)
 }
 
 /// `x / sqrt(mean(x², -1) + eps) * weight`, in float32 as `LlamaRMSNorm`.
@@ -170,13 +160,14 @@ impl Attention {
         tensors: &dyn Tensors,
         x: &Tensor,
         positions: &Tensor,
+        train: bool,
     ) -> Result<(Tensor, Tensor, Tensor), Failure> {
         let size = x.size();
         let (b, s) = (size[0], size[1]);
         let split = |t: Tensor, heads: i64| t.f_reshape([b, s, heads, self.head_dim]);
-        let mut q = split(project(tensors, x, self.q)?, self.heads)?;
-        let mut k = split(project(tensors, x, self.k)?, self.kv_heads)?;
-        let v = split(project(tensors, x, self.v)?, self.kv_heads)?.f_transpose(1, 2)?;
+        let mut q = split(self.q.forward(tensors, x, train)?, self.heads)?;
+        let mut k = split(self.k.forward(tensors, x, train)?, self.kv_heads)?;
+        let v = split(self.v.forward(tensors, x, train)?, self.kv_heads)?.f_transpose(1, 2)?;
         if let Some((qn, kn, eps)) = self.norms {
             q = rms_norm(&q, tensors.tensor(qn), eps)?;
             k = rms_norm(&k, tensors.tensor(kn), eps)?;
@@ -193,14 +184,14 @@ impl Attention {
     }
 
     /// `o_proj` of the attended heads `[b, heads, s, d]`.
-    fn merge(&self, tensors: &dyn Tensors, attended: &Tensor) -> ForwardResult {
+    fn merge(&self, tensors: &dyn Tensors, attended: &Tensor, train: bool) -> ForwardResult {
         let size = attended.size();
         let merged = attended.f_transpose(1, 2)?.f_reshape([
             size[0],
             size[2],
             self.heads * self.head_dim,
         ])?;
-        project(tensors, &merged, self.o)
+        self.o.forward(tensors, &merged, train)
     }
 }
 
@@ -208,7 +199,7 @@ impl Forward for Attention {
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
         let s = x.size()[1];
         let positions = Tensor::f_arange(s, (Kind::Int64, x.device()))?.f_unsqueeze(0)?;
-        let (q, k, v) = self.heads(tensors, x, &positions)?;
+        let (q, k, v) = self.heads(tensors, x, &positions, train)?;
         let p = if train { self.dropout } else { 0.0 };
         let attended = Tensor::f_scaled_dot_product_attention(
             &q,
@@ -220,11 +211,11 @@ impl Forward for Attention {
             None,
             self.kv_heads != self.heads,
         )?;
-        self.merge(tensors, &attended)
+        self.merge(tensors, &attended, train)
     }
 
     fn decode(&self, tensors: &dyn Tensors, x: &Tensor, step: &mut DecodeStep) -> ForwardResult {
-        let (q, k, v) = self.heads(tensors, x, &step.positions)?;
+        let (q, k, v) = self.heads(tensors, x, &step.positions, false)?;
         let slot = step.next_slot();
         let (k, v) = match step.cache.get(slot).and_then(Option::as_ref) {
             Some((past_k, past_v)) => (
@@ -249,20 +240,20 @@ impl Forward for Attention {
             self.kv_heads != self.heads,
         )?;
         step.store(slot, k, v);
-        self.merge(tensors, &attended)
+        self.merge(tensors, &attended, false)
     }
 }
 
 impl Forward for GatedMlp {
-    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
-        let gate = project(tensors, x, self.gate)?;
+    fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        let gate = self.gate.forward(tensors, x, train)?;
         let gate = match self.activation {
             GatedActivation::Silu => gate.f_silu()?,
             GatedActivation::Gelu => gate.f_gelu("none")?,
             GatedActivation::GeluTanh => gate.f_gelu("tanh")?,
         };
-        let hidden = gate.f_mul(&project(tensors, x, self.up)?)?;
-        project(tensors, &hidden, self.down)
+        let hidden = gate.f_mul(&self.up.forward(tensors, x, train)?)?;
+        self.down.forward(tensors, &hidden, train)
     }
 }
 

@@ -1,0 +1,322 @@
+//! LoRA adapters in PEFT's format: a directory with `adapter_config.json` and
+//! `adapter_model.safetensors`, whose tensors are named after the base
+//! model's modules (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`),
+//! which `peft.PeftModel.from_pretrained(base, dir)` loads.
+
+use std::path::Path;
+
+use kiln_core::lora::{LoraConfig, LORA_A, LORA_B};
+use kiln_core::state_dict::StateDict;
+use serde_json::{json, Value};
+
+use crate::error::{HfError, Result};
+use crate::{write_new, Pretrained};
+
+/// The adapter's settings, as PEFT names the file.
+pub const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// The adapter's tensors, as PEFT names the file.
+pub const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
+/// The prefix PEFT's saved tensor names carry.
+const PREFIX: &str = "base_model.model.";
+
+impl Pretrained {
+    /// The checkpoint module (`model.layers.0.self_attn.q_proj`) of the Kiln
+    /// projection `module` (`1.0.block.1.q_proj`), when the checkpoint stores
+    /// its weight as one tensor.
+    fn hf_module(&self, module: &str) -> Option<&str> {
+        let weight = format!("{module}.weight");
+        self.names
+            .mappings
+            .iter()
+            .find(|m| m.kiln.len() == 1 && m.kiln[0] == weight)
+            .and_then(|m| m.hf.strip_suffix(".weight"))
+    }
+
+    /// Writes the LoRA adapters in `weights` (Kiln's names, as
+    /// [`LoraConfig::adapter_weights`] finds them) to the new directory `dir`
+    /// in PEFT's format, `lora`'s settings in `adapter_config.json`:
+    /// `PeftModel.from_pretrained(base, dir)` on this checkpoint's model then
+    /// computes what Kiln's adapted model does. The base weights are not
+    /// written. A file already in `dir` is never replaced.
+    ///
+    /// ```no_run
+    /// use kiln_core::lora::LoraConfig;
+    /// use kiln_hf::Pretrained;
+    /// # fn trained() -> kiln_core::state_dict::StateDict { unimplemented!() }
+    ///
+    /// let base = Pretrained::open("models/tiny-llama")?;
+    /// let lora = LoraConfig::new(8, 16.0);
+    /// base.save_adapter(&lora, &trained(), "runs/adapter")?;
+    /// # Ok::<(), kiln_hf::HfError>(())
+    /// ```
+    pub fn save_adapter(
+        &self,
+        lora: &LoraConfig,
+        weights: &StateDict,
+        dir: impl AsRef<Path>,
+    ) -> Result<()> {
+        let dir = dir.as_ref();
+        let adapters = LoraConfig::adapter_weights(weights);
+        let fail = |reason: String| HfError::Adapter {
+            path: dir.to_owned(),
+            reason,
+        };
+        if adapters.is_empty() {
+            return Err(fail(
+                "the weights hold no LoRA adapter (no `*.lora_A.weight` tensor)".into(),
+            ));
+        }
+        if self.head_replaced {
+            return Err(fail(
+                "the model has a new head, which an adapter file does not hold: save Kiln's \
+                 checkpoint instead"
+                    .into(),
+            ));
+        }
+        let mut out = StateDict::new();
+        let mut targets: Vec<String> = Vec::new();
+        for (name, tensor) in adapters.iter() {
+            let (module, suffix) = match name.strip_suffix(&format!(".{LORA_A}")) {
+                Some(m) => (m, LORA_A),
+                None => (
+                    name.strip_suffix(&format!(".{LORA_B}")).unwrap_or(name),
+                    LORA_B,
+                ),
+            };
+            let hf = self.hf_module(module).ok_or_else(|| {
+                fail(format!(
+                    "`{name}`: the {} checkpoint stores `{module}` fused with other projections \
+                     (or not at all), so PEFT cannot hold an adapter of it alone",
+                    self.family
+                ))
+            })?;
+            let leaf = hf.rsplit('.').next().unwrap_or(hf).to_owned();
+            if !targets.contains(&leaf) {
+                targets.push(leaf);
+            }
+            out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor.clone());
+        }
+        targets.sort();
+        for file in [ADAPTER_CONFIG, ADAPTER_WEIGHTS] {
+            if dir.join(file).exists() {
+                return Err(fail(format!(
+                    "{file} exists; Kiln never replaces a file it did not write (choose a new \
+                     directory)"
+                )));
+            }
+        }
+        let alpha = if lora.alpha.fract() == 0.0 {
+            json!(lora.alpha as i64)
+        } else {
+            json!(lora.alpha)
+        };
+        let config = json!({
+            "alpha_pattern": {},
+            "auto_mapping": null,
+            "base_model_name_or_path": self.dir.display().to_string(),
+            "bias": "none",
+            "fan_in_fan_out": self.family == "gpt2",
+            "inference_mode": true,
+            "init_lora_weights": true,
+            "layers_pattern": null,
+            "layers_to_transform": null,
+            "lora_alpha": alpha,
+            "lora_dropout": lora.dropout,
+            "modules_to_save": null,
+            "peft_type": "LORA",
+            "r": lora.r,
+            "rank_pattern": {},
+            "revision": null,
+            "target_modules": targets,
+            "task_type": if self.is_decoder() { json!("CAUSAL_LM") } else { Value::Null },
+            "use_dora": false,
+            "use_rslora": lora.use_rslora,
+        });
+        std::fs::create_dir_all(dir).map_err(|e| kiln_core::Error::io(dir, e))?;
+        let text = serde_json::to_string_pretty(&config)
+            .map_err(|e| fail(format!("writing {ADAPTER_CONFIG}: {e}")))?;
+        let metadata = std::collections::BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+        out.save_safetensors(dir.join(ADAPTER_WEIGHTS), &metadata)?;
+        write_new(&dir.join(ADAPTER_CONFIG), text.as_bytes())?;
+        log::info!(
+            "saved {} LoRA tensors for the {} model to {}",
+            out.len(),
+            self.family,
+            dir.display()
+        );
+        Ok(())
+    }
+
+    /// Reads a PEFT LoRA adapter directory made for this checkpoint's model:
+    /// its settings, with `target_modules` the Kiln projections the file
+    /// adapts (so [`LoraConfig::targets`] finds exactly those), and its tensors
+    /// under Kiln's names, in float32.
+    ///
+    /// An adapter for another base model (a module this model lacks, or
+    /// tensors of other shapes), another PEFT method (`peft_type` other than
+    /// `LORA`, DoRA), trained biases, `modules_to_save`, or per-module ranks is
+    /// [`HfError::Adapter`] naming what does not fit.
+    pub fn load_adapter(&self, dir: impl AsRef<Path>) -> Result<(LoraConfig, StateDict)> {
+        let dir = dir.as_ref();
+        let config_path = dir.join(ADAPTER_CONFIG);
+        let fail = |reason: String| HfError::Adapter {
+            path: config_path.clone(),
+            reason,
+        };
+        let text = std::fs::read_to_string(&config_path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                HfError::Adapter {
+                    path: dir.to_owned(),
+                    reason: format!("not a PEFT adapter directory: no {ADAPTER_CONFIG}"),
+                }
+            } else {
+                kiln_core::Error::io(&config_path, e).into()
+            }
+        })?;
+        let config: Value =
+            serde_json::from_str(&text).map_err(|e| fail(format!("not JSON: {e}")))?;
+        let get = |key: &str| config.get(key).filter(|v| !v.is_null());
+        match get("peft_type").and_then(Value::as_str) {
+            Some("LORA") => {}
+            other => {
+                return Err(fail(format!(
+                    "`peft_type` is {other:?}: Kiln reads LoRA adapters (\"LORA\")"
+                )))
+            }
+        }
+        if get("use_dora").and_then(Value::as_bool) == Some(true) {
+            return Err(fail("`use_dora` = true: DoRA adapters are not implemented".into()));
+        }
+        if let Some(bias) = get("bias").and_then(Value::as_str).filter(|b| *b != "none") {
+            return Err(fail(format!(
+                "`bias` = {bias:?}: Kiln's adapters train no biases (\"none\")"
+            )));
+        }
+        if get("modules_to_save")
+            .and_then(Value::as_array)
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(fail(
+                "`modules_to_save` is set: Kiln reads the LoRA tensors only, not whole modules"
+                    .into(),
+            ));
+        }
+        for key in ["rank_pattern", "alpha_pattern"] {
+            if get(key)
+                .and_then(Value::as_object)
+                .is_some_and(|m| !m.is_empty())
+            {
+                return Err(fail(format!(
+                    "`{key}` is set: per-module ranks and alphas are not implemented"
+                )));
+            }
+        }
+        let number = |key: &str| {
+            get(key)
+                .and_then(Value::as_f64)
+                .ok_or_else(|| fail(format!("`{key}` is missing or not a number")))
+        };
+        let r = number("r")?;
+        if r < 1.0 || r.fract() != 0.0 {
+            return Err(fail(format!("`r` = {r} is not a rank")));
+        }
+        let mut lora = LoraConfig::new(r as usize, number("lora_alpha")?)
+            .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
+            .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
+
+        let weights_path = dir.join(ADAPTER_WEIGHTS);
+        if !weights_path.is_file() {
+            return Err(HfError::Adapter {
+                path: dir.to_owned(),
+                reason: format!(
+                    "no {ADAPTER_WEIGHTS} (an adapter_model.bin is a pickle, which Kiln does not \
+                     read: save with safe_serialization=True)"
+                ),
+            });
+        }
+        let (tensors, _) = StateDict::load_safetensors(&weights_path)?;
+        let specs = self.layer.parameter_specs("")?;
+        let shape_of = |name: &str| {
+            specs
+                .iter()
+                .find(|s| s.name == name)
+                .map(|s| s.shape.clone())
+        };
+        let wrong = |reason: String| HfError::Adapter {
+            path: weights_path.clone(),
+            reason,
+        };
+        let mut out = StateDict::new();
+        let mut modules: Vec<String> = Vec::new();
+        for (key, tensor) in tensors {
+            let local = key.strip_prefix(PREFIX).unwrap_or(&key);
+            let (hf, suffix) = match local.strip_suffix(&format!(".{LORA_A}")) {
+                Some(m) => (m, LORA_A),
+                None => match local.strip_suffix(&format!(".{LORA_B}")) {
+                    Some(m) => (m, LORA_B),
+                    None => {
+                        return Err(wrong(format!(
+                            "`{key}` is not a LoRA tensor (`*.lora_A.weight` or \
+                             `*.lora_B.weight`); Kiln reads linear LoRA adapters only"
+                        )))
+                    }
+                },
+            };
+            let hf_weight = format!("{hf}.weight");
+            let module = self
+                .names
+                .find(&hf_weight)
+                .filter(|m| m.kiln.len() == 1)
+                .and_then(|m| m.kiln[0].strip_suffix(".weight"))
+                .ok_or_else(|| {
+                    wrong(format!(
+                        "`{key}` adapts `{hf}`, which the {} model in {} does not have: an \
+                         adapter for another base model?",
+                        self.family,
+                        self.dir.display()
+                    ))
+                })?
+                .to_owned();
+            let base = shape_of(&format!("{module}.weight")).unwrap_or_default();
+            let (out_f, in_f) = match base.as_slice() {
+                [o, i] => (*o, *i),
+                _ => (0, 0),
+            };
+            let expected = if suffix == LORA_A {
+                vec![lora.r, in_f]
+            } else {
+                vec![out_f, lora.r]
+            };
+            if tensor.dims() != expected.as_slice() {
+                return Err(wrong(format!(
+                    "`{key}` has shape {:?}; rank {} on `{hf}` ({out_f} x {in_f} in the model in \
+                     {}) needs {expected:?}: an adapter for another base model?",
+                    tensor.dims(),
+                    lora.r,
+                    self.dir.display()
+                )));
+            }
+            if !modules.contains(&module) {
+                modules.push(module.clone());
+            }
+            out.insert(
+                format!("{module}.{suffix}"),
+                tensor.to_dtype(kiln_core::DType::F32),
+            );
+        }
+        if modules.is_empty() {
+            return Err(wrong("the file holds no tensor".into()));
+        }
+        for module in &modules {
+            for suffix in [LORA_A, LORA_B] {
+                if !out.contains_key(&format!("{module}.{suffix}")) {
+                    return Err(wrong(format!(
+                        "`{module}` has no `{suffix}`: each adapter needs both halves"
+                    )));
+                }
+            }
+        }
+        lora.target_modules = modules;
+        Ok((lora, out))
+    }
+}
