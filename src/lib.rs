@@ -97,6 +97,8 @@ mod guide {
     pub struct GuideTorchscriptSavedmodel;
     #[doc = include_str!("../docs/src/pretrained.md")]
     pub struct GuidePretrained;
+    #[doc = include_str!("../docs/src/finetuning.md")]
+    pub struct GuideFinetuning;
     #[doc = include_str!("../docs/src/export.md")]
     pub struct GuideExport;
     #[doc = include_str!("../docs/src/custom-ops.md")]

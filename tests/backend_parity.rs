@@ -431,6 +431,7 @@ fn checkpoints_resume_across_backends() {
             backend: backend.to_owned(),
             optimizer_kind: None,
             model_definition: Some(case.spec.clone()),
+            lora: None,
             data: None,
             data_order: None,
             scheduler: None,

@@ -71,7 +71,9 @@ fn training_model(base: &Pretrained) -> TorchModel {
         end_dim: 1,
     });
     let mut model = TorchModel::new(&Layer::sequential(layers), Device::Cpu).unwrap();
-    model.load_state_dict(&base.load_weights().unwrap()).unwrap();
+    model
+        .load_state_dict(&base.load_weights().unwrap())
+        .unwrap();
     model
 }
 
@@ -141,7 +143,9 @@ fn peft_adapters_load_with_peft_logits() {
     assert_eq!((lora.r, lora.alpha, lora.dropout), (4, 8.0, 0.0));
     assert_eq!(lora.target_modules.len(), 6, "{:?}", lora.target_modules);
     let mut model = TorchModel::new(base.layer(), Device::Cpu).unwrap();
-    model.load_state_dict(&base.load_weights().unwrap()).unwrap();
+    model
+        .load_state_dict(&base.load_weights().unwrap())
+        .unwrap();
     model.add_lora(&lora).unwrap();
     load_adapters(&mut model, &adapters);
     model.set_mode(Mode::Eval);
@@ -149,7 +153,13 @@ fn peft_adapters_load_with_peft_logits() {
     let got = logits(&model, io.get("probe").unwrap());
     let want = io.get("peft_logits").unwrap();
     assert_eq!(got.dims(), want.dims());
-    assert_close("logits with PEFT's trained adapters", &got.to_f64_vec(), &want.to_f64_vec(), 1e-5, "peft");
+    assert_close(
+        "logits with PEFT's trained adapters",
+        &got.to_f64_vec(),
+        &want.to_f64_vec(),
+        1e-5,
+        "peft",
+    );
 
     // An adapter made for a model of another width names what does not fit.
     let other = Pretrained::open(dir.join("other_base")).unwrap();
@@ -234,7 +244,8 @@ fn lora_training_matches_peft_and_goes_back_to_python() {
 
     // Kiln's adapters in PEFT, and Kiln's merged model in transformers.
     let out = kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "lora-out");
-    base.save_adapter(&lora, &state, out.join("adapter")).unwrap();
+    base.save_adapter(&lora, &state, out.join("adapter"))
+        .unwrap();
     let err = base
         .save_adapter(&lora, &state, out.join("adapter"))
         .unwrap_err()
@@ -242,8 +253,8 @@ fn lora_training_matches_peft_and_goes_back_to_python() {
     assert!(err.contains("exists"), "{err}");
     let merged = lora.merge(&state).unwrap();
     base.save(&merged, out.join("merged")).unwrap();
-    let python = kiln_testkit::python("lora_training_matches_peft_and_goes_back_to_python")
-        .unwrap();
+    let python =
+        kiln_testkit::python("lora_training_matches_peft_and_goes_back_to_python").unwrap();
     let io_path = out.join("check.safetensors");
     kiln_testkit::run_reference_script!(
         &python,
@@ -256,7 +267,10 @@ fn lora_training_matches_peft_and_goes_back_to_python() {
             &io_path,
         ]
     );
-    let probe = io(&dir.join("io.safetensors")).get("probe").unwrap().clone();
+    let probe = io(&dir.join("io.safetensors"))
+        .get("probe")
+        .unwrap()
+        .clone();
     let mut eval_model = TorchModel::new(base.layer(), Device::Cpu).unwrap();
     eval_model.load_state_dict(&loaded).unwrap();
     eval_model.add_lora(&lora).unwrap();
@@ -265,7 +279,13 @@ fn lora_training_matches_peft_and_goes_back_to_python() {
     let ours = logits(&eval_model, &probe).to_f64_vec();
     let theirs = io(&io_path);
     for key in ["peft_logits", "merged_logits"] {
-        assert_close(key, &ours, &theirs.get(key).unwrap().to_f64_vec(), 1e-5, "peft / transformers");
+        assert_close(
+            key,
+            &ours,
+            &theirs.get(key).unwrap().to_f64_vec(),
+            1e-5,
+            "peft / transformers",
+        );
     }
 }
 

@@ -726,6 +726,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             backend: "torch".into(),
             optimizer_kind: None,
             model_definition: Some(spec.clone()),
+            lora: None,
             data: None,
             data_order: None,
             scheduler: None,

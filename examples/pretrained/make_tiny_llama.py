@@ -3,11 +3,14 @@ examples/pretrained_lm.rs: random weights (transformers' own initialisation: not
 is downloaded), a byte-level BPE tokenizer trained here on a small text, and that
 text as train.txt; and classify.csv, for examples/configs/pretrained-llama.toml: one
 sentence of the text per row as 12 token ids (left-padded with <pad>) and a label, 1 for
-"The ... by the ..." sentences and 0 for "... sees the ..." ones.
+"The ... by the ..." sentences and 0 for "... sees the ..." ones; and instructions.jsonl
+and instructions_val.jsonl, for examples/configs/lora-llama.toml: question/answer pairs
+(each animal always sleeps at its own place), which a LoRA fine-tune learns.
 
 Usage: .kiln/venv/bin/python examples/pretrained/make_tiny_llama.py OUT_DIR
 """
 
+import json
 import os
 import random
 import sys
@@ -64,6 +67,20 @@ def main():
         rows.append(",".join(map(str, [0] * (12 - len(ids)) + ids)) + f",{int(sentence.startswith('The '))}")
     with open(os.path.join(out, "classify.csv"), "w") as f:
         f.write("\n".join(rows) + "\n")
+    # Instruction pairs: each animal has its place; the questions vary.
+    home = {animal: PLACES[i % len(PLACES)] for i, animal in enumerate(ANIMALS)}
+    asks = ["Where does the {a} sleep?", "Where can I find the {a} at night?",
+            "Tell me where the {a} sleeps.", "Which place does the {a} sleep at?"]
+    rng = random.Random(2)
+    pairs = []
+    for _ in range(240):
+        a = rng.choice(ANIMALS)
+        question = rng.choice(asks).format(a=f"{rng.choice(ADJECTIVES)} {a}")
+        pairs.append({"question": question, "answer": f"The {a} sleeps by the {home[a]}."})
+    for name, part in [("instructions.jsonl", pairs[:200]), ("instructions_val.jsonl", pairs[200:])]:
+        with open(os.path.join(out, name), "w") as f:
+            for pair in part:
+                f.write(json.dumps(pair) + "\n")
     print(f"wrote a {sum(p.numel() for p in LlamaForCausalLM(config).parameters())}-parameter "
           f"LLaMA, its tokenizer and train.txt to {out}")
 

@@ -159,11 +159,10 @@ impl LoraConfig {
     pub fn targets(&self, model: &Layer) -> Result<Vec<LoraTarget>> {
         self.validate()?;
         let all = projections(model)?;
-        if let Some(missing) = self
-            .target_modules
-            .iter()
-            .find(|t| !all.iter().any(|p| p.module == **t || p.module.ends_with(&format!(".{t}"))))
-        {
+        if let Some(missing) = self.target_modules.iter().find(|t| {
+            !all.iter()
+                .any(|p| p.module == **t || p.module.ends_with(&format!(".{t}")))
+        }) {
             let mut kinds: Vec<String> = all
                 .iter()
                 .map(|p| {
@@ -190,7 +189,10 @@ impl LoraConfig {
                 ),
             ));
         }
-        Ok(all.into_iter().filter(|p| self.is_target(&p.module)).collect())
+        Ok(all
+            .into_iter()
+            .filter(|p| self.is_target(&p.module))
+            .collect())
     }
 
     /// The adapters' parameters for `model`, two per target: `{module}.lora_A.weight`
@@ -405,12 +407,20 @@ mod tests {
         let mut w = StateDict::new();
         w.insert("0.weight", HostTensor::new(vec![0f32; 6], [2, 3])?);
         w.insert("0.bias", HostTensor::new(vec![1f32, 1.0], [2])?);
-        w.insert("0.lora_A.weight", HostTensor::new(vec![1f32, 2.0, 3.0], [1, 3])?);
-        w.insert("0.lora_B.weight", HostTensor::new(vec![1f32, -1.0], [2, 1])?);
+        w.insert(
+            "0.lora_A.weight",
+            HostTensor::new(vec![1f32, 2.0, 3.0], [1, 3])?,
+        );
+        w.insert(
+            "0.lora_B.weight",
+            HostTensor::new(vec![1f32, -1.0], [2, 1])?,
+        );
         assert_eq!(LoraConfig::adapter_weights(&w).len(), 2);
         let m = lora.merge(&w)?;
         assert_eq!(m.len(), 2);
-        let merged = m.get("0.weight").map(|t| t.as_slice::<f32>().map(<[f32]>::to_vec));
+        let merged = m
+            .get("0.weight")
+            .map(|t| t.as_slice::<f32>().map(<[f32]>::to_vec));
         assert_eq!(
             merged.transpose()?,
             Some(vec![2.0, 4.0, 6.0, -2.0, -4.0, -6.0])

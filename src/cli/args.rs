@@ -271,6 +271,10 @@ pub(crate) struct GenerateArgs {
     /// The directory of `tokenizer.json` (default: the model directory).
     #[arg(long)]
     pub(crate) tokenizer: Option<PathBuf>,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`,
+    /// `adapter_model.safetensors`) for the model directory, merged in first.
+    #[arg(long)]
+    pub(crate) adapter: Option<PathBuf>,
     /// New tokens per prompt at most.
     #[arg(long, default_value_t = 64)]
     pub(crate) max_new_tokens: usize,

@@ -138,7 +138,17 @@ fn load_source<E: Engines>(args: &ExportArgs) -> Result<Source> {
             path.display()
         ),
     };
-    let state = checkpoint.map_or(weights, |c| c.model);
+    let mut state = checkpoint.map_or(weights, |c| c.model);
+    // A run's final weights hold its LoRA adapters: folded in with the config's settings.
+    if state.keys().any(|k| kiln_core::lora::is_adapter_name(k)) {
+        let lora = config.as_ref().and_then(|c| c.lora.as_ref()).with_context(|| {
+            format!(
+                "{} holds LoRA adapters: pass the run's --config (its `lora` settings) to merge them",
+                path.display()
+            )
+        })?;
+        state = lora.merge(&state)?;
+    }
     let sample = match (&args.input_shape, &example) {
         (Some(shape), _) => shape.0.clone(),
         (None, Some(x)) => x.dims()[1..].to_vec(),

@@ -12,8 +12,19 @@ use kiln_train::Checkpoint;
 /// values is refused naming them.
 pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
     refuse_other_formats(path)?;
-    let checkpoint = Checkpoint::load(path)?;
+    let mut checkpoint = Checkpoint::load(path)?;
     checkpoint.check_finite(path)?;
+    // Evaluation, prediction, export and generation run the plain model:
+    // LoRA adapters folded into the weights they adapt.
+    if let Some(lora) = &checkpoint.lora {
+        checkpoint.model = lora
+            .merge(&checkpoint.model)
+            .map_err(|e| kiln_core::Error::checkpoint_caused_by(path, "its LoRA adapters", e))?;
+        log::info!(
+            "{}: LoRA adapters merged into the base weights",
+            path.display()
+        );
+    }
     Ok(checkpoint)
 }
 

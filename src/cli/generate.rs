@@ -24,7 +24,32 @@ struct Loaded {
     dir: Option<PathBuf>,
 }
 
-fn load(path: &Path, device: Device) -> Result<Loaded> {
+/// `definition` without the `flatten` that `kiln train` appends to a
+/// language model for its loss (`[batch, len, vocab]` logits to `[batch * len, vocab]`).
+fn without_loss_flatten(definition: Layer) -> Layer {
+    match definition {
+        Layer::Sequential { mut layers }
+            if matches!(
+                layers.last(),
+                Some(Layer::Flatten {
+                    start_dim: 0,
+                    end_dim: 1
+                })
+            ) =>
+        {
+            layers.pop();
+            Layer::Sequential { layers }
+        }
+        other => other,
+    }
+}
+
+fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
+    if adapter.is_some() && !path.is_dir() {
+        anyhow::bail!(
+            "--adapter applies to a Hugging Face model directory (the adapter's base model); a              Kiln checkpoint holds its adapters already"
+        );
+    }
     if path.is_dir() {
         let pretrained = Pretrained::open(path)?;
         if !pretrained.is_decoder() {
@@ -36,7 +61,23 @@ fn load(path: &Path, device: Device) -> Result<Loaded> {
             );
         }
         let mut model = TorchModel::new(pretrained.layer(), device)?;
-        model.load_state_dict(&pretrained.load_weights()?)?;
+        let mut weights = pretrained.load_weights()?;
+        if let Some(dir) = adapter {
+            let (lora, adapters) = pretrained
+                .load_adapter(dir)
+                .with_context(|| format!("--adapter {}", dir.display()))?;
+            for (name, tensor) in adapters.iter() {
+                weights.insert(name.clone(), tensor.clone());
+            }
+            weights = lora.merge(&weights)?;
+            log::info!(
+                "LoRA adapters of {} merged (r = {}, alpha = {})",
+                dir.display(),
+                lora.r,
+                lora.alpha
+            );
+        }
+        model.load_state_dict(&weights)?;
         let eos = pretrained.eos_token_ids()?;
         let pad = pretrained
             .pad_token_id()?
@@ -57,6 +98,7 @@ fn load(path: &Path, device: Device) -> Result<Loaded> {
             path.display()
         )
     })?;
+    let definition = without_loss_flatten(definition);
     let mut model = TorchModel::new(&definition, device)?;
     crate::model::load_for_eval::<kiln_torch::TorchBackend>(
         &mut model,
@@ -83,7 +125,7 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         Decoding::Greedy
     };
-    let mut loaded = load(&args.model, args.device)
+    let mut loaded = load(&args.model, args.adapter.as_deref(), args.device)
         .with_context(|| format!("--model {}", args.model.display()))?;
     loaded.model.set_mode(Mode::Eval);
     let tokenizer = match (&args.tokenizer, args.prompt.is_empty()) {

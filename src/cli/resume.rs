@@ -126,7 +126,7 @@ pub(crate) fn data_identity(config: &RunConfig, data: &Data) -> serde_json::Valu
             hash.eat(x.as_bytes());
             hash.eat(y.as_bytes());
         }
-        Split::Images(_) => hash.eat(data.probe.as_bytes()),
+        Split::Images(_) | Split::Text(_) => hash.eat(data.probe.as_bytes()),
     }
     let location = config
         .data

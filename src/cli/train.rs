@@ -105,6 +105,13 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         );
     }
 
+    if config.lora.is_some() && !B::CAN_LORA {
+        anyhow::bail!(
+            "config key `lora`: LoRA adapters are not supported on the {} backend",
+            B::NAME
+        );
+    }
+
     // Everything that can be checked is checked before the first byte is written.
     let resume_from = if primary {
         resolve_resume(config, resume.from.as_deref())?
@@ -131,6 +138,16 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     // A fresh run starts from the pretrained weights (a resumed one from its checkpoint's).
     if let (Some(source), None) = (&config.pretrained, &resume_from) {
         load_pretrained::<B>(&mut model, source)?;
+    }
+    if let Some(lora) = &config.lora {
+        let adapters = B::add_lora(&mut model, lora).context("config key `lora`")?;
+        log::info!(
+            "LoRA: {} adapter tensors (r = {}, alpha = {}) on {}; the rest is frozen",
+            adapters.len(),
+            lora.r,
+            lora.alpha,
+            lora.target_modules.join(", ")
+        );
     }
     B::set_precision(&mut model, config.training.precision)?;
     let patterns: Vec<&str> = config.freeze.iter().map(String::as_str).collect();
@@ -297,7 +314,8 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
             Some(definition.clone()),
         )
-        .with_data_identity(identity);
+        .with_data_identity(identity)
+        .with_lora(config.lora.clone());
     if config.logging.csv {
         trainer = trainer.with_sink(match &resume_from {
             Some(_) => kiln_train::CsvSink::resume(out, state.step)?,
@@ -334,6 +352,14 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         .model
         .state_tensors()?
         .save_safetensors(&weights, &metadata)?;
+    if let (Some(lora), Some(source)) = (&config.lora, &config.pretrained) {
+        save_adapter(
+            lora,
+            source,
+            &state.model.state_dict()?,
+            &out.join("adapter"),
+        )?;
+    }
     if config.logging.plots && !history.is_empty() {
         let png = out.join("curves.png");
         kiln_train::plot_curves(&history, &png, &kiln_train::PlotOptions::default())?;
@@ -374,6 +400,52 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         checkpoints.display()
     );
     run.succeeded();
+    Ok(())
+}
+
+/// Writes the trained LoRA adapters of a pretrained model to `dir` in PEFT's
+/// format (`PeftModel.from_pretrained(base, dir)` loads them). A resumed run
+/// replaces the adapter its directory holds (written beside it, then moved
+/// into place); a `dir` holding anything else is left alone with an error.
+fn save_adapter(
+    lora: &kiln_core::lora::LoraConfig,
+    source: &PretrainedModel,
+    weights: &StateDict,
+    dir: &Path,
+) -> Result<()> {
+    use kiln_hf::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
+    let pretrained = source.open()?;
+    if !dir.exists() {
+        pretrained
+            .save_adapter(lora, weights, dir)
+            .context("saving the LoRA adapters in PEFT's format")?;
+    } else {
+        let ours = std::fs::read_dir(dir)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<std::io::Result<Vec<_>>>()?
+            .iter()
+            .all(|n| n == ADAPTER_CONFIG || n == ADAPTER_WEIGHTS);
+        if !ours {
+            anyhow::bail!(
+                "{} holds files Kiln did not write: the LoRA adapters are not saved there (the \
+                 checkpoints hold them)",
+                dir.display()
+            );
+        }
+        let fresh = dir.with_extension("new");
+        if fresh.exists() {
+            std::fs::remove_dir_all(&fresh)?;
+        }
+        pretrained
+            .save_adapter(lora, weights, &fresh)
+            .context("saving the LoRA adapters in PEFT's format")?;
+        std::fs::remove_dir_all(dir)?;
+        std::fs::rename(&fresh, dir)?;
+    }
+    outln!(
+        "kiln: LoRA adapters in {} (PEFT's format: PeftModel.from_pretrained reads them)",
+        dir.display()
+    );
     Ok(())
 }
 

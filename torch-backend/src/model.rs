@@ -206,7 +206,8 @@ impl TorchModel {
         })?;
         let mut entries: Vec<&str> = self.entries.iter().map(|e| e.name.as_str()).collect();
         entries.extend(added.iter().map(|e| e.name.as_str()));
-        let index: HashMap<&str, usize> = entries.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        let index: HashMap<&str, usize> =
+            entries.iter().enumerate().map(|(i, n)| (*n, i)).collect();
         let root = build(
             &self.spec,
             "",

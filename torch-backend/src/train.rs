@@ -56,10 +56,7 @@ impl TrainBackend for TorchBackend {
     }
 
     /// [`TorchModel::add_lora`].
-    fn add_lora(
-        model: &mut TorchModel,
-        lora: &kiln_core::lora::LoraConfig,
-    ) -> Result<Vec<String>> {
+    fn add_lora(model: &mut TorchModel, lora: &kiln_core::lora::LoraConfig) -> Result<Vec<String>> {
         model.add_lora(lora)
     }
 }

@@ -256,6 +256,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 backend: "torch".into(),
                 optimizer_kind: None,
                 model_definition: Some(cnn()),
+                lora: None,
                 data: None,
                 data_order: None,
                 scheduler: None,

@@ -185,14 +185,20 @@ impl Pretrained {
             }
         }
         if get("use_dora").and_then(Value::as_bool) == Some(true) {
-            return Err(fail("`use_dora` = true: DoRA adapters are not implemented".into()));
+            return Err(fail(
+                "`use_dora` = true: DoRA adapters are not implemented".into(),
+            ));
         }
         for key in ["lora_bias", "use_qalora", "use_bdlora"] {
             if get(key).and_then(Value::as_bool) == Some(true) {
                 return Err(fail(format!("`{key}` = true is not implemented")));
             }
         }
-        for key in ["trainable_token_indices", "target_parameters", "layer_replication"] {
+        for key in [
+            "trainable_token_indices",
+            "target_parameters",
+            "layer_replication",
+        ] {
             if get(key).is_some() {
                 return Err(fail(format!(
                     "`{key}` is set: Kiln reads adapters of linear projections only"

@@ -54,13 +54,13 @@ impl TextTokenizer {
     /// The ids of `text`, with the tokenizer's special tokens when
     /// `add_special_tokens` (Python's `tokenizer(text, add_special_tokens=...)`).
     pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>> {
-        let encoding = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| HfError::Tokenizer {
-                path: self.path.clone(),
-                reason: format!("encoding {text:?}: {e}"),
-            })?;
+        let encoding =
+            self.inner
+                .encode(text, add_special_tokens)
+                .map_err(|e| HfError::Tokenizer {
+                    path: self.path.clone(),
+                    reason: format!("encoding {text:?}: {e}"),
+                })?;
         Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
     }
 

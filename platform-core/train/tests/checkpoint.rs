@@ -53,6 +53,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         backend: "torch".to_owned(),
         optimizer_kind: None,
         model_definition: Some(Layer::from(LinearConfig::new(2, 2))),
+        lora: None,
         data: Some(serde_json::json!({"dataset": "digits", "train_samples": 40})),
         data_order: Some(kiln_core::rng::EPOCH_ORDER.to_owned()),
         scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),

@@ -26,6 +26,11 @@ pub enum DatasetKind {
     ImageFolder,
     /// WebDataset `.tar` shards (`shards`), streamed by the loader's workers.
     Webdataset,
+    /// Text rows of a JSON Lines or CSV file `path`, tokenized by the loader's
+    /// workers: a language model's text (`text_column`), instruction pairs
+    /// (`prompt_template` and `response_template`), or text and a label
+    /// (`text_column` and `label_column`).
+    Text,
 }
 
 impl DatasetKind {
@@ -37,6 +42,7 @@ impl DatasetKind {
             DatasetKind::Csv => "csv",
             DatasetKind::ImageFolder => "image_folder",
             DatasetKind::Webdataset => "webdataset",
+            DatasetKind::Text => "text",
         }
     }
 
@@ -160,6 +166,30 @@ pub struct DataConfig {
     /// Drop the last incomplete training batch.
     #[serde(default)]
     pub drop_last: bool,
+    /// text: the column holding a language model's text (or, with
+    /// `label_column`, the text to classify).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_column: Option<String>,
+    /// text: the prompt of an instruction pair, with `{column}` fields
+    /// (`"### Question:\n{question}\n\n### Answer:\n"`); no loss on its tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_template: Option<String>,
+    /// text: the response of an instruction pair (`"{answer}"`); EOS is appended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_template: Option<String>,
+    /// text: tokens per example at most (with `packing`, the block length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_length: Option<usize>,
+    /// text: cut examples longer than `max_length` instead of refusing the data.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncation: bool,
+    /// text: join the examples and cut them into blocks of `max_length`
+    /// tokens, instead of padding each batch to its longest example.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub packing: bool,
+    /// text: the directory of `tokenizer.json` (default: `model.pretrained`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 fn batch() -> usize {
@@ -179,6 +209,67 @@ impl DataConfig {
             || self.dataset == DatasetKind::Webdataset;
         self.val_fraction
             .unwrap_or(if own_split { 0.0 } else { 0.2 })
+    }
+
+    /// The text task the keys describe (`dataset = "text"`).
+    pub fn text_task(&self) -> Result<kiln_data::text::TextTask> {
+        use kiln_data::text::{PromptTemplate, TextTask};
+        let template = |key: &str, source: &str| {
+            PromptTemplate::parse(source)
+                .map_err(|e| Error::invalid_argument(format!("data.{key}"), e.to_string()))
+        };
+        match (
+            &self.text_column,
+            &self.prompt_template,
+            &self.response_template,
+            &self.label_column,
+        ) {
+            (Some(text), None, None, None) => Ok(TextTask::LanguageModel { text: text.clone() }),
+            (Some(text), None, None, Some(label)) => Ok(TextTask::Classification {
+                text: text.clone(),
+                label: label.clone(),
+            }),
+            (None, Some(p), Some(r), None) => Ok(TextTask::Instruction {
+                prompt: template("prompt_template", p)?,
+                response: template("response_template", r)?,
+            }),
+            _ => Err(Error::invalid_argument(
+                "data",
+                "dataset = \"text\" takes `text_column` (a language model's text),                  `text_column` and `label_column` (classification), or `prompt_template` and                  `response_template` (instruction pairs)",
+            )),
+        }
+    }
+
+    /// Checks the text keys.
+    fn validate_text(&self) -> Result<()> {
+        let task = self.text_task()?;
+        if self.max_length == Some(0) {
+            return Err(Error::invalid_argument(
+                "data.max_length",
+                "must be at least 1, got 0",
+            ));
+        }
+        if self.packing {
+            if self.max_length.is_none() {
+                return Err(Error::invalid_argument(
+                    "data.packing",
+                    "packing cuts the examples into blocks of `max_length` tokens: set max_length",
+                ));
+            }
+            if !task.is_causal() {
+                return Err(Error::invalid_argument(
+                    "data.packing",
+                    "packing joins language-model or instruction examples, not classification ones",
+                ));
+            }
+        }
+        if self.truncation && self.max_length.is_none() {
+            return Err(Error::invalid_argument(
+                "data.truncation",
+                "truncation cuts examples to `max_length` tokens: set max_length",
+            ));
+        }
+        Ok(())
     }
 
     /// Checks the keys against the dataset kind and each value.
@@ -213,13 +304,17 @@ impl DataConfig {
             }
             Ok(())
         };
-        if kind.is_images() {
+        if kind.is_images() || kind == DatasetKind::Text {
             only(&table_keys, "tabular (digits, mnist, csv)")?;
-        } else {
+        }
+        if !kind.is_images() {
             only(&image_keys, "image (image_folder, webdataset)")?;
         }
-        if kind != DatasetKind::ImageFolder {
-            only(&[set(self.val_path.is_some(), "val_path")], "image_folder")?;
+        if !matches!(kind, DatasetKind::ImageFolder | DatasetKind::Text) {
+            only(
+                &[set(self.val_path.is_some(), "val_path")],
+                "image_folder and text",
+            )?;
         }
         if kind != DatasetKind::Webdataset {
             only(
@@ -231,12 +326,34 @@ impl DataConfig {
                 "webdataset",
             )?;
         }
-        if kind != DatasetKind::Csv {
-            only(&[set(self.label_column.is_some(), "label_column")], "csv")?;
+        if !matches!(kind, DatasetKind::Csv | DatasetKind::Text) {
+            only(
+                &[set(self.label_column.is_some(), "label_column")],
+                "csv and text",
+            )?;
+        }
+        if kind != DatasetKind::Text {
+            only(
+                &[
+                    set(self.text_column.is_some(), "text_column"),
+                    set(self.prompt_template.is_some(), "prompt_template"),
+                    set(self.response_template.is_some(), "response_template"),
+                    set(self.max_length.is_some(), "max_length"),
+                    set(self.truncation, "truncation"),
+                    set(self.packing, "packing"),
+                    set(self.tokenizer.is_some(), "tokenizer"),
+                ],
+                "text",
+            )?;
+        } else {
+            self.validate_text()?;
         }
         match kind {
             DatasetKind::Digits => {}
-            DatasetKind::Mnist | DatasetKind::Csv | DatasetKind::ImageFolder => {
+            DatasetKind::Mnist
+            | DatasetKind::Csv
+            | DatasetKind::ImageFolder
+            | DatasetKind::Text => {
                 if self.path.is_none() {
                     return invalid(
                         "path",

@@ -192,6 +192,10 @@ pub struct RunConfig {
     /// How the batch norms of frozen parts run while the rest trains.
     #[serde(default)]
     pub frozen_batch_norm: FrozenBatchNorm,
+    /// LoRA adapters on the model's projections, the rest frozen (torch backend):
+    /// `lora = { r = 8, alpha = 16, dropout = 0.05, target_modules = ["q_proj", "v_proj"] }`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<kiln_core::lora::LoraConfig>,
     /// The model definition (with `[model] pretrained = "dir"`, the one that
     /// directory's `config.json` describes, and its `head`).
     pub model: Layer,
@@ -276,6 +280,10 @@ impl RunConfig {
                 bad(format!("key `{key}`: {}", e.into_inner()))
             })?;
         config.pretrained = pretrained;
+        config.fit_text_data().map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
         config.validate().map_err(|e| Error::Config {
             path: path.to_path_buf(),
             reason: e.to_string(),
@@ -289,9 +297,70 @@ impl RunConfig {
         Self::from_toml(&text, path)
     }
 
+    /// Language-model text data (`dataset = "text"` with a causal task):
+    /// the model's `[batch, len, vocab]` logits are flattened to
+    /// `[batch * len, vocab]` for the loss (a `flatten` layer is appended),
+    /// the targets being the next tokens with -100 where there is none, and
+    /// cross-entropy ignores -100 (set when the config leaves it out).
+    fn fit_text_data(&mut self) -> Result<()> {
+        if self.data.dataset != DatasetKind::Text {
+            return Ok(());
+        }
+        let task = self.data.text_task()?;
+        if !task.is_causal() {
+            return Ok(());
+        }
+        match &mut self.loss {
+            Loss::CrossEntropy(c) => match c.ignore_index {
+                None => c.ignore_index = Some(kiln_data::text::IGNORE_INDEX),
+                Some(kiln_data::text::IGNORE_INDEX) => {}
+                Some(other) => {
+                    return Err(Error::invalid_argument(
+                        "loss.ignore_index",
+                        format!(
+                            "text data marks the positions without a target with -100, not                              {other}; leave ignore_index out or set it to -100"
+                        ),
+                    ))
+                }
+            },
+            other => {
+                return Err(Error::invalid_argument(
+                    "loss",
+                    format!(
+                        "a language model's text trains with loss = \"cross_entropy\", not `{}`",
+                        other.torch_name()
+                    ),
+                ))
+            }
+        }
+        if let Ok(out) = self.model.output_shape(&[1, 2]) {
+            if out.len() == 3 {
+                let mut layers = match std::mem::replace(&mut self.model, Layer::Relu) {
+                    Layer::Sequential { layers } => layers,
+                    single => vec![single],
+                };
+                layers.push(Layer::Flatten {
+                    start_dim: 0,
+                    end_dim: 1,
+                });
+                self.model = Layer::Sequential { layers };
+            }
+        }
+        Ok(())
+    }
+
     /// Checks every section's values.
     pub fn validate(&self) -> Result<()> {
         self.model.validate()?;
+        if let Some(lora) = &self.lora {
+            lora.targets(&self.model)?;
+            if self.backend != BackendKind::Torch {
+                return Err(Error::invalid_argument(
+                    "lora",
+                    "LoRA adapters train on the torch backend (backend = \"torch\")",
+                ));
+            }
+        }
         // A TorchScript layer's parameters are the file's, not the definition's.
         if self.model.torchscript_layers().is_empty() && self.model.num_parameters()? == 0 {
             let (key, found) = match &self.model {

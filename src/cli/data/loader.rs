@@ -50,6 +50,20 @@ pub(crate) fn loader(
             }
             Ok(Box::new(loader))
         }
+        Split::Text(split) => {
+            let collate =
+                kiln_data::text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
+            let mut loader = PrefetchLoader::with_collate(split.dataset, data.batch_size, collate)?
+                .num_workers(data.workers)
+                .drop_last(shuffle && data.drop_last);
+            if shuffle {
+                loader = loader.shuffle(config.seed);
+            }
+            if let Some(sampler) = sampler(shuffle)? {
+                loader = loader.sampler(sampler);
+            }
+            Ok(Box::new(loader))
+        }
         Split::Images(split) => {
             let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
                 .num_workers(data.workers)

@@ -17,9 +17,11 @@ use kiln_data::{load_digits, train_test_split, Dataset, WebDataset};
 
 mod images;
 mod loader;
+mod text;
 
 use images::load_images;
 pub(crate) use loader::{loader, RecordTargets};
+use text::{load_text, TextSplit};
 
 /// The workspace's provisioned data directory, for the default digits path
 /// (this crate is `src/cli/` in the workspace).
@@ -40,6 +42,8 @@ pub(crate) enum Split {
     Tensors(HostTensor, HostTensor),
     /// Image files, decoded and transformed by the loader's workers.
     Images(ImageSplit),
+    /// Text rows, tokenized by the loader's workers and padded per batch.
+    Text(TextSplit),
 }
 
 /// A split of image files.
@@ -57,6 +61,7 @@ impl Split {
         match self {
             Split::Tensors(_, y) => y.dims().first().copied().unwrap_or(0),
             Split::Images(s) => s.dataset.len(),
+            Split::Text(s) => s.dataset.len(),
         }
     }
 }
@@ -85,6 +90,9 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
     if data.dataset.is_images() {
         return load_images::<E>(config);
+    }
+    if data.dataset == DatasetKind::Text {
+        return load_text::<E>(config);
     }
     let path = || {
         data.path
@@ -149,8 +157,8 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             let (x, y) = kiln_data::load_csv(&path, &options)?;
             (x, y, path, if data.has_header { 2 } else { 1 })
         }
-        DatasetKind::ImageFolder | DatasetKind::Webdataset => {
-            anyhow::bail!("image data is read by load_images")
+        DatasetKind::ImageFolder | DatasetKind::Webdataset | DatasetKind::Text => {
+            anyhow::bail!("image and text data are read by load_images and load_text")
         }
     };
     let features = scale_and_shape(features, data)?;

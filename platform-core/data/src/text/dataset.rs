@@ -237,7 +237,10 @@ impl TextDataset {
                 .into_iter()
                 .map(|h| {
                     h.join().unwrap_or_else(|_| {
-                        Err(Error::invalid_argument("data", "a tokenizer thread panicked"))
+                        Err(Error::invalid_argument(
+                            "data",
+                            "a tokenizer thread panicked",
+                        ))
                     })
                 })
                 .collect()
@@ -513,9 +516,17 @@ mod tests {
     fn long_rows_are_refused_or_truncated() -> Result<()> {
         let path = file("l.jsonl", "{\"t\": \"abcdef\"}\n");
         let task = TextTask::LanguageModel { text: "t".into() };
-        let ds = TextDataset::open(&path, task.clone(), options(Some(4), false), Arc::new(Chars))?;
+        let ds = TextDataset::open(
+            &path,
+            task.clone(),
+            options(Some(4), false),
+            Arc::new(Chars),
+        )?;
         let err = ds.check_lengths(2).unwrap_err().to_string();
-        assert!(err.contains("line 1: 8 tokens, longer than max_length = 4"), "{err}");
+        assert!(
+            err.contains("line 1: 8 tokens, longer than max_length = 4"),
+            "{err}"
+        );
         let ds = TextDataset::open(&path, task, options(Some(4), true), Arc::new(Chars))?;
         assert_eq!(ds.tokens(0)?.0, [1, 97, 98, 99]);
         Ok(())
@@ -524,7 +535,10 @@ mod tests {
     #[test]
     fn packing_cuts_the_stream_into_blocks() -> Result<()> {
         // Rows of 3 + 2 = 5 tokens (with BOS and EOS): "a" -> [1, 97, 2], "" -> [1, 2].
-        let path = file("p.jsonl", "{\"t\": \"a\"}\n{\"t\": \"\"}\n{\"t\": \"bc\"}\n");
+        let path = file(
+            "p.jsonl",
+            "{\"t\": \"a\"}\n{\"t\": \"\"}\n{\"t\": \"bc\"}\n",
+        );
         let task = TextTask::LanguageModel { text: "t".into() };
         let ds = TextDataset::open(&path, task, options(None, false), Arc::new(Chars))?;
         let packed = PackedText::new(ds, 4, 2)?;

@@ -30,14 +30,16 @@ impl TextFormat {
         {
             Some("jsonl" | "json" | "ndjson") => Ok(TextFormat::JsonLines),
             Some("csv") => Ok(TextFormat::Csv),
-            other => Err(Error::invalid_argument(
-                "path",
-                format!(
+            other => {
+                Err(Error::invalid_argument(
+                    "path",
+                    format!(
                     "{}: text data is read from JSON Lines (.jsonl) or CSV (.csv) files, not {}",
                     path.display(),
                     other.map_or("a file without an extension".to_owned(), |e| format!(".{e}"))
                 ),
-            )),
+                ))
+            }
         }
     }
 }
@@ -177,10 +179,7 @@ impl TextRecords {
                 Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => {
                     Ok(v.to_string())
                 }
-                Some(other) => Err(self.bad(
-                    line,
-                    format!("column `{c}` holds {other}, not text"),
-                )),
+                Some(other) => Err(self.bad(line, format!("column `{c}` holds {other}, not text"))),
                 None => {
                     let mut have: Vec<&str> = object.keys().map(String::as_str).collect();
                     have.truncate(12);
@@ -220,8 +219,8 @@ impl TextRecords {
                 continue;
             }
             self.json_values(&buf, line)?;
-            let len = u32::try_from(n)
-                .map_err(|_| self.bad(line, "a row longer than 4 GiB".into()))?;
+            let len =
+                u32::try_from(n).map_err(|_| self.bad(line, "a row longer than 4 GiB".into()))?;
             self.rows.push((start, len));
             self.lines.push(line as u32);
         }
@@ -248,7 +247,10 @@ impl TextRecords {
                 header.iter().position(|h| h == c).ok_or_else(|| {
                     self.bad(
                         1,
-                        format!("no column `{c}` in the header (it has: {})", header.join(", ")),
+                        format!(
+                            "no column `{c}` in the header (it has: {})",
+                            header.join(", ")
+                        ),
                     )
                 })
             })
@@ -256,8 +258,7 @@ impl TextRecords {
         line += count_newlines(&bytes[..used]);
         pos += used;
         while pos < bytes.len() {
-            let (record, used) =
-                parse_csv_record(&bytes[pos..]).map_err(|r| self.bad(line, r))?;
+            let (record, used) = parse_csv_record(&bytes[pos..]).map_err(|r| self.bad(line, r))?;
             let blank = record.len() == 1 && record[0].trim().is_empty();
             if !blank {
                 if record.len() != header.len() {
@@ -368,8 +369,13 @@ mod tests {
         assert_eq!(r.get(0)?, ["x\ny", "héllo", "3"]);
         assert_eq!(r.get(1)?, ["z", "two", "4"]);
         assert_eq!(r.line(1), 3);
-        let err = TextRecords::open(&path, &["answer"]).unwrap_err().to_string();
-        assert!(err.contains("line 1: no column `answer` (the row has: "), "{err}");
+        let err = TextRecords::open(&path, &["answer"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("line 1: no column `answer` (the row has: "),
+            "{err}"
+        );
         let empty = write("e.jsonl", "\n\n");
         let err = TextRecords::open(&empty, &["q"]).unwrap_err().to_string();
         assert!(err.contains("holds no rows"), "{err}");
@@ -388,7 +394,10 @@ mod tests {
         assert_eq!(r.get(1)?, ["0", "plain"]);
         assert_eq!(r.line(1), 4);
         let err = TextRecords::open(&path, &["txt"]).unwrap_err().to_string();
-        assert!(err.contains("no column `txt` in the header (it has: text, label)"), "{err}");
+        assert!(
+            err.contains("no column `txt` in the header (it has: text, label)"),
+            "{err}"
+        );
         Ok(())
     }
 }

@@ -31,9 +31,8 @@ enum Part {
 impl PromptTemplate {
     /// Parses `source`; an unclosed `{`, a stray `}` or an empty `{}` is an error.
     pub fn parse(source: &str) -> Result<Self> {
-        let bad = |reason: String| {
-            Error::invalid_argument("template", format!("{source:?}: {reason}"))
-        };
+        let bad =
+            |reason: String| Error::invalid_argument("template", format!("{source:?}: {reason}"));
         let mut parts = Vec::new();
         let mut fields: Vec<String> = Vec::new();
         let mut text = String::new();

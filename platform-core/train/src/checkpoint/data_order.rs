@@ -36,7 +36,7 @@ impl<S> Checkpoint<S> {
     /// #     Checkpoint {
     /// #         model: Default::default(), optimizer: Default::default(), step: 7,
     /// #         epoch: 1, batch_in_epoch, seed: 0, world_size: 1, backend: "torch".into(),
-    /// #         optimizer_kind: None, model_definition: None, data: None, data_order,
+    /// #         optimizer_kind: None, model_definition: None, lora: None, data: None, data_order,
     /// #         scheduler: None, metrics: Default::default(), epoch_loss: None,
     /// #     }
     /// # }
@@ -90,6 +90,7 @@ mod tests {
             backend: "torch".into(),
             optimizer_kind: None,
             model_definition: None,
+            lora: None,
             data: None,
             data_order: data_order.map(str::to_owned),
             scheduler: None,

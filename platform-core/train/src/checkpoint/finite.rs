@@ -118,6 +118,7 @@ mod tests {
             backend: "torch".into(),
             optimizer_kind: None,
             model_definition: None,
+            lora: None,
             data: None,
             data_order: None,
             scheduler: None,

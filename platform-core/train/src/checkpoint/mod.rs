@@ -82,6 +82,10 @@ pub struct Checkpoint<S = StateDict> {
     pub optimizer_kind: Option<String>,
     /// The model definition, when the model was built from one.
     pub model_definition: Option<Layer>,
+    /// The LoRA adapters the model was trained with, if any: their tensors
+    /// are in `model`, and [`LoraConfig::merge`](kiln_core::lora::LoraConfig::merge)
+    /// folds them into the base weights.
+    pub lora: Option<kiln_core::lora::LoraConfig>,
     /// What identifies the data the run trained on (the CLI records the
     /// dataset's kind, path, sample counts and a fingerprint), when the trainer
     /// was given it ([`Trainer::with_data_identity`](crate::Trainer::with_data_identity)):
@@ -142,6 +146,9 @@ impl<S: WritableState> Checkpoint<S> {
         );
         if let Some(def) = &self.model_definition {
             meta.insert("kiln.model".to_owned(), to_json(def, path)?);
+        }
+        if let Some(lora) = &self.lora {
+            meta.insert("kiln.lora".to_owned(), to_json(lora, path)?);
         }
         if let Some(s) = &self.scheduler {
             meta.insert("kiln.scheduler".to_owned(), to_json(s, path)?);
@@ -242,6 +249,12 @@ impl Checkpoint {
             })?),
             None => None,
         };
+        let lora = match parse_json("kiln.lora")? {
+            Some(v) => Some(serde_json::from_value(v).map_err(|e| {
+                bad_json("metadata `kiln.lora` is not a LoRA config".to_owned(), e)
+            })?),
+            None => None,
+        };
         let metrics = parse_metrics(&meta, path)?;
         let mut model = StateDict::new();
         let mut optimizer = StateDict::new();
@@ -287,6 +300,7 @@ impl Checkpoint {
             backend: meta.get("kiln.backend").cloned().unwrap_or_default(),
             optimizer_kind: meta.get("kiln.optimizer").cloned(),
             model_definition,
+            lora,
             data: parse_json("kiln.data")?,
             data_order: meta.get(DATA_ORDER_KEY).cloned(),
             scheduler: parse_json("kiln.scheduler")?,

@@ -185,6 +185,7 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     sinks: Vec<Box<dyn MetricSink>>,
     checkpointer: Option<Checkpointer>,
     model_definition: Option<Layer>,
+    lora: Option<kiln_core::lora::LoraConfig>,
     data_identity: Option<serde_json::Value>,
     loss_reads: Option<LossReads>,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
@@ -259,6 +260,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             sinks: Vec::new(),
             checkpointer: None,
             model_definition: None,
+            lora: None,
             data_identity: None,
             loss_reads: None,
             _backend: std::marker::PhantomData,
@@ -346,6 +348,13 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self
     }
 
+    /// Records the LoRA adapters the model trains with in every checkpoint
+    /// ([`Checkpoint::lora`]), so that exports and generation can apply them.
+    pub fn with_lora(mut self, lora: Option<kiln_core::lora::LoraConfig>) -> Self {
+        self.lora = lora;
+        self
+    }
+
     /// Records `identity` (what identifies the training data: its kind, path,
     /// size, a fingerprint) in every checkpoint, as [`Checkpoint::data`], so
     /// that a resume can check it trains on the same data.
@@ -375,6 +384,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             backend: B::NAME.to_owned(),
             optimizer_kind: state.optimizer.kind().map(str::to_owned),
             model_definition: self.model_definition.clone(),
+            lora: self.lora.clone(),
             data: self.data_identity.clone(),
             data_order: Some(kiln_core::rng::EPOCH_ORDER.to_owned()),
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,

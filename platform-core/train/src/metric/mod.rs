@@ -122,7 +122,7 @@ struct ClassBatch<'a> {
     /// Number of classes `C`.
     classes: usize,
     /// One class index in `0..C` per row.
-    targets: &'a [i64],
+    targets: std::borrow::Cow<'a, [i64]>,
 }
 
 impl ClassBatch<'_> {
@@ -156,7 +156,7 @@ impl ClassBatch<'_> {
 }
 
 /// Checks that `output` is float logits `[N, C]` with `C >= 1` and `target`
-/// int64 classes `[N]` in `0..C`.
+/// int64 classes `[N]` in `0..C`; rows whose target is -100 are left out.
 fn class_batch<'a>(
     metric: &str,
     output: &HostTensor,
@@ -206,7 +206,29 @@ fn class_batch<'a>(
             actual: target.shape().to_string(),
         });
     }
-    let targets = target.as_slice::<i64>()?;
+    let all = target.as_slice::<i64>()?;
+    // Rows whose target is PyTorch's default `ignore_index` (-100: padding, a
+    // prompt token, the last position of a text) are not counted, as the loss
+    // leaves them out.
+    if all.contains(&IGNORED_TARGET) {
+        let logits = output.to_f64_vec();
+        let (mut kept, mut targets) = (Vec::new(), Vec::new());
+        for (row, &t) in all.iter().enumerate() {
+            if t != IGNORED_TARGET {
+                kept.extend_from_slice(&logits[row * classes..(row + 1) * classes]);
+                targets.push(t);
+            }
+        }
+        let kept = HostTensor::new(kept, [targets.len(), classes])?;
+        let targets = HostTensor::new(targets, [kept.dims()[0]])?;
+        let batch = class_batch(metric, &kept, &targets)?;
+        return Ok(ClassBatch {
+            logits: batch.logits,
+            classes,
+            targets: std::borrow::Cow::Owned(batch.targets.into_owned()),
+        });
+    }
+    let targets = all;
     if let Some((row, &t)) = targets
         .iter()
         .enumerate()
@@ -224,9 +246,12 @@ fn class_batch<'a>(
     Ok(ClassBatch {
         logits: output.to_f64_vec(),
         classes,
-        targets,
+        targets: std::borrow::Cow::Borrowed(targets),
     })
 }
+
+/// The target class metrics leave out: PyTorch's default `ignore_index`.
+const IGNORED_TARGET: i64 = -100;
 
 /// A factory for the validation metric called `name` in a config: `accuracy`,
 /// `topK_accuracy` (`top5_accuracy`, any K >= 1), `precision`, `recall`, `f1`

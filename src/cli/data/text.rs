@@ -1,0 +1,167 @@
+//! `dataset = "text"`: rows of a JSON Lines or CSV file, tokenized with the
+//! model directory's `tokenizer.json` by the loader's workers; every row is
+//! tokenized once here first, so a bad row (a missing column, a row longer
+//! than `max_length` without truncation, a label outside the model's classes)
+//! stops the run before anything is written.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use kiln_data::text::{PackedText, TextDataset, TextOptions, TextTask};
+use kiln_data::{split_indices, Dataset, Subset};
+use kiln_hf::{Pretrained, TextTokenizer};
+
+use super::{Data, SampleDataset, Split};
+use crate::config::RunConfig;
+use crate::engines::Engines;
+use crate::prelude::*;
+
+/// A split of tokenized text examples, padded per batch.
+pub(crate) struct TextSplit {
+    pub(crate) dataset: SampleDataset,
+    /// The id padding inputs.
+    pub(crate) pad_id: i64,
+    /// Whether targets are a language model's (flattened with the logits).
+    pub(crate) causal: bool,
+}
+
+/// The directory of the tokenizer: `data.tokenizer`, else `model.pretrained`.
+pub(crate) fn tokenizer_dir(config: &RunConfig) -> Result<PathBuf> {
+    config
+        .data
+        .tokenizer
+        .clone()
+        .or_else(|| config.pretrained.as_ref().map(|p| p.dir.clone()))
+        .context(
+            "data.tokenizer: text data needs a tokenizer: set data.tokenizer to the directory \
+             holding tokenizer.json (default: model.pretrained)",
+        )
+}
+
+/// The EOS and padding ids of the model directory `dir` (its config.json),
+/// when it is one.
+fn special_tokens(dir: &Path, tokenizer: &TextTokenizer) -> (Option<i64>, i64) {
+    let from_model = Pretrained::open(dir).ok().map(|p| {
+        let eos = p.eos_token_ids().ok().and_then(|e| e.first().copied());
+        (eos, p.pad_token_id().ok().flatten())
+    });
+    let (eos, pad) = from_model.unwrap_or((None, None));
+    let eos = eos.or_else(|| tokenizer.token_id("</s>"));
+    (eos, pad.or(eos).unwrap_or(0))
+}
+
+/// Reads the configured text data set.
+pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
+    let data = &config.data;
+    let task = data.text_task()?;
+    let dir = tokenizer_dir(config)?;
+    let tokenizer = Arc::new(
+        TextTokenizer::open(&dir).with_context(|| format!("data.tokenizer ({})", dir.display()))?,
+    );
+    let (eos, pad_id) = special_tokens(&dir, &tokenizer);
+    let options = TextOptions {
+        max_length: data.max_length,
+        truncation: data.truncation,
+        eos_token: if task.is_causal() { eos } else { None },
+    };
+    let threads = data
+        .workers
+        .max(std::thread::available_parallelism().map_or(1, usize::from));
+    let open = |key: &str, path: &Path| -> Result<SampleDataset> {
+        let text = TextDataset::open(path, task.clone(), options.clone(), tokenizer.clone())
+            .with_context(|| format!("data.{key} ({})", path.display()))?;
+        if let TextTask::Classification { .. } = &task {
+            check_labels::<E>(config, &text)?;
+        }
+        Ok(if data.packing {
+            let block = data
+                .max_length
+                .context("data.packing needs data.max_length")?;
+            let packed = PackedText::new(text, block, threads)
+                .with_context(|| format!("data.{key} ({})", path.display()))?;
+            log::info!(
+                "{}: {} tokens packed into {} blocks of {block}",
+                path.display(),
+                packed.total_tokens(),
+                packed.len()
+            );
+            Arc::new(packed)
+        } else {
+            let lengths = text
+                .check_lengths(threads)
+                .with_context(|| format!("data.{key} ({})", path.display()))?;
+            log::info!(
+                "{}: {} examples, {} tokens",
+                path.display(),
+                lengths.len(),
+                lengths.iter().sum::<usize>()
+            );
+            Arc::new(text)
+        })
+    };
+    let path = data.path.as_deref().context("data.path is required")?;
+    let all = open("path", path)?;
+    let (train, val): (SampleDataset, Option<SampleDataset>) = match &data.val_path {
+        Some(val_path) => (all, Some(open("val_path", val_path)?)),
+        None if data.val_fraction() > 0.0 => {
+            let (tr, te) = split_indices(all.len(), data.val_fraction(), config.seed)
+                .context("data.val_fraction")?;
+            (
+                Arc::new(Subset::new(all.clone(), tr)?),
+                Some(Arc::new(Subset::new(all, te)?)),
+            )
+        }
+        None => (all, None),
+    };
+    if train.is_empty() {
+        anyhow::bail!("{}: the training split has no examples", path.display());
+    }
+    let (x, _) = train.get(0).context("the first training example")?;
+    let len = x.numel();
+    let probe = x.reshape([1, len])?;
+    let split = |dataset: SampleDataset| {
+        Split::Text(TextSplit {
+            dataset,
+            pad_id,
+            causal: task.is_causal(),
+        })
+    };
+    // The model takes a batch of token ids.
+    let model = crate::model::resolve_model::<E>(config, &probe, config.device)?;
+    model
+        .output_shape(&[data.batch_size, len])
+        .context("the model does not take batches of token ids [batch, length]")?;
+    Ok(Data {
+        train: split(train),
+        val: val.map(split),
+        probe,
+    })
+}
+
+/// Checks every label of a classification file against the model's classes.
+fn check_labels<E: Engines>(config: &RunConfig, text: &TextDataset) -> Result<()> {
+    let records = text.records();
+    let probe = HostTensor::new(vec![0i64; 2], [1, 2])?;
+    let model = crate::model::resolve_model::<E>(config, &probe, config.device)?;
+    let classes = model.output_shape(&[1, 2])?.get(1).copied().unwrap_or(0) as i64;
+    for i in 0..records.len() {
+        let label = &records.get(i)?[1];
+        let value: i64 = label.trim().parse().map_err(|_| {
+            anyhow::anyhow!(
+                "{}, line {}: label {label:?} is not a whole number",
+                records.path().display(),
+                records.line(i)
+            )
+        })?;
+        if !(0..classes).contains(&value) {
+            anyhow::bail!(
+                "{}, line {}: label {value} is outside the model's {classes} classes (0 to {})",
+                records.path().display(),
+                records.line(i),
+                classes - 1
+            );
+        }
+    }
+    Ok(())
+}
