@@ -359,3 +359,57 @@ fn the_shipped_lora_config_teaches_the_example_model_its_answers() {
     assert_eq!(before, 0);
     assert!(after >= 30, "{after} of 40 answers right after fine-tuning");
 }
+
+/// LoRA under data parallelism: two ranks under `kiln launch` (batches of 2
+/// each) train the adapters as one process does with batches of 4.
+#[test]
+fn lora_on_two_ranks_trains_as_one_process() {
+    let test = "lora_on_two_ranks_trains_as_one_process";
+    let _serial = serial();
+    let dir = scratch("cli-lora-ranks");
+    let Some(refs) = references(test) else {
+        return;
+    };
+    let lora = LORA.replace("dropout = 0.1", "dropout = 0.0");
+    let data = format!("{}\ndrop_last = true", instruction_data(&refs));
+    let single_cfg = config(&dir, &refs, "single", &data, &lora);
+    let ranks_cfg = dir.join("ranks.toml");
+    std::fs::write(
+        &ranks_cfg,
+        std::fs::read_to_string(&single_cfg)
+            .unwrap()
+            .replace("batch_size = 4", "batch_size = 2"),
+    )
+    .unwrap();
+    let single = dir.join("single-run");
+    train(single_cfg.to_str().unwrap(), &single, &["--epochs", "1"]);
+    let ranks = dir.join("ranks-run");
+    kiln(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        "--config",
+        ranks_cfg.to_str().unwrap(),
+        "--output",
+        ranks.to_str().unwrap(),
+        "--epochs",
+        "1",
+    ]);
+    let (a, b) = (losses(&ranks), losses(&single));
+    assert_eq!(a.len(), b.len());
+    assert_eq!(
+        a.len(),
+        4,
+        "18 training rows, batches of 4, the last dropped"
+    );
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        let (x, y): (f64, f64) = (x.parse().unwrap(), y.parse().unwrap());
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+            "step {step}: {x} vs {y}"
+        );
+    }
+    assert!(ranks.join("adapter/adapter_model.safetensors").is_file());
+}
