@@ -194,10 +194,11 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
     let Some(refs) = references(test) else {
         return;
     };
-    // A language model's text, packed into blocks of 16 tokens.
+    // A language model's text from Parquet (`datasets`' `to_parquet`), packed
+    // into blocks of 16 tokens.
     let packed = format!(
         "path = \"{}\"\nval_fraction = 0\ntext_column = \"answer\"\nmax_length = 16\npacking = true",
-        refs.join("train.jsonl").display()
+        refs.join("train.parquet").display()
     );
     let cfg = config(&dir, &refs, "packed", &packed, LORA);
     let out = dir.join("packed-run");

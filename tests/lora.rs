@@ -1,7 +1,8 @@
 //! Text data and LoRA fine-tuning against `transformers` and `peft`
 //! (`tests/reference/lora.py`): the token ids and labels of instruction rows
 //! and of a corpus with Unicode, whitespace runs and special tokens equal
-//! `transformers`' tokenizer's; PEFT's adapters load into Kiln with PEFT's
+//! `transformers`' tokenizer's, from JSON Lines and from the Parquet file
+//! `datasets` writes; PEFT's adapters load into Kiln with PEFT's
 //! logits; Kiln trained from PEFT's initial adapters gives PEFT's 20 losses
 //! within 1e-5; Kiln's adapters load in `PeftModel.from_pretrained` and its
 //! merged model in `from_pretrained`, both with Kiln's logits; an adapter of
@@ -110,12 +111,27 @@ fn token_ids_equal_transformers() {
         tokenizer.clone(),
     )
     .unwrap();
+    // The same rows as `datasets`' `to_parquet` writes them.
+    let parquet = TextDataset::open(
+        dir.join("train.parquet"),
+        instruction_task(cases),
+        options(false, None),
+        tokenizer.clone(),
+    )
+    .unwrap();
     let rows = want["instruction"].as_array().unwrap();
     assert_eq!(data.len(), rows.len());
+    assert_eq!(parquet.len(), rows.len());
     for (i, row) in rows.iter().enumerate() {
-        let (got_ids, got_labels) = data.tokens(i).unwrap();
-        assert_eq!(got_ids, ids(&row["ids"]), "instruction row {i}");
-        assert_eq!(got_labels, ids(&row["labels"]), "instruction row {i}");
+        for (what, source) in [("jsonl", &data), ("parquet", &parquet)] {
+            let (got_ids, got_labels) = source.tokens(i).unwrap();
+            assert_eq!(got_ids, ids(&row["ids"]), "{what} instruction row {i}");
+            assert_eq!(
+                got_labels,
+                ids(&row["labels"]),
+                "{what} instruction row {i}"
+            );
+        }
     }
     let corpus = TextDataset::open(
         dir.join("corpus.jsonl"),

@@ -30,6 +30,7 @@
 //! `benches/gpu/pack.sh` and `benches/gpu/run.sh` do all of that for a GPU machine.
 
 mod ddp;
+mod finetune;
 mod llm;
 mod ops;
 mod report;
@@ -276,7 +277,7 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint, ddp, serve, images, llm (default: all of
+                    data, script, ops, checkpoint, ddp, serve, images, llm, finetune (default: all of
                     them; on a GPU all but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
@@ -329,6 +330,7 @@ fn main() -> Result<()> {
         Task::Serve,
         Task::Images,
         Task::Llm,
+        Task::Finetune,
     ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {

@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
-use crate::{ddp, llm, num, ops, run_json, serve, xorshift, Settings};
+use crate::{ddp, finetune, llm, num, ops, run_json, serve, xorshift, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -45,6 +45,7 @@ pub enum Task {
     Images,
     /// (k) a 100M LLaMA-style model: training and generation against transformers.
     Llm,
+    Finetune,
 }
 
 /// (j): batch size and workers, the images per class of the 224 set (of
@@ -77,6 +78,7 @@ impl Task {
             "serve" => Task::Serve,
             "images" => Task::Images,
             "llm" => Task::Llm,
+            "finetune" => Task::Finetune,
             _ => return None,
         })
     }
@@ -91,6 +93,7 @@ impl Task {
             Task::Serve => "serve",
             Task::Images => "images",
             Task::Llm => "llm",
+            Task::Finetune => "finetune",
         }
     }
 
@@ -109,6 +112,7 @@ impl Task {
             Task::Ddp => ddp::DESCRIBE,
             Task::Serve => serve::DESCRIBE,
             Task::Llm => llm::DESCRIBE,
+            Task::Finetune => finetune::DESCRIBE,
             Task::Images => {
                 "(j) image files: decode (JPEG/PNG), RandomResizedCrop to 64 or 224, flip, \
                  normalise, batch 64, 2 workers; from class folders and from tar shards"
@@ -130,6 +134,7 @@ impl Task {
             Task::Ddp => &ddp::VARIANTS,
             Task::Serve => &serve::VARIANTS,
             Task::Llm => &llm::VARIANTS,
+            Task::Finetune => &finetune::VARIANTS,
             Task::Images => &[
                 "kiln-folder-64",
                 "kiln-shards-64",
@@ -157,6 +162,7 @@ impl Task {
             Task::Serve => serve::prepare(dir),
             Task::Images => write_images(dir),
             Task::Llm => llm::prepare(dir, python()),
+            Task::Finetune => finetune::prepare(dir, python()),
         }
     }
 
@@ -202,6 +208,7 @@ impl Task {
             Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
             Task::Images => num(r, "samples_per_s"),
             Task::Llm => num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s"),
+            Task::Finetune => num(r, "tokens_per_s"),
         }
     }
 
@@ -214,7 +221,7 @@ impl Task {
                 num(&r["b1"], "tokens_per_s"),
                 num(&r["b8"], "tokens_per_s")
             ),
-            Task::Llm => format!("{:.0} tokens/s", num(r, "tokens_per_s")),
+            Task::Llm | Task::Finetune => format!("{:.0} tokens/s", num(r, "tokens_per_s")),
             Task::Script => format!("{:>9.1} us/call", num(r, "latency_us")),
             Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
                 .iter()
@@ -255,7 +262,7 @@ impl Task {
         };
         // (k)'s steps take seconds: at most 3 repeats after 1 warm-up.
         let (repeats, warmup) = match self {
-            Task::Llm => (s.repeats.min(3), s.warmup.min(1)),
+            Task::Llm | Task::Finetune => (s.repeats.min(3), s.warmup.min(1)),
             _ => (s.repeats, s.warmup),
         };
         let mut t = format!(
@@ -339,6 +346,7 @@ impl Task {
             }
             Task::Ops => t += &ops::table(ok),
             Task::Llm => t += &llm::table(ok),
+            Task::Finetune => t += &finetune::table(ok),
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
             Task::Serve => {
@@ -516,6 +524,7 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
         (Task::Serve, variant) if variant.starts_with("kiln-") => serve::worker(variant, a)?,
         (Task::Llm, variant) if variant.starts_with("kiln-") => llm::worker(variant, a)?,
+        (Task::Finetune, variant) if variant.starts_with("kiln-") => finetune::worker(variant, a)?,
         _ => bail!(
             "{variant} is not a Rust variant of the {} workload",
             task.name()

@@ -419,9 +419,117 @@ def llm(args, variant):
             "losses": losses}
 
 
+FT_BLOCK, FT_TEXT_BATCH = 256, 8
+FT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def finetune(args, variant):
+    """(l): LoRA and full fine-tuning of (k)'s model (transformers, PEFT), and text to batches
+    with datasets.map and a PyTorch DataLoader."""
+    from safetensors.torch import load_file
+
+    if variant == "prepare":
+        llm(args, "prepare")
+        text_dir = os.path.join(args.dir, "text")
+        if not os.path.exists(os.path.join(text_dir, "tokenizer.json")):
+            import random
+
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+            from transformers import PreTrainedTokenizerFast
+
+            os.makedirs(text_dir, exist_ok=True)
+            rng = random.Random(0)
+            words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                     for _ in range(3000)] + ["café", "naïve", "東京", "🦊"]
+            lines = []
+            for _ in range(20000):
+                n = rng.randint(10, 120)
+                lines.append(" ".join(rng.choice(words) for _ in range(n)).capitalize() + ".")
+            with open(os.path.join(text_dir, "corpus.jsonl"), "w", encoding="utf-8") as f:
+                for line in lines:
+                    f.write(json.dumps({"text": line}, ensure_ascii=False) + "\n")
+            tok = Tokenizer(models.BPE())
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            tok.decoder = decoders.ByteLevel()
+            tok.train_from_iterator(lines[:4000], trainers.BpeTrainer(
+                vocab_size=8000, special_tokens=["<pad>", "<s>", "</s>"],
+                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+            PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                    pad_token="<pad>").save_pretrained(text_dir)
+        return {}
+    if variant == "python-text":
+        import datasets
+        from itertools import chain
+        from transformers import AutoTokenizer
+
+        datasets.disable_caching()
+        datasets.disable_progress_bars()
+        text_dir = os.path.join(args.dir, "text")
+        tok = AutoTokenizer.from_pretrained(text_dir)
+        eos = tok.eos_token_id
+        counts = {}
+
+        def run():
+            ds = datasets.load_dataset("json", data_files=os.path.join(text_dir, "corpus.jsonl"),
+                                       split="train", cache_dir=os.path.join(args.dir, "hf-cache"))
+            ds = ds.map(lambda b: {"input_ids": [ids + [eos] for ids in tok(b["text"])["input_ids"]]},
+                        batched=True, remove_columns=["text"])
+
+            def group(b):
+                joined = list(chain(*b["input_ids"]))
+                total = len(joined) // FT_BLOCK * FT_BLOCK
+                blocks = [joined[i:i + FT_BLOCK] for i in range(0, total, FT_BLOCK)]
+                return {"input_ids": blocks, "labels": [list(x) for x in blocks]}
+
+            ds = ds.map(group, batched=True, batch_size=len(ds)).with_format("torch")
+            loader = torch.utils.data.DataLoader(ds, batch_size=FT_TEXT_BATCH, shuffle=True,
+                                                 num_workers=2,
+                                                 generator=torch.Generator().manual_seed(0))
+            counts["tokens"], counts["batches"] = 0, 0
+            for batch in loader:
+                counts["tokens"] += batch["input_ids"].numel()
+                counts["batches"] += 1
+
+        times = timed(argparse.Namespace(warmup=0, repeats=min(args.repeats, 3)), run)
+        m = statistics.median(times)
+        return {"repeats_s": times, "tokens_per_s": counts["tokens"] / m, **counts}
+
+    from transformers import LlamaForCausalLM
+
+    tokens = load_file(os.path.join(args.dir, "tokens.safetensors"))
+    device = torch.device(args.device)
+    model = LlamaForCausalLM.from_pretrained(os.path.join(args.dir, "model"),
+                                             dtype=torch.float32).to(device)
+    if variant == "peft-lora":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                 target_modules=FT_TARGETS, task_type="CAUSAL_LM"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    ids = tokens["train"].to(device)
+    x, y = ids[:, :-1], ids[:, 1:].reshape(-1)
+    losses = []
+
+    def step():
+        opt.zero_grad()
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
+        loss.backward()
+        opt.step()
+        synchronize(device)
+        losses.append(float(loss))
+
+    times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), step)
+    m = statistics.median(times)
+    return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": LLM_BATCH * LLM_SEQ / m,
+            "losses": losses, "trainable": sum(p.numel() for p in params)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve", "llm"])
+    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve", "llm", "finetune"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -446,6 +554,10 @@ def main():
         ("llm", "pytorch-train-f32"): lambda: llm(args, "pytorch-train-f32"),
         ("llm", "pytorch-train-bf16"): lambda: llm(args, "pytorch-train-bf16"),
         ("llm", "transformers-generate"): lambda: llm(args, "transformers-generate"),
+        ("finetune", "prepare"): lambda: finetune(args, "prepare"),
+        ("finetune", "pytorch-full"): lambda: finetune(args, "pytorch-full"),
+        ("finetune", "peft-lora"): lambda: finetune(args, "peft-lora"),
+        ("finetune", "python-text"): lambda: finetune(args, "python-text"),
     }
     run = runs.get((args.task, args.variant))
     if run is None:

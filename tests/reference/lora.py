@@ -5,7 +5,8 @@ fine-tuning by PEFT.
 - base/: a tiny LLaMA (random weights, `save_pretrained`) with a byte-level BPE
   tokenizer trained here (BOS added by its post-processor);
 - other_base/: a LLaMA of another width (an adapter for `base` does not fit it);
-- train.jsonl (question/answer pairs) and corpus.jsonl (texts with Unicode,
+- train.jsonl (question/answer pairs; the same as train.parquet, written by
+  `datasets`' `to_parquet`) and corpus.jsonl (texts with Unicode,
   whitespace runs and special tokens written in the text);
 - tokens.json: what `transformers`' tokenizer gives for them (instruction rows
   as prompt ids + response ids + EOS with the prompt's labels -100, corpus rows
@@ -119,6 +120,9 @@ def make(out):
     with open(os.path.join(out, "train.jsonl"), "w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(os.path.join(out, "train.parquet"))
     with open(os.path.join(out, "corpus.jsonl"), "w", encoding="utf-8") as f:
         for t in CORPUS:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")

@@ -26,7 +26,7 @@ pub enum DatasetKind {
     ImageFolder,
     /// WebDataset `.tar` shards (`shards`), streamed by the loader's workers.
     Webdataset,
-    /// Text rows of a JSON Lines or CSV file `path`, tokenized by the loader's
+    /// Text rows of a JSON Lines, CSV or Parquet file `path`, tokenized by the loader's
     /// workers: a language model's text (`text_column`), instruction pairs
     /// (`prompt_template` and `response_template`), or text and a label
     /// (`text_column` and `label_column`).

@@ -149,16 +149,14 @@ fn check_labels<E: Engines>(config: &RunConfig, text: &TextDataset) -> Result<()
         let label = &records.get(i)?[1];
         let value: i64 = label.trim().parse().map_err(|_| {
             anyhow::anyhow!(
-                "{}, line {}: label {label:?} is not a whole number",
-                records.path().display(),
-                records.line(i)
+                "{}: label {label:?} is not a whole number",
+                records.place(i)
             )
         })?;
         if !(0..classes).contains(&value) {
             anyhow::bail!(
-                "{}, line {}: label {value} is outside the model's {classes} classes (0 to {})",
-                records.path().display(),
-                records.line(i),
+                "{}: label {value} is outside the model's {classes} classes (0 to {})",
+                records.place(i),
                 classes - 1
             );
         }

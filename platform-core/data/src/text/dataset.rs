@@ -147,8 +147,7 @@ impl TextDataset {
     /// or the class label in `labels[0]` for classification.
     pub fn tokens(&self, index: usize) -> Result<(Vec<i64>, Vec<i64>)> {
         let values = self.records.get(index)?;
-        let line = self.records.line(index);
-        let place = || format!("{}, line {line}", self.records.path().display());
+        let place = || self.records.place(index);
         let tok = &self.tokenizer;
         let (mut ids, mut labels) = match &self.task {
             TextTask::LanguageModel { .. } => {

@@ -1,12 +1,12 @@
-//! Text data for language models: rows of JSON Lines or CSV files
+//! Text data for language models: rows of JSON Lines, CSV or Parquet files
 //! ([`TextRecords`]), turned by a tokenizer into examples for causal language
 //! modelling, instruction tuning (prompt templates, the loss on the response
 //! only) or classification ([`TextDataset`]), batched by padding to the
 //! longest ([`PadCollate`]) or packed into fixed-length blocks ([`PackedText`]).
 //!
 //! Rows are read and tokenized on the loader's workers, one example at a
-//! time, so a file need not fit in memory (only each row's offset, and with
-//! packing each example's length, is kept); the examples are a [`Dataset`](crate::Dataset),
+//! time, so a JSON Lines or CSV file need not fit in memory (only each row's
+//! offset, and with packing each example's length, is kept); the examples are a [`Dataset`](crate::Dataset),
 //! so the loaders' seeded shuffling, [`DistributedSampler`](crate::DistributedSampler)
 //! sharding and exact mid-epoch resume apply as to any other.
 //!

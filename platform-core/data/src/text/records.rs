@@ -1,7 +1,9 @@
-//! The rows of a text file, by index, without holding the file in memory:
-//! JSON Lines (one object per line) and CSV (a header naming the columns).
-//! Opening reads the file once, checks every row has the columns asked for,
-//! and keeps each row's byte offset; [`TextRecords::get`] reads one row back.
+//! The rows of a text file, by index: JSON Lines (one object per line) and
+//! CSV (a header naming the columns) without holding the file in memory
+//! (opening reads the file once, checks every row has the columns asked for,
+//! and keeps each row's byte offset; [`TextRecords::get`] reads one row
+//! back), and Parquet (as `datasets`' `to_parquet` writes it), whose columns
+//! asked for are read into memory.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Seek, SeekFrom};
@@ -17,6 +19,9 @@ pub enum TextFormat {
     JsonLines,
     /// Comma-separated values with a header line (`.csv`), quoted as RFC 4180 says.
     Csv,
+    /// Apache Parquet (`.parquet`), as `datasets`' `to_parquet` and pandas write it
+    /// (uncompressed, Snappy or gzip pages).
+    Parquet,
 }
 
 impl TextFormat {
@@ -30,16 +35,18 @@ impl TextFormat {
         {
             Some("jsonl" | "json" | "ndjson") => Ok(TextFormat::JsonLines),
             Some("csv") => Ok(TextFormat::Csv),
-            other => {
-                Err(Error::invalid_argument(
-                    "path",
-                    format!(
-                    "{}: text data is read from JSON Lines (.jsonl) or CSV (.csv) files, not {}",
+            Some("parquet") => Ok(TextFormat::Parquet),
+            other => Err(Error::invalid_argument(
+                "path",
+                format!(
+                    "{}: text data is read from JSON Lines (.jsonl), CSV (.csv) or Parquet \
+                     (.parquet) files, not {}",
                     path.display(),
-                    other.map_or("a file without an extension".to_owned(), |e| format!(".{e}"))
+                    other.map_or("a file without an extension".to_owned(), |e| format!(
+                        ".{e}"
+                    ))
                 ),
-                ))
-            }
+            )),
         }
     }
 }
@@ -58,6 +65,8 @@ pub struct TextRecords {
     lines: Vec<u32>,
     /// CSV: the index of each wanted column in a record.
     csv_index: Vec<usize>,
+    /// Parquet: the wanted columns of every row.
+    values: Vec<Vec<String>>,
     file: Mutex<File>,
 }
 
@@ -79,11 +88,13 @@ impl TextRecords {
             rows: Vec::new(),
             lines: Vec::new(),
             csv_index: Vec::new(),
+            values: Vec::new(),
             file: Mutex::new(file.try_clone().map_err(|e| Error::io("text file", e))?),
         };
         match format {
             TextFormat::JsonLines => records.index_json_lines(file)?,
             TextFormat::Csv => records.index_csv(file)?,
+            TextFormat::Parquet => records.read_parquet(file)?,
         }
         if records.rows.is_empty() {
             return Err(records.bad(0, "the file holds no rows".into()));
@@ -116,9 +127,19 @@ impl TextRecords {
         self.rows.is_empty()
     }
 
-    /// The line (1-based) row `index` starts on.
+    /// The line (1-based) row `index` starts on (Parquet: its 1-based row number).
     pub fn line(&self, index: usize) -> usize {
         self.lines.get(index).map_or(0, |&l| l as usize)
+    }
+
+    /// Where row `index` is, for messages: `file, line N` (Parquet: `file, row N`).
+    pub fn place(&self, index: usize) -> String {
+        let what = if self.format == TextFormat::Parquet {
+            "row"
+        } else {
+            "line"
+        };
+        format!("{}, {what} {}", self.path.display(), self.line(index))
     }
 
     /// `path:line: reason` as a data error.
@@ -133,6 +154,14 @@ impl TextRecords {
 
     /// The values of the columns of row `index`.
     pub fn get(&self, index: usize) -> Result<Vec<String>> {
+        if self.format == TextFormat::Parquet {
+            return self.values.get(index).cloned().ok_or_else(|| {
+                Error::invalid_argument(
+                    "index",
+                    format!("row {index} is out of range for {} rows", self.values.len()),
+                )
+            });
+        }
         let &(offset, len) = self.rows.get(index).ok_or_else(|| {
             Error::invalid_argument(
                 "index",
@@ -151,7 +180,7 @@ impl TextRecords {
         }
         let line = self.line(index);
         match self.format {
-            TextFormat::JsonLines => self.json_values(&bytes, line),
+            TextFormat::JsonLines | TextFormat::Parquet => self.json_values(&bytes, line),
             TextFormat::Csv => {
                 let record = parse_csv_record(&bytes)
                     .map_err(|reason| self.bad(line, reason))?
@@ -278,6 +307,75 @@ impl TextRecords {
             }
             line += count_newlines(&bytes[pos..pos + used]);
             pos += used;
+        }
+        Ok(())
+    }
+}
+
+impl TextRecords {
+    /// Reads the wanted columns of a Parquet file; a row's "line" is its
+    /// 1-based row number.
+    fn read_parquet(&mut self, file: File) -> Result<()> {
+        use parquet::file::reader::{FileReader, SerializedFileReader};
+        use parquet::record::Field;
+        let path = self.path.clone();
+        let bad = |reason: String| {
+            Error::invalid_argument("data", format!("{}: {reason}", path.display()))
+        };
+        let reader = SerializedFileReader::new(file)
+            .map_err(|e| bad(format!("not a Parquet file Kiln reads: {e}")))?;
+        let schema = reader.metadata().file_metadata().schema_descr();
+        let names: Vec<String> = schema.columns().iter().map(|c| c.path().string()).collect();
+        for c in &self.columns {
+            if !names.contains(c) {
+                return Err(bad(format!(
+                    "no column `{c}` (the file has: {})",
+                    names.join(", ")
+                )));
+            }
+        }
+        let rows = reader
+            .get_row_iter(None)
+            .map_err(|e| bad(format!("reading its rows: {e}")))?;
+        for (i, row) in rows.enumerate() {
+            let row = row.map_err(|e| bad(format!("row {}: {e}", i + 1)))?;
+            let mut values = vec![None; self.columns.len()];
+            for (name, field) in row.get_column_iter() {
+                let Some(k) = self.columns.iter().position(|c| c == name) else {
+                    continue;
+                };
+                values[k] = Some(match field {
+                    Field::Str(s) => s.clone(),
+                    Field::Null => {
+                        return Err(bad(format!("row {}: column `{name}` is null", i + 1)))
+                    }
+                    Field::Bool(_)
+                    | Field::Byte(_)
+                    | Field::Short(_)
+                    | Field::Int(_)
+                    | Field::Long(_)
+                    | Field::UByte(_)
+                    | Field::UShort(_)
+                    | Field::UInt(_)
+                    | Field::ULong(_)
+                    | Field::Float(_)
+                    | Field::Double(_) => field.to_string(),
+                    other => {
+                        return Err(bad(format!(
+                            "row {}: column `{name}` holds {other}, not text",
+                            i + 1
+                        )))
+                    }
+                });
+            }
+            let values: Vec<String> = values
+                .into_iter()
+                .zip(&self.columns)
+                .map(|(v, c)| v.ok_or_else(|| bad(format!("row {}: no column `{c}`", i + 1))))
+                .collect::<Result<_>>()?;
+            self.values.push(values);
+            self.rows.push((0, 0));
+            self.lines.push(u32::try_from(i + 1).unwrap_or(u32::MAX));
         }
         Ok(())
     }
