@@ -119,6 +119,14 @@ fn lora_fine_tunes_resumes_generates_and_exports_through_the_cli() {
     let last = Checkpoint::load(&whole.join("checkpoints/last.safetensors")).unwrap();
     let lora = last.lora.clone().unwrap();
     assert_eq!((lora.r, lora.alpha), (4, 8.0));
+    let shown = kiln_stdout(&[
+        "inspect",
+        whole.join("checkpoints/last.safetensors").to_str().unwrap(),
+    ]);
+    assert!(
+        shown.contains("lora        r = 4, alpha = 8, dropout = 0.1 on q_proj"),
+        "{shown}"
+    );
     let base = kiln::hf::Pretrained::open(refs.join("base")).unwrap();
     let pretrained = base.load_weights().unwrap();
     for (name, tensor) in pretrained.iter() {
@@ -126,10 +134,13 @@ fn lora_fine_tunes_resumes_generates_and_exports_through_the_cli() {
     }
     // The PEFT adapter in the run directory holds the checkpoint's adapters.
     let (read, adapters) = base.load_adapter(whole.join("adapter")).unwrap();
+    // The resumed run's adapter is its last epoch's, the uninterrupted run's.
+    let resumed = base.load_adapter(stopped.join("adapter")).unwrap().1;
     assert_eq!((read.r, read.alpha, read.dropout), (4, 8.0, 0.1));
     assert_eq!(adapters.len(), 12);
     for (name, tensor) in adapters.iter() {
         assert_eq!(last.model.get(name), Some(tensor), "{name}");
+        assert_eq!(resumed.get(name), Some(tensor), "resumed {name}");
     }
 
     // The base model with the run's adapter generates what the checkpoint does.
@@ -235,6 +246,12 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
     let train_jsonl = refs.join("train.jsonl");
+    let classify = dir.join("classify.jsonl");
+    std::fs::write(
+        &classify,
+        "{\"text\": \"short\", \"label\": 0}\n{\"text\": \"a much longer sentence\", \"label\": 1}\n",
+    )
+    .unwrap();
     let cases: Vec<(String, String, &str)> = vec![
         (
             instruction_data(&refs).replace("{answer}", "{answr}"),
@@ -271,6 +288,14 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
             ),
             String::new(),
             "set max_length",
+        ),
+        (
+            format!(
+                "path = \"{}\"\ntext_column = \"text\"\nlabel_column = \"label\"\nval_fraction = 0",
+                classify.display()
+            ),
+            String::new(),
+            "needs attention masks",
         ),
     ];
     for (i, (data, extra, expected)) in cases.iter().enumerate() {

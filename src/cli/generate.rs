@@ -47,7 +47,8 @@ fn without_loss_flatten(definition: Layer) -> Layer {
 fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
     if adapter.is_some() && !path.is_dir() {
         anyhow::bail!(
-            "--adapter applies to a Hugging Face model directory (the adapter's base model); a              Kiln checkpoint holds its adapters already"
+            "--adapter applies to a Hugging Face model directory (the adapter's base model); a \
+             Kiln checkpoint holds its adapters already"
         );
     }
     if path.is_dir() {

@@ -88,6 +88,15 @@ pub(crate) fn inspect<E: Engines>(path: &Path) -> Result<()> {
     if let Some(def) = &checkpoint.model_definition {
         outln!("model       {}", serde_json::to_string(def)?);
     }
+    if let Some(lora) = &checkpoint.lora {
+        outln!(
+            "lora        r = {}, alpha = {}, dropout = {} on {}",
+            lora.r,
+            lora.alpha,
+            lora.dropout,
+            lora.target_modules.join(", ")
+        );
+    }
     if let Some(s) = &checkpoint.scheduler {
         outln!("schedule    {s}");
     }

@@ -235,7 +235,9 @@ impl DataConfig {
             }),
             _ => Err(Error::invalid_argument(
                 "data",
-                "dataset = \"text\" takes `text_column` (a language model's text),                  `text_column` and `label_column` (classification), or `prompt_template` and                  `response_template` (instruction pairs)",
+                "dataset = \"text\" takes `text_column` (a language model's text), \
+                 `text_column` and `label_column` (classification), or `prompt_template` and \
+                 `response_template` (instruction pairs)",
             )),
         }
     }

@@ -91,6 +91,20 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
             let lengths = text
                 .check_lengths(threads)
                 .with_context(|| format!("data.{key} ({})", path.display()))?;
+            // A classifier reads a position that depends on every token: padded
+            // rows would need attention masks, which Kiln's layers do not take yet.
+            if !task.is_causal() && data.batch_size > 1 {
+                if let (Some(lo), Some(hi)) = (lengths.iter().min(), lengths.iter().max()) {
+                    if lo != hi {
+                        anyhow::bail!(
+                            "data.{key} ({}): the rows are {lo} to {hi} tokens long; a classifier \
+                             over padded batches needs attention masks, which Kiln's models do \
+                             not take yet: set data.batch_size = 1, or give rows of one length",
+                            path.display()
+                        );
+                    }
+                }
+            }
             log::info!(
                 "{}: {} examples, {} tokens",
                 path.display(),
