@@ -314,13 +314,15 @@ impl RunConfig {
             Loss::CrossEntropy(c) => match c.ignore_index {
                 None => c.ignore_index = Some(kiln_data::text::IGNORE_INDEX),
                 Some(kiln_data::text::IGNORE_INDEX) => {}
-                Some(other) => return Err(Error::invalid_argument(
-                    "loss.ignore_index",
-                    format!(
+                Some(other) => {
+                    return Err(Error::invalid_argument(
+                        "loss.ignore_index",
+                        format!(
                         "text data marks the positions without a target with -100, not {other}; \
                              leave ignore_index out or set it to -100"
                     ),
-                )),
+                    ))
+                }
             },
             other => {
                 return Err(Error::invalid_argument(
