@@ -6,18 +6,15 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Result};
-use kiln::core::backend::StepPlan;
+use anyhow::Result;
 use kiln::core::lora::LoraConfig;
-use kiln::core::loss::{CrossEntropyConfig, Loss};
-use kiln::core::optim::{AdamWConfig, Optimizer, OptimizerConfig};
 use kiln::data::text::{PackedText, PadCollate, TextDataset, TextOptions, TextTask};
 use kiln::data::PrefetchLoader;
-use kiln::hf::{Pretrained, TextTokenizer};
+use kiln::hf::TextTokenizer;
 use kiln::prelude::*;
-use kiln::torch::{TorchBackend, TorchModel};
 use serde_json::{json, Value};
 
+use crate::llm::{BATCH, SEQ};
 use crate::tasks::TaskArgs;
 use crate::worker::{median, timed};
 
@@ -35,9 +32,6 @@ pub const VARIANTS: [&str; 6] = [
     "python-text",
 ];
 
-/// Sequences per training batch, tokens per sequence (as (k)).
-pub const BATCH: usize = 2;
-pub const SEQ: usize = 256;
 /// The text pipeline's block and batch.
 pub const BLOCK: usize = 256;
 pub const TEXT_BATCH: usize = 8;
@@ -59,67 +53,10 @@ pub fn lora() -> LoraConfig {
 pub fn worker(variant: &str, a: &TaskArgs) -> Result<Value> {
     match variant {
         "kiln-text" => text(a),
-        "kiln-full" | "kiln-lora" => train(variant == "kiln-lora", a),
+        "kiln-full" => crate::llm::train(a, false, None),
+        "kiln-lora" => crate::llm::train(a, false, Some(&lora())),
         other => anyhow::bail!("{other} is not a Kiln variant of (l)"),
     }
-}
-
-fn train(lora: bool, a: &TaskArgs) -> Result<Value> {
-    let pretrained = Pretrained::open(a.dir.join("model"))?;
-    let (io, _) = StateDict::load_safetensors(a.dir.join("tokens.safetensors"))?;
-    let ids = io
-        .get("train")
-        .cloned()
-        .ok_or_else(|| anyhow::anyhow!("tokens.safetensors has no `train`"))?;
-    ensure!(
-        ids.dims() == [BATCH, SEQ + 1],
-        "train tokens {:?}",
-        ids.dims()
-    );
-    let Layer::Sequential { mut layers } = pretrained.layer().clone() else {
-        anyhow::bail!("the model is a sequential");
-    };
-    layers.push(Layer::Flatten {
-        start_dim: 0,
-        end_dim: 1,
-    });
-    TorchBackend::manual_seed(0);
-    let mut model = TorchModel::new(&Layer::sequential(layers), a.device)?;
-    model.load_state_dict(&pretrained.load_weights()?)?;
-    if lora {
-        model.add_lora(&self::lora())?;
-    }
-    let mut optimizer =
-        model.build_optimizer(&OptimizerConfig::AdamW(AdamWConfig::new(1e-4)), &[])?;
-    let all = ids.as_slice::<i64>()?;
-    let inputs: Vec<i64> = all
-        .chunks(SEQ + 1)
-        .flat_map(|r| r[..SEQ].to_vec())
-        .collect();
-    let targets: Vec<i64> = all.chunks(SEQ + 1).flat_map(|r| r[1..].to_vec()).collect();
-    let x = TorchBackend::from_host(&HostTensor::new(inputs, [BATCH, SEQ])?, a.device)?;
-    let y = TorchBackend::from_host(&HostTensor::new(targets, [BATCH * SEQ])?, a.device)?;
-    let loss_fn = Loss::CrossEntropy(CrossEntropyConfig::default());
-    let plan = StepPlan {
-        loss: &loss_fn,
-        scale: 1.0,
-        apply: true,
-        clip: None,
-    };
-    let mut losses = Vec::new();
-    let times = timed(a.warmup.min(1), a.repeats.min(3), || {
-        optimizer.zero_grad()?;
-        losses.push(model.train_step(&mut optimizer, &x, &y, &plan)?);
-        Ok(())
-    })?;
-    let m = median(times.clone());
-    Ok(json!({
-        "repeats_s": times,
-        "steps_per_s": 1.0 / m,
-        "tokens_per_s": (BATCH * SEQ) as f64 / m,
-        "losses": losses,
-        "trainable": model.num_trainable_parameters()?,
-    }))
 }
 
 fn text(a: &TaskArgs) -> Result<Value> {

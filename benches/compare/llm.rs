@@ -12,6 +12,7 @@ use std::path::Path;
 use anyhow::{ensure, Result};
 use kiln::core::backend::StepPlan;
 use kiln::core::generation::GenerationConfig;
+use kiln::core::lora::LoraConfig;
 use kiln::core::loss::Loss;
 use kiln::core::optim::{AdamWConfig, Optimizer, OptimizerConfig};
 use kiln::hf::Pretrained;
@@ -80,60 +81,74 @@ pub fn worker(variant: &str, a: &TaskArgs) -> Result<Value> {
             }
             Ok(out)
         }
-        "kiln-train-f32" | "kiln-train-bf16" => {
-            let Layer::Sequential { mut layers } = pretrained.layer().clone() else {
-                anyhow::bail!("the model is a sequential");
-            };
-            layers.push(Layer::Flatten {
-                start_dim: 0,
-                end_dim: 1,
-            });
-            TorchBackend::manual_seed(0);
-            let mut model = TorchModel::new(&Layer::sequential(layers), a.device)?;
-            model.load_state_dict(&pretrained.load_weights()?)?;
-            if variant.ends_with("bf16") {
-                model.to_dtype(DType::BF16)?;
-            }
-            let mut optimizer =
-                model.build_optimizer(&OptimizerConfig::AdamW(AdamWConfig::new(1e-4)), &[])?;
-            let ids = get("train")?;
-            ensure!(
-                ids.dims() == [BATCH, SEQ + 1],
-                "train tokens {:?}",
-                ids.dims()
-            );
-            let all = ids.as_slice::<i64>()?;
-            let inputs: Vec<i64> = all
-                .chunks(SEQ + 1)
-                .flat_map(|r| r[..SEQ].to_vec())
-                .collect();
-            let targets: Vec<i64> = all.chunks(SEQ + 1).flat_map(|r| r[1..].to_vec()).collect();
-            let x = TorchBackend::from_host(&HostTensor::new(inputs, [BATCH, SEQ])?, a.device)?;
-            let y = TorchBackend::from_host(&HostTensor::new(targets, [BATCH * SEQ])?, a.device)?;
-            let loss_fn = Loss::cross_entropy();
-            let plan = StepPlan {
-                loss: &loss_fn,
-                scale: 1.0,
-                apply: true,
-                clip: None,
-            };
-            let mut losses = Vec::new();
-            let times = timed(a.warmup.min(1), a.repeats.min(3), || {
-                optimizer.zero_grad()?;
-                losses.push(model.train_step(&mut optimizer, &x, &y, &plan)?);
-                Ok(())
-            })?;
-            let m = median(times.clone());
-            Ok(json!({
-                "repeats_s": times,
-                "steps_per_s": 1.0 / m,
-                "tokens_per_s": (BATCH * SEQ) as f64 / m,
-                "losses": losses,
-                "parameters": pretrained.layer().num_parameters()?,
-            }))
-        }
+        "kiln-train-f32" | "kiln-train-bf16" => train(a, variant.ends_with("bf16"), None),
         other => anyhow::bail!("{other} is not a Kiln variant of (k)"),
     }
+}
+
+/// AdamW steps of the model (in bfloat16 when `bf16`, with `lora`'s adapters
+/// and the rest frozen when given) on the task's 2 x 256 tokens, timed; (l)
+/// runs it too.
+pub fn train(a: &TaskArgs, bf16: bool, lora: Option<&LoraConfig>) -> Result<Value> {
+    let pretrained = Pretrained::open(a.dir.join("model"))?;
+    let (io, _) = StateDict::load_safetensors(a.dir.join("tokens.safetensors"))?;
+    let ids = io
+        .get("train")
+        .cloned()
+        .ok_or_else(|| anyhow::anyhow!("tokens.safetensors has no `train`"))?;
+    let Layer::Sequential { mut layers } = pretrained.layer().clone() else {
+        anyhow::bail!("the model is a sequential");
+    };
+    layers.push(Layer::Flatten {
+        start_dim: 0,
+        end_dim: 1,
+    });
+    TorchBackend::manual_seed(0);
+    let mut model = TorchModel::new(&Layer::sequential(layers), a.device)?;
+    model.load_state_dict(&pretrained.load_weights()?)?;
+    if let Some(lora) = lora {
+        model.add_lora(lora)?;
+    }
+    if bf16 {
+        model.to_dtype(DType::BF16)?;
+    }
+    let mut optimizer =
+        model.build_optimizer(&OptimizerConfig::AdamW(AdamWConfig::new(1e-4)), &[])?;
+    ensure!(
+        ids.dims() == [BATCH, SEQ + 1],
+        "train tokens {:?}",
+        ids.dims()
+    );
+    let all = ids.as_slice::<i64>()?;
+    let inputs: Vec<i64> = all
+        .chunks(SEQ + 1)
+        .flat_map(|r| r[..SEQ].to_vec())
+        .collect();
+    let targets: Vec<i64> = all.chunks(SEQ + 1).flat_map(|r| r[1..].to_vec()).collect();
+    let x = TorchBackend::from_host(&HostTensor::new(inputs, [BATCH, SEQ])?, a.device)?;
+    let y = TorchBackend::from_host(&HostTensor::new(targets, [BATCH * SEQ])?, a.device)?;
+    let loss_fn = Loss::cross_entropy();
+    let plan = StepPlan {
+        loss: &loss_fn,
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    let mut losses = Vec::new();
+    let times = timed(a.warmup.min(1), a.repeats.min(3), || {
+        optimizer.zero_grad()?;
+        losses.push(model.train_step(&mut optimizer, &x, &y, &plan)?);
+        Ok(())
+    })?;
+    let m = median(times.clone());
+    Ok(json!({
+        "repeats_s": times,
+        "steps_per_s": 1.0 / m,
+        "tokens_per_s": (BATCH * SEQ) as f64 / m,
+        "losses": losses,
+        "parameters": pretrained.layer().num_parameters()?,
+        "trainable": model.num_trainable_parameters()?,
+    }))
 }
 
 /// The table of (k).

@@ -39,30 +39,24 @@ pub(crate) fn loader(
     };
     match split {
         Split::Tensors(x, y) => {
-            let mut loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?
-                .num_workers(data.workers)
-                .drop_last(shuffle && data.drop_last);
-            if shuffle {
-                loader = loader.shuffle(config.seed);
-            }
-            if let Some(sampler) = sampler(shuffle)? {
-                loader = loader.sampler(sampler);
-            }
-            Ok(Box::new(loader))
+            let loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?;
+            Ok(Box::new(ordered(
+                loader,
+                config,
+                shuffle,
+                sampler(shuffle)?,
+            )))
         }
         Split::Text(split) => {
             let collate =
                 kiln_data::text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
-            let mut loader = PrefetchLoader::with_collate(split.dataset, data.batch_size, collate)?
-                .num_workers(data.workers)
-                .drop_last(shuffle && data.drop_last);
-            if shuffle {
-                loader = loader.shuffle(config.seed);
-            }
-            if let Some(sampler) = sampler(shuffle)? {
-                loader = loader.sampler(sampler);
-            }
-            Ok(Box::new(loader))
+            let loader = PrefetchLoader::with_collate(split.dataset, data.batch_size, collate)?;
+            Ok(Box::new(ordered(
+                loader,
+                config,
+                shuffle,
+                sampler(shuffle)?,
+            )))
         }
         Split::Images(split) => {
             let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
@@ -91,6 +85,26 @@ pub(crate) fn loader(
             Ok(Box::new(loader))
         }
     }
+}
+
+/// `loader` with the config's workers and last batch, the seeded shuffle
+/// when training, and the rank's share.
+fn ordered<D: kiln_data::Dataset, C>(
+    loader: PrefetchLoader<D, C>,
+    config: &RunConfig,
+    shuffle: bool,
+    sampler: Option<kiln_data::DistributedSampler>,
+) -> PrefetchLoader<D, C> {
+    let mut loader = loader
+        .num_workers(config.data.workers)
+        .drop_last(shuffle && config.data.drop_last);
+    if shuffle {
+        loader = loader.shuffle(config.seed);
+    }
+    if let Some(sampler) = sampler {
+        loader = loader.sampler(sampler);
+    }
+    loader
 }
 
 /// `data.shuffle_buffer` when not set: webdataset's common choice.
