@@ -3,8 +3,9 @@
 //! `tests/reference/lora.py`); a run stopped after one epoch resumes to the
 //! uninterrupted run's losses; the run's PEFT adapter and its checkpoint
 //! generate the same tokens; the checkpoint exports with the adapters
-//! merged; packing and CSV text train; bad data, templates, targets and
-//! adapters are refused by name before anything is written.
+//! merged; packing (from Parquet), CSV instruction pairs and truncated text
+//! classification train; bad data, templates, targets and adapters are
+//! refused by name before anything is written.
 
 #![allow(clippy::unwrap_used)]
 
@@ -242,6 +243,44 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
     );
     assert_eq!(losses(&dir.join("csv-run")).len(), 1);
 
+    // Text classification (a new head, rows one at a time), the tokenizer named,
+    // rows truncated to 6 tokens.
+    let labelled = dir.join("labelled.jsonl");
+    std::fs::write(
+        &labelled,
+        "{\"text\": \"The fox sleeps by the river.\", \"label\": 1}\n{\"text\": \"Where?\", \"label\": 0}\n".repeat(4),
+    )
+    .unwrap();
+    let classify_data = format!(
+        "path = \"{}\"\nval_fraction = 0\ntext_column = \"text\"\nlabel_column = \"label\"\nmax_length = 6\ntruncation = true\ntokenizer = \"{}\"",
+        labelled.display(),
+        refs.join("base").display()
+    );
+    let cfg = config(&dir, &refs, "classify", &classify_data, "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("batch_size = 4", "batch_size = 1")
+        .replace("[data]", "num_labels = 2\n\n[data]");
+    std::fs::write(&cfg, text).unwrap();
+    let printed = train(
+        cfg.to_str().unwrap(),
+        &dir.join("classify-run"),
+        &["--epochs", "1"],
+    );
+    assert!(printed.contains("8 training"), "{printed}");
+    assert_eq!(losses(&dir.join("classify-run")).len(), 8);
+    // With LoRA, a new head would stay frozen: refused.
+    let with_lora = dir.join("classify-lora.toml");
+    std::fs::write(
+        &with_lora,
+        std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("[model]", &format!("{LORA}\n\n[model]")),
+    )
+    .unwrap();
+    let err = kiln_fails(&["train", "--config", with_lora.to_str().unwrap()]);
+    assert!(err.contains("the head would stay frozen"), "{err}");
+
     // Bad inputs name what is wrong, and nothing is written.
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "\n").unwrap();
@@ -396,7 +435,7 @@ fn lora_on_two_ranks_trains_as_one_process() {
     let Some(refs) = references(test) else {
         return;
     };
-    let lora = LORA.replace("dropout = 0.1", "dropout = 0.0");
+    let lora = LORA.replace("dropout = 0.1", "dropout = 0.0\nuse_rslora = true");
     let data = format!("{}\ndrop_last = true", instruction_data(&refs));
     let single_cfg = config(&dir, &refs, "single", &data, &lora);
     let ranks_cfg = dir.join("ranks.toml");

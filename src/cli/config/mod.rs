@@ -355,6 +355,16 @@ impl RunConfig {
         self.model.validate()?;
         if let Some(lora) = &self.lora {
             lora.targets(&self.model)?;
+            if let Some(p) = &self.pretrained {
+                if p.head.is_some() || p.num_labels.is_some() {
+                    return Err(Error::invalid_argument(
+                        "lora",
+                        "with a new head (`model.head`, `model.num_labels`) the head would stay \
+                         frozen at its initial weights: LoRA adapts a pretrained model's own \
+                         projections (PEFT's `modules_to_save` is not implemented)",
+                    ));
+                }
+            }
             if self.backend != BackendKind::Torch {
                 return Err(Error::invalid_argument(
                     "lora",
