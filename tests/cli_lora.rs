@@ -19,19 +19,7 @@ use kiln::train::Checkpoint;
 /// The reference models and data, made once per test binary.
 fn references(test: &str) -> Option<PathBuf> {
     static MADE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let python = kiln_testkit::python(test)?;
-    Some(
-        MADE.get_or_init(|| {
-            let out = scratch("lora-references");
-            kiln_testkit::run_reference(
-                &python,
-                &kiln_testkit::workspace_root().join("tests/reference/lora.py"),
-                &[Path::new("make"), &out],
-            );
-            out
-        })
-        .clone(),
-    )
+    common::made_once(test, &MADE, "lora.py", "lora-references")
 }
 
 /// A config over `refs`' base model: `data` is the `[data]` body, `extra`

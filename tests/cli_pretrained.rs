@@ -21,19 +21,7 @@ use kiln::train::Checkpoint;
 /// scratch directory), or `None` without Python.
 fn models(test: &str) -> Option<PathBuf> {
     static MADE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
-    let python = kiln_testkit::python(test)?;
-    Some(
-        MADE.get_or_init(|| {
-            let out = scratch("pretrained-models");
-            kiln_testkit::run_reference(
-                &python,
-                &kiln_testkit::workspace_root().join("tests/reference/pretrained.py"),
-                &[Path::new("make"), &out],
-            );
-            out
-        })
-        .clone(),
-    )
+    common::made_once(test, &MADE, "pretrained.py", "pretrained-models")
 }
 
 /// 96 rows of 8 token ids and a label: whether the last token is in the upper

@@ -398,8 +398,14 @@ def llm(args, variant):
         return out
     if variant.endswith("bf16"):
         model = model.to(torch.bfloat16)
+    return train_steps(args, model, tokens, device)
+
+
+def train_steps(args, model, tokens, device):
+    """AdamW steps (lr 1e-4) of `model`'s trainable parameters on (k)'s tokens, timed."""
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
     ids = tokens["train"].to(device)
     x, y = ids[:, :-1], ids[:, 1:].reshape(-1)
     losses = []
@@ -416,7 +422,7 @@ def llm(args, variant):
     times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), step)
     m = statistics.median(times)
     return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": LLM_BATCH * LLM_SEQ / m,
-            "losses": losses}
+            "losses": losses, "trainable": sum(p.numel() for p in params)}
 
 
 FT_BLOCK, FT_TEXT_BATCH = 256, 8
@@ -505,26 +511,7 @@ def finetune(args, variant):
 
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                  target_modules=FT_TARGETS, task_type="CAUSAL_LM"))
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    ids = tokens["train"].to(device)
-    x, y = ids[:, :-1], ids[:, 1:].reshape(-1)
-    losses = []
-
-    def step():
-        opt.zero_grad()
-        logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y)
-        loss.backward()
-        opt.step()
-        synchronize(device)
-        losses.append(float(loss))
-
-    times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), step)
-    m = statistics.median(times)
-    return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": LLM_BATCH * LLM_SEQ / m,
-            "losses": losses, "trainable": sum(p.numel() for p in params)}
+    return train_steps(args, model, tokens, device)
 
 
 def main():

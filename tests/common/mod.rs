@@ -158,3 +158,29 @@ pub fn kiln_fails(args: &[&str]) -> String {
     assert!(!out.status.success(), "kiln {args:?} succeeded");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// The directory that `tests/reference/{script} make DIR` fills, made once per
+/// test binary in `cell` (the first caller's scratch directory `name`), or
+/// `None` where the Python reference cannot run.
+pub fn made_once(
+    test: &str,
+    cell: &'static std::sync::OnceLock<PathBuf>,
+    script: &str,
+    name: &str,
+) -> Option<PathBuf> {
+    let python = kiln_testkit::python(test)?;
+    Some(
+        cell.get_or_init(|| {
+            let out = scratch(name);
+            kiln_testkit::run_reference(
+                &python,
+                &kiln_testkit::workspace_root()
+                    .join("tests/reference")
+                    .join(script),
+                &[Path::new("make"), &out],
+            );
+            out
+        })
+        .clone(),
+    )
+}
