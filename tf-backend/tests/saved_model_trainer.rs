@@ -134,9 +134,12 @@ impl Fixture {
     }
 
     /// What Python's `tf.saved_model.load(dir)` serves on `serve_input`, and the
-    /// optimizer's restored step count.
+    /// optimizer's restored step count. Its files go next to `dir`, in the calling test's own scratch directory:
+    /// tests run in parallel and must not share one.
     fn python_serve(&self, dir: &Path) -> (HostTensor, HostTensor, Option<i64>) {
-        let work = common::scratch_dir("saved-model-trainer-python-serve");
+        let work = dir
+            .parent()
+            .expect("a saved model inside a scratch directory");
         let input = work.join("input.json");
         std::fs::write(&input, tensor_json(&self.serve_input()).to_string()).unwrap();
         let out = work.join("out.json");
