@@ -8,14 +8,17 @@
 //! | [`before_forward`](StepHooks::before_forward) | before each micro-batch's forward pass | rank 0's buffers; the reducer's bookkeeping |
 //! | [`before_backward`](StepHooks::before_backward) | eager engines, loss known, before `backward` | starts the loss mean; hooks the gradients |
 //! | [`backward_failed`](StepHooks::backward_failed) | the backward pass failed | names the rank that died |
+//! | [`after_backward`](StepHooks::after_backward) | eager engines, after a `backward` that succeeded | (ZeRO-2: reduce-scatters the gradients, keeps its shard) |
 //! | [`agreed_loss`](StepHooks::agreed_loss) | after `backward` | the loss averaged over the ranks |
+//! | [`global_grad_norm`](StepHooks::global_grad_norm) | clipping by norm, this rank's gradients' norm known | (ZeRO-2: the norm over every rank's shard) |
+//! | [`after_update`](StepHooks::after_update) | after the optimizer step | (ZeRO: every rank's updated parameters, gathered) |
 //! | [`reduce_flat`](StepHooks::reduce_flat) | graph engines, gradients fetched as one vector | averages them (and the loss) in place |
 //! | [`skipped`](StepHooks::skipped) | the agreed loss is not finite, nothing applied | undoes `before_forward` |
 //! | [`sync_buffers`](StepHooks::sync_buffers) | before evaluating | rank 0's buffers |
 //!
-//! A second strategy (state sharded across ranks, parameters gathered per
-//! block) is a second implementation of [`StepHooks`] around the same modules;
-//! no model type changes.
+//! The sharded strategies (kiln-c10d's ZeRO stages) are further
+//! implementations of [`StepHooks`] around the same modules; no model type
+//! changes.
 //!
 //! ```
 //! use kiln_core::backend::Backend;
@@ -98,6 +101,25 @@ pub trait StepHooks<B: Backend>: Send {
         error
     }
 
+    /// Eager engines, after a backward pass that succeeded: the gradients are
+    /// in the parameters' `.grad` (accumulated over the micro-batches so far).
+    fn after_backward(&mut self, sync: bool) -> Result<()> {
+        let _ = sync;
+        Ok(())
+    }
+
+    /// Clipping by norm: the `norm_type`-norm of every rank's gradients, given
+    /// `local`, this rank's (the same value unless gradients are sharded).
+    fn global_grad_norm(&mut self, local: f64, norm_type: f64) -> Result<f64> {
+        let _ = norm_type;
+        Ok(local)
+    }
+
+    /// After the optimizer step of a micro-batch that applies.
+    fn after_update(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Eager engines, after the backward pass: the loss every rank decides on
     /// (the mean over the ranks under data parallelism).
     fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
@@ -148,8 +170,17 @@ impl<B: Backend> StepHooks<B> for Box<dyn StepHooks<B>> {
     fn backward_failed(&mut self, error: Error, sync: bool) -> Error {
         (**self).backward_failed(error, sync)
     }
+    fn after_backward(&mut self, sync: bool) -> Result<()> {
+        (**self).after_backward(sync)
+    }
     fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
         (**self).agreed_loss(local_loss)
+    }
+    fn global_grad_norm(&mut self, local: f64, norm_type: f64) -> Result<f64> {
+        (**self).global_grad_norm(local, norm_type)
+    }
+    fn after_update(&mut self) -> Result<()> {
+        (**self).after_update()
     }
     fn reduce_flat(&mut self, flat: &mut [f32], sync: bool) -> Result<()> {
         (**self).reduce_flat(flat, sync)

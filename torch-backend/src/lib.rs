@@ -75,7 +75,9 @@ pub use freeze::Freeze;
 pub use generate::{generate, KvCache};
 pub use loss::compute_loss;
 pub use model::TorchModel;
-pub use optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
+pub use optim::{
+    clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value, TorchOptimizer,
+};
 pub use script::{resolve_torchscript_shapes, ScriptModule};
 pub use train::train_step;
 

@@ -19,7 +19,9 @@ use crate::error::torch_error;
 use crate::freeze::Freeze;
 use crate::loss::compute_loss;
 use crate::model::TorchModel;
-use crate::optim::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value, TorchOptimizer};
+use crate::optim::{
+    clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value, TorchOptimizer,
+};
 use crate::script::ScriptModule;
 
 impl TrainBackend for TorchBackend {
@@ -266,6 +268,7 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
         hooks.before_backward(value, &scaled, plan.apply)?;
     }
     TorchBackend::backward(&scaled).map_err(|e| hooks.backward_failed(e, plan.apply))?;
+    hooks.after_backward(plan.apply)?;
     let result = match local {
         StepLoss::Host(value) => {
             let agreed = hooks.agreed_loss(value)?;
@@ -278,7 +281,8 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
         device => device,
     };
     if plan.apply {
-        apply_update(model, optimizer, plan.clip, on_device)?;
+        apply_update(model, optimizer, plan.clip, on_device, hooks)?;
+        hooks.after_update()?;
     }
     Ok(result)
 }
@@ -287,12 +291,15 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
 /// unscaled first, so that clipping sees their true values (`scaler.unscale_`
 /// before `clip_grad_norm_`); then clipping (on the device when `on_device`: no
 /// norm read back) and the optimizer step, which under loss scaling skips
-/// inf/NaN gradients and updates the scale.
+/// inf/NaN gradients and updates the scale. Clipping by norm on the host
+/// takes the norm over every rank's gradients from `hooks` (a strategy that
+/// shards them knows it).
 fn apply_update<M: Module<TorchBackend> + ?Sized>(
     model: &M,
     optimizer: &mut TorchOptimizer,
     clip: Option<&GradClip>,
     on_device: bool,
+    hooks: &mut dyn StepHooks<TorchBackend>,
 ) -> Result<()> {
     use kiln_core::optim::Optimizer;
     if let Some(clip) = clip {
@@ -305,6 +312,15 @@ fn apply_update<M: Module<TorchBackend> + ?Sized>(
             } if on_device => {
                 let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
                 clip_grad_norm_on_device(&tensors, *max_norm, *norm_type)?;
+            }
+            GradClip::Norm {
+                max_norm,
+                norm_type,
+            } => {
+                let tensors: Vec<&Tensor> = params.iter().map(|(_, t)| t).collect();
+                clip_grad_norm_with(&tensors, *max_norm, *norm_type, |local| {
+                    hooks.global_grad_norm(local, *norm_type)
+                })?;
             }
             _ => TorchBackend::clip_gradients(&params, clip)?,
         }

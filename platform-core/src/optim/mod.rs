@@ -106,6 +106,15 @@ pub trait Optimizer<B: Backend> {
         }
     }
 
+    /// Whether [`state_dict`](Optimizer::state_dict) and
+    /// [`state_tensors`](Optimizer::state_tensors) are collectives that every
+    /// rank of a job must call at the same point (an optimizer whose state is
+    /// sharded across the ranks gathers it): the trainer of a rank that writes
+    /// no checkpoint then calls them too whenever rank 0 writes one.
+    fn state_is_collective(&self) -> bool {
+        false
+    }
+
     /// Host copies of the optimizer's internal state (moments, step counts),
     /// with PyTorch-style names, for checkpoints.
     fn state_dict(&self) -> Result<StateDict>;

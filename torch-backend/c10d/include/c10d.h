@@ -55,6 +55,12 @@ class DistGroup {
   // The tensor of every rank, stacked along a new leading axis.
   std::unique_ptr<at::Tensor> all_gather(const at::Tensor& tensor) const;
   void barrier() const;
+  // `input` (world size x output's elements, rank-major) reduced over the ranks,
+  // rank r keeping segment r in `output` (c10d's reduce_scatter_tensor).
+  void reduce_scatter_flat(const at::Tensor& output, const at::Tensor& input, ReduceKind op) const;
+  // Every rank's `input` into `output` (world size x input's elements, rank-major;
+  // c10d's all_gather_into_tensor).
+  void all_gather_flat(const at::Tensor& output, const at::Tensor& input) const;
   // An in-place all-reduce of host float32 memory owned by the caller (wrapped
   // with at::from_blob, no copy): how TensorFlow's gradients are reduced.
   void all_reduce_host_f32(rust::Slice<float> data, ReduceKind op) const;

@@ -85,6 +85,13 @@ pub(crate) mod ffi {
         fn wait(self: &PendingWork) -> Result<()>;
         fn all_gather(self: &DistGroup, tensor: &Tensor) -> Result<UniquePtr<Tensor>>;
         fn barrier(self: &DistGroup) -> Result<()>;
+        fn reduce_scatter_flat(
+            self: &DistGroup,
+            output: &Tensor,
+            input: &Tensor,
+            op: ReduceKind,
+        ) -> Result<()>;
+        fn all_gather_flat(self: &DistGroup, output: &Tensor, input: &Tensor) -> Result<()>;
         fn all_reduce_host_f32(self: &DistGroup, data: &mut [f32], op: ReduceKind) -> Result<()>;
         fn broadcast_coalesced(
             self: &DistGroup,

@@ -211,6 +211,24 @@ std::unique_ptr<at::Tensor> DistGroup::all_gather(const at::Tensor& tensor) cons
   return std::make_unique<at::Tensor>(rethrowing("all_gather", [&] { return at::stack(outputs[0]); }));
 }
 
+void DistGroup::reduce_scatter_flat(const at::Tensor& output, const at::Tensor& input,
+                                    ReduceKind op) const {
+  at::Tensor out = output;
+  at::Tensor in = input;
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = reduce_op(op);
+  auto work = rethrowing("reduce_scatter",
+                         [&] { return state_->group->_reduce_scatter_base(out, in, options); });
+  wait(work, "reduce_scatter");
+}
+
+void DistGroup::all_gather_flat(const at::Tensor& output, const at::Tensor& input) const {
+  at::Tensor out = output;
+  at::Tensor in = input;
+  auto work = rethrowing("all_gather", [&] { return state_->group->_allgather_base(out, in); });
+  wait(work, "all_gather");
+}
+
 void DistGroup::barrier() const {
   auto work = rethrowing("barrier", [&] { return state_->group->barrier(); });
   wait(work, "barrier");

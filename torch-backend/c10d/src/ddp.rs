@@ -95,29 +95,9 @@ impl DistributedDataParallel {
                 format!("must be positive, got {}", options.bucket_cap_mb),
             ));
         }
-        let trained: Vec<&(String, Tensor)> =
-            params.iter().filter(|(_, t)| t.requires_grad()).collect();
-        if trained.is_empty() {
-            return Err(Error::distributed(
-                "DistributedDataParallel",
-                "the model has no parameter that requires a gradient",
-            ));
-        }
+        let trained = take_rank_zeros_model(&group, "DistributedDataParallel", params, buffers)?;
         let tensors: Vec<&Tensor> = trained.iter().map(|(_, t)| t).collect();
         let list = tensor_list(&tensors);
-        group.with(|g| g.verify_same_tensors(&list)).map_err(|e| {
-            Error::distributed(
-                "DistributedDataParallel",
-                format!(
-                    "rank {} does not have rank 0's parameters (count, shapes or dtypes): {}",
-                    group.rank(),
-                    e.what()
-                ),
-            )
-        })?;
-        // Rank 0's model, to every rank: parameters then buffers.
-        let state: Vec<&Tensor> = params.iter().chain(buffers).map(|(_, t)| t).collect();
-        tch::no_grad(|| group.broadcast_coalesced(&state, BROADCAST_BUCKET_BYTES, 0))?;
         let config = ffi::ReducerConfig {
             bucket_cap_bytes: cap as i64,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
@@ -152,12 +132,8 @@ impl DistributedDataParallel {
     /// Before a training forward pass: rank 0's buffers (when
     /// `broadcast_buffers`), and, when `sync`, the reducer's bookkeeping.
     pub fn before_forward(&self, sync: bool) -> Result<()> {
-        if self.broadcast_buffers && !self.buffers.is_empty() {
-            let buffers: Vec<&Tensor> = self.buffers.iter().collect();
-            tch::no_grad(|| {
-                self.group
-                    .broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0)
-            })?;
+        if self.broadcast_buffers {
+            broadcast_buffers(&self.group, &self.buffers)?;
         }
         if sync {
             self.group
@@ -170,14 +146,7 @@ impl DistributedDataParallel {
     /// Rank 0's buffers on every rank now, whatever `broadcast_buffers` says
     /// (what evaluation after training needs).
     pub fn sync_buffers(&self) -> Result<()> {
-        if self.buffers.is_empty() {
-            return Ok(());
-        }
-        let buffers: Vec<&Tensor> = self.buffers.iter().collect();
-        tch::no_grad(|| {
-            self.group
-                .broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0)
-        })
+        broadcast_buffers(&self.group, &self.buffers)
     }
 
     /// After a training forward pass whose backward pass follows: with `sync`,
@@ -202,10 +171,7 @@ impl DistributedDataParallel {
     /// [`mean_scalar`](Self::mean_scalar), started: the training step waits
     /// for it after the backward pass, so that it costs no time of its own.
     pub(crate) fn start_mean(&self, value: f64) -> Result<PendingMean> {
-        let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;
-        Ok(PendingMean(
-            self.group.all_reduce_start(&t, ReduceOp::Mean)?,
-        ))
+        start_mean(&self.group, value)
     }
 
     /// The error of a backward pass that failed while the reducer was
@@ -232,6 +198,57 @@ impl DistributedDataParallel {
             c10d_error("DDP's gradient reducer", e)
         }
     }
+}
+
+/// What every data-parallel strategy does first, as DDP does: checks that
+/// every rank's parameters that require gradients have rank 0's count, shapes
+/// and dtypes, then gives every rank rank 0's parameters and buffers (in
+/// place). Returns the parameters that require gradients.
+pub(crate) fn take_rank_zeros_model<'a>(
+    group: &ProcessGroup,
+    strategy: &str,
+    params: &'a [(String, Tensor)],
+    buffers: &[(String, Tensor)],
+) -> Result<Vec<&'a (String, Tensor)>> {
+    let trained: Vec<&(String, Tensor)> =
+        params.iter().filter(|(_, t)| t.requires_grad()).collect();
+    if trained.is_empty() {
+        return Err(Error::distributed(
+            strategy,
+            "the model has no parameter that requires a gradient",
+        ));
+    }
+    let tensors: Vec<&Tensor> = trained.iter().map(|(_, t)| t).collect();
+    let list = tensor_list(&tensors);
+    group.with(|g| g.verify_same_tensors(&list)).map_err(|e| {
+        Error::distributed(
+            strategy,
+            format!(
+                "rank {} does not have rank 0's parameters (count, shapes or dtypes): {}",
+                group.rank(),
+                e.what()
+            ),
+        )
+    })?;
+    // Rank 0's model, to every rank: parameters then buffers.
+    let state: Vec<&Tensor> = params.iter().chain(buffers).map(|(_, t)| t).collect();
+    tch::no_grad(|| group.broadcast_coalesced(&state, BROADCAST_BUCKET_BYTES, 0))?;
+    Ok(trained)
+}
+
+/// Buffers (batch-norm statistics) from rank 0 to every rank.
+pub(crate) fn broadcast_buffers(group: &ProcessGroup, buffers: &[Tensor]) -> Result<()> {
+    if buffers.is_empty() {
+        return Ok(());
+    }
+    let buffers: Vec<&Tensor> = buffers.iter().collect();
+    tch::no_grad(|| group.broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0))
+}
+
+/// Starts the mean of a scalar over the ranks.
+pub(crate) fn start_mean(group: &Arc<ProcessGroup>, value: f64) -> Result<PendingMean> {
+    let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;
+    Ok(PendingMean(group.all_reduce_start(&t, ReduceOp::Mean)?))
 }
 
 impl DistributedDataParallel {

@@ -226,6 +226,59 @@ impl ProcessGroup {
         from_at(out)
     }
 
+    /// Reduces `input` (`world_size` equal segments, one per rank, flat)
+    /// over every rank and leaves segment `rank` of the result in `output`
+    /// (PyTorch's `reduce_scatter_tensor`): what each rank receives is its
+    /// share of the reduction, and only that. Both tensors are contiguous, of
+    /// one dtype, with `input` holding `world_size` times `output`'s elements.
+    pub fn reduce_scatter(&self, output: &Tensor, input: &Tensor, op: ReduceOp) -> Result<()> {
+        self.check_device(input, "reduce_scatter")?;
+        self.check_flat(output, input, "reduce_scatter")?;
+        self.with(|g| g.reduce_scatter_flat(as_at(output), as_at(input), reduce_kind(op)))
+            .map_err(|e| self.diagnose("reduce_scatter", e.what()))?;
+        if op == ReduceOp::Mean {
+            let _ = output
+                .shallow_clone()
+                .f_div_scalar_(self.world_size as f64)
+                .map_err(|e| kiln_torch::torch_error("reduce_scatter (mean)", e))?;
+        }
+        Ok(())
+    }
+
+    /// Every rank's `input` into `output`, rank after rank (PyTorch's
+    /// `all_gather_into_tensor`): `output` holds `world_size` times `input`'s
+    /// elements, both contiguous and of one dtype.
+    pub fn all_gather_into(&self, output: &Tensor, input: &Tensor) -> Result<()> {
+        self.check_device(input, "all_gather")?;
+        self.check_flat(input, output, "all_gather")?;
+        self.with(|g| g.all_gather_flat(as_at(output), as_at(input)))
+            .map_err(|e| self.diagnose("all_gather", e.what()))
+    }
+
+    /// Checks that `whole` has `world_size` times `part`'s elements, one dtype,
+    /// both contiguous: c10d's flat collectives assume it.
+    fn check_flat(&self, part: &Tensor, whole: &Tensor, what: &str) -> Result<()> {
+        let world = self.world_size as i64;
+        if whole.numel() as i64 != world * part.numel() as i64 {
+            return Err(Error::ShapeMismatch {
+                context: format!("{what}: the whole buffer"),
+                expected: format!("{world} x {} elements", part.numel()),
+                actual: format!("{} elements", whole.numel()),
+            });
+        }
+        if part.kind() != whole.kind() || !part.is_contiguous() || !whole.is_contiguous() {
+            return Err(Error::invalid_argument(
+                what,
+                format!(
+                    "both buffers must be contiguous and of one dtype, got {:?} and {:?}",
+                    part.kind(),
+                    whole.kind()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Returns once every rank has called it.
     pub fn barrier(&self) -> Result<()> {
         self.with(|g| g.barrier())

@@ -46,6 +46,7 @@
 mod bridge;
 mod ddp;
 mod group;
+mod zero;
 
 use std::sync::Arc;
 
@@ -54,11 +55,12 @@ use kiln_core::distributed::DistributedOptions;
 use kiln_core::module::Module;
 use kiln_core::strategy::DataParallel;
 use kiln_core::Result;
-use kiln_torch::TorchBackend;
+use kiln_torch::{TorchBackend, TorchOptimizer};
 
 pub use ddp::DistributedDataParallel;
 pub use group::ProcessGroup;
 pub use kiln_core::distributed::{Collectives, Rendezvous};
+pub use zero::{partition, ShardedOptimizer, Shards, ZeroDataParallel, ZeroRedundancy, ZeroStage};
 
 /// `module` wrapped to train data-parallel over `group`
 /// ([`DistributedDataParallel::of`], then [`DataParallel::new`]): rank 0's
@@ -82,4 +84,44 @@ where
     }
     let ddp = DistributedDataParallel::of(group, &module, options)?;
     DataParallel::new(module, ddp)
+}
+
+/// `module` wrapped to train under ZeRO `stage` over `group`
+/// ([`ZeroRedundancy::of`], then [`ZeroDataParallel::new`]): rank 0's
+/// parameters and buffers on every rank now; the optimizer it builds keeps
+/// this rank's share of the state. Call it on every rank, after setting
+/// precision and freezing, before building the optimizer.
+///
+/// ```no_run
+/// use kiln_c10d::{zero_data_parallel, ProcessGroup, ZeroStage};
+/// use kiln_core::distributed::{DistributedOptions, Rendezvous};
+/// use kiln_core::{backend::Trainable, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device};
+/// use std::sync::Arc;
+///
+/// let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
+/// let options = DistributedOptions::default();
+/// let group = Arc::new(ProcessGroup::join(&rendezvous, &options)?);
+/// let model = kiln_torch::TorchModel::new(&Layer::Linear(LinearConfig::new(4, 2)), Device::Cpu)?;
+/// let model = zero_data_parallel(model, group, ZeroStage::Two, &options)?;
+/// let optimizer = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &[])?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn zero_data_parallel<M>(
+    module: M,
+    group: Arc<ProcessGroup>,
+    stage: ZeroStage,
+    options: &DistributedOptions,
+) -> Result<ZeroDataParallel<M>>
+where
+    M: Trainable<TorchBackend, Optim = TorchOptimizer> + Module<TorchBackend>,
+{
+    if !module.takes_step_hooks() {
+        return Err(kiln_core::Error::unsupported(format!(
+            "{} under {}: its training step cannot be hooked",
+            module.kind(),
+            stage.name()
+        )));
+    }
+    let hooks = ZeroRedundancy::of(group, &module, stage, options)?;
+    ZeroDataParallel::new(module, hooks)
 }

@@ -9,11 +9,28 @@ use crate::error::torch_error;
 /// `max_norm`, and returns the norm before clipping (as PyTorch does).
 /// `norm_type` may be `f64::INFINITY`.
 pub fn clip_grad_norm(params: &[&Tensor], max_norm: f64, norm_type: f64) -> Result<f64> {
-    let Some((grads, total)) = joint_norm(params, norm_type)? else {
-        return Ok(0.0);
-    };
+    clip_grad_norm_with(params, max_norm, norm_type, Ok)
+}
+
+/// [`clip_grad_norm`] where `global` turns the norm of these gradients into
+/// the norm to clip by: the norm over every rank's shard of the gradients
+/// under a strategy that shards them. `global` is called even when no
+/// parameter here has a gradient (with 0), since it may be a collective.
+pub fn clip_grad_norm_with(
+    params: &[&Tensor],
+    max_norm: f64,
+    norm_type: f64,
+    global: impl FnOnce(f64) -> Result<f64>,
+) -> Result<f64> {
     let fail = |e| torch_error("clip_grad_norm", e);
-    let total = total.f_double_value(&[]).map_err(fail)?;
+    let (grads, local) = match joint_norm(params, norm_type)? {
+        Some((grads, total)) => (grads, total.f_double_value(&[]).map_err(fail)?),
+        None => (Vec::new(), 0.0),
+    };
+    let total = global(local)?;
+    if grads.is_empty() {
+        return Ok(total);
+    }
     let coef = max_norm / (total + 1e-6);
     if coef < 1.0 {
         tch::no_grad(|| {

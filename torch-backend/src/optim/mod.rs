@@ -34,7 +34,7 @@ use scaler::GradScaler;
 const SCALE_KEY: &str = "grad_scaler.scale";
 const GROWTH_TRACKER_KEY: &str = "grad_scaler.growth_tracker";
 
-pub use clip::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_value};
+pub use clip::{clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value};
 
 /// One parameter the optimizer updates, with its per-parameter state.
 #[derive(Debug)]
@@ -126,6 +126,19 @@ impl TorchOptimizer {
         params: Vec<(String, Tensor)>,
         groups: &[ParamGroup],
     ) -> Result<Self> {
+        Self::new_shard(config, params, groups, |_| true)
+    }
+
+    /// An optimizer that updates, and keeps state for, only the parameters of
+    /// `params` that `keep` takes (a rank's shard under ZeRO), with `groups`
+    /// resolved over all of `params`: every shard has the same groups, in the
+    /// same order, with the same hyperparameters.
+    pub fn new_shard(
+        config: OptimizerConfig,
+        params: Vec<(String, Tensor)>,
+        groups: &[ParamGroup],
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Self> {
         config.validate()?;
         let names: Vec<String> = params.iter().map(|(n, _)| n.clone()).collect();
         let (hypers, assignment) = resolve_groups(&config, &names, groups)?;
@@ -138,6 +151,9 @@ impl TorchOptimizer {
                     name,
                     "parameter does not require grad; freeze it by leaving it out of the optimizer",
                 ));
+            }
+            if !keep(&name) {
+                continue;
             }
             grad_reset
                 .add_parameters(&tensor, 0)

@@ -1,0 +1,890 @@
+//! ZeRO (the Zero Redundancy Optimizer's stages 1 and 2) on c10d: every rank
+//! keeps the whole model but only its shard of the optimizer state (stage 1)
+//! and of the reduced gradients (stage 2), as PyTorch's
+//! `ZeroRedundancyOptimizer` and DeepSpeed's stages do.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable};
+use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp};
+use kiln_core::loss::Loss;
+use kiln_core::module::Module;
+use kiln_core::optim::{Optimizer, OptimizerConfig, ParamGroup};
+use kiln_core::precision::FloatPrecision;
+use kiln_core::state_dict::StateDict;
+use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::strategy::StepHooks;
+use kiln_core::{DType, Error, HostTensor, Result};
+use kiln_torch::{device_from_tch, from_tch, kind_from_dtype, to_tch, torch_error};
+use kiln_torch::{TorchBackend, TorchOptimizer};
+use tch::Tensor;
+
+use crate::ddp::{broadcast_buffers, start_mean, take_rank_zeros_model, PendingMean};
+use crate::{DistributedDataParallel, ProcessGroup};
+
+/// The buffer size of the broadcasts that gather a sharded optimizer state.
+const GATHER_BUCKET_BYTES: usize = 64 * 1024 * 1024;
+
+/// What a ZeRO strategy shards across the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroStage {
+    /// ZeRO-1: the optimizer state. Gradients are all-reduced as DDP does
+    /// (`c10d::Reducer`, during the backward pass); each rank updates the
+    /// parameters it owns, and the updated parameters are all-gathered.
+    One,
+    /// ZeRO-2: the optimizer state and the gradients. After each backward
+    /// pass the gradients are reduce-scattered: each rank keeps the mean of
+    /// the gradients of the parameters it owns and frees the others.
+    Two,
+}
+
+impl ZeroStage {
+    /// `"ZeRO-1"` or `"ZeRO-2"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroStage::One => "ZeRO-1",
+            ZeroStage::Two => "ZeRO-2",
+        }
+    }
+}
+
+/// Which rank owns which parameter, and where it sits in its owner's flat
+/// segment: parameters, largest first, each to the rank owning the fewest
+/// elements so far (`ZeroRedundancyOptimizer`'s partition), so that every
+/// parameter's optimizer state lives on exactly one rank.
+#[derive(Debug)]
+pub struct Shards {
+    group: Arc<ProcessGroup>,
+    names: Vec<String>,
+    params: Vec<Tensor>,
+    owner: Vec<usize>,
+    /// Each parameter's offset in its owner's segment, in elements.
+    offset: Vec<i64>,
+    /// The elements of the largest rank's share: every segment is padded to it.
+    segment: i64,
+}
+
+// SAFETY: the tensors are handles to the module's parameters, used only from the
+// training thread, in the step's sequence (as `DistributedDataParallel` is).
+#[allow(unsafe_code)]
+unsafe impl Send for Shards {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl Sync for Shards {}
+
+/// The owner of each of parameters of `sizes` elements over `world` ranks:
+/// largest first (ties in model order), each to the rank with the fewest
+/// elements so far (the lowest such rank).
+pub fn partition(sizes: &[i64], world: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut load = vec![0i64; world];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let rank = (0..world).min_by_key(|&r| load[r]).unwrap_or(0);
+        owner[i] = rank;
+        load[rank] += sizes[i];
+    }
+    owner
+}
+
+impl Shards {
+    /// The shards of `trained` (the module's parameters that require
+    /// gradients, in model order) over `group`. They must share one dtype and
+    /// one device: the flat collectives move them together.
+    fn new(group: Arc<ProcessGroup>, trained: &[&(String, Tensor)]) -> Result<Self> {
+        let first = &trained[0].1;
+        for (name, t) in trained {
+            if t.kind() != first.kind() || t.device() != first.device() {
+                return Err(Error::unsupported(format!(
+                    "ZeRO over parameters of more than one dtype or device: `{name}` is {:?} \
+                     on {:?}, `{}` is {:?} on {:?}",
+                    t.kind(),
+                    t.device(),
+                    trained[0].0,
+                    first.kind(),
+                    first.device()
+                )));
+            }
+        }
+        let sizes: Vec<i64> = trained.iter().map(|(_, t)| t.numel() as i64).collect();
+        let world = group.world_size();
+        let owner = partition(&sizes, world);
+        let mut fill = vec![0i64; world];
+        let mut offset = Vec::with_capacity(sizes.len());
+        for (size, &rank) in sizes.iter().zip(&owner) {
+            offset.push(fill[rank]);
+            fill[rank] += size;
+        }
+        let segment = fill.iter().copied().max().unwrap_or(0).max(1);
+        Ok(Shards {
+            group,
+            names: trained.iter().map(|(n, _)| n.clone()).collect(),
+            params: trained.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            owner,
+            offset,
+            segment,
+        })
+    }
+
+    fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Whether this rank owns parameter `i`.
+    fn owns(&self, i: usize) -> bool {
+        self.owner[i] == self.rank()
+    }
+
+    /// The names of the parameters this rank owns.
+    pub fn owned_names(&self) -> BTreeSet<&str> {
+        (0..self.names.len())
+            .filter(|&i| self.owns(i))
+            .map(|i| self.names[i].as_str())
+            .collect()
+    }
+
+    /// The elements of every rank's share, rank by rank.
+    pub fn shares(&self) -> Vec<i64> {
+        let mut shares = vec![0; self.group.world_size()];
+        for (p, &rank) in self.params.iter().zip(&self.owner) {
+            shares[rank] += p.numel() as i64;
+        }
+        shares
+    }
+
+    fn flat(&self, elements: i64) -> Result<Tensor> {
+        let first = &self.params[0];
+        Tensor::f_zeros([elements], (first.kind(), first.device()))
+            .map_err(|e| torch_error("ZeRO's flat buffer", e))
+    }
+
+    /// Parameter `i`'s place in a buffer of every rank's segments.
+    fn place(&self, whole: &Tensor, i: usize) -> Tensor {
+        let start = self.owner[i] as i64 * self.segment + self.offset[i];
+        whole.narrow(0, start, self.params[i].numel() as i64)
+    }
+
+    /// Every rank's updated parameters on every rank: each rank's segment of
+    /// owned parameters, all-gathered.
+    fn gather_parameters(&self) -> Result<()> {
+        let fail = |e| torch_error("ZeRO's parameter all-gather", e);
+        tch::no_grad(|| {
+            let mine = self.flat(self.segment)?;
+            for i in (0..self.params.len()).filter(|&i| self.owns(i)) {
+                mine.narrow(0, self.offset[i], self.params[i].numel() as i64)
+                    .f_copy_(&self.params[i].reshape([-1]))
+                    .map_err(fail)?;
+            }
+            let whole = self.flat(self.segment * self.group.world_size() as i64)?;
+            self.group.all_gather_into(&whole, &mine)?;
+            for i in (0..self.params.len()).filter(|&i| !self.owns(i)) {
+                let mut p = self.params[i].shallow_clone();
+                p.f_copy_(&self.place(&whole, i).view_(self.params[i].size()))
+                    .map_err(fail)?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// The [`StepHooks`] of a ZeRO stage over one module's parameters: see
+/// [`ZeroStage`] for what each stage reduces and when. The loss is averaged
+/// over the ranks and buffers come from rank 0, as under DDP; clipping by norm
+/// takes the norm over every rank's shard.
+pub struct ZeroRedundancy {
+    stage: ZeroStage,
+    shards: Arc<Shards>,
+    /// ZeRO-1's gradient all-reduce: DDP's reducer.
+    ddp: Option<DistributedDataParallel>,
+    buffers: Vec<Tensor>,
+    broadcast_buffers: bool,
+    pending_loss: Option<PendingMean>,
+    /// ZeRO-2: the sum of this rank's reduced shards of the micro-batches not
+    /// yet applied (gradient accumulation).
+    accumulated: Option<Tensor>,
+    /// ZeRO-2: sets the gradients of the parameters this rank does not own
+    /// to none (frees them).
+    drop_others: tch::COptimizer,
+}
+
+// SAFETY: as for `DistributedDataParallel`: owned by this value alone, used from
+// the training thread in the step's sequence.
+#[allow(unsafe_code)]
+unsafe impl Send for ZeroRedundancy {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl Sync for ZeroRedundancy {}
+
+impl std::fmt::Debug for ZeroRedundancy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZeroRedundancy")
+            .field("stage", &self.stage)
+            .field("shares", &self.shards.shares())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ZeroRedundancy {
+    /// ZeRO `stage` over `group` for `module`: rank 0's parameters and buffers
+    /// on every rank now, and the parameters that require gradients assigned
+    /// to owners. Call it on every rank, after setting precision and
+    /// freezing, before building the optimizer.
+    pub fn of<M: Module<TorchBackend> + ?Sized>(
+        group: Arc<ProcessGroup>,
+        module: &M,
+        stage: ZeroStage,
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        let params = module.named_parameters()?;
+        let buffers = module.named_buffers()?;
+        let ddp = match stage {
+            ZeroStage::One => Some(DistributedDataParallel::of(
+                Arc::clone(&group),
+                module,
+                options,
+            )?),
+            ZeroStage::Two => {
+                if let Some((_, first)) = params.first() {
+                    let device = device_from_tch(first.device())?;
+                    if device.is_cuda() != group.has_nccl() {
+                        return Err(Error::invalid_argument(
+                            "distributed.backend",
+                            format!(
+                                "the model is on {device} but the group's backend is {}: \
+                                 Gloo for CPU training, NCCL for CUDA",
+                                if group.has_nccl() { "nccl" } else { "gloo" }
+                            ),
+                        ));
+                    }
+                }
+                take_rank_zeros_model(&group, stage.name(), &params, &buffers)?;
+                None
+            }
+        };
+        let trained: Vec<&(String, Tensor)> =
+            params.iter().filter(|(_, t)| t.requires_grad()).collect();
+        let shards = Arc::new(Shards::new(Arc::clone(&group), &trained)?);
+        let mut drop_others = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
+            .map_err(|e| torch_error("creating ZeRO's gradient reset", e))?;
+        for (i, p) in shards.params.iter().enumerate() {
+            if !shards.owns(i) {
+                drop_others
+                    .add_parameters(p, 0)
+                    .map_err(|e| torch_error("creating ZeRO's gradient reset", e))?;
+            }
+        }
+        log::info!(
+            "{}: rank {} of {} owns {} of {} parameter elements",
+            stage.name(),
+            group.rank(),
+            group.world_size(),
+            shards.shares()[group.rank()],
+            shards.shares().iter().sum::<i64>()
+        );
+        Ok(ZeroRedundancy {
+            stage,
+            shards,
+            ddp,
+            buffers: buffers.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            broadcast_buffers: options.broadcast_buffers,
+            pending_loss: None,
+            accumulated: None,
+            drop_others,
+        })
+    }
+
+    /// The stage.
+    pub fn stage(&self) -> ZeroStage {
+        self.stage
+    }
+
+    /// The partition of the parameters over the ranks.
+    pub fn shards(&self) -> &Arc<Shards> {
+        &self.shards
+    }
+
+    /// ZeRO-2, after a backward pass: every rank's gradients reduce-scattered,
+    /// this rank's shard kept (added up over the micro-batches that do not
+    /// apply, written into its parameters' `.grad` on the one that does), the
+    /// other gradients freed.
+    fn reduce_scatter_gradients(&mut self, sync: bool) -> Result<()> {
+        let shards = Arc::clone(&self.shards);
+        let fail = |e| torch_error("ZeRO-2's gradient reduce-scatter", e);
+        let world = shards.group.world_size() as i64;
+        let mine = tch::no_grad(|| {
+            let whole = shards.flat(shards.segment * world)?;
+            for (i, p) in shards.params.iter().enumerate() {
+                let grad = p.grad();
+                if grad.defined() {
+                    shards
+                        .place(&whole, i)
+                        .f_copy_(&grad.reshape([-1]))
+                        .map_err(fail)?;
+                }
+            }
+            let mine = shards.flat(shards.segment)?;
+            shards.group.reduce_scatter(&mine, &whole, ReduceOp::Mean)?;
+            Ok::<_, Error>(mine)
+        })?;
+        self.drop_others.zero_grad().map_err(fail)?;
+        let total = match self.accumulated.take() {
+            Some(sum) => sum.f_add(&mine).map_err(fail)?,
+            None => mine,
+        };
+        tch::no_grad(|| {
+            for (i, p) in shards.params.iter().enumerate() {
+                if !shards.owns(i) {
+                    continue;
+                }
+                let mut grad = p.grad();
+                if !grad.defined() {
+                    continue;
+                }
+                if sync {
+                    let part = total.narrow(0, shards.offset[i], p.numel() as i64);
+                    grad.f_copy_(&part.view_(p.size())).map_err(fail)?;
+                } else {
+                    // The next backward pass adds this rank's next gradient here.
+                    let _ = grad.f_zero_().map_err(fail)?;
+                }
+            }
+            Ok::<_, Error>(())
+        })?;
+        if !sync {
+            self.accumulated = Some(total);
+        }
+        Ok(())
+    }
+}
+
+impl StepHooks<TorchBackend> for ZeroRedundancy {
+    fn name(&self) -> &str {
+        self.stage.name()
+    }
+
+    fn agrees_on_loss(&self) -> bool {
+        true
+    }
+
+    fn before_forward(&mut self, sync: bool) -> Result<()> {
+        if let Some(ddp) = self.ddp.as_mut() {
+            return StepHooks::before_forward(ddp, sync);
+        }
+        self.pending_loss = None;
+        if self.broadcast_buffers {
+            broadcast_buffers(&self.shards.group, &self.buffers)?;
+        }
+        Ok(())
+    }
+
+    fn before_backward(&mut self, local_loss: f64, scaled: &Tensor, sync: bool) -> Result<()> {
+        if let Some(ddp) = self.ddp.as_mut() {
+            return ddp.before_backward(local_loss, scaled, sync);
+        }
+        self.pending_loss = Some(start_mean(&self.shards.group, local_loss)?);
+        Ok(())
+    }
+
+    fn backward_failed(&mut self, error: Error, sync: bool) -> Error {
+        if let Some(ddp) = self.ddp.as_mut() {
+            return ddp.backward_failed(error, sync);
+        }
+        error
+    }
+
+    fn after_backward(&mut self, sync: bool) -> Result<()> {
+        match self.stage {
+            ZeroStage::One => Ok(()),
+            ZeroStage::Two => self.reduce_scatter_gradients(sync),
+        }
+    }
+
+    fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
+        if let Some(ddp) = self.ddp.as_mut() {
+            return ddp.agreed_loss(local_loss);
+        }
+        match self.pending_loss.take() {
+            Some(pending) => pending.value(),
+            None => start_mean(&self.shards.group, local_loss)?.value(),
+        }
+    }
+
+    /// ZeRO-1's gradients are whole on every rank; ZeRO-2's norm is the
+    /// `norm_type`-norm of the ranks' norms (the largest for the infinity norm).
+    fn global_grad_norm(&mut self, local: f64, norm_type: f64) -> Result<f64> {
+        if self.stage == ZeroStage::One {
+            return Ok(local);
+        }
+        let group = &self.shards.group;
+        if norm_type.is_infinite() {
+            let mut v = [local];
+            group.all_reduce_f64(&mut v, ReduceOp::Max)?;
+            return Ok(v[0]);
+        }
+        let mut v = [local.powf(norm_type)];
+        group.all_reduce_f64(&mut v, ReduceOp::Sum)?;
+        Ok(v[0].powf(1.0 / norm_type))
+    }
+
+    fn after_update(&mut self) -> Result<()> {
+        self.shards.gather_parameters()
+    }
+
+    fn skipped(&mut self) -> Result<()> {
+        match self.ddp.as_mut() {
+            Some(ddp) => ddp.skipped(),
+            None => Ok(()),
+        }
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        broadcast_buffers(&self.shards.group, &self.buffers)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        Some(Arc::clone(&self.shards.group) as Arc<dyn Collectives>)
+    }
+}
+
+/// An optimizer whose state is sharded over the ranks of a ZeRO strategy:
+/// this rank's [`TorchOptimizer`] holds the state of the parameters it owns
+/// only.
+///
+/// Its [`state_dict`](Optimizer::state_dict) is a collective (see
+/// [`Optimizer::state_is_collective`]): every rank calls it at the same point,
+/// and every rank gets the whole state, in the layout a single process's
+/// optimizer has, one rank's share at a time. So a checkpoint of a sharded run
+/// resumes under DDP, on one process, or under ZeRO on another number of
+/// ranks, and the other way round: [`load_state_dict`](Optimizer::load_state_dict)
+/// takes a whole state and keeps this rank's share.
+#[derive(Debug)]
+pub struct ShardedOptimizer {
+    inner: TorchOptimizer,
+    shards: Arc<Shards>,
+    /// Sets every trainable parameter's gradient to none.
+    grad_reset: tch::COptimizer,
+}
+
+// SAFETY: as for `TorchOptimizer` (which is `Send`): the reset optimizer holds
+// handles to the same parameters and is only used from the training thread.
+#[allow(unsafe_code)]
+unsafe impl Send for ShardedOptimizer {}
+
+impl ShardedOptimizer {
+    fn new(config: &OptimizerConfig, groups: &[ParamGroup], shards: Arc<Shards>) -> Result<Self> {
+        let params: Vec<(String, Tensor)> = shards
+            .names
+            .iter()
+            .cloned()
+            .zip(shards.params.iter().map(Tensor::shallow_clone))
+            .collect();
+        let owned: BTreeSet<String> = shards
+            .owned_names()
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        let inner =
+            TorchOptimizer::new_shard(config.clone(), params, groups, |name| owned.contains(name))?;
+        let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
+            .map_err(|e| torch_error("creating the gradient reset", e))?;
+        for p in &shards.params {
+            grad_reset
+                .add_parameters(p, 0)
+                .map_err(|e| torch_error("creating the gradient reset", e))?;
+        }
+        Ok(ShardedOptimizer {
+            inner,
+            shards,
+            grad_reset,
+        })
+    }
+
+    /// This rank's optimizer: the parameters it owns.
+    pub fn shard(&self) -> &TorchOptimizer {
+        &self.inner
+    }
+
+    /// The parameter a `state.<param>.<buffer>` key belongs to.
+    fn param_of(key: &str) -> Option<&str> {
+        key.strip_prefix("state.")?.rsplit_once('.').map(|(p, _)| p)
+    }
+}
+
+/// One entry of a rank's share of the optimizer state, as announced to the
+/// others before its tensors are broadcast: `key`, dtype, whether it is a host
+/// value, shape.
+fn describe(key: &str, dtype: DType, host: bool, shape: &[i64]) -> String {
+    let dims: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!(
+        "{key}\t{}\t{}\t{}",
+        dtype.name(),
+        u8::from(host),
+        dims.join(",")
+    )
+}
+
+fn parse_description(line: &str) -> Result<(String, DType, bool, Vec<i64>)> {
+    let bad = || Error::distributed("ShardedOptimizer", format!("bad state entry {line:?}"));
+    let mut parts = line.split('\t');
+    let key = parts.next().ok_or_else(bad)?.to_owned();
+    let dtype: DType = parts.next().ok_or_else(bad)?.parse()?;
+    let host = parts.next().ok_or_else(bad)? == "1";
+    let dims = parts.next().ok_or_else(bad)?;
+    let shape = if dims.is_empty() {
+        Vec::new()
+    } else {
+        dims.split(',')
+            .map(|d| d.parse::<i64>().map_err(|_| bad()))
+            .collect::<Result<_>>()?
+    };
+    Ok((key, dtype, host, shape))
+}
+
+impl Optimizer<TorchBackend> for ShardedOptimizer {
+    /// This rank's update, then every rank's updated parameters gathered. The
+    /// gradients must already be reduced: train through
+    /// [`Trainable::train_step`], which does both.
+    fn step(&mut self) -> Result<()> {
+        self.inner.step()?;
+        self.shards.gather_parameters()
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.inner.zero_grad()?;
+        self.grad_reset
+            .zero_grad()
+            .map_err(|e| torch_error("zero_grad", e))
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.inner.set_learning_rate(lr)
+    }
+
+    fn kind(&self) -> Option<&'static str> {
+        Optimizer::kind(&self.inner)
+    }
+
+    fn config(&self) -> Option<&OptimizerConfig> {
+        Optimizer::config(&self.inner)
+    }
+
+    fn learning_rates(&self) -> Vec<f64> {
+        self.inner.learning_rates()
+    }
+
+    fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        self.inner.set_learning_rates(lrs)
+    }
+
+    fn state_is_collective(&self) -> bool {
+        true
+    }
+
+    fn state_dict(&self) -> Result<StateDict> {
+        self.state_tensors()?.to_state_dict()
+    }
+
+    /// The whole state, on every rank: each rank in turn announces its
+    /// share's entries and broadcasts their tensors. A collective.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        let group = &self.shards.group;
+        let device = device_from_tch(self.shards.params[0].device())?;
+        let fail = |e| torch_error("gathering the optimizer state", e);
+        let on = kiln_torch::device_to_tch(device)?;
+        let own = self.inner.state_tensors()?;
+        let mut whole = StateTensors::<TorchBackend>::from(StateDict::new());
+        let mut mine: Vec<(String, bool, Tensor)> = Vec::new();
+        for (key, tensor) in own.iter() {
+            match (Self::param_of(key), tensor) {
+                (Some(_), StateTensor::Host(h)) => {
+                    mine.push((key.clone(), true, to_tch(h, device)?));
+                }
+                (Some(_), StateTensor::Backend(t)) => {
+                    mine.push((key.clone(), false, t.f_contiguous().map_err(fail)?));
+                }
+                // Group hyperparameters and the loss scale: the same on every rank.
+                (None, StateTensor::Host(h)) => {
+                    whole.insert(key.clone(), StateTensor::Host(h.clone()))?
+                }
+                (None, StateTensor::Backend(t)) => {
+                    whole.insert(key.clone(), StateTensor::Backend(t.shallow_clone()))?
+                }
+            }
+        }
+        for root in 0..group.world_size() {
+            let mut announced = if root == group.rank() {
+                let lines: Vec<String> = mine
+                    .iter()
+                    .map(|(key, host, t)| {
+                        Ok(describe(
+                            key,
+                            kiln_torch::dtype_from_kind(t.kind())?,
+                            *host,
+                            &t.size(),
+                        ))
+                    })
+                    .collect::<Result<_>>()?;
+                lines.join("\n").into_bytes()
+            } else {
+                Vec::new()
+            };
+            group.broadcast_bytes(&mut announced, root)?;
+            let text = String::from_utf8(announced).map_err(|_| {
+                Error::distributed("ShardedOptimizer", "a rank announced a non-UTF-8 state")
+            })?;
+            let entries: Vec<(String, DType, bool, Vec<i64>)> =
+                text.lines().map(parse_description).collect::<Result<_>>()?;
+            let tensors: Vec<Tensor> = if root == group.rank() {
+                mine.iter().map(|(_, _, t)| t.shallow_clone()).collect()
+            } else {
+                entries
+                    .iter()
+                    .map(|(_, dtype, _, shape)| {
+                        Tensor::f_zeros(shape.as_slice(), (kind_from_dtype(*dtype)?, on))
+                            .map_err(fail)
+                    })
+                    .collect::<Result<_>>()?
+            };
+            let refs: Vec<&Tensor> = tensors.iter().collect();
+            tch::no_grad(|| group.broadcast_coalesced(&refs, GATHER_BUCKET_BYTES, root))?;
+            for ((key, _, host, _), tensor) in entries.into_iter().zip(tensors) {
+                let value = if host {
+                    StateTensor::Host(from_tch(&tensor)?)
+                } else {
+                    StateTensor::Backend(tensor)
+                };
+                whole.insert(key, value)?;
+            }
+        }
+        Ok(whole)
+    }
+
+    /// Keeps this rank's share of `state` (a whole optimizer state, of any
+    /// strategy or number of ranks): every other parameter's entries are
+    /// left out, and this rank's optimizer checks and loads the rest.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let owned = self.shards.owned_names();
+        let all: BTreeSet<&str> = self.shards.names.iter().map(String::as_str).collect();
+        let mut share = StateDict::new();
+        for (key, value) in state.iter() {
+            match Self::param_of(key) {
+                Some(p) if all.contains(p) && !owned.contains(p) => {}
+                _ => {
+                    share.insert(key.clone(), value.clone());
+                }
+            }
+        }
+        self.inner.load_state_dict(&share)
+    }
+}
+
+/// A torch module trained under a ZeRO stage: every rank holds the whole
+/// module and trains it on its share of each batch, as under
+/// [`DataParallel`](kiln_core::strategy::DataParallel), but its optimizer
+/// ([`ShardedOptimizer`]) keeps only this rank's share of the state, and under
+/// ZeRO-2 only this rank's share of the reduced gradients outlives the step.
+/// Losses and weights equal one process's on the global batch.
+///
+/// Build it with [`zero_data_parallel`](crate::zero_data_parallel).
+#[derive(Debug)]
+pub struct ZeroDataParallel<M> {
+    module: M,
+    hooks: ZeroRedundancy,
+}
+
+impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> ZeroDataParallel<M> {
+    /// Wraps `module`, made rank 0's by `hooks` (built over the same module).
+    pub fn new(module: M, hooks: ZeroRedundancy) -> Result<Self> {
+        if !module.takes_step_hooks() {
+            return Err(Error::unsupported(format!(
+                "{} cannot train under {}: its training step takes no strategy's hooks",
+                module.kind(),
+                hooks.stage.name()
+            )));
+        }
+        Ok(ZeroDataParallel { module, hooks })
+    }
+
+    /// The wrapped module.
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    /// The strategy's hooks.
+    pub fn hooks(&self) -> &ZeroRedundancy {
+        &self.hooks
+    }
+
+    /// The module, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.module
+    }
+}
+
+impl<M: Module<TorchBackend>> Module<TorchBackend> for ZeroDataParallel<M> {
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        self.module.forward(input)
+    }
+    fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.module.forward_many(inputs)
+    }
+    fn mode(&self) -> Mode {
+        self.module.mode()
+    }
+    fn set_mode(&mut self, mode: Mode) {
+        self.module.set_mode(mode);
+    }
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.module.named_parameters()
+    }
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        self.module.named_buffers()
+    }
+    fn state_dict(&self) -> Result<StateDict> {
+        self.module.state_dict()
+    }
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        self.module.state_tensors()
+    }
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        self.module.load_state_dict(state)
+    }
+    fn num_parameters(&self) -> Result<usize> {
+        self.module.num_parameters()
+    }
+}
+
+impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
+    for ZeroDataParallel<M>
+{
+    type Optim = ShardedOptimizer;
+
+    /// This rank's share of the optimizer, groups resolved over every
+    /// parameter. `16-mixed` loss scaling is refused: each rank would decide
+    /// to skip a step from its own share of the gradients.
+    fn build_optimizer(
+        &self,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<ShardedOptimizer> {
+        if self.module.precision().scales_loss() {
+            return Err(Error::unsupported(format!(
+                "{} with {} (its loss scaling skips steps by each rank's own \
+                 gradients); use bf16-mixed",
+                self.hooks.stage.name(),
+                self.module.precision()
+            )));
+        }
+        ShardedOptimizer::new(config, groups, Arc::clone(&self.hooks.shards))
+    }
+
+    fn num_trainable_parameters(&self) -> Result<usize> {
+        self.module.num_trainable_parameters()
+    }
+
+    fn precision(&self) -> FloatPrecision {
+        self.module.precision()
+    }
+
+    fn kind(&self) -> String {
+        format!("{} ({})", self.hooks.stage.name(), self.module.kind())
+    }
+
+    fn train_step(
+        &mut self,
+        optimizer: &mut ShardedOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        self.module
+            .train_step_hooked(
+                &mut optimizer.inner,
+                inputs,
+                targets,
+                plan,
+                &mut self.hooks,
+                false,
+            )?
+            .value::<TorchBackend>()
+    }
+
+    fn train_step_deferred(
+        &mut self,
+        optimizer: &mut ShardedOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<StepLoss<Tensor>> {
+        self.module.train_step_hooked(
+            &mut optimizer.inner,
+            inputs,
+            targets,
+            plan,
+            &mut self.hooks,
+            true,
+        )
+    }
+
+    fn eval_step(
+        &self,
+        loss: &Loss,
+        inputs: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        self.module.eval_step(loss, inputs, targets)
+    }
+
+    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+        self.module.predict_step(inputs)
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        StepHooks::sync_buffers(&mut self.hooks)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        self.hooks.collectives()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_balances_largest_first() {
+        // 100 -> r0, 60 -> r1, 50 -> r1 (110), 10 -> r0 (110), 5 -> r0.
+        assert_eq!(partition(&[10, 100, 50, 60, 5], 2), vec![0, 0, 1, 1, 0]);
+        assert_eq!(partition(&[4, 4, 4], 3), vec![0, 1, 2]);
+        assert_eq!(partition(&[7], 4), vec![0]);
+    }
+
+    #[test]
+    fn state_entries_round_trip() -> Result<()> {
+        let line = describe("state.0.weight.exp_avg", DType::F32, false, &[3, 4]);
+        assert_eq!(
+            parse_description(&line)?,
+            (
+                "state.0.weight.exp_avg".to_owned(),
+                DType::F32,
+                false,
+                vec![3, 4]
+            )
+        );
+        let line = describe("state.0.bias.step", DType::I64, true, &[]);
+        assert_eq!(
+            parse_description(&line)?,
+            ("state.0.bias.step".to_owned(), DType::I64, true, vec![])
+        );
+        assert_eq!(ShardedOptimizer::param_of("state.a.b.exp_avg"), Some("a.b"));
+        assert_eq!(ShardedOptimizer::param_of("group.0.lr"), None);
+        Ok(())
+    }
+}
