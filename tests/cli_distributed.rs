@@ -7,7 +7,9 @@
 //! - torchrun drives the same binary to the same result;
 //! - a rank killed mid-run stops the job with an error naming it, and
 //!   `--resume auto` finishes with the weights of an uninterrupted run;
-//! - a run resumes on another number of ranks.
+//! - a run resumes on another number of ranks;
+//! - the ZeRO strategies train what one rank trains, and resume across
+//!   strategies.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -599,6 +601,109 @@ fn a_run_resumes_on_another_number_of_ranks() {
     let last = Checkpoint::load(&out.join("checkpoints/last.safetensors")).unwrap();
     assert_eq!((last.world_size, last.epoch), (1, 2));
     assert_eq!(last.step, 2 * first.step);
+}
+
+/// `[distributed] strategy = "zero1" | "zero2"`: two ranks of B under ZeRO
+/// train what one rank of 2B trains; their checkpoints (written while both
+/// ranks gather the sharded optimizer state) hold one process's optimizer
+/// state, so a ZeRO-1 run resumes under DDP and under ZeRO-2 to the same
+/// weights; TensorFlow refuses the key.
+#[test]
+fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("zero");
+    let cfg = config(&dir);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let with = |strategy: &str| {
+        let path = dir.join(format!("{strategy}.toml"));
+        let changed = text.replace(
+            "timeout = 60",
+            &format!("timeout = 60\nstrategy = \"{strategy}\""),
+        );
+        std::fs::write(&path, changed).unwrap();
+        path
+    };
+    let one = dir.join("one");
+    succeeded(&launch(1, &cfg, &one, &["--batch-size", "32"]), "1 rank");
+    let single = Checkpoint::load(&one.join("checkpoints/last.safetensors")).unwrap();
+    for strategy in ["zero1", "zero2"] {
+        let out = dir.join(strategy);
+        let ran = launch(2, &with(strategy), &out, &["--batch-size", "16"]);
+        succeeded(&ran, strategy);
+        let stdout = String::from_utf8_lossy(&ran.stdout);
+        assert!(stdout.contains(&format!("{strategy} strategy")), "{stdout}");
+        let (dl, dw) = (max_loss_diff(&out, &one), max_weight_diff(&out, &one));
+        eprintln!("{strategy}: 2 ranks x 16 vs 1 rank x 32: loss diff {dl:e}, weight diff {dw:e}");
+        assert!(dl < 1e-5, "{strategy}: losses differ by {dl}");
+        assert!(dw < 1e-5, "{strategy}: weights differ by {dw}");
+        let last = Checkpoint::load(&out.join("checkpoints/last.safetensors")).unwrap();
+        assert_eq!(last.step, single.step);
+        let keys = |c: &Checkpoint| {
+            c.optimizer
+                .iter()
+                .map(|(k, _)| k.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            keys(&last),
+            keys(&single),
+            "{strategy}: the optimizer state"
+        );
+        for (key, value) in last.optimizer.iter() {
+            let reference = single.optimizer.get(key).unwrap().to_f64_vec();
+            let diff = value
+                .to_f64_vec()
+                .iter()
+                .zip(&reference)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(diff < 1e-5, "{strategy}: {key} differs by {diff}");
+        }
+    }
+    // One epoch under ZeRO-1, the second under DDP or ZeRO-2.
+    for (second, config) in [("ddp", cfg.clone()), ("zero2", with("zero2"))] {
+        let out = dir.join(format!("zero1-then-{second}"));
+        succeeded(
+            &launch(
+                2,
+                &with("zero1"),
+                &out,
+                &["--batch-size", "16", "--epochs", "1"],
+            ),
+            "zero1, first epoch",
+        );
+        succeeded(
+            &launch(
+                2,
+                &config,
+                &out,
+                &["--batch-size", "16", "--resume", "auto"],
+            ),
+            &format!("{second}, resumed"),
+        );
+        let dw = max_weight_diff(&out, &one);
+        eprintln!("zero1 then {second}: weight diff {dw:e}");
+        assert!(dw < 1e-5, "zero1 then {second}: weights differ by {dw}");
+    }
+    let tf = dir.join("tf.toml");
+    std::fs::write(
+        &tf,
+        format!(
+            "backend = \"tensorflow\"\n{}",
+            std::fs::read_to_string(with("zero2")).unwrap()
+        ),
+    )
+    .unwrap();
+    let out = run(KILN, &["train", "--config", tf.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("distributed.strategy") && stderr.contains("torch backend"),
+        "{stderr}"
+    );
 }
 
 /// Sharded validation of a model with batch norm (each rank updates its own

@@ -11,7 +11,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::Result;
-use kiln_c10d::{DistributedDataParallel, ProcessGroup};
+use kiln_c10d::{
+    zero_data_parallel, DistributedDataParallel, ProcessGroup, ZeroDataParallel, ZeroStage,
+};
 use kiln_core::distributed::{DistributedOptions, Rendezvous};
 use kiln_core::strategy::StepHooks;
 
@@ -103,6 +105,18 @@ pub trait DataParallelEngine<B: TrainBackend> {
         group: &Arc<ProcessGroup>,
         options: &DistributedOptions,
     ) -> Result<Self::Sync>;
+
+    /// A model trained under a ZeRO stage (`strategy = "zero1"` or `"zero2"`).
+    type Sharded: Trainable<B>;
+
+    /// `model` under ZeRO `stage` over `group` (rank 0's weights on every rank
+    /// now). Backends without one refuse.
+    fn zero(
+        model: B::Model,
+        group: &Arc<ProcessGroup>,
+        stage: ZeroStage,
+        options: &DistributedOptions,
+    ) -> Result<Self::Sharded>;
 }
 
 /// libtorch's engine: DDP's reducer.
@@ -119,6 +133,22 @@ impl DataParallelEngine<kiln_torch::TorchBackend> for TorchDdp {
         Ok(DistributedDataParallel::of(
             Arc::clone(group),
             model,
+            options,
+        )?)
+    }
+
+    type Sharded = ZeroDataParallel<kiln_torch::TorchModel>;
+
+    fn zero(
+        model: kiln_torch::TorchModel,
+        group: &Arc<ProcessGroup>,
+        stage: ZeroStage,
+        options: &DistributedOptions,
+    ) -> Result<Self::Sharded> {
+        Ok(zero_data_parallel(
+            model,
+            Arc::clone(group),
+            stage,
             options,
         )?)
     }

@@ -197,14 +197,20 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     )?;
     if primary {
         outln!(
-            "kiln: rank 0 of {} ({}, {} backend)",
+            "kiln: rank 0 of {} ({}, {} backend, {} strategy)",
             r.world_size,
             r.launcher,
-            options.backend
+            options.backend,
+            config.distributed.strategy.name()
         );
     }
-    let sync = P::data_parallel(&model, &group, &options)?;
-    fit::<B, _>(prepared, DataParallel::new(model, sync)?)
+    match config.distributed.strategy.zero_stage() {
+        Some(stage) => fit::<B, _>(prepared, P::zero(model, &group, stage, &options)?),
+        None => {
+            let sync = P::data_parallel(&model, &group, &options)?;
+            fit::<B, _>(prepared, DataParallel::new(model, sync)?)
+        }
+    }
 }
 
 /// Trains `model` (a single process's, or one rank's inside its strategy) as
@@ -262,6 +268,8 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         ));
     }
     if !primary {
+        // A sharded optimizer's state is gathered by every rank when rank 0 saves it.
+        trainer = trainer.with_checkpoint_turns(config.checkpoint.clone());
         trainer.fit(
             &mut state,
             train_loader.as_ref(),

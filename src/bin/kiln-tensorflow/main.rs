@@ -82,6 +82,23 @@ impl DataParallelEngine<TfBackend> for Tensorflow {
     ) -> Result<GradientAllReduce> {
         Ok(GradientAllReduce::new(model, group.clone(), options)?)
     }
+
+    type Sharded = kiln::core::strategy::DataParallel<TfModel, GradientAllReduce>;
+
+    /// Refused (the config's validation already refuses it): TensorFlow's
+    /// optimizer state lives in its graph, unsharded.
+    fn zero(
+        _model: TfModel,
+        _group: &Arc<ProcessGroup>,
+        stage: kiln::c10d::ZeroStage,
+        _options: &DistributedOptions,
+    ) -> Result<Self::Sharded> {
+        Err(kiln::core::Error::unsupported(format!(
+            "{} on the TensorFlow backend; train with strategy = \"ddp\"",
+            stage.name()
+        ))
+        .into())
+    }
 }
 
 fn main() {

@@ -19,6 +19,44 @@ pub struct DistributedConfig {
     /// Seconds the rendezvous and any collective wait for the other ranks.
     #[serde(default = "thirty_minutes")]
     pub timeout: f64,
+    /// What each rank holds: `"ddp"` (everything), `"zero1"` (its share of
+    /// the optimizer state) or `"zero2"` (and of the reduced gradients).
+    #[serde(default)]
+    pub strategy: StrategyName,
+}
+
+/// The `[distributed] strategy` names.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StrategyName {
+    /// `DistributedDataParallel`: every rank holds the whole model, its
+    /// gradients and optimizer state.
+    #[default]
+    Ddp,
+    /// ZeRO-1: the optimizer state sharded across the ranks.
+    Zero1,
+    /// ZeRO-2: the optimizer state and the reduced gradients sharded.
+    Zero2,
+}
+
+impl StrategyName {
+    /// The name as the config writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            StrategyName::Ddp => "ddp",
+            StrategyName::Zero1 => "zero1",
+            StrategyName::Zero2 => "zero2",
+        }
+    }
+
+    /// The ZeRO stage, for the sharded strategies.
+    pub fn zero_stage(self) -> Option<kiln_c10d::ZeroStage> {
+        match self {
+            StrategyName::Ddp => None,
+            StrategyName::Zero1 => Some(kiln_c10d::ZeroStage::One),
+            StrategyName::Zero2 => Some(kiln_c10d::ZeroStage::Two),
+        }
+    }
 }
 
 /// The `[distributed] backend` names.
@@ -43,6 +81,7 @@ impl Default for DistributedConfig {
         Self {
             backend: CommBackendName::Auto,
             timeout: thirty_minutes(),
+            strategy: StrategyName::Ddp,
         }
     }
 }

@@ -55,7 +55,7 @@ use kiln_train::CheckpointPolicy;
 use kiln_train::TrainerConfig;
 
 pub use data::{ColorModeName, DataConfig, DatasetKind, ImageSize, OnErrorName};
-pub use distributed::DistributedConfig;
+pub use distributed::{DistributedConfig, StrategyName};
 use key_path::tagged_key_path;
 pub use logging::{EarlyStoppingConfig, LoggingConfig};
 
@@ -423,6 +423,16 @@ impl RunConfig {
         self.loss.validate()?;
         self.checkpoint.validate()?;
         self.distributed.validate(self.device)?;
+        if self.distributed.strategy != StrategyName::Ddp && self.backend != BackendKind::Torch {
+            return Err(Error::invalid_argument(
+                "distributed.strategy",
+                format!(
+                    "\"{}\" shards a torch optimizer's state and needs the torch backend; \
+                     TensorFlow trains data-parallel with \"ddp\"",
+                    self.distributed.strategy.name()
+                ),
+            ));
+        }
         if let Some(schedule) = &self.schedule {
             schedule.validate()?;
         }

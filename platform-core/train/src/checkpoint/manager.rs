@@ -74,6 +74,17 @@ impl Default for CheckpointPolicy {
 }
 
 impl CheckpointPolicy {
+    /// Whether a checkpoint is written after optimizer step `step`.
+    pub fn due_after_step(&self, step: u64) -> bool {
+        self.every_n_steps.is_some_and(|n| step.is_multiple_of(n))
+    }
+
+    /// Whether a checkpoint is written after finishing epoch `epoch` (0-based).
+    pub fn due_after_epoch(&self, epoch: u64) -> bool {
+        self.every_n_epochs
+            .is_some_and(|n| (epoch + 1).is_multiple_of(n))
+    }
+
     /// Rejects settings that cannot work, naming the field.
     pub fn validate(&self) -> Result<()> {
         if self.every_n_steps == Some(0) || self.every_n_epochs == Some(0) {
@@ -179,16 +190,12 @@ impl Checkpointer {
 
     /// Whether the policy saves after optimizer step `step` (1-based count).
     pub fn due_after_step(&self, step: u64) -> bool {
-        self.policy
-            .every_n_steps
-            .is_some_and(|n| step.is_multiple_of(n))
+        self.policy.due_after_step(step)
     }
 
     /// Whether the policy saves after finishing epoch `epoch` (0-based).
     pub fn due_after_epoch(&self, epoch: u64) -> bool {
-        self.policy
-            .every_n_epochs
-            .is_some_and(|n| (epoch + 1).is_multiple_of(n))
+        self.policy.due_after_epoch(epoch)
     }
 
     /// The best checkpoint kept so far by the monitored metric.

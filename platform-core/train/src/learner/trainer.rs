@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use super::callback::{Callback, Flow};
 use super::state::TrainingState;
-use crate::checkpoint::{Checkpoint, Checkpointer};
+use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
 use crate::logger::{History, MetricSink};
 use crate::metric::{LossMetric, Metric};
 use kiln_core::backend::Mode;
@@ -184,6 +184,8 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     callbacks: Vec<Box<dyn Callback>>,
     sinks: Vec<Box<dyn MetricSink>>,
     checkpointer: Option<Checkpointer>,
+    /// On a rank that writes no checkpoint: when rank 0 writes one.
+    checkpoint_turns: Option<CheckpointPolicy>,
     model_definition: Option<Layer>,
     lora: Option<kiln_core::lora::LoraConfig>,
     data_identity: Option<serde_json::Value>,
@@ -259,6 +261,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             callbacks: Vec::new(),
             sinks: Vec::new(),
             checkpointer: None,
+            checkpoint_turns: None,
             model_definition: None,
             lora: None,
             data_identity: None,
@@ -348,6 +351,17 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self
     }
 
+    /// On a rank that writes no checkpoint (every rank but 0): takes part in
+    /// each checkpoint rank 0 writes under `policy`, which an optimizer whose
+    /// state is sharded over the ranks needs
+    /// ([`Optimizer::state_is_collective`](kiln_core::optim::Optimizer::state_is_collective):
+    /// its state is gathered by every rank at once). For any other optimizer
+    /// it does nothing.
+    pub fn with_checkpoint_turns(mut self, policy: CheckpointPolicy) -> Self {
+        self.checkpoint_turns = Some(policy);
+        self
+    }
+
     /// Records the LoRA adapters the model trains with in every checkpoint
     /// ([`Checkpoint::lora`]), so that exports and generation can apply them.
     pub fn with_lora(mut self, lora: Option<kiln_core::lora::LoraConfig>) -> Self {
@@ -399,6 +413,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         metrics: &EpochRecord,
     ) -> Result<()> {
         if self.checkpointer.is_none() {
+            if self.checkpoint_turns.is_some() && state.optimizer.state_is_collective() {
+                // Rank 0 gathers the state now; this rank's part is to send its share.
+                drop(state.optimizer.state_tensors()?);
+            }
             return Ok(());
         }
         // Everything logged up to this step is on disk before the checkpoint that
@@ -581,7 +599,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 let checkpoint_due = self
                     .checkpointer
                     .as_ref()
-                    .is_some_and(|c| c.due_after_step(state.step));
+                    .is_some_and(|c| c.due_after_step(state.step))
+                    || self
+                        .checkpoint_turns
+                        .as_ref()
+                        .is_some_and(|p| p.due_after_step(state.step));
                 if deferred && (logged || checkpoint_due) {
                     value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
                 }
@@ -648,6 +670,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 .checkpointer
                 .as_ref()
                 .is_some_and(|c| c.due_after_epoch(finished_epoch))
+                || self
+                    .checkpoint_turns
+                    .as_ref()
+                    .is_some_and(|p| p.due_after_epoch(finished_epoch))
             {
                 self.save_checkpoint(state, &record)?;
             }
