@@ -4,7 +4,8 @@
 //! libtorch's autocast (src/autocast.rs, src/autocast.cc), its fused Adam kernels
 //! (src/optim/fused.rs, src/optim/fused.cc), TorchScript buffers
 //! (src/script/bridge.rs, src/script/bridge.cc), TorchScript export
-//! (src/script/export_bridge.rs, src/script/export.cc) and, with the `cuda` feature, CUDA
+//! (src/script/export_bridge.rs, src/script/export.cc), activation checkpointing
+//! (src/checkpoint.rs, src/checkpoint.cc) and, with the `cuda` feature, CUDA
 //! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers).
 //! libtorch's distributed engine, c10d, is the `kiln-c10d` crate's.
 
@@ -22,7 +23,9 @@ fn main() {
         .bridge("src/script/export_bridge.rs")
         .bridge_source("src/script/export.cc")
         .bridge("src/optim/fused.rs")
-        .bridge_source("src/optim/fused.cc");
+        .bridge_source("src/optim/fused.cc")
+        .bridge("src/checkpoint.rs")
+        .bridge_source("src/checkpoint.cc");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The graph's C++ needs the CUDA headers: a CUDA source (compiled only with
         // the feature, which also links torch_cuda, c10_cuda and the CUDA runtime).
@@ -41,6 +44,7 @@ fn main() {
         "cuda_graph.h",
         "script.h",
         "script_export.h",
+        "activation_checkpoint.h",
     ] {
         println!("cargo:rerun-if-changed=include/{header}");
     }

@@ -41,6 +41,7 @@
 
 mod autocast;
 mod backend;
+mod checkpoint;
 mod convert;
 mod custom;
 mod custom_layer;
@@ -62,6 +63,7 @@ mod train;
 
 pub use autocast::autocast;
 pub use backend::TorchBackend;
+pub use checkpoint::checkpoint;
 pub use convert::{dtype_from_kind, from_tch, kind_from_dtype, to_tch, to_tch_pinned};
 pub use custom::{Chain, TchModule};
 pub use custom_layer::{

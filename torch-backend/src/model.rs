@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kiln_core::{
     backend::Mode,
@@ -24,6 +24,7 @@ use crate::error::torch_error;
 use crate::freeze::{all_frozen, Freeze};
 use crate::layers::{self, join, DecodeStep, Failure, Forward, ForwardResult, Lookup};
 use crate::script::ScriptModule;
+use kiln_core::module::name_matches;
 
 /// One named tensor of the model: a trainable parameter or a buffer.
 #[derive(Debug)]
@@ -53,6 +54,94 @@ enum Node {
     },
     Sequential(Vec<Node>),
     Residual(Box<Node>),
+    /// A part whose activations are not kept while training: the backward
+    /// pass runs it again ([`TorchModel::checkpoint_activations`]).
+    Checkpoint {
+        inner: Arc<Node>,
+        path: String,
+    },
+}
+
+/// Handles to every parameter and buffer of a model, for a checkpointed part's
+/// second run (the model itself may have moved by then).
+struct Snapshot(Vec<Tensor>);
+
+impl crate::layers::Tensors for Snapshot {
+    fn tensor(&self, index: usize) -> &Tensor {
+        &self.0[index]
+    }
+    fn count(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// The autocast a checkpointed part enters again for its second run, in the
+/// backward pass (the forward pass's region is over by then).
+#[derive(Clone, Copy)]
+struct PartContext {
+    autocast: Option<(Device, DType)>,
+}
+
+/// Runs `node` on `x` with the model's `tensors`; checkpointed parts as
+/// `part` says (`None`: inside one, run plainly).
+fn run_node(
+    tensors: &dyn crate::layers::Tensors,
+    node: &Node,
+    x: &Tensor,
+    train: bool,
+    part: Option<PartContext>,
+) -> ForwardResult {
+    match node {
+        Node::Sequential(children) => {
+            let mut out = x.shallow_clone();
+            for child in children {
+                out = run_node(tensors, child, &out, train, part)?;
+            }
+            Ok(out)
+        }
+        Node::Residual(block) => Ok(x.f_add(&run_node(tensors, block, x, train, part)?)?),
+        Node::Leaf { layer, eval, .. } => layer.forward(tensors, x, train && !eval),
+        Node::Script { module, .. } => {
+            let mut module = lock_script(module).map_err(Failure::Layer)?;
+            let mode = if train { Mode::Train } else { Mode::Eval };
+            if module.mode() != mode {
+                module.set_training(mode).map_err(Failure::Layer)?;
+            }
+            module.forward(x).map_err(Failure::Layer)
+        }
+        Node::Checkpoint { inner, path } => match part {
+            Some(PartContext { autocast }) if train => {
+                let snapshot = Snapshot(
+                    (0..tensors.count())
+                        .map(|i| tensors.tensor(i).shallow_clone())
+                        .collect(),
+                );
+                // Every trainable tensor: the part's own, and any it shares (tied weights).
+                let params: Vec<Tensor> = snapshot
+                    .0
+                    .iter()
+                    .filter(|t| t.requires_grad())
+                    .map(Tensor::shallow_clone)
+                    .collect();
+                let inner = Arc::clone(inner);
+                let what = format!("the checkpointed part `{path}`");
+                crate::checkpoint::checkpoint(x, &params, move |x| {
+                    let run = || {
+                        run_node(&snapshot, &inner, x, true, None).map_err(|e| match e {
+                            Failure::Torch(e) => torch_error(&what, e),
+                            Failure::Layer(e) => e,
+                        })
+                    };
+                    match autocast {
+                        None => run(),
+                        Some((device, dtype)) => crate::autocast(device, dtype, run)?,
+                    }
+                })
+                .map_err(Failure::Layer)
+            }
+            _ => run_node(tensors, inner, x, train, None),
+        },
+    }
 }
 
 /// A model built from a Kiln [`Layer`] on libtorch.
@@ -90,11 +179,16 @@ pub struct TorchModel {
     precision: FloatPrecision,
     /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora).
     lora: Option<LoraConfig>,
+    /// The patterns of [`checkpoint_activations`](TorchModel::checkpoint_activations).
+    checkpointed: Vec<String>,
 }
 
 impl crate::layers::Tensors for TorchModel {
     fn tensor(&self, index: usize) -> &Tensor {
         TorchModel::tensor(self, index)
+    }
+    fn count(&self) -> usize {
+        self.entries.len()
     }
 }
 
@@ -140,6 +234,7 @@ impl TorchModel {
             float_dtype,
             precision: FloatPrecision::F32,
             lora: None,
+            checkpointed: Vec::new(),
         })
     }
 
@@ -228,7 +323,144 @@ impl TorchModel {
         self.entries.extend(added);
         self.root = root;
         self.lora = Some(lora.clone());
+        // The rebuilt tree's parts, checkpointed again.
+        let patterns = std::mem::take(&mut self.checkpointed);
+        if !patterns.is_empty() {
+            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+            self.checkpoint_activations(&patterns)?;
+        }
         Ok(names)
+    }
+
+    /// Activation checkpointing (PyTorch's `torch.utils.checkpoint`): each
+    /// layer whose path matches one of `patterns` (globs, as for
+    /// [`Freeze::freeze`]: `"2"`, `"1.*"`; the outermost match wins) keeps
+    /// only its input while training; the backward pass runs it again, with
+    /// the random generators as they were (dropout draws the same mask) and
+    /// under the model's autocast, to compute its gradients. The gradients are
+    /// an ordinary run's; the activations inside the parts are not held
+    /// between the forward and backward passes, at the cost of a second
+    /// forward pass through them. Evaluation and generation run the parts
+    /// plainly. Returns the checkpointed paths.
+    ///
+    /// A pattern that matches no layer, or a part holding a batch norm (its
+    /// running statistics would be updated twice) or a torchscript layer, is
+    /// an error, and nothing changes.
+    ///
+    /// ```no_run
+    /// use kiln_core::{model::{Layer, LinearConfig}, Device};
+    /// use kiln_torch::TorchModel;
+    ///
+    /// let block = Layer::sequential([LinearConfig::new(64, 64).into(), Layer::Tanh]);
+    /// let spec = Layer::sequential([block.clone(), block, LinearConfig::new(64, 10).into()]);
+    /// let mut model = TorchModel::new(&spec, Device::Cpu)?;
+    /// assert_eq!(model.checkpoint_activations(&["0", "1"])?, ["0", "1"]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn checkpoint_activations(&mut self, patterns: &[&str]) -> Result<Vec<String>> {
+        fn paths(node: &Node, path: &str, out: &mut Vec<String>) {
+            if !path.is_empty() {
+                out.push(path.to_owned());
+            }
+            match node {
+                Node::Sequential(children) => {
+                    for (i, child) in children.iter().enumerate() {
+                        paths(child, &join(path, &i.to_string()), out);
+                    }
+                }
+                Node::Residual(block) => paths(block, &join(path, "block"), out),
+                Node::Checkpoint { inner, .. } => match &**inner {
+                    Node::Sequential(children) => {
+                        for (i, child) in children.iter().enumerate() {
+                            paths(child, &join(path, &i.to_string()), out);
+                        }
+                    }
+                    Node::Residual(block) => paths(block, &join(path, "block"), out),
+                    _ => {}
+                },
+                Node::Leaf { .. } | Node::Script { .. } => {}
+            }
+        }
+        fn refusal(node: &Node) -> Option<String> {
+            match node {
+                Node::Leaf {
+                    batch_norm: true,
+                    path,
+                    ..
+                } => Some(format!(
+                    "the batch norm `{path}` (a second forward pass would update its running \
+                     statistics twice)"
+                )),
+                Node::Leaf { .. } => None,
+                Node::Script { path, .. } => Some(format!("the torchscript layer `{path}`")),
+                Node::Sequential(children) => children.iter().find_map(refusal),
+                Node::Residual(block) => refusal(block),
+                Node::Checkpoint { inner, .. } => refusal(inner),
+            }
+        }
+        fn wrap(node: &mut Node, path: &str, patterns: &[&str], out: &mut Vec<String>) {
+            if matches!(node, Node::Checkpoint { .. }) {
+                return;
+            }
+            if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
+                let inner = std::mem::replace(node, Node::Sequential(Vec::new()));
+                *node = Node::Checkpoint {
+                    inner: Arc::new(inner),
+                    path: path.to_owned(),
+                };
+                out.push(path.to_owned());
+                return;
+            }
+            match node {
+                Node::Sequential(children) => {
+                    for (i, child) in children.iter_mut().enumerate() {
+                        wrap(child, &join(path, &i.to_string()), patterns, out);
+                    }
+                }
+                Node::Residual(block) => wrap(block, &join(path, "block"), patterns, out),
+                _ => {}
+            }
+        }
+        // Checked first: nothing changes on a refusal.
+        let mut all = Vec::new();
+        paths(&self.root, "", &mut all);
+        for pattern in patterns {
+            if !all.iter().any(|p| name_matches(pattern, p)) {
+                let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
+                return Err(Error::invalid_argument(
+                    "activation_checkpointing",
+                    format!(
+                        "`{pattern}` matches no layer of the model (its layers: {}{})",
+                        some.join(", "),
+                        if all.len() > some.len() { ", ..." } else { "" }
+                    ),
+                ));
+            }
+        }
+        fn check(node: &Node, path: &str, patterns: &[&str]) -> Result<()> {
+            if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
+                if let Some(why) = refusal(node) {
+                    return Err(Error::unsupported(format!(
+                        "activation checkpointing of `{path}`: it holds {why}"
+                    )));
+                }
+                return Ok(());
+            }
+            match node {
+                Node::Sequential(children) => children
+                    .iter()
+                    .enumerate()
+                    .try_for_each(|(i, c)| check(c, &join(path, &i.to_string()), patterns)),
+                Node::Residual(block) => check(block, &join(path, "block"), patterns),
+                _ => Ok(()),
+            }
+        }
+        check(&self.root, "", patterns)?;
+        let mut wrapped = Vec::new();
+        wrap(&mut self.root, "", patterns, &mut wrapped);
+        self.checkpointed
+            .extend(patterns.iter().map(|p| (*p).to_owned()));
+        Ok(wrapped)
     }
 
     /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora), if any.
@@ -448,6 +680,7 @@ impl TorchModel {
             }
             Node::Residual(block) => Ok(x.f_add(&self.run_decode(block, x, step)?)?),
             Node::Leaf { layer, .. } => layer.decode(self, x, step),
+            Node::Checkpoint { inner, .. } => self.run_decode(inner, x, step),
             Node::Script { path, .. } => Err(Failure::Layer(Error::unsupported(format!(
                 "cached decoding through the torchscript layer `{path}`: Kiln cannot give it \
                  positions or a key/value cache"
@@ -474,25 +707,10 @@ impl TorchModel {
     }
 
     fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {
-        match node {
-            Node::Sequential(children) => {
-                let mut out = x.shallow_clone();
-                for child in children {
-                    out = self.run(child, &out, train)?;
-                }
-                Ok(out)
-            }
-            Node::Residual(block) => Ok(x.f_add(&self.run(block, x, train)?)?),
-            Node::Leaf { layer, eval, .. } => layer.forward(self, x, train && !eval),
-            Node::Script { module, .. } => {
-                let mut module = lock_script(module).map_err(Failure::Layer)?;
-                let mode = if train { Mode::Train } else { Mode::Eval };
-                if module.mode() != mode {
-                    module.set_training(mode).map_err(Failure::Layer)?;
-                }
-                module.forward(x).map_err(Failure::Layer)
-            }
-        }
+        let part = PartContext {
+            autocast: self.precision.autocast_dtype().map(|d| (self.device, d)),
+        };
+        run_node(self, node, x, train, Some(part))
     }
 
     /// Saves the [`Layer::TorchScript`] layer at `layer` (its path in the
@@ -531,6 +749,7 @@ impl TorchModel {
                 Node::Script { module, path } if path == wanted => Some(module),
                 Node::Sequential(children) => children.iter().find_map(|c| find(c, wanted)),
                 Node::Residual(block) => find(block, wanted),
+                Node::Checkpoint { inner, .. } => find(inner, wanted),
                 _ => None,
             }
         }
@@ -547,6 +766,7 @@ impl TorchModel {
                 } => out.push(path.clone()),
                 Node::Sequential(children) => children.iter().for_each(|c| walk(c, out)),
                 Node::Residual(block) => walk(block, out),
+                Node::Checkpoint { inner, .. } => walk(inner, out),
                 Node::Leaf { .. } | Node::Script { .. } => {}
             }
         }
@@ -747,6 +967,8 @@ fn pin_frozen_batch_norm(
             }
         }
         Node::Residual(block) => pin_frozen_batch_norm(block, params, kept)?,
+        // Holds no batch norm and no torchscript layer (refused when wrapped).
+        Node::Checkpoint { .. } => {}
         Node::Leaf {
             path,
             batch_norm,

@@ -47,6 +47,9 @@ pub(crate) trait Tensors {
     /// The parameter or buffer at `index`.
     fn tensor(&self, index: usize) -> &Tensor;
 
+    /// How many there are.
+    fn count(&self) -> usize;
+
     /// The parameter or buffer at `index`, when the layer has it.
     fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
         index.map(|i| self.tensor(i))
