@@ -663,6 +663,54 @@ fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
             assert!(diff < 1e-5, "{strategy}: {key} differs by {diff}");
         }
     }
+    // ZeRO-2 with every layer's activations recomputed in the backward pass.
+    let recomputed = dir.join("zero2-recomputed.toml");
+    std::fs::write(
+        &recomputed,
+        format!(
+            "activation_checkpointing = [\"*\"]\n{}",
+            std::fs::read_to_string(with("zero2")).unwrap()
+        ),
+    )
+    .unwrap();
+    let out = dir.join("zero2-recomputed");
+    succeeded(
+        &launch(2, &recomputed, &out, &["--batch-size", "16"]),
+        "zero2 with activation checkpointing",
+    );
+    let dw = max_weight_diff(&out, &one);
+    eprintln!("zero2 with activation checkpointing: weight diff {dw:e}");
+    assert!(
+        dw < 1e-5,
+        "zero2 with activation checkpointing: weights differ by {dw}"
+    );
+    // A pattern that matches no layer fails before anything is written.
+    let typo = dir.join("typo.toml");
+    std::fs::write(
+        &typo,
+        format!("activation_checkpointing = [\"blocks.*\"]\n{text}"),
+    )
+    .unwrap();
+    let out = dir.join("typo");
+    let ran = run(
+        KILN,
+        &[
+            "train",
+            "--config",
+            typo.to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success());
+    assert!(
+        stderr.contains("activation_checkpointing")
+            && stderr.contains("`blocks.*` matches no layer"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+
     // One epoch under ZeRO-1, the second under DDP or ZeRO-2.
     for (second, config) in [("ddp", cfg.clone()), ("zero2", with("zero2"))] {
         let out = dir.join(format!("zero1-then-{second}"));

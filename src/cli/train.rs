@@ -167,6 +167,16 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     if !pinned.is_empty() {
         log::info!("batch norm kept in eval mode: {}", pinned.join(", "));
     }
+    if !config.activation_checkpointing.is_empty() {
+        let patterns: Vec<&str> = config
+            .activation_checkpointing
+            .iter()
+            .map(String::as_str)
+            .collect();
+        let parts = B::checkpoint_activations(&mut model, &patterns)
+            .context("config key `activation_checkpointing`")?;
+        log::info!("activation checkpointing: {}", parts.join(", "));
+    }
     let prepared = Prepared {
         config,
         resume,

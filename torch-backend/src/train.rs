@@ -61,6 +61,11 @@ impl TrainBackend for TorchBackend {
     fn add_lora(model: &mut TorchModel, lora: &kiln_core::lora::LoraConfig) -> Result<Vec<String>> {
         model.add_lora(lora)
     }
+
+    /// [`TorchModel::checkpoint_activations`].
+    fn checkpoint_activations(model: &mut TorchModel, patterns: &[&str]) -> Result<Vec<String>> {
+        model.checkpoint_activations(patterns)
+    }
 }
 
 /// The elements of a torch module's parameters that require gradients.

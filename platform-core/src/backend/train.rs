@@ -305,6 +305,19 @@ pub trait TrainBackend: Backend {
             Self::NAME
         )))
     }
+
+    /// Activation checkpointing: the layers of `model` whose paths match one
+    /// of `patterns` (globs) keep only their inputs while training and run
+    /// again in the backward pass. Returns the checkpointed paths.
+    ///
+    /// The default refuses: a backend without it says so before anything runs.
+    fn checkpoint_activations(model: &mut Self::Model, patterns: &[&str]) -> Result<Vec<String>> {
+        let _ = (model, patterns);
+        Err(Error::unsupported(format!(
+            "activation checkpointing on the {} backend (the torch backend has it)",
+            Self::NAME
+        )))
+    }
 }
 
 /// A backend that runs operations one at a time and records them for autograd

@@ -192,6 +192,10 @@ pub struct RunConfig {
     /// How the batch norms of frozen parts run while the rest trains.
     #[serde(default)]
     pub frozen_batch_norm: FrozenBatchNorm,
+    /// Layers whose activations are recomputed in the backward pass instead
+    /// of kept, as globs over their paths (`["1", "2.*"]`; torch backend).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub activation_checkpointing: Vec<String>,
     /// LoRA adapters on the model's projections, the rest frozen (torch backend):
     /// `lora = { r = 8, alpha = 16, dropout = 0.05, target_modules = ["q_proj", "v_proj"] }`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -415,6 +419,12 @@ impl RunConfig {
                 return Err(Error::invalid_argument(
                     "freeze",
                     "freezing parameters needs the torch backend (backend = \"torch\")",
+                ));
+            }
+            if !self.activation_checkpointing.is_empty() {
+                return Err(Error::invalid_argument(
+                    "activation_checkpointing",
+                    "activation checkpointing needs the torch backend (backend = \"torch\")",
                 ));
             }
         }

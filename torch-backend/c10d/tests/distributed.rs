@@ -634,7 +634,7 @@ mod ddp {
 mod zero {
     use super::ddp::{data, fit_with, max_diff, mlp, weights};
     use super::*;
-    use kiln_c10d::{zero_data_parallel, ZeroStage};
+    use kiln_c10d::{data_parallel, zero_data_parallel, ZeroStage};
     use kiln_core::backend::{Backend, TrainBackend, Trainable};
     use kiln_core::distributed::Collectives;
     use kiln_core::optim::{
@@ -652,6 +652,65 @@ mod zero {
             TorchBackend::freeze(&mut model, freeze, false)?;
         }
         Ok(model)
+    }
+
+    /// Both stages with every layer's activations checkpointed train what one
+    /// process does without.
+    #[test]
+    fn stages_with_activation_checkpointing() -> Result<()> {
+        if !is_rank() {
+            let results = wait_all(
+                spawn_ranks(
+                    "zero::stages_with_activation_checkpointing",
+                    2,
+                    &[0, 1],
+                    &[],
+                ),
+                Duration::from_secs(300),
+            );
+            assert_all_passed(&results);
+            return Ok(());
+        }
+        let group = Arc::new(join(Duration::from_secs(60))?);
+        let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+        let batches = data(false);
+        let adam = OptimizerConfig::Adam(AdamConfig::new(1e-2));
+        let clip = GradClip::norm(0.5);
+        let mut single = model(7, &[])?;
+        let mut single_opt = single.build_optimizer(&adam, &[])?;
+        let single_losses = fit_with(&mut single, &mut single_opt, &clip, None, &batches)?;
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let mut module = model(7 + rank as u64, &[])?;
+            module.checkpoint_activations(&["*"])?;
+            let mut sharded =
+                zero_data_parallel(module, group.clone(), stage, &DistributedOptions::default())?;
+            let mut opt = sharded.build_optimizer(&adam, &[])?;
+            let losses = fit_with(&mut sharded, &mut opt, &clip, Some((rank, world)), &batches)?;
+            let loss_diff = max_diff(&losses, &single_losses);
+            let weight_diff = max_diff(&weights(&sharded)?, &weights(&single)?);
+            assert!(
+                loss_diff < 1e-6,
+                "{}: losses differ by {loss_diff}",
+                stage.name()
+            );
+            assert!(
+                weight_diff < 1e-6,
+                "{}: weights differ by {weight_diff}",
+                stage.name()
+            );
+        }
+        let mut module = model(7 + rank as u64, &[])?;
+        module.checkpoint_activations(&["*"])?;
+        let mut ddp = data_parallel(module, group.clone(), &DistributedOptions::default())?;
+        let mut opt = ddp.build_optimizer(&adam, &[])?;
+        let losses = fit_with(&mut ddp, &mut opt, &clip, Some((rank, world)), &batches)?;
+        assert!(max_diff(&losses, &single_losses) < 1e-6, "DDP: losses");
+        assert!(
+            max_diff(&weights(&ddp)?, &weights(&single)?) < 1e-6,
+            "DDP: weights"
+        );
+        Collectives::barrier(group.as_ref())?;
+        Ok(())
     }
 
     /// The largest difference between two optimizer states with the same keys.
