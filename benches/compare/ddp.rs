@@ -148,7 +148,7 @@ pub fn run(variant: &str, dir: &Path, s: &Settings) -> Result<Value> {
 
 /// `torchrun` beside the baselines' interpreter (the project virtualenv's), else
 /// the same program as `python -m torch.distributed.run`.
-fn torchrun() -> Command {
+pub(crate) fn torchrun() -> Command {
     let python = python_interpreter();
     let beside = Path::new(python.get_program()).with_file_name("torchrun");
     if beside.is_file() {
@@ -162,7 +162,7 @@ fn torchrun() -> Command {
 
 /// Starts Kiln's ranks (this binary as `--worker VARIANT ARGS`) on a free port,
 /// waits for both, and returns rank 0's JSON result.
-fn run_kiln_ranks(variant: &str, args: &[String]) -> Result<Value> {
+pub(crate) fn run_kiln_ranks(variant: &str, args: &[String]) -> Result<Value> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .context("finding a free port")?

@@ -37,6 +37,7 @@ mod report;
 mod serve;
 mod tasks;
 mod worker;
+mod zero;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -277,7 +278,7 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint, ddp, serve, images, llm, finetune (default: all of
+                    data, script, ops, checkpoint, ddp, serve, images, llm, finetune, zero (default: all of
                     them; on a GPU all but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
@@ -331,6 +332,7 @@ fn main() -> Result<()> {
         Task::Images,
         Task::Llm,
         Task::Finetune,
+        Task::Zero,
     ];
     let mut variants: Option<Vec<String>> = None;
     let mut settings = Settings {

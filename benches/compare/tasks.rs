@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
-use crate::{ddp, finetune, llm, num, ops, run_json, serve, xorshift, Settings};
+use crate::{ddp, finetune, llm, num, ops, run_json, serve, xorshift, zero, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -46,6 +46,8 @@ pub enum Task {
     /// (k) a 100M LLaMA-style model: training and generation against transformers.
     Llm,
     Finetune,
+    /// (m) sharded strategies and activation checkpointing on two ranks.
+    Zero,
 }
 
 /// (j): batch size and workers, the images per class of the 224 set (of
@@ -79,6 +81,7 @@ impl Task {
             "images" => Task::Images,
             "llm" => Task::Llm,
             "finetune" => Task::Finetune,
+            "zero" => Task::Zero,
             _ => return None,
         })
     }
@@ -94,6 +97,7 @@ impl Task {
             Task::Images => "images",
             Task::Llm => "llm",
             Task::Finetune => "finetune",
+            Task::Zero => "zero",
         }
     }
 
@@ -113,6 +117,7 @@ impl Task {
             Task::Serve => serve::DESCRIBE,
             Task::Llm => llm::DESCRIBE,
             Task::Finetune => finetune::DESCRIBE,
+            Task::Zero => zero::DESCRIBE,
             Task::Images => {
                 "(j) image files: decode (JPEG/PNG), RandomResizedCrop to 64 or 224, flip, \
                  normalise, batch 64, 2 workers; from class folders and from tar shards"
@@ -135,6 +140,7 @@ impl Task {
             Task::Serve => &serve::VARIANTS,
             Task::Llm => &llm::VARIANTS,
             Task::Finetune => &finetune::VARIANTS,
+            Task::Zero => &zero::VARIANTS,
             Task::Images => &[
                 "kiln-folder-64",
                 "kiln-shards-64",
@@ -157,7 +163,7 @@ impl Task {
                     .arg(dir);
                 run_json(c, "exporting the TorchScript model").map(drop)
             }
-            Task::Ops | Task::Checkpoint => Ok(()),
+            Task::Ops | Task::Checkpoint | Task::Zero => Ok(()),
             Task::Ddp => ddp::prepare(dir),
             Task::Serve => serve::prepare(dir),
             Task::Images => write_images(dir),
@@ -170,6 +176,9 @@ impl Task {
     pub fn run(self, variant: &str, dir: &Path, s: &Settings) -> Result<Value> {
         if self == Task::Ddp {
             return ddp::run(variant, dir, s);
+        }
+        if self == Task::Zero {
+            return zero::run(variant, dir, s);
         }
         let mut c = if variant.starts_with("kiln-") || variant.starts_with("raw-tch") {
             let mut c = Command::new(std::env::current_exe()?);
@@ -209,6 +218,7 @@ impl Task {
             Task::Images => num(r, "samples_per_s"),
             Task::Llm => num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s"),
             Task::Finetune => num(r, "tokens_per_s"),
+            Task::Zero => num(r, "steps_per_s"),
         }
     }
 
@@ -234,6 +244,12 @@ impl Task {
                 num(r, "load_s")
             ),
             Task::Ddp => ddp::summary(r),
+            Task::Zero => format!(
+                "{:.3} steps/s, state {:.0} MiB, peak RSS {:.0} MiB",
+                num(r, "steps_per_s"),
+                num(r, "state_mb"),
+                num(r, "peak_rss_mb")
+            ),
             Task::Serve => serve::MODELS
                 .iter()
                 .map(|(m, _)| {
@@ -349,6 +365,7 @@ impl Task {
             Task::Finetune => t += &finetune::table(ok),
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
+            Task::Zero => return zero::table(s, rows),
             Task::Serve => {
                 t += &format!(
                     "Latency: mean per call at batch 1 ({} calls per repeat for the CNN, {} for \

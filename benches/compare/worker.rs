@@ -181,9 +181,14 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
             .and_then(|name| Task::parse(name))
             .context("--task needs data, script, ops, checkpoint or ddp")?;
         let (variant, flags) = parse_flags(args)?;
-        if task == Task::Ddp {
+        if task == Task::Ddp || task == Task::Zero {
             // One rank of two; rank 0 prints the result.
-            if let Some(result) = ddp::rank(&variant, &flags)? {
+            let result = if task == Task::Ddp {
+                ddp::rank(&variant, &flags)?
+            } else {
+                crate::zero::rank(&variant, &flags)?
+            };
+            if let Some(result) = result {
                 println!("{result}");
             }
             return Ok(());

@@ -55,10 +55,13 @@ mod bridge {
 
 use bridge::ffi;
 
+/// What a checkpointed part computes from its input.
+type Part = Box<dyn Fn(&Tensor) -> Result<Tensor> + Send>;
+
 /// The part of a model a checkpoint runs: once in the forward pass, again in
 /// the backward pass.
 pub struct Recompute {
-    run: Box<dyn Fn(&Tensor) -> Result<Tensor> + Send>,
+    run: Part,
 }
 
 /// Called by the graph node (both runs).

@@ -104,6 +104,33 @@ fn collectives_over_two_ranks() -> Result<()> {
     assert_eq!(values(&a), vec![0.0; 3]);
     assert_eq!(values(&b), vec![0.0; 4]);
 
+    // Reduce-scatter (ZeRO's gradients): rank r holds [10r, 10r+1, 10r+2, 10r+3];
+    // the sums are [10, 12, 14, 16], rank 0 keeps the first half, rank 1 the second.
+    let input = Tensor::from_slice(&[0.0f32, 1.0, 2.0, 3.0]) + 10.0 * r;
+    let mine = Tensor::zeros([2], (tch::Kind::Float, tch::Device::Cpu));
+    group.reduce_scatter(&mine, &input, ReduceOp::Sum)?;
+    let expected = if r == 0.0 { [10.0, 12.0] } else { [14.0, 16.0] };
+    assert_eq!(values(&mine), expected);
+    group.reduce_scatter(&mine, &input, ReduceOp::Mean)?;
+    assert_eq!(values(&mine), expected.map(|v| v / 2.0));
+    // All-gather into one buffer (ZeRO's parameters), rank after rank.
+    let whole = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu));
+    group.all_gather_into(&whole, &Tensor::from_slice(&[r as f32, r as f32 + 0.5]))?;
+    assert_eq!(values(&whole), vec![0.0, 0.5, 1.0, 1.5]);
+    // Buffers whose sizes do not fit are refused before any collective.
+    let err = group
+        .reduce_scatter(
+            &mine,
+            &Tensor::zeros([5], (tch::Kind::Float, tch::Device::Cpu)),
+            ReduceOp::Sum,
+        )
+        .err()
+        .map(|e| e.to_string());
+    assert!(
+        err.is_some_and(|m| m.contains("2 x 2 elements")),
+        "reduce_scatter sizes"
+    );
+
     group.barrier()?;
     Ok(())
 }
@@ -652,6 +679,70 @@ mod zero {
             TorchBackend::freeze(&mut model, freeze, false)?;
         }
         Ok(model)
+    }
+
+    /// A rank that dies during ZeRO-2 training: the survivor's next step fails
+    /// at once, naming it.
+    #[test]
+    fn a_dead_rank_fails_the_next_sharded_step_naming_it() -> Result<()> {
+        if !is_rank() {
+            let results = wait_all(
+                spawn_ranks(
+                    "zero::a_dead_rank_fails_the_next_sharded_step_naming_it",
+                    2,
+                    &[0, 1],
+                    &[],
+                ),
+                Duration::from_secs(120),
+            );
+            // Rank 1 dies on purpose; rank 0's test passes by seeing the error.
+            assert_eq!(results[1].0, Some(17), "{}", results[1].1);
+            assert_eq!(results[0].0, Some(0), "rank 0:\n{}", results[0].1);
+            return Ok(());
+        }
+        let group = Arc::new(join(Duration::from_secs(20))?);
+        let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+        let batches = data(false);
+        let adam = OptimizerConfig::Adam(AdamConfig::new(1e-2));
+        let module = model(7, &[])?;
+        let mut sharded = zero_data_parallel(
+            module,
+            group.clone(),
+            ZeroStage::Two,
+            &DistributedOptions::default(),
+        )?;
+        let mut opt = sharded.build_optimizer(&adam, &[])?;
+        fit_with(
+            &mut sharded,
+            &mut opt,
+            &GradClip::norm(1.0),
+            Some((rank, world)),
+            &batches[..2],
+        )?;
+        if rank == 1 {
+            std::process::exit(17);
+        }
+        let start = Instant::now();
+        let err = fit_with(
+            &mut sharded,
+            &mut opt,
+            &GradClip::norm(1.0),
+            Some((rank, world)),
+            &batches[..2],
+        )
+        .err()
+        .map(|e| e.to_string())
+        .expect("a sharded step with a dead peer succeeded");
+        assert!(
+            err.contains("rank 1 of 2 stopped responding"),
+            "the error does not name the dead rank: {err}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "{:?}",
+            start.elapsed()
+        );
+        Ok(())
     }
 
     /// Both stages with every layer's activations checkpointed train what one
