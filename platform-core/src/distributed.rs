@@ -336,7 +336,8 @@ pub struct DistributedOptions {
     /// zeros for them (DDP's `find_unused_parameters`); without it such a
     /// parameter is an error naming it.
     pub find_unused_parameters: bool,
-    /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`, 25).
+    /// The gradient bucket cap in MiB (DDP's `bucket_cap_mb`, 25); under
+    /// ZeRO, the flat buffer of each reduce-scatter and all-gather.
     pub bucket_cap_mb: f64,
 }
 

@@ -63,6 +63,10 @@ pub struct Shards {
     offset: Vec<i64>,
     /// The elements of the largest rank's share: every segment is padded to it.
     segment: i64,
+    /// The bytes of the flat buffer of one reduce-scatter or all-gather
+    /// (`DistributedOptions::bucket_cap_mb`): gradients and parameters move
+    /// window by window, so that no rank ever holds a second copy of them all.
+    window_bytes: i64,
 }
 
 // SAFETY: the tensors are handles to the module's parameters, used only from the
@@ -93,7 +97,18 @@ impl Shards {
     /// The shards of `trained` (the module's parameters that require
     /// gradients, in model order) over `group`. They must share one dtype and
     /// one device: the flat collectives move them together.
-    fn new(group: Arc<ProcessGroup>, trained: &[&(String, Tensor)]) -> Result<Self> {
+    fn new(
+        group: Arc<ProcessGroup>,
+        trained: &[&(String, Tensor)],
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        let window_bytes = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
+        if !(window_bytes >= 1.0 && window_bytes < i64::MAX as f64) {
+            return Err(Error::invalid_argument(
+                "bucket_cap_mb",
+                format!("must be positive, got {}", options.bucket_cap_mb),
+            ));
+        }
         let first = &trained[0].1;
         for (name, t) in trained {
             if t.kind() != first.kind() || t.device() != first.device() {
@@ -125,6 +140,7 @@ impl Shards {
             owner,
             offset,
             segment,
+            window_bytes: window_bytes as i64,
         })
     }
 
@@ -160,29 +176,66 @@ impl Shards {
             .map_err(|e| torch_error("ZeRO's flat buffer", e))
     }
 
-    /// Parameter `i`'s place in a buffer of every rank's segments.
-    fn place(&self, whole: &Tensor, i: usize) -> Tensor {
-        let start = self.owner[i] as i64 * self.segment + self.offset[i];
-        whole.narrow(0, start, self.params[i].numel() as i64)
+    /// Elements of each rank's segment one collective moves: its flat buffer
+    /// holds the world size times as many, `window_bytes` in all.
+    fn window(&self) -> i64 {
+        let world = self.group.world_size() as i64;
+        let element = self.params[0].kind().elt_size_in_bytes() as i64;
+        (self.window_bytes / element / world).max(1)
+    }
+
+    /// The windows `[a, b)` of the segments, in order: one collective each.
+    fn windows(&self) -> Vec<(i64, i64)> {
+        let w = self.window();
+        let mut out = Vec::new();
+        let mut a = 0;
+        while a < self.segment {
+            out.push((a, (a + w).min(self.segment)));
+            a += w;
+        }
+        out
+    }
+
+    /// The parts of the parameters that lie in window `[a, b)` of their
+    /// owners' segments: (parameter, the part's first element in it, its place
+    /// in the window, its length).
+    fn pieces(&self, a: i64, b: i64) -> Vec<(usize, i64, i64, i64)> {
+        let mut out = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            let (o, n) = (self.offset[i], p.numel() as i64);
+            let (lo, hi) = (a.max(o), b.min(o + n));
+            if lo < hi {
+                out.push((i, lo - o, lo - a, hi - lo));
+            }
+        }
+        out
     }
 
     /// Every rank's updated parameters on every rank: each rank's segment of
-    /// owned parameters, all-gathered.
+    /// owned parameters, all-gathered window by window into the parameters.
     fn gather_parameters(&self) -> Result<()> {
         let fail = |e| torch_error("ZeRO's parameter all-gather", e);
+        let world = self.group.world_size() as i64;
         tch::no_grad(|| {
-            let mine = self.flat(self.segment)?;
-            for i in (0..self.params.len()).filter(|&i| self.owns(i)) {
-                mine.narrow(0, self.offset[i], self.params[i].numel() as i64)
-                    .f_copy_(&self.params[i].reshape([-1]))
-                    .map_err(fail)?;
-            }
-            let whole = self.flat(self.segment * self.group.world_size() as i64)?;
-            self.group.all_gather_into(&whole, &mine)?;
-            for i in (0..self.params.len()).filter(|&i| !self.owns(i)) {
-                let mut p = self.params[i].shallow_clone();
-                p.f_copy_(&self.place(&whole, i).view_(self.params[i].size()))
-                    .map_err(fail)?;
+            for (a, b) in self.windows() {
+                let w = b - a;
+                let pieces = self.pieces(a, b);
+                let mine = self.flat(w)?;
+                for &(i, from, at, len) in pieces.iter().filter(|p| self.owns(p.0)) {
+                    mine.narrow(0, at, len)
+                        .f_copy_(&self.params[i].reshape([-1]).narrow(0, from, len))
+                        .map_err(fail)?;
+                }
+                let whole = self.flat(w * world)?;
+                self.group.all_gather_into(&whole, &mine)?;
+                for &(i, from, at, len) in pieces.iter().filter(|p| !self.owns(p.0)) {
+                    let start = self.owner[i] as i64 * w + at;
+                    self.params[i]
+                        .view([-1])
+                        .narrow(0, from, len)
+                        .f_copy_(&whole.narrow(0, start, len))
+                        .map_err(fail)?;
+                }
             }
             Ok(())
         })
@@ -265,7 +318,7 @@ impl ZeroRedundancy {
         };
         let trained: Vec<&(String, Tensor)> =
             params.iter().filter(|(_, t)| t.requires_grad()).collect();
-        let shards = Arc::new(Shards::new(Arc::clone(&group), &trained)?);
+        let shards = Arc::new(Shards::new(Arc::clone(&group), &trained, options)?);
         let mut drop_others = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
             .map_err(|e| torch_error("creating ZeRO's gradient reset", e))?;
         for (i, p) in shards.params.iter().enumerate() {
@@ -314,18 +367,35 @@ impl ZeroRedundancy {
         let fail = |e| torch_error("ZeRO-2's gradient reduce-scatter", e);
         let world = shards.group.world_size() as i64;
         let mine = tch::no_grad(|| {
-            let whole = shards.flat(shards.segment * world)?;
-            for (i, p) in shards.params.iter().enumerate() {
-                let grad = p.grad();
-                if grad.defined() {
-                    shards
-                        .place(&whole, i)
-                        .f_copy_(&grad.reshape([-1]))
-                        .map_err(fail)?;
-                }
-            }
+            let grads: Vec<Tensor> = shards
+                .params
+                .iter()
+                .map(|p| {
+                    let g = p.grad();
+                    if g.defined() {
+                        g.reshape([-1])
+                    } else {
+                        g
+                    }
+                })
+                .collect();
             let mine = shards.flat(shards.segment)?;
-            shards.group.reduce_scatter(&mine, &whole, ReduceOp::Mean)?;
+            for (a, b) in shards.windows() {
+                let w = b - a;
+                let whole = shards.flat(w * world)?;
+                for (i, from, at, len) in shards.pieces(a, b) {
+                    if grads[i].defined() {
+                        let start = shards.owner[i] as i64 * w + at;
+                        whole
+                            .narrow(0, start, len)
+                            .f_copy_(&grads[i].narrow(0, from, len))
+                            .map_err(fail)?;
+                    }
+                }
+                shards
+                    .group
+                    .reduce_scatter(&mine.narrow(0, a, w), &whole, ReduceOp::Mean)?;
+            }
             Ok::<_, Error>(mine)
         })?;
         self.drop_others.zero_grad().map_err(fail)?;

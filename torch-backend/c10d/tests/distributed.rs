@@ -746,7 +746,8 @@ mod zero {
     }
 
     /// Both stages with every layer's activations checkpointed train what one
-    /// process does without.
+    /// process does without, with the default windows and with windows of a
+    /// few floats.
     #[test]
     fn stages_with_activation_checkpointing() -> Result<()> {
         if !is_rank() {
@@ -770,11 +771,21 @@ mod zero {
         let mut single = model(7, &[])?;
         let mut single_opt = single.build_optimizer(&adam, &[])?;
         let single_losses = fit_with(&mut single, &mut single_opt, &clip, None, &batches)?;
-        for stage in [ZeroStage::One, ZeroStage::Two] {
+        // Windows of 13 floats per rank: every parameter moves in several
+        // reduce-scatters and all-gathers, most of them across two parameters.
+        let tiny = DistributedOptions {
+            bucket_cap_mb: 104.0 / (1024.0 * 1024.0),
+            ..DistributedOptions::default()
+        };
+        for (stage, options) in [
+            (ZeroStage::One, DistributedOptions::default()),
+            (ZeroStage::Two, DistributedOptions::default()),
+            (ZeroStage::One, tiny.clone()),
+            (ZeroStage::Two, tiny),
+        ] {
             let mut module = model(7 + rank as u64, &[])?;
             module.checkpoint_activations(&["*"])?;
-            let mut sharded =
-                zero_data_parallel(module, group.clone(), stage, &DistributedOptions::default())?;
+            let mut sharded = zero_data_parallel(module, group.clone(), stage, &options)?;
             let mut opt = sharded.build_optimizer(&adam, &[])?;
             let losses = fit_with(&mut sharded, &mut opt, &clip, Some((rank, world)), &batches)?;
             let loss_diff = max_diff(&losses, &single_losses);
