@@ -295,7 +295,7 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
             .and_then(|(_, r)| r.as_ref().ok())
     };
     let mut t = format!(
-        "{DESCRIBE}. Median of {} repeats of {} steps after {} warm-up steps, {} rounds. \
+        "Median of {} repeats of {} steps after {} warm-up steps, {} rounds. \
          State = parameters + gradients still held after a step + optimizer state, on rank 0 \
          (MiB); peak RSS is rank 0's whole process (MiB). Steps/s vs PyTorch compares the same \
          strategy with the same checkpointing.\n\n\
