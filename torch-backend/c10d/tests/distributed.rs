@@ -672,6 +672,16 @@ mod zero {
     use kiln_torch::{TorchBackend, TorchModel, TorchOptimizer};
     use std::sync::Arc;
 
+    /// One training of [`stages_equal_one_process`]: its name, optimizer,
+    /// parameter groups, clipping and frozen parameters.
+    type Case<'a> = (
+        &'a str,
+        &'a OptimizerConfig,
+        &'a [ParamGroup],
+        &'a GradClip,
+        &'a [&'a str],
+    );
+
     fn model(seed: u64, freeze: &[&str]) -> Result<TorchModel> {
         TorchBackend::manual_seed(seed);
         let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
@@ -821,7 +831,7 @@ mod zero {
         assert_eq!(keys(a), keys(b), "the states' entries differ");
         a.iter()
             .map(|(k, x)| {
-                let y = b.get(k).unwrap();
+                let y = b.get(k).expect("the same keys");
                 max_diff(&x.to_f64_vec(), &y.to_f64_vec())
             })
             .fold(0.0, f64::max)
@@ -863,7 +873,7 @@ mod zero {
             max_norm: 0.05,
             norm_type: f64::INFINITY,
         };
-        let cases: [(&str, &OptimizerConfig, &[ParamGroup], &GradClip, &[&str]); 3] = [
+        let cases: [Case<'_>; 3] = [
             ("adam", &adam, &[], &norm2, &[]),
             ("sgd, groups, inf-norm", &sgd, &two_groups, &inf, &[]),
             ("adam, frozen", &adam, &[], &norm2, &["0.*"]),
