@@ -88,18 +88,12 @@ impl DistributedDataParallel {
         options: &DistributedOptions,
     ) -> Result<Self> {
         // Checked before any collective, so that every rank fails alike.
-        let cap = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
-        if !(cap >= 1.0 && cap < i64::MAX as f64) {
-            return Err(Error::invalid_argument(
-                "bucket_cap_mb",
-                format!("must be positive, got {}", options.bucket_cap_mb),
-            ));
-        }
+        let cap = bucket_cap_bytes(options)?;
         let trained = take_rank_zeros_model(&group, "DistributedDataParallel", params, buffers)?;
         let tensors: Vec<&Tensor> = trained.iter().map(|(_, t)| t).collect();
         let list = tensor_list(&tensors);
         let config = ffi::ReducerConfig {
-            bucket_cap_bytes: cap as i64,
+            bucket_cap_bytes: cap,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
             find_unused_parameters: options.find_unused_parameters,
             param_names: trained.iter().map(|(n, _)| n.clone()).collect(),
@@ -198,6 +192,18 @@ impl DistributedDataParallel {
             c10d_error("DDP's gradient reducer", e)
         }
     }
+}
+
+/// `options.bucket_cap_mb` in bytes; not a positive size is an error naming it.
+pub(crate) fn bucket_cap_bytes(options: &DistributedOptions) -> Result<i64> {
+    let cap = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
+    if !(cap >= 1.0 && cap < i64::MAX as f64) {
+        return Err(Error::invalid_argument(
+            "bucket_cap_mb",
+            format!("must be positive, got {}", options.bucket_cap_mb),
+        ));
+    }
+    Ok(cap as i64)
 }
 
 /// What every data-parallel strategy does first, as DDP does: checks that

@@ -20,7 +20,9 @@ use kiln_torch::{device_from_tch, from_tch, kind_from_dtype, to_tch, torch_error
 use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 
-use crate::ddp::{broadcast_buffers, start_mean, take_rank_zeros_model, PendingMean};
+use crate::ddp::{
+    broadcast_buffers, bucket_cap_bytes, start_mean, take_rank_zeros_model, PendingMean,
+};
 use crate::{DistributedDataParallel, ProcessGroup};
 
 /// The buffer size of the broadcasts that gather a sharded optimizer state.
@@ -102,13 +104,7 @@ impl Shards {
         trained: &[&(String, Tensor)],
         options: &DistributedOptions,
     ) -> Result<Self> {
-        let window_bytes = (options.bucket_cap_mb * 1024.0 * 1024.0).round();
-        if !(window_bytes >= 1.0 && window_bytes < i64::MAX as f64) {
-            return Err(Error::invalid_argument(
-                "bucket_cap_mb",
-                format!("must be positive, got {}", options.bucket_cap_mb),
-            ));
-        }
+        let window_bytes = bucket_cap_bytes(options)?;
         let first = &trained[0].1;
         for (name, t) in trained {
             if t.kind() != first.kind() || t.device() != first.device() {
@@ -140,7 +136,7 @@ impl Shards {
             owner,
             offset,
             segment,
-            window_bytes: window_bytes as i64,
+            window_bytes,
         })
     }
 
