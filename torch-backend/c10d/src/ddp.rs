@@ -242,6 +242,29 @@ pub(crate) fn take_rank_zeros_model<'a>(
     Ok(trained)
 }
 
+/// Checks that the model of `params` is where `group` reduces: Gloo for CPU
+/// tensors, NCCL for CUDA ones.
+pub(crate) fn check_device_suits_group(
+    group: &ProcessGroup,
+    params: &[(String, Tensor)],
+) -> Result<()> {
+    let Some((_, first)) = params.first() else {
+        return Ok(());
+    };
+    let device = device_from_tch(first.device())?;
+    if device.is_cuda() != group.has_nccl() {
+        return Err(Error::invalid_argument(
+            "distributed.backend",
+            format!(
+                "the model is on {device} but the group's backend is {}: Gloo for CPU \
+                 training, NCCL for CUDA",
+                if group.has_nccl() { "nccl" } else { "gloo" }
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Buffers (batch-norm statistics) from rank 0 to every rank.
 pub(crate) fn broadcast_buffers(group: &ProcessGroup, buffers: &[Tensor]) -> Result<()> {
     if buffers.is_empty() {
@@ -270,19 +293,7 @@ impl DistributedDataParallel {
         options: &DistributedOptions,
     ) -> Result<Self> {
         let params = module.named_parameters()?;
-        if let Some((_, first)) = params.first() {
-            let device = device_from_tch(first.device())?;
-            if device.is_cuda() != group.has_nccl() {
-                return Err(Error::invalid_argument(
-                    "distributed.backend",
-                    format!(
-                        "the model is on {device} but the group's backend is {}: Gloo for CPU \
-                         training, NCCL for CUDA",
-                        if group.has_nccl() { "nccl" } else { "gloo" }
-                    ),
-                ));
-            }
-        }
+        check_device_suits_group(&group, &params)?;
         Self::new(group, &params, &module.named_buffers()?, options)
     }
 }

@@ -21,7 +21,8 @@ use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
 
 use crate::ddp::{
-    broadcast_buffers, bucket_cap_bytes, start_mean, take_rank_zeros_model, PendingMean,
+    broadcast_buffers, bucket_cap_bytes, check_device_suits_group, start_mean,
+    take_rank_zeros_model, PendingMean,
 };
 use crate::{DistributedDataParallel, ProcessGroup};
 
@@ -295,19 +296,7 @@ impl ZeroRedundancy {
                 options,
             )?),
             ZeroStage::Two => {
-                if let Some((_, first)) = params.first() {
-                    let device = device_from_tch(first.device())?;
-                    if device.is_cuda() != group.has_nccl() {
-                        return Err(Error::invalid_argument(
-                            "distributed.backend",
-                            format!(
-                                "the model is on {device} but the group's backend is {}: \
-                                 Gloo for CPU training, NCCL for CUDA",
-                                if group.has_nccl() { "nccl" } else { "gloo" }
-                            ),
-                        ));
-                    }
-                }
+                check_device_suits_group(&group, &params)?;
                 take_rank_zeros_model(&group, stage.name(), &params, &buffers)?;
                 None
             }
