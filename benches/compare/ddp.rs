@@ -51,10 +51,10 @@ const TARGETS: [f64; 3] = [1.2, 1.0, 1.0];
 /// One-float all-reduces: untimed, then each timed on its own.
 const LATENCY_WARMUP: usize = 100;
 const LATENCY_CALLS: usize = 1000;
-/// The all-reduce of 100 MB of float32 (25M values): untimed, then timed calls.
+/// The 100 MB collectives (float32, 25M values): untimed, then timed calls.
 const BANDWIDTH_BYTES: usize = 100_000_000;
-const BANDWIDTH_WARMUP: usize = 2;
-const BANDWIDTH_CALLS: usize = 10;
+const BANDWIDTH_WARMUP: usize = 3;
+const BANDWIDTH_CALLS: usize = 20;
 /// How long a rank waits for the other at the rendezvous and in a collective.
 const RANK_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -459,45 +459,95 @@ fn train(
     }))
 }
 
-/// The all-reduce alone: one float (latency) and 100 MB (bandwidth).
+/// The collectives alone: the all-reduce of one float (latency) and of 100 MB
+/// (bandwidth), then the reduce-scatter of 100 MB (each rank keeps its 50 MB)
+/// and the all-gather of 50 MB per rank into 100 MB, the sharded strategies'
+/// two collectives.
 fn collectives(group: &ProcessGroup) -> Result<Value> {
     let cpu = (Kind::Float, tch::Device::Cpu);
-    let each_call = |t: &Tensor, warmup: usize, calls: usize| -> Result<Vec<f64>> {
-        for _ in 0..warmup {
-            group.all_reduce(t, ReduceOp::Sum)?;
-        }
-        group.barrier()?;
-        (0..calls)
-            .map(|_| {
-                let start = Instant::now();
-                group.all_reduce(t, ReduceOp::Sum)?;
-                Ok(start.elapsed().as_secs_f64())
-            })
-            .collect()
-    };
+    let each_call =
+        |call: &dyn Fn() -> Result<()>, warmup: usize, calls: usize| -> Result<Vec<f64>> {
+            for _ in 0..warmup {
+                call()?;
+            }
+            group.barrier()?;
+            (0..calls)
+                .map(|_| {
+                    let start = Instant::now();
+                    call()?;
+                    Ok(start.elapsed().as_secs_f64())
+                })
+                .collect()
+        };
     // Zeros: a sum repeated a thousand times stays finite.
     let one = Tensor::f_zeros([1], cpu)?;
-    let latency = each_call(&one, LATENCY_WARMUP, LATENCY_CALLS)?;
-    let big = Tensor::f_zeros([(BANDWIDTH_BYTES / 4) as i64], cpu)?;
-    let bandwidth = each_call(&big, BANDWIDTH_WARMUP, BANDWIDTH_CALLS)?;
-    Ok(collectives_result(latency, bandwidth))
+    let latency = each_call(
+        &|| Ok(group.all_reduce(&one, ReduceOp::Sum)?),
+        LATENCY_WARMUP,
+        LATENCY_CALLS,
+    )?;
+    let values = (BANDWIDTH_BYTES / 4) as i64;
+    let whole = Tensor::f_zeros([values], cpu)?;
+    let bandwidth = each_call(
+        &|| Ok(group.all_reduce(&whole, ReduceOp::Sum)?),
+        BANDWIDTH_WARMUP,
+        BANDWIDTH_CALLS,
+    )?;
+    let share = Tensor::f_zeros([values / WORLD as i64], cpu)?;
+    let reduce_scatter = each_call(
+        &|| Ok(group.reduce_scatter(&share, &whole, ReduceOp::Sum)?),
+        BANDWIDTH_WARMUP,
+        BANDWIDTH_CALLS,
+    )?;
+    let all_gather = each_call(
+        &|| Ok(group.all_gather_into(&whole, &share)?),
+        BANDWIDTH_WARMUP,
+        BANDWIDTH_CALLS,
+    )?;
+    // Kiln only: the reduce-scatter of a buffer given up (ZeRO-2's windows).
+    let owned = each_call(
+        &|| Ok(group.reduce_scatter_owned(&share, whole.shallow_clone(), ReduceOp::Sum)?),
+        BANDWIDTH_WARMUP,
+        BANDWIDTH_CALLS,
+    )?;
+    let mut result = collectives_result(latency, bandwidth, reduce_scatter, all_gather);
+    let owned_s = median(owned.clone());
+    result["reduce_scatter_owned_ms"] = json!(owned_s * 1e3);
+    result["reduce_scatter_owned_calls_s"] = json!(owned);
+    Ok(result)
 }
 
 /// The collectives' JSON (the Python script reports the same keys).
-fn collectives_result(latency: Vec<f64>, bandwidth: Vec<f64>) -> Value {
+fn collectives_result(
+    latency: Vec<f64>,
+    bandwidth: Vec<f64>,
+    reduce_scatter: Vec<f64>,
+    all_gather: Vec<f64>,
+) -> Value {
     let q = |v: &[f64], q: f64| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[((v.len() - 1) as f64 * q).round() as usize]
     };
-    let big = median(bandwidth.clone());
+    let gb_s = |seconds: f64| BANDWIDTH_BYTES as f64 / seconds / 1e9;
+    let (big, rs, ag) = (
+        median(bandwidth.clone()),
+        median(reduce_scatter.clone()),
+        median(all_gather.clone()),
+    );
     json!({
         "latency_us": median(latency.clone()) * 1e6,
         "latency_p10_us": q(&latency, 0.1) * 1e6,
         "latency_p90_us": q(&latency, 0.9) * 1e6,
         "bandwidth_ms": big * 1e3,
-        "bandwidth_gb_s": BANDWIDTH_BYTES as f64 / big / 1e9,
+        "bandwidth_gb_s": gb_s(big),
         "bandwidth_calls_s": bandwidth,
+        "reduce_scatter_ms": rs * 1e3,
+        "reduce_scatter_gb_s": gb_s(rs),
+        "reduce_scatter_calls_s": reduce_scatter,
+        "all_gather_ms": ag * 1e3,
+        "all_gather_gb_s": gb_s(ag),
+        "all_gather_calls_s": all_gather,
     })
 }
 
@@ -516,10 +566,15 @@ pub fn score(r: &Value) -> f64 {
 pub fn summary(r: &Value) -> String {
     if r.get("latency_us").is_some() {
         format!(
-            "1 float {:>6.0} us, 100 MB {:>5.0} ms ({:.2} GB/s)",
+            "1 float {:>6.0} us, 100 MB {:>5.0} ms ({:.2} GB/s), reduce-scatter {:>5.0} ms{}, all-gather {:>5.0} ms",
             num(r, "latency_us"),
             num(r, "bandwidth_ms"),
-            num(r, "bandwidth_gb_s")
+            num(r, "bandwidth_gb_s"),
+            num(r, "reduce_scatter_ms"),
+            r.get("reduce_scatter_owned_ms")
+                .and_then(Value::as_f64)
+                .map_or(String::new(), |ms| format!(" (given up {ms:.0} ms)")),
+            num(r, "all_gather_ms")
         )
     } else {
         format!(
@@ -654,12 +709,15 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
 
     let (k, p) = (ok("kiln-gloo"), ok("pytorch-gloo"));
     t += &format!(
-        "\nAll-reduce (sum) alone, two ranks, Gloo, one thread each: Kiln's \
-         `ProcessGroup::all_reduce` of a `tch::Tensor` against `torch.distributed.all_reduce`, \
-         each call timed on rank 0; one float {LATENCY_CALLS} calls after {LATENCY_WARMUP}, \
-         100 MB of float32 {BANDWIDTH_CALLS} calls after {BANDWIDTH_WARMUP}. Bandwidth is \
-         bytes / time (with two ranks, the bus bandwidth too).\n\n\
-         | all-reduce | Kiln | PyTorch | Kiln vs PyTorch |\n\
+        "\nThe collectives alone, two ranks, Gloo, one thread each: Kiln's `ProcessGroup` \
+         against `torch.distributed`, each call timed on rank 0. All-reduce (sum) of one float, \
+         {LATENCY_CALLS} calls after {LATENCY_WARMUP}; then, {BANDWIDTH_CALLS} calls after \
+         {BANDWIDTH_WARMUP} each, the all-reduce of 100 MB of float32, the reduce-scatter of \
+         100 MB (`reduce_scatter` against `reduce_scatter_tensor`: each rank keeps its 50 MB) \
+         and the all-gather of 50 MB per rank into 100 MB (`all_gather_into` against \
+         `all_gather_into_tensor`), ZeRO's and full sharding's two collectives. Bandwidth is \
+         100 MB / time.\n\n\
+         | collective | Kiln | PyTorch | Kiln vs PyTorch |\n\
          | --- | ---: | ---: | ---: |\n"
     );
     // Lower is better for times: the ratio is PyTorch's over Kiln's.
@@ -680,10 +738,13 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
         })
     };
     t += &format!(
-        "| 1 float, median latency (us) | {} | {} | {} |\n\
-         | 1 float, 10th-90th percentile (us) | {} | {} | |\n\
-         | 100 MB float32, median time (ms) | {} | {} | {} |\n\
-         | 100 MB float32, bandwidth (GB/s) | {} | {} | {} |\n",
+        "| all-reduce 1 float, median latency (us) | {} | {} | {} |\n\
+         | all-reduce 1 float, 10th-90th percentile (us) | {} | {} | |\n\
+         | all-reduce 100 MB float32, median time (ms) | {} | {} | {} |\n\
+         | all-reduce 100 MB float32, bandwidth (GB/s) | {} | {} | {} |\n\
+         | reduce-scatter 100 MB, median time (ms) | {} | {} | {} |\n\
+         | all-gather into 100 MB, median time (ms) | {} | {} | {} |\n\
+         | reduce-scatter 100 MB given up (`reduce_scatter_owned`), median time (ms) | {} | {} | {} |\n",
         cell(k, "latency_us", 0),
         cell(p, "latency_us", 0),
         speedup("latency_us", true),
@@ -695,6 +756,21 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
         cell(k, "bandwidth_gb_s", 2),
         cell(p, "bandwidth_gb_s", 2),
         speedup("bandwidth_gb_s", false),
+        cell(k, "reduce_scatter_ms", 1),
+        cell(p, "reduce_scatter_ms", 1),
+        speedup("reduce_scatter_ms", true),
+        cell(k, "all_gather_ms", 1),
+        cell(p, "all_gather_ms", 1),
+        speedup("all_gather_ms", true),
+        cell(k, "reduce_scatter_owned_ms", 1),
+        cell(p, "reduce_scatter_ms", 1),
+        match (k, p) {
+            (Some(k), Some(p)) => format!(
+                "{:.2}x (against `reduce_scatter_tensor`)",
+                num(p, "reduce_scatter_ms") / num(k, "reduce_scatter_owned_ms")
+            ),
+            _ => "-".to_owned(),
+        },
     );
     for (v, r) in rows {
         if let Err(e) = r {

@@ -21,7 +21,9 @@ variables, and rank 0 prints one JSON line on stdout (see ``common.py``).
   the model has parameters (the communication alone). Medians per step, of
   wall-clock time and, for the two kinds of step, of the process's CPU time.
 - collectives: ``dist.all_reduce`` (sum) of one float, each of 1000 calls timed
-  after 100 untimed, and of 100 MB of float32, 10 calls after 2.
+  after 100 untimed; then, 20 calls after 3 each, the all-reduce of 100 MB of
+  float32, ``reduce_scatter_tensor`` of 100 MB and ``all_gather_into_tensor`` of
+  50 MB per rank into 100 MB.
 """
 
 import argparse
@@ -42,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 import bench_torch  # noqa: E402  (the workloads' model definitions)
 
 LATENCY_WARMUP, LATENCY_CALLS = 100, 1000
-BANDWIDTH_BYTES, BANDWIDTH_WARMUP, BANDWIDTH_CALLS = 100_000_000, 2, 10
+BANDWIDTH_BYTES, BANDWIDTH_WARMUP, BANDWIDTH_CALLS = 100_000_000, 3, 20
 
 
 def cpu_seconds():
@@ -144,26 +146,35 @@ def train(args, rank, world):
 
 
 def collectives():
-    def each_call(t, warmup, calls):
+    def each_call(call, warmup, calls):
         for _ in range(warmup):
-            dist.all_reduce(t)
+            call()
         dist.barrier()
         seconds = []
         for _ in range(calls):
             start = time.perf_counter()
-            dist.all_reduce(t)
+            call()
             seconds.append(time.perf_counter() - start)
         return seconds
 
     # Zeros: a sum repeated a thousand times stays finite.
-    latency = each_call(torch.zeros(1), LATENCY_WARMUP, LATENCY_CALLS)
-    bandwidth = each_call(torch.zeros(BANDWIDTH_BYTES // 4), BANDWIDTH_WARMUP, BANDWIDTH_CALLS)
+    one = torch.zeros(1)
+    latency = each_call(lambda: dist.all_reduce(one), LATENCY_WARMUP, LATENCY_CALLS)
+    whole = torch.zeros(BANDWIDTH_BYTES // 4)
+    bandwidth = each_call(lambda: dist.all_reduce(whole), BANDWIDTH_WARMUP, BANDWIDTH_CALLS)
+    share = torch.zeros(BANDWIDTH_BYTES // 4 // dist.get_world_size())
+    reduce_scatter = each_call(
+        lambda: dist.reduce_scatter_tensor(share, whole), BANDWIDTH_WARMUP, BANDWIDTH_CALLS
+    )
+    all_gather = each_call(
+        lambda: dist.all_gather_into_tensor(whole, share), BANDWIDTH_WARMUP, BANDWIDTH_CALLS
+    )
 
     def quantile(v, q):
         v = sorted(v)
         return v[round((len(v) - 1) * q)]
 
-    big = statistics.median(bandwidth)
+    big, rs, ag = (statistics.median(v) for v in (bandwidth, reduce_scatter, all_gather))
     return {
         "latency_us": statistics.median(latency) * 1e6,
         "latency_p10_us": quantile(latency, 0.1) * 1e6,
@@ -171,6 +182,12 @@ def collectives():
         "bandwidth_ms": big * 1e3,
         "bandwidth_gb_s": BANDWIDTH_BYTES / big / 1e9,
         "bandwidth_calls_s": bandwidth,
+        "reduce_scatter_ms": rs * 1e3,
+        "reduce_scatter_gb_s": BANDWIDTH_BYTES / rs / 1e9,
+        "reduce_scatter_calls_s": reduce_scatter,
+        "all_gather_ms": ag * 1e3,
+        "all_gather_gb_s": BANDWIDTH_BYTES / ag / 1e9,
+        "all_gather_calls_s": all_gather,
     }
 
 

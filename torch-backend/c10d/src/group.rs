@@ -245,6 +245,45 @@ impl ProcessGroup {
         Ok(())
     }
 
+    /// [`reduce_scatter`](Self::reduce_scatter) of a buffer the caller gives
+    /// up: what `input` holds afterwards is unspecified.
+    ///
+    /// Gloo's reduce-scatter (c10d's `_reduce_scatter_base`) clones the whole
+    /// input, all-reduces the clone and copies this rank's segment out, so that
+    /// the input survives; on a buffer built only to be reduced, that clone is
+    /// a whole extra allocation and copy. Given the buffer, Kiln all-reduces it
+    /// in place and copies the segment out. CUDA tensors (NCCL, which
+    /// reduce-scatters natively) take [`reduce_scatter`](Self::reduce_scatter)'s path.
+    pub fn reduce_scatter_owned(&self, output: &Tensor, input: Tensor, op: ReduceOp) -> Result<()> {
+        self.check_device(&input, "reduce_scatter")?;
+        self.check_flat(output, &input, "reduce_scatter")?;
+        if input.device() != tch::Device::Cpu {
+            return self.reduce_scatter(output, &input, op);
+        }
+        let sum_like = if op == ReduceOp::Mean {
+            ReduceOp::Sum
+        } else {
+            op
+        };
+        self.with(|g| g.all_reduce(as_at(&input), reduce_kind(sum_like)))
+            .map_err(|e| self.diagnose("reduce_scatter", e.what()))?;
+        let len = output.numel() as i64;
+        let fail = |e| kiln_torch::torch_error("reduce_scatter", e);
+        // Both are contiguous (checked above): flat views of the same memory.
+        let mut out = output.f_view([-1]).map_err(fail)?;
+        let segment = input
+            .f_view([-1])
+            .map_err(fail)?
+            .narrow(0, self.rank as i64 * len, len);
+        out.f_copy_(&segment).map_err(fail)?;
+        if op == ReduceOp::Mean {
+            let _ = out
+                .f_div_scalar_(self.world_size as f64)
+                .map_err(|e| kiln_torch::torch_error("reduce_scatter (mean)", e))?;
+        }
+        Ok(())
+    }
+
     /// Every rank's `input` into `output`, rank after rank (PyTorch's
     /// `all_gather_into_tensor`): `output` holds `world_size` times `input`'s
     /// elements, both contiguous and of one dtype.

@@ -113,6 +113,18 @@ fn collectives_over_two_ranks() -> Result<()> {
     assert_eq!(values(&mine), expected);
     group.reduce_scatter(&mine, &input, ReduceOp::Mean)?;
     assert_eq!(values(&mine), expected.map(|v| v / 2.0));
+    // The same from a buffer given up (an all-reduce in place on Gloo), into a
+    // two-dimensional share of a two-dimensional buffer.
+    let mine_2d = Tensor::zeros([1, 2], (tch::Kind::Float, tch::Device::Cpu));
+    group.reduce_scatter_owned(&mine_2d, input.view([2, 2]).copy(), ReduceOp::Sum)?;
+    assert_eq!(values(&mine_2d), expected);
+    group.reduce_scatter_owned(&mine, input.copy(), ReduceOp::Mean)?;
+    assert_eq!(values(&mine), expected.map(|v| v / 2.0));
+    group.reduce_scatter_owned(&mine, input.copy(), ReduceOp::Max)?;
+    assert_eq!(
+        values(&mine),
+        if r == 0.0 { [10.0, 11.0] } else { [12.0, 13.0] }
+    );
     // All-gather into one buffer (ZeRO's parameters), rank after rank.
     let whole = Tensor::zeros([4], (tch::Kind::Float, tch::Device::Cpu));
     group.all_gather_into(&whole, &Tensor::from_slice(&[r as f32, r as f32 + 0.5]))?;

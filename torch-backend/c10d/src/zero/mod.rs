@@ -378,9 +378,10 @@ impl ZeroRedundancy {
                             .map_err(fail)?;
                     }
                 }
+                // `whole` was built for this call only: reduced in place.
                 shards
                     .group
-                    .reduce_scatter(&mine.narrow(0, a, w), &whole, ReduceOp::Mean)?;
+                    .reduce_scatter_owned(&mine.narrow(0, a, w), whole, ReduceOp::Mean)?;
             }
             Ok::<_, Error>(mine)
         })?;
