@@ -72,7 +72,7 @@ pub const VARIANTS: [&str; 8] = [
 
 pub const DESCRIBE: &str =
     "(h) data-parallel training, two ranks on this machine (one thread each), \
-     Kiln against PyTorch DDP under torchrun; all-reduce latency and bandwidth on Gloo";
+     Kiln against PyTorch DDP under torchrun; all-reduce, reduce-scatter and all-gather on Gloo";
 
 /// Which side a variant runs, and its model (`None`: the collectives).
 fn parse_variant(variant: &str) -> Result<(bool, Option<Workload>)> {

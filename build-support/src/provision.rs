@@ -322,6 +322,9 @@ pub fn pip_install(python: &Path, requirements: &[&str], log: &Path) -> Result<(
             "off",
             // The virtualenv is the cache: keeping the wheels too would double the disk used.
             "--no-cache-dir",
+            // No bytecode for the tens of thousands of modules installed: Python
+            // compiles (and caches) the few that are imported, on first import.
+            "--no-compile",
         ])
         .args(requirements)
         .stdin(Stdio::null())
