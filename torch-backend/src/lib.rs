@@ -59,6 +59,7 @@ mod loss;
 mod model;
 mod optim;
 mod script;
+pub mod sharded_unit;
 mod train;
 
 pub use autocast::autocast;
