@@ -77,7 +77,7 @@ pub use export::export_torchscript;
 pub use freeze::Freeze;
 pub use generate::{generate, KvCache};
 pub use loss::compute_loss;
-pub use model::TorchModel;
+pub use model::{ShardedUnit, TorchModel};
 pub use optim::{
     clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value, TorchOptimizer,
 };

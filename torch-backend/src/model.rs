@@ -24,6 +24,7 @@ use crate::error::torch_error;
 use crate::freeze::{all_frozen, Freeze};
 use crate::layers::{self, join, DecodeStep, Failure, Forward, ForwardResult, Lookup};
 use crate::script::ScriptModule;
+use crate::sharded_unit::UnitCollectives;
 use kiln_core::module::name_matches;
 
 /// One named tensor of the model: a trainable parameter or a buffer.
@@ -60,6 +61,62 @@ enum Node {
         inner: Arc<Node>,
         path: String,
     },
+    /// A part whose parameters are sharded across ranks: gathered for its
+    /// forward and backward passes, freed after ([`TorchModel::shard_units`]).
+    Sharded {
+        inner: Arc<Node>,
+        unit: Arc<UnitParams>,
+    },
+}
+
+/// What a sharded part needs to run: which of the model's tensors it gathers,
+/// and from where.
+struct UnitParams {
+    /// The unit's parameters, as indices of the model's entries, in the
+    /// order of [`ShardedUnit::names`].
+    indices: Vec<usize>,
+    collectives: Arc<dyn UnitCollectives>,
+    reshard_after_forward: bool,
+}
+
+impl std::fmt::Debug for UnitParams {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitParams")
+            .field("indices", &self.indices)
+            .field("reshard_after_forward", &self.reshard_after_forward)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One unit of full sharding, as [`TorchModel::plan_shard_units`] plans it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardedUnit {
+    /// The unit's layer path; `""` for the root unit, which holds the
+    /// trainable parameters no other unit holds.
+    pub path: String,
+    /// The state-dict names of the trainable parameters the unit gathers, in
+    /// the order its [`UnitCollectives`] gathers and reduces them.
+    pub names: Vec<String>,
+}
+
+/// The model's tensors with a sharded unit's parameters replaced by the
+/// gathered ones.
+struct Overlay<'a> {
+    base: &'a dyn crate::layers::Tensors,
+    indices: &'a [usize],
+    full: &'a [Tensor],
+}
+
+impl crate::layers::Tensors for Overlay<'_> {
+    fn tensor(&self, index: usize) -> &Tensor {
+        match self.indices.iter().position(|&i| i == index) {
+            Some(at) => &self.full[at],
+            None => self.base.tensor(index),
+        }
+    }
+    fn count(&self) -> usize {
+        self.base.count()
+    }
 }
 
 /// Handles to every parameter and buffer of a model, for a checkpointed part's
@@ -141,6 +198,53 @@ fn run_node(
             }
             _ => run_node(tensors, inner, x, train, None),
         },
+        Node::Sharded { inner, unit } => {
+            // The other tensors (buffers, other units' shards) as they are now.
+            let snapshot = Snapshot(
+                (0..tensors.count())
+                    .map(|i| tensors.tensor(i).shallow_clone())
+                    .collect(),
+            );
+            let inner = Arc::clone(inner);
+            let indices = unit.indices.clone();
+            crate::sharded_unit::sharded_unit(
+                x,
+                Arc::clone(&unit.collectives),
+                unit.reshard_after_forward,
+                move |x, full| {
+                    let view = Overlay {
+                        base: &snapshot,
+                        indices: &indices,
+                        full,
+                    };
+                    run_node(&view, &inner, x, train, part).map_err(|e| match e {
+                        Failure::Torch(e) => torch_error("a sharded unit of the model", e),
+                        Failure::Layer(e) => e,
+                    })
+                },
+            )
+            .map_err(Failure::Layer)
+        }
+    }
+}
+
+/// The path of every layer under `node` (at `path`), containers included.
+/// A checkpointed or sharded part is the layer it wraps.
+fn layer_paths(node: &Node, path: &str, out: &mut Vec<String>) {
+    if let Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } = node {
+        return layer_paths(inner, path, out);
+    }
+    if !path.is_empty() {
+        out.push(path.to_owned());
+    }
+    match node {
+        Node::Sequential(children) => {
+            for (i, child) in children.iter().enumerate() {
+                layer_paths(child, &join(path, &i.to_string()), out);
+            }
+        }
+        Node::Residual(block) => layer_paths(block, &join(path, "block"), out),
+        _ => {}
     }
 }
 
@@ -358,29 +462,6 @@ impl TorchModel {
     /// # Ok::<(), kiln_core::Error>(())
     /// ```
     pub fn checkpoint_activations(&mut self, patterns: &[&str]) -> Result<Vec<String>> {
-        fn paths(node: &Node, path: &str, out: &mut Vec<String>) {
-            if !path.is_empty() {
-                out.push(path.to_owned());
-            }
-            match node {
-                Node::Sequential(children) => {
-                    for (i, child) in children.iter().enumerate() {
-                        paths(child, &join(path, &i.to_string()), out);
-                    }
-                }
-                Node::Residual(block) => paths(block, &join(path, "block"), out),
-                Node::Checkpoint { inner, .. } => match &**inner {
-                    Node::Sequential(children) => {
-                        for (i, child) in children.iter().enumerate() {
-                            paths(child, &join(path, &i.to_string()), out);
-                        }
-                    }
-                    Node::Residual(block) => paths(block, &join(path, "block"), out),
-                    _ => {}
-                },
-                Node::Leaf { .. } | Node::Script { .. } => {}
-            }
-        }
         fn refusal(node: &Node) -> Option<String> {
             match node {
                 Node::Leaf {
@@ -395,11 +476,19 @@ impl TorchModel {
                 Node::Script { path, .. } => Some(format!("the torchscript layer `{path}`")),
                 Node::Sequential(children) => children.iter().find_map(refusal),
                 Node::Residual(block) => refusal(block),
-                Node::Checkpoint { inner, .. } => refusal(inner),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => refusal(inner),
             }
         }
         fn wrap(node: &mut Node, path: &str, patterns: &[&str], out: &mut Vec<String>) {
             if matches!(node, Node::Checkpoint { .. }) {
+                return;
+            }
+            // Checkpointing goes inside a sharded unit (its second run then
+            // reads the parameters gathered again for the backward pass).
+            if let Node::Sharded { inner, .. } = node {
+                if let Some(inner) = Arc::get_mut(inner) {
+                    wrap(inner, path, patterns, out);
+                }
                 return;
             }
             if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
@@ -423,7 +512,7 @@ impl TorchModel {
         }
         // Checked first: nothing changes on a refusal.
         let mut all = Vec::new();
-        paths(&self.root, "", &mut all);
+        layer_paths(&self.root, "", &mut all);
         for pattern in patterns {
             if !all.iter().any(|p| name_matches(pattern, p)) {
                 let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
@@ -452,6 +541,7 @@ impl TorchModel {
                     .enumerate()
                     .try_for_each(|(i, c)| check(c, &join(path, &i.to_string()), patterns)),
                 Node::Residual(block) => check(block, &join(path, "block"), patterns),
+                Node::Sharded { inner, .. } => check(inner, path, patterns),
                 _ => Ok(()),
             }
         }
@@ -461,6 +551,199 @@ impl TorchModel {
         self.checkpointed
             .extend(patterns.iter().map(|p| (*p).to_owned()));
         Ok(wrapped)
+    }
+
+    /// Plans full sharding's units, as PyTorch's `fully_shard` on each
+    /// matching layer and then on the root: each layer whose path matches one
+    /// of `patterns` (globs, as for [`checkpoint_activations`](Self::checkpoint_activations);
+    /// the outermost match wins) is a unit of the parameters under it, and the
+    /// root unit (path `""`) holds the rest, when there are any. Nothing
+    /// changes: [`shard_units`](Self::shard_units) applies the plan.
+    ///
+    /// A pattern that matches no layer, a model with a torchscript layer
+    /// (which reads its own tensors), a model already sharded, and tied
+    /// parameters that would fall in two units are errors.
+    pub fn plan_shard_units(&self, patterns: &[&str]) -> Result<Vec<ShardedUnit>> {
+        if self.has_scripts() {
+            return Err(Error::unsupported(
+                "full sharding of a model with a torchscript layer (it reads its own tensors)",
+            ));
+        }
+        if matches!(self.root, Node::Sharded { .. }) {
+            return Err(Error::invalid_argument(
+                "units",
+                "the model is sharded already",
+            ));
+        }
+        let mut all = Vec::new();
+        layer_paths(&self.root, "", &mut all);
+        for pattern in patterns {
+            if !all.iter().any(|p| name_matches(pattern, p)) {
+                let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
+                return Err(Error::invalid_argument(
+                    "units",
+                    format!(
+                        "`{pattern}` matches no layer of the model (its layers: {}{})",
+                        some.join(", "),
+                        if all.len() > some.len() { ", ..." } else { "" }
+                    ),
+                ));
+            }
+        }
+        fn matched(node: &Node, path: &str, patterns: &[&str], out: &mut Vec<String>) {
+            if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
+                out.push(path.to_owned());
+                return;
+            }
+            match node {
+                Node::Sequential(children) => {
+                    for (i, child) in children.iter().enumerate() {
+                        matched(child, &join(path, &i.to_string()), patterns, out);
+                    }
+                }
+                Node::Residual(block) => matched(block, &join(path, "block"), patterns, out),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => {
+                    matched(inner, path, patterns, out)
+                }
+                Node::Leaf { .. } | Node::Script { .. } => {}
+            }
+        }
+        let mut paths = Vec::new();
+        matched(&self.root, "", patterns, &mut paths);
+        let params: Vec<(usize, &Entry)> = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.kind == ParamKind::Parameter)
+            .collect();
+        let unit_of = |name: &str| {
+            paths
+                .iter()
+                .position(|p| name.starts_with(&format!("{p}.")))
+        };
+        // Tied parameters (one tensor under two names) must share a unit.
+        for (a, (_, ea)) in params.iter().enumerate() {
+            for (_, eb) in &params[a + 1..] {
+                if ea.tensor.data_ptr() == eb.tensor.data_ptr()
+                    && unit_of(&ea.name) != unit_of(&eb.name)
+                {
+                    return Err(Error::unsupported(format!(
+                        "full sharding with the tied parameters `{}` and `{}` in two units: \
+                         choose units that hold both (or shard their common parent)",
+                        ea.name, eb.name
+                    )));
+                }
+            }
+        }
+        let mut units: Vec<ShardedUnit> = paths
+            .iter()
+            .map(|p| ShardedUnit {
+                path: p.clone(),
+                names: Vec::new(),
+            })
+            .collect();
+        let mut rest = Vec::new();
+        for (_, e) in &params {
+            match unit_of(&e.name) {
+                Some(u) => units[u].names.push(e.name.clone()),
+                None => rest.push(e.name.clone()),
+            }
+        }
+        if !rest.is_empty() {
+            units.push(ShardedUnit {
+                path: String::new(),
+                names: rest,
+            });
+        }
+        Ok(units)
+    }
+
+    /// Applies a plan of [`plan_shard_units`](Self::plan_shard_units): from
+    /// now on each unit gathers its parameters through its `collectives` (one
+    /// per unit, in the plan's order) for its forward pass, frees them after
+    /// it when `reshard_after_forward` (the root unit keeps them until its
+    /// backward pass, as `fully_shard`'s root does), gathers them again for its
+    /// backward pass, hands their gradients to the collectives and frees them
+    /// (see [`crate::sharded_unit`]). What the model's own parameter tensors
+    /// hold in between is the strategy's business (its shards).
+    ///
+    /// A plan that is not this model's, or a count of collectives that is not
+    /// the plan's, is an error, and nothing changes.
+    pub fn shard_units(
+        &mut self,
+        plan: &[ShardedUnit],
+        collectives: Vec<Arc<dyn UnitCollectives>>,
+        reshard_after_forward: bool,
+    ) -> Result<()> {
+        let patterns: Vec<&str> = plan
+            .iter()
+            .filter(|u| !u.path.is_empty())
+            .map(|u| u.path.as_str())
+            .collect();
+        if self.plan_shard_units(&patterns)? != plan {
+            return Err(Error::invalid_argument(
+                "units",
+                "the plan is not this model's (plan it with plan_shard_units)",
+            ));
+        }
+        if collectives.len() != plan.len() {
+            return Err(Error::invalid_argument(
+                "units",
+                format!("{} collectives for {} units", collectives.len(), plan.len()),
+            ));
+        }
+        fn wrap_at(node: &mut Node, path: &str, at: &str, unit: &Arc<UnitParams>) {
+            if path == at {
+                let inner = std::mem::replace(node, Node::Sequential(Vec::new()));
+                *node = Node::Sharded {
+                    inner: Arc::new(inner),
+                    unit: Arc::clone(unit),
+                };
+                return;
+            }
+            match node {
+                Node::Sequential(children) => {
+                    for (i, child) in children.iter_mut().enumerate() {
+                        wrap_at(child, &join(path, &i.to_string()), at, unit);
+                    }
+                }
+                Node::Residual(block) => wrap_at(block, &join(path, "block"), at, unit),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => {
+                    if let Some(inner) = Arc::get_mut(inner) {
+                        wrap_at(inner, path, at, unit);
+                    }
+                }
+                Node::Leaf { .. } | Node::Script { .. } => {}
+            }
+        }
+        for (unit, collectives) in plan.iter().zip(collectives) {
+            let indices = unit
+                .names
+                .iter()
+                .map(|n| {
+                    self.entries
+                        .iter()
+                        .position(|e| &e.name == n)
+                        .expect("the plan was checked to be this model's")
+                })
+                .collect();
+            let root = unit.path.is_empty();
+            let params = Arc::new(UnitParams {
+                indices,
+                collectives,
+                reshard_after_forward: reshard_after_forward && !root,
+            });
+            if root {
+                let inner = std::mem::replace(&mut self.root, Node::Sequential(Vec::new()));
+                self.root = Node::Sharded {
+                    inner: Arc::new(inner),
+                    unit: params,
+                };
+            } else {
+                wrap_at(&mut self.root, "", &unit.path, &params);
+            }
+        }
+        Ok(())
     }
 
     /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora), if any.
@@ -681,6 +964,10 @@ impl TorchModel {
             Node::Residual(block) => Ok(x.f_add(&self.run_decode(block, x, step)?)?),
             Node::Leaf { layer, .. } => layer.decode(self, x, step),
             Node::Checkpoint { inner, .. } => self.run_decode(inner, x, step),
+            Node::Sharded { .. } => Err(Failure::Layer(Error::unsupported(
+                "cached decoding through a sharded unit: generate from the consolidated \
+                 weights (a model that is not sharded)",
+            ))),
             Node::Script { path, .. } => Err(Failure::Layer(Error::unsupported(format!(
                 "cached decoding through the torchscript layer `{path}`: Kiln cannot give it \
                  positions or a key/value cache"
@@ -749,7 +1036,7 @@ impl TorchModel {
                 Node::Script { module, path } if path == wanted => Some(module),
                 Node::Sequential(children) => children.iter().find_map(|c| find(c, wanted)),
                 Node::Residual(block) => find(block, wanted),
-                Node::Checkpoint { inner, .. } => find(inner, wanted),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => find(inner, wanted),
                 _ => None,
             }
         }
@@ -766,7 +1053,7 @@ impl TorchModel {
                 } => out.push(path.clone()),
                 Node::Sequential(children) => children.iter().for_each(|c| walk(c, out)),
                 Node::Residual(block) => walk(block, out),
-                Node::Checkpoint { inner, .. } => walk(inner, out),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => walk(inner, out),
                 Node::Leaf { .. } | Node::Script { .. } => {}
             }
         }
@@ -969,6 +1256,11 @@ fn pin_frozen_batch_norm(
         Node::Residual(block) => pin_frozen_batch_norm(block, params, kept)?,
         // Holds no batch norm and no torchscript layer (refused when wrapped).
         Node::Checkpoint { .. } => {}
+        Node::Sharded { inner, .. } => {
+            if let Some(inner) = Arc::get_mut(inner) {
+                pin_frozen_batch_norm(inner, params, kept)?;
+            }
+        }
         Node::Leaf {
             path,
             batch_norm,
