@@ -92,10 +92,11 @@ impl std::fmt::Debug for UnitParams {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardedUnit {
     /// The unit's layer path; `""` for the root unit, which holds the
-    /// trainable parameters no other unit holds.
+    /// parameters no other unit holds.
     pub path: String,
-    /// The state-dict names of the trainable parameters the unit gathers, in
-    /// the order its [`UnitCollectives`] gathers and reduces them.
+    /// The state-dict names of the parameters the unit gathers (frozen ones
+    /// included: they take memory too), in the order its [`UnitCollectives`]
+    /// gathers and reduces them.
     pub names: Vec<String>,
 }
 
@@ -225,6 +226,17 @@ fn run_node(
             )
             .map_err(Failure::Layer)
         }
+    }
+}
+
+/// Whether `node` is or holds a sharded unit.
+fn has_sharded(node: &Node) -> bool {
+    match node {
+        Node::Sharded { .. } => true,
+        Node::Sequential(children) => children.iter().any(has_sharded),
+        Node::Residual(block) => has_sharded(block),
+        Node::Checkpoint { inner, .. } => has_sharded(inner),
+        Node::Leaf { .. } | Node::Script { .. } => false,
     }
 }
 
@@ -366,6 +378,13 @@ impl TorchModel {
     /// # Ok::<(), kiln_core::Error>(())
     /// ```
     pub fn add_lora(&mut self, lora: &LoraConfig) -> Result<Vec<String>> {
+        if has_sharded(&self.root) {
+            return Err(Error::invalid_argument(
+                "lora",
+                "the model is sharded: add the adapters before sharding it (the units are \
+                 planned over the parameters there are)",
+            ));
+        }
         if let Some(existing) = &self.lora {
             return Err(Error::invalid_argument(
                 "lora",
@@ -569,7 +588,7 @@ impl TorchModel {
                 "full sharding of a model with a torchscript layer (it reads its own tensors)",
             ));
         }
-        if matches!(self.root, Node::Sharded { .. }) {
+        if has_sharded(&self.root) {
             return Err(Error::invalid_argument(
                 "units",
                 "the model is sharded already",

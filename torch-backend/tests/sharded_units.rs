@@ -207,8 +207,12 @@ fn plans_that_cannot_work_are_refused() {
         .to_string();
     assert!(err.contains("0 collectives for 2 units"), "{err}");
 
-    // Once sharded, not again.
-    let _ = shard(&mut m, &["1"]);
+    // Once sharded, not again, and no adapters added under the units
+    // (units without a root unit: every parameter is in a block or the head).
+    let _ = shard(&mut m, &["0", "1", "2", "3"]);
     let err = m.plan_shard_units(&["2"]).unwrap_err().to_string();
     assert!(err.contains("sharded already"), "{err}");
+    let lora = kiln_core::lora::LoraConfig::new(2, 4.0);
+    let err = m.add_lora(&lora).unwrap_err().to_string();
+    assert!(err.contains("add the adapters before sharding"), "{err}");
 }
