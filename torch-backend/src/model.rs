@@ -240,6 +240,27 @@ fn has_sharded(node: &Node) -> bool {
     }
 }
 
+/// An error naming `key` for the first of `patterns` that matches no layer
+/// under `root`, listing some of the layers there are.
+fn every_pattern_matches(root: &Node, patterns: &[&str], key: &str) -> Result<()> {
+    let mut all = Vec::new();
+    layer_paths(root, "", &mut all);
+    for pattern in patterns {
+        if !all.iter().any(|p| name_matches(pattern, p)) {
+            let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
+            return Err(Error::invalid_argument(
+                key,
+                format!(
+                    "`{pattern}` matches no layer of the model (its layers: {}{})",
+                    some.join(", "),
+                    if all.len() > some.len() { ", ..." } else { "" }
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The path of every layer under `node` (at `path`), containers included.
 /// A checkpointed or sharded part is the layer it wraps.
 fn layer_paths(node: &Node, path: &str, out: &mut Vec<String>) {
@@ -530,21 +551,7 @@ impl TorchModel {
             }
         }
         // Checked first: nothing changes on a refusal.
-        let mut all = Vec::new();
-        layer_paths(&self.root, "", &mut all);
-        for pattern in patterns {
-            if !all.iter().any(|p| name_matches(pattern, p)) {
-                let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
-                return Err(Error::invalid_argument(
-                    "activation_checkpointing",
-                    format!(
-                        "`{pattern}` matches no layer of the model (its layers: {}{})",
-                        some.join(", "),
-                        if all.len() > some.len() { ", ..." } else { "" }
-                    ),
-                ));
-            }
-        }
+        every_pattern_matches(&self.root, patterns, "activation_checkpointing")?;
         fn check(node: &Node, path: &str, patterns: &[&str]) -> Result<()> {
             if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
                 if let Some(why) = refusal(node) {
@@ -594,21 +601,7 @@ impl TorchModel {
                 "the model is sharded already",
             ));
         }
-        let mut all = Vec::new();
-        layer_paths(&self.root, "", &mut all);
-        for pattern in patterns {
-            if !all.iter().any(|p| name_matches(pattern, p)) {
-                let some: Vec<&str> = all.iter().take(8).map(String::as_str).collect();
-                return Err(Error::invalid_argument(
-                    "units",
-                    format!(
-                        "`{pattern}` matches no layer of the model (its layers: {}{})",
-                        some.join(", "),
-                        if all.len() > some.len() { ", ..." } else { "" }
-                    ),
-                ));
-            }
-        }
+        every_pattern_matches(&self.root, patterns, "units")?;
         fn matched(node: &Node, path: &str, patterns: &[&str], out: &mut Vec<String>) {
             if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
                 out.push(path.to_owned());
