@@ -721,13 +721,15 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
          | --- | ---: | ---: | ---: |\n"
     );
     // Lower is better for times: the ratio is PyTorch's over Kiln's.
-    let speedup = |key: &str, lower_better: bool| match (k, p) {
+    // Kiln's `kiln_key` against PyTorch's `pytorch_key`.
+    let against = |kiln_key: &str, pytorch_key: &str, lower_better: bool| match (k, p) {
         (Some(k), Some(p)) => {
-            let (a, b) = (num(k, key), num(p, key));
+            let (a, b) = (num(k, kiln_key), num(p, pytorch_key));
             format!("{:.2}x", if lower_better { b / a } else { a / b })
         }
         _ => "-".to_owned(),
     };
+    let speedup = |key: &str, lower_better: bool| against(key, key, lower_better);
     let spread = |r: Option<&Value>| {
         r.map_or("-".to_owned(), |r| {
             format!(
@@ -764,13 +766,8 @@ pub fn table(s: &Settings, rows: &[(String, std::result::Result<Value, String>)]
         speedup("all_gather_ms", true),
         cell(k, "reduce_scatter_owned_ms", 1),
         cell(p, "reduce_scatter_ms", 1),
-        match (k, p) {
-            (Some(k), Some(p)) => format!(
-                "{:.2}x (against `reduce_scatter_tensor`)",
-                num(p, "reduce_scatter_ms") / num(k, "reduce_scatter_owned_ms")
-            ),
-            _ => "-".to_owned(),
-        },
+        against("reduce_scatter_owned_ms", "reduce_scatter_ms", true)
+            + " (against `reduce_scatter_tensor`)",
     );
     for (v, r) in rows {
         if let Err(e) = r {
