@@ -12,7 +12,8 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kiln_c10d::{
-    zero_data_parallel, DistributedDataParallel, ProcessGroup, ZeroDataParallel, ZeroStage,
+    fully_shard, zero_data_parallel, DistributedDataParallel, FullShardOptions,
+    FullyShardedDataParallel, ProcessGroup, ZeroDataParallel, ZeroStage,
 };
 use kiln_core::distributed::{DistributedOptions, Rendezvous};
 use kiln_core::strategy::StepHooks;
@@ -117,6 +118,18 @@ pub trait DataParallelEngine<B: TrainBackend> {
         stage: ZeroStage,
         options: &DistributedOptions,
     ) -> Result<Self::Sharded>;
+
+    /// A model trained fully sharded (`strategy = "fsdp"`).
+    type FullySharded: Trainable<B>;
+
+    /// `model` fully sharded over `group` as `shard` says (rank 0's weights,
+    /// cut into this rank's shards). Backends without it refuse.
+    fn fully_shard(
+        model: B::Model,
+        group: &Arc<ProcessGroup>,
+        shard: &FullShardOptions,
+        options: &DistributedOptions,
+    ) -> Result<Self::FullySharded>;
 }
 
 /// libtorch's engine: DDP's reducer.
@@ -151,6 +164,18 @@ impl DataParallelEngine<kiln_torch::TorchBackend> for TorchDdp {
             stage,
             options,
         )?)
+    }
+
+    type FullySharded = FullyShardedDataParallel;
+
+    fn fully_shard(
+        model: kiln_torch::TorchModel,
+        group: &Arc<ProcessGroup>,
+        shard: &FullShardOptions,
+        options: &DistributedOptions,
+    ) -> Result<FullyShardedDataParallel> {
+        fully_shard(model, Arc::clone(group), shard, options)
+            .map_err(|e| anyhow::Error::new(e).context("config key `distributed.fsdp`"))
     }
 }
 

@@ -14,7 +14,7 @@ use kiln_core::strategy::DataParallel;
 use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::args::{Resume, TrainArgs};
-use crate::config::{BackendKind, FrozenBatchNorm, PretrainedModel, RunConfig};
+use crate::config::{BackendKind, FrozenBatchNorm, PretrainedModel, RunConfig, StrategyName};
 use crate::data::{load_data, loader, Split};
 use crate::engines::{DataParallelEngine, Engines, TorchDdp};
 use crate::model::resolve_model;
@@ -214,6 +214,10 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
             config.distributed.strategy.name()
         );
     }
+    if config.distributed.strategy == StrategyName::Fsdp {
+        let shard = config.distributed.fsdp.options();
+        return fit::<B, _>(prepared, P::fully_shard(model, &group, &shard, &options)?);
+    }
     match config.distributed.strategy.zero_stage() {
         Some(stage) => fit::<B, _>(prepared, P::zero(model, &group, stage, &options)?),
         None => {
@@ -289,6 +293,10 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         if let Some(val) = &val_loader {
             state.model.set_mode(Mode::Eval);
             trainer.evaluate(&mut state.model, val.as_ref())?;
+        }
+        if state.model.shards_parameters() {
+            // Rank 0 gathers the whole weights to save them.
+            drop(state.model.state_tensors()?);
         }
         return Ok(());
     }
@@ -366,15 +374,14 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     let weights = out.join("model.safetensors");
     let mut metadata = std::collections::BTreeMap::new();
     metadata.insert("format".to_owned(), "pt".to_owned());
-    state
-        .model
-        .state_tensors()?
-        .save_safetensors(&weights, &metadata)?;
+    // Read once: under full sharding, a collective the other ranks join once.
+    let final_state = state.model.state_tensors()?;
+    final_state.save_safetensors(&weights, &metadata)?;
     if let (Some(lora), Some(source)) = (&config.lora, &config.pretrained) {
         save_adapter(
             lora,
             source,
-            &state.model.state_dict()?,
+            &final_state.to_state_dict()?,
             &out.join("adapter"),
         )?;
     }

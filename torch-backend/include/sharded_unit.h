@@ -48,4 +48,9 @@ std::unique_ptr<at::Tensor> sharded_unit(const at::Tensor& x, bool reshard_after
 // Bytes of gathered parameters the sharded units of this process hold now.
 std::int64_t sharded_unit_bytes_held();
 
+// Adds `grad` into `param`'s `.grad` (a copy of it when `.grad` is undefined),
+// as autograd's accumulation does: what a strategy does with a reduced
+// gradient shard. Throws on a shape, dtype or device that is not `param`'s.
+void accumulate_grad(const at::Tensor& param, const at::Tensor& grad);
+
 }  // namespace kiln::torch

@@ -115,6 +115,13 @@ struct Leaves : ::torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;
 };
 
+// While a unit's part runs with autograd on this thread: the anchors of the
+// units nested in it. Its backward pass asks for their gradients too, since
+// `autograd::grad` runs only the nodes on a path to what it is asked for, and a
+// nested unit whose input needs no gradient (the model's first layer, with the
+// root unit around it) is on no path to the outer unit's parameters.
+thread_local std::vector<at::Tensor>* nested_anchors = nullptr;
+
 at::Tensor run(const UnitPart& part, const at::Tensor& x, const std::vector<at::Tensor>& params) {
   UnitTensors list;
   list.tensors = params;
@@ -137,10 +144,20 @@ class ShardedUnitFn : public ::torch::autograd::Function<ShardedUnitFn> {
     at::Tensor input = x.detach();
     input.requires_grad_(x.requires_grad());
     at::Tensor out;
+    std::vector<at::Tensor> anchors;
     {
       at::AutoGradMode grad(true);
-      out = run(*holder->part, input, leaves->tensors);
+      std::vector<at::Tensor>* outer = nested_anchors;
+      nested_anchors = &anchors;
+      try {
+        out = run(*holder->part, input, leaves->tensors);
+      } catch (...) {
+        nested_anchors = outer;
+        throw;
+      }
+      nested_anchors = outer;
     }
+    ctx->saved_data["anchors"] = anchors;
     // The part's own graph, kept until the backward pass (its activations, and
     // references to the parameters, whose memory is released now or after it).
     ctx->saved_data["out"] = out;
@@ -187,6 +204,10 @@ class ShardedUnitFn : public ::torch::autograd::Function<ShardedUnitFn> {
         wrt.push_back(input);
       }
       wrt.insert(wrt.end(), leaves.begin(), leaves.end());
+      // Their gradients are dropped: asking for them runs the nested units'
+      // backward passes, which reduce their parameters' gradients.
+      std::vector<at::Tensor> anchors = ctx->saved_data["anchors"].toTensorVector();
+      wrt.insert(wrt.end(), anchors.begin(), anchors.end());
       if (out.requires_grad() && grads[0].defined()) {
         computed = ::torch::autograd::grad({out}, wrt, {grads[0]}, /*retain_graph=*/false,
                                            /*create_graph=*/false, /*allow_unused=*/true);
@@ -199,8 +220,10 @@ class ShardedUnitFn : public ::torch::autograd::Function<ShardedUnitFn> {
     }
     release_all();
     ctx->saved_data.erase("out");
+    ctx->saved_data.erase("anchors");
     UnitTensors param_grads;
-    for (std::size_t i = x_grad ? 1 : 0; i < computed.size(); ++i) {
+    const std::size_t first = x_grad ? 1 : 0;
+    for (std::size_t i = first; i < first + leaves.size(); ++i) {
       param_grads.push(computed[i]);
     }
     unit_reduce(*holder->part, param_grads);
@@ -236,10 +259,29 @@ std::unique_ptr<at::Tensor> sharded_unit(const at::Tensor& x, bool reshard_after
   // Float whatever `x` is (token ids, say): only floats can require gradients.
   at::Tensor anchor =
       at::empty({0}, at::TensorOptions().dtype(at::kFloat).device(x.device())).requires_grad_(true);
+  if (nested_anchors != nullptr) {
+    nested_anchors->push_back(anchor);
+  }
   auto out = ShardedUnitFn::apply(x, anchor, std::move(holder), reshard_after_forward);
   return std::make_unique<at::Tensor>(out[0]);
 }
 
 std::int64_t sharded_unit_bytes_held() { return bytes_held.load(); }
+
+void accumulate_grad(const at::Tensor& param, const at::Tensor& grad) {
+  TORCH_CHECK(grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type() &&
+                  grad.device() == param.device(),
+              "accumulate_grad: a gradient of shape ", grad.sizes(), ", ", grad.scalar_type(),
+              " on ", grad.device(), " for a parameter of shape ", param.sizes(), ", ",
+              param.scalar_type(), " on ", param.device());
+  at::NoGradGuard no_grad;
+  // `mutable_grad` is the leaf's own slot (what `.grad` reads).
+  at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
+  if (slot.defined()) {
+    slot.add_(grad);
+  } else {
+    slot = grad.detach().clone(at::MemoryFormat::Contiguous);
+  }
+}
 
 }  // namespace kiln::torch

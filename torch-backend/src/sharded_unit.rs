@@ -64,6 +64,7 @@ mod bridge {
                 part: Box<UnitPart>,
             ) -> Result<UniquePtr<Tensor>>;
             fn sharded_unit_bytes_held() -> i64;
+            fn accumulate_grad(param: &Tensor, grad: &Tensor) -> Result<()>;
         }
     }
 }
@@ -162,6 +163,15 @@ pub fn sharded_unit(
 /// now: between a unit's gather and its release.
 pub fn sharded_unit_bytes_held() -> i64 {
     ffi::sharded_unit_bytes_held()
+}
+
+/// Adds `grad` into `param`'s `.grad`, or sets it to a copy of `grad` when it
+/// has none, as autograd accumulates into a leaf: how a strategy hands a
+/// parameter shard its reduced gradient (tch cannot set `.grad`). A shape,
+/// dtype or device that is not `param`'s is an error, and nothing changes.
+pub fn accumulate_grad(param: &Tensor, grad: &Tensor) -> Result<()> {
+    ffi::accumulate_grad(as_at(param), as_at(grad))
+        .map_err(|e| Error::backend("torch", "accumulating a gradient", e.what()))
 }
 
 #[cfg(test)]
@@ -368,6 +378,29 @@ mod tests {
         assert!(y.equal(&part(&x, &params)?));
         assert_eq!(*c.gathers.lock().unwrap(), 1);
         assert_eq!(sharded_unit_bytes_held(), held_before);
+        Ok(())
+    }
+
+    #[test]
+    fn accumulate_grad_sets_then_adds_and_checks_the_shape() -> Result<()> {
+        let p = Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let g = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]).view([2, 3]);
+        accumulate_grad(&p, &g)?;
+        assert!(p.grad().equal(&g));
+        // A copy: changing `g` leaves `.grad` as it was.
+        let _ = g.shallow_clone().f_mul_scalar_(10.0);
+        accumulate_grad(&p, &Tensor::ones([2, 3], (Kind::Float, Device::Cpu)))?;
+        let want = Tensor::from_slice(&[2.0f32, 3.0, 4.0, 5.0, 6.0, 7.0]).view([2, 3]);
+        assert!(p.grad().equal(&want));
+        let err = accumulate_grad(&p, &Tensor::ones([3, 2], (Kind::Float, Device::Cpu)))
+            .err()
+            .map(|e| e.display_chain().to_string());
+        assert!(
+            err.as_ref()
+                .is_some_and(|m| m.contains("[3, 2]") && m.contains("[2, 3]")),
+            "{err:?}"
+        );
+        assert!(p.grad().equal(&want));
         Ok(())
     }
 }

@@ -3,8 +3,8 @@
 //! through collectives that hand out copies and keep the gradients they are
 //! given. The model's output and those gradients equal an unsharded copy's
 //! output and gradients, bit for bit, with resharding after the forward pass,
-//! with dropout, residual blocks and a checkpointed unit; plans that cannot
-//! work are refused.
+//! with dropout, residual blocks, a checkpointed unit and a unit nested in
+//! the root unit; plans that cannot work are refused.
 
 #![allow(clippy::unwrap_used)]
 
@@ -177,6 +177,15 @@ fn sharded_units_compute_what_the_model_computes() {
     tch::manual_seed(1);
     same(&expected, &run(&sharded, Some((&plan, &locals))));
 
+    // The first layer a unit inside the root unit: its input needs no
+    // gradient, so only the root unit's backward pass asking for it runs its
+    // backward pass (and reduction).
+    let mut first = model();
+    let (plan, locals) = shard(&mut first, &["0"]);
+    assert_eq!(plan.len(), 2);
+    tch::manual_seed(1);
+    same(&expected, &run(&first, Some((&plan, &locals))));
+
     // A checkpointed block inside its unit: its second run reads the
     // parameters gathered again, and draws the same dropout mask.
     let mut checkpointed = model();
@@ -215,4 +224,27 @@ fn plans_that_cannot_work_are_refused() {
     let lora = kiln_core::lora::LoraConfig::new(2, 4.0);
     let err = m.add_lora(&lora).unwrap_err().to_string();
     assert!(err.contains("add the adapters before sharding"), "{err}");
+
+    // A tied head must share its weight's unit: the head's own unit would
+    // compute no gradient for the embedding.
+    let tied = Layer::sequential([
+        Layer::Embedding(kiln_core::model::EmbeddingConfig {
+            num_embeddings: 10,
+            embedding_dim: 4,
+            padding_idx: None,
+            weight_init: None,
+        }),
+        LinearConfig::new(4, 4).into(),
+        Layer::TiedLinear(kiln_core::model::TiedLinearConfig::new("0.weight", 4, 10)),
+    ]);
+    let m = TorchModel::new(&tied, kiln_core::Device::Cpu).unwrap();
+    let err = m.plan_shard_units(&["2"]).unwrap_err().to_string();
+    assert!(
+        err.contains("`2`") && err.contains("`0.weight`") && err.contains("tied"),
+        "{err}"
+    );
+    let err = m.plan_shard_units(&["0"]).unwrap_err().to_string();
+    assert!(err.contains("tied"), "{err}");
+    // Both in the root unit, or the block's own unit beside them: fine.
+    assert_eq!(m.plan_shard_units(&["1"]).unwrap().len(), 2);
 }

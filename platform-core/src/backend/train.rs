@@ -225,6 +225,16 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
         None
     }
+
+    /// Whether the module's parameters are sharded over its ranks (full
+    /// sharding): then every forward pass, evaluation's included, and
+    /// [`Module::state_tensors`](crate::module::Module::state_tensors) (which
+    /// gathers them) are collectives, which every rank runs at the same point
+    /// (the trainer evaluates the same number of batches on every rank, and
+    /// takes part in each checkpoint rank 0 writes). `false` by default.
+    fn shards_parameters(&self) -> bool {
+        false
+    }
 }
 
 /// A backend the `Trainer` (in `kiln-train`) can drive from Kiln [`Layer`]

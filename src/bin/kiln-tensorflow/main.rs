@@ -99,6 +99,21 @@ impl DataParallelEngine<TfBackend> for Tensorflow {
         ))
         .into())
     }
+    type FullySharded = kiln::core::strategy::DataParallel<TfModel, GradientAllReduce>;
+
+    /// Refused (the config's validation already refuses it): TensorFlow's
+    /// variables live in its graph, whole.
+    fn fully_shard(
+        _model: TfModel,
+        _group: &Arc<ProcessGroup>,
+        _shard: &kiln::c10d::FullShardOptions,
+        _options: &DistributedOptions,
+    ) -> Result<Self::FullySharded> {
+        Err(kiln::core::Error::unsupported(
+            "FSDP on the TensorFlow backend; train with strategy = \"ddp\"",
+        )
+        .into())
+    }
 }
 
 fn main() {

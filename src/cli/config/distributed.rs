@@ -20,9 +20,57 @@ pub struct DistributedConfig {
     #[serde(default = "thirty_minutes")]
     pub timeout: f64,
     /// What each rank holds: `"ddp"` (everything), `"zero1"` (its share of
-    /// the optimizer state) or `"zero2"` (and of the reduced gradients).
+    /// the optimizer state), `"zero2"` (and of the reduced gradients) or
+    /// `"fsdp"` (and of the parameters).
     #[serde(default)]
     pub strategy: StrategyName,
+    /// `[distributed.fsdp]`: how `strategy = "fsdp"` cuts the model into units.
+    #[serde(default, skip_serializing_if = "FsdpConfig::is_default")]
+    pub fsdp: FsdpConfig,
+}
+
+/// `[distributed.fsdp]`: full sharding's units (PyTorch's `fully_shard` on
+/// each matching layer, then on the root).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FsdpConfig {
+    /// Globs over layer paths (as `activation_checkpointing`'s): each matching
+    /// layer gathers, runs and frees its parameters as one unit; the root unit
+    /// holds the rest. Empty: one unit, the whole model.
+    #[serde(default)]
+    pub units: Vec<String>,
+    /// Free a unit's gathered parameters after its forward pass (and gather
+    /// them again for its backward pass): `fully_shard`'s default. `false`
+    /// keeps them until the backward pass: more memory, one gather fewer.
+    #[serde(default = "yes")]
+    pub reshard_after_forward: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for FsdpConfig {
+    fn default() -> Self {
+        FsdpConfig {
+            units: Vec::new(),
+            reshard_after_forward: true,
+        }
+    }
+}
+
+impl FsdpConfig {
+    fn is_default(&self) -> bool {
+        *self == FsdpConfig::default()
+    }
+
+    /// The options of `kiln_c10d::fully_shard`.
+    pub fn options(&self) -> kiln_c10d::FullShardOptions {
+        kiln_c10d::FullShardOptions {
+            units: self.units.clone(),
+            reshard_after_forward: self.reshard_after_forward,
+        }
+    }
 }
 
 /// The `[distributed] strategy` names.
@@ -37,6 +85,9 @@ pub enum StrategyName {
     Zero1,
     /// ZeRO-2: the optimizer state and the reduced gradients sharded.
     Zero2,
+    /// Full sharding (FSDP): parameters, gradients and optimizer state
+    /// sharded, each unit's parameters gathered while it runs.
+    Fsdp,
 }
 
 impl StrategyName {
@@ -46,13 +97,14 @@ impl StrategyName {
             StrategyName::Ddp => "ddp",
             StrategyName::Zero1 => "zero1",
             StrategyName::Zero2 => "zero2",
+            StrategyName::Fsdp => "fsdp",
         }
     }
 
     /// The ZeRO stage, for the sharded strategies.
     pub fn zero_stage(self) -> Option<kiln_c10d::ZeroStage> {
         match self {
-            StrategyName::Ddp => None,
+            StrategyName::Ddp | StrategyName::Fsdp => None,
             StrategyName::Zero1 => Some(kiln_c10d::ZeroStage::One),
             StrategyName::Zero2 => Some(kiln_c10d::ZeroStage::Two),
         }
@@ -82,6 +134,7 @@ impl Default for DistributedConfig {
             backend: CommBackendName::Auto,
             timeout: thirty_minutes(),
             strategy: StrategyName::Ddp,
+            fsdp: FsdpConfig::default(),
         }
     }
 }
@@ -107,6 +160,15 @@ impl DistributedConfig {
             return Err(Error::invalid_argument(
                 "distributed.timeout",
                 format!("must be a positive number of seconds, got {}", self.timeout),
+            ));
+        }
+        if self.strategy != StrategyName::Fsdp && !self.fsdp.is_default() {
+            return Err(Error::invalid_argument(
+                "distributed.fsdp",
+                format!(
+                    "is read by strategy = \"fsdp\" only, and the strategy is \"{}\"",
+                    self.strategy.name()
+                ),
             ));
         }
         match (self.backend, device.is_cuda()) {

@@ -437,8 +437,8 @@ impl RunConfig {
             return Err(Error::invalid_argument(
                 "distributed.strategy",
                 format!(
-                    "\"{}\" shards a torch optimizer's state and needs the torch backend; \
-                     TensorFlow trains data-parallel with \"ddp\"",
+                    "\"{}\" shards what a torch model trains with and needs the torch \
+                     backend; TensorFlow trains data-parallel with \"ddp\"",
                     self.distributed.strategy.name()
                 ),
             ));

@@ -16,6 +16,10 @@
 //!   in buckets while the backward pass runs, buffers broadcast before each
 //!   training forward pass, and no synchronisation on the micro-batches
 //!   gradient accumulation does not apply. [`data_parallel`] builds the wrapper.
+//! - ZeRO stages 1 and 2 ([`zero_data_parallel`]): the optimizer state, and the
+//!   reduced gradients, sharded over the ranks.
+//! - Full sharding ([`fully_shard`], PyTorch's FSDP): parameters, gradients and
+//!   optimizer state sharded, each unit's parameters gathered while it runs.
 //!
 //! ```no_run
 //! use kiln_c10d::{data_parallel, ProcessGroup};
@@ -45,6 +49,7 @@
 
 mod bridge;
 mod ddp;
+mod fsdp;
 mod group;
 mod zero;
 
@@ -58,6 +63,7 @@ use kiln_core::Result;
 use kiln_torch::{TorchBackend, TorchOptimizer};
 
 pub use ddp::DistributedDataParallel;
+pub use fsdp::{fully_shard, FsdpOptimizer, FullShardOptions, FullyShardedDataParallel};
 pub use group::ProcessGroup;
 pub use kiln_core::distributed::{Collectives, Rendezvous};
 pub use zero::{partition, ShardedOptimizer, Shards, ZeroDataParallel, ZeroRedundancy, ZeroStage};

@@ -68,6 +68,12 @@ pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
     fn decode(&self, tensors: &dyn Tensors, x: &Tensor, _step: &mut DecodeStep) -> ForwardResult {
         self.forward(tensors, x, false)
     }
+
+    /// The model's tensors this layer reads that are another layer's (a tied
+    /// weight), as indices; none by default.
+    fn shared_tensors(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// What one step of cached decoding gives the layers: the positions of its

@@ -297,6 +297,10 @@ impl Forward for TiedLinear {
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(x.f_linear(tensors.tensor(self.0), None::<Tensor>)?)
     }
+
+    fn shared_tensors(&self) -> Vec<usize> {
+        vec![self.0]
+    }
 }
 
 impl Forward for TokenType {

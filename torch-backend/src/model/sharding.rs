@@ -141,6 +141,44 @@ impl TorchModel {
                 }
             }
         }
+        // A layer that reads another's weight (a tied head) must be in that
+        // weight's unit: a unit's backward pass computes gradients for its own
+        // parameters only.
+        fn readers(node: &Node, path: &str, out: &mut Vec<(String, usize)>) {
+            match node {
+                Node::Leaf { layer, .. } => out.extend(
+                    layer
+                        .shared_tensors()
+                        .into_iter()
+                        .map(|i| (path.to_owned(), i)),
+                ),
+                Node::Sequential(children) => {
+                    for (i, child) in children.iter().enumerate() {
+                        readers(child, &join(path, &i.to_string()), out);
+                    }
+                }
+                Node::Residual(block) => readers(block, &join(path, "block"), out),
+                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => {
+                    readers(inner, path, out)
+                }
+                Node::Script { .. } => {}
+            }
+        }
+        let mut shared = Vec::new();
+        readers(&self.root, "", &mut shared);
+        for (layer, index) in shared {
+            let weight = &self.entries[index].name;
+            let layer_unit = paths
+                .iter()
+                .position(|p| layer == *p || layer.starts_with(&format!("{p}.")));
+            if layer_unit != unit_of(weight) {
+                return Err(Error::unsupported(format!(
+                    "full sharding with the layer `{layer}` in another unit than the weight \
+                     `{weight}` it reads (tied weights): choose units that hold both (or \
+                     shard their common parent)"
+                )));
+            }
+        }
         let mut units: Vec<ShardedUnit> = paths
             .iter()
             .map(|p| ShardedUnit {

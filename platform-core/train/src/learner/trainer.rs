@@ -413,9 +413,15 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         metrics: &EpochRecord,
     ) -> Result<()> {
         if self.checkpointer.is_none() {
-            if self.checkpoint_turns.is_some() && state.optimizer.state_is_collective() {
-                // Rank 0 gathers the state now; this rank's part is to send its share.
-                drop(state.optimizer.state_tensors()?);
+            if self.checkpoint_turns.is_some() {
+                // Rank 0 gathers the state now; this rank's part is to send its
+                // share, in the order `checkpoint` reads them: model, optimizer.
+                if state.model.shards_parameters() {
+                    drop(state.model.state_tensors()?);
+                }
+                if state.optimizer.state_is_collective() {
+                    drop(state.optimizer.state_tensors()?);
+                }
             }
             return Ok(());
         }
@@ -712,6 +718,34 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     fn evaluate_inner(&self, model: &M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
         let mut loss = LossMetric::new("loss");
         let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
+        // Under full sharding every forward pass is a collective: a rank with
+        // fewer batches than another runs its last one again, uncounted.
+        let lockstep = match model.collectives() {
+            Some(group) if model.shards_parameters() => Some(group),
+            _ => None,
+        };
+        let mut rounds = None;
+        if let Some(group) = &lockstep {
+            let mut most = [loader.num_batches() as f64];
+            let mut fewest = most;
+            group.all_reduce_f64(&mut most, ReduceOp::Max)?;
+            group.all_reduce_f64(&mut fewest, ReduceOp::Min)?;
+            if fewest[0] == 0.0 && most[0] > 0.0 {
+                // Every rank refuses alike: one with no batch has none to repeat.
+                return Err(Error::invalid_argument(
+                    "data",
+                    format!(
+                        "a rank's share of the validation split is empty, but the model's \
+                         parameters are sharded: every rank must run each of the {} evaluation \
+                         batches; use a smaller batch size or more validation data",
+                        most[0]
+                    ),
+                ));
+            }
+            rounds = Some(most[0] as usize);
+        }
+        let mut ran = 0;
+        let mut last = None;
         for batch in loader.batches(0) {
             let batch = batch?;
             let inputs = B::from_host(&batch.inputs, self.config.device)?;
@@ -720,6 +754,15 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
             for metric in &mut metrics {
                 metric.update(&output, &batch.targets)?;
+            }
+            ran += 1;
+            if lockstep.is_some() {
+                last = Some((inputs, targets));
+            }
+        }
+        if let (Some(rounds), Some((inputs, targets))) = (rounds, &last) {
+            for _ in ran..rounds {
+                drop(model.eval_step(&self.loss, inputs, targets)?);
             }
         }
         if let Some(group) = model.collectives() {

@@ -1,0 +1,485 @@
+//! Fully sharded data parallelism (PyTorch's FSDP, `fully_shard`) on c10d:
+//! between steps each rank holds only its shard of every parameter, of its
+//! gradient and of its optimizer state. Each unit (a layer the user names,
+//! and the root for the rest) gathers its whole parameters for its forward
+//! pass and frees them after it, gathers them again for its backward pass,
+//! and reduce-scatters their gradients into the shards. A model larger than
+//! one device trains when one unit's whole parameters fit beside the shards.
+
+use std::sync::Arc;
+
+use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable};
+use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp};
+use kiln_core::loss::Loss;
+use kiln_core::module::Module;
+use kiln_core::optim::{OptimizerConfig, ParamGroup};
+use kiln_core::precision::FloatPrecision;
+use kiln_core::state_dict::StateDict;
+use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::strategy::StepHooks;
+use kiln_core::{Error, HostTensor, Result};
+use kiln_torch::sharded_unit::UnitCollectives;
+use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
+use tch::Tensor;
+
+mod optimizer;
+mod shards;
+
+pub use optimizer::FsdpOptimizer;
+use shards::{ParamShard, UnitShards};
+
+use crate::ddp::{
+    broadcast_buffers, check_device_suits_group, start_mean, take_rank_zeros_model, PendingMean,
+};
+use crate::ProcessGroup;
+
+/// How [`fully_shard`] cuts a model into units.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FullShardOptions {
+    /// Globs over layer paths (as `activation_checkpointing`'s): each
+    /// matching layer is a unit; the root unit holds every other parameter.
+    /// Empty: the whole model is one unit (no memory saved while it runs).
+    pub units: Vec<String>,
+    /// Free a unit's whole parameters after its forward pass and gather them
+    /// again for its backward pass (`fully_shard`'s default, and ZeRO-3), or
+    /// keep them until then (ZeRO-2's memory, one gather fewer per unit).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for FullShardOptions {
+    fn default() -> Self {
+        FullShardOptions {
+            units: Vec::new(),
+            reshard_after_forward: true,
+        }
+    }
+}
+
+/// A [`TorchModel`] trained fully sharded over a process group: see the
+/// [module](self) for what each rank holds. Losses and weights equal one
+/// process's on the global batch.
+///
+/// Every forward pass is a collective, in training and in evaluation
+/// ([`Trainable::shards_parameters`]), and so are
+/// [`state_dict`](Module::state_dict) and
+/// [`state_tensors`](Module::state_tensors), which gather the whole
+/// parameters: every rank calls them at the same point. A checkpoint holds the
+/// whole model and optimizer state, as one process's, and so resumes on any
+/// number of ranks under any strategy.
+///
+/// Build it with [`fully_shard`].
+#[derive(Debug)]
+pub struct FullyShardedDataParallel {
+    model: TorchModel,
+    params: Vec<Arc<ParamShard>>,
+    units: Vec<String>,
+    hooks: FsdpHooks,
+}
+
+/// Full sharding's part of each training step besides the units' own
+/// collectives: buffers from rank 0, the loss averaged, the gradient norm
+/// taken over every rank's shards.
+struct FsdpHooks {
+    group: Arc<ProcessGroup>,
+    buffers: Vec<Tensor>,
+    broadcast_buffers: bool,
+    pending_loss: Option<PendingMean>,
+}
+
+impl std::fmt::Debug for FsdpHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FsdpHooks")
+            .field("rank", &self.group.rank())
+            .field("broadcast_buffers", &self.broadcast_buffers)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: as for `ZeroRedundancy`: the tensors are handles to the model's
+// buffers, used from the training thread in the step's sequence.
+#[allow(unsafe_code)]
+unsafe impl Send for FsdpHooks {}
+// SAFETY: as for `Send`.
+#[allow(unsafe_code)]
+unsafe impl Sync for FsdpHooks {}
+
+/// `model` trained fully sharded over `group`: rank 0's parameters and
+/// buffers are every rank's first, then each parameter is cut into this
+/// rank's shard of its rows, and the units of `shard` gather and reduce them.
+/// Call it on every rank, after setting precision, freezing, adding adapters
+/// and activation checkpointing, before building the optimizer.
+///
+/// A unit pattern that matches no layer, tied weights in two units, a unit
+/// of parameters of two dtypes and a torchscript layer are errors before
+/// anything changes.
+///
+/// ```no_run
+/// use kiln_c10d::{fully_shard, FullShardOptions, ProcessGroup};
+/// use kiln_core::distributed::{DistributedOptions, Rendezvous};
+/// use kiln_core::{backend::Trainable, model::{Layer, LinearConfig}, optim::{AdamConfig, OptimizerConfig}, Device};
+/// use std::sync::Arc;
+///
+/// let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
+/// let options = DistributedOptions::default();
+/// let group = Arc::new(ProcessGroup::join(&rendezvous, &options)?);
+/// let spec = Layer::sequential([LinearConfig::new(4, 8).into(), LinearConfig::new(8, 2).into()]);
+/// let model = kiln_torch::TorchModel::new(&spec, Device::Cpu)?;
+/// // Each linear layer is a unit; the root unit is empty here.
+/// let shard = FullShardOptions { units: vec!["*".into()], ..FullShardOptions::default() };
+/// let model = fully_shard(model, group, &shard, &options)?;
+/// let optimizer = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &[])?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn fully_shard(
+    mut model: TorchModel,
+    group: Arc<ProcessGroup>,
+    shard: &FullShardOptions,
+    options: &DistributedOptions,
+) -> Result<FullyShardedDataParallel> {
+    let patterns: Vec<&str> = shard.units.iter().map(String::as_str).collect();
+    // Every check that can fail alike on every rank comes before a collective.
+    let plan = model.plan_shard_units(&patterns)?;
+    let params = model.named_parameters()?;
+    let buffers = model.named_buffers()?;
+    check_device_suits_group(&group, &params)?;
+    let world = group.world_size();
+    let layout: Vec<Arc<ParamShard>> = params
+        .iter()
+        .map(|(name, t)| Arc::new(ParamShard::plan(name, t, world)))
+        .collect();
+    let units = plan
+        .iter()
+        .map(|unit| {
+            let members = unit
+                .names
+                .iter()
+                .map(|n| {
+                    layout
+                        .iter()
+                        .find(|p| &p.name == n)
+                        .map(Arc::clone)
+                        .ok_or_else(|| {
+                            Error::invalid_argument("units", format!("no parameter `{n}`"))
+                        })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let path = if unit.path.is_empty() {
+                "the root"
+            } else {
+                &unit.path
+            };
+            UnitShards::new(Arc::clone(&group), path, members)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    take_rank_zeros_model(&group, "FSDP", &params, &buffers)?;
+    // This rank's shards, cut from rank 0's whole parameters.
+    let cut: Vec<Tensor> = layout
+        .iter()
+        .map(|p| p.cut(&p.param, group.rank()))
+        .collect::<Result<_>>()?;
+    let collectives: Vec<Arc<dyn UnitCollectives>> = units
+        .into_iter()
+        .map(|u| Arc::new(u) as Arc<dyn UnitCollectives>)
+        .collect();
+    model.shard_units(&plan, collectives, shard.reshard_after_forward)?;
+    for (p, shard) in layout.iter().zip(&cut) {
+        // The model's own tensor now holds the shard: the whole is freed.
+        let mut param = p.param.shallow_clone();
+        tch::no_grad(|| param.set_data(shard));
+    }
+    let held: i64 = layout.iter().map(|p| p.shard_numel()).sum();
+    let whole: i64 = layout.iter().map(|p| p.rows * p.row_numel).sum();
+    log::info!(
+        "FSDP: rank {} of {world} holds {held} of {whole} parameter elements, in {} units ({})",
+        group.rank(),
+        plan.len(),
+        plan.iter()
+            .map(|u| if u.path.is_empty() { "root" } else { &u.path })
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(FullyShardedDataParallel {
+        model,
+        params: layout,
+        units: plan.into_iter().map(|u| u.path).collect(),
+        hooks: FsdpHooks {
+            group,
+            buffers: buffers.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            broadcast_buffers: options.broadcast_buffers,
+            pending_loss: None,
+        },
+    })
+}
+
+impl FullyShardedDataParallel {
+    /// The sharded model: its parameter tensors hold this rank's shards.
+    pub fn module(&self) -> &TorchModel {
+        &self.model
+    }
+
+    /// The units' layer paths, in the order they were planned (`""`: the root).
+    pub fn units(&self) -> &[String] {
+        &self.units
+    }
+
+    /// Parameter elements this rank holds (its shards, padding included).
+    pub fn shard_elements(&self) -> i64 {
+        self.params.iter().map(|p| p.shard_numel()).sum()
+    }
+
+    /// The whole parameters, gathered from every rank's shards (a collective).
+    fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let group = &self.hooks.group;
+        let world = group.world_size();
+        tch::no_grad(|| {
+            self.params
+                .iter()
+                .map(|p| {
+                    let fail = |e| kiln_torch::torch_error("gathering a parameter", e);
+                    let mine = p
+                        .param
+                        .f_contiguous()
+                        .map_err(fail)?
+                        .f_view([-1])
+                        .map_err(fail)?;
+                    let all = Tensor::f_empty(
+                        [p.shard_numel() * world as i64],
+                        (mine.kind(), mine.device()),
+                    )
+                    .map_err(fail)?;
+                    group.all_gather_into(&all, &mine)?;
+                    Ok((p.name.clone(), p.assemble(&all, world, p.shard_numel(), 0)?))
+                })
+                .collect()
+        })
+    }
+}
+
+impl StepHooks<TorchBackend> for FsdpHooks {
+    fn name(&self) -> &str {
+        "FSDP"
+    }
+
+    fn agrees_on_loss(&self) -> bool {
+        true
+    }
+
+    fn before_forward(&mut self, _sync: bool) -> Result<()> {
+        self.pending_loss = None;
+        if self.broadcast_buffers {
+            broadcast_buffers(&self.group, &self.buffers)?;
+        }
+        Ok(())
+    }
+
+    fn before_backward(&mut self, local_loss: f64, _scaled: &Tensor, _sync: bool) -> Result<()> {
+        self.pending_loss = Some(start_mean(&self.group, local_loss)?);
+        Ok(())
+    }
+
+    fn agreed_loss(&mut self, local_loss: f64) -> Result<f64> {
+        match self.pending_loss.take() {
+            Some(pending) => pending.value(),
+            None => start_mean(&self.group, local_loss)?.value(),
+        }
+    }
+
+    /// The `norm_type`-norm of the ranks' shard norms (the largest for the
+    /// infinity norm): padding rows have zero gradients.
+    fn global_grad_norm(&mut self, local: f64, norm_type: f64) -> Result<f64> {
+        if norm_type.is_infinite() {
+            let mut v = [local];
+            self.group.all_reduce_f64(&mut v, ReduceOp::Max)?;
+            return Ok(v[0]);
+        }
+        let mut v = [local.powf(norm_type)];
+        self.group.all_reduce_f64(&mut v, ReduceOp::Sum)?;
+        Ok(v[0].powf(1.0 / norm_type))
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        broadcast_buffers(&self.group, &self.buffers)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        Some(Arc::clone(&self.group) as Arc<dyn Collectives>)
+    }
+}
+
+impl Module<TorchBackend> for FullyShardedDataParallel {
+    /// A collective: every rank runs each forward pass.
+    fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        self.model.forward(input)
+    }
+    fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.model.forward_many(inputs)
+    }
+    fn mode(&self) -> Mode {
+        self.model.mode()
+    }
+    fn set_mode(&mut self, mode: Mode) {
+        self.model.set_mode(mode);
+    }
+    /// This rank's shards (what its optimizer updates).
+    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        self.model.named_parameters()
+    }
+    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
+        self.model.named_buffers()
+    }
+    /// The whole model: a collective.
+    fn state_dict(&self) -> Result<StateDict> {
+        self.state_tensors()?.to_state_dict()
+    }
+    /// The whole parameters, gathered (a collective), and the buffers.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        let mut out = StateTensors::<TorchBackend>::from(StateDict::new());
+        for (name, t) in self.gather_parameters()? {
+            out.insert(name, StateTensor::Backend(t))?;
+        }
+        for (name, t) in self.model.named_buffers()? {
+            out.insert(name, StateTensor::Backend(t))?;
+        }
+        Ok(out)
+    }
+    /// A whole model's state (of any strategy or number of ranks): this
+    /// rank's rows of each parameter are kept. Not a collective; nothing
+    /// changes on error.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let rank = self.hooks.group.rank();
+        let mut share = StateDict::new();
+        for (key, value) in state.iter() {
+            let value = match self.params.iter().find(|p| &p.name == key) {
+                Some(p) => {
+                    let dims: Vec<i64> = value.dims().iter().map(|&d| d as i64).collect();
+                    if dims != p.full_shape {
+                        return Err(Error::invalid_argument(
+                            key,
+                            format!("has shape {dims:?}, the model's is {:?}", p.full_shape),
+                        ));
+                    }
+                    from_tch(&p.cut(&to_tch(value, kiln_core::Device::Cpu)?, rank)?)?
+                }
+                None => value.clone(),
+            };
+            share.insert(key.clone(), value);
+        }
+        self.model.load_state_dict(&share)
+    }
+    /// The whole model's parameter elements.
+    fn num_parameters(&self) -> Result<usize> {
+        Ok(self
+            .params
+            .iter()
+            .map(|p| (p.rows * p.row_numel) as usize)
+            .sum())
+    }
+}
+
+impl Trainable<TorchBackend> for FullyShardedDataParallel {
+    type Optim = FsdpOptimizer;
+
+    /// An optimizer over this rank's shards, groups resolved by the whole
+    /// model's names. `16-mixed` loss scaling is refused: each rank would
+    /// decide to skip a step from its own shards' gradients.
+    fn build_optimizer(
+        &self,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<FsdpOptimizer> {
+        if self.model.precision().scales_loss() {
+            return Err(Error::unsupported(format!(
+                "FSDP with {} (its loss scaling skips steps by each rank's own gradients); \
+                 use bf16-mixed",
+                self.model.precision()
+            )));
+        }
+        let inner = self.model.build_optimizer(config, groups)?;
+        Ok(FsdpOptimizer::new(
+            inner,
+            Arc::clone(&self.hooks.group),
+            &self.params,
+        ))
+    }
+
+    /// The whole model's trainable elements.
+    fn num_trainable_parameters(&self) -> Result<usize> {
+        Ok(self
+            .params
+            .iter()
+            .filter(|p| p.trained)
+            .map(|p| (p.rows * p.row_numel) as usize)
+            .sum())
+    }
+
+    fn precision(&self) -> FloatPrecision {
+        self.model.precision()
+    }
+
+    fn kind(&self) -> String {
+        format!("FSDP ({})", self.model.kind())
+    }
+
+    fn shards_parameters(&self) -> bool {
+        true
+    }
+
+    fn train_step(
+        &mut self,
+        optimizer: &mut FsdpOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        self.model
+            .train_step_hooked(
+                &mut optimizer.inner,
+                inputs,
+                targets,
+                plan,
+                &mut self.hooks,
+                false,
+            )?
+            .value::<TorchBackend>()
+    }
+
+    fn train_step_deferred(
+        &mut self,
+        optimizer: &mut FsdpOptimizer,
+        inputs: &Tensor,
+        targets: &Tensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<StepLoss<Tensor>> {
+        self.model.train_step_hooked(
+            &mut optimizer.inner,
+            inputs,
+            targets,
+            plan,
+            &mut self.hooks,
+            true,
+        )
+    }
+
+    /// A collective, as every forward pass.
+    fn eval_step(
+        &self,
+        loss: &Loss,
+        inputs: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(f64, HostTensor)> {
+        self.model.eval_step(loss, inputs, targets)
+    }
+
+    /// A collective, as every forward pass.
+    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+        self.model.predict_step(inputs)
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        StepHooks::sync_buffers(&mut self.hooks)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        self.hooks.collectives()
+    }
+}

@@ -1,0 +1,164 @@
+//! The optimizer of full sharding: an ordinary [`TorchOptimizer`] over this
+//! rank's parameter shards, whose state is gathered into the whole
+//! parameters' layout for a checkpoint and cut back into shards on resume.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use kiln_core::optim::{Optimizer, OptimizerConfig};
+use kiln_core::state_dict::StateDict;
+use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::{Error, Result};
+use kiln_torch::{from_tch, to_tch, torch_error, TorchBackend, TorchOptimizer};
+use tch::Tensor;
+
+use super::shards::ParamShard;
+use crate::ProcessGroup;
+
+/// An optimizer over fully sharded parameters: this rank's
+/// [`TorchOptimizer`] updates its shards, so every per-element state (Adam's
+/// moments, momentum) is a shard too, of the parameter's shard's shape.
+///
+/// Its [`state_tensors`](Optimizer::state_tensors) is a collective (see
+/// [`Optimizer::state_is_collective`]): every rank calls it at the same
+/// point and gets the whole state, in the layout a single process's optimizer
+/// has. [`load_state_dict`](Optimizer::load_state_dict) takes such a whole
+/// state (of any strategy or number of ranks) and keeps this rank's rows.
+#[derive(Debug)]
+pub struct FsdpOptimizer {
+    pub(super) inner: TorchOptimizer,
+    group: Arc<ProcessGroup>,
+    params: BTreeMap<String, Arc<ParamShard>>,
+}
+
+impl FsdpOptimizer {
+    pub(super) fn new(
+        inner: TorchOptimizer,
+        group: Arc<ProcessGroup>,
+        params: &[Arc<ParamShard>],
+    ) -> Self {
+        FsdpOptimizer {
+            inner,
+            group,
+            params: params
+                .iter()
+                .map(|p| (p.name.clone(), Arc::clone(p)))
+                .collect(),
+        }
+    }
+
+    /// This rank's optimizer, over its shards.
+    pub fn shard(&self) -> &TorchOptimizer {
+        &self.inner
+    }
+
+    /// The parameter of a `state.<param>.<buffer>` key whose buffer is per
+    /// element (not the step count).
+    fn sharded_param(&self, key: &str) -> Option<&ParamShard> {
+        let (param, buffer) = key.strip_prefix("state.")?.rsplit_once('.')?;
+        if buffer == "step" {
+            return None;
+        }
+        self.params.get(param).map(Arc::as_ref)
+    }
+}
+
+impl Optimizer<TorchBackend> for FsdpOptimizer {
+    /// This rank's update of its shards. The gradients must already be
+    /// reduced: train through
+    /// [`Trainable::train_step`](kiln_core::backend::Trainable::train_step).
+    fn step(&mut self) -> Result<()> {
+        self.inner.step()
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.inner.zero_grad()
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.inner.set_learning_rate(lr)
+    }
+
+    fn kind(&self) -> Option<&'static str> {
+        Optimizer::kind(&self.inner)
+    }
+
+    fn config(&self) -> Option<&OptimizerConfig> {
+        Optimizer::config(&self.inner)
+    }
+
+    fn learning_rates(&self) -> Vec<f64> {
+        self.inner.learning_rates()
+    }
+
+    fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        self.inner.set_learning_rates(lrs)
+    }
+
+    fn state_is_collective(&self) -> bool {
+        true
+    }
+
+    fn state_dict(&self) -> Result<StateDict> {
+        self.state_tensors()?.to_state_dict()
+    }
+
+    /// The whole state, on every rank: each per-element buffer all-gathered
+    /// from the ranks' shards (every rank holds the same keys), the rest as
+    /// it is. A collective.
+    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+        let fail = |e| torch_error("gathering the optimizer state", e);
+        let world = self.group.world_size();
+        let mut whole = StateTensors::<TorchBackend>::from(StateDict::new());
+        for (key, tensor) in self.inner.state_tensors()?.iter() {
+            let value = match (self.sharded_param(key), tensor) {
+                (Some(p), StateTensor::Backend(t)) if t.size() == p.shard_shape() => {
+                    let mine = t.f_contiguous().map_err(fail)?.f_view([-1]).map_err(fail)?;
+                    let all = Tensor::f_empty(
+                        [mine.numel() as i64 * world as i64],
+                        (t.kind(), t.device()),
+                    )
+                    .map_err(fail)?;
+                    tch::no_grad(|| self.group.all_gather_into(&all, &mine))?;
+                    StateTensor::Backend(p.assemble(&all, world, p.shard_numel(), 0)?)
+                }
+                (_, StateTensor::Backend(t)) => StateTensor::Backend(t.shallow_clone()),
+                (_, StateTensor::Host(h)) => StateTensor::Host(h.clone()),
+            };
+            whole.insert(key.clone(), value)?;
+        }
+        Ok(whole)
+    }
+
+    /// Keeps this rank's rows of `state`'s per-element buffers (a whole
+    /// state, of any strategy or number of ranks); this rank's optimizer then
+    /// checks and loads it all or nothing.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let rank = self.group.rank();
+        let mut share = StateDict::new();
+        for (key, value) in state.iter() {
+            let value = match self.sharded_param(key) {
+                Some(p) => {
+                    let dims: Vec<i64> = value.dims().iter().map(|&d| d as i64).collect();
+                    if dims != p.full_shape {
+                        return Err(Error::invalid_argument(
+                            key,
+                            format!(
+                                "has shape {dims:?}, but the parameter `{}` is {:?}",
+                                p.name, p.full_shape
+                            ),
+                        ));
+                    }
+                    from_tch(&p.cut(&to_tch(value, kiln_core::Device::Cpu)?, rank)?)?
+                }
+                None => value.clone(),
+            };
+            share.insert(key.clone(), value);
+        }
+        self.inner.load_state_dict(&share)
+    }
+}

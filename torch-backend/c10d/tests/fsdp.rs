@@ -1,0 +1,469 @@
+//! Full sharding (`kiln_c10d::fully_shard`) over two ranks, each a separate
+//! process on localhost (this test binary run again, as a launcher starts
+//! ranks), against one process on the global batch: an MLP whose layers split
+//! unevenly over the ranks (padding rows), a small transformer with a tied head
+//! and checkpointed activations, and, against DDP, a CNN with batch norm.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kiln_c10d::{data_parallel, fully_shard, FullShardOptions, ProcessGroup};
+use kiln_core::backend::{Backend, StepPlan, TrainBackend, Trainable};
+use kiln_core::distributed::{Collectives, DistributedOptions, Rendezvous};
+use kiln_core::loss::Loss;
+use kiln_core::model::{
+    BatchNormConfig, Conv2dConfig, EmbeddingConfig, GatedMlpConfig, Layer, LinearConfig,
+    Pool2dConfig, RmsNormConfig, SelfAttentionConfig, TiedLinearConfig,
+};
+use kiln_core::module::Module;
+use kiln_core::optim::{
+    AdamConfig, GradClip, Optimizer, OptimizerConfig, ParamGroup, ParamSelector, SgdConfig,
+};
+use kiln_core::state_dict::StateDict;
+use kiln_core::{Device, Result};
+use kiln_data::{InMemoryDataset, SequentialLoader};
+use kiln_testkit::ranks::{assert_all_passed, wait_all};
+use kiln_torch::{TorchBackend, TorchModel, TorchOptimizer};
+use kiln_train::{Trainer, TrainerConfig};
+use tch::{Kind, Tensor};
+
+/// The variable that makes this binary a rank instead of a test driver.
+const ROLE: &str = "KILN_FSDP_TEST_ROLE";
+
+/// Rows of each rank's micro-batch (the single process takes twice as many).
+const B: i64 = 8;
+const STEPS: i64 = 5;
+const ACCUMULATE: i64 = 2;
+
+/// On the driver: runs `test` as two ranks and checks both passed (`true`);
+/// on a rank, `false`.
+fn driven(test: &str) -> bool {
+    if std::env::var_os(ROLE).is_some() {
+        return false;
+    }
+    let children = kiln_testkit::ranks::spawn_ranks(ROLE, test, 2, &[0, 1], &[]);
+    let results = wait_all(children, Duration::from_secs(300));
+    assert_all_passed(&results);
+    for line in results[0].1.lines().filter(|l| l.starts_with("measured:")) {
+        println!("{line}");
+    }
+    true
+}
+
+fn join() -> Result<Arc<ProcessGroup>> {
+    let rendezvous = Rendezvous::from_env()?.expect("a rank's environment");
+    let options = DistributedOptions {
+        timeout: Duration::from_secs(60),
+        ..DistributedOptions::default()
+    };
+    Ok(Arc::new(ProcessGroup::join(&rendezvous, &options)?))
+}
+
+/// 12 -> 33 -> 5: 33 and 5 rows split 17/16 and 3/2 (one padding row each).
+fn mlp() -> Layer {
+    Layer::sequential([
+        LinearConfig::new(12, 33).into(),
+        Layer::Relu,
+        LinearConfig::new(33, 5).into(),
+    ])
+}
+
+/// Token embedding, two pre-norm blocks (causal attention, gated MLP), a
+/// head tied to the embedding, and a classifier over the flattened logits.
+fn transformer() -> Layer {
+    let block = Layer::sequential([
+        Layer::residual(Layer::sequential([
+            RmsNormConfig::new(8).into(),
+            SelfAttentionConfig::new(8, 2).with_causal(true).into(),
+        ])),
+        Layer::residual(Layer::sequential([
+            RmsNormConfig::new(8).into(),
+            GatedMlpConfig::new(8, 12).into(),
+        ])),
+    ]);
+    Layer::sequential([
+        EmbeddingConfig::new(11, 8).into(),
+        block.clone(),
+        block,
+        RmsNormConfig::new(8).into(),
+        TiedLinearConfig::new("0.weight", 8, 11).into(),
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(6 * 11, 5).into(),
+    ])
+}
+
+fn cnn() -> Layer {
+    Layer::sequential([
+        Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]).into(),
+        Layer::BatchNorm2d(BatchNormConfig::new(4)),
+        Layer::Relu,
+        Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(36, 5).into(),
+    ])
+}
+
+/// What the model reads: features, tokens or images.
+#[derive(Clone, Copy)]
+enum Inputs {
+    Features,
+    Tokens,
+    Images,
+}
+
+/// Every micro-batch of the global run: `2B` rows each, 5 classes.
+fn data(inputs: Inputs) -> Vec<(Tensor, Tensor)> {
+    tch::manual_seed(99);
+    let opts = (Kind::Float, tch::Device::Cpu);
+    (0..STEPS * ACCUMULATE)
+        .map(|_| {
+            let x = match inputs {
+                Inputs::Features => Tensor::randn([2 * B, 12], opts),
+                Inputs::Tokens => Tensor::randint(11, [2 * B, 6], (Kind::Int64, tch::Device::Cpu)),
+                Inputs::Images => Tensor::randn([2 * B, 1, 6, 6], opts),
+            };
+            (
+                x,
+                Tensor::randint(5, [2 * B], (Kind::Int64, tch::Device::Cpu)),
+            )
+        })
+        .collect()
+}
+
+/// Trains over `batches` with gradient accumulation; `shard` (rank, world
+/// size) picks this rank's rows of each global batch. Returns the losses.
+fn fit<M: Trainable<TorchBackend>>(
+    model: &mut M,
+    opt: &mut M::Optim,
+    clip: &GradClip,
+    shard: Option<(i64, i64)>,
+    batches: &[(Tensor, Tensor)],
+) -> Result<Vec<f64>> {
+    let loss = Loss::cross_entropy();
+    let mut losses = Vec::new();
+    for (i, (x, y)) in batches.iter().enumerate() {
+        let (x, y) = match shard {
+            Some((rank, world)) => {
+                let n = x.size()[0] / world;
+                (x.narrow(0, rank * n, n), y.narrow(0, rank * n, n))
+            }
+            None => (x.shallow_clone(), y.shallow_clone()),
+        };
+        let micro = i as i64 % ACCUMULATE;
+        if micro == 0 {
+            opt.zero_grad()?;
+        }
+        let plan = StepPlan {
+            loss: &loss,
+            scale: 1.0 / ACCUMULATE as f64,
+            apply: micro + 1 == ACCUMULATE,
+            clip: Some(clip),
+        };
+        losses.push(model.train_step(opt, &x, &y, &plan)?);
+    }
+    Ok(losses)
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The largest difference between two states with the same keys and shapes.
+fn state_diff(a: &StateDict, b: &StateDict) -> f64 {
+    let keys = |s: &StateDict| s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+    assert_eq!(keys(a), keys(b), "the states' entries differ");
+    a.iter()
+        .map(|(k, x)| {
+            let y = b.get(k).expect("the same keys");
+            assert_eq!(x.dims(), y.dims(), "{k}: shapes");
+            max_diff(&x.to_f64_vec(), &y.to_f64_vec())
+        })
+        .fold(0.0, f64::max)
+}
+
+/// One training of [`fsdp_equals_one_process`].
+struct Case<'a> {
+    name: &'a str,
+    spec: Layer,
+    inputs: Inputs,
+    units: &'a [&'a str],
+    reshard_after_forward: bool,
+    optimizer: &'a OptimizerConfig,
+    groups: &'a [ParamGroup],
+    clip: GradClip,
+    freeze: &'a [&'a str],
+    checkpoint: &'a [&'a str],
+}
+
+fn build(case: &Case<'_>, seed: u64) -> Result<TorchModel> {
+    TorchBackend::manual_seed(seed);
+    let mut model = TorchModel::new(&case.spec, Device::Cpu)?;
+    if !case.freeze.is_empty() {
+        TorchBackend::freeze(&mut model, case.freeze, false)?;
+    }
+    if !case.checkpoint.is_empty() {
+        model.checkpoint_activations(case.checkpoint)?;
+    }
+    Ok(model)
+}
+
+/// Two ranks of `B` rows against one process of `2B`: losses and weights
+/// agree within 1e-6 (the ranks start from other weights: FSDP makes them
+/// rank 0's). Each rank holds about half of every parameter; the gathered
+/// model and optimizer state are one process's, and load back either way.
+#[test]
+fn fsdp_equals_one_process() -> Result<()> {
+    if driven("fsdp_equals_one_process") {
+        return Ok(());
+    }
+    let group = join()?;
+    let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+    let adam = OptimizerConfig::Adam(AdamConfig::new(1e-2));
+    let mut sgd = SgdConfig::new(0.05);
+    sgd.momentum = 0.9;
+    let sgd = OptimizerConfig::Sgd(sgd);
+    let biases = [ParamGroup::new("biases", ParamSelector::Suffix("bias".into())).with_lr(0.01)];
+    let inf = GradClip::Norm {
+        max_norm: 0.05,
+        norm_type: f64::INFINITY,
+    };
+    let cases = [
+        Case {
+            name: "mlp, a unit per layer",
+            spec: mlp(),
+            inputs: Inputs::Features,
+            units: &["0", "2"],
+            reshard_after_forward: true,
+            optimizer: &adam,
+            groups: &[],
+            clip: GradClip::norm(0.5),
+            freeze: &[],
+            checkpoint: &[],
+        },
+        Case {
+            name: "mlp, the root unit only, kept after forward, sgd, groups, inf-norm",
+            spec: mlp(),
+            inputs: Inputs::Features,
+            units: &[],
+            reshard_after_forward: false,
+            optimizer: &sgd,
+            groups: &biases,
+            clip: inf,
+            freeze: &[],
+            checkpoint: &[],
+        },
+        Case {
+            name: "mlp, a frozen unit",
+            spec: mlp(),
+            inputs: Inputs::Features,
+            units: &["0"],
+            reshard_after_forward: true,
+            optimizer: &adam,
+            groups: &[],
+            clip: GradClip::norm(0.5),
+            freeze: &["0.*"],
+            checkpoint: &[],
+        },
+        Case {
+            name: "transformer, blocks as units, checkpointed, tied head",
+            spec: transformer(),
+            inputs: Inputs::Tokens,
+            units: &["1", "2"],
+            reshard_after_forward: true,
+            optimizer: &adam,
+            groups: &[],
+            clip: GradClip::norm(0.5),
+            freeze: &[],
+            checkpoint: &["1.*", "2.*"],
+        },
+    ];
+    for case in &cases {
+        let what = case.name;
+        let batches = data(case.inputs);
+        let mut single = build(case, 7)?;
+        let mut single_opt = single.build_optimizer(case.optimizer, case.groups)?;
+        let single_losses = fit(&mut single, &mut single_opt, &case.clip, None, &batches)?;
+
+        let shard = FullShardOptions {
+            units: case.units.iter().map(|u| u.to_string()).collect(),
+            reshard_after_forward: case.reshard_after_forward,
+        };
+        let module = build(case, 7 + rank as u64)?;
+        let mut sharded = fully_shard(
+            module,
+            group.clone(),
+            &shard,
+            &DistributedOptions::default(),
+        )?;
+        let whole = sharded.num_parameters()?;
+        assert_eq!(whole, single.num_parameters()?, "{what}: whole size");
+        assert!(
+            (sharded.shard_elements() as usize) < whole * 3 / 5,
+            "{what}: rank {rank} holds {} of {whole} elements",
+            sharded.shard_elements()
+        );
+        let mut opt = sharded.build_optimizer(case.optimizer, case.groups)?;
+        let losses = fit(
+            &mut sharded,
+            &mut opt,
+            &case.clip,
+            Some((rank, world)),
+            &batches,
+        )?;
+        let ours = sharded.state_dict()?;
+        let loss_diff = max_diff(&losses, &single_losses);
+        let weight_diff = state_diff(&ours, &single.state_dict()?);
+        println!("measured: {what}: losses within {loss_diff:e}, weights within {weight_diff:e}");
+        assert!(loss_diff < 1e-6, "{what}: losses differ by {loss_diff}");
+        assert!(
+            weight_diff < 1e-6,
+            "{what}: weights differ by {weight_diff}"
+        );
+
+        // The optimizer's state is this rank's shards; gathered, one process's.
+        for (key, t) in opt.shard().state_dict()?.iter() {
+            let full = single_opt.state_dict()?;
+            let theirs = full.get(key).expect("the same entries");
+            if key.ends_with(".exp_avg") || key.ends_with(".momentum_buffer") {
+                assert!(
+                    t.dims()[0] < theirs.dims()[0] || theirs.dims()[0] == 1,
+                    "{what}: {key} is whole on rank {rank}"
+                );
+            }
+        }
+        let gathered = opt.state_dict()?;
+        let diff = state_diff(&gathered, &single_opt.state_dict()?);
+        assert!(
+            diff < 1e-6,
+            "{what}: gathered optimizer state differs by {diff}"
+        );
+        let mut fresh: TorchOptimizer =
+            build(case, 7)?.build_optimizer(case.optimizer, case.groups)?;
+        fresh.load_state_dict(&gathered)?;
+        assert_eq!(fresh.state_dict()?, gathered, "{what}: into one process");
+        opt.load_state_dict(&single_opt.state_dict()?)?;
+        assert_eq!(
+            state_diff(&opt.state_dict()?, &single_opt.state_dict()?),
+            0.0,
+            "{what}: optimizer state from one process"
+        );
+        sharded.load_state_dict(&single.state_dict()?)?;
+        assert_eq!(
+            state_diff(&sharded.state_dict()?, &single.state_dict()?),
+            0.0,
+            "{what}: model from one process"
+        );
+    }
+    Collectives::barrier(group.as_ref())?;
+    Ok(())
+}
+
+/// A CNN with batch norm under FSDP (its first layer a unit inside the root
+/// unit) trains what it trains under DDP (both take rank 0's running
+/// statistics before each forward pass), and evaluates through the Trainer
+/// with another number of batches on each rank; a state of
+/// another shape, loss scaling and a unit pattern that matches nothing are
+/// refused, alike on both ranks and before any collective.
+#[test]
+fn fsdp_equals_ddp_and_refuses_what_cannot_work() -> Result<()> {
+    if driven("fsdp_equals_ddp_and_refuses_what_cannot_work") {
+        return Ok(());
+    }
+    let group = join()?;
+    let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+    let batches = data(Inputs::Images);
+    // SGD: the convolution's bias, which the batch norm after it cancels, has
+    // gradients of rounding noise only, which Adam would scale up to full steps.
+    let mut sgd = SgdConfig::new(0.05);
+    sgd.momentum = 0.9;
+    let sgd = OptimizerConfig::Sgd(sgd);
+    let clip = GradClip::norm(0.5);
+    let model = |seed: u64| {
+        TorchBackend::manual_seed(seed);
+        TorchModel::new(&cnn(), Device::Cpu)
+    };
+    let options = DistributedOptions::default();
+    let mut ddp = data_parallel(model(7)?, group.clone(), &options)?;
+    let mut ddp_opt = ddp.build_optimizer(&sgd, &[])?;
+    let ddp_losses = fit(&mut ddp, &mut ddp_opt, &clip, Some((rank, world)), &batches)?;
+    let shard = FullShardOptions {
+        units: vec!["0".into(), "5".into()],
+        ..FullShardOptions::default()
+    };
+    let mut sharded = fully_shard(model(7 + rank as u64)?, group.clone(), &shard, &options)?;
+    let units: Vec<&str> = sharded.units().iter().map(String::as_str).collect();
+    assert_eq!(units, ["0", "5", ""]);
+    let mut opt = sharded.build_optimizer(&sgd, &[])?;
+    let losses = fit(&mut sharded, &mut opt, &clip, Some((rank, world)), &batches)?;
+    let loss_diff = max_diff(&losses, &ddp_losses);
+    let weight_diff = state_diff(&sharded.state_dict()?, &ddp.state_dict()?);
+    println!(
+        "measured: cnn against DDP: losses within {loss_diff:e}, weights within {weight_diff:e}"
+    );
+    assert!(loss_diff < 1e-6, "losses differ by {loss_diff}");
+    assert!(weight_diff < 1e-6, "weights differ by {weight_diff}");
+
+    // Evaluation through the Trainer, rank 0 on 3 batches and rank 1 on 2:
+    // every forward pass is a collective, so rank 1 runs its last batch once
+    // more, uncounted; the metrics over both ranks are one process's on all 5.
+    let (images, labels) = &batches[0];
+    let rows = |from: i64, n: i64| -> Result<SequentialLoader> {
+        let x = kiln_torch::from_tch(&images.narrow(0, from, n))?;
+        let y = kiln_torch::from_tch(&labels.narrow(0, from, n))?;
+        SequentialLoader::new(InMemoryDataset::new(x, y)?, 3)
+    };
+    let mine = if rank == 0 { rows(0, 9)? } else { rows(9, 6)? };
+    let trainer = Trainer::<TorchBackend, _>::new(TrainerConfig::default(), Loss::cross_entropy())?;
+    let ours = trainer.evaluate(&mut sharded, &mine)?;
+    let mut alone = model(1)?;
+    alone.load_state_dict(&sharded.state_dict()?)?;
+    let reference =
+        Trainer::<TorchBackend, TorchModel>::new(TrainerConfig::default(), Loss::cross_entropy())?
+            .evaluate(&mut alone, &rows(0, 15)?)?;
+    println!("measured: evaluation on 3 + 2 batches: {ours:?}, one process: {reference:?}");
+    assert_eq!(ours.len(), reference.len());
+    for ((name, a), (_, b)) in ours.iter().zip(&reference) {
+        assert!((a - b).abs() < 1e-6, "{name}: {a} on the ranks, {b} alone");
+    }
+
+    // A whole state of the wrong shape: refused, naming it, nothing changed.
+    let before = sharded.state_dict()?;
+    let mut wrong = before.clone();
+    wrong.insert(
+        "5.weight".to_owned(),
+        kiln_core::HostTensor::zeros(kiln_core::DType::F32, vec![5usize, 35])?,
+    );
+    let err = sharded.load_state_dict(&wrong).unwrap_err().to_string();
+    assert!(err.contains("5.weight") && err.contains("[5, 35]"), "{err}");
+    assert_eq!(state_diff(&sharded.state_dict()?, &before), 0.0);
+
+    let err = fully_shard(
+        model(7)?,
+        group.clone(),
+        &FullShardOptions {
+            units: vec!["9".into()],
+            ..FullShardOptions::default()
+        },
+        &options,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("`9` matches no layer"), "{err}");
+    let mut half = model(7)?;
+    half.set_precision(kiln_core::precision::FloatPrecision::F16Mixed)?;
+    let sharded = fully_shard(half, group.clone(), &FullShardOptions::default(), &options)?;
+    let err = sharded.build_optimizer(&sgd, &[]).unwrap_err().to_string();
+    assert!(err.contains("FSDP") && err.contains("bf16-mixed"), "{err}");
+    Collectives::barrier(group.as_ref())?;
+    Ok(())
+}
