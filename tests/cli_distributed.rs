@@ -793,6 +793,164 @@ fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
     );
 }
 
+/// `[distributed] strategy = "fsdp"` with `[distributed.fsdp] units`: two
+/// ranks of B, each holding half of every parameter, train what one rank of 2B
+/// trains (losses, weights, the checkpoint's whole optimizer state), and
+/// validate in lockstep on 33 examples (17 and 16: two batches and one), as one
+/// process does; a run stopped after one epoch resumes to the same weights
+/// (with `reshard_after_forward = false`). Misused keys fail before anything
+/// is written.
+#[test]
+fn fsdp_trains_what_one_rank_trains_and_resumes() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("fsdp");
+    let cfg = config(&dir);
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "dataset = \"digits\"",
+        "dataset = \"digits\"\nval_fraction = 0.0183",
+    );
+    std::fs::write(&cfg, &text).unwrap();
+    let write = |name: &str, body: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, body).unwrap();
+        path
+    };
+    let fsdp = write(
+        "fsdp.toml",
+        format!(
+            "{}\n[distributed.fsdp]\nunits = [\"0\"]\nreshard_after_forward = true\n",
+            text.replace("timeout = 60", "timeout = 60\nstrategy = \"fsdp\"")
+        ),
+    );
+    let one = dir.join("one");
+    succeeded(&launch(1, &cfg, &one, &["--batch-size", "32"]), "1 rank");
+    let out = dir.join("fsdp");
+    let ran = launch(2, &fsdp, &out, &["--batch-size", "16"]);
+    succeeded(&ran, "fsdp");
+    let stdout = String::from_utf8_lossy(&ran.stdout);
+    assert!(stdout.contains("fsdp strategy"), "{stdout}");
+    let (dl, dw) = (max_loss_diff(&out, &one), max_weight_diff(&out, &one));
+    let val = |run: &Path| epoch_column(run, "val_loss");
+    let dv = max_diff(&val(&out), &val(&one));
+    eprintln!("fsdp: 2 ranks x 16 vs 1 rank x 32: loss diff {dl:e}, weight diff {dw:e}, val_loss diff {dv:e}");
+    assert!(dl < 1e-5, "losses differ by {dl}");
+    assert!(dw < 1e-5, "weights differ by {dw}");
+    assert!(dv < 1e-5, "validation losses differ by {dv}");
+    let last = Checkpoint::load(&out.join("checkpoints/last.safetensors")).unwrap();
+    let single = Checkpoint::load(&one.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!(last.step, single.step);
+    for (key, value) in single.optimizer.iter() {
+        let ours = last.optimizer.get(key).expect("the whole optimizer state");
+        assert_eq!(ours.dims(), value.dims(), "{key}");
+        let d = max_diff(&ours.to_f64_vec(), &value.to_f64_vec());
+        assert!(d < 1e-5, "{key} differs by {d}");
+    }
+
+    // Stopped after one epoch and resumed, the units' parameters kept
+    // gathered from their forward to their backward pass.
+    let kept = write(
+        "kept.toml",
+        std::fs::read_to_string(&fsdp).unwrap().replace(
+            "reshard_after_forward = true",
+            "reshard_after_forward = false",
+        ),
+    );
+    let resumed = dir.join("fsdp-resumed");
+    let first = ["--batch-size", "16", "--epochs", "1"];
+    succeeded(&launch(2, &kept, &resumed, &first), "fsdp, first epoch");
+    let again = ["--batch-size", "16", "--resume", "auto"];
+    succeeded(&launch(2, &kept, &resumed, &again), "fsdp, resumed");
+    let dw = max_weight_diff(&resumed, &one);
+    eprintln!("fsdp (reshard_after_forward = false), resumed after one epoch: weight diff {dw:e}");
+    assert!(dw < 1e-5, "resumed: weights differ by {dw}");
+
+    // bf16-mixed, the units gathering bf16 and reducing float32, against one
+    // rank in bf16-mixed: only the gradients' rounding to bf16 differs.
+    let mixed = |body: &str| {
+        body.replace(
+            "accumulate = 2",
+            "accumulate = 2\nprecision = \"bf16-mixed\"",
+        )
+    };
+    let one_bf16 = dir.join("one-bf16");
+    let cfg_bf16 = write("one-bf16.toml", mixed(&text));
+    succeeded(
+        &launch(1, &cfg_bf16, &one_bf16, &["--batch-size", "32"]),
+        "1 rank, bf16-mixed",
+    );
+    let gathers = std::fs::read_to_string(&fsdp).unwrap().replace(
+        "reshard_after_forward = true",
+        "reshard_after_forward = true\nparam_dtype = \"bf16\"\nreduce_dtype = \"f32\"",
+    );
+    let bf16 = write("fsdp-bf16.toml", mixed(&gathers));
+    let out = dir.join("fsdp-bf16");
+    succeeded(
+        &launch(2, &bf16, &out, &["--batch-size", "16"]),
+        "fsdp, bf16 gathers",
+    );
+    // Adam turns the gradients' rounding into weights that drift apart over
+    // the run's 110 steps (about 4e-2 here); the losses stay close.
+    let (dl, dv) = (
+        max_loss_diff(&out, &one_bf16),
+        max_diff(&val(&out), &val(&one_bf16)),
+    );
+    eprintln!("fsdp, bf16 gathers vs 1 rank in bf16-mixed: loss diff {dl:e}, val_loss diff {dv:e}");
+    assert!(
+        dl < 1e-2 && dv < 5e-3,
+        "bf16 gathers: losses differ by {dl}, {dv}"
+    );
+    // The same gathers without autocast: refused, naming the key.
+    let unmixed = write("fsdp-bf16-32.toml", gathers);
+    let out = dir.join("fsdp-bf16-32");
+    let ran = launch(2, &unmixed, &out, &[]);
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success());
+    assert!(
+        stderr.contains("param_dtype") && stderr.contains("bf16-mixed"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+
+    // `[distributed.fsdp]` under another strategy, and a unit that matches no layer.
+    let stray = write(
+        "stray.toml",
+        format!("{text}\n[distributed.fsdp]\nunits = [\"0\"]\n"),
+    );
+    let ran = run(KILN, &["train", "--config", stray.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success());
+    assert!(
+        stderr.contains("distributed.fsdp") && stderr.contains("strategy = \"fsdp\" only"),
+        "{stderr}"
+    );
+    let typo = write(
+        "typo.toml",
+        std::fs::read_to_string(&fsdp)
+            .unwrap()
+            .replace("units = [\"0\"]", "units = [\"blocks.*\"]"),
+    );
+    let out = dir.join("typo");
+    let ran = launch(2, &typo, &out, &[]);
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success());
+    assert!(
+        stderr.contains("distributed.fsdp") && stderr.contains("`blocks.*` matches no layer"),
+        "{stderr}"
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+}
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
 /// Sharded validation of a model with batch norm (each rank updates its own
 /// running statistics; rank 0's are given to every rank before evaluating)
 /// reports what one process measures on the whole split with rank 0's model:

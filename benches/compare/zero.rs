@@ -1,11 +1,12 @@
 //! (m) Sharded strategies on two ranks of this machine (one intra-op thread
 //! each, Gloo): a transformer of about 100M parameters (14 pre-norm encoder
 //! blocks of width 768, 12 heads, feed-forward 3072, sequence 64, batch 4 per
-//! rank, Adam) trained under Kiln's DDP, ZeRO-1 and ZeRO-2, each with and
-//! without activation checkpointing of every block, against PyTorch's DDP and
-//! `ZeroRedundancyOptimizer` (ZeRO-1) under `torchrun`, with and without
-//! `torch.utils.checkpoint` on every block. PyTorch has no ZeRO-2 of its own
-//! outside FSDP, which Kiln does not have yet, so neither runs here.
+//! rank, Adam) trained under Kiln's DDP, ZeRO-1, ZeRO-2 and full sharding
+//! (FSDP, every block a unit), each with and without activation checkpointing
+//! of every block, against PyTorch's DDP, `ZeroRedundancyOptimizer` (ZeRO-1)
+//! and `fully_shard` (FSDP2, on every block and the root) under `torchrun`,
+//! with and without `torch.utils.checkpoint` on every block. PyTorch has no
+//! ZeRO-2 of its own outside FSDP, so Kiln's runs alone.
 //!
 //! Each variant runs in its own two processes, so that rank 0's peak resident
 //! set is that strategy's. Rank 0 reports steps per second (median over the
@@ -18,7 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use kiln::c10d::{data_parallel, zero_data_parallel, ProcessGroup, ZeroStage};
+use kiln::c10d::{
+    data_parallel, fully_shard, zero_data_parallel, FullShardOptions, ProcessGroup, ZeroStage,
+};
 use kiln::core::{
     backend::{StepPlan, TrainBackend, Trainable},
     distributed::{CommBackend, DistributedOptions, Rendezvous},
@@ -49,22 +52,27 @@ const BATCHES: usize = 4;
 const DEFAULT_STEPS: usize = 3;
 const RANK_TIMEOUT: Duration = Duration::from_secs(600);
 
-pub const VARIANTS: [&str; 10] = [
+pub const VARIANTS: [&str; 14] = [
     "kiln-ddp",
     "pytorch-ddp",
     "kiln-zero1",
     "pytorch-zero1",
     "kiln-zero2",
+    "kiln-fsdp",
+    "pytorch-fsdp",
     "kiln-ddp-ckpt",
     "pytorch-ddp-ckpt",
     "kiln-zero1-ckpt",
     "pytorch-zero1-ckpt",
     "kiln-zero2-ckpt",
+    "kiln-fsdp-ckpt",
+    "pytorch-fsdp-ckpt",
 ];
 
 pub const DESCRIBE: &str = "(m) sharded strategies, two ranks on this machine (one thread each): \
-     a 100M-parameter transformer under DDP, ZeRO-1 and ZeRO-2, with and without activation \
-     checkpointing, Kiln against PyTorch's DDP and ZeroRedundancyOptimizer under torchrun";
+     a 100M-parameter transformer under DDP, ZeRO-1, ZeRO-2 and FSDP, with and without \
+     activation checkpointing, Kiln against PyTorch's DDP, ZeroRedundancyOptimizer and \
+     fully_shard under torchrun";
 
 /// Whether a variant is Kiln's, its strategy, and whether it checkpoints.
 fn parse_variant(variant: &str) -> Result<(bool, &str, bool)> {
@@ -78,7 +86,7 @@ fn parse_variant(variant: &str) -> Result<(bool, &str, bool)> {
         None => (rest, false),
     };
     ensure!(
-        matches!(strategy, "ddp" | "zero1" | "zero2"),
+        matches!(strategy, "ddp" | "zero1" | "zero2" | "fsdp"),
         "{variant} is not a variant of (m)"
     );
     Ok((kiln, strategy, checkpointed))
@@ -196,6 +204,21 @@ pub fn rank(variant: &str, flags: &BTreeMap<String, String>) -> Result<Option<Va
     }
     let adam = OptimizerConfig::Adam(AdamConfig::new(1e-4));
     let result = match strategy {
+        "fsdp" => {
+            // Every block a unit (inside which its activations are checkpointed);
+            // the root unit holds the head.
+            let shard = FullShardOptions {
+                units: (0..BLOCKS).map(|i| i.to_string()).collect(),
+                ..FullShardOptions::default()
+            };
+            let mut model = fully_shard(model, group.clone(), &shard, &options)?;
+            let mut opt = model.build_optimizer(&adam, &[])?;
+            let timing = time_steps(
+                &group, &mut model, &mut opt, &batches, steps, warmup, repeats,
+            )?;
+            let optimizer = state_bytes(&opt.shard().state_tensors()?);
+            measured(timing, parameter_and_gradient_bytes(&model)?, optimizer)
+        }
         "ddp" => {
             let mut model = data_parallel(model, group.clone(), &options)?;
             let mut opt = model.build_optimizer(&adam, &[])?;

@@ -3,7 +3,7 @@ strategies), run as two ranks under torchrun.
 
 Usage:
     torchrun --standalone --nproc-per-node=2 bench_zero.py
-        --variant pytorch-ddp|pytorch-zero1|pytorch-ddp-ckpt|pytorch-zero1-ckpt
+        --variant pytorch-ddp|pytorch-zero1|pytorch-fsdp|pytorch-ddp-ckpt|...
         --steps N --warmup W --repeats R
 
 Each rank mirrors a Kiln rank of ``benches/compare/zero.rs``: one intra-op thread,
@@ -11,11 +11,13 @@ Each rank mirrors a Kiln rank of ``benches/compare/zero.rs``: one intra-op threa
 feed-forward 3072; ``bench_torch.EncoderClassifier``'s block), the sequence of 64
 flattened into a 10-class linear head, batch 4 per rank, Adam (lr 1e-4). ``ddp``:
 ``DistributedDataParallel`` and ``torch.optim.Adam``; ``zero1``: the same model
-with ``ZeroRedundancyOptimizer(optimizer_class=torch.optim.Adam)``; ``-ckpt``: each
+with ``ZeroRedundancyOptimizer(optimizer_class=torch.optim.Adam)``; ``fsdp``:
+``fully_shard`` (FSDP2) on every block, then on the root, and ``torch.optim.Adam``
+over the sharded parameters; ``-ckpt``: each
 block under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``. Rank 0
 prints one JSON line: steps per second (median over the repeats), its peak
 resident set, and the state it holds after a step (parameters, gradients still
-held, optimizer state), in MiB.
+held, optimizer state; this rank's shards under FSDP), in MiB.
 """
 
 import argparse
@@ -32,6 +34,7 @@ import torch  # noqa: E402  (imported after stdout is reserved)
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -71,19 +74,23 @@ class Model(nn.Module):
 
 
 def tensor_bytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes held here: a sharded tensor's local shard only."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", required=True,
-                        choices=["pytorch-ddp", "pytorch-zero1", "pytorch-ddp-ckpt",
-                                 "pytorch-zero1-ckpt"])
+                        choices=["pytorch-ddp", "pytorch-zero1", "pytorch-fsdp",
+                                 "pytorch-ddp-ckpt", "pytorch-zero1-ckpt",
+                                 "pytorch-fsdp-ckpt"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     zero = "zero1" in args.variant
+    fsdp = "fsdp" in args.variant
     checkpointed = args.variant.endswith("-ckpt")
 
     bench_torch.set_threads(1)
@@ -93,7 +100,13 @@ def main():
     batches = [(torch.randn(BATCH, SEQ, WIDTH), torch.randint(CLASSES, (BATCH,)))
                for _ in range(BATCHES)]
     torch.manual_seed(0)
-    model = DistributedDataParallel(Model(checkpointed))
+    if fsdp:
+        model = Model(checkpointed)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DistributedDataParallel(Model(checkpointed))
     if zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
                                       lr=1e-4)

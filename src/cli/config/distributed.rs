@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use kiln_core::device::Device;
 use kiln_core::distributed::{CommBackend, DistributedOptions};
+use kiln_core::dtype::DType;
 use kiln_core::error::{Error, Result};
 
 /// Data-parallel training (`[distributed]`): used when the run is started by a
@@ -44,6 +45,15 @@ pub struct FsdpConfig {
     /// keeps them until the backward pass: more memory, one gather fewer.
     #[serde(default = "yes")]
     pub reshard_after_forward: bool,
+    /// The dtype the units gather their parameters in and compute with
+    /// (`"bf16"`: half the all-gather traffic; the shards and the optimizer
+    /// stay float32). Needs `precision = "bf16-mixed"`. Default: the
+    /// parameters' own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub param_dtype: Option<DType>,
+    /// The dtype gradients are reduce-scattered in. Default: the parameters' own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reduce_dtype: Option<DType>,
 }
 
 fn yes() -> bool {
@@ -55,6 +65,8 @@ impl Default for FsdpConfig {
         FsdpConfig {
             units: Vec::new(),
             reshard_after_forward: true,
+            param_dtype: None,
+            reduce_dtype: None,
         }
     }
 }
@@ -69,6 +81,8 @@ impl FsdpConfig {
         kiln_c10d::FullShardOptions {
             units: self.units.clone(),
             reshard_after_forward: self.reshard_after_forward,
+            param_dtype: self.param_dtype,
+            reduce_dtype: self.reduce_dtype,
         }
     }
 }

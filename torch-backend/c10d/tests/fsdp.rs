@@ -297,6 +297,7 @@ fn fsdp_equals_one_process() -> Result<()> {
         let shard = FullShardOptions {
             units: case.units.iter().map(|u| u.to_string()).collect(),
             reshard_after_forward: case.reshard_after_forward,
+            ..FullShardOptions::default()
         };
         let module = build(case, 7 + rank as u64)?;
         let mut sharded = fully_shard(
@@ -364,6 +365,62 @@ fn fsdp_equals_one_process() -> Result<()> {
             "{what}: model from one process"
         );
     }
+
+    // bf16-mixed with the units gathering bf16 (float32 shards, Adam state and
+    // reduction): autocast casts the same weights to bf16 for the matmuls, so
+    // only the gradients' rounding to bf16 differs from one process.
+    let batches = data(Inputs::Features);
+    let bf16 = |seed: u64| -> Result<TorchModel> {
+        TorchBackend::manual_seed(seed);
+        let mut model = TorchModel::new(&mlp(), Device::Cpu)?;
+        model.set_precision(kiln_core::precision::FloatPrecision::Bf16Mixed)?;
+        Ok(model)
+    };
+    let mut single = bf16(7)?;
+    let mut single_opt = single.build_optimizer(&adam, &[])?;
+    let clip = GradClip::norm(0.5);
+    let single_losses = fit(&mut single, &mut single_opt, &clip, None, &batches)?;
+    let shard = FullShardOptions {
+        units: vec!["0".into(), "2".into()],
+        param_dtype: Some(kiln_core::DType::BF16),
+        reduce_dtype: Some(kiln_core::DType::F32),
+        ..FullShardOptions::default()
+    };
+    let mut sharded = fully_shard(
+        bf16(7 + rank as u64)?,
+        group.clone(),
+        &shard,
+        &DistributedOptions::default(),
+    )?;
+    let mut opt = sharded.build_optimizer(&adam, &[])?;
+    let losses = fit(&mut sharded, &mut opt, &clip, Some((rank, world)), &batches)?;
+    let loss_diff = max_diff(&losses, &single_losses);
+    let weight_diff = state_diff(&sharded.state_dict()?, &single.state_dict()?);
+    println!("measured: bf16 gathers: losses within {loss_diff:e}, weights within {weight_diff:e}");
+    assert!(
+        loss_diff < 2e-3,
+        "bf16 gathers: losses differ by {loss_diff}"
+    );
+    assert!(
+        weight_diff < 2e-3,
+        "bf16 gathers: weights differ by {weight_diff}"
+    );
+    for (name, p) in sharded.named_parameters()? {
+        assert_eq!(p.kind(), Kind::Float, "{name}: the shard stays float32");
+    }
+    // Without autocast, a bf16 gather would meet float32 inputs: refused.
+    let err = fully_shard(
+        TorchModel::new(&mlp(), Device::Cpu)?,
+        group.clone(),
+        &shard,
+        &DistributedOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("param_dtype") && err.contains("bf16-mixed"),
+        "{err}"
+    );
     Collectives::barrier(group.as_ref())?;
     Ok(())
 }
@@ -465,5 +522,74 @@ fn fsdp_equals_ddp_and_refuses_what_cannot_work() -> Result<()> {
     let err = sharded.build_optimizer(&sgd, &[]).unwrap_err().to_string();
     assert!(err.contains("FSDP") && err.contains("bf16-mixed"), "{err}");
     Collectives::barrier(group.as_ref())?;
+    Ok(())
+}
+
+/// A rank that dies during FSDP training: the survivor's next step fails at
+/// once (in its first unit's all-gather), naming it.
+#[test]
+fn a_dead_rank_fails_the_next_fsdp_step_naming_it() -> Result<()> {
+    if std::env::var_os(ROLE).is_none() {
+        let children = kiln_testkit::ranks::spawn_ranks(
+            ROLE,
+            "a_dead_rank_fails_the_next_fsdp_step_naming_it",
+            2,
+            &[0, 1],
+            &[],
+        );
+        let results = wait_all(children, Duration::from_secs(120));
+        // Rank 1 dies on purpose; rank 0's test passes by seeing the error.
+        assert_eq!(results[1].0, Some(17), "{}", results[1].1);
+        assert_eq!(results[0].0, Some(0), "rank 0:\n{}", results[0].1);
+        return Ok(());
+    }
+    let group = join()?;
+    let (rank, world) = (group.rank() as i64, group.world_size() as i64);
+    let batches = data(Inputs::Features);
+    let adam = OptimizerConfig::Adam(AdamConfig::new(1e-2));
+    TorchBackend::manual_seed(7);
+    let module = TorchModel::new(&mlp(), Device::Cpu)?;
+    let shard = FullShardOptions {
+        units: vec!["0".into(), "2".into()],
+        ..FullShardOptions::default()
+    };
+    let mut sharded = fully_shard(
+        module,
+        group.clone(),
+        &shard,
+        &DistributedOptions::default(),
+    )?;
+    let mut opt = sharded.build_optimizer(&adam, &[])?;
+    let clip = GradClip::norm(1.0);
+    fit(
+        &mut sharded,
+        &mut opt,
+        &clip,
+        Some((rank, world)),
+        &batches[..2],
+    )?;
+    if rank == 1 {
+        std::process::exit(17);
+    }
+    let start = std::time::Instant::now();
+    let err = fit(
+        &mut sharded,
+        &mut opt,
+        &clip,
+        Some((rank, world)),
+        &batches[..2],
+    )
+    .err()
+    .map(|e| e.display_chain().to_string())
+    .expect("an FSDP step with a dead peer succeeded");
+    assert!(
+        err.contains("rank 1 of 2 stopped responding"),
+        "the error does not name the dead rank: {err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
     Ok(())
 }

@@ -17,10 +17,10 @@ use kiln_core::precision::FloatPrecision;
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{StateTensor, StateTensors};
 use kiln_core::strategy::StepHooks;
-use kiln_core::{Error, HostTensor, Result};
+use kiln_core::{DType, Error, HostTensor, Result};
 use kiln_torch::sharded_unit::UnitCollectives;
-use kiln_torch::{from_tch, to_tch, TorchBackend, TorchModel};
-use tch::Tensor;
+use kiln_torch::{from_tch, kind_from_dtype, to_tch, TorchBackend, TorchModel};
+use tch::{Kind, Tensor};
 
 mod optimizer;
 mod shards;
@@ -44,6 +44,15 @@ pub struct FullShardOptions {
     /// again for its backward pass (`fully_shard`'s default, and ZeRO-3), or
     /// keep them until then (ZeRO-2's memory, one gather fewer per unit).
     pub reshard_after_forward: bool,
+    /// The dtype the units gather their parameters in and compute with
+    /// (FSDP's `MixedPrecisionPolicy(param_dtype=...)`): `bf16` halves the
+    /// all-gathers, while the shards and the optimizer stay in float32. It
+    /// needs a `bf16-mixed` model (autocast casts each op's inputs). `None`:
+    /// the parameters' own.
+    pub param_dtype: Option<DType>,
+    /// The dtype gradients are reduce-scattered in (`reduce_dtype`); `None`:
+    /// the parameters' own (float32 keeps the average exact to float32).
+    pub reduce_dtype: Option<DType>,
 }
 
 impl Default for FullShardOptions {
@@ -51,7 +60,43 @@ impl Default for FullShardOptions {
         FullShardOptions {
             units: Vec::new(),
             reshard_after_forward: true,
+            param_dtype: None,
+            reduce_dtype: None,
         }
+    }
+}
+
+impl FullShardOptions {
+    /// The gather and reduction dtypes as torch kinds; a dtype that is not
+    /// floating-point, or `param_dtype` without autocast, is an error.
+    fn kinds(&self, precision: FloatPrecision) -> Result<(Option<Kind>, Option<Kind>)> {
+        let kind = |key: &str, dtype: Option<DType>| -> Result<Option<Kind>> {
+            match dtype {
+                None => Ok(None),
+                Some(d) if d.is_float() => Ok(Some(kind_from_dtype(d)?)),
+                Some(d) => Err(Error::invalid_argument(
+                    key,
+                    format!(
+                        "must be a floating-point dtype (bf16, f16, f32), got {}",
+                        d.name()
+                    ),
+                )),
+            }
+        };
+        let param = kind("param_dtype", self.param_dtype)?;
+        if let (Some(d), Some(_)) = (self.param_dtype, param) {
+            if d != DType::F32 && precision.autocast_dtype().is_none() {
+                return Err(Error::invalid_argument(
+                    "param_dtype",
+                    format!(
+                        "gathering in {} needs a mixed-precision model (bf16-mixed: autocast \
+                         casts each op's inputs), and it computes in {precision}",
+                        d.name()
+                    ),
+                ));
+            }
+        }
+        Ok((param, kind("reduce_dtype", self.reduce_dtype)?))
     }
 }
 
@@ -138,6 +183,7 @@ pub fn fully_shard(
 ) -> Result<FullyShardedDataParallel> {
     let patterns: Vec<&str> = shard.units.iter().map(String::as_str).collect();
     // Every check that can fail alike on every rank comes before a collective.
+    let kinds = shard.kinds(model.precision())?;
     let plan = model.plan_shard_units(&patterns)?;
     let params = model.named_parameters()?;
     let buffers = model.named_buffers()?;
@@ -168,7 +214,7 @@ pub fn fully_shard(
             } else {
                 &unit.path
             };
-            UnitShards::new(Arc::clone(&group), path, members)
+            UnitShards::new(Arc::clone(&group), path, members, kinds)
         })
         .collect::<Result<Vec<_>>>()?;
     take_rank_zeros_model(&group, "FSDP", &params, &buffers)?;

@@ -150,7 +150,10 @@ pub(crate) struct UnitShards {
     /// Each trained parameter's offset in the reduction buffer of one rank.
     reduce_offsets: Vec<Option<i64>>,
     reduce_len: i64,
-    kind: Kind,
+    /// The dtype the parameters are gathered (and the unit computes) in.
+    gather_kind: Kind,
+    /// The dtype the gradients are reduce-scattered in.
+    reduce_kind: Kind,
     device: tch::Device,
 }
 
@@ -174,6 +177,7 @@ impl UnitShards {
         group: Arc<ProcessGroup>,
         path: &str,
         params: Vec<Arc<ParamShard>>,
+        (gather_kind, reduce_kind): (Option<Kind>, Option<Kind>),
     ) -> Result<Self> {
         let first = params.first().ok_or_else(|| {
             Error::invalid_argument("units", format!("the unit `{path}` holds no parameter"))
@@ -209,31 +213,32 @@ impl UnitShards {
             gather_len,
             reduce_offsets,
             reduce_len,
-            kind,
+            gather_kind: gather_kind.unwrap_or(kind),
+            reduce_kind: reduce_kind.unwrap_or(kind),
             device,
         })
     }
 
-    fn flat(&self, elements: i64) -> Result<Tensor> {
-        Tensor::f_zeros([elements], (self.kind, self.device))
+    fn flat(&self, elements: i64, kind: Kind) -> Result<Tensor> {
+        Tensor::f_zeros([elements], (kind, self.device))
             .map_err(|e| torch_error("full sharding's flat buffer", e))
     }
 }
 
 impl UnitCollectives for UnitShards {
-    /// One all-gather of the unit's shards, then each whole parameter
-    /// assembled into its own memory.
+    /// One all-gather of the unit's shards (cast to the gather dtype), then
+    /// each whole parameter assembled into its own memory.
     fn gather(&self) -> Result<Vec<Tensor>> {
         let fail = |e| torch_error("full sharding's parameter all-gather", e);
         let world = self.group.world_size();
         tch::no_grad(|| {
-            let mine = self.flat(self.gather_len)?;
+            let mine = self.flat(self.gather_len, self.gather_kind)?;
             for (p, &at) in self.params.iter().zip(&self.gather_offsets) {
                 mine.narrow(0, at, p.shard_numel())
                     .f_copy_(&p.param.f_reshape([-1]).map_err(fail)?)
                     .map_err(fail)?;
             }
-            let whole = self.flat(self.gather_len * world as i64)?;
+            let whole = self.flat(self.gather_len * world as i64, self.gather_kind)?;
             self.group.all_gather_into(&whole, &mine)?;
             self.params
                 .iter()
@@ -244,8 +249,8 @@ impl UnitCollectives for UnitShards {
     }
 
     /// The trained parameters' gradients reduce-scattered (averaged over the
-    /// ranks) in one collective, each rank's part added into its shards'
-    /// `.grad`. A gradient this rank's pass did not reach counts as zeros in
+    /// ranks, in the reduce dtype) in one collective, each rank's part added
+    /// into its shards' `.grad` (in the shards' dtype). A gradient this rank's pass did not reach counts as zeros in
     /// the average and sets no `.grad` here.
     fn reduce(&self, grads: Vec<Option<Tensor>>) -> Result<()> {
         if self.reduce_len == 0 {
@@ -254,7 +259,7 @@ impl UnitCollectives for UnitShards {
         let fail = |e| torch_error("full sharding's gradient reduce-scatter", e);
         let world = self.group.world_size();
         tch::no_grad(|| {
-            let whole = self.flat(self.reduce_len * world as i64)?;
+            let whole = self.flat(self.reduce_len * world as i64, self.reduce_kind)?;
             for ((p, grad), at) in self.params.iter().zip(&grads).zip(&self.reduce_offsets) {
                 let (Some(grad), Some(at)) = (grad, at) else {
                     continue;
@@ -277,7 +282,7 @@ impl UnitCollectives for UnitShards {
                         .map_err(fail)?;
                 }
             }
-            let mine = self.flat(self.reduce_len)?;
+            let mine = self.flat(self.reduce_len, self.reduce_kind)?;
             self.group
                 .reduce_scatter_owned(&mine, whole, ReduceOp::Mean)?;
             for ((p, grad), at) in self.params.iter().zip(&grads).zip(&self.reduce_offsets) {
@@ -285,6 +290,7 @@ impl UnitCollectives for UnitShards {
                     let part = mine
                         .narrow(0, *at, p.shard_numel())
                         .f_view(p.shard_shape().as_slice())
+                        .and_then(|t| t.f_to_kind(p.param.kind()))
                         .map_err(fail)?;
                     accumulate_grad(&p.param, &part)?;
                 }
