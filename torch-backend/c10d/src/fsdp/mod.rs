@@ -100,9 +100,11 @@ impl FullShardOptions {
     }
 }
 
-/// A [`TorchModel`] trained fully sharded over a process group: see the
-/// [module](self) for what each rank holds. Losses and weights equal one
-/// process's on the global batch.
+/// A [`TorchModel`] trained fully sharded over a process group: between
+/// steps each rank holds its shard of every parameter, gradient and optimizer
+/// state; each unit gathers its whole parameters while it runs and
+/// reduce-scatters their gradients into the shards. Losses and weights equal
+/// one process's on the global batch.
 ///
 /// Every forward pass is a collective, in training and in evaluation
 /// ([`Trainable::shards_parameters`]), and so are
