@@ -219,8 +219,16 @@ impl UnitShards {
         })
     }
 
+    /// A flat buffer of zeros (the reduction's: gradients not reached and
+    /// padding rows count as zeros).
     fn flat(&self, elements: i64, kind: Kind) -> Result<Tensor> {
         Tensor::f_zeros([elements], (kind, self.device))
+            .map_err(|e| torch_error("full sharding's flat buffer", e))
+    }
+
+    /// A flat buffer that the caller writes whole (the gather's), not zeroed.
+    fn flat_uninit(&self, elements: i64, kind: Kind) -> Result<Tensor> {
+        Tensor::f_empty([elements], (kind, self.device))
             .map_err(|e| torch_error("full sharding's flat buffer", e))
     }
 }
@@ -232,13 +240,14 @@ impl UnitCollectives for UnitShards {
         let fail = |e| torch_error("full sharding's parameter all-gather", e);
         let world = self.group.world_size();
         tch::no_grad(|| {
-            let mine = self.flat(self.gather_len, self.gather_kind)?;
+            // Every shard fills its span (its padding rows included).
+            let mine = self.flat_uninit(self.gather_len, self.gather_kind)?;
             for (p, &at) in self.params.iter().zip(&self.gather_offsets) {
                 mine.narrow(0, at, p.shard_numel())
                     .f_copy_(&p.param.f_reshape([-1]).map_err(fail)?)
                     .map_err(fail)?;
             }
-            let whole = self.flat(self.gather_len * world as i64, self.gather_kind)?;
+            let whole = self.flat_uninit(self.gather_len * world as i64, self.gather_kind)?;
             self.group.all_gather_into(&whole, &mine)?;
             self.params
                 .iter()
@@ -282,7 +291,7 @@ impl UnitCollectives for UnitShards {
                         .map_err(fail)?;
                 }
             }
-            let mine = self.flat(self.reduce_len, self.reduce_kind)?;
+            let mine = self.flat_uninit(self.reduce_len, self.reduce_kind)?;
             self.group
                 .reduce_scatter_owned(&mine, whole, ReduceOp::Mean)?;
             for ((p, grad), at) in self.params.iter().zip(&grads).zip(&self.reduce_offsets) {
