@@ -274,6 +274,20 @@ pub(crate) fn broadcast_buffers(group: &ProcessGroup, buffers: &[Tensor]) -> Res
     tch::no_grad(|| group.broadcast_coalesced(&buffers, BROADCAST_BUCKET_BYTES, 0))
 }
 
+/// The `norm_type`-norm of every rank's gradients from this rank's `local`
+/// norm of its shard: the ranks' norms combined (the largest for the
+/// infinity norm), in one 8-byte all-reduce.
+pub(crate) fn norm_over_shards(group: &ProcessGroup, local: f64, norm_type: f64) -> Result<f64> {
+    if norm_type.is_infinite() {
+        let mut v = [local];
+        group.all_reduce_f64(&mut v, ReduceOp::Max)?;
+        return Ok(v[0]);
+    }
+    let mut v = [local.powf(norm_type)];
+    group.all_reduce_f64(&mut v, ReduceOp::Sum)?;
+    Ok(v[0].powf(1.0 / norm_type))
+}
+
 /// Starts the mean of a scalar over the ranks.
 pub(crate) fn start_mean(group: &Arc<ProcessGroup>, value: f64) -> Result<PendingMean> {
     let t = Tensor::f_from_slice(&[value]).map_err(|e| torch_error("loss mean", e))?;

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable};
-use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp};
+use kiln_core::distributed::{Collectives, DistributedOptions};
 use kiln_core::loss::Loss;
 use kiln_core::module::Module;
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
@@ -19,7 +19,7 @@ use kiln_core::state_tensors::{StateTensor, StateTensors};
 use kiln_core::strategy::StepHooks;
 use kiln_core::{DType, Error, HostTensor, Result};
 use kiln_torch::sharded_unit::UnitCollectives;
-use kiln_torch::{from_tch, kind_from_dtype, to_tch, TorchBackend, TorchModel};
+use kiln_torch::{kind_from_dtype, TorchBackend, TorchModel};
 use tch::{Kind, Tensor};
 
 mod optimizer;
@@ -29,7 +29,8 @@ pub use optimizer::FsdpOptimizer;
 use shards::{ParamShard, UnitShards};
 
 use crate::ddp::{
-    broadcast_buffers, check_device_suits_group, start_mean, take_rank_zeros_model, PendingMean,
+    broadcast_buffers, check_device_suits_group, norm_over_shards, start_mean,
+    take_rank_zeros_model, PendingMean,
 };
 use crate::ProcessGroup;
 
@@ -277,29 +278,10 @@ impl FullyShardedDataParallel {
 
     /// The whole parameters, gathered from every rank's shards (a collective).
     fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let group = &self.hooks.group;
-        let world = group.world_size();
-        tch::no_grad(|| {
-            self.params
-                .iter()
-                .map(|p| {
-                    let fail = |e| kiln_torch::torch_error("gathering a parameter", e);
-                    let mine = p
-                        .param
-                        .f_contiguous()
-                        .map_err(fail)?
-                        .f_view([-1])
-                        .map_err(fail)?;
-                    let all = Tensor::f_empty(
-                        [p.shard_numel() * world as i64],
-                        (mine.kind(), mine.device()),
-                    )
-                    .map_err(fail)?;
-                    group.all_gather_into(&all, &mine)?;
-                    Ok((p.name.clone(), p.assemble(&all, world, p.shard_numel(), 0)?))
-                })
-                .collect()
-        })
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), p.gather_whole(&self.hooks.group, &p.param)?)))
+            .collect()
     }
 }
 
@@ -335,14 +317,7 @@ impl StepHooks<TorchBackend> for FsdpHooks {
     /// The `norm_type`-norm of the ranks' shard norms (the largest for the
     /// infinity norm): padding rows have zero gradients.
     fn global_grad_norm(&mut self, local: f64, norm_type: f64) -> Result<f64> {
-        if norm_type.is_infinite() {
-            let mut v = [local];
-            self.group.all_reduce_f64(&mut v, ReduceOp::Max)?;
-            return Ok(v[0]);
-        }
-        let mut v = [local.powf(norm_type)];
-        self.group.all_reduce_f64(&mut v, ReduceOp::Sum)?;
-        Ok(v[0].powf(1.0 / norm_type))
+        norm_over_shards(&self.group, local, norm_type)
     }
 
     fn sync_buffers(&mut self) -> Result<()> {
@@ -398,16 +373,7 @@ impl Module<TorchBackend> for FullyShardedDataParallel {
         let mut share = StateDict::new();
         for (key, value) in state.iter() {
             let value = match self.params.iter().find(|p| &p.name == key) {
-                Some(p) => {
-                    let dims: Vec<i64> = value.dims().iter().map(|&d| d as i64).collect();
-                    if dims != p.full_shape {
-                        return Err(Error::invalid_argument(
-                            key,
-                            format!("has shape {dims:?}, the model's is {:?}", p.full_shape),
-                        ));
-                    }
-                    from_tch(&p.cut(&to_tch(value, kiln_core::Device::Cpu)?, rank)?)?
-                }
+                Some(p) => p.cut_host(key, value, rank)?,
                 None => value.clone(),
             };
             share.insert(key.clone(), value);

@@ -8,9 +8,8 @@ use std::sync::Arc;
 use kiln_core::optim::{Optimizer, OptimizerConfig};
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{StateTensor, StateTensors};
-use kiln_core::{Error, Result};
-use kiln_torch::{from_tch, to_tch, torch_error, TorchBackend, TorchOptimizer};
-use tch::Tensor;
+use kiln_core::Result;
+use kiln_torch::{TorchBackend, TorchOptimizer};
 
 use super::shards::ParamShard;
 use crate::ProcessGroup;
@@ -111,20 +110,11 @@ impl Optimizer<TorchBackend> for FsdpOptimizer {
     /// from the ranks' shards (every rank holds the same keys), the rest as
     /// it is. A collective.
     fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
-        let fail = |e| torch_error("gathering the optimizer state", e);
-        let world = self.group.world_size();
         let mut whole = StateTensors::<TorchBackend>::from(StateDict::new());
         for (key, tensor) in self.inner.state_tensors()?.iter() {
             let value = match (self.sharded_param(key), tensor) {
                 (Some(p), StateTensor::Backend(t)) if t.size() == p.shard_shape() => {
-                    let mine = t.f_contiguous().map_err(fail)?.f_view([-1]).map_err(fail)?;
-                    let all = Tensor::f_empty(
-                        [mine.numel() as i64 * world as i64],
-                        (t.kind(), t.device()),
-                    )
-                    .map_err(fail)?;
-                    tch::no_grad(|| self.group.all_gather_into(&all, &mine))?;
-                    StateTensor::Backend(p.assemble(&all, world, p.shard_numel(), 0)?)
+                    StateTensor::Backend(p.gather_whole(&self.group, t)?)
                 }
                 (_, StateTensor::Backend(t)) => StateTensor::Backend(t.shallow_clone()),
                 (_, StateTensor::Host(h)) => StateTensor::Host(h.clone()),
@@ -142,19 +132,7 @@ impl Optimizer<TorchBackend> for FsdpOptimizer {
         let mut share = StateDict::new();
         for (key, value) in state.iter() {
             let value = match self.sharded_param(key) {
-                Some(p) => {
-                    let dims: Vec<i64> = value.dims().iter().map(|&d| d as i64).collect();
-                    if dims != p.full_shape {
-                        return Err(Error::invalid_argument(
-                            key,
-                            format!(
-                                "has shape {dims:?}, but the parameter `{}` is {:?}",
-                                p.name, p.full_shape
-                            ),
-                        ));
-                    }
-                    from_tch(&p.cut(&to_tch(value, kiln_core::Device::Cpu)?, rank)?)?
-                }
+                Some(p) => p.cut_host(key, value, rank)?,
                 None => value.clone(),
             };
             share.insert(key.clone(), value);

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use kiln_core::distributed::ReduceOp;
-use kiln_core::{Error, Result};
+use kiln_core::{Error, HostTensor, Result};
 use kiln_torch::sharded_unit::{accumulate_grad, UnitCollectives};
-use kiln_torch::torch_error;
+use kiln_torch::{from_tch, to_tch, torch_error};
 use tch::{Kind, Tensor};
 
 use crate::ProcessGroup;
@@ -135,6 +135,51 @@ impl ParamShard {
                 .map_err(fail)?;
         }
         Ok(whole)
+    }
+}
+
+impl ParamShard {
+    /// The whole tensor of which `shard` (of the shard's shape: the
+    /// parameter itself, or a per-element optimizer buffer) is this rank's
+    /// part, all-gathered from every rank (a collective).
+    pub(crate) fn gather_whole(&self, group: &ProcessGroup, shard: &Tensor) -> Result<Tensor> {
+        let fail = |e| torch_error("gathering a sharded tensor", e);
+        let world = group.world_size();
+        tch::no_grad(|| {
+            let mine = shard
+                .f_contiguous()
+                .and_then(|t| t.f_view([-1]))
+                .map_err(fail)?;
+            let all = Tensor::f_empty(
+                [self.shard_numel() * world as i64],
+                (mine.kind(), mine.device()),
+            )
+            .map_err(fail)?;
+            group.all_gather_into(&all, &mine)?;
+            self.assemble(&all, world, self.shard_numel(), 0)
+        })
+    }
+
+    /// Rank `rank`'s shard of `value`, the whole tensor saved under `key`
+    /// (the parameter, or one of its per-element optimizer buffers); another
+    /// shape than the whole parameter's is an error naming `key`.
+    pub(crate) fn cut_host(
+        &self,
+        key: &str,
+        value: &HostTensor,
+        rank: usize,
+    ) -> Result<HostTensor> {
+        let dims: Vec<i64> = value.dims().iter().map(|&d| d as i64).collect();
+        if dims != self.full_shape {
+            return Err(Error::invalid_argument(
+                key,
+                format!(
+                    "has shape {dims:?}, but the parameter `{}` is {:?}",
+                    self.name, self.full_shape
+                ),
+            ));
+        }
+        from_tch(&self.cut(&to_tch(value, kiln_core::Device::Cpu)?, rank)?)
     }
 }
 

@@ -25,7 +25,7 @@ mod optimizer;
 pub use optimizer::ShardedOptimizer;
 
 use crate::ddp::{
-    broadcast_buffers, bucket_cap_bytes, check_device_suits_group, start_mean,
+    broadcast_buffers, bucket_cap_bytes, check_device_suits_group, norm_over_shards, start_mean,
     take_rank_zeros_model, PendingMean,
 };
 use crate::{DistributedDataParallel, ProcessGroup};
@@ -474,15 +474,7 @@ impl StepHooks<TorchBackend> for ZeroRedundancy {
         if self.stage == ZeroStage::One {
             return Ok(local);
         }
-        let group = &self.shards.group;
-        if norm_type.is_infinite() {
-            let mut v = [local];
-            group.all_reduce_f64(&mut v, ReduceOp::Max)?;
-            return Ok(v[0]);
-        }
-        let mut v = [local.powf(norm_type)];
-        group.all_reduce_f64(&mut v, ReduceOp::Sum)?;
-        Ok(v[0].powf(1.0 / norm_type))
+        norm_over_shards(&self.shards.group, local, norm_type)
     }
 
     fn after_update(&mut self) -> Result<()> {
