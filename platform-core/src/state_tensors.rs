@@ -193,6 +193,53 @@ impl<B: Backend> StateTensors<B> {
     }
 }
 
+/// Where a tensor of a [`ShardState`] sits in the whole state: rows
+/// `start..start + its own rows` of a tensor of `total` rows along dim 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RowSlice {
+    /// The first row of the whole tensor this part holds.
+    pub start: u64,
+    /// The whole tensor's rows (its dim 0).
+    pub total: u64,
+}
+
+/// One rank's part of a state that is sharded over the ranks of a job, as a
+/// sharded checkpoint writes it: no rank gathers the whole.
+///
+/// Tensors are named as in the whole state. A name in [`rows`](Self::rows)
+/// is a slice of rows of the whole tensor; any other is the whole tensor,
+/// which exactly one rank holds. Put together over every rank, the parts are
+/// the whole state (what [`Module::state_tensors`](crate::module::Module::state_tensors)
+/// or [`Optimizer::state_tensors`](crate::optim::Optimizer::state_tensors)
+/// gathers).
+#[derive(Debug)]
+pub struct ShardState<B: Backend> {
+    /// The tensors this rank holds.
+    pub tensors: StateTensors<B>,
+    /// For each tensor that is a slice of a larger one, which rows.
+    pub rows: BTreeMap<String, RowSlice>,
+}
+
+impl<B: Backend> Default for ShardState<B> {
+    fn default() -> Self {
+        Self {
+            tensors: StateTensors::new(),
+            rows: BTreeMap::new(),
+        }
+    }
+}
+
+impl<B: Backend> ShardState<B> {
+    /// A part holding whole tensors only (on the rank that writes a
+    /// replicated state).
+    pub fn whole(tensors: StateTensors<B>) -> Self {
+        Self {
+            tensors,
+            rows: BTreeMap::new(),
+        }
+    }
+}
+
 impl<B: Backend> From<StateDict> for StateTensors<B> {
     fn from(state: StateDict) -> Self {
         Self(

@@ -41,6 +41,9 @@ pub(crate) enum Command {
     },
     /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
     Export(ExportArgs),
+    /// Put a run's checkpoint (a sharded one's every shard) together into
+    /// one file: a Kiln checkpoint, or the model's weights alone.
+    Consolidate(ConsolidateArgs),
     /// Generate text with a language model (a Hugging Face directory or a
     /// Kiln checkpoint) on libtorch, with a key/value cache.
     Generate(GenerateArgs),
@@ -226,6 +229,28 @@ pub(crate) struct ExportArgs {
     /// The output's name in the exported model (onnx, savedmodel; default `output`).
     #[arg(long)]
     pub(crate) output_name: Option<String>,
+    /// Replace `--output` if it exists (it is never written over otherwise).
+    #[arg(long)]
+    pub(crate) overwrite: bool,
+}
+
+/// `kiln consolidate`'s arguments.
+#[derive(Args)]
+pub(crate) struct ConsolidateArgs {
+    /// A run directory (its newest checkpoint, `checkpoints/last.safetensors`,
+    /// is read) or a checkpoint file (a sharded checkpoint's index,
+    /// `step-<n>.safetensors`).
+    pub(crate) run: PathBuf,
+    /// The file to create: a Kiln checkpoint of the whole state (model,
+    /// optimizer, where training stood), which `kiln eval`, `kiln export`,
+    /// `kiln train --resume` and Python's `safetensors` read.
+    #[arg(long)]
+    pub(crate) output: PathBuf,
+    /// Write the model's weights alone, under PyTorch names, as a run's
+    /// `model.safetensors` (for `safetensors.torch.load_file` and
+    /// `kiln export --config`).
+    #[arg(long)]
+    pub(crate) weights_only: bool,
     /// Replace `--output` if it exists (it is never written over otherwise).
     #[arg(long)]
     pub(crate) overwrite: bool,

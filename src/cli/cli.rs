@@ -8,7 +8,7 @@ use clap::Parser;
 use crate::args::{Cli, Command};
 use crate::engines::{needs_tensorflow, Engines};
 use crate::forward::{self, NeedsTensorflow};
-use crate::{evaluate, export, generate, inspect, launch, train};
+use crate::{consolidate, evaluate, export, generate, inspect, launch, train};
 
 /// Prints the error and exits as `kiln` does when a command fails.
 fn exit_with(error: &anyhow::Error) -> ! {
@@ -54,6 +54,7 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
         Command::Predict(args) => evaluate::predict::<E>(args),
         Command::Inspect { checkpoint } => inspect::inspect::<E>(&checkpoint),
         Command::Export(args) => export::export::<E>(args),
+        Command::Consolidate(args) => consolidate::consolidate(&args),
         Command::Generate(args) => generate::generate(args),
         Command::Launch(args) => launch::launch(args),
     }

@@ -234,7 +234,7 @@ pub(crate) fn needs_tensorflow(command: &Command) -> Option<NeedsTensorflow> {
             let config = RunConfig::load(args.config.as_deref()?).ok()?;
             has_saved_model_layer(&config).then(|| needs("a saved_model layer"))
         }
-        Command::Launch(_) | Command::Generate(_) => None,
+        Command::Launch(_) | Command::Generate(_) | Command::Consolidate(_) => None,
     }
 }
 

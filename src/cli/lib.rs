@@ -30,6 +30,7 @@
 mod args;
 mod cli;
 mod config;
+mod consolidate;
 mod data;
 mod engines;
 mod evaluate;

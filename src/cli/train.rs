@@ -281,8 +281,13 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             es.min_delta,
         ));
     }
+    let checkpoints = out.join("checkpoints");
+    if rendezvous.is_some() && config.distributed.sharded_checkpoints() {
+        trainer = trainer.with_sharded_checkpoints(&checkpoints);
+    }
     if !primary {
-        // A sharded optimizer's state is gathered by every rank when rank 0 saves it.
+        // A sharded optimizer's state is gathered by every rank when rank 0
+        // saves it; under sharded checkpoints each rank writes its part.
         trainer = trainer.with_checkpoint_turns(config.checkpoint.clone());
         trainer.fit(
             &mut state,
@@ -334,7 +339,6 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     );
 
     // Rank 0's outputs: checkpoints and metric sinks.
-    let checkpoints = out.join("checkpoints");
     trainer = trainer
         .with_checkpointer(
             Checkpointer::new(&checkpoints, config.checkpoint.clone())?,

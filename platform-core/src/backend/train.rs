@@ -235,6 +235,13 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
     fn shards_parameters(&self) -> bool {
         false
     }
+
+    /// This rank's part of the module's state when its parameters are
+    /// sharded over the ranks, for a sharded checkpoint: read locally, not a
+    /// collective. `None` (the default) for a module every rank holds whole.
+    fn shard_state_tensors(&self) -> Result<Option<crate::state_tensors::ShardState<B>>> {
+        Ok(None)
+    }
 }
 
 /// A backend the `Trainer` (in `kiln-train`) can drive from Kiln [`Layer`]

@@ -115,6 +115,13 @@ pub trait Optimizer<B: Backend> {
         false
     }
 
+    /// This rank's part of the state when it is sharded over the ranks, for
+    /// a sharded checkpoint: read locally, not a collective. `None` (the
+    /// default) for an optimizer whose state is whole on every rank.
+    fn shard_state_tensors(&self) -> Result<Option<crate::state_tensors::ShardState<B>>> {
+        Ok(None)
+    }
+
     /// Host copies of the optimizer's internal state (moments, step counts),
     /// with PyTorch-style names, for checkpoints.
     fn state_dict(&self) -> Result<StateDict>;

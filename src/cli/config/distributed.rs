@@ -28,6 +28,21 @@ pub struct DistributedConfig {
     /// `[distributed.fsdp]`: how `strategy = "fsdp"` cuts the model into units.
     #[serde(default, skip_serializing_if = "FsdpConfig::is_default")]
     pub fsdp: FsdpConfig,
+    /// How checkpoints are written: `"sharded"` (each rank its part, and an
+    /// index; the default of the sharded strategies) or `"full"` (rank 0
+    /// gathers and writes one file; DDP's only way).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<CheckpointLayout>,
+}
+
+/// The `[distributed] checkpoint` names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointLayout {
+    /// Each rank writes its part of the state; rank 0 writes the index last.
+    Sharded,
+    /// Rank 0 gathers the whole state and writes one file.
+    Full,
 }
 
 /// `[distributed.fsdp]`: full sharding's units (PyTorch's `fully_shard` on
@@ -149,6 +164,7 @@ impl Default for DistributedConfig {
             timeout: thirty_minutes(),
             strategy: StrategyName::Ddp,
             fsdp: FsdpConfig::default(),
+            checkpoint: None,
         }
     }
 }
@@ -169,6 +185,15 @@ impl DistributedConfig {
         }
     }
 
+    /// Whether checkpoints are sharded: as the config says, else for every
+    /// strategy that shards the state.
+    pub fn sharded_checkpoints(&self) -> bool {
+        match self.checkpoint {
+            Some(layout) => layout == CheckpointLayout::Sharded,
+            None => self.strategy != StrategyName::Ddp,
+        }
+    }
+
     pub(super) fn validate(&self, device: Device) -> Result<()> {
         if !(self.timeout.is_finite() && self.timeout > 0.0 && self.timeout < 1e9) {
             return Err(Error::invalid_argument(
@@ -183,6 +208,14 @@ impl DistributedConfig {
                     "is read by strategy = \"fsdp\" only, and the strategy is \"{}\"",
                     self.strategy.name()
                 ),
+            ));
+        }
+        if self.strategy == StrategyName::Ddp && self.checkpoint == Some(CheckpointLayout::Sharded) {
+            return Err(Error::invalid_argument(
+                "distributed.checkpoint",
+                "\"sharded\" writes each rank's part of a sharded state, but strategy = \"ddp\" \
+                 holds the whole state on every rank: use a sharded strategy (zero1, zero2, \
+                 fsdp) or leave it out",
             ));
         }
         match (self.backend, device.is_cuda()) {

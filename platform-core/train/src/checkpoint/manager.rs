@@ -142,6 +142,7 @@ impl Checkpointer {
         let dir = dir.into();
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
         remove_stale_temporaries(&dir)?;
+        remove_incomplete_sets(&dir)?;
         let mut saved = Vec::new();
         for (step, path) in step_files(&dir)? {
             let metric = match &policy.monitor {
@@ -212,21 +213,33 @@ impl Checkpointer {
     pub fn save<S: WritableState>(&mut self, checkpoint: &Checkpoint<S>) -> Result<PathBuf> {
         let path = checkpoint_path(&self.dir, checkpoint.step);
         checkpoint.save(&path)?;
-        point_last_at(&self.dir, &path)?;
+        self.commit(&path, checkpoint.step, &checkpoint.metrics)?;
+        Ok(path)
+    }
+
+    /// Counts the checkpoint just written at `path` as saved: points
+    /// `last.safetensors` at it and prunes.
+    pub(super) fn commit(
+        &mut self,
+        path: &Path,
+        step: u64,
+        metrics: &std::collections::BTreeMap<String, f64>,
+    ) -> Result<()> {
+        point_last_at(&self.dir, path)?;
         let metric = self
             .policy
             .monitor
             .as_ref()
-            .and_then(|m| checkpoint.metrics.get(m).copied());
-        self.saved.retain(|s| s.step != checkpoint.step);
+            .and_then(|m| metrics.get(m).copied());
+        self.saved.retain(|s| s.step != step);
         self.saved.push(Saved {
-            path: path.clone(),
-            step: checkpoint.step,
+            path: path.to_owned(),
+            step,
             metric,
         });
         self.prune()?;
         log::info!("checkpoint written: {}", path.display());
-        Ok(path)
+        Ok(())
     }
 
     fn prune(&mut self) -> Result<()> {
@@ -260,15 +273,58 @@ impl Checkpointer {
             .drain(..)
             .partition(|s| recent.contains(&s.step) || best.contains(&s.step));
         for old in drop {
-            match std::fs::remove_file(&old.path) {
-                // Someone deleted it already: pruned all the same.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                other => other.map_err(|e| Error::io(&old.path, e))?,
+            // The index first: a sharded set without it is no checkpoint.
+            remove_existing(&old.path)?;
+            for (_, shard) in shard_files(&self.dir)?
+                .into_iter()
+                .filter(|(step, _)| *step == old.step)
+            {
+                remove_existing(&shard)?;
             }
         }
         self.saved = keep;
         Ok(())
     }
+}
+
+/// Removes `path`; one deleted already (by someone else) is removed all the same.
+fn remove_existing(path: &Path) -> Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        other => other.map_err(|e| Error::io(path, e)),
+    }
+}
+
+/// The shard files of sharded checkpoints in `dir` with their step.
+fn shard_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
+    let mut files = Vec::new();
+    for entry in super::dir_entries(dir)? {
+        let path = entry.path();
+        if let Some(step) = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(super::sharded::shard_step)
+        {
+            files.push((step, path));
+        }
+    }
+    Ok(files)
+}
+
+/// Removes the shards of sharded checkpoints whose index is not in `dir`:
+/// what a job that stopped while writing a set left (its index is written
+/// last), never read.
+fn remove_incomplete_sets(dir: &Path) -> Result<()> {
+    for (step, shard) in shard_files(dir)? {
+        if !checkpoint_path(dir, step).exists() {
+            remove_existing(&shard)?;
+            log::info!(
+                "removed {}, a shard of a checkpoint that was never completed",
+                shard.display()
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The `step-<n>.safetensors` files in `dir` with their step, oldest first

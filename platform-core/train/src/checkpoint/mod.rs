@@ -33,6 +33,7 @@ mod finite;
 mod manager;
 mod manifest;
 mod run_dir;
+mod sharded;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -46,6 +47,7 @@ pub use data_order::DATA_ORDER_KEY;
 pub use finite::{find_non_finite, refuse_non_finite, NonFinite};
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
 pub use run_dir::{RunDirectory, RunStart, LOCK_FILE, RUN_OUTPUTS};
+pub use sharded::{save_sharded_checkpoint, shard_path};
 
 /// The format tag written into every checkpoint.
 pub const CHECKPOINT_FORMAT: &str = "kiln-checkpoint-1";
@@ -110,10 +112,15 @@ pub struct Checkpoint<S = StateDict> {
 impl<S: WritableState> Checkpoint<S> {
     /// Writes the checkpoint to `path` atomically.
     pub fn save(&self, path: &Path) -> Result<()> {
+        self.save_with(path, BTreeMap::new())
+    }
+
+    /// Writes the checkpoint to `path` atomically, with `extra` metadata.
+    fn save_with(&self, path: &Path, extra: BTreeMap<String, String>) -> Result<()> {
         let names: Vec<(String, &dyn WritableTensor)> = prefixed("model.", &self.model)
             .chain(prefixed("optimizer.", &self.optimizer))
             .collect();
-        let mut meta = BTreeMap::new();
+        let mut meta = extra;
         meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert(
             "kiln.version".to_owned(),
@@ -219,12 +226,30 @@ impl Checkpoint {
     /// format version), or whose metadata is damaged, is [`Error::Checkpoint`]
     /// naming the file and what is wrong; a truncated file too, and one with
     /// fewer or more optimizer tensors than it was written with.
+    ///
+    /// A sharded checkpoint ([`Checkpointer::save_sharded`]) is read through
+    /// its index, the `step-<n>.safetensors` file: every rank's shard is read,
+    /// checked to be of this set, and put together into the whole state, as
+    /// one process's checkpoint holds it. A shard missing, damaged or of
+    /// another checkpoint is [`Error::Checkpoint`] naming it.
     pub fn load(path: &Path) -> Result<Self> {
         let (tensors, meta) = StateDict::load_safetensors(path)?;
+        check_format(&meta, path)?;
+        if let Some(record) = meta.get(sharded::SHARD_KEY) {
+            return Err(sharded::refuse_lone_shard(path, record));
+        }
+        if meta.contains_key(sharded::INDEX_KEY) {
+            return sharded::load_set(path, tensors, &meta);
+        }
+        Self::from_parts(tensors, &meta, path)
+    }
+
+    /// A checkpoint from a file's tensors and metadata, checked.
+    fn from_parts(tensors: StateDict, meta: &BTreeMap<String, String>, path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::checkpoint(path, reason);
         let bad_json =
             |reason: String, e: serde_json::Error| Error::checkpoint_caused_by(path, reason, e);
-        check_format(&meta, path)?;
+        check_format(meta, path)?;
         let number = |key: &str| -> Result<u64> {
             let text = meta
                 .get(key)
@@ -255,7 +280,7 @@ impl Checkpoint {
             })?),
             None => None,
         };
-        let metrics = parse_metrics(&meta, path)?;
+        let metrics = parse_metrics(meta, path)?;
         let mut model = StateDict::new();
         let mut optimizer = StateDict::new();
         for (key, value) in tensors.into_inner() {

@@ -1,7 +1,7 @@
 //! The training loop: `fit`, `evaluate`, `predict`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -20,7 +20,7 @@ use kiln_core::model::Layer;
 use kiln_core::optim::{GradClip, Optimizer};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::rng::SplitMix64;
-use kiln_core::state_tensors::StateTensors;
+use kiln_core::state_tensors::{ShardState, StateTensors};
 use kiln_core::tensor::HostTensor;
 use kiln_data::DataLoader;
 
@@ -186,6 +186,8 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     checkpointer: Option<Checkpointer>,
     /// On a rank that writes no checkpoint: when rank 0 writes one.
     checkpoint_turns: Option<CheckpointPolicy>,
+    /// Where every rank writes its shard of a sharded checkpoint.
+    sharded_checkpoints: Option<PathBuf>,
     model_definition: Option<Layer>,
     lora: Option<kiln_core::lora::LoraConfig>,
     data_identity: Option<serde_json::Value>,
@@ -262,6 +264,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             sinks: Vec::new(),
             checkpointer: None,
             checkpoint_turns: None,
+            sharded_checkpoints: None,
             model_definition: None,
             lora: None,
             data_identity: None,
@@ -362,6 +365,20 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self
     }
 
+    /// Writes sharded checkpoints into `dir` (on every rank, the same
+    /// directory): each rank writes its part of the model's and optimizer's
+    /// state ([`Trainable::shard_state_tensors`],
+    /// [`Optimizer::shard_state_tensors`](kiln_core::optim::Optimizer::shard_state_tensors);
+    /// a state every rank holds whole is written by rank 0), and rank 0,
+    /// whose [`with_checkpointer`](Self::with_checkpointer) decides when,
+    /// the index ([`save_sharded_checkpoint`](crate::save_sharded_checkpoint)).
+    /// The other ranks save on the policy given to
+    /// [`with_checkpoint_turns`](Self::with_checkpoint_turns).
+    pub fn with_sharded_checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.sharded_checkpoints = Some(dir.into());
+        self
+    }
+
     /// Records the LoRA adapters the model trains with in every checkpoint
     /// ([`Checkpoint::lora`]), so that exports and generation can apply them.
     pub fn with_lora(mut self, lora: Option<kiln_core::lora::LoraConfig>) -> Self {
@@ -384,9 +401,23 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         state: &TrainingState<B, M>,
         metrics: &EpochRecord,
     ) -> Result<Checkpoint<StateTensors<B>>> {
+        let model = state.model.state_tensors()?;
+        let optimizer = state.optimizer.state_tensors()?;
+        self.checkpoint_of(state, metrics, model, optimizer)
+    }
+
+    /// The checkpoint of `state` holding `model` and `optimizer` (the whole
+    /// state, or this rank's part of a sharded one).
+    fn checkpoint_of(
+        &self,
+        state: &TrainingState<B, M>,
+        metrics: &EpochRecord,
+        model: StateTensors<B>,
+        optimizer: StateTensors<B>,
+    ) -> Result<Checkpoint<StateTensors<B>>> {
         Ok(Checkpoint {
-            model: state.model.state_tensors()?,
-            optimizer: state.optimizer.state_tensors()?,
+            model,
+            optimizer,
             step: state.step,
             epoch: state.epoch,
             batch_in_epoch: state.batch_in_epoch,
@@ -412,6 +443,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         state: &TrainingState<B, M>,
         metrics: &EpochRecord,
     ) -> Result<()> {
+        if let Some(dir) = self.sharded_checkpoints.clone() {
+            return self.save_sharded(state, metrics, &dir);
+        }
         if self.checkpointer.is_none() {
             if self.checkpoint_turns.is_some() {
                 // Rank 0 gathers the state now; this rank's part is to send its
@@ -434,6 +468,72 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         if let Some(checkpointer) = self.checkpointer.as_mut() {
             checkpointer.save(&checkpoint)?;
         }
+        Ok(())
+    }
+
+    /// Every rank's part of a sharded checkpoint, written into `dir`.
+    fn save_sharded(
+        &mut self,
+        state: &TrainingState<B, M>,
+        metrics: &EpochRecord,
+        dir: &Path,
+    ) -> Result<()> {
+        let group = state.model.collectives().ok_or_else(|| {
+            Error::invalid_argument(
+                "checkpoint",
+                "sharded checkpoints are written by the ranks of a strategy that trains \
+                 across several; this model trains in one process",
+            )
+        })?;
+        let rank = group.rank();
+        if self.checkpointer.is_some() {
+            for sink in &mut self.sinks {
+                sink.flush()?;
+            }
+        }
+        // A state every rank holds whole is rank 0's to write (gathered by
+        // every rank where gathering it is a collective).
+        let part = |sharded: Option<ShardState<B>>,
+                    whole: &dyn Fn() -> Result<StateTensors<B>>,
+                    collective: bool|
+         -> Result<ShardState<B>> {
+            match sharded {
+                Some(part) => Ok(part),
+                None if rank == 0 => Ok(ShardState::whole(whole()?)),
+                None => {
+                    if collective {
+                        drop(whole()?);
+                    }
+                    Ok(ShardState::default())
+                }
+            }
+        };
+        let model = part(
+            state.model.shard_state_tensors()?,
+            &|| state.model.state_tensors(),
+            state.model.shards_parameters(),
+        )?;
+        let optimizer = part(
+            state.optimizer.shard_state_tensors()?,
+            &|| state.optimizer.state_tensors(),
+            state.optimizer.state_is_collective(),
+        )?;
+        let rows = (model.rows.into_iter().map(|(k, r)| (format!("model.{k}"), r)))
+            .chain(
+                optimizer
+                    .rows
+                    .into_iter()
+                    .map(|(k, r)| (format!("optimizer.{k}"), r)),
+            )
+            .collect();
+        let checkpoint = self.checkpoint_of(state, metrics, model.tensors, optimizer.tensors)?;
+        crate::save_sharded_checkpoint(
+            dir,
+            &checkpoint,
+            rows,
+            group.as_ref(),
+            self.checkpointer.as_mut(),
+        )?;
         Ok(())
     }
 

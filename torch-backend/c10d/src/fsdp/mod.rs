@@ -15,7 +15,7 @@ use kiln_core::module::Module;
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::state_dict::StateDict;
-use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::state_tensors::{ShardState, StateTensor, StateTensors};
 use kiln_core::strategy::StepHooks;
 use kiln_core::{DType, Error, HostTensor, Result};
 use kiln_torch::sharded_unit::UnitCollectives;
@@ -436,6 +436,29 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
 
     fn shards_parameters(&self) -> bool {
         true
+    }
+
+    /// This rank's rows of each parameter (its padding left out); rank 0
+    /// also holds the buffers, which are the same on every rank. Not a
+    /// collective.
+    fn shard_state_tensors(&self) -> Result<Option<ShardState<TorchBackend>>> {
+        let rank = self.hooks.group.rank();
+        let mut part = ShardState::default();
+        for p in &self.params {
+            if let Some((rows, slice)) = p.local_rows(&p.param.detach(), rank)? {
+                part.tensors
+                    .insert(p.name.clone(), StateTensor::Backend(rows))?;
+                if let Some(slice) = slice {
+                    part.rows.insert(p.name.clone(), slice);
+                }
+            }
+        }
+        if rank == 0 {
+            for (name, t) in self.model.named_buffers()? {
+                part.tensors.insert(name, StateTensor::Backend(t))?;
+            }
+        }
+        Ok(Some(part))
     }
 
     fn train_step(

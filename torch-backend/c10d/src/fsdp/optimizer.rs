@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use kiln_core::optim::{Optimizer, OptimizerConfig};
 use kiln_core::state_dict::StateDict;
-use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::state_tensors::{ShardState, StateTensor, StateTensors};
 use kiln_core::Result;
 use kiln_torch::{TorchBackend, TorchOptimizer};
 
@@ -122,6 +122,35 @@ impl Optimizer<TorchBackend> for FsdpOptimizer {
             whole.insert(key.clone(), value)?;
         }
         Ok(whole)
+    }
+
+    /// This rank's rows of each per-element buffer (its padding left out);
+    /// rank 0 also holds the step counts and group hyperparameters, which
+    /// are the same on every rank. Not a collective.
+    fn shard_state_tensors(&self) -> Result<Option<ShardState<TorchBackend>>> {
+        let rank = self.group.rank();
+        let mut part = ShardState::default();
+        for (key, tensor) in self.inner.state_tensors()?.iter() {
+            match (self.sharded_param(key), tensor) {
+                (Some(p), StateTensor::Backend(t)) if t.size() == p.shard_shape() => {
+                    if let Some((rows, slice)) = p.local_rows(t, rank)? {
+                        part.tensors
+                            .insert(key.clone(), StateTensor::Backend(rows))?;
+                        if let Some(slice) = slice {
+                            part.rows.insert(key.clone(), slice);
+                        }
+                    }
+                }
+                _ if rank != 0 => {}
+                (_, StateTensor::Backend(t)) => part
+                    .tensors
+                    .insert(key.clone(), StateTensor::Backend(t.shallow_clone()))?,
+                (_, StateTensor::Host(h)) => part
+                    .tensors
+                    .insert(key.clone(), StateTensor::Host(h.clone()))?,
+            }
+        }
+        Ok(Some(part))
     }
 
     /// Keeps this rank's rows of `state`'s per-element buffers (a whole

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use kiln_core::distributed::ReduceOp;
+use kiln_core::state_tensors::RowSlice;
 use kiln_core::{Error, HostTensor, Result};
 use kiln_torch::sharded_unit::{accumulate_grad, UnitCollectives};
 use kiln_torch::{from_tch, to_tch, torch_error};
@@ -158,6 +159,33 @@ impl ParamShard {
             group.all_gather_into(&all, &mine)?;
             self.assemble(&all, world, self.shard_numel(), 0)
         })
+    }
+
+    /// This rank's rows of the whole, from `shard` (of the shard's shape:
+    /// the parameter itself, or a per-element optimizer buffer), for a
+    /// sharded checkpoint: the padding left out, with where the rows go
+    /// (`None` for a 0-dimensional parameter, which rank 0 holds whole).
+    /// Nothing when this rank holds padding only.
+    pub(crate) fn local_rows(
+        &self,
+        shard: &Tensor,
+        rank: usize,
+    ) -> Result<Option<(Tensor, Option<RowSlice>)>> {
+        let n = self.rows_of(rank);
+        if n == 0 {
+            return Ok(None);
+        }
+        let fail = |e| torch_error("reading a shard's rows", e);
+        if self.full_shape.is_empty() {
+            let scalar = shard.f_reshape([] as [i64; 0]).map_err(fail)?;
+            return Ok(Some((scalar, None)));
+        }
+        let rows = shard.narrow(0, 0, n).f_contiguous().map_err(fail)?;
+        let slice = RowSlice {
+            start: (rank as i64 * self.shard_rows) as u64,
+            total: self.rows as u64,
+        };
+        Ok(Some((rows, Some(slice))))
     }
 
     /// Rank `rank`'s shard of `value`, the whole tensor saved under `key`

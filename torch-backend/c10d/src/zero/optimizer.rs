@@ -7,7 +7,7 @@ use std::sync::Arc;
 use kiln_core::distributed::Collectives;
 use kiln_core::optim::{Optimizer, OptimizerConfig, ParamGroup};
 use kiln_core::state_dict::StateDict;
-use kiln_core::state_tensors::{StateTensor, StateTensors};
+use kiln_core::state_tensors::{ShardState, StateTensor, StateTensors};
 use kiln_core::{DType, Error, Result};
 use kiln_torch::{device_from_tch, from_tch, kind_from_dtype, to_tch, torch_error};
 use kiln_torch::{TorchBackend, TorchOptimizer};
@@ -237,6 +237,25 @@ impl Optimizer<TorchBackend> for ShardedOptimizer {
             }
         }
         Ok(whole)
+    }
+
+    /// The state of the parameters this rank owns; rank 0 also holds the
+    /// group hyperparameters and loss scale, which are the same on every
+    /// rank. Not a collective.
+    fn shard_state_tensors(&self) -> Result<Option<ShardState<TorchBackend>>> {
+        let rank = self.shards.group.rank();
+        let mut part = ShardState::default();
+        for (key, tensor) in self.inner.state_tensors()?.iter() {
+            if Self::param_of(key).is_none() && rank != 0 {
+                continue;
+            }
+            let value = match tensor {
+                StateTensor::Host(h) => StateTensor::Host(h.clone()),
+                StateTensor::Backend(t) => StateTensor::Backend(t.shallow_clone()),
+            };
+            part.tensors.insert(key.clone(), value)?;
+        }
+        Ok(Some(part))
     }
 
     /// Keeps this rank's share of `state` (a whole optimizer state, of any
