@@ -27,9 +27,7 @@ pub(crate) fn consolidate(args: &ConsolidateArgs) -> Result<()> {
     let what = if args.weights_only {
         let mut metadata = BTreeMap::new();
         metadata.insert("format".to_owned(), "pt".to_owned());
-        checkpoint
-            .model
-            .save_safetensors(&args.output, &metadata)?;
+        checkpoint.model.save_safetensors(&args.output, &metadata)?;
         format!("the model's {} tensors", checkpoint.model.len())
     } else {
         checkpoint.save(&args.output)?;
@@ -59,7 +57,11 @@ fn checkpoint_of(run: &Path) -> Result<PathBuf> {
         return Ok(run.to_owned());
     }
     let nested = run.join("checkpoints");
-    let dir = if nested.is_dir() { nested } else { run.to_owned() };
+    let dir = if nested.is_dir() {
+        nested
+    } else {
+        run.to_owned()
+    };
     Checkpointer::latest(&dir)?.with_context(|| {
         format!(
             "{} holds no checkpoint (no last.safetensors or step-*.safetensors): give a run \

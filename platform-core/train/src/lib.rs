@@ -21,9 +21,9 @@ mod logger;
 mod metric;
 
 pub use checkpoint::{
-    checkpoint_path, find_non_finite, first_difference, refuse_non_finite,
-    save_sharded_checkpoint, shard_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode,
-    NonFinite, RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
+    checkpoint_path, find_non_finite, first_difference, refuse_non_finite, save_sharded_checkpoint,
+    shard_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, NonFinite, RunDirectory,
+    RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
     Callback, EarlyStopping, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,

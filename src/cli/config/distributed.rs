@@ -210,7 +210,8 @@ impl DistributedConfig {
                 ),
             ));
         }
-        if self.strategy == StrategyName::Ddp && self.checkpoint == Some(CheckpointLayout::Sharded) {
+        if self.strategy == StrategyName::Ddp && self.checkpoint == Some(CheckpointLayout::Sharded)
+        {
             return Err(Error::invalid_argument(
                 "distributed.checkpoint",
                 "\"sharded\" writes each rank's part of a sharded state, but strategy = \"ddp\" \

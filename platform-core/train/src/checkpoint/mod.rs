@@ -245,7 +245,11 @@ impl Checkpoint {
     }
 
     /// A checkpoint from a file's tensors and metadata, checked.
-    fn from_parts(tensors: StateDict, meta: &BTreeMap<String, String>, path: &Path) -> Result<Self> {
+    fn from_parts(
+        tensors: StateDict,
+        meta: &BTreeMap<String, String>,
+        path: &Path,
+    ) -> Result<Self> {
         let bad = |reason: String| Error::checkpoint(path, reason);
         let bad_json =
             |reason: String, e: serde_json::Error| Error::checkpoint_caused_by(path, reason, e);

@@ -135,7 +135,9 @@ pub fn save_sharded_checkpoint<S: WritableState>(
     let mut committed = None;
     let mut outcome = Ok(());
     if let Some(checkpointer) = checkpointer {
-        let shards = (0..world).map(|r| shard_name(part.step, r, world)).collect();
+        let shards = (0..world)
+            .map(|r| shard_name(part.step, r, world))
+            .collect();
         let listing = ShardIndex { set, shards };
         let header = Checkpoint::<StateDict> {
             model: StateDict::new(),
@@ -323,7 +325,10 @@ pub(super) fn load_set(
             for (key, tensor) in state {
                 let full = format!("{prefix}{key}");
                 let rows = record.rows.get(&full).copied();
-                pieces.entry(full).or_default().push(Piece { rank, rows, tensor });
+                pieces
+                    .entry(full)
+                    .or_default()
+                    .push(Piece { rank, rows, tensor });
             }
         }
     }
@@ -369,7 +374,10 @@ fn assemble(key: &str, mut parts: Vec<Piece>) -> std::result::Result<HostTensor,
     }
     parts.sort_by_key(|p| p.rows.map(|r| r.start));
     let first = &parts[0];
-    let (dtype, inner) = (first.tensor.dtype(), first.tensor.dims().get(1..).map(<[usize]>::to_vec));
+    let (dtype, inner) = (
+        first.tensor.dtype(),
+        first.tensor.dims().get(1..).map(<[usize]>::to_vec),
+    );
     let total = first.rows.map_or(0, |r| r.total);
     let mut next = 0u64;
     let mut bytes = Vec::new();
@@ -446,14 +454,18 @@ mod tests {
                 piece(1, Some((3, 4)), &[4.0], &[1]),
             ],
         );
-        assert!(gap.unwrap_err().contains("rows from 3 of 4, where rows from 2"));
+        assert!(gap
+            .unwrap_err()
+            .contains("rows from 3 of 4, where rows from 2"));
         let short = assemble("w", vec![piece(0, Some((0, 4)), &[1.0, 2.0], &[2])]);
         assert!(short.unwrap_err().contains("rows 0 to 2 of 4"));
         let twice = assemble(
             "b",
             vec![piece(0, None, &[1.0], &[1]), piece(1, None, &[1.0], &[1])],
         );
-        assert!(twice.unwrap_err().contains("held whole by more than one shard (0, 1)"));
+        assert!(twice
+            .unwrap_err()
+            .contains("held whole by more than one shard (0, 1)"));
         let shapes = assemble(
             "w",
             vec![

@@ -518,14 +518,17 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             &|| state.optimizer.state_tensors(),
             state.optimizer.state_is_collective(),
         )?;
-        let rows = (model.rows.into_iter().map(|(k, r)| (format!("model.{k}"), r)))
-            .chain(
-                optimizer
-                    .rows
-                    .into_iter()
-                    .map(|(k, r)| (format!("optimizer.{k}"), r)),
-            )
-            .collect();
+        let rows = (model
+            .rows
+            .into_iter()
+            .map(|(k, r)| (format!("model.{k}"), r)))
+        .chain(
+            optimizer
+                .rows
+                .into_iter()
+                .map(|(k, r)| (format!("optimizer.{k}"), r)),
+        )
+        .collect();
         let checkpoint = self.checkpoint_of(state, metrics, model.tensors, optimizer.tensors)?;
         crate::save_sharded_checkpoint(
             dir,
