@@ -24,33 +24,39 @@ use kiln::train::Checkpoint;
 
 mod common;
 
-/// A ZeRO-2 run whose rank 1 is killed after the checkpoint of step 20 and
-/// restarted by torchrun ends on the uninterrupted run's weights: the last
-/// checkpoint holds the optimizer state both ranks gathered.
+/// A ZeRO-2 run and a fully sharded one whose rank 1 is killed once the
+/// sharded checkpoint of step 20 is complete (its index written), restarted
+/// by torchrun, end on the uninterrupted runs' weights bitwise: the restart
+/// resumes from the last complete set.
 #[test]
-fn a_torchrun_restart_resumes_a_zero2_run() {
+fn a_torchrun_restart_resumes_zero2_and_fsdp_runs_bitwise() {
     let _serial = serial();
     if !digits_available() {
         return;
     }
-    let dir = scratch("zero-restart");
-    let cfg = config(&dir);
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(
-        &cfg,
-        text.replace("timeout = 60", "timeout = 60\nstrategy = \"zero2\""),
-    )
-    .unwrap();
-    let whole = dir.join("whole");
-    let extra = ["--batch-size", "16", "--epochs", "4", "--resume", "auto"];
-    succeeded(&launch(2, &cfg, &whole, &extra), "uninterrupted");
-    let restarted = dir.join("restarted");
-    if !killed_and_restarted_by_torchrun(&cfg, &restarted, &extra) {
-        return;
+    let dir = scratch("sharded-restart");
+    let text = std::fs::read_to_string(config(&dir)).unwrap();
+    for (strategy, units) in [
+        ("zero2", ""),
+        ("fsdp", "\n[distributed.fsdp]\nunits = [\"0\"]"),
+    ] {
+        let cfg = dir.join(format!("{strategy}.toml"));
+        let body = text.replace(
+            "timeout = 60",
+            &format!("timeout = 60\nstrategy = \"{strategy}\"{units}"),
+        );
+        std::fs::write(&cfg, body).unwrap();
+        let whole = dir.join(format!("{strategy}-whole"));
+        let extra = ["--batch-size", "16", "--epochs", "4", "--resume", "auto"];
+        succeeded(&launch(2, &cfg, &whole, &extra), "uninterrupted");
+        let restarted = dir.join(format!("{strategy}-restarted"));
+        if !killed_and_restarted_by_torchrun(&cfg, &restarted, &extra) {
+            return;
+        }
+        let dw = max_weight_diff(&restarted, &whole);
+        eprintln!("{strategy}: torchrun restart vs uninterrupted: weight diff {dw:e}");
+        assert_eq!(dw, 0.0, "{strategy}: weights differ by {dw}");
     }
-    let dw = max_weight_diff(&restarted, &whole);
-    eprintln!("zero2: torchrun restart vs uninterrupted: weight diff {dw:e}");
-    assert!(dw < 1e-6, "weights differ by {dw}");
 }
 
 /// `[distributed] strategy = "zero1" | "zero2"`: two ranks of B under ZeRO
