@@ -334,7 +334,7 @@ pub(super) fn load_set(
     }
     let (mut model, mut optimizer) = (StateDict::new(), StateDict::new());
     for (key, parts) in pieces {
-        let whole = assemble(&key, parts).map_err(|reason| bad(reason))?;
+        let whole = assemble(&key, parts).map_err(&bad)?;
         match key.strip_prefix("model.") {
             Some(name) => model.insert(name.to_owned(), whole),
             None => optimizer.insert(key["optimizer.".len()..].to_owned(), whole),
