@@ -227,7 +227,7 @@ impl Checkpoint {
     /// naming the file and what is wrong; a truncated file too, and one with
     /// fewer or more optimizer tensors than it was written with.
     ///
-    /// A sharded checkpoint ([`Checkpointer::save_sharded`]) is read through
+    /// A sharded checkpoint ([`save_sharded_checkpoint`](crate::save_sharded_checkpoint)) is read through
     /// its index, the `step-<n>.safetensors` file: every rank's shard is read,
     /// checked to be of this set, and put together into the whole state, as
     /// one process's checkpoint holds it. A shard missing, damaged or of
