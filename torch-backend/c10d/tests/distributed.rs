@@ -248,7 +248,7 @@ mod ddp {
     use tch::nn::Module as _;
 
     pub(super) const B: i64 = 8;
-    const STEPS: i64 = 6;
+    const STEPS: i64 = 20;
     const ACCUMULATE: i64 = 2;
 
     pub(super) fn mlp() -> Layer {
@@ -858,9 +858,21 @@ mod zero {
     /// into either.
     #[test]
     fn stages_equal_one_process() -> Result<()> {
+        stages_on_ranks("zero::stages_equal_one_process", 2)
+    }
+
+    /// As [`stages_equal_one_process`], on four ranks of `B / 2`.
+    #[test]
+    fn stages_on_four_ranks_equal_one_process() -> Result<()> {
+        stages_on_ranks("zero::stages_on_four_ranks_equal_one_process", 4)
+    }
+
+    /// On the driver, runs `test` as `world` ranks; on a rank, its part.
+    fn stages_on_ranks(test: &str, world: usize) -> Result<()> {
         if !is_rank() {
+            let ranks: Vec<usize> = (0..world).collect();
             let results = wait_all(
-                spawn_ranks("zero::stages_equal_one_process", 2, &[0, 1], &[]),
+                spawn_ranks(test, world, &ranks, &[]),
                 Duration::from_secs(300),
             );
             assert_all_passed(&results);
