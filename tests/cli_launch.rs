@@ -357,11 +357,14 @@ wait"#;
 
 #[test]
 fn sigint_to_the_launcher_reaches_every_worker() {
-    // A background job of a script ignores SIGINT, so the sleep runs in the
-    // foreground: SIGINT to the worker's group ends it, then the trap runs.
+    // A background job of a script ignores SIGINT, so the sleeps run in the
+    // foreground: SIGINT to the worker's group ends the one running, then the
+    // trap runs. Short sleeps in a loop: a signal that lands between the pid
+    // file and the first sleep is trapped at the end of that sleep, not
+    // after a minute.
     let script = r#"trap 'echo INT > "$1/trapped-$RANK"; exit 0' INT
 echo $$ > "$1/pid-$RANK.tmp" && mv "$1/pid-$RANK.tmp" "$1/pid-$RANK"
-sleep 60"#;
+while :; do sleep 0.2; done"#;
     signal_reaches_every_worker("INT", 128 + 2, script);
 }
 
