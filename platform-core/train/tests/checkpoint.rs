@@ -321,3 +321,99 @@ fn a_checkpoint_missing_optimizer_tensors_is_refused() {
         Some("adamw")
     );
 }
+
+/// One process as a job of one rank: every collective leaves its data as it is.
+struct Alone;
+
+impl kiln_core::distributed::Collectives for Alone {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world_size(&self) -> usize {
+        1
+    }
+    fn all_reduce_f32(
+        &self,
+        _: &mut [f32],
+        _: kiln_core::distributed::ReduceOp,
+    ) -> kiln_core::Result<()> {
+        Ok(())
+    }
+    fn all_reduce_f64(
+        &self,
+        _: &mut [f64],
+        _: kiln_core::distributed::ReduceOp,
+    ) -> kiln_core::Result<()> {
+        Ok(())
+    }
+    fn broadcast_f32(&self, _: &mut [f32], _: usize) -> kiln_core::Result<()> {
+        Ok(())
+    }
+    fn barrier(&self) -> kiln_core::Result<()> {
+        Ok(())
+    }
+}
+
+/// A sharded set (here of one rank, its weight as a slice of rows) is read
+/// back through its index as the state it was written from; the next set
+/// prunes it, shards and all; rank 0 without a checkpointer writes nothing;
+/// a shard left without its index (a job killed mid-set) is removed when a
+/// checkpointer starts in the directory, and a complete set's are kept.
+#[test]
+fn a_sharded_set_is_read_through_its_index_and_pruned_whole() {
+    use kiln_core::state_tensors::RowSlice;
+    use kiln_train::save_sharded_checkpoint;
+    let dir = scratch("sharded");
+    let policy = CheckpointPolicy {
+        keep_last: 1,
+        ..CheckpointPolicy::default()
+    };
+    let mut checkpointer = Checkpointer::new(&dir, policy.clone()).expect("checkpointer");
+    let rows = BTreeMap::from([("model.0.weight".to_owned(), RowSlice { start: 0, total: 2 })]);
+    let shard = |step: u64| dir.join(format!("step-{step:08}.shard-0-of-1.safetensors"));
+    let first = sample(5, 0.5);
+    let index =
+        save_sharded_checkpoint(&dir, &first, rows.clone(), &Alone, Some(&mut checkpointer))
+            .expect("a set");
+    assert_eq!(index, dir.join("step-00000005.safetensors"));
+    assert!(shard(5).exists());
+    let (tensors, _) = StateDict::load_safetensors(&index).expect("the index");
+    assert!(tensors.is_empty(), "the index holds tensors");
+    let back = Checkpoint::load(&Checkpointer::last_path(&dir)).expect("the set");
+    assert_eq!(back.model, first.model);
+    assert_eq!(back.optimizer, first.optimizer);
+    assert_eq!(
+        (back.step, back.epoch, back.batch_in_epoch, back.seed),
+        (5, 0, 5, 42)
+    );
+    assert_eq!((back.metrics, back.data), (first.metrics, first.data));
+
+    save_sharded_checkpoint(
+        &dir,
+        &sample(6, 0.4),
+        rows.clone(),
+        &Alone,
+        Some(&mut checkpointer),
+    )
+    .expect("a second set");
+    assert!(
+        !index.exists() && !shard(5).exists(),
+        "the first set was not pruned"
+    );
+
+    let err = save_sharded_checkpoint(&dir, &sample(7, 0.3), rows, &Alone, None)
+        .expect_err("rank 0 without a checkpointer");
+    assert!(err.to_string().contains("Checkpointer"), "{err}");
+    assert!(!shard(7).exists() && !dir.join("step-00000007.safetensors").exists());
+
+    std::fs::copy(shard(6), shard(9)).expect("copy");
+    Checkpointer::new(&dir, policy).expect("checkpointer");
+    assert!(!shard(9).exists(), "a shard without its index was kept");
+    assert!(shard(6).exists(), "a complete set's shard was removed");
+    let err = Checkpoint::load(&shard(6)).expect_err("a shard alone");
+    assert!(
+        err.to_string()
+            .contains("is shard 0 of 1 of a sharded checkpoint"),
+        "{err}"
+    );
+}

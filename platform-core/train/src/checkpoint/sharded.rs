@@ -76,7 +76,8 @@ pub(super) fn shard_step(name: &str) -> Option<u64> {
 /// calls it at the same point, with its own part in `part` (tensors named as
 /// in the whole state, `model.`/`optimizer.` prefixes aside) and `rows` (for
 /// each sliced tensor, by its prefixed name, which rows of the whole it
-/// holds). `checkpointer` is rank 0's, and `None` on every other rank.
+/// holds). `checkpointer` is rank 0's (which it needs), and is not used on
+/// any other rank.
 ///
 /// Every rank writes its shard atomically; the ranks then agree that all of
 /// them succeeded before rank 0 writes the index, points `last.safetensors`
@@ -134,7 +135,15 @@ pub fn save_sharded_checkpoint<S: WritableState>(
     // Rank 0 commits the set: the index, then `last` and pruning.
     let mut committed = None;
     let mut outcome = Ok(());
-    if let Some(checkpointer) = checkpointer {
+    if rank == 0 && checkpointer.is_none() {
+        committed = Some(false);
+        outcome = Err(Error::invalid_argument(
+            "checkpointer",
+            "rank 0 writes the index of a sharded checkpoint, and has no Checkpointer \
+             (give it one: Trainer::with_checkpointer)",
+        ));
+    }
+    if let Some(checkpointer) = checkpointer.filter(|_| rank == 0) {
         let shards = (0..world)
             .map(|r| shard_name(part.step, r, world))
             .collect();
