@@ -40,6 +40,19 @@ fn start(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Child, Instant) {
     for (key, value) in env {
         command.env(key, value);
     }
+    // A test run started in the background by a non-interactive shell ignores
+    // SIGINT, and the launcher keeps an ignored signal ignored (as `nohup`
+    // intends): the launcher starts with SIGINT as a terminal would give it.
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and calls
+    // only signal(2), which is async-signal-safe.
+    #[allow(unsafe_code)]
+    unsafe {
+        command.pre_exec(|| {
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     (command.spawn().unwrap(), Instant::now())
 }
 
@@ -357,14 +370,11 @@ wait"#;
 
 #[test]
 fn sigint_to_the_launcher_reaches_every_worker() {
-    // A background job of a script ignores SIGINT, so the sleeps run in the
-    // foreground: SIGINT to the worker's group ends the one running, then the
-    // trap runs. Short sleeps in a loop: a signal that lands between the pid
-    // file and the first sleep is trapped at the end of that sleep, not
-    // after a minute.
+    // A background job of a script ignores SIGINT, so the sleep runs in the
+    // foreground: SIGINT to the worker's group ends it, then the trap runs.
     let script = r#"trap 'echo INT > "$1/trapped-$RANK"; exit 0' INT
 echo $$ > "$1/pid-$RANK.tmp" && mv "$1/pid-$RANK.tmp" "$1/pid-$RANK"
-while :; do sleep 0.2; done"#;
+sleep 60"#;
     signal_reaches_every_worker("INT", 128 + 2, script);
 }
 
