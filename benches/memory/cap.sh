@@ -90,6 +90,7 @@ for strategy in ddp fsdp; do
       trained=yes
     else
       trained=no
+      grep -m1 -E "killed|error" "$work/$strategy-$h.log" | sed 's/^/    /' >&2 || true
     fi
     peak=$(($(cat "$group/memory.max_usage_in_bytes") / 1024 / 1024))
     params=$((64 * h + h + 6 * (h * h + h) + 10 * h + 10))
