@@ -27,6 +27,10 @@
 //! optimizer tensors were removed after it was written (fewer than
 //! `kiln.optimizer_tensors`), or that differ from `kiln.optimizer_state`, is
 //! refused: a resume from it would not be exact.
+//!
+//! A run under a sharded strategy writes a sharded checkpoint instead: one
+//! such file per rank with its part of the state, and an index that reads as
+//! the whole (the `sharded` module's documentation has the layout).
 
 mod data_order;
 mod finite;
