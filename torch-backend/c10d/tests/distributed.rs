@@ -868,6 +868,7 @@ mod zero {
     }
 
     /// On the driver, runs `test` as `world` ranks; on a rank, its part.
+    #[allow(clippy::unwrap_used)] // the body of the tests above: a failure should be loud
     fn stages_on_ranks(test: &str, world: usize) -> Result<()> {
         if !is_rank() {
             let ranks: Vec<usize> = (0..world).collect();
