@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::distributed::{
     config, epoch_column, killed_and_restarted_by_torchrun, launch, max_loss_diff, max_weight_diff,
-    rank_pid, run, succeeded,
+    rank_1_after_step_20, run, succeeded,
 };
 use common::{digits_available, losses, scratch, serial, KILN};
 use kiln::train::Checkpoint;
@@ -181,21 +181,7 @@ fn a_killed_rank_stops_the_job_and_resume_auto_finishes_it() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let target = killed.join("checkpoints/step-00000020.safetensors");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !target.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "no checkpoint at {}",
-            target.display()
-        );
-        assert!(
-            launcher.try_wait().unwrap().is_none(),
-            "the run ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = rank_pid(launcher.id(), 1).expect("rank 1's process");
+    let pid = rank_1_after_step_20(&mut launcher, &killed);
     let killed_at = Instant::now();
     let status = Command::new("kill")
         .args(["-9", &pid.to_string()])

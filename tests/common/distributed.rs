@@ -2,7 +2,7 @@
 //! launch`, and readers that compare two runs.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kiln::core::state_dict::StateDict;
@@ -202,21 +202,7 @@ pub fn killed_and_restarted_by_torchrun(cfg: &Path, out: &Path, extra: &[&str]) 
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let target = out.join("checkpoints/step-00000020.safetensors");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !target.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "no checkpoint at {}",
-            target.display()
-        );
-        assert!(
-            agent.try_wait().unwrap().is_none(),
-            "the run ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pid = rank_pid(agent.id(), 1).expect("rank 1's process under torchrun");
+    let pid = rank_1_after_step_20(&mut agent, out);
     assert!(Command::new("kill")
         .args(["-9", &pid.to_string()])
         .status()
@@ -229,4 +215,24 @@ pub fn killed_and_restarted_by_torchrun(cfg: &Path, out: &Path, extra: &[&str]) 
         String::from_utf8_lossy(&done.stderr)
     );
     true
+}
+
+/// Waits (two minutes at most) until the checkpoint of step 20 is complete
+/// in `out` while `job` (a launcher) runs; then the pid of its rank 1.
+pub fn rank_1_after_step_20(job: &mut Child, out: &Path) -> u32 {
+    let target = out.join("checkpoints/step-00000020.safetensors");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !target.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no checkpoint at {}",
+            target.display()
+        );
+        assert!(
+            job.try_wait().unwrap().is_none(),
+            "the run ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    rank_pid(job.id(), 1).expect("rank 1's process under the launcher")
 }
