@@ -10,6 +10,11 @@
 //! - Batch-norm buffers follow rank 0 (`broadcast_buffers`).
 //! - A loss that is not finite on one rank is skipped by every rank, and
 //!   changes nothing.
+//! - ZeRO-1 and ZeRO-2 (`kiln::tf::zero_data_parallel`) on 2 and 4 ranks equal
+//!   one process over 20 steps with every optimizer, gradient accumulation and
+//!   clipping (the norm over every rank's share), the CNN with batch norm
+//!   included; their whole optimizer state is one process's, each rank holds
+//!   only its share, and a whole state loads back into shares.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +28,11 @@ use kiln::core::distributed::{Collectives, DistributedOptions, Rendezvous};
 use kiln::core::loss::Loss;
 use kiln::core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
 use kiln::core::module::Module;
-use kiln::core::optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig};
-use kiln::core::strategy::{DataParallel, NoHooks, StepHooks};
+use kiln::core::optim::{
+    AdagradConfig, AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig, RmsPropConfig,
+    SgdConfig,
+};
+use kiln::core::strategy::{DataParallel, NoHooks, StepHooks, ZeroStage};
 use kiln::core::{DType, Device, HostTensor, Result};
 use kiln::tf::{TfBackend, TfModel, TfTensor};
 
@@ -37,7 +45,13 @@ const ACCUMULATE: usize = 2;
 
 /// Runs test `test` as two ranks and checks that both passed.
 fn run_as_two_ranks(test: &str) {
-    let children = spawn_ranks(ROLE, test, 2, &[0, 1], &[]);
+    run_as_ranks(test, 2);
+}
+
+/// Runs test `test` as `world` ranks and checks that all passed.
+fn run_as_ranks(test: &str, world: usize) {
+    let ranks: Vec<usize> = (0..world).collect();
+    let children = spawn_ranks(ROLE, test, world, &ranks, &[]);
     let results = wait_all(children, Duration::from_secs(300));
     assert_all_passed(&results);
     for (rank, (_, out)) in results.iter().enumerate() {
@@ -85,6 +99,32 @@ fn cnn() -> Layer {
     ])
 }
 
+/// [`cnn`] without the bias of its convolution (batch norm follows it).
+fn cnn_without_bias() -> Layer {
+    let mut conv = Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]);
+    conv.bias = false;
+    Layer::sequential([
+        conv.into(),
+        Layer::BatchNorm2d(BatchNormConfig::new(4)),
+        Layer::Relu,
+        Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(36, 5).into(),
+    ])
+}
+
+/// The MLP with tanh: no gradient is rounding noise around zero.
+fn mlp_tanh() -> Layer {
+    Layer::sequential([
+        LinearConfig::new(12, 32).into(),
+        Layer::Tanh,
+        LinearConfig::new(32, 5).into(),
+    ])
+}
+
 /// Batch norm without a ReLU or pooling after it, which would turn a NaN into
 /// a number (TensorFlow's `Relu` gives 0 for NaN).
 fn cnn_tanh() -> Layer {
@@ -115,7 +155,12 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 
 /// Every micro-batch of the global run: `2B` rows each, the same on every rank.
 fn data(image: bool) -> Result<Vec<(HostTensor, HostTensor)>> {
-    (0..STEPS * ACCUMULATE)
+    data_of(STEPS, image)
+}
+
+/// `steps` steps' micro-batches of `2B` rows each, the same on every rank.
+fn data_of(steps: usize, image: bool) -> Result<Vec<(HostTensor, HostTensor)>> {
+    (0..steps * ACCUMULATE)
         .map(|i| {
             let seed = 1000 + i as u64;
             let x = if image {
@@ -406,4 +451,244 @@ fn a_non_finite_loss_on_one_rank_is_skipped_by_all() -> Result<()> {
         "the skipped micro-batch left a trace"
     );
     Ok(())
+}
+
+/// Trains `model` with `optimizer` on `batches` (this rank's rows of each when
+/// distributed), accumulating `ACCUMULATE` micro-batches per step, clipped as
+/// `clip` says: the per-micro-batch losses.
+fn fit<M: Trainable<TfBackend>>(
+    model: &mut M,
+    optimizer: &mut M::Optim,
+    batches: &[(HostTensor, HostTensor)],
+    clip: &GradClip,
+) -> Result<Vec<f64>> {
+    let loss = Loss::cross_entropy();
+    let mut losses = Vec::new();
+    for (i, (x, y)) in batches.iter().enumerate() {
+        let (x, y) = match model.collectives() {
+            Some(g) => (
+                shard(x, g.rank(), g.world_size())?,
+                shard(y, g.rank(), g.world_size())?,
+            ),
+            None => (x.clone(), y.clone()),
+        };
+        let micro = i % ACCUMULATE;
+        if micro == 0 {
+            optimizer.zero_grad()?;
+        }
+        let plan = StepPlan {
+            loss: &loss,
+            scale: 1.0 / ACCUMULATE as f64,
+            apply: micro + 1 == ACCUMULATE,
+            clip: Some(clip),
+        };
+        let (x, y) = (TfTensor::from_host(&x)?, TfTensor::from_host(&y)?);
+        losses.push(model.train_step(optimizer, &x, &y, &plan)?);
+    }
+    Ok(losses)
+}
+
+/// The largest difference between two state dicts' entries, relative to the
+/// reference's magnitude where that exceeds 1 (RMSprop's momentum buffer sums
+/// normalised steps of ~10), which must have the same keys and shapes.
+fn state_diff(
+    a: &kiln::core::state_dict::StateDict,
+    b: &kiln::core::state_dict::StateDict,
+    what: &str,
+) -> f64 {
+    let keys = |s: &kiln::core::state_dict::StateDict| {
+        s.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>()
+    };
+    assert_eq!(keys(a), keys(b), "{what}: the keys");
+    a.iter()
+        .map(|(k, v)| {
+            let w = b.get(k).expect("the same keys");
+            assert_eq!(v.dims(), w.dims(), "{what}: {k}");
+            v.to_f64_vec()
+                .iter()
+                .zip(w.to_f64_vec())
+                .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+                .fold(0.0, f64::max)
+        })
+        .fold(0.0, f64::max)
+}
+
+/// ZeRO-1 and ZeRO-2 on TensorFlow over 2 or 4 ranks of `2B / world` rows
+/// against one process of `2B` rows, 20 steps of 2 micro-batches: the MLP
+/// with every optimizer and clipping by norm (by value for one); the CNN with
+/// batch norm under Adam against DDP on the same ranks (batch norm uses each
+/// rank's own rows). Losses, weights and the whole optimizer state agree
+/// within 1e-6; each rank holds the state of its own parameters only; the
+/// whole state loads into another stage's shares and gathers back unchanged.
+fn zero_equals_one_process() -> Result<()> {
+    let group = join()?;
+    let (rank, world) = (group.rank(), group.world_size());
+    let norm = GradClip::Norm {
+        max_norm: 0.5,
+        norm_type: 2.0,
+    };
+    let runs: Vec<(&str, Layer, OptimizerConfig, GradClip)> = vec![
+        (
+            "sgd",
+            mlp(),
+            OptimizerConfig::Sgd(
+                SgdConfig::new(5e-2)
+                    .with_momentum(0.9)
+                    .with_weight_decay(1e-2)
+                    .with_nesterov(true),
+            ),
+            norm,
+        ),
+        (
+            "adam",
+            mlp(),
+            OptimizerConfig::Adam(AdamConfig::new(1e-2).with_amsgrad(true)),
+            GradClip::Value { clip_value: 0.05 },
+        ),
+        (
+            "adamw",
+            mlp(),
+            OptimizerConfig::AdamW(AdamWConfig::new(1e-2).with_weight_decay(0.1)),
+            norm,
+        ),
+        (
+            "rmsprop",
+            // RMSprop divides each gradient by its own running RMS, which
+            // turns the rounding of a gradient near zero (a ReLU unit almost
+            // dead) into a whole step: tanh keeps every gradient alive. (On
+            // the ReLU MLP, ZeRO-1 equals DDP bit for bit.)
+            mlp_tanh(),
+            OptimizerConfig::RmsProp(RmsPropConfig::new(1e-3).with_momentum(0.5)),
+            norm,
+        ),
+        (
+            "adagrad",
+            mlp(),
+            OptimizerConfig::Adagrad(AdagradConfig::new(5e-2).with_lr_decay(1e-3)),
+            GradClip::Norm {
+                max_norm: 0.3,
+                norm_type: f64::INFINITY,
+            },
+        ),
+        (
+            "cnn",
+            // Without the convolution's bias, whose gradient batch norm makes
+            // zero, and which Adam would turn from rounding into whole steps.
+            cnn_without_bias(),
+            OptimizerConfig::Adam(AdamConfig::new(1e-2)),
+            norm,
+        ),
+    ];
+    for (name, spec, config, clip) in &runs {
+        let image = *name == "cnn";
+        let batches = data_of(20, image)?;
+        // Batch norm normalises each rank's rows by their own statistics (as
+        // DDP without SyncBatchNorm does), so the CNN's reference is DDP on
+        // the same ranks; the MLP's is one process on the global batch.
+        let mut reference = build(spec, 7, image.then(|| group.clone()))?;
+        let mut reference_opt = reference.build_optimizer(config, &[])?;
+        let single_losses = fit(&mut reference, &mut reference_opt, &batches, clip)?;
+        let single_state = reference_opt.state_dict()?;
+        let single_weights = weights(&reference)?;
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let what = format!("{name}, {} on {world} ranks", stage.name());
+            TfBackend::manual_seed(7 + rank as u64);
+            let model = TfBackend::build_model(spec, Device::Cpu)?;
+            let options = DistributedOptions::default();
+            let mut model = kiln::tf::zero_data_parallel(model, group.clone(), stage, &options)?;
+            let mut opt = model.build_optimizer(config, &[])?;
+            let losses = fit(&mut model, &mut opt, &batches, clip)?;
+            let trained = weights(&model)?;
+            assert!(
+                same_as_rank_zero(group.as_ref(), &parameters(&model)?)?,
+                "{what}: the ranks' parameters differ"
+            );
+            let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+            let loss_diff = max_diff(&losses, &single_losses);
+            let weight_diff = max_diff(&wide(&trained), &wide(&single_weights));
+            let state = opt.state_dict()?;
+            let optimizer_diff = state_diff(&state, &single_state, &what);
+            println!(
+                "measured: {what}: loss difference {loss_diff:e}, weight difference \
+                 {weight_diff:e}, optimizer state difference {optimizer_diff:e}"
+            );
+            assert!(loss_diff < 1e-6, "{what}: losses differ by {loss_diff}");
+            assert!(
+                weight_diff < 1e-6,
+                "{what}: weights differ by {weight_diff}"
+            );
+            // RMSprop's momentum buffer sums gradients divided by their RMS,
+            // so a gradient's rounding (1e-9) over a small RMS (1e-3) shows
+            // as 1e-6 there, and as 1e-9 in the weights (lr 1e-3).
+            let bound = if *name == "rmsprop" { 1e-5 } else { 1e-6 };
+            assert!(
+                optimizer_diff < bound,
+                "{what}: optimizer states differ by {optimizer_diff}"
+            );
+
+            // This rank's share: the state of its own parameters only.
+            let share = opt
+                .shard_state_tensors()?
+                .expect("a share")
+                .tensors
+                .to_state_dict()?;
+            let names: Vec<String> = Module::<TfBackend>::named_parameters(&model)?
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect();
+            let mine = &names[opt.ranges()[rank].clone()];
+            for (key, _) in share.iter() {
+                if let Some(rest) = key.strip_prefix("state.") {
+                    assert!(
+                        mine.iter().any(|p| rest.starts_with(&format!("{p}."))),
+                        "{what}: rank {rank}'s share holds {key}"
+                    );
+                } else {
+                    assert_eq!(rank, 0, "{what}: rank {rank}'s share holds {key}");
+                }
+            }
+            let per_param = 1 + config.state_buffers().len();
+            let held = share
+                .iter()
+                .filter(|(k, _)| k.starts_with("state."))
+                .count();
+            assert_eq!(held, mine.len() * per_param, "{what}: rank {rank}'s share");
+
+            // The whole state into the other stage's shares, and back.
+            let other = match stage {
+                ZeroStage::One => ZeroStage::Two,
+                ZeroStage::Two => ZeroStage::One,
+            };
+            TfBackend::manual_seed(7);
+            let fresh = TfBackend::build_model(spec, Device::Cpu)?;
+            let fresh = kiln::tf::zero_data_parallel(fresh, group.clone(), other, &options)?;
+            let mut loaded = fresh.build_optimizer(config, &[])?;
+            loaded.load_state_dict(&single_state)?;
+            assert_eq!(
+                state_diff(&loaded.state_dict()?, &single_state, &what),
+                0.0,
+                "{what}: a whole state loaded into shares gathers back unchanged"
+            );
+        }
+    }
+    Collectives::barrier(group.as_ref())?;
+    Ok(())
+}
+
+#[test]
+fn zero_on_two_ranks_equals_one_process() -> Result<()> {
+    if !is_rank() {
+        run_as_ranks("zero_on_two_ranks_equals_one_process", 2);
+        return Ok(());
+    }
+    zero_equals_one_process()
+}
+
+#[test]
+fn zero_on_four_ranks_equals_one_process() -> Result<()> {
+    if !is_rank() {
+        run_as_ranks("zero_on_four_ranks_equals_one_process", 4);
+        return Ok(());
+    }
+    zero_equals_one_process()
 }

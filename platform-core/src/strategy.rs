@@ -53,6 +53,29 @@ use crate::state_dict::StateDict;
 use crate::state_tensors::StateTensors;
 use crate::tensor::HostTensor;
 
+/// What a ZeRO strategy shards across the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ZeroStage {
+    /// ZeRO-1: the optimizer state. Gradients are all-reduced as DDP does
+    /// (on libtorch, `c10d::Reducer` during the backward pass); each rank updates the
+    /// parameters it owns, and the updated parameters are all-gathered.
+    One,
+    /// ZeRO-2: the optimizer state and the gradients. After each backward
+    /// pass the gradients are reduce-scattered: each rank keeps the mean of
+    /// the gradients of the parameters it owns and frees the others.
+    Two,
+}
+
+impl ZeroStage {
+    /// `"ZeRO-1"` or `"ZeRO-2"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroStage::One => "ZeRO-1",
+            ZeroStage::Two => "ZeRO-2",
+        }
+    }
+}
+
 /// The points of one training micro-batch at which a strategy acts (see the
 /// [module docs](self) for the table). Every hook has a default that does
 /// nothing, so a single-process step runs with [`NoHooks`] unchanged.

@@ -117,7 +117,7 @@ impl GradientAllReduce {
         }
         check_same_variables(group.as_ref(), &model.vars)?;
         let all: Vec<&Var> = model.vars.iter().collect();
-        broadcast_vars(group.as_ref(), &model.graph, &all)?;
+        broadcast_vars(group.as_ref(), &model.graph, &all, 0)?;
         let buffers: Vec<Var> = model
             .vars
             .iter()
@@ -147,7 +147,7 @@ impl GradientAllReduce {
             return Ok(Vec::new());
         }
         let buffers: Vec<&Var> = self.buffers.iter().collect();
-        broadcast_vars(self.group.as_ref(), &self.graph, &buffers)
+        broadcast_vars(self.group.as_ref(), &self.graph, &buffers, 0)
     }
 }
 
@@ -228,15 +228,17 @@ impl StepHooks<TfBackend> for GradientAllReduce {
     }
 }
 
-/// Rank 0's values of `vars` to every rank, in one broadcast: rank 0 reads
-/// them (one session run) and the others write them (one run). Returns the
-/// values every rank now holds.
-fn broadcast_vars(
+/// Rank `root`'s values of `vars` to every rank, in one broadcast: `root`
+/// reads them (one session run) and the others write them (one run). Returns
+/// the values every rank now holds.
+pub(crate) fn broadcast_vars(
     group: &dyn Collectives,
     graph: &Mutex<CompiledGraph>,
     vars: &[&Var],
+    root: usize,
 ) -> Result<Vec<HostTensor>> {
-    let root = group.rank() == 0;
+    let from = root;
+    let root = group.rank() == from;
     let total: usize = vars.iter().map(|v| words(v)).sum();
     let mut buffer = Vec::with_capacity(total);
     let mine = if root {
@@ -255,7 +257,7 @@ fn broadcast_vars(
         ));
     }
     // The lock is not held here: a collective may wait for the other ranks.
-    group.broadcast_f32(&mut buffer, 0)?;
+    group.broadcast_f32(&mut buffer, from)?;
     if let Some(values) = mine {
         return Ok(values);
     }

@@ -33,6 +33,7 @@ mod runtime;
 mod saved_model;
 mod step;
 mod train;
+mod zero;
 
 pub use backend::TfBackend;
 pub use convert::{from_tf, to_tf, TfTensor};
@@ -43,7 +44,7 @@ pub use custom_layer::{
 pub use distributed::{data_parallel, GradientAllReduce};
 pub use error::tf_error;
 pub use model::TfModel;
-pub use optim::TfOptimizer;
+pub use optim::{contiguous_partition, TfOptimizer, TfShardedOptimizer};
 pub use quiet::{follow_log_level, TENSORFLOW_LOG_TARGET};
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{
@@ -51,3 +52,4 @@ pub use saved_model::{
     SavedModelModuleBuilder, SignatureInfo, SignatureOptimizer, TensorDType, TensorSpec,
     VariableRole, SERVING_SIGNATURE,
 };
+pub use zero::{zero_data_parallel, ZeroDataParallel};

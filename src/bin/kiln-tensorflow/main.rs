@@ -83,21 +83,22 @@ impl DataParallelEngine<TfBackend> for Tensorflow {
         Ok(GradientAllReduce::new(model, group.clone(), options)?)
     }
 
-    type Sharded = kiln::core::strategy::DataParallel<TfModel, GradientAllReduce>;
+    type Sharded = kiln::tf::ZeroDataParallel;
 
-    /// Refused (the config's validation already refuses it): TensorFlow's
-    /// optimizer state lives in its graph, unsharded.
+    /// The optimizer state (and, under ZeRO-2, the reduced gradients) sharded
+    /// over the ranks of the same Gloo group.
     fn zero(
-        _model: TfModel,
-        _group: &Arc<ProcessGroup>,
+        model: TfModel,
+        group: &Arc<ProcessGroup>,
         stage: kiln::c10d::ZeroStage,
-        _options: &DistributedOptions,
+        options: &DistributedOptions,
     ) -> Result<Self::Sharded> {
-        Err(kiln::core::Error::unsupported(format!(
-            "{} on the TensorFlow backend; train with strategy = \"ddp\"",
-            stage.name()
-        ))
-        .into())
+        Ok(kiln::tf::zero_data_parallel(
+            model,
+            group.clone(),
+            stage,
+            options,
+        )?)
     }
     type FullySharded = kiln::core::strategy::DataParallel<TfModel, GradientAllReduce>;
 
@@ -110,7 +111,7 @@ impl DataParallelEngine<TfBackend> for Tensorflow {
         _options: &DistributedOptions,
     ) -> Result<Self::FullySharded> {
         Err(kiln::core::Error::unsupported(
-            "FSDP on the TensorFlow backend; train with strategy = \"ddp\"",
+            "FSDP on the TensorFlow backend; train with strategy = \"zero2\" or \"ddp\"",
         )
         .into())
     }

@@ -433,14 +433,12 @@ impl RunConfig {
         self.loss.validate()?;
         self.checkpoint.validate()?;
         self.distributed.validate(self.device)?;
-        if self.distributed.strategy != StrategyName::Ddp && self.backend != BackendKind::Torch {
+        if self.distributed.strategy == StrategyName::Fsdp && self.backend != BackendKind::Torch {
             return Err(Error::invalid_argument(
                 "distributed.strategy",
-                format!(
-                    "\"{}\" shards what a torch model trains with and needs the torch \
-                     backend; TensorFlow trains data-parallel with \"ddp\"",
-                    self.distributed.strategy.name()
-                ),
+                "\"fsdp\" shards every parameter and needs the torch backend: a TensorFlow \
+                 model's variables live whole in its graph. TensorFlow shards its optimizer \
+                 state with \"zero1\" and its gradients too with \"zero2\"",
             ));
         }
         if let Some(schedule) = &self.schedule {

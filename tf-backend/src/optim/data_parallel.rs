@@ -52,12 +52,12 @@ use crate::step::{self, GradientSource, ProgramKey, ProgramKind, Signature, Upda
 /// allocated for the first of them.
 pub(super) struct LocalGradients {
     /// The summed gradients, then one element that is not used.
-    flat: TfTensor,
+    pub(super) flat: TfTensor,
     /// Which of the optimizer's parameters have a gradient in `flat`.
-    present: Vec<bool>,
+    pub(super) present: Vec<bool>,
     /// The ranks the gradients are to be averaged over (none: a strategy that
     /// spans no ranks).
-    group: Option<Arc<dyn Collectives>>,
+    pub(super) group: Option<Arc<dyn Collectives>>,
 }
 
 impl std::fmt::Debug for LocalGradients {
@@ -71,7 +71,7 @@ impl std::fmt::Debug for LocalGradients {
 }
 
 /// The `f32` elements of a flat gradient vector, which must have at least one.
-fn elements(flat: &mut TfTensor) -> Result<&mut [f32]> {
+pub(super) fn elements(flat: &mut TfTensor) -> Result<&mut [f32]> {
     let (dtype, shape) = (flat.dtype(), flat.shape());
     match flat {
         TfTensor::F32(t) if !t.is_empty() => Ok(&mut t[..]),
@@ -84,7 +84,7 @@ fn elements(flat: &mut TfTensor) -> Result<&mut [f32]> {
 }
 
 /// `into[i] += from[i]` over the gradients (all but the last element).
-fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()> {
+pub(super) fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()> {
     let from = elements(from)?;
     if from.len() != into.len() {
         return Err(Error::ShapeMismatch {
@@ -169,7 +169,7 @@ impl TfOptimizer {
 
     /// Runs the [`ProgramKind::FlatGradients`] program on one micro-batch:
     /// the flat vector and which parameters it holds gradients of.
-    fn flat_gradients(
+    pub(super) fn flat_gradients(
         &self,
         model: &TfModel,
         inputs: &TfTensor,
@@ -220,7 +220,7 @@ impl TfOptimizer {
 
     /// Applies a flat gradient vector (already averaged over the ranks) in one
     /// session run: the tensor itself is fed, clipped first when `clip` is given.
-    fn apply_flat(
+    pub(super) fn apply_flat(
         &mut self,
         flat: TfTensor,
         present: &[bool],

@@ -10,6 +10,7 @@ mod clip;
 mod data_parallel;
 mod rmsprop;
 mod sgd;
+mod zero;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -39,6 +40,7 @@ use crate::step::{
     UpdateRule,
 };
 use adam::AdamRule;
+pub use zero::{contiguous_partition, TfShardedOptimizer};
 
 /// One trainable parameter with its optimizer state variables.
 #[derive(Debug)]
@@ -51,6 +53,10 @@ struct Slot {
     state: Vec<(&'static str, Var)>,
     /// The gradient accumulator, once gradient accumulation is used.
     accum: Option<Var>,
+    /// Whether this optimizer updates the parameter and holds its state: all
+    /// of them, except on a rank of a ZeRO strategy ([`TfShardedOptimizer`]),
+    /// which owns a share.
+    owned: bool,
 }
 
 /// Placeholders fed with each step's coefficients.
@@ -149,6 +155,18 @@ impl TfOptimizer {
     /// An optimizer over `model`'s parameters; `groups` as in the torch backend
     /// (parameters no group selects form a last, default group).
     pub fn new(config: OptimizerConfig, model: &TfModel, groups: &[ParamGroup]) -> Result<Self> {
+        Self::with_owned(config, model, groups, &|_| true)
+    }
+
+    /// An optimizer over `model`'s parameters that holds state for (and
+    /// updates) only the parameters `owned` selects, by index in the model's
+    /// order; groups are resolved over every parameter.
+    fn with_owned(
+        config: OptimizerConfig,
+        model: &TfModel,
+        groups: &[ParamGroup],
+        owned: &dyn Fn(usize) -> bool,
+    ) -> Result<Self> {
         config.validate()?;
         let buffers = config.state_buffers();
         let params: Vec<&Var> = model
@@ -163,9 +181,10 @@ impl TfOptimizer {
         let engine = &mut guard.engine;
         let mut slots = Vec::with_capacity(params.len());
         let mut inits: Vec<(Var, HostTensor)> = Vec::new();
-        for (var, group) in params.into_iter().zip(assignment) {
+        for (index, (var, group)) in params.into_iter().zip(assignment).enumerate() {
+            let owned = owned(index);
             let mut state = Vec::new();
-            for buffer in &buffers {
+            for buffer in buffers.iter().filter(|_| owned) {
                 let sv = engine.add_var(
                     "optim",
                     &format!("{}.{}", var.name, buffer.name),
@@ -182,6 +201,7 @@ impl TfOptimizer {
                 group,
                 state,
                 accum: None,
+                owned,
             });
         }
         let saved = engine.b.set_scope("optim/coefficients");
@@ -484,6 +504,11 @@ impl TfOptimizer {
         fetched.loss_value()
     }
 
+    /// The parameters this optimizer updates and holds state for.
+    fn owned_slots(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.iter().filter(|s| s.owned)
+    }
+
     /// Checks that a training step on `model` with `plan` can run.
     fn check_step(&self, model: &TfModel, plan: &StepPlan<'_>) -> Result<()> {
         if !Arc::ptr_eq(&self.graph, &model.graph) {
@@ -535,6 +560,16 @@ impl UpdateRule for TfOptimizer {
         for (slot, grad) in self.slots.iter().zip(grads) {
             // PyTorch skips parameters that received no gradient.
             let Some(grad) = grad else { continue };
+            if !slot.owned {
+                return Err(Error::backend(
+                    "tensorflow",
+                    "building the optimizer's update",
+                    format!(
+                        "`{}` has a gradient, but this rank's optimizer does not own it",
+                        slot.name
+                    ),
+                ));
+            }
             let saved = b.set_scope(&format!("optim/{}", slot.name));
             let result = (|| {
                 let update = ParamUpdate {
@@ -642,8 +677,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
     fn state_dict(&self) -> Result<StateDict> {
         let mut out = StateDict::new();
         let state_vars: Vec<Var> = self
-            .slots
-            .iter()
+            .owned_slots()
             .flat_map(|s| s.state.iter().map(|(_, v)| v.clone()))
             .collect();
         let values = if self.step > 0 {
@@ -652,7 +686,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
             Vec::new()
         };
         let mut values = values.into_iter();
-        for slot in &self.slots {
+        for slot in self.owned_slots() {
             out.insert(
                 optimizer_state_key(&slot.name, "step"),
                 HostTensor::scalar(self.step as i64),
@@ -671,13 +705,12 @@ impl Optimizer<TfBackend> for TfOptimizer {
     /// it (not created yet) start from their initial values.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         let params: Vec<(&str, &[usize])> = self
-            .slots
-            .iter()
+            .owned_slots()
             .map(|s| (s.name.as_str(), s.var.dims.as_slice()))
             .collect();
         let loaded = read_optimizer_state(&self.config, &params, state)?;
         let mut step: Option<u64> = None;
-        for (slot, read) in self.slots.iter().zip(&loaded) {
+        for (slot, read) in self.owned_slots().zip(&loaded) {
             match step {
                 None => step = Some(read.step),
                 Some(prev) if prev != read.step => {
@@ -692,7 +725,7 @@ impl Optimizer<TfBackend> for TfOptimizer {
         }
         let buffers = self.config.state_buffers();
         let mut writes: Vec<(&Var, HostTensor)> = Vec::new();
-        for (slot, mut read) in self.slots.iter().zip(loaded) {
+        for (slot, mut read) in self.owned_slots().zip(loaded) {
             for (name, var) in &slot.state {
                 let value = match read.buffers.remove(name) {
                     Some(host) => host.to_dtype(DType::F32),

@@ -22,6 +22,7 @@ use tch::Tensor;
 
 mod optimizer;
 
+pub use kiln_core::strategy::ZeroStage;
 pub use optimizer::ShardedOptimizer;
 
 use crate::ddp::{
@@ -29,29 +30,6 @@ use crate::ddp::{
     take_rank_zeros_model, PendingMean,
 };
 use crate::{DistributedDataParallel, ProcessGroup};
-
-/// What a ZeRO strategy shards across the ranks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ZeroStage {
-    /// ZeRO-1: the optimizer state. Gradients are all-reduced as DDP does
-    /// (`c10d::Reducer`, during the backward pass); each rank updates the
-    /// parameters it owns, and the updated parameters are all-gathered.
-    One,
-    /// ZeRO-2: the optimizer state and the gradients. After each backward
-    /// pass the gradients are reduce-scattered: each rank keeps the mean of
-    /// the gradients of the parameters it owns and frees the others.
-    Two,
-}
-
-impl ZeroStage {
-    /// `"ZeRO-1"` or `"ZeRO-2"`.
-    pub fn name(self) -> &'static str {
-        match self {
-            ZeroStage::One => "ZeRO-1",
-            ZeroStage::Two => "ZeRO-2",
-        }
-    }
-}
 
 /// Which rank owns which parameter, and where it sits in its owner's flat
 /// segment: parameters, largest first, each to the rank owning the fewest

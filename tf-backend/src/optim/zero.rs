@@ -1,0 +1,645 @@
+//! [`TfShardedOptimizer`]: the optimizer of a ZeRO strategy on TensorFlow
+//! ([`ZeroDataParallel`](crate::ZeroDataParallel)). Each rank owns a
+//! contiguous run of the parameters (in the model's order, balanced by
+//! elements), creates optimizer state variables for those only, and updates
+//! only those; the owners then broadcast what they updated, so that every rank
+//! holds the whole model again.
+//!
+//! Per micro-batch, on every rank:
+//!
+//! 1. the strategy's [`before_forward`](StepHooks::before_forward) (rank 0's
+//!    buffers, as under data parallelism);
+//! 2. one session run fetches the micro-batch's gradients and loss as one flat
+//!    float32 vector ([`ProgramKind::FlatGradients`](crate::step::ProgramKind));
+//! 3. ZeRO-1: as under DDP, a micro-batch that does not apply keeps its
+//!    gradients on this rank (only the loss is averaged), and the one that
+//!    applies averages the whole sum over the ranks;
+//!    ZeRO-2: every micro-batch's gradients are reduce-scattered and this rank
+//!    keeps, and accumulates, only the mean of the gradients it owns;
+//! 4. on the micro-batch that applies: clipping from the norm over every
+//!    rank's share (one all-reduce of one number), this rank's update in one
+//!    session run (its share of the gradients is all that is fed), then one
+//!    broadcast per rank of the parameters it updated.
+//!
+//! Gloo reduce-scatters host memory by all-reducing it and keeping one's
+//! segment (c10d's `ProcessGroupGloo` does so on a clone of the input); the
+//! fetched vector is TensorFlow's, used once, so it is all-reduced in place
+//! and this rank copies its share out before it is freed.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use kiln_core::{
+    backend::StepPlan,
+    distributed::{Collectives, ReduceOp},
+    optim::{
+        optimizer_state_key, read_optimizer_state, save_group_hypers, GradClip, Optimizer,
+        OptimizerConfig, ParamGroup,
+    },
+    state_dict::StateDict,
+    state_tensors::{ShardState, StateTensors},
+    strategy::{StepHooks, ZeroStage},
+    DType, Error, HostTensor, Result,
+};
+
+use super::data_parallel::{add_gradients, elements, LocalGradients};
+use super::TfOptimizer;
+use crate::backend::TfBackend;
+use crate::convert::TfTensor;
+use crate::engine::Var;
+use crate::model::{lock, TfModel};
+
+/// The context of the errors raised here.
+const CONTEXT: &str = "a ZeRO step on TensorFlow";
+
+/// For each of `world` ranks, the parameters (by index) it owns: contiguous
+/// runs in order, each parameter to the rank whose equal share of all the
+/// elements holds the parameter's middle element. Ranks may own nothing (a
+/// model of fewer parameters than ranks, or one parameter larger than a share).
+///
+/// ```
+/// # use kiln_tf::contiguous_partition;
+/// assert_eq!(contiguous_partition(&[10, 10, 10, 10], 2), vec![0..2, 2..4]);
+/// assert_eq!(contiguous_partition(&[100, 1, 1], 2), vec![0..1, 1..3]);
+/// assert_eq!(contiguous_partition(&[5], 3), vec![0..0, 0..1, 1..1]);
+/// ```
+pub fn contiguous_partition(sizes: &[usize], world: usize) -> Vec<Range<usize>> {
+    let world = world.max(1);
+    let total: u128 = sizes.iter().map(|&n| n as u128).sum();
+    let mut owner = Vec::with_capacity(sizes.len());
+    let mut before = 0u128;
+    for &n in sizes {
+        // Twice the middle element's position, to stay in integers.
+        let middle = 2 * before + n as u128;
+        let rank = if total == 0 {
+            0
+        } else {
+            ((middle * world as u128) / (2 * total)).min(world as u128 - 1) as usize
+        };
+        owner.push(rank);
+        before += n as u128;
+    }
+    (0..world)
+        .map(|rank| {
+            let start = owner.partition_point(|&r| r < rank);
+            let end = owner.partition_point(|&r| r <= rank);
+            start..end
+        })
+        .collect()
+}
+
+/// This rank's share of a ZeRO-2 step's reduced gradients, summed over the
+/// micro-batches so far.
+#[derive(Debug)]
+struct OwnedGradients {
+    /// The gradients of this rank's parameters marked in `present`, flat.
+    values: Vec<f32>,
+    /// Which parameters (of all) have a gradient.
+    present: Vec<bool>,
+}
+
+/// An optimizer whose state is sharded over the ranks of a ZeRO strategy on
+/// TensorFlow: this rank's variables hold the state of the parameters it owns
+/// only (see the [module docs](self) for the step).
+///
+/// Its [`state_dict`](Optimizer::state_dict) is a collective
+/// ([`Optimizer::state_is_collective`]): every rank gets the whole state, in
+/// the layout one process's optimizer has, so checkpoints move between
+/// strategies, numbers of ranks and backends;
+/// [`load_state_dict`](Optimizer::load_state_dict) takes a whole state and
+/// keeps this rank's share.
+///
+/// Built by [`Trainable::build_optimizer`](kiln_core::backend::Trainable::build_optimizer)
+/// on a [`ZeroDataParallel`](crate::ZeroDataParallel).
+pub struct TfShardedOptimizer {
+    inner: TfOptimizer,
+    group: Arc<dyn Collectives>,
+    stage: ZeroStage,
+    /// Each rank's parameters (indices into the optimizer's), contiguous.
+    ranges: Vec<Range<usize>>,
+    /// ZeRO-2: this rank's share of the reduced gradients not yet applied.
+    owned_grads: Option<OwnedGradients>,
+}
+
+impl std::fmt::Debug for TfShardedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TfShardedOptimizer")
+            .field("stage", &self.stage)
+            .field("rank", &self.group.rank())
+            .field("ranges", &self.ranges)
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TfShardedOptimizer {
+    pub(crate) fn new(
+        config: &OptimizerConfig,
+        model: &TfModel,
+        groups: &[ParamGroup],
+        group: Arc<dyn Collectives>,
+        stage: ZeroStage,
+    ) -> Result<Self> {
+        let sizes: Vec<usize> = model
+            .vars
+            .iter()
+            .filter(|v| v.kind == kiln_core::model::ParamKind::Parameter)
+            .map(|v| v.dims.iter().product())
+            .collect();
+        let ranges = contiguous_partition(&sizes, group.world_size());
+        let mine = ranges.get(group.rank()).cloned().unwrap_or(0..0);
+        let inner = TfOptimizer::with_owned(config.clone(), model, groups, &|i| mine.contains(&i))?;
+        log::info!(
+            "{} on TensorFlow: rank {} of {} owns {} of {} parameters ({} of {} elements)",
+            stage.name(),
+            group.rank(),
+            group.world_size(),
+            mine.len(),
+            sizes.len(),
+            sizes[mine.clone()].iter().sum::<usize>(),
+            sizes.iter().sum::<usize>()
+        );
+        Ok(TfShardedOptimizer {
+            inner,
+            group,
+            stage,
+            ranges,
+            owned_grads: None,
+        })
+    }
+
+    /// The parameters (indices, in the model's order) each rank owns.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    /// This rank's optimizer: state for the parameters it owns only.
+    pub fn shard(&self) -> &TfOptimizer {
+        &self.inner
+    }
+
+    fn mine(&self) -> Range<usize> {
+        self.ranges.get(self.group.rank()).cloned().unwrap_or(0..0)
+    }
+
+    /// Where this rank's parameters' gradients sit in a flat vector holding
+    /// the gradients of the parameters marked in `present`, in order.
+    fn element_range(&self, present: &[bool]) -> Range<usize> {
+        let mine = self.mine();
+        let mut start = 0;
+        let mut end = 0;
+        for (i, slot) in self.inner.slots.iter().enumerate() {
+            if !present.get(i).copied().unwrap_or(false) {
+                continue;
+            }
+            let n: usize = slot.var.dims.iter().product();
+            if i < mine.start {
+                start += n;
+                end += n;
+            } else if mine.contains(&i) {
+                end += n;
+            }
+        }
+        start..end
+    }
+
+    /// One training micro-batch (see the [module docs](self)): the loss
+    /// averaged over the ranks; when it is not finite, nothing changes.
+    pub(crate) fn train_step(
+        &mut self,
+        model: &TfModel,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        inputs: &TfTensor,
+        targets: &TfTensor,
+        plan: &StepPlan<'_>,
+    ) -> Result<f64> {
+        self.inner.check_step(model, plan)?;
+        if let Some(clip) = plan.clip {
+            clip.validate()?;
+        }
+        hooks.before_forward(plan.apply)?;
+        let (mut flat, present) = self.inner.flat_gradients(model, inputs, targets, plan)?;
+        let earlier = match self.stage {
+            ZeroStage::One => self.inner.local.as_ref().map(|l| &l.present),
+            ZeroStage::Two => self.owned_grads.as_ref().map(|g| &g.present),
+        };
+        if earlier.is_some_and(|p| *p != present) {
+            return Err(Error::backend(
+                "tensorflow",
+                CONTEXT,
+                "the micro-batches of one step differentiate different parameters",
+            ));
+        }
+        let range = self.element_range(&present);
+        let data = elements(&mut flat)?;
+        let last = data.len() - 1;
+        if range.end > last {
+            return Err(Error::ShapeMismatch {
+                context: "a ZeRO step's flat gradients".to_owned(),
+                expected: format!("at least {} elements", range.end + 1),
+                actual: format!("{}", data.len()),
+            });
+        }
+        match self.stage {
+            ZeroStage::One => {
+                if plan.apply {
+                    if let Some(local) = self.inner.local.as_mut() {
+                        add_gradients(data, &mut local.flat)?;
+                    }
+                }
+                hooks.reduce_flat(data, plan.apply)?;
+                let loss = data[last];
+                if !loss.is_finite() {
+                    hooks.skipped()?;
+                    return Ok(f64::from(loss));
+                }
+                if plan.apply {
+                    let mut share = data[range].to_vec();
+                    drop(flat);
+                    self.inner.local = None;
+                    self.inner.pending = false;
+                    self.apply_share(&mut share, &present, plan.clip)?;
+                } else {
+                    if let Some(mut local) = self.inner.local.take() {
+                        add_gradients(data, &mut local.flat)?;
+                    }
+                    self.inner.local = Some(LocalGradients {
+                        flat,
+                        present,
+                        group: Some(Arc::clone(&self.group)),
+                    });
+                    self.inner.pending = true;
+                }
+                Ok(f64::from(loss))
+            }
+            ZeroStage::Two => {
+                // The reduce-scatter (see the module docs): the whole vector,
+                // loss included, averaged in place; this rank keeps its share.
+                self.group.all_reduce_f32(data, ReduceOp::Mean)?;
+                let loss = data[last];
+                if !loss.is_finite() {
+                    hooks.skipped()?;
+                    return Ok(f64::from(loss));
+                }
+                match self.owned_grads.as_mut() {
+                    Some(sum) => {
+                        for (a, b) in sum.values.iter_mut().zip(&data[range]) {
+                            *a += *b;
+                        }
+                    }
+                    None => {
+                        self.owned_grads = Some(OwnedGradients {
+                            values: data[range].to_vec(),
+                            present,
+                        });
+                    }
+                }
+                drop(flat);
+                if plan.apply {
+                    self.apply_pending(plan.clip)?;
+                } else {
+                    self.inner.pending = true;
+                }
+                Ok(f64::from(loss))
+            }
+        }
+    }
+
+    /// Applies the gradients accumulated by micro-batches that did not apply
+    /// (ZeRO-1: averaged over the ranks first), clipped when `clip` is given.
+    fn apply_pending(&mut self, clip: Option<&GradClip>) -> Result<()> {
+        self.inner.pending = false;
+        if let Some(mut local) = self.inner.local.take() {
+            let range = self.element_range(&local.present);
+            let data = elements(&mut local.flat)?;
+            self.group.all_reduce_f32(data, ReduceOp::Mean)?;
+            let mut share = data.get(range).map(<[f32]>::to_vec).unwrap_or_default();
+            let present = local.present;
+            return self.apply_share(&mut share, &present, clip);
+        }
+        if let Some(mut grads) = self.owned_grads.take() {
+            return self.apply_share(&mut grads.values, &grads.present, clip);
+        }
+        Ok(())
+    }
+
+    /// Clips `share` (this rank's part of the averaged gradients) over every
+    /// rank's share, applies it to this rank's parameters in one session run,
+    /// then gathers every rank's updated parameters.
+    fn apply_share(
+        &mut self,
+        share: &mut [f32],
+        present: &[bool],
+        clip: Option<&GradClip>,
+    ) -> Result<()> {
+        if let Some(clip) = clip {
+            clip_over_shards(self.group.as_ref(), share, clip)?;
+        }
+        let mine = self.mine();
+        let owned: Vec<bool> = present
+            .iter()
+            .enumerate()
+            .map(|(i, &p)| p && mine.contains(&i))
+            .collect();
+        if owned.iter().any(|&p| p) {
+            let mut tensor = TfTensor::F32(tensorflow::Tensor::new(&[share.len() as u64 + 1]));
+            elements(&mut tensor)?[..share.len()].copy_from_slice(share);
+            self.inner.apply_flat(tensor, &owned, None)?;
+        } else {
+            // Nothing of this rank's changes; its step count follows the others'.
+            self.inner.step += 1;
+        }
+        self.gather_parameters(present)
+    }
+
+    /// Every rank's updated parameters (those with a gradient) to every rank:
+    /// one broadcast from each rank that owns any.
+    fn gather_parameters(&self, present: &[bool]) -> Result<()> {
+        for (root, range) in self.ranges.iter().enumerate() {
+            let vars: Vec<&Var> = range
+                .clone()
+                .filter(|&i| present.get(i).copied().unwrap_or(false))
+                .map(|i| &self.inner.slots[i].var)
+                .collect();
+            if !vars.is_empty() {
+                crate::distributed::broadcast_vars(
+                    self.group.as_ref(),
+                    &self.inner.graph,
+                    &vars,
+                    root,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The parameter a `state.<param>.<buffer>` key belongs to.
+    fn param_of(key: &str) -> Option<&str> {
+        key.strip_prefix("state.")?.rsplit_once('.').map(|(p, _)| p)
+    }
+}
+
+/// Clips this rank's share of the gradients as `torch.nn.utils.clip_grad_*_`
+/// clips all of them: by value elementwise; by norm with the norm of every
+/// rank's share (one all-reduce).
+fn clip_over_shards(group: &dyn Collectives, share: &mut [f32], clip: &GradClip) -> Result<()> {
+    match *clip {
+        GradClip::Value { clip_value } => {
+            let c = clip_value as f32;
+            for g in share.iter_mut() {
+                *g = g.clamp(-c, c);
+            }
+            Ok(())
+        }
+        GradClip::Norm {
+            max_norm,
+            norm_type,
+        } => {
+            let total = if norm_type.is_infinite() {
+                let mut max = [share.iter().map(|g| f64::from(g.abs())).fold(0.0, f64::max)];
+                group.all_reduce_f64(&mut max, ReduceOp::Max)?;
+                max[0]
+            } else {
+                let mut sum = [if norm_type == 2.0 {
+                    share.iter().map(|&g| f64::from(g) * f64::from(g)).sum()
+                } else {
+                    share
+                        .iter()
+                        .map(|&g| f64::from(g.abs()).powf(norm_type))
+                        .sum::<f64>()
+                }];
+                group.all_reduce_f64(&mut sum, ReduceOp::Sum)?;
+                sum[0].powf(1.0 / norm_type)
+            };
+            let coef = (max_norm / (total + 1e-6)).min(1.0) as f32;
+            if coef < 1.0 {
+                for g in share.iter_mut() {
+                    *g *= coef;
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+impl Optimizer<TfBackend> for TfShardedOptimizer {
+    /// Applies the gradients accumulated by micro-batches that did not apply
+    /// (a collective: every rank calls it), then gathers the parameters.
+    fn step(&mut self) -> Result<()> {
+        if !self.inner.pending {
+            return Ok(());
+        }
+        self.apply_pending(None)
+    }
+
+    fn zero_grad(&mut self) -> Result<()> {
+        self.inner.local = None;
+        self.owned_grads = None;
+        self.inner.pending = false;
+        Ok(())
+    }
+
+    fn kind(&self) -> Option<&'static str> {
+        Optimizer::kind(&self.inner)
+    }
+
+    fn config(&self) -> Option<&OptimizerConfig> {
+        Optimizer::config(&self.inner)
+    }
+
+    fn learning_rate(&self) -> f64 {
+        self.inner.learning_rate()
+    }
+
+    fn set_learning_rate(&mut self, lr: f64) -> Result<()> {
+        self.inner.set_learning_rate(lr)
+    }
+
+    fn learning_rates(&self) -> Vec<f64> {
+        self.inner.learning_rates()
+    }
+
+    fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {
+        self.inner.set_learning_rates(lrs)
+    }
+
+    fn state_is_collective(&self) -> bool {
+        true
+    }
+
+    /// The whole state, on every rank: step counts (equal on every rank),
+    /// group hyperparameters, and each rank's buffers in one broadcast from
+    /// it (every rank knows their names and shapes). A collective.
+    fn state_dict(&self) -> Result<StateDict> {
+        let inner = &self.inner;
+        let mut out = StateDict::new();
+        for slot in &inner.slots {
+            out.insert(
+                optimizer_state_key(&slot.name, "step"),
+                HostTensor::scalar(inner.step as i64),
+            );
+        }
+        save_group_hypers(&inner.groups, &mut out);
+        if inner.step == 0 {
+            // No buffer exists yet, as in one process (PyTorch's lazy state).
+            return Ok(out);
+        }
+        let buffers = inner.config.state_buffers();
+        for (root, range) in self.ranges.iter().enumerate() {
+            let entries: Vec<(String, &[usize])> = range
+                .clone()
+                .flat_map(|i| {
+                    let slot = &inner.slots[i];
+                    buffers.iter().map(move |b| {
+                        (
+                            optimizer_state_key(&slot.name, b.name),
+                            slot.var.dims.as_slice(),
+                        )
+                    })
+                })
+                .collect();
+            let total: usize = entries
+                .iter()
+                .map(|(_, d)| d.iter().product::<usize>())
+                .sum();
+            if total == 0 {
+                continue;
+            }
+            let mut words = Vec::with_capacity(total);
+            if root == self.group.rank() {
+                let vars: Vec<Var> = inner.slots[range.clone()]
+                    .iter()
+                    .flat_map(|s| s.state.iter().map(|(_, v)| v.clone()))
+                    .collect();
+                for value in lock(&inner.graph)?.engine.read_vars(&vars)? {
+                    words.extend_from_slice(value.to_dtype(DType::F32).as_slice::<f32>()?);
+                }
+                if words.len() != total {
+                    return Err(Error::distributed(
+                        "TfShardedOptimizer",
+                        format!("read {} state elements of {total}", words.len()),
+                    ));
+                }
+            } else {
+                words.resize(total, 0.0);
+            }
+            self.group.broadcast_f32(&mut words, root)?;
+            let mut at = 0;
+            for (key, dims) in entries {
+                let n: usize = dims.iter().product();
+                out.insert(
+                    key,
+                    HostTensor::from_slice(&words[at..at + n], dims.to_vec())?,
+                );
+                at += n;
+            }
+        }
+        Ok(out)
+    }
+
+    fn state_tensors(&self) -> Result<StateTensors<TfBackend>> {
+        Ok(StateTensors::from(self.state_dict()?))
+    }
+
+    /// The state of the parameters this rank owns; rank 0 also holds the
+    /// group hyperparameters, the same on every rank. Not a collective.
+    fn shard_state_tensors(&self) -> Result<Option<ShardState<TfBackend>>> {
+        let rank = self.group.rank();
+        let mut own = self.inner.state_dict()?;
+        if rank != 0 {
+            let shared: Vec<String> = own
+                .iter()
+                .filter(|(k, _)| Self::param_of(k).is_none())
+                .map(|(k, _)| k.clone())
+                .collect();
+            for key in shared {
+                own.remove(&key);
+            }
+        }
+        Ok(Some(ShardState {
+            tensors: StateTensors::from(own),
+            ..ShardState::default()
+        }))
+    }
+
+    /// Checks the whole of `state` (a whole optimizer state, of any strategy
+    /// or number of ranks) as one process's optimizer would, then keeps this
+    /// rank's share: every rank accepts or refuses it alike.
+    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        let inner = &self.inner;
+        let params: Vec<(&str, &[usize])> = inner
+            .slots
+            .iter()
+            .map(|s| (s.name.as_str(), s.var.dims.as_slice()))
+            .collect();
+        let whole = read_optimizer_state(&inner.config, &params, state)?;
+        let step = whole.first().map_or(0, |p| p.step);
+        if let Some((name, other)) = params
+            .iter()
+            .zip(&whole)
+            .find(|(_, p)| p.step != step)
+            .map(|((n, _), p)| (n, p.step))
+        {
+            return Err(Error::unsupported(format!(
+                "optimizer state with different step counts per parameter ({name} has \
+                 {other}, others {step}) on TensorFlow"
+            )));
+        }
+        drop(whole);
+        let mine = self.mine();
+        let mut share = StateDict::new();
+        for (key, value) in state.iter() {
+            let other = Self::param_of(key).is_some_and(|p| {
+                inner
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .any(|(i, s)| s.name == p && !mine.contains(&i))
+            });
+            if !other {
+                share.insert(key.clone(), value.clone());
+            }
+        }
+        self.inner.load_state_dict(&share)?;
+        // A rank that owns nothing reads no step count from its share.
+        self.inner.step = step;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_are_contiguous_balanced_and_cover_every_parameter() {
+        assert_eq!(contiguous_partition(&[], 2), vec![0..0, 0..0]);
+        assert_eq!(contiguous_partition(&[3, 3, 3], 1), vec![0..3]);
+        // 384 + 32 | 160 + 5 elements: the middles of the first two fall in
+        // the first half of 581, the last two in the second.
+        assert_eq!(
+            contiguous_partition(&[384, 32, 160, 5], 2),
+            vec![0..2, 2..4]
+        );
+        for world in 1..6 {
+            let sizes = [7, 1, 100, 3, 3, 50, 2];
+            let ranges = contiguous_partition(&sizes, world);
+            assert_eq!(ranges.len(), world);
+            let mut next = 0;
+            for r in &ranges {
+                assert_eq!(r.start, next);
+                next = r.end;
+            }
+            assert_eq!(next, sizes.len());
+        }
+    }
+
+    #[test]
+    fn state_keys_name_their_parameter() {
+        assert_eq!(
+            TfShardedOptimizer::param_of("state.0.weight.exp_avg"),
+            Some("0.weight")
+        );
+        assert_eq!(TfShardedOptimizer::param_of("group.0.lr"), None);
+    }
+}
