@@ -63,7 +63,8 @@ fn a_torchrun_restart_resumes_zero2_and_fsdp_runs_bitwise() {
 /// train what one rank of 2B trains; their checkpoints (written while both
 /// ranks gather the sharded optimizer state) hold one process's optimizer
 /// state, so a ZeRO-1 run resumes under DDP and under ZeRO-2 to the same
-/// weights; TensorFlow refuses the key.
+/// weights. On TensorFlow, a ZeRO-2 run resumed under ZeRO-1 from its sharded
+/// checkpoint trains what one TensorFlow process trains; FSDP is refused.
 #[test]
 fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
     let _serial = serial();
@@ -192,22 +193,99 @@ fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
         eprintln!("zero1 then {second}: weight diff {dw:e}");
         assert!(dw < 1e-5, "zero1 then {second}: weights differ by {dw}");
     }
-    let tf = dir.join("tf.toml");
-    std::fs::write(
-        &tf,
-        format!(
-            "backend = \"tensorflow\"\n{}",
-            std::fs::read_to_string(with("zero2")).unwrap()
-        ),
-    )
-    .unwrap();
-    let out = run(KILN, &["train", "--config", tf.to_str().unwrap()]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    // TensorFlow: ZeRO-2 for the first epoch, resumed from its sharded
+    // checkpoint under ZeRO-1 for the second, equals one TensorFlow process.
+    let tf_config = |strategy: &str| {
+        let path = dir.join(format!("tf-{strategy}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "backend = \"tensorflow\"\n{}",
+                std::fs::read_to_string(with(strategy)).unwrap()
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let tf_one = dir.join("tf-one");
+    let tf_single = format!("backend = \"tensorflow\"\n{text}");
+    let tf_single_cfg = dir.join("tf-one.toml");
+    std::fs::write(&tf_single_cfg, tf_single).unwrap();
+    succeeded(
+        &launch(1, &tf_single_cfg, &tf_one, &["--batch-size", "32"]),
+        "1 TensorFlow rank",
+    );
+    let tf_out = dir.join("tf-zero2-then-zero1");
+    let ran = launch(
+        2,
+        &tf_config("zero2"),
+        &tf_out,
+        &["--batch-size", "16", "--epochs", "1"],
+    );
+    succeeded(&ran, "TensorFlow zero2, first epoch");
     assert!(
-        stderr.contains("distributed.strategy") && stderr.contains("torch backend"),
+        String::from_utf8_lossy(&ran.stdout).contains("zero2 strategy"),
+        "{}",
+        String::from_utf8_lossy(&ran.stdout)
+    );
+    let shards = files(&tf_out.join("checkpoints"));
+    assert!(
+        shards
+            .iter()
+            .any(|f| f.ends_with(".shard-1-of-2.safetensors")),
+        "TensorFlow ZeRO writes sharded checkpoints: {shards:?}"
+    );
+    succeeded(
+        &launch(
+            2,
+            &tf_config("zero1"),
+            &tf_out,
+            &["--batch-size", "16", "--resume", "auto"],
+        ),
+        "TensorFlow zero1, resumed",
+    );
+    let (dl, dw) = (
+        max_loss_diff(&tf_out, &tf_one),
+        max_weight_diff(&tf_out, &tf_one),
+    );
+    eprintln!("TensorFlow zero2 then zero1 vs 1 rank: loss diff {dl:e}, weight diff {dw:e}");
+    assert!(dl < 1e-5, "TensorFlow ZeRO: losses differ by {dl}");
+    assert!(dw < 1e-5, "TensorFlow ZeRO: weights differ by {dw}");
+    let last = Checkpoint::load(&tf_out.join("checkpoints/last.safetensors")).unwrap();
+    let single = Checkpoint::load(&tf_one.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!(last.step, single.step);
+    let keys = |c: &Checkpoint| c.optimizer.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(
+        keys(&last),
+        keys(&single),
+        "TensorFlow ZeRO: the optimizer state"
+    );
+    for (key, value) in last.optimizer.iter() {
+        let diff = max_diff(
+            &value.to_f64_vec(),
+            &single.optimizer.get(key).unwrap().to_f64_vec(),
+        );
+        assert!(diff < 1e-5, "TensorFlow ZeRO: {key} differs by {diff}");
+    }
+    // Full sharding is refused on TensorFlow, before anything is written.
+    let out = dir.join("tf-fsdp");
+    let ran = run(
+        KILN,
+        &[
+            "train",
+            "--config",
+            tf_config("fsdp").to_str().unwrap(),
+            "--output",
+            out.to_str().unwrap(),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&ran.stderr);
+    assert!(!ran.status.success());
+    assert!(
+        stderr.contains("distributed.strategy") && stderr.contains("\"zero2\""),
         "{stderr}"
     );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
 }
 
 /// `[distributed] strategy = "fsdp"` with `[distributed.fsdp] units`: two

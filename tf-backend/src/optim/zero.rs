@@ -100,7 +100,11 @@ struct OwnedGradients {
 
 /// An optimizer whose state is sharded over the ranks of a ZeRO strategy on
 /// TensorFlow: this rank's variables hold the state of the parameters it owns
-/// only (see the [module docs](self) for the step).
+/// only. Each micro-batch fetches the gradients as one flat vector; under
+/// ZeRO-1 they are all-reduced as under DDP, under ZeRO-2 reduce-scattered
+/// (this rank keeps the mean of its own share); the micro-batch that applies
+/// clips over every rank's share, updates this rank's parameters in one
+/// session run, and each owner broadcasts what it updated.
 ///
 /// Its [`state_dict`](Optimizer::state_dict) is a collective
 /// ([`Optimizer::state_is_collective`]): every rank gets the whole state, in
@@ -615,11 +619,11 @@ mod tests {
     fn partitions_are_contiguous_balanced_and_cover_every_parameter() {
         assert_eq!(contiguous_partition(&[], 2), vec![0..0, 0..0]);
         assert_eq!(contiguous_partition(&[3, 3, 3], 1), vec![0..3]);
-        // 384 + 32 | 160 + 5 elements: the middles of the first two fall in
-        // the first half of 581, the last two in the second.
+        // 581 elements: the first parameter's middle element (192) falls in
+        // the first half, the others' (400, 496, 578) in the second.
         assert_eq!(
             contiguous_partition(&[384, 32, 160, 5], 2),
-            vec![0..2, 2..4]
+            vec![0..1, 1..4]
         );
         for world in 1..6 {
             let sizes = [7, 1, 100, 3, 3, 50, 2];
