@@ -293,7 +293,8 @@ fn zero_strategies_train_what_one_rank_trains_and_resume_across_strategies() {
 /// trains (losses, weights, the checkpoint's whole optimizer state), and
 /// validate in lockstep on 33 examples (17 and 16: two batches and one), as one
 /// process does; a run stopped after one epoch resumes to the same weights
-/// (with `reshard_after_forward = false`). Misused keys fail before anything
+/// (with `reshard_after_forward = false` and `prefetch = false`). Misused
+/// keys fail before anything
 /// is written.
 #[test]
 fn fsdp_trains_what_one_rank_trains_and_resumes() {
@@ -344,18 +345,30 @@ fn fsdp_trains_what_one_rank_trains_and_resumes() {
         assert!(d < 1e-5, "{key} differs by {d}");
     }
 
+    assert!(
+        stdout.contains("the next unit's gather prefetched"),
+        "{stdout}"
+    );
     // Stopped after one epoch and resumed, the units' parameters kept
-    // gathered from their forward to their backward pass.
+    // gathered from their forward to their backward pass, and gathered only
+    // when each unit runs.
     let kept = write(
         "kept.toml",
         std::fs::read_to_string(&fsdp).unwrap().replace(
             "reshard_after_forward = true",
-            "reshard_after_forward = false",
+            "reshard_after_forward = false\nprefetch = false",
         ),
     );
     let resumed = dir.join("fsdp-resumed");
     let first = ["--batch-size", "16", "--epochs", "1"];
-    succeeded(&launch(2, &kept, &resumed, &first), "fsdp, first epoch");
+    let ran = launch(2, &kept, &resumed, &first);
+    succeeded(&ran, "fsdp, first epoch");
+    let stdout = String::from_utf8_lossy(&ran.stdout);
+    assert!(
+        stdout.contains("each unit gathered when it runs")
+            && stdout.contains("parameters kept from each unit's forward"),
+        "{stdout}"
+    );
     let again = ["--batch-size", "16", "--resume", "auto"];
     succeeded(&launch(2, &kept, &resumed, &again), "fsdp, resumed");
     let dw = max_weight_diff(&resumed, &one);

@@ -52,13 +52,14 @@ const BATCHES: usize = 4;
 const DEFAULT_STEPS: usize = 3;
 const RANK_TIMEOUT: Duration = Duration::from_secs(600);
 
-pub const VARIANTS: [&str; 14] = [
+pub const VARIANTS: [&str; 15] = [
     "kiln-ddp",
     "pytorch-ddp",
     "kiln-zero1",
     "pytorch-zero1",
     "kiln-zero2",
     "kiln-fsdp",
+    "kiln-fsdp-noprefetch",
     "pytorch-fsdp",
     "kiln-ddp-ckpt",
     "pytorch-ddp-ckpt",
@@ -74,12 +75,17 @@ pub const DESCRIBE: &str = "(m) sharded strategies, two ranks on this machine (o
      activation checkpointing, Kiln against PyTorch's DDP, ZeroRedundancyOptimizer and \
      fully_shard under torchrun";
 
-/// Whether a variant is Kiln's, its strategy, and whether it checkpoints.
+/// Whether a variant is Kiln's, its strategy, and whether it checkpoints
+/// (`-ckpt`); `kiln-fsdp-noprefetch` gathers each unit only when it runs.
 fn parse_variant(variant: &str) -> Result<(bool, &str, bool)> {
     let (kiln, rest) = match variant.split_once('-') {
         Some(("kiln", rest)) => (true, rest),
         Some(("pytorch", rest)) => (false, rest),
         _ => bail!("{variant} is not a variant of (m)"),
+    };
+    let rest = match rest {
+        "fsdp-noprefetch" if kiln => "fsdp",
+        other => other,
     };
     let (strategy, checkpointed) = match rest.strip_suffix("-ckpt") {
         Some(s) => (s, true),
@@ -209,6 +215,7 @@ pub fn rank(variant: &str, flags: &BTreeMap<String, String>) -> Result<Option<Va
             // the root unit holds the head.
             let shard = FullShardOptions {
                 units: (0..BLOCKS).map(|i| i.to_string()).collect(),
+                prefetch: !variant.ends_with("-noprefetch"),
                 ..FullShardOptions::default()
             };
             let mut model = fully_shard(model, group.clone(), &shard, &options)?;

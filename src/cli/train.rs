@@ -216,6 +216,22 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     }
     if config.distributed.strategy == StrategyName::Fsdp {
         let shard = config.distributed.fsdp.options();
+        if primary {
+            outln!(
+                "kiln: fsdp units {:?} and the root; {}; {}",
+                shard.units,
+                if shard.reshard_after_forward {
+                    "parameters freed after each unit's forward pass"
+                } else {
+                    "parameters kept from each unit's forward to its backward pass"
+                },
+                if shard.prefetch {
+                    "the next unit's gather prefetched"
+                } else {
+                    "each unit gathered when it runs"
+                }
+            );
+        }
         return fit::<B, _>(prepared, P::fully_shard(model, &group, &shard, &options)?);
     }
     match config.distributed.strategy.zero_stage() {

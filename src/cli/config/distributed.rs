@@ -69,6 +69,11 @@ pub struct FsdpConfig {
     /// The dtype gradients are reduce-scattered in. Default: the parameters' own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reduce_dtype: Option<DType>,
+    /// Start the next unit's all-gather while a unit computes (FSDP2's
+    /// prefetch). `false` gathers each unit only when it runs: one unit's
+    /// whole parameters at a time instead of two.
+    #[serde(default = "yes")]
+    pub prefetch: bool,
 }
 
 fn yes() -> bool {
@@ -82,6 +87,7 @@ impl Default for FsdpConfig {
             reshard_after_forward: true,
             param_dtype: None,
             reduce_dtype: None,
+            prefetch: true,
         }
     }
 }
@@ -98,6 +104,7 @@ impl FsdpConfig {
             reshard_after_forward: self.reshard_after_forward,
             param_dtype: self.param_dtype,
             reduce_dtype: self.reduce_dtype,
+            prefetch: self.prefetch,
         }
     }
 }

@@ -61,6 +61,10 @@ class DistGroup {
   // Every rank's `input` into `output` (world size x input's elements, rank-major;
   // c10d's all_gather_into_tensor).
   void all_gather_flat(const at::Tensor& output, const at::Tensor& input) const;
+  // all_gather_flat, running while the caller goes on (both tensors must live
+  // until it is waited for).
+  std::unique_ptr<PendingWork> all_gather_flat_start(const at::Tensor& output,
+                                                     const at::Tensor& input) const;
   // An in-place all-reduce of host float32 memory owned by the caller (wrapped
   // with at::from_blob, no copy): how TensorFlow's gradients are reduced.
   void all_reduce_host_f32(rust::Slice<float> data, ReduceKind op) const;

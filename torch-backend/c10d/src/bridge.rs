@@ -92,6 +92,11 @@ pub(crate) mod ffi {
             op: ReduceKind,
         ) -> Result<()>;
         fn all_gather_flat(self: &DistGroup, output: &Tensor, input: &Tensor) -> Result<()>;
+        fn all_gather_flat_start(
+            self: &DistGroup,
+            output: &Tensor,
+            input: &Tensor,
+        ) -> Result<UniquePtr<PendingWork>>;
         fn all_reduce_host_f32(self: &DistGroup, data: &mut [f32], op: ReduceKind) -> Result<()>;
         fn broadcast_coalesced(
             self: &DistGroup,

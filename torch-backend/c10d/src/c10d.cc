@@ -166,6 +166,8 @@ void DistGroup::all_reduce(const at::Tensor& tensor, ReduceKind op) const {
 
 struct PendingWork::State {
   c10::intrusive_ptr<c10d::Work> work;
+  // The collective's name, for errors.
+  const char* what = "all_reduce";
 };
 
 PendingWork::PendingWork(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -179,7 +181,7 @@ PendingWork::~PendingWork() {
   }
 }
 
-void PendingWork::wait() const { kiln::dist::wait(state_->work, "all_reduce"); }
+void PendingWork::wait() const { kiln::dist::wait(state_->work, state_->what); }
 
 std::unique_ptr<PendingWork> DistGroup::all_reduce_start(const at::Tensor& tensor,
                                                         ReduceKind op) const {
@@ -227,6 +229,17 @@ void DistGroup::all_gather_flat(const at::Tensor& output, const at::Tensor& inpu
   at::Tensor in = input;
   auto work = rethrowing("all_gather", [&] { return state_->group->_allgather_base(out, in); });
   wait(work, "all_gather");
+}
+
+std::unique_ptr<PendingWork> DistGroup::all_gather_flat_start(const at::Tensor& output,
+                                                             const at::Tensor& input) const {
+  at::Tensor out = output;
+  at::Tensor in = input;
+  auto state = std::make_unique<PendingWork::State>();
+  state->what = "all_gather";
+  state->work =
+      rethrowing("all_gather", [&] { return state_->group->_allgather_base(out, in); });
+  return std::make_unique<PendingWork>(std::move(state));
 }
 
 void DistGroup::barrier() const {

@@ -294,6 +294,28 @@ impl ProcessGroup {
             .map_err(|e| self.diagnose("all_gather", e.what()))
     }
 
+    /// Starts [`all_gather_into`](Self::all_gather_into) and returns at
+    /// once, holding both buffers until [`PendingAllGather::wait`] returns
+    /// `output` filled: how full sharding gathers the next unit's parameters
+    /// while the current one computes.
+    pub(crate) fn all_gather_start(
+        self: &Arc<Self>,
+        output: Tensor,
+        input: Tensor,
+    ) -> Result<PendingAllGather> {
+        self.check_device(&input, "all_gather")?;
+        self.check_flat(&input, &output, "all_gather")?;
+        let work = self
+            .with(|g| g.all_gather_flat_start(as_at(&output), as_at(&input)))
+            .map_err(|e| self.diagnose("all_gather", e.what()))?;
+        Ok(PendingAllGather {
+            work,
+            output,
+            _input: input,
+            group: Arc::clone(self),
+        })
+    }
+
     /// Checks that `whole` has `world_size` times `part`'s elements, one dtype,
     /// both contiguous: c10d's flat collectives assume it.
     fn check_flat(&self, part: &Tensor, whole: &Tensor, what: &str) -> Result<()> {
@@ -470,6 +492,32 @@ impl PendingAllReduce {
                 .map_err(|e| kiln_torch::torch_error("all_reduce (mean)", e))?;
         }
         Ok(self.tensor)
+    }
+}
+
+/// An all-gather under way ([`ProcessGroup::all_gather_start`]); dropping it
+/// unwaited lets it finish in c10d's threads, which hold their own references
+/// to both buffers.
+pub(crate) struct PendingAllGather {
+    work: UniquePtr<ffi::PendingWork>,
+    output: Tensor,
+    /// Read by the collective until it is done.
+    _input: Tensor,
+    group: Arc<ProcessGroup>,
+}
+
+// SAFETY: a c10d `Work` may be waited for from any thread (its state is
+// guarded by its own mutex); the tensors are handles only this value uses.
+#[allow(unsafe_code)]
+unsafe impl Send for PendingAllGather {}
+
+impl PendingAllGather {
+    /// Waits for the collective; the gathered buffer.
+    pub(crate) fn wait(self) -> Result<Tensor> {
+        self.work
+            .wait()
+            .map_err(|e| self.group.diagnose("all_gather", e.what()))?;
+        Ok(self.output)
     }
 }
 

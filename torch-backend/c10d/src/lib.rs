@@ -63,7 +63,9 @@ use kiln_core::Result;
 use kiln_torch::{TorchBackend, TorchOptimizer};
 
 pub use ddp::DistributedDataParallel;
-pub use fsdp::{fully_shard, FsdpOptimizer, FullShardOptions, FullyShardedDataParallel};
+pub use fsdp::{
+    fully_shard, FsdpOptimizer, FullShardOptions, FullyShardedDataParallel, PrefetchStats,
+};
 pub use group::ProcessGroup;
 pub use kiln_core::distributed::{Collectives, Rendezvous};
 pub use zero::{partition, ShardedOptimizer, Shards, ZeroDataParallel, ZeroRedundancy, ZeroStage};

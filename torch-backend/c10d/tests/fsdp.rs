@@ -258,6 +258,52 @@ fn check(group: &Arc<ProcessGroup>, case: &Case<'_>) -> Result<()> {
         Some((rank, world)),
         &batches,
     )?;
+    let stats = sharded.prefetch_stats();
+    println!(
+        "measured: {what}: prefetched gathers used {}, dropped {}",
+        stats.used, stats.dropped
+    );
+    if !case.units.is_empty() {
+        // Every pass after the first follows the one before it.
+        assert!(
+            stats.used > 0,
+            "{what}: no gather was prefetched: {stats:?}"
+        );
+        // Gathered ahead or on demand, the parameters are the same bits.
+        let module = build(case, 7 + rank as u64)?;
+        let on_demand = FullShardOptions {
+            prefetch: false,
+            ..shard.clone()
+        };
+        let mut plain = fully_shard(
+            module,
+            group.clone(),
+            &on_demand,
+            &DistributedOptions::default(),
+        )?;
+        let mut plain_opt = plain.build_optimizer(case.optimizer, case.groups)?;
+        let plain_losses = fit(
+            &mut plain,
+            &mut plain_opt,
+            &case.clip,
+            Some((rank, world)),
+            &batches,
+        )?;
+        assert_eq!(
+            plain.prefetch_stats(),
+            Default::default(),
+            "{what}: prefetch off"
+        );
+        assert_eq!(
+            plain_losses, losses,
+            "{what}: losses with and without prefetch"
+        );
+        assert_eq!(
+            plain.state_dict()?,
+            sharded.state_dict()?,
+            "{what}: weights with and without prefetch"
+        );
+    }
     let ours = sharded.state_dict()?;
     let loss_diff = max_diff(&losses, &single_losses);
     let weight_diff = state_diff(&ours, &single.state_dict()?);

@@ -23,9 +23,12 @@ use kiln_torch::{kind_from_dtype, TorchBackend, TorchModel};
 use tch::{Kind, Tensor};
 
 mod optimizer;
+mod prefetch;
 mod shards;
 
 pub use optimizer::FsdpOptimizer;
+pub use prefetch::PrefetchStats;
+use prefetch::{GatherSchedule, Pass};
 use shards::{ParamShard, UnitShards};
 
 use crate::ddp::{
@@ -54,6 +57,11 @@ pub struct FullShardOptions {
     /// The dtype gradients are reduce-scattered in (`reduce_dtype`); `None`:
     /// the parameters' own (float32 keeps the average exact to float32).
     pub reduce_dtype: Option<DType>,
+    /// Start the next unit's all-gather when a unit's gather returns, so that
+    /// it runs while the unit computes (FSDP2's forward and backward
+    /// prefetch; the order is the previous pass's). It holds two units'
+    /// whole parameters at a time instead of one.
+    pub prefetch: bool,
 }
 
 impl Default for FullShardOptions {
@@ -63,6 +71,7 @@ impl Default for FullShardOptions {
             reshard_after_forward: true,
             param_dtype: None,
             reduce_dtype: None,
+            prefetch: true,
         }
     }
 }
@@ -124,6 +133,13 @@ pub struct FullyShardedDataParallel {
     hooks: FsdpHooks,
 }
 
+impl FullyShardedDataParallel {
+    /// How often the units' gathers were prefetched and used, or dropped.
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        self.hooks.schedule.stats()
+    }
+}
+
 /// Full sharding's part of each training step besides the units' own
 /// collectives: buffers from rank 0, the loss averaged, the gradient norm
 /// taken over every rank's shards.
@@ -132,6 +148,8 @@ struct FsdpHooks {
     buffers: Vec<Tensor>,
     broadcast_buffers: bool,
     pending_loss: Option<PendingMean>,
+    /// The units' gathers and the one prefetched.
+    schedule: Arc<GatherSchedule>,
 }
 
 impl std::fmt::Debug for FsdpHooks {
@@ -198,7 +216,8 @@ pub fn fully_shard(
         .collect();
     let units = plan
         .iter()
-        .map(|unit| {
+        .enumerate()
+        .map(|(index, unit)| {
             let members = unit
                 .names
                 .iter()
@@ -217,7 +236,7 @@ pub fn fully_shard(
             } else {
                 &unit.path
             };
-            UnitShards::new(Arc::clone(&group), path, members, kinds)
+            UnitShards::new(Arc::clone(&group), index, path, members, kinds).map(Arc::new)
         })
         .collect::<Result<Vec<_>>>()?;
     take_rank_zeros_model(&group, "FSDP", &params, &buffers)?;
@@ -227,9 +246,10 @@ pub fn fully_shard(
         .map(|p| p.cut(&p.param, group.rank()))
         .collect::<Result<_>>()?;
     let collectives: Vec<Arc<dyn UnitCollectives>> = units
-        .into_iter()
-        .map(|u| Arc::new(u) as Arc<dyn UnitCollectives>)
+        .iter()
+        .map(|u| Arc::clone(u) as Arc<dyn UnitCollectives>)
         .collect();
+    let schedule = GatherSchedule::new(units, shard.prefetch);
     model.shard_units(&plan, collectives, shard.reshard_after_forward)?;
     for (p, shard) in layout.iter().zip(&cut) {
         // The model's own tensor now holds the shard: the whole is freed.
@@ -256,6 +276,7 @@ pub fn fully_shard(
             buffers: buffers.iter().map(|(_, t)| t.shallow_clone()).collect(),
             broadcast_buffers: options.broadcast_buffers,
             pending_loss: None,
+            schedule,
         },
     })
 }
@@ -296,6 +317,7 @@ impl StepHooks<TorchBackend> for FsdpHooks {
 
     fn before_forward(&mut self, _sync: bool) -> Result<()> {
         self.pending_loss = None;
+        self.schedule.begin(Pass::Train)?;
         if self.broadcast_buffers {
             broadcast_buffers(&self.group, &self.buffers)?;
         }
@@ -320,6 +342,11 @@ impl StepHooks<TorchBackend> for FsdpHooks {
         norm_over_shards(&self.group, local, norm_type)
     }
 
+    /// The shards changed: a gather started before the step is dropped.
+    fn after_update(&mut self) -> Result<()> {
+        self.schedule.cancel()
+    }
+
     fn sync_buffers(&mut self) -> Result<()> {
         broadcast_buffers(&self.group, &self.buffers)
     }
@@ -332,9 +359,11 @@ impl StepHooks<TorchBackend> for FsdpHooks {
 impl Module<TorchBackend> for FullyShardedDataParallel {
     /// A collective: every rank runs each forward pass.
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
+        self.hooks.schedule.begin(Pass::Eval)?;
         self.model.forward(input)
     }
     fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.hooks.schedule.begin(Pass::Eval)?;
         self.model.forward_many(inputs)
     }
     fn mode(&self) -> Mode {
@@ -369,6 +398,7 @@ impl Module<TorchBackend> for FullyShardedDataParallel {
     /// rank's rows of each parameter are kept. Not a collective; nothing
     /// changes on error.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        self.hooks.schedule.cancel()?;
         let rank = self.hooks.group.rank();
         let mut share = StateDict::new();
         for (key, value) in state.iter() {
@@ -413,6 +443,7 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
             inner,
             Arc::clone(&self.hooks.group),
             &self.params,
+            Arc::clone(&self.hooks.schedule),
         ))
     }
 
@@ -504,11 +535,13 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
         inputs: &Tensor,
         targets: &Tensor,
     ) -> Result<(f64, HostTensor)> {
+        self.hooks.schedule.begin(Pass::Eval)?;
         self.model.eval_step(loss, inputs, targets)
     }
 
     /// A collective, as every forward pass.
     fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
+        self.hooks.schedule.begin(Pass::Eval)?;
         self.model.predict_step(inputs)
     }
 

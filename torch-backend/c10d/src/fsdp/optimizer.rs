@@ -11,6 +11,7 @@ use kiln_core::state_tensors::{ShardState, StateTensor, StateTensors};
 use kiln_core::Result;
 use kiln_torch::{TorchBackend, TorchOptimizer};
 
+use super::prefetch::GatherSchedule;
 use super::shards::ParamShard;
 use crate::ProcessGroup;
 
@@ -28,6 +29,8 @@ pub struct FsdpOptimizer {
     pub(super) inner: TorchOptimizer,
     group: Arc<ProcessGroup>,
     params: BTreeMap<String, Arc<ParamShard>>,
+    /// The units' gathers: one started before the shards change is dropped.
+    schedule: Arc<GatherSchedule>,
 }
 
 impl FsdpOptimizer {
@@ -35,6 +38,7 @@ impl FsdpOptimizer {
         inner: TorchOptimizer,
         group: Arc<ProcessGroup>,
         params: &[Arc<ParamShard>],
+        schedule: Arc<GatherSchedule>,
     ) -> Self {
         FsdpOptimizer {
             inner,
@@ -43,6 +47,7 @@ impl FsdpOptimizer {
                 .iter()
                 .map(|p| (p.name.clone(), Arc::clone(p)))
                 .collect(),
+            schedule,
         }
     }
 
@@ -67,6 +72,7 @@ impl Optimizer<TorchBackend> for FsdpOptimizer {
     /// reduced: train through
     /// [`Trainable::train_step`](kiln_core::backend::Trainable::train_step).
     fn step(&mut self) -> Result<()> {
+        self.schedule.cancel()?;
         self.inner.step()
     }
 
@@ -157,6 +163,7 @@ impl Optimizer<TorchBackend> for FsdpOptimizer {
     /// state, of any strategy or number of ranks); this rank's optimizer then
     /// checks and loads it all or nothing.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+        self.schedule.cancel()?;
         let rank = self.group.rank();
         let mut share = StateDict::new();
         for (key, value) in state.iter() {

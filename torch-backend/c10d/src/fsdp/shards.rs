@@ -2,7 +2,7 @@
 //! one equal, zero-padded shard per rank (PyTorch's `fully_shard`), and each
 //! unit's collectives over its parameters' shards.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 
 use kiln_core::distributed::ReduceOp;
 use kiln_core::state_tensors::RowSlice;
@@ -11,6 +11,8 @@ use kiln_torch::sharded_unit::{accumulate_grad, UnitCollectives};
 use kiln_torch::{from_tch, to_tch, torch_error};
 use tch::{Kind, Tensor};
 
+use super::prefetch::GatherSchedule;
+use crate::group::PendingAllGather;
 use crate::ProcessGroup;
 
 /// One parameter and where its rows live: rank `r` holds rows
@@ -228,6 +230,21 @@ pub(crate) struct UnitShards {
     /// The dtype the gradients are reduce-scattered in.
     reduce_kind: Kind,
     device: tch::Device,
+    /// This unit's place in the model's units, and the schedule that
+    /// prefetches the next unit's gather (set once the units exist).
+    pub(crate) index: usize,
+    pub(crate) schedule: OnceLock<Weak<GatherSchedule>>,
+}
+
+/// A unit's all-gather under way: [`UnitShards::finish_gather`] waits for it
+/// and assembles the whole parameters.
+pub(crate) struct PendingUnitGather(PendingAllGather);
+
+impl PendingUnitGather {
+    /// Waits for the gather; the flat buffer of every rank's shards.
+    pub(crate) fn wait(self) -> Result<Tensor> {
+        self.0.wait()
+    }
 }
 
 impl std::fmt::Debug for UnitShards {
@@ -248,6 +265,7 @@ impl UnitShards {
     /// must share one dtype and one device, since one flat buffer moves them.
     pub(crate) fn new(
         group: Arc<ProcessGroup>,
+        index: usize,
         path: &str,
         params: Vec<Arc<ParamShard>>,
         (gather_kind, reduce_kind): (Option<Kind>, Option<Kind>),
@@ -289,6 +307,40 @@ impl UnitShards {
             gather_kind: gather_kind.unwrap_or(kind),
             reduce_kind: reduce_kind.unwrap_or(kind),
             device,
+            index,
+            schedule: OnceLock::new(),
+        })
+    }
+
+    /// Starts the all-gather of the unit's shards (cast to the gather
+    /// dtype) and returns at once.
+    pub(crate) fn start_gather(&self) -> Result<PendingUnitGather> {
+        let fail = |e| torch_error("full sharding's parameter all-gather", e);
+        let world = self.group.world_size();
+        tch::no_grad(|| {
+            // Every shard fills its span (its padding rows included).
+            let mine = self.flat_uninit(self.gather_len, self.gather_kind)?;
+            for (p, &at) in self.params.iter().zip(&self.gather_offsets) {
+                mine.narrow(0, at, p.shard_numel())
+                    .f_copy_(&p.param.f_reshape([-1]).map_err(fail)?)
+                    .map_err(fail)?;
+            }
+            let whole = self.flat_uninit(self.gather_len * world as i64, self.gather_kind)?;
+            Ok(PendingUnitGather(self.group.all_gather_start(whole, mine)?))
+        })
+    }
+
+    /// Waits for `pending` (this unit's gather) and assembles each whole
+    /// parameter into its own memory.
+    pub(crate) fn finish_gather(&self, pending: PendingUnitGather) -> Result<Vec<Tensor>> {
+        let world = self.group.world_size();
+        let whole = pending.0.wait()?;
+        tch::no_grad(|| {
+            self.params
+                .iter()
+                .zip(&self.gather_offsets)
+                .map(|(p, &at)| p.assemble(&whole, world, self.gather_len, at))
+                .collect()
         })
     }
 
@@ -308,26 +360,14 @@ impl UnitShards {
 
 impl UnitCollectives for UnitShards {
     /// One all-gather of the unit's shards (cast to the gather dtype), then
-    /// each whole parameter assembled into its own memory.
+    /// each whole parameter assembled into its own memory. With a schedule,
+    /// the gather it prefetched when it is this unit's, and the next unit's
+    /// started before returning.
     fn gather(&self) -> Result<Vec<Tensor>> {
-        let fail = |e| torch_error("full sharding's parameter all-gather", e);
-        let world = self.group.world_size();
-        tch::no_grad(|| {
-            // Every shard fills its span (its padding rows included).
-            let mine = self.flat_uninit(self.gather_len, self.gather_kind)?;
-            for (p, &at) in self.params.iter().zip(&self.gather_offsets) {
-                mine.narrow(0, at, p.shard_numel())
-                    .f_copy_(&p.param.f_reshape([-1]).map_err(fail)?)
-                    .map_err(fail)?;
-            }
-            let whole = self.flat_uninit(self.gather_len * world as i64, self.gather_kind)?;
-            self.group.all_gather_into(&whole, &mine)?;
-            self.params
-                .iter()
-                .zip(&self.gather_offsets)
-                .map(|(p, &at)| p.assemble(&whole, world, self.gather_len, at))
-                .collect()
-        })
+        match self.schedule.get().and_then(Weak::upgrade) {
+            Some(schedule) => schedule.gather(self.index),
+            None => self.finish_gather(self.start_gather()?),
+        }
     }
 
     /// The trained parameters' gradients reduce-scattered (averaged over the
