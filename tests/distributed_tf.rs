@@ -663,6 +663,22 @@ fn zero_equals_one_process() -> Result<()> {
             let fresh = TfBackend::build_model(spec, Device::Cpu)?;
             let fresh = kiln::tf::zero_data_parallel(fresh, group.clone(), other, &options)?;
             let mut loaded = fresh.build_optimizer(config, &[])?;
+            // A state of another model is refused on every rank alike, even
+            // where the misfit is in another rank's share, and changes nothing.
+            let mut misfit = single_state.clone();
+            let last = names.last().expect("parameters");
+            misfit.insert(format!("state.{last}.step"), HostTensor::scalar(-1i64));
+            let before = loaded.state_dict()?;
+            let err = loaded.load_state_dict(&misfit).err().map(|e| e.to_string());
+            assert!(
+                err.as_deref().is_some_and(|m| m.contains("negative step")),
+                "{what}: {err:?}"
+            );
+            assert_eq!(
+                loaded.state_dict()?,
+                before,
+                "{what}: a refused state changed it"
+            );
             loaded.load_state_dict(&single_state)?;
             assert_eq!(
                 state_diff(&loaded.state_dict()?, &single_state, &what),
