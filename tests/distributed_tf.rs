@@ -12,8 +12,8 @@
 //!   changes nothing.
 //! - ZeRO-1 and ZeRO-2 (`kiln::tf::zero_data_parallel`) on 2 and 4 ranks equal
 //!   one process over 20 steps with every optimizer, gradient accumulation and
-//!   clipping (the norm over every rank's share), the CNN with batch norm
-//!   included; their whole optimizer state is one process's, each rank holds
+//!   clipping (the norm over every rank's share), a small transformer and the
+//!   CNN with batch norm (against DDP) included; their whole optimizer state is one process's, each rank holds
 //!   only its share, and a whole state loads back into shares.
 
 use std::sync::Arc;
@@ -26,7 +26,10 @@ use kiln::core::backend::Trainable;
 use kiln::core::backend::{Backend, StepPlan, TrainBackend};
 use kiln::core::distributed::{Collectives, DistributedOptions, Rendezvous};
 use kiln::core::loss::Loss;
-use kiln::core::model::{BatchNormConfig, Conv2dConfig, Layer, LinearConfig, Pool2dConfig};
+use kiln::core::model::{
+    BatchNormConfig, Conv2dConfig, EmbeddingConfig, GatedMlpConfig, Layer, LinearConfig,
+    Pool2dConfig, RmsNormConfig, SelfAttentionConfig, TiedLinearConfig,
+};
 use kiln::core::module::Module;
 use kiln::core::optim::{
     AdagradConfig, AdamConfig, AdamWConfig, GradClip, Optimizer, OptimizerConfig, RmsPropConfig,
@@ -99,6 +102,33 @@ fn cnn() -> Layer {
     ])
 }
 
+/// Token embedding, two pre-norm blocks (causal attention, gated MLP), a
+/// head tied to the embedding, and a classifier over the flattened logits.
+fn transformer() -> Layer {
+    let block = Layer::sequential([
+        Layer::residual(Layer::sequential([
+            RmsNormConfig::new(8).into(),
+            SelfAttentionConfig::new(8, 2).with_causal(true).into(),
+        ])),
+        Layer::residual(Layer::sequential([
+            RmsNormConfig::new(8).into(),
+            GatedMlpConfig::new(8, 12).into(),
+        ])),
+    ]);
+    Layer::sequential([
+        EmbeddingConfig::new(11, 8).into(),
+        block.clone(),
+        block,
+        RmsNormConfig::new(8).into(),
+        TiedLinearConfig::new("0.weight", 8, 11).into(),
+        Layer::Flatten {
+            start_dim: 1,
+            end_dim: -1,
+        },
+        LinearConfig::new(6 * 11, 5).into(),
+    ])
+}
+
 /// [`cnn`] without the bias of its convolution (batch norm follows it).
 fn cnn_without_bias() -> Layer {
     let mut conv = Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]);
@@ -155,18 +185,42 @@ fn noise(n: usize, seed: u64) -> Vec<f32> {
 
 /// Every micro-batch of the global run: `2B` rows each, the same on every rank.
 fn data(image: bool) -> Result<Vec<(HostTensor, HostTensor)>> {
-    data_of(STEPS, image)
+    data_of(
+        STEPS,
+        if image {
+            Inputs::Images
+        } else {
+            Inputs::Features
+        },
+    )
+}
+
+/// What a model of these tests reads.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Inputs {
+    /// 12 features.
+    Features,
+    /// One 6x6 channel.
+    Images,
+    /// 6 tokens of a vocabulary of 11.
+    Tokens,
 }
 
 /// `steps` steps' micro-batches of `2B` rows each, the same on every rank.
-fn data_of(steps: usize, image: bool) -> Result<Vec<(HostTensor, HostTensor)>> {
+fn data_of(steps: usize, inputs: Inputs) -> Result<Vec<(HostTensor, HostTensor)>> {
     (0..steps * ACCUMULATE)
         .map(|i| {
             let seed = 1000 + i as u64;
-            let x = if image {
-                HostTensor::new(noise(2 * B * 36, seed), [2 * B, 1, 6, 6])?
-            } else {
-                HostTensor::new(noise(2 * B * 12, seed), [2 * B, 12])?
+            let x = match inputs {
+                Inputs::Images => HostTensor::new(noise(2 * B * 36, seed), [2 * B, 1, 6, 6])?,
+                Inputs::Features => HostTensor::new(noise(2 * B * 12, seed), [2 * B, 12])?,
+                Inputs::Tokens => {
+                    let tokens: Vec<i64> = noise(2 * B * 6, seed)
+                        .iter()
+                        .map(|v| ((v + 1.0) * 5.5) as i64 % 11)
+                        .collect();
+                    HostTensor::new(tokens, [2 * B, 6])?
+                }
             };
             let y: Vec<i64> = noise(2 * B, seed + 7)
                 .iter()
@@ -571,6 +625,12 @@ fn zero_equals_one_process() -> Result<()> {
             },
         ),
         (
+            "transformer",
+            transformer(),
+            OptimizerConfig::AdamW(AdamWConfig::new(1e-2)),
+            norm,
+        ),
+        (
             "cnn",
             // Without the convolution's bias, whose gradient batch norm makes
             // zero, and which Adam would turn from rounding into whole steps.
@@ -581,7 +641,12 @@ fn zero_equals_one_process() -> Result<()> {
     ];
     for (name, spec, config, clip) in &runs {
         let image = *name == "cnn";
-        let batches = data_of(20, image)?;
+        let inputs = match *name {
+            "cnn" => Inputs::Images,
+            "transformer" => Inputs::Tokens,
+            _ => Inputs::Features,
+        };
+        let batches = data_of(20, inputs)?;
         // Batch norm normalises each rank's rows by their own statistics (as
         // DDP without SyncBatchNorm does), so the CNN's reference is DDP on
         // the same ranks; the MLP's is one process on the global batch.
