@@ -569,9 +569,9 @@ fn state_diff(
 
 /// ZeRO-1 and ZeRO-2 on TensorFlow over 2 or 4 ranks of `2B / world` rows
 /// against one process of `2B` rows, 20 steps of 2 micro-batches: the MLP
-/// with every optimizer and clipping by norm (by value for one); the CNN with
-/// batch norm under Adam against DDP on the same ranks (batch norm uses each
-/// rank's own rows). Losses, weights and the whole optimizer state agree
+/// with every optimizer and clipping by norm (by value for one), a small
+/// transformer under AdamW; the CNN with batch norm under Adam against DDP on
+/// the same ranks (batch norm uses each rank's own rows). Losses, weights and the whole optimizer state agree
 /// within 1e-6; each rank holds the state of its own parameters only; the
 /// whole state loads into another stage's shares and gathers back unchanged.
 fn zero_equals_one_process() -> Result<()> {
