@@ -81,16 +81,28 @@ fn join() -> Result<Arc<ProcessGroup>> {
 }
 
 fn mlp() -> Layer {
+    mlp_with(Layer::Relu)
+}
+
+/// 12 -> 32 -> 5 with `activation` between.
+fn mlp_with(activation: Layer) -> Layer {
     Layer::sequential([
         LinearConfig::new(12, 32).into(),
-        Layer::Relu,
+        activation,
         LinearConfig::new(32, 5).into(),
     ])
 }
 
 fn cnn() -> Layer {
+    cnn_with(true)
+}
+
+/// [`cnn`], its convolution with or without a bias (batch norm follows it).
+fn cnn_with(bias: bool) -> Layer {
+    let mut conv = Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]);
+    conv.bias = bias;
     Layer::sequential([
-        Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]).into(),
+        conv.into(),
         Layer::BatchNorm2d(BatchNormConfig::new(4)),
         Layer::Relu,
         Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
@@ -126,32 +138,6 @@ fn transformer() -> Layer {
             end_dim: -1,
         },
         LinearConfig::new(6 * 11, 5).into(),
-    ])
-}
-
-/// [`cnn`] without the bias of its convolution (batch norm follows it).
-fn cnn_without_bias() -> Layer {
-    let mut conv = Conv2dConfig::new(1, 4, [3, 3]).with_padding([1, 1]);
-    conv.bias = false;
-    Layer::sequential([
-        conv.into(),
-        Layer::BatchNorm2d(BatchNormConfig::new(4)),
-        Layer::Relu,
-        Layer::MaxPool2d(Pool2dConfig::new([2, 2])),
-        Layer::Flatten {
-            start_dim: 1,
-            end_dim: -1,
-        },
-        LinearConfig::new(36, 5).into(),
-    ])
-}
-
-/// The MLP with tanh: no gradient is rounding noise around zero.
-fn mlp_tanh() -> Layer {
-    Layer::sequential([
-        LinearConfig::new(12, 32).into(),
-        Layer::Tanh,
-        LinearConfig::new(32, 5).into(),
     ])
 }
 
@@ -611,7 +597,7 @@ fn zero_equals_one_process() -> Result<()> {
             // turns the rounding of a gradient near zero (a ReLU unit almost
             // dead) into a whole step: tanh keeps every gradient alive. (On
             // the ReLU MLP, ZeRO-1 equals DDP bit for bit.)
-            mlp_tanh(),
+            mlp_with(Layer::Tanh),
             OptimizerConfig::RmsProp(RmsPropConfig::new(1e-3).with_momentum(0.5)),
             norm,
         ),
@@ -634,7 +620,7 @@ fn zero_equals_one_process() -> Result<()> {
             "cnn",
             // Without the convolution's bias, whose gradient batch norm makes
             // zero, and which Adam would turn from rounding into whole steps.
-            cnn_without_bias(),
+            cnn_with(false),
             OptimizerConfig::Adam(AdamConfig::new(1e-2)),
             norm,
         ),
