@@ -704,6 +704,27 @@ fn zero_equals_one_process() -> Result<()> {
                 .filter(|(k, _)| k.starts_with("state."))
                 .count();
             assert_eq!(held, mine.len() * per_param, "{what}: rank {rank}'s share");
+            // The shares' buffer elements add up to the whole state's, once.
+            let elements = |state: &kiln::core::state_dict::StateDict| -> usize {
+                state
+                    .iter()
+                    .filter(|(k, _)| k.starts_with("state.") && !k.ends_with(".step"))
+                    .map(|(_, t)| t.numel())
+                    .sum()
+            };
+            let mut shares = [elements(&share) as f64];
+            group.all_reduce_f64(&mut shares, kiln::core::distributed::ReduceOp::Sum)?;
+            let whole = elements(&single_state);
+            assert_eq!(
+                shares[0], whole as f64,
+                "{what}: the shares' state elements"
+            );
+            if rank == 0 {
+                println!(
+                    "measured: {what}: rank 0 holds {} of {whole} optimizer-state elements",
+                    elements(&share)
+                );
+            }
 
             // The whole state into the other stage's shares, and back.
             let other = match stage {
