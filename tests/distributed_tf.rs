@@ -687,7 +687,12 @@ fn zero_equals_one_process() -> Result<()> {
                 .into_iter()
                 .map(|(n, _)| n)
                 .collect();
-            let mine = &names[opt.ranges()[rank].clone()];
+            let mine: Vec<&String> = names
+                .iter()
+                .zip(opt.owners())
+                .filter(|(_, &owner)| owner == rank)
+                .map(|(name, _)| name)
+                .collect();
             for (key, _) in share.iter() {
                 if let Some(rest) = key.strip_prefix("state.") {
                     assert!(

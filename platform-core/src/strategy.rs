@@ -76,6 +76,32 @@ impl ZeroStage {
     }
 }
 
+/// The owner of each of parameters of `sizes` elements over `world` ranks, as
+/// PyTorch's `ZeroRedundancyOptimizer` partitions them: largest first (ties
+/// in model order), each to the rank with the fewest elements so far (the
+/// lowest such rank). Both backends' ZeRO strategies use it.
+///
+/// ```
+/// use kiln_core::strategy::partition;
+/// // 100 -> r0, 60 -> r1, 50 -> r1 (110), 10 -> r0 (110), 5 -> r0.
+/// assert_eq!(partition(&[10, 100, 50, 60, 5], 2), vec![0, 0, 1, 1, 0]);
+/// assert_eq!(partition(&[4, 4, 4], 3), vec![0, 1, 2]);
+/// assert_eq!(partition(&[7], 4), vec![0]);
+/// ```
+pub fn partition(sizes: &[i64], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
+    let mut load = vec![0i64; world];
+    let mut owner = vec![0; sizes.len()];
+    for i in order {
+        let rank = (0..world).min_by_key(|&r| load[r]).unwrap_or(0);
+        owner[i] = rank;
+        load[rank] += sizes[i];
+    }
+    owner
+}
+
 /// The points of one training micro-batch at which a strategy acts (see the
 /// [module docs](self) for the table). Every hook has a default that does
 /// nothing, so a single-process step runs with [`NoHooks`] unchanged.

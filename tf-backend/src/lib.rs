@@ -44,7 +44,7 @@ pub use custom_layer::{
 pub use distributed::{data_parallel, GradientAllReduce};
 pub use error::tf_error;
 pub use model::TfModel;
-pub use optim::{contiguous_partition, TfOptimizer, TfShardedOptimizer};
+pub use optim::{TfOptimizer, TfShardedOptimizer};
 pub use quiet::{follow_log_level, TENSORFLOW_LOG_TARGET};
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{

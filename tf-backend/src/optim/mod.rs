@@ -40,7 +40,7 @@ use crate::step::{
     UpdateRule,
 };
 use adam::AdamRule;
-pub use zero::{contiguous_partition, TfShardedOptimizer};
+pub use zero::TfShardedOptimizer;
 
 /// One trainable parameter with its optimizer state variables.
 #[derive(Debug)]

@@ -1,9 +1,9 @@
 //! [`TfShardedOptimizer`]: the optimizer of a ZeRO strategy on TensorFlow
-//! ([`ZeroDataParallel`](crate::ZeroDataParallel)). Each rank owns a
-//! contiguous run of the parameters (in the model's order, balanced by
-//! elements), creates optimizer state variables for those only, and updates
-//! only those; the owners then broadcast what they updated, so that every rank
-//! holds the whole model again.
+//! ([`ZeroDataParallel`](crate::ZeroDataParallel)). Each parameter belongs to
+//! one rank (PyTorch's `ZeroRedundancyOptimizer` partition, as on libtorch:
+//! [`partition`]); a rank creates optimizer state variables for its own
+//! parameters only, and updates only those; the owners then broadcast what
+//! they updated, so that every rank holds the whole model again.
 //!
 //! Per micro-batch, on every rank:
 //!
@@ -38,7 +38,7 @@ use kiln_core::{
     },
     state_dict::StateDict,
     state_tensors::{ShardState, StateTensors},
-    strategy::{StepHooks, ZeroStage},
+    strategy::{partition, StepHooks, ZeroStage},
     DType, Error, HostTensor, Result,
 };
 
@@ -51,42 +51,6 @@ use crate::model::{lock, TfModel};
 
 /// The context of the errors raised here.
 const CONTEXT: &str = "a ZeRO step on TensorFlow";
-
-/// For each of `world` ranks, the parameters (by index) it owns: contiguous
-/// runs in order, each parameter to the rank whose equal share of all the
-/// elements holds the parameter's middle element. Ranks may own nothing (a
-/// model of fewer parameters than ranks, or one parameter larger than a share).
-///
-/// ```
-/// # use kiln_tf::contiguous_partition;
-/// assert_eq!(contiguous_partition(&[10, 10, 10, 10], 2), vec![0..2, 2..4]);
-/// assert_eq!(contiguous_partition(&[100, 1, 1], 2), vec![0..1, 1..3]);
-/// assert_eq!(contiguous_partition(&[5], 3), vec![0..0, 0..1, 1..1]);
-/// ```
-pub fn contiguous_partition(sizes: &[usize], world: usize) -> Vec<Range<usize>> {
-    let world = world.max(1);
-    let total: u128 = sizes.iter().map(|&n| n as u128).sum();
-    let mut owner = Vec::with_capacity(sizes.len());
-    let mut before = 0u128;
-    for &n in sizes {
-        // Twice the middle element's position, to stay in integers.
-        let middle = 2 * before + n as u128;
-        let rank = if total == 0 {
-            0
-        } else {
-            ((middle * world as u128) / (2 * total)).min(world as u128 - 1) as usize
-        };
-        owner.push(rank);
-        before += n as u128;
-    }
-    (0..world)
-        .map(|rank| {
-            let start = owner.partition_point(|&r| r < rank);
-            let end = owner.partition_point(|&r| r <= rank);
-            start..end
-        })
-        .collect()
-}
 
 /// This rank's share of a ZeRO-2 step's reduced gradients, summed over the
 /// micro-batches so far.
@@ -119,8 +83,8 @@ pub struct TfShardedOptimizer {
     inner: TfOptimizer,
     group: Arc<dyn Collectives>,
     stage: ZeroStage,
-    /// Each rank's parameters (indices into the optimizer's), contiguous.
-    ranges: Vec<Range<usize>>,
+    /// Each parameter's owner, in the optimizer's (the model's) order.
+    owners: Vec<usize>,
     /// ZeRO-2: this rank's share of the reduced gradients not yet applied.
     owned_grads: Option<OwnedGradients>,
 }
@@ -130,7 +94,7 @@ impl std::fmt::Debug for TfShardedOptimizer {
         f.debug_struct("TfShardedOptimizer")
             .field("stage", &self.stage)
             .field("rank", &self.group.rank())
-            .field("ranges", &self.ranges)
+            .field("owners", &self.owners)
             .field("inner", &self.inner)
             .finish_non_exhaustive()
     }
@@ -144,37 +108,42 @@ impl TfShardedOptimizer {
         group: Arc<dyn Collectives>,
         stage: ZeroStage,
     ) -> Result<Self> {
-        let sizes: Vec<usize> = model
+        let sizes: Vec<i64> = model
             .vars
             .iter()
             .filter(|v| v.kind == kiln_core::model::ParamKind::Parameter)
-            .map(|v| v.dims.iter().product())
+            .map(|v| v.dims.iter().product::<usize>() as i64)
             .collect();
-        let ranges = contiguous_partition(&sizes, group.world_size());
-        let mine = ranges.get(group.rank()).cloned().unwrap_or(0..0);
-        let inner = TfOptimizer::with_owned(config.clone(), model, groups, &|i| mine.contains(&i))?;
+        let owners = partition(&sizes, group.world_size());
+        let rank = group.rank();
+        let inner = TfOptimizer::with_owned(config.clone(), model, groups, &|i| owners[i] == rank)?;
+        let mine = owners.iter().filter(|&&o| o == rank).count();
+        let held: i64 = sizes
+            .iter()
+            .zip(&owners)
+            .filter(|(_, &o)| o == rank)
+            .map(|(n, _)| n)
+            .sum();
         log::info!(
-            "{} on TensorFlow: rank {} of {} owns {} of {} parameters ({} of {} elements)",
+            "{} on TensorFlow: rank {rank} of {} owns {mine} of {} parameters ({held} of {} \
+             elements)",
             stage.name(),
-            group.rank(),
             group.world_size(),
-            mine.len(),
             sizes.len(),
-            sizes[mine.clone()].iter().sum::<usize>(),
-            sizes.iter().sum::<usize>()
+            sizes.iter().sum::<i64>()
         );
         Ok(TfShardedOptimizer {
             inner,
             group,
             stage,
-            ranges,
+            owners,
             owned_grads: None,
         })
     }
 
-    /// The parameters (indices, in the model's order) each rank owns.
-    pub fn ranges(&self) -> &[Range<usize>] {
-        &self.ranges
+    /// Each parameter's owner (a rank), in the model's order.
+    pub fn owners(&self) -> &[usize] {
+        &self.owners
     }
 
     /// This rank's optimizer: state for the parameters it owns only.
@@ -182,29 +151,31 @@ impl TfShardedOptimizer {
         &self.inner
     }
 
-    fn mine(&self) -> Range<usize> {
-        self.ranges.get(self.group.rank()).cloned().unwrap_or(0..0)
+    /// Whether this rank owns parameter `i`.
+    fn owns(&self, i: usize) -> bool {
+        self.owners.get(i) == Some(&self.group.rank())
     }
 
     /// Where this rank's parameters' gradients sit in a flat vector holding
-    /// the gradients of the parameters marked in `present`, in order.
-    fn element_range(&self, present: &[bool]) -> Range<usize> {
-        let mine = self.mine();
-        let mut start = 0;
-        let mut end = 0;
+    /// the gradients of the parameters marked in `present`, in order: the
+    /// ranges, adjacent ones merged.
+    fn element_ranges(&self, present: &[bool]) -> Vec<Range<usize>> {
+        let mut ranges: Vec<Range<usize>> = Vec::new();
+        let mut at = 0;
         for (i, slot) in self.inner.slots.iter().enumerate() {
             if !present.get(i).copied().unwrap_or(false) {
                 continue;
             }
             let n: usize = slot.var.dims.iter().product();
-            if i < mine.start {
-                start += n;
-                end += n;
-            } else if mine.contains(&i) {
-                end += n;
+            if self.owns(i) {
+                match ranges.last_mut() {
+                    Some(last) if last.end == at => last.end = at + n,
+                    _ => ranges.push(at..at + n),
+                }
             }
+            at += n;
         }
-        start..end
+        ranges
     }
 
     /// One training micro-batch (see the [module docs](self)): the loss
@@ -234,13 +205,14 @@ impl TfShardedOptimizer {
                 "the micro-batches of one step differentiate different parameters",
             ));
         }
-        let range = self.element_range(&present);
+        let ranges = self.element_ranges(&present);
         let data = elements(&mut flat)?;
         let last = data.len() - 1;
-        if range.end > last {
+        let end = ranges.last().map_or(0, |r| r.end);
+        if end > last {
             return Err(Error::ShapeMismatch {
                 context: "a ZeRO step's flat gradients".to_owned(),
-                expected: format!("at least {} elements", range.end + 1),
+                expected: format!("at least {} elements", end + 1),
                 actual: format!("{}", data.len()),
             });
         }
@@ -258,7 +230,7 @@ impl TfShardedOptimizer {
                     return Ok(f64::from(loss));
                 }
                 if plan.apply {
-                    let mut share = data[range].to_vec();
+                    let mut share = gather_ranges(data, &ranges)?;
                     drop(flat);
                     self.inner.local = None;
                     self.inner.pending = false;
@@ -285,15 +257,16 @@ impl TfShardedOptimizer {
                     hooks.skipped()?;
                     return Ok(f64::from(loss));
                 }
+                let share = gather_ranges(data, &ranges)?;
                 match self.owned_grads.as_mut() {
                     Some(sum) => {
-                        for (a, b) in sum.values.iter_mut().zip(&data[range]) {
+                        for (a, b) in sum.values.iter_mut().zip(&share) {
                             *a += *b;
                         }
                     }
                     None => {
                         self.owned_grads = Some(OwnedGradients {
-                            values: data[range].to_vec(),
+                            values: share,
                             present,
                         });
                     }
@@ -314,10 +287,10 @@ impl TfShardedOptimizer {
     fn apply_pending(&mut self, clip: Option<&GradClip>) -> Result<()> {
         self.inner.pending = false;
         if let Some(mut local) = self.inner.local.take() {
-            let range = self.element_range(&local.present);
+            let ranges = self.element_ranges(&local.present);
             let data = elements(&mut local.flat)?;
             self.group.all_reduce_f32(data, ReduceOp::Mean)?;
-            let mut share = data.get(range).map(<[f32]>::to_vec).unwrap_or_default();
+            let mut share = gather_ranges(data, &ranges)?;
             let present = local.present;
             return self.apply_share(&mut share, &present, clip);
         }
@@ -339,11 +312,10 @@ impl TfShardedOptimizer {
         if let Some(clip) = clip {
             clip_over_shards(self.group.as_ref(), share, clip)?;
         }
-        let mine = self.mine();
         let owned: Vec<bool> = present
             .iter()
             .enumerate()
-            .map(|(i, &p)| p && mine.contains(&i))
+            .map(|(i, &p)| p && self.owns(i))
             .collect();
         if owned.iter().any(|&p| p) {
             let mut tensor = TfTensor::F32(tensorflow::Tensor::new(&[share.len() as u64 + 1]));
@@ -359,11 +331,16 @@ impl TfShardedOptimizer {
     /// Every rank's updated parameters (those with a gradient) to every rank:
     /// one broadcast from each rank that owns any.
     fn gather_parameters(&self, present: &[bool]) -> Result<()> {
-        for (root, range) in self.ranges.iter().enumerate() {
-            let vars: Vec<&Var> = range
-                .clone()
-                .filter(|&i| present.get(i).copied().unwrap_or(false))
-                .map(|i| &self.inner.slots[i].var)
+        for root in 0..self.group.world_size() {
+            let vars: Vec<&Var> = self
+                .inner
+                .slots
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| {
+                    self.owners[i] == root && present.get(i).copied().unwrap_or(false)
+                })
+                .map(|(_, slot)| &slot.var)
                 .collect();
             if !vars.is_empty() {
                 crate::distributed::broadcast_vars(
@@ -381,6 +358,20 @@ impl TfShardedOptimizer {
     fn param_of(key: &str) -> Option<&str> {
         key.strip_prefix("state.")?.rsplit_once('.').map(|(p, _)| p)
     }
+}
+
+/// The elements of `data` in `ranges`, in order, as one vector.
+fn gather_ranges(data: &[f32], ranges: &[Range<usize>]) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(ranges.iter().map(ExactSizeIterator::len).sum());
+    for r in ranges {
+        let part = data.get(r.clone()).ok_or_else(|| Error::ShapeMismatch {
+            context: "a ZeRO step's flat gradients".to_owned(),
+            expected: format!("at least {} elements", r.end),
+            actual: format!("{}", data.len()),
+        })?;
+        out.extend_from_slice(part);
+    }
+    Ok(out)
 }
 
 /// Clips this rank's share of the gradients as `torch.nn.utils.clip_grad_*_`
@@ -489,10 +480,13 @@ impl Optimizer<TfBackend> for TfShardedOptimizer {
             return Ok(out);
         }
         let buffers = inner.config.state_buffers();
-        for (root, range) in self.ranges.iter().enumerate() {
-            let entries: Vec<(String, &[usize])> = range
-                .clone()
-                .flat_map(|i| {
+        for root in 0..self.group.world_size() {
+            let theirs: Vec<usize> = (0..inner.slots.len())
+                .filter(|&i| self.owners[i] == root)
+                .collect();
+            let entries: Vec<(String, &[usize])> = theirs
+                .iter()
+                .flat_map(|&i| {
                     let slot = &inner.slots[i];
                     buffers.iter().map(move |b| {
                         (
@@ -511,9 +505,9 @@ impl Optimizer<TfBackend> for TfShardedOptimizer {
             }
             let mut words = Vec::with_capacity(total);
             if root == self.group.rank() {
-                let vars: Vec<Var> = inner.slots[range.clone()]
+                let vars: Vec<Var> = theirs
                     .iter()
-                    .flat_map(|s| s.state.iter().map(|(_, v)| v.clone()))
+                    .flat_map(|&i| inner.slots[i].state.iter().map(|(_, v)| v.clone()))
                     .collect();
                 for value in lock(&inner.graph)?.engine.read_vars(&vars)? {
                     words.extend_from_slice(value.to_dtype(DType::F32).as_slice::<f32>()?);
@@ -590,7 +584,6 @@ impl Optimizer<TfBackend> for TfShardedOptimizer {
             )));
         }
         drop(whole);
-        let mine = self.mine();
         let mut share = StateDict::new();
         for (key, value) in state.iter() {
             let other = Self::param_of(key).is_some_and(|p| {
@@ -598,7 +591,7 @@ impl Optimizer<TfBackend> for TfShardedOptimizer {
                     .slots
                     .iter()
                     .enumerate()
-                    .any(|(i, s)| s.name == p && !mine.contains(&i))
+                    .any(|(i, s)| s.name == p && !self.owns(i))
             });
             if !other {
                 share.insert(key.clone(), value.clone());
@@ -614,29 +607,6 @@ impl Optimizer<TfBackend> for TfShardedOptimizer {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn partitions_are_contiguous_balanced_and_cover_every_parameter() {
-        assert_eq!(contiguous_partition(&[], 2), vec![0..0, 0..0]);
-        assert_eq!(contiguous_partition(&[3, 3, 3], 1), vec![0..3]);
-        // 581 elements: the first parameter's middle element (192) falls in
-        // the first half, the others' (400, 496, 578) in the second.
-        assert_eq!(
-            contiguous_partition(&[384, 32, 160, 5], 2),
-            vec![0..1, 1..4]
-        );
-        for world in 1..6 {
-            let sizes = [7, 1, 100, 3, 3, 50, 2];
-            let ranges = contiguous_partition(&sizes, world);
-            assert_eq!(ranges.len(), world);
-            let mut next = 0;
-            for r in &ranges {
-                assert_eq!(r.start, next);
-                next = r.end;
-            }
-            assert_eq!(next, sizes.len());
-        }
-    }
 
     #[test]
     fn state_keys_name_their_parameter() {

@@ -22,7 +22,7 @@ use tch::Tensor;
 
 mod optimizer;
 
-pub use kiln_core::strategy::ZeroStage;
+pub use kiln_core::strategy::{partition, ZeroStage};
 pub use optimizer::ShardedOptimizer;
 
 use crate::ddp::{
@@ -58,22 +58,6 @@ unsafe impl Send for Shards {}
 // SAFETY: as for `Send`.
 #[allow(unsafe_code)]
 unsafe impl Sync for Shards {}
-
-/// The owner of each of parameters of `sizes` elements over `world` ranks:
-/// largest first (ties in model order), each to the rank with the fewest
-/// elements so far (the lowest such rank).
-pub fn partition(sizes: &[i64], world: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..sizes.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(sizes[i]));
-    let mut load = vec![0i64; world];
-    let mut owner = vec![0; sizes.len()];
-    for i in order {
-        let rank = (0..world).min_by_key(|&r| load[r]).unwrap_or(0);
-        owner[i] = rank;
-        load[rank] += sizes[i];
-    }
-    owner
-}
 
 impl Shards {
     /// The shards of `trained` (the module's parameters that require
@@ -642,18 +626,5 @@ impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
         self.hooks.collectives()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn partition_balances_largest_first() {
-        // 100 -> r0, 60 -> r1, 50 -> r1 (110), 10 -> r0 (110), 5 -> r0.
-        assert_eq!(partition(&[10, 100, 50, 60, 5], 2), vec![0, 0, 1, 1, 0]);
-        assert_eq!(partition(&[4, 4, 4], 3), vec![0, 1, 2]);
-        assert_eq!(partition(&[7], 4), vec![0]);
     }
 }
