@@ -62,12 +62,15 @@ pub struct ZeroDataParallel {
 /// use kiln_core::Device;
 /// use kiln_tf::TfBackend;
 ///
-/// # fn group() -> Arc<dyn Collectives> { unimplemented!() }
-/// let model = TfBackend::build_model(&Layer::Linear(LinearConfig::new(8, 2)), Device::Cpu)?;
-/// let options = DistributedOptions::default();
-/// let model = kiln_tf::zero_data_parallel(model, group(), ZeroStage::Two, &options)?;
-/// let optimizer = model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &[])?;
-/// # Ok::<(), kiln_core::Error>(())
+/// /// ZeRO-2 over `group` (kiln-c10d's Gloo group, joined by every rank).
+/// fn sharded(group: Arc<dyn Collectives>) -> kiln_core::Result<()> {
+///     let model = TfBackend::build_model(&Layer::Linear(LinearConfig::new(8, 2)), Device::Cpu)?;
+///     let options = DistributedOptions::default();
+///     let model = kiln_tf::zero_data_parallel(model, group, ZeroStage::Two, &options)?;
+///     let _optimizer =
+///         model.build_optimizer(&OptimizerConfig::Adam(AdamConfig::new(1e-3)), &[])?;
+///     Ok(())
+/// }
 /// ```
 pub fn zero_data_parallel(
     model: TfModel,
