@@ -154,17 +154,30 @@ impl TfOptimizer {
             self.local = None;
             self.pending = false;
         } else {
-            if let Some(mut local) = self.local.take() {
-                add_gradients(data, &mut local.flat)?;
-            }
-            self.local = Some(LocalGradients {
-                flat,
-                present,
-                group: hooks.collectives(),
-            });
-            self.pending = true;
+            self.keep_local(flat, present, hooks.collectives())?;
         }
         Ok(f64::from(loss))
+    }
+
+    /// Keeps a micro-batch's gradients that do not apply on this rank (DDP's
+    /// `no_sync`): `flat`, the earlier micro-batches' sum added into it, is
+    /// the new sum, to be averaged over `group` when the step applies.
+    pub(super) fn keep_local(
+        &mut self,
+        mut flat: TfTensor,
+        present: Vec<bool>,
+        group: Option<Arc<dyn Collectives>>,
+    ) -> Result<()> {
+        if let Some(mut local) = self.local.take() {
+            add_gradients(elements(&mut flat)?, &mut local.flat)?;
+        }
+        self.local = Some(LocalGradients {
+            flat,
+            present,
+            group,
+        });
+        self.pending = true;
+        Ok(())
     }
 
     /// Runs the [`ProgramKind::FlatGradients`] program on one micro-batch:

@@ -42,7 +42,7 @@ use kiln_core::{
     DType, Error, HostTensor, Result,
 };
 
-use super::data_parallel::{add_gradients, elements, LocalGradients};
+use super::data_parallel::{add_gradients, elements};
 use super::TfOptimizer;
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
@@ -236,15 +236,8 @@ impl TfShardedOptimizer {
                     self.inner.pending = false;
                     self.apply_share(&mut share, &present, plan.clip)?;
                 } else {
-                    if let Some(mut local) = self.inner.local.take() {
-                        add_gradients(data, &mut local.flat)?;
-                    }
-                    self.inner.local = Some(LocalGradients {
-                        flat,
-                        present,
-                        group: Some(Arc::clone(&self.group)),
-                    });
-                    self.inner.pending = true;
+                    self.inner
+                        .keep_local(flat, present, Some(Arc::clone(&self.group)))?;
                 }
                 Ok(f64::from(loss))
             }
