@@ -107,8 +107,7 @@ fn decoding_matches_pillow() -> Result<()> {
     let Some(fx) = fixtures("decoding_matches_pillow") else {
         return Ok(());
     };
-    let mut jpeg_worst = (0u8, String::new());
-    let (mut jpeg_sum, mut jpeg_count) = (0u64, 0u64);
+    let (mut jpegs, mut jpeg_values) = (0, 0);
     for case in fx["decode"].as_array().expect("cases") {
         let file = path_of(&case["file"]);
         let mode = match case["mode"].as_str() {
@@ -129,41 +128,88 @@ fn decoding_matches_pillow() -> Result<()> {
         let what = format!("{} as {:?}", file.display(), mode);
         assert_eq!(image.dims(), shape.as_slice(), "{what}");
         let got = image.as_slice::<u8>()?;
-        if file.extension().is_some_and(|e| e == "png") {
-            assert!(got == expected.as_slice(), "{what}: PNG pixels differ");
-        } else {
-            let (mut case_max, mut case_sum) = (0u8, 0u64);
-            for (g, e) in got.iter().zip(&expected) {
-                let d = g.abs_diff(*e);
-                case_sum += u64::from(d);
-                case_max = case_max.max(d);
-            }
-            eprintln!(
-                "  {what}: max {case_max}, mean {:.4}",
-                case_sum as f64 / got.len() as f64
+        let differing = got.iter().zip(&expected).filter(|(g, e)| g != e).count();
+        let largest = got
+            .iter()
+            .zip(&expected)
+            .map(|(g, e)| g.abs_diff(*e))
+            .max()
+            .unwrap_or(0);
+        if case["damaged"].as_bool() == Some(true) {
+            // Corrupt entropy-coded data: both decoders warn and go on, and
+            // may resynchronise differently inside the damaged blocks (how
+            // the data reaches libjpeg differs: Pillow feeds it in chunks).
+            eprintln!("  {what}: {differing} values differ, by up to {largest}");
+            assert!(
+                differing * 50 < got.len(),
+                "{what}: {differing} of {} values differ",
+                got.len()
             );
-            if case_max > jpeg_worst.0 {
-                jpeg_worst = (case_max, what.clone());
-            }
-            jpeg_sum += case_sum;
-            jpeg_count += got.len() as u64;
+            continue;
+        }
+        assert!(
+            differing == 0,
+            "{what}: {differing} of {} values differ from Pillow's, by up to {largest}",
+            got.len()
+        );
+        if file.extension().is_some_and(|e| e == "jpg") {
+            jpegs += 1;
+            jpeg_values += got.len();
         }
     }
-    let mean = jpeg_sum as f64 / jpeg_count as f64;
-    eprintln!(
-        "JPEG vs Pillow (libjpeg-turbo): max abs diff {} ({}), mean {mean:.4} over {jpeg_count} values",
-        jpeg_worst.0, jpeg_worst.1
-    );
-    // zune-jpeg and libjpeg-turbo differ in IDCT rounding and chroma upsampling.
-    assert!(jpeg_worst.0 <= JPEG_MAX_DIFF, "worst {jpeg_worst:?}");
-    assert!(mean <= JPEG_MEAN_DIFF, "mean abs diff {mean}");
+    eprintln!("{jpegs} JPEG decodes ({jpeg_values} values) equal Pillow's bit for bit");
+    assert!(jpegs >= 30, "the corpus has the JPEG kinds it should");
     Ok(())
 }
 
-/// Bounds on zune-jpeg's difference from Pillow's libjpeg-turbo (u8 levels);
-/// measured: max 3, mean 0.18 over these files.
-const JPEG_MAX_DIFF: u8 = 4;
-const JPEG_MEAN_DIFF: f64 = 0.35;
+#[test]
+fn truncated_and_corrupt_jpegs_are_errors_naming_the_file() -> Result<()> {
+    let Some(fx) = fixtures("truncated_and_corrupt_jpegs_are_errors_naming_the_file") else {
+        return Ok(());
+    };
+    let decode_dir = path_of(&fx["decode"][0]["file"])
+        .parent()
+        .expect("decode/")
+        .to_path_buf();
+    let name = Path::new("broken/cut.jpg");
+    let expect_error = |bytes: &[u8], needle: &str, what: &str| {
+        let err = decode_image(bytes, ColorMode::Rgb, name).expect_err(what);
+        assert!(matches!(err, Error::Data { .. }), "{what}: {err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("broken/cut.jpg") && text.contains(needle),
+            "{what}: {text}"
+        );
+    };
+    for file in [
+        "photo_375x500.jpg",
+        "progressive.jpg",
+        "cmyk_progressive.jpg",
+    ] {
+        let whole = std::fs::read(decode_dir.join(file)).expect("fixture");
+        for cut in [3, 20, 160, whole.len() / 2, whole.len() - 2] {
+            expect_error(
+                &whole[..cut],
+                "truncated JPEG",
+                &format!("{file} cut at {cut}"),
+            );
+        }
+    }
+    // A frame header of 2 components (Pillow: "cannot handle 2-layer images").
+    let mut two = std::fs::read(decode_dir.join("q75_420.jpg")).expect("fixture");
+    let sof = two
+        .windows(2)
+        .position(|w| w == [0xFF, 0xC0])
+        .expect("a baseline frame header");
+    two[sof + 9] = 2;
+    expect_error(&two, "JPEG", "2 components");
+    // A frame header of zero width.
+    let mut zero = std::fs::read(decode_dir.join("q75_420.jpg")).expect("fixture");
+    zero[sof + 7] = 0;
+    zero[sof + 8] = 0;
+    expect_error(&zero, "corrupt JPEG", "zero width");
+    Ok(())
+}
 
 #[test]
 fn empty_class_folders_and_missing_classes_are_errors_naming_them() -> Result<()> {

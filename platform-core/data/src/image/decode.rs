@@ -11,9 +11,10 @@ use std::io::Cursor;
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
 
-use zune_jpeg::zune_core::bytestream::ZCursor;
-use zune_jpeg::zune_core::colorspace::ColorSpace;
-use zune_jpeg::JpegDecoder;
+use std::ffi::{c_char, c_int, c_uint, CStr};
+
+// The libjpeg-turbo that `csrc/jpeg_decode.c` calls.
+use mozjpeg_sys as _;
 
 use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
@@ -187,35 +188,135 @@ fn luma(r: u8, g: u8, b: u8) -> u8 {
     (l >> 16) as u8
 }
 
+/// What `kiln_jpeg_read_header` reports (`csrc/jpeg_decode.c`).
+#[repr(C)]
+#[derive(Default)]
+struct JpegHeader {
+    width: c_uint,
+    height: c_uint,
+    components: c_int,
+    color_space: c_int,
+    progressive: c_int,
+}
+
+// libjpeg's `J_COLOR_SPACE` values for the output colour spaces Pillow asks for.
+const JCS_GRAYSCALE: c_int = 1;
+const JCS_RGB: c_int = 2;
+const JCS_CMYK: c_int = 4;
+
+// `csrc/jpeg_decode.c`'s return codes.
+const KILN_JPEG_OK: c_int = 0;
+const KILN_JPEG_TRUNCATED: c_int = 2;
+
+extern "C" {
+    fn kiln_jpeg_read_header(
+        data: *const u8,
+        len: usize,
+        header: *mut JpegHeader,
+        message: *mut c_char,
+        message_len: usize,
+    ) -> c_int;
+    fn kiln_jpeg_decode(
+        data: *const u8,
+        len: usize,
+        out_color_space: c_int,
+        out: *mut u8,
+        out_len: usize,
+        message: *mut c_char,
+        message_len: usize,
+    ) -> c_int;
+}
+
+/// Most pixels a JPEG may have (libjpeg's own limit is 65500 a side): a
+/// decompression-bomb guard, as Pillow's `MAX_IMAGE_PIXELS` (about 179
+/// million, where Pillow refuses twice its 89 million warning threshold).
+const JPEG_MAX_PIXELS: usize = 2 * 89_478_485;
+
+/// A libjpeg return code and message as Kiln's error.
+fn jpeg_failure(code: c_int, message: &[c_char], name: &Path) -> Error {
+    // SAFETY: the shim writes a NUL-terminated string of at most
+    // `message.len()` bytes (or leaves the first byte NUL).
+    let text = unsafe { CStr::from_ptr(message.as_ptr()) }.to_string_lossy();
+    if code == KILN_JPEG_TRUNCATED {
+        Error::data(
+            name,
+            None,
+            format!("truncated JPEG: the data ends inside the image ({text})"),
+        )
+    } else {
+        Error::data(name, None, format!("corrupt JPEG: {text}"))
+    }
+}
+
+/// Decodes a JPEG as Pillow does (`Image.open`): libjpeg-turbo's decoder
+/// with its ISLOW IDCT and fancy upsampling; 1 component as `L`, 3 as
+/// `RGB` (libjpeg's YCbCr conversion, or none for an RGB file), 4 as
+/// inverted CMYK (Adobe's convention, which Pillow assumes for every CMYK
+/// file) converted to RGB as Pillow's `convert("RGB")` does.
 fn decode_jpeg(bytes: &[u8], name: &Path) -> Result<Pixels> {
     check_jpeg_complete(bytes, name)?;
-    let jpeg_error =
-        |e: zune_jpeg::errors::DecodeErrors| Error::data(name, None, format!("corrupt JPEG: {e}"));
-    let mut decoder = JpegDecoder::new(ZCursor::new(bytes));
-    decoder.decode_headers().map_err(jpeg_error)?;
-    let gray = decoder.input_colorspace() == Some(ColorSpace::Luma);
-    let out = if gray {
-        ColorSpace::Luma
-    } else {
-        ColorSpace::RGB
+    let mut message: [c_char; 200] = [0; 200];
+    let mut header = JpegHeader::default();
+    // SAFETY: `bytes` and `header` outlive the call; the shim reads at most
+    // `bytes.len()` bytes and writes at most `message.len()` bytes.
+    let code = unsafe {
+        kiln_jpeg_read_header(
+            bytes.as_ptr(),
+            bytes.len(),
+            &mut header,
+            message.as_mut_ptr(),
+            message.len(),
+        )
     };
-    let options = decoder.options().jpeg_set_out_colorspace(out);
-    decoder.set_options(options);
-    let data = decoder.decode().map_err(jpeg_error)?;
-    let info = decoder
-        .info()
-        .ok_or_else(|| Error::data(name, None, "corrupt JPEG: no frame header"))?;
-    let (width, height) = (usize::from(info.width), usize::from(info.height));
-    let channels = out.num_components();
-    if data.len() != width * height * channels {
+    if code != KILN_JPEG_OK {
+        return Err(jpeg_failure(code, &message, name));
+    }
+    let (width, height) = (header.width as usize, header.height as usize);
+    let (out_space, channels) = match header.components {
+        1 => (JCS_GRAYSCALE, 1),
+        3 => (JCS_RGB, 3),
+        4 => (JCS_CMYK, 4),
+        n => return Err(Error::data(
+            name,
+            None,
+            format!(
+                "a JPEG of {n} components, which is not supported (expected 1, 3 or 4, as Pillow)"
+            ),
+        )),
+    };
+    if width.saturating_mul(height) > JPEG_MAX_PIXELS {
         return Err(Error::data(
             name,
             None,
             format!(
-                "corrupt JPEG: decoded {} bytes for a {width}x{height} image of {channels} channels",
-                data.len()
+                "the JPEG is {width}x{height}, more than {JPEG_MAX_PIXELS} pixels (a decompression bomb guard, Pillow's)"
             ),
         ));
+    }
+    let mut data = vec![0u8; width * height * channels];
+    // SAFETY: `data` is exactly the `width * height * channels` bytes the
+    // shim checks it writes; `bytes` and `message` as above.
+    let code = unsafe {
+        kiln_jpeg_decode(
+            bytes.as_ptr(),
+            bytes.len(),
+            out_space,
+            data.as_mut_ptr(),
+            data.len(),
+            message.as_mut_ptr(),
+            message.len(),
+        )
+    };
+    if code != KILN_JPEG_OK {
+        return Err(jpeg_failure(code, &message, name));
+    }
+    if channels == 4 {
+        return Ok(Pixels {
+            data: inverted_cmyk_to_rgb(&data),
+            width,
+            height,
+            channels: 3,
+        });
     }
     Ok(Pixels {
         data,
@@ -223,6 +324,24 @@ fn decode_jpeg(bytes: &[u8], name: &Path) -> Result<Pixels> {
         height,
         channels,
     })
+}
+
+/// Pillow's `CMYK;I` unpacking (every channel inverted) followed by its
+/// `CMYK` to `RGB` conversion: `v = (255 - k) - (c * (255 - k)) / 255`,
+/// with Pillow's rounded division by 255.
+fn inverted_cmyk_to_rgb(cmyk: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(cmyk.len() / 4 * 3);
+    for px in cmyk.chunks_exact(4) {
+        let nk = u32::from(px[3]); // 255 - k, with k = 255 - px[3]
+        for &stored in &px[..3] {
+            let c = 255 - u32::from(stored);
+            let t = c * nk + 128;
+            let scaled = ((t >> 8) + t) >> 8;
+            // nk >= scaled since c <= 255.
+            out.push((nk - scaled) as u8);
+        }
+    }
+    out
 }
 
 /// Fails unless an end-of-image marker follows the first scan. `zune-jpeg`

@@ -85,7 +85,7 @@ decode = mkdir("decode")
 cases = []
 
 
-def case(name, modes=("RGB", "L", "RGBA"), expected=None):
+def case(name, modes=("RGB", "L", "RGBA"), expected=None, damaged=False):
     path = os.path.join(decode, name)
     for mode in modes:
         if expected is not None and mode in expected:
@@ -95,7 +95,7 @@ def case(name, modes=("RGB", "L", "RGBA"), expected=None):
         out = f"{path}.{mode}.expected"
         arr.tofile(out)
         cases.append({"file": path, "mode": mode, "shape": list(arr.shape),
-                      "expected": out, "source": source})
+                      "expected": out, "source": source, "damaged": damaged})
 
 
 for name, size, kw in [
@@ -111,6 +111,36 @@ for name, size, kw in [
     case(name)
 Image.fromarray(picture(27, 41, 1), "L").save(os.path.join(decode, "gray.jpg"), quality=88)
 case("gray.jpg")
+Image.fromarray(picture(25, 34, 1), "L").save(os.path.join(decode, "gray_progressive.jpg"),
+                                              quality=70, progressive=True)
+case("gray_progressive.jpg")
+# A photograph's size, with restart markers.
+Image.fromarray(picture(375, 500)).save(os.path.join(decode, "photo_375x500.jpg"), quality=90,
+                                        restart_marker_blocks=8)
+case("photo_375x500.jpg", modes=("RGB", "L"))
+Image.fromarray(picture(133, 97)).save(os.path.join(decode, "progressive_422.jpg"), quality=60,
+                                       progressive=True, subsampling=1)
+case("progressive_422.jpg", modes=("RGB",))
+# CMYK (Pillow writes Adobe's inverted convention and reads every CMYK file so).
+Image.fromarray(picture(21, 26, 4), "CMYK").save(os.path.join(decode, "cmyk.jpg"), quality=90)
+case("cmyk.jpg")
+Image.fromarray(picture(22, 19, 4), "CMYK").save(os.path.join(decode, "cmyk_progressive.jpg"),
+                                                 quality=80, progressive=True)
+case("cmyk_progressive.jpg", modes=("RGB",))
+# Damaged entropy-coded data: libjpeg warns and decodes on; so do Pillow and Kiln.
+whole = bytearray(open(os.path.join(decode, "q75_420.jpg"), "rb").read())
+sos = whole.index(b"\xff\xda")
+for at in range(sos + 40, sos + 60):
+    if whole[at] not in (0x00, 0xFF) and whole[at - 1] != 0xFF:
+        whole[at] ^= 0x5A
+open(os.path.join(decode, "damaged_scan.jpg"), "wb").write(bytes(whole))
+case("damaged_scan.jpg", modes=("RGB",), damaged=True)
+# Scans cut short but an end-of-image marker after them: libjpeg warns, fills
+# the rest, and Pillow returns the image; so does Kiln (a partial download has
+# no end-of-image marker and is refused as truncated).
+whole = open(os.path.join(decode, "progressive.jpg"), "rb").read()
+open(os.path.join(decode, "cut_then_eoi.jpg"), "wb").write(whole[: len(whole) * 2 // 3] + b"\xff\xd9")
+case("cut_then_eoi.jpg", modes=("RGB",))
 
 Image.fromarray(picture(19, 23)).save(os.path.join(decode, "rgb.png"))
 Image.fromarray(picture(19, 23, 4), "RGBA").save(os.path.join(decode, "rgba.png"))
