@@ -42,15 +42,28 @@
 //! on CPUs with AVX2 (every x86-64 server of the last decade); without AVX2
 //! torchvision resizes in float and rounds, which differs by up to 1.
 
+mod affine;
+mod augment;
 mod color;
 mod geometry;
 mod image;
+mod pad;
+mod pixel;
 mod spec;
 mod transforms;
 
 pub use crate::transform::ToFloat as ToTensor;
+pub use affine::{
+    affine, inverse_affine_matrix, perspective, perspective_coefficients, rotate, AffineParams,
+    Interpolation, RandomAffine, RandomPerspective, RandomRotation, ShearRange,
+};
+pub use augment::{
+    erase, gaussian_blur, rgb_to_grayscale, EraseValue, ErasingParams, GaussianBlur, RandomErasing,
+    RandomGrayscale,
+};
 pub use color::{adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation};
 pub use geometry::{center_crop, crop, hflip, resize, resized_crop, ResizeTo};
+pub use pad::{pad, Pad, Padding, PaddingMode, RandomCrop, RandomCropParams};
 pub use spec::{compose, output_shape, SizeSpec, TransformSpec};
 pub use transforms::{
     CenterCrop, ColorJitter, CropBox, JitterOp, JitterParams, RandomResizedCrop, Resize,
