@@ -107,7 +107,7 @@ fn decoding_matches_pillow() -> Result<()> {
     let Some(fx) = fixtures("decoding_matches_pillow") else {
         return Ok(());
     };
-    let (mut jpegs, mut jpeg_values) = (0, 0);
+    let mut per_format: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     for case in fx["decode"].as_array().expect("cases") {
         let file = path_of(&case["file"]);
         let mode = match case["mode"].as_str() {
@@ -152,19 +152,27 @@ fn decoding_matches_pillow() -> Result<()> {
             "{what}: {differing} of {} values differ from Pillow's, by up to {largest}",
             got.len()
         );
-        if file.extension().is_some_and(|e| e == "jpg") {
-            jpegs += 1;
-            jpeg_values += got.len();
-        }
+        let ext = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+        let count = per_format.entry(ext.to_string()).or_insert((0, 0));
+        count.0 += 1;
+        count.1 += got.len();
     }
-    eprintln!("{jpegs} JPEG decodes ({jpeg_values} values) equal Pillow's bit for bit");
-    assert!(jpegs >= 30, "the corpus has the JPEG kinds it should");
+    for (ext, (decodes, values)) in &per_format {
+        eprintln!("{ext}: {decodes} decodes ({values} values) equal Pillow's bit for bit");
+    }
+    for ext in ["jpg", "png", "webp", "bmp", "tif", "gif", "ppm", "pgm"] {
+        assert!(per_format.contains_key(ext), "the corpus has {ext} files");
+    }
+    assert!(
+        per_format["jpg"].0 >= 30,
+        "the corpus has the JPEG kinds it should"
+    );
     Ok(())
 }
 
 #[test]
-fn truncated_and_corrupt_jpegs_are_errors_naming_the_file() -> Result<()> {
-    let Some(fx) = fixtures("truncated_and_corrupt_jpegs_are_errors_naming_the_file") else {
+fn truncated_and_corrupt_images_are_errors_naming_the_file() -> Result<()> {
+    let Some(fx) = fixtures("truncated_and_corrupt_images_are_errors_naming_the_file") else {
         return Ok(());
     };
     let decode_dir = path_of(&fx["decode"][0]["file"])
@@ -195,6 +203,42 @@ fn truncated_and_corrupt_jpegs_are_errors_naming_the_file() -> Result<()> {
             );
         }
     }
+    // The other formats, cut short: errors naming the file and the format.
+    for (file, format) in [
+        ("photo.webp", "WebP"),
+        ("lossless_alpha.webp", "WebP"),
+        ("rgb24.bmp", "BMP"),
+        ("bits1.bmp", "BMP"),
+        ("lzw.tif", "TIFF"),
+        ("raw.tif", "TIFF"),
+        ("palette.gif", "GIF"),
+        ("colour.ppm", "PNM"),
+    ] {
+        let whole = std::fs::read(decode_dir.join(file)).expect("fixture");
+        // A GIF's last bytes are its trailer, after the complete image.
+        let last = if format == "GIF" {
+            whole.len() / 2
+        } else {
+            whole.len() - 3
+        };
+        for cut in [12, whole.len() / 2, last] {
+            let what = format!("{file} cut at {cut}");
+            let err = decode_image(&whole[..cut], ColorMode::Rgb, name).expect_err(&what);
+            assert!(matches!(err, Error::Data { .. }), "{what}: {err:?}");
+            let text = err.to_string();
+            assert!(
+                text.contains("broken/cut.jpg") && text.contains(format),
+                "{what}: {text}"
+            );
+        }
+    }
+    // A palette TIFF, which Kiln does not decode.
+    let palette = std::fs::read(decode_dir.join("palette.tif.unsupported")).expect("fixture");
+    let err = decode_image(&palette, ColorMode::Rgb, name).expect_err("palette TIFF");
+    assert!(
+        err.to_string().contains("RGBPalette") && err.to_string().contains("not supported"),
+        "{err}"
+    );
     // A frame header of 2 components (Pillow: "cannot handle 2-layer images").
     let mut two = std::fs::read(decode_dir.join("q75_420.jpg")).expect("fixture");
     let sof = two

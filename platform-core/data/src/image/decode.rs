@@ -1,11 +1,12 @@
-//! Decoding JPEG and PNG files into `[C, H, W]` u8 tensors.
+//! Decoding image files into `[C, H, W]` u8 tensors, pixel for pixel as
+//! Pillow decodes them (`Image.open(path).convert(mode)`, what torchvision's
+//! `ImageFolder` loader does).
 //!
-//! JPEG goes through `zune-jpeg` (pure Rust, SIMD IDCT and colour
-//! conversion, baseline and progressive, the decoder the `image` crate
-//! uses): among the maintained Rust decoders it is the fastest that handles
-//! progressive files, and it needs no C library. PNG goes through the `png`
-//! crate. The colour conversions follow Pillow, what torchvision's
-//! `ImageFolder` loader uses (`Image.open(path).convert(mode)`).
+//! JPEG goes through libjpeg-turbo's decoder, the one Pillow and torchvision
+//! ship, built from source by `mozjpeg-sys` (mozjpeg changes only the
+//! encoder) and called with Pillow's settings by `csrc/jpeg_decode.c`. PNG
+//! goes through the `png` crate; WebP, BMP, TIFF and GIF through the crates
+//! in [`formats`](super::formats).
 
 use std::io::Cursor;
 use std::panic::{self, AssertUnwindSafe};
@@ -18,6 +19,8 @@ use mozjpeg_sys as _;
 
 use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
+
+use super::formats;
 
 /// Most bytes the PNG decoder may allocate for one image (a decompression bomb guard).
 const PNG_MEMORY_LIMIT: usize = 1 << 30;
@@ -43,22 +46,25 @@ pub enum ColorMode {
     Unchanged,
 }
 
-/// Decodes the JPEG or PNG image in `bytes` into a `[C, H, W]` u8 tensor
-/// whose channels `mode` chooses; `name` (the file, or `shard.tar:key.jpg`)
-/// only names the image in errors.
+/// Decodes the JPEG, PNG, WebP, BMP, TIFF, GIF, PGM or PPM image in `bytes` into a
+/// `[C, H, W]` u8 tensor whose channels `mode` chooses, equal to Pillow's
+/// `Image.open(path).convert(mode)`; `name` (the file, or
+/// `shard.tar:key.jpg`) only names the image in errors.
 ///
 /// The format is sniffed from the magic bytes, not from the name's
-/// extension. 16-bit PNG samples keep their high byte (`v >> 8`, as Pillow
-/// does for 16-bit colour and torchvision's `to_dtype(uint8, scale=True)`
-/// does for all; Pillow clips 16-bit grayscale at 255 instead). EXIF
-/// orientation is not applied (neither Pillow's `open` nor torchvision's
-/// `decode_image` apply it by default).
+/// extension. A GIF or an animated WebP gives its first frame. 16-bit PNG
+/// and TIFF samples keep their high byte (`v >> 8`, as Pillow does for
+/// 16-bit colour and torchvision's `to_dtype(uint8, scale=True)` does for
+/// all; Pillow clips 16-bit grayscale at 255 instead). EXIF orientation is
+/// not applied (neither Pillow's `open` nor torchvision's `decode_image`
+/// apply it by default).
 ///
 /// # Errors
 ///
-/// [`Error::Data`] naming `name` when the data is neither JPEG nor PNG, is
-/// corrupt, or is truncated (a JPEG without its end-of-image marker, as
-/// Pillow's "image file is truncated").
+/// [`Error::Data`] naming `name` when the data is not an image of these
+/// formats, is corrupt, is truncated (a JPEG without its end-of-image
+/// marker, as Pillow's "image file is truncated"), or has more than about
+/// 179 million pixels (Pillow's decompression bomb guard).
 ///
 /// ```
 /// use kiln_data::{decode_image, ColorMode};
@@ -74,6 +80,16 @@ pub fn decode_image(bytes: &[u8], mode: ColorMode, name: &Path) -> Result<HostTe
             decode_jpeg(bytes, name)
         } else if bytes.starts_with(b"\x89PNG\r\n\x1a\n") {
             decode_png(bytes, name)
+        } else if is_webp(bytes) {
+            formats::decode_webp(bytes, name)
+        } else if bytes.starts_with(b"BM") {
+            formats::decode_bmp(bytes, name)
+        } else if bytes.starts_with(b"II*\0") || bytes.starts_with(b"MM\0*") {
+            formats::decode_tiff(bytes, name)
+        } else if bytes.starts_with(b"GIF87a") || bytes.starts_with(b"GIF89a") {
+            formats::decode_gif(bytes, name)
+        } else if bytes.starts_with(b"P5") || bytes.starts_with(b"P6") {
+            formats::decode_pnm(bytes, name)
         } else {
             Err(Error::data(name, Some(0), unknown_format(bytes)))
         }
@@ -88,32 +104,28 @@ pub fn decode_image(bytes: &[u8], mode: ColorMode, name: &Path) -> Result<HostTe
     decoded.convert(mode).into_tensor()
 }
 
+fn is_webp(bytes: &[u8]) -> bool {
+    bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP"
+}
+
 /// Why `bytes` is not decoded: what it looks like instead.
 fn unknown_format(bytes: &[u8]) -> String {
-    let what = if bytes.len() >= 12 && &bytes[..4] == b"RIFF" && &bytes[8..12] == b"WEBP" {
-        "a WebP image, which is not supported (only JPEG and PNG are)".to_string()
-    } else if bytes.starts_with(b"BM") {
-        "a BMP image, which is not supported (only JPEG and PNG are)".to_string()
-    } else if bytes.starts_with(b"II*\0") || bytes.starts_with(b"MM\0*") {
-        "a TIFF image, which is not supported (only JPEG and PNG are)".to_string()
-    } else if bytes.is_empty() {
-        "the file is empty; expected a JPEG or PNG image".to_string()
-    } else {
-        let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
-        format!(
-            "not a JPEG or PNG image (it starts with bytes {})",
-            head.join(" ")
-        )
-    };
-    what
+    if bytes.is_empty() {
+        return "the file is empty; expected an image".to_string();
+    }
+    let head: Vec<String> = bytes.iter().take(8).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "not an image Kiln decodes (JPEG, PNG, WebP, BMP, TIFF, GIF, PGM or PPM): it starts with bytes {}",
+        head.join(" ")
+    )
 }
 
 /// Interleaved 8-bit pixels, `channels` per pixel.
-struct Pixels {
-    data: Vec<u8>,
-    width: usize,
-    height: usize,
-    channels: usize,
+pub(super) struct Pixels {
+    pub(super) data: Vec<u8>,
+    pub(super) width: usize,
+    pub(super) height: usize,
+    pub(super) channels: usize,
 }
 
 impl Pixels {
@@ -227,11 +239,6 @@ extern "C" {
     ) -> c_int;
 }
 
-/// Most pixels a JPEG may have (libjpeg's own limit is 65500 a side): a
-/// decompression-bomb guard, as Pillow's `MAX_IMAGE_PIXELS` (about 179
-/// million, where Pillow refuses twice its 89 million warning threshold).
-const JPEG_MAX_PIXELS: usize = 2 * 89_478_485;
-
 /// A libjpeg return code and message as Kiln's error.
 fn jpeg_failure(code: c_int, message: &[c_char], name: &Path) -> Error {
     // SAFETY: the shim writes a NUL-terminated string of at most
@@ -276,23 +283,17 @@ fn decode_jpeg(bytes: &[u8], name: &Path) -> Result<Pixels> {
         1 => (JCS_GRAYSCALE, 1),
         3 => (JCS_RGB, 3),
         4 => (JCS_CMYK, 4),
-        n => return Err(Error::data(
-            name,
-            None,
-            format!(
+        n => {
+            return Err(Error::data(
+                name,
+                None,
+                format!(
                 "a JPEG of {n} components, which is not supported (expected 1, 3 or 4, as Pillow)"
             ),
-        )),
+            ))
+        }
     };
-    if width.saturating_mul(height) > JPEG_MAX_PIXELS {
-        return Err(Error::data(
-            name,
-            None,
-            format!(
-                "the JPEG is {width}x{height}, more than {JPEG_MAX_PIXELS} pixels (a decompression bomb guard, Pillow's)"
-            ),
-        ));
-    }
+    formats::check_pixels(width, height, "JPEG", name)?;
     let mut data = vec![0u8; width * height * channels];
     // SAFETY: `data` is exactly the `width * height * channels` bytes the
     // shim checks it writes; `bytes` and `message` as above.
@@ -312,7 +313,7 @@ fn decode_jpeg(bytes: &[u8], name: &Path) -> Result<Pixels> {
     }
     if channels == 4 {
         return Ok(Pixels {
-            data: inverted_cmyk_to_rgb(&data),
+            data: cmyk_to_rgb(&data, true),
             width,
             height,
             channels: 3,
@@ -326,19 +327,18 @@ fn decode_jpeg(bytes: &[u8], name: &Path) -> Result<Pixels> {
     })
 }
 
-/// Pillow's `CMYK;I` unpacking (every channel inverted) followed by its
-/// `CMYK` to `RGB` conversion: `v = (255 - k) - (c * (255 - k)) / 255`,
-/// with Pillow's rounded division by 255.
-fn inverted_cmyk_to_rgb(cmyk: &[u8]) -> Vec<u8> {
+/// Pillow's `CMYK` to `RGB` conversion, `v = (255 - k) - c * (255 - k) / 255`
+/// with Pillow's rounded division by 255; `inverted` CMYK (Adobe's JPEG
+/// convention, Pillow's `CMYK;I`) has every channel stored as `255 - v`.
+pub(super) fn cmyk_to_rgb(cmyk: &[u8], inverted: bool) -> Vec<u8> {
+    let flip = if inverted { 255 } else { 0 };
     let mut out = Vec::with_capacity(cmyk.len() / 4 * 3);
     for px in cmyk.chunks_exact(4) {
-        let nk = u32::from(px[3]); // 255 - k, with k = 255 - px[3]
+        let nk = 255 - u32::from(px[3] ^ flip);
         for &stored in &px[..3] {
-            let c = 255 - u32::from(stored);
-            let t = c * nk + 128;
-            let scaled = ((t >> 8) + t) >> 8;
-            // nk >= scaled since c <= 255.
-            out.push((nk - scaled) as u8);
+            let t = u32::from(stored ^ flip) * nk + 128;
+            // At most nk, since the channel is at most 255.
+            out.push((nk - (((t >> 8) + t) >> 8)) as u8);
         }
     }
     out
@@ -494,6 +494,11 @@ mod tests {
             (&b""[..], "empty"),
             (b"BM\0\0\0\0", "BMP"),
             (b"RIFF\0\0\0\0WEBPVP8 ", "WebP"),
+            (b"II*\0\x08\0", "TIFF"),
+            (b"GIF89a\x01", "GIF"),
+            (b"P3\n1 1\n255\n", "JPEG, PNG"),
+            (b"P6\n1 1\n255\n", "truncated PNM"),
+            (b"P5 2 1 15\n\x01\x02", "maxval 15"),
             (b"\xFF\xD8\xFF\xE0\x00\x10JFIF", "truncated JPEG"),
         ] {
             let err = decode_image(bytes, ColorMode::Rgb, name).expect_err(needle);

@@ -11,9 +11,8 @@ use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
 
 /// The extensions torchvision's `ImageFolder` accepts (`IMG_EXTENSIONS`),
-/// compared case-insensitively with the end of the path. Only JPEG and PNG
-/// decode; the others are listed (so the samples match torchvision's) and
-/// fail when read.
+/// compared case-insensitively with the end of the path. Every one decodes
+/// (see [`decode_image`](crate::decode_image)).
 pub const IMG_EXTENSIONS: [&str; 9] = [
     ".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",
 ];

@@ -1,8 +1,9 @@
-//! Images: decoding JPEG and PNG ([`decode_image`]), class folders
+//! Images: decoding JPEG, PNG, WebP, BMP, TIFF, GIF, PGM and PPM ([`decode_image`]), class folders
 //! ([`ImageFolder`]) and WebDataset tar shards ([`WebDataset`]).
 
 mod decode;
 mod folder;
+mod formats;
 mod webdataset;
 
 pub use decode::{decode_image, ColorMode};

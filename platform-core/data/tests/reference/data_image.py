@@ -182,6 +182,56 @@ def png16_rgb(path, arr):
 png16_rgb(os.path.join(decode, "rgb16.png"), rng.integers(0, 65536, (11, 9, 3)).astype(np.uint16))
 case("rgb16.png", modes=("RGB",))
 
+# ---- the other formats torchvision lists: WebP, BMP, TIFF, GIF ----------------------------
+rgb = Image.fromarray(picture(35, 46))
+rgba = Image.fromarray(picture(35, 46, 4), "RGBA")
+gray = Image.fromarray(picture(35, 46, 1), "L")
+rgb.save(os.path.join(decode, "lossy.webp"), quality=80)
+rgba.save(os.path.join(decode, "lossy_alpha.webp"), quality=70)
+rgb.save(os.path.join(decode, "lossless.webp"), lossless=True)
+rgba.save(os.path.join(decode, "lossless_alpha.webp"), lossless=True)
+Image.fromarray(picture(300, 257)).save(os.path.join(decode, "photo.webp"), quality=90)
+rgb.save(os.path.join(decode, "animated.webp"), save_all=True, quality=85,
+         append_images=[Image.fromarray(picture(35, 46)) for _ in range(2)], duration=100)
+for name in ["lossy.webp", "lossy_alpha.webp", "lossless.webp", "lossless_alpha.webp",
+             "photo.webp", "animated.webp"]:
+    case(name)
+rgb.save(os.path.join(decode, "rgb24.bmp"))
+rgba.save(os.path.join(decode, "rgba32.bmp"))
+gray.save(os.path.join(decode, "gray8.bmp"))
+rgb.quantize(20).save(os.path.join(decode, "palette8.bmp"))
+(gray.point(lambda v: 255 if v > 128 else 0)).convert("1").save(os.path.join(decode, "bits1.bmp"))
+for name in ["rgb24.bmp", "rgba32.bmp", "gray8.bmp", "palette8.bmp", "bits1.bmp"]:
+    case(name)
+rgb.save(os.path.join(decode, "raw.tif"))
+rgb.save(os.path.join(decode, "lzw.tif"), compression="tiff_lzw")
+rgba.save(os.path.join(decode, "deflate_rgba.tif"), compression="tiff_adobe_deflate")
+gray.save(os.path.join(decode, "packbits_gray.tif"), compression="packbits")
+# Not decoded by Kiln: a palette TIFF (tests/data_image.rs checks the error).
+rgb.quantize(30).save(os.path.join(decode, "palette.tif.unsupported"), format="TIFF")
+Image.fromarray(picture(35, 46, 4), "CMYK").save(os.path.join(decode, "cmyk.tif"),
+                                                 compression="tiff_lzw")
+(gray.point(lambda v: 255 if v > 100 else 0)).convert("1").save(os.path.join(decode, "bits1.tif"))
+for name in ["raw.tif", "lzw.tif", "deflate_rgba.tif", "packbits_gray.tif",
+             "cmyk.tif", "bits1.tif"]:
+    case(name)
+g16 = rng.integers(0, 65536, (13, 17)).astype(np.uint16)
+Image.fromarray(g16).save(os.path.join(decode, "gray16.tif"))
+hi = (g16 >> 8).astype(np.uint8)[None]
+case("gray16.tif", modes=("RGB", "L"), expected={"RGB": np.concatenate([hi, hi, hi]), "L": hi})
+rgb.quantize(60).save(os.path.join(decode, "palette.gif"))
+rgb.quantize(60).save(os.path.join(decode, "transparent.gif"), transparency=5)
+gray.save(os.path.join(decode, "gray.gif"))
+frames = [rgb.quantize(40)] + [Image.fromarray(picture(35, 46)).quantize(40) for _ in range(2)]
+frames[0].save(os.path.join(decode, "animated.gif"), save_all=True, append_images=frames[1:],
+               duration=80, loop=0)
+for name in ["palette.gif", "transparent.gif", "gray.gif", "animated.gif"]:
+    case(name)
+rgb.save(os.path.join(decode, "colour.ppm"))
+gray.save(os.path.join(decode, "gray.pgm"))
+for name in ["colour.ppm", "gray.pgm"]:
+    case(name)
+
 # ---- equal-sized ImageFolder with a truncated JPEG --------------------------------------
 stack = mkdir("stack")
 for i in range(3):
