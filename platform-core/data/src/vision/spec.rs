@@ -4,7 +4,10 @@ use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
 use serde::{Deserialize, Serialize};
 
+use super::affine::{Interpolation, RandomAffine, RandomPerspective, RandomRotation, ShearRange};
+use super::augment::{EraseValue, GaussianBlur, RandomErasing, RandomGrayscale};
 use super::geometry::ResizeTo;
+use super::pad::{Pad, Padding, PaddingMode, RandomCrop};
 use super::transforms::{CenterCrop, ColorJitter, RandomResizedCrop, Resize};
 use crate::transform::{
     Compose, Normalize, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
@@ -26,6 +29,113 @@ impl SizeSpec {
         match self {
             SizeSpec::Square(s) => (s, s),
             SizeSpec::HeightWidth([h, w]) => (h, w),
+        }
+    }
+}
+
+/// A number, or a `[min, max]` range (torchvision's `degrees = 30` for
+/// `[-30, 30]`, or `sigma = 1.0` for `[1.0, 1.0]`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum NumberOrRange {
+    /// One number.
+    Number(f64),
+    /// `[min, max]`.
+    Range([f64; 2]),
+}
+
+impl NumberOrRange {
+    /// The range, a single number `v` giving `[-v, v]` (which needs `v >= 0`,
+    /// named `name` in the error).
+    fn symmetric(self, name: &str) -> Result<(f64, f64)> {
+        match self {
+            NumberOrRange::Number(v) if v >= 0.0 => Ok((-v, v)),
+            NumberOrRange::Number(v) => Err(Error::invalid_argument(
+                name,
+                format!("a single number is the range [-{name}, {name}] and must be >= 0, got {v}"),
+            )),
+            NumberOrRange::Range([a, b]) => Ok((a, b)),
+        }
+    }
+
+    /// The range, a single number `v` giving `[v, v]`.
+    fn fixed(self) -> (f64, f64) {
+        match self {
+            NumberOrRange::Number(v) => (v, v),
+            NumberOrRange::Range([a, b]) => (a, b),
+        }
+    }
+}
+
+/// A fill value for every channel, or one per channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum FillSpec {
+    /// One value for all channels.
+    Value(f64),
+    /// One value per channel.
+    PerChannel(Vec<f64>),
+}
+
+impl FillSpec {
+    fn values(spec: &Option<FillSpec>) -> Vec<f64> {
+        match spec {
+            None => vec![0.0],
+            Some(FillSpec::Value(v)) => vec![*v],
+            Some(FillSpec::PerChannel(v)) => v.clone(),
+        }
+    }
+}
+
+/// [`RandomErasing`]'s `value`: a number, one per channel, or `"random"`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EraseValueSpec {
+    /// One value for all channels.
+    Value(f64),
+    /// One value per channel.
+    PerChannel(Vec<f64>),
+    /// `"random"`: standard normal noise.
+    Random(RandomWord),
+}
+
+/// The word `"random"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RandomWord {
+    /// `"random"`.
+    Random,
+}
+
+/// [`RandomAffine`]'s `shear`: a number `v` (x shear in `[-v, v]`), `[min,
+/// max]` (x shear), or `[x_min, x_max, y_min, y_max]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ShearSpec {
+    /// x shear in `[-v, v]`.
+    Number(f64),
+    /// `[min, max]` or `[x_min, x_max, y_min, y_max]`.
+    Ranges(Vec<f64>),
+}
+
+impl ShearSpec {
+    fn range(&self) -> Result<ShearRange> {
+        match self {
+            ShearSpec::Number(v) => Ok(ShearRange {
+                x: NumberOrRange::Number(*v).symmetric("shear")?,
+                y: None,
+            }),
+            ShearSpec::Ranges(v) => match v[..] {
+                [a, b] => Ok(ShearRange { x: (a, b), y: None }),
+                [a, b, c, d] => Ok(ShearRange {
+                    x: (a, b),
+                    y: Some((c, d)),
+                }),
+                _ => Err(Error::invalid_argument(
+                    "shear",
+                    format!("give a number, 2 or 4 values, got {}", v.len()),
+                )),
+            },
         }
     }
 }
@@ -110,6 +220,120 @@ pub enum TransformSpec {
     },
     /// `uint8` to `float32` in `[0, 1]` ([`ToFloat`]).
     ToTensor {},
+    /// [`Pad`]: `padding` as 1, 2 (`[left/right, top/bottom]`) or 4
+    /// (`[left, top, right, bottom]`) numbers.
+    Pad {
+        /// Pixels added on the sides.
+        padding: Vec<usize>,
+        /// Fill for `constant` mode, default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+        /// `constant` (default), `edge`, `reflect` or `symmetric`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding_mode: Option<PaddingMode>,
+    },
+    /// [`RandomCrop`](super::RandomCrop).
+    RandomCrop {
+        /// Output size.
+        size: SizeSpec,
+        /// Padding before the crop (1, 2 or 4 numbers, as for `pad`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding: Option<Vec<usize>>,
+        /// Pad images smaller than the crop, default false.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pad_if_needed: Option<bool>,
+        /// Fill for `constant` mode, default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+        /// `constant` (default), `edge`, `reflect` or `symmetric`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        padding_mode: Option<PaddingMode>,
+    },
+    /// [`RandomGrayscale`].
+    RandomGrayscale {
+        /// Probability, default 0.1.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        p: Option<f64>,
+    },
+    /// [`GaussianBlur`].
+    GaussianBlur {
+        /// Kernel side, or `[x, y]` (width first, as torchvision), odd.
+        kernel_size: SizeSpec,
+        /// Sigma, or its `[min, max]` range; default `[0.1, 2.0]`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sigma: Option<NumberOrRange>,
+    },
+    /// [`RandomErasing`] (after `to_tensor`, as in torchvision's recipes).
+    RandomErasing {
+        /// Probability, default 0.5.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        p: Option<f64>,
+        /// Area range, default `[0.02, 0.33]`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scale: Option<(f64, f64)>,
+        /// Aspect ratio range, default `[0.3, 3.3]`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ratio: Option<(f64, f64)>,
+        /// A value, one per channel, or `"random"`; default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        value: Option<EraseValueSpec>,
+    },
+    /// [`RandomRotation`].
+    RandomRotation {
+        /// Largest angle (the range `[-degrees, degrees]`) or `[min, max]`.
+        degrees: NumberOrRange,
+        /// `nearest` (default) or `bilinear`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Grow the output to hold the whole rotated image, default false.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        expand: Option<bool>,
+        /// Centre `[x, y]` in pixels, default the image's centre.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        center: Option<[f64; 2]>,
+        /// Fill, default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+    },
+    /// [`RandomAffine`].
+    RandomAffine {
+        /// Largest angle (the range `[-degrees, degrees]`) or `[min, max]`.
+        degrees: NumberOrRange,
+        /// Largest shifts `[x, y]` as fractions of the width and height.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        translate: Option<(f64, f64)>,
+        /// Scale range.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        scale: Option<(f64, f64)>,
+        /// x shear (a number for `[-v, v]`, or `[min, max]`), or `[x_min,
+        /// x_max, y_min, y_max]`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shear: Option<ShearSpec>,
+        /// `nearest` (default) or `bilinear`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Fill, default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+        /// Centre `[x, y]` in pixels, default the image's centre.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        center: Option<[f64; 2]>,
+    },
+    /// [`RandomPerspective`].
+    RandomPerspective {
+        /// How far corners move, default 0.5.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        distortion_scale: Option<f64>,
+        /// Probability, default 0.5.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        p: Option<f64>,
+        /// `bilinear` (default) or `nearest`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Fill, default 0.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+    },
 }
 
 /// A boxed transform as a `Transform` (for [`Compose::then`]).
@@ -132,6 +356,14 @@ impl TransformSpec {
             TransformSpec::ColorJitter { .. } => "color_jitter",
             TransformSpec::Normalize { .. } => "normalize",
             TransformSpec::ToTensor {} => "to_tensor",
+            TransformSpec::Pad { .. } => "pad",
+            TransformSpec::RandomCrop { .. } => "random_crop",
+            TransformSpec::RandomGrayscale { .. } => "random_grayscale",
+            TransformSpec::GaussianBlur { .. } => "gaussian_blur",
+            TransformSpec::RandomErasing { .. } => "random_erasing",
+            TransformSpec::RandomRotation { .. } => "random_rotation",
+            TransformSpec::RandomAffine { .. } => "random_affine",
+            TransformSpec::RandomPerspective { .. } => "random_perspective",
         }
     }
 
@@ -247,6 +479,119 @@ impl TransformSpec {
                 })
             }
             TransformSpec::ToTensor {} => Box::new(ToFloat),
+            TransformSpec::Pad {
+                padding,
+                fill,
+                padding_mode,
+            } => Box::new(Pad::new(
+                Padding::from_values(padding)?,
+                FillSpec::values(fill),
+                padding_mode.unwrap_or_default(),
+            )?),
+            TransformSpec::RandomCrop {
+                size,
+                padding,
+                pad_if_needed,
+                fill,
+                padding_mode,
+            } => {
+                let (h, w) = size.height_width();
+                let mut t = RandomCrop::new(h, w);
+                t.padding = padding.as_deref().map(Padding::from_values).transpose()?;
+                t.pad_if_needed = pad_if_needed.unwrap_or(false);
+                t.fill = FillSpec::values(fill);
+                t.padding_mode = padding_mode.unwrap_or_default();
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::RandomGrayscale { p } => {
+                let t = RandomGrayscale {
+                    p: p.unwrap_or(0.1),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::GaussianBlur { kernel_size, sigma } => {
+                let k = match *kernel_size {
+                    SizeSpec::Square(k) => (k, k),
+                    SizeSpec::HeightWidth([x, y]) => (x, y),
+                };
+                let sigma = sigma.map_or((0.1, 2.0), NumberOrRange::fixed);
+                Box::new(GaussianBlur::new(k, sigma)?)
+            }
+            TransformSpec::RandomErasing {
+                p,
+                scale,
+                ratio,
+                value,
+            } => {
+                let mut t = RandomErasing::default();
+                t.p = p.unwrap_or(t.p);
+                t.scale = scale.unwrap_or(t.scale);
+                t.ratio = ratio.unwrap_or(t.ratio);
+                t.value = match value {
+                    None => EraseValue::Constant(vec![0.0]),
+                    Some(EraseValueSpec::Value(v)) => EraseValue::Constant(vec![*v]),
+                    Some(EraseValueSpec::PerChannel(v)) => EraseValue::Constant(v.clone()),
+                    Some(EraseValueSpec::Random(RandomWord::Random)) => EraseValue::Random,
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::RandomRotation {
+                degrees,
+                interpolation,
+                expand,
+                center,
+                fill,
+            } => {
+                let t = RandomRotation {
+                    degrees: degrees.symmetric("degrees")?,
+                    interpolation: interpolation.unwrap_or(Interpolation::Nearest),
+                    expand: expand.unwrap_or(false),
+                    center: center.map(|[x, y]| (x, y)),
+                    fill: FillSpec::values(fill),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::RandomAffine {
+                degrees,
+                translate,
+                scale,
+                shear,
+                interpolation,
+                fill,
+                center,
+            } => {
+                let t = RandomAffine {
+                    degrees: degrees.symmetric("degrees")?,
+                    translate: *translate,
+                    scale: *scale,
+                    shear: shear.as_ref().map(ShearSpec::range).transpose()?,
+                    interpolation: interpolation.unwrap_or(Interpolation::Nearest),
+                    fill: FillSpec::values(fill),
+                    center: center.map(|[x, y]| (x, y)),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::RandomPerspective {
+                distortion_scale,
+                p,
+                interpolation,
+                fill,
+            } => {
+                let d = RandomPerspective::default();
+                let t = RandomPerspective {
+                    distortion_scale: distortion_scale.unwrap_or(d.distortion_scale),
+                    p: p.unwrap_or(d.p),
+                    interpolation: interpolation.unwrap_or(d.interpolation),
+                    fill: FillSpec::values(fill),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
         })
     }
 }
@@ -295,9 +640,16 @@ pub fn output_shape(
                     (_, None) => None,
                 }
             }
-            TransformSpec::CenterCrop { size } | TransformSpec::RandomResizedCrop { size, .. } => {
-                Some(size.height_width())
+            TransformSpec::CenterCrop { size }
+            | TransformSpec::RandomResizedCrop { size, .. }
+            | TransformSpec::RandomCrop { size, .. } => Some(size.height_width()),
+            TransformSpec::Pad { padding, .. } => {
+                let p = Padding::from_values(padding).ok()?;
+                hw.map(|(h, w)| p.padded(h, w))
             }
+            TransformSpec::RandomRotation {
+                expand: Some(true), ..
+            } => None,
             _ => hw,
         };
     }
@@ -397,5 +749,155 @@ mod tests {
             output_shape(&[TransformSpec::ToTensor {}], 1, Some((5, 6))),
             Some([1, 5, 6])
         );
+    }
+
+    #[test]
+    fn parses_the_augmentations() {
+        let specs: Vec<TransformSpec> = serde_json::from_value(serde_json::json!([
+            {"type": "pad", "padding": [1, 2], "padding_mode": "reflect"},
+            {"type": "random_crop", "size": 32, "padding": [4], "pad_if_needed": true,
+             "fill": [0, 127, 255], "padding_mode": "constant"},
+            {"type": "random_grayscale", "p": 0.2},
+            {"type": "gaussian_blur", "kernel_size": [5, 3], "sigma": [0.5, 1.5]},
+            {"type": "gaussian_blur", "kernel_size": 3, "sigma": 0.8},
+            {"type": "random_rotation", "degrees": 15, "interpolation": "bilinear", "fill": 0},
+            {"type": "random_affine", "degrees": [-10, 20], "translate": [0.1, 0.1],
+             "scale": [0.9, 1.1], "shear": [-5, 5, -3, 3]},
+            {"type": "random_affine", "degrees": 0, "shear": 10},
+            {"type": "random_perspective", "distortion_scale": 0.3, "p": 0.4},
+            {"type": "to_tensor"},
+            {"type": "random_erasing", "p": 0.25, "value": "random"},
+            {"type": "random_erasing", "value": [0.5, 0.4, 0.3]}
+        ]))
+        .expect("valid");
+        assert_eq!(
+            specs[0],
+            TransformSpec::Pad {
+                padding: vec![1, 2],
+                fill: None,
+                padding_mode: Some(PaddingMode::Reflect)
+            }
+        );
+        assert_eq!(
+            specs[10],
+            TransformSpec::RandomErasing {
+                p: Some(0.25),
+                scale: None,
+                ratio: None,
+                value: Some(EraseValueSpec::Random(RandomWord::Random))
+            }
+        );
+        let names: Vec<&str> = specs.iter().map(TransformSpec::name).collect();
+        assert_eq!(names[..3], ["pad", "random_crop", "random_grayscale"]);
+        let pipeline = compose(&specs).expect("valid pipeline");
+        assert_eq!(pipeline.len(), specs.len());
+        let text = serde_json::to_string(&specs).expect("serialize");
+        let back: Vec<TransformSpec> = serde_json::from_str(&text).expect("parse back");
+        assert_eq!(back, specs);
+        // a pipeline runs end to end on a uint8 image
+        let img = HostTensor::new(
+            (0..3 * 30 * 34)
+                .map(|v| (v % 251) as u8)
+                .collect::<Vec<u8>>(),
+            [3, 30, 34],
+        )
+        .expect("image");
+        let y = pipeline
+            .apply(img, &mut TransformRng::new(3))
+            .expect("pipeline runs");
+        assert_eq!(y.dims(), &[3, 32, 32]);
+    }
+
+    #[test]
+    fn augmentation_shapes() {
+        let pad = TransformSpec::Pad {
+            padding: vec![1, 2, 3, 4],
+            fill: None,
+            padding_mode: None,
+        };
+        // [left, top, right, bottom]: height + 2 + 4, width + 1 + 3
+        assert_eq!(
+            output_shape(std::slice::from_ref(&pad), 3, Some((10, 20))),
+            Some([3, 16, 24])
+        );
+        assert_eq!(output_shape(std::slice::from_ref(&pad), 3, None), None);
+        let expand = TransformSpec::RandomRotation {
+            degrees: NumberOrRange::Number(30.0),
+            interpolation: None,
+            expand: Some(true),
+            center: None,
+            fill: None,
+        };
+        let crop = TransformSpec::RandomCrop {
+            size: SizeSpec::Square(8),
+            padding: None,
+            pad_if_needed: Some(true),
+            fill: None,
+            padding_mode: None,
+        };
+        assert_eq!(
+            output_shape(std::slice::from_ref(&expand), 3, Some((10, 10))),
+            None
+        );
+        assert_eq!(
+            output_shape(&[expand, crop], 3, Some((10, 10))),
+            Some([3, 8, 8])
+        );
+    }
+
+    #[test]
+    fn invalid_augmentations_name_their_argument() {
+        let cases = [
+            (
+                r#"{"type": "pad", "padding": [1, 2, 3]}"#,
+                "transforms[0].padding",
+            ),
+            (
+                r#"{"type": "random_crop", "size": 0}"#,
+                "transforms[0].size",
+            ),
+            (r#"{"type": "random_grayscale", "p": 2}"#, "transforms[0].p"),
+            (
+                r#"{"type": "gaussian_blur", "kernel_size": 4}"#,
+                "transforms[0].kernel_size",
+            ),
+            (
+                r#"{"type": "gaussian_blur", "kernel_size": 3, "sigma": [2, 1]}"#,
+                "transforms[0].sigma",
+            ),
+            (
+                r#"{"type": "random_erasing", "scale": [0.5, 0.1]}"#,
+                "transforms[0].scale",
+            ),
+            (
+                r#"{"type": "random_rotation", "degrees": -5}"#,
+                "transforms[0].degrees",
+            ),
+            (
+                r#"{"type": "random_affine", "degrees": 0, "translate": [2, 0]}"#,
+                "transforms[0].translate",
+            ),
+            (
+                r#"{"type": "random_affine", "degrees": 0, "shear": [1, 2, 3]}"#,
+                "transforms[0].shear",
+            ),
+            (
+                r#"{"type": "random_perspective", "distortion_scale": 3}"#,
+                "transforms[0].distortion_scale",
+            ),
+        ];
+        for (json, expected) in cases {
+            let spec: TransformSpec = serde_json::from_str(json).expect(json);
+            let err = compose(&[spec]).expect_err(json);
+            assert!(err.to_string().contains(expected), "{json}: {err}");
+        }
+        assert!(serde_json::from_str::<TransformSpec>(
+            r#"{"type": "pad", "padding": [1], "padding_mode": "wrap"}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<TransformSpec>(
+            r#"{"type": "random_erasing", "value": "noise"}"#
+        )
+        .is_err());
     }
 }
