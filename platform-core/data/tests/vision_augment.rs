@@ -11,9 +11,11 @@ use std::path::Path;
 
 use kiln_core::{DType, HostTensor};
 use kiln_data::vision::{
-    affine, erase, gaussian_blur, pad, perspective, perspective_coefficients, rgb_to_grayscale,
-    rotate, to_tensor, EraseValue, GaussianBlur, Interpolation, Padding, PaddingMode, RandomAffine,
+    affine, augment_op, erase, gaussian_blur, pad, perspective, perspective_coefficients,
+    rgb_to_grayscale, rotate, to_tensor, AugmentOp, AugmentStep, AutoAugment, AutoAugmentPolicy,
+    EraseValue, GaussianBlur, Interpolation, Padding, PaddingMode, RandAugment, RandomAffine,
     RandomCrop, RandomErasing, RandomGrayscale, RandomPerspective, RandomRotation, ShearRange,
+    TrivialAugmentWide,
 };
 use kiln_data::{Transform, TransformRng};
 use serde_json::{json, Value};
@@ -406,8 +408,106 @@ fn build_cases() -> kiln_core::Result<Cases> {
                 );
             }
         }
+        // The AutoAugment family: every operation at several magnitudes,
+        // then the policies with replayed draws.
+        if ch == 1 || ch == 3 {
+            augment_cases(&mut c, input, &x)?;
+        }
     }
     Ok(c)
+}
+
+fn steps_json(steps: &[AugmentStep]) -> Value {
+    Value::Array(
+        steps
+            .iter()
+            .map(|s| json!([s.op.name(), s.magnitude]))
+            .collect(),
+    )
+}
+
+fn augment_cases(c: &mut Cases, input: &str, x: &HostTensor) -> kiln_core::Result<()> {
+    use AugmentOp::*;
+    let (ch, h, w) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+    let unit: f64 = if x.dtype() == DType::U8 { 255.0 } else { 1.0 };
+    let ops: [(AugmentOp, &[f64]); 15] = [
+        (Identity, &[0.0]),
+        (ShearX, &[0.3, -0.17, 0.99]),
+        (ShearY, &[-0.3, 0.05]),
+        (TranslateX, &[7.9, -12.3]),
+        (TranslateY, &[-3.0, 16.6]),
+        (Rotate, &[30.0, -11.5, 135.0]),
+        (Brightness, &[0.9, -0.45]),
+        (Color, &[0.6, -0.9]),
+        (Contrast, &[0.3, -0.99]),
+        (Sharpness, &[0.9, -0.6, 0.0]),
+        (Posterize, &[8.0, 5.0, 2.0, 0.0]),
+        (Solarize, &[1.0, 0.55, 0.1, 0.0]),
+        (AutoContrast, &[0.0]),
+        (Equalize, &[0.0]),
+        (Invert, &[0.0]),
+    ];
+    for mode in [Interpolation::Nearest, Interpolation::Bilinear] {
+        let m = mode_name(mode);
+        let per_channel: Vec<f64> = (0..ch).map(|i| unit * (0.25 + 0.25 * i as f64)).collect();
+        for fill in [None, Some(per_channel)] {
+            for (op, mags) in ops {
+                let geometric = matches!(op, ShearX | ShearY | TranslateX | TranslateY | Rotate);
+                if !geometric && (mode == Interpolation::Bilinear || fill.is_some()) {
+                    continue;
+                }
+                for &magnitude in mags {
+                    let y = augment_op(x, op, magnitude, mode, fill.as_deref())?;
+                    let args =
+                        json!({"op": op.name(), "magnitude": magnitude, "mode": m, "fill": fill});
+                    let row = if geometric {
+                        format!("op_{}_{m}", op.name())
+                    } else {
+                        format!("op_{}", op.name())
+                    };
+                    c.add(&row, input, "augment_op", args, y);
+                }
+            }
+        }
+    }
+    // Policies, replayed: the drawn (op, signed magnitude) steps.
+    let fill = Some(vec![unit * 0.5]);
+    for policy in [
+        AutoAugmentPolicy::Imagenet,
+        AutoAugmentPolicy::Cifar10,
+        AutoAugmentPolicy::Svhn,
+    ] {
+        let t = AutoAugment {
+            policy,
+            interpolation: Interpolation::Nearest,
+            fill: None,
+        };
+        for seed in 0..8u64 {
+            let steps = t.get_params(h, w, &mut TransformRng::new(seed));
+            let y = t.apply(x.clone(), &mut TransformRng::new(seed))?;
+            let args = json!({"steps": steps_json(&steps), "mode": "nearest", "fill": null});
+            c.add("auto_augment", input, "augment_policy", args, y);
+        }
+    }
+    let ra = RandAugment {
+        num_ops: 3,
+        magnitude: 12,
+        interpolation: Interpolation::Bilinear,
+        fill: fill.clone(),
+        ..RandAugment::default()
+    };
+    let ta = TrivialAugmentWide::default();
+    for seed in 0..10u64 {
+        let steps = ra.get_params(h, w, &mut TransformRng::new(seed));
+        let y = ra.apply(x.clone(), &mut TransformRng::new(seed))?;
+        let args = json!({"steps": steps_json(&steps), "mode": "bilinear", "fill": fill});
+        c.add("rand_augment", input, "augment_policy", args, y);
+        let steps = ta.get_params(h, w, &mut TransformRng::new(seed));
+        let y = ta.apply(x.clone(), &mut TransformRng::new(seed))?;
+        let args = json!({"steps": steps_json(&steps), "mode": "nearest", "fill": null});
+        c.add("trivial_augment_wide", input, "augment_policy", args, y);
+    }
+    Ok(())
 }
 
 fn write_inputs(dir: &Path, cases: &Cases) -> Value {
@@ -450,6 +550,19 @@ fn tolerance(row: &str, dtype: &str) -> (f64, f64) {
         // uint8 may go the other way where the sum lies within ~1e-5 of a half.
         ("gaussian_blur", "u8") => (1.0, 1e-3),
         ("gaussian_blur", _) => (1e-6, 1.0),
+        // float32 colour operations: the contrast mean and the sharpness
+        // kernel's sums in another order (last bits), as in vision_parity's
+        // colour rows; the policies inherit them
+        (
+            "op_Brightness"
+            | "op_Color"
+            | "op_Contrast"
+            | "op_Sharpness"
+            | "auto_augment"
+            | "rand_augment"
+            | "trivial_augment_wide",
+            "f32",
+        ) => (1e-6, 1.0),
         // everything else, warps included, reproduces torchvision's float32
         // arithmetic operation for operation
         _ => (0.0, 0.0),

@@ -44,9 +44,11 @@
 
 mod affine;
 mod augment;
+mod autoaugment;
 mod color;
 mod geometry;
 mod image;
+mod ops;
 mod pad;
 mod pixel;
 mod spec;
@@ -61,8 +63,13 @@ pub use augment::{
     erase, gaussian_blur, rgb_to_grayscale, EraseValue, ErasingParams, GaussianBlur, RandomErasing,
     RandomGrayscale,
 };
+pub use autoaugment::{
+    augment_op, AugmentOp, AugmentStep, AutoAugment, AutoAugmentPolicy, RandAugment,
+    TrivialAugmentWide,
+};
 pub use color::{adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation};
 pub use geometry::{center_crop, crop, hflip, resize, resized_crop, ResizeTo};
+pub use ops::{adjust_sharpness, autocontrast, equalize, invert, posterize, solarize};
 pub use pad::{pad, Pad, Padding, PaddingMode, RandomCrop, RandomCropParams};
 pub use spec::{compose, output_shape, SizeSpec, TransformSpec};
 pub use transforms::{

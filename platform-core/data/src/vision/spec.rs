@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::affine::{Interpolation, RandomAffine, RandomPerspective, RandomRotation, ShearRange};
 use super::augment::{EraseValue, GaussianBlur, RandomErasing, RandomGrayscale};
+use super::autoaugment::{AutoAugment, AutoAugmentPolicy, RandAugment, TrivialAugmentWide};
 use super::geometry::ResizeTo;
 use super::pad::{Pad, Padding, PaddingMode, RandomCrop};
 use super::transforms::{CenterCrop, ColorJitter, RandomResizedCrop, Resize};
@@ -319,6 +320,48 @@ pub enum TransformSpec {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         center: Option<[f64; 2]>,
     },
+    /// [`AutoAugment`].
+    AutoAugment {
+        /// `imagenet` (default), `cifar10` or `svhn`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        policy: Option<AutoAugmentPolicy>,
+        /// `nearest` (default) or `bilinear`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Fill of the warps; default none (zeros).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+    },
+    /// [`RandAugment`].
+    RandAugment {
+        /// Operations per image, default 2.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        num_ops: Option<usize>,
+        /// Magnitude bin, default 9.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        magnitude: Option<usize>,
+        /// Number of bins, default 31.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        num_magnitude_bins: Option<usize>,
+        /// `nearest` (default) or `bilinear`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Fill of the warps; default none (zeros).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+    },
+    /// [`TrivialAugmentWide`].
+    TrivialAugmentWide {
+        /// Number of bins, default 31.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        num_magnitude_bins: Option<usize>,
+        /// `nearest` (default) or `bilinear`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        interpolation: Option<Interpolation>,
+        /// Fill of the warps; default none (zeros).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        fill: Option<FillSpec>,
+    },
     /// [`RandomPerspective`].
     RandomPerspective {
         /// How far corners move, default 0.5.
@@ -364,6 +407,9 @@ impl TransformSpec {
             TransformSpec::RandomRotation { .. } => "random_rotation",
             TransformSpec::RandomAffine { .. } => "random_affine",
             TransformSpec::RandomPerspective { .. } => "random_perspective",
+            TransformSpec::AutoAugment { .. } => "auto_augment",
+            TransformSpec::RandAugment { .. } => "rand_augment",
+            TransformSpec::TrivialAugmentWide { .. } => "trivial_augment_wide",
         }
     }
 
@@ -576,6 +622,50 @@ impl TransformSpec {
                 t.validate()?;
                 Box::new(t)
             }
+            TransformSpec::AutoAugment {
+                policy,
+                interpolation,
+                fill,
+            } => {
+                let t = AutoAugment {
+                    policy: policy.unwrap_or_default(),
+                    interpolation: interpolation.unwrap_or_default(),
+                    fill: fill.as_ref().map(|_| FillSpec::values(fill)),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::RandAugment {
+                num_ops,
+                magnitude,
+                num_magnitude_bins,
+                interpolation,
+                fill,
+            } => {
+                let d = RandAugment::default();
+                let t = RandAugment {
+                    num_ops: num_ops.unwrap_or(d.num_ops),
+                    magnitude: magnitude.unwrap_or(d.magnitude),
+                    num_magnitude_bins: num_magnitude_bins.unwrap_or(d.num_magnitude_bins),
+                    interpolation: interpolation.unwrap_or_default(),
+                    fill: fill.as_ref().map(|_| FillSpec::values(fill)),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
+            TransformSpec::TrivialAugmentWide {
+                num_magnitude_bins,
+                interpolation,
+                fill,
+            } => {
+                let t = TrivialAugmentWide {
+                    num_magnitude_bins: num_magnitude_bins.unwrap_or(31),
+                    interpolation: interpolation.unwrap_or_default(),
+                    fill: fill.as_ref().map(|_| FillSpec::values(fill)),
+                };
+                t.validate()?;
+                Box::new(t)
+            }
             TransformSpec::RandomPerspective {
                 distortion_scale,
                 p,
@@ -765,6 +855,9 @@ mod tests {
              "scale": [0.9, 1.1], "shear": [-5, 5, -3, 3]},
             {"type": "random_affine", "degrees": 0, "shear": 10},
             {"type": "random_perspective", "distortion_scale": 0.3, "p": 0.4},
+            {"type": "auto_augment", "policy": "cifar10"},
+            {"type": "rand_augment", "num_ops": 3, "magnitude": 5, "interpolation": "bilinear", "fill": [1, 2, 3]},
+            {"type": "trivial_augment_wide", "num_magnitude_bins": 11},
             {"type": "to_tensor"},
             {"type": "random_erasing", "p": 0.25, "value": "random"},
             {"type": "random_erasing", "value": [0.5, 0.4, 0.3]}
@@ -779,7 +872,7 @@ mod tests {
             }
         );
         assert_eq!(
-            specs[10],
+            specs[13],
             TransformSpec::RandomErasing {
                 p: Some(0.25),
                 scale: None,
@@ -880,6 +973,14 @@ mod tests {
             (
                 r#"{"type": "random_affine", "degrees": 0, "shear": [1, 2, 3]}"#,
                 "transforms[0].shear",
+            ),
+            (
+                r#"{"type": "rand_augment", "magnitude": 40}"#,
+                "transforms[0].magnitude",
+            ),
+            (
+                r#"{"type": "trivial_augment_wide", "num_magnitude_bins": 0}"#,
+                "transforms[0].num_magnitude_bins",
             ),
             (
                 r#"{"type": "random_perspective", "distortion_scale": 3}"#,

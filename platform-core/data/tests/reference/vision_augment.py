@@ -23,6 +23,7 @@ import torchvision
 import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as F
 from torchvision.transforms.v2 import InterpolationMode
+from torchvision.transforms.v2._utils import _setup_fill_arg
 from torchvision.transforms.v2.functional._geometry import _get_perspective_coeffs
 
 assert torchvision.__version__.startswith("0.26"), torchvision.__version__
@@ -168,7 +169,7 @@ def run(x, op, a):
 def augment_op(x, name, magnitude, interpolation, fill):
     """One AutoAugment operation, through torchvision's own dispatcher."""
     return T.RandAugment(interpolation=interpolation)._apply_image_or_video_transform(
-        x, name, magnitude, interpolation=interpolation, fill={torch.Tensor: fill, "others": fill}
+        x, name, magnitude, interpolation=interpolation, fill=_setup_fill_arg(fill)
     )
 
 
