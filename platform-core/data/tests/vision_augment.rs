@@ -118,7 +118,69 @@ fn build_cases() -> kiln_core::Result<Cases> {
         c.inputs.insert(format!("{name}_f32"), to_tensor(&img)?);
         c.inputs.insert(format!("{name}_u8"), img);
     }
-    let names: Vec<String> = c.inputs.keys().cloned().collect();
+    // Batches go through the functions as torchvision's do (one call on
+    // [N, C, H, W]).
+    let batch = HostTensor::stack(&[photo(3, 37, 53, 1), photo(3, 37, 53, 9)])?;
+    let batches = [
+        ("batch_u8", batch.clone()),
+        ("batch_f32", to_tensor(&batch)?),
+    ];
+    for (input, x) in &batches {
+        c.inputs.insert(input.to_string(), x.clone());
+    }
+    for (input, x) in &batches {
+        let unit: f64 = if x.dtype() == DType::U8 { 255.0 } else { 1.0 };
+        let fill = vec![unit * 0.5];
+        let p = Padding::from_values(&[2, 3, 1, 4])?;
+        let args = json!({"padding": p.to_array(), "fill": [0.0], "mode": "reflect"});
+        c.add(
+            "pad",
+            input,
+            "pad",
+            args,
+            pad(x, p, &[0.0], PaddingMode::Reflect)?,
+        );
+        let args = json!({"angle": 12.0, "translate": [2.0, -1.0], "scale": 0.9,
+            "shear": [4.0, 0.0], "mode": "bilinear", "fill": fill, "center": null});
+        let y = affine(
+            x,
+            12.0,
+            (2.0, -1.0),
+            0.9,
+            (4.0, 0.0),
+            Interpolation::Bilinear,
+            Some(&fill),
+            None,
+        )?;
+        c.add("affine_bilinear", input, "affine", args, y);
+        let args = json!({"angle": -33.0, "expand": true, "mode": "nearest", "fill": null, "center": null});
+        let y = rotate(x, -33.0, Interpolation::Nearest, true, None, None)?;
+        c.add("rotate_nearest", input, "rotate", args, y);
+        let args = json!({"kernel_size": [5, 3], "sigma": [1.2, 0.7]});
+        c.add(
+            "gaussian_blur",
+            input,
+            "gaussian_blur",
+            args,
+            gaussian_blur(x, (5, 3), (1.2, 0.7))?,
+        );
+        for (op, magnitude) in [
+            (AugmentOp::Equalize, 0.0),
+            (AugmentOp::Sharpness, 0.8),
+            (AugmentOp::AutoContrast, 0.0),
+        ] {
+            let args =
+                json!({"op": op.name(), "magnitude": magnitude, "mode": "nearest", "fill": null});
+            let y = augment_op(x, op, magnitude, Interpolation::Nearest, None)?;
+            c.add(&format!("op_{}", op.name()), input, "augment_op", args, y);
+        }
+    }
+    let names: Vec<String> = c
+        .inputs
+        .keys()
+        .filter(|n| !n.starts_with("batch"))
+        .cloned()
+        .collect();
     for input in &names {
         let x = c.inputs[input].clone();
         let (ch, h, w) = (x.dims()[0], x.dims()[1], x.dims()[2]);

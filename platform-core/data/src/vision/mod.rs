@@ -6,16 +6,25 @@
 //! [`ToTensor`].
 //!
 //! * Functions: [`resize`] (bilinear, antialiased), [`crop`],
-//!   [`center_crop`], [`resized_crop`], [`hflip`], [`adjust_brightness`],
-//!   [`adjust_contrast`], [`adjust_saturation`], [`adjust_hue`], [`to_tensor`].
+//!   [`center_crop`], [`resized_crop`], [`hflip`], [`pad`], [`adjust_brightness`],
+//!   [`adjust_contrast`], [`adjust_saturation`], [`adjust_hue`],
+//!   [`adjust_sharpness`], [`rgb_to_grayscale`], [`gaussian_blur`],
+//!   [`erase`], [`posterize`], [`solarize`], [`autocontrast`], [`equalize`],
+//!   [`invert`], [`affine`], [`rotate`], [`perspective`] (with
+//!   [`perspective_coefficients`]), [`augment_op`], [`to_tensor`].
 //! * Transforms: [`Resize`], [`CenterCrop`], [`RandomResizedCrop`],
-//!   [`ColorJitter`], with [`RandomHorizontalFlip`](crate::RandomHorizontalFlip),
+//!   [`ColorJitter`], [`Pad`], [`RandomCrop`], [`RandomGrayscale`],
+//!   [`GaussianBlur`], [`RandomErasing`], [`RandomRotation`], [`RandomAffine`],
+//!   [`RandomPerspective`], [`AutoAugment`], [`RandAugment`],
+//!   [`TrivialAugmentWide`], with [`RandomHorizontalFlip`](crate::RandomHorizontalFlip),
 //!   [`Normalize`](crate::Normalize) and [`ToTensor`] (= [`ToFloat`](crate::ToFloat)).
 //!   Random ones expose `get_params` (torchvision's sampling, with
 //!   [`TransformRng`](crate::TransformRng) in place of torch's generator) so that
-//!   a drawn box or jitter can be replayed.
-//! * Configuration: [`TransformSpec`] (`{ type = "random_resized_crop", size = 64 }`),
-//!   [`compose`] and [`output_shape`].
+//!   a drawn box, angle, jitter or list of operations can be replayed.
+//! * Configuration: [`TransformSpec`] (`{ type = "random_resized_crop", size = 64 }`,
+//!   one `type` per transform, named after torchvision's class in snake case:
+//!   `random_affine`, `trivial_augment_wide`, ...), [`compose`] and
+//!   [`output_shape`].
 //!
 //! # Agreement with torchvision
 //!
@@ -41,6 +50,41 @@
 //! `uint8` resize matches PyTorch's fixed-point kernel, which torchvision uses
 //! on CPUs with AVX2 (every x86-64 server of the last decade); without AVX2
 //! torchvision resizes in float and rounds, which differs by up to 1.
+//!
+//! `tests/vision_augment.rs` compares the augmentations the same way
+//! (`tests/reference/vision_augment.py`; images 3x37x53, 1x29x31, 3x32x32
+//! and a batch of two; the random transforms' draws replayed through
+//! torchvision's own classes). Largest absolute differences allowed (and
+//! measured; for float32 the share of elements that differ):
+//!
+//! | transform | `uint8` allowed (measured) | `float32` allowed (measured) |
+//! |---|---|---|
+//! | [`pad`], [`Pad`], [`RandomCrop`] (every padding mode) | 0 (0) | 0 (0) |
+//! | [`rgb_to_grayscale`], [`RandomGrayscale`], [`erase`], [`RandomErasing`] | 0 (0) | 0 (0) |
+//! | [`affine`], [`rotate`], [`perspective`] and their random transforms, nearest and bilinear, every fill | 0 (0) | 0 (0) |
+//! | [`gaussian_blur`], [`GaussianBlur`] | 1 (0) | 1e-6 (2.4e-7, 25%) |
+//! | [`posterize`], [`solarize`], [`autocontrast`], [`equalize`], [`invert`], shears, translations, rotations of [`augment_op`] | 0 (0) | 0 (0) |
+//! | [`adjust_sharpness`] | 0 (0) | 1e-6 (6e-8, 0.3%) |
+//! | [`AutoAugment`], [`RandAugment`], [`TrivialAugmentWide`] (replayed operations) | 0 (0) | 1e-6 (1.2e-7, 1-4%) |
+//!
+//! The warps reproduce torchvision's arithmetic operation for operation: the
+//! inverse affine matrix in `f64`, the sampling grid in `float32`, then
+//! `grid_sample(align_corners=False)` with the fused multiply-adds PyTorch's
+//! vectorised CPU kernel is compiled to (unnormalising the coordinates and
+//! summing the four corners), and `uint8` rounded half to even, as
+//! `_apply_grid_transform` does (it rounds, it does not truncate). A
+//! fill (`Some`) samples a mask alongside and blends as torchvision does, so
+//! bilinear borders differ from `fill = None` (zeros, no mask), as they do
+//! there.
+//!
+//! The Gaussian kernel is `softmax(-(x / sigma)^2)` in `float32`; PyTorch's
+//! softmax uses a fast exponential whose last bits Kiln does not reproduce,
+//! so a kernel weight may differ by an ulp, a `float32` output by ~2e-7 and a
+//! `uint8` output (rounded half to even) by 1 where the exact value lies
+//! within ~1e-5 of a half (none in the tests). The convolutions (blur and
+//! sharpness) sum in PyTorch's row-major fused order, which matches exactly
+//! for three-channel images; the one-channel sharpness and contrast (whose
+//! mean PyTorch sums in another order) differ in the last bit of `float32`.
 
 mod affine;
 mod augment;
