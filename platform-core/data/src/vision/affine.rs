@@ -458,7 +458,9 @@ fn uniform(rng: &mut TransformRng, r: (f64, f64)) -> f64 {
 
 /// Rotates each image by an angle uniform in `degrees`
 /// (`torchvision.transforms.v2.RandomRotation(degrees, interpolation,
-/// expand, center, fill)`); see [`rotate`].
+/// expand, center, fill)`); see [`rotate`]. With `expand`, the output size
+/// depends on the angle, so batches are refused (each image draws its own
+/// angle).
 ///
 /// ```
 /// use kiln_core::HostTensor;
@@ -514,6 +516,13 @@ impl RandomRotation {
 impl Transform for RandomRotation {
     fn apply(&self, x: HostTensor, rng: &mut TransformRng) -> Result<HostTensor> {
         self.validate()?;
+        if self.expand && Layout::of(&x, "RandomRotation")?.batched {
+            return Err(Error::invalid_argument(
+                "expand",
+                "RandomRotation with expand draws an angle per image, so the images of a batch \
+                 would come out in different sizes: rotate them one at a time",
+            ));
+        }
         each_image(x, "RandomRotation", |img| {
             let angle = self.get_params(rng);
             rotate(
@@ -692,7 +701,8 @@ impl Transform for RandomAffine {
 /// A random perspective warp with probability `p`
 /// (`torchvision.transforms.v2.RandomPerspective(distortion_scale, p,
 /// interpolation, fill)`): each corner moves inwards by up to
-/// `distortion_scale` of the half side.
+/// `distortion_scale` of the half side. Images of one row or column (which
+/// have no perspective) are returned as they are.
 ///
 /// ```
 /// use kiln_data::vision::RandomPerspective;
@@ -903,5 +913,19 @@ mod tests {
             .contains("`distortion_scale`"));
         let line = [[0, 0], [1, 1], [2, 2], [3, 3]];
         assert!(perspective_coefficients(&line, &line).is_err());
+        let mut rr = RandomRotation::new(30.0).expect("valid");
+        rr.expand = true;
+        let batch = HostTensor::zeros(kiln_core::DType::U8, [2, 3, 6, 6]).expect("batch");
+        let err = rr
+            .apply(batch.clone(), &mut TransformRng::new(0))
+            .expect_err("expand on a batch");
+        assert!(err.to_string().contains("`expand`"), "{err}");
+        rr.expand = false;
+        assert_eq!(
+            rr.apply(batch, &mut TransformRng::new(0))
+                .expect("batch")
+                .dims(),
+            &[2, 3, 6, 6]
+        );
     }
 }

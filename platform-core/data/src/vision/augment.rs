@@ -370,7 +370,10 @@ pub fn erase(
     values: &[f32],
 ) -> Result<HostTensor> {
     let l = Layout::of(img, "erase")?;
-    if top + height > l.height || left + width > l.width {
+    let fits = |start: usize, len: usize, side: usize| {
+        start.checked_add(len).is_some_and(|end| end <= side)
+    };
+    if !fits(top, height, l.height) || !fits(left, width, l.width) {
         return Err(Error::invalid_argument(
             "height",
             format!(
@@ -624,6 +627,7 @@ mod tests {
         assert!(err.to_string().contains("`height`"), "{err}");
         assert!(erase(&img, 0, 0, 1, 1, &[0.0, 1.0]).is_err());
         assert!(erase(&img, 0, 0, 1, 1, &[-1.0]).is_err());
+        assert!(erase(&img, usize::MAX, 0, 2, 1, &[0.0]).is_err());
         let mut t = RandomErasing {
             scale: (0.5, 0.1),
             ..RandomErasing::default()

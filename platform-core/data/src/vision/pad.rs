@@ -123,11 +123,11 @@ impl Padding {
         *self == Padding::default()
     }
 
-    /// `(height, width)` after padding.
+    /// `(height, width)` after padding (saturating at `usize::MAX`).
     pub fn padded(&self, height: usize, width: usize) -> (usize, usize) {
         (
-            height + self.top + self.bottom,
-            width + self.left + self.right,
+            height.saturating_add(self.top).saturating_add(self.bottom),
+            width.saturating_add(self.left).saturating_add(self.right),
         )
     }
 
@@ -196,6 +196,15 @@ pub fn pad(
         return Ok(img.clone());
     }
     let (oh, ow) = padding.padded(h, w);
+    let elements = oh
+        .checked_mul(ow)
+        .and_then(|n| n.checked_mul(l.count * l.channels));
+    if elements.is_none_or(|n| n > isize::MAX as usize / 8) {
+        return Err(Error::invalid_argument(
+            "padding",
+            format!("pad to [{oh}, {ow}] is too large"),
+        ));
+    }
     let dims = l.dims_with(oh, ow);
     with_pixels!(img, T => {
         let src = img.as_slice::<T>()?;
@@ -370,15 +379,15 @@ impl RandomCrop {
         if self.pad_if_needed {
             if ph < ch {
                 let d = ch - ph;
-                padding.top += d;
-                padding.bottom += d;
-                ph += 2 * d;
+                padding.top = padding.top.saturating_add(d);
+                padding.bottom = padding.bottom.saturating_add(d);
+                ph = ph.saturating_add(d.saturating_mul(2));
             }
             if pw < cw {
                 let d = cw - pw;
-                padding.left += d;
-                padding.right += d;
-                pw += 2 * d;
+                padding.left = padding.left.saturating_add(d);
+                padding.right = padding.right.saturating_add(d);
+                pw = pw.saturating_add(d.saturating_mul(2));
             }
         }
         if ph < ch || pw < cw {
@@ -473,6 +482,13 @@ mod tests {
         assert!(err.to_string().contains("`fill`"), "{err}");
         assert!(pad(&img, Padding::uniform(1), &[300.0], PaddingMode::Constant).is_err());
         assert!(Padding::from_values(&[1, 2, 3]).is_err());
+        let huge = Padding::uniform(usize::MAX / 2);
+        let err = pad(&img, huge, &[0.0], PaddingMode::Constant).expect_err("too large");
+        assert!(err.to_string().contains("`padding`"), "{err}");
+        let mut t = RandomCrop::new(usize::MAX, 4);
+        t.pad_if_needed = true;
+        t.padding = Some(huge);
+        assert!(t.apply(img.clone(), &mut TransformRng::new(0)).is_err());
     }
 
     #[test]
