@@ -17,6 +17,10 @@
 #include "jpeglib.h"
 #include "jerror.h"
 
+/* jpeg_simd.c: swaps in SIMD versions of the IDCT, colour conversion and
+ * upsampling, bit-exact with libjpeg-turbo's C code, when the CPU has them. */
+void kiln_jpeg_use_simd(j_decompress_ptr cinfo);
+
 /* What kiln_jpeg_read_header reports. */
 typedef struct {
   unsigned int width;
@@ -125,6 +129,7 @@ int kiln_jpeg_decode(const unsigned char *data, size_t len,
   cinfo.dct_method = JDCT_ISLOW;
   cinfo.do_fancy_upsampling = TRUE;
   jpeg_start_decompress(&cinfo);
+  kiln_jpeg_use_simd(&cinfo);
   {
     size_t row = (size_t)cinfo.output_width * (size_t)cinfo.output_components;
     if (row * (size_t)cinfo.output_height != out_len) {
