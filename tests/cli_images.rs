@@ -482,3 +482,130 @@ fn a_shard_label_outside_the_classes_names_its_member() {
         assert!(!err.contains("out of bounds"), "{err}");
     }
 }
+
+/// A torchvision resnet18 (scripted, frozen) under a trained head: `kiln
+/// predict`'s scores equal PyTorch's on the same files (Pillow, then
+/// `transforms.v2` on the tensor), JPEG (4:2:0, progressive 4:4:4, gray,
+/// CMYK), WebP and PNG alike.
+#[test]
+fn predictions_equal_pytorchs_on_jpeg_and_png() {
+    let _serial = serial();
+    let Some(python) = kiln_testkit::python("predictions_equal_pytorchs_on_jpeg_and_png") else {
+        return;
+    };
+    let dir = scratch("images-predict");
+    let script = kiln_testkit::workspace_root().join("tests/reference/vision_predict.py");
+    let status = Command::new(&python)
+        .arg(&script)
+        .args(["prepare", s(&dir)])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let val = dir.join("val");
+    let transforms = r#"[
+  { type = "resize", size = 72 },
+  { type = "center_crop", size = 64 },
+  { type = "to_tensor" },
+  { type = "normalize", mean = [0.485, 0.456, 0.406], std = [0.229, 0.224, 0.225] },
+]"#;
+    let cfg = dir.join("resnet.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"seed = 3
+output_dir = "{out}"
+frozen_batch_norm = "eval"
+
+[data]
+dataset = "image_folder"
+path = "{val}"
+val_path = "{val}"
+image_size = 64
+batch_size = 4
+transforms = {transforms}
+val_transforms = {transforms}
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "torchscript", path = "{pt}", trainable = false }},
+  {{ type = "linear", in_features = 512, out_features = 2 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "sgd"
+lr = 0.05
+
+[training]
+epochs = 1
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+            val = val.display(),
+            pt = dir.join("backbone.pt").display(),
+            out = dir.join("default-out").display(),
+        ),
+    )
+    .unwrap();
+    let run = dir.join("run");
+    train(s(&cfg), &run, &[]);
+    let csv = dir.join("predictions.csv");
+    kiln(&[
+        "predict",
+        "--config",
+        s(&cfg),
+        "--checkpoint",
+        s(&run.join("checkpoints/last.safetensors")),
+        "--output",
+        s(&csv),
+    ]);
+    let out = Command::new(&python)
+        .arg(&script)
+        .args(["reference", s(&dir), s(&run.join("model.safetensors"))])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reference = reference.as_array().unwrap();
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let rows: Vec<Vec<f64>> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').skip(3).map(|v| v.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(rows.len(), reference.len());
+    let mut worst: std::collections::BTreeMap<String, f64> = Default::default();
+    for (ours, theirs) in rows.iter().zip(reference) {
+        let path = theirs["path"].as_str().unwrap();
+        let logits: Vec<f64> = serde_json::from_value(theirs["logits"].clone()).unwrap();
+        // Relative to the logit's size (at least 1): the pixels are equal,
+        // and libtorch's convolutions in two processes differ in a float's
+        // last bits (1-2 ulp, seen alike on PNG files).
+        let diff = ours
+            .iter()
+            .zip(&logits)
+            .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+            .fold(0.0, f64::max);
+        let ext = path.rsplit('.').next().unwrap().to_string();
+        let entry = worst.entry(ext).or_default();
+        *entry = entry.max(diff);
+        assert!(
+            diff <= 1e-6,
+            "{path}: Kiln {ours:?}, PyTorch {logits:?} (largest relative logit difference {diff:e})"
+        );
+    }
+    eprintln!("largest relative logit difference from PyTorch, per format: {worst:?}");
+    assert!(["jpg", "png", "webp"]
+        .iter()
+        .all(|e| worst.contains_key(*e)));
+}
