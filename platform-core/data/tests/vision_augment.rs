@@ -11,11 +11,11 @@ use std::path::Path;
 
 use kiln_core::{DType, HostTensor};
 use kiln_data::vision::{
-    affine, augment_op, erase, gaussian_blur, pad, perspective, perspective_coefficients,
-    rgb_to_grayscale, rotate, to_tensor, AugmentOp, AugmentStep, AutoAugment, AutoAugmentPolicy,
-    EraseValue, GaussianBlur, Interpolation, Padding, PaddingMode, RandAugment, RandomAffine,
-    RandomCrop, RandomErasing, RandomGrayscale, RandomPerspective, RandomRotation, ShearRange,
-    TrivialAugmentWide,
+    adjust_sharpness, affine, augment_op, autocontrast, erase, gaussian_blur, pad, perspective,
+    perspective_coefficients, posterize, rgb_to_grayscale, rotate, solarize, to_tensor, AugmentOp,
+    AugmentStep, AutoAugment, AutoAugmentPolicy, EraseValue, GaussianBlur, Interpolation, Padding,
+    PaddingMode, RandAugment, RandomAffine, RandomCrop, RandomErasing, RandomGrayscale,
+    RandomPerspective, RandomRotation, ShearRange, TrivialAugmentWide,
 };
 use kiln_data::{Transform, TransformRng};
 use serde_json::{json, Value};
@@ -532,6 +532,38 @@ fn augment_cases(c: &mut Cases, input: &str, x: &HostTensor) -> kiln_core::Resul
             }
         }
     }
+    // The functions themselves, at arguments the policies do not reach.
+    let threshold = if x.dtype() == DType::U8 { 128.0 } else { 0.5 };
+    let functional: [(&str, Value, HostTensor); 6] = [
+        (
+            "adjust_sharpness",
+            json!({"sharpness_factor": 0.0}),
+            adjust_sharpness(x, 0.0)?,
+        ),
+        (
+            "adjust_sharpness",
+            json!({"sharpness_factor": 3.5}),
+            adjust_sharpness(x, 3.5)?,
+        ),
+        (
+            "solarize",
+            json!({ "threshold": threshold }),
+            solarize(x, threshold)?,
+        ),
+        ("posterize", json!({"bits": 3}), posterize(x, 3)?),
+        ("posterize", json!({"bits": 1}), posterize(x, 1)?),
+        ("autocontrast", json!({}), autocontrast(x)?),
+    ];
+    for (name, kwargs, y) in functional {
+        let row = format!("fn_{name}");
+        c.add(
+            &row,
+            input,
+            "functional",
+            json!({"fn": name, "kwargs": kwargs}),
+            y,
+        );
+    }
     // Policies, replayed: the drawn (op, signed magnitude) steps.
     let fill = Some(vec![unit * 0.5]);
     for policy in [
@@ -620,6 +652,7 @@ fn tolerance(row: &str, dtype: &str) -> (f64, f64) {
             | "op_Color"
             | "op_Contrast"
             | "op_Sharpness"
+            | "fn_adjust_sharpness"
             | "auto_augment"
             | "rand_augment"
             | "trivial_augment_wide",

@@ -157,6 +157,8 @@ def run(x, op, a):
         h, w = x.shape[-2:]
         start = [[0, 0], [w - 1, 0], [w - 1, h - 1], [0, h - 1]]
         return replay(t, dict(coefficients=_get_perspective_coeffs(start, a["end"])), x)
+    if op == "functional":
+        return getattr(F, a["fn"])(x, **a["kwargs"])
     if op == "augment_op":
         return augment_op(x, a["op"], a["magnitude"], MODES[a["mode"]], fill_arg(a["fill"]))
     if op == "augment_policy":
