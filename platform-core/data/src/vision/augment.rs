@@ -9,8 +9,12 @@ use super::image::{with_pixels, Layout};
 use super::pixel::{check_u8_fill, each_image, Px};
 use crate::transform::{Transform, TransformRng};
 
-/// `a * b + c` rounded once (PyTorch's vectorised `add(alpha=...)`).
-#[inline]
+/// `a * b + c` rounded once to `f32`, as a fused multiply-add (PyTorch's
+/// vectorised `add(alpha=...)` and convolutions), through `f64` (where the
+/// product is exact) so that it vectorises without hardware FMA; it can
+/// differ from a true FMA only when the `f64` sum lands exactly on an `f32`
+/// rounding tie.
+#[inline(always)]
 fn fmadd(a: f32, b: f32, c: f32) -> f32 {
     (f64::from(a) * f64::from(b) + f64::from(c)) as f32
 }
@@ -269,18 +273,20 @@ pub fn gaussian_blur(
                     *o = plane[sy * w + sx].f32();
                 }
             }
+            let mut acc = vec![0f32; w];
             for y in 0..h {
-                for x in 0..w {
-                    let mut acc = 0f32;
-                    for i in 0..ky {
-                        let prow = &padded[(y + i) * pw + x..(y + i) * pw + x + kx];
-                        // PyTorch's convolution: row-major fused multiply-adds
-                        for (&kv, &pv) in k2[i * kx..(i + 1) * kx].iter().zip(prow) {
-                            acc = pv.mul_add(kv, acc);
+                acc.fill(0.0);
+                // PyTorch's convolution order: taps row-major, each a fused
+                // multiply-add, one output row at a time (vectorisable).
+                for i in 0..ky {
+                    let prow = &padded[(y + i) * pw..(y + i + 1) * pw];
+                    for (j, &kv) in k2[i * kx..(i + 1) * kx].iter().enumerate() {
+                        for (a, &pv) in acc.iter_mut().zip(&prow[j..j + w]) {
+                            *a = fmadd(pv, kv, *a);
                         }
                     }
-                    out.push(T::from_rounded(acc));
                 }
+                out.extend(acc.iter().map(|&v| T::from_rounded(v)));
             }
         }
         HostTensor::new(out, img.dims().to_vec())
