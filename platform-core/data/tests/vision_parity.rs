@@ -128,6 +128,10 @@ fn build_cases() -> kiln_core::Result<Cases> {
         ("b", photo(3, 64, 64, 2)),
         ("c", photo(3, 200, 300, 3)),
         ("g", photo(1, 31, 29, 4)),
+        // Four and two channels (resized packed 4 bytes a pixel), and an
+        // image narrower than the taps' window.
+        ("r", photo(4, 23, 41, 5)),
+        ("t", photo(2, 3, 5, 6)),
     ];
     for (name, img) in &images {
         let f = to_tensor(img)?;

@@ -164,7 +164,13 @@ fn resize_to(img: &HostTensor, l: &Layout, oh: usize, ow: usize) -> Result<HostT
     let planes = l.count * l.channels;
     match img.dtype() {
         kiln_core::DType::U8 => {
-            let out = resize_u8(img.as_slice::<u8>()?, planes, l.height, l.width, oh, ow);
+            let out = super::resize_u8::resize_u8(
+                img.as_slice::<u8>()?,
+                planes,
+                l.channels,
+                (l.height, l.width),
+                (oh, ow),
+            );
             HostTensor::new(out, dims)
         }
         _ => {
@@ -176,16 +182,16 @@ fn resize_to(img: &HostTensor, l: &Layout, oh: usize, ow: usize) -> Result<HostT
 
 /// The taps of one output pixel along one axis: `weights[k]` multiplies input
 /// `start + k`.
-struct Taps<W> {
-    starts: Vec<usize>,
+pub(super) struct Taps<W> {
+    pub(super) starts: Vec<usize>,
     lens: Vec<usize>,
     /// `out * stride` weights, zero past `lens[i]`.
     weights: Vec<W>,
-    stride: usize,
+    pub(super) stride: usize,
 }
 
 impl<W: Copy> Taps<W> {
-    fn get(&self, i: usize) -> (usize, &[W]) {
+    pub(super) fn get(&self, i: usize) -> (usize, &[W]) {
         let w = &self.weights[i * self.stride..i * self.stride + self.lens[i]];
         (self.starts[i], w)
     }
@@ -285,7 +291,7 @@ fn taps_f32(input: usize, output: usize) -> Taps<f32> {
 /// `f64` taps scaled to int16 fixed point (PyTorch's
 /// `_compute_index_ranges_int16_weights`); returns the taps and the number of
 /// fractional bits.
-fn taps_i16(input: usize, output: usize) -> (Taps<i32>, u32) {
+pub(super) fn taps_i16(input: usize, output: usize) -> (Taps<i32>, u32) {
     let (taps, wt_max) = taps_f64(input, output);
     let mut precision = 0u32;
     while precision < 22 {
@@ -318,60 +324,6 @@ fn taps_i16(input: usize, output: usize) -> (Taps<i32>, u32) {
         },
         precision.max(1),
     )
-}
-
-/// Fixed-point rounding of an accumulated sum back to `uint8`.
-#[inline]
-fn fixed_to_u8(sum: i32, precision: u32) -> u8 {
-    (sum >> precision).clamp(0, 255) as u8
-}
-
-fn resize_u8(src: &[u8], planes: usize, h: usize, w: usize, oh: usize, ow: usize) -> Vec<u8> {
-    // Horizontal pass (to uint8), then vertical, as PyTorch; each only if its
-    // axis changes.
-    let horizontal: Vec<u8>;
-    let src = if ow != w {
-        let (taps, precision) = taps_i16(w, ow);
-        let round = 1i32 << (precision - 1);
-        let mut out = vec![0u8; planes * h * ow];
-        for (row_in, row_out) in src.chunks_exact(w).zip(out.chunks_exact_mut(ow)) {
-            for (x, o) in row_out.iter_mut().enumerate() {
-                let (start, k) = taps.get(x);
-                let mut sum = round;
-                for (&p, &kk) in row_in[start..start + k.len()].iter().zip(k) {
-                    sum += i32::from(p) * kk;
-                }
-                *o = fixed_to_u8(sum, precision);
-            }
-        }
-        horizontal = out;
-        &horizontal[..]
-    } else {
-        src
-    };
-    if oh == h {
-        return src.to_vec();
-    }
-    let (taps, precision) = taps_i16(h, oh);
-    let round = 1i32 << (precision - 1);
-    let mut out = vec![0u8; planes * oh * ow];
-    let mut acc = vec![0i32; ow];
-    for (plane_in, plane_out) in src.chunks_exact(h * ow).zip(out.chunks_exact_mut(oh * ow)) {
-        for (y, row_out) in plane_out.chunks_exact_mut(ow).enumerate() {
-            let (start, k) = taps.get(y);
-            acc.fill(round);
-            for (j, &kk) in k.iter().enumerate() {
-                let row = &plane_in[(start + j) * ow..(start + j + 1) * ow];
-                for (a, &p) in acc.iter_mut().zip(row) {
-                    *a += i32::from(p) * kk;
-                }
-            }
-            for (o, &a) in row_out.iter_mut().zip(&acc) {
-                *o = fixed_to_u8(a, precision);
-            }
-        }
-    }
-    out
 }
 
 fn resize_f32(src: &[f32], planes: usize, h: usize, w: usize, oh: usize, ow: usize) -> Vec<f32> {

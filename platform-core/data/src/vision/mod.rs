@@ -96,6 +96,7 @@ mod image;
 mod ops;
 mod pad;
 mod pixel;
+mod resize_u8;
 mod spec;
 mod transforms;
 
