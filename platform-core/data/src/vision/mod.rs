@@ -93,6 +93,7 @@ mod autoaugment;
 mod color;
 mod geometry;
 mod image;
+mod mix;
 mod ops;
 mod pad;
 mod pixel;
@@ -115,6 +116,7 @@ pub use autoaugment::{
 };
 pub use color::{adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation};
 pub use geometry::{center_crop, crop, hflip, resize, resized_crop, ResizeTo};
+pub use mix::{BatchTransform, BatchTransformed, CutBox, CutMix, MixUp, MixUpOrCutMix};
 pub use ops::{adjust_sharpness, autocontrast, equalize, invert, posterize, solarize};
 pub use pad::{pad, Pad, Padding, PaddingMode, RandomCrop, RandomCropParams};
 pub use spec::{compose, output_shape, SizeSpec, TransformSpec};
