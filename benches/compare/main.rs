@@ -18,7 +18,7 @@
 //! autocast (`bf16-mixed` against `torch.autocast`), only the eager ones. The
 //! other workloads (`data`, `script`, `ops`, `checkpoint`, in `tasks.rs`,
 //! `serve`, exported models at inference, in `serve.rs`, `images`, image files
-//! decoded and augmented, and `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
+//! decoded and augmented, `resize`, the uint8 resize alone, in `resize.rs`, and `ddp`, two data-parallel ranks against PyTorch DDP under `torchrun`, in
 //! `ddp.rs`) have their own. The tables are printed and, with `--write`, written
 //! to `BENCHMARKS.md` (`BENCHMARKS-cuda.md` with `--device cuda`).
 //!
@@ -34,6 +34,7 @@ mod finetune;
 mod llm;
 mod ops;
 mod report;
+mod resize;
 mod serve;
 mod tasks;
 mod worker;
@@ -278,7 +279,7 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint, ddp, serve, images, llm, finetune, zero (default: all of
+                    data, script, ops, checkpoint, ddp, serve, images, resize, llm, finetune, zero (default: all of
                     them; on a GPU all but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
@@ -330,6 +331,7 @@ fn main() -> Result<()> {
         Task::Ddp,
         Task::Serve,
         Task::Images,
+        Task::Resize,
         Task::Llm,
         Task::Finetune,
         Task::Zero,
@@ -506,7 +508,7 @@ fn run_rounds(
     for round in 0..rounds {
         for (variant, result) in variants.iter().zip(&mut results) {
             let Ok(done) = result else { continue };
-            eprint!("   {variant:<18} ");
+            eprint!("   {variant:<24} ");
             if rounds > 1 {
                 eprint!("round {} ", round + 1);
             }

@@ -1,6 +1,7 @@
 //! Workloads (d)-(j): data loading, TorchScript inference, the fused ops,
 //! checkpoint I/O, data-parallel training (`ddp.rs`) and serving exported
-//! models (`serve.rs`), and decoding and augmenting image files. Each has its own variants
+//! models (`serve.rs`), decoding and augmenting image files, and the resize
+//! those augmentations rest on, alone (`resize.rs`). Each has its own variants
 //! and table; like the training workloads, every variant runs in its own process
 //! (two, for (h)) and prints one JSON line.
 
@@ -24,7 +25,7 @@ use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
 use crate::worker::{device_flag, median, peak_rss_mb, rss_mb, timed};
-use crate::{ddp, finetune, llm, num, ops, run_json, serve, xorshift, zero, Settings};
+use crate::{ddp, finetune, llm, num, ops, resize, run_json, serve, xorshift, zero, Settings};
 
 /// A non-training workload.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,8 +42,11 @@ pub enum Task {
     Ddp,
     /// (i) inference of exported models: latency at batch 1, throughput at batch 64.
     Serve,
-    /// (j) JPEG/PNG files decoded and augmented, from class folders and from shards.
+    /// (j) JPEG/PNG files decoded and augmented, from class folders and from shards;
+    /// the 224 set also as all-PNG and all-WebP folders.
     Images,
+    /// (j) the uint8 antialiased bilinear resize alone, one thread, against torchvision's.
+    Resize,
     /// (k) a 100M LLaMA-style model: training and generation against transformers.
     Llm,
     Finetune,
@@ -56,6 +60,9 @@ pub enum Task {
 const IMAGES_BATCH: usize = 64;
 const IMAGES_WORKERS: usize = 2;
 const IMAGES_224_PER_CLASS: usize = 200;
+/// The other encodings of the 224 set (`images-224-FORMAT`), each image of
+/// `images-224` re-encoded: lossless PNG, and lossy WebP at quality 90.
+const IMAGES_224_FORMATS: [&str; 2] = ["png", "webp"];
 const IMAGE_MEAN: [f64; 3] = [0.485, 0.456, 0.406];
 const IMAGE_STD: [f64; 3] = [0.229, 0.224, 0.225];
 
@@ -79,6 +86,7 @@ impl Task {
             "ddp" => Task::Ddp,
             "serve" => Task::Serve,
             "images" => Task::Images,
+            "resize" => Task::Resize,
             "llm" => Task::Llm,
             "finetune" => Task::Finetune,
             "zero" => Task::Zero,
@@ -95,6 +103,7 @@ impl Task {
             Task::Ddp => "ddp",
             Task::Serve => "serve",
             Task::Images => "images",
+            Task::Resize => "resize",
             Task::Llm => "llm",
             Task::Finetune => "finetune",
             Task::Zero => "zero",
@@ -118,8 +127,9 @@ impl Task {
             Task::Llm => llm::DESCRIBE,
             Task::Finetune => finetune::DESCRIBE,
             Task::Zero => zero::DESCRIBE,
+            Task::Resize => resize::DESCRIBE,
             Task::Images => {
-                "(j) image files: decode (JPEG/PNG), RandomResizedCrop to 64 or 224, flip, \
+                "(j) image files: decode (JPEG/PNG/WebP), RandomResizedCrop to 64 or 224, flip, \
                  normalise, batch 64, 2 workers; from class folders and from tar shards"
             }
         }
@@ -148,7 +158,12 @@ impl Task {
                 "kiln-folder-224",
                 "kiln-shards-224",
                 "pytorch-folder-224",
+                "kiln-folder-224-png",
+                "pytorch-folder-224-png",
+                "kiln-folder-224-webp",
+                "pytorch-folder-224-webp",
             ],
+            Task::Resize => &resize::VARIANTS,
         }
     }
 
@@ -167,6 +182,7 @@ impl Task {
             Task::Ddp => ddp::prepare(dir),
             Task::Serve => serve::prepare(dir),
             Task::Images => write_images(dir),
+            Task::Resize => resize::prepare(dir, python()),
             Task::Llm => llm::prepare(dir, python()),
             Task::Finetune => finetune::prepare(dir, python()),
         }
@@ -194,11 +210,13 @@ impl Task {
                 .env("KILN_FUSED_OPS_LIBRARY", library);
             c
         };
+        // The resize is timed on one thread, whatever the other tasks get.
+        let threads = if self == Task::Resize { 1 } else { s.threads };
         c.args(["--task", self.name(), "--dir"])
             .arg(dir)
             .args(["--warmup", &s.warmup.to_string()])
             .args(["--repeats", &s.repeats.to_string()])
-            .args(["--threads", &s.threads.to_string()])
+            .args(["--threads", &threads.to_string()])
             .args(["--device", &s.device.to_string()]);
         run_json(c, variant)
     }
@@ -216,6 +234,7 @@ impl Task {
             Task::Ddp => ddp::score(r),
             Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
             Task::Images => num(r, "samples_per_s"),
+            Task::Resize => num(r, "images_per_s"),
             Task::Llm => num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s"),
             Task::Finetune => num(r, "tokens_per_s"),
             Task::Zero => num(r, "steps_per_s"),
@@ -244,6 +263,7 @@ impl Task {
                 num(r, "load_s")
             ),
             Task::Ddp => ddp::summary(r),
+            Task::Resize => resize::summary(r),
             Task::Zero => format!(
                 "{:.3} steps/s, state {:.0} MiB, peak RSS {:.0} MiB",
                 num(r, "steps_per_s"),
@@ -281,12 +301,13 @@ impl Task {
             Task::Llm | Task::Finetune => (s.repeats.min(3), s.warmup.min(1)),
             _ => (s.repeats, s.warmup),
         };
+        let threads = if self == Task::Resize { 1 } else { s.threads };
         let mut t = format!(
             "### {}\n\nMedian of {} repeats after {} warm-up, {} threads; the median of {} rounds.\n\n",
             self.describe(),
             repeats,
             warmup,
-            s.threads,
+            threads,
             s.rounds
         );
         let failed = |t: &mut String| {
@@ -317,18 +338,22 @@ impl Task {
             Task::Images => {
                 t += "One repeat is one epoch: 3,000 images of 64x64 for the 64 crops, 1,200 of \
                       256x256 for the 224 crops, as JPEG (every 7th progressive, every 11th \
-                      grayscale) and PNG (every 13th). Memory: Kiln's peak RSS (one process); \
+                      grayscale) and PNG (every 13th). The `-png` and `-webp` rows read the same \
+                      1,200 images re-encoded, every one as PNG (lossless, Pillow's default \
+                      compression) or as lossy WebP (quality 90); each Kiln row is compared \
+                      with PyTorch on the same files. Memory: Kiln's peak RSS (one process); \
                       PyTorch's peak summed PSS of the main process and its two workers, \
                       sampled every 20 ms. \"Loading\" is the peak less the memory before the \
                       loader was made (libraries and interpreter loaded): what reading, decoding \
                       and augmenting took. Kiln's bench binary maps libtorch and TensorFlow.\n\n\
-                      | variant | samples/s | epoch (s) | peak memory (MiB) | loading (MiB) | vs PyTorch at that size |\n\
+                      | variant | samples/s | epoch (s) | peak memory (MiB) | loading (MiB) | vs PyTorch on those files |\n\
                       | --- | ---: | ---: | ---: | ---: | ---: |\n";
                 for (v, r) in rows {
                     if let Ok(r) = r {
-                        let size = v.rsplit('-').next().unwrap_or_default();
+                        // `kiln-shards-224-png` against `pytorch-folder-224-png`.
+                        let set = v.splitn(3, '-').nth(2).unwrap_or_default();
                         let base =
-                            ok(&format!("pytorch-folder-{size}")).map(|r| num(r, "samples_per_s"));
+                            ok(&format!("pytorch-folder-{set}")).map(|r| num(r, "samples_per_s"));
                         let sps = num(r, "samples_per_s");
                         t += &format!(
                             "| {v} | {sps:.0} | {:.3} | {:.0} | {:.0} | {} |\n",
@@ -361,6 +386,7 @@ impl Task {
                 }
             }
             Task::Ops => t += &ops::table(ok),
+            Task::Resize => t += &resize::table(ok),
             Task::Llm => t += &llm::table(ok),
             Task::Finetune => t += &finetune::table(ok),
             // Three tables of its own (`ddp.rs`).
@@ -529,10 +555,13 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
     tch::set_num_threads(a.threads as i32);
     let mut result = match (task, variant) {
         (Task::Data, "kiln-loader") => data(a)?,
-        (Task::Images, "kiln-folder-64") => images(a, 64, false)?,
-        (Task::Images, "kiln-shards-64") => images(a, 64, true)?,
-        (Task::Images, "kiln-folder-224") => images(a, 224, false)?,
-        (Task::Images, "kiln-shards-224") => images(a, 224, true)?,
+        (Task::Images, "kiln-folder-64") => images(a, "64", false)?,
+        (Task::Images, "kiln-shards-64") => images(a, "64", true)?,
+        (Task::Images, "kiln-folder-224") => images(a, "224", false)?,
+        (Task::Images, "kiln-shards-224") => images(a, "224", true)?,
+        (Task::Images, "kiln-folder-224-png") => images(a, "224-png", false)?,
+        (Task::Images, "kiln-folder-224-webp") => images(a, "224-webp", false)?,
+        (Task::Resize, variant) if variant.starts_with("kiln-") => resize::worker(variant, a)?,
         (Task::Script, "kiln-script") => script(a)?,
         (Task::Script, "raw-tch-script") => raw_tch_script(a)?,
         (Task::Ops, "kiln-fused") => ops::run(a, ops::Kernels::Cpp)?,
@@ -602,14 +631,21 @@ fn time_epochs(
 }
 
 /// (j): Kiln's `ImageFolder` or `WebDataset` with torchvision's transforms,
-/// decoded and augmented by the loader's two workers. Memory is this
+/// decoded and augmented by the loader's two workers, on the set `images-{set}`
+/// (`64`, `224`, or `224-FORMAT`: the crop size first). Memory is this
 /// process's peak RSS (one process; PyTorch's is its processes' summed PSS).
-fn images(a: &TaskArgs, size: usize, shards: bool) -> Result<Value> {
+fn images(a: &TaskArgs, set: &str, shards: bool) -> Result<Value> {
     use kiln::data::vision::RandomResizedCrop;
     use kiln::data::{ImageFolder, RandomHorizontalFlip, WebDataset};
 
+    let size: usize = set
+        .split('-')
+        .next()
+        .unwrap_or_default()
+        .parse()
+        .with_context(|| format!("the image set {set} names no crop size"))?;
     let start_mb = rss_mb();
-    let root = a.dir.join(format!("images-{size}"));
+    let root = a.dir.join(format!("images-{set}"));
     let transform = || {
         Compose::new()
             .then(RandomResizedCrop::new(size, size))
@@ -667,7 +703,8 @@ fn images(a: &TaskArgs, size: usize, shards: bool) -> Result<Value> {
 }
 
 /// (j): the shapes set twice, as class folders and shards: 64x64 images for the
-/// 64 crops, 256x256 ones for the 224 crops (`examples/images/make_shapes.py`).
+/// 64 crops, 256x256 ones for the 224 crops (`examples/images/make_shapes.py`);
+/// then the 224 set's folder re-encoded as PNG and as WebP (`bench_tasks.py`).
 fn write_images(dir: &Path) -> Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/images/make_shapes.py");
     for (size, image_size, per_class) in [(64, 64, 500), (224, 256, IMAGES_224_PER_CLASS)] {
@@ -689,6 +726,16 @@ fn write_images(dir: &Path) -> Result<()> {
             "make_shapes.py failed for {}",
             out.display()
         );
+    }
+    for format in IMAGES_224_FORMATS {
+        if dir.join(format!("images-224-{format}/train")).exists() {
+            continue;
+        }
+        let mut c = python();
+        c.args(["--task", "images", "--variant", &format!("encode-{format}")])
+            .arg("--dir")
+            .arg(dir);
+        run_json(c, &format!("re-encoding the 224 set as {format}"))?;
     }
     Ok(())
 }

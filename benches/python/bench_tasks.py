@@ -1,7 +1,7 @@
 """Python PyTorch baselines of the non-training workloads of Kiln's benchmark harness.
 
 Usage:
-    python bench_tasks.py --task data|images|script|ops|checkpoint|serve --variant V --dir DIR
+    python bench_tasks.py --task data|images|resize|script|ops|checkpoint|serve --variant V --dir DIR
         [--warmup W] [--repeats R] [--threads T] [--device cpu|cuda[:N]]
 
 Each task mirrors a Kiln worker in ``benches/compare/tasks.rs`` (same sizes, same
@@ -13,13 +13,22 @@ prints one JSON line on stdout:
   ``__getitem__`` scales a uint8 image to [0, 1] and normalises it (mean 0.1307,
   std 0.3081), in ``DataLoader(batch_size=256, shuffle=True, num_workers=2)``;
   one run is one epoch.
-- images, ``pytorch-folder-S`` (S = 64 or 224): ``torchvision.datasets.ImageFolder`` on
+- images, ``pytorch-folder-S`` (S = 64, 224, 224-png or 224-webp; the crop size is the
+  number): ``torchvision.datasets.ImageFolder`` on
   DIR/images-S/train (PIL decoding, RGB) with ``transforms.v2.Compose([ToImage(),
   RandomResizedCrop(S, antialias=True), RandomHorizontalFlip(), ToDtype(float32,
   scale=True), Normalize(ImageNet mean, std)])`` in ``DataLoader(batch_size=64,
   shuffle=True, num_workers=2)``; one run is one epoch. Its memory is the peak, sampled
   every 20 ms, of the summed proportional set size (PSS, which splits the pages forked
   workers share) of this process and its workers, and that sum before the loader is made.
+  ``encode-png`` and ``encode-webp`` write DIR/images-224-png/train and
+  DIR/images-224-webp/train: every image of DIR/images-224/train re-encoded with Pillow, as
+  PNG (lossless, default compression) or as lossy WebP at quality 90, same class and key.
+- resize, ``torchvision-resize``: ``v2.functional.resize(img, [256], antialias=True)`` on
+  the uint8 [3, 375, 500] tensor of DIR/input.u8 (raw bytes), on one thread
+  (``torch.set_num_threads(1)``), 200 calls per run; the result carries the largest
+  difference from DIR/expected.u8. ``prepare`` writes DIR/expected.u8, that resize's
+  output, which Kiln's variant is compared with (``benches/compare/resize.rs``).
 - script, ``export``: scripts the CNN of workload (b) in eval mode and saves it to
   DIR/cnn.pt for both sides. ``pytorch-script`` runs that file with
   ``torch.jit.load``, ``pytorch-eager`` the ``nn.Module``, both at batch 1 under
@@ -145,12 +154,75 @@ def tree_pss_mb():
     return total_kb / 1024
 
 
-def images(args, size):
+def encode_images(args, fmt):
+    from PIL import Image
+
+    source = os.path.join(args.dir, "images-224", "train")
+    final = os.path.join(args.dir, f"images-224-{fmt}")
+    out = final + ".partial"
+    if os.path.exists(out):
+        import shutil
+
+        shutil.rmtree(out)
+    count, total = 0, 0
+    for cls in sorted(os.listdir(source)):
+        os.makedirs(os.path.join(out, "train", cls))
+        for name in sorted(os.listdir(os.path.join(source, cls))):
+            key = os.path.splitext(name)[0]
+            path = os.path.join(out, "train", cls, f"{key}.{fmt}")
+            with Image.open(os.path.join(source, cls, name)) as image:
+                image.load()
+                if fmt == "png":
+                    image.save(path, "PNG")
+                else:
+                    image.save(path, "WEBP", quality=90)
+            count += 1
+            total += os.path.getsize(path)
+    os.rename(out, final)
+    return {"images": count, "bytes": total, "format": fmt}
+
+
+RESIZE_SOURCE, RESIZE_SHORTER, RESIZE_CALLS = (3, 375, 500), 256, 200
+
+
+def resize(args, variant):
+    import torchvision
+    from torchvision.transforms.v2 import functional as TF
+
+    torch.set_num_threads(1)
+    pixels = np.fromfile(os.path.join(args.dir, "input.u8"), dtype=np.uint8)
+    img = torch.from_numpy(pixels.reshape(RESIZE_SOURCE))
+    out = TF.resize(img, [RESIZE_SHORTER], antialias=True)
+    expected_path = os.path.join(args.dir, "expected.u8")
+    if variant == "prepare":
+        out.contiguous().numpy().tofile(expected_path)
+        return {"output_shape": list(out.shape)}
+    expected = torch.from_numpy(np.fromfile(expected_path, dtype=np.uint8))
+    if expected.numel() != out.numel():
+        raise SystemExit(f"{out.numel()} values against expected.u8's {expected.numel()}")
+
+    def run():
+        for _ in range(RESIZE_CALLS):
+            TF.resize(img, [RESIZE_SHORTER], antialias=True)
+
+    seconds = timed(args, run)
+    out = TF.resize(img, [RESIZE_SHORTER], antialias=True)
+    diff = (out.reshape(-1).int() - expected.int()).abs().max().item()
+    m = statistics.median(seconds)
+    return {"repeats_s": seconds, "median_s": m, "calls": RESIZE_CALLS,
+            "images_per_s": RESIZE_CALLS / m, "us_per_image": m / RESIZE_CALLS * 1e6,
+            "max_abs_diff": diff, "input_shape": list(RESIZE_SOURCE),
+            "output_shape": list(out.shape), "torch_threads": torch.get_num_threads(),
+            "torchvision_version": torchvision.__version__}
+
+
+def images(args, image_set):
     import threading
 
     import torchvision
     from torchvision.transforms import v2
 
+    size = int(image_set.split("-")[0])
     transform = v2.Compose([
         v2.ToImage(),
         v2.RandomResizedCrop(size, antialias=True),
@@ -159,7 +231,7 @@ def images(args, size):
         v2.Normalize(IMAGE_MEAN, IMAGE_STD),
     ])
     start = tree_pss_mb()
-    root = os.path.join(args.dir, f"images-{size}", "train")
+    root = os.path.join(args.dir, f"images-{image_set}", "train")
     dataset = torchvision.datasets.ImageFolder(root, transform=transform)
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=64, shuffle=True, num_workers=2,
@@ -516,7 +588,7 @@ def finetune(args, variant):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "images", "script", "ops", "checkpoint", "serve", "llm", "finetune"])
+    parser.add_argument("--task", required=True, choices=["data", "images", "resize", "script", "ops", "checkpoint", "serve", "llm", "finetune"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -527,8 +599,14 @@ def main():
     bench_torch.set_threads(args.threads)
     runs = {
         ("data", "pytorch-dataloader"): lambda: data(args),
-        ("images", "pytorch-folder-64"): lambda: images(args, 64),
-        ("images", "pytorch-folder-224"): lambda: images(args, 224),
+        ("images", "pytorch-folder-64"): lambda: images(args, "64"),
+        ("images", "pytorch-folder-224"): lambda: images(args, "224"),
+        ("images", "pytorch-folder-224-png"): lambda: images(args, "224-png"),
+        ("images", "pytorch-folder-224-webp"): lambda: images(args, "224-webp"),
+        ("images", "encode-png"): lambda: encode_images(args, "png"),
+        ("images", "encode-webp"): lambda: encode_images(args, "webp"),
+        ("resize", "prepare"): lambda: resize(args, "prepare"),
+        ("resize", "torchvision-resize"): lambda: resize(args, "torchvision-resize"),
         ("script", "export"): lambda: export(args),
         ("script", "pytorch-script"): lambda: script(args, True),
         ("script", "pytorch-eager"): lambda: script(args, False),
