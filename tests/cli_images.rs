@@ -609,3 +609,110 @@ progress = false
         .iter()
         .all(|e| worst.contains_key(*e)));
 }
+
+/// Every augmentation of issue 41's list through the config, and MixUp /
+/// CutMix (`data.mixup_alpha`, `data.cutmix_alpha`) reaching the loss as
+/// soft targets; their bad values and a loss that cannot take soft targets
+/// are errors naming the key.
+#[test]
+fn recipe_augmentations_and_mixup_cutmix_train_from_the_config() {
+    let _serial = serial();
+    let dir = scratch("images-recipe");
+    let Some(shapes) = shapes(&dir) else { return };
+    let data = |extra: &str| {
+        format!(
+            r#"dataset = "image_folder"
+path = "{train}"
+val_path = "{val}"
+image_size = 32
+workers = 2
+transforms = [
+  {{ type = "resize", size = 40 }},
+  {{ type = "random_crop", size = 36, padding = [2], padding_mode = "reflect" }},
+  {{ type = "pad", padding = [1, 1, 1, 1], fill = 0 }},
+  {{ type = "random_rotation", degrees = 10, interpolation = "bilinear" }},
+  {{ type = "random_affine", degrees = 5, translate = [0.1, 0.1], scale = [0.9, 1.1], shear = 5 }},
+  {{ type = "random_perspective", distortion_scale = 0.2, p = 0.5 }},
+  {{ type = "gaussian_blur", kernel_size = 3, sigma = [0.1, 1.0] }},
+  {{ type = "random_grayscale", p = 0.2 }},
+  {{ type = "auto_augment", policy = "imagenet" }},
+  {{ type = "rand_augment", num_ops = 2, magnitude = 9 }},
+  {{ type = "trivial_augment_wide" }},
+  {{ type = "center_crop", size = 32 }},
+  {{ type = "to_tensor" }},
+  {{ type = "normalize", mean = [0.5, 0.5, 0.5], std = [0.25, 0.25, 0.25] }},
+  {{ type = "random_erasing", p = 0.25, value = "random" }},
+]
+val_transforms = [
+  {{ type = "resize", size = 32 }},
+  {{ type = "center_crop", size = 32 }},
+  {{ type = "to_tensor" }},
+  {{ type = "normalize", mean = [0.5, 0.5, 0.5], std = [0.25, 0.25, 0.25] }},
+]
+{extra}"#,
+            train = shapes.join("train").display(),
+            val = shapes.join("val").display()
+        )
+    };
+    let plain = image_config(&dir, "plain", &data(""), 3);
+    let mixed = image_config(
+        &dir,
+        "mixed",
+        &data("mixup_alpha = 0.4\ncutmix_alpha = 1.0"),
+        3,
+    );
+    let (a, b) = (dir.join("plain"), dir.join("mixed"));
+    train(s(&plain), &a, &[]);
+    train(s(&mixed), &b, &[]);
+    let (la, lb) = (losses(&a), losses(&b));
+    assert_eq!(la.len(), 16);
+    assert_eq!(lb.len(), 16);
+    let finite = |l: &(String, String)| l.1.parse::<f64>().is_ok_and(f64::is_finite);
+    assert!(la.iter().chain(&lb).all(finite), "{la:?} {lb:?}");
+    // The same images and model at step 1; mixed targets give another loss.
+    assert_ne!(
+        la[0].1, lb[0].1,
+        "MixUp / CutMix changed the first batch's loss"
+    );
+    let epochs = std::fs::read_to_string(b.join("epochs.csv")).unwrap();
+    assert!(epochs.contains("val_accuracy"), "{epochs}");
+
+    // Each alone, too.
+    for extra in ["mixup_alpha = 0.2", "cutmix_alpha = 1.0"] {
+        let cfg = image_config(&dir, "alone", &data(extra), 3);
+        let run = dir.join(format!("alone-{}", &extra[..5]));
+        train(s(&cfg), &run, &["--max-steps", "2"]);
+        assert_eq!(losses(&run).len(), 2);
+    }
+
+    // Bad values and a loss without soft targets name the key.
+    let bad = image_config(&dir, "bad", &data("mixup_alpha = 0.0"), 3);
+    let err = fails(&[
+        "train",
+        "--config",
+        s(&bad),
+        "--output",
+        s(&dir.join("bad")),
+    ]);
+    assert!(
+        err.contains("data.mixup_alpha") && err.contains("positive"),
+        "{err}"
+    );
+    let text = std::fs::read_to_string(&mixed)
+        .unwrap()
+        .replace(r#"type = "cross_entropy""#, r#"type = "mse""#);
+    let mse = dir.join("mse.toml");
+    std::fs::write(&mse, text).unwrap();
+    let err = fails(&[
+        "train",
+        "--config",
+        s(&mse),
+        "--output",
+        s(&dir.join("mse")),
+    ]);
+    assert!(
+        err.contains("data.mixup_alpha") && err.contains("cross_entropy"),
+        "{err}"
+    );
+    assert!(!dir.join("mse").exists(), "nothing written");
+}

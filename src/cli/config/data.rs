@@ -143,9 +143,21 @@ pub struct DataConfig {
     pub on_error: Option<OnErrorName>,
     /// Images: the training transforms, in order (torchvision's names:
     /// `resize`, `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
-    /// `color_jitter`, `to_tensor`, `normalize`).
+    /// `color_jitter`, `to_tensor`, `normalize`, `pad`, `random_crop`,
+    /// `random_rotation`, `random_affine`, `random_perspective`,
+    /// `gaussian_blur`, `random_grayscale`, `random_erasing`, `auto_augment`,
+    /// `rand_augment`, `trivial_augment_wide`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transforms: Option<Vec<TransformSpec>>,
+    /// Images: MixUp on the training batches, Beta(`mixup_alpha`,
+    /// `mixup_alpha`) (torchvision's recipe's `--mixup-alpha`); with
+    /// `cutmix_alpha`, MixUp or CutMix for each batch. Targets become class
+    /// probabilities: the loss must be `cross_entropy`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mixup_alpha: Option<f64>,
+    /// Images: CutMix on the training batches (the recipe's `--cutmix-alpha`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cutmix_alpha: Option<f64>,
     /// Images: the validation (and `eval`/`predict`) transforms; default the
     /// deterministic ones of `transforms` (`resize`, `center_crop`,
     /// `to_tensor`, `normalize`), or resize and centre-crop to `image_size`.
@@ -292,6 +304,8 @@ impl DataConfig {
             set(self.on_error.is_some(), "on_error"),
             set(self.transforms.is_some(), "transforms"),
             set(self.val_transforms.is_some(), "val_transforms"),
+            set(self.mixup_alpha.is_some(), "mixup_alpha"),
+            set(self.cutmix_alpha.is_some(), "cutmix_alpha"),
         ];
         let table_keys = [
             set(self.input_shape.is_some(), "input_shape"),
@@ -409,6 +423,20 @@ impl DataConfig {
                      or a transforms list"
                         .into(),
                 );
+            }
+            for (key, alpha) in [
+                ("mixup_alpha", self.mixup_alpha),
+                ("cutmix_alpha", self.cutmix_alpha),
+            ] {
+                if alpha.is_some_and(|a| !(a.is_finite() && a > 0.0)) {
+                    return invalid(
+                        key,
+                        format!(
+                            "must be positive (the Beta distribution's parameter), got {}",
+                            alpha.unwrap_or_default()
+                        ),
+                    );
+                }
             }
             for (key, specs) in [
                 ("transforms", &self.transforms),

@@ -8,7 +8,7 @@ use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
 use crate::engines::Engines;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
-use kiln_data::vision::TransformSpec;
+use kiln_data::vision::{BatchTransform, CutMix, MixUp, MixUpOrCutMix, TransformSpec};
 use kiln_data::{
     split_indices, ColorMode, Compose, Dataset, ImageFolder, OnError, Subset, Transform,
     TransformRng, TransformedDataset, WebDataset,
@@ -126,7 +126,8 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
         Arc::new(TransformedDataset::new(base, t, config.seed))
     };
     let mut classes = None;
-    let (train, val) = match data.dataset {
+    check_mix_loss(config)?;
+    let (mut train, val) = match data.dataset {
         DatasetKind::ImageFolder => {
             let path = data.path.as_deref().context("data.path is required")?;
             let folder = open_folder(path, config)?;
@@ -160,11 +161,13 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
             let train = Split::Images(ImageSplit {
                 dataset: transformed(train_base, train_transform),
                 shards: None,
+                mix: None,
             });
             let val = match val_base {
                 Some(v) => Some(Split::Images(ImageSplit {
                     dataset: transformed(v, val_transform()?),
                     shards: None,
+                    mix: None,
                 })),
                 None => None,
             };
@@ -196,6 +199,7 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
             let train = Split::Images(ImageSplit {
                 dataset: transformed(shards.clone(), train_transform),
                 shards: Some(shards),
+                mix: None,
             });
             let val = match val_shards {
                 Some(shards) => {
@@ -203,6 +207,7 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
                     Some(Split::Images(ImageSplit {
                         dataset: transformed(shards.clone(), val_transform()?),
                         shards: Some(shards),
+                        mix: None,
                     }))
                 }
                 None => None,
@@ -273,7 +278,65 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
         },
     };
     check_fits::<E>(config, &probe, &label, &origin)?;
+    if let (Some(mix), Split::Images(split)) = (mix_transform::<E>(config, &probe)?, &mut train) {
+        split.mix = Some(mix);
+    }
     Ok(Data { train, val, probe })
+}
+
+/// MixUp and CutMix need a loss that takes class probabilities.
+fn check_mix_loss(config: &RunConfig) -> Result<()> {
+    let data = &config.data;
+    let key = match (data.mixup_alpha, data.cutmix_alpha) {
+        (None, None) => return Ok(()),
+        (Some(_), _) => "data.mixup_alpha",
+        (None, Some(_)) => "data.cutmix_alpha",
+    };
+    if !matches!(config.loss, Loss::CrossEntropy(_)) {
+        anyhow::bail!(
+            "{key}: MixUp and CutMix make soft targets (class probabilities), which only \
+             loss = \"cross_entropy\" takes; this run's loss is {:?}",
+            config.loss
+        );
+    }
+    Ok(())
+}
+
+/// `data.mixup_alpha` and `data.cutmix_alpha` as the training batches'
+/// transform (one of the two per batch when both are set, as torchvision's
+/// classification recipe), over the model's classes.
+fn mix_transform<E: Engines>(
+    config: &RunConfig,
+    probe: &HostTensor,
+) -> Result<Option<Arc<dyn BatchTransform>>> {
+    let data = &config.data;
+    let key = match (data.mixup_alpha, data.cutmix_alpha) {
+        (None, None) => return Ok(None),
+        (Some(_), _) => "data.mixup_alpha",
+        (None, Some(_)) => "data.cutmix_alpha",
+    };
+    let model = crate::model::resolve_model::<E>(config, probe, config.device)?;
+    let output = model.output_shape(probe.dims())?;
+    let [_, classes] = output[..] else {
+        anyhow::bail!(
+            "{key}: MixUp and CutMix mix one-hot targets over the model's scores, \
+             [batch, classes]; the model gives {output:?}"
+        );
+    };
+    let mixup = data
+        .mixup_alpha
+        .map(|a| MixUp::new(a, classes))
+        .transpose()?;
+    let cutmix = data
+        .cutmix_alpha
+        .map(|a| CutMix::new(a, classes))
+        .transpose()?;
+    Ok(match (mixup, cutmix) {
+        (Some(mixup), Some(cutmix)) => Some(Arc::new(MixUpOrCutMix { mixup, cutmix })),
+        (Some(mixup), None) => Some(Arc::new(mixup)),
+        (None, Some(cutmix)) => Some(Arc::new(cutmix)),
+        (None, None) => None,
+    })
 }
 
 /// The classes a shard label must be one of, with the loss's ignored label:

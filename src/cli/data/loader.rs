@@ -82,7 +82,17 @@ pub(crate) fn loader(
                     }
                 }
             }
-            Ok(Box::new(loader))
+            match split.mix {
+                // Each rank mixes its own batches with its own draws.
+                Some(mix) if shuffle => {
+                    let rank = shard.map_or(0, |(rank, _)| rank as u64);
+                    let seed = config.seed ^ MIX_SEED ^ rank.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    Ok(Box::new(kiln_data::vision::BatchTransformed::new(
+                        loader, mix, seed,
+                    )))
+                }
+                _ => Ok(Box::new(loader)),
+            }
         }
     }
 }
@@ -106,6 +116,9 @@ fn ordered<D: kiln_data::Dataset, C>(
     }
     loader
 }
+
+/// Told apart from the samples' transforms' seed, for the batches' MixUp and CutMix draws.
+const MIX_SEED: u64 = 0x6d69_7875_705f_6375;
 
 /// `data.shuffle_buffer` when not set: webdataset's common choice.
 pub(crate) const DEFAULT_SHUFFLE_BUFFER: usize = 1000;

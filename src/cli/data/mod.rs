@@ -53,6 +53,8 @@ pub(crate) struct ImageSplit {
     /// A webdataset's shards, which order each epoch (shards shuffled, then a
     /// shuffle buffer, then a block per rank) instead of the loader's shuffle.
     shards: Option<Arc<WebDataset>>,
+    /// Training batches' MixUp / CutMix (`data.mixup_alpha`, `data.cutmix_alpha`).
+    mix: Option<Arc<dyn kiln_data::vision::BatchTransform>>,
 }
 
 impl Split {

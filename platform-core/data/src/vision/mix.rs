@@ -194,7 +194,7 @@ impl MixUp {
         }
         let dims = batch.inputs.dims().to_vec();
         let n = dims.first().copied().unwrap_or(0);
-        let row = if n == 0 { 0 } else { batch.inputs.numel() / n };
+        let row = batch.inputs.numel().checked_div(n).unwrap_or(0);
         let inputs = HostTensor::new(mix_rows(batch.inputs.as_slice::<f32>()?, row, lam), dims)?;
         let targets = mix_targets(&batch.targets, self.num_classes, lam, "mixup")?;
         Ok(Batch { inputs, targets })
