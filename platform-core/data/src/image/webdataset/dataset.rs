@@ -18,7 +18,9 @@ use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
 
 /// Image extensions tried in turn unless [`WebDataset::image_key`] says otherwise.
-const DEFAULT_IMAGE_KEYS: [&str; 4] = ["jpg", "jpeg", "png", "webp"];
+const DEFAULT_IMAGE_KEYS: [&str; 10] = [
+    "jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif", "ppm", "pgm",
+];
 
 /// One member of a sample: `000123.jpg` has extension `jpg`.
 #[derive(Clone, Debug)]
@@ -40,7 +42,7 @@ struct Sample {
 /// consecutive members sharing a key (the member's path up to the first dot
 /// of its file name: `train/000123.jpg` and `train/000123.cls` make sample
 /// `train/000123`, as the `webdataset` package groups them), its image the
-/// first of `jpg`, `jpeg`, `png`, `webp` present
+/// first of `jpg`, `jpeg`, `png`, `webp`, `bmp`, `tif`, `tiff`, `gif`, `ppm`, `pgm` present
 /// ([`image_key`](WebDataset::image_key)) and its label the `cls` member
 /// (ASCII integer) or a `json` member's `"label"` field
 /// ([`label_key`](WebDataset::label_key)). Items are `(image, label)`: a u8
@@ -186,7 +188,7 @@ impl WebDataset {
     }
 
     /// The image member's extension; `;` separates alternatives, the first
-    /// present is used (default `jpg;jpeg;png;webp`).
+    /// present is used (default `jpg;jpeg;png;webp;bmp;tif;tiff;gif;ppm;pgm`).
     pub fn image_key(mut self, key: &str) -> Self {
         self.image_keys = key.split(';').map(|k| k.trim().to_lowercase()).collect();
         self
