@@ -61,8 +61,11 @@ void kiln_jpeg_simd_set_enabled(int enabled);
 #define KILN_UNROLL _Pragma("GCC unroll 8")
 #endif
 
+/* Read and written atomically: a test turns it off while other threads decode. */
 static int kiln_simd_enabled = 1;
-void kiln_jpeg_simd_set_enabled(int enabled) { kiln_simd_enabled = enabled; }
+void kiln_jpeg_simd_set_enabled(int enabled) {
+  __atomic_store_n(&kiln_simd_enabled, enabled, __ATOMIC_RELAXED);
+}
 
 /*
  * ISLOW inverse DCT.
@@ -653,7 +656,9 @@ void kiln_jpeg_use_simd(j_decompress_ptr cinfo) {
   int ci;
   jpeg_component_info *compptr;
 
-  if (!kiln_simd_enabled || !__builtin_cpu_supports("avx2")) return;
+  if (!__atomic_load_n(&kiln_simd_enabled, __ATOMIC_RELAXED) ||
+      !__builtin_cpu_supports("avx2"))
+    return;
 
   /* IDCT: only where jddctmgr.c chose the plain C ISLOW routine, which it
    * does for 8x8 output blocks with dct_method JDCT_ISLOW. */

@@ -15,6 +15,11 @@ use kiln_data::{
 };
 use serde_json::Value;
 
+extern "C" {
+    /// `csrc/jpeg_simd.c`: 0 keeps libjpeg-turbo's plain C kernels.
+    fn kiln_jpeg_simd_set_enabled(enabled: std::ffi::c_int);
+}
+
 /// The fixtures' description, or `None` (skipped) without the virtualenv.
 fn fixtures(test: &str) -> Option<&'static Value> {
     static FIXTURES: OnceLock<Option<Value>> = OnceLock::new();
@@ -160,6 +165,27 @@ fn decoding_matches_pillow() -> Result<()> {
     for (ext, (decodes, values)) in &per_format {
         eprintln!("{ext}: {decodes} decodes ({values} values) equal Pillow's bit for bit");
     }
+    // The same JPEGs through libjpeg-turbo's plain C IDCT, upsampling and
+    // colour conversion: Kiln's AVX2 replacements change no byte.
+    // SAFETY: `kiln_jpeg_simd_set_enabled` (csrc/jpeg_simd.c) only stores a
+    // flag, atomically; the other tests' decodes give the same bytes either way.
+    unsafe { kiln_jpeg_simd_set_enabled(0) };
+    let mut plain = 0;
+    for case in fx["decode"].as_array().expect("cases") {
+        let file = path_of(&case["file"]);
+        if file.extension().is_none_or(|e| e != "jpg") || case["mode"] != "RGB" {
+            continue;
+        }
+        let bytes = std::fs::read(&file).expect("image");
+        let with = std::fs::read(path_of(&case["expected"])).expect("expected");
+        let without = decode_image(&bytes, ColorMode::Rgb, &file)?;
+        if case["damaged"].as_bool() != Some(true) {
+            assert!(without.as_bytes() == with.as_slice(), "{}", file.display());
+        }
+        plain += 1;
+    }
+    unsafe { kiln_jpeg_simd_set_enabled(1) };
+    eprintln!("jpg: {plain} decodes without the AVX2 kernels equal too");
     for ext in ["jpg", "png", "webp", "bmp", "tif", "gif", "ppm", "pgm"] {
         assert!(per_format.contains_key(ext), "the corpus has {ext} files");
     }
