@@ -25,6 +25,10 @@ impl Scratch {
     }
 }
 
+/// The most pixels (4 bytes each) a thread keeps between resizes: 16 MiB,
+/// the buffers of an image of about two million pixels.
+const SCRATCH_KEPT_PIXELS: usize = 4 << 20;
+
 thread_local! {
     static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
@@ -143,7 +147,10 @@ fn resize_u8_with(
             };
             unpack(result, channels, image_out);
         }
-        SCRATCH.set(scratch);
+        // A huge image's buffers are not kept.
+        if scratch.0.len() <= SCRATCH_KEPT_PIXELS {
+            SCRATCH.set(scratch);
+        }
         return out;
     }
     let mut mid = vec![0u8; h * ow];
