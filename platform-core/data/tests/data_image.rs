@@ -184,6 +184,7 @@ fn decoding_matches_pillow() -> Result<()> {
         }
         plain += 1;
     }
+    // SAFETY: as above.
     unsafe { kiln_jpeg_simd_set_enabled(1) };
     eprintln!("jpg: {plain} decodes without the AVX2 kernels equal too");
     for ext in ["jpg", "png", "webp", "bmp", "tif", "gif", "ppm", "pgm"] {
