@@ -7,27 +7,8 @@ use kiln_core::tensor::HostTensor;
 use super::color::{adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation};
 use super::geometry::{center_crop, resize, resized_crop, ResizeTo};
 use super::image::Layout;
+use super::pixel::each_image;
 use crate::transform::{Transform, TransformRng};
-
-/// Applies `f` to every image of `x` (`[C, H, W]`, or each of `[N, C, H, W]`
-/// in order, so a random transform draws separately for each).
-fn each_image(
-    x: HostTensor,
-    op: &str,
-    mut f: impl FnMut(&HostTensor) -> Result<HostTensor>,
-) -> Result<HostTensor> {
-    let l = Layout::of(&x, op)?;
-    if !l.batched {
-        return f(&x);
-    }
-    let images = (0..l.count)
-        .map(|i| f(&x.row(i)?))
-        .collect::<Result<Vec<_>>>()?;
-    if images.is_empty() {
-        return Ok(x);
-    }
-    HostTensor::stack(&images)
-}
 
 /// Resizes images (`torchvision.transforms.v2.Resize(size, antialias=True)`,
 /// bilinear); see [`resize`](super::resize).
