@@ -370,9 +370,21 @@ pub(super) fn decode_gif(bytes: &[u8], name: &Path) -> Result<Pixels> {
     let mut indices = vec![transparent.unwrap_or(0); width * height];
     let (left, top) = (usize::from(frame.left), usize::from(frame.top));
     let (fw, fh) = (usize::from(frame.width), usize::from(frame.height));
-    for y in 0..fh.min(height.saturating_sub(top)) {
-        let visible = fw.min(width.saturating_sub(left));
-        let src = &frame.buffer[y * fw..y * fw + visible];
+    // The part of the frame on the screen (a frame may reach past it).
+    let visible = fw.min(width.saturating_sub(left));
+    let rows = if visible == 0 {
+        0
+    } else {
+        fh.min(height.saturating_sub(top))
+    };
+    for y in 0..rows {
+        let Some(src) = frame.buffer.get(y * fw..y * fw + visible) else {
+            return Err(Error::data(
+                name,
+                None,
+                "corrupt GIF: a frame shorter than its size",
+            ));
+        };
         indices[(top + y) * width + left..][..visible].copy_from_slice(src);
     }
     let Some(palette) = palette else {
