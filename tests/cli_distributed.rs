@@ -426,7 +426,7 @@ fn sharded_validation_equals_one_process_evaluating_rank_zeros_model() {
 
 /// `[distributed] timeout`: one rank of two started alone fails after that
 /// many seconds, saying how many joined; `backend = "nccl"` on a CPU run is a
-/// config error naming the key.
+/// config error naming the key, judged after `--device`.
 #[test]
 fn distributed_config_keys() {
     let _serial = serial();
@@ -481,6 +481,41 @@ fn distributed_config_keys() {
     assert!(!out.status.success());
     assert!(
         stderr.contains("distributed.backend") && stderr.contains("\"nccl\" reduces CUDA tensors"),
+        "{stderr}"
+    );
+    // The config is judged with the flags in place: `--device cuda:0` makes the
+    // NCCL config valid (it then needs the GPU), and makes the Gloo one invalid.
+    let out = run(
+        KILN,
+        &[
+            "train",
+            "--config",
+            nccl.to_str().unwrap(),
+            "--device",
+            "cuda:0",
+            "--max-steps",
+            "1",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("reduces CUDA tensors"), "{stderr}");
+    assert!(
+        out.status.success() || stderr.contains("cuda:0"),
+        "{stderr}"
+    );
+    let out = run(
+        KILN,
+        &[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--device",
+            "cuda:0",
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("\"gloo\" reduces CPU tensors, but the device is cuda:0"),
         "{stderr}"
     );
 }

@@ -305,7 +305,7 @@ pub(crate) fn graphed_step(
     model.to_dtype(a.workload.dtype())?;
     let optimizer = TorchOptimizer::new(
         OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-        model.named_parameters(),
+        model.named_parameters()?,
         &[],
     )?;
     let batches = to_device::<TorchBackend>(host, a.device)?;

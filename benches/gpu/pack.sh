@@ -21,14 +21,15 @@ build bench -p kiln-fused-ops --bench cuda_ops --no-default-features --features 
 build test -p kiln-torch --features cuda --no-run
 build test -p kiln-c10d --features cuda --no-run
 build build --release --example digits --no-default-features --features torch,cuda
+build build --release --bin kiln --no-default-features --features torch,cuda
 python3 - "$json" "$out/kiln-gpu" "$PWD" <<'PY'
 import json, os, shutil, subprocess, sys
 
 messages, dest, workspace = sys.argv[1], sys.argv[2], sys.argv[3]
 # The suites with CUDA parts (the others need no GPU and run in CI).
 TESTS = {"kiln-fused-ops": {"cuda", "torch_ops"},
-         "kiln-torch": {"cuda", "cuda_graph", "layer_parity", "losses_and_state", "optim_parity",
-                        "torchscript"},
+         "kiln-torch": {"convert", "cuda", "cuda_graph", "grad_scaler", "layer_parity",
+                       "losses_and_state", "optim_parity", "torchscript", "torchscript_export"},
          "kiln-c10d": {"distributed"}}
 
 
@@ -52,7 +53,7 @@ for line in open(messages):
     if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
         continue
     kind, target = msg["target"]["kind"][0], msg["target"]["name"]
-    if kind in ("bench", "example"):
+    if kind in ("bench", "example", "bin"):
         name = target
     elif kind == "test" and target in TESTS.get(package, ()):
         name = f"test-{package}-{target}"

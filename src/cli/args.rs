@@ -118,7 +118,7 @@ fn parse_backend(value: &str) -> std::result::Result<BackendKind, String> {
 impl TrainArgs {
     /// The config with these flags applied, validated.
     pub(crate) fn config(&self) -> Result<RunConfig> {
-        let mut config = RunConfig::load(&self.config)?;
+        let mut config = RunConfig::load_unvalidated(&self.config)?;
         self.apply(&mut config);
         config
             .validate()

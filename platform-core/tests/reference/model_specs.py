@@ -142,7 +142,7 @@ class GroupedQueryAttention(nn.Module):
         if self.rope is not None:
             rot = self.rope.get("rotary_dim") or self.head_dim
             inv_freq = 1.0 / (self.rope["theta"] ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
-            pos = torch.arange(s)[None, :]
+            pos = torch.arange(s, device=x.device)[None, :]
             freqs = pos[..., None].float() * inv_freq.to(x.device)
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]

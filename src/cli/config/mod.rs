@@ -255,6 +255,16 @@ impl RunConfig {
     /// Parses a TOML config; errors name the file, the key and what is allowed
     /// (serde's messages list the accepted variants and fields).
     pub fn from_toml(text: &str, path: &Path) -> Result<Self> {
+        let config = Self::parse(text, path)?;
+        config.validate().map_err(|e| Error::Config {
+            path: path.to_path_buf(),
+            reason: e.to_string(),
+        })?;
+        Ok(config)
+    }
+
+    /// Reads a config and fills in what follows from it, without validating.
+    fn parse(text: &str, path: &Path) -> Result<Self> {
         let bad = |reason: String| Error::Config {
             path: path.to_path_buf(),
             reason,
@@ -288,10 +298,6 @@ impl RunConfig {
             path: path.to_path_buf(),
             reason: e.to_string(),
         })?;
-        config.validate().map_err(|e| Error::Config {
-            path: path.to_path_buf(),
-            reason: e.to_string(),
-        })?;
         Ok(config)
     }
 
@@ -299,6 +305,15 @@ impl RunConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Self::from_toml(&text, path)
+    }
+
+    /// [`load`](Self::load) without [`validate`](Self::validate), for a caller
+    /// that puts command-line values in place first (`kiln train --device`) and
+    /// then validates: a flag can make a config valid (`backend = "nccl"` with
+    /// `--device cuda:0`), so the file alone is not judged.
+    pub fn load_unvalidated(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&text, path)
     }
 
     /// Language-model text data (`dataset = "text"` with a causal task):
