@@ -437,6 +437,7 @@ fn checkpoints_resume_across_backends() {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            averaged: None,
         };
         if first == "torch" {
             losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 0));

@@ -805,6 +805,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            averaged: None,
         };
         Ok(checkpoint.save(&path)?)
     })?;

@@ -2,7 +2,7 @@
 
 mod train;
 
-pub use train::{EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable};
+pub use train::{check_lerp_pairs, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable};
 
 use crate::device::Device;
 use crate::dtype::DType;

@@ -47,6 +47,21 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
     }
 }
 
+/// The run's model is its weight average, when it keeps one (as Lightning's
+/// `WeightAveraging` leaves the averaged weights in the model at the end of
+/// `fit`): evaluated, written to `model.safetensors` and the adapter.
+fn use_average<B: TrainBackend, M: Trainable<B>>(state: &mut TrainingState<B, M>) -> Result<()> {
+    if let Some(averaging) = &state.averaging {
+        averaging.swap_into(&mut state.model)?;
+        log::info!(
+            "the model is the weight average of {} updates (decay {})",
+            averaging.updates(),
+            averaging.config().decay
+        );
+    }
+    Ok(())
+}
+
 /// Loads the weights of `[model] pretrained` into `model`: every tensor of the
 /// checkpoint's model (a new head keeps its initial values).
 fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedModel) -> Result<()> {
@@ -268,6 +283,26 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         None => None,
     };
     let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
+    if let Some(ema) = &config.training.ema {
+        if rendezvous.is_some()
+            && (config.distributed.strategy == StrategyName::Fsdp
+                || config.distributed.sharded_checkpoints())
+        {
+            anyhow::bail!(
+                "config key `training.ema`: weight averaging keeps whole tensors and checkpoints \
+                 them whole, so it runs under ddp, or zero1/zero2 with [distributed] checkpoint \
+                 = \"full\"; not under {} with {} checkpoints",
+                config.distributed.strategy.name(),
+                if config.distributed.sharded_checkpoints() {
+                    "sharded"
+                } else {
+                    "full"
+                }
+            );
+        }
+        // Before a resume restores the checkpoint's average into it.
+        state = state.with_weight_averaging(ema.clone())?;
+    }
     let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
         let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
@@ -310,6 +345,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             train_loader.as_ref(),
             val_loader.as_ref().map(|v| v.as_ref()),
         )?;
+        use_average(&mut state)?;
         // Rank 0's final evaluation reduces over every rank.
         if let Some(val) = &val_loader {
             state.model.set_mode(Mode::Eval);
@@ -386,6 +422,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         train_loader.as_ref(),
         val_loader.as_ref().map(|v| v.as_ref()),
     )?;
+    use_average(&mut state)?;
     state.model.set_mode(Mode::Eval);
     let final_metrics = match &val_loader {
         Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,

@@ -66,6 +66,26 @@ impl TrainBackend for TorchBackend {
     fn checkpoint_activations(model: &mut TorchModel, patterns: &[&str]) -> Result<Vec<String>> {
         model.checkpoint_activations(patterns)
     }
+
+    fn copy_tensor(tensor: &Tensor) -> Result<Tensor> {
+        tensor
+            .f_detach_copy()
+            .map_err(|e| torch_error("copying a tensor for a weight average", e))
+    }
+
+    fn lerp_in_place(averages: &mut [Tensor], currents: &[Tensor], weight: f64) -> Result<()> {
+        kiln_core::backend::check_lerp_pairs::<TorchBackend>(averages, currents)?;
+        tch::no_grad(|| {
+            for (average, current) in averages.iter_mut().zip(currents) {
+                drop(
+                    average
+                        .f_lerp_(&current.detach(), weight)
+                        .map_err(|e| torch_error("updating a weight average", e))?,
+                );
+            }
+            Ok(())
+        })
+    }
 }
 
 /// The elements of a torch module's parameters that require gradients.

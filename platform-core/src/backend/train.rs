@@ -335,6 +335,77 @@ pub trait TrainBackend: Backend {
             Self::NAME
         )))
     }
+
+    /// A copy of `tensor` on its device that shares no storage with it and
+    /// records nothing for autograd (`tensor.detach().clone()`): where a weight
+    /// average starts.
+    ///
+    /// The default goes through the host.
+    fn copy_tensor(tensor: &Self::Tensor) -> Result<Self::Tensor> {
+        Self::from_host(&Self::to_host(tensor)?, Self::device(tensor))
+    }
+
+    /// Moves each of `averages` towards its partner in `currents` by `weight`:
+    /// `average += weight * (current - average)`, without autograd, as
+    /// `torch._foreach_lerp_` does for an exponential moving average of the
+    /// weights (`weight = 1 - decay`) and for SWA's running mean
+    /// (`weight = 1 / (n + 1)`). The pairs must agree in shape and dtype, a
+    /// floating-point one.
+    ///
+    /// The default computes on the host in float64 and puts each result back on
+    /// its tensor's device (a new tensor in its place); libtorch updates in place.
+    fn lerp_in_place(
+        averages: &mut [Self::Tensor],
+        currents: &[Self::Tensor],
+        weight: f64,
+    ) -> Result<()> {
+        check_lerp_pairs::<Self>(averages, currents)?;
+        let mut updated = Vec::with_capacity(averages.len());
+        for (average, current) in averages.iter().zip(currents) {
+            let a = Self::to_host(average)?;
+            let c = Self::to_host(current)?.to_dtype(crate::dtype::DType::F64);
+            let dtype = a.dtype();
+            let a64 = a.to_dtype(crate::dtype::DType::F64);
+            let out: Vec<f64> = a64
+                .as_slice::<f64>()?
+                .iter()
+                .zip(c.as_slice::<f64>()?)
+                .map(|(a, c)| a + weight * (c - a))
+                .collect();
+            let host = HostTensor::new(out, a.dims().to_vec())?.to_dtype(dtype);
+            updated.push(Self::from_host(&host, Self::device(average))?);
+        }
+        for (average, new) in averages.iter_mut().zip(updated) {
+            *average = new;
+        }
+        Ok(())
+    }
+}
+
+/// [`TrainBackend::lerp_in_place`]'s checks: as many averages as currents,
+/// pairwise of one shape and one floating-point dtype.
+pub fn check_lerp_pairs<B: Backend>(averages: &[B::Tensor], currents: &[B::Tensor]) -> Result<()> {
+    if averages.len() != currents.len() {
+        return Err(Error::invalid_argument(
+            "weight averaging",
+            format!("{} averages for {} tensors", averages.len(), currents.len()),
+        ));
+    }
+    for (i, (a, c)) in averages.iter().zip(currents).enumerate() {
+        let (da, dc) = (B::dtype(a)?, B::dtype(c)?);
+        if da != dc || !da.is_float() || B::shape(a) != B::shape(c) {
+            return Err(Error::invalid_argument(
+                "weight averaging",
+                format!(
+                    "tensor {i}: the average is {da} {:?} and the tensor {dc} {:?}; both must \
+                     be one floating-point dtype and shape",
+                    B::shape(a),
+                    B::shape(c)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A backend that runs operations one at a time and records them for autograd

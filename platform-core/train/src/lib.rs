@@ -22,12 +22,12 @@ mod metric;
 
 pub use checkpoint::{
     checkpoint_path, find_non_finite, first_difference, refuse_non_finite, save_sharded_checkpoint,
-    shard_path, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, NonFinite, RunDirectory,
-    RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
+    shard_path, Averaged, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, NonFinite,
+    RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
-    Callback, EarlyStopping, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,
-    TrainerConfig, TrainingState,
+    Callback, EarlyStopping, EmaConfig, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,
+    TrainerConfig, TrainingState, WeightAveraging,
 };
 pub use logger::{
     plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,

@@ -124,6 +124,7 @@ mod tests {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            averaged: None,
         };
         let err = checkpoint
             .check_finite(Path::new("c.safetensors"))

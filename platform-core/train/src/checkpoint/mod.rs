@@ -48,6 +48,7 @@ use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{WritableState, WritableTensor};
 
 pub use data_order::DATA_ORDER_KEY;
+
 pub use finite::{find_non_finite, refuse_non_finite, NonFinite};
 pub use manager::{CheckpointPolicy, Checkpointer, MonitorMode};
 pub use run_dir::{RunDirectory, RunStart, LOCK_FILE, RUN_OUTPUTS};
@@ -111,7 +112,22 @@ pub struct Checkpoint<S = StateDict> {
     /// per-sample losses and the number of samples: a run resumed mid-epoch
     /// reports the epoch's loss over all its batches, as an uninterrupted one.
     pub epoch_loss: Option<(f64, u64)>,
+    /// The run's weight average ([`WeightAveraging`](crate::WeightAveraging)),
+    /// if it keeps one: the averaged tensors and how many updates made them.
+    pub averaged: Option<Averaged<S>>,
 }
+
+/// A weight average as a checkpoint holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Averaged<S = StateDict> {
+    /// The averaged parameters (and floating-point buffers), by the model's names.
+    pub tensors: S,
+    /// Updates made (`AveragedModel.n_averaged`).
+    pub updates: u64,
+}
+
+/// The metadata key counting a checkpoint's weight-average updates.
+const AVERAGED_UPDATES: &str = "kiln.averaged_updates";
 
 impl<S: WritableState> Checkpoint<S> {
     /// Writes the checkpoint to `path` atomically.
@@ -121,9 +137,12 @@ impl<S: WritableState> Checkpoint<S> {
 
     /// Writes the checkpoint to `path` atomically, with `extra` metadata.
     fn save_with(&self, path: &Path, extra: BTreeMap<String, String>) -> Result<()> {
-        let names: Vec<(String, &dyn WritableTensor)> = prefixed("model.", &self.model)
+        let mut names: Vec<(String, &dyn WritableTensor)> = prefixed("model.", &self.model)
             .chain(prefixed("optimizer.", &self.optimizer))
             .collect();
+        if let Some(averaged) = &self.averaged {
+            names.extend(prefixed("averaged.", &averaged.tensors));
+        }
         let mut meta = extra;
         meta.insert("kiln.format".to_owned(), CHECKPOINT_FORMAT.to_owned());
         meta.insert(
@@ -173,6 +192,9 @@ impl<S: WritableState> Checkpoint<S> {
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
         if let Some(loss) = &self.epoch_loss {
             meta.insert("kiln.epoch_loss".to_owned(), to_json(loss, path)?);
+        }
+        if let Some(averaged) = &self.averaged {
+            meta.insert(AVERAGED_UPDATES.to_owned(), averaged.updates.to_string());
         }
         kiln_core::safetensors::save_entries(
             path,
@@ -291,17 +313,34 @@ impl Checkpoint {
         let metrics = parse_metrics(meta, path)?;
         let mut model = StateDict::new();
         let mut optimizer = StateDict::new();
+        let mut averaged = StateDict::new();
         for (key, value) in tensors.into_inner() {
             if let Some(k) = key.strip_prefix("model.") {
                 model.insert(k.to_owned(), value);
             } else if let Some(k) = key.strip_prefix("optimizer.") {
                 optimizer.insert(k.to_owned(), value);
+            } else if let Some(k) = key.strip_prefix("averaged.") {
+                averaged.insert(k.to_owned(), value);
             } else {
                 return Err(bad(format!(
-                    "unexpected tensor `{key}` (expected `model.*` or `optimizer.*`)"
+                    "unexpected tensor `{key}` (expected `model.*`, `optimizer.*` or \
+                     `averaged.*`)"
                 )));
             }
         }
+        let averaged = match meta.get(AVERAGED_UPDATES) {
+            Some(_) => Some(Averaged {
+                tensors: averaged,
+                updates: number(AVERAGED_UPDATES)?,
+            }),
+            None if averaged.is_empty() => None,
+            None => {
+                return Err(bad(format!(
+                    "holds {} `averaged.*` tensors but no `{AVERAGED_UPDATES}` metadata",
+                    averaged.len()
+                )))
+            }
+        };
         let written = number(OPTIMIZER_TENSORS)?;
         if written != optimizer.len() as u64 {
             return Err(bad(format!(
@@ -347,6 +386,7 @@ impl Checkpoint {
                 })?),
                 None => None,
             },
+            averaged,
         })
     }
 }

@@ -2,6 +2,7 @@
 //! position in the data; what a checkpoint saves and `fit` advances.
 
 use crate::checkpoint::Checkpoint;
+use crate::learner::averaging::{EmaConfig, WeightAveraging};
 use crate::metric::LossMetric;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::{Error, Result};
@@ -26,6 +27,11 @@ pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>:
     pub batch_in_epoch: u64,
     /// The training loss of those micro-batches, for the epoch's record.
     pub epoch_loss: LossMetric,
+    /// A moving average of the weights, if the run keeps one
+    /// ([`with_weight_averaging`](Self::with_weight_averaging)): the trainer
+    /// updates it after the optimizer steps its config names, checkpoints it,
+    /// and validates with it when the config says so.
+    pub averaging: Option<WeightAveraging<B>>,
 }
 
 impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for TrainingState<B, M> {
@@ -53,7 +59,15 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
             epoch: 0,
             batch_in_epoch: 0,
             epoch_loss: LossMetric::new("loss"),
+            averaging: None,
         }
+    }
+
+    /// Keeps an exponential moving average of the model's weights, starting
+    /// from their current values.
+    pub fn with_weight_averaging(mut self, config: EmaConfig) -> Result<Self> {
+        self.averaging = Some(WeightAveraging::new(config, &self.model)?);
+        Ok(self)
     }
 
     /// Restores model, optimizer, schedule and position from a checkpoint.
@@ -96,6 +110,9 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
         }
         let old_model = self.model.state_dict()?;
         checkpoint.model.check_dtypes(&old_model)?;
+        if let (Some(averaging), Some(saved)) = (&self.averaging, &checkpoint.averaged) {
+            averaging.check(saved)?;
+        }
         // The schedule first: it is the one part whose state can be put back exactly.
         let old_schedule = match (self.scheduler.as_mut(), &checkpoint.scheduler) {
             (Some(scheduler), Some(state)) => {
@@ -120,6 +137,7 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
                         }
                     })
             });
+        let loaded = loaded.and_then(|()| self.restore_average(checkpoint));
         if let Err(e) = loaded {
             if let (Some(scheduler), Some(old)) = (self.scheduler.as_mut(), &old_schedule) {
                 scheduler.load_state(old)?;
@@ -137,5 +155,30 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
         let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
         self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
         Ok(())
+    }
+
+    /// The weight average's part of [`restore`](Self::restore), after the
+    /// model and optimizer loaded (and put back on error): the checkpoint's
+    /// average, or, from a checkpoint without one, a new average of the
+    /// restored weights.
+    fn restore_average(&mut self, checkpoint: &Checkpoint) -> Result<()> {
+        let Some(averaging) = self.averaging.as_mut() else {
+            if checkpoint.averaged.is_some() {
+                log::info!("the checkpoint's weight average is left out: this run keeps none");
+            }
+            return Ok(());
+        };
+        let restored = match &checkpoint.averaged {
+            Some(saved) => averaging.restore(saved),
+            None => {
+                log::warn!(
+                    "the checkpoint holds no weight average: the average starts again from \
+                     its weights"
+                );
+                WeightAveraging::new(averaging.config().clone(), &self.model)
+                    .map(|fresh| *averaging = fresh)
+            }
+        };
+        restored
     }
 }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use super::averaging::{EmaConfig, WeightAveraging};
 use super::callback::{Callback, Flow};
 use super::state::TrainingState;
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
@@ -78,6 +79,13 @@ pub struct TrainerConfig {
     /// built; `fit` checks.
     #[serde(default)]
     pub precision: FloatPrecision,
+    /// Keep an exponential moving average of the weights
+    /// (`ema = { decay = 0.999 }`; see [`EmaConfig`]). `fit` starts one from
+    /// the model's weights when the state has none
+    /// ([`TrainingState::with_weight_averaging`] gives one before a resume, so
+    /// that the checkpoint's average is restored).
+    #[serde(default)]
+    pub ema: Option<EmaConfig>,
 }
 
 fn ten() -> u64 {
@@ -106,6 +114,7 @@ impl Default for TrainerConfig {
             log_every: 50,
             retain_host_memory: true,
             precision: FloatPrecision::F32,
+            ema: None,
         }
     }
 }
@@ -121,6 +130,9 @@ impl TrainerConfig {
         }
         if let Some(clip) = &self.clip {
             clip.validate()?;
+        }
+        if let Some(ema) = &self.ema {
+            ema.validate()?;
         }
         Ok(())
     }
@@ -443,6 +455,20 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
             }
         }
+        if let (Some(ema), None) = (&self.config.ema, &state.averaging) {
+            state.averaging = Some(WeightAveraging::new(ema.clone(), &state.model)?);
+        }
+        if state.averaging.is_some()
+            && (state.model.shards_parameters() || self.sharded_checkpoints.is_some())
+        {
+            return Err(Error::invalid_argument(
+                "training.ema",
+                "weight averaging keeps whole tensors and checkpoints them whole: it trains \
+                 one process, or ranks that hold whole parameters and write full checkpoints \
+                 (ddp, or zero1/zero2 with [distributed] checkpoint = \"full\"), not fsdp or \
+                 sharded checkpoints",
+            ));
+        }
         if self.config.retain_host_memory {
             kiln_core::host_memory::retain_freed_memory();
         }
@@ -552,6 +578,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
                 micro = 0;
                 state.step += 1;
+                if let Some(averaging) = state.averaging.as_mut() {
+                    averaging.after_step(&state.model, state.step)?;
+                }
                 if self.config.schedule_interval == ScheduleInterval::Step {
                     if let Some(s) = state.scheduler.as_mut() {
                         let lrs = s.step()?;
@@ -600,7 +629,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             record.insert("loss".to_owned(), state.epoch_loss.compute()?);
             record.insert("lr".to_owned(), state.optimizer.learning_rate());
             if let Some(val) = val {
-                for (name, value) in self.evaluate(&mut state.model, val)? {
+                for (name, value) in self.validate_epoch(state, val)? {
                     record.insert(format!("val_{name}"), value);
                 }
             }
@@ -647,6 +676,23 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
         }
         Ok(())
+    }
+
+    /// The epoch's validation: [`evaluate`](Self::evaluate), with the averaged
+    /// weights in the model when the run keeps an average that validates
+    /// (the training weights are put back afterwards, also on error).
+    fn validate_epoch(
+        &self,
+        state: &mut TrainingState<B, M>,
+        val: &dyn DataLoader,
+    ) -> Result<Vec<(String, f64)>> {
+        let Some(averaging) = state.averaging.as_ref().filter(|a| a.config().validate) else {
+            return self.evaluate(&mut state.model, val);
+        };
+        let training = averaging.swap_into(&mut state.model)?;
+        let metrics = self.evaluate(&mut state.model, val);
+        state.model.load_state_dict(&training)?;
+        metrics
     }
 
     /// The loss and every metric over `loader`, in eval mode and without

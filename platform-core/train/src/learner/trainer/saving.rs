@@ -53,6 +53,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
             epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
+            averaged: state
+                .averaging
+                .as_ref()
+                .map(|a| a.checkpoint_part())
+                .transpose()?,
         })
     }
 
