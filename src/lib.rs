@@ -85,6 +85,8 @@ mod guide {
     pub struct GuideTraining;
     #[doc = include_str!("../docs/src/images.md")]
     pub struct GuideImages;
+    #[doc = include_str!("../docs/src/tools.md")]
+    pub struct GuideTools;
     #[doc = include_str!("../docs/src/checkpoints.md")]
     pub struct GuideCheckpoints;
     #[doc = include_str!("../docs/src/precision.md")]

@@ -471,3 +471,114 @@ fn the_shipped_config_trains_and_writes_every_output() {
         "a header and three epochs:\n{epochs}"
     );
 }
+
+/// `[training] ema`: the same training steps as without it (the losses are
+/// equal), validation with the average (other validation losses), the
+/// average checkpointed with its update count and written as the run's
+/// `model.safetensors`, and a resumed run ending on the same average.
+#[test]
+fn ema_validates_checkpoints_resumes_and_writes_the_average() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ema");
+    let plain = config(&dir, 0);
+    let text = std::fs::read_to_string(&plain).unwrap();
+    let averaged = dir.join("ema.toml");
+    std::fs::write(
+        &averaged,
+        text.replace(
+            "[training]\n",
+            "[training]\nema = { decay = 0.9, every_n_steps = 2, start_step = 4 }\n",
+        ),
+    )
+    .unwrap();
+    let (plain, averaged) = (plain.to_str().unwrap(), averaged.to_str().unwrap());
+    let (a, b, c) = (dir.join("ema"), dir.join("plain"), dir.join("resumed"));
+    train(averaged, &a, &["--epochs", "2"]);
+    train(plain, &b, &["--epochs", "2"]);
+    assert_eq!(
+        losses(&a),
+        losses(&b),
+        "the average does not touch training"
+    );
+    let val_loss = |run: &Path| {
+        let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+        let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+        let col = header.iter().position(|h| *h == "val_loss").unwrap();
+        text.lines()
+            .skip(1)
+            .map(|l| l.split(',').nth(col).unwrap().parse::<f64>().unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (va, vb) = (val_loss(&a), val_loss(&b));
+    assert!(va.iter().zip(&vb).all(|(x, y)| x != y), "{va:?} {vb:?}");
+
+    let last = kiln::train::Checkpointer::last_path(&a.join("checkpoints"));
+    let checkpoint = Checkpoint::load(&last).unwrap();
+    let saved = checkpoint
+        .averaged
+        .as_ref()
+        .expect("the checkpoint holds the average");
+    let steps = losses(&a).len() as u64;
+    assert_eq!(checkpoint.step, steps, "a checkpoint at the last step");
+    assert_eq!(
+        saved.updates,
+        (4..=steps).filter(|s| s % 2 == 0).count() as u64
+    );
+    let (model, _) = StateDict::load_safetensors(a.join("model.safetensors")).unwrap();
+    let (trained, _) = StateDict::load_safetensors(b.join("model.safetensors")).unwrap();
+    for (name, t) in saved.tensors.iter() {
+        assert_eq!(
+            model.get(name),
+            Some(t),
+            "model.safetensors holds the average's {name}"
+        );
+        assert_ne!(trained.get(name), Some(t), "{name}");
+    }
+
+    // `buffers = false` keeps the model's running statistics; `validate = false`
+    // validates the training weights, as a run without an average.
+    let bn = text.replace(
+        "  { type = \"relu\" },",
+        "  { type = \"batch_norm1d\", num_features = 64 },\n  { type = \"relu\" },",
+    );
+    assert_ne!(bn, text);
+    let (bn_plain, bn_ema) = (dir.join("bn.toml"), dir.join("bn-ema.toml"));
+    std::fs::write(&bn_plain, &bn).unwrap();
+    std::fs::write(
+        &bn_ema,
+        bn.replace(
+            "[training]\n",
+            "[training]\nema = { decay = 0.9, warmup = true, buffers = false, validate = false }\n",
+        ),
+    )
+    .unwrap();
+    let (d, e) = (dir.join("bn-ema"), dir.join("bn-plain"));
+    train(bn_ema.to_str().unwrap(), &d, &["--epochs", "1"]);
+    train(bn_plain.to_str().unwrap(), &e, &["--epochs", "1"]);
+    assert_eq!(
+        val_loss(&d)[..1],
+        val_loss(&e)[..1],
+        "validated with the training weights"
+    );
+    let (wd, _) = StateDict::load_safetensors(d.join("model.safetensors")).unwrap();
+    let (we, _) = StateDict::load_safetensors(e.join("model.safetensors")).unwrap();
+    assert_eq!(wd.get("1.running_mean"), we.get("1.running_mean"));
+    assert_ne!(wd.get("1.weight"), we.get("1.weight"));
+    let last = kiln::train::Checkpointer::last_path(&d.join("checkpoints"));
+    let saved = Checkpoint::load(&last).unwrap().averaged.unwrap();
+    assert!(saved.tensors.get("1.weight").is_some());
+    assert!(saved.tensors.get("1.running_mean").is_none());
+
+    train(averaged, &c, &["--epochs", "1"]);
+    train(averaged, &c, &["--epochs", "2", "--resume", "auto"]);
+    let (resumed, _) = StateDict::load_safetensors(c.join("model.safetensors")).unwrap();
+    for (name, t) in model.iter() {
+        assert!(
+            resumed.get(name).unwrap().allclose(t, 1e-4, 1e-6),
+            "the resumed run's average of {name}"
+        );
+    }
+}

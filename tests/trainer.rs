@@ -1,7 +1,7 @@
 //! The generic Trainer on the torch backend: gradient accumulation equals one big
 //! batch, a non-finite loss stops training naming the step and leaves the
 //! checkpoints intact, early stopping, evaluate and predict, resuming bitwise in every
-//! precision.
+//! precision; weight averaging against PyTorch's `AveragedModel` (`trainer/weight_averaging.rs`).
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -20,6 +20,9 @@ use kiln::train::{
     Checkpoint, CheckpointPolicy, Checkpointer, EarlyStopping, LossReads, MonitorMode, Trainer,
     TrainerConfig, TrainingState,
 };
+
+#[path = "trainer/weight_averaging.rs"]
+mod weight_averaging;
 
 /// libtorch's generator is global and the trainer reseeds it every step: tests in
 /// this binary run one at a time so they do not draw from each other's stream.

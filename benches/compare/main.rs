@@ -65,8 +65,9 @@ use crate::tasks::{Task, TaskArgs};
 use crate::worker::worker;
 
 /// Every variant of the training workloads, in table order.
-const VARIANTS: [&str; 8] = [
+const VARIANTS: [&str; 9] = [
     "kiln-torch",
+    "kiln-torch-ema",
     "kiln-torch-graph",
     "raw-tch",
     "pytorch-eager",
@@ -142,7 +143,9 @@ impl Workload {
     /// graph capture do not mix without more work).
     fn runs(self, variant: &str) -> bool {
         match self {
-            Workload::TransformerBf16 => !(is_tensorflow(variant) || variant == "raw-tch"),
+            Workload::TransformerBf16 => {
+                !(is_tensorflow(variant) || matches!(variant, "raw-tch" | "kiln-torch-ema"))
+            }
             Workload::TransformerBf16Mixed => matches!(variant, "kiln-torch" | "pytorch-eager"),
             _ => true,
         }

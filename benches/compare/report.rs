@@ -95,6 +95,19 @@ pub(crate) fn table(
             100.0 * (raw / kiln - 1.0)
         );
     }
+    let rate = |name: &str| {
+        rows.iter()
+            .find(|(v, _)| v == name)
+            .and_then(|(_, r)| r.as_ref().ok())
+            .map(|r| num(r, "steps_per_s"))
+    };
+    if let (Some(plain), Some(ema)) = (rate("kiln-torch"), rate("kiln-torch-ema")) {
+        t += &format!(
+            "\nThe weight average (`[training] ema`, updated after every step): {:+.1}% time \
+             per step.\n",
+            100.0 * (plain / ema - 1.0)
+        );
+    }
     t
 }
 

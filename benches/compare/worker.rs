@@ -2,6 +2,7 @@
 //! starts one process per variant, so each has its own peak RSS).
 
 use super::*;
+use kiln::train::{EmaConfig, WeightAveraging};
 
 pub(crate) struct WorkerArgs {
     variant: String,
@@ -210,10 +211,13 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         .map(|(x, y)| (x.to_dtype(dtype), y))
         .collect();
     let (times, loss) = match a.variant.as_str() {
-        "kiln-torch" => {
+        "kiln-torch" | "kiln-torch-ema" => {
             tch::set_num_threads(a.threads as i32);
             let precision = a.workload.precision();
-            kiln_step::<TorchBackend>(&a, &host, |m| match precision {
+            // The same step with an exponential moving average of the weights
+            // updated after it (`[training] ema`, decay 0.999, every step).
+            let ema = (a.variant == "kiln-torch-ema").then(|| EmaConfig::new(0.999));
+            kiln_step::<TorchBackend>(&a, &host, ema, |m| match precision {
                 FloatPrecision::F32 => m.to_dtype(dtype),
                 mixed => m.set_precision(mixed),
             })?
@@ -224,7 +228,7 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         "kiln-tf" => {
             // As the Python worker's `tf.config.threading`.
             kiln::tf::set_thread_counts(a.threads, a.threads)?;
-            kiln_step::<TfBackend>(&a, &host, |_| Ok(()))?
+            kiln_step::<TfBackend>(&a, &host, None, |_| Ok(()))?
         }
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);
@@ -263,10 +267,13 @@ pub(crate) fn to_device<B: TrainBackend>(
 }
 
 /// Kiln's training step (`Trainable::train_step`: forward, loss, backward,
-/// optimizer step; one session run on TensorFlow) on batches already on the device.
+/// optimizer step; one session run on TensorFlow) on batches already on the
+/// device, and with `ema` the weight average's update after each step, as the
+/// `Trainer` runs it.
 pub(crate) fn kiln_step<B: TrainBackend>(
     a: &WorkerArgs,
     host: &[(HostTensor, HostTensor)],
+    ema: Option<EmaConfig>,
     prepare: impl FnOnce(&mut B::Model) -> kiln::core::Result<()>,
 ) -> Result<(Vec<f64>, f64)> {
     B::manual_seed(0);
@@ -282,10 +289,17 @@ pub(crate) fn kiln_step<B: TrainBackend>(
         apply: true,
         clip: None,
     };
+    let mut average = ema
+        .map(|config| WeightAveraging::<B>::new(config, &model))
+        .transpose()?;
     time_steps(a, |i| {
         let (x, y) = &batches[i % batches.len()];
         optimizer.zero_grad()?;
-        Ok(model.train_step(&mut optimizer, x, y, &plan)?)
+        let loss = model.train_step(&mut optimizer, x, y, &plan)?;
+        if let Some(average) = average.as_mut() {
+            average.update(&model)?;
+        }
+        Ok(loss)
     })
 }
 

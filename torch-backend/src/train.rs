@@ -74,14 +74,26 @@ impl TrainBackend for TorchBackend {
     }
 
     fn lerp_in_place(averages: &mut [Tensor], currents: &[Tensor], weight: f64) -> Result<()> {
-        kiln_core::backend::check_lerp_pairs::<TorchBackend>(averages, currents)?;
+        // The shapes first (lerp_ would broadcast a smaller tensor into the
+        // average), so that a refused update changes nothing; libtorch checks
+        // the dtypes, and the typed message is made if it refuses one.
+        let fits = averages.len() == currents.len()
+            && averages
+                .iter()
+                .zip(currents)
+                .all(|(a, c)| a.size() == c.size());
+        if !fits {
+            return kiln_core::backend::check_lerp_pairs::<TorchBackend>(averages, currents);
+        }
         tch::no_grad(|| {
             for (average, current) in averages.iter_mut().zip(currents) {
-                drop(
-                    average
-                        .f_lerp_(&current.detach(), weight)
-                        .map_err(|e| torch_error("updating a weight average", e))?,
-                );
+                if let Err(e) = average.f_lerp_(current, weight) {
+                    kiln_core::backend::check_lerp_pairs::<TorchBackend>(
+                        std::slice::from_ref(average),
+                        std::slice::from_ref(current),
+                    )?;
+                    return Err(torch_error("updating a weight average", e));
+                }
             }
             Ok(())
         })

@@ -196,26 +196,32 @@ impl<B: TrainBackend> WeightAveraging<B> {
     /// One update from `model`'s current weights: the first copies them, the
     /// others move the average by `1 - decay`.
     pub fn update<M: Module<B> + ?Sized>(&mut self, model: &M) -> Result<()> {
-        let current = averaged_tensors::<B, M>(model, self.config.buffers)?;
-        if current.len() != self.names.len()
-            || current.iter().zip(&self.names).any(|((n, _), m)| n != m)
-        {
+        // The averaged tensors by name, in the order the average was made in
+        // (integer buffers, never averaged, are passed over).
+        let mut tensors = model.named_parameters()?;
+        if self.config.buffers {
+            tensors.extend(model.named_buffers()?);
+        }
+        let mut expected = self.names.iter().peekable();
+        let mut current = Vec::with_capacity(self.names.len());
+        for (name, tensor) in tensors {
+            if expected.peek().is_some_and(|n| **n == name) {
+                expected.next();
+                current.push(tensor);
+            }
+        }
+        if let Some(missing) = expected.next() {
             return Err(Error::invalid_argument(
                 "weight averaging",
-                format!(
-                    "the model's {} averaged tensors are not the {} the average was made of",
-                    current.len(),
-                    self.names.len()
-                ),
+                format!("the model has no `{missing}` any more, which the average was made of"),
             ));
         }
-        let tensors: Vec<B::Tensor> = current.into_iter().map(|(_, t)| t).collect();
         let weight = if self.updates == 0 {
             1.0
         } else {
             1.0 - self.config.decay_at(self.updates)
         };
-        B::lerp_in_place(&mut self.averages, &tensors, weight)?;
+        B::lerp_in_place(&mut self.averages, &current, weight)?;
         self.updates += 1;
         Ok(())
     }

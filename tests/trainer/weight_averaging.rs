@@ -2,8 +2,7 @@
 //! `torch.optim.swa_utils.AveragedModel`, the same run step by step; an
 //! interrupted run resumes its average bitwise; validation uses the average.
 
-#![allow(clippy::unwrap_used)] // a test that fails should fail loudly
-
+use super::serial;
 use kiln::core::{
     backend::TrainBackend,
     loss::Loss,
@@ -16,15 +15,6 @@ use kiln::torch::TorchBackend as B;
 use kiln::train::{
     Checkpoint, CheckpointPolicy, Checkpointer, EmaConfig, Trainer, TrainerConfig, TrainingState,
 };
-
-/// libtorch's generator is global: one test at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
 
 const ROWS: usize = 48;
 const BATCH: usize = 8;
