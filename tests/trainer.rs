@@ -21,6 +21,8 @@ use kiln::train::{
     TrainerConfig, TrainingState,
 };
 
+#[path = "trainer/lr_finder.rs"]
+mod lr_finder;
 #[path = "trainer/weight_averaging.rs"]
 mod weight_averaging;
 

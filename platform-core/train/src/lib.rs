@@ -26,8 +26,9 @@ pub use checkpoint::{
     RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
-    Callback, EarlyStopping, EmaConfig, EpochRecord, Flow, LossReads, ScheduleInterval, Trainer,
-    TrainerConfig, TrainingState, WeightAveraging,
+    find_lr, Callback, EarlyStopping, EmaConfig, EpochRecord, Flow, LossReads, LrFinderConfig,
+    LrFinderResult, LrSweep, ScheduleInterval, Trainer, TrainerConfig, TrainingState,
+    WeightAveraging,
 };
 pub use logger::{
     plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,

@@ -2,10 +2,12 @@
 
 mod averaging;
 mod callback;
+mod lr_finder;
 mod state;
 mod trainer;
 
 pub use averaging::{EmaConfig, WeightAveraging};
 pub use callback::{Callback, EarlyStopping, Flow};
+pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
 pub use trainer::{EpochRecord, LossReads, ScheduleInterval, Trainer, TrainerConfig};
