@@ -582,3 +582,114 @@ fn ema_validates_checkpoints_resumes_and_writes_the_average() {
         );
     }
 }
+
+/// `kiln tune lr`: the range test on the config's data, model and optimizer,
+/// its table and plot in a directory of its own, the suggestion printed and
+/// written into a new copy of the config (never over a file, the config
+/// included); the same on TensorFlow.
+#[test]
+fn tune_lr_suggests_a_rate_and_writes_only_new_files() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("tune-lr");
+    let cfg = config(&dir, 0);
+    let original = std::fs::read(&cfg).unwrap();
+    let (out, tuned) = (dir.join("lr"), dir.join("tuned.toml"));
+    let args = [
+        "tune",
+        "lr",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--min-lr",
+        "1e-5",
+        "--max-lr",
+        "10",
+        "--num-training",
+        "60",
+        "--mode",
+        "exponential",
+        "--early-stop-threshold",
+        "4",
+        "--output",
+        out.to_str().unwrap(),
+        "--save-config",
+        tuned.to_str().unwrap(),
+    ];
+    let stdout = kiln_stdout(&args);
+    let suggested: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("kiln: suggested learning rate "))
+        .unwrap_or_else(|| panic!("{stdout}"))
+        .parse()
+        .unwrap();
+    let csv = std::fs::read_to_string(out.join("lr_find.csv")).unwrap();
+    let rows: Vec<(f64, f64)> = csv
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let cells: Vec<&str> = l.split(',').collect();
+            (cells[1].parse().unwrap(), cells[2].parse().unwrap())
+        })
+        .collect();
+    assert!(rows.len() > 12 && rows.len() <= 60, "{csv}");
+    assert_eq!(rows[0].0, 1e-5);
+    let at = rows
+        .iter()
+        .position(|r| r.0 == suggested)
+        .expect("a rate of the sweep");
+    assert!((10..rows.len() - 1).contains(&at), "{at} of {}", rows.len());
+    assert!(std::fs::metadata(out.join("lr_find.png")).unwrap().len() > 1000);
+    assert_eq!(
+        std::fs::read(&cfg).unwrap(),
+        original,
+        "the config is untouched"
+    );
+    let text = std::fs::read_to_string(&tuned).unwrap();
+    let value: toml::Value = toml::from_str(&text).unwrap();
+    assert_eq!(value["optimizer"]["lr"].as_float(), Some(suggested));
+    assert_eq!(value["optimizer"]["type"].as_str(), Some("adam"));
+
+    // Again: the copy exists, so nothing runs and nothing is written.
+    let err = kiln_fails(&args);
+    assert!(
+        err.contains("--save-config") && err.contains("exists"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&tuned).unwrap(), text);
+    // An output directory that holds other files is refused too.
+    let err = kiln_fails(&args[..16]);
+    assert!(err.contains(out.to_str().unwrap()), "{err}");
+
+    // On TensorFlow, through its executable.
+    let tf = dir.join("lr-tf");
+    let stdout = kiln_stdout(&[
+        "tune",
+        "lr",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--backend",
+        "tensorflow",
+        "--min-lr",
+        "1e-4",
+        "--max-lr",
+        "1",
+        "--num-training",
+        "20",
+        "--mode",
+        "linear",
+        "--early-stop-threshold",
+        "0",
+        "--output",
+        tf.to_str().unwrap(),
+    ]);
+    assert!(stdout.contains("20 steps from 1e-4 to 1e0"), "{stdout}");
+    assert_eq!(
+        std::fs::read_to_string(tf.join("lr_find.csv"))
+            .unwrap()
+            .lines()
+            .count(),
+        21
+    );
+}

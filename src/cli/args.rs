@@ -52,6 +52,101 @@ pub(crate) enum Command {
     /// `kiln ARGS` (or `--exec PROGRAM ARGS`) with RANK, WORLD_SIZE, MASTER_ADDR,
     /// MASTER_PORT and torchrun's other variables set.
     Launch(LaunchArgs),
+    /// Tune a run before training it: `kiln tune lr` (the learning-rate range test).
+    #[command(subcommand)]
+    Tune(TuneCommand),
+}
+
+/// `kiln tune`'s tools.
+#[derive(Subcommand)]
+pub(crate) enum TuneCommand {
+    /// The learning-rate range test of Lightning's `LearningRateFinder`: train
+    /// for a number of steps while the learning rate grows, record the smoothed
+    /// loss, and suggest the rate where it falls fastest. Nothing of the model
+    /// is kept; the results go to their own directory.
+    Lr(LrFindArgs),
+}
+
+/// `kiln tune lr`'s arguments.
+#[derive(Args)]
+pub(crate) struct LrFindArgs {
+    /// The run config (TOML): its data, model, loss and optimizer are tested.
+    #[arg(long)]
+    pub(crate) config: PathBuf,
+    /// Where the results go (`lr_find.csv`, `lr_find.png`); a new or empty
+    /// directory [default: the config's `output_dir` with `-lr-find` appended].
+    #[arg(long)]
+    pub(crate) output: Option<PathBuf>,
+    /// The first learning rate.
+    #[arg(long, default_value_t = 1e-8)]
+    pub(crate) min_lr: f64,
+    /// The last learning rate.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) max_lr: f64,
+    /// Optimizer steps, one learning rate each.
+    #[arg(long, default_value_t = 100)]
+    pub(crate) num_training: usize,
+    /// How the rate grows: exponential or linear.
+    #[arg(long, default_value = "exponential", value_parser = parse_sweep)]
+    pub(crate) mode: kiln_train::LrSweep,
+    /// Stop once the smoothed loss exceeds this many times the best one
+    /// (0: never stop early).
+    #[arg(long, default_value_t = 4.0)]
+    pub(crate) early_stop_threshold: f64,
+    /// Also write a copy of the config with the optimizer's `lr` set to the
+    /// suggestion to this new file (never over an existing file).
+    #[arg(long)]
+    pub(crate) save_config: Option<PathBuf>,
+    /// Override `device` (cpu, cuda, cuda:N).
+    #[arg(long)]
+    pub(crate) device: Option<Device>,
+    /// Override `backend` (torch, tensorflow).
+    #[arg(long, value_parser = parse_backend)]
+    pub(crate) backend: Option<BackendKind>,
+    /// Override `seed`.
+    #[arg(long)]
+    pub(crate) seed: Option<u64>,
+    /// Override `training.precision`.
+    #[arg(long)]
+    pub(crate) precision: Option<FloatPrecision>,
+    /// Override `data.batch_size`.
+    #[arg(long)]
+    pub(crate) batch_size: Option<usize>,
+    /// Override `data.workers`.
+    #[arg(long)]
+    pub(crate) workers: Option<usize>,
+}
+
+fn parse_sweep(value: &str) -> std::result::Result<kiln_train::LrSweep, String> {
+    match value {
+        "exponential" => Ok(kiln_train::LrSweep::Exponential),
+        "linear" => Ok(kiln_train::LrSweep::Linear),
+        other => Err(format!(
+            "unknown mode `{other}`; expected `exponential` or `linear`"
+        )),
+    }
+}
+
+impl LrFindArgs {
+    /// The same config as `kiln train` with these flags would train.
+    pub(crate) fn train_args(&self) -> TrainArgs {
+        TrainArgs {
+            config: self.config.clone(),
+            epochs: None,
+            max_steps: None,
+            device: self.device,
+            seed: self.seed,
+            backend: self.backend,
+            precision: self.precision,
+            output: None,
+            lr: None,
+            batch_size: self.batch_size,
+            workers: self.workers,
+            resume: None,
+            resume_on_other_data: false,
+            no_progress: true,
+        }
+    }
 }
 
 /// `kiln train`'s arguments.
@@ -272,12 +367,25 @@ fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
         .map(SampleShape)
 }
 
-/// How `kiln train` was asked to start (`--resume`, `--resume-on-other-data`).
-pub struct Resume {
+/// How a run was asked to start: `kiln train`'s `--resume` and
+/// `--resume-on-other-data`, or `kiln tune lr`'s range test instead of training.
+pub struct RunOptions {
     /// A checkpoint file, or `auto`; `None` for a new run.
     pub(crate) from: Option<String>,
     /// Continue on data other than the checkpoint recorded.
     pub(crate) on_other_data: bool,
+    /// Run the learning-rate range test instead of training.
+    pub(crate) lr_find: Option<LrFind>,
+}
+
+/// `kiln tune lr`'s request, as the run carries it.
+pub(crate) struct LrFind {
+    /// The test's settings.
+    pub(crate) settings: kiln_train::LrFinderConfig,
+    /// The config file the run was read from (its copy gets the suggestion).
+    pub(crate) config_file: PathBuf,
+    /// Where `--save-config` writes the config with the suggested rate.
+    pub(crate) save_config: Option<PathBuf>,
 }
 
 /// `kiln generate`'s arguments.

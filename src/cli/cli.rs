@@ -5,7 +5,7 @@
 use anyhow::Result;
 use clap::Parser;
 
-use crate::args::{Cli, Command};
+use crate::args::{Cli, Command, TuneCommand};
 use crate::engines::{needs_tensorflow, Engines};
 use crate::forward::{self, NeedsTensorflow};
 use crate::{consolidate, evaluate, export, generate, inspect, launch, train};
@@ -57,5 +57,6 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
         Command::Consolidate(args) => consolidate::consolidate(&args),
         Command::Generate(args) => generate::generate(args),
         Command::Launch(args) => launch::launch(args),
+        Command::Tune(TuneCommand::Lr(args)) => train::tune_lr::<E>(args),
     }
 }

@@ -18,7 +18,7 @@ use kiln_c10d::{
 use kiln_core::distributed::{DistributedOptions, Rendezvous};
 use kiln_core::strategy::StepHooks;
 
-use crate::args::{CheckpointArgs, Command, ExportFormat, PredictArgs, Resume};
+use crate::args::{CheckpointArgs, Command, ExportFormat, PredictArgs, RunOptions, TuneCommand};
 use crate::config::{BackendKind, RunConfig};
 use crate::formats::is_onnx;
 use crate::forward::NeedsTensorflow;
@@ -50,7 +50,7 @@ pub trait Engines {
     /// `kiln train` on the TensorFlow backend.
     fn train_tensorflow(
         _config: &RunConfig,
-        _resume: &Resume,
+        _resume: &RunOptions,
         _rendezvous: Option<&Rendezvous>,
     ) -> Result<()> {
         Err(NeedsTensorflow::new("training on the TensorFlow backend").into())
@@ -233,6 +233,13 @@ pub(crate) fn needs_tensorflow(command: &Command) -> Option<NeedsTensorflow> {
             }
             let config = RunConfig::load(args.config.as_deref()?).ok()?;
             has_saved_model_layer(&config).then(|| needs("a saved_model layer"))
+        }
+        Command::Tune(TuneCommand::Lr(args)) => {
+            let config = args.train_args().config().ok()?;
+            uses_tensorflow(
+                &config,
+                "the learning-rate finder on the TensorFlow backend",
+            )
         }
         Command::Launch(_) | Command::Generate(_) | Command::Consolidate(_) => None,
     }

@@ -46,7 +46,7 @@ mod ranks;
 mod resume;
 mod train;
 
-pub use args::{CheckpointArgs, PredictArgs, Resume};
+pub use args::{CheckpointArgs, PredictArgs, RunOptions};
 pub use cli::run;
 pub use config::RunConfig;
 pub use engines::{DataParallelEngine, Engines, Source};

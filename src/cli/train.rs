@@ -13,7 +13,7 @@ use kiln_core::distributed::Rendezvous;
 use kiln_core::strategy::DataParallel;
 use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
 
-use crate::args::{Resume, TrainArgs};
+use crate::args::{LrFind, LrFindArgs, RunOptions, TrainArgs};
 use crate::config::{BackendKind, FrozenBatchNorm, PretrainedModel, RunConfig, StrategyName};
 use crate::data::{load_data, loader, Split};
 use crate::engines::{DataParallelEngine, Engines, TorchDdp};
@@ -35,9 +35,10 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
             config.device = Device::Cuda(r.local_rank);
         }
     }
-    let resume = Resume {
+    let resume = RunOptions {
         from: args.resume,
         on_other_data: args.resume_on_other_data,
+        lr_find: None,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -45,6 +46,142 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
         }
         BackendKind::Tensorflow => E::train_tensorflow(&config, &resume, rendezvous.as_ref()),
     }
+}
+
+/// `kiln tune lr`: the learning-rate range test on the config's data, model,
+/// loss and optimizer, in its own directory.
+pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
+    let mut config = args.train_args().config()?;
+    if Rendezvous::from_env()?.is_some() {
+        anyhow::bail!(
+            "kiln tune lr runs in one process; it was started as one rank of a job \
+             (RANK/WORLD_SIZE are set)"
+        );
+    }
+    let settings = kiln_train::LrFinderConfig {
+        min_lr: args.min_lr,
+        max_lr: args.max_lr,
+        num_training: args.num_training,
+        mode: args.mode,
+        early_stop_threshold: (args.early_stop_threshold > 0.0)
+            .then_some(args.early_stop_threshold),
+        ..kiln_train::LrFinderConfig::default()
+    };
+    settings.validate().context("kiln tune lr")?;
+    if let Some(path) = &args.save_config {
+        // Checked before anything runs: a new file, and not the config itself.
+        if path.exists() {
+            anyhow::bail!(
+                "--save-config {}: the file exists; kiln never writes over a file it did not \
+                 create (give a new path)",
+                path.display()
+            );
+        }
+    }
+    // The results have their own directory, a new one (or empty), as a run's.
+    config.output_dir = args.output.clone().unwrap_or_else(|| {
+        let mut name = config.output_dir.clone().into_os_string();
+        name.push("-lr-find");
+        PathBuf::from(name)
+    });
+    let options = RunOptions {
+        from: None,
+        on_other_data: false,
+        lr_find: Some(LrFind {
+            settings,
+            config_file: args.config.clone(),
+            save_config: args.save_config.clone(),
+        }),
+    };
+    match config.backend {
+        BackendKind::Torch => {
+            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &options, None)
+        }
+        BackendKind::Tensorflow => E::train_tensorflow(&config, &options, None),
+    }
+}
+
+/// The range test of `kiln tune lr`, its table, plot and suggestion.
+fn find_lr_and_report<B: TrainBackend, M: Trainable<B>>(
+    config: &RunConfig,
+    request: &LrFind,
+    mut model: M,
+    train: &dyn kiln_data::DataLoader,
+) -> Result<()> {
+    let out = &config.output_dir;
+    let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, RunStart::New)?));
+    let result = kiln_train::find_lr(
+        &mut model,
+        &config.optimizer,
+        &config.param_groups,
+        &config.loss,
+        train,
+        config.device,
+        &request.settings,
+    )?;
+    let mut csv = String::from("step,lr,loss\n");
+    for (i, (lr, loss)) in result.lrs.iter().zip(&result.losses).enumerate() {
+        csv.push_str(&format!("{},{lr:e},{loss}\n", i + 1));
+    }
+    write_new_file(&out.join("lr_find.csv"), csv.as_bytes())?;
+    let png = out.join("lr_find.png");
+    let log_scale = request.settings.mode == kiln_train::LrSweep::Exponential;
+    if let Err(e) = kiln_train::plot_lr_finder(&result, log_scale, &png) {
+        log::warn!("no plot: {}", e.display_chain());
+    }
+    outln!(
+        "kiln: learning-rate range test, {} steps from {:e} to {:e}{}",
+        result.lrs.len(),
+        request.settings.min_lr,
+        result
+            .lrs
+            .last()
+            .copied()
+            .unwrap_or(request.settings.min_lr),
+        if result.stopped_early {
+            " (stopped: the loss diverged)"
+        } else {
+            ""
+        }
+    );
+    let suggestion = result.suggestion();
+    match suggestion {
+        Some(lr) => outln!("kiln: suggested learning rate {lr:e}"),
+        None => outln!(
+            "kiln: no suggestion: fewer than 2 finite losses after the first 10 steps and \
+             before the last (raise --num-training, or lower --max-lr)"
+        ),
+    }
+    if let (Some(path), Some(lr)) = (&request.save_config, suggestion) {
+        // The user's file with one value changed (their comments are lost: toml
+        // writes the values back), never the file itself.
+        let text = std::fs::read_to_string(&request.config_file)
+            .with_context(|| format!("reading {}", request.config_file.display()))?;
+        let mut document: toml::Value =
+            toml::from_str(&text).with_context(|| format!("{}", request.config_file.display()))?;
+        match document
+            .get_mut("optimizer")
+            .and_then(toml::Value::as_table_mut)
+        {
+            Some(table) => {
+                table.insert("lr".to_owned(), toml::Value::Float(lr));
+            }
+            None => anyhow::bail!(
+                "--save-config: {} has no [optimizer] table to put the rate in",
+                request.config_file.display()
+            ),
+        }
+        let written = toml::to_string(&document).context("--save-config")?;
+        write_new_file(path, written.as_bytes())?;
+        outln!("kiln: {} is the config with lr = {lr:e}", path.display());
+    }
+    outln!(
+        "kiln: losses in {}, plot in {}",
+        out.join("lr_find.csv").display(),
+        png.display()
+    );
+    run.succeeded();
+    Ok(())
 }
 
 /// The run's model is its weight average, when it keeps one (as Lightning's
@@ -89,7 +226,7 @@ fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedMod
 /// the data loaded, the definition resolved.
 struct Prepared<'a> {
     config: &'a RunConfig,
-    resume: &'a Resume,
+    resume: &'a RunOptions,
     rendezvous: Option<&'a Rendezvous>,
     started: Instant,
     /// Rank 0 of a data-parallel job, or a single process: writes the run directory.
@@ -106,7 +243,7 @@ struct Prepared<'a> {
 /// rank of a job.
 pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     config: &RunConfig,
-    resume: &Resume,
+    resume: &RunOptions,
     rendezvous: Option<&Rendezvous>,
 ) -> Result<()> {
     let started = Instant::now();
@@ -277,6 +414,9 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         examples: (n_train, n_val),
     } = prepared;
     let out = &config.output_dir;
+    if let Some(request) = &resume.lr_find {
+        return find_lr_and_report::<B, M>(config, request, model, train_loader.as_ref());
+    }
     let optimizer = model.build_optimizer(&config.optimizer, &config.param_groups)?;
     let scheduler = match &config.schedule {
         Some(s) => Some(s.build(&optimizer.learning_rates())?),

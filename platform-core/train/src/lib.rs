@@ -31,8 +31,8 @@ pub use learner::{
     WeightAveraging,
 };
 pub use logger::{
-    plot_curves, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink, PlotOptions,
-    ProgressSink, TensorBoardSink,
+    plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink,
+    PlotOptions, ProgressSink, TensorBoardSink,
 };
 pub use metric::{
     metric_by_name, Accuracy, LossMetric, MeanAbsoluteError, Metric, Precision, Recall,

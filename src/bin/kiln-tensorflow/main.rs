@@ -19,7 +19,7 @@ use kiln::core::export::ExportOptions;
 use kiln::prelude::*;
 use kiln::tf::{GradientAllReduce, TfBackend, TfModel};
 use kiln_cli::{
-    CheckpointArgs, DataParallelEngine, Engines, PredictArgs, Resume, RunConfig, Source,
+    CheckpointArgs, DataParallelEngine, Engines, PredictArgs, RunConfig, RunOptions, Source,
 };
 
 /// Both engines: the TensorFlow commands on the TensorFlow C API.
@@ -36,7 +36,7 @@ impl Engines for Tensorflow {
 
     fn train_tensorflow(
         config: &RunConfig,
-        resume: &Resume,
+        resume: &RunOptions,
         rendezvous: Option<&Rendezvous>,
     ) -> Result<()> {
         kiln_cli::train_on::<Self, TfBackend, Self>(config, resume, rendezvous)

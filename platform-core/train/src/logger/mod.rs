@@ -20,7 +20,7 @@ pub use self::csv::CsvSink;
 pub(crate) use self::csv::{EPOCHS_FILE, STEPS_FILE};
 pub use history::{EpochValues, History};
 pub use log_sink::LogSink;
-pub use plot::{plot_curves, CurveSource, PlotOptions};
+pub use plot::{plot_curves, plot_lr_finder, CurveSource, PlotOptions};
 pub use progress::ProgressSink;
 pub use tensorboard::TensorBoardSink;
 

@@ -309,3 +309,91 @@ fn write_png(path: &Path, width: u32, height: u32, pixels: &[u8]) -> Result<()> 
     writer.write_image_data(pixels).map_err(to_io)?;
     writer.finish().map_err(to_io)
 }
+
+/// Plots a learning-rate range test ([`find_lr`](crate::find_lr)): the
+/// smoothed loss against the learning rate (a log scale for an exponential
+/// sweep), the suggested rate marked, as Lightning's `lr_finder.plot(suggest=True)`.
+pub fn plot_lr_finder(
+    result: &crate::LrFinderResult,
+    log_scale: bool,
+    out_png: impl AsRef<Path>,
+) -> Result<()> {
+    let out = out_png.as_ref();
+    let x = |lr: f64| if log_scale { lr.log10() } else { lr };
+    let points: Vec<(f64, f64)> = result
+        .lrs
+        .iter()
+        .zip(&result.losses)
+        .filter(|(lr, loss)| loss.is_finite() && **lr > 0.0)
+        .map(|(&lr, &loss)| (x(lr), loss))
+        .collect();
+    if points.len() < 2 {
+        return Err(Error::invalid_argument(
+            "learning-rate finder",
+            format!(
+                "{} finite losses to plot; at least 2 are needed",
+                points.len()
+            ),
+        ));
+    }
+    let marked = result
+        .suggestion_index(10, 1)
+        .map(|i| (x(result.lrs[i]), result.losses[i]));
+    register_font()?;
+    let (w, h) = (900u32, 600u32);
+    let mut pixels = vec![255u8; w as usize * h as usize * 3];
+    let drawn = (|| -> DrawResult<()> {
+        let root = BitMapBackend::with_buffer(&mut pixels, (w, h)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (x0, x1) = points
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+                (lo.min(p.0), hi.max(p.0))
+            });
+        let (y0, y1) = points
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+                (lo.min(p.1), hi.max(p.1))
+            });
+        let pad = ((y1 - y0) * 0.05).max(1e-6);
+        let mut chart = ChartBuilder::on(&root)
+            .caption("learning-rate finder", (FONT, 22))
+            .margin(16)
+            .x_label_area_size(44)
+            .y_label_area_size(64)
+            .build_cartesian_2d(x0..x1.max(x0 + 1e-12), (y0 - pad)..(y1 + pad))?;
+        let label = |v: &f64| {
+            if log_scale {
+                format!("1e{v:.0}")
+            } else {
+                format!("{v:.3}")
+            }
+        };
+        chart
+            .configure_mesh()
+            .x_desc("learning rate")
+            .y_desc("smoothed loss")
+            .x_label_formatter(&label)
+            .light_line_style(TRANSPARENT)
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 16))
+            .draw()?;
+        chart.draw_series(LineSeries::new(
+            points.iter().copied(),
+            TRAIN_COLOR.stroke_width(2),
+        ))?;
+        if let Some(p) = marked {
+            chart.draw_series(std::iter::once(Circle::new(p, 6, RED.filled())))?;
+        }
+        root.present()?;
+        Ok(())
+    })();
+    drawn.map_err(|e| {
+        Error::backend(
+            "plotters",
+            format!("drawing {}", out.display()),
+            e.to_string(),
+        )
+    })?;
+    write_png(out, w, h, &pixels)
+}
