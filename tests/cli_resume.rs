@@ -614,6 +614,8 @@ fn tune_lr_suggests_a_rate_and_writes_only_new_files() {
         "4",
         "--output",
         out.to_str().unwrap(),
+        "--suggestion",
+        "log",
         "--save-config",
         tuned.to_str().unwrap(),
     ];
@@ -640,6 +642,16 @@ fn tune_lr_suggests_a_rate_and_writes_only_new_files() {
         .position(|r| r.0 == suggested)
         .expect("a rate of the sweep");
     assert!((10..rows.len() - 1).contains(&at), "{at} of {}", rows.len());
+    let recorded = kiln::train::LrFinderResult {
+        lrs: rows.iter().map(|r| r.0).collect(),
+        losses: rows.iter().map(|r| r.1).collect(),
+        stopped_early: rows.len() < 60,
+    };
+    assert_eq!(
+        recorded.suggestion_log(),
+        Some(suggested),
+        "--suggestion log"
+    );
     assert!(std::fs::metadata(out.join("lr_find.png")).unwrap().len() > 1000);
     assert_eq!(
         std::fs::read(&cfg).unwrap(),
@@ -659,7 +671,7 @@ fn tune_lr_suggests_a_rate_and_writes_only_new_files() {
     );
     assert_eq!(std::fs::read_to_string(&tuned).unwrap(), text);
     // An output directory that holds other files is refused too.
-    let err = kiln_fails(&args[..16]);
+    let err = kiln_fails(&args[..18]);
     assert!(err.contains(out.to_str().unwrap()), "{err}");
 
     // On TensorFlow, through its executable.

@@ -93,6 +93,11 @@ pub(crate) struct LrFindArgs {
     /// (0: never stop early).
     #[arg(long, default_value_t = 4.0)]
     pub(crate) early_stop_threshold: f64,
+    /// How the rate is suggested: `lightning` (Lightning's rule, the steepest
+    /// slope against the rate) or `log` (the steepest slope against its
+    /// logarithm: the steepest stretch of the plotted curve).
+    #[arg(long, default_value = "lightning", value_parser = ["lightning", "log"])]
+    pub(crate) suggestion: String,
     /// Also write a copy of the config with the optimizer's `lr` set to the
     /// suggestion to this new file (never over an existing file).
     #[arg(long)]
@@ -386,6 +391,8 @@ pub(crate) struct LrFind {
     pub(crate) config_file: PathBuf,
     /// Where `--save-config` writes the config with the suggested rate.
     pub(crate) save_config: Option<PathBuf>,
+    /// Suggest by the slope against the rate's logarithm (`--suggestion log`).
+    pub(crate) suggest_on_log_scale: bool,
 }
 
 /// `kiln generate`'s arguments.

@@ -91,6 +91,7 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
             settings,
             config_file: args.config.clone(),
             save_config: args.save_config.clone(),
+            suggest_on_log_scale: args.suggestion == "log",
         }),
     };
     match config.backend {
@@ -124,9 +125,14 @@ fn find_lr_and_report<B: TrainBackend, M: Trainable<B>>(
         csv.push_str(&format!("{},{lr:e},{loss}\n", i + 1));
     }
     write_new_file(&out.join("lr_find.csv"), csv.as_bytes())?;
+    let suggestion = if request.suggest_on_log_scale {
+        result.suggestion_log()
+    } else {
+        result.suggestion()
+    };
     let png = out.join("lr_find.png");
     let log_scale = request.settings.mode == kiln_train::LrSweep::Exponential;
-    if let Err(e) = kiln_train::plot_lr_finder(&result, log_scale, &png) {
+    if let Err(e) = kiln_train::plot_lr_finder(&result, log_scale, suggestion, &png) {
         log::warn!("no plot: {}", e.display_chain());
     }
     outln!(
@@ -144,7 +150,6 @@ fn find_lr_and_report<B: TrainBackend, M: Trainable<B>>(
             ""
         }
     );
-    let suggestion = result.suggestion();
     match suggestion {
         Some(lr) => outln!("kiln: suggested learning rate {lr:e}"),
         None => outln!(

@@ -10,11 +10,11 @@ _LRCallback running average with beta 0.98, bias-corrected with the optimizer st
 count plus one; the test stops once the smoothed loss exceeds THRESHOLD times the
 best (after the first step). The suggestion is Lightning's: the steepest negative
 torch.gradient of the losses against the rates, skipping the first 10 steps and the
-last. Prints JSON: lrs, losses, suggestion.
+last; and the same against log10 of the rates. Prints JSON: lrs, losses,
+suggestion, suggestion_log.
 """
 
 import json
-import math
 import sys
 
 import torch
@@ -60,12 +60,15 @@ def main():
             break
     ls, rs = torch.tensor(losses[10:-1], dtype=torch.float64), torch.tensor(lrs[10:-1], dtype=torch.float64)
     finite = torch.isfinite(ls)
-    suggestion = None
+    suggestion = suggestion_log = None
     if int(finite.sum()) >= 2:
+        indices = torch.arange(len(losses))[10:-1][finite]
         gradients = torch.gradient(ls[finite], spacing=[rs[finite]])[0]
-        index = torch.arange(len(losses))[10:-1][finite][torch.argmin(gradients)].item()
-        suggestion = lrs[index]
-    print(json.dumps({"lrs": lrs, "losses": losses, "suggestion": suggestion}))
+        suggestion = lrs[indices[torch.argmin(gradients)].item()]
+        # The same slope against log10 of the rate (Kiln's --suggestion log).
+        gradients = torch.gradient(ls[finite], spacing=[torch.log10(rs[finite])])[0]
+        suggestion_log = lrs[indices[torch.argmin(gradients)].item()]
+    print(json.dumps({"lrs": lrs, "losses": losses, "suggestion": suggestion, "suggestion_log": suggestion_log}))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,12 @@ fn the_range_test_equals_lightnings_and_restores_the_model() {
             (suggestion - expected).abs() <= 1e-12 * expected,
             "{mode:?}: suggested {suggestion}, Lightning's rule {expected}"
         );
+        let on_log = result.suggestion_log().expect("a suggestion");
+        let expected = reference["suggestion_log"].as_f64().unwrap();
+        assert!(
+            (on_log - expected).abs() <= 1e-12 * expected,
+            "{mode:?}: suggested {on_log} on the log scale, PyTorch {expected}"
+        );
         // The model is as it was, batch norm's statistics included.
         assert_eq!(model.state_dict().unwrap(), weights, "{mode:?}");
     }

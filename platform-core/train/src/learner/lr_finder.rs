@@ -121,15 +121,23 @@ impl LrFinderResult {
     /// leaving out the first `skip_begin` and last `skip_end` steps and
     /// non-finite losses (Lightning's `suggestion(skip_begin=10, skip_end=1)`,
     /// `torch.gradient` with the rates as coordinates); `None` with fewer than
-    /// two points.
-    pub fn suggestion_index(&self, skip_begin: usize, skip_end: usize) -> Option<usize> {
+    /// two points. With `log_scale`, the slope is taken against the rate's
+    /// logarithm instead, the steepest stretch of the curve as a log-scale plot
+    /// shows it.
+    pub fn suggestion_index(
+        &self,
+        skip_begin: usize,
+        skip_end: usize,
+        log_scale: bool,
+    ) -> Option<usize> {
         let end = self.losses.len().checked_sub(skip_end)?;
         if skip_begin >= end {
             return None;
         }
+        let coordinate = |lr: f64| if log_scale { lr.log10() } else { lr };
         let points: Vec<(usize, f64, f64)> = (skip_begin..end)
             .filter(|&i| self.losses[i].is_finite())
-            .map(|i| (i, self.lrs[i], self.losses[i]))
+            .map(|i| (i, coordinate(self.lrs[i]), self.losses[i]))
             .collect();
         if points.len() < 2 {
             return None;
@@ -161,10 +169,22 @@ impl LrFinderResult {
         Some(points[best].0)
     }
 
-    /// The suggested learning rate, with Lightning's defaults (skip the first
-    /// 10 steps and the last one).
+    /// The suggested learning rate, with Lightning's rule and defaults (the
+    /// steepest slope against the rate itself, skipping the first 10 steps and
+    /// the last one).
+    ///
+    /// On an exponential sweep from a tiny `min_lr`, Lightning's slope favours
+    /// the smallest rates, where a tiny dip of the loss over a tiny step of the
+    /// rate is steep; [`suggestion_log`](Self::suggestion_log) is the steepest
+    /// stretch of the curve as plotted.
     pub fn suggestion(&self) -> Option<f64> {
-        self.suggestion_index(10, 1).map(|i| self.lrs[i])
+        self.suggestion_index(10, 1, false).map(|i| self.lrs[i])
+    }
+
+    /// The rate where the loss falls fastest against the rate's logarithm
+    /// (the same window and gradient as [`suggestion`](Self::suggestion)).
+    pub fn suggestion_log(&self) -> Option<f64> {
+        self.suggestion_index(10, 1, true).map(|i| self.lrs[i])
     }
 }
 

@@ -312,10 +312,11 @@ fn write_png(path: &Path, width: u32, height: u32, pixels: &[u8]) -> Result<()> 
 
 /// Plots a learning-rate range test ([`find_lr`](crate::find_lr)): the
 /// smoothed loss against the learning rate (a log scale for an exponential
-/// sweep), the suggested rate marked, as Lightning's `lr_finder.plot(suggest=True)`.
+/// sweep), the `suggested` rate marked, as Lightning's `lr_finder.plot(suggest=True)`.
 pub fn plot_lr_finder(
     result: &crate::LrFinderResult,
     log_scale: bool,
+    suggested: Option<f64>,
     out_png: impl AsRef<Path>,
 ) -> Result<()> {
     let out = out_png.as_ref();
@@ -336,8 +337,8 @@ pub fn plot_lr_finder(
             ),
         ));
     }
-    let marked = result
-        .suggestion_index(10, 1)
+    let marked = suggested
+        .and_then(|lr| result.lrs.iter().position(|&r| r == lr))
         .map(|i| (x(result.lrs[i]), result.losses[i]));
     register_font()?;
     let (w, h) = (900u32, 600u32);
