@@ -5,7 +5,6 @@
 use kiln::core::{
     backend::TrainBackend,
     loss::Loss,
-    model::{BatchNormConfig, Layer, LinearConfig},
     optim::{OptimizerConfig, SgdConfig},
 };
 use kiln::data::{InMemoryDataset, SequentialLoader};
@@ -14,27 +13,7 @@ use kiln::torch::TorchBackend as B;
 use kiln::train::{find_lr, LrFinderConfig, LrSweep};
 
 use super::serial;
-
-fn spec() -> Layer {
-    Layer::sequential([
-        LinearConfig::new(4, 8).into(),
-        Layer::BatchNorm1d(BatchNormConfig::new(8)),
-        Layer::Relu,
-        LinearConfig::new(8, 3).into(),
-    ])
-}
-
-fn data() -> (HostTensor, HostTensor) {
-    let x = kiln_testkit::noise(48 * 4, 11);
-    let y: Vec<i64> = x
-        .chunks(4)
-        .map(|r| i64::from(r[0] + r[1] > 0.0) + i64::from(r[2] - r[3] > 0.3))
-        .collect();
-    (
-        HostTensor::new(x, [48, 4]).unwrap(),
-        HostTensor::new(y, [48]).unwrap(),
-    )
-}
+use super::weight_averaging::{classes, spec};
 
 #[test]
 fn the_range_test_equals_lightnings_and_restores_the_model() {
@@ -43,7 +22,7 @@ fn the_range_test_equals_lightnings_and_restores_the_model() {
         return;
     };
     let dir = kiln_testkit::TempDir::new("lr-finder");
-    let (x, y) = data();
+    let (x, y) = classes(11);
     let mut io = StateDict::new();
     io.insert("x", x.clone());
     io.insert("y", y.clone());

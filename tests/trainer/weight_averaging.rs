@@ -19,7 +19,8 @@ use kiln::train::{
 const ROWS: usize = 48;
 const BATCH: usize = 8;
 
-fn spec() -> Layer {
+/// Linear, batch norm, ReLU, linear: parameters and running statistics.
+pub(super) fn spec() -> Layer {
     Layer::sequential([
         LinearConfig::new(4, 8).into(),
         Layer::BatchNorm1d(BatchNormConfig::new(8)),
@@ -30,7 +31,13 @@ fn spec() -> Layer {
 
 /// Three classes by the sign pattern of fixed points.
 fn data() -> (HostTensor, HostTensor) {
-    let x = kiln_testkit::noise(ROWS * 4, 7);
+    classes(7)
+}
+
+/// [`ROWS`] points of 4 features (noise of `seed`) in three classes by their
+/// sign pattern.
+pub(super) fn classes(seed: u64) -> (HostTensor, HostTensor) {
+    let x = kiln_testkit::noise(ROWS * 4, seed);
     let y: Vec<i64> = x
         .chunks(4)
         .map(|r| i64::from(r[0] + r[1] > 0.0) + i64::from(r[2] - r[3] > 0.3))

@@ -147,13 +147,8 @@ pub fn plot_curves<'a>(
 
     let (w, h) = (options.width, options.height);
     let mut pixels = vec![255u8; w as usize * h as usize * 3];
-    draw(&mut pixels, (w, h), options.title.as_deref(), &panels).map_err(|e| {
-        Error::backend(
-            "plotters",
-            format!("drawing {}", out.display()),
-            e.to_string(),
-        )
-    })?;
+    draw(&mut pixels, (w, h), options.title.as_deref(), &panels)
+        .map_err(|e| drawing_error(out, &*e))?;
     write_png(out, w, h, &pixels)
 }
 
@@ -295,6 +290,15 @@ where
     Ok(())
 }
 
+/// What went wrong drawing the picture for `out`.
+fn drawing_error(out: &Path, e: &(dyn std::error::Error + Send + Sync)) -> Error {
+    Error::backend(
+        "plotters",
+        format!("drawing {}", out.display()),
+        e.to_string(),
+    )
+}
+
 /// Encodes 8-bit RGB `pixels` as a PNG file.
 fn write_png(path: &Path, width: u32, height: u32, pixels: &[u8]) -> Result<()> {
     let file = File::create(path).map_err(|e| Error::io(path, e))?;
@@ -389,12 +393,6 @@ pub fn plot_lr_finder(
         root.present()?;
         Ok(())
     })();
-    drawn.map_err(|e| {
-        Error::backend(
-            "plotters",
-            format!("drawing {}", out.display()),
-            e.to_string(),
-        )
-    })?;
+    drawn.map_err(|e| drawing_error(out, &*e))?;
     write_png(out, w, h, &pixels)
 }
