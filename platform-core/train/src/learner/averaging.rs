@@ -247,9 +247,14 @@ impl<B: TrainBackend> WeightAveraging<B> {
         StateTensors::from_handles(self.names.iter().cloned().zip(copies))
     }
 
-    /// Host copies of the averaged tensors.
+    /// Host copies of the averaged tensors (read straight from the device, no
+    /// device copy first: validation swaps them in every epoch).
     pub fn state_dict(&self) -> Result<StateDict> {
-        self.state_tensors()?.to_state_dict()
+        let mut state = StateDict::new();
+        for (name, tensor) in self.names.iter().zip(&self.averages) {
+            state.insert(name.clone(), B::to_host(tensor)?);
+        }
+        Ok(state)
     }
 
     /// What a checkpoint holds of the average.
