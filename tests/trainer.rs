@@ -1,7 +1,8 @@
 //! The generic Trainer on the torch backend: gradient accumulation equals one big
 //! batch, a non-finite loss stops training naming the step and leaves the
 //! checkpoints intact, early stopping, evaluate and predict, resuming bitwise in every
-//! precision; weight averaging against PyTorch's `AveragedModel` (`trainer/weight_averaging.rs`).
+//! precision; weight averaging against PyTorch's `AveragedModel` (`trainer/weight_averaging.rs`,
+//! `trainer/swa.rs`).
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -23,6 +24,8 @@ use kiln::train::{
 
 #[path = "trainer/lr_finder.rs"]
 mod lr_finder;
+#[path = "trainer/swa.rs"]
+mod swa;
 #[path = "trainer/weight_averaging.rs"]
 mod weight_averaging;
 

@@ -143,6 +143,17 @@ pub trait Module<B: Backend> {
     /// [`StateDict::expect_entry`] produces.
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()>;
 
+    /// The batch-norm layers that keep running statistics, each with the
+    /// momentum of its updates: what recomputing those statistics for other
+    /// weights needs (stochastic weight averaging's `update_bn`).
+    ///
+    /// The default is none: a module that holds `*.running_mean` buffers it
+    /// cannot describe here (a TorchScript model) leaves them to the caller,
+    /// which should refuse rather than guess.
+    fn running_stats(&self) -> Result<Vec<RunningStats>> {
+        Ok(Vec::new())
+    }
+
     /// Total number of parameter elements; fails if
     /// [`named_parameters`](Module::named_parameters) does.
     fn num_parameters(&self) -> Result<usize> {
@@ -151,6 +162,28 @@ pub trait Module<B: Backend> {
             .iter()
             .map(|(_, t)| B::shape(t).numel())
             .sum())
+    }
+}
+
+/// A batch-norm layer's running statistics: the dotted path of its
+/// `running_mean`, `running_var` and `num_batches_tracked` buffers, and the
+/// weight of each new batch in them (`running = (1 - m) running + m batch`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunningStats {
+    /// The layer's path (`"features.1"`); its buffers are `PATH.running_mean`, ...
+    pub path: String,
+    /// The layer's momentum `m`.
+    pub momentum: f64,
+}
+
+impl RunningStats {
+    /// The name of the layer's buffer `buffer` (`"running_mean"`, ...).
+    pub fn buffer(&self, buffer: &str) -> String {
+        if self.path.is_empty() {
+            buffer.to_owned()
+        } else {
+            format!("{}.{buffer}", self.path)
+        }
     }
 }
 
@@ -217,6 +250,9 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     }
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
         (**self).load_state_dict(state)
+    }
+    fn running_stats(&self) -> Result<Vec<RunningStats>> {
+        (**self).running_stats()
     }
     fn num_parameters(&self) -> Result<usize> {
         (**self).num_parameters()

@@ -331,6 +331,9 @@ impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
     fn named_buffers(&self) -> Result<Vec<(String, B::Tensor)>> {
         self.module.named_buffers()
     }
+    fn running_stats(&self) -> Result<Vec<crate::module::RunningStats>> {
+        self.module.running_stats()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         self.module.state_dict()
     }

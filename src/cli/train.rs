@@ -191,15 +191,21 @@ fn find_lr_and_report<B: TrainBackend, M: Trainable<B>>(
 
 /// The run's model is its weight average, when it keeps one (as Lightning's
 /// `WeightAveraging` leaves the averaged weights in the model at the end of
-/// `fit`): evaluated, written to `model.safetensors` and the adapter.
-fn use_average<B: TrainBackend, M: Trainable<B>>(state: &mut TrainingState<B, M>) -> Result<()> {
-    if let Some(averaging) = &state.averaging {
-        averaging.swap_into(&mut state.model)?;
-        log::info!(
-            "the model is the weight average of {} updates (decay {})",
-            averaging.updates(),
-            averaging.config().decay
-        );
+/// `fit`; SWA's with its batch-norm statistics recomputed): evaluated,
+/// written to `model.safetensors` and the adapter.
+fn use_average<B: TrainBackend, M: Trainable<B>>(
+    trainer: &Trainer<B, M>,
+    state: &mut TrainingState<B, M>,
+    train: &dyn kiln_data::DataLoader,
+) -> Result<()> {
+    if trainer.apply_average(state, train)? {
+        if let Some(averaging) = &state.averaging {
+            log::info!(
+                "the model is the {} weight average of {} updates",
+                averaging.config().method().name().to_uppercase(),
+                averaging.updates(),
+            );
+        }
     }
     Ok(())
 }
@@ -428,15 +434,16 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         None => None,
     };
     let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
-    if let Some(ema) = &config.training.ema {
+    if let Some(averaging) = config.training.averaging() {
         if rendezvous.is_some()
             && (config.distributed.strategy == StrategyName::Fsdp
                 || config.distributed.sharded_checkpoints())
         {
             anyhow::bail!(
-                "config key `training.ema`: weight averaging keeps whole tensors and checkpoints \
+                "config key `training.{}`: weight averaging keeps whole tensors and checkpoints \
                  them whole, so it runs under ddp, or zero1/zero2 with [distributed] checkpoint \
                  = \"full\"; not under {} with {} checkpoints",
+                averaging.method().name(),
                 config.distributed.strategy.name(),
                 if config.distributed.sharded_checkpoints() {
                     "sharded"
@@ -446,7 +453,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             );
         }
         // Before a resume restores the checkpoint's average into it.
-        state = state.with_weight_averaging(ema.clone())?;
+        state = state.with_weight_averaging(averaging)?;
     }
     let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
     if let Some(path) = &resume_from {
@@ -490,7 +497,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             train_loader.as_ref(),
             val_loader.as_ref().map(|v| v.as_ref()),
         )?;
-        use_average(&mut state)?;
+        use_average(&trainer, &mut state, train_loader.as_ref())?;
         // Rank 0's final evaluation reduces over every rank.
         if let Some(val) = &val_loader {
             state.model.set_mode(Mode::Eval);
@@ -567,7 +574,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         train_loader.as_ref(),
         val_loader.as_ref().map(|v| v.as_ref()),
     )?;
-    use_average(&mut state)?;
+    use_average(&trainer, &mut state, train_loader.as_ref())?;
     state.model.set_mode(Mode::Eval);
     let final_metrics = match &val_loader {
         Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,

@@ -260,6 +260,11 @@ impl Module<TfBackend> for TfModel {
         self.named(ParamKind::Buffer)
     }
 
+    /// The batch-norm layers of the definition.
+    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
+        Ok(self.spec.running_stats())
+    }
+
     fn state_dict(&self) -> Result<StateDict> {
         let values = self.read_all()?;
         let mut state = StateDict::new();

@@ -134,6 +134,9 @@ impl Module<TfBackend> for ZeroDataParallel {
     fn named_buffers(&self) -> Result<Vec<(String, TfTensor)>> {
         self.model.named_buffers()
     }
+    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
+        self.model.running_stats()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         Module::<TfBackend>::state_dict(&self.model)
     }

@@ -515,6 +515,35 @@ impl Layer {
         out
     }
 
+    /// The batch-norm layers of the tree that keep running statistics, with
+    /// their paths and momenta (what [`Module::running_stats`](crate::module::Module::running_stats)
+    /// reports for a model built from this definition).
+    ///
+    /// ```
+    /// use kiln_core::model::{BatchNormConfig, Layer, LinearConfig};
+    ///
+    /// let net = Layer::sequential([
+    ///     LinearConfig::new(4, 8).into(),
+    ///     Layer::BatchNorm1d(BatchNormConfig::new(8).with_momentum(0.2)),
+    /// ]);
+    /// let stats = net.running_stats();
+    /// assert_eq!((stats[0].path.as_str(), stats[0].momentum), ("1", 0.2));
+    /// ```
+    pub fn running_stats(&self) -> Vec<crate::module::RunningStats> {
+        self.layers()
+            .into_iter()
+            .filter_map(|(path, layer)| match layer {
+                Layer::BatchNorm1d(c) | Layer::BatchNorm2d(c) if c.track_running_stats => {
+                    Some(crate::module::RunningStats {
+                        path,
+                        momentum: c.momentum,
+                    })
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
     /// The output shape for `input`, as [`output_shape`](Layer::output_shape),
     /// letting `fill` complete each layer first: `fill(path, layer, input,
     /// dtype)` is called on every layer that is not a `Sequential` or

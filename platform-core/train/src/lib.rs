@@ -22,13 +22,13 @@ mod metric;
 
 pub use checkpoint::{
     checkpoint_path, find_non_finite, first_difference, refuse_non_finite, save_sharded_checkpoint,
-    shard_path, Averaged, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode, NonFinite,
-    RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
+    shard_path, Averaged, AveragingMethod, Checkpoint, CheckpointPolicy, Checkpointer, MonitorMode,
+    NonFinite, RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
-    find_lr, Callback, EarlyStopping, EmaConfig, EpochRecord, Flow, LossReads, LrFinderConfig,
-    LrFinderResult, LrSweep, ScheduleInterval, Trainer, TrainerConfig, TrainingState,
-    WeightAveraging,
+    find_lr, update_batch_norm, AveragingConfig, Callback, EarlyStopping, EmaConfig, EpochRecord,
+    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, ScheduleInterval, SwaConfig,
+    SwaStart, Trainer, TrainerConfig, TrainingState, WeightAveraging,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink,

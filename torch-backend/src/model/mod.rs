@@ -1133,6 +1133,12 @@ impl Module<TorchBackend> for TorchModel {
             .collect())
     }
 
+    /// The batch-norm layers of the definition (a TorchScript layer's own are
+    /// not described).
+    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
+        Ok(self.spec.running_stats())
+    }
+
     /// Handles to the parameters and buffers: a checkpoint reads them in place.
     fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
         StateTensors::from_handles(

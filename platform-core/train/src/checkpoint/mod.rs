@@ -124,10 +124,40 @@ pub struct Averaged<S = StateDict> {
     pub tensors: S,
     /// Updates made (`AveragedModel.n_averaged`).
     pub updates: u64,
+    /// How the average is kept.
+    pub method: AveragingMethod,
+    /// For stochastic weight averaging once it has begun: each parameter
+    /// group's learning rate when it began, which its schedule anneals from.
+    pub swa_lrs_from: Option<Vec<f64>>,
+}
+
+/// How a weight average is kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AveragingMethod {
+    /// An exponential moving average ([`EmaConfig`](crate::EmaConfig)).
+    #[default]
+    Ema,
+    /// Stochastic weight averaging: an equal-weight average
+    /// ([`SwaConfig`](crate::SwaConfig)).
+    Swa,
+}
+
+impl AveragingMethod {
+    /// `"ema"` or `"swa"`, as the config key and the checkpoint name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            AveragingMethod::Ema => "ema",
+            AveragingMethod::Swa => "swa",
+        }
+    }
 }
 
 /// The metadata key counting a checkpoint's weight-average updates.
 const AVERAGED_UPDATES: &str = "kiln.averaged_updates";
+/// The metadata key naming how the average is kept (`ema` when absent).
+const AVERAGING_METHOD: &str = "kiln.averaging_method";
+/// The metadata key of SWA's starting learning rates (JSON).
+const SWA_LRS_FROM: &str = "kiln.swa_lrs_from";
 
 impl<S: WritableState> Checkpoint<S> {
     /// Writes the checkpoint to `path` atomically.
@@ -195,6 +225,13 @@ impl<S: WritableState> Checkpoint<S> {
         }
         if let Some(averaged) = &self.averaged {
             meta.insert(AVERAGED_UPDATES.to_owned(), averaged.updates.to_string());
+            meta.insert(
+                AVERAGING_METHOD.to_owned(),
+                averaged.method.name().to_owned(),
+            );
+            if let Some(lrs) = &averaged.swa_lrs_from {
+                meta.insert(SWA_LRS_FROM.to_owned(), to_json(lrs, path)?);
+            }
         }
         kiln_core::safetensors::save_entries(
             path,
@@ -332,6 +369,24 @@ impl Checkpoint {
             Some(_) => Some(Averaged {
                 tensors: averaged,
                 updates: number(AVERAGED_UPDATES)?,
+                method: match meta.get(AVERAGING_METHOD).map(String::as_str) {
+                    None | Some("ema") => AveragingMethod::Ema,
+                    Some("swa") => AveragingMethod::Swa,
+                    Some(other) => {
+                        return Err(bad(format!(
+                            "metadata `{AVERAGING_METHOD}` is `{other}`, expected `ema` or `swa`"
+                        )))
+                    }
+                },
+                swa_lrs_from: match parse_json(SWA_LRS_FROM)? {
+                    Some(v) => Some(serde_json::from_value(v).map_err(|e| {
+                        bad_json(
+                            format!("metadata `{SWA_LRS_FROM}` is not a list of rates"),
+                            e,
+                        )
+                    })?),
+                    None => None,
+                },
             }),
             None if averaged.is_empty() => None,
             None => {

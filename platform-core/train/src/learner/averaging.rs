@@ -1,13 +1,18 @@
-//! Weight averaging: an exponential moving average (EMA) of a model's weights,
-//! kept on the model's device beside it, as `torch.optim.swa_utils.AveragedModel`
-//! with `get_ema_multi_avg_fn` and Lightning's `EMAWeightAveraging` keep one.
+//! Weight averaging, kept on the model's device beside it as
+//! `torch.optim.swa_utils.AveragedModel` keeps one: an exponential moving
+//! average (EMA; `get_ema_multi_avg_fn`, Lightning's `EMAWeightAveraging`) or
+//! stochastic weight averaging (SWA; the equal-weight average with `SWALR`,
+//! Lightning's `StochasticWeightAveraging`).
+
+use std::f64::consts::PI;
 
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint::Averaged;
+use crate::checkpoint::{Averaged, AveragingMethod};
 use kiln_core::backend::TrainBackend;
 use kiln_core::error::{Error, Result};
 use kiln_core::module::Module;
+use kiln_core::schedule::{AnnealStrategy, PerGroup};
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::StateTensors;
 
@@ -110,7 +115,204 @@ impl EmaConfig {
     }
 }
 
-/// An exponential moving average of a model's weights, on the model's device.
+/// When stochastic weight averaging begins: an epoch (0-based, as Lightning's
+/// `swa_epoch_start` given as an int) or a fraction of the run's epochs
+/// (`int(fraction * epochs)`, as Lightning's float).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SwaStart {
+    /// This epoch (0-based; at least 1).
+    Epoch(u64),
+    /// This fraction of the epochs, in (0, 1).
+    Fraction(f64),
+}
+
+impl Default for SwaStart {
+    fn default() -> Self {
+        SwaStart::Fraction(0.8)
+    }
+}
+
+/// How stochastic weight averaging is kept (`[training] swa = { lrs = 0.05 }`
+/// in a CLI config), as Lightning's `StochasticWeightAveraging` and the
+/// `torch.optim.swa_utils` recipe define it.
+///
+/// From epoch `epoch_start` on, the learning rate of each parameter group
+/// anneals from its rate then to `lrs` over `annealing_epochs` epochs (`SWALR`;
+/// the run's own schedule stops), and after each of those epochs the
+/// parameters join an equal-weight average (`AveragedModel`'s default). At the
+/// end, [`Trainer::apply_average`](crate::Trainer::apply_average) puts the
+/// average in the model and recomputes its batch-norm statistics with one pass
+/// over the training data (`update_bn`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SwaConfig {
+    /// The learning rate SWA anneals to: one for every group, or one per group
+    /// (Lightning's `swa_lrs`).
+    pub lrs: PerGroup,
+    /// When averaging begins (0.8 of the epochs by default).
+    #[serde(default)]
+    pub epoch_start: SwaStart,
+    /// Epochs the rate takes to reach `lrs` (10 by default; 0: at once).
+    #[serde(default = "ten")]
+    pub annealing_epochs: u64,
+    /// `cos` (the default) or `linear`.
+    #[serde(default)]
+    pub annealing_strategy: AnnealStrategy,
+    /// Recompute batch norm's running statistics for the averaged weights at
+    /// the end (`true` by default), as `update_bn`.
+    #[serde(default = "yes")]
+    pub update_bn: bool,
+    /// Validate with the average while it is kept (`false` by default: until
+    /// the end its batch-norm statistics are the training weights').
+    #[serde(default)]
+    pub validate: bool,
+}
+
+fn ten() -> u64 {
+    10
+}
+
+impl SwaConfig {
+    /// SWA to the rate `lr`, with the other settings Lightning's defaults.
+    pub fn new(lr: impl Into<PerGroup>) -> Self {
+        Self {
+            lrs: lr.into(),
+            epoch_start: SwaStart::default(),
+            annealing_epochs: 10,
+            annealing_strategy: AnnealStrategy::Cos,
+            update_bn: true,
+            validate: false,
+        }
+    }
+
+    /// Checks the values: positive rates, and a start that is an epoch >= 1
+    /// or a fraction in (0, 1).
+    pub fn validate(&self) -> Result<()> {
+        let rates = match &self.lrs {
+            PerGroup::Same(lr) => vec![*lr],
+            PerGroup::Each(lrs) => lrs.clone(),
+        };
+        if rates.is_empty() || rates.iter().any(|lr| !(lr.is_finite() && *lr > 0.0)) {
+            return Err(Error::invalid_argument(
+                "training.swa.lrs",
+                format!("must be positive rates, got {rates:?}"),
+            ));
+        }
+        match self.epoch_start {
+            SwaStart::Epoch(0) => Err(Error::invalid_argument(
+                "training.swa.epoch_start",
+                "an epoch must be at least 1 (0-based: 1 is the second epoch); \
+                 a fraction of the epochs is written as 0.8",
+            )),
+            SwaStart::Fraction(f) if !(f > 0.0 && f < 1.0) => Err(Error::invalid_argument(
+                "training.swa.epoch_start",
+                format!("a fraction of the epochs must be in (0, 1), got {f}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The first averaging epoch (0-based) of a run of `epochs` epochs; fails
+    /// when that leaves no epoch to average.
+    pub fn start_epoch(&self, epochs: u64) -> Result<u64> {
+        let start = match self.epoch_start {
+            SwaStart::Epoch(e) => e,
+            SwaStart::Fraction(f) => (f * epochs as f64) as u64,
+        };
+        if start >= epochs {
+            return Err(Error::invalid_argument(
+                "training.swa.epoch_start",
+                format!(
+                    "averaging would begin at epoch {start} (0-based), but the run has {epochs} \
+                     epochs: start earlier or train longer"
+                ),
+            ));
+        }
+        Ok(start)
+    }
+
+    /// Each group's rate for the `k`-th averaging epoch (0-based), annealing
+    /// from `from` (the rates when averaging began), as `SWALR` stepped once
+    /// per epoch: `lrs * a + from * (1 - a)`, `a` the annealing function at
+    /// `k / annealing_epochs` (1 from the start without annealing epochs).
+    pub fn lrs_at(&self, k: u64, from: &[f64]) -> Result<Vec<f64>> {
+        let to = self.lrs.resolve("training.swa.lrs", from.len())?;
+        let step = if self.annealing_epochs == 0 {
+            k.max(1)
+        } else {
+            k
+        };
+        let t = (step as f64 / self.annealing_epochs.max(1) as f64).clamp(0.0, 1.0);
+        let alpha = match self.annealing_strategy {
+            AnnealStrategy::Cos => (1.0 - (PI * t).cos()) / 2.0,
+            AnnealStrategy::Linear => t,
+        };
+        Ok(to
+            .iter()
+            .zip(from)
+            .map(|(swa, lr)| swa * alpha + lr * (1.0 - alpha))
+            .collect())
+    }
+}
+
+/// Which weight average a run keeps.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AveragingConfig {
+    /// An exponential moving average, updated after optimizer steps.
+    Ema(EmaConfig),
+    /// Stochastic weight averaging, updated after epochs.
+    Swa(SwaConfig),
+}
+
+impl From<EmaConfig> for AveragingConfig {
+    fn from(config: EmaConfig) -> Self {
+        AveragingConfig::Ema(config)
+    }
+}
+
+impl From<SwaConfig> for AveragingConfig {
+    fn from(config: SwaConfig) -> Self {
+        AveragingConfig::Swa(config)
+    }
+}
+
+impl AveragingConfig {
+    /// EMA or SWA.
+    pub fn method(&self) -> AveragingMethod {
+        match self {
+            AveragingConfig::Ema(_) => AveragingMethod::Ema,
+            AveragingConfig::Swa(_) => AveragingMethod::Swa,
+        }
+    }
+
+    /// Whether validation uses the average.
+    pub fn validates(&self) -> bool {
+        match self {
+            AveragingConfig::Ema(c) => c.validate,
+            AveragingConfig::Swa(c) => c.validate,
+        }
+    }
+
+    /// Whether the average holds buffers too (EMA's `buffers`; SWA averages
+    /// parameters only, and recomputes batch-norm statistics at the end).
+    fn buffers(&self) -> bool {
+        match self {
+            AveragingConfig::Ema(c) => c.buffers,
+            AveragingConfig::Swa(_) => false,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        match self {
+            AveragingConfig::Ema(c) => c.validate(),
+            AveragingConfig::Swa(c) => c.validate(),
+        }
+    }
+}
+
+/// A weight average of a model, on the model's device: an exponential moving
+/// average ([`EmaConfig`]) or an equal-weight one ([`SwaConfig`]).
 ///
 /// ```no_run
 /// # use kiln_core::{backend::TrainBackend, Result};
@@ -124,10 +326,11 @@ impl EmaConfig {
 /// # Ok(()) }
 /// ```
 pub struct WeightAveraging<B: TrainBackend> {
-    config: EmaConfig,
+    config: AveragingConfig,
     names: Vec<String>,
     averages: Vec<B::Tensor>,
     updates: u64,
+    swa_lrs_from: Option<Vec<f64>>,
 }
 
 impl<B: TrainBackend> std::fmt::Debug for WeightAveraging<B> {
@@ -162,11 +365,15 @@ fn averaged_tensors<B: TrainBackend, M: Module<B> + ?Sized>(
 impl<B: TrainBackend> WeightAveraging<B> {
     /// An average of `model`'s weights that starts as a copy of them (no
     /// update made yet).
-    pub fn new<M: Module<B> + ?Sized>(config: EmaConfig, model: &M) -> Result<Self> {
+    pub fn new<M: Module<B> + ?Sized>(
+        config: impl Into<AveragingConfig>,
+        model: &M,
+    ) -> Result<Self> {
+        let config = config.into();
         config.validate()?;
         let mut names = Vec::new();
         let mut averages = Vec::new();
-        for (name, tensor) in averaged_tensors::<B, M>(model, config.buffers)? {
+        for (name, tensor) in averaged_tensors::<B, M>(model, config.buffers())? {
             averages.push(B::copy_tensor(&tensor)?);
             names.push(name);
         }
@@ -175,12 +382,24 @@ impl<B: TrainBackend> WeightAveraging<B> {
             names,
             averages,
             updates: 0,
+            swa_lrs_from: None,
         })
     }
 
     /// The configuration.
-    pub fn config(&self) -> &EmaConfig {
+    pub fn config(&self) -> &AveragingConfig {
         &self.config
+    }
+
+    /// For SWA once it has begun: each group's learning rate when it began.
+    pub fn swa_lrs_from(&self) -> Option<&[f64]> {
+        self.swa_lrs_from.as_deref()
+    }
+
+    /// Records the rates SWA's schedule anneals from (the trainer does, at
+    /// the start of the first averaging epoch).
+    pub fn set_swa_lrs_from(&mut self, lrs: Vec<f64>) {
+        self.swa_lrs_from = Some(lrs);
     }
 
     /// Updates made so far (`AveragedModel.n_averaged`).
@@ -194,12 +413,12 @@ impl<B: TrainBackend> WeightAveraging<B> {
     }
 
     /// One update from `model`'s current weights: the first copies them, the
-    /// others move the average by `1 - decay`.
+    /// others move the average by `1 - decay` (EMA) or `1 / (updates + 1)` (SWA).
     pub fn update<M: Module<B> + ?Sized>(&mut self, model: &M) -> Result<()> {
         // The averaged tensors by name, in the order the average was made in
         // (integer buffers, never averaged, are passed over).
         let mut tensors = model.named_parameters()?;
-        if self.config.buffers {
+        if self.config.buffers() {
             tensors.extend(model.named_buffers()?);
         }
         let mut expected = self.names.iter().peekable();
@@ -216,21 +435,23 @@ impl<B: TrainBackend> WeightAveraging<B> {
                 format!("the model has no `{missing}` any more, which the average was made of"),
             ));
         }
-        let weight = if self.updates == 0 {
-            1.0
-        } else {
-            1.0 - self.config.decay_at(self.updates)
+        let weight = match &self.config {
+            _ if self.updates == 0 => 1.0,
+            AveragingConfig::Ema(ema) => 1.0 - ema.decay_at(self.updates),
+            AveragingConfig::Swa(_) => 1.0 / (self.updates + 1) as f64,
         };
         B::lerp_in_place(&mut self.averages, &current, weight)?;
         self.updates += 1;
         Ok(())
     }
 
-    /// [`update`](Self::update) if optimizer step `step` (1-based) is one the
-    /// configuration updates after; returns whether it did.
+    /// [`update`](Self::update) if optimizer step `step` (1-based) is one an
+    /// EMA updates after; returns whether it did (never for SWA, which
+    /// updates after epochs).
     pub fn after_step<M: Module<B> + ?Sized>(&mut self, model: &M, step: u64) -> Result<bool> {
-        if !self.config.updates_after(step) {
-            return Ok(false);
+        match &self.config {
+            AveragingConfig::Ema(ema) if ema.updates_after(step) => {}
+            _ => return Ok(false),
         }
         self.update(model)?;
         Ok(true)
@@ -262,12 +483,25 @@ impl<B: TrainBackend> WeightAveraging<B> {
         Ok(Averaged {
             tensors: self.state_tensors()?,
             updates: self.updates,
+            method: self.config.method(),
+            swa_lrs_from: self.swa_lrs_from.clone(),
         })
     }
 
     /// Checks that a checkpoint's average is this one's: the same names,
     /// shapes and dtypes.
     pub fn check(&self, saved: &Averaged) -> Result<()> {
+        if saved.method != self.config.method() {
+            return Err(Error::invalid_argument(
+                "checkpoint",
+                format!(
+                    "its weight average is kept by {}, this run keeps {} (training.{})",
+                    saved.method.name().to_uppercase(),
+                    self.config.method().name().to_uppercase(),
+                    self.config.method().name()
+                ),
+            ));
+        }
         if saved.tensors.len() != self.names.len() {
             return Err(Error::invalid_argument(
                 "checkpoint",
@@ -310,6 +544,7 @@ impl<B: TrainBackend> WeightAveraging<B> {
         }
         self.averages = loaded;
         self.updates = saved.updates;
+        self.swa_lrs_from.clone_from(&saved.swa_lrs_from);
         Ok(())
     }
 

@@ -2,7 +2,7 @@
 //! position in the data; what a checkpoint saves and `fit` advances.
 
 use crate::checkpoint::Checkpoint;
-use crate::learner::averaging::{EmaConfig, WeightAveraging};
+use crate::learner::averaging::{AveragingConfig, WeightAveraging};
 use crate::metric::LossMetric;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::{Error, Result};
@@ -63,9 +63,9 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
         }
     }
 
-    /// Keeps an exponential moving average of the model's weights, starting
-    /// from their current values.
-    pub fn with_weight_averaging(mut self, config: EmaConfig) -> Result<Self> {
+    /// Keeps a weight average of the model ([`EmaConfig`](crate::EmaConfig)
+    /// or [`SwaConfig`](crate::SwaConfig)), starting from its current weights.
+    pub fn with_weight_averaging(mut self, config: impl Into<AveragingConfig>) -> Result<Self> {
         self.averaging = Some(WeightAveraging::new(config, &self.model)?);
         Ok(self)
     }

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::averaging::{EmaConfig, WeightAveraging};
+use super::averaging::{AveragingConfig, EmaConfig, SwaConfig, WeightAveraging};
+use super::batch_norm::{batch_norm_layers, update_batch_norm};
 use super::callback::{Callback, Flow};
 use super::state::TrainingState;
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
@@ -86,6 +87,12 @@ pub struct TrainerConfig {
     /// that the checkpoint's average is restored).
     #[serde(default)]
     pub ema: Option<EmaConfig>,
+    /// Stochastic weight averaging (`swa = { lrs = 0.05 }`; see [`SwaConfig`]),
+    /// instead of `ema`: its learning-rate schedule replaces the run's from
+    /// its first epoch on, and [`Trainer::apply_average`] ends the run with
+    /// the average and its batch-norm statistics.
+    #[serde(default)]
+    pub swa: Option<SwaConfig>,
 }
 
 fn ten() -> u64 {
@@ -115,6 +122,7 @@ impl Default for TrainerConfig {
             retain_host_memory: true,
             precision: FloatPrecision::F32,
             ema: None,
+            swa: None,
         }
     }
 }
@@ -134,7 +142,26 @@ impl TrainerConfig {
         if let Some(ema) = &self.ema {
             ema.validate()?;
         }
+        if let Some(swa) = &self.swa {
+            if self.ema.is_some() {
+                return Err(Error::invalid_argument(
+                    "training.swa",
+                    "a run keeps one weight average: set training.ema or training.swa, not both",
+                ));
+            }
+            swa.validate()?;
+            swa.start_epoch(self.epochs)?;
+        }
         Ok(())
+    }
+
+    /// The weight average the run keeps, if any.
+    pub fn averaging(&self) -> Option<AveragingConfig> {
+        match (&self.ema, &self.swa) {
+            (Some(ema), _) => Some(ema.clone().into()),
+            (None, Some(swa)) => Some(swa.clone().into()),
+            (None, None) => None,
+        }
     }
 }
 
@@ -455,14 +482,34 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
             }
         }
-        if let (Some(ema), None) = (&self.config.ema, &state.averaging) {
-            state.averaging = Some(WeightAveraging::new(ema.clone(), &state.model)?);
+        self.config.validate()?;
+        if let (Some(config), None) = (self.config.averaging(), &state.averaging) {
+            state.averaging = Some(WeightAveraging::new(config, &state.model)?);
         }
-        if state.averaging.is_some()
-            && (state.model.shards_parameters() || self.sharded_checkpoints.is_some())
+        if let (Some(averaging), Some(config)) = (&state.averaging, self.config.averaging()) {
+            if *averaging.config() != config {
+                return Err(Error::invalid_argument(
+                    "training state",
+                    format!(
+                        "keeps a weight average by {:?}, but the trainer is configured for {config:?}",
+                        averaging.config(),
+                    ),
+                ));
+            }
+        }
+        if let Some(AveragingConfig::Swa(swa)) = state.averaging.as_ref().map(|a| a.config()) {
+            if swa.update_bn {
+                // Refused now rather than after the last epoch.
+                batch_norm_layers::<B, M>(&state.model)?;
+            }
+        }
+        if let Some(averaging) = state
+            .averaging
+            .as_ref()
+            .filter(|_| state.model.shards_parameters() || self.sharded_checkpoints.is_some())
         {
             return Err(Error::invalid_argument(
-                "training.ema",
+                format!("training.{}", averaging.config().method().name()),
                 "weight averaging keeps whole tensors and checkpoints them whole: it trains \
                  one process, or ranks that hold whole parameters and write full checkpoints \
                  (ddp, or zero1/zero2 with [distributed] checkpoint = \"full\"), not fsdp or \
@@ -513,7 +560,15 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 ),
             ));
         }
+        let swa_start = match state.averaging.as_ref().map(|a| a.config()) {
+            Some(AveragingConfig::Swa(swa)) => Some(swa.start_epoch(self.config.epochs)?),
+            _ => None,
+        };
         'epochs: while state.epoch < self.config.epochs {
+            let averaging_epoch = swa_start.is_some_and(|start| state.epoch >= start);
+            if let (Some(start), true) = (swa_start, averaging_epoch) {
+                Self::set_swa_rates(state, state.epoch - start)?;
+            }
             state.model.set_mode(Mode::Train);
             let batches = train.num_batches() as u64;
             for sink in &mut self.sinks {
@@ -581,7 +636,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 if let Some(averaging) = state.averaging.as_mut() {
                     averaging.after_step(&state.model, state.step)?;
                 }
-                if self.config.schedule_interval == ScheduleInterval::Step {
+                if self.config.schedule_interval == ScheduleInterval::Step && !averaging_epoch {
                     if let Some(s) = state.scheduler.as_mut() {
                         let lrs = s.step()?;
                         state.optimizer.set_learning_rates(&lrs)?;
@@ -625,6 +680,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
             // The epoch is over: metrics, schedule, callbacks, checkpoint.
             self.read_losses(state, pending)?;
+            if averaging_epoch {
+                if let Some(averaging) = state.averaging.as_mut() {
+                    averaging.update(&state.model)?;
+                }
+            }
             let mut record = EpochRecord::new();
             record.insert("loss".to_owned(), state.epoch_loss.compute()?);
             record.insert("lr".to_owned(), state.optimizer.learning_rate());
@@ -633,7 +693,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                     record.insert(format!("val_{name}"), value);
                 }
             }
-            if self.config.schedule_interval == ScheduleInterval::Epoch {
+            if self.config.schedule_interval == ScheduleInterval::Epoch && !averaging_epoch {
                 if let Some(s) = state.scheduler.as_mut() {
                     let lrs = match s.monitor() {
                         Some(monitor) => {
@@ -686,13 +746,68 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         state: &mut TrainingState<B, M>,
         val: &dyn DataLoader,
     ) -> Result<Vec<(String, f64)>> {
-        let Some(averaging) = state.averaging.as_ref().filter(|a| a.config().validate) else {
+        let Some(averaging) = state
+            .averaging
+            .as_ref()
+            .filter(|a| a.config().validates() && a.updates() > 0)
+        else {
             return self.evaluate(&mut state.model, val);
         };
         let training = averaging.swap_into(&mut state.model)?;
         let metrics = self.evaluate(&mut state.model, val);
         state.model.load_state_dict(&training)?;
         metrics
+    }
+
+    /// Sets SWA's rates for its `k`-th epoch (0-based), recording the rates it
+    /// anneals from at its first.
+    fn set_swa_rates(state: &mut TrainingState<B, M>, k: u64) -> Result<()> {
+        let Some(averaging) = state.averaging.as_mut() else {
+            return Ok(());
+        };
+        let AveragingConfig::Swa(swa) = averaging.config().clone() else {
+            return Ok(());
+        };
+        let from = match averaging.swa_lrs_from() {
+            Some(from) => from.to_vec(),
+            None => {
+                let from = state.optimizer.learning_rates();
+                averaging.set_swa_lrs_from(from.clone());
+                from
+            }
+        };
+        let lrs = swa.lrs_at(k, &from)?;
+        state.optimizer.set_learning_rates(&lrs)
+    }
+
+    /// Ends a run that keeps a weight average with the average in the model,
+    /// as Lightning's `WeightAveraging` and `StochasticWeightAveraging` leave
+    /// it after `fit`: the averaged weights replace the training weights, and
+    /// for SWA with `update_bn` batch norm's running statistics are
+    /// recomputed for them with one pass over `train`
+    /// ([`update_batch_norm`]). Returns whether there was an average to apply
+    /// (none, or one not yet updated, leaves the model as it is).
+    pub fn apply_average(
+        &self,
+        state: &mut TrainingState<B, M>,
+        train: &dyn DataLoader,
+    ) -> Result<bool> {
+        let Some(averaging) = state.averaging.as_ref().filter(|a| a.updates() > 0) else {
+            return Ok(false);
+        };
+        let training = averaging.swap_into(&mut state.model)?;
+        if let AveragingConfig::Swa(swa) = averaging.config() {
+            if swa.update_bn {
+                let epoch = state.epoch;
+                if let Err(e) =
+                    update_batch_norm::<B, M>(&mut state.model, train, epoch, self.config.device)
+                {
+                    state.model.load_state_dict(&training)?;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// The loss and every metric over `loader`, in eval mode and without

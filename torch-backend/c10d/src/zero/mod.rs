@@ -521,6 +521,9 @@ impl<M: Module<TorchBackend>> Module<TorchBackend> for ZeroDataParallel<M> {
     fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
         self.module.named_buffers()
     }
+    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
+        self.module.running_stats()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         self.module.state_dict()
     }
