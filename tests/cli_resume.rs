@@ -705,3 +705,91 @@ fn tune_lr_suggests_a_rate_and_writes_only_new_files() {
         21
     );
 }
+
+/// `[training] swa` through the CLI: the schedule anneals from the StepLR rate
+/// in effect when averaging begins, the checkpoint holds the equal-weight
+/// average, and `model.safetensors` is that average with batch norm's
+/// statistics recomputed over the training data; a run resumed mid-average
+/// ends with the same model.
+#[test]
+fn swa_anneals_averages_and_writes_the_average_with_its_statistics() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("swa");
+    let text = std::fs::read_to_string(config(&dir, 0)).unwrap();
+    let swa = text
+        .replace(
+            "  { type = \"relu\" },",
+            "  { type = \"batch_norm1d\", num_features = 64 },\n  { type = \"relu\" },",
+        )
+        .replace(
+            "[training]\n",
+            "[training]\nswa = { lrs = 0.001, epoch_start = 1, annealing_epochs = 2, \
+             annealing_strategy = \"linear\" }\n",
+        );
+    let cfg = dir.join("swa.toml");
+    std::fs::write(&cfg, swa).unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let (a, b) = (dir.join("swa"), dir.join("resumed"));
+    train(cfg, &a, &["--epochs", "3"]);
+
+    // Adam at 0.003, StepLR 0.7 after epoch 0, then SWALR from 0.0021 to 0.001
+    // over two epochs, linearly: 0.0021, 0.00155.
+    let text = std::fs::read_to_string(a.join("epochs.csv")).unwrap();
+    let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == "lr").unwrap();
+    let lrs: Vec<f64> = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
+        .collect();
+    for (got, want) in lrs.iter().zip([0.003, 0.0021, 0.00155]) {
+        assert!((got - want).abs() < 1e-12, "{lrs:?}");
+    }
+    assert_eq!(lrs.len(), 3);
+
+    let checkpoint = Checkpoint::load(&kiln::train::Checkpointer::last_path(
+        &a.join("checkpoints"),
+    ))
+    .unwrap();
+    let saved = checkpoint.averaged.as_ref().expect("the average is saved");
+    assert_eq!(saved.method, kiln::train::AveragingMethod::Swa);
+    assert_eq!(saved.updates, 2, "after epochs 1 and 2");
+    assert!((saved.swa_lrs_from.as_ref().unwrap()[0] - 0.0021).abs() < 1e-15);
+    assert!(
+        saved.tensors.get("1.running_mean").is_none(),
+        "parameters only"
+    );
+    let (model, _) = StateDict::load_safetensors(a.join("model.safetensors")).unwrap();
+    for (name, t) in saved.tensors.iter() {
+        assert_eq!(
+            model.get(name),
+            Some(t),
+            "model.safetensors holds the average's {name}"
+        );
+        assert_ne!(checkpoint.model.get(name), Some(t), "{name} is averaged");
+    }
+    let steps_per_epoch = losses(&a).len() as f64 / 3.0;
+    assert_eq!(
+        model.get("1.num_batches_tracked").unwrap().to_f64_vec(),
+        [steps_per_epoch],
+        "one pass over the training batches"
+    );
+    assert_ne!(
+        model.get("1.running_var"),
+        checkpoint.model.get("1.running_var"),
+        "statistics recomputed for the average"
+    );
+
+    train(cfg, &b, &["--epochs", "2"]);
+    train(cfg, &b, &["--epochs", "3", "--resume", "auto"]);
+    let (resumed, _) = StateDict::load_safetensors(b.join("model.safetensors")).unwrap();
+    for (name, t) in model.iter() {
+        assert!(
+            resumed.get(name).unwrap().allclose(t, 1e-4, 1e-6),
+            "the resumed run's {name}"
+        );
+    }
+}

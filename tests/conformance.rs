@@ -303,6 +303,47 @@ fn a_batch_of_the_wrong_width_is_an_error_and_changes_nothing<B: TrainBackend>()
     assert_eq!(model.state_dict().unwrap(), before);
 }
 
+/// SWA's `update_bn`: a `BatchNorm1d(3)` of momentum 0.3 over `X` in batches
+/// of two ends with the mean of the batches' means and unbiased variances,
+/// computed here in f64, and `num_batches_tracked` 2; the weights and the mode
+/// are untouched. A momentum of 0 is refused with the model unchanged.
+fn update_batch_norm_averages_the_batch_statistics<B: TrainBackend>() {
+    use kiln::core::model::BatchNormConfig;
+    use kiln::data::{InMemoryDataset, SequentialLoader};
+    let bn = |momentum| Layer::BatchNorm1d(BatchNormConfig::new(3).with_momentum(momentum));
+    let mut model = B::build_model(&bn(0.3), Device::Cpu).unwrap();
+    model.set_mode(kiln::core::backend::Mode::Eval);
+    let before = model.state_dict().unwrap();
+    let loader =
+        SequentialLoader::new(InMemoryDataset::new(host(&X), targets(&T)).unwrap(), 2).unwrap();
+    let batches =
+        kiln::train::update_batch_norm::<B, _>(&mut model, &loader, 0, Device::Cpu).unwrap();
+    assert_eq!(batches, 2);
+    let (mut mean, mut var) = ([0.0f64; 3], [0.0f64; 3]);
+    for pair in X.chunks(2) {
+        for c in 0..3 {
+            let m = (pair[0][c] + pair[1][c]) / 2.0;
+            let v = (pair[0][c] - m).powi(2) + (pair[1][c] - m).powi(2); // n - 1 = 1
+            mean[c] += m / 2.0;
+            var[c] += v / 2.0;
+        }
+    }
+    let after = model.state_dict().unwrap();
+    assert_close(&values(&after, "running_mean"), &mean, "running mean");
+    assert_close(&values(&after, "running_var"), &var, "running variance");
+    assert_eq!(values(&after, "num_batches_tracked"), [2.0]);
+    assert_eq!(after.get("weight"), before.get("weight"));
+    assert_eq!(model.mode(), kiln::core::backend::Mode::Eval);
+
+    let mut frozen = B::build_model(&bn(0.0), Device::Cpu).unwrap();
+    let before = frozen.state_dict().unwrap();
+    let err = kiln::train::update_batch_norm::<B, _>(&mut frozen, &loader, 0, Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the batch norm `` has momentum 0"), "{err}");
+    assert_eq!(frozen.state_dict().unwrap(), before);
+}
+
 macro_rules! conformance {
     ($module:ident, $backend:ty: $($test:ident),+ $(,)?) => {
         mod $module {
@@ -326,6 +367,7 @@ macro_rules! conformance_all {
             a_non_finite_loss_changes_nothing,
             state_dicts_resume_into_fresh_objects,
             a_batch_of_the_wrong_width_is_an_error_and_changes_nothing,
+            update_batch_norm_averages_the_batch_statistics,
         );
     };
 }
