@@ -79,7 +79,10 @@ pub(crate) fn batch_norm_layers<B: TrainBackend, M: Trainable<B> + ?Sized>(
             ));
         }
     }
-    if let Some(layer) = layers.iter().find(|l| !(l.momentum > 0.0)) {
+    if let Some(layer) = layers
+        .iter()
+        .find(|l| l.momentum.is_nan() || l.momentum <= 0.0)
+    {
         return Err(Error::invalid_argument(
             "training.swa.update_bn",
             format!(
