@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use kiln_core::model::{
     AttentionConfig, BatchNormConfig, Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig,
     EmbeddingConfig, FanMode, GeluApproximation, GroupNormConfig, Init, InitDistribution, Layer,
-    LayerNormConfig, LinearConfig, Nonlinearity, ParamKind, Pool2dConfig,
+    LayerNormConfig, LinearConfig, ModelSummary, Nonlinearity, ParamKind, Pool2dConfig,
 };
 use serde_json::{json, Value};
 
@@ -109,6 +109,38 @@ fn attention_and_norms() -> Layer {
         LayerNormConfig::new([5, 16])
             .with_elementwise_affine(false)
             .into(),
+    ])
+}
+
+/// A LLaMA-style decoder: grouped-query attention with RoPE, a gated MLP,
+/// RMSNorm and a head tied to the embedding.
+fn decoder() -> Layer {
+    use kiln_core::model::{
+        GatedMlpConfig, RmsNormConfig, RopeConfig, SelfAttentionConfig, TiedLinearConfig,
+    };
+    let norm = || {
+        Layer::RmsNorm(RmsNormConfig {
+            dim: 16,
+            eps: 1e-6,
+            weight_offset: 0.0,
+        })
+    };
+    Layer::sequential([
+        EmbeddingConfig::new(40, 16).into(),
+        Layer::residual(Layer::sequential([
+            norm(),
+            SelfAttentionConfig::new(16, 4)
+                .with_num_kv_heads(2)
+                .with_causal(true)
+                .with_rope(RopeConfig::new(10_000.0))
+                .into(),
+        ])),
+        Layer::residual(Layer::sequential([
+            norm(),
+            Layer::GatedMlp(GatedMlpConfig::new(16, 24)),
+        ])),
+        norm(),
+        Layer::TiedLinear(TiedLinearConfig::new("0.weight", 16, 40)),
     ])
 }
 
@@ -302,6 +334,7 @@ fn layers_match_torch_nn() {
     let models: Vec<(&str, Layer, Vec<usize>, &str)> = vec![
         ("cnn", cnn(), vec![2, 1, 28, 28], "float32"),
         ("transformer", transformer(), vec![2, 7], "int64"),
+        ("decoder", decoder(), vec![2, 6], "int64"),
         ("misc", misc(), vec![3, 4, 10], "float32"),
         (
             "attention_and_norms",
@@ -380,6 +413,32 @@ fn layers_match_torch_nn() {
         let torch: Vec<usize> = serde_json::from_value(theirs["output"].clone())
             .unwrap_or_else(|_| panic!("{name}: torch failed: {}", theirs["error"]));
         assert_eq!(ours, torch, "{name}: output shape for input {input:?}");
+
+        // The model summary of one sample: shapes, parameters and mult-adds as
+        // torch's hooks and FlopCounterMode see them.
+        let params: Vec<(String, usize)> = specs
+            .iter()
+            .filter(|s| s.kind == ParamKind::Parameter)
+            .map(|s| (s.name.clone(), s.shape.iter().product()))
+            .collect();
+        let summary = ModelSummary::new(layer, &input[1..], &params, &[])
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let torch = &theirs["summary"];
+        for row in summary.layers() {
+            let context = format!("{name}: summary of `{}` ({})", row.path, row.kind);
+            let shape: Vec<usize> = serde_json::from_value(torch["shapes"][&row.path].clone())
+                .unwrap_or_else(|_| panic!("{context}: no torch module output"));
+            assert_eq!(row.output_shape, shape, "{context}");
+            assert_eq!(
+                Some(row.params as u64),
+                torch["params"][&row.path].as_u64(),
+                "{context}"
+            );
+            assert_eq!(row.trainable, row.params, "{context}");
+        }
+        let flops = torch["flops"].as_u64().expect("flops");
+        assert!(flops > 0, "{name}");
+        assert_eq!(summary.total_macs(), Some(flops / 2), "{name}: mult-adds");
     }
 
     let mut agreed_errors = 0;

@@ -14,6 +14,7 @@
 mod init;
 mod layers;
 mod registry;
+mod summary;
 
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +32,7 @@ pub use layers::{
     TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
+pub use summary::{LayerSummary, ModelSummary};
 
 use layers::{
     activation, dropout, norm, pool, structure, FieldCheck, LayerSpec, Params, ShapeCheck,

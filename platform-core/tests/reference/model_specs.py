@@ -11,11 +11,17 @@ REQUEST.json holds Kiln layers and initialisers as Kiln serializes them:
 Prints one JSON object:
 
     {"models": {name: {"state": [{"name", "shape", "dtype", "init", "zero_rows"}],
-                       "output": [dims] | null, "error": str | null}},
+                       "output": [dims] | null, "error": str | null,
+                       "summary": {"shapes": {module: [dims]}, "params": {module: n},
+                                   "flops": n}}},
      "shapes": {name: {"output": [dims] | null, "error": str | null}},
      "inits":  {name: {"init": <distribution> | null, "error": str | null}}}
 
-`state` is `model.state_dict()` in order. `init` is the distribution torch itself drew
+`state` is `model.state_dict()` in order. `summary` is what a model summary
+reports for one sample (the input's first row), from torch itself: each named
+module's output shape (forward hooks), its parameter elements, and the FLOPs
+torch.utils.flop_counter.FlopCounterMode counts for the forward pass (two per
+multiply-accumulate). `init` is the distribution torch itself drew
 each entry from, recorded by intercepting the in-place Tensor methods that torch.nn.init
 and the modules' reset_parameters() call (uniform_, normal_, fill_, zero_); the last
 call on a tensor wins, as it does for the values.
@@ -351,11 +357,17 @@ def build_layer(spec):
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+        # Their weights start as torch.ones / torch.zeros, which the recorder
+        # does not see: the same values, set through torch.nn.init.
         offset = spec["weight_offset"]
         if offset == 0:
-            return LlamaRMSNorm(spec["dim"], eps=spec["eps"])
+            norm = LlamaRMSNorm(spec["dim"], eps=spec["eps"])
+            nn.init.ones_(norm.weight)
+            return norm
         if offset == 1:
-            return GemmaRMSNorm(spec["dim"], eps=spec["eps"])
+            norm = GemmaRMSNorm(spec["dim"], eps=spec["eps"])
+            nn.init.zeros_(norm.weight)
+            return norm
         raise ValueError(f"no reference RMSNorm with weight_offset {offset}")
     if kind == "self_attention":
         return GroupedQueryAttention(spec)
@@ -382,6 +394,37 @@ def run_forward(model, case):
         return {"output": list(out.shape), "error": None}
     except Exception as e:  # torch reports bad shapes with several exception types
         return {"output": None, "error": f"{type(e).__name__}: {e}"}
+
+
+def summarize(model, case):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    dtype = torch.int64 if case.get("input_dtype") == "int64" else torch.float32
+    # Two samples (batch norm without running statistics needs more than one
+    # value per channel), reported per sample.
+    x = torch.zeros([2] + case["input"][1:], dtype=dtype)
+    shapes = {}
+
+    def hook(name):
+        def record(_module, _inputs, out):
+            if torch.is_tensor(out):
+                shapes[name] = [1] + list(out.shape)[1:]
+
+        return record
+
+    hooks = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]
+    model.eval()
+    # With gradients on, and attention in its math form: nn.MultiheadAttention's
+    # no-grad fast path and the CPU flash-attention kernel are fused ops
+    # FlopCounterMode does not count.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(x)
+    for h in hooks:
+        h.remove()
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in model.named_modules()}
+    return {"shapes": shapes, "params": params, "flops": counter.get_total_flops() // 2}
 
 
 def describe_state(model):
@@ -411,6 +454,7 @@ def main():
         model = build(case["layer"])
         entry = {"state": describe_state(model)}
         entry.update(run_forward(model, case))
+        entry["summary"] = summarize(model, case)
         result["models"][case["name"]] = entry
     for case in request.get("shapes", []):
         try:
