@@ -257,6 +257,48 @@ fn a_frozen_backbone_stays_bit_for_bit_and_bad_configs_are_refused() {
         let run = dir.join(format!("run-{name}"));
         let printed = train(s(&cfg), &run, &["--epochs", "1"]);
         assert!(printed.contains("(2570 trainable)"), "{printed}");
+        // The run's model summary: the TorchScript backbone's shape and
+        // parameters as far as they can be known, its mult-adds not.
+        let row = |path: &str| {
+            let row = printed
+                .lines()
+                .find(|l| l.trim_start().starts_with(path))
+                .unwrap_or_else(|| panic!("no summary row {path} in {printed}"));
+            row.split_whitespace()
+                .skip(2)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        let backbone_params = original
+            .iter()
+            .filter(|(k, _)| !k.contains("running_") && !k.contains("num_batches"))
+            .map(|(_, t)| t.numel())
+            .sum::<usize>();
+        let thousands = |n: usize| {
+            let digits = n.to_string();
+            let mut out = String::new();
+            for (i, c) in digits.chars().enumerate() {
+                if i > 0 && (digits.len() - i) % 3 == 0 {
+                    out.push(',');
+                }
+                out.push(c);
+            }
+            out
+        };
+        assert_eq!(
+            row("0 (TorchScript)"),
+            ["[1,", "256]", &thousands(backbone_params), "0", "?"],
+            "{printed}"
+        );
+        assert_eq!(
+            row("1 (Linear)"),
+            ["[1,", "10]", "2,570", "2,570", "2,560"],
+            "{printed}"
+        );
+        assert!(
+            printed.contains("2,560 and those of 0 (not measurable)"),
+            "{printed}"
+        );
         let trained = weights(&run);
         for (key, value) in original.iter() {
             assert_eq!(

@@ -793,3 +793,74 @@ fn swa_anneals_averages_and_writes_the_average_with_its_statistics() {
         );
     }
 }
+
+/// `kiln inspect CONFIG`: the model summary of the config's model for one
+/// sample of its data (hand-counted: Linear(64, 64), ReLU, Dropout,
+/// Linear(64, 10)), with frozen parameters, to a depth, writing nothing; and
+/// `kiln train` prints it at the start unless `summary_depth = 0`.
+#[test]
+fn inspect_config_prints_the_model_summary() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("summary");
+    let cfg = config(&dir, 0);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let shown = kiln_stdout(&["inspect", cfg.to_str().unwrap()]);
+    let rows: Vec<Vec<&str>> = shown
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .filter(|r: &Vec<&str>| r.len() >= 6)
+        .collect();
+    let expected = [
+        ["Sequential", "[1,", "10]", "4,810", "4,810", "4,736"].as_slice(),
+        &["0", "(Linear)", "[1,", "64]", "4,160", "4,160", "4,096"],
+        &["1", "(Relu)", "[1,", "64]", "0", "0", "0"],
+        &["2", "(Dropout)", "[1,", "64]", "0", "0", "0"],
+        &["3", "(Linear)", "[1,", "10]", "650", "650", "640"],
+    ];
+    for want in expected {
+        assert!(
+            rows.iter().any(|r| r == want),
+            "no row {want:?} in\n{shown}"
+        );
+    }
+    assert!(
+        shown.contains("params: 4,810 (4,810 trainable, 0 frozen)"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("mult-adds for one sample of [1, 64]: 4,736"),
+        "{shown}"
+    );
+    assert!(!dir.join("default-out").exists(), "inspect writes nothing");
+
+    let frozen = dir.join("frozen.toml");
+    std::fs::write(&frozen, format!("freeze = [\"0.*\"]\n{text}")).unwrap();
+    let shown = kiln_stdout(&["inspect", frozen.to_str().unwrap(), "--depth", "0"]);
+    assert!(
+        shown.contains("params: 4,810 (650 trainable, 4,160 frozen)"),
+        "{shown}"
+    );
+    assert!(
+        !shown.contains("(Linear)"),
+        "depth 0: the model's row only\n{shown}"
+    );
+
+    let run = dir.join("run");
+    let printed = train(cfg.to_str().unwrap(), &run, &["--epochs", "1"]);
+    assert!(printed.contains("3 (Linear)"), "{printed}");
+    let quiet = dir.join("quiet.toml");
+    std::fs::write(
+        &quiet,
+        text.replace("[logging]\n", "[logging]\nsummary_depth = 0\n"),
+    )
+    .unwrap();
+    let printed = train(
+        quiet.to_str().unwrap(),
+        &dir.join("quiet"),
+        &["--epochs", "1"],
+    );
+    assert!(!printed.contains("(Linear)"), "{printed}");
+}

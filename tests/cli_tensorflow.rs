@@ -56,6 +56,23 @@ fn the_main_job_trains_on_tensorflow_and_checkpoints_evaluate_on_both_backends()
 
     let tf_config = config_for(&dir, "tensorflow");
     let torch_config = config_for(&dir, "torch");
+    // The model summary is the same table on either engine.
+    let summaries: Vec<String> = [&tf_config, &torch_config]
+        .iter()
+        .map(|c| kiln(&["inspect", c.to_str().unwrap()]))
+        .collect();
+    assert!(
+        summaries[0].starts_with("tensorflow on cpu"),
+        "{}",
+        summaries[0]
+    );
+    let table = |s: &str| s.lines().skip(1).collect::<Vec<_>>().join("\n");
+    assert!(
+        table(&summaries[0]).contains("mult-adds for one sample"),
+        "{}",
+        summaries[0]
+    );
+    assert_eq!(table(&summaries[0]), table(&summaries[1]));
     let on_tf = kiln(&[
         "eval",
         "--config",

@@ -364,6 +364,10 @@ where
         self.module.num_trainable_parameters()
     }
 
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        self.module.frozen_parameters()
+    }
+
     fn precision(&self) -> FloatPrecision {
         self.module.precision()
     }

@@ -33,11 +33,19 @@ pub(crate) enum Command {
     /// Write a checkpoint's predictions for the validation split as CSV.
     Predict(PredictArgs),
     /// Show what is inside a checkpoint (a table of tensors), a TorchScript
-    /// file, an ONNX model (inputs, outputs, opsets, operators) or a TensorFlow
-    /// SavedModel directory (its signatures with input and output names, dtypes and shapes).
+    /// file, an ONNX model (inputs, outputs, opsets, operators), a TensorFlow
+    /// SavedModel directory (its signatures with input and output names, dtypes
+    /// and shapes), or the model a run's config builds (its summary).
     Inspect {
-        /// A checkpoint, TorchScript or ONNX file, or a SavedModel directory.
+        /// A checkpoint, TorchScript or ONNX file, a SavedModel directory, or
+        /// a run's TOML config (its model summary, as `torchinfo` prints it:
+        /// each layer's output shape, parameters and mult-adds for one sample
+        /// of the config's data).
         checkpoint: PathBuf,
+        /// For a config: the deepest layers listed (`-1`: all; deeper ones
+        /// count in their parent's row).
+        #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+        depth: i64,
     },
     /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
     Export(ExportArgs),
@@ -381,6 +389,9 @@ pub struct RunOptions {
     pub(crate) on_other_data: bool,
     /// Run the learning-rate range test instead of training.
     pub(crate) lr_find: Option<LrFind>,
+    /// Print the model summary to this depth (`-1`: every layer) and stop
+    /// before anything is written (`kiln inspect CONFIG`).
+    pub(crate) summary_only: Option<i64>,
 }
 
 /// `kiln tune lr`'s request, as the run carries it.

@@ -52,7 +52,7 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
         Command::Train(args) => train::train::<E>(args),
         Command::Eval(args) => evaluate::eval::<E>(args),
         Command::Predict(args) => evaluate::predict::<E>(args),
-        Command::Inspect { checkpoint } => inspect::inspect::<E>(&checkpoint),
+        Command::Inspect { checkpoint, depth } => inspect::inspect::<E>(&checkpoint, depth),
         Command::Export(args) => export::export::<E>(args),
         Command::Consolidate(args) => consolidate::consolidate(&args),
         Command::Generate(args) => generate::generate(args),

@@ -221,7 +221,11 @@ pub(crate) fn needs_tensorflow(command: &Command) -> Option<NeedsTensorflow> {
             let config = RunConfig::load(&args.common.config).ok()?;
             uses_tensorflow(&config, "predicting on the TensorFlow backend")
         }
-        Command::Inspect { checkpoint } => checkpoint
+        Command::Inspect { checkpoint, .. } if crate::inspect::is_config(checkpoint) => {
+            let config = RunConfig::load(checkpoint).ok()?;
+            uses_tensorflow(&config, "summarising a model on the TensorFlow backend")
+        }
+        Command::Inspect { checkpoint, .. } => checkpoint
             .is_dir()
             .then(|| needs("inspecting a SavedModel")),
         Command::Export(args) => {

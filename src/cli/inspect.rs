@@ -55,7 +55,17 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn inspect<E: Engines>(path: &Path) -> Result<()> {
+/// Whether `path` names a run's config (a `.toml` file) rather than a model file.
+pub(crate) fn is_config(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
+}
+
+pub(crate) fn inspect<E: Engines>(path: &Path, depth: i64) -> Result<()> {
+    if is_config(path) {
+        kiln_core::fs::check_regular_file(path)?;
+        return crate::train::summarize::<E>(path, depth);
+    }
     if path.is_dir() {
         out!("{}", E::describe_saved_model(path)?);
         return Ok(());

@@ -39,6 +39,7 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
         from: args.resume,
         on_other_data: args.resume_on_other_data,
         lr_find: None,
+        summary_only: None,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -93,6 +94,7 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
             save_config: args.save_config.clone(),
             suggest_on_log_scale: args.suggestion == "log",
         }),
+        summary_only: None,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -100,6 +102,50 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
         }
         BackendKind::Tensorflow => E::train_tensorflow(&config, &options, None),
     }
+}
+
+/// `kiln inspect CONFIG`: the summary of the model the config trains, on its
+/// backend and data (pretrained weights, LoRA and freezing applied), down to
+/// `depth` (`-1`: every layer); nothing is written.
+pub(crate) fn summarize<E: Engines>(path: &Path, depth: i64) -> Result<()> {
+    let config = RunConfig::load(path)?;
+    let options = RunOptions {
+        from: None,
+        on_other_data: false,
+        lr_find: None,
+        summary_only: Some(depth),
+    };
+    match config.backend {
+        BackendKind::Torch => {
+            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &options, None)
+        }
+        BackendKind::Tensorflow => E::train_tensorflow(&config, &options, None),
+    }
+}
+
+/// The depth a summary table lists down to: all for a negative one.
+fn summary_depth(depth: i64) -> Option<usize> {
+    usize::try_from(depth).ok()
+}
+
+/// The summary of `model`, built from `definition`, for one sample of `sample`.
+fn model_summary<B: TrainBackend>(
+    definition: &Layer,
+    sample: &[usize],
+    model: &B::Model,
+) -> Result<kiln_core::model::ModelSummary> {
+    let parameters: Vec<(String, usize)> = model
+        .named_parameters()?
+        .iter()
+        .map(|(name, t)| (name.clone(), B::shape(t).numel()))
+        .collect();
+    let frozen = model.frozen_parameters()?;
+    Ok(kiln_core::model::ModelSummary::new(
+        definition,
+        sample,
+        &parameters,
+        &frozen,
+    )?)
 }
 
 /// The range test of `kiln tune lr`, its table, plot and suggestion.
@@ -244,6 +290,7 @@ struct Prepared<'a> {
     primary: bool,
     resume_from: Option<PathBuf>,
     definition: Layer,
+    summary: kiln_core::model::ModelSummary,
     identity: serde_json::Value,
     train_loader: Box<dyn DataLoader>,
     val_loader: Option<Box<dyn DataLoader>>,
@@ -276,7 +323,9 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     }
 
     // Everything that can be checked is checked before the first byte is written.
-    let resume_from = if primary {
+    let resume_from = if resume.summary_only.is_some() {
+        None
+    } else if primary {
         resolve_resume(config, resume.from.as_deref())?
     } else {
         follower_resume(config, resume.from.as_deref())?
@@ -284,6 +333,7 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     let data = load_data::<E>(config)?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
     let definition = resolve_model::<E>(config, &data.probe, config.device)?;
+    let sample = data.probe.dims().get(1..).unwrap_or_default().to_vec();
     let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
@@ -340,6 +390,17 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
             .context("config key `activation_checkpointing`")?;
         log::info!("activation checkpointing: {}", parts.join(", "));
     }
+    let summary = model_summary::<B>(&definition, &sample, &model)?;
+    if let Some(depth) = resume.summary_only {
+        outln!(
+            "{} on {}: the model of {}, for one sample of the training data",
+            B::NAME,
+            config.device,
+            config.output_dir.display()
+        );
+        outln!("{}", summary.table(summary_depth(depth)));
+        return Ok(());
+    }
     let prepared = Prepared {
         config,
         resume,
@@ -348,6 +409,7 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         primary,
         resume_from,
         definition,
+        summary,
         identity,
         train_loader,
         val_loader,
@@ -419,6 +481,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         primary,
         resume_from,
         definition,
+        summary,
         identity,
         train_loader,
         val_loader,
@@ -541,6 +604,9 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         n_train,
         n_val
     );
+    if let Some(depth) = config.logging.summary_depth() {
+        outln!("{}", summary.table(depth));
+    }
 
     // Rank 0's outputs: checkpoints and metric sinks.
     trainer = trainer

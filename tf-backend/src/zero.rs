@@ -174,6 +174,10 @@ impl Trainable<TfBackend> for ZeroDataParallel {
         self.model.num_trainable_parameters()
     }
 
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        self.model.frozen_parameters()
+    }
+
     fn precision(&self) -> FloatPrecision {
         self.model.precision()
     }

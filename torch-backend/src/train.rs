@@ -101,6 +101,16 @@ impl TrainBackend for TorchBackend {
 }
 
 /// The elements of a torch module's parameters that require gradients.
+/// The names of the parameters that do not require gradients.
+pub(crate) fn frozen_names<M: Module<TorchBackend> + ?Sized>(model: &M) -> Result<Vec<String>> {
+    Ok(model
+        .named_parameters()?
+        .into_iter()
+        .filter(|(_, t)| !t.requires_grad())
+        .map(|(name, _)| name)
+        .collect())
+}
+
 pub(crate) fn trainable_elements<M: Module<TorchBackend> + ?Sized>(model: &M) -> Result<usize> {
     Ok(model
         .named_parameters()?
@@ -209,6 +219,10 @@ impl Trainable<TorchBackend> for TorchModel {
         trainable_elements(self)
     }
 
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        frozen_names(self)
+    }
+
     fn precision(&self) -> FloatPrecision {
         TorchModel::precision(self)
     }
@@ -234,6 +248,10 @@ macro_rules! eager_trainable {
 
             fn num_trainable_parameters(&self) -> Result<usize> {
                 trainable_elements(self)
+            }
+
+            fn frozen_parameters(&self) -> Result<Vec<String>> {
+                frozen_names(self)
             }
 
             torch_steps!();

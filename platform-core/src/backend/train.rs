@@ -109,6 +109,12 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         self.num_parameters()
     }
 
+    /// The names of the parameters the optimizer leaves alone (frozen ones,
+    /// the base weights of a LoRA model); none unless some are frozen.
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        Ok(Vec::new())
+    }
+
     /// The precision the module computes in (`32-true` unless given another;
     /// see [`TrainBackend::set_precision`]).
     fn precision(&self) -> FloatPrecision {

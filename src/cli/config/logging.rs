@@ -47,6 +47,15 @@ pub struct LoggingConfig {
     /// `recall`, `f1`, `mae`.
     #[serde(default = "accuracy")]
     pub metrics: Vec<String>,
+    /// The model summary printed when a run starts, as Lightning's
+    /// `ModelSummary(max_depth)`: layers down to this depth (1 by default: the
+    /// model's own layers; 0: no summary; -1: every layer).
+    #[serde(default = "one")]
+    pub summary_depth: i64,
+}
+
+fn one() -> i64 {
+    1
 }
 
 fn accuracy() -> Vec<String> {
@@ -61,6 +70,18 @@ impl Default for LoggingConfig {
             progress: true,
             plots: true,
             metrics: accuracy(),
+            summary_depth: 1,
+        }
+    }
+}
+
+impl LoggingConfig {
+    /// Whether a run prints its model summary, and to which depth (`None`
+    /// inside: every layer).
+    pub fn summary_depth(&self) -> Option<Option<usize>> {
+        match self.summary_depth {
+            0 => None,
+            d => Some(usize::try_from(d).ok()),
         }
     }
 }

@@ -566,6 +566,10 @@ impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
         self.module.num_trainable_parameters()
     }
 
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        self.module.frozen_parameters()
+    }
+
     fn precision(&self) -> FloatPrecision {
         self.module.precision()
     }
