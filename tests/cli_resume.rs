@@ -783,6 +783,49 @@ fn swa_anneals_averages_and_writes_the_average_with_its_statistics() {
         "statistics recomputed for the average"
     );
 
+    // `validate = true` validates the average once it holds two epochs (one
+    // is the weights themselves); `update_bn = false` keeps the training
+    // weights' statistics; int(0.34 * 3) = 1 starts at the same epoch.
+    let v_cfg = dir.join("swa-validate.toml");
+    std::fs::write(
+        &v_cfg,
+        std::fs::read_to_string(cfg).unwrap().replace(
+            "epoch_start = 1,",
+            "epoch_start = 0.34, validate = true, update_bn = false,",
+        ),
+    )
+    .unwrap();
+    let v = dir.join("validated");
+    train(v_cfg.to_str().unwrap(), &v, &["--epochs", "3"]);
+    assert_eq!(losses(&v), losses(&a), "the same training");
+    let val_loss = |run: &Path| {
+        let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+        let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+        let col = header.iter().position(|h| *h == "val_loss").unwrap();
+        text.lines()
+            .skip(1)
+            .map(|l| l.split(',').nth(col).unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let (va, vv) = (val_loss(&a), val_loss(&v));
+    assert_eq!(va[..2], vv[..2], "{va:?} {vv:?}");
+    assert_ne!(va[2], vv[2], "{va:?} {vv:?}");
+    let v_last = Checkpoint::load(&kiln::train::Checkpointer::last_path(
+        &v.join("checkpoints"),
+    ))
+    .unwrap();
+    let (v_model, _) = StateDict::load_safetensors(v.join("model.safetensors")).unwrap();
+    assert_eq!(
+        v_model.get("1.running_var"),
+        v_last.model.get("1.running_var"),
+        "update_bn = false keeps the training statistics"
+    );
+    assert_eq!(
+        v_model.get("0.weight"),
+        model.get("0.weight"),
+        "the same average"
+    );
+
     train(cfg, &b, &["--epochs", "2"]);
     train(cfg, &b, &["--epochs", "3", "--resume", "auto"]);
     let (resumed, _) = StateDict::load_safetensors(b.join("model.safetensors")).unwrap();
