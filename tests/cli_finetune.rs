@@ -278,7 +278,7 @@ fn a_frozen_backbone_stays_bit_for_bit_and_bad_configs_are_refused() {
             let digits = n.to_string();
             let mut out = String::new();
             for (i, c) in digits.chars().enumerate() {
-                if i > 0 && (digits.len() - i) % 3 == 0 {
+                if i > 0 && (digits.len() - i).is_multiple_of(3) {
                     out.push(',');
                 }
                 out.push(c);
