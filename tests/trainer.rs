@@ -24,6 +24,8 @@ use kiln::train::{
 
 #[path = "trainer/lr_finder.rs"]
 mod lr_finder;
+#[path = "trainer/step_views.rs"]
+mod step_views;
 #[path = "trainer/swa.rs"]
 mod swa;
 #[path = "trainer/weight_averaging.rs"]

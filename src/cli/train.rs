@@ -496,6 +496,14 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         Some(s) => Some(s.build(&optimizer.learning_rates())?),
         None => None,
     };
+    if config.logging.grad_norms && !optimizer.keeps_gradients() {
+        anyhow::bail!(
+            "config key `logging.grad_norms`: the {} backend's optimizer keeps no gradients \
+             after its step (a graph engine computes them inside it); histograms still show \
+             the weights",
+            B::NAME
+        );
+    }
     let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
     if let Some(averaging) = config.training.averaging() {
         if rendezvous.is_some()
@@ -533,7 +541,8 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     let mut training = config.training.clone();
     training.seed = config.seed;
     training.device = config.device;
-    let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?;
+    let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?
+        .with_step_views(config.logging.step_views());
     for name in &config.logging.metrics {
         let make =
             kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;

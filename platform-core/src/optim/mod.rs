@@ -89,6 +89,30 @@ pub trait Optimizer<B: Backend> {
         vec![self.learning_rate()]
     }
 
+    /// Whether [`gradient_norms`](Optimizer::gradient_norms) and
+    /// [`gradients`](Optimizer::gradients) can read the gradients of the last
+    /// step (an eager backend keeps them until the next `zero_grad`; a graph
+    /// engine computes them inside its step and keeps none). `false` by default.
+    fn keeps_gradients(&self) -> bool {
+        false
+    }
+
+    /// The L2 norm of each group's gradients as the last step left them
+    /// (after unscaling and clipping), one read for all groups.
+    fn gradient_norms(&self) -> Result<Vec<f64>> {
+        Err(Error::unsupported(
+            "reading gradients from this optimizer (it keeps none)",
+        ))
+    }
+
+    /// Host copies of the gradients the last step left, by parameter name
+    /// (parameters without one are left out).
+    fn gradients(&self) -> Result<StateDict> {
+        Err(Error::unsupported(
+            "reading gradients from this optimizer (it keeps none)",
+        ))
+    }
+
     /// Sets each group's learning rate, as an
     /// [`LrScheduler`](crate::schedule::LrScheduler) step returns them.
     ///

@@ -52,6 +52,17 @@ pub struct LoggingConfig {
     /// model's own layers; 0: no summary; -1: every layer).
     #[serde(default = "one")]
     pub summary_depth: i64,
+    /// Each parameter group's learning rate (`lr/group_<i>`) at every logged step.
+    #[serde(default)]
+    pub lr_per_group: bool,
+    /// The gradients' L2 norm, in total and per group, at every logged step
+    /// (libtorch only: TensorFlow keeps no gradients after its step).
+    #[serde(default)]
+    pub grad_norms: bool,
+    /// Weight and gradient histograms in TensorBoard every this many
+    /// optimizer steps (0, the default: none).
+    #[serde(default)]
+    pub histograms_every_n_steps: u64,
 }
 
 fn one() -> i64 {
@@ -71,11 +82,23 @@ impl Default for LoggingConfig {
             plots: true,
             metrics: accuracy(),
             summary_depth: 1,
+            lr_per_group: false,
+            grad_norms: false,
+            histograms_every_n_steps: 0,
         }
     }
 }
 
 impl LoggingConfig {
+    /// The views the trainer logs beside each step's loss.
+    pub fn step_views(&self) -> kiln_train::StepViews {
+        kiln_train::StepViews {
+            lr_per_group: self.lr_per_group,
+            grad_norms: self.grad_norms,
+            histograms_every: self.histograms_every_n_steps,
+        }
+    }
+
     /// Whether a run prints its model summary, and to which depth (`None`
     /// inside: every layer).
     pub fn summary_depth(&self) -> Option<Option<usize>> {

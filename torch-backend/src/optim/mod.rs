@@ -21,7 +21,7 @@ use kiln_core::{
     state_tensors::{StateTensor, StateTensors},
     DType, Error, HostTensor, Result,
 };
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, to_tch};
@@ -619,6 +619,62 @@ impl Optimizer<TorchBackend> for TorchOptimizer {
 
     fn learning_rates(&self) -> Vec<f64> {
         self.groups.iter().map(|g| g.lr).collect()
+    }
+
+    fn keeps_gradients(&self) -> bool {
+        true
+    }
+
+    /// Summed on the device in f32 (per group, then one read).
+    fn gradient_norms(&self) -> Result<Vec<f64>> {
+        let fail = |e| torch_error("reading gradient norms", e);
+        let mut squares: Vec<Option<Tensor>> = (0..self.groups.len()).map(|_| None).collect();
+        for slot in &self.params {
+            let grad = slot.tensor.grad();
+            if !grad.defined() {
+                continue;
+            }
+            let sq = grad
+                .f_to_kind(Kind::Float)
+                .and_then(|g| g.f_square())
+                .and_then(|g| g.f_sum(Kind::Float))
+                .map_err(fail)?;
+            let entry = squares.get_mut(slot.group).ok_or_else(|| {
+                Error::invalid_argument(
+                    slot.name.as_str(),
+                    format!("is in group {} of {}", slot.group, self.groups.len()),
+                )
+            })?;
+            *entry = Some(match entry.take() {
+                Some(sum) => sum.f_add(&sq).map_err(fail)?,
+                None => sq,
+            });
+        }
+        let device = self
+            .params
+            .first()
+            .map_or(tch::Device::Cpu, |p| p.tensor.device());
+        let sums: Vec<Tensor> = squares
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| Tensor::zeros([], (Kind::Float, device))))
+            .collect();
+        let stacked = Tensor::f_stack(&sums, 0)
+            .and_then(|t| t.f_sqrt())
+            .and_then(|t| t.f_to_kind(Kind::Double))
+            .and_then(|t| t.f_to_device(tch::Device::Cpu))
+            .map_err(fail)?;
+        Vec::<f64>::try_from(&stacked).map_err(fail)
+    }
+
+    fn gradients(&self) -> Result<StateDict> {
+        let mut grads = StateDict::new();
+        for slot in &self.params {
+            let grad = slot.tensor.grad();
+            if grad.defined() {
+                grads.insert(slot.name.clone(), crate::from_tch(&grad)?);
+            }
+        }
+        Ok(grads)
     }
 
     fn set_learning_rates(&mut self, lrs: &[f64]) -> Result<()> {

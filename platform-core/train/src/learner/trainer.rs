@@ -232,7 +232,27 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     lora: Option<kiln_core::lora::LoraConfig>,
     data_identity: Option<serde_json::Value>,
     loss_reads: Option<LossReads>,
+    views: StepViews,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
+}
+
+/// What `fit` gives its sinks beside each logged step's loss and learning
+/// rate: the views TensorBoard users watch to tell a diverging run from a
+/// healthy one (in a CLI config, `[logging]` keys of the same names).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepViews {
+    /// Each parameter group's learning rate, as `lr/group_<i>` (Lightning's
+    /// `LearningRateMonitor`), at every logged step.
+    pub lr_per_group: bool,
+    /// The L2 norm of the gradients, in total (`grad_norm/total`) and per
+    /// parameter group (`grad_norm/group_<i>`), as the step applied them
+    /// (unscaled and clipped), at every logged step. Needs an optimizer that
+    /// keeps its gradients ([`Optimizer::keeps_gradients`]).
+    pub grad_norms: bool,
+    /// Histograms of every parameter (`weights/<name>`) and, where the
+    /// optimizer keeps them, every gradient (`gradients/<name>`) after every
+    /// this many optimizer steps (0: none).
+    pub histograms_every: u64,
 }
 
 impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for Trainer<B, M> {
@@ -309,8 +329,16 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             lora: None,
             data_identity: None,
             loss_reads: None,
+            views: StepViews::default(),
             _backend: std::marker::PhantomData,
         })
+    }
+
+    /// Logs the [`StepViews`] beside each step's loss; `fit` refuses views the
+    /// optimizer cannot give before the first step.
+    pub fn with_step_views(mut self, views: StepViews) -> Self {
+        self.views = views;
+        self
     }
 
     /// When `fit` reads the step losses back (see [`LossReads`]); by default
@@ -516,6 +544,16 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                  sharded checkpoints",
             ));
         }
+        if self.views.grad_norms && !state.optimizer.keeps_gradients() {
+            return Err(Error::invalid_argument(
+                "logging.grad_norms",
+                format!(
+                    "the {} optimizer keeps no gradients after its step (a graph engine \
+                     computes them inside it), so their norms cannot be logged",
+                    B::NAME
+                ),
+            ));
+        }
         if self.config.retain_host_memory {
             kiln_core::host_memory::retain_freed_memory();
         }
@@ -656,12 +694,20 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                     value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
                 }
                 if logged {
-                    let row = [
+                    let mut row = vec![
                         ("loss".to_owned(), value),
                         ("lr".to_owned(), state.optimizer.learning_rate()),
                     ];
+                    self.views_row(state, &mut row)?;
                     for sink in &mut self.sinks {
                         sink.log_step(state.step, &row)?;
+                    }
+                }
+                let every = self.views.histograms_every;
+                if every > 0 && state.step.is_multiple_of(every) && !self.sinks.is_empty() {
+                    let histograms = Self::histograms(state)?;
+                    for sink in &mut self.sinks {
+                        sink.log_histograms(state.step, &histograms)?;
                     }
                 }
                 for sink in &mut self.sinks {
@@ -757,6 +803,44 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         let metrics = self.evaluate(&mut state.model, val);
         state.model.load_state_dict(&training)?;
         metrics
+    }
+
+    /// Adds the [`StepViews`] of a logged step to its `row`.
+    fn views_row(&self, state: &TrainingState<B, M>, row: &mut Vec<(String, f64)>) -> Result<()> {
+        if self.views.lr_per_group {
+            let lrs = state.optimizer.learning_rates();
+            if lrs.len() > 1 {
+                for (i, lr) in lrs.into_iter().enumerate() {
+                    row.push((format!("lr/group_{i}"), lr));
+                }
+            }
+        }
+        if self.views.grad_norms {
+            let norms = state.optimizer.gradient_norms()?;
+            let total = norms.iter().map(|n| n * n).sum::<f64>().sqrt();
+            row.push(("grad_norm/total".to_owned(), total));
+            if norms.len() > 1 {
+                for (i, norm) in norms.into_iter().enumerate() {
+                    row.push((format!("grad_norm/group_{i}"), norm));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The weights and (where the optimizer keeps them) gradients, as the
+    /// histograms of a step.
+    fn histograms(state: &TrainingState<B, M>) -> Result<Vec<(String, HostTensor)>> {
+        let mut out = Vec::new();
+        for (name, tensor) in state.model.named_parameters()? {
+            out.push((format!("weights/{name}"), B::to_host(&tensor)?));
+        }
+        if state.optimizer.keeps_gradients() {
+            for (name, grad) in state.optimizer.gradients()?.into_inner() {
+                out.push((format!("gradients/{name}"), grad));
+            }
+        }
+        Ok(out)
     }
 
     /// Sets SWA's rates for its `k`-th epoch (0-based), recording the rates it

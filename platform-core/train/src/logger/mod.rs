@@ -28,6 +28,7 @@ use std::collections::HashSet;
 use std::fmt::Write as _;
 
 use kiln_core::error::{Error, Result};
+use kiln_core::tensor::HostTensor;
 
 /// A destination for named metric values.
 ///
@@ -77,6 +78,14 @@ pub trait MetricSink: Send {
 
     /// Writes out anything buffered.
     fn flush(&mut self) -> Result<()>;
+
+    /// Records the distribution of each tensor's values at step `step`
+    /// (weights and gradients, as TensorBoard's histograms); ignored by sinks
+    /// that show only numbers (the default).
+    fn log_histograms(&mut self, step: u64, tensors: &[(String, HostTensor)]) -> Result<()> {
+        let _ = (step, tensors);
+        Ok(())
+    }
 
     /// Flushes and closes the sink at the end of training; nothing should be
     /// logged afterwards.

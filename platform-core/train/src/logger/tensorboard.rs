@@ -11,6 +11,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{check_names, MetricSink};
 use kiln_core::error::{Error, Result};
+use kiln_core::tensor::HostTensor;
+
+/// Buckets of a histogram summary (TensorBoard's dashboard rebins them).
+const HISTOGRAM_BUCKETS: usize = 30;
 
 /// CRC-32C (Castagnoli), the checksum of TFRecord framing.
 const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
@@ -134,6 +138,28 @@ impl TensorBoardSink {
         self.write_record(&event)
     }
 
+    /// Writes one event at `step` holding a histogram summary per tensor.
+    fn write_histograms(&mut self, step: u64, tensors: &[(String, HostTensor)]) -> Result<()> {
+        let step = i64::try_from(step).map_err(|_| {
+            Error::invalid_argument(
+                "step",
+                format!("{step} does not fit in the int64 step of a TensorBoard event"),
+            )
+        })?;
+        let mut summary = Vec::new();
+        for (name, tensor) in tensors {
+            let mut v = Vec::new();
+            encode_bytes_field(&mut v, 1, name.as_bytes());
+            // Summary.Value.histo: field 5.
+            encode_bytes_field(&mut v, 5, &histogram_proto(&tensor.to_f64_vec()));
+            encode_bytes_field(&mut summary, 1, &v);
+        }
+        let mut event = Vec::new();
+        encode_event_header(&mut event, wall_time(), step);
+        encode_bytes_field(&mut event, 5, &summary);
+        self.write_record(&event)
+    }
+
     fn write_record(&mut self, data: &[u8]) -> Result<()> {
         let record = tf_record(data);
         self.writer
@@ -156,6 +182,12 @@ impl MetricSink for TensorBoardSink {
         self.writer.flush().map_err(|e| Error::io(&self.path, e))
     }
 
+    /// One event per call, a histogram per tensor under its name; non-finite
+    /// values are left out of the buckets and the sums.
+    fn log_histograms(&mut self, step: u64, tensors: &[(String, HostTensor)]) -> Result<()> {
+        self.write_histograms(step, tensors)
+    }
+
     fn finish(&mut self) -> Result<()> {
         self.flush()?;
         self.writer
@@ -163,6 +195,58 @@ impl MetricSink for TensorBoardSink {
             .sync_all()
             .map_err(|e| Error::io(&self.path, e))
     }
+}
+
+/// A `HistogramProto` of `values` (finite ones): min, max, count, sum, sum of
+/// squares, and [`HISTOGRAM_BUCKETS`] equal-width buckets from min to max,
+/// each given by its right edge, as TensorBoard reads them.
+fn histogram_proto(values: &[f64]) -> Vec<u8> {
+    let finite: Vec<f64> = values.iter().copied().filter(|v| v.is_finite()).collect();
+    let (min, max) = finite
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        });
+    let (min, max) = if finite.is_empty() {
+        (0.0, 0.0)
+    } else {
+        (min, max)
+    };
+    let buckets = if max > min { HISTOGRAM_BUCKETS } else { 1 };
+    let width = (max - min) / buckets as f64;
+    let limits: Vec<f64> = (1..=buckets)
+        .map(|i| {
+            if i == buckets {
+                max
+            } else {
+                min + width * i as f64
+            }
+        })
+        .collect();
+    let mut counts = vec![0.0f64; buckets];
+    for &v in &finite {
+        let i = if width > 0.0 {
+            (((v - min) / width) as usize).min(buckets - 1)
+        } else {
+            0
+        };
+        counts[i] += 1.0;
+    }
+    let mut out = Vec::new();
+    let double = |out: &mut Vec<u8>, field: u8, v: f64| {
+        out.push((field << 3) | 1);
+        out.extend_from_slice(&v.to_le_bytes());
+    };
+    double(&mut out, 1, min);
+    double(&mut out, 2, max);
+    double(&mut out, 3, finite.len() as f64);
+    double(&mut out, 4, finite.iter().sum());
+    double(&mut out, 5, finite.iter().map(|v| v * v).sum());
+    for (field, list) in [(6u8, &limits), (7u8, &counts)] {
+        let packed: Vec<u8> = list.iter().flat_map(|v| v.to_le_bytes()).collect();
+        encode_bytes_field(&mut out, field, &packed);
+    }
+    out
 }
 
 /// Seconds since the Unix epoch, as TensorBoard's `wall_time`.

@@ -1,0 +1,41 @@
+"""Reads a run's TensorBoard log directory with TensorBoard's own
+EventAccumulator (tests/cli_resume.rs, the [logging] views).
+
+Usage: tensorboard_views.py LOGDIR
+
+Prints one JSON object:
+
+    {"scalars": {tag: [[step, value], ...]},
+     "histograms": {tag: [[step, min, max, num, sum, sum_squares, [limits], [counts]], ...]}}
+"""
+
+import json
+import sys
+
+from tensorboard.backend.event_processing import event_accumulator
+
+
+def main():
+    acc = event_accumulator.EventAccumulator(
+        sys.argv[1],
+        size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0},
+    )
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {
+        tag: [[e.step, e.value] for e in acc.Scalars(tag)] for tag in tags[event_accumulator.SCALARS]
+    }
+    histograms = {}
+    for tag in tags[event_accumulator.HISTOGRAMS]:
+        rows = []
+        for e in acc.Histograms(tag):
+            h = e.histogram_value
+            rows.append(
+                [e.step, h.min, h.max, h.num, h.sum, h.sum_squares, list(h.bucket_limit), list(h.bucket)]
+            )
+        histograms[tag] = rows
+    print(json.dumps({"scalars": scalars, "histograms": histograms}))
+
+
+if __name__ == "__main__":
+    main()
