@@ -65,9 +65,10 @@ use crate::tasks::{Task, TaskArgs};
 use crate::worker::worker;
 
 /// Every variant of the training workloads, in table order.
-const VARIANTS: [&str; 9] = [
+const VARIANTS: [&str; 10] = [
     "kiln-torch",
     "kiln-torch-ema",
+    "kiln-torch-views",
     "kiln-torch-graph",
     "raw-tch",
     "pytorch-eager",
@@ -144,7 +145,8 @@ impl Workload {
     fn runs(self, variant: &str) -> bool {
         match self {
             Workload::TransformerBf16 => {
-                !(is_tensorflow(variant) || matches!(variant, "raw-tch" | "kiln-torch-ema"))
+                !(is_tensorflow(variant)
+                    || matches!(variant, "raw-tch" | "kiln-torch-ema" | "kiln-torch-views"))
             }
             Workload::TransformerBf16Mixed => matches!(variant, "kiln-torch" | "pytorch-eager"),
             _ => true,

@@ -108,6 +108,13 @@ pub(crate) fn table(
             100.0 * (plain / ema - 1.0)
         );
     }
+    if let (Some(plain), Some(views)) = (rate("kiln-torch"), rate("kiln-torch-views")) {
+        t += &format!(
+            "\nThe TensorBoard views (`[logging] grad_norms` and `lr_per_group`, read after \
+             every step): {:+.1}% time per step.\n",
+            100.0 * (plain / views - 1.0)
+        );
+    }
     t
 }
 

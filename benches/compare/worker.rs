@@ -211,13 +211,19 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         .map(|(x, y)| (x.to_dtype(dtype), y))
         .collect();
     let (times, loss) = match a.variant.as_str() {
-        "kiln-torch" | "kiln-torch-ema" => {
+        "kiln-torch" | "kiln-torch-ema" | "kiln-torch-views" => {
             tch::set_num_threads(a.threads as i32);
             let precision = a.workload.precision();
             // The same step with an exponential moving average of the weights
-            // updated after it (`[training] ema`, decay 0.999, every step).
-            let ema = (a.variant == "kiln-torch-ema").then(|| EmaConfig::new(0.999));
-            kiln_step::<TorchBackend>(&a, &host, ema, |m| match precision {
+            // updated after it (`[training] ema`, decay 0.999, every step), or
+            // with the TensorBoard views read after it (`[logging] grad_norms`
+            // and `lr_per_group` with `log_every = 1`).
+            let extra = match a.variant.as_str() {
+                "kiln-torch-ema" => AfterStep::Ema(EmaConfig::new(0.999)),
+                "kiln-torch-views" => AfterStep::Views,
+                _ => AfterStep::Nothing,
+            };
+            kiln_step::<TorchBackend>(&a, &host, extra, |m| match precision {
                 FloatPrecision::F32 => m.to_dtype(dtype),
                 mixed => m.set_precision(mixed),
             })?
@@ -228,7 +234,7 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         "kiln-tf" => {
             // As the Python worker's `tf.config.threading`.
             kiln::tf::set_thread_counts(a.threads, a.threads)?;
-            kiln_step::<TfBackend>(&a, &host, None, |_| Ok(()))?
+            kiln_step::<TfBackend>(&a, &host, AfterStep::Nothing, |_| Ok(()))?
         }
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);
@@ -266,14 +272,24 @@ pub(crate) fn to_device<B: TrainBackend>(
         .collect()
 }
 
+/// What a timed step does after Kiln's training step, as the `Trainer` would.
+pub(crate) enum AfterStep {
+    /// Nothing.
+    Nothing,
+    /// The weight average's update.
+    Ema(EmaConfig),
+    /// The gradient norms (total and per group) and each group's rate read,
+    /// as `[logging]` views log them on every step.
+    Views,
+}
+
 /// Kiln's training step (`Trainable::train_step`: forward, loss, backward,
 /// optimizer step; one session run on TensorFlow) on batches already on the
-/// device, and with `ema` the weight average's update after each step, as the
-/// `Trainer` runs it.
+/// device, and `after` it what a tool adds to each step.
 pub(crate) fn kiln_step<B: TrainBackend>(
     a: &WorkerArgs,
     host: &[(HostTensor, HostTensor)],
-    ema: Option<EmaConfig>,
+    after: AfterStep,
     prepare: impl FnOnce(&mut B::Model) -> kiln::core::Result<()>,
 ) -> Result<(Vec<f64>, f64)> {
     B::manual_seed(0);
@@ -289,15 +305,21 @@ pub(crate) fn kiln_step<B: TrainBackend>(
         apply: true,
         clip: None,
     };
-    let mut average = ema
-        .map(|config| WeightAveraging::<B>::new(config, &model))
-        .transpose()?;
+    let views = matches!(after, AfterStep::Views);
+    let mut average = match after {
+        AfterStep::Ema(config) => Some(WeightAveraging::<B>::new(config, &model)?),
+        _ => None,
+    };
     time_steps(a, |i| {
         let (x, y) = &batches[i % batches.len()];
         optimizer.zero_grad()?;
         let loss = model.train_step(&mut optimizer, x, y, &plan)?;
         if let Some(average) = average.as_mut() {
             average.update(&model)?;
+        }
+        if views {
+            let norms = optimizer.gradient_norms()?;
+            std::hint::black_box((norms, optimizer.learning_rates()));
         }
         Ok(loss)
     })

@@ -290,7 +290,7 @@ struct Prepared<'a> {
     primary: bool,
     resume_from: Option<PathBuf>,
     definition: Layer,
-    summary: kiln_core::model::ModelSummary,
+    summary: Option<kiln_core::model::ModelSummary>,
     identity: serde_json::Value,
     train_loader: Box<dyn DataLoader>,
     val_loader: Option<Box<dyn DataLoader>>,
@@ -390,8 +390,9 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
             .context("config key `activation_checkpointing`")?;
         log::info!("activation checkpointing: {}", parts.join(", "));
     }
-    let summary = model_summary::<B>(&definition, &sample, &model)?;
+    let summary = model_summary::<B>(&definition, &sample, &model);
     if let Some(depth) = resume.summary_only {
+        let summary = summary?;
         outln!(
             "{} on {}: the model of {}, for one sample of the training data",
             B::NAME,
@@ -401,6 +402,10 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         outln!("{}", summary.table(summary_depth(depth)));
         return Ok(());
     }
+    // A summary that cannot be made does not stop the run.
+    let summary = summary
+        .map_err(|e| log::warn!("no model summary: {e:#}"))
+        .ok();
     let prepared = Prepared {
         config,
         resume,
@@ -613,7 +618,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         n_train,
         n_val
     );
-    if let Some(depth) = config.logging.summary_depth() {
+    if let (Some(depth), Some(summary)) = (config.logging.summary_depth(), &summary) {
         outln!("{}", summary.table(depth));
     }
 

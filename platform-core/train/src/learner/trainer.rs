@@ -510,7 +510,6 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
             }
         }
-        self.config.validate()?;
         if let (Some(config), None) = (self.config.averaging(), &state.averaging) {
             state.averaging = Some(WeightAveraging::new(config, &state.model)?);
         }
