@@ -290,4 +290,22 @@ fn bad_swa_settings_are_errors_naming_the_key() {
         "must be in (0, 1), got 1.5",
     );
     check(with(SwaConfig::new(-0.1), 4), "training.swa.lrs");
+
+    // One rate per parameter group, checked before the first step.
+    let _serial = serial();
+    let mut s = state(None);
+    let per_group = swa(0.1, SwaStart::Epoch(1), 1, AnnealStrategy::Cos);
+    let per_group = SwaConfig {
+        lrs: vec![0.1, 0.2].into(),
+        ..per_group
+    };
+    let err = trainer(2, &per_group)
+        .fit(&mut s, &loader(), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("expected one value per parameter group (1), got 2"),
+        "{err}"
+    );
+    assert_eq!(s.step, 0);
 }
