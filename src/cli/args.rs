@@ -44,8 +44,8 @@ pub(crate) enum Command {
         checkpoint: PathBuf,
         /// For a config: the deepest layers listed (`-1`: all; deeper ones
         /// count in their parent's row).
-        #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
-        depth: i64,
+        #[arg(long, allow_negative_numbers = true)]
+        depth: Option<i64>,
     },
     /// Write a trained model as ONNX, TorchScript or a TensorFlow SavedModel.
     Export(ExportArgs),

@@ -61,10 +61,16 @@ pub(crate) fn is_config(path: &Path) -> bool {
         .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
 }
 
-pub(crate) fn inspect<E: Engines>(path: &Path, depth: i64) -> Result<()> {
+pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()> {
     if is_config(path) {
         kiln_core::fs::check_regular_file(path)?;
-        return crate::train::summarize::<E>(path, depth);
+        return crate::train::summarize::<E>(path, depth.unwrap_or(-1));
+    }
+    if depth.is_some() {
+        anyhow::bail!(
+            "--depth applies to a config's model summary; {} is not a .toml config",
+            path.display()
+        );
     }
     if path.is_dir() {
         out!("{}", E::describe_saved_model(path)?);
