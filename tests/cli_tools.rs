@@ -430,6 +430,12 @@ fn inspect_config_prints_the_model_summary() {
         !shown.contains("(Linear)"),
         "depth 0: the model's row only\n{shown}"
     );
+    let other = dir.join("model.safetensors");
+    let err = kiln_fails(&["inspect", other.to_str().unwrap(), "--depth", "1"]);
+    assert!(
+        err.contains("--depth applies to a config's model summary"),
+        "{err}"
+    );
 
     let run = dir.join("run");
     let printed = train(cfg.to_str().unwrap(), &run, &["--epochs", "1"]);
