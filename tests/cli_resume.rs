@@ -297,10 +297,15 @@ fn inspect_eval_predict_and_config_errors() {
         "{err}"
     );
 
-    // A file that is not a checkpoint.
-    let out = Command::new(KILN).args(["inspect", cfg]).output().unwrap();
+    // A file that is not a checkpoint (a config is summarised instead: cli_tools.rs).
+    let notes = dir.join("notes.txt");
+    std::fs::write(&notes, "not a checkpoint\n").unwrap();
+    let out = Command::new(KILN)
+        .args(["inspect", notes.to_str().unwrap()])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("config.toml"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("notes.txt"));
 }
 
 /// `--precision` (or `[training] precision`): bf16-mixed, bf16-true, 16-mixed
