@@ -117,12 +117,7 @@ impl TensorBoardSink {
     /// `prefix` + name.
     fn write_scalars(&mut self, prefix: &str, step: u64, values: &[(String, f64)]) -> Result<()> {
         check_names(values)?;
-        let step = i64::try_from(step).map_err(|_| {
-            Error::invalid_argument(
-                "step",
-                format!("{step} does not fit in the int64 step of a TensorBoard event"),
-            )
-        })?;
+        let step = event_step(step)?;
         let mut summary = Vec::new();
         for (name, value) in values {
             let mut v = Vec::new();
@@ -140,12 +135,7 @@ impl TensorBoardSink {
 
     /// Writes one event at `step` holding a histogram summary per tensor.
     fn write_histograms(&mut self, step: u64, tensors: &[(String, HostTensor)]) -> Result<()> {
-        let step = i64::try_from(step).map_err(|_| {
-            Error::invalid_argument(
-                "step",
-                format!("{step} does not fit in the int64 step of a TensorBoard event"),
-            )
-        })?;
+        let step = event_step(step)?;
         let mut summary = Vec::new();
         for (name, tensor) in tensors {
             let mut v = Vec::new();
@@ -247,6 +237,16 @@ fn histogram_proto(values: &[f64]) -> Vec<u8> {
         encode_bytes_field(&mut out, field, &packed);
     }
     out
+}
+
+/// `step` as an event's int64 step.
+fn event_step(step: u64) -> Result<i64> {
+    i64::try_from(step).map_err(|_| {
+        Error::invalid_argument(
+            "step",
+            format!("{step} does not fit in the int64 step of a TensorBoard event"),
+        )
+    })
 }
 
 /// Seconds since the Unix epoch, as TensorBoard's `wall_time`.
