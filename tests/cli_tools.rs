@@ -12,6 +12,17 @@ use kiln::train::Checkpoint;
 
 mod common;
 
+/// The column `name` of a run's `epochs.csv`, one value per epoch.
+fn epoch_column(run: &Path, name: &str) -> Vec<f64> {
+    let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
+    let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == name).unwrap();
+    text.lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
+        .collect()
+}
+
 /// `[training] ema`: the same training steps as without it (the losses are
 /// equal), validation with the average (other validation losses), the
 /// average checkpointed with its update count and written as the run's
@@ -43,15 +54,7 @@ fn ema_validates_checkpoints_resumes_and_writes_the_average() {
         losses(&b),
         "the average does not touch training"
     );
-    let val_loss = |run: &Path| {
-        let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
-        let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
-        let col = header.iter().position(|h| *h == "val_loss").unwrap();
-        text.lines()
-            .skip(1)
-            .map(|l| l.split(',').nth(col).unwrap().parse::<f64>().unwrap())
-            .collect::<Vec<_>>()
-    };
+    let val_loss = |run: &Path| epoch_column(run, "val_loss");
     let (va, vb) = (val_loss(&a), val_loss(&b));
     assert!(va.iter().zip(&vb).all(|(x, y)| x != y), "{va:?} {vb:?}");
 
@@ -277,14 +280,7 @@ fn swa_anneals_averages_and_writes_the_average_with_its_statistics() {
 
     // Adam at 0.003, StepLR 0.7 after epoch 0, then SWALR from 0.0021 to 0.001
     // over two epochs, linearly: 0.0021, 0.00155.
-    let text = std::fs::read_to_string(a.join("epochs.csv")).unwrap();
-    let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
-    let col = header.iter().position(|h| *h == "lr").unwrap();
-    let lrs: Vec<f64> = text
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
-        .collect();
+    let lrs = epoch_column(&a, "lr");
     for (got, want) in lrs.iter().zip([0.003, 0.0021, 0.00155]) {
         assert!((got - want).abs() < 1e-12, "{lrs:?}");
     }
@@ -338,15 +334,7 @@ fn swa_anneals_averages_and_writes_the_average_with_its_statistics() {
     let v = dir.join("validated");
     train(v_cfg.to_str().unwrap(), &v, &["--epochs", "3"]);
     assert_eq!(losses(&v), losses(&a), "the same training");
-    let val_loss = |run: &Path| {
-        let text = std::fs::read_to_string(run.join("epochs.csv")).unwrap();
-        let header: Vec<&str> = text.lines().next().unwrap().split(',').collect();
-        let col = header.iter().position(|h| *h == "val_loss").unwrap();
-        text.lines()
-            .skip(1)
-            .map(|l| l.split(',').nth(col).unwrap().to_owned())
-            .collect::<Vec<_>>()
-    };
+    let val_loss = |run: &Path| epoch_column(run, "val_loss");
     let (va, vv) = (val_loss(&a), val_loss(&v));
     assert_eq!(va[..2], vv[..2], "{va:?} {vv:?}");
     assert_ne!(va[2], vv[2], "{va:?} {vv:?}");

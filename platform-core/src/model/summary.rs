@@ -42,7 +42,7 @@ pub struct LayerSummary {
 /// assert_eq!((summary.total_params(), summary.trainable_params()), (58, 26));
 /// assert_eq!(summary.total_macs(), Some(4 * 8 + 8 * 2));
 /// assert_eq!(summary.layers()[1].output_shape, [1, 8]);
-/// println!("{}", summary.table(None));
+/// assert!(summary.table(None).contains("params: 58 (26 trainable, 32 frozen)"));
 /// # Ok::<(), kiln_core::Error>(())
 /// ```
 #[derive(Clone, Debug, PartialEq)]

@@ -28,6 +28,8 @@ use kiln_data::DataLoader;
 mod saving;
 mod tools;
 
+pub use tools::StepViews;
+
 /// When the learning-rate schedule advances.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -235,25 +237,6 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     loss_reads: Option<LossReads>,
     views: StepViews,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
-}
-
-/// What `fit` gives its sinks beside each logged step's loss and learning
-/// rate: the views TensorBoard users watch to tell a diverging run from a
-/// healthy one (in a CLI config, `[logging]` keys of the same names).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct StepViews {
-    /// Each parameter group's learning rate, as `lr/group_<i>` (Lightning's
-    /// `LearningRateMonitor`), at every logged step.
-    pub lr_per_group: bool,
-    /// The L2 norm of the gradients, in total (`grad_norm/total`) and per
-    /// parameter group (`grad_norm/group_<i>`), as the step applied them
-    /// (unscaled and clipped), at every logged step. Needs an optimizer that
-    /// keeps its gradients ([`Optimizer::keeps_gradients`]).
-    pub grad_norms: bool,
-    /// Histograms of every parameter (`weights/<name>`) and, where the
-    /// optimizer keeps them, every gradient (`gradients/<name>`) after every
-    /// this many optimizer steps (0: none).
-    pub histograms_every: u64,
 }
 
 impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for Trainer<B, M> {

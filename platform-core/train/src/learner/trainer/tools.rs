@@ -11,8 +11,27 @@ use kiln_core::optim::Optimizer;
 use kiln_core::tensor::HostTensor;
 use kiln_data::DataLoader;
 
+/// What `fit` gives its sinks beside each logged step's loss and learning
+/// rate: the views TensorBoard users watch to tell a diverging run from a
+/// healthy one (in a CLI config, `[logging]` keys of the same names).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepViews {
+    /// Each parameter group's learning rate, as `lr/group_<i>` (Lightning's
+    /// `LearningRateMonitor`), at every logged step.
+    pub lr_per_group: bool,
+    /// The L2 norm of the gradients, in total (`grad_norm/total`) and per
+    /// parameter group (`grad_norm/group_<i>`), as the step applied them
+    /// (unscaled and clipped), at every logged step. Needs an optimizer that
+    /// keeps its gradients ([`Optimizer::keeps_gradients`]).
+    pub grad_norms: bool,
+    /// Histograms of every parameter (`weights/<name>`) and, where the
+    /// optimizer keeps them, every gradient (`gradients/<name>`) after every
+    /// this many optimizer steps (0: none).
+    pub histograms_every: u64,
+}
+
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// Adds the [`StepViews`](super::StepViews) of a logged step to its `row`.
+    /// Adds the [`StepViews`] of a logged step to its `row`.
     pub(super) fn views_row(
         &self,
         state: &TrainingState<B, M>,
