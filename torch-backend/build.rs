@@ -6,7 +6,7 @@
 //! (src/script/bridge.rs, src/script/bridge.cc), TorchScript export
 //! (src/script/export_bridge.rs, src/script/export.cc), activation checkpointing
 //! (src/checkpoint.rs, src/checkpoint.cc), sharded units (src/sharded_unit.rs,
-//! src/sharded_unit.cc) and, with the `cuda` feature, CUDA
+//! src/sharded_unit.cc), the profiler (src/profile/bridge.rs, src/profile/profiler.cc) and, with the `cuda` feature, CUDA
 //! graphs (src/graph/bridge.rs, src/graph/cuda_graph.cc, built with the CUDA headers).
 //! libtorch's distributed engine, c10d, is the `kiln-c10d` crate's.
 
@@ -28,7 +28,9 @@ fn main() {
         .bridge("src/checkpoint.rs")
         .bridge_source("src/checkpoint.cc")
         .bridge("src/sharded_unit.rs")
-        .bridge_source("src/sharded_unit.cc");
+        .bridge_source("src/sharded_unit.cc")
+        .bridge("src/profile/bridge.rs")
+        .bridge_source("src/profile/profiler.cc");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The graph's C++ needs the CUDA headers: a CUDA source (compiled only with
         // the feature, which also links torch_cuda, c10_cuda and the CUDA runtime).
@@ -49,6 +51,7 @@ fn main() {
         "script_export.h",
         "activation_checkpoint.h",
         "sharded_unit.h",
+        "profiler.h",
     ] {
         println!("cargo:rerun-if-changed=include/{header}");
     }

@@ -52,6 +52,7 @@ pub mod model;
 pub mod module;
 pub mod optim;
 pub mod precision;
+pub mod profile;
 pub mod rng;
 pub mod safetensors;
 pub mod schedule;

@@ -158,6 +158,7 @@ impl LrFindArgs {
             resume: None,
             resume_on_other_data: false,
             no_progress: true,
+            profile: None,
         }
     }
 }
@@ -211,6 +212,16 @@ pub(crate) struct TrainArgs {
     /// No progress bar (plain log lines only).
     #[arg(long)]
     pub(crate) no_progress: bool,
+    /// Profile steps START..END (`steps=10..20`: steps 10 to 19, numbered from 1 as
+    /// the logs number them) with the engine's profiler: a Chrome/Perfetto trace and
+    /// the top operators by self time, with the data loader's wait, in the run's
+    /// `profile/` directory.
+    #[arg(long, value_parser = parse_profile, value_name = "steps=START..END")]
+    pub(crate) profile: Option<kiln_train::ProfileConfig>,
+}
+
+fn parse_profile(text: &str) -> std::result::Result<kiln_train::ProfileConfig, String> {
+    text.parse().map_err(|e: kiln_core::Error| e.to_string())
 }
 
 fn parse_backend(value: &str) -> std::result::Result<BackendKind, String> {
@@ -392,6 +403,8 @@ pub struct RunOptions {
     /// Print the model summary to this depth (`-1`: every layer) and stop
     /// before anything is written (`kiln inspect CONFIG`).
     pub(crate) summary_only: Option<i64>,
+    /// `--profile`: the steps to profile (written into the run's `profile/`).
+    pub(crate) profile: Option<kiln_train::ProfileConfig>,
 }
 
 /// `kiln tune lr`'s request, as the run carries it.

@@ -40,6 +40,7 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
         on_other_data: args.resume_on_other_data,
         lr_find: None,
         summary_only: None,
+        profile: args.profile,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -95,6 +96,7 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
             suggest_on_log_scale: args.suggestion == "log",
         }),
         summary_only: None,
+        profile: None,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -114,6 +116,7 @@ pub(crate) fn summarize<E: Engines>(path: &Path, depth: i64) -> Result<()> {
         on_other_data: false,
         lr_find: None,
         summary_only: Some(depth),
+        profile: None,
     };
     match config.backend {
         BackendKind::Torch => {
@@ -593,6 +596,12 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     } else {
         RunStart::New
     };
+    if let Some(profile) = &resume.profile {
+        let profile = profile.clone().in_dir(out.join("profile"));
+        // The window's files are checked before the run directory is written.
+        profile.validate()?;
+        trainer = trainer.with_profiler(profile);
+    }
     let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, start)?));
     // The resolved config is the run's own file: a new run's directory was
     // empty; a run resumed into a directory without one records it too.

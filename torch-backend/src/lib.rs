@@ -58,6 +58,7 @@ mod layers;
 mod loss;
 mod model;
 mod optim;
+mod profile;
 mod script;
 pub mod sharded_unit;
 mod train;
@@ -81,6 +82,7 @@ pub use model::{ShardedUnit, TorchModel};
 pub use optim::{
     clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value, TorchOptimizer,
 };
+pub use profile::TorchProfiler;
 pub use script::{resolve_torchscript_shapes, ScriptModule};
 pub use train::train_step;
 

@@ -38,6 +38,12 @@ impl TrainBackend for TorchBackend {
         model.set_precision(precision)
     }
 
+    /// libtorch's profiler ([`crate::TorchProfiler`]): host operators, and CUDA
+    /// kernels on a CUDA device.
+    fn profiler(device: Device) -> Result<Box<dyn kiln_core::profile::StepProfiler>> {
+        Ok(Box::new(crate::TorchProfiler::new(device)))
+    }
+
     /// [`Freeze::freeze`] and [`Freeze::keep_frozen_batch_norm_in_eval`].
     fn freeze(
         model: &mut TorchModel,

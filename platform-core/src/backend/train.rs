@@ -273,6 +273,17 @@ pub trait TrainBackend: Backend {
     /// Builds `spec` on `device` (initial weights from the backend's generator).
     fn build_model(spec: &Layer, device: Device) -> Result<Self::Model>;
 
+    /// A profiler for a window of training steps on `device` (see
+    /// [`crate::profile`]), created when the trainer is asked to profile, before the
+    /// run's first step. The default: this backend cannot profile.
+    fn profiler(device: Device) -> Result<Box<dyn crate::profile::StepProfiler>> {
+        Err(Error::unsupported(format!(
+            "profiling on {} ({})",
+            Self::NAME,
+            device
+        )))
+    }
+
     /// Gives `model` a training [`FloatPrecision`]: converts its floating-point
     /// parameters to [`FloatPrecision::parameter_dtype`] and sets how its forward
     /// pass computes. Call it before [`Trainable::build_optimizer`]

@@ -27,8 +27,8 @@ pub use checkpoint::{
 };
 pub use learner::{
     find_lr, update_batch_norm, AveragingConfig, Callback, EarlyStopping, EmaConfig, EpochRecord,
-    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, ScheduleInterval, StepViews,
-    SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState, WeightAveraging,
+    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, ProfileConfig, ScheduleInterval,
+    StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState, WeightAveraging,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink,

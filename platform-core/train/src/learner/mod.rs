@@ -12,4 +12,6 @@ pub use batch_norm::update_batch_norm;
 pub use callback::{Callback, EarlyStopping, Flow};
 pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
-pub use trainer::{EpochRecord, LossReads, ScheduleInterval, StepViews, Trainer, TrainerConfig};
+pub use trainer::{
+    EpochRecord, LossReads, ProfileConfig, ScheduleInterval, StepViews, Trainer, TrainerConfig,
+};

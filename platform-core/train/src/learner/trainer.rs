@@ -25,9 +25,12 @@ use kiln_core::rng::SplitMix64;
 use kiln_core::tensor::HostTensor;
 use kiln_data::DataLoader;
 
+mod profiling;
 mod saving;
 mod tools;
 
+pub use profiling::ProfileConfig;
+use profiling::ProfileRun;
 pub use tools::StepViews;
 
 /// When the learning-rate schedule advances.
@@ -236,6 +239,7 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     data_identity: Option<serde_json::Value>,
     loss_reads: Option<LossReads>,
     views: StepViews,
+    profile: Option<ProfileConfig>,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
 }
 
@@ -314,6 +318,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             data_identity: None,
             loss_reads: None,
             views: StepViews::default(),
+            profile: None,
             _backend: std::marker::PhantomData,
         })
     }
@@ -545,7 +550,27 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         let mut history = History::new();
         let deferred = self.loss_reads() == LossReads::WhenLogged;
         let mut pending: Vec<PendingLoss<B::Tensor>> = Vec::new();
-        let result = self.fit_epochs(state, train, val, &mut history, &mut pending, deferred);
+        let mut profile = match &self.profile {
+            Some(config) => Some(ProfileRun::new::<B>(
+                config,
+                self.config.device,
+                state.step + 1,
+                self.last_step(state, train.num_batches() as u64),
+            )?),
+            None => None,
+        };
+        let mut result = self.fit_epochs(
+            state,
+            train,
+            val,
+            &mut history,
+            &mut pending,
+            deferred,
+            &mut profile,
+        );
+        if let (Ok(()), Some(profile)) = (&result, profile.as_mut()) {
+            result = profile.end_of_run(state.step);
+        }
         // Whatever ended training, the losses of the steps taken are read (and a
         // non-finite one reported) before the sinks close.
         let read = self.read_losses(state, &mut pending);
@@ -566,6 +591,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         history: &mut History,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
         deferred: bool,
+        profile: &mut Option<ProfileRun>,
     ) -> Result<()> {
         let accumulate = self.config.accumulate;
         let device = self.config.device;
@@ -602,7 +628,19 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
             let mut micro = 0u64;
             let skip = state.batch_in_epoch as usize;
-            for batch in train.batches_from(state.epoch, skip) {
+            let mut batches = train.batches_from(state.epoch, skip);
+            loop {
+                // The wait for the batch is part of the step, and profiled as such.
+                let next = match profile.as_mut() {
+                    Some(p) => {
+                        if micro == 0 {
+                            p.before_step(state.step + 1)?;
+                        }
+                        p.wait(|| batches.next())?
+                    }
+                    None => batches.next(),
+                };
+                let Some(batch) = next else { break };
                 if self.config.max_steps.is_some_and(|m| state.step >= m) {
                     break 'epochs;
                 }
@@ -704,6 +742,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
                 if checkpoint_due {
                     self.save_checkpoint(state, &EpochRecord::new())?;
+                }
+                if let Some(p) = profile.as_mut() {
+                    p.after_step(state.step)?;
                 }
                 if stop {
                     break 'epochs;

@@ -1,0 +1,340 @@
+//! The trainer's profiler: a window of steps recorded by the backend's profiler
+//! (`kiln train --profile steps=10..20`, [`Trainer::with_profiler`]).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::device::Device;
+use kiln_core::error::{Error, Result};
+use kiln_core::profile::{OpTable, StepProfiler, DATA_LOADER_WAIT, STEP_PREFIX};
+
+use super::{Trainer, TrainingState};
+
+/// The files a profile writes in its directory.
+pub(crate) const TRACE_FILE: &str = "trace.json";
+const TABLE_FILE: &str = "ops.txt";
+const CSV_FILE: &str = "ops.csv";
+
+/// Which steps to profile and where the results go.
+///
+/// The steps are optimizer steps, numbered as the logs number them (the first is
+/// step 1), in a half-open range: `10..20` records steps 10 to 19. The trainer
+/// warms the profiler up during the step before the window, marks each step with a
+/// `ProfilerStep#N` range and each wait for the data loader with a
+/// `kiln::data_loader_wait` range, and after the window writes to `dir`:
+/// - `trace.json`: the Chrome/Perfetto trace (open it in <https://ui.perfetto.dev>
+///   or `chrome://tracing`);
+/// - `ops.txt`: the top operators by self time, as `torch.profiler` prints them,
+///   under a line with the data loader's share of the steps' time;
+/// - `ops.csv`: every row of that table.
+///
+/// ```
+/// use kiln_train::ProfileConfig;
+///
+/// let profile: ProfileConfig = "steps=10..20".parse()?;
+/// assert_eq!(profile.steps, 10..20);
+/// let profile = profile.in_dir("runs/mnist/profile");
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProfileConfig {
+    /// The steps to record (the first step is 1).
+    pub steps: Range<u64>,
+    /// Where the trace and the tables are written (created if absent).
+    pub dir: PathBuf,
+    /// How many rows `ops.txt` (and the log) shows.
+    pub top: usize,
+}
+
+impl ProfileConfig {
+    /// Records `steps`, writing into `profile/` (see [`in_dir`](Self::in_dir)).
+    pub fn new(steps: Range<u64>) -> Self {
+        ProfileConfig {
+            steps,
+            dir: PathBuf::from("profile"),
+            top: 20,
+        }
+    }
+
+    /// The same window, written into `dir`.
+    pub fn in_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dir = dir.into();
+        self
+    }
+
+    /// The files this profile will write.
+    pub fn files(&self) -> [PathBuf; 3] {
+        [TRACE_FILE, TABLE_FILE, CSV_FILE].map(|f| self.dir.join(f))
+    }
+
+    /// Checks the window, and that none of the files exists (a profile is never
+    /// written over another file).
+    pub fn validate(&self) -> Result<()> {
+        if self.steps.start == 0 || self.steps.end <= self.steps.start {
+            return Err(Error::invalid_argument(
+                "profile steps",
+                format!(
+                    "{}..{} is not a window of steps: expected START..END with 1 <= START < END \
+                     (steps are numbered from 1; END is not included)",
+                    self.steps.start, self.steps.end
+                ),
+            ));
+        }
+        for file in self.files() {
+            if file.exists() {
+                return Err(Error::invalid_argument(
+                    "profile",
+                    format!(
+                        "{} exists; a profile never writes over a file (move it, or profile \
+                         into another directory)",
+                        file.display()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for ProfileConfig {
+    type Err = Error;
+
+    /// `steps=START..END`, as `kiln train --profile` takes it.
+    fn from_str(text: &str) -> Result<Self> {
+        let bad = || {
+            Error::invalid_argument(
+                "profile",
+                format!("`{text}`: expected `steps=START..END`, such as `steps=10..20`"),
+            )
+        };
+        let range = text.trim().strip_prefix("steps=").ok_or_else(bad)?;
+        let (start, end) = range.split_once("..").ok_or_else(bad)?;
+        let number = |s: &str| s.trim().parse::<u64>().map_err(|_| bad());
+        let config = ProfileConfig::new(number(start)?..number(end)?);
+        if config.steps.start == 0 || config.steps.end <= config.steps.start {
+            return Err(Error::invalid_argument(
+                "profile",
+                format!(
+                    "`{text}`: expected 1 <= START < END (steps are numbered from 1; END is \
+                     not included)"
+                ),
+            ));
+        }
+        Ok(config)
+    }
+}
+
+/// A profile in progress during `fit`.
+pub(crate) struct ProfileRun {
+    config: ProfileConfig,
+    profiler: Box<dyn StepProfiler>,
+    recording: bool,
+    in_step: bool,
+    done: bool,
+}
+
+impl ProfileRun {
+    /// The backend's profiler for `config`, checked before the first step:
+    /// the window against the run's first and last steps, and the files.
+    pub(crate) fn new<B: TrainBackend>(
+        config: &ProfileConfig,
+        device: Device,
+        next_step: u64,
+        last_step: u64,
+    ) -> Result<Self> {
+        config.validate()?;
+        if config.steps.start < next_step {
+            return Err(Error::invalid_argument(
+                "profile steps",
+                format!(
+                    "{}..{} starts before step {next_step}, where this run starts (it resumes \
+                     at that step): profile later steps",
+                    config.steps.start, config.steps.end
+                ),
+            ));
+        }
+        if config.steps.end - 1 > last_step {
+            return Err(Error::invalid_argument(
+                "profile steps",
+                format!(
+                    "{}..{} ends after step {last_step}, the run's last: profile steps up to \
+                     {last_step} (END is not included)",
+                    config.steps.start, config.steps.end
+                ),
+            ));
+        }
+        Ok(ProfileRun {
+            config: config.clone(),
+            profiler: B::profiler(device)?,
+            recording: false,
+            in_step: false,
+            done: false,
+        })
+    }
+
+    /// Before step `step`'s first batch is asked for: warms up, starts, and opens
+    /// the step's range.
+    pub(crate) fn before_step(&mut self, step: u64) -> Result<()> {
+        if self.done {
+            return Ok(());
+        }
+        let start = self.config.steps.start;
+        if step + 1 == start {
+            self.profiler.prepare()?;
+        }
+        if step == start {
+            if start == 1 {
+                self.profiler.prepare()?;
+            }
+            self.profiler.start()?;
+            self.recording = true;
+        }
+        if self.recording && !self.in_step {
+            self.profiler.begin_range(&format!("{STEP_PREFIX}{step}"))?;
+            self.in_step = true;
+        }
+        Ok(())
+    }
+
+    /// Runs `next` (the data loader's next batch) inside a wait range.
+    pub(crate) fn wait<T>(&mut self, next: impl FnOnce() -> T) -> Result<T> {
+        if !self.recording {
+            return Ok(next());
+        }
+        self.profiler.begin_range(DATA_LOADER_WAIT)?;
+        let value = next();
+        self.profiler.end_range()?;
+        Ok(value)
+    }
+
+    /// After step `step`: closes its range, and after the window's last step writes
+    /// the profile.
+    pub(crate) fn after_step(&mut self, step: u64) -> Result<()> {
+        if self.in_step {
+            self.profiler.end_range()?;
+            self.in_step = false;
+        }
+        if self.recording && step + 1 >= self.config.steps.end {
+            self.finish(step)?;
+        }
+        Ok(())
+    }
+
+    /// At the end of `fit`: a window the run ended inside (early stopping, a
+    /// callback) is written as far as it went, with a warning.
+    pub(crate) fn end_of_run(&mut self, last_step: u64) -> Result<()> {
+        if self.in_step {
+            self.profiler.end_range()?;
+            self.in_step = false;
+        }
+        if self.recording {
+            log::warn!(
+                "the run stopped at step {last_step}, inside the profile window {}..{}: \
+                 the profile covers the steps up to {last_step}",
+                self.config.steps.start,
+                self.config.steps.end
+            );
+            self.finish(last_step)?;
+        } else if !self.done {
+            log::warn!(
+                "the run stopped at step {last_step}, before the profile window {}..{}: \
+                 nothing was profiled",
+                self.config.steps.start,
+                self.config.steps.end
+            );
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, last_step: u64) -> Result<()> {
+        self.recording = false;
+        self.done = true;
+        let dir = &self.config.dir;
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        // The trace goes to a new name first, then takes its own.
+        let [trace, table_file, csv_file] = self.config.files();
+        let partial = dir.join(format!("{TRACE_FILE}.partial"));
+        let events = self.profiler.stop(&partial)?;
+        let table = OpTable::from_events(&events);
+        let text = table.render(self.config.top);
+        write_new(&table_file, text.as_bytes())?;
+        write_new(&csv_file, table.to_csv().as_bytes())?;
+        rename_new(&partial, &trace)?;
+        log::info!(
+            "profile of steps {}..{} written to {}:\n{text}",
+            self.config.steps.start,
+            last_step + 1,
+            dir.display()
+        );
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to `path`, which must not exist.
+fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))?;
+    file.write_all(bytes).map_err(|e| Error::io(path, e))
+}
+
+/// Moves `from` to `to`, which must not exist (a link fails if it does).
+fn rename_new(from: &Path, to: &Path) -> Result<()> {
+    std::fs::hard_link(from, to).map_err(|e| Error::io(to, e))?;
+    std::fs::remove_file(from).map_err(|e| Error::io(from, e))
+}
+
+impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
+    /// Records steps `profile.steps` with the backend's profiler and writes the
+    /// trace and the operator tables (see [`ProfileConfig`]). The window is checked
+    /// before the first step; a backend that cannot profile fails there too.
+    pub fn with_profiler(mut self, profile: ProfileConfig) -> Self {
+        self.profile = Some(profile);
+        self
+    }
+
+    /// The run's last step, as far as the data and the config tell before it starts
+    /// (early stopping may end it sooner): a micro-batch left over at an epoch's end
+    /// (`accumulate` not dividing the batches) makes no step.
+    pub(super) fn last_step(&self, state: &TrainingState<B, M>, batches: u64) -> u64 {
+        let accumulate = self.config.accumulate.max(1);
+        let per_epoch = batches / accumulate;
+        let this_epoch = batches.saturating_sub(state.batch_in_epoch) / accumulate;
+        let later = self.config.epochs.saturating_sub(state.epoch + 1) * per_epoch;
+        let last = if state.epoch < self.config.epochs {
+            state.step + this_epoch + later
+        } else {
+            state.step
+        };
+        self.config.max_steps.map_or(last, |m| last.min(m))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_cli_form() {
+        assert_eq!("steps=3..5".parse::<ProfileConfig>().unwrap().steps, 3..5);
+        for bad in [
+            "3..5",
+            "steps=5..3",
+            "steps=0..2",
+            "steps=2..2",
+            "steps=a..b",
+            "steps=4",
+        ] {
+            let error = bad.parse::<ProfileConfig>().unwrap_err().to_string();
+            assert!(
+                error.contains("steps=START..END") || error.contains("START < END"),
+                "{bad}: {error}"
+            );
+        }
+    }
+}
