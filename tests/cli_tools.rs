@@ -565,6 +565,53 @@ fn profile_rows(dir: &Path) -> std::collections::BTreeMap<String, (u64, f64, f64
         .collect()
 }
 
+/// What every profile holds, on either engine: `steps` steps, each waiting once
+/// for its batch; rows by self time, which never exceeds the total; and the
+/// same sums from the trace file, read by an independent script.
+fn check_profile(python: &Path, profile: &Path, steps: u64) {
+    let rows = profile_rows(profile);
+    let calls = |name: &str| rows.get(name).map_or(0, |r| r.0);
+    assert_eq!(calls("ProfilerStep*"), steps, "{rows:?}");
+    assert_eq!(calls("kiln::data_loader_wait"), steps);
+    let table = std::fs::read_to_string(profile.join("ops.txt")).unwrap();
+    assert!(table.starts_with(&format!("{steps} steps, ")), "{table}");
+    assert!(table.contains("Self CPU %") && table.contains("Self CPU time total"));
+    let csv = std::fs::read_to_string(profile.join("ops.csv")).unwrap();
+    let selfs: Vec<f64> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
+    assert!(selfs.windows(2).all(|w| w[0] >= w[1]), "{csv}");
+    assert!(rows.values().all(|r| r.1 <= r.2 + 1e-9));
+
+    let stdout = kiln_testkit::run_reference_script!(
+        python,
+        "profile_trace.py",
+        &[profile.join("trace.json").as_os_str()]
+    );
+    let reference: std::collections::BTreeMap<String, (u64, f64, f64)> =
+        serde_json::from_str(&stdout).unwrap();
+    assert_eq!(
+        reference.keys().collect::<Vec<_>>(),
+        rows.keys().collect::<Vec<_>>()
+    );
+    for (name, (calls, self_us, total_us)) in &reference {
+        let row = rows[name];
+        // The trace's times are whole nanoseconds, as the events'.
+        let tolerance = 0.002 * *calls as f64 + 1e-3;
+        assert_eq!(row.0, *calls, "{name}");
+        assert!(
+            (row.1 - self_us).abs() <= tolerance,
+            "{name}: {row:?} vs {self_us}"
+        );
+        assert!(
+            (row.2 - total_us).abs() <= tolerance,
+            "{name}: {row:?} vs {total_us}"
+        );
+    }
+}
+
 /// `kiln train --profile steps=3..7`: libtorch's profiler records steps 3 to 6;
 /// the trace, read back by an independent script, sums to the table's numbers;
 /// the operators' counts are the model's; windows the run cannot record and
@@ -606,58 +653,13 @@ fn profile_writes_the_trace_and_the_operators_by_self_time() {
     let stdout = kiln_stdout(&args("steps=3..7"));
     assert!(!stdout.is_empty());
     let profile = run.join("profile");
+    check_profile(&python, &profile, 4);
     let rows = profile_rows(&profile);
     let calls = |name: &str| rows.get(name).map_or(0, |r| r.0);
-    // Four steps, each waiting once for its batch; two linear layers, a dropout
-    // and Adam's update per step.
-    assert_eq!(calls("ProfilerStep*"), 4, "{rows:?}");
-    assert_eq!(calls("kiln::data_loader_wait"), 4);
-    assert_eq!(calls("aten::linear"), 8);
+    // Per step: two linear layers, a dropout and Adam's (fused) update.
+    assert_eq!(calls("aten::linear"), 8, "{rows:?}");
     assert_eq!(calls("aten::dropout"), 4);
-    assert!(
-        calls("aten::_fused_adam_") == 4 || calls("aten::add_") >= 4,
-        "{rows:?}"
-    );
-    // Sorted by self time, which never exceeds the total.
-    let table = std::fs::read_to_string(profile.join("ops.txt")).unwrap();
-    assert!(table.starts_with("4 steps, "), "{table}");
-    assert!(table.contains("Self CPU %") && table.contains("Self CPU time total"));
-    let csv = std::fs::read_to_string(profile.join("ops.csv")).unwrap();
-    let selfs: Vec<f64> = csv
-        .lines()
-        .skip(1)
-        .map(|l| l.split(',').nth(2).unwrap().parse().unwrap())
-        .collect();
-    assert!(selfs.windows(2).all(|w| w[0] >= w[1]), "{csv}");
-    assert!(rows.values().all(|r| r.1 <= r.2 + 1e-9));
-
-    // The trace (Kineto's JSON), summed per name by the reference's own nesting.
-    let stdout = kiln_testkit::run_reference_script!(
-        &python,
-        "profile_trace.py",
-        &[profile.join("trace.json").as_os_str()]
-    );
-    let reference: std::collections::BTreeMap<String, (u64, f64, f64)> =
-        serde_json::from_str(&stdout).unwrap();
-    assert_eq!(
-        reference.keys().collect::<Vec<_>>(),
-        rows.keys().collect::<Vec<_>>()
-    );
-    for (name, (calls, self_us, total_us)) in &reference {
-        let row = rows[name];
-        // The trace's times are whole nanoseconds, as the events'.
-        let tolerance = 0.002 * *calls as f64 + 1e-3;
-        assert_eq!(row.0, *calls, "{name}");
-        assert!(
-            (row.1 - self_us).abs() <= tolerance,
-            "{name}: {row:?} vs {self_us}"
-        );
-        assert!(
-            (row.2 - total_us).abs() <= tolerance,
-            "{name}: {row:?} vs {total_us}"
-        );
-    }
-
+    assert_eq!(calls("aten::_fused_adam_"), 4);
     // A resumed run profiling into the same directory: refused, the profile kept.
     let trace = std::fs::read(profile.join("trace.json")).unwrap();
     let err = kiln_fails(&[
@@ -676,4 +678,23 @@ fn profile_writes_the_trace_and_the_operators_by_self_time() {
     assert!(err.contains("trace.json exists"), "{err}");
     assert_eq!(std::fs::read(profile.join("trace.json")).unwrap(), trace);
     assert_eq!(losses(&run).len(), 45, "the run was not resumed");
+
+    // On TensorFlow: the session runs' step stats, TensorFlow's op types.
+    let tf = dir.join("tf");
+    kiln_stdout(&[
+        "train",
+        "--config",
+        cfg,
+        "--output",
+        tf.to_str().unwrap(),
+        "--epochs",
+        "1",
+        "--backend",
+        "tensorflow",
+        "--profile",
+        "steps=3..7",
+    ]);
+    check_profile(&python, &tf.join("profile"), 4);
+    let rows = profile_rows(&tf.join("profile"));
+    assert!(rows.keys().any(|name| name.contains("MatMul")), "{rows:?}");
 }

@@ -43,6 +43,11 @@ pub struct ProfileEvent {
     pub duration_ns: u64,
     /// Where it ran.
     pub device: EventDevice,
+    /// Whether the host events of its thread that start inside it are nested in
+    /// it (libtorch's operators, which call one another, and the marked ranges).
+    /// A graph engine's nodes (TensorFlow's) never contain one another: their
+    /// self time is their duration.
+    pub nests: bool,
 }
 
 /// A backend's profiler over a window of training steps, driven by the trainer:
@@ -100,13 +105,14 @@ impl OpStats {
 /// `torch.profiler`'s `key_averages()` table.
 ///
 /// A host event's self time is its duration less its direct children's (events
-/// of the same thread that start and end inside it).
+/// of the same thread that start and end inside it), where it
+/// [nests](ProfileEvent::nests) events.
 ///
 /// ```
 /// use kiln_core::profile::{EventDevice, OpTable, ProfileEvent};
 ///
 /// let event = |name: &str, start_ns, duration_ns| ProfileEvent {
-///     name: name.into(), thread: 1, start_ns, duration_ns, device: EventDevice::Cpu,
+///     name: name.into(), thread: 1, start_ns, duration_ns, device: EventDevice::Cpu, nests: true,
 /// };
 /// // aten::linear (10 µs) calls aten::addmm (7 µs).
 /// let table = OpTable::from_events(&[event("aten::linear", 0, 10_000), event("aten::addmm", 2_000, 7_000)]);
@@ -136,8 +142,8 @@ impl OpTable {
         let mut by_thread: HashMap<u64, Vec<usize>> = HashMap::new();
         for (i, e) in events.iter().enumerate() {
             match e.device {
-                EventDevice::Cpu => by_thread.entry(e.thread).or_default().push(i),
-                EventDevice::Accelerator => self_ns[i] = e.duration_ns,
+                EventDevice::Cpu if e.nests => by_thread.entry(e.thread).or_default().push(i),
+                _ => self_ns[i] = e.duration_ns,
             }
         }
         for order in by_thread.values_mut() {
@@ -332,6 +338,7 @@ mod tests {
             start_ns,
             duration_ns,
             device: EventDevice::Cpu,
+            nests: true,
         }
     }
 
@@ -376,6 +383,16 @@ mod tests {
         assert_eq!((k.self_cpu_ns, k.self_device_ns), (0, 40));
         assert!(table.render(10).contains("Self device"));
         assert!(table.to_csv().contains("gemm_kernel,1,0.000,0.000,0.040"));
+    }
+
+    #[test]
+    fn graph_nodes_never_contain_one_another() {
+        let mut mul = cpu("Mul", 1, 0, 50);
+        mul.nests = false;
+        let mut add = cpu("AddV2", 1, 10, 20);
+        add.nests = false;
+        let table = OpTable::from_events(&[mul, add]);
+        assert_eq!(table.self_cpu_total_ns(), 70);
     }
 
     #[test]

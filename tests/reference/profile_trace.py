@@ -6,9 +6,10 @@ Usage: profile_trace.py TRACE.json
 
 Prints one JSON object: {name: [calls, self_us, total_us]}, where every
 `ProfilerStep#N` range counts under `ProfilerStep*`. Host events are the
-operators and the marked ranges (categories cpu_op and user_annotation, or any
-complete event of the tensorflow trace); a host event's self time is its
-duration less that of the events directly inside it on the same thread.
+operators and the marked ranges (categories cpu_op and user_annotation; op and
+range in Kiln's TensorFlow trace); a host event's self time is its duration
+less that of the events directly inside it on the same thread, except for
+TensorFlow's graph nodes (category op), which never contain one another.
 """
 
 import json
@@ -24,12 +25,12 @@ def main():
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in HOST]
     by_thread = defaultdict(list)
     for e in events:
-        by_thread[(e["pid"], e["tid"])].append(e)
+        e["self"] = e["dur"]
+        if e["cat"] != "op":
+            by_thread[(e["pid"], e["tid"])].append(e)
     sums = defaultdict(lambda: [0, 0.0, 0.0])
     for evs in by_thread.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        for e in evs:
-            e["self"] = e["dur"]
         stack = []
         for e in evs:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:

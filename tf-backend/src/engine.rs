@@ -164,7 +164,7 @@ impl Engine {
         for op in targets {
             args.add_target(op);
         }
-        session.run(&mut args).map_err(|s| tf_error(context, s))
+        crate::profile::run_traced(session, &mut args, context)
     }
 
     /// Host copies of `vars`, in one run.
@@ -223,7 +223,7 @@ pub(crate) fn run_session(
     for op in targets {
         args.add_target(op);
     }
-    session.run(&mut args).map_err(|s| tf_error(context, s))?;
+    crate::profile::run_traced(session, &mut args, context)?;
     tokens
         .into_iter()
         .map(|(token, dtype)| {

@@ -28,6 +28,7 @@ mod layers;
 mod loss;
 mod model;
 mod optim;
+mod profile;
 mod quiet;
 mod runtime;
 mod saved_model;
@@ -45,6 +46,7 @@ pub use distributed::{data_parallel, GradientAllReduce};
 pub use error::tf_error;
 pub use model::TfModel;
 pub use optim::{TfOptimizer, TfShardedOptimizer};
+pub use profile::TfProfiler;
 pub use quiet::{follow_log_level, TENSORFLOW_LOG_TARGET};
 pub use runtime::{check_runtime_version, runtime_version, set_thread_counts, TENSORFLOW_VERSION};
 pub use saved_model::{

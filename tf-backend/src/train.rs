@@ -28,6 +28,11 @@ impl TrainBackend for TfBackend {
         TfModel::new(spec, device)
     }
 
+    /// [`crate::TfProfiler`]: the step stats of every session run in the window.
+    fn profiler(_device: Device) -> Result<Box<dyn kiln_core::profile::StepProfiler>> {
+        Ok(Box::new(crate::TfProfiler::new()))
+    }
+
     /// Only `32-true`: TensorFlow's C API has no autocast, and Kiln's TensorFlow
     /// graphs are float32 (bfloat16 and float16 training run on the torch backend).
     fn set_precision(_model: &mut TfModel, precision: FloatPrecision) -> Result<()> {

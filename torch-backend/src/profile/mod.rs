@@ -138,6 +138,7 @@ impl StepProfiler for TorchProfiler {
                     start_ns: e.start_ns,
                     duration_ns: e.duration_ns,
                     device,
+                    nests: true,
                 })
             })
             .collect())

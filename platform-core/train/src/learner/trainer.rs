@@ -548,7 +548,6 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             kiln_core::host_memory::retain_freed_memory();
         }
         let mut history = History::new();
-        let deferred = self.loss_reads() == LossReads::WhenLogged;
         let mut pending: Vec<PendingLoss<B::Tensor>> = Vec::new();
         let mut profile = match &self.profile {
             Some(config) => Some(ProfileRun::new::<B>(
@@ -559,15 +558,8 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             )?),
             None => None,
         };
-        let mut result = self.fit_epochs(
-            state,
-            train,
-            val,
-            &mut history,
-            &mut pending,
-            deferred,
-            &mut profile,
-        );
+        let mut result =
+            self.fit_epochs(state, train, val, &mut history, &mut pending, &mut profile);
         if let (Ok(()), Some(profile)) = (&result, profile.as_mut()) {
             result = profile.end_of_run(state.step);
         }
@@ -590,9 +582,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         val: Option<&dyn DataLoader>,
         history: &mut History,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
-        deferred: bool,
         profile: &mut Option<ProfileRun>,
     ) -> Result<()> {
+        let deferred = self.loss_reads() == LossReads::WhenLogged;
         let accumulate = self.config.accumulate;
         let device = self.config.device;
         // A resumed position past the end of an epoch of this data: the state

@@ -37,16 +37,15 @@ impl SavedModel {
             .iter()
             .map(|port| args.request_fetch(&port.operation, port.index))
             .collect();
-        self.session.run(&mut args).map_err(|status| {
-            tf_error(
-                &format!(
-                    "running signature `{}` of the SavedModel {}",
-                    signature.info.name,
-                    self.dir.display()
-                ),
-                status,
-            )
-        })?;
+        crate::profile::run_traced(
+            &self.session,
+            &mut args,
+            &format!(
+                "running signature `{}` of the SavedModel {}",
+                signature.info.name,
+                self.dir.display()
+            ),
+        )?;
 
         let mut results = BTreeMap::new();
         for ((spec, dtype), token) in signature.info.outputs.iter().zip(outputs).zip(tokens) {
