@@ -65,15 +65,17 @@ use crate::tasks::{Task, TaskArgs};
 use crate::worker::worker;
 
 /// Every variant of the training workloads, in table order.
-const VARIANTS: [&str; 10] = [
+const VARIANTS: [&str; 12] = [
     "kiln-torch",
     "kiln-torch-ema",
     "kiln-torch-views",
+    "kiln-torch-profile",
     "kiln-torch-graph",
     "raw-tch",
     "pytorch-eager",
     "pytorch-graph",
     "kiln-tf",
+    "kiln-tf-profile",
     "tf-function",
     "keras-fit",
 ];
@@ -146,7 +148,10 @@ impl Workload {
         match self {
             Workload::TransformerBf16 => {
                 !(is_tensorflow(variant)
-                    || matches!(variant, "raw-tch" | "kiln-torch-ema" | "kiln-torch-views"))
+                    || matches!(
+                        variant,
+                        "raw-tch" | "kiln-torch-ema" | "kiln-torch-views" | "kiln-torch-profile"
+                    ))
             }
             Workload::TransformerBf16Mixed => matches!(variant, "kiln-torch" | "pytorch-eager"),
             _ => true,
@@ -550,7 +555,10 @@ const KEPT_MARKER: &str = "<!-- written by hand: --write keeps everything below 
 
 /// Whether a variant runs on TensorFlow, whose pinned wheel (`tensorflow-cpu`) has no GPU.
 fn is_tensorflow(variant: &str) -> bool {
-    matches!(variant, "kiln-tf" | "tf-function" | "keras-fit")
+    matches!(
+        variant,
+        "kiln-tf" | "kiln-tf-profile" | "tf-function" | "keras-fit"
+    )
 }
 
 /// Whether a variant replays a CUDA graph (runs only with `--device cuda`).

@@ -115,6 +115,19 @@ pub(crate) fn table(
             100.0 * (plain / views - 1.0)
         );
     }
+    if let (Some(plain), Some(profiled)) = (rate("kiln-torch"), rate("kiln-torch-profile")) {
+        t += &format!(
+            "\nThe profiler (`--profile`, inside its window): {:+.1}% time per step.\n",
+            100.0 * (plain / profiled - 1.0)
+        );
+    }
+    if let (Some(plain), Some(profiled)) = (rate("kiln-tf"), rate("kiln-tf-profile")) {
+        t += &format!(
+            "\nThe profiler on TensorFlow (every session run fully traced): {:+.1}% time \
+             per step.\n",
+            100.0 * (plain / profiled - 1.0)
+        );
+    }
     t
 }
 

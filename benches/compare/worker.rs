@@ -211,16 +211,18 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         .map(|(x, y)| (x.to_dtype(dtype), y))
         .collect();
     let (times, loss) = match a.variant.as_str() {
-        "kiln-torch" | "kiln-torch-ema" | "kiln-torch-views" => {
+        "kiln-torch" | "kiln-torch-ema" | "kiln-torch-views" | "kiln-torch-profile" => {
             tch::set_num_threads(a.threads as i32);
             let precision = a.workload.precision();
             // The same step with an exponential moving average of the weights
             // updated after it (`[training] ema`, decay 0.999, every step), or
             // with the TensorBoard views read after it (`[logging] grad_norms`
-            // and `lr_per_group` with `log_every = 1`).
+            // and `lr_per_group` with `log_every = 1`), or recorded by the profiler
+            // (`--profile`, every step in the window).
             let extra = match a.variant.as_str() {
                 "kiln-torch-ema" => AfterStep::Ema(EmaConfig::new(0.999)),
                 "kiln-torch-views" => AfterStep::Views,
+                "kiln-torch-profile" => AfterStep::Profile,
                 _ => AfterStep::Nothing,
             };
             kiln_step::<TorchBackend>(&a, &host, extra, |m| match precision {
@@ -231,10 +233,15 @@ pub(crate) fn worker(args: &[String]) -> Result<()> {
         #[cfg(feature = "cuda")]
         "kiln-torch-graph" => graphed_step(&a, &host)?,
         #[cfg(feature = "tf")]
-        "kiln-tf" => {
+        "kiln-tf" | "kiln-tf-profile" => {
             // As the Python worker's `tf.config.threading`.
             kiln::tf::set_thread_counts(a.threads, a.threads)?;
-            kiln_step::<TfBackend>(&a, &host, AfterStep::Nothing, |_| Ok(()))?
+            let extra = if a.variant == "kiln-tf-profile" {
+                AfterStep::Profile
+            } else {
+                AfterStep::Nothing
+            };
+            kiln_step::<TfBackend>(&a, &host, extra, |_| Ok(()))?
         }
         "raw-tch" => {
             tch::set_num_threads(a.threads as i32);
@@ -281,6 +288,10 @@ pub(crate) enum AfterStep {
     /// The gradient norms (total and per group) and each group's rate read,
     /// as `[logging]` views log them on every step.
     Views,
+    /// Every step recorded by the backend's profiler inside a `ProfilerStep#N`
+    /// range, as `--profile` records its window (the trace is written after
+    /// the timing).
+    Profile,
 }
 
 /// Kiln's training step (`Trainable::train_step`: forward, loss, backward,
@@ -306,14 +317,29 @@ pub(crate) fn kiln_step<B: TrainBackend>(
         clip: None,
     };
     let views = matches!(after, AfterStep::Views);
+    let mut profiler = match after {
+        AfterStep::Profile => {
+            let mut profiler = B::profiler(a.device)?;
+            profiler.prepare()?;
+            profiler.start()?;
+            Some(profiler)
+        }
+        _ => None,
+    };
     let mut average = match after {
         AfterStep::Ema(config) => Some(WeightAveraging::<B>::new(config, &model)?),
         _ => None,
     };
-    time_steps(a, |i| {
+    let timed = time_steps(a, |i| {
         let (x, y) = &batches[i % batches.len()];
+        if let Some(profiler) = profiler.as_mut() {
+            profiler.begin_range(&format!("ProfilerStep#{}", i + 1))?;
+        }
         optimizer.zero_grad()?;
         let loss = model.train_step(&mut optimizer, x, y, &plan)?;
+        if let Some(profiler) = profiler.as_mut() {
+            profiler.end_range()?;
+        }
         if let Some(average) = average.as_mut() {
             average.update(&model)?;
         }
@@ -322,7 +348,15 @@ pub(crate) fn kiln_step<B: TrainBackend>(
             std::hint::black_box((norms, optimizer.learning_rates()));
         }
         Ok(loss)
-    })
+    })?;
+    if let Some(mut profiler) = profiler {
+        let trace =
+            std::env::temp_dir().join(format!("kiln-bench-trace-{}.json", std::process::id()));
+        let events = profiler.stop(&trace)?;
+        std::fs::remove_file(&trace).ok();
+        std::hint::black_box(events);
+    }
+    Ok(timed)
 }
 
 /// Kiln's training step captured in a CUDA graph (`kiln::torch::graph::GraphedTrainStep`),

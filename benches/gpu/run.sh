@@ -6,8 +6,8 @@
 #                                       # suites whose name holds NAME)
 #   benches/gpu/run.sh bench [ARGS]     # the harness with --device cuda (add --rounds 3 --write)
 #   benches/gpu/run.sh ops              # the fused ops' CUDA kernels against torch compositions
-#   benches/gpu/run.sh cli [MODEL_DIR]  # the `kiln` CLI on cuda:0: precisions, the strategies on
-#                                       # NCCL at world size 1, activation checkpointing, and
+#   benches/gpu/run.sh cli [MODEL_DIR]  # the `kiln` CLI on cuda:0: precisions, the profiler, the
+#                                       # strategies on NCCL at world size 1, activation checkpointing, and
 #                                       # generation (MODEL_DIR: make_tiny_llama.py's output)
 #
 # The binaries were built with absolute paths of the build machine in them (the
@@ -80,6 +80,13 @@ case "${1:-}" in
     for precision in 32-true 16-mixed bf16-mixed bf16-true; do
       train "$precision" "$base" --precision "$precision"
     done
+    # The profiler on cuda:0: Kineto records the CUDA kernels beside the operators.
+    train profile "$base" --profile steps=5..10
+    if grep -q "Self device" "$runs/profile/profile/ops.txt" 2>/dev/null; then
+      head -n 14 "$runs/profile/profile/ops.txt"
+    else
+      echo "  no device time in $runs/profile/profile/ops.txt"; status=1
+    fi
     for strategy in ddp zero1 zero2 fsdp; do
       config=$runs/$strategy.toml
       { echo 'activation_checkpointing = ["0", "3"]'; cat "$base"
