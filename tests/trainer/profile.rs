@@ -1,8 +1,8 @@
 //! The trainer's profiler (`Trainer::with_profiler`) through the Rust API: an
 //! input-bound run shows as the data loader's wait, a run stopped inside the
 //! window writes what it recorded, a step that fails inside it leaves no
-//! profiler running, and windows the run cannot record are refused before its
-//! first step.
+//! profiler running, windows at and across an epoch's start record each step
+//! once, and windows the run cannot record are refused before its first step.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -138,6 +138,28 @@ fn an_input_bound_run_shows_as_the_data_loader_wait() {
     // Two linear layers per step (forward), eight rows a batch.
     assert_eq!(rows["aten::linear"].0, 8);
     assert!(profile.dir.join("trace.json").is_file());
+}
+
+#[test]
+fn windows_across_and_at_an_epochs_start_count_each_step_once() {
+    let _serial = serial();
+    let dir = kiln_testkit::TempDir::new("profile-epochs");
+    // Six steps an epoch: 5..9 spans the boundary, 7..9 starts with the second epoch.
+    for (window, name) in [(5..9, "across"), (7..9, "second")] {
+        let profile = ProfileConfig::new(window.clone()).in_dir(dir.path().join(name));
+        let mut state = state();
+        trainer(2, profile.clone())
+            .fit(&mut state, &SlowLoader::new(0, None), None)
+            .unwrap();
+        let rows = rows(&profile.dir);
+        let steps = window.end - window.start;
+        assert_eq!(rows["ProfilerStep*"].0, steps, "{name}");
+        assert_eq!(
+            rows["kiln::data_loader_wait"].0, steps,
+            "{name}: one wait a step"
+        );
+        assert_eq!(rows["aten::linear"].0, 2 * steps, "{name}");
+    }
 }
 
 /// Stops the run after step `at`.

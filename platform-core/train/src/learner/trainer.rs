@@ -620,17 +620,18 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
             let mut micro = 0u64;
             let skip = state.batch_in_epoch as usize;
-            let mut batches = train.batches_from(state.epoch, skip);
+            let mut pulls = train.batches_from(state.epoch, skip);
             loop {
-                // The wait for the batch is part of the step, and profiled as such.
+                // The wait for the batch is part of the step, and profiled as such;
+                // the pull that ends the epoch belongs to no step.
                 let next = match profile.as_mut() {
-                    Some(p) => {
+                    Some(p) if state.batch_in_epoch < batches => {
                         if micro == 0 {
                             p.before_step(state.step + 1)?;
                         }
-                        p.wait(|| batches.next())?
+                        p.wait(|| pulls.next())?
                     }
-                    None => batches.next(),
+                    _ => pulls.next(),
                 };
                 let Some(batch) = next else { break };
                 if self.config.max_steps.is_some_and(|m| state.step >= m) {

@@ -130,6 +130,7 @@ impl FromStr for ProfileConfig {
 pub(crate) struct ProfileRun {
     config: ProfileConfig,
     profiler: Box<dyn StepProfiler>,
+    prepared: bool,
     recording: bool,
     in_step: bool,
     done: bool,
@@ -168,6 +169,7 @@ impl ProfileRun {
         Ok(ProfileRun {
             config: config.clone(),
             profiler: B::profiler(device)?,
+            prepared: false,
             recording: false,
             in_step: false,
             done: false,
@@ -180,14 +182,15 @@ impl ProfileRun {
         if self.done {
             return Ok(());
         }
+        // Called again for a step whose first batch comes after an epoch's end
+        // (gradient accumulation's leftover micro-batches): each call does its
+        // part once.
         let start = self.config.steps.start;
-        if step + 1 == start {
+        if (step + 1 == start || step == start) && !self.prepared {
             self.profiler.prepare()?;
+            self.prepared = true;
         }
-        if step == start {
-            if start == 1 {
-                self.profiler.prepare()?;
-            }
+        if step == start && !self.recording {
             self.profiler.start()?;
             self.recording = true;
         }
