@@ -542,6 +542,42 @@ fn tensorboard_views_read_back_in_tensorboard() {
     ]);
     assert!(err.contains("logging.grad_norms"), "{err}");
     assert!(!out.exists(), "nothing written");
+
+    // The model graph: TensorFlow's, read back by TensorBoard; libtorch has none.
+    let graphed = logging.replace("grad_norms = true", "graph = true");
+    std::fs::write(&tf, format!("backend = \"tensorflow\"\n{graphed}")).unwrap();
+    train(tf.to_str().unwrap(), &out, &["--epochs", "1"]);
+    let stdout = kiln_testkit::run_reference_script!(
+        &python,
+        "tensorboard_views.py",
+        &[out.join("tensorboard").as_os_str()]
+    );
+    let read: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let ops: Vec<&str> = read["graph"]["ops"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no graph: {stdout}"))
+        .iter()
+        .map(|o| o.as_str().unwrap())
+        .collect();
+    // The two linear layers' products, forward and backward, and Adam's update.
+    for op in ["MatMul", "VarHandleOp", "ResourceApplyAdam"] {
+        assert!(ops.contains(&op), "{op} not in {ops:?}");
+    }
+    let torch = dir.join("graph.toml");
+    std::fs::write(&torch, &graphed).unwrap();
+    let refused = dir.join("torch-graph");
+    let err = kiln_fails(&[
+        "train",
+        "--config",
+        torch.to_str().unwrap(),
+        "--output",
+        refused.to_str().unwrap(),
+    ]);
+    assert!(
+        err.contains("logging.graph") && err.contains("keeps no dataflow graph"),
+        "{err}"
+    );
+    assert!(!refused.exists(), "nothing written");
 }
 
 /// A profile's table, `ops.csv`: name -> (calls, self µs, total µs).

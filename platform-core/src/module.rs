@@ -154,6 +154,15 @@ pub trait Module<B: Backend> {
         Ok(Vec::new())
     }
 
+    /// The engine's dataflow graph of the module, as a serialised TensorFlow
+    /// `GraphDef` (what TensorBoard's Graphs view shows), where the engine keeps
+    /// one: TensorFlow's graph holds the model and every program built on it so
+    /// far (after a training step, the step's forward, backward and update).
+    /// `None`, the default, for engines that run eagerly (libtorch).
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        Ok(None)
+    }
+
     /// Total number of parameter elements; fails if
     /// [`named_parameters`](Module::named_parameters) does.
     fn num_parameters(&self) -> Result<usize> {
@@ -253,6 +262,9 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     }
     fn running_stats(&self) -> Result<Vec<RunningStats>> {
         (**self).running_stats()
+    }
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        (**self).graph_def()
     }
     fn num_parameters(&self) -> Result<usize> {
         (**self).num_parameters()

@@ -334,6 +334,9 @@ impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
     fn running_stats(&self) -> Result<Vec<crate::module::RunningStats>> {
         self.module.running_stats()
     }
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        self.module.graph_def()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         self.module.state_dict()
     }

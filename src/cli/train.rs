@@ -512,6 +512,13 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
             B::NAME
         );
     }
+    if config.logging.graph && model.graph_def()?.is_none() {
+        anyhow::bail!(
+            "config key `logging.graph`: the {} backend runs eagerly and keeps no dataflow \
+             graph for TensorBoard's Graphs view (the tensorflow backend does)",
+            B::NAME
+        );
+    }
     let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
     if let Some(averaging) = config.training.averaging() {
         if rendezvous.is_some()

@@ -6,7 +6,8 @@ Usage: tensorboard_views.py LOGDIR
 Prints one JSON object:
 
     {"scalars": {tag: [[step, value], ...]},
-     "histograms": {tag: [[step, min, max, num, sum, sum_squares, [limits], [counts]], ...]}}
+     "histograms": {tag: [[step, min, max, num, sum, sum_squares, [limits], [counts]], ...]},
+     "graph": null or {"nodes": count, "ops": [op type, ...]}}
 """
 
 import json
@@ -34,7 +35,12 @@ def main():
                 [e.step, h.min, h.max, h.num, h.sum, h.sum_squares, list(h.bucket_limit), list(h.bucket)]
             )
         histograms[tag] = rows
-    print(json.dumps({"scalars": scalars, "histograms": histograms}))
+    graph = None
+    if tags.get("graph"):
+        # TensorBoard's own parse of the GraphDef: the op types and node count.
+        nodes = acc.Graph().node
+        graph = {"nodes": len(nodes), "ops": sorted({n.op for n in nodes})}
+    print(json.dumps({"scalars": scalars, "histograms": histograms, "graph": graph}))
 
 
 if __name__ == "__main__":

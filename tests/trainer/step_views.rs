@@ -100,6 +100,7 @@ fn gradient_norms_and_rates_per_group_match_pytorch_and_histograms_hold_the_step
         lr_per_group: true,
         grad_norms: true,
         histograms_every: steps / 2,
+        graph: false,
     });
     let loader = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), BATCH).unwrap();
     trainer.fit(&mut state, &loader, None).unwrap();

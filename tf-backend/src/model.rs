@@ -265,6 +265,18 @@ impl Module<TfBackend> for TfModel {
         Ok(self.spec.running_stats())
     }
 
+    /// The model's graph with every program built on it so far.
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        let graph = lock(&self.graph)?;
+        graph
+            .engine
+            .b
+            .graph
+            .graph_def()
+            .map(Some)
+            .map_err(|s| crate::error::tf_error("serialising the model's graph", s))
+    }
+
     fn state_dict(&self) -> Result<StateDict> {
         let values = self.read_all()?;
         let mut state = StateDict::new();

@@ -137,6 +137,9 @@ impl Module<TfBackend> for ZeroDataParallel {
     fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
         self.model.running_stats()
     }
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        self.model.graph_def()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         Module::<TfBackend>::state_dict(&self.model)
     }

@@ -322,6 +322,21 @@ fn the_module_is_send_and_names_the_keras_variables() {
     assert_eq!(dims, [vec![8, 16], vec![16], vec![16, 3], vec![3]]);
     assert_eq!(Module::<TfBackend>::num_parameters(&module).unwrap(), 195);
 
+    // The graph the session runs (TensorBoard's Graphs view): a GraphDef that
+    // TensorFlow imports, holding the export's variables.
+    let graph_def = Module::<TfBackend>::graph_def(&module)
+        .unwrap()
+        .expect("a SavedModel has a graph");
+    let mut imported = tensorflow::Graph::new();
+    imported
+        .import_graph_def(&graph_def, &tensorflow::ImportGraphDefOptions::new())
+        .unwrap();
+    let variables = imported
+        .operation_iter()
+        .filter(|op| op.op_type().is_ok_and(|t| t == "VarHandleOp"))
+        .count();
+    assert!(variables >= 4, "{variables} variables in the graph");
+
     // The serving output is the export's, and predictions go through `serve`.
     let x = TfBackend::from_host(&fixture.serve_input(), Device::Cpu).unwrap();
     let output = module.predict_step(&x).unwrap();

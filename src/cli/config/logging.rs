@@ -63,6 +63,10 @@ pub struct LoggingConfig {
     /// optimizer steps (0, the default: none).
     #[serde(default)]
     pub histograms_every_n_steps: u64,
+    /// The model's dataflow graph in TensorBoard's Graphs view, after the first
+    /// step (TensorFlow only: libtorch runs eagerly and keeps no graph).
+    #[serde(default)]
+    pub graph: bool,
 }
 
 fn one() -> i64 {
@@ -85,6 +89,7 @@ impl Default for LoggingConfig {
             lr_per_group: false,
             grad_norms: false,
             histograms_every_n_steps: 0,
+            graph: false,
         }
     }
 }
@@ -96,6 +101,7 @@ impl LoggingConfig {
             lr_per_group: self.lr_per_group,
             grad_norms: self.grad_norms,
             histograms_every: self.histograms_every_n_steps,
+            graph: self.graph,
         }
     }
 

@@ -534,6 +534,16 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                  sharded checkpoints",
             ));
         }
+        if self.views.graph && state.model.graph_def()?.is_none() {
+            return Err(Error::invalid_argument(
+                "logging.graph",
+                format!(
+                    "the {} engine runs eagerly and keeps no dataflow graph for TensorBoard's \
+                     Graphs view (TensorFlow does)",
+                    B::NAME
+                ),
+            ));
+        }
         if self.views.grad_norms && !state.optimizer.keeps_gradients() {
             return Err(Error::invalid_argument(
                 "logging.grad_norms",
@@ -585,6 +595,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         profile: &mut Option<ProfileRun>,
     ) -> Result<()> {
         let deferred = self.loss_reads() == LossReads::WhenLogged;
+        let mut graph_logged = false;
         let accumulate = self.config.accumulate;
         let device = self.config.device;
         // A resumed position past the end of an epoch of this data: the state
@@ -725,6 +736,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                     for sink in &mut self.sinks {
                         sink.log_histograms(state.step, &histograms)?;
                     }
+                }
+                if self.views.graph && !graph_logged {
+                    self.log_graph(state)?;
+                    graph_logged = true;
                 }
                 for sink in &mut self.sinks {
                     sink.end_step(state.step)?;

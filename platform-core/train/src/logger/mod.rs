@@ -87,6 +87,14 @@ pub trait MetricSink: Send {
         Ok(())
     }
 
+    /// Records the model's dataflow graph, a serialised TensorFlow `GraphDef`
+    /// ([`Module::graph_def`](kiln_core::module::Module::graph_def)), for
+    /// TensorBoard's Graphs view; ignored by other sinks (the default).
+    fn log_graph(&mut self, graph_def: &[u8]) -> Result<()> {
+        let _ = graph_def;
+        Ok(())
+    }
+
     /// Flushes and closes the sink at the end of training; nothing should be
     /// logged afterwards.
     fn finish(&mut self) -> Result<()>;

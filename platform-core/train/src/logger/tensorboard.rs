@@ -178,6 +178,16 @@ impl MetricSink for TensorBoardSink {
         self.write_histograms(step, tensors)
     }
 
+    /// One event holding the graph (`Event.graph_def`, field 4), as
+    /// `SummaryWriter.add_graph` writes it.
+    fn log_graph(&mut self, graph_def: &[u8]) -> Result<()> {
+        let mut event = Vec::new();
+        encode_event_header(&mut event, wall_time(), 0);
+        encode_bytes_field(&mut event, 4, graph_def);
+        self.write_record(&event)?;
+        self.flush()
+    }
+
     fn finish(&mut self) -> Result<()> {
         self.flush()?;
         self.writer

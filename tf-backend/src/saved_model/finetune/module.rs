@@ -137,6 +137,11 @@ impl Module<TfBackend> for SavedModelModule {
         })
     }
 
+    /// The SavedModel's graph with the ops Kiln added to train it.
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        self.shared.model.running_graph_def().map(Some)
+    }
+
     fn mode(&self) -> Mode {
         self.mode
     }

@@ -311,6 +311,17 @@ impl SavedModel {
         })
     }
 
+    /// The graph the session runs now (the MetaGraph and the ops Kiln added),
+    /// serialised.
+    pub(crate) fn running_graph_def(&self) -> Result<Vec<u8>> {
+        self.graph()?.graph.graph_def().map_err(|s| {
+            tf_error(
+                &format!("serialising the graph of {}", self.dir.display()),
+                s,
+            )
+        })
+    }
+
     /// The session holding the variables, which runs the graph.
     pub(crate) fn session(&self) -> &Session {
         &self.session

@@ -1,5 +1,6 @@
 //! What the training tools add to the loop: the TensorBoard views of a
-//! logged step, SWA's learning rates, and the weight average at the end.
+//! logged step and the model's graph, SWA's learning rates, and the weight
+//! average at the end.
 
 use super::Trainer;
 use crate::learner::averaging::AveragingConfig;
@@ -28,9 +29,26 @@ pub struct StepViews {
     /// optimizer keeps them, every gradient (`gradients/<name>`) after every
     /// this many optimizer steps (0: none).
     pub histograms_every: u64,
+    /// The model's dataflow graph ([`Module::graph_def`]), once, after the run's
+    /// first step (when the graph holds the training step). Needs an engine that
+    /// keeps one (TensorFlow); `fit` refuses it before the first step otherwise.
+    ///
+    /// [`Module::graph_def`]: kiln_core::module::Module::graph_def
+    pub graph: bool,
 }
 
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
+    /// Gives the sinks the model's graph ([`StepViews::graph`]).
+    pub(super) fn log_graph(&mut self, state: &TrainingState<B, M>) -> Result<()> {
+        let Some(graph) = state.model.graph_def()? else {
+            return Ok(());
+        };
+        for sink in &mut self.sinks {
+            sink.log_graph(&graph)?;
+        }
+        Ok(())
+    }
+
     /// Adds the [`StepViews`] of a logged step to its `row`.
     pub(super) fn views_row(
         &self,
