@@ -72,16 +72,7 @@ impl ProfileConfig {
     /// Checks the window, and that none of the files exists (a profile is never
     /// written over another file).
     pub fn validate(&self) -> Result<()> {
-        if self.steps.start == 0 || self.steps.end <= self.steps.start {
-            return Err(Error::invalid_argument(
-                "profile steps",
-                format!(
-                    "{}..{} is not a window of steps: expected START..END with 1 <= START < END \
-                     (steps are numbered from 1; END is not included)",
-                    self.steps.start, self.steps.end
-                ),
-            ));
-        }
+        self.check_steps()?;
         for file in self.files() {
             if file.exists() {
                 return Err(Error::invalid_argument(
@@ -93,6 +84,21 @@ impl ProfileConfig {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Checks the window: `1 <= start < end`.
+    fn check_steps(&self) -> Result<()> {
+        if self.steps.start == 0 || self.steps.end <= self.steps.start {
+            return Err(Error::invalid_argument(
+                "profile steps",
+                format!(
+                    "{}..{} is not a window of steps: expected START..END with 1 <= START < END \
+                     (steps are numbered from 1; END is not included)",
+                    self.steps.start, self.steps.end
+                ),
+            ));
         }
         Ok(())
     }
@@ -113,15 +119,7 @@ impl FromStr for ProfileConfig {
         let (start, end) = range.split_once("..").ok_or_else(bad)?;
         let number = |s: &str| s.trim().parse::<u64>().map_err(|_| bad());
         let config = ProfileConfig::new(number(start)?..number(end)?);
-        if config.steps.start == 0 || config.steps.end <= config.steps.start {
-            return Err(Error::invalid_argument(
-                "profile",
-                format!(
-                    "`{text}`: expected 1 <= START < END (steps are numbered from 1; END is \
-                     not included)"
-                ),
-            ));
-        }
+        config.check_steps()?;
         Ok(config)
     }
 }
