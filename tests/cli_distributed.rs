@@ -438,10 +438,7 @@ fn distributed_config_keys() {
     let text = std::fs::read_to_string(&cfg).unwrap();
     let short = dir.join("short.toml");
     std::fs::write(&short, text.replace("timeout = 60", "timeout = 2")).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port();
+    let port = kiln_testkit::ranks::free_port();
     let start = Instant::now();
     let out = Command::new(KILN)
         .args(["train", "--config"])

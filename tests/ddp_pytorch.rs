@@ -95,11 +95,7 @@ fn rank(dir: &Path) -> Result<()> {
 
 fn spawn_ranks(dir: &Path) -> Vec<std::process::Output> {
     let exe = std::env::current_exe().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap()
-        .port()
-        .to_string();
+    let port = kiln_testkit::ranks::free_port().to_string();
     let children: Vec<_> = (0..2)
         .map(|r| {
             Command::new(&exe)

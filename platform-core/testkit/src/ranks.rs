@@ -18,12 +18,54 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A free local TCP port, for a rank 0's store.
+/// A free local TCP port for a rank 0's store, outside the kernel's ephemeral
+/// range, and a different one at each call in this process.
+///
+/// A port the kernel handed out (`bind` to port 0) and released is free only
+/// for a moment: until rank 0 binds it, any process's next outgoing connection
+/// or listener (another test's Gloo pairs, its store clients) may be given it,
+/// and then one test's ranks talk to another test's sockets. Ports below the
+/// ephemeral range (`net.ipv4.ip_local_port_range`) are never handed out that
+/// way, so only a process that names the same port can take it; the ports
+/// tried start at an offset drawn from this process's id, and each is checked
+/// free before it is returned.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let (low, span) = below_ephemeral_range();
+    let offset = std::process::id().wrapping_mul(7919) % span;
+    for _ in 0..span {
+        let k = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = low + ((offset + k) % span);
+        let Ok(port) = u16::try_from(port) else {
+            continue;
+        };
+        let free = [
+            std::net::Ipv4Addr::UNSPECIFIED,
+            std::net::Ipv4Addr::LOCALHOST,
+        ]
+        .iter()
+        .all(|ip| std::net::TcpListener::bind((*ip, port)).is_ok());
+        if free {
+            return port;
+        }
+    }
+    // Every port below the range is taken: fall back on the kernel's choice.
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("a free local port")
+}
+
+/// The first port and the number of ports of the block just below the
+/// kernel's ephemeral range (at most 8000 ports, none below 10000).
+fn below_ephemeral_range() -> (u32, u32) {
+    let start = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let low = start.saturating_sub(8000).max(10000);
+    (low, start.saturating_sub(low).max(1000))
 }
 
 /// Starts ranks `ranks` of a `world`-rank job, each running test `test` of this
