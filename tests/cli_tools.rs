@@ -580,6 +580,212 @@ fn tensorboard_views_read_back_in_tensorboard() {
     assert!(!refused.exists(), "nothing written");
 }
 
+/// A small CNN on the digits as `[1, 8, 8]` images, logging misclassified
+/// validation images (`extra` goes at the top of the config).
+fn misclassified_config(dir: &Path, name: &str, extra: &str, logging: &str) -> String {
+    let text = format!(
+        r#"seed = 4
+output_dir = "{out}"
+{extra}
+[data]
+dataset = "digits"
+batch_size = 64
+workers = 1
+scale = 16.0
+val_fraction = 0.2
+input_shape = [1, 8, 8]
+
+[model]
+type = "sequential"
+layers = [
+  {{ type = "conv2d", in_channels = 1, out_channels = 8, kernel_size = 3, padding = 1 }},
+  {{ type = "relu" }},
+  {{ type = "max_pool2d", kernel_size = 2 }},
+  {{ type = "flatten" }},
+  {{ type = "linear", in_features = 128, out_features = 10 }},
+]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adam"
+lr = 0.01
+
+[training]
+epochs = 2
+
+[logging]
+plots = false
+progress = false
+{logging}
+"#,
+        out = dir.join("default-out").display()
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// `[logging] misclassified_images`, on both engines: after each validation
+/// TensorBoard's `EventAccumulator` reads a grid and a table whose count of
+/// misclassified samples is `val_accuracy`'s; each sample's class is the
+/// split's label, and the grid is, pixel for pixel, what torchvision's
+/// `make_grid(normalize=True, scale_each=True)` and `SummaryWriter.add_image`
+/// make of those samples. PyTorch, running the final weights over the split,
+/// finds the same first misclassified samples, predictions and probabilities
+/// as the last epoch's table. Data or settings that cannot give images are
+/// refused before anything is written.
+#[test]
+fn misclassified_images_read_back_in_tensorboard() {
+    let _serial = serial();
+    let Some(digits) = kiln_testkit::digits("misclassified images through the CLI") else {
+        return;
+    };
+    let Some(python) = kiln_testkit::python("misclassified images through the CLI") else {
+        return;
+    };
+    let dir = scratch("misclassified");
+    let (_, val) = kiln::data::split_indices(1797, 0.2, 4).unwrap();
+    let indices = dir.join("val.json");
+    std::fs::write(&indices, serde_json::to_string(&val).unwrap()).unwrap();
+    for (backend, epochs) in [("torch", 2), ("tensorflow", 1)] {
+        let cfg = misclassified_config(
+            &dir,
+            &format!("{backend}.toml"),
+            &format!("backend = \"{backend}\""),
+            "misclassified_images = 12",
+        );
+        let run = dir.join(backend);
+        train(&cfg, &run, &["--epochs", &epochs.to_string()]);
+        let stdout = kiln_testkit::run_reference_script!(
+            &python,
+            "misclassified_images.py",
+            &[
+                run.join("tensorboard").as_os_str(),
+                digits.as_os_str(),
+                indices.as_os_str(),
+                run.join("model.safetensors").as_os_str(),
+                "12".as_ref(),
+            ]
+        );
+        let read: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+        let logged = read["epochs"].as_array().unwrap();
+        let accuracy = epoch_column(&run, "val_accuracy");
+        assert_eq!(
+            logged.len(),
+            epochs,
+            "{backend}: one per validation: {stdout}"
+        );
+        for (epoch, entry) in logged.iter().enumerate() {
+            let number = |key: &str| {
+                entry[key]
+                    .as_u64()
+                    .unwrap_or_else(|| panic!("{key}: {entry}"))
+            };
+            assert_eq!(number("step"), epoch as u64);
+            assert_eq!(number("seen"), val.len() as u64);
+            let wrong = number("wrong");
+            let expected = ((1.0 - accuracy[epoch]) * val.len() as f64).round() as u64;
+            assert_eq!(
+                wrong, expected,
+                "{backend}: val_accuracy {}",
+                accuracy[epoch]
+            );
+            let rows = entry["rows"].as_array().unwrap();
+            let shown = wrong.min(12) as usize;
+            assert_eq!(rows.len(), shown, "{entry}");
+            assert!(entry["labels_match"].as_bool().unwrap(), "{entry}");
+            for row in rows {
+                assert_ne!(row[1], row[2], "{row}: class and prediction differ");
+                let p = row[3].as_f64().unwrap();
+                assert!(
+                    p > 0.1 && p <= 1.0,
+                    "{row}: the predicted class's probability"
+                );
+            }
+            if shown > 0 {
+                // make_grid: 8 to a row, 2 pixels between and around.
+                let (across, down) = (shown.min(8), shown.div_ceil(8));
+                let size = |n: usize| if shown == 1 { 8 } else { n * 10 + 2 };
+                assert_eq!(number("width"), size(across) as u64);
+                assert_eq!(number("height"), size(down) as u64);
+                assert_eq!(number("png_width"), number("width"));
+                assert_eq!(number("png_height"), number("height"));
+                assert_eq!(number("pixels_max_diff"), 0, "{backend}: the grid's pixels");
+            }
+        }
+        // PyTorch on the final weights: the last table's samples.
+        let last = logged.last().unwrap();
+        let torch = &read["torch"];
+        assert_eq!(torch["wrong"], last["wrong"], "{backend}: {stdout}");
+        let (ours, theirs) = (
+            last["rows"].as_array().unwrap(),
+            torch["rows"].as_array().unwrap(),
+        );
+        assert_eq!(ours.len(), theirs.len());
+        for (a, b) in ours.iter().zip(theirs) {
+            let first3 = |v: &serde_json::Value| v.as_array().unwrap()[..3].to_vec();
+            assert_eq!(first3(a), first3(b), "{backend}: sample, class, prediction");
+            let (pa, pb) = (a[3].as_f64().unwrap(), b[3].as_f64().unwrap());
+            assert!(
+                (pa - pb).abs() < 6e-4,
+                "{backend}: probability {pa} vs {pb}"
+            );
+        }
+    }
+
+    // Refused before anything is written: flat inputs, TensorBoard off, no
+    // validation split.
+    let cnn = "{ type = \"conv2d\", in_channels = 1, out_channels = 8, kernel_size = 3, \
+               padding = 1 },\n  { type = \"relu\" },\n  { type = \"max_pool2d\", kernel_size = 2 \
+               },\n  { type = \"flatten\" },\n  { type = \"linear\", in_features = 128";
+    let refusals: [(&str, &[(&str, &str)], &str); 3] = [
+        (
+            "flat",
+            &[
+                ("input_shape = [1, 8, 8]\n", ""),
+                (cnn, "{ type = \"linear\", in_features = 64"),
+            ],
+            "is [64]",
+        ),
+        (
+            "no-tensorboard",
+            &[(
+                "misclassified_images",
+                "tensorboard = false\nmisclassified_images",
+            )],
+            "logging.tensorboard = false",
+        ),
+        (
+            "no-validation",
+            &[("val_fraction = 0.2", "val_fraction = 0.0")],
+            "has none",
+        ),
+    ];
+    for (name, edits, expected) in refusals {
+        let cfg = misclassified_config(
+            &dir,
+            &format!("{name}.toml"),
+            "",
+            "misclassified_images = 4",
+        );
+        let mut text = std::fs::read_to_string(&cfg).unwrap();
+        for (from, to) in edits {
+            assert!(text.contains(from), "{name}: {from}");
+            text = text.replace(from, to);
+        }
+        std::fs::write(&cfg, text).unwrap();
+        let out = dir.join(name);
+        let err = kiln_fails(&["train", "--config", &cfg, "--output", out.to_str().unwrap()]);
+        assert!(
+            err.contains("logging.misclassified_images") && err.contains(expected),
+            "{name}: {err}"
+        );
+        assert!(!out.exists(), "{name}: nothing written");
+    }
+}
+
 /// A profile's table, `ops.csv`: name -> (calls, self µs, total µs).
 fn profile_rows(dir: &Path) -> std::collections::BTreeMap<String, (u64, f64, f64)> {
     let text = std::fs::read_to_string(dir.join("ops.csv")).unwrap();

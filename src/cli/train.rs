@@ -298,6 +298,7 @@ struct Prepared<'a> {
     train_loader: Box<dyn DataLoader>,
     val_loader: Option<Box<dyn DataLoader>>,
     examples: (usize, usize),
+    misclassified: Option<kiln_train::MisclassifiedImages>,
 }
 
 /// `kiln train` on backend `B`, data-parallel through `P` when started as one
@@ -334,9 +335,16 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         follower_resume(config, resume.from.as_deref())?
     };
     let data = load_data::<E>(config)?;
+    let misclassified = config.logging.misclassified_view(
+        data.probe.dims(),
+        data.val.is_some(),
+        &config.loss,
+        data.class_names.as_deref(),
+    )?;
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
     let definition = resolve_model::<E>(config, &data.probe, config.device)?;
     let sample = data.probe.dims().get(1..).unwrap_or_default().to_vec();
+
     let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));
@@ -422,6 +430,7 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         train_loader,
         val_loader,
         examples,
+        misclassified,
     };
     let Some(r) = rendezvous else {
         return fit::<B, _>(prepared, model);
@@ -494,6 +503,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         train_loader,
         val_loader,
         examples: (n_train, n_val),
+        misclassified,
     } = prepared;
     let out = &config.output_dir;
     if let Some(request) = &resume.lr_find {
@@ -558,6 +568,9 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
     training.device = config.device;
     let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?
         .with_step_views(config.logging.step_views());
+    if let Some(view) = misclassified {
+        trainer = trainer.with_misclassified_images(view);
+    }
     for name in &config.logging.metrics {
         let make =
             kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;

@@ -27,12 +27,13 @@ pub use checkpoint::{
 };
 pub use learner::{
     find_lr, update_batch_norm, AveragingConfig, Callback, EarlyStopping, EmaConfig, EpochRecord,
-    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, ProfileConfig, ScheduleInterval,
-    StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState, WeightAveraging,
+    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, MisclassifiedImages, ProfileConfig,
+    ScheduleInterval, StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState,
+    WeightAveraging, MISCLASSIFIED_TAG,
 };
 pub use logger::{
-    plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, MetricSink,
-    PlotOptions, ProgressSink, TensorBoardSink,
+    plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, LoggedImage,
+    MetricSink, PlotOptions, ProgressSink, TensorBoardSink,
 };
 pub use metric::{
     metric_by_name, Accuracy, LossMetric, MeanAbsoluteError, Metric, Precision, Recall,

@@ -67,6 +67,11 @@ pub struct LoggingConfig {
     /// step (TensorFlow only: libtorch runs eagerly and keeps no graph).
     #[serde(default)]
     pub graph: bool,
+    /// After each validation, the first this many misclassified validation
+    /// images in TensorBoard's Images view, as one grid, with a table of their
+    /// classes in its Text view (0, the default: none). Image classifiers only.
+    #[serde(default)]
+    pub misclassified_images: usize,
 }
 
 fn one() -> i64 {
@@ -90,6 +95,7 @@ impl Default for LoggingConfig {
             grad_norms: false,
             histograms_every_n_steps: 0,
             graph: false,
+            misclassified_images: 0,
         }
     }
 }
@@ -103,6 +109,66 @@ impl LoggingConfig {
             histograms_every: self.histograms_every_n_steps,
             graph: self.graph,
         }
+    }
+
+    /// The misclassified-images view of a run with this data (its one
+    /// example `probe`, whether it has a validation split, its class names)
+    /// and `loss`, checked before anything is written; `None` when it is off.
+    pub fn misclassified_view(
+        &self,
+        probe: &[usize],
+        has_validation: bool,
+        loss: &kiln_core::loss::Loss,
+        class_names: Option<&[String]>,
+    ) -> anyhow::Result<Option<kiln_train::MisclassifiedImages>> {
+        let count = self.misclassified_images;
+        if count == 0 {
+            return Ok(None);
+        }
+        let refuse = |why: String| {
+            anyhow::anyhow!("config key `logging.misclassified_images` = {count}: {why}")
+        };
+        if !self.tensorboard {
+            return Err(refuse(
+                "the images go to TensorBoard, which `logging.tensorboard = false` turns off"
+                    .into(),
+            ));
+        }
+        if !has_validation {
+            return Err(refuse(
+                "the images are drawn from the validation split, and this run has none \
+                 (set data.val_fraction or data.val_path)"
+                    .into(),
+            ));
+        }
+        let image = match probe {
+            [1, c, h, w] => (*c == 1 || *c == 3) && *h > 0 && *w > 0,
+            [1, h, w] => *h > 0 && *w > 0,
+            _ => false,
+        };
+        if !image {
+            return Err(refuse(format!(
+                "it needs image inputs [C, H, W] with 1 or 3 channels (or [H, W]), and one \
+                 example of this data is {:?} (give tabular data an image shape with \
+                 data.input_shape)",
+                probe.get(1..).unwrap_or_default()
+            )));
+        }
+        if !matches!(
+            loss,
+            kiln_core::loss::Loss::CrossEntropy(_) | kiln_core::loss::Loss::Nll(_)
+        ) {
+            return Err(refuse(format!(
+                "it needs a classifier trained on class indices (loss cross_entropy or nll), \
+                 and this run's loss is {}",
+                loss.torch_name()
+            )));
+        }
+        let view = kiln_train::MisclassifiedImages::new(count);
+        Ok(Some(match class_names {
+            Some(names) => view.with_class_names(names.to_vec()),
+            None => view,
+        }))
     }
 
     /// Whether a run prints its model summary, and to which depth (`None`

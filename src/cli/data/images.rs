@@ -281,7 +281,12 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
     if let (Some(mix), Split::Images(split)) = (mix_transform::<E>(config, &probe)?, &mut train) {
         split.mix = Some(mix);
     }
-    Ok(Data { train, val, probe })
+    Ok(Data {
+        train,
+        val,
+        probe,
+        class_names: classes.map(|(_, names)| names),
+    })
 }
 
 /// MixUp and CutMix need a loss that takes class probabilities.

@@ -75,6 +75,9 @@ pub(crate) struct Data {
     pub(crate) val: Option<Split>,
     /// One example as a batch of one, `[1, ...]`: the model's input shape and dtype.
     pub(crate) probe: HostTensor,
+    /// The classes' names by index, where the data names them (an image
+    /// folder's folders).
+    pub(crate) class_names: Option<Vec<String>>,
 }
 
 /// Where a data set's labels come from, to name a bad one.
@@ -141,6 +144,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
                 train: Split::Tensors(train, mnist.train_labels),
                 val: Some(Split::Tensors(test, mnist.test_labels)),
                 probe,
+                class_names: None,
             });
         }
         DatasetKind::Csv => {
@@ -185,6 +189,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             train: Split::Tensors(features, labels),
             val: None,
             probe,
+            class_names: None,
         });
     }
     let ((x, y), (vx, vy)) =
@@ -193,6 +198,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
         train: Split::Tensors(x, y),
         val: Some(Split::Tensors(vx, vy)),
         probe,
+        class_names: None,
     })
 }
 

@@ -150,6 +150,7 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
         train: split(train),
         val: val.map(split),
         probe,
+        class_names: None,
     })
 }
 

@@ -13,5 +13,6 @@ pub use callback::{Callback, EarlyStopping, Flow};
 pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
 pub use trainer::{
-    EpochRecord, LossReads, ProfileConfig, ScheduleInterval, StepViews, Trainer, TrainerConfig,
+    EpochRecord, LossReads, MisclassifiedImages, ProfileConfig, ScheduleInterval, StepViews,
+    Trainer, TrainerConfig, MISCLASSIFIED_TAG,
 };

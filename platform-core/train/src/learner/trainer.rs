@@ -25,10 +25,13 @@ use kiln_core::rng::SplitMix64;
 use kiln_core::tensor::HostTensor;
 use kiln_data::DataLoader;
 
+mod misclassified;
 mod profiling;
 mod saving;
 mod tools;
 
+use misclassified::Collector;
+pub use misclassified::{MisclassifiedImages, MISCLASSIFIED_TAG};
 pub use profiling::ProfileConfig;
 use profiling::ProfileRun;
 pub use tools::StepViews;
@@ -239,6 +242,7 @@ pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
     data_identity: Option<serde_json::Value>,
     loss_reads: Option<LossReads>,
     views: StepViews,
+    misclassified: Option<MisclassifiedImages>,
     profile: Option<ProfileConfig>,
     _backend: std::marker::PhantomData<fn() -> (B, M)>,
 }
@@ -318,6 +322,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             data_identity: None,
             loss_reads: None,
             views: StepViews::default(),
+            misclassified: None,
             profile: None,
             _backend: std::marker::PhantomData,
         })
@@ -327,6 +332,14 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// optimizer cannot give before the first step.
     pub fn with_step_views(mut self, views: StepViews) -> Self {
         self.views = views;
+        self
+    }
+
+    /// Logs the first misclassified validation samples of each epoch to the
+    /// sinks, as images ([`MisclassifiedImages`]); `fit` checks the loss and
+    /// that there is validation data before the first step.
+    pub fn with_misclassified_images(mut self, view: MisclassifiedImages) -> Self {
+        self.misclassified = Some(view);
         self
     }
 
@@ -554,6 +567,16 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 ),
             ));
         }
+        if let Some(view) = &self.misclassified {
+            view.validate(&self.loss)?;
+            if val.is_none() {
+                return Err(Error::invalid_argument(
+                    "logging.misclassified_images",
+                    "draws from the validation data, and there is none (give fit a validation \
+                     loader)",
+                ));
+            }
+        }
         if self.config.retain_host_memory {
             kiln_core::host_memory::retain_freed_memory();
         }
@@ -769,8 +792,12 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             record.insert("loss".to_owned(), state.epoch_loss.compute()?);
             record.insert("lr".to_owned(), state.optimizer.learning_rate());
             if let Some(val) = val {
-                for (name, value) in self.validate_epoch(state, val)? {
+                let (metrics, misclassified) = self.validate_epoch(state, val)?;
+                for (name, value) in metrics {
                     record.insert(format!("val_{name}"), value);
+                }
+                if let Some(found) = misclassified {
+                    self.log_misclassified(state.epoch, found)?;
                 }
             }
             if self.config.schedule_interval == ScheduleInterval::Epoch && !averaging_epoch {
@@ -820,23 +847,26 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
 
     /// The epoch's validation: [`evaluate`](Self::evaluate), with the averaged
     /// weights in the model when the run keeps an average that validates
-    /// (the training weights are put back afterwards, also on error).
+    /// (the training weights are put back afterwards, also on error), and the
+    /// misclassified samples when the run logs them.
     fn validate_epoch(
         &self,
         state: &mut TrainingState<B, M>,
         val: &dyn DataLoader,
-    ) -> Result<Vec<(String, f64)>> {
+    ) -> Result<(Vec<(String, f64)>, Option<Collector>)> {
+        let mut found = self.misclassified_collector(&state.model);
         let Some(averaging) = state
             .averaging
             .as_ref()
             .filter(|a| a.config().validates() && a.updates() > 0)
         else {
-            return self.evaluate(&mut state.model, val);
+            let metrics = self.evaluate_collecting(&mut state.model, val, found.as_mut())?;
+            return Ok((metrics, found));
         };
         let training = averaging.swap_into(&mut state.model)?;
-        let metrics = self.evaluate(&mut state.model, val);
+        let metrics = self.evaluate_collecting(&mut state.model, val, found.as_mut());
         state.model.load_state_dict(&training)?;
-        metrics
+        Ok((metrics?, found))
     }
 
     /// The loss and every metric over `loader`, in eval mode and without
@@ -852,18 +882,33 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// world size (each rank counts only its own batches). Only rank 0 should be
     /// given sinks and a checkpointer.
     pub fn evaluate(&self, model: &mut M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
+        self.evaluate_collecting(model, loader, None)
+    }
+
+    /// [`evaluate`](Self::evaluate), giving each batch to `found`.
+    fn evaluate_collecting(
+        &self,
+        model: &mut M,
+        loader: &dyn DataLoader,
+        found: Option<&mut Collector>,
+    ) -> Result<Vec<(String, f64)>> {
         if model.collectives().is_some() {
             // Every rank evaluates rank 0's batch-norm statistics.
             model.sync_buffers()?;
         }
         let mode = model.mode();
         model.set_mode(Mode::Eval);
-        let result = self.evaluate_inner(model, loader);
+        let result = self.evaluate_inner(model, loader, found);
         model.set_mode(mode);
         result
     }
 
-    fn evaluate_inner(&self, model: &M, loader: &dyn DataLoader) -> Result<Vec<(String, f64)>> {
+    fn evaluate_inner(
+        &self,
+        model: &M,
+        loader: &dyn DataLoader,
+        mut found: Option<&mut Collector>,
+    ) -> Result<Vec<(String, f64)>> {
         let mut loss = LossMetric::new("loss");
         let mut metrics: Vec<Box<dyn Metric>> = self.metrics.iter().map(|make| make()).collect();
         // Under full sharding every forward pass is a collective: a rank with
@@ -902,6 +947,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
             for metric in &mut metrics {
                 metric.update(&output, &batch.targets)?;
+            }
+            if let Some(found) = found.as_deref_mut() {
+                found.add(&batch.inputs, &output, &batch.targets)?;
             }
             ran += 1;
             if lockstep.is_some() {

@@ -95,9 +95,40 @@ pub trait MetricSink: Send {
         Ok(())
     }
 
+    /// Records images at step `step` (the misclassified validation samples
+    /// [`MisclassifiedImages`](crate::MisclassifiedImages) draws, logged at each
+    /// epoch's number as the epoch values are); ignored by sinks that show only
+    /// numbers (the default).
+    fn log_images(&mut self, step: u64, images: &[LoggedImage]) -> Result<()> {
+        let _ = (step, images);
+        Ok(())
+    }
+
+    /// Records a Markdown text under `tag` at step `step` (TensorBoard's Text
+    /// view); ignored by sinks that show only numbers (the default).
+    fn log_text(&mut self, step: u64, tag: &str, markdown: &str) -> Result<()> {
+        let _ = (step, tag, markdown);
+        Ok(())
+    }
+
     /// Flushes and closes the sink at the end of training; nothing should be
     /// logged afterwards.
     fn finish(&mut self) -> Result<()>;
+}
+
+/// A PNG image and what a viewer needs to know of it without decoding it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoggedImage {
+    /// The name it is shown under.
+    pub tag: String,
+    /// Height in pixels.
+    pub height: u32,
+    /// Width in pixels.
+    pub width: u32,
+    /// 1 (grey) or 3 (RGB).
+    pub channels: u8,
+    /// The PNG file's bytes.
+    pub png: Vec<u8>,
 }
 
 /// Checks that no name is empty or repeated in one call.

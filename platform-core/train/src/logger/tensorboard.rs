@@ -9,7 +9,7 @@ use std::io::{BufWriter, ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::{check_names, MetricSink};
+use super::{check_names, LoggedImage, MetricSink};
 use kiln_core::error::{Error, Result};
 use kiln_core::tensor::HostTensor;
 
@@ -150,6 +150,20 @@ impl TensorBoardSink {
         self.write_record(&event)
     }
 
+    /// Writes one event at `step` holding a summary `value` (an encoded
+    /// `Summary.Value`) per entry.
+    fn write_values(&mut self, step: u64, values: &[Vec<u8>]) -> Result<()> {
+        let step = event_step(step)?;
+        let mut summary = Vec::new();
+        for v in values {
+            encode_bytes_field(&mut summary, 1, v);
+        }
+        let mut event = Vec::new();
+        encode_event_header(&mut event, wall_time(), step);
+        encode_bytes_field(&mut event, 5, &summary);
+        self.write_record(&event)
+    }
+
     fn write_record(&mut self, data: &[u8]) -> Result<()> {
         let record = tf_record(data);
         self.writer
@@ -185,6 +199,51 @@ impl MetricSink for TensorBoardSink {
         encode_event_header(&mut event, wall_time(), 0);
         encode_bytes_field(&mut event, 4, graph_def);
         self.write_record(&event)?;
+        self.flush()
+    }
+
+    /// One event holding an image summary per image (`Summary.Value.image`,
+    /// as `SummaryWriter.add_image` writes it), flushed.
+    fn log_images(&mut self, step: u64, images: &[LoggedImage]) -> Result<()> {
+        let values: Vec<Vec<u8>> = images
+            .iter()
+            .map(|image| {
+                let mut proto = Vec::new();
+                for (field, n) in [
+                    (1u8, image.height),
+                    (2, image.width),
+                    (3, u32::from(image.channels)),
+                ] {
+                    proto.push(field << 3);
+                    encode_varint(&mut proto, u64::from(n));
+                }
+                encode_bytes_field(&mut proto, 4, &image.png);
+                let mut v = Vec::new();
+                encode_bytes_field(&mut v, 1, image.tag.as_bytes());
+                encode_bytes_field(&mut v, 4, &proto);
+                v
+            })
+            .collect();
+        self.write_values(step, &values)?;
+        self.flush()
+    }
+
+    /// One event holding a text summary: a scalar string tensor with the
+    /// `text` plugin's metadata, as `SummaryWriter.add_text` writes it.
+    fn log_text(&mut self, step: u64, tag: &str, markdown: &str) -> Result<()> {
+        let mut plugin = Vec::new();
+        encode_bytes_field(&mut plugin, 1, b"text");
+        let mut metadata = Vec::new();
+        encode_bytes_field(&mut metadata, 1, &plugin);
+        // TensorProto: dtype DT_STRING (7), a scalar shape, one string_val.
+        let mut tensor = vec![1 << 3, 7];
+        encode_bytes_field(&mut tensor, 2, &[]);
+        encode_bytes_field(&mut tensor, 8, markdown.as_bytes());
+        let mut v = Vec::new();
+        encode_bytes_field(&mut v, 1, tag.as_bytes());
+        encode_bytes_field(&mut v, 9, &metadata);
+        encode_bytes_field(&mut v, 8, &tensor);
+        self.write_values(step, &[v])?;
         self.flush()
     }
 
