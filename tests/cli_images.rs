@@ -124,6 +124,12 @@ val_transforms = [
         val = shapes.join("val").display()
     );
     let cfg = image_config(&dir, "folder", &data, 3);
+    // With the misclassified validation images in TensorBoard.
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "tensorboard = false",
+        "tensorboard = true\nmisclassified_images = 8",
+    );
+    std::fs::write(&cfg, text).unwrap();
     let run = dir.join("run");
     let printed = train(s(&cfg), &run, &[]);
     assert!(
@@ -135,6 +141,58 @@ val_transforms = [
     assert_eq!(epochs.lines().count(), 3, "{epochs}");
     // 8 batches of 16 (the last one 8) per epoch.
     assert_eq!(losses(&run).len(), 16);
+    // The misclassified images, named by their class folders, as TensorBoard
+    // reads them: one grid of up to 8 RGB 32x32 images and a table per epoch.
+    let python = kiln_testkit::python("the misclassified images").unwrap();
+    let read: serde_json::Value = serde_json::from_str(&kiln_testkit::run_reference_script!(
+        &python,
+        "tensorboard_views.py",
+        &[run.join("tensorboard").as_os_str()]
+    ))
+    .unwrap();
+    let header: Vec<&str> = epochs.lines().next().unwrap().split(',').collect();
+    let col = header.iter().position(|h| *h == "val_accuracy").unwrap();
+    let accuracy: Vec<f64> = epochs
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').nth(col).unwrap().parse().unwrap())
+        .collect();
+    let texts = read["texts"]["val_misclassified"].as_array().unwrap();
+    let images = read["images"]["val_misclassified"].as_array().unwrap();
+    assert_eq!(texts.len(), 2, "{read}");
+    for (epoch, text) in texts.iter().enumerate() {
+        let table = text[1].as_str().unwrap();
+        let wrong = ((1.0 - accuracy[epoch]) * 30.0).round() as usize;
+        assert!(
+            table.starts_with(&format!(
+                "Epoch {epoch}: {wrong} of 30 validation samples misclassified"
+            )),
+            "{table}"
+        );
+        // The folders are sorted: circle (0), cross (1), ...
+        let classes = ["circle", "cross", "ring", "square", "star", "triangle"];
+        let named = table
+            .lines()
+            .filter(|l| l.starts_with("| ") && !l.starts_with("| #"))
+            .filter(|l| {
+                classes
+                    .iter()
+                    .enumerate()
+                    .any(|(i, c)| l.contains(&format!("{c} ({i})")))
+            })
+            .count();
+        assert_eq!(named, wrong.min(8), "{table}");
+        if wrong > 0 {
+            let image = images.iter().find(|i| i[0] == epoch as u64).unwrap();
+            let shown = wrong.min(8);
+            let width = if shown == 1 { 32 } else { shown * 34 + 2 };
+            let height = if shown == 1 { 32 } else { 36 };
+            assert_eq!(
+                (image[1].as_u64(), image[2].as_u64()),
+                (Some(width as u64), Some(height as u64))
+            );
+        }
+    }
 
     let ckpt = run.join("checkpoints/last.safetensors");
     let table =

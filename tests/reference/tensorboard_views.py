@@ -7,7 +7,9 @@ Prints one JSON object:
 
     {"scalars": {tag: [[step, value], ...]},
      "histograms": {tag: [[step, min, max, num, sum, sum_squares, [limits], [counts]], ...]},
-     "graph": null or {"nodes": count, "ops": [op type, ...]}}
+     "graph": null or {"nodes": count, "ops": [op type, ...]},
+     "images": {tag: [[step, width, height], ...]},
+     "texts": {tag: [[step, text], ...]}}
 """
 
 import json
@@ -23,7 +25,12 @@ from tensorboard.backend.event_processing import event_accumulator  # noqa: E402
 def main():
     acc = event_accumulator.EventAccumulator(
         sys.argv[1],
-        size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0},
+        size_guidance={
+            event_accumulator.SCALARS: 0,
+            event_accumulator.HISTOGRAMS: 0,
+            event_accumulator.IMAGES: 0,
+            event_accumulator.TENSORS: 0,
+        },
     )
     acc.Reload()
     tags = acc.Tags()
@@ -44,7 +51,18 @@ def main():
         # TensorBoard's own parse of the GraphDef: the op types and node count.
         nodes = acc.Graph().node
         graph = {"nodes": len(nodes), "ops": sorted({n.op for n in nodes})}
-    print(json.dumps({"scalars": scalars, "histograms": histograms, "graph": graph}))
+    images = {
+        tag: [[e.step, e.width, e.height] for e in acc.Images(tag)] for tag in tags[event_accumulator.IMAGES]
+    }
+    texts = {
+        tag: [[e.step, e.tensor_proto.string_val[0].decode()] for e in acc.Tensors(tag)]
+        for tag in tags[event_accumulator.TENSORS]
+    }
+    print(
+        json.dumps(
+            {"scalars": scalars, "histograms": histograms, "graph": graph, "images": images, "texts": texts}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 //! The TensorBoard views of a run (`StepViews`): the gradient norms per group
 //! and in total, as the step applied them (clipped), against PyTorch step by
 //! step; each group's learning rate; weight and gradient histograms of the
-//! step's tensors.
+//! step's tensors; the misclassified validation images
+//! (`MisclassifiedImages`).
 
 use std::sync::{Arc, Mutex};
 
 use super::serial;
 use super::weight_averaging::{classes, spec};
+use kiln::core::model::{Layer, LinearConfig};
 use kiln::core::{
     backend::TrainBackend,
     loss::Loss,
@@ -16,7 +18,10 @@ use kiln::core::{
 use kiln::data::{InMemoryDataset, SequentialLoader};
 use kiln::prelude::*;
 use kiln::torch::TorchBackend as B;
-use kiln::train::{MetricSink, StepViews, Trainer, TrainerConfig, TrainingState};
+use kiln::train::{
+    LoggedImage, MetricSink, MisclassifiedImages, StepViews, Trainer, TrainerConfig, TrainingState,
+    MISCLASSIFIED_TAG,
+};
 
 const BATCH: usize = 8;
 
@@ -25,6 +30,8 @@ const BATCH: usize = 8;
 struct Seen {
     steps: Vec<(u64, Vec<(String, f64)>)>,
     histograms: Vec<(u64, Vec<(String, HostTensor)>)>,
+    images: Vec<(u64, Vec<LoggedImage>)>,
+    texts: Vec<(u64, String, String)>,
 }
 
 struct Recorder(Arc<Mutex<Seen>>);
@@ -43,6 +50,15 @@ impl MetricSink for Recorder {
             .unwrap()
             .histograms
             .push((step, tensors.to_vec()));
+        Ok(())
+    }
+    fn log_images(&mut self, step: u64, images: &[LoggedImage]) -> Result<()> {
+        self.0.lock().unwrap().images.push((step, images.to_vec()));
+        Ok(())
+    }
+    fn log_text(&mut self, step: u64, tag: &str, markdown: &str) -> Result<()> {
+        let text = (step, tag.to_owned(), markdown.to_owned());
+        self.0.lock().unwrap().texts.push(text);
         Ok(())
     }
     fn flush(&mut self) -> Result<()> {
@@ -159,4 +175,128 @@ fn gradient_norms_and_rates_per_group_match_pytorch_and_histograms_hold_the_step
         !tensors.iter().any(|(n, _)| n.contains("running_")),
         "buffers are not parameters"
     );
+}
+
+/// `Trainer::with_misclassified_images`: after each validation the sinks get
+/// one grid and one table, at the epoch's number; the table's samples are the
+/// first ones the trained model gets wrong (by `predict`), with the classes'
+/// names; a loss without class indices, or no validation data, is refused
+/// before the first step.
+#[test]
+fn misclassified_images_are_the_first_the_model_gets_wrong() {
+    let _serial = serial();
+    let (x, y) = classes(21);
+    let rows = x.dims()[0];
+    // The 4 features of a row as a 2x2 grey image.
+    let images = x.reshape([rows, 1, 2, 2]).unwrap();
+    let model = |seed| {
+        B::manual_seed(seed);
+        let spec = Layer::sequential([
+            Layer::Flatten {
+                start_dim: 1,
+                end_dim: -1,
+            },
+            LinearConfig::new(4, 3).into(),
+        ]);
+        let model = B::build_model(&spec, Device::Cpu).unwrap();
+        let opt = model
+            .build_optimizer(&OptimizerConfig::Sgd(SgdConfig::new(0.05)), &[])
+            .unwrap();
+        TrainingState::<B>::new(model, opt, None)
+    };
+    let loader = || {
+        SequentialLoader::new(
+            InMemoryDataset::new(images.clone(), y.clone()).unwrap(),
+            BATCH,
+        )
+        .unwrap()
+    };
+    let view =
+        MisclassifiedImages::new(5).with_class_names(vec!["a".into(), "b".into(), "c".into()]);
+    let trainer = |loss: Loss| {
+        let config = TrainerConfig {
+            epochs: 2,
+            ..TrainerConfig::default()
+        };
+        Trainer::<B>::new(config, loss)
+            .unwrap()
+            .with_misclassified_images(view.clone())
+    };
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let mut state = model(4);
+    let mut fit = trainer(Loss::cross_entropy()).with_sink(Recorder(Arc::clone(&seen)));
+    fit.fit(&mut state, &loader(), Some(&loader())).unwrap();
+
+    // The trained model's own mistakes, in order.
+    let outputs = fit.predict(&mut state.model, &loader()).unwrap();
+    let scores: Vec<f64> = outputs.iter().flat_map(HostTensor::to_f64_vec).collect();
+    let labels = y.as_slice::<i64>().unwrap();
+    let wrong: Vec<(usize, usize)> = scores
+        .chunks(3)
+        .enumerate()
+        .filter_map(|(i, row)| {
+            let best = (0..3).fold(0, |b, c| if row[c] > row[b] { c } else { b });
+            (best as i64 != labels[i]).then_some((i, best))
+        })
+        .collect();
+    assert!(wrong.len() > 5, "the test needs mistakes: {}", wrong.len());
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.texts.len(), 2);
+    assert_eq!(
+        seen.images
+            .iter()
+            .map(|(s, i)| (*s, i.len()))
+            .collect::<Vec<_>>(),
+        [(0, 1), (1, 1)]
+    );
+    let (step, tag, table) = seen.texts.last().unwrap();
+    assert_eq!((*step, tag.as_str()), (1, MISCLASSIFIED_TAG));
+    assert!(
+        table.starts_with(&format!(
+            "Epoch 1: {} of {rows} validation samples misclassified; the first 5 shown",
+            wrong.len()
+        )),
+        "{table}"
+    );
+    let names = ["a", "b", "c"];
+    for (k, (sample, predicted)) in wrong.iter().take(5).enumerate() {
+        let class = labels[*sample] as usize;
+        let row = format!(
+            "| {} | {sample} | {} ({class}) | {} ({predicted}) |",
+            k + 1,
+            names[class],
+            names[*predicted]
+        );
+        assert!(table.contains(&row), "{row} not in\n{table}");
+    }
+    // Five 2x2 images in one row of make_grid: 5 * (2 + 2) + 2 by 2 + 2 + 2.
+    let image = &seen.images[1].1[0];
+    assert_eq!(
+        (
+            image.tag.as_str(),
+            image.width,
+            image.height,
+            image.channels
+        ),
+        (MISCLASSIFIED_TAG, 22, 6, 1)
+    );
+    assert!(image.png.starts_with(b"\x89PNG"));
+
+    // Refused before the first step: regression targets, no validation data.
+    for (loss, val, expected) in [
+        (Loss::mse(), true, "MSELoss"),
+        (Loss::cross_entropy(), false, "there is none"),
+    ] {
+        let mut state = model(4);
+        let val_loader = loader();
+        let err = trainer(loss)
+            .fit(&mut state, &loader(), val.then_some(&val_loader as _))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("misclassified_images") && err.contains(expected),
+            "{err}"
+        );
+        assert_eq!(state.step, 0, "no step taken");
+    }
 }

@@ -37,7 +37,8 @@ const IGNORED_TARGET: i64 = -100;
 /// The inputs are images, `[N, C, H, W]` with 1 (grey) or 3 (RGB) channels, or
 /// `[N, H, W]`, and the model's outputs class scores `[N, classes]` for class
 /// index targets (`cross_entropy` or `nll`). On a data-parallel run rank 0
-/// draws from its share of the validation data.
+/// draws from its share of the validation data, and numbers the samples within
+/// it.
 ///
 /// ```
 /// use kiln_train::MisclassifiedImages;
@@ -114,10 +115,9 @@ struct Found {
 /// Gathers one validation's misclassified samples, batch by batch.
 pub(crate) struct Collector {
     config: MisclassifiedImages,
-    /// The validation data's numbering of this rank's samples: the `p`-th is
-    /// sample `p * stride` (rank 0 of `stride` ranks, in `DistributedSampler`'s
-    /// order).
-    stride: usize,
+    /// The number of ranks; with more than one, rank 0's share is numbered
+    /// (and the table says so).
+    world: usize,
     /// Samples seen, and misclassified among them.
     seen: usize,
     wrong: usize,
@@ -131,7 +131,7 @@ impl Collector {
     pub(crate) fn new(config: MisclassifiedImages, world: usize) -> Self {
         Self {
             config,
-            stride: world.max(1),
+            world: world.max(1),
             seen: 0,
             wrong: 0,
             image: None,
@@ -188,7 +188,7 @@ impl Collector {
         let mut pixels: Option<HostTensor> = None;
         let size = c * h * w;
         for (row, &label) in labels.iter().enumerate() {
-            let sample = (self.seen + row) * self.stride;
+            let sample = self.seen + row;
             if label == IGNORED_TARGET {
                 continue;
             }
@@ -229,11 +229,11 @@ impl Collector {
     /// table of them, for validation after epoch `epoch`.
     pub(crate) fn finish(self, epoch: u64) -> Result<(Option<LoggedImage>, String)> {
         let mut table = String::new();
-        let share = if self.stride > 1 {
+        let share = if self.world > 1 {
             format!(
-                " in rank 0's share of the validation data (every {}th sample, as \
-                 `DistributedSampler` deals them)",
-                self.stride
+                " in rank 0's share of the validation data ({} ranks; the samples are \
+                 numbered within the share)",
+                self.world
             )
         } else {
             String::new()
