@@ -740,7 +740,9 @@ fn misclassified_images_read_back_in_tensorboard() {
     let cnn = "{ type = \"conv2d\", in_channels = 1, out_channels = 8, kernel_size = 3, \
                padding = 1 },\n  { type = \"relu\" },\n  { type = \"max_pool2d\", kernel_size = 2 \
                },\n  { type = \"flatten\" },\n  { type = \"linear\", in_features = 128";
-    let refusals: [(&str, &[(&str, &str)], &str); 3] = [
+    // (name, edits of the config, what the error says)
+    type Refusal<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let refusals: [Refusal<'_>; 3] = [
         (
             "flat",
             &[

@@ -31,6 +31,10 @@ mod saving;
 mod tools;
 
 use misclassified::Collector;
+
+/// An epoch's validation: the metrics, and the misclassified samples when the
+/// run logs them.
+type Validation = (Vec<(String, f64)>, Option<Collector>);
 pub use misclassified::{MisclassifiedImages, MISCLASSIFIED_TAG};
 pub use profiling::ProfileConfig;
 use profiling::ProfileRun;
@@ -853,7 +857,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         &self,
         state: &mut TrainingState<B, M>,
         val: &dyn DataLoader,
-    ) -> Result<(Vec<(String, f64)>, Option<Collector>)> {
+    ) -> Result<Validation> {
         let mut found = self.misclassified_collector(&state.model);
         let Some(averaging) = state
             .averaging
