@@ -344,7 +344,6 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     // Finding a torchscript layer's output shape runs it once (drawing nothing).
     let definition = resolve_model::<E>(config, &data.probe, config.device)?;
     let sample = data.probe.dims().get(1..).unwrap_or_default().to_vec();
-
     let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
     let identity = data_identity(config, &data);
     let shard = rendezvous.map(|r| (r.rank, r.world_size));

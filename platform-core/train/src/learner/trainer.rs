@@ -31,14 +31,14 @@ mod saving;
 mod tools;
 
 use misclassified::Collector;
-
-/// An epoch's validation: the metrics, and the misclassified samples when the
-/// run logs them.
-type Validation = (Vec<(String, f64)>, Option<Collector>);
 pub use misclassified::{MisclassifiedImages, MISCLASSIFIED_TAG};
 pub use profiling::ProfileConfig;
 use profiling::ProfileRun;
 pub use tools::StepViews;
+
+/// An epoch's validation: the metrics, and the misclassified samples when the
+/// run logs them.
+type Validation = (Vec<(String, f64)>, Option<Collector>);
 
 /// When the learning-rate schedule advances.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
