@@ -115,6 +115,18 @@ fn no_samples(metric: &str) -> Error {
     )
 }
 
+/// The index of the largest score of `row`, the first one on ties; NaN never
+/// wins unless the whole row is NaN.
+pub(crate) fn argmax(row: &[f64]) -> usize {
+    let mut best = 0;
+    for (c, &v) in row.iter().enumerate() {
+        if v > row[best] || (row[best].is_nan() && !v.is_nan()) {
+            best = c;
+        }
+    }
+    best
+}
+
 /// Logits and targets of one classification batch, checked.
 struct ClassBatch<'a> {
     /// Row-major logits, converted to `f64` (an order-preserving conversion).
@@ -136,17 +148,9 @@ impl ClassBatch<'_> {
         &self.logits[i * self.classes..(i + 1) * self.classes]
     }
 
-    /// The index of the largest logit of row `i`, the first one on ties;
-    /// NaN never wins unless the whole row is NaN.
+    /// The index of the largest logit of row `i` ([`argmax`]).
     fn argmax(&self, i: usize) -> usize {
-        let row = self.row(i);
-        let mut best = 0;
-        for (c, &v) in row.iter().enumerate() {
-            if v > row[best] || (row[best].is_nan() && !v.is_nan()) {
-                best = c;
-            }
-        }
-        best
+        argmax(self.row(i))
     }
 
     /// The target class of row `i` (checked to be in `0..C`).

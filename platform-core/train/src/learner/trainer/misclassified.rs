@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use super::Trainer;
 use crate::logger::LoggedImage;
+use crate::metric::argmax;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::dtype::DType;
 use kiln_core::error::{Error, Result};
@@ -319,18 +320,6 @@ fn image_dims(inputs: &HostTensor) -> Result<(usize, usize, usize)> {
             actual: inputs.shape().to_string(),
         }),
     }
-}
-
-/// The index of the largest score, the first on ties; NaN never wins unless
-/// every score is NaN (as the accuracy metric decides).
-fn argmax(row: &[f64]) -> usize {
-    let mut best = 0;
-    for (c, &v) in row.iter().enumerate() {
-        if v > row[best] || (row[best].is_nan() && !v.is_nan()) {
-            best = c;
-        }
-    }
-    best
 }
 
 /// `softmax(row)[c]`, computed stably.
