@@ -694,3 +694,523 @@ progress = false
         "{printed}"
     );
 }
+
+// Round three: bounded memory from small files, no write through a planted
+// link, checks at start-up (tests/reference/hostile_models.py makes the tiny
+// models, the long documents and the PNG bomb once per binary).
+
+/// The directory `hostile_models.py make` fills, once per test binary.
+fn models(test: &str) -> Option<PathBuf> {
+    static MADE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    common::made_once(test, &MADE, "hostile_models.py", "hostile-models")
+}
+
+/// A copy of the model directory `from` with `edit` applied to its config.json.
+fn model_copy(from: &Path, to: &Path, edit: &dyn Fn(&mut serde_json::Value)) -> PathBuf {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, to.join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(to.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(to.join("config.json"), config.to_string()).unwrap();
+    to.to_path_buf()
+}
+
+/// A text run over the pretrained `model`: `data` is the `[data]` body after
+/// `dataset = "text"`, `extra` top-level tables (`[lora]`).
+fn text_config(dir: &Path, name: &str, model: &Path, data: &str, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"
+seed = 3
+output_dir = "{out}"
+
+[model]
+pretrained = "{model}"
+
+[data]
+dataset = "text"
+batch_size = 2
+val_fraction = 0
+{data}
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "adamw"
+lr = 0.01
+
+[training]
+epochs = 1
+log_every = 1
+
+[checkpoint]
+every_n_steps = 2
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+
+{extra}
+"#,
+        out = dir.join(format!("{name}-default-out")).display(),
+        model = model.display()
+    );
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_config_json_cannot_ask_for_more_than_its_weights_hold() {
+    let test = "a_config_json_cannot_ask_for_more_than_its_weights_hold";
+    let Some(refs) = models(test) else { return };
+    let dir = scratch("hostile-config-bounds");
+    let limit = Duration::from_secs(20);
+    let generate = |model: &Path| {
+        fails_within(
+            limit,
+            &dir,
+            &["generate", "--model", s(model), "--prompt-ids", "1,5"],
+        )
+    };
+    // A million layers over a file of two: refused from the headers.
+    let deep = model_copy(&refs.join("llama"), &dir.join("deep"), &|c| {
+        c["num_hidden_layers"] = 1_000_000.into()
+    });
+    let err = generate(&deep);
+    assert!(
+        err.contains("`num_hidden_layers`: is 1000000, but the weights (model.safetensors) hold 2 layers"),
+        "{err}"
+    );
+    // Twenty million tokens over an embedding of a few hundred.
+    let wide = model_copy(&refs.join("llama"), &dir.join("wide"), &|c| {
+        c["vocab_size"] = 20_000_000.into()
+    });
+    let err = generate(&wide);
+    assert!(
+        err.contains("`vocab_size`: is 20000000, but `model.embed_tokens.weight`")
+            && err.contains("rows (tokens)"),
+        "{err}"
+    );
+    // GPT-2's keys and its learned positions.
+    let long = model_copy(&refs.join("gpt2"), &dir.join("long"), &|c| {
+        c["n_positions"] = 100_000_000.into()
+    });
+    let err = generate(&long);
+    assert!(
+        err.contains("`n_positions`: is 100000000, but `transformer.wpe.weight`"),
+        "{err}"
+    );
+    // A file where the model directory goes is said to be one.
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let cfg = text_config(&dir, "file", &file, "path = \"rows.jsonl\"", "");
+    let err = fails_within(limit, &dir, &["train", "--config", s(&cfg)]);
+    assert!(
+        err.contains("a-file: not a Hugging Face model directory: a regular file, not a directory"),
+        "{err}"
+    );
+    // A shard index whose weight_map is an array.
+    let sharded = model_copy(&refs.join("llama"), &dir.join("sharded"), &|_| {});
+    std::fs::rename(
+        sharded.join("model.safetensors"),
+        sharded.join("model-00001-of-00001.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        sharded.join("model.safetensors.index.json"),
+        r#"{"weight_map": ["model-00001-of-00001.safetensors"]}"#,
+    )
+    .unwrap();
+    let err = generate(&sharded);
+    assert!(
+        err.contains("`weight_map`: an array; expected an object"),
+        "{err}"
+    );
+}
+
+#[test]
+fn generation_refuses_what_cannot_work_and_a_tiny_temperature_is_greedy() {
+    let test = "generation_refuses_what_cannot_work_and_a_tiny_temperature_is_greedy";
+    let Some(refs) = models(test) else { return };
+    let dir = scratch("hostile-generate");
+    let llama = refs.join("llama");
+    let run = |extra: &[&str]| -> String {
+        let mut args = vec![
+            "generate",
+            "--model",
+            s(&llama),
+            "--prompt-ids",
+            "1,5,9",
+            "--max-new-tokens",
+            "12",
+            // Never a token of this vocabulary: every sequence runs to 12.
+            "--stop=100000",
+        ];
+        args.extend_from_slice(extra);
+        let out = kiln(&args);
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let greedy = run(&[]);
+    // 3 / 1e-310 overflows: the largest logit comes off first, so this is
+    // greedy decoding, not token 0 every time.
+    let tiny = run(&["--temperature", "1e-310", "--seed", "4"]);
+    assert_eq!(tiny, greedy);
+    assert!(!greedy.trim().split(',').skip(3).all(|t| t == "0"), "{greedy}");
+
+    let limit = Duration::from_secs(20);
+    let fails = |args: &[&str]| {
+        let mut all = vec!["generate", "--model", s(&llama)];
+        all.extend_from_slice(args);
+        fails_within(limit, &dir, &all)
+    };
+    let err = fails(&["--prompt-ids", "1,999999"]);
+    assert!(
+        err.contains("token id 999999 is outside the model's vocabulary"),
+        "{err}"
+    );
+    let err = fails(&["--prompt-ids", "1,5", "--max-new-tokens", "1000000000"]);
+    assert!(
+        err.contains("more than the model's 128")
+            && err.contains("--max-new-tokens 1000000000"),
+        "{err}"
+    );
+    let err = fails(&["--prompt-ids", "1,5", "--temperature", "-1"]);
+    assert!(err.contains("temperature") && err.contains("-1"), "{err}");
+    let err = fails(&["--prompt-ids", "1,5", "--temperature", "0"]);
+    assert!(err.contains("leave out --temperature"), "{err}");
+}
+
+#[test]
+fn text_rows_are_bounded_while_read_and_rows_without_targets_refused_at_start() {
+    let test = "text_rows_are_bounded_while_read_and_rows_without_targets_refused_at_start";
+    let Some(refs) = models(test) else { return };
+    let _serial = serial();
+    let dir = scratch("hostile-text");
+    let llama = refs.join("llama");
+    let limit = Duration::from_secs(30);
+    // A 20 MB row with max_length = 96: refused while it is read.
+    let big = dir.join("big.jsonl");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&big).unwrap();
+        writeln!(f, r#"{{"text": "the fox sleeps"}}"#).unwrap();
+        write!(f, r#"{{"text": ""#).unwrap();
+        f.write_all(&b"fox ".repeat(5 << 20)).unwrap();
+        writeln!(f, r#""}}"#).unwrap();
+    }
+    let data = format!(
+        "path = \"{}\"\ntext_column = \"text\"\nmax_length = 96",
+        big.display()
+    );
+    let cfg = text_config(&dir, "big", &llama, &data, "");
+    let ended = within(
+        limit,
+        &dir,
+        KILN,
+        &["train", "--config", s(&cfg), "--output", s(&dir.join("big-run"))],
+    );
+    assert!(!ended.status.success());
+    assert!(
+        ended.stderr.contains("big.jsonl, line 2: the row is longer than 1048576 bytes"),
+        "took {:?}: {}",
+        ended.took,
+        ended.stderr
+    );
+    assert!(!dir.join("big-run/checkpoints").exists());
+
+    // A prompt that fills max_length leaves no target once truncated.
+    let rows = dir.join("pairs.jsonl");
+    std::fs::write(
+        &rows,
+        format!(
+            "{}\n{}\n",
+            r#"{"q": "fox", "a": "the river"}"#,
+            r#"{"q": "the fox sleeps by the river on the hill by a quiet barn", "a": "owl"}"#
+        ),
+    )
+    .unwrap();
+    let data = format!(
+        "path = \"{}\"\nprompt_template = \"{{q}}\"\nresponse_template = \"{{a}}\"\nmax_length = 4\ntruncation = true",
+        rows.display()
+    );
+    let cfg = text_config(&dir, "pairs", &llama, &data, "");
+    let err = fails_within(
+        limit,
+        &dir,
+        &["train", "--config", s(&cfg), "--output", s(&dir.join("pairs-run"))],
+    );
+    assert!(
+        err.contains("pairs.jsonl, line 2: the row has no target")
+            && err.contains("no response token is left"),
+        "{err}"
+    );
+}
+
+#[test]
+fn packing_joins_documents_and_cuts_the_stream_as_group_texts_does() {
+    let test = "packing_joins_documents_and_cuts_the_stream_as_group_texts_does";
+    let Some(refs) = models(test) else { return };
+    let _serial = serial();
+    let dir = scratch("hostile-packing");
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refs.join("cases.json")).unwrap()).unwrap();
+    let block = cases["block"].as_u64().unwrap();
+    let data = format!(
+        "path = \"{}\"\ntext_column = \"text\"\nmax_length = {block}\npacking = true",
+        refs.join("long.jsonl").display()
+    );
+    let cfg = text_config(&dir, "packed", &refs.join("llama"), &data, "");
+    let out = Command::new(KILN)
+        .args(["train", "--config", s(&cfg), "--output", s(&dir.join("run"))])
+        .args(["--max-steps", "2"])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let lengths: Vec<u64> = cases["lengths"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    let total: u64 = lengths.iter().sum();
+    // The 402-token document is whole in the stream: it spans blocks.
+    let line = format!(
+        "{total} tokens packed into {} blocks of {block}",
+        cases["blocks"]
+    );
+    assert!(stderr.contains(&line), "expected `{line}`:\n{stderr}");
+}
+
+#[test]
+fn data_files_that_are_not_regular_files_are_refused_and_a_png_bomb_too() {
+    let test = "data_files_that_are_not_regular_files_are_refused_and_a_png_bomb_too";
+    let Some(refs) = models(test) else { return };
+    let _serial = serial();
+    let dir = scratch("hostile-data-files");
+    let limit = Duration::from_secs(20);
+    let fifo = dir.join("rows.jsonl");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let zero = dir.join("zero.jsonl");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    for (path, what) in [(&fifo, "a named pipe (FIFO)"), (&zero, "a character device")] {
+        let data = format!("path = \"{}\"\ntext_column = \"text\"", path.display());
+        let cfg = text_config(&dir, "special", &refs.join("llama"), &data, "");
+        let err = fails_within(
+            limit,
+            &dir,
+            &["train", "--config", s(&cfg), "--output", s(&dir.join("run"))],
+        );
+        assert!(err.contains(what) && err.contains("not a regular file"), "{err}");
+    }
+
+    // Class folders: a FIFO under an image's name, and a 30000x30000 PNG.
+    let images = |name: &str, fill: &dyn Fn(&Path)| -> String {
+        let root = dir.join(name);
+        for class in ["a", "b"] {
+            std::fs::create_dir_all(root.join(class)).unwrap();
+            fill(&root.join(class));
+        }
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"
+seed = 1
+output_dir = "{out}"
+
+[data]
+dataset = "image_folder"
+path = "{root}"
+image_size = 8
+batch_size = 2
+val_fraction = 0
+
+[model]
+type = "sequential"
+layers = [{{ type = "flatten" }}, {{ type = "linear", in_features = 192, out_features = 2 }}]
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "sgd"
+lr = 0.01
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+                out = dir.join(format!("{name}-out")).display(),
+                root = root.display()
+            ),
+        )
+        .unwrap();
+        fails_within(
+            limit,
+            &dir,
+            &["train", "--config", s(&cfg), "--output", s(&dir.join(format!("{name}-run")))],
+        )
+    };
+    let err = images("fifo-images", &|class| {
+        assert!(Command::new("mkfifo")
+            .arg(class.join("x.png"))
+            .status()
+            .unwrap()
+            .success());
+    });
+    assert!(
+        err.contains("x.png") && err.contains("a named pipe (FIFO), not a regular file"),
+        "{err}"
+    );
+    let err = images("bomb-images", &|class| {
+        std::fs::copy(refs.join("bomb.png"), class.join("bomb.png")).unwrap();
+    });
+    assert!(
+        err.contains("the PNG image is 30000x30000, more than 178956970 pixels"),
+        "{err}"
+    );
+}
+
+#[test]
+fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
+    let test = "lora_mistakes_are_refused_at_start_up_and_on_resume";
+    let Some(refs) = models(test) else { return };
+    let _serial = serial();
+    let dir = scratch("hostile-lora");
+    let limit = Duration::from_secs(60);
+    let data = format!(
+        "path = \"{}\"\ntext_column = \"text\"\nmax_length = 32\npacking = true",
+        refs.join("long.jsonl").display()
+    );
+    let lora = |alpha: &str, rslora: bool, targets: &str| {
+        format!(
+            "[lora]\nr = 4\nalpha = {alpha}\ntarget_modules = {targets}\nuse_rslora = {rslora}"
+        )
+    };
+    // GPT-2's q and v live in one fused c_attn: refused before the first step.
+    let cfg = text_config(
+        &dir,
+        "gpt2",
+        &refs.join("gpt2"),
+        &data,
+        &lora("8", false, r#"["q_proj", "v_proj"]"#),
+    );
+    let out = dir.join("gpt2-run");
+    let ended = within(limit, &dir, KILN, &["train", "--config", s(&cfg), "--output", s(&out)]);
+    assert!(!ended.status.success());
+    assert!(
+        ended.stderr.contains("lora.target_modules")
+            && ended.stderr.contains("in `transformer.h.0.attn.c_attn`")
+            && ended.stderr.contains("cannot be saved as a PEFT adapter"),
+        "{}",
+        ended.stderr
+    );
+    assert!(!out.join("checkpoints").exists());
+
+    // A LoRA run interrupted, resumed with another alpha or rsLoRA: refused.
+    let targets = r#"["q_proj", "v_proj"]"#;
+    let first = text_config(&dir, "lora", &refs.join("llama"), &data, &lora("8", false, targets));
+    let run = dir.join("lora-run");
+    train(s(&first), &run, &["--max-steps", "2"]);
+    for (changed, key) in [
+        (lora("16", false, targets), "at `lora.alpha` the config has 16.0 and the checkpoint 8.0"),
+        (lora("8", true, targets), "at `lora.use_rslora` the config has true and the checkpoint false"),
+        (lora("8", false, r#"["q_proj"]"#), "at `lora.target_modules"),
+        (String::new(), "this config has no [lora] table"),
+    ] {
+        let cfg = text_config(&dir, "lora-again", &refs.join("llama"), &data, &changed);
+        let err = fails_within(
+            limit,
+            &dir,
+            &["train", "--config", s(&cfg), "--output", s(&run), "--resume", "auto"],
+        );
+        assert!(err.contains(key), "expected `{key}`:\n{err}");
+    }
+}
+
+#[test]
+fn the_learning_rate_finder_refuses_what_cannot_work_before_sweeping() {
+    if !digits_available() {
+        return;
+    }
+    let _serial = serial();
+    let dir = scratch("hostile-lr-find");
+    let cfg = config(&dir, 0);
+    let limit = Duration::from_secs(60);
+    let tune = |extra: &[&str]| -> Ended {
+        let mut args = vec!["tune", "lr", "--config", s(&cfg)];
+        args.extend_from_slice(extra);
+        within(limit, &dir, KILN, &args)
+    };
+    // Ten billion steps: no allocation for them up front; a linear sweep to
+    // 1e12 diverges within a few steps and stops early.
+    let ended = tune(&[
+        "--num-training",
+        "10000000000",
+        "--mode",
+        "linear",
+        "--max-lr",
+        "1e12",
+        "--output",
+        s(&dir.join("huge")),
+    ]);
+    assert!(ended.status.success(), "{}", ended.stderr);
+    assert!(dir.join("huge/lr_find.csv").is_file());
+    for (args, expected) in [
+        (vec!["--num-training", "12"], "must be at least 13"),
+        (vec!["--early-stop-threshold", "-1"], "--early-stop-threshold must be 0"),
+        (vec!["--early-stop-threshold", "NaN"], "--early-stop-threshold must be 0"),
+    ] {
+        let ended = tune(&args);
+        assert!(!ended.status.success());
+        assert!(ended.stderr.contains(expected), "{args:?}: {}", ended.stderr);
+    }
+    // --save-config into a missing directory or onto a dangling link: refused
+    // before the sweep, so nothing of it is written.
+    let dangling = dir.join("dangling.toml");
+    std::os::unix::fs::symlink(dir.join("nowhere.toml"), &dangling).unwrap();
+    for (target, expected) in [
+        (dir.join("missing/lr.toml"), "does not exist"),
+        (dangling.clone(), "(a symbolic link)"),
+    ] {
+        let out = dir.join("saved");
+        let ended = tune(&["--save-config", s(&target), "--output", s(&out)]);
+        assert!(!ended.status.success());
+        assert!(ended.stderr.contains(expected), "{}", ended.stderr);
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn a_link_planted_at_a_temporary_name_never_redirects_a_write() {
+    if !digits_available() {
+        return;
+    }
+    let _serial = serial();
+    let dir = scratch("hostile-planted");
+    let (_, last) = trained(&dir, 6);
+    let victim = dir.join("victim.txt");
+    std::fs::write(&victim, "the user's file").unwrap();
+    let output = dir.join("one.safetensors");
+    // The shell plants links at the names a predictable writer would use
+    // (its own pid, which `exec` hands to kiln), then becomes kiln.
+    let script = r#"ln -s "$1" "$2.tmp-$$"; ln -s "$1" "$2.tmp"; exec "$0" consolidate "$3" --output "$2""#;
+    let ended = within(
+        Duration::from_secs(30),
+        &dir,
+        "/bin/sh",
+        &["-c", script, KILN, s(&victim), s(&output), s(&last)],
+    );
+    assert!(ended.status.success(), "{}", ended.stderr);
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "the user's file");
+    assert!(kiln::train::Checkpoint::load(&output).is_ok());
+}

@@ -678,6 +678,30 @@ fn sharded_checkpoints_resume_elsewhere_consolidate_and_refuse_broken_sets() {
         stderr.contains("exists") && stderr.contains("--overwrite"),
         "{stderr}"
     );
+    // Nor, with --overwrite, over a shard of the set it reads: that would
+    // destroy the run's newest checkpoint.
+    let newest = std::fs::canonicalize(four.join("checkpoints/last.safetensors")).unwrap();
+    let shard = newest.with_file_name(
+        newest
+            .file_name()
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .replace(".safetensors", ".shard-1-of-4.safetensors"),
+    );
+    let shard_bytes = std::fs::read(&shard).unwrap();
+    let stderr = common::kiln_fails(&[
+        "consolidate",
+        four_str,
+        "--output",
+        shard.to_str().unwrap(),
+        "--overwrite",
+    ]);
+    assert!(
+        stderr.contains("a shard of the checkpoint being read"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(&shard).unwrap(), shard_bytes);
 
     // Broken sets: a shard missing, a shard of another step, a shard alone.
     let broken = dir.join("broken");

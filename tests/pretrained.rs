@@ -324,13 +324,14 @@ fn bad_directories_are_typed_errors_naming_the_key_or_tensor() {
     );
     assert!(err.to_string().contains("yarn"), "{err}");
 
-    // Three layers in the config, two in the weights: the third's tensors are missing.
-    let deeper = Pretrained::open(copy("deeper", &|c| c["num_hidden_layers"] = 3.into())).unwrap();
-    let err = deeper.load_weights().unwrap_err();
+    // Three layers in the config, two in the weights: refused from the
+    // weights' headers, before the definition is built.
+    let err = Pretrained::open(copy("deeper", &|c| c["num_hidden_layers"] = 3.into())).unwrap_err();
     assert!(
-        matches!(err, HfError::MissingTensor { ref name, .. } if name.starts_with("model.layers.2.")),
+        matches!(err, HfError::Config { ref key, .. } if key == "num_hidden_layers"),
         "{err}"
     );
+    assert!(err.to_string().contains("hold 2 layers"), "{err}");
 
     // One layer in the config: the second layer's tensors are unexpected.
     let shallower =
@@ -341,9 +342,15 @@ fn bad_directories_are_typed_errors_naming_the_key_or_tensor() {
         "{err}"
     );
 
-    // A wider config: every tensor's shape is checked.
-    let wider = Pretrained::open(copy("wider", &|c| c["intermediate_size"] = 64.into())).unwrap();
-    let err = wider.load_weights().unwrap_err();
+    // A wider config than the weights: refused from the headers too; a
+    // narrower one by the load, which checks every tensor's shape.
+    let err = Pretrained::open(copy("wider", &|c| c["intermediate_size"] = 64.into())).unwrap_err();
+    assert!(
+        matches!(err, HfError::Config { ref key, .. } if key == "intermediate_size"),
+        "{err}"
+    );
+    let narrower = Pretrained::open(copy("narrower", &|c| c["intermediate_size"] = 8.into())).unwrap();
+    let err = narrower.load_weights().unwrap_err();
     assert!(matches!(err, HfError::TensorShape { .. }), "{err}");
 
     let err = Pretrained::open(scratch.join("nowhere")).unwrap_err();

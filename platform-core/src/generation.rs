@@ -191,6 +191,18 @@ impl Sampler {
                 "a row holds NaN: the model's output is not a distribution",
             ));
         }
+        if let Some(i) = logits.iter().position(|v| *v == f32::INFINITY) {
+            return Err(Error::invalid_argument(
+                "logits",
+                format!("token {i}'s logit is +inf: the model's output is not a distribution"),
+            ));
+        }
+        if logits.iter().all(|v| *v == f32::NEG_INFINITY) {
+            return Err(Error::invalid_argument(
+                "logits",
+                "every logit is -inf: no token can be chosen",
+            ));
+        }
         let (temperature, top_k, top_p) = match &self.decoding {
             Decoding::Greedy => return Ok(argmax(logits)),
             Decoding::Sample {
@@ -200,6 +212,16 @@ impl Sampler {
             } => (*temperature, *top_k, *top_p),
         };
         let probs = filtered_probabilities(logits, temperature, top_k, top_p);
+        let total: f64 = probs.iter().sum();
+        if !(total.is_finite() && total > 0.0) || probs.iter().any(|p| !p.is_finite()) {
+            return Err(Error::invalid_argument(
+                "logits",
+                format!(
+                    "the sampling distribution at temperature {temperature} is not finite \
+                     (it sums to {total})"
+                ),
+            ));
+        }
         let u = self.rng.uniform();
         let mut acc = 0.0;
         let mut last = 0;
@@ -229,13 +251,27 @@ fn argmax(values: &[f32]) -> usize {
 
 /// The sampling distribution over `logits` after temperature, top-k and top-p,
 /// in float64, summing to 1; filtered tokens have probability 0.
+///
+/// The largest logit is taken off before dividing by the temperature (the
+/// same distribution as `softmax(logits / temperature)`), so that a tiny
+/// temperature cannot overflow: `1e-310` is greedy decoding, not NaN. Logits
+/// must be finite or `-inf` with at least one finite ([`Sampler::pick`] checks).
 pub fn filtered_probabilities(
     logits: &[f32],
     temperature: f64,
     top_k: Option<usize>,
     top_p: Option<f64>,
 ) -> Vec<f64> {
-    let mut scaled: Vec<f64> = logits.iter().map(|&v| f64::from(v) / temperature).collect();
+    let top = logits
+        .iter()
+        .copied()
+        .filter(|v| v.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let top = f64::from(top);
+    let mut scaled: Vec<f64> = logits
+        .iter()
+        .map(|&v| (f64::from(v) - top) / temperature)
+        .collect();
     let mut order: Vec<usize> = (0..scaled.len()).collect();
     // Most likely first; equal logits keep their index order.
     order.sort_by(|&a, &b| scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b)));
@@ -355,5 +391,26 @@ mod tests {
         let mut s = Sampler::new(&Decoding::Greedy, 0);
         assert!(s.pick(&[]).is_err());
         assert!(s.pick(&[f32::NAN]).is_err());
+        assert!(s.pick(&[f32::NEG_INFINITY; 3]).is_err());
+        let err = s.pick(&[0.0, f32::INFINITY]).expect_err("+inf");
+        assert!(err.to_string().contains("token 1's logit is +inf"), "{err}");
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_greedy_not_nan() {
+        // 3 / 1e-310 overflows float64; the largest logit is taken off first.
+        for temperature in [1e-310, 1e-300, 1e-30] {
+            let decoding = Decoding::Sample {
+                temperature,
+                top_k: None,
+                top_p: Some(0.9),
+            };
+            let mut s = Sampler::new(&decoding, 3);
+            for _ in 0..20 {
+                assert_eq!(s.pick(&[-1.0, 3.0, 2.5, f32::NEG_INFINITY]).expect("picks"), 1);
+            }
+        }
+        let p = filtered_probabilities(&[1.0, 1.0, -5.0], 1e-310, None, None);
+        assert_eq!(p, [0.5, 0.5, 0.0]);
     }
 }

@@ -2,9 +2,8 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
-use std::fs::{self, File};
-use std::io::{BufWriter, Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::Read;
+use std::path::Path;
 
 use serde_json::Value;
 
@@ -43,7 +42,8 @@ impl StateDict {
     /// Writes the state dict to `path` as a safetensors file with the string
     /// `metadata` (readable by `safetensors.torch.load_file` and `safe_open`).
     ///
-    /// The write is atomic: the bytes go to `<path>.tmp-<pid>` in the same
+    /// The write is atomic: the bytes go to a new `<path>.tmp-<pid>-<random>`
+    /// (created exclusively: a link planted there is never followed) in the same
     /// directory, which is flushed to disk and renamed over `path`, and the
     /// directory is then synced; a crash leaves either the old file or the
     /// new one, never a torn file.
@@ -108,6 +108,20 @@ pub fn load_safetensors_metadata(path: &Path) -> Result<BTreeMap<String, String>
     let mut file = crate::fs::open_regular_file(path)?;
     let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     Ok(read_header(&mut file, len, path)?.1)
+}
+
+/// The name, dtype and shape of every tensor in the safetensors file at
+/// `path`, in the file's order, read from its header alone (no tensor data
+/// is read) after the same checks as [`StateDict::load_safetensors`] makes of
+/// the header: what a loader compares a config with before allocating.
+pub fn load_safetensors_shapes(path: &Path) -> Result<Vec<(String, DType, Vec<usize>)>> {
+    let mut file = crate::fs::open_regular_file(path)?;
+    let len = file.metadata().map_err(|e| Error::io(path, e))?.len();
+    let (entries, _) = read_header(&mut file, len, path)?;
+    Ok(entries
+        .into_iter()
+        .map(|e| (e.name, e.dtype, e.shape))
+        .collect())
 }
 
 /// Writes named tensors as a safetensors file, atomically (see
@@ -192,59 +206,15 @@ pub fn save_entries(
     Ok(())
 }
 
-/// Writes a temporary sibling of `path` with `write_file`, syncs it, renames it
-/// over `path` and syncs the directory.
+/// Writes `path` through [`crate::fs::write_atomically`] (an exclusive,
+/// unpredictable temporary renamed over it).
 fn write_atomically(
     path: &Path,
     write_file: impl FnOnce(&mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>,
 ) -> Result<()> {
-    let file_name = path.file_name().ok_or_else(|| {
-        Error::invalid_argument("path", format!("{} does not name a file", path.display()))
-    })?;
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    let mut tmp_name = file_name.to_os_string();
-    tmp_name.push(format!(".tmp-{}", std::process::id()));
-    let tmp = dir.join(tmp_name);
-
-    let written = (|| {
-        let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-        let mut writer = BufWriter::with_capacity(1 << 20, file);
-        write_file(&mut |bytes| writer.write_all(bytes).map_err(|e| Error::io(&tmp, e)))?;
-        let file = writer
-            .into_inner()
-            .map_err(|e| Error::io(&tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io(&tmp, e))?;
-        drop(file);
-        fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
-    })();
-    if let Err(e) = written {
-        // Best effort: the write already failed, and a leftover temporary
-        // file is harmless, so a failure to remove it is only logged.
-        if let Err(rm) = fs::remove_file(&tmp) {
-            if rm.kind() != std::io::ErrorKind::NotFound {
-                log::warn!("cannot remove {}: {rm}", tmp.display());
-            }
-        }
-        return Err(e);
-    }
-    sync_dir(&dir)
-}
-
-/// Makes the rename durable: on Unix a directory entry is only persistent
-/// once the directory itself is synced.
-#[cfg(unix)]
-fn sync_dir(dir: &Path) -> Result<()> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| Error::io(dir, e))
-}
-
-#[cfg(not(unix))]
-fn sync_dir(_dir: &Path) -> Result<()> {
-    Ok(())
+    crate::fs::write_atomically(path, |out| {
+        write_file(&mut |bytes| out.write_all(bytes).map_err(|e| Error::io(path, e)))
+    })
 }
 
 /// One tensor's entry in a safetensors header.
@@ -441,6 +411,8 @@ fn parse_header(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::path::PathBuf;
 
     struct TempDir(PathBuf);
 

@@ -99,7 +99,7 @@ pub(crate) struct LrFindArgs {
     pub(crate) mode: kiln_train::LrSweep,
     /// Stop once the smoothed loss exceeds this many times the best one
     /// (0: never stop early).
-    #[arg(long, default_value_t = 4.0)]
+    #[arg(long, default_value_t = 4.0, allow_negative_numbers = true)]
     pub(crate) early_stop_threshold: f64,
     /// How the rate is suggested: `lightning` (Lightning's rule, the steepest
     /// slope against the rate) or `log` (the steepest slope against its
@@ -443,7 +443,7 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value_t = 64)]
     pub(crate) max_new_tokens: usize,
     /// Sample with this temperature instead of decoding greedily.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true)]
     pub(crate) temperature: Option<f64>,
     /// Sample from the k most likely tokens.
     #[arg(long)]

@@ -15,13 +15,21 @@ use crate::output::{check_output, outln};
 pub(crate) fn consolidate(args: &ConsolidateArgs) -> Result<()> {
     check_output(&args.output, args.overwrite, "kiln consolidate")?;
     let source = checkpoint_of(&args.run)?;
-    if same_file(&source, &args.output) {
-        anyhow::bail!(
-            "--output {} is the checkpoint being read ({}); write the consolidated file \
-             elsewhere",
-            args.output.display(),
-            source.display()
-        );
+    // Every file the load reads (a sharded set's index and each shard), not
+    // only the one named: `--overwrite` onto a shard would destroy the set.
+    for read in Checkpoint::files(&source)? {
+        if same_file(&read, &args.output) {
+            anyhow::bail!(
+                "--output {} is {} ({}); write the consolidated file elsewhere",
+                args.output.display(),
+                if read == source {
+                    "the checkpoint being read".to_owned()
+                } else {
+                    format!("a shard of the checkpoint being read, {}", source.display())
+                },
+                read.display()
+            );
+        }
     }
     let checkpoint = Checkpoint::load(&source)?;
     let what = if args.weights_only {

@@ -2,7 +2,7 @@
 //! config's validation split, as metrics or as a CSV of predictions.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::prelude::*;
 use anyhow::{Context, Result};
@@ -130,14 +130,9 @@ fn predict_onnx<E: Engines>(args: &PredictArgs, config: &RunConfig) -> Result<()
 fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) -> Result<()> {
     // Written beside the output and renamed over it: a file the output replaces
     // is replaced whole, never written through (a link to a checkpoint stays intact).
-    let tmp = temporary_sibling(output)?;
-    let mut file = std::io::BufWriter::new(
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&tmp)
-            .with_context(|| format!("creating {}", tmp.display()))?,
-    );
+    let (tmp, file) = kiln_core::fs::create_temporary_beside(output)
+        .with_context(|| format!("writing {}", output.display()))?;
+    let mut file = std::io::BufWriter::new(file);
     let mut index = 0usize;
     for batch in outputs {
         let classes = batch.dims().get(1).copied().unwrap_or(1);
@@ -175,13 +170,3 @@ fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) ->
     Ok(())
 }
 
-/// `<dir>/.<name>.tmp-<pid>` beside `path`.
-fn temporary_sibling(path: &Path) -> Result<PathBuf> {
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} does not name a file", path.display()))?;
-    let mut tmp = std::ffi::OsString::from(".");
-    tmp.push(name);
-    tmp.push(format!(".tmp-{}", std::process::id()));
-    Ok(path.with_file_name(tmp))
-}

@@ -22,6 +22,11 @@ struct Loaded {
     eos: Vec<i64>,
     pad: i64,
     dir: Option<PathBuf>,
+    /// The vocabulary's size, when the model directory's config gives it.
+    vocab: Option<usize>,
+    /// The positions the model has (`n_positions`, `max_position_embeddings`),
+    /// when the config gives them.
+    positions: Option<usize>,
 }
 
 /// `definition` without the `flatten` that `kiln train` appends to a
@@ -84,11 +89,19 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
             .pad_token_id()?
             .or(eos.first().copied())
             .unwrap_or(0);
+        let config = pretrained.config();
+        let vocab = config.opt_usize("vocab_size")?;
+        let positions = match config.opt_usize("n_positions")? {
+            Some(n) => Some(n),
+            None => config.opt_usize("max_position_embeddings")?,
+        };
         return Ok(Loaded {
             model,
             eos,
             pad,
             dir: Some(path.to_owned()),
+            vocab,
+            positions,
         });
     }
     let checkpoint = open_checkpoint(path)?;
@@ -112,11 +125,19 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
         eos: Vec::new(),
         pad: 0,
         dir: None,
+        vocab: None,
+        positions: None,
     })
 }
 
 /// `kiln generate`.
 pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
+    if args.temperature == Some(0.0) {
+        anyhow::bail!(
+            "--temperature 0 is greedy decoding, which is the default: leave out --temperature \
+             (or give a temperature above 0 to sample)"
+        );
+    }
     let decoding = if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
         Decoding::Sample {
             temperature: args.temperature.unwrap_or(1.0),
@@ -160,6 +181,7 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?,
     };
+    check_prompts(&prompts, args.max_new_tokens, &loaded)?;
     let stop = if args.stop.is_empty() {
         loaded.eos.clone()
     } else {
@@ -183,6 +205,39 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
                     .collect::<Vec<_>>()
                     .join(",")
             ),
+        }
+    }
+    Ok(())
+}
+
+/// Refuses, before the first step, token ids outside the vocabulary and
+/// sequences longer than the model's positions (GPT-2's learned positions end
+/// there; a longer prompt costs memory quadratic in its length).
+fn check_prompts(prompts: &[Vec<i64>], max_new_tokens: usize, loaded: &Loaded) -> Result<()> {
+    for (i, prompt) in prompts.iter().enumerate() {
+        if prompt.is_empty() {
+            anyhow::bail!("prompt {i} has no tokens");
+        }
+        if let Some(vocab) = loaded.vocab {
+            if let Some(bad) = prompt.iter().find(|&&t| t < 0 || t as u64 >= vocab as u64) {
+                anyhow::bail!(
+                    "prompt {i}: token id {bad} is outside the model's vocabulary of {vocab} \
+                     tokens (ids 0 to {}); check the tokenizer or --prompt-ids",
+                    vocab - 1
+                );
+            }
+        }
+        if let Some(positions) = loaded.positions {
+            let total = prompt.len().saturating_add(max_new_tokens);
+            if total > positions {
+                anyhow::bail!(
+                    "prompt {i}: {} tokens and --max-new-tokens {max_new_tokens} make {total} \
+                     positions, more than the model's {positions} (its config's \
+                     max_position_embeddings / n_positions); shorten the prompt or lower \
+                     --max-new-tokens",
+                    prompt.len()
+                );
+            }
         }
     }
     Ok(())

@@ -70,6 +70,7 @@ pub(crate) fn load_resume_checkpoint(
     crate::formats::refuse_other_formats(path)?;
     let checkpoint = Checkpoint::load(path)?;
     checkpoint.check_definition(model, path)?;
+    check_resume_lora(config.lora.as_ref(), checkpoint.lora.as_ref(), path)?;
     if checkpoint.seed != config.seed {
         anyhow::bail!(
             "checkpoint {}: the run it continues used seed {}, this one seed {}; data order \
@@ -82,6 +83,46 @@ pub(crate) fn load_resume_checkpoint(
         );
     }
     Ok(checkpoint)
+}
+
+/// Checks the config's `[lora]` against the one the checkpoint was trained
+/// with, every setting of it (rank, alpha, dropout, targets, rsLoRA): another
+/// alpha alone would continue silently at another adapter scale.
+fn check_resume_lora(
+    config: Option<&kiln_core::lora::LoraConfig>,
+    recorded: Option<&kiln_core::lora::LoraConfig>,
+    path: &Path,
+) -> Result<()> {
+    match (config, recorded) {
+        (None, None) => Ok(()),
+        (Some(c), Some(r)) if c == r => Ok(()),
+        (Some(_), None) => anyhow::bail!(
+            "checkpoint {}: the run it continues trained without LoRA adapters, and this \
+             config has a [lora] table; remove it to resume that run, or start a new run",
+            path.display()
+        ),
+        (None, Some(r)) => anyhow::bail!(
+            "checkpoint {}: the run it continues trained LoRA adapters (r = {}, lora_alpha = \
+             {}, target_modules {:?}), and this config has no [lora] table; give it the \
+             checkpoint's (`kiln inspect` shows it)",
+            path.display(),
+            r.r,
+            r.alpha,
+            r.target_modules
+        ),
+        (Some(c), Some(r)) => {
+            let json = |l: &kiln_core::lora::LoraConfig| {
+                serde_json::to_value(l).unwrap_or_default()
+            };
+            let (at, ours, theirs) = kiln_train::first_difference(&json(c), &json(r), "lora");
+            anyhow::bail!(
+                "checkpoint {}: was trained with another LoRA setting: at `{at}` the config \
+                 has {ours} and the checkpoint {theirs}; the adapters' scale and shapes come \
+                 from these, so resume with the checkpoint's [lora] (`kiln inspect` shows it)",
+                path.display()
+            )
+        }
+    }
 }
 
 /// Moves a checkpoint's position in its epoch to `world_size` ranks: each rank

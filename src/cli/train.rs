@@ -60,6 +60,12 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
              (RANK/WORLD_SIZE are set)"
         );
     }
+    if !(args.early_stop_threshold >= 0.0) {
+        anyhow::bail!(
+            "--early-stop-threshold must be 0 (never stop early) or a positive factor, got {}",
+            args.early_stop_threshold
+        );
+    }
     let settings = kiln_train::LrFinderConfig {
         min_lr: args.min_lr,
         max_lr: args.max_lr,
@@ -71,12 +77,25 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
     };
     settings.validate().context("kiln tune lr")?;
     if let Some(path) = &args.save_config {
-        // Checked before anything runs: a new file, and not the config itself.
-        if path.exists() {
+        // Checked before anything runs: a new file (not even a dangling link,
+        // which the write would follow), in a directory that exists.
+        if std::fs::symlink_metadata(path).is_ok() {
             anyhow::bail!(
-                "--save-config {}: the file exists; kiln never writes over a file it did not \
+                "--save-config {}: the path exists{}; kiln never writes over a file it did not \
                  create (give a new path)",
-                path.display()
+                path.display(),
+                if path.is_symlink() { " (a symbolic link)" } else { "" }
+            );
+        }
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        if !parent.is_dir() {
+            anyhow::bail!(
+                "--save-config {}: its directory {} does not exist (create it first)",
+                path.display(),
+                parent.display()
             );
         }
     }
@@ -364,6 +383,18 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
     }
     if let Some(lora) = &config.lora {
         let adapters = B::add_lora(&mut model, lora).context("config key `lora`")?;
+        // The adapter is written in PEFT's format at the end of the run: a
+        // target PEFT cannot hold (GPT-2's fused c_attn) is refused now.
+        if let Some(source) = &config.pretrained {
+            let modules: Vec<&str> = adapters
+                .iter()
+                .filter_map(|n| n.strip_suffix(&format!(".{}", kiln_core::lora::LORA_A)))
+                .collect();
+            source
+                .open()?
+                .check_adapter_modules(modules)
+                .context("config key `lora.target_modules`")?;
+        }
         log::info!(
             "LoRA: {} adapter tensors (r = {}, alpha = {}) on {}; the rest is frozen",
             adapters.len(),

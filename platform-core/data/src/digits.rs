@@ -1,6 +1,5 @@
 //! Reader for scikit-learn's handwritten digits data set.
 
-use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
@@ -56,7 +55,7 @@ pub fn load_digits(path: &Path) -> Result<(HostTensor, HostTensor)> {
 
 /// [`load_digits`], reading at most `max_text` bytes of decompressed text.
 fn read_digits(path: &Path, max_text: u64) -> Result<(HostTensor, HostTensor)> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = kiln_core::fs::open_regular_file(path)?;
     // one byte past the limit tells a file of exactly `max_text` bytes from a longer one
     let mut reader =
         BufReader::new(GzDecoder::new(BufReader::new(file))).take(max_text.saturating_add(1));
@@ -156,6 +155,7 @@ fn parse_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs::File;
     use crate::testing::data_error;
     use kiln_core::dtype::DType;
     use std::io::Write;

@@ -1,6 +1,5 @@
 //! Opening data files that may be gzip-compressed.
 
-use std::fs::File;
 use std::io::{self, BufReader, Cursor, Read};
 use std::path::Path;
 
@@ -30,7 +29,7 @@ impl Source {
     /// Opens `path`; a file starting with the gzip magic bytes `1f 8b` is
     /// decompressed, whatever its name.
     pub(crate) fn open(path: &Path) -> Result<Self> {
-        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut file = kiln_core::fs::open_regular_file(path)?;
         let mut head = [0u8; 2];
         let mut got = 0;
         while got < head.len() {

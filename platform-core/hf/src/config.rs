@@ -17,7 +17,7 @@ pub struct HfConfig {
 impl HfConfig {
     /// Reads and parses `path`.
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| kiln_core::Error::io(path, e))?;
+        let text = kiln_core::fs::read_regular_to_string(path)?;
         Self::parse(path, &text)
     }
 

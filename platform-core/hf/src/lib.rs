@@ -23,6 +23,7 @@
 //! ```
 
 mod bert;
+mod bounds;
 mod config;
 mod error;
 mod gpt2;
@@ -78,14 +79,45 @@ impl Pretrained {
     /// implement (scaled RoPE, sliding-window attention, ...).
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_owned();
+        match std::fs::metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(m) => {
+                return Err(HfError::NotAModel {
+                    what: format!(
+                        "{}, not a directory (a model directory holds {CONFIG} and the weights)",
+                        kiln_core::fs::describe_file_type(m.file_type())
+                    ),
+                    dir,
+                })
+            }
+            Err(e) => {
+                return Err(HfError::NotAModel {
+                    what: format!("cannot be read as a model directory: {e}"),
+                    dir,
+                })
+            }
+        }
         let path = dir.join(CONFIG);
         if !path.is_file() {
-            return Err(HfError::NotAModel {
-                what: format!("no {CONFIG}"),
-                dir,
-            });
+            let what = match std::fs::metadata(&path) {
+                Ok(m) => format!(
+                    "its {CONFIG} is {}, not a regular file",
+                    kiln_core::fs::describe_file_type(m.file_type())
+                ),
+                Err(_) => format!("no {CONFIG}"),
+            };
+            return Err(HfError::NotAModel { what, dir });
         }
         let config = HfConfig::read(&path)?;
+        // The sizes are bounded by the weights' headers before the definition
+        // is built: a config alone must not decide how much memory Kiln takes.
+        // (A directory without weights has nothing to compare; loading it
+        // fails, naming what is missing.)
+        match weight_files_in(&dir) {
+            Ok(files) => bounds::check_config_against_weights(&config, &files)?,
+            Err(HfError::NotAModel { .. }) => {}
+            Err(e) => return Err(e),
+        }
         Self::from_config(dir, config)
     }
 
@@ -272,49 +304,7 @@ impl Pretrained {
     /// The files holding the weights: `model.safetensors`, or every shard
     /// `model.safetensors.index.json` lists.
     pub fn weight_files(&self) -> Result<Vec<PathBuf>> {
-        let single = self.dir.join(WEIGHTS);
-        if single.is_file() {
-            return Ok(vec![single]);
-        }
-        let index = self.dir.join(INDEX);
-        if !index.is_file() {
-            return Err(HfError::NotAModel {
-                dir: self.dir.clone(),
-                what: format!(
-                    "neither {WEIGHTS} nor {INDEX} (Kiln reads safetensors weights only)"
-                ),
-            });
-        }
-        let map = HfConfig::read(&index)?;
-        let Some(weight_map) = map.get("weight_map").and_then(|v| v.as_object()) else {
-            return Err(HfError::Config {
-                path: index,
-                key: "weight_map".to_owned(),
-                reason: "missing; expected an object of tensor name to shard file".to_owned(),
-            });
-        };
-        let mut files: Vec<PathBuf> = Vec::new();
-        for (name, file) in weight_map {
-            let Some(file) = file.as_str() else {
-                return Err(HfError::Config {
-                    path: index,
-                    key: format!("weight_map.{name}"),
-                    reason: format!("expected a file name, got {file}"),
-                });
-            };
-            if file.contains('/') || file.contains('\\') || file == ".." {
-                return Err(HfError::Config {
-                    path: index,
-                    key: format!("weight_map.{name}"),
-                    reason: format!("{file:?} is not a file of the model directory"),
-                });
-            }
-            let path = self.dir.join(file);
-            if !files.contains(&path) {
-                files.push(path);
-            }
-        }
-        Ok(files)
+        weight_files_in(&self.dir)
     }
 
     /// Reads the weights into a state dict under the definition's names, in
@@ -450,6 +440,60 @@ const COPIED: &[&str] = &[
     "special_tokens_map.json",
     "generation_config.json",
 ];
+
+/// The files holding the weights in `dir`: `model.safetensors`, or every
+/// shard `model.safetensors.index.json` lists.
+fn weight_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let dir = dir.to_path_buf();
+    let single = dir.join(WEIGHTS);
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join(INDEX);
+    if !index.is_file() {
+        return Err(HfError::NotAModel {
+            dir: dir.clone(),
+            what: format!(
+                "neither {WEIGHTS} nor {INDEX} (Kiln reads safetensors weights only)"
+            ),
+        });
+    }
+    let map = HfConfig::read(&index)?;
+    let Some(weight_map) = map.get("weight_map").and_then(|v| v.as_object()) else {
+        let found = match map.get("weight_map") {
+            None => "missing".to_owned(),
+            Some(v) if v.is_array() => "an array".to_owned(),
+            Some(v) => format!("{v}"),
+        };
+        return Err(HfError::Config {
+            path: index,
+            key: "weight_map".to_owned(),
+            reason: format!("{found}; expected an object of tensor name to shard file"),
+        });
+    };
+    let mut files: Vec<PathBuf> = Vec::new();
+    for (name, file) in weight_map {
+        let Some(file) = file.as_str() else {
+            return Err(HfError::Config {
+                path: index,
+                key: format!("weight_map.{name}"),
+                reason: format!("expected a file name, got {file}"),
+            });
+        };
+        if file.contains('/') || file.contains('\\') || file == ".." {
+            return Err(HfError::Config {
+                path: index,
+                key: format!("weight_map.{name}"),
+                reason: format!("{file:?} is not a file of the model directory"),
+            });
+        }
+        let path = dir.join(file);
+        if !files.contains(&path) {
+            files.push(path);
+        }
+    }
+    Ok(files)
+}
 
 /// Writes a file that must not exist yet.
 fn write_new(path: &Path, bytes: &[u8]) -> Result<()> {

@@ -32,6 +32,43 @@ impl Pretrained {
             .and_then(|m| m.hf.strip_suffix(".weight"))
     }
 
+    /// Checks, before any training, that adapters on the Kiln projections
+    /// `modules` (`3.0.block.1.q_proj`, as [`LoraConfig::targets`] finds them)
+    /// can be saved in PEFT's format for this checkpoint: each must be stored
+    /// as one tensor of its own. GPT-2's fused `c_attn` holds q, k and v in one
+    /// weight, so an adapter of `q_proj` alone has no PEFT module to go to.
+    pub fn check_adapter_modules<'m>(
+        &self,
+        modules: impl IntoIterator<Item = &'m str>,
+    ) -> Result<()> {
+        let fused: Vec<&str> = modules
+            .into_iter()
+            .filter(|m| self.hf_module(m).is_none())
+            .collect();
+        let Some(first) = fused.first() else {
+            return Ok(());
+        };
+        let hf = self
+            .names
+            .mappings
+            .iter()
+            .find(|m| m.kiln.iter().any(|k| k == &format!("{first}.weight")))
+            .map(|m| m.hf.trim_end_matches(".weight").to_owned());
+        Err(HfError::Adapter {
+            path: self.dir.clone(),
+            reason: format!(
+                "the LoRA target `{first}`{} (and {} more) cannot be saved as a PEFT adapter: \
+                 the {} checkpoint stores it fused with other projections{}; choose targets \
+                 the checkpoint stores alone (for {}: `c_proj`, `c_fc`)",
+                hf.as_deref().map_or(String::new(), |h| format!(" (in `{h}`)")),
+                fused.len() - 1,
+                self.family,
+                hf.map_or(String::new(), |h| format!(" in `{h}`")),
+                self.family,
+            ),
+        })
+    }
+
     /// Writes the LoRA adapters in `weights` (Kiln's names, as
     /// [`LoraConfig::adapter_weights`] finds them) to the new directory `dir`
     /// in PEFT's format, `lora`'s settings in `adapter_config.json`:

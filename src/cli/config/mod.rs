@@ -303,7 +303,7 @@ impl RunConfig {
 
     /// Reads and parses a TOML config file.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = kiln_core::fs::read_regular_to_string(path)?;
         Self::from_toml(&text, path)
     }
 
@@ -312,7 +312,7 @@ impl RunConfig {
     /// then validates: a flag can make a config valid (`backend = "nccl"` with
     /// `--device cuda:0`), so the file alone is not judged.
     pub fn load_unvalidated(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = kiln_core::fs::read_regular_to_string(path)?;
         Self::parse(&text, path)
     }
 

@@ -60,9 +60,10 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
         TextTokenizer::open(&dir).with_context(|| format!("data.tokenizer ({})", dir.display()))?,
     );
     let (eos, pad_id) = special_tokens(&dir, &tokenizer);
+    // Packed, `max_length` is the block: the documents themselves are never cut.
     let options = TextOptions {
-        max_length: data.max_length,
-        truncation: data.truncation,
+        max_length: if data.packing { None } else { data.max_length },
+        truncation: data.truncation && !data.packing,
         eos_token: if task.is_causal() { eos } else { None },
     };
     let threads = data

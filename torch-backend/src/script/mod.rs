@@ -144,8 +144,8 @@ impl ScriptModule {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model.pt".to_owned());
-        let tmp_dir = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
-        std::fs::create_dir_all(&tmp_dir).map_err(|e| Error::io(&tmp_dir, e))?;
+        // A new directory of an unpredictable name: never one planted there.
+        let tmp_dir = kiln_core::fs::create_temporary_dir_beside(path)?;
         let tmp = tmp_dir.join(&file_name);
         let result = self
             .module

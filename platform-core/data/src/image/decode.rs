@@ -411,6 +411,10 @@ fn decode_png(bytes: &[u8], name: &Path) -> Result<Pixels> {
     // samples cut to their high byte.
     decoder.set_transformations(png::Transformations::EXPAND | png::Transformations::STRIP_16);
     let mut reader = decoder.read_info().map_err(png_error)?;
+    // Before a byte of pixels is allocated: a few hundred KB of zlib can
+    // claim 30000x30000.
+    let (width, height) = reader.info().size();
+    formats::check_pixels(width as usize, height as usize, "PNG", name)?;
     let size = reader
         .output_buffer_size()
         .ok_or_else(|| Error::data(name, None, "the PNG image is too large to decode in memory"))?;

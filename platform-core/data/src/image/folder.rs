@@ -122,6 +122,9 @@ impl ImageFolder {
                 for file in files {
                     let path = dir.join(&file);
                     if has_image_extension(&path) {
+                        // A named pipe or a device under an image's name would
+                        // block or read forever when its turn came mid-epoch.
+                        kiln_core::fs::check_regular_file(&path)?;
                         samples.push((path, index as i64));
                     }
                 }
@@ -174,7 +177,7 @@ impl ImageFolder {
     /// the line (or entry) that is malformed, or if it lists no image.
     pub fn from_list(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = kiln_core::fs::read_regular_to_string(path)?;
         let is_json = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("json"));
@@ -298,7 +301,7 @@ impl Dataset for ImageFolder {
                 ),
             ));
         };
-        let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
+        let bytes = kiln_core::fs::read_regular_file(path)?;
         let image = decode_image(&bytes, self.color_mode, path)?;
         Ok((image, HostTensor::scalar(*label)))
     }

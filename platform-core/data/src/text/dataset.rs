@@ -83,6 +83,21 @@ pub struct TextOptions {
     pub eos_token: Option<i64>,
 }
 
+/// The most bytes of a row a token may take, bounding a row's bytes by
+/// `max_length`: far above any tokenizer's longest token, with JSON's
+/// escapes (`\uXXXX` is 6 bytes a character).
+const MAX_BYTES_PER_TOKEN: u64 = 4096;
+
+/// The most bytes a row may have for `options`: what `max_length` tokens can
+/// use, at least 1 MiB, at most [`super::records::MAX_ROW_BYTES`] (also the
+/// limit without `max_length`).
+fn max_row_bytes(options: &TextOptions) -> u64 {
+    let most = super::records::MAX_ROW_BYTES;
+    options.max_length.map_or(most, |m| {
+        (m as u64).saturating_mul(MAX_BYTES_PER_TOKEN).clamp(1 << 20, most)
+    })
+}
+
 /// Tokenized examples of text rows: `(ids [len], targets [len])`, the
 /// targets the next token's label ([`IGNORE_INDEX`] where there is none) for
 /// a causal task, or `(ids [len], label)` for classification. Rows are read
@@ -123,7 +138,7 @@ impl TextDataset {
         }
         let columns = task.columns();
         let names: Vec<&str> = columns.iter().map(String::as_str).collect();
-        let records = TextRecords::open(path, &names)?;
+        let records = TextRecords::open_bounded(path, &names, max_row_bytes(&options))?;
         Ok(TextDataset {
             records,
             task,
@@ -218,7 +233,17 @@ impl TextDataset {
     /// length in tokens; the first row that fails (too long without
     /// truncation, a bad label) is the error, so a run can refuse its data
     /// before it starts.
+    ///
+    /// For a causal task each row must also keep a target after the shift: a
+    /// row whose prompt fills `max_length` (cut by truncation) or a single
+    /// token has nothing to learn from, and would make a batch's loss NaN.
     pub fn check_lengths(&self, threads: usize) -> Result<Vec<usize>> {
+        self.tokenize_all(threads, self.task.is_causal())
+    }
+
+    /// [`check_lengths`](Self::check_lengths), the targets checked only when
+    /// `need_targets` (a packed document's targets are its block's).
+    fn tokenize_all(&self, threads: usize, need_targets: bool) -> Result<Vec<usize>> {
         let n = self.len();
         let threads = threads.clamp(1, n.max(1));
         let chunk = n.div_ceil(threads);
@@ -227,7 +252,13 @@ impl TextDataset {
                 .map(|t| {
                     s.spawn(move || {
                         (t * chunk..((t + 1) * chunk).min(n))
-                            .map(|i| self.tokens(i).map(|(ids, _)| ids.len()))
+                            .map(|i| {
+                                let (ids, labels) = self.tokens(i)?;
+                                if need_targets {
+                                    self.check_has_target(i, ids.len(), &labels)?;
+                                }
+                                Ok(ids.len())
+                            })
                             .collect::<Result<Vec<usize>>>()
                     })
                 })
@@ -249,6 +280,38 @@ impl TextDataset {
             lengths.extend(r?);
         }
         Ok(lengths)
+    }
+}
+
+impl TextDataset {
+    /// Fails when row `index` (`len` tokens, `labels` before the shift) has
+    /// no target once shifted.
+    fn check_has_target(&self, index: usize, len: usize, labels: &[i64]) -> Result<()> {
+        if labels.iter().skip(1).any(|&l| l != IGNORE_INDEX) {
+            return Ok(());
+        }
+        let why = match (&self.task, self.options.max_length) {
+            (TextTask::Instruction { .. }, Some(max)) if self.options.truncation && len == max => {
+                format!(
+                    "after truncation to max_length = {max}, no response token is left (the \
+                     prompt fills the example); raise data.max_length or shorten the prompt"
+                )
+            }
+            (TextTask::Instruction { .. }, _) => {
+                "the response gives no token to learn from".to_owned()
+            }
+            _ => format!(
+                "{len} token{}: a language model needs at least 2 to predict one",
+                if len == 1 { "" } else { "s" }
+            ),
+        };
+        Err(Error::invalid_argument(
+            "data",
+            format!(
+                "{}: the row has no target: {why} (its loss would be NaN, or add nothing)",
+                self.records.place(index)
+            ),
+        ))
     }
 }
 
@@ -314,7 +377,12 @@ impl PackedText {
                 format!("a packed block needs at least 2 tokens, got {block}"),
             ));
         }
-        let lengths = inner.check_lengths(threads)?;
+        let mut inner = inner;
+        // A document is never cut to the block: the stream of documents is
+        // (one after another, each with its EOS), so a long one spans blocks.
+        inner.options.max_length = None;
+        inner.options.truncation = false;
+        let lengths = inner.tokenize_all(threads, false)?;
         let mut starts = Vec::with_capacity(lengths.len() + 1);
         let mut total = 0usize;
         for l in lengths {
@@ -547,6 +615,58 @@ mod tests {
         assert_eq!(x.as_slice::<i64>()?, &[2, 1, 98, 99]);
         assert_eq!(t.as_slice::<i64>()?, &[1, 98, 99, -100]);
         assert!(packed.get(2).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_document_longer_than_a_block_spans_blocks() -> Result<()> {
+        // 26 letters + BOS + EOS = 28 tokens; blocks of 8 (the options' 8 is
+        // the block, not a cut): 3 whole blocks, the document continuing
+        // from one to the next.
+        let letters: String = ('a'..='z').collect();
+        let path = file("long.jsonl", &format!("{{\"t\": \"{letters}\"}}\n"));
+        let task = TextTask::LanguageModel { text: "t".into() };
+        let ds = TextDataset::open(&path, task, options(Some(8), false), Arc::new(Chars))?;
+        let packed = PackedText::new(ds, 8, 2)?;
+        assert_eq!(packed.total_tokens(), 28);
+        assert_eq!(packed.len(), 3);
+        let (x, _) = packed.get(1)?;
+        let expected: Vec<i64> = ('h'..='o').map(|c| c as i64).collect();
+        assert_eq!(x.as_slice::<i64>()?, expected.as_slice());
+        Ok(())
+    }
+
+    #[test]
+    fn a_row_with_no_target_is_refused_naming_its_line() -> Result<()> {
+        let path = file(
+            "nt.jsonl",
+            "{\"q\": \"a\", \"a\": \"b\"}\n{\"q\": \"abcdefgh\", \"a\": \"b\"}\n",
+        );
+        let task = TextTask::Instruction {
+            prompt: PromptTemplate::parse("{q}")?,
+            response: PromptTemplate::parse("{a}")?,
+        };
+        let ds = TextDataset::open(&path, task, options(Some(4), true), Arc::new(Chars))?;
+        let err = ds.check_lengths(2).unwrap_err().to_string();
+        assert!(err.contains("nt.jsonl, line 2: the row has no target"), "{err}");
+        assert!(err.contains("no response token is left"), "{err}");
+        Ok(())
+    }
+
+    #[test]
+    fn rows_are_read_within_their_byte_bound() -> Result<()> {
+        // max_length 1 allows 1 MiB a row: a 2 MiB row is refused while read.
+        let big = "x".repeat(2 << 20);
+        let path = file("big.jsonl", &format!("{{\"t\": \"a\"}}\n{{\"t\": \"{big}\"}}\n"));
+        let task = TextTask::LanguageModel { text: "t".into() };
+        let err = TextDataset::open(&path, task.clone(), options(Some(1), true), Arc::new(Chars))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2: the row is longer than 1048576 bytes"), "{err}");
+        // A byte-order mark before the first row is not part of it.
+        let path = file("bom.jsonl", "\u{feff}{\"t\": \"a\"}\n");
+        let ds = TextDataset::open(&path, task, options(None, false), Arc::new(Chars))?;
+        assert_eq!(ds.tokens(0)?.0, [1, 97, 2]);
         Ok(())
     }
 }

@@ -68,7 +68,16 @@ pub struct TextRecords {
     /// Parquet: the wanted columns of every row.
     values: Vec<Vec<String>>,
     file: Mutex<File>,
+    /// The most bytes a row may have.
+    max_row_bytes: u64,
 }
+
+/// The UTF-8 byte-order mark, skipped at the start of a file.
+const UTF8_BOM: &[u8] = b"\xef\xbb\xbf";
+
+/// The most bytes a row may have when no limit is given (64 MiB: about 16
+/// million tokens of English): a row is read into memory whole.
+pub const MAX_ROW_BYTES: u64 = 64 << 20;
 
 impl TextRecords {
     /// Reads `path` (format from its extension) and checks that every row has
@@ -77,9 +86,21 @@ impl TextRecords {
     /// or a value that is not text, a number or a boolean is an error; blank
     /// lines are skipped.
     pub fn open(path: impl AsRef<Path>, columns: &[&str]) -> Result<Self> {
+        Self::open_bounded(path, columns, MAX_ROW_BYTES)
+    }
+
+    /// [`open`](Self::open), refusing any row (JSON Lines line, CSV record) of
+    /// more than `max_row_bytes` bytes while reading it: a row is never held
+    /// whole beyond that, so a one-line file of gigabytes costs its limit in
+    /// memory and is refused naming its line.
+    pub fn open_bounded(
+        path: impl AsRef<Path>,
+        columns: &[&str],
+        max_row_bytes: u64,
+    ) -> Result<Self> {
         let path = path.as_ref().to_owned();
         let format = TextFormat::from_path(&path)?;
-        let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let file = kiln_core::fs::open_regular_file(&path)?;
         let columns: Vec<String> = columns.iter().map(|c| (*c).to_owned()).collect();
         let mut records = TextRecords {
             path,
@@ -90,6 +111,7 @@ impl TextRecords {
             csv_index: Vec::new(),
             values: Vec::new(),
             file: Mutex::new(file.try_clone().map_err(|e| Error::io("text file", e))?),
+            max_row_bytes,
         };
         match format {
             TextFormat::JsonLines => records.index_json_lines(file)?,
@@ -235,15 +257,29 @@ impl TextRecords {
         let mut line = 0usize;
         loop {
             buf.clear();
-            let n = reader
+            // At most one byte past the limit is read: enough to know the row
+            // is over it, without holding the rest.
+            let n = (&mut reader)
+                .take(self.max_row_bytes + 1)
                 .read_until(b'\n', &mut buf)
                 .map_err(|e| Error::io(&self.path, e))?;
             if n == 0 {
                 break;
             }
             line += 1;
-            let start = offset;
+            if n as u64 > self.max_row_bytes {
+                return Err(self.too_long(line));
+            }
+            let mut start = offset;
             offset += n as u64;
+            let mut n = n;
+            // A UTF-8 byte-order mark (as Windows editors write) is not part
+            // of the first row.
+            if line == 1 && buf.starts_with(UTF8_BOM) {
+                buf.drain(..UTF8_BOM.len());
+                start += UTF8_BOM.len() as u64;
+                n -= UTF8_BOM.len();
+            }
             if buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -256,6 +292,19 @@ impl TextRecords {
         Ok(())
     }
 
+    /// A row over [`max_row_bytes`](Self::open_bounded), at `line`.
+    fn too_long(&self, line: usize) -> Error {
+        self.bad(
+            line,
+            format!(
+                "the row is longer than {} bytes, more than the examples can use (the limit \
+                 follows from data.max_length, or is {} MiB without one); split or cut such rows",
+                self.max_row_bytes,
+                MAX_ROW_BYTES >> 20
+            ),
+        )
+    }
+
     fn index_csv(&mut self, file: File) -> Result<()> {
         let mut bytes = Vec::new();
         BufReader::new(file)
@@ -263,8 +312,11 @@ impl TextRecords {
             .map_err(|e| Error::io(&self.path, e))?;
         let mut pos = 0usize;
         let mut line = 1usize;
+        if bytes.starts_with(UTF8_BOM) {
+            pos = UTF8_BOM.len();
+        }
         // The header.
-        let (header, used) = parse_csv_record(&bytes).map_err(|r| self.bad(1, r))?;
+        let (header, used) = parse_csv_record(&bytes[pos..]).map_err(|r| self.bad(1, r))?;
         if used == 0 {
             return Ok(());
         }
@@ -284,10 +336,13 @@ impl TextRecords {
                 })
             })
             .collect::<Result<_>>()?;
-        line += count_newlines(&bytes[..used]);
+        line += count_newlines(&bytes[pos..pos + used]);
         pos += used;
         while pos < bytes.len() {
             let (record, used) = parse_csv_record(&bytes[pos..]).map_err(|r| self.bad(line, r))?;
+            if used as u64 > self.max_row_bytes {
+                return Err(self.too_long(line));
+            }
             let blank = record.len() == 1 && record[0].trim().is_empty();
             if !blank {
                 if record.len() != header.len() {

@@ -367,7 +367,7 @@ fn point_last_at(dir: &Path, target: &Path) -> Result<()> {
     std::fs::rename(&tmp, &last).map_err(|e| Error::io(&last, e))
 }
 
-/// Removes the temporary files (`<name>.tmp-<pid>`, `.last.tmp-<pid>`) that a
+/// Removes the temporary files (`<name>.tmp-<pid>-<random>`, `.last.tmp-<pid>`) that a
 /// writer which no longer runs left in `dir` when it crashed mid-write.
 fn remove_stale_temporaries(dir: &Path) -> Result<()> {
     for entry in super::dir_entries(dir)? {
@@ -375,8 +375,7 @@ fn remove_stale_temporaries(dir: &Path) -> Result<()> {
         let Some(pid) = path
             .file_name()
             .and_then(|n| n.to_str())
-            .and_then(|n| n.rsplit_once(".tmp-"))
-            .and_then(|(_, pid)| pid.parse::<u32>().ok())
+            .and_then(kiln_core::fs::temporary_owner)
         else {
             continue;
         };

@@ -283,6 +283,20 @@ impl Checkpoint {
         parse_metrics(&meta, path)
     }
 
+    /// The files [`load`](Self::load) reads for the checkpoint at `path`: the
+    /// file itself and, for a sharded checkpoint's index, every shard it names
+    /// beside it. Only the header is read, so an output can be compared with
+    /// every file of the set before anything is written.
+    pub fn files(path: &Path) -> Result<Vec<PathBuf>> {
+        let meta = kiln_core::safetensors::load_safetensors_metadata(path)?;
+        let mut files = vec![path.to_path_buf()];
+        if let Some(listing) = meta.get(sharded::INDEX_KEY) {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            files.extend(sharded::listed_shards(path, listing)?.iter().map(|n| dir.join(n)));
+        }
+        Ok(files)
+    }
+
     /// Reads a checkpoint written by [`save`](Self::save).
     ///
     /// A file that is not a Kiln checkpoint (a plain safetensors state dict, another

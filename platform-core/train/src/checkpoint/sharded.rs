@@ -248,6 +248,18 @@ pub(super) fn refuse_lone_shard(path: &Path, record: &str) -> Error {
     )
 }
 
+/// The index at `path`'s listing, from its `kiln.shards` metadata.
+fn parse_index(path: &Path, listing: &str) -> Result<ShardIndex> {
+    serde_json::from_str(listing).map_err(|e| {
+        Error::checkpoint_caused_by(path, format!("metadata `{INDEX_KEY}` is damaged"), e)
+    })
+}
+
+/// The shard file names the index at `path` lists (its `kiln.shards` value).
+pub(super) fn listed_shards(path: &Path, listing: &str) -> Result<Vec<String>> {
+    Ok(parse_index(path, listing)?.shards)
+}
+
 /// Reads the sharded checkpoint whose index is at `path` (with the index's
 /// own `tensors` and `meta`): every shard, checked against the index, put
 /// together into the whole state.
@@ -263,9 +275,7 @@ pub(super) fn load_set(
             tensors.len()
         )));
     }
-    let listing: ShardIndex = serde_json::from_str(&meta[INDEX_KEY]).map_err(|e| {
-        Error::checkpoint_caused_by(path, format!("metadata `{INDEX_KEY}` is damaged"), e)
-    })?;
+    let listing = parse_index(path, &meta[INDEX_KEY])?;
     let mut checkpoint = Checkpoint::from_parts(StateDict::new(), meta, path)?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let world = listing.shards.len();

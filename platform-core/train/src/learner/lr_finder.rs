@@ -24,6 +24,10 @@ pub enum LrSweep {
     Linear,
 }
 
+/// The fewest steps from which a rate can be suggested (10 skipped at the
+/// start, 1 at the end, 2 to take a slope between).
+const MIN_NUM_TRAINING: usize = 13;
+
 /// The range test's settings, with Lightning's defaults.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LrFinderConfig {
@@ -67,10 +71,16 @@ impl LrFinderConfig {
                 ),
             ));
         }
-        if self.num_training < 2 {
+        // Lightning's suggestion leaves out the first 10 steps and the last
+        // one and needs two points between: fewer steps can never suggest.
+        if self.num_training < MIN_NUM_TRAINING {
             return Err(Error::invalid_argument(
                 "num_training",
-                format!("must be at least 2, got {}", self.num_training),
+                format!(
+                    "must be at least {MIN_NUM_TRAINING} (the suggestion skips the first 10 steps \
+                     and the last, and needs 2 between), got {}",
+                    self.num_training
+                ),
             ));
         }
         if !(0.0..1.0).contains(&self.beta) {
@@ -239,8 +249,10 @@ fn sweep<B: TrainBackend, M: Trainable<B>>(
         clip: None,
     };
     let mut result = LrFinderResult {
-        lrs: Vec::with_capacity(config.num_training),
-        losses: Vec::with_capacity(config.num_training),
+        // Grown as the steps come: `num_training` is the user's number, and
+        // reserving it up front would allocate for steps never run.
+        lrs: Vec::new(),
+        losses: Vec::new(),
         stopped_early: false,
     };
     let (mut average, mut best) = (0.0f64, 0.0f64);

@@ -315,16 +315,10 @@ impl CsvFile {
     }
 }
 
-/// Replaces `path` with `bytes` atomically (a temporary file renamed over it).
+/// Replaces `path` with `bytes` atomically, through an exclusive temporary
+/// ([`kiln_core::fs::replace_file`]).
 fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let mut file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
-    file.write_all(bytes)
-        .and_then(|()| file.sync_all())
-        .map_err(|e| Error::io(&tmp, e))?;
-    fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+    kiln_core::fs::replace_file(path, bytes)
 }
 
 /// A CSV file read back: the header's names and, per row, one optional

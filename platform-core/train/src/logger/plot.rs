@@ -1,7 +1,5 @@
 //! Training curves as PNG images.
 
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -300,18 +298,22 @@ fn drawing_error(out: &Path, e: &(dyn std::error::Error + Send + Sync)) -> Error
 }
 
 /// Encodes 8-bit RGB `pixels` as a PNG file.
+/// Written atomically ([`kiln_core::fs::write_atomically`]): a plot being
+/// redrawn is never seen half-written, and a link at `path` is replaced, not
+/// written through.
 fn write_png(path: &Path, width: u32, height: u32, pixels: &[u8]) -> Result<()> {
-    let file = File::create(path).map_err(|e| Error::io(path, e))?;
-    let mut encoder = png::Encoder::new(BufWriter::new(file), width, height);
-    encoder.set_color(png::ColorType::Rgb);
-    encoder.set_depth(png::BitDepth::Eight);
-    let to_io = |e: png::EncodingError| match e {
-        png::EncodingError::IoError(e) => Error::io(path, e),
-        other => Error::io(path, std::io::Error::other(other)),
-    };
-    let mut writer = encoder.write_header().map_err(to_io)?;
-    writer.write_image_data(pixels).map_err(to_io)?;
-    writer.finish().map_err(to_io)
+    kiln_core::fs::write_atomically(path, |out| {
+        let mut encoder = png::Encoder::new(out, width, height);
+        encoder.set_color(png::ColorType::Rgb);
+        encoder.set_depth(png::BitDepth::Eight);
+        let to_io = |e: png::EncodingError| match e {
+            png::EncodingError::IoError(e) => Error::io(path, e),
+            other => Error::io(path, std::io::Error::other(other)),
+        };
+        let mut writer = encoder.write_header().map_err(to_io)?;
+        writer.write_image_data(pixels).map_err(to_io)?;
+        writer.finish().map_err(to_io)
+    })
 }
 
 /// Plots a learning-rate range test ([`find_lr`](crate::find_lr)): the

@@ -347,7 +347,7 @@ impl Dataset for WebDataset {
             .iter()
             .find(|m| *m.ext == *self.label_key)
             .ok_or_else(|| missing("label", &self.label_key))?;
-        let file = File::open(shard).map_err(|e| Error::io(shard, e))?;
+        let file = kiln_core::fs::open_regular_file(shard)?;
         let bytes = self.read_member(&file, s, image)?;
         let image = decode_image(&bytes, self.color_mode, &member_name(shard, s, &image.ext))?;
         let text = self.read_member(&file, s, label)?;

@@ -35,7 +35,7 @@ pub(super) fn split_key(name: &str) -> Option<(&str, &str)> {
 /// Understands ustar (with its prefix field), GNU long names (`L`) and pax
 /// headers' `path` and `size`.
 pub(super) fn scan_tar(path: &Path) -> Result<Vec<(String, u64, u64)>> {
-    let file = File::open(path).map_err(|e| Error::io(path, e))?;
+    let file = kiln_core::fs::open_regular_file(path)?;
     let file_len = file.metadata().map_err(|e| Error::io(path, e))?.len();
     let mut out = Vec::new();
     let mut pos = 0u64;
