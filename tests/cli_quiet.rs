@@ -24,6 +24,12 @@ fn tensorflow_lines(stderr: &str) -> Vec<&str> {
         .collect()
 }
 
+/// TensorFlow's notices when its library loads, which differ by CPU: oneDNN's
+/// (`port.cc`) and the CPU features' (`cpu_feature_guard.cc`).
+fn is_start_up_notice(line: &str) -> bool {
+    line.contains("port.cc") || line.contains("cpu_feature_guard.cc")
+}
+
 /// `I1126 12:00:00.000000  1234 file.cc:42] ...` or TensorFlow's `I0000 00:00:...`.
 fn is_glog_info(line: &str) -> bool {
     let mut chars = line.chars();
@@ -184,28 +190,31 @@ fn tensorflow_logs_follow_kilns_level_and_a_users_setting_wins() {
     assert!(stdout.contains("kiln: tensorflow on cpu"), "{stdout}");
     assert!(dir.join("quiet/model.safetensors").is_file());
 
-    // Kiln at debug: TensorFlow's start-up lines too.
+    // Kiln at debug: TensorFlow's start-up lines too. Which ones depends on
+    // the CPU (the oneDNN notice where TensorFlow turns oneDNN on by default,
+    // AVX-512 machines; the CPU-feature and MLIR notices elsewhere): Kiln
+    // controls whether they show, not what they say.
     let debug = train(&config, &dir, "debug", &[("RUST_LOG", "debug")]);
     let stderr = text(&debug.stderr);
     assert!(debug.status.success(), "{stderr}");
     assert!(
-        stderr.contains("oneDNN custom operations are on"),
-        "no oneDNN line at debug:\n{stderr}"
+        !tensorflow_lines(&stderr).is_empty(),
+        "no TensorFlow line at debug:\n{stderr}"
     );
 
-    // The user's TF_CPP_MIN_LOG_LEVEL: TensorFlow's INFO lines after start-up
-    // (a session's), whatever Kiln's level.
+    // The user's TF_CPP_MIN_LOG_LEVEL: TensorFlow's INFO lines, start-up's and
+    // after it (a session's), whatever Kiln's level.
     let user = train(&config, &dir, "user", &[("TF_CPP_MIN_LOG_LEVEL", "0")]);
     let stderr = text(&user.stderr);
     assert!(user.status.success(), "{stderr}");
     assert!(
-        stderr.contains("oneDNN custom operations are on"),
-        "{stderr}"
+        !tensorflow_lines(&stderr).is_empty(),
+        "no TensorFlow line with TF_CPP_MIN_LOG_LEVEL=0:\n{stderr}"
     );
     assert!(
         stderr
             .lines()
-            .any(|l| is_glog_info(l) && !l.contains("port.cc")),
+            .any(|l| is_glog_info(l) && !is_start_up_notice(l)),
         "no INFO line past start-up with TF_CPP_MIN_LOG_LEVEL=0:\n{stderr}"
     );
 

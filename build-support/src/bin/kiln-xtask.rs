@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
-//! cargo xtask test [ARGS]      setup, then `cargo test --workspace ARGS`
+//! cargo xtask test [ARGS]      setup, then `cargo test --workspace --no-fail-fast ARGS`
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
 //! cargo xtask kiln [ARGS]      setup, build kiln-tensorflow, then the `kiln` CLI in release mode with ARGS
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
@@ -34,7 +34,9 @@ fn main() -> ExitCode {
         Some("setup") | Some("env") => Vec::new(),
         // The guide needs no native library: no provisioning.
         Some("book") if rest.is_empty() => return book(),
-        Some("test") => ["test", "--workspace"]
+        // Every test binary runs, whatever fails before it; cargo names each
+        // failed one at the end.
+        Some("test") => ["test", "--workspace", "--no-fail-fast"]
             .into_iter()
             .map(OsString::from)
             .chain(rest.iter().cloned())
