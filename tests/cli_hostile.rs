@@ -1214,3 +1214,124 @@ fn a_link_planted_at_a_temporary_name_never_redirects_a_write() {
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "the user's file");
     assert!(kiln::train::Checkpoint::load(&output).is_ok());
 }
+
+#[test]
+fn pretrained_weights_and_adapters_are_checked_when_loaded() {
+    let test = "pretrained_weights_and_adapters_are_checked_when_loaded";
+    let Some(refs) = models(test) else { return };
+    let dir = scratch("hostile-weights");
+    let limit = Duration::from_secs(20);
+    let generate = |model: &Path, extra: &[&str]| {
+        let mut args = vec!["generate", "--model", s(model), "--prompt-ids", "1,5"];
+        args.extend_from_slice(extra);
+        fails_within(limit, &dir, &args)
+    };
+    let metadata = std::collections::BTreeMap::from([("format".to_owned(), "pt".to_owned())]);
+    // One tensor of the weights replaced by `tensor`.
+    let with = |name: &str, tensor: kiln::core::HostTensor| {
+        let to = model_copy(&refs.join("llama"), &dir.join(name), &|_| {});
+        let file = to.join("model.safetensors");
+        let (mut weights, _) = StateDict::load_safetensors(&file).unwrap();
+        weights.insert("model.norm.weight".to_owned(), tensor);
+        weights.save_safetensors(&file, &metadata).unwrap();
+        to
+    };
+    let mut values = vec![1.0f32; 32];
+    values[3] = f32::NAN;
+    let err = generate(&with("nan", kiln::core::HostTensor::new(values, [32]).unwrap()), &[]);
+    assert!(
+        err.contains("`model.norm.weight`: holds 1 NaN of 32 values"),
+        "{err}"
+    );
+    let ints = kiln::core::HostTensor::new(vec![1i64; 32], [32]).unwrap();
+    let err = generate(&with("int", ints), &[]);
+    assert!(
+        err.contains("`model.norm.weight`: holds I64 values") && err.contains("never casts"),
+        "{err}"
+    );
+
+    // A PEFT adapter on q_proj of the first layer, as PEFT names it.
+    let adapter = |name: &str, edit: &dyn Fn(&mut serde_json::Value), b: f32| {
+        let to = dir.join(name);
+        std::fs::create_dir_all(&to).unwrap();
+        let mut config = serde_json::json!({
+            "peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+            "target_modules": ["q_proj"], "bias": "none", "use_rslora": false,
+        });
+        edit(&mut config);
+        std::fs::write(to.join("adapter_config.json"), config.to_string()).unwrap();
+        let prefix = "base_model.model.model.layers.0.self_attn.q_proj";
+        let mut tensors = StateDict::new();
+        tensors.insert(
+            format!("{prefix}.lora_A.weight"),
+            kiln::core::HostTensor::new(vec![0.1f32; 4 * 32], [4, 32]).unwrap(),
+        );
+        tensors.insert(
+            format!("{prefix}.lora_B.weight"),
+            kiln::core::HostTensor::new(vec![b; 32 * 4], [32, 4]).unwrap(),
+        );
+        tensors
+            .save_safetensors(to.join("adapter_model.safetensors"), &metadata)
+            .unwrap();
+        to
+    };
+    let llama = refs.join("llama");
+    let good = adapter("good", &|_| {}, 0.5);
+    kiln(&["generate", "--model", s(&llama), "--prompt-ids", "1,5", "--max-new-tokens", "2", "--adapter", s(&good)]);
+    for (name, edit, expected) in [
+        ("zero", &(|c: &mut serde_json::Value| c["lora_alpha"] = 0.into()) as &dyn Fn(&mut serde_json::Value), "`lora_alpha` = 0"),
+        ("huge", &|c: &mut serde_json::Value| c["lora_alpha"] = 1e38.into(), "`lora_alpha` = 100000000000000000000000000000000000000"),
+        ("alora", &|c: &mut serde_json::Value| c["alora_invocation_tokens"] = serde_json::json!([5, 6]), "`alora_invocation_tokens` is set"),
+        ("prefix", &|c: &mut serde_json::Value| c["peft_type"] = "PREFIX_TUNING".into(), "`peft_type` is \"PREFIX_TUNING\""),
+    ] {
+        let err = generate(&llama, &["--adapter", s(&adapter(name, edit, 0.5))]);
+        assert!(err.contains(expected), "{name}: expected `{expected}`:\n{err}");
+    }
+    let err = generate(&llama, &["--adapter", s(&adapter("nan-adapter", &|_| {}, f32::NAN))]);
+    assert!(
+        err.contains("lora_B.weight` holds 128 NaN of 128 values"),
+        "{err}"
+    );
+}
+
+#[test]
+fn resume_auto_starts_afresh_where_a_killed_run_left_only_its_own_files() {
+    if !digits_available() {
+        return;
+    }
+    let _serial = serial();
+    let dir = scratch("hostile-killed");
+    let cfg = config(&dir, 0);
+    // What a run SIGKILLed before its first checkpoint leaves: its lock file
+    // (a PID no longer running), its config copy, a CSV and a partial checkpoint.
+    let left = |run: &Path| {
+        std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+        std::fs::write(run.join(".kiln.lock"), "4194303\n").unwrap();
+        std::fs::write(run.join("config.toml"), "seed = 3\n").unwrap();
+        std::fs::write(run.join("steps.csv"), "step,loss\n1,2.3\n").unwrap();
+        std::fs::write(
+            run.join("checkpoints/step-00000005.safetensors.tmp-4194303"),
+            "partial",
+        )
+        .unwrap();
+    };
+    let run = dir.join("run");
+    left(&run);
+    let printed = train(s(&cfg), &run, &["--resume", "auto", "--max-steps", "6"]);
+    assert!(printed.contains("6 steps"), "{printed}");
+    assert!(run.join("checkpoints/step-00000005.safetensors").is_file());
+    assert!(!run
+        .join("checkpoints/step-00000005.safetensors.tmp-4194303")
+        .exists());
+    // A file of the user's beside them: nothing is removed, the run refused.
+    let mine = dir.join("mine");
+    left(&mine);
+    std::fs::write(mine.join("notes.txt"), "mine").unwrap();
+    let err = fails_within(
+        Duration::from_secs(30),
+        &dir,
+        &["train", "--config", s(&cfg), "--output", s(&mine), "--resume", "auto"],
+    );
+    assert!(err.contains("is not empty"), "{err}");
+    assert!(mine.join("notes.txt").is_file() && mine.join("steps.csv").is_file());
+}

@@ -348,12 +348,7 @@ fn the_shipped_lora_config_teaches_the_example_model_its_answers() {
     };
     let _serial = serial();
     let dir = scratch("lora-shipped");
-    let models = dir.join("models/tiny-llama");
-    kiln_testkit::run_reference(
-        &python,
-        &kiln_testkit::workspace_root().join("examples/pretrained/make_tiny_llama.py"),
-        &[&models],
-    );
+    common::tiny_llama(&python, &dir.join("models/tiny-llama"));
     // The config's paths are relative to where kiln runs, as for a user in the workspace.
     let config = kiln_testkit::workspace_root().join("examples/configs/lora-llama.toml");
     let out = std::process::Command::new(common::KILN)

@@ -396,11 +396,7 @@ fn the_shipped_pretrained_config_trains_on_the_example_model() {
     };
     let _serial = serial();
     let dir = scratch("pretrained-shipped");
-    kiln_testkit::run_reference(
-        &python,
-        &kiln_testkit::workspace_root().join("examples/pretrained/make_tiny_llama.py"),
-        &[dir.join("models/tiny-llama")],
-    );
+    common::tiny_llama(&python, &dir.join("models/tiny-llama"));
     // The config's paths are relative to where kiln runs, as for a user in the workspace.
     let config = kiln_testkit::workspace_root().join("examples/configs/pretrained-llama.toml");
     let out = std::process::Command::new(common::KILN)

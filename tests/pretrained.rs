@@ -26,8 +26,13 @@ fn references(test: &str) -> Option<&'static (PathBuf, Vec<serde_json::Value>)> 
     static MADE: OnceLock<(PathBuf, Vec<serde_json::Value>)> = OnceLock::new();
     let python = kiln_testkit::python(test)?;
     Some(MADE.get_or_init(|| {
-        let dir = kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "pretrained");
-        kiln_testkit::run_reference_script!(&python, "pretrained.py", &[Path::new("make"), &dir]);
+        // Shared with tests/cli_pretrained.rs: made once per test run.
+        let dir = kiln_testkit::made_once_per_run(
+            &python,
+            &kiln_testkit::workspace_root().join("tests/reference/pretrained.py"),
+            &[Path::new("make")],
+            "pretrained-models",
+        );
         let cases = std::fs::read_to_string(dir.join("cases.json")).unwrap();
         (dir, serde_json::from_str(&cases).unwrap())
     }))

@@ -23,11 +23,7 @@ fn the_example_fine_tunes_saves_and_generates() {
     let _serial = common::serial();
     let dir = common::scratch("pretrained-lm");
     let model = dir.join("tiny-llama");
-    kiln_testkit::run_reference(
-        &python,
-        &kiln_testkit::workspace_root().join("examples/pretrained/make_tiny_llama.py"),
-        &[&model],
-    );
+    common::tiny_llama(&python, &model);
     let out = dir.join("run");
     let done = pretrained_lm::run(&model, &out, 1).unwrap();
     assert!(

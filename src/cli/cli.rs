@@ -17,6 +17,11 @@ fn exit_with(error: &anyhow::Error) -> ! {
     let code = error
         .downcast_ref::<launch::Interrupted>()
         .map_or(1, launch::Interrupted::exit_code);
+    let code = if error.downcast_ref::<forward::TensorflowMissing>().is_some() {
+        forward::TENSORFLOW_MISSING_EXIT_CODE
+    } else {
+        code
+    };
     std::process::exit(code);
 }
 

@@ -90,18 +90,40 @@ fn logging() -> Logging {
     }
 }
 
+/// The exit status of `kiln` when a command needs `kiln-tensorflow` and it is
+/// not beside `kiln`: nothing was read or written, so `cargo xtask kiln`, which
+/// builds `kiln` alone at first, builds `kiln-tensorflow` on this status and
+/// runs the command again (`EX_CONFIG` of `sysexits.h`).
+pub const TENSORFLOW_MISSING_EXIT_CODE: i32 = 78;
+
+/// `kiln-tensorflow` is not beside `kiln`.
+#[derive(Debug)]
+pub(crate) struct TensorflowMissing {
+    path: PathBuf,
+    exe: PathBuf,
+}
+
+impl fmt::Display for TensorflowMissing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} does not exist (it must be in the directory of {}); build both \
+             executables with `cargo build --release --bins -p kiln`, or run \
+             `cargo xtask kiln ...`, which builds it when a command first needs it",
+            self.path.display(),
+            self.exe.display()
+        )
+    }
+}
+
+impl std::error::Error for TensorflowMissing {}
+
 /// `kiln-tensorflow`, beside this executable (symbolic links resolved).
 fn sibling() -> Result<PathBuf> {
     let exe = std::env::current_exe().context("finding the kiln executable")?;
     let path = exe.with_file_name(TENSORFLOW_EXE);
     if !path.is_file() {
-        anyhow::bail!(
-            "{} does not exist (it must be in the directory of {}); build both \
-             executables with `cargo build --release --bins -p kiln`, or run \
-             `cargo xtask kiln ...`, which builds both",
-            path.display(),
-            exe.display()
-        );
+        return Err(TensorflowMissing { path, exe }.into());
     }
     Ok(path)
 }

@@ -182,6 +182,13 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
             .collect::<Result<_>>()?,
     };
     check_prompts(&prompts, args.max_new_tokens, &loaded)?;
+    // A Kiln checkpoint records no EOS: the tokenizer's model directory names it.
+    if loaded.eos.is_empty() {
+        if let Some(dir) = &args.tokenizer {
+            loaded.eos = kiln_hf::eos_token_ids_in(dir)
+                .with_context(|| format!("--tokenizer {}", dir.display()))?;
+        }
+    }
     let stop = if args.stop.is_empty() {
         loaded.eos.clone()
     } else {

@@ -50,6 +50,7 @@ pub use args::{CheckpointArgs, PredictArgs, RunOptions};
 pub use cli::run;
 pub use config::RunConfig;
 pub use engines::{DataParallelEngine, Engines, Source};
+pub use forward::TENSORFLOW_MISSING_EXIT_CODE;
 pub use evaluate::{eval_on, predict_on};
 pub use model::build_model;
 pub use output::{init_logging, CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};

@@ -36,6 +36,17 @@ pub(crate) fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result
             if let Some(path) = Checkpointer::latest(&out.join("checkpoints"))? {
                 return Ok(Some(path));
             }
+            // A run killed before its first checkpoint (no clean-up ran): its
+            // own files only, so it starts again there (`kiln launch
+            // --max-restarts` relies on it).
+            if let Some(removed) = RunDirectory::discard_killed_start(out)? {
+                log::info!(
+                    "--resume auto: {} holds what a run stopped before its first checkpoint \
+                     left ({}); removed it, and the run starts afresh",
+                    out.display(),
+                    if removed.is_empty() { "its lock file".to_owned() } else { removed.join(", ") }
+                );
+            }
             // Nothing to resume: a new run, but only where it destroys nothing.
             if RunDirectory::check(out, RunStart::New).is_err() {
                 anyhow::bail!(
@@ -255,6 +266,42 @@ pub(crate) fn check_resume_position(
         checkpoint.batch_in_epoch,
         checkpoint.epoch
     )
+}
+
+/// Refuses to resume a run that is already complete: its checkpoint stands
+/// after the config's last epoch, or at its `max_steps`. Training it again
+/// would take no step and only rewrite `model.safetensors`.
+pub(crate) fn check_resume_not_complete(
+    config: &RunConfig,
+    checkpoint: &Checkpoint,
+    batches: usize,
+    path: &Path,
+) -> Result<()> {
+    let epochs = config.training.epochs;
+    let done_epochs = if batches > 0 && checkpoint.batch_in_epoch >= batches as u64 {
+        checkpoint.epoch + 1
+    } else {
+        checkpoint.epoch
+    };
+    if done_epochs >= epochs {
+        anyhow::bail!(
+            "checkpoint {}: the run it continues is complete: it finished {done_epochs} epochs \
+             (step {}), and training.epochs is {epochs}; raise --epochs to train further",
+            path.display(),
+            checkpoint.step
+        );
+    }
+    if let Some(max) = config.training.max_steps {
+        if checkpoint.step >= max {
+            anyhow::bail!(
+                "checkpoint {}: the run it continues is complete: it stands at step {}, and \
+                 training.max_steps is {max}; raise --max-steps to train further",
+                path.display(),
+                checkpoint.step
+            );
+        }
+    }
+    Ok(())
 }
 
 /// 64-bit FNV-1a: stable across Rust releases and machines, unlike std's hasher.

@@ -22,7 +22,7 @@ use crate::output::outln;
 use crate::prelude::*;
 use crate::resume::{
     check_resume_data, check_resume_position, data_identity, follower_resume,
-    load_resume_checkpoint, reshard, resolve_resume,
+    check_resume_not_complete, load_resume_checkpoint, reshard, resolve_resume,
 };
 
 pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
@@ -463,6 +463,14 @@ pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
         misclassified,
     };
     let Some(r) = rendezvous else {
+        // One process: a strategy spreads a step over ranks, and there are none.
+        if config.distributed.strategy != StrategyName::Ddp {
+            log::warn!(
+                "[distributed] strategy = \"{}\" applies to data-parallel runs (kiln launch, \
+                 torchrun); this run is one process, so it trains unsharded",
+                config.distributed.strategy.name()
+            );
+        }
         return fit::<B, _>(prepared, model);
     };
     let options = config.distributed.options(config.device);
@@ -590,6 +598,7 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
         checkpoint.check_data_order(path)?;
         reshard(&mut checkpoint, world_size, path)?;
         check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
+        check_resume_not_complete(config, &checkpoint, train_loader.num_batches(), path)?;
         Trainer::<B, M>::resume_from(&mut state, &checkpoint, path)?;
     }
 
@@ -767,11 +776,19 @@ fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Re
              (data.on_error = \"skip\"; each is named in a warning above)"
         );
     }
-    outln!(
-        "kiln: weights in {}, checkpoints in {}",
-        weights.display(),
-        checkpoints.display()
-    );
+    match kiln_train::Checkpointer::latest(&checkpoints) {
+        Ok(Some(_)) => outln!(
+            "kiln: weights in {}, checkpoints in {}",
+            weights.display(),
+            checkpoints.display()
+        ),
+        // --max-steps (or a short run) can end before the first checkpoint is due.
+        _ => outln!(
+            "kiln: weights in {}; no checkpoint was written (the run ended before the first \
+             was due: see [checkpoint] every_n_steps / every_n_epochs)",
+            weights.display()
+        ),
+    }
     run.succeeded();
     Ok(())
 }

@@ -161,9 +161,26 @@ pub fn kiln_fails(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// The example's tiny LLaMA (`examples/pretrained/make_tiny_llama.py`), made
+/// once per test run and linked at `at` (where a config's relative path finds
+/// it). Read-only, as every shared fixture.
+pub fn tiny_llama(python: &Path, at: &Path) {
+    let made = kiln_testkit::made_once_per_run(
+        python,
+        &kiln_testkit::workspace_root().join("examples/pretrained/make_tiny_llama.py"),
+        &[] as &[&str],
+        "tiny-llama",
+    );
+    if let Some(parent) = at.parent() {
+        std::fs::create_dir_all(parent).unwrap();
+    }
+    std::os::unix::fs::symlink(&made, at).unwrap();
+}
+
 /// The directory that `tests/reference/{script} make DIR` fills, made once per
-/// test binary in `cell` (the first caller's scratch directory `name`), or
-/// `None` where the Python reference cannot run.
+/// test run and shared by every test binary ([`kiln_testkit::made_once_per_run`],
+/// under the name `name`; `cell` keeps it for this binary), or `None` where the
+/// Python reference cannot run. Read-only: a test copies what it changes.
 pub fn made_once(
     test: &str,
     cell: &'static std::sync::OnceLock<PathBuf>,
@@ -173,15 +190,14 @@ pub fn made_once(
     let python = kiln_testkit::python(test)?;
     Some(
         cell.get_or_init(|| {
-            let out = scratch(name);
-            kiln_testkit::run_reference(
+            kiln_testkit::made_once_per_run(
                 &python,
                 &kiln_testkit::workspace_root()
                     .join("tests/reference")
                     .join(script),
-                &[Path::new("make"), &out],
-            );
-            out
+                &[Path::new("make")],
+                name,
+            )
         })
         .clone(),
     )

@@ -24,7 +24,7 @@ use tch::IValue;
 fn fixtures(test: &str) -> Option<(PathBuf, PathBuf, StateDict)> {
     let python = common::python(test)?;
     let dir = common::scratch_dir(&format!("torchscript-{test}"));
-    common::run_reference(&python, "torchscript_models.py", &[Path::new("make"), &dir]);
+    common::make_fixtures(&python, "torchscript_models.py", &dir);
     let reference = common::load(&dir.join("reference.safetensors"));
     Some((python, dir, reference))
 }

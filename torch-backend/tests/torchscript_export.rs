@@ -268,7 +268,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
         return;
     };
     let dir = common::scratch_dir("torchscript-export");
-    common::run_reference(&python, "torchscript_models.py", &[Path::new("make"), &dir]);
+    common::make_fixtures(&python, "torchscript_models.py", &dir);
 
     let mut cases = layer_cases();
     assert_eq!(cases.len(), 53, "the layer suite");

@@ -2,9 +2,11 @@
 //!
 //! ```text
 //! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
-//! cargo xtask test [ARGS]      setup, then `cargo test --workspace --no-fail-fast ARGS`
+//! cargo xtask test [ARGS]      setup, then `cargo test --workspace --no-fail-fast ARGS` (with
+//!                              `--features kiln/cuda` where libtorch has CUDA and nvcc is there)
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
-//! cargo xtask kiln [ARGS]      setup, build kiln-tensorflow, then the `kiln` CLI in release mode with ARGS
+//! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS (built with
+//!                              libtorch only; kiln-tensorflow is built when a command first needs it)
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
 //! cargo xtask book             build the guide (docs/) into target/book and check its links
@@ -44,11 +46,23 @@ fn main() -> ExitCode {
         Some("run") => std::iter::once(OsString::from("run"))
             .chain(rest.iter().cloned())
             .collect(),
-        Some("kiln") => ["run", "--release", "-p", "kiln", "--bin", "kiln", "--"]
-            .into_iter()
-            .map(OsString::from)
-            .chain(rest.iter().cloned())
-            .collect(),
+        // libtorch only: the TensorFlow crates are not compiled for a torch run.
+        Some("kiln") => [
+            "run",
+            "--release",
+            "-p",
+            "kiln",
+            "--no-default-features",
+            "--features",
+            TORCH_FEATURES,
+            "--bin",
+            "kiln",
+            "--",
+        ]
+        .into_iter()
+        .map(OsString::from)
+        .chain(rest.iter().cloned())
+        .collect(),
         Some("cargo") if !rest.is_empty() => rest.clone(),
         _ => {
             eprintln!("{USAGE}");
@@ -75,24 +89,72 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         // `kiln` runs the commands that need TensorFlow in `kiln-tensorflow`, the
-        // executable beside it: built first.
-        Some("kiln") => {
-            let sibling = [
-                "build",
-                "--release",
-                "-p",
-                "kiln",
-                "--bin",
-                "kiln-tensorflow",
-            ]
-            .map(OsString::from);
-            match run_cargo(&ready, &sibling) {
-                built if built == ExitCode::SUCCESS => run_cargo(&ready, &cargo_args),
-                failed => failed,
+        // executable beside it. It is built the first time a command needs it:
+        // `kiln` then exits with TENSORFLOW_MISSING having read and written
+        // nothing, and the command runs again once it is there.
+        Some("kiln") => match cargo_status(&ready, &cargo_args) {
+            Some(TENSORFLOW_MISSING) if !tensorflow_exe().is_file() => {
+                log::info!(
+                    "this command needs TensorFlow: building kiln-tensorflow (once; later runs \
+                     reuse it)"
+                );
+                let sibling = [
+                    "build",
+                    "--release",
+                    "-p",
+                    "kiln",
+                    "--bin",
+                    "kiln-tensorflow",
+                ]
+                .map(OsString::from);
+                match run_cargo(&ready, &sibling) {
+                    built if built == ExitCode::SUCCESS => run_cargo(&ready, &cargo_args),
+                    failed => failed,
+                }
             }
+            status => exit_code(status),
+        },
+        // The CUDA code (kernels, CUDA graphs, NCCL) is compiled and its tests run
+        // (skipping without a GPU) wherever libtorch is a CUDA build and nvcc is
+        // there, as with the provisioned wheels: one build for every test.
+        Some("test") if cuda_buildable(&ready) => {
+            let mut args = cargo_args.clone();
+            args.extend(["--features", "kiln/cuda"].map(OsString::from));
+            run_cargo(&ready, &args)
         }
         _ => run_cargo(&ready, &cargo_args),
     }
+}
+
+/// Whether Kiln's `cuda` feature builds here: libtorch has CUDA and an nvcc
+/// is where kiln-build looks (`NVCC`, `CUDA_HOME`, the virtualenv's wheels).
+fn cuda_buildable(ready: &Setup) -> bool {
+    let given = ["NVCC", "CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
+    let provisioned = ready
+        .venv
+        .site_packages
+        .join("nvidia/cu13/bin/nvcc")
+        .is_file();
+    ready.libtorch.has_cuda() && (given || provisioned)
+}
+
+/// The features of `kiln`, the CLI with libtorch only (its default features
+/// add TensorFlow, which `kiln-tensorflow` holds).
+const TORCH_FEATURES: &str = "torch,ops";
+
+/// `kiln`'s exit status when a command needs `kiln-tensorflow` and it is not
+/// built (`kiln_cli::TENSORFLOW_MISSING_EXIT_CODE`; this crate builds before
+/// the CLI exists, so it cannot name it).
+const TENSORFLOW_MISSING: i32 = 78;
+
+/// Where `cargo build --release` puts `kiln-tensorflow`.
+fn tensorflow_exe() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"));
+    target.join("release").join("kiln-tensorflow")
 }
 
 /// The workspace this binary was built from (cargo sets `CARGO_MANIFEST_DIR` for
@@ -125,6 +187,12 @@ fn describe(ready: &Setup) {
 }
 
 fn run_cargo(ready: &Setup, args: &[OsString]) -> ExitCode {
+    exit_code(cargo_status(ready, args))
+}
+
+/// Runs cargo with `args`: its exit status (`None` when it could not run or
+/// was killed by a signal, said on stderr).
+fn cargo_status(ready: &Setup, args: &[OsString]) -> Option<i32> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let status = Command::new(&cargo)
         .args(args)
@@ -132,12 +200,19 @@ fn run_cargo(ready: &Setup, args: &[OsString]) -> ExitCode {
         .current_dir(workspace_root())
         .status();
     match status {
-        Ok(status) if status.success() => ExitCode::SUCCESS,
-        Ok(status) => ExitCode::from(status.code().map_or(1, |c| c.clamp(1, 255) as u8)),
+        Ok(status) => status.code(),
         Err(error) => {
             eprintln!("error: cannot run {}: {error}", cargo.to_string_lossy());
-            ExitCode::FAILURE
+            None
         }
+    }
+}
+
+fn exit_code(status: Option<i32>) -> ExitCode {
+    match status {
+        Some(0) => ExitCode::SUCCESS,
+        Some(code) => ExitCode::from(code.clamp(1, 255) as u8),
+        None => ExitCode::FAILURE,
     }
 }
 

@@ -331,6 +331,26 @@ impl Pretrained {
                         family: self.family,
                     });
                 };
+                // Never cast: an integer tensor where the model has float
+                // weights is another kind of checkpoint (quantized, damaged).
+                if !tensor.dtype().is_float() {
+                    return Err(HfError::Config {
+                        path: file,
+                        key: name,
+                        reason: format!(
+                            "holds {:?} values where the model has floating-point weights; \
+                             Kiln never casts integer tensors to float",
+                            tensor.dtype()
+                        ),
+                    });
+                }
+                if let Some(bad) = peft::non_finite(&tensor) {
+                    return Err(HfError::Config {
+                        path: file,
+                        key: name,
+                        reason: format!("holds {bad}: the checkpoint is damaged or diverged"),
+                    });
+                }
                 let expected = expected_shape(mapping, &shapes);
                 if tensor.dims() != expected.as_slice() {
                     return Err(HfError::TensorShape {
@@ -493,6 +513,23 @@ fn weight_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
         }
     }
     Ok(files)
+}
+
+/// The end-of-sequence ids a model directory's files name (what
+/// [`Pretrained::eos_token_ids`] reads), for a directory that is only a
+/// tokenizer's and generation settings' (a Kiln checkpoint's `--tokenizer`):
+/// `generation_config.json`'s, else `config.json`'s, else none.
+pub fn eos_token_ids_in(dir: &Path) -> Result<Vec<i64>> {
+    for name in ["generation_config.json", CONFIG] {
+        let path = dir.join(name);
+        if path.is_file() {
+            let ids = HfConfig::read(&path)?.token_ids("eos_token_id")?;
+            if !ids.is_empty() {
+                return Ok(ids);
+            }
+        }
+    }
+    Ok(Vec::new())
 }
 
 /// Writes a file that must not exist yet.

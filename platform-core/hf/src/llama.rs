@@ -135,6 +135,25 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
 
 /// The rotary embedding of `config`: `rope_parameters` (transformers 5) or
 /// the older top-level `rope_theta` and `rope_scaling`.
+/// Whether a `rope_parameters` / `rope_scaling` object (or none) describes
+/// plain RoPE: no `rope_type` or `"default"`, or `"linear"` with factor 1
+/// (positions divided by 1), as `transformers` computes them.
+fn is_plain_rope(params: Option<&serde_json::Map<String, Value>>) -> bool {
+    let Some(params) = params else {
+        return true;
+    };
+    let rope_type = params
+        .get("rope_type")
+        .or_else(|| params.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    match rope_type {
+        "default" => true,
+        "linear" => params.get("factor").and_then(Value::as_f64) == Some(1.0),
+        _ => false,
+    }
+}
+
 fn rope(config: &HfConfig, head_dim: usize) -> Result<RopeConfig> {
     let params = config.get("rope_parameters").and_then(Value::as_object);
     let theta = match params.and_then(|p| p.get("rope_theta")) {
@@ -143,17 +162,17 @@ fn rope(config: &HfConfig, head_dim: usize) -> Result<RopeConfig> {
         })?,
         None => config.f64_or("rope_theta", 10_000.0)?,
     };
-    let rope_type = params
-        .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    if rope_type != "default" {
+    if !is_plain_rope(params) {
+        let rope_type = params
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
         return Err(config.unsupported(
             "rope_parameters",
             format!("rope_type {rope_type:?}: Kiln implements the default rotary embedding only"),
         ));
     }
-    if config.get("rope_scaling").is_some() {
+    if !is_plain_rope(config.get("rope_scaling").and_then(Value::as_object)) {
         return Err(config.unsupported(
             "rope_scaling",
             "scaled rotary embeddings (linear, dynamic, yarn, llama3) are not implemented",

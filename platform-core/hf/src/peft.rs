@@ -215,10 +215,15 @@ impl Pretrained {
         let get = |key: &str| config.get(key).filter(|v| !v.is_null());
         match get("peft_type").and_then(Value::as_str) {
             Some("LORA") => {}
-            other => {
+            Some(other) => {
                 return Err(fail(format!(
-                    "`peft_type` is {other:?}: Kiln reads LoRA adapters (\"LORA\")"
+                    "`peft_type` is \"{other}\": Kiln reads LoRA adapters (\"LORA\")"
                 )))
+            }
+            None => {
+                return Err(fail(
+                    "`peft_type` is missing: Kiln reads LoRA adapters (\"LORA\")".into(),
+                ))
             }
         }
         if get("use_dora").and_then(Value::as_bool) == Some(true) {
@@ -275,7 +280,30 @@ impl Pretrained {
         if r < 1.0 || r.fract() != 0.0 {
             return Err(fail(format!("`r` = {r} is not a rank")));
         }
-        let mut lora = LoraConfig::new(r as usize, number("lora_alpha")?)
+        let alpha = number("lora_alpha")?;
+        // PEFT takes any number; a scale that is 0, negative or past float32
+        // would silently give another (or a broken) model once merged.
+        if !(alpha > 0.0 && alpha <= f64::from(f32::MAX) / r) {
+            return Err(fail(format!(
+                "`lora_alpha` = {alpha}: the update's scale alpha / r must be a positive, finite \
+                 float32 number"
+            )));
+        }
+        for key in [
+            "alora_invocation_tokens",
+            "velora_config",
+            "monteclora_config",
+            "arrow_config",
+            "kasa_config",
+        ] {
+            if get(key).is_some() {
+                return Err(fail(format!(
+                    "`{key}` is set: that PEFT extension of LoRA is not implemented (merging it as \
+                     plain LoRA would change the model)"
+                )));
+            }
+        }
+        let mut lora = LoraConfig::new(r as usize, alpha)
             .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
             .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
 
@@ -351,6 +379,9 @@ impl Pretrained {
                     self.dir.display()
                 )));
             }
+            if let Some(bad) = non_finite(&tensor) {
+                return Err(wrong(format!("`{key}` holds {bad}: the adapter is damaged")));
+            }
             if !modules.contains(&module) {
                 modules.push(module.clone());
             }
@@ -374,4 +405,22 @@ impl Pretrained {
         lora.target_modules = modules;
         Ok((lora, out))
     }
+}
+
+/// `"3 NaN and 1 infinite of 64 values"` when a floating-point `tensor` holds
+/// values that are not finite, else `None`.
+pub(crate) fn non_finite(tensor: &kiln_core::HostTensor) -> Option<String> {
+    if !tensor.dtype().is_float() {
+        return None;
+    }
+    let values = tensor.to_f64_vec();
+    let nan = values.iter().filter(|v| v.is_nan()).count();
+    let infinite = values.iter().filter(|v| v.is_infinite()).count();
+    let what = match (nan, infinite) {
+        (0, 0) => return None,
+        (n, 0) => format!("{n} NaN"),
+        (0, i) => format!("{i} infinite"),
+        (n, i) => format!("{n} NaN and {i} infinite"),
+    };
+    Some(format!("{what} of {} values", values.len()))
 }

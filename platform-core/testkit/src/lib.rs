@@ -170,6 +170,99 @@ pub fn run_reference<A: AsRef<std::ffi::OsStr>>(
         .unwrap_or_else(|e| panic!("{}: output is not UTF-8: {e}", script.display()))
 }
 
+/// The directory that `python script args... DIR` fills, made once per test
+/// run and shared by every test binary of it: under the target directory's
+/// `kiln-fixtures/`, named `name` and a hash of the script's text, its
+/// arguments and the interpreter (so an edited script or another virtualenv
+/// makes it anew). The script writes into a fresh directory that is then
+/// renamed into place, so a binary never sees half a fixture; two binaries
+/// that make it at once both succeed, one of the two copies kept.
+///
+/// Tests must treat the directory as read-only: copy what they change.
+pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
+    python: &Path,
+    script: &Path,
+    args: &[A],
+    name: &str,
+) -> PathBuf {
+    let text = std::fs::read(script)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", script.display()));
+    let mut hash = Fnv64::new();
+    hash.write(&text);
+    for arg in args {
+        hash.write(arg.as_ref().as_encoded_bytes());
+        hash.write(b"\0");
+    }
+    hash.write(python.as_os_str().as_encoded_bytes());
+    let root = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
+        .join("kiln-fixtures");
+    let dir = root.join(format!("{name}-{:016x}", hash.0));
+    if dir.join(DONE).is_file() {
+        return dir;
+    }
+    std::fs::create_dir_all(&root)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", root.display()));
+    let fresh = root.join(format!(".{name}-{}-{:016x}", std::process::id(), hash.0));
+    let _ = std::fs::remove_dir_all(&fresh);
+    std::fs::create_dir_all(&fresh)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", fresh.display()));
+    let mut all: Vec<&std::ffi::OsStr> = args.iter().map(AsRef::as_ref).collect();
+    all.push(fresh.as_os_str());
+    run_reference(python, script, &all);
+    std::fs::write(fresh.join(DONE), b"")
+        .unwrap_or_else(|e| panic!("cannot write into {}: {e}", fresh.display()));
+    // Another binary may have put its copy in place meanwhile: keep that one.
+    if std::fs::rename(&fresh, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&fresh);
+        assert!(
+            dir.join(DONE).is_file(),
+            "cannot move the fixture {} into {}",
+            fresh.display(),
+            dir.display()
+        );
+    }
+    dir
+}
+
+/// Copies the files of the fixture `from` (a [`made_once_per_run`] directory,
+/// flat) into `to`, for a test that writes beside them.
+pub fn copy_fixture(from: &Path, to: &Path) {
+    let entries = std::fs::read_dir(from)
+        .unwrap_or_else(|e| panic!("cannot list {}: {e}", from.display()));
+    for entry in entries {
+        let path = entry
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", from.display()))
+            .path();
+        if path.is_file() && path.file_name().is_some_and(|n| n != DONE) {
+            let name = path.file_name().unwrap_or_default();
+            std::fs::copy(&path, to.join(name))
+                .unwrap_or_else(|e| panic!("cannot copy {}: {e}", path.display()));
+        }
+    }
+}
+
+/// The file that marks a [`made_once_per_run`] directory complete.
+const DONE: &str = ".kiln-fixture-done";
+
+/// FNV-1a, 64 bits: a stable hash of a fixture's inputs (std's hasher is
+/// seeded per process).
+struct Fnv64(u64);
+
+impl Fnv64 {
+    fn new() -> Self {
+        Fnv64(0xcbf2_9ce4_8422_2325)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
 /// Runs the calling crate's committed reference script `tests/reference/<name>`
 /// with [`run_reference`] and returns its standard output.
 ///

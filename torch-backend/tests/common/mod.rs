@@ -32,6 +32,18 @@ pub fn run_reference(python: &Path, script: &str, args: &[&Path]) {
     kiln_testkit::run_reference(python, &path, args);
 }
 
+/// The files `tests/reference/<script> make DIR` writes, made once per test
+/// run ([`kiln_testkit::made_once_per_run`]) and copied into `dir`, where the
+/// test may write beside them.
+pub fn make_fixtures(python: &Path, script: &str, dir: &Path) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/reference")
+        .join(script);
+    let name = script.trim_end_matches(".py");
+    let shared = kiln_testkit::made_once_per_run(python, &path, &[Path::new("make")], name);
+    kiln_testkit::copy_fixture(&shared, dir);
+}
+
 /// Loads a reference safetensors file.
 pub fn load(path: &Path) -> StateDict {
     StateDict::load_safetensors(path).unwrap().0

@@ -192,7 +192,7 @@ impl TextDataset {
             }
             TextTask::Classification { .. } => {
                 let ids = tok.encode_text(&values[0], true)?;
-                let label: i64 = values[1].trim().parse().map_err(|_| {
+                let label = parse_label(&values[1]).ok_or_else(|| {
                     Error::invalid_argument(
                         "data",
                         format!("{}: label {:?} is not a whole number", place(), values[1]),
@@ -313,6 +313,16 @@ impl TextDataset {
             ),
         ))
     }
+}
+
+/// A class label written as a whole number: `1`, or `1.0` as pandas writes an
+/// integer column that held a missing value.
+fn parse_label(text: &str) -> Option<i64> {
+    let text = text.trim();
+    text.parse::<i64>().ok().or_else(|| {
+        let value: f64 = text.parse().ok()?;
+        (value.is_finite() && value.fract() == 0.0 && value.abs() < 9.0e15).then_some(value as i64)
+    })
 }
 
 /// `labels` shifted one to the left (position `i` predicts token `i + 1`),
@@ -616,6 +626,15 @@ mod tests {
         assert_eq!(t.as_slice::<i64>()?, &[1, 98, 99, -100]);
         assert!(packed.get(2).is_err());
         Ok(())
+    }
+
+    #[test]
+    fn labels_are_whole_numbers_written_either_way() {
+        assert_eq!(parse_label(" 2 "), Some(2));
+        assert_eq!(parse_label("1.0"), Some(1));
+        assert_eq!(parse_label("1.5"), None);
+        assert_eq!(parse_label("NaN"), None);
+        assert_eq!(parse_label("cat"), None);
     }
 
     #[test]

@@ -173,6 +173,44 @@ impl RunDirectory {
     }
 }
 
+impl RunDirectory {
+    /// Clears what a run killed before its first checkpoint (`SIGKILL`, a
+    /// lost node) left in `dir`, so that `--resume auto` can start it afresh:
+    /// only when `dir` holds Kiln's lock file, no run holds that lock, there
+    /// is no checkpoint, and everything else in it is a run's output
+    /// ([`RUN_OUTPUTS`]: a user's file anywhere in it leaves it all alone).
+    /// Returns the names removed, or `None` when `dir` is not such a directory.
+    pub fn discard_killed_start(dir: &Path) -> Result<Option<Vec<String>>> {
+        let lock = dir.join(LOCK_FILE);
+        if !lock.is_file() {
+            return Ok(None);
+        }
+        // Fails, naming the holder, while a run is using the directory.
+        let file = File::open(&lock).map_err(|e| Error::io(&lock, e))?;
+        try_lock(&file, dir)?;
+        if super::Checkpointer::latest(&dir.join("checkpoints"))?.is_some() {
+            return Ok(None);
+        }
+        let names = contents(dir)?;
+        if !names.iter().all(|n| RUN_OUTPUTS.contains(&n.as_str())) {
+            return Ok(None);
+        }
+        for name in &names {
+            let path = dir.join(name);
+            let meta = std::fs::symlink_metadata(&path).map_err(|e| Error::io(&path, e))?;
+            if meta.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            }
+            .map_err(|e| Error::io(&path, e))?;
+        }
+        drop(file);
+        std::fs::remove_file(&lock).map_err(|e| Error::io(&lock, e))?;
+        Ok(Some(names))
+    }
+}
+
 /// Takes `file`'s exclusive lock, or fails naming the PID written in it.
 fn try_lock(file: &File, dir: &Path) -> Result<()> {
     match file.try_lock() {

@@ -103,10 +103,12 @@ impl Callback for EarlyStopping {
         }
         self.bad_epochs += 1;
         if self.bad_epochs >= self.patience {
+            let best = self
+                .best
+                .map_or_else(|| "its first value".to_owned(), |b| format!("{b}"));
             log::info!(
-                "early stopping after epoch {epoch}: {} has not improved on {:?} for {} epochs",
+                "early stopping after epoch {epoch}: {} has not improved on {best} for {} epochs",
                 self.monitor,
-                self.best,
                 self.bad_epochs
             );
             return Ok(Flow::Stop);
