@@ -784,7 +784,9 @@ fn a_config_json_cannot_ask_for_more_than_its_weights_hold() {
     });
     let err = generate(&deep);
     assert!(
-        err.contains("`num_hidden_layers`: is 1000000, but the weights (model.safetensors) hold 2 layers"),
+        err.contains(
+            "`num_hidden_layers`: is 1000000, but the weights (model.safetensors) hold 2 layers"
+        ),
         "{err}"
     );
     // Twenty million tokens over an embedding of a few hundred.
@@ -804,6 +806,25 @@ fn a_config_json_cannot_ask_for_more_than_its_weights_hold() {
     let err = generate(&long);
     assert!(
         err.contains("`n_positions`: is 100000000, but `transformer.wpe.weight`"),
+        "{err}"
+    );
+    // Heads that do not divide the hidden size: named by config.json's keys.
+    let heads = model_copy(&refs.join("llama"), &dir.join("heads"), &|c| {
+        c["num_attention_heads"] = 5.into();
+        c["num_key_value_heads"] = 5.into();
+        c.as_object_mut().unwrap().remove("head_dim");
+    });
+    let err = generate(&heads);
+    assert!(
+        err.contains("`hidden_size`: is 32, which num_attention_heads = 5 does not divide"),
+        "{err}"
+    );
+    let groups = model_copy(&refs.join("llama"), &dir.join("groups"), &|c| {
+        c["num_key_value_heads"] = 3.into()
+    });
+    let err = generate(&groups);
+    assert!(
+        err.contains("`num_key_value_heads`: is 3, which does not divide num_attention_heads = 4"),
         "{err}"
     );
     // A file where the model directory goes is said to be one.
@@ -861,7 +882,10 @@ fn generation_refuses_what_cannot_work_and_a_tiny_temperature_is_greedy() {
     // greedy decoding, not token 0 every time.
     let tiny = run(&["--temperature", "1e-310", "--seed", "4"]);
     assert_eq!(tiny, greedy);
-    assert!(!greedy.trim().split(',').skip(3).all(|t| t == "0"), "{greedy}");
+    assert!(
+        !greedy.trim().split(',').skip(3).all(|t| t == "0"),
+        "{greedy}"
+    );
 
     let limit = Duration::from_secs(20);
     let fails = |args: &[&str]| {
@@ -876,8 +900,7 @@ fn generation_refuses_what_cannot_work_and_a_tiny_temperature_is_greedy() {
     );
     let err = fails(&["--prompt-ids", "1,5", "--max-new-tokens", "1000000000"]);
     assert!(
-        err.contains("more than the model's 128")
-            && err.contains("--max-new-tokens 1000000000"),
+        err.contains("more than the model's 128") && err.contains("--max-new-tokens 1000000000"),
         "{err}"
     );
     let err = fails(&["--prompt-ids", "1,5", "--temperature", "-1"]);
@@ -913,11 +936,19 @@ fn text_rows_are_bounded_while_read_and_rows_without_targets_refused_at_start() 
         limit,
         &dir,
         KILN,
-        &["train", "--config", s(&cfg), "--output", s(&dir.join("big-run"))],
+        &[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&dir.join("big-run")),
+        ],
     );
     assert!(!ended.status.success());
     assert!(
-        ended.stderr.contains("big.jsonl, line 2: the row is longer than 1048576 bytes"),
+        ended
+            .stderr
+            .contains("big.jsonl, line 2: the row is longer than 1048576 bytes"),
         "took {:?}: {}",
         ended.took,
         ended.stderr
@@ -943,7 +974,13 @@ fn text_rows_are_bounded_while_read_and_rows_without_targets_refused_at_start() 
     let err = fails_within(
         limit,
         &dir,
-        &["train", "--config", s(&cfg), "--output", s(&dir.join("pairs-run"))],
+        &[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&dir.join("pairs-run")),
+        ],
     );
     assert!(
         err.contains("pairs.jsonl, line 2: the row has no target")
@@ -967,7 +1004,13 @@ fn packing_joins_documents_and_cuts_the_stream_as_group_texts_does() {
     );
     let cfg = text_config(&dir, "packed", &refs.join("llama"), &data, "");
     let out = Command::new(KILN)
-        .args(["train", "--config", s(&cfg), "--output", s(&dir.join("run"))])
+        .args([
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&dir.join("run")),
+        ])
         .args(["--max-steps", "2"])
         .env("RUST_LOG", "info")
         .output()
@@ -997,18 +1040,34 @@ fn data_files_that_are_not_regular_files_are_refused_and_a_png_bomb_too() {
     let dir = scratch("hostile-data-files");
     let limit = Duration::from_secs(20);
     let fifo = dir.join("rows.jsonl");
-    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    assert!(Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
     let zero = dir.join("zero.jsonl");
     std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
-    for (path, what) in [(&fifo, "a named pipe (FIFO)"), (&zero, "a character device")] {
+    for (path, what) in [
+        (&fifo, "a named pipe (FIFO)"),
+        (&zero, "a character device"),
+    ] {
         let data = format!("path = \"{}\"\ntext_column = \"text\"", path.display());
         let cfg = text_config(&dir, "special", &refs.join("llama"), &data, "");
         let err = fails_within(
             limit,
             &dir,
-            &["train", "--config", s(&cfg), "--output", s(&dir.join("run"))],
+            &[
+                "train",
+                "--config",
+                s(&cfg),
+                "--output",
+                s(&dir.join("run")),
+            ],
         );
-        assert!(err.contains(what) && err.contains("not a regular file"), "{err}");
+        assert!(
+            err.contains(what) && err.contains("not a regular file"),
+            "{err}"
+        );
     }
 
     // Class folders: a FIFO under an image's name, and a 30000x30000 PNG.
@@ -1057,7 +1116,13 @@ progress = false
         fails_within(
             limit,
             &dir,
-            &["train", "--config", s(&cfg), "--output", s(&dir.join(format!("{name}-run")))],
+            &[
+                "train",
+                "--config",
+                s(&cfg),
+                "--output",
+                s(&dir.join(format!("{name}-run"))),
+            ],
         )
     };
     let err = images("fifo-images", &|class| {
@@ -1092,9 +1157,7 @@ fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
         refs.join("long.jsonl").display()
     );
     let lora = |alpha: &str, rslora: bool, targets: &str| {
-        format!(
-            "[lora]\nr = 4\nalpha = {alpha}\ntarget_modules = {targets}\nuse_rslora = {rslora}"
-        )
+        format!("[lora]\nr = 4\nalpha = {alpha}\ntarget_modules = {targets}\nuse_rslora = {rslora}")
     };
     // GPT-2's q and v live in one fused c_attn: refused before the first step.
     let cfg = text_config(
@@ -1105,7 +1168,12 @@ fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
         &lora("8", false, r#"["q_proj", "v_proj"]"#),
     );
     let out = dir.join("gpt2-run");
-    let ended = within(limit, &dir, KILN, &["train", "--config", s(&cfg), "--output", s(&out)]);
+    let ended = within(
+        limit,
+        &dir,
+        KILN,
+        &["train", "--config", s(&cfg), "--output", s(&out)],
+    );
     assert!(!ended.status.success());
     assert!(
         ended.stderr.contains("lora.target_modules")
@@ -1118,12 +1186,24 @@ fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
 
     // A LoRA run interrupted, resumed with another alpha or rsLoRA: refused.
     let targets = r#"["q_proj", "v_proj"]"#;
-    let first = text_config(&dir, "lora", &refs.join("llama"), &data, &lora("8", false, targets));
+    let first = text_config(
+        &dir,
+        "lora",
+        &refs.join("llama"),
+        &data,
+        &lora("8", false, targets),
+    );
     let run = dir.join("lora-run");
     train(s(&first), &run, &["--max-steps", "2"]);
     for (changed, key) in [
-        (lora("16", false, targets), "at `lora.alpha` the config has 16.0 and the checkpoint 8.0"),
-        (lora("8", true, targets), "at `lora.use_rslora` the config has true and the checkpoint false"),
+        (
+            lora("16", false, targets),
+            "at `lora.alpha` the config has 16.0 and the checkpoint 8.0",
+        ),
+        (
+            lora("8", true, targets),
+            "at `lora.use_rslora` the config has true and the checkpoint false",
+        ),
         (lora("8", false, r#"["q_proj"]"#), "at `lora.target_modules"),
         (String::new(), "this config has no [lora] table"),
     ] {
@@ -1131,7 +1211,15 @@ fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
         let err = fails_within(
             limit,
             &dir,
-            &["train", "--config", s(&cfg), "--output", s(&run), "--resume", "auto"],
+            &[
+                "train",
+                "--config",
+                s(&cfg),
+                "--output",
+                s(&run),
+                "--resume",
+                "auto",
+            ],
         );
         assert!(err.contains(key), "expected `{key}`:\n{err}");
     }
@@ -1167,12 +1255,22 @@ fn the_learning_rate_finder_refuses_what_cannot_work_before_sweeping() {
     assert!(dir.join("huge/lr_find.csv").is_file());
     for (args, expected) in [
         (vec!["--num-training", "12"], "must be at least 13"),
-        (vec!["--early-stop-threshold", "-1"], "--early-stop-threshold must be 0"),
-        (vec!["--early-stop-threshold", "NaN"], "--early-stop-threshold must be 0"),
+        (
+            vec!["--early-stop-threshold", "-1"],
+            "--early-stop-threshold must be 0",
+        ),
+        (
+            vec!["--early-stop-threshold", "NaN"],
+            "--early-stop-threshold must be 0",
+        ),
     ] {
         let ended = tune(&args);
         assert!(!ended.status.success());
-        assert!(ended.stderr.contains(expected), "{args:?}: {}", ended.stderr);
+        assert!(
+            ended.stderr.contains(expected),
+            "{args:?}: {}",
+            ended.stderr
+        );
     }
     // --save-config into a missing directory or onto a dangling link: refused
     // before the sweep, so nothing of it is written.
@@ -1203,7 +1301,8 @@ fn a_link_planted_at_a_temporary_name_never_redirects_a_write() {
     let output = dir.join("one.safetensors");
     // The shell plants links at the names a predictable writer would use
     // (its own pid, which `exec` hands to kiln), then becomes kiln.
-    let script = r#"ln -s "$1" "$2.tmp-$$"; ln -s "$1" "$2.tmp"; exec "$0" consolidate "$3" --output "$2""#;
+    let script =
+        r#"ln -s "$1" "$2.tmp-$$"; ln -s "$1" "$2.tmp"; exec "$0" consolidate "$3" --output "$2""#;
     let ended = within(
         Duration::from_secs(30),
         &dir,
@@ -1238,7 +1337,10 @@ fn pretrained_weights_and_adapters_are_checked_when_loaded() {
     };
     let mut values = vec![1.0f32; 32];
     values[3] = f32::NAN;
-    let err = generate(&with("nan", kiln::core::HostTensor::new(values, [32]).unwrap()), &[]);
+    let err = generate(
+        &with("nan", kiln::core::HostTensor::new(values, [32]).unwrap()),
+        &[],
+    );
     assert!(
         err.contains("`model.norm.weight`: holds 1 NaN of 32 values"),
         "{err}"
@@ -1277,17 +1379,50 @@ fn pretrained_weights_and_adapters_are_checked_when_loaded() {
     };
     let llama = refs.join("llama");
     let good = adapter("good", &|_| {}, 0.5);
-    kiln(&["generate", "--model", s(&llama), "--prompt-ids", "1,5", "--max-new-tokens", "2", "--adapter", s(&good)]);
+    kiln(&[
+        "generate",
+        "--model",
+        s(&llama),
+        "--prompt-ids",
+        "1,5",
+        "--max-new-tokens",
+        "2",
+        "--adapter",
+        s(&good),
+    ]);
     for (name, edit, expected) in [
-        ("zero", &(|c: &mut serde_json::Value| c["lora_alpha"] = 0.into()) as &dyn Fn(&mut serde_json::Value), "`lora_alpha` = 0"),
-        ("huge", &|c: &mut serde_json::Value| c["lora_alpha"] = 1e38.into(), "`lora_alpha` = 100000000000000000000000000000000000000"),
-        ("alora", &|c: &mut serde_json::Value| c["alora_invocation_tokens"] = serde_json::json!([5, 6]), "`alora_invocation_tokens` is set"),
-        ("prefix", &|c: &mut serde_json::Value| c["peft_type"] = "PREFIX_TUNING".into(), "`peft_type` is \"PREFIX_TUNING\""),
+        (
+            "zero",
+            &(|c: &mut serde_json::Value| c["lora_alpha"] = 0.into())
+                as &dyn Fn(&mut serde_json::Value),
+            "`lora_alpha` = 0",
+        ),
+        (
+            "huge",
+            &|c: &mut serde_json::Value| c["lora_alpha"] = 1e38.into(),
+            "`lora_alpha` = 100000000000000000000000000000000000000",
+        ),
+        (
+            "alora",
+            &|c: &mut serde_json::Value| c["alora_invocation_tokens"] = serde_json::json!([5, 6]),
+            "`alora_invocation_tokens` is set",
+        ),
+        (
+            "prefix",
+            &|c: &mut serde_json::Value| c["peft_type"] = "PREFIX_TUNING".into(),
+            "`peft_type` is \"PREFIX_TUNING\"",
+        ),
     ] {
         let err = generate(&llama, &["--adapter", s(&adapter(name, edit, 0.5))]);
-        assert!(err.contains(expected), "{name}: expected `{expected}`:\n{err}");
+        assert!(
+            err.contains(expected),
+            "{name}: expected `{expected}`:\n{err}"
+        );
     }
-    let err = generate(&llama, &["--adapter", s(&adapter("nan-adapter", &|_| {}, f32::NAN))]);
+    let err = generate(
+        &llama,
+        &["--adapter", s(&adapter("nan-adapter", &|_| {}, f32::NAN))],
+    );
     assert!(
         err.contains("lora_B.weight` holds 128 NaN of 128 values"),
         "{err}"
@@ -1330,7 +1465,15 @@ fn resume_auto_starts_afresh_where_a_killed_run_left_only_its_own_files() {
     let err = fails_within(
         Duration::from_secs(30),
         &dir,
-        &["train", "--config", s(&cfg), "--output", s(&mine), "--resume", "auto"],
+        &[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&mine),
+            "--resume",
+            "auto",
+        ],
     );
     assert!(err.contains("is not empty"), "{err}");
     assert!(mine.join("notes.txt").is_file() && mine.join("steps.csv").is_file());

@@ -354,7 +354,8 @@ fn bad_directories_are_typed_errors_naming_the_key_or_tensor() {
         matches!(err, HfError::Config { ref key, .. } if key == "intermediate_size"),
         "{err}"
     );
-    let narrower = Pretrained::open(copy("narrower", &|c| c["intermediate_size"] = 8.into())).unwrap();
+    let narrower =
+        Pretrained::open(copy("narrower", &|c| c["intermediate_size"] = 8.into())).unwrap();
     let err = narrower.load_weights().unwrap_err();
     assert!(matches!(err, HfError::TensorShape { .. }), "{err}");
 

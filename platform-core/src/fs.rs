@@ -235,7 +235,9 @@ pub fn write_atomically(
 
 /// [`write_atomically`] with the whole content at once.
 pub fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomically(path, |out| out.write_all(bytes).map_err(|e| Error::io(path, e)))
+    write_atomically(path, |out| {
+        out.write_all(bytes).map_err(|e| Error::io(path, e))
+    })
 }
 
 /// Makes a rename durable: on Unix a directory entry is only persistent once

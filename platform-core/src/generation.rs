@@ -407,7 +407,10 @@ mod tests {
             };
             let mut s = Sampler::new(&decoding, 3);
             for _ in 0..20 {
-                assert_eq!(s.pick(&[-1.0, 3.0, 2.5, f32::NEG_INFINITY]).expect("picks"), 1);
+                assert_eq!(
+                    s.pick(&[-1.0, 3.0, 2.5, f32::NEG_INFINITY]).expect("picks"),
+                    1
+                );
             }
         }
         let p = filtered_probabilities(&[1.0, 1.0, -5.0], 1e-310, None, None);

@@ -169,4 +169,3 @@ fn write_predictions(output: &Path, labels: &[i64], outputs: Vec<HostTensor>) ->
     outln!("kiln: {index} predictions written to {}", output.display());
     Ok(())
 }
-

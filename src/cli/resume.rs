@@ -44,7 +44,11 @@ pub(crate) fn resolve_resume(config: &RunConfig, resume: Option<&str>) -> Result
                     "--resume auto: {} holds what a run stopped before its first checkpoint \
                      left ({}); removed it, and the run starts afresh",
                     out.display(),
-                    if removed.is_empty() { "its lock file".to_owned() } else { removed.join(", ") }
+                    if removed.is_empty() {
+                        "its lock file".to_owned()
+                    } else {
+                        removed.join(", ")
+                    }
                 );
             }
             // Nothing to resume: a new run, but only where it destroys nothing.
@@ -122,9 +126,8 @@ fn check_resume_lora(
             r.target_modules
         ),
         (Some(c), Some(r)) => {
-            let json = |l: &kiln_core::lora::LoraConfig| {
-                serde_json::to_value(l).unwrap_or_default()
-            };
+            let json =
+                |l: &kiln_core::lora::LoraConfig| serde_json::to_value(l).unwrap_or_default();
             let (at, ours, theirs) = kiln_train::first_difference(&json(c), &json(r), "lora");
             anyhow::bail!(
                 "checkpoint {}: was trained with another LoRA setting: at `{at}` the config \

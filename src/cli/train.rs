@@ -21,8 +21,8 @@ use crate::model::resolve_model;
 use crate::output::outln;
 use crate::prelude::*;
 use crate::resume::{
-    check_resume_data, check_resume_position, data_identity, follower_resume,
-    check_resume_not_complete, load_resume_checkpoint, reshard, resolve_resume,
+    check_resume_data, check_resume_not_complete, check_resume_position, data_identity,
+    follower_resume, load_resume_checkpoint, reshard, resolve_resume,
 };
 
 pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
@@ -84,7 +84,11 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
                 "--save-config {}: the path exists{}; kiln never writes over a file it did not \
                  create (give a new path)",
                 path.display(),
-                if path.is_symlink() { " (a symbolic link)" } else { "" }
+                if path.is_symlink() {
+                    " (a symbolic link)"
+                } else {
+                    ""
+                }
             );
         }
         let parent = match path.parent() {

@@ -155,9 +155,9 @@ fn parse_line(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::fs::File;
     use crate::testing::data_error;
     use kiln_core::dtype::DType;
+    use std::fs::File;
     use std::io::Write;
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};

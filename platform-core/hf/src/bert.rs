@@ -19,6 +19,7 @@ pub(crate) fn build(config: &HfConfig, classifier: bool) -> Result<(Layer, NameM
     let hidden = config.usize("hidden_size")?;
     let layers = config.usize("num_hidden_layers")?;
     let heads = config.usize("num_attention_heads")?;
+    config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
     let intermediate = config.usize("intermediate_size")?;
     let positions = config.usize("max_position_embeddings")?;
     let types = config.opt_usize("type_vocab_size")?.unwrap_or(2);

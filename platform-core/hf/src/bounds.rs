@@ -89,7 +89,9 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
     let mismatch = |key: &str, value: usize, held: String| HfError::Config {
         path: config_path.to_owned(),
         key: key.to_owned(),
-        reason: format!("is {value}, but {held}; the config must describe the weights it comes with"),
+        reason: format!(
+            "is {value}, but {held}; the config must describe the weights it comes with"
+        ),
     };
 
     let held = layers_held(&tensors);
@@ -108,11 +110,16 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
     // [vocabulary, hidden] of the token embedding.
     let embedding = shape_of(
         &tensors,
-        &["embed_tokens.weight", "wte.weight", "word_embeddings.weight"],
+        &[
+            "embed_tokens.weight",
+            "wte.weight",
+            "word_embeddings.weight",
+        ],
     );
     if let Some((name, t)) = embedding.filter(|(_, t)| t.shape.len() == 2) {
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        let held = |what: &str, n: usize| format!("`{name}` in {} has {n} {what}", t.file.display());
+        let held =
+            |what: &str, n: usize| format!("`{name}` in {} has {n} {what}", t.file.display());
         for key in ["vocab_size", "n_vocab"] {
             if let Some(v) = config.opt_usize(key)? {
                 if v > rows {
@@ -130,7 +137,10 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
     }
 
     // [positions, hidden] of a learned position embedding (GPT-2, BERT).
-    let positions = shape_of(&tensors, &["wpe.weight", "embeddings.position_embeddings.weight"]);
+    let positions = shape_of(
+        &tensors,
+        &["wpe.weight", "embeddings.position_embeddings.weight"],
+    );
     if let Some((name, t)) = positions.filter(|(_, t)| t.shape.len() == 2) {
         for key in ["n_positions", "max_position_embeddings"] {
             if let Some(v) = config.opt_usize(key)? {
@@ -138,7 +148,11 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
                     return Err(mismatch(
                         key,
                         v,
-                        format!("`{name}` in {} has {} rows (positions)", t.file.display(), t.shape[0]),
+                        format!(
+                            "`{name}` in {} has {} rows (positions)",
+                            t.file.display(),
+                            t.shape[0]
+                        ),
                     ));
                 }
             }
@@ -146,7 +160,10 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
     }
 
     // [intermediate, hidden] of the first MLP's up projection.
-    let up = shape_of(&tensors, &["mlp.up_proj.weight", "intermediate.dense.weight"]);
+    let up = shape_of(
+        &tensors,
+        &["mlp.up_proj.weight", "intermediate.dense.weight"],
+    );
     if let Some((name, t)) = up.filter(|(_, t)| t.shape.len() == 2) {
         if let Some(v) = config.opt_usize("intermediate_size")? {
             if v > t.shape[0] {
@@ -164,8 +181,10 @@ pub(crate) fn check_config_against_weights(config: &HfConfig, files: &[PathBuf])
 /// `model.safetensors`, or `3 files (model-00001-of-00003.safetensors, ...)`.
 fn describe(files: &[PathBuf]) -> String {
     let name = |p: &Path| {
-        p.file_name()
-            .map_or_else(|| p.display().to_string(), |n| n.to_string_lossy().into_owned())
+        p.file_name().map_or_else(
+            || p.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
     };
     match files {
         [one] => name(one),

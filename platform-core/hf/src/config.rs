@@ -144,6 +144,37 @@ impl HfConfig {
         }
     }
 
+    /// Checks the attention sizes every family derives its heads from:
+    /// `heads` (the value of `heads_key`) at least 1 and, when the config gives
+    /// no `head_dim`, dividing `hidden` (of `hidden_key`); an error names the
+    /// config's keys, not the layers built from them.
+    pub fn check_heads(
+        &self,
+        hidden_key: &str,
+        hidden: usize,
+        heads_key: &str,
+        heads: usize,
+    ) -> Result<()> {
+        if heads == 0 {
+            return Err(HfError::Config {
+                path: self.path.clone(),
+                key: heads_key.to_owned(),
+                reason: "is 0; attention needs at least one head".to_owned(),
+            });
+        }
+        if self.get("head_dim").is_none() && hidden % heads != 0 {
+            return Err(HfError::Config {
+                path: self.path.clone(),
+                key: hidden_key.to_owned(),
+                reason: format!(
+                    "is {hidden}, which {heads_key} = {heads} does not divide: each head takes \
+                     {hidden_key} / {heads_key} features (or give head_dim)"
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// An [`HfError::UnsupportedKey`] for `key`.
     pub fn unsupported(&self, key: &str, reason: impl Into<String>) -> HfError {
         HfError::UnsupportedKey {

@@ -18,6 +18,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
     let embed = config.usize("n_embd")?;
     let layers = config.usize("n_layer")?;
     let heads = config.usize("n_head")?;
+    config.check_heads("n_embd", embed, "n_head", heads)?;
     let positions = config.usize("n_positions")?;
     let inner = config.opt_usize("n_inner")?.unwrap_or(4 * embed);
     let eps = config.f64_or("layer_norm_epsilon", 1e-5)?;

@@ -473,9 +473,7 @@ fn weight_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
     if !index.is_file() {
         return Err(HfError::NotAModel {
             dir: dir.clone(),
-            what: format!(
-                "neither {WEIGHTS} nor {INDEX} (Kiln reads safetensors weights only)"
-            ),
+            what: format!("neither {WEIGHTS} nor {INDEX} (Kiln reads safetensors weights only)"),
         });
     }
     let map = HfConfig::read(&index)?;

@@ -18,7 +18,18 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let hidden = config.usize("hidden_size")?;
     let layers = config.usize("num_hidden_layers")?;
     let heads = config.usize("num_attention_heads")?;
+    config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
     let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(crate::HfError::Config {
+            path: config.path().to_owned(),
+            key: "num_key_value_heads".to_owned(),
+            reason: format!(
+                "is {kv_heads}, which does not divide num_attention_heads = {heads}: each \
+                 key/value head serves a whole group of query heads"
+            ),
+        });
+    }
     let head_dim = config
         .opt_usize("head_dim")?
         .unwrap_or(hidden / heads.max(1));

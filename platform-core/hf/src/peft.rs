@@ -60,7 +60,8 @@ impl Pretrained {
                 "the LoRA target `{first}`{} (and {} more) cannot be saved as a PEFT adapter: \
                  the {} checkpoint stores it fused with other projections{}; choose targets \
                  the checkpoint stores alone (for {}: `c_proj`, `c_fc`)",
-                hf.as_deref().map_or(String::new(), |h| format!(" (in `{h}`)")),
+                hf.as_deref()
+                    .map_or(String::new(), |h| format!(" (in `{h}`)")),
                 fused.len() - 1,
                 self.family,
                 hf.map_or(String::new(), |h| format!(" in `{h}`")),
@@ -380,7 +381,9 @@ impl Pretrained {
                 )));
             }
             if let Some(bad) = non_finite(&tensor) {
-                return Err(wrong(format!("`{key}` holds {bad}: the adapter is damaged")));
+                return Err(wrong(format!(
+                    "`{key}` holds {bad}: the adapter is damaged"
+                )));
             }
             if !modules.contains(&module) {
                 modules.push(module.clone());

@@ -83,6 +83,12 @@ impl TextTokenizer {
             })
     }
 
+    /// The number of ids the tokenizer can give (its vocabulary with the
+    /// added tokens): every id is below it.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
     /// The id of token `token` (`"</s>"`), if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<i64> {
         self.inner.token_to_id(token).map(i64::from)

@@ -19,6 +19,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
     let hidden = config.usize("hidden_size")?;
     let layers = config.usize("num_hidden_layers")?;
     let heads = config.usize("num_attention_heads")?;
+    config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
     let intermediate = config.usize("intermediate_size")?;
     let image = config.usize("image_size")?;
     let patch = config.usize("patch_size")?;

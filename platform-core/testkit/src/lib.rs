@@ -185,8 +185,8 @@ pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
     args: &[A],
     name: &str,
 ) -> PathBuf {
-    let text = std::fs::read(script)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", script.display()));
+    let text =
+        std::fs::read(script).unwrap_or_else(|e| panic!("cannot read {}: {e}", script.display()));
     let mut hash = Fnv64::new();
     hash.write(&text);
     for arg in args {
@@ -229,8 +229,8 @@ pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
 /// Copies the files of the fixture `from` (a [`made_once_per_run`] directory,
 /// flat) into `to`, for a test that writes beside them.
 pub fn copy_fixture(from: &Path, to: &Path) {
-    let entries = std::fs::read_dir(from)
-        .unwrap_or_else(|e| panic!("cannot list {}: {e}", from.display()));
+    let entries =
+        std::fs::read_dir(from).unwrap_or_else(|e| panic!("cannot list {}: {e}", from.display()));
     for entry in entries {
         let path = entry
             .unwrap_or_else(|e| panic!("cannot list {}: {e}", from.display()))

@@ -60,6 +60,22 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
         TextTokenizer::open(&dir).with_context(|| format!("data.tokenizer ({})", dir.display()))?,
     );
     let (eos, pad_id) = special_tokens(&dir, &tokenizer);
+    // An id past the model's embedding would fail steps later, inside the model.
+    if let Some(source) = &config.pretrained {
+        let vocab = source
+            .open()
+            .ok()
+            .and_then(|p| p.config().opt_usize("vocab_size").ok().flatten());
+        if let Some(vocab) = vocab.filter(|&v| tokenizer.vocab_size() > v) {
+            anyhow::bail!(
+                "data.tokenizer ({}): the tokenizer gives ids up to {}, but the model's \
+                 vocabulary (config.json's vocab_size) has {vocab}: a tokenizer of another \
+                 model? Use the model's own tokenizer.json",
+                dir.display(),
+                tokenizer.vocab_size() - 1
+            );
+        }
+    }
     // Packed, `max_length` is the block: the documents themselves are never cut.
     let options = TextOptions {
         max_length: if data.packing { None } else { data.max_length },

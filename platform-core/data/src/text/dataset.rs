@@ -94,7 +94,9 @@ const MAX_BYTES_PER_TOKEN: u64 = 4096;
 fn max_row_bytes(options: &TextOptions) -> u64 {
     let most = super::records::MAX_ROW_BYTES;
     options.max_length.map_or(most, |m| {
-        (m as u64).saturating_mul(MAX_BYTES_PER_TOKEN).clamp(1 << 20, most)
+        (m as u64)
+            .saturating_mul(MAX_BYTES_PER_TOKEN)
+            .clamp(1 << 20, most)
     })
 }
 
@@ -667,7 +669,10 @@ mod tests {
         };
         let ds = TextDataset::open(&path, task, options(Some(4), true), Arc::new(Chars))?;
         let err = ds.check_lengths(2).unwrap_err().to_string();
-        assert!(err.contains("nt.jsonl, line 2: the row has no target"), "{err}");
+        assert!(
+            err.contains("nt.jsonl, line 2: the row has no target"),
+            "{err}"
+        );
         assert!(err.contains("no response token is left"), "{err}");
         Ok(())
     }
@@ -676,12 +681,18 @@ mod tests {
     fn rows_are_read_within_their_byte_bound() -> Result<()> {
         // max_length 1 allows 1 MiB a row: a 2 MiB row is refused while read.
         let big = "x".repeat(2 << 20);
-        let path = file("big.jsonl", &format!("{{\"t\": \"a\"}}\n{{\"t\": \"{big}\"}}\n"));
+        let path = file(
+            "big.jsonl",
+            &format!("{{\"t\": \"a\"}}\n{{\"t\": \"{big}\"}}\n"),
+        );
         let task = TextTask::LanguageModel { text: "t".into() };
         let err = TextDataset::open(&path, task.clone(), options(Some(1), true), Arc::new(Chars))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("line 2: the row is longer than 1048576 bytes"), "{err}");
+        assert!(
+            err.contains("line 2: the row is longer than 1048576 bytes"),
+            "{err}"
+        );
         // A byte-order mark before the first row is not part of it.
         let path = file("bom.jsonl", "\u{feff}{\"t\": \"a\"}\n");
         let ds = TextDataset::open(&path, task, options(None, false), Arc::new(Chars))?;

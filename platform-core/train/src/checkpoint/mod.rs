@@ -292,7 +292,11 @@ impl Checkpoint {
         let mut files = vec![path.to_path_buf()];
         if let Some(listing) = meta.get(sharded::INDEX_KEY) {
             let dir = path.parent().unwrap_or(Path::new("."));
-            files.extend(sharded::listed_shards(path, listing)?.iter().map(|n| dir.join(n)));
+            files.extend(
+                sharded::listed_shards(path, listing)?
+                    .iter()
+                    .map(|n| dir.join(n)),
+            );
         }
         Ok(files)
     }
