@@ -348,7 +348,8 @@ fn the_shipped_lora_config_teaches_the_example_model_its_answers() {
     };
     let _serial = serial();
     let dir = scratch("lora-shipped");
-    common::tiny_llama(&python, &dir.join("models/tiny-llama"));
+    let models = dir.join("models/tiny-llama");
+    common::tiny_llama(&python, &models);
     // The config's paths are relative to where kiln runs, as for a user in the workspace.
     let config = kiln_testkit::workspace_root().join("examples/configs/lora-llama.toml");
     let out = std::process::Command::new(common::KILN)

@@ -143,41 +143,37 @@ fn parent_dir(path: &Path) -> PathBuf {
 /// A new file beside `path`, named `<name>.tmp-<pid>-<random>` and created
 /// exclusively: it never opens a file or link that was already there.
 pub fn create_temporary_beside(path: &Path) -> Result<(PathBuf, File)> {
-    let file_name = path.file_name().ok_or_else(|| {
-        Error::invalid_argument("path", format!("{} does not name a file", path.display()))
-    })?;
-    let dir = parent_dir(path);
-    let mut last = None;
-    // A name taken by accident (or by design) is skipped for a fresh one.
-    for _ in 0..16 {
-        let mut name = OsString::from(file_name);
-        name.push(temporary_suffix());
-        let tmp = dir.join(name);
-        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-            Ok(file) => return Ok((tmp, file)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some((tmp, e)),
-            Err(e) => return Err(Error::io(&tmp, e)),
-        }
-    }
-    let (tmp, e) = last.ok_or_else(|| Error::invalid_argument("path", "no temporary name"))?;
-    Err(Error::io(&tmp, e))
+    claim_temporary(path, "", |tmp| {
+        OpenOptions::new().write(true).create_new(true).open(tmp)
+    })
 }
 
-/// A new directory beside `path`, named as [`create_temporary_beside`] names
-/// files and created with `mkdir` (which never follows a link).
+/// A new directory beside `path`, named `.<name>.tmp-<pid>-<random>` and
+/// created with `mkdir` (which never follows a link).
 pub fn create_temporary_dir_beside(path: &Path) -> Result<PathBuf> {
+    claim_temporary(path, ".", std::fs::create_dir).map(|(tmp, ())| tmp)
+}
+
+/// Creates `<dir>/<prefix><name>.tmp-<pid>-<random>` beside `path` with
+/// `create`, which must fail with `AlreadyExists` for a name already taken
+/// (by accident or by design): that name is skipped for a fresh one.
+fn claim_temporary<T>(
+    path: &Path,
+    prefix: &str,
+    create: impl Fn(&Path) -> io::Result<T>,
+) -> Result<(PathBuf, T)> {
     let file_name = path.file_name().ok_or_else(|| {
         Error::invalid_argument("path", format!("{} does not name a file", path.display()))
     })?;
     let dir = parent_dir(path);
     let mut last = None;
     for _ in 0..16 {
-        let mut name = OsString::from(".");
+        let mut name = OsString::from(prefix);
         name.push(file_name);
         name.push(temporary_suffix());
         let tmp = dir.join(name);
-        match std::fs::create_dir(&tmp) {
-            Ok(()) => return Ok(tmp),
+        match create(&tmp) {
+            Ok(made) => return Ok((tmp, made)),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some((tmp, e)),
             Err(e) => return Err(Error::io(&tmp, e)),
         }
