@@ -151,7 +151,7 @@ pub fn create_temporary_beside(path: &Path) -> Result<(PathBuf, File)> {
 /// A new directory beside `path`, named `.<name>.tmp-<pid>-<random>` and
 /// created with `mkdir` (which never follows a link).
 pub fn create_temporary_dir_beside(path: &Path) -> Result<PathBuf> {
-    claim_temporary(path, ".", std::fs::create_dir).map(|(tmp, ())| tmp)
+    claim_temporary(path, ".", |tmp: &Path| std::fs::create_dir(tmp)).map(|(tmp, ())| tmp)
 }
 
 /// Creates `<dir>/<prefix><name>.tmp-<pid>-<random>` beside `path` with
