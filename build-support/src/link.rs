@@ -71,6 +71,11 @@ fn emit_links(native: Native) -> Result<()> {
             // The linker drops libtorch_cuda as unneeded (nothing references it
             // directly), and CUDA then silently reports unavailable at run time.
             println!("cargo:rustc-link-arg=-Wl,--no-as-needed,-ltorch_cuda,--as-needed");
+            // With Kiln's `cuda` feature a dependency links the CUDA runtime into
+            // this package's binaries, whose rpath must then find it.
+            if let Some(dir) = crate::ops::cuda::runtime_dir(&lib) {
+                println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
+            }
         }
         println!("cargo:libtorch_lib={}", lib.display());
     }

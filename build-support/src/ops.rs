@@ -10,7 +10,7 @@ use crate::cxx::configure_cxx;
 use crate::error::{BuildError, Result};
 use crate::link::torch_lib_dir;
 
-mod cuda;
+pub(crate) mod cuda;
 
 /// What both kinds of op build compile: a name, the cxx bridge and its C++ side,
 /// the op sources and extra include directories.

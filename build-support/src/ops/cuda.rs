@@ -67,6 +67,16 @@ impl CudaObjects {
     }
 }
 
+/// The directory of the CUDA runtime that the `cuda` feature links
+/// (`libcudart.so.13`, from the toolkit [`compile`] uses), or `None` where no
+/// toolkit is found. The crates that compile CUDA code link the runtime, and
+/// every binary above them then needs it: a link argument of theirs reaches
+/// only their own targets, so every build script puts this directory on its
+/// binaries' rpath ([`build_script`](crate::build_script)).
+pub(crate) fn runtime_dir(torch_lib: &Path) -> Option<PathBuf> {
+    find_toolkit(torch_lib).ok().map(|toolkit| toolkit.lib)
+}
+
 /// Whether the crate being built has its `cuda` feature on.
 pub(crate) fn feature_enabled() -> bool {
     env::var_os("CARGO_FEATURE_CUDA").is_some()

@@ -664,6 +664,38 @@ fn tolerance(row: &str, dtype: &str) -> (f64, f64) {
     }
 }
 
+/// For a row whose output samples a grid (warps and the policies that apply
+/// them): how far an element may differ (`tol`), and the largest fraction of
+/// elements that may differ by more. torchvision computes the grid with a
+/// matrix product, whose last bits depend on the CPU's BLAS kernel (MKL's
+/// AVX-512 and AVX2 kernels round differently; Kiln's arithmetic is the same
+/// on every CPU): a coordinate one ulp away moves a bilinear weight by about
+/// 1e-6, and rounds a nearest-neighbour coordinate sitting on a pixel boundary
+/// the other way. With MKL_ENABLE_INSTRUCTIONS=AVX2 every element is equal.
+fn grid_tolerance(row: &str, dtype: &str) -> Option<(f64, f64)> {
+    let warps = [
+        "affine",
+        "rotate",
+        "rotation",
+        "Rotate",
+        "Shear",
+        "Translate",
+        "perspective",
+        "rand_augment",
+        "auto_augment",
+        "trivial_augment_wide",
+    ];
+    if !warps.iter().any(|w| row.contains(w)) {
+        return None;
+    }
+    let close = match (row.ends_with("nearest"), dtype) {
+        (true, _) => 0.0,
+        (false, "u8") => 1.0,
+        (false, _) => 3e-5,
+    };
+    Some((close, 1e-3))
+}
+
 /// A row of the table: cases, worst difference, differing elements, elements, worst case.
 type Row = (usize, f64, usize, usize, String);
 
@@ -717,7 +749,18 @@ fn augmentations_match_torchvision() -> kiln_core::Result<()> {
         }
         let (tol, frac) = tolerance(&k.row, dtype);
         let fraction = differing as f64 / a.len().max(1) as f64;
-        if diff.is_nan() || diff > tol || (dtype == "u8" && fraction > frac) {
+        let failed = match grid_tolerance(&k.row, dtype) {
+            Some((close, beyond)) => {
+                let far = a
+                    .iter()
+                    .zip(&b)
+                    .filter(|(x, y)| !((*x - *y).abs() <= close))
+                    .count();
+                far as f64 / a.len().max(1) as f64 > beyond
+            }
+            None => diff.is_nan() || diff > tol || (dtype == "u8" && fraction > frac),
+        };
+        if failed {
             failures.push(format!(
                 "{}: max |diff| {diff:e} (allowed {tol:e}), {differing} of {} elements differ",
                 k.name,
