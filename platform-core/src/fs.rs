@@ -156,7 +156,9 @@ pub fn create_temporary_dir_beside(path: &Path) -> Result<PathBuf> {
 
 /// Creates `<dir>/<prefix><name>.tmp-<pid>-<random>` beside `path` with
 /// `create`, which must fail with `AlreadyExists` for a name already taken
-/// (by accident or by design): that name is skipped for a fresh one.
+/// (by accident or by design): that name is skipped for a fresh one. An
+/// error names `path`, the file the user asked for (a missing directory is
+/// its directory's), not the temporary.
 fn claim_temporary<T>(
     path: &Path,
     prefix: &str,
@@ -174,12 +176,12 @@ fn claim_temporary<T>(
         let tmp = dir.join(name);
         match create(&tmp) {
             Ok(made) => return Ok((tmp, made)),
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some((tmp, e)),
-            Err(e) => return Err(Error::io(&tmp, e)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = Some(e),
+            Err(e) => return Err(Error::io(path, e)),
         }
     }
-    let (tmp, e) = last.ok_or_else(|| Error::invalid_argument("path", "no temporary name"))?;
-    Err(Error::io(&tmp, e))
+    let e = last.ok_or_else(|| Error::invalid_argument("path", "no temporary name"))?;
+    Err(Error::io(path, e))
 }
 
 /// Writes `path` atomically: `write` fills a new exclusive temporary beside it
@@ -211,8 +213,8 @@ pub fn write_atomically(
         write(&mut writer)?;
         let file = writer
             .into_inner()
-            .map_err(|e| Error::io(&tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| Error::io(&tmp, e))?;
+            .map_err(|e| Error::io(path, e.into_error()))?;
+        file.sync_all().map_err(|e| Error::io(path, e))?;
         drop(file);
         std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
     })();

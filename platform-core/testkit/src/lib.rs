@@ -199,6 +199,9 @@ pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
         .unwrap_or_else(|| workspace_root().join("target"))
         .join("kiln-fixtures");
     let dir = root.join(format!("{name}-{:016x}", hash.0));
+    // The tests of one binary run on threads: one makes it, the others wait.
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _making = MAKING.lock().unwrap_or_else(|p| p.into_inner());
     if dir.join(DONE).is_file() {
         return dir;
     }
