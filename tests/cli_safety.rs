@@ -487,8 +487,12 @@ fn a_held_run_directory_names_its_holder() {
     }
     child.0.kill().unwrap();
     child.0.wait().unwrap();
-    // The lock went with the process: the run resumes.
-    train(s(&cfg), &run, &["--resume", "auto", "--max-steps", "1"]);
+    // The lock went with the process: the run resumes (for one step more).
+    let step = Checkpoint::load(&run.join("checkpoints/last.safetensors"))
+        .unwrap()
+        .step;
+    let one_more = (step + 1).to_string();
+    train(s(&cfg), &run, &["--resume", "auto", "--max-steps", &one_more]);
 }
 
 /// Labels outside the model's classes and NaN cells are refused when the data

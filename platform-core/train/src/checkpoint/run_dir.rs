@@ -177,8 +177,10 @@ impl RunDirectory {
     /// Clears what a run killed before its first checkpoint (`SIGKILL`, a
     /// lost node) left in `dir`, so that `--resume auto` can start it afresh:
     /// only when `dir` holds Kiln's lock file, no run holds that lock, there
-    /// is no checkpoint, and everything else in it is a run's output
-    /// ([`RUN_OUTPUTS`]: a user's file anywhere in it leaves it all alone).
+    /// is no checkpoint and no `model.safetensors` (a run that finished wrote
+    /// one: its outputs are kept even when its checkpoints were deleted), and
+    /// everything else in it is a run's output ([`RUN_OUTPUTS`]: a user's file
+    /// anywhere in it leaves it all alone).
     /// Returns the names removed, or `None` when `dir` is not such a directory.
     pub fn discard_killed_start(dir: &Path) -> Result<Option<Vec<String>>> {
         let lock = dir.join(LOCK_FILE);
@@ -192,7 +194,8 @@ impl RunDirectory {
             return Ok(None);
         }
         let names = contents(dir)?;
-        if !names.iter().all(|n| RUN_OUTPUTS.contains(&n.as_str())) {
+        let finished = names.iter().any(|n| n == "model.safetensors");
+        if finished || !names.iter().all(|n| RUN_OUTPUTS.contains(&n.as_str())) {
             return Ok(None);
         }
         for name in &names {
