@@ -492,7 +492,11 @@ fn a_held_run_directory_names_its_holder() {
         .unwrap()
         .step;
     let one_more = (step + 1).to_string();
-    train(s(&cfg), &run, &["--resume", "auto", "--max-steps", &one_more]);
+    train(
+        s(&cfg),
+        &run,
+        &["--resume", "auto", "--max-steps", &one_more],
+    );
 }
 
 /// Labels outside the model's classes and NaN cells are refused when the data

@@ -21,7 +21,7 @@
 //! let model = TorchModel::new(&net, device)?;
 //! let optimizer = TorchOptimizer::new(
 //!     OptimizerConfig::Adam(AdamConfig::new(1e-3)),
-//!     model.named_parameters(),
+//!     model.named_parameters()?,
 //!     &[],
 //! )?;
 //! let cuda = (tch::Kind::Float, tch::Device::Cuda(0));
