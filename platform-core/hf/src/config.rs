@@ -162,7 +162,7 @@ impl HfConfig {
                 reason: "is 0; attention needs at least one head".to_owned(),
             });
         }
-        if self.get("head_dim").is_none() && hidden % heads != 0 {
+        if self.get("head_dim").is_none() && !hidden.is_multiple_of(heads) {
             return Err(HfError::Config {
                 path: self.path.clone(),
                 key: hidden_key.to_owned(),

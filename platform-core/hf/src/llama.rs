@@ -20,7 +20,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let heads = config.usize("num_attention_heads")?;
     config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
     let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || heads % kv_heads != 0 {
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Err(crate::HfError::Config {
             path: config.path().to_owned(),
             key: "num_key_value_heads".to_owned(),
