@@ -60,7 +60,7 @@ pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
              (RANK/WORLD_SIZE are set)"
         );
     }
-    if !(args.early_stop_threshold >= 0.0) {
+    if args.early_stop_threshold.is_nan() || args.early_stop_threshold < 0.0 {
         anyhow::bail!(
             "--early-stop-threshold must be 0 (never stop early) or a positive factor, got {}",
             args.early_stop_threshold
