@@ -286,12 +286,9 @@ impl Pretrained {
     /// The tokens that end generation (`eos_token_id` of
     /// `generation_config.json`, else of `config.json`).
     pub fn eos_token_ids(&self) -> Result<Vec<i64>> {
-        let generation = self.dir.join("generation_config.json");
-        if generation.is_file() {
-            let ids = HfConfig::read(&generation)?.token_ids("eos_token_id")?;
-            if !ids.is_empty() {
-                return Ok(ids);
-            }
+        let generation = eos_token_ids_of(&self.dir.join("generation_config.json"))?;
+        if !generation.is_empty() {
+            return Ok(generation);
         }
         self.config.token_ids("eos_token_id")
     }
@@ -519,15 +516,20 @@ fn weight_files_in(dir: &Path) -> Result<Vec<PathBuf>> {
 /// `generation_config.json`'s, else `config.json`'s, else none.
 pub fn eos_token_ids_in(dir: &Path) -> Result<Vec<i64>> {
     for name in ["generation_config.json", CONFIG] {
-        let path = dir.join(name);
-        if path.is_file() {
-            let ids = HfConfig::read(&path)?.token_ids("eos_token_id")?;
-            if !ids.is_empty() {
-                return Ok(ids);
-            }
+        let ids = eos_token_ids_of(&dir.join(name))?;
+        if !ids.is_empty() {
+            return Ok(ids);
         }
     }
     Ok(Vec::new())
+}
+
+/// The `eos_token_id`s the JSON file at `path` names (none when it is absent).
+fn eos_token_ids_of(path: &Path) -> Result<Vec<i64>> {
+    if !path.is_file() {
+        return Ok(Vec::new());
+    }
+    HfConfig::read(path)?.token_ids("eos_token_id")
 }
 
 /// Writes a file that must not exist yet.

@@ -390,8 +390,8 @@ impl PackedText {
             ));
         }
         let mut inner = inner;
-        // A document is never cut to the block: the stream of documents is
-        // (one after another, each with its EOS), so a long one spans blocks.
+        // A document is never cut to the block: the stream of documents (one
+        // after another, each with its EOS) is, so a long one spans blocks.
         inner.options.max_length = None;
         inner.options.truncation = false;
         let lengths = inner.tokenize_all(threads, false)?;
