@@ -277,6 +277,82 @@ fn a_closed_standard_output_ends_the_output_quietly() {
     assert!(out.join("model.safetensors").is_file());
 }
 
+/// The commands whose output is what they print refuse a standard output
+/// that is closed (`>&-`), where the text would vanish; `kiln generate`
+/// refuses a checkpoint that is not a language model; and an average that
+/// could never update is refused before the first step.
+#[test]
+fn a_closed_stdout_a_float_model_to_generate_and_a_late_average_are_refused() {
+    if !digits_available() {
+        return;
+    }
+    let _serial = serial();
+    let dir = scratch("hostile-closed");
+    let (cfg, checkpoint) = trained(&dir, 5);
+    let limit = Duration::from_secs(30);
+    for (args, command) in [
+        (vec!["inspect", s(&checkpoint)], "kiln inspect"),
+        (
+            vec!["eval", "--config", s(&cfg), "--checkpoint", s(&checkpoint)],
+            "kiln eval",
+        ),
+        (
+            vec!["generate", "--model", s(&checkpoint), "--prompt-ids", "1"],
+            "kiln generate",
+        ),
+    ] {
+        let out = Command::new("sh")
+            .args(["-c", "exec \"$0\" \"$@\" >&-", KILN])
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "stdout is closed; {command} prints its output there"
+            )),
+            "{args:?}: {stderr}"
+        );
+    }
+    let err = fails_within(
+        limit,
+        &dir,
+        &["generate", "--model", s(&checkpoint), "--prompt-ids", "1,2"],
+    );
+    assert!(
+        err.contains("the checkpoint's model reads float32 features, not token ids (its first layer is Linear)"),
+        "{err}"
+    );
+    for (ema, key, first) in [
+        ("{ start_step = 1000 }", "training.ema.start_step", 1000),
+        ("{ every_n_steps = 500 }", "training.ema.every_n_steps", 500),
+    ] {
+        let late = edited(
+            &cfg,
+            &[("[training]\n", &format!("[training]\nema = {ema}\n"))],
+            "late.toml",
+        );
+        let run = dir.join(format!("late-{first}"));
+        let err = fails_within(
+            limit,
+            &dir,
+            &["train", "--config", s(&late), "--output", s(&run)],
+        );
+        assert!(
+            err.contains(key)
+                && err.contains(&format!(
+                    "the average would first update after step {first}"
+                ))
+                && err.contains("epochs of")
+                && err.contains("so it would never update"),
+            "{err}"
+        );
+        assert!(!run.join("checkpoints").exists(), "{err}");
+    }
+}
+
 #[test]
 fn a_model_without_parameters_is_a_config_error() {
     let dir = scratch("hostile-empty-model");
@@ -987,6 +1063,28 @@ fn text_rows_are_bounded_while_read_and_rows_without_targets_refused_at_start() 
             && err.contains("no response token is left"),
         "{err}"
     );
+
+    // A Parquet list column is named as what it is, not as missing.
+    let data = format!(
+        "path = \"{}\"\ntext_column = \"question\"\nmax_length = 32",
+        refs.join("lists.parquet").display()
+    );
+    let cfg = text_config(&dir, "lists", &llama, &data, "");
+    let err = fails_within(
+        limit,
+        &dir,
+        &[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&dir.join("lists-run")),
+        ],
+    );
+    assert!(
+        err.contains("column `question` holds a list in each row, not text"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -1141,6 +1239,19 @@ progress = false
     });
     assert!(
         err.contains("the PNG image is 30000x30000, more than 178956970 pixels"),
+        "{err}"
+    );
+    // A link inside a class folder back to the root would list class b's
+    // images (and a's again) as class a.
+    let err = images("looped-images", &|class| {
+        std::fs::copy(refs.join("bomb.png"), class.join("x.txt")).unwrap();
+        if class.ends_with("a") {
+            std::os::unix::fs::symlink("..", class.join("all")).unwrap();
+        }
+    });
+    assert!(
+        err.contains("a/all: leads (through a symbolic link) to")
+            && err.contains("they would be listed again under this class"),
         "{err}"
     );
 }
@@ -1358,7 +1469,8 @@ fn pretrained_weights_and_adapters_are_checked_when_loaded() {
         std::fs::create_dir_all(&to).unwrap();
         let mut config = serde_json::json!({
             "peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-            "target_modules": ["q_proj"], "bias": "none", "use_rslora": false,
+            "target_modules": ["q_proj"], "layers_to_transform": [0], "bias": "none",
+            "use_rslora": false,
         });
         edit(&mut config);
         std::fs::write(to.join("adapter_config.json"), config.to_string()).unwrap();
@@ -1412,6 +1524,28 @@ fn pretrained_weights_and_adapters_are_checked_when_loaded() {
             &|c: &mut serde_json::Value| c["peft_type"] = "PREFIX_TUNING".into(),
             "`peft_type` is \"PREFIX_TUNING\"",
         ),
+        // The config and the tensors compared, both ways, as PEFT matches names.
+        (
+            "claims-more",
+            &|c: &mut serde_json::Value| {
+                c["target_modules"] = serde_json::json!(["q_proj", "v_proj"])
+            },
+            "`base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight` is missing: \
+             adapter_config.json's target_modules ([\"q_proj\",\"v_proj\"]) names \
+             `model.layers.0.self_attn.v_proj`",
+        ),
+        (
+            "all-layers",
+            &|c: &mut serde_json::Value| c["layers_to_transform"] = serde_json::Value::Null,
+            "`base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight` is missing",
+        ),
+        (
+            "claims-other",
+            &|c: &mut serde_json::Value| c["target_modules"] = serde_json::json!("k_proj|v_proj"),
+            "`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` adapts \
+             `model.layers.0.self_attn.q_proj`, which adapter_config.json's target_modules \
+             (\"k_proj|v_proj\") does not name",
+        ),
     ] {
         let err = generate(&llama, &["--adapter", s(&adapter(name, edit, 0.5))]);
         assert!(
@@ -1425,6 +1559,20 @@ fn pretrained_weights_and_adapters_are_checked_when_loaded() {
     );
     assert!(
         err.contains("lora_B.weight` holds 128 NaN of 128 values"),
+        "{err}"
+    );
+    // A missing half is named as PEFT names it.
+    let half = adapter("half", &|_| {}, 0.5);
+    let file = half.join("adapter_model.safetensors");
+    let (mut tensors, _) = StateDict::load_safetensors(&file).unwrap();
+    tensors.remove("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight");
+    tensors.save_safetensors(&file, &metadata).unwrap();
+    let err = generate(&llama, &["--adapter", s(&half)]);
+    assert!(
+        err.contains(
+            "`base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight` is missing: each \
+             adapted module needs both lora_A and lora_B"
+        ),
         "{err}"
     );
 }

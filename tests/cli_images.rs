@@ -505,6 +505,92 @@ with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.USTAR_FORMA
     String::from_utf8(out.stdout).unwrap().trim().to_owned()
 }
 
+/// Shards whose labels are `.json` members (`{"label": 3}`) and whose images
+/// are `.image` members train with `label_key = "json"` and `image_key =
+/// "image"` exactly as the same samples with `.cls` and `.png` do; without the
+/// key the sample's members are named.
+#[test]
+fn shard_labels_in_json_members_train_as_cls_members_do() {
+    const SCRIPT: &str = r#"
+import io, json, sys, tarfile
+src, dst = sys.argv[1], sys.argv[2]
+with tarfile.open(src) as tin, tarfile.open(dst, "w", format=tarfile.USTAR_FORMAT) as tout:
+    for info in tin.getmembers():
+        data = tin.extractfile(info).read()
+        stem, ext = info.name.rsplit(".", 1)
+        if ext == "cls":
+            info.name, data = stem + ".json", json.dumps({"label": int(data), "source": "x"}).encode()
+        else:
+            info.name = stem + ".image"
+        info.size = len(data)
+        tout.addfile(info, io.BytesIO(data))
+"#;
+    let _serial = serial();
+    let dir = scratch("images-json-labels");
+    let Some(shapes) = shapes(&dir) else { return };
+    let cls = shapes.join("shards/train-000000.tar");
+    let json = dir.join("json.tar");
+    let python = kiln_testkit::python("rewriting a shard").unwrap();
+    let out = Command::new(python)
+        .args(["-c", SCRIPT, s(&cls), s(&json)])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let data = |shard: &Path, keys: &str| {
+        format!(
+            "dataset = \"webdataset\"\nshards = \"{}\"\nshuffle_buffer = 0\nimage_size = 32\n{keys}",
+            shard.display()
+        )
+    };
+    let run = |name: &str, data: String| {
+        let cfg = image_config(&dir, name, &data, 3);
+        let out = dir.join(name);
+        train(s(&cfg), &out, &["--max-steps", "2"]);
+        losses(&out)
+    };
+    let expected = run("cls", data(&cls, ""));
+    let got = run(
+        "json",
+        data(&json, "label_key = \"json\"\nimage_key = \"image\""),
+    );
+    assert_eq!(got, expected);
+    let cfg = image_config(&dir, "no-key", &data(&json, "image_key = \"image\""), 3);
+    let err = fails(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--output",
+        s(&dir.join("no-key")),
+    ]);
+    assert!(
+        err.contains(
+            "sample has no label member `cls` (it has: image, json; `label_key` chooses another)"
+        ),
+        "{err}"
+    );
+    let cfg = image_config(
+        &dir,
+        "on-csv",
+        "dataset = \"digits\"\nlabel_key = \"json\"",
+        3,
+    );
+    let err = fails(&[
+        "train",
+        "--config",
+        s(&cfg),
+        "--output",
+        s(&dir.join("on-csv")),
+    ]);
+    assert!(
+        err.contains("label_key") && err.contains("applies to webdataset"),
+        "{err}"
+    );
+}
+
 /// A shard label outside the model's 6 classes names the shard, the member,
 /// the label and the range, as a CSV label names its file and line: the first
 /// sample's (read when the data loads) and one read mid-epoch alike.

@@ -388,6 +388,114 @@ fn kiln_generate_decodes_as_transformers_generate() {
     assert!(err.contains("[batch, seq, vocab]"), "{err}");
 }
 
+/// `kiln predict` and `kiln eval` run a classifier straight from its Hugging
+/// Face directory (no training run first): BERT's scores are `transformers`'
+/// logits, and the loss is the cross entropy of those logits.
+#[test]
+fn a_hugging_face_classifier_directory_predicts_and_evaluates_as_transformers() {
+    let test = "a_hugging_face_classifier_directory_predicts_and_evaluates_as_transformers";
+    let _serial = serial();
+    let dir = scratch("pretrained-hf-eval");
+    let Some(models) = models(test) else {
+        return;
+    };
+    let (io, _) = StateDict::load_safetensors(models.join("bert.io.safetensors")).unwrap();
+    let ids: Vec<i64> = io
+        .get("input_ids")
+        .unwrap()
+        .as_slice::<i64>()
+        .unwrap()
+        .to_vec();
+    let logits: Vec<f64> = io.get("logits").unwrap().to_f64_vec();
+    // The two reference rows, labelled 0 and 1, four times each.
+    let mut text = String::new();
+    for i in 0..8 {
+        let row = &ids[(i % 2) * 7..(i % 2 + 1) * 7];
+        let row: Vec<String> = row.iter().map(i64::to_string).collect();
+        text.push_str(&format!("{},{}\n", row.join(","), i % 2));
+    }
+    let csv = dir.join("rows.csv");
+    std::fs::write(&csv, text).unwrap();
+    let cfg = config(&dir, &models.join("bert"), &csv, "bert", "")
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let cfg_text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("num_labels = 2\n", "")
+        .replace("val_fraction = 0.25", "val_fraction = 0.5");
+    std::fs::write(&cfg, cfg_text).unwrap();
+    let bert = models.join("bert");
+    let out = dir.join("predictions.csv");
+    kiln(&[
+        "predict",
+        "--config",
+        &cfg,
+        "--checkpoint",
+        bert.to_str().unwrap(),
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    let text = std::fs::read_to_string(&out).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(
+        lines.next(),
+        Some("index,predicted,label,score_0,score_1,score_2")
+    );
+    let mut expected_loss = 0.0;
+    let mut rows = 0;
+    for line in lines {
+        let cells: Vec<f64> = line.split(',').map(|c| c.parse().unwrap()).collect();
+        let label = cells[2] as usize;
+        let reference = &logits[label * 3..label * 3 + 3];
+        for (got, want) in cells[3..].iter().zip(reference) {
+            assert!((got - want).abs() <= 1e-5, "{line}: {reference:?}");
+        }
+        let log_sum = reference.iter().map(|l| l.exp()).sum::<f64>().ln();
+        expected_loss += log_sum - reference[label];
+        rows += 1;
+    }
+    assert_eq!(rows, 4, "{text}");
+    expected_loss /= rows as f64;
+    let printed = kiln_stdout(&[
+        "eval",
+        "--config",
+        &cfg,
+        "--checkpoint",
+        bert.to_str().unwrap(),
+    ]);
+    let loss: f64 = printed
+        .lines()
+        .find_map(|l| l.strip_prefix("loss"))
+        .unwrap_or_else(|| panic!("{printed}"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        (loss - expected_loss).abs() <= 1e-5,
+        "{loss} vs {expected_loss}"
+    );
+
+    // A config whose model is not the directory's is refused naming a tensor.
+    let other = config(&dir, &models.join("bert"), &csv, "bert-new-head", "");
+    let err = kiln_fails(&[
+        "eval",
+        "--config",
+        other.to_str().unwrap(),
+        "--checkpoint",
+        bert.to_str().unwrap(),
+    ]);
+    assert!(err.contains("does not fit the config's model"), "{err}");
+    let err = kiln_fails(&[
+        "eval",
+        "--config",
+        &cfg,
+        "--checkpoint",
+        dir.to_str().unwrap(),
+    ]);
+    assert!(err.contains("is a directory without config.json"), "{err}");
+}
+
 #[test]
 fn the_shipped_pretrained_config_trains_on_the_example_model() {
     let test = "the_shipped_pretrained_config_trains_on_the_example_model";

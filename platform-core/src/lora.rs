@@ -163,29 +163,34 @@ impl LoraConfig {
             !all.iter()
                 .any(|p| p.module == **t || p.module.ends_with(&format!(".{t}")))
         }) {
-            let mut kinds: Vec<String> = all
-                .iter()
-                .map(|p| {
-                    p.module
-                        .rsplit('.')
-                        .next()
-                        .filter(|last| last.ends_with("_proj"))
-                        .unwrap_or(&p.module)
-                        .to_owned()
-                })
-                .collect();
-            kinds.dedup();
-            kinds.truncate(12);
+            // Each name once, in the model's order: a projection of every
+            // block by its own name (`q_proj`), a plain linear layer by its path.
+            let mut kinds: Vec<&str> = Vec::new();
+            for p in &all {
+                let name = p
+                    .module
+                    .rsplit('.')
+                    .next()
+                    .filter(|last| last.ends_with("_proj"))
+                    .unwrap_or(&p.module);
+                if !kinds.contains(&name) {
+                    kinds.push(name);
+                }
+            }
+            const SHOWN: usize = 32;
+            let mut list = if kinds.is_empty() {
+                "none".to_owned()
+            } else {
+                kinds[..kinds.len().min(SHOWN)].join(", ")
+            };
+            if kinds.len() > SHOWN {
+                list.push_str(&format!(" and {} more", kinds.len() - SHOWN));
+            }
             return Err(Error::invalid_argument(
                 "lora.target_modules",
                 format!(
                     "`{missing}` matches no projection of the model (linear layers and attention / \
-                     MLP projections; it has: {})",
-                    if kinds.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        kinds.join(", ")
-                    }
+                     MLP projections; it has: {list})"
                 ),
             ));
         }
@@ -380,6 +385,30 @@ mod tests {
             .to_string();
         assert!(err.contains("`query` matches no projection"), "{err}");
         assert!(err.contains("q_proj"), "{err}");
+        // Twenty blocks: each projection named once, none left out.
+        let deep = Layer::sequential((0..20).map(|_| block()).collect::<Vec<_>>());
+        let err = LoraConfig::new(2, 4.0)
+            .with_target_modules(["query"])
+            .targets(&deep)
+            .unwrap_err()
+            .to_string();
+        let list = err.split("it has: ").nth(1).unwrap_or_default();
+        let names: Vec<&str> = list.trim_end_matches(')').split(", ").collect();
+        assert_eq!(
+            &names[..7],
+            [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj"
+            ],
+            "{err}"
+        );
+        assert_eq!(names.len(), 7 + 20, "{err}");
+        assert!(names.contains(&"19.2"), "{err}");
         Ok(())
     }
 

@@ -277,7 +277,9 @@ pub struct CheckpointArgs {
     /// The run config (TOML) that names the data.
     #[arg(long)]
     pub(crate) config: PathBuf,
-    /// The checkpoint file (`predict` also takes an ONNX model, `*.onnx`).
+    /// The checkpoint file, or a Hugging Face model directory whose weights
+    /// fit the config's model (`[model] pretrained` naming it); `predict` also
+    /// takes an ONNX model, `*.onnx`.
     #[arg(long)]
     pub(crate) checkpoint: PathBuf,
     /// Override `device`.

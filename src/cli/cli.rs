@@ -36,8 +36,14 @@ pub fn run<E: Engines>() {
             exit_with(&forward::run_tensorflow(&needs));
         }
     }
-    let Err(error) = run_command::<E>(cli.command) else {
-        return;
+    let error = match run_command::<E>(cli.command) {
+        Ok(()) => match crate::output::stdout_failure() {
+            None => return,
+            Some(why) => anyhow::anyhow!(
+                "the command's output could not be written to stdout ({why}): it is lost"
+            ),
+        },
+        Err(error) => error,
     };
     match error.downcast_ref::<NeedsTensorflow>() {
         // The safety net: a case `needs_tensorflow` did not foresee.
@@ -52,6 +58,16 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
     // The launcher only starts processes: its workers register them.
     if !matches!(command, Command::Launch(_)) {
         E::register_layers()?;
+    }
+    // The commands whose output is what they print.
+    let prints = match &command {
+        Command::Eval(_) => Some("kiln eval"),
+        Command::Inspect { .. } => Some("kiln inspect"),
+        Command::Generate(_) => Some("kiln generate"),
+        _ => None,
+    };
+    if let Some(name) = prints {
+        crate::output::check_stdout_open(name)?;
     }
     match command {
         Command::Train(args) => train::train::<E>(args),

@@ -11,6 +11,9 @@ use kiln_train::Checkpoint;
 /// ONNX model is named as what it is, and a checkpoint holding NaN or infinite
 /// values is refused naming them.
 pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
+    if path.is_dir() {
+        return open_pretrained(path);
+    }
     refuse_other_formats(path)?;
     let mut checkpoint = Checkpoint::load(path)?;
     checkpoint.check_finite(path)?;
@@ -26,6 +29,49 @@ pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
         );
     }
     Ok(checkpoint)
+}
+
+/// A Hugging Face model directory (`config.json` and its safetensors) as the
+/// weights of a checkpoint: what `kiln eval` and `kiln predict` run under the
+/// config's model (`[model] pretrained` naming this directory, so that its
+/// head is the checkpoint's own), with no training position.
+fn open_pretrained(path: &Path) -> Result<Checkpoint> {
+    if !path.join(kiln_hf::CONFIG).is_file() {
+        anyhow::bail!(
+            "{} is a directory without {}, so neither a Kiln checkpoint nor a Hugging Face \
+             model directory: give a run's `checkpoints/last.safetensors`, or a directory \
+             holding config.json and model.safetensors",
+            path.display(),
+            kiln_hf::CONFIG
+        );
+    }
+    let pretrained = kiln_hf::Pretrained::open(path)?;
+    let model = pretrained.load_weights()?;
+    log::info!(
+        "{}: the {} model's weights, as transformers saved them",
+        path.display(),
+        pretrained.family()
+    );
+    Ok(Checkpoint {
+        model,
+        optimizer: Default::default(),
+        step: 0,
+        epoch: 0,
+        batch_in_epoch: 0,
+        seed: 0,
+        world_size: 1,
+        backend: "huggingface".to_owned(),
+        optimizer_kind: None,
+        // The config's definition decides; the weights must fit it by name and shape.
+        model_definition: None,
+        lora: None,
+        data: None,
+        data_order: None,
+        scheduler: None,
+        metrics: Default::default(),
+        epoch_loss: None,
+        averaged: None,
+    })
 }
 
 /// Checks that `path` is a regular file that may be a Kiln checkpoint (or a

@@ -113,6 +113,20 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
         )
     })?;
     let definition = without_loss_flatten(definition);
+    // A language model reads token ids: its first layer is an embedding.
+    let vocab = match definition.first_leaf() {
+        Some(Layer::Embedding(embedding)) => embedding.num_embeddings,
+        first => anyhow::bail!(
+            "{}: the checkpoint's model reads {}, not token ids (its first layer is {}): kiln \
+             generate runs language models, whose first layer is an Embedding",
+            path.display(),
+            match definition.input_dtype() {
+                Some(dtype) => format!("{dtype} features"),
+                None => "a SavedModel's inputs".to_owned(),
+            },
+            first.map_or("missing: the model is empty", Layer::kind)
+        ),
+    };
     let mut model = TorchModel::new(&definition, device)?;
     crate::model::load_for_eval::<kiln_torch::TorchBackend>(
         &mut model,
@@ -125,7 +139,7 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
         eos: Vec::new(),
         pad: 0,
         dir: None,
-        vocab: None,
+        vocab: Some(vocab),
         positions: None,
     })
 }

@@ -116,6 +116,15 @@ pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()>
     if let Some(s) = &checkpoint.scheduler {
         outln!("schedule    {s}");
     }
+    if let Some(averaged) = &checkpoint.averaged {
+        outln!(
+            "averaged    {} of {} updates, {} tensors (`averaged.*`; the run's \
+             model.safetensors holds them when it ends)",
+            averaged.method.name().to_uppercase(),
+            averaged.updates,
+            averaged.tensors.len()
+        );
+    }
     for (k, v) in &checkpoint.metrics {
         outln!("metric      {k} = {v}");
     }
@@ -128,10 +137,13 @@ pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()>
         "elements"
     );
     let mut params = 0usize;
+    let averaged = checkpoint.averaged.as_ref().map(|a| &a.tensors);
     for (section, dict) in [
-        ("model", &checkpoint.model),
-        ("optimizer", &checkpoint.optimizer),
+        ("model", Some(&checkpoint.model)),
+        ("optimizer", Some(&checkpoint.optimizer)),
+        ("averaged", averaged),
     ] {
+        let Some(dict) = dict else { continue };
         for (name, t) in dict.iter() {
             if section == "model" {
                 params += t.numel();
@@ -145,11 +157,19 @@ pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()>
             );
         }
     }
-    outln!(
-        "\n{} model values, {} optimizer tensors",
-        params,
-        checkpoint.optimizer.len()
-    );
+    match &checkpoint.averaged {
+        Some(a) => outln!(
+            "\n{} model values, {} optimizer tensors, {} averaged tensors",
+            params,
+            checkpoint.optimizer.len(),
+            a.tensors.len()
+        ),
+        None => outln!(
+            "\n{} model values, {} optimizer tensors",
+            params,
+            checkpoint.optimizer.len()
+        ),
+    }
     let non_finite = checkpoint.non_finite_tensors();
     if !non_finite.is_empty() {
         outln!();

@@ -21,11 +21,12 @@ pub const STDERR_FD_VAR: &str = "KILN_TENSORFLOW_STDERR";
 /// Writes a command's output to stdout. A reader that went away (`kiln inspect
 /// CKPT | head -1`) ends the output, as it does for Unix tools: the rest is
 /// dropped without a word, and the command finishes its work (a training run
-/// goes on; its results are in the run directory).
+/// goes on; its results are in the run directory). Any other failure (stdout
+/// closed, a full disk) drops the rest too, and the command then fails
+/// ([`stdout_failure`]): its output is lost.
 pub(crate) fn write_out(text: std::fmt::Arguments<'_>) {
     use std::io::Write;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    static CLOSED: AtomicBool = AtomicBool::new(false);
+    use std::sync::atomic::Ordering;
     if CLOSED.load(Ordering::Relaxed) {
         return;
     }
@@ -34,8 +35,53 @@ pub(crate) fn write_out(text: std::fmt::Arguments<'_>) {
         CLOSED.store(true, Ordering::Relaxed);
         if error.kind() != std::io::ErrorKind::BrokenPipe {
             log::warn!("writing to stdout failed ({error}); the rest of the output is dropped");
+            let _ = FAILURE.set(error.to_string());
         }
     }
+}
+
+/// Set once stdout has refused a write: nothing more is written to it.
+static CLOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// Why stdout refused a write, unless its reader went away.
+static FAILURE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Why the command's output could not be written to stdout (`kiln generate
+/// >&-`, a full disk), if it could not; a reader that went away is not a failure.
+pub(crate) fn stdout_failure() -> Option<&'static str> {
+    FAILURE.get().map(String::as_str)
+}
+
+/// Whether fd 1 was closed when the process started (`kiln generate >&-`).
+/// Rust's runtime then opens `/dev/null` there before `main`, so that writes
+/// vanish; this is read earlier, by the loader's constructors.
+static STDOUT_CLOSED_AT_START: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// Runs [`note_closed_stdout`] when the executable is loaded, before Rust's
+/// runtime starts.
+#[cfg(target_os = "linux")]
+#[used]
+#[link_section = ".init_array"]
+static NOTE_CLOSED_STDOUT: extern "C" fn() = note_closed_stdout;
+
+#[cfg(target_os = "linux")]
+extern "C" fn note_closed_stdout() {
+    // SAFETY: F_GETFD only reads a descriptor's flags, and fails with EBADF
+    // for a closed one; it touches no memory.
+    let closed = unsafe { libc::fcntl(1, libc::F_GETFD) } == -1;
+    STDOUT_CLOSED_AT_START.store(closed, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Refuses to run `command`, whose output is what it prints, when stdout was
+/// closed at start (`>&-`): the output would be lost.
+pub(crate) fn check_stdout_open(command: &str) -> Result<()> {
+    if STDOUT_CLOSED_AT_START.load(std::sync::atomic::Ordering::Relaxed) {
+        anyhow::bail!(
+            "stdout is closed; {command} prints its output there: redirect it to a file (or to \
+             /dev/null to discard it) instead of closing it"
+        );
+    }
+    Ok(())
 }
 
 /// `println!` for a command's output, through [`write_out`].

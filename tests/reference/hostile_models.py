@@ -10,6 +10,9 @@ against hostile or careless input), and what `transformers` computes of them.
 - bomb.png: a PNG whose header says 30000x30000 (RGB, 8 bits) over a few
   rows of data: a decompression bomb, which Pillow refuses at its
   178,956,970-pixel guard before decoding;
+- lists.parquet: a `text` column and a `question` column of string lists
+  (`datasets`' `to_parquet` of a list feature), whose leaf pyarrow names
+  `question.list.element`;
 - cases.json: for long.jsonl, each document's token count as `transformers`'
   tokenizer gives it plus the EOS Kiln appends, and the number of blocks of
   32 that `group_texts` (the documents joined, the stream cut into blocks, the
@@ -104,6 +107,10 @@ def make(out):
     with open(os.path.join(out, "long.jsonl"), "w") as f:
         for d in docs:
             f.write(json.dumps({"text": d}) + "\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pa.table({"text": docs[:3], "question": [[d, d] for d in docs[:3]]})
+    pq.write_table(table, os.path.join(out, "lists.parquet"))
     # group_texts over the tokenized documents, each with EOS appended.
     lengths = [len(fast(d)["input_ids"]) + 1 for d in docs]
     cases = {"block": BLOCK, "lengths": lengths, "blocks": sum(lengths) // BLOCK,

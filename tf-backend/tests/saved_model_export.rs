@@ -461,6 +461,48 @@ fn existing_paths_and_bad_settings_are_refused_untouched() {
         .unwrap();
     let expected = forward_eval(&mut other, &x);
     assert!(max_diff(&out["y"], &expected) <= 1e-6);
+
+    // With overwrite, a user's file inside the SavedModel (or its variables)
+    // and a link to a SavedModel are refused, and left as they were.
+    let replace = |dir: &Path| {
+        SavedModelExport::new(&model, &ExportOptions::new(&[2, 4]).with_overwrite(true))
+            .write(dir)
+            .unwrap_err()
+    };
+    for planted in ["notes.txt", "variables/notes.txt"] {
+        std::fs::write(fresh.join(planted), b"mine").unwrap();
+        let before = snapshot(&root);
+        let err = replace(&fresh);
+        assert!(matches!(err, ExportError::NotReplaceable { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains(&format!(
+                "holds {}, which is not part of a SavedModel",
+                fresh.join(planted).display()
+            )),
+            "{err}"
+        );
+        assert_eq!(
+            snapshot(&root),
+            before,
+            "{planted}: a refused export changed files"
+        );
+        std::fs::remove_file(fresh.join(planted)).unwrap();
+    }
+    let link = root.join("link");
+    std::os::unix::fs::symlink(&fresh, &link).unwrap();
+    let before = snapshot(&root);
+    let err = replace(&link);
+    assert!(
+        err.to_string().contains("is a symbolic link (to ")
+            && err.to_string().contains("never replaces a link"),
+        "{err}"
+    );
+    assert_eq!(
+        snapshot(&root),
+        before,
+        "a refused export through a link changed files"
+    );
+    std::fs::remove_file(&link).unwrap();
     let leftovers: Vec<_> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

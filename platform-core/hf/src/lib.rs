@@ -30,6 +30,7 @@ mod gpt2;
 mod llama;
 mod names;
 mod peft;
+mod peft_targets;
 mod tokenizer;
 mod vit;
 
@@ -52,8 +53,9 @@ pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2", "b
 /// The families that are causal language models (and generate).
 const DECODERS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2"];
 
-/// The file names of a model directory.
-const CONFIG: &str = "config.json";
+/// A Hugging Face model directory's configuration file.
+pub const CONFIG: &str = "config.json";
+/// The other file names of a model directory.
 const WEIGHTS: &str = "model.safetensors";
 const INDEX: &str = "model.safetensors.index.json";
 

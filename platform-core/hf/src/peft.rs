@@ -10,6 +10,7 @@ use kiln_core::state_dict::StateDict;
 use serde_json::{json, Value};
 
 use crate::error::{HfError, Result};
+use crate::peft_targets::PeftTargets;
 use crate::{write_new, Pretrained};
 
 /// The adapter's settings, as PEFT names the file.
@@ -70,6 +71,30 @@ impl Pretrained {
         })
     }
 
+    /// The `target_modules` PEFT needs to adapt exactly the checkpoint
+    /// modules `adapted`: their last names (`q_proj`) when every module of
+    /// those names is adapted, as PEFT writes them, else the full names.
+    fn target_modules_of(&self, adapted: &[String]) -> Result<Vec<String>> {
+        let leaf = |m: &str| m.rsplit('.').next().unwrap_or(m).to_owned();
+        let mut leaves: Vec<String> = adapted.iter().map(|m| leaf(m)).collect();
+        leaves.sort();
+        leaves.dedup();
+        let mut complete = true;
+        for projection in kiln_core::lora::projections(&self.layer)? {
+            if let Some(hf) = self.hf_module(&projection.module) {
+                if leaves.contains(&leaf(hf)) && !adapted.iter().any(|a| a == hf) {
+                    complete = false;
+                }
+            }
+        }
+        if complete {
+            return Ok(leaves);
+        }
+        let mut full = adapted.to_vec();
+        full.sort();
+        Ok(full)
+    }
+
     /// Writes the LoRA adapters in `weights` (Kiln's names, as
     /// [`LoraConfig::adapter_weights`] finds them) to the new directory `dir`
     /// in PEFT's format, `lora`'s settings in `adapter_config.json`:
@@ -112,7 +137,7 @@ impl Pretrained {
             ));
         }
         let mut out = StateDict::new();
-        let mut targets: Vec<String> = Vec::new();
+        let mut adapted: Vec<String> = Vec::new();
         for (name, tensor) in adapters.iter() {
             let (module, suffix) = match name.strip_suffix(&format!(".{LORA_A}")) {
                 Some(m) => (m, LORA_A),
@@ -128,13 +153,12 @@ impl Pretrained {
                     self.family
                 ))
             })?;
-            let leaf = hf.rsplit('.').next().unwrap_or(hf).to_owned();
-            if !targets.contains(&leaf) {
-                targets.push(leaf);
+            if !adapted.iter().any(|a| a == hf) {
+                adapted.push(hf.to_owned());
             }
             out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor.clone());
         }
-        targets.sort();
+        let targets = self.target_modules_of(&adapted)?;
         for file in [ADAPTER_CONFIG, ADAPTER_WEIGHTS] {
             if dir.join(file).exists() {
                 return Err(fail(format!(
@@ -304,6 +328,7 @@ impl Pretrained {
                 )));
             }
         }
+        let claimed = PeftTargets::from_config(get).map_err(fail)?;
         let mut lora = LoraConfig::new(r as usize, alpha)
             .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
             .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
@@ -331,7 +356,8 @@ impl Pretrained {
             reason,
         };
         let mut out = StateDict::new();
-        let mut modules: Vec<String> = Vec::new();
+        // The Kiln projections adapted, with the checkpoint's module of each.
+        let mut modules: Vec<(String, String)> = Vec::new();
         for (key, tensor) in tensors {
             let local = key.strip_prefix(PREFIX).unwrap_or(&key);
             let (hf, suffix) = match local.strip_suffix(&format!(".{LORA_A}")) {
@@ -347,20 +373,35 @@ impl Pretrained {
                 },
             };
             let hf_weight = format!("{hf}.weight");
-            let module = self
-                .names
-                .find(&hf_weight)
-                .filter(|m| m.kiln.len() == 1)
-                .and_then(|m| m.kiln[0].strip_suffix(".weight"))
-                .ok_or_else(|| {
-                    wrong(format!(
-                        "`{key}` adapts `{hf}`, which the {} model in {} does not have: an \
-                         adapter for another base model?",
-                        self.family,
-                        self.dir.display()
-                    ))
-                })?
-                .to_owned();
+            let mapping = self.names.find(&hf_weight).ok_or_else(|| {
+                wrong(format!(
+                    "`{key}` adapts `{hf}`, which the {} model in {} does not have: an adapter \
+                     for another base model?",
+                    self.family,
+                    self.dir.display()
+                ))
+            })?;
+            let module = match mapping.kiln.as_slice() {
+                [one] => one.strip_suffix(".weight"),
+                _ => None,
+            }
+            .ok_or_else(|| {
+                wrong(format!(
+                    "`{key}` adapts `{hf}`, which the {} checkpoint stores fused ({}): PEFT's \
+                     adapter there shares one lora_A between them, and Kiln's adapters are one \
+                     per projection, so it cannot be loaded exactly",
+                    self.family,
+                    mapping.kiln.join(", ")
+                ))
+            })?
+            .to_owned();
+            if !claimed.adapts(hf) {
+                return Err(wrong(format!(
+                    "`{key}` adapts `{hf}`, which {ADAPTER_CONFIG}'s target_modules ({}) does \
+                     not name: the config and the weights disagree",
+                    claimed.written()
+                )));
+            }
             let base = shape_of(&format!("{module}.weight")).unwrap_or_default();
             let (out_f, in_f) = match base.as_slice() {
                 [o, i] => (*o, *i),
@@ -385,8 +426,8 @@ impl Pretrained {
                     "`{key}` holds {bad}: the adapter is damaged"
                 )));
             }
-            if !modules.contains(&module) {
-                modules.push(module.clone());
+            if !modules.iter().any(|(m, _)| *m == module) {
+                modules.push((module.clone(), hf.to_owned()));
             }
             out.insert(
                 format!("{module}.{suffix}"),
@@ -396,16 +437,31 @@ impl Pretrained {
         if modules.is_empty() {
             return Err(wrong("the file holds no tensor".into()));
         }
-        for module in &modules {
+        for (module, hf) in &modules {
             for suffix in [LORA_A, LORA_B] {
                 if !out.contains_key(&format!("{module}.{suffix}")) {
                     return Err(wrong(format!(
-                        "`{module}` has no `{suffix}`: each adapter needs both halves"
+                        "`{PREFIX}{hf}.{suffix}` is missing: each adapted module needs both \
+                         lora_A and lora_B"
                     )));
                 }
             }
         }
-        lora.target_modules = modules;
+        // Every module the config names has its tensors (PEFT would start a
+        // missing one afresh, with a warning).
+        for projection in kiln_core::lora::projections(&self.layer)? {
+            let Some(hf) = self.hf_module(&projection.module) else {
+                continue;
+            };
+            if claimed.adapts(hf) && !modules.iter().any(|(_, h)| h == hf) {
+                return Err(wrong(format!(
+                    "`{PREFIX}{hf}.{LORA_A}` is missing: {ADAPTER_CONFIG}'s target_modules ({}) \
+                     names `{hf}`, but the file holds no adapter of it",
+                    claimed.written()
+                )));
+            }
+        }
+        lora.target_modules = modules.into_iter().map(|(m, _)| m).collect();
         Ok((lora, out))
     }
 }

@@ -127,6 +127,15 @@ pub struct DataConfig {
     /// webdataset: the validation shards.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_shards: Option<String>,
+    /// webdataset: the image member's extension, `;` between alternatives
+    /// (webdataset's `to_tuple("jpg;png", ...)`; default every image format Kiln decodes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image_key: Option<String>,
+    /// webdataset: the label member's extension: `cls` (an ASCII class
+    /// index, the default), `json` (its `"label"` field), or another that holds
+    /// an ASCII class index.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_key: Option<String>,
     /// webdataset: samples in the shuffle buffer the training stream passes
     /// through (after the shards are shuffled); 0 or 1 keeps the stream's order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -338,6 +347,8 @@ impl DataConfig {
                     set(self.shards.is_some(), "shards"),
                     set(self.val_shards.is_some(), "val_shards"),
                     set(self.shuffle_buffer.is_some(), "shuffle_buffer"),
+                    set(self.image_key.is_some(), "image_key"),
+                    set(self.label_key.is_some(), "label_key"),
                 ],
                 "webdataset",
             )?;

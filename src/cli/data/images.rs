@@ -174,11 +174,28 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
             (train, val)
         }
         DatasetKind::Webdataset => {
+            let member = |key: &str, value: &Option<String>| -> Result<Option<String>> {
+                match value.as_deref().map(|v| v.trim().trim_start_matches('.')) {
+                    Some("") => anyhow::bail!(
+                        "data.{key} is empty: give a member's extension, such as \"cls\" or \"json\""
+                    ),
+                    other => Ok(other.map(str::to_owned)),
+                }
+            };
+            let image_key = member("image_key", &data.image_key)?;
+            let label_key = member("label_key", &data.label_key)?;
             let open = |key: &str, pattern: &str| -> Result<WebDataset> {
-                Ok(WebDataset::from_pattern(pattern)
+                let mut shards = WebDataset::from_pattern(pattern)
                     .with_context(|| format!("data.{key} = {pattern:?}"))?
                     .color_mode(color_mode(config))
-                    .on_error(on_error(config)))
+                    .on_error(on_error(config));
+                if let Some(k) = &image_key {
+                    shards = shards.image_key(k);
+                }
+                if let Some(k) = &label_key {
+                    shards = shards.label_key(k);
+                }
+                Ok(shards)
             };
             let pattern = data.shards.as_deref().context("data.shards is required")?;
             let train_shards = open("shards", pattern)?;

@@ -106,7 +106,7 @@ impl ImageFolder {
         let mut empty = Vec::new();
         for (index, class) in classes.iter().enumerate() {
             let before = samples.len();
-            for dir in walk_sorted(&root.join(class)) {
+            for dir in walk_sorted(&root, &root.join(class))? {
                 let mut files: Vec<String> = match fs::read_dir(&dir) {
                     Ok(entries) => entries
                         .filter_map(|e| e.ok())
@@ -307,15 +307,39 @@ impl Dataset for ImageFolder {
     }
 }
 
-/// `dir` and every directory below it (following symbolic links, each real
-/// directory once), sorted by path as Python sorts `os.walk`'s tuples.
-fn walk_sorted(dir: &Path) -> Vec<PathBuf> {
+/// `dir` (a class folder of `root`) and every directory below it (following
+/// symbolic links, each real directory once), sorted by path as Python sorts
+/// `os.walk`'s tuples.
+///
+/// A link there that leads back into `root` outside `dir` (to the root, to
+/// another class, or above them) is [`Error::Data`]: torchvision would list
+/// the other classes' images again, labelled as this class. A link elsewhere
+/// (images kept on another disk) is followed.
+fn walk_sorted(root: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     let mut seen = HashSet::new();
+    let real_root = fs::canonicalize(root).map_err(|e| Error::io(root, e))?;
+    let real_class = fs::canonicalize(dir).map_err(|e| Error::io(dir, e))?;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
         // A link cycle would make os.walk loop forever; visit each real directory once.
         if let Ok(real) = fs::canonicalize(&d) {
+            let elsewhere_in_root = !real.starts_with(&real_class)
+                && (real.starts_with(&real_root) || real_root.starts_with(&real));
+            if elsewhere_in_root {
+                return Err(Error::data(
+                    &d,
+                    None,
+                    format!(
+                        "leads (through a symbolic link) to {}, which is not inside its class \
+                         folder {} but holds or contains the images of {}: they would be listed \
+                         again under this class; remove the link",
+                        real.display(),
+                        dir.display(),
+                        root.display()
+                    ),
+                ));
+            }
             if !seen.insert(real) {
                 continue;
             }
@@ -332,7 +356,7 @@ fn walk_sorted(dir: &Path) -> Vec<PathBuf> {
     }
     // Python compares the path strings by code point, as Rust's `str` order does.
     out.sort_by(|a, b| a.to_string_lossy().cmp(&b.to_string_lossy()));
-    out
+    Ok(out)
 }
 
 /// torchvision's `has_file_allowed_extension`: the lower-cased path ends with one of them.

@@ -379,13 +379,34 @@ impl TextRecords {
         };
         let reader = SerializedFileReader::new(file)
             .map_err(|e| bad(format!("not a Parquet file Kiln reads: {e}")))?;
+        // The top-level fields are the columns a row has (a list column's
+        // leaf is `name.list.element`, which no user writes).
         let schema = reader.metadata().file_metadata().schema_descr();
-        let names: Vec<String> = schema.columns().iter().map(|c| c.path().string()).collect();
+        let fields = schema.root_schema().get_fields();
+        let names: Vec<&str> = fields.iter().map(|f| f.name()).collect();
         for c in &self.columns {
-            if !names.contains(c) {
+            let Some(field) = fields.iter().find(|f| f.name() == c) else {
                 return Err(bad(format!(
                     "no column `{c}` (the file has: {})",
                     names.join(", ")
+                )));
+            };
+            if field.is_group() {
+                let info = field.get_basic_info();
+                let what = match (info.logical_type_ref(), info.converted_type()) {
+                    (Some(parquet::basic::LogicalType::List), _)
+                    | (_, parquet::basic::ConvertedType::LIST) => "a list",
+                    (Some(parquet::basic::LogicalType::Map), _)
+                    | (
+                        _,
+                        parquet::basic::ConvertedType::MAP
+                        | parquet::basic::ConvertedType::MAP_KEY_VALUE,
+                    ) => "a map",
+                    _ => "a struct",
+                };
+                return Err(bad(format!(
+                    "column `{c}` holds {what} in each row, not text: Kiln reads string and \
+                     number columns (flatten it to one string first, or name another column)"
                 )));
             }
         }

@@ -109,6 +109,40 @@ impl EmaConfig {
         }
     }
 
+    /// The first optimizer step (1-based) that updates the average.
+    ///
+    /// ```
+    /// use kiln_train::EmaConfig;
+    ///
+    /// let ema = EmaConfig { start_step: 5, every_n_steps: 4, ..EmaConfig::default() };
+    /// assert_eq!(ema.first_update(), 8);
+    /// ```
+    pub fn first_update(&self) -> u64 {
+        let every = self.every_n_steps.max(1);
+        self.start_step.max(1).div_ceil(every).saturating_mul(every)
+    }
+
+    /// Checks that a run ending at optimizer step `last` updates the average
+    /// at least once, naming the key that prevents it.
+    pub fn check_updates_within(&self, last: u64, run: &str) -> Result<()> {
+        let first = self.first_update();
+        if first <= last {
+            return Ok(());
+        }
+        let key = if self.start_step > last {
+            "training.ema.start_step"
+        } else {
+            "training.ema.every_n_steps"
+        };
+        Err(Error::invalid_argument(
+            key,
+            format!(
+                "the average would first update after step {first}, but {run} ends at step \
+                 {last}, so it would never update: start earlier or train longer"
+            ),
+        ))
+    }
+
     /// Whether optimizer step `step` (1-based) updates the average.
     pub fn updates_after(&self, step: u64) -> bool {
         step >= self.start_step && step.is_multiple_of(self.every_n_steps)

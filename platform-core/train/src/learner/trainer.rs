@@ -641,6 +641,24 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         }
         let swa_start = match state.averaging.as_ref().map(|a| a.config()) {
             Some(AveragingConfig::Swa(swa)) => Some(swa.start_epoch(self.config.epochs)?),
+            Some(AveragingConfig::Ema(ema))
+                if state.averaging.as_ref().is_some_and(|a| a.updates() == 0) =>
+            {
+                // An epoch's tail of fewer than `accumulate` batches takes no step.
+                let per_epoch = train.num_batches() as u64 / accumulate;
+                let epochs = self.config.epochs;
+                let (last, run) = match self.config.max_steps {
+                    Some(m) if epochs == 0 || m < epochs.saturating_mul(per_epoch) => {
+                        (m, format!("the run (max_steps = {m})"))
+                    }
+                    _ => (
+                        epochs.saturating_mul(per_epoch),
+                        format!("the run ({epochs} epochs of {per_epoch} optimizer steps)"),
+                    ),
+                };
+                ema.check_updates_within(last, &run)?;
+                None
+            }
             _ => None,
         };
         'epochs: while state.epoch < self.config.epochs {

@@ -295,6 +295,17 @@ fn replaces(dest: &Path, overwrite: bool) -> ExportResult<bool> {
                     path: dest.to_path_buf(),
                 });
             }
+            if meta.file_type().is_symlink() {
+                let target = fs::read_link(dest).unwrap_or_default();
+                return Err(ExportError::NotReplaceable {
+                    path: dest.to_path_buf(),
+                    reason: format!(
+                        "is a symbolic link (to {}): an export never replaces a link or writes \
+                         through one; give the directory itself, or another path",
+                        target.display()
+                    ),
+                });
+            }
             if !meta.is_dir() || !dest.join("saved_model.pb").is_file() {
                 return Err(ExportError::NotReplaceable {
                     path: dest.to_path_buf(),
@@ -304,11 +315,65 @@ fn replaces(dest: &Path, overwrite: bool) -> ExportResult<bool> {
                         .to_owned(),
                 });
             }
+            if let Some(foreign) = foreign_entry(dest)? {
+                return Err(ExportError::NotReplaceable {
+                    path: dest.to_path_buf(),
+                    reason: format!(
+                        "holds {}, which is not part of a SavedModel: replacing the directory \
+                         would delete it; move it out, or choose another path",
+                        foreign.display()
+                    ),
+                });
+            }
             Ok(true)
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(ExportError::io("reading", dest, e)),
     }
+}
+
+/// The first entry of the SavedModel directory `dir` that is not one of a
+/// SavedModel's own: `saved_model.pb` (or `.pbtxt`), `fingerprint.pb`,
+/// `keras_metadata.pb`, the `assets/` and `assets.extra/` directories, and
+/// `variables/` holding `variables.index` and `variables.data-*` shards.
+/// A link anywhere there is foreign.
+fn foreign_entry(dir: &Path) -> ExportResult<Option<PathBuf>> {
+    let entries = |dir: &Path| -> ExportResult<Vec<(String, fs::FileType, PathBuf)>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir).map_err(|e| ExportError::io("reading", dir, e))? {
+            let entry = entry.map_err(|e| ExportError::io("reading", dir, e))?;
+            let kind = entry
+                .file_type()
+                .map_err(|e| ExportError::io("reading", &entry.path(), e))?;
+            out.push((
+                entry.file_name().to_string_lossy().into_owned(),
+                kind,
+                entry.path(),
+            ));
+        }
+        Ok(out)
+    };
+    for (name, kind, path) in entries(dir)? {
+        let own = match name.as_str() {
+            "saved_model.pb" | "saved_model.pbtxt" | "fingerprint.pb" | "keras_metadata.pb" => {
+                kind.is_file()
+            }
+            "assets" | "assets.extra" => kind.is_dir(),
+            "variables" if kind.is_dir() => {
+                if let Some((_, _, inner)) = entries(&path)?.into_iter().find(|(n, k, _)| {
+                    !(k.is_file() && (n == "variables.index" || n.starts_with("variables.data-")))
+                }) {
+                    return Ok(Some(inner));
+                }
+                true
+            }
+            _ => false,
+        };
+        if !own {
+            return Ok(Some(path));
+        }
+    }
+    Ok(None)
 }
 
 /// Moves the complete `staging` directory to `dest`, replacing the SavedModel

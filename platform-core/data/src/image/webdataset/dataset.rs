@@ -332,7 +332,8 @@ impl Dataset for WebDataset {
                 PathBuf::from(format!("{}:{}", shard.display(), s.key)),
                 None,
                 format!(
-                    "sample has no {what} member `{keys}` (it has: {})",
+                    "sample has no {what} member `{keys}` (it has: {}; `{what}_key` chooses \
+                     another)",
                     has.join(", ")
                 ),
             )
