@@ -81,6 +81,27 @@ fn ema_validates_checkpoints_resumes_and_writes_the_average() {
         );
         assert_ne!(trained.get(name), Some(t), "{name}");
     }
+    // `kiln inspect` lists the average with its tensors.
+    let printed = kiln_stdout(&["inspect", last.to_str().unwrap()]);
+    assert!(
+        printed.contains(&format!(
+            "averaged    EMA of {} updates, {} tensors",
+            saved.updates,
+            saved.tensors.len()
+        )),
+        "{printed}"
+    );
+    for (name, t) in saved.tensors.iter() {
+        let row = printed
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(&format!("averaged.{name}")))
+            .unwrap_or_else(|| panic!("no averaged.{name} in\n{printed}"));
+        assert!(row.ends_with(&t.numel().to_string()), "{row}");
+    }
+    assert!(
+        printed.contains(&format!("{} averaged tensors", saved.tensors.len())),
+        "{printed}"
+    );
 
     // `buffers = false` keeps the model's running statistics; `validate = false`
     // validates the training weights, as a run without an average.
