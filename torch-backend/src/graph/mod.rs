@@ -179,7 +179,7 @@ fn graph_error(what: &str, e: cxx::Exception) -> Error {
 /// ([`TorchOptimizer::set_capturable`]).
 ///
 /// Differences from the eager
-/// [`train_step`](crate::train_step): the loss comes back as
+/// [`train_step`]: the loss comes back as
 /// a tensor on the device (reading it synchronises, so read it only when you log),
 /// and a step with a non-finite loss is applied like any other (the eager step skips
 /// it, which needs the host to look at the loss).
