@@ -175,8 +175,8 @@ pub fn run_reference<A: AsRef<std::ffi::OsStr>>(
 /// `kiln-fixtures/`, named `name` and a hash of the script's text, its
 /// arguments and the interpreter (so an edited script or another virtualenv
 /// makes it anew). The script writes into a fresh directory that is then
-/// renamed into place, so a binary never sees half a fixture; two binaries
-/// that make it at once both succeed, one of the two copies kept.
+/// renamed into place, so a binary never sees half a fixture; a binary that
+/// wants it while another makes it waits for that one (a file lock).
 ///
 /// Tests must treat the directory as read-only: copy what they change.
 pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
@@ -207,6 +207,16 @@ pub fn made_once_per_run<A: AsRef<std::ffi::OsStr>>(
     }
     std::fs::create_dir_all(&root)
         .unwrap_or_else(|e| panic!("cannot create {}: {e}", root.display()));
+    // So do the binaries that `cargo xtask test` runs at once, under a file lock
+    // (released when the file closes, even if this process dies).
+    let lock_path = root.join(format!(".{name}-{:016x}.lock", hash.0));
+    let lock = std::fs::File::create(&lock_path)
+        .unwrap_or_else(|e| panic!("cannot create {}: {e}", lock_path.display()));
+    lock.lock()
+        .unwrap_or_else(|e| panic!("cannot lock {}: {e}", lock_path.display()));
+    if dir.join(DONE).is_file() {
+        return dir;
+    }
     let fresh = root.join(format!(".{name}-{}-{:016x}", std::process::id(), hash.0));
     let _ = std::fs::remove_dir_all(&fresh);
     std::fs::create_dir_all(&fresh)

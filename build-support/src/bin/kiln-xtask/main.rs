@@ -3,7 +3,9 @@
 //! ```text
 //! cargo xtask setup            provision .kiln/ (idempotent) and say what is where
 //! cargo xtask test [ARGS]      setup, then `cargo test --workspace --no-fail-fast ARGS` (with
-//!                              `--features kiln/cuda` where libtorch has CUDA and nvcc is there)
+//!                              `--features kiln/cuda` where libtorch has CUDA and nvcc is there),
+//!                              the test binaries one per CPU at a time (`KILN_TEST_JOBS=1`:
+//!                              one at a time, as cargo runs them)
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
 //! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS (built with
 //!                              libtorch only; kiln-tensorflow is built when a command first needs it)
@@ -18,6 +20,8 @@ use std::path::PathBuf;
 use std::process::{Command, ExitCode};
 
 use kiln_build::{setup, Setup};
+
+mod test_runner;
 
 const USAGE: &str =
     "usage: cargo xtask <setup | test [ARGS] | run [ARGS] | kiln [ARGS] | cargo ARGS | env | book>";
@@ -117,10 +121,26 @@ fn main() -> ExitCode {
         // The CUDA code (kernels, CUDA graphs, NCCL) is compiled and its tests run
         // (skipping without a GPU) wherever libtorch is a CUDA build and nvcc is
         // there, as with the provisioned wheels: one build for every test.
-        Some("test") if cuda_buildable(&ready) => {
+        Some("test") => {
             let mut args = cargo_args.clone();
-            args.extend(["--features", "kiln/cuda"].map(OsString::from));
-            run_cargo(&ready, &args)
+            if cuda_buildable(&ready) {
+                // Before the test binaries' own arguments.
+                let at = args.iter().position(|a| a == "--").unwrap_or(args.len());
+                args.splice(at..at, ["--features", "kiln/cuda"].map(OsString::from));
+            }
+            let jobs = test_runner::jobs();
+            if jobs > 1 && test_runner::runs_everything(&args[1..]) {
+                let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+                test_runner::run(
+                    &cargo,
+                    &ready.cargo_env(),
+                    &workspace_root(),
+                    &args[1..],
+                    jobs,
+                )
+            } else {
+                run_cargo(&ready, &args)
+            }
         }
         _ => run_cargo(&ready, &cargo_args),
     }
