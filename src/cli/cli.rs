@@ -30,6 +30,17 @@ fn exit_with(error: &anyhow::Error) -> ! {
 /// TensorFlow (decided before anything is read) in `kiln-tensorflow` instead.
 pub fn run<E: Engines>() {
     let cli = Cli::parse();
+    // The commands whose output is what they print refuse a closed stdout
+    // before anything else (before `kiln-tensorflow` inherits it as /dev/null).
+    let prints = match &cli.command {
+        Command::Eval(_) => Some("kiln eval"),
+        Command::Inspect { .. } => Some("kiln inspect"),
+        Command::Generate(_) => Some("kiln generate"),
+        _ => None,
+    };
+    if let Err(error) = prints.map_or(Ok(()), crate::output::check_stdout_open) {
+        exit_with(&error);
+    }
     if !E::TENSORFLOW {
         if let Some(needs) = needs_tensorflow(&cli.command) {
             // Returns only when kiln-tensorflow could not be run.
@@ -58,16 +69,6 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
     // The launcher only starts processes: its workers register them.
     if !matches!(command, Command::Launch(_)) {
         E::register_layers()?;
-    }
-    // The commands whose output is what they print.
-    let prints = match &command {
-        Command::Eval(_) => Some("kiln eval"),
-        Command::Inspect { .. } => Some("kiln inspect"),
-        Command::Generate(_) => Some("kiln generate"),
-        _ => None,
-    };
-    if let Some(name) = prints {
-        crate::output::check_stdout_open(name)?;
     }
     match command {
         Command::Train(args) => train::train::<E>(args),
