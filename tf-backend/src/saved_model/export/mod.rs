@@ -344,7 +344,7 @@ fn foreign_entry(dir: &Path) -> ExportResult<Option<PathBuf>> {
             let entry = entry.map_err(|e| ExportError::io("reading", dir, e))?;
             let kind = entry
                 .file_type()
-                .map_err(|e| ExportError::io("reading", &entry.path(), e))?;
+                .map_err(|e| ExportError::io("reading", entry.path(), e))?;
             out.push((
                 entry.file_name().to_string_lossy().into_owned(),
                 kind,
