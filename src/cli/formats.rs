@@ -52,26 +52,8 @@ fn open_pretrained(path: &Path) -> Result<Checkpoint> {
         path.display(),
         pretrained.family()
     );
-    Ok(Checkpoint {
-        model,
-        optimizer: Default::default(),
-        step: 0,
-        epoch: 0,
-        batch_in_epoch: 0,
-        seed: 0,
-        world_size: 1,
-        backend: "huggingface".to_owned(),
-        optimizer_kind: None,
-        // The config's definition decides; the weights must fit it by name and shape.
-        model_definition: None,
-        lora: None,
-        data: None,
-        data_order: None,
-        scheduler: None,
-        metrics: Default::default(),
-        epoch_loss: None,
-        averaged: None,
-    })
+    // The config's definition decides; the weights must fit it by name and shape.
+    Ok(Checkpoint::of_weights(model, "huggingface"))
 }
 
 /// Checks that `path` is a regular file that may be a Kiln checkpoint (or a

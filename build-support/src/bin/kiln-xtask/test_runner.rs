@@ -89,14 +89,14 @@ pub(crate) fn run(
         Err(code) => return code,
     };
     let (binaries, library_path) = built;
-    eprintln!(
-        "kiln: {} test binaries built in {:.0?}; running them {jobs} at a time",
+    log::info!(
+        "{} test binaries built in {:.0?}; running them {jobs} at a time",
         binaries.len(),
         started.elapsed()
     );
     let ran = Instant::now();
     let mut failed = run_binaries(binaries, test_args, cargo, env, &library_path, jobs);
-    eprintln!("kiln: test binaries ran in {:.0?}", ran.elapsed());
+    log::info!("test binaries ran in {:.0?}", ran.elapsed());
 
     // The doctests, as `cargo test` runs them after the binaries.
     let doc = Instant::now();
@@ -116,14 +116,15 @@ pub(crate) fn run(
         Ok(s) if s.success() => {}
         Ok(_) | Err(_) => failed.push("the doctests (cargo test --doc)".to_owned()),
     }
-    eprintln!("kiln: doctests ran in {:.0?}", doc.elapsed());
+    log::info!("doctests ran in {:.0?}", doc.elapsed());
     if failed.is_empty() {
         return ExitCode::SUCCESS;
     }
-    eprintln!("error: {} test targets failed:", failed.len());
-    for f in &failed {
-        eprintln!("    {f}");
-    }
+    log::error!(
+        "{} test targets failed:\n    {}",
+        failed.len(),
+        failed.join("\n    ")
+    );
     // `cargo test`'s exit status for failing tests.
     ExitCode::from(101)
 }
@@ -146,7 +147,7 @@ fn build(
         .stdout(Stdio::piped())
         .spawn()
         .map_err(|e| {
-            eprintln!("error: cannot run {}: {e}", cargo.to_string_lossy());
+            log::error!("cannot run {}: {e}", cargo.to_string_lossy());
             ExitCode::FAILURE
         })?;
     let mut binaries = Vec::new();

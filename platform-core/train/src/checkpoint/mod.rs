@@ -464,6 +464,42 @@ impl Checkpoint {
     }
 }
 
+impl<S: Default> Checkpoint<S> {
+    /// Model weights alone, from `backend` (a name, such as `"huggingface"`),
+    /// as a checkpoint: no optimizer state, no training position, no recorded
+    /// definition (so [`check_definition`](Self::check_definition) passes and
+    /// the weights must fit the model by name and shape).
+    ///
+    /// ```
+    /// use kiln_core::state_dict::StateDict;
+    /// use kiln_train::Checkpoint;
+    ///
+    /// let checkpoint = Checkpoint::of_weights(StateDict::new(), "huggingface");
+    /// assert_eq!((checkpoint.step, checkpoint.world_size), (0, 1));
+    /// ```
+    pub fn of_weights(model: S, backend: &str) -> Self {
+        Checkpoint {
+            model,
+            optimizer: S::default(),
+            step: 0,
+            epoch: 0,
+            batch_in_epoch: 0,
+            seed: 0,
+            world_size: 1,
+            backend: backend.to_owned(),
+            optimizer_kind: None,
+            model_definition: None,
+            lora: None,
+            data: None,
+            data_order: None,
+            scheduler: None,
+            metrics: BTreeMap::new(),
+            epoch_loss: None,
+            averaged: None,
+        }
+    }
+}
+
 impl<S> Checkpoint<S> {
     /// Checks that the checkpoint's recorded model definition is `expected`
     /// (the config is the source of truth; a checkpoint that records no

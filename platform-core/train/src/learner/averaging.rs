@@ -143,6 +143,29 @@ impl EmaConfig {
         ))
     }
 
+    /// Checks, before the first step, that a run of `epochs` epochs of
+    /// `batches` batches each, `accumulate` batches a step (an epoch's tail of
+    /// fewer takes none), ending at `max_steps` if set, updates the average.
+    pub fn check_run(
+        &self,
+        batches: u64,
+        accumulate: u64,
+        epochs: u64,
+        max_steps: Option<u64>,
+    ) -> Result<()> {
+        let per_epoch = batches / accumulate.max(1);
+        let (last, run) = match max_steps {
+            Some(m) if epochs == 0 || m < epochs.saturating_mul(per_epoch) => {
+                (m, format!("the run (max_steps = {m})"))
+            }
+            _ => (
+                epochs.saturating_mul(per_epoch),
+                format!("the run ({epochs} epochs of {per_epoch} optimizer steps)"),
+            ),
+        };
+        self.check_updates_within(last, &run)
+    }
+
     /// Whether optimizer step `step` (1-based) updates the average.
     pub fn updates_after(&self, step: u64) -> bool {
         step >= self.start_step && step.is_multiple_of(self.every_n_steps)

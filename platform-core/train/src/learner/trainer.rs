@@ -644,19 +644,12 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             Some(AveragingConfig::Ema(ema))
                 if state.averaging.as_ref().is_some_and(|a| a.updates() == 0) =>
             {
-                // An epoch's tail of fewer than `accumulate` batches takes no step.
-                let per_epoch = train.num_batches() as u64 / accumulate;
-                let epochs = self.config.epochs;
-                let (last, run) = match self.config.max_steps {
-                    Some(m) if epochs == 0 || m < epochs.saturating_mul(per_epoch) => {
-                        (m, format!("the run (max_steps = {m})"))
-                    }
-                    _ => (
-                        epochs.saturating_mul(per_epoch),
-                        format!("the run ({epochs} epochs of {per_epoch} optimizer steps)"),
-                    ),
-                };
-                ema.check_updates_within(last, &run)?;
+                ema.check_run(
+                    train.num_batches() as u64,
+                    accumulate,
+                    self.config.epochs,
+                    self.config.max_steps,
+                )?;
                 None
             }
             _ => None,
