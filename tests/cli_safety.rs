@@ -487,7 +487,8 @@ fn a_held_run_directory_names_its_holder() {
     }
     child.0.kill().unwrap();
     child.0.wait().unwrap();
-    // The lock went with the process: the run resumes (for one step more).
+    // The lock went with the process: the run resumes (for one step more),
+    // with the first run's `--epochs`, however many epochs it got through.
     let step = Checkpoint::load(&run.join("checkpoints/last.safetensors"))
         .unwrap()
         .step;
@@ -495,7 +496,14 @@ fn a_held_run_directory_names_its_holder() {
     train(
         s(&cfg),
         &run,
-        &["--resume", "auto", "--max-steps", &one_more],
+        &[
+            "--resume",
+            "auto",
+            "--epochs",
+            "1000",
+            "--max-steps",
+            &one_more,
+        ],
     );
 }
 
