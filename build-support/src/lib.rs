@@ -41,7 +41,8 @@ pub use link::{build_script, Native};
 pub use onnx::Onnx;
 pub use ops::{OpsArtifacts, TfOps, TfOpsArtifacts, TorchOps};
 pub use provision::{
-    ensure_venv, existing_venv, find_python, pip_install, shared_cache_dir, shared_venv_dir, Venv,
+    ensure_venv, existing_venv, find_python, pip_install, shared_cache_dir, shared_venv_dir,
+    venv_is_provisioned, Venv,
 };
-pub use setup::{setup, Setup};
+pub use setup::{pkg_config_path, setup, Setup};
 pub use tensorflow::Tensorflow;

@@ -49,6 +49,13 @@ pub fn existing_venv(layout: &Layout) -> Option<Venv> {
     venv_at(&layout.venv())
 }
 
+/// Whether [`ensure_venv`] would find a complete, current virtualenv (in the
+/// workspace or in the shared cache) instead of installing one.
+pub fn venv_is_provisioned(layout: &Layout) -> bool {
+    existing_venv(layout).is_some()
+        || shared_cache_dir().is_some_and(|cache| venv_at(&shared_venv_dir(&cache)).is_some())
+}
+
 /// The complete, current virtualenv in `dir`, if there is one.
 fn venv_at(dir: &Path) -> Option<Venv> {
     let marker = fs::read_to_string(dir.join(MARKER)).ok()?;

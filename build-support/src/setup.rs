@@ -26,14 +26,20 @@ impl Setup {
     /// Environment for a child `cargo`: `LIBTORCH` and `PKG_CONFIG_PATH`, which
     /// `torch-sys` and `tensorflow-sys` read.
     pub fn cargo_env(&self) -> Vec<(String, String)> {
-        let mut pkg_config_path = self.layout.pkgconfig().display().to_string();
-        if let Some(existing) = user_path_var("PKG_CONFIG_PATH", &self.layout.pkgconfig()) {
-            pkg_config_path = format!("{pkg_config_path}:{}", existing.display());
-        }
         vec![
             ("LIBTORCH".into(), self.libtorch.root.display().to_string()),
-            ("PKG_CONFIG_PATH".into(), pkg_config_path),
+            ("PKG_CONFIG_PATH".into(), pkg_config_path(&self.layout)),
         ]
+    }
+}
+
+/// The `PKG_CONFIG_PATH` a child `cargo` gets: `.kiln/pkgconfig`, then the
+/// user's own value, if any.
+pub fn pkg_config_path(layout: &Layout) -> String {
+    let ours = layout.pkgconfig();
+    match user_path_var("PKG_CONFIG_PATH", &ours) {
+        Some(existing) => format!("{}:{}", ours.display(), existing.display()),
+        None => ours.display().to_string(),
     }
 }
 

@@ -1,4 +1,4 @@
-// TorchScript export (include/script_export.h): a `torch::jit::Module` tree built
+// TorchScript export (include/script_export.h): a `::torch::jit::Module` tree built
 // module by module from Kiln's layers (src/script/export_bridge.rs,
 // src/script/export.cc), then saved for Python's `torch.jit.load`.
 #pragma once
@@ -30,7 +30,7 @@ class ExportBuilder {
 
   // A deep copy of `module` on the CPU (a loaded TorchScript file), its
   // parameters keeping their `requires_grad`.
-  std::size_t add_script_module(const torch::jit::Module& module);
+  std::size_t add_script_module(const ::torch::jit::Module& module);
 
   // Registers a detached CPU copy of `tensor` as parameter (`requires_grad` as
   // given) or buffer `name` of module `node`.
@@ -52,17 +52,17 @@ class ExportBuilder {
   void save(std::size_t root, rust::Str path, bool training);
 
  private:
-  torch::jit::Module& module_at(std::size_t node);
-  const torch::jit::Module& module_at(std::size_t node) const;
+  ::torch::jit::Module& module_at(std::size_t node);
+  const ::torch::jit::Module& module_at(std::size_t node) const;
 
-  std::shared_ptr<torch::jit::CompilationUnit> cu_;
-  std::vector<torch::jit::Module> modules_;
+  std::shared_ptr<::torch::jit::CompilationUnit> cu_;
+  std::vector<::torch::jit::Module> modules_;
 };
 
 // Empty when `module`'s forward takes one tensor (other arguments having
 // defaults) and returns one, as a layer of a Kiln model does; otherwise the
 // forward's schema (`forward(__torch__.M self, Tensor a, Tensor b) -> (Tensor, Tensor)`).
-rust::String forward_mismatch(const torch::jit::Module& module);
+rust::String forward_mismatch(const ::torch::jit::Module& module);
 
 // A builder with an empty compilation unit.
 std::unique_ptr<ExportBuilder> new_export_builder();

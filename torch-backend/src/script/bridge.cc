@@ -6,7 +6,7 @@
 
 namespace kiln::script {
 
-rust::Vec<rust::String> buffer_names(const torch::jit::Module& module) {
+rust::Vec<rust::String> buffer_names(const ::torch::jit::Module& module) {
   rust::Vec<rust::String> names;
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     names.push_back(rust::String(item.name));
@@ -14,7 +14,7 @@ rust::Vec<rust::String> buffer_names(const torch::jit::Module& module) {
   return names;
 }
 
-std::unique_ptr<at::Tensor> buffer(const torch::jit::Module& module, rust::Str name) {
+std::unique_ptr<at::Tensor> buffer(const ::torch::jit::Module& module, rust::Str name) {
   const std::string wanted(name);
   for (const auto& item : module.named_buffers(/*recurse=*/true)) {
     if (item.name == wanted) {
@@ -24,7 +24,7 @@ std::unique_ptr<at::Tensor> buffer(const torch::jit::Module& module, rust::Str n
   throw std::out_of_range("no buffer named " + wanted);
 }
 
-rust::Vec<rust::String> parameter_names(const torch::jit::Module& module) {
+rust::Vec<rust::String> parameter_names(const ::torch::jit::Module& module) {
   rust::Vec<rust::String> names;
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     names.push_back(rust::String(item.name));
@@ -32,7 +32,7 @@ rust::Vec<rust::String> parameter_names(const torch::jit::Module& module) {
   return names;
 }
 
-std::unique_ptr<at::Tensor> parameter(const torch::jit::Module& module, rust::Str name) {
+std::unique_ptr<at::Tensor> parameter(const ::torch::jit::Module& module, rust::Str name) {
   const std::string wanted(name);
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
     if (item.name == wanted) {
@@ -42,7 +42,7 @@ std::unique_ptr<at::Tensor> parameter(const torch::jit::Module& module, rust::St
   throw std::out_of_range("no parameter named " + wanted);
 }
 
-rust::Vec<rust::String> submodule_names(const torch::jit::Module& module,
+rust::Vec<rust::String> submodule_names(const ::torch::jit::Module& module,
                                         rust::Vec<rust::String>& types) {
   rust::Vec<rust::String> names;
   for (const auto& item : module.named_modules()) {
@@ -56,12 +56,12 @@ rust::Vec<rust::String> submodule_names(const torch::jit::Module& module,
   return names;
 }
 
-void set_submodule_training(const torch::jit::Module& module, rust::Str name, bool training) {
+void set_submodule_training(const ::torch::jit::Module& module, rust::Str name, bool training) {
   const std::string wanted(name);
   for (const auto& item : module.named_modules()) {
     if (item.name == wanted) {
       // A Module is a handle to its object: this copy sets the shared flag.
-      torch::jit::Module submodule = item.value;
+      ::torch::jit::Module submodule = item.value;
       submodule.train(training);
       return;
     }

@@ -12,16 +12,16 @@
 
 namespace kiln::script {
 
-ExportBuilder::ExportBuilder() : cu_(std::make_shared<torch::jit::CompilationUnit>()) {}
+ExportBuilder::ExportBuilder() : cu_(std::make_shared<::torch::jit::CompilationUnit>()) {}
 
-torch::jit::Module& ExportBuilder::module_at(std::size_t node) {
+::torch::jit::Module& ExportBuilder::module_at(std::size_t node) {
   if (node >= modules_.size()) {
     throw std::out_of_range("no export module " + std::to_string(node));
   }
   return modules_[node];
 }
 
-const torch::jit::Module& ExportBuilder::module_at(std::size_t node) const {
+const ::torch::jit::Module& ExportBuilder::module_at(std::size_t node) const {
   if (node >= modules_.size()) {
     throw std::out_of_range("no export module " + std::to_string(node));
   }
@@ -30,15 +30,15 @@ const torch::jit::Module& ExportBuilder::module_at(std::size_t node) const {
 
 std::size_t ExportBuilder::add_module(rust::Str class_name) {
   const c10::QualifiedName name("__torch__.kiln." + std::string(class_name));
-  torch::jit::Module module(name, cu_, /*shouldMangle=*/true);
+  ::torch::jit::Module module(name, cu_, /*shouldMangle=*/true);
   // Every nn.Module has it: `forward` reads it, and `train()` sets it.
   module.register_attribute("training", c10::BoolType::get(), true);
   modules_.push_back(module);
   return modules_.size() - 1;
 }
 
-std::size_t ExportBuilder::add_script_module(const torch::jit::Module& module) {
-  torch::jit::Module copy;
+std::size_t ExportBuilder::add_script_module(const ::torch::jit::Module& module) {
+  ::torch::jit::Module copy;
   {
     // Copies without autograd history: the copies are leaves, then get their
     // original's `requires_grad` back (a frozen backbone stays frozen).
@@ -64,7 +64,7 @@ std::size_t ExportBuilder::add_script_module(const torch::jit::Module& module) {
 
 void ExportBuilder::add_tensor(std::size_t node, rust::Str name, const at::Tensor& tensor,
                                bool is_buffer, bool requires_grad) {
-  torch::jit::Module& module = module_at(node);
+  ::torch::jit::Module& module = module_at(node);
   at::Tensor copy = tensor.detach().to(at::TensorOptions().device(at::kCPU),
                                        /*non_blocking=*/false, /*copy=*/true);
   if (!is_buffer) {
@@ -74,12 +74,12 @@ void ExportBuilder::add_tensor(std::size_t node, rust::Str name, const at::Tenso
 }
 
 void ExportBuilder::add_child(std::size_t parent, rust::Str name, std::size_t child) {
-  const torch::jit::Module submodule = module_at(child);
+  const ::torch::jit::Module submodule = module_at(child);
   module_at(parent).register_module(std::string(name), submodule);
 }
 
 void ExportBuilder::define(std::size_t node, rust::Str source) {
-  module_at(node).define(std::string(source), torch::jit::nativeResolver());
+  module_at(node).define(std::string(source), ::torch::jit::nativeResolver());
 }
 
 rust::String ExportBuilder::class_name(std::size_t node) const {
@@ -88,12 +88,12 @@ rust::String ExportBuilder::class_name(std::size_t node) const {
 }
 
 void ExportBuilder::save(std::size_t root, rust::Str path, bool training) {
-  torch::jit::Module& module = module_at(root);
+  ::torch::jit::Module& module = module_at(root);
   module.train(training);
   module.save(std::string(path));
 }
 
-rust::String forward_mismatch(const torch::jit::Module& module) {
+rust::String forward_mismatch(const ::torch::jit::Module& module) {
   const auto method = module.find_method("forward");
   if (!method) {
     return rust::String("(no forward method)");

@@ -8,7 +8,9 @@
 //!                              one at a time, as cargo runs them)
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
 //! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS (built with
-//!                              libtorch only; kiln-tensorflow is built when a command first needs it)
+//!                              libtorch only; kiln-tensorflow is built when a command first needs it;
+//!                              on a fresh machine, what needs no native library compiles while the
+//!                              virtualenv installs)
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
 //! cargo xtask book             build the guide (docs/) into target/book and check its links
@@ -21,6 +23,7 @@ use std::process::{Command, ExitCode};
 
 use kiln_build::{setup, Setup};
 
+mod prebuild;
 mod test_runner;
 
 const USAGE: &str =
@@ -74,6 +77,11 @@ fn main() -> ExitCode {
         }
     };
 
+    // The CLI's build starts while a fresh machine installs the virtualenv.
+    let prebuild = match command.to_str() {
+        Some("kiln") => prebuild::Prebuild::start(&workspace_root(), &cargo_args),
+        _ => None,
+    };
     let ready = match setup(&workspace_root()) {
         Ok(ready) => ready,
         Err(error) => {
@@ -81,6 +89,9 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(prebuild) = prebuild {
+        prebuild.finish();
+    }
     match command.to_str() {
         Some("setup") => {
             describe(&ready);

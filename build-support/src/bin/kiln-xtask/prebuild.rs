@@ -1,0 +1,97 @@
+//! Compiling while the virtualenv installs.
+//!
+//! On a fresh machine, `cargo xtask kiln` first installs the project virtualenv
+//! (minutes of downloading and unpacking wheels), and only then can cargo build
+//! the CLI: libtorch comes from that virtualenv. But most of the build (every
+//! third-party crate, and Kiln's crates that link no native library) needs
+//! nothing from it. [`Prebuild`] runs that part of the same build alongside the
+//! install: `cargo build --keep-going` with the same package, features and
+//! profile, and a `LIBTORCH` that does not exist yet, so `torch-sys` (and what
+//! depends on it) fails at once while everything else compiles. Its units are
+//! exactly the ones the real build then finds fresh; what failed is built then.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Instant;
+
+use kiln_build::Layout;
+
+/// A `cargo build` running beside the virtualenv's installation.
+pub struct Prebuild {
+    child: Child,
+    log: PathBuf,
+    started: Instant,
+}
+
+impl Prebuild {
+    /// Starts compiling what `cargo_args` (a `cargo run ... -- ARGS` command
+    /// line) builds, when the virtualenv is still to be installed; `None` when
+    /// it is there already (the build then has nothing to wait for) or when the
+    /// prebuild cannot start (the build is then done later, as without it).
+    pub fn start(root: &Path, cargo_args: &[OsString]) -> Option<Self> {
+        let layout = Layout::for_workspace(root);
+        if kiln_build::venv_is_provisioned(&layout) || cargo_args.first()? != "run" {
+            return None;
+        }
+        std::fs::create_dir_all(layout.root()).ok()?;
+        let log = layout.root().join("prebuild.log");
+        let out = File::create(&log).ok()?;
+        let err = out.try_clone().ok()?;
+        let until_args = cargo_args
+            .iter()
+            .skip(1)
+            .take_while(|a| a.as_os_str() != "--");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let child = Command::new(cargo)
+            .arg("build")
+            .args(until_args)
+            .arg("--keep-going")
+            // Absent until the virtualenv is in place: whatever needs libtorch
+            // fails now and is built for real afterwards.
+            .env("LIBTORCH", layout.root().join("libtorch-not-yet-installed"))
+            // As the real build sets it, so that no unit's fingerprint differs.
+            .env("PKG_CONFIG_PATH", kiln_build::pkg_config_path(&layout))
+            .current_dir(root)
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .ok()?;
+        log::info!(
+            "compiling what needs no native library while the virtualenv installs (log: {})",
+            log.display()
+        );
+        Some(Self {
+            child,
+            log,
+            started: Instant::now(),
+        })
+    }
+
+    /// Waits for the prebuild to end (the real build then reuses what it
+    /// compiled). Its failures are expected: they are the units that need the
+    /// virtualenv, which the real build compiles next.
+    pub fn finish(mut self) {
+        match self.child.wait() {
+            Ok(_) => log::info!(
+                "the build's independent part took {:.0?} (log: {})",
+                self.started.elapsed(),
+                self.log.display()
+            ),
+            Err(error) => log::warn!("cannot wait for the prebuild: {error}"),
+        }
+    }
+}
+
+impl Drop for Prebuild {
+    /// A prebuild still running when the command ends early (provisioning
+    /// failed) is stopped.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
