@@ -9,6 +9,10 @@
 //! profile, and a `LIBTORCH` that does not exist yet, so `torch-sys` (and what
 //! depends on it) fails at once while everything else compiles. Its units are
 //! exactly the ones the real build then finds fresh; what failed is built then.
+//! It runs at the lowest CPU priority, so that the installation (the build's
+//! critical path: libtorch's C++ waits for it) is not slowed, and it is stopped
+//! as soon as the virtualenv is ready: the real build then starts the C++ at
+//! once and compiles the rest beside it.
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -44,7 +48,10 @@ impl Prebuild {
             .skip(1)
             .take_while(|a| a.as_os_str() != "--");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let child = Command::new(cargo)
+        // `nice` runs cargo in its own process (the pid `stop` signals).
+        let child = Command::new("nice")
+            .args(["-n", "19"])
+            .arg(cargo)
             .arg("build")
             .args(until_args)
             .arg("--keep-going")
@@ -70,17 +77,39 @@ impl Prebuild {
         })
     }
 
-    /// Waits for the prebuild to end (the real build then reuses what it
-    /// compiled). Its failures are expected: they are the units that need the
-    /// virtualenv, which the real build compiles next.
+    /// Ends the prebuild once the virtualenv is ready: what it compiled is
+    /// kept (the real build finds it fresh), what it was compiling is compiled
+    /// again by the real build. Its failures are expected: they are the units
+    /// that need the virtualenv.
     pub fn finish(mut self) {
-        match self.child.wait() {
-            Ok(_) => log::info!(
-                "the build's independent part took {:.0?} (log: {})",
-                self.started.elapsed(),
-                self.log.display()
-            ),
-            Err(error) => log::warn!("cannot wait for the prebuild: {error}"),
+        let running = matches!(self.child.try_wait(), Ok(None));
+        self.stop();
+        log::info!(
+            "{} {:.0?} compiling what needs no native library (log: {})",
+            if running { "stopped after" } else { "spent" },
+            self.started.elapsed(),
+            self.log.display()
+        );
+    }
+
+    /// Stops cargo (SIGTERM: it stops the compilers it started, as for
+    /// Ctrl-C, which reaches the prebuild too: it shares the terminal's
+    /// process group) and waits for it to exit, so that nothing of the
+    /// prebuild still writes into `target/` when the real build starts.
+    fn stop(&mut self) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        let signalled = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !signalled {
+            let _ = self.child.kill();
+        }
+        if let Err(error) = self.child.wait() {
+            log::warn!("cannot wait for the prebuild to stop: {error}");
         }
     }
 }
@@ -89,9 +118,6 @@ impl Drop for Prebuild {
     /// A prebuild still running when the command ends early (provisioning
     /// failed) is stopped.
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.stop();
     }
 }
