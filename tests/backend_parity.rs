@@ -438,6 +438,7 @@ fn checkpoints_resume_across_backends() {
             metrics: Default::default(),
             epoch_loss: None,
             averaged: None,
+            callbacks: Default::default(),
         };
         if first == "torch" {
             losses.extend(train::<TorchBackend>(&mut torch, &mut t_opt, case, 10, 0));

@@ -222,8 +222,14 @@ fn deferred_loss_reads_train_the_same_and_still_report_a_nan() {
 /// A callback that records every step's loss.
 struct EveryLoss(Vec<f64>);
 
-impl kiln::train::Callback for EveryLoss {
-    fn on_step_end(&mut self, _step: u64, loss: f64) -> kiln::Result<kiln::train::Flow> {
+impl<E: TrainBackend, N: kiln::core::backend::Trainable<E>> kiln::train::Callback<E, N>
+    for EveryLoss
+{
+    fn on_step_end(
+        &mut self,
+        _cx: &mut kiln::train::Context<'_, E, N>,
+        loss: f64,
+    ) -> kiln::Result<kiln::train::Flow> {
         self.0.push(loss);
         Ok(kiln::train::Flow::Continue)
     }
@@ -262,6 +268,75 @@ fn early_stopping_evaluate_and_predict() {
         Mode::Train,
         "evaluate and predict restore the mode"
     );
+}
+
+/// Early stopping's count is in every checkpoint (a callback's state,
+/// `kiln.callbacks`): a run stopped after two epochs and resumed with a fresh
+/// `EarlyStopping` stops after the same epoch as the uninterrupted run, with
+/// the same weights. Without the count the resumed run would set a new best
+/// and train two epochs more.
+#[test]
+fn early_stopping_resumes_its_count_from_the_checkpoint() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("kiln-es-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (x, y) = data(None);
+    let val = SequentialLoader::new(InMemoryDataset::new(x, y).unwrap(), 64).unwrap();
+    // Patience 2, and no epoch can improve on the first by 10: stops after epoch 2.
+    let trainer = |max_steps: Option<u64>| {
+        let policy = CheckpointPolicy {
+            every_n_steps: None,
+            every_n_epochs: Some(1),
+            ..CheckpointPolicy::default()
+        };
+        Trainer::<B>::new(
+            TrainerConfig {
+                epochs: 50,
+                max_steps,
+                ..TrainerConfig::default()
+            },
+            Loss::mse(),
+        )
+        .unwrap()
+        .with_callback(EarlyStopping::new("val_loss", MonitorMode::Min, 2, 10.0))
+        .with_checkpointer(Checkpointer::new(&dir, policy).unwrap(), Some(spec()))
+    };
+    let mut whole = state(5);
+    let history = trainer(None)
+        .fit(&mut whole, &loader(16, None), Some(&val))
+        .unwrap();
+    assert_eq!(history.len(), 3, "epochs 0 (the best), 1 and 2 (bad)");
+    assert_eq!(whole.step, 12);
+
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut first = state(5);
+    // 4 batches an epoch: two epochs, then the next batch stops it.
+    trainer(Some(8))
+        .fit(&mut first, &loader(16, None), Some(&val))
+        .unwrap();
+    let last = Checkpointer::last_path(&dir);
+    let saved = Checkpoint::load(&last).unwrap();
+    assert_eq!((saved.step, saved.epoch), (8, 2));
+    let count = &saved.callbacks["EarlyStopping"];
+    assert_eq!(count["bad_epochs"], 1, "{count}");
+    assert_eq!(count["monitor"], "val_loss", "{count}");
+
+    let mut resumed = state(6);
+    Trainer::<B>::resume(&mut resumed, &last).unwrap();
+    let rest = trainer(None)
+        .fit(&mut resumed, &loader(16, None), Some(&val))
+        .unwrap();
+    assert_eq!(
+        rest.len(),
+        1,
+        "the count goes on: epoch 2 is the second bad one"
+    );
+    assert_eq!(resumed.step, whole.step);
+    assert_eq!(
+        resumed.model.state_dict().unwrap(),
+        whole.model.state_dict().unwrap()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Resume in one process, bitwise: train 12 steps with a checkpoint every 3; a

@@ -806,6 +806,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             metrics: Default::default(),
             epoch_loss: None,
             averaged: None,
+            callbacks: Default::default(),
         };
         Ok(checkpoint.save(&path)?)
     })?;

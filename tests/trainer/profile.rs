@@ -165,9 +165,9 @@ fn windows_across_and_at_an_epochs_start_count_each_step_once() {
 /// Stops the run after step `at`.
 struct StopAt(u64);
 
-impl Callback for StopAt {
-    fn on_step_end(&mut self, step: u64, _loss: f64) -> Result<Flow> {
-        Ok(if step >= self.0 {
+impl<E: TrainBackend, N: kiln::core::backend::Trainable<E>> Callback<E, N> for StopAt {
+    fn on_step_end(&mut self, cx: &mut kiln::train::Context<'_, E, N>, _loss: f64) -> Result<Flow> {
+        Ok(if cx.state.step >= self.0 {
             Flow::Stop
         } else {
             Flow::Continue

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use common::{assert_close, read_json, run_reference, tensor, tensor_json};
 use kiln_core::{
-    backend::{Backend, Trainable},
+    backend::{Backend, TrainBackend, Trainable},
     loss::Loss,
     module::Module,
     optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig, SgdConfig},
@@ -25,7 +25,7 @@ use kiln_core::{
 };
 use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_tf::{SavedModel, SavedModelModule, TfBackend, VariableRole};
-use kiln_train::{Callback, CheckpointPolicy, Checkpointer, Flow, Trainer, TrainerConfig};
+use kiln_train::{Callback, CheckpointPolicy, Checkpointer, Context, Flow, Trainer, TrainerConfig};
 use serde_json::{json, Value};
 
 const SCRIPT: &str = "saved_models.py";
@@ -225,8 +225,8 @@ impl Losses {
     }
 }
 
-impl Callback for Losses {
-    fn on_step_end(&mut self, _step: u64, loss: f64) -> kiln_core::Result<Flow> {
+impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for Losses {
+    fn on_step_end(&mut self, _cx: &mut Context<'_, B, M>, loss: f64) -> kiln_core::Result<Flow> {
         self.0.lock().unwrap().push(loss);
         Ok(Flow::Continue)
     }

@@ -24,7 +24,7 @@ use kiln_core::{
 use kiln_data::{InMemoryDataset, SequentialLoader};
 use kiln_torch::{Chain, Freeze, ScriptModule, TchModule, TorchBackend};
 use kiln_train::{
-    Callback, CheckpointPolicy, Checkpointer, Flow, Trainer, TrainerConfig, TrainingState,
+    Callback, CheckpointPolicy, Checkpointer, Context, Flow, Trainer, TrainerConfig, TrainingState,
 };
 
 /// libtorch's generator is global and the trainer reseeds it every step.
@@ -37,8 +37,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Records every step's loss.
 struct Losses(Arc<Mutex<Vec<f64>>>);
 
-impl Callback for Losses {
-    fn on_step_end(&mut self, _step: u64, loss: f64) -> Result<Flow> {
+impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for Losses {
+    fn on_step_end(&mut self, _cx: &mut Context<'_, B, M>, loss: f64) -> Result<Flow> {
         self.0.lock().unwrap().push(loss);
         Ok(Flow::Continue)
     }

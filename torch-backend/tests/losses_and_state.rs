@@ -263,6 +263,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 metrics: Default::default(),
                 epoch_loss: None,
                 averaged: None,
+                callbacks: Default::default(),
             }
         }
         let (live, copies) = (dir.join("live.ckpt"), dir.join("copies.ckpt"));

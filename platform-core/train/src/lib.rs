@@ -26,10 +26,11 @@ pub use checkpoint::{
     NonFinite, RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
-    find_lr, update_batch_norm, AveragingConfig, Callback, EarlyStopping, EmaConfig, EpochRecord,
-    Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep, MisclassifiedImages, ProfileConfig,
-    ScheduleInterval, StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState,
-    WeightAveraging, MISCLASSIFIED_TAG,
+    find_lr, update_batch_norm, AveragingConfig, Callback, Context, EarlyStopping, EmaConfig,
+    EpochRecord, FitInfo, Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep,
+    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, ScheduleInterval, Sinks,
+    StepViewLogger, StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState,
+    ValidationBatch, WeightAveraging, MISCLASSIFIED_TAG,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, LoggedImage,
@@ -44,22 +45,26 @@ pub use metric::{
 /// enough to write a [`Callback`] without another import.
 ///
 /// ```
+/// use kiln_core::backend::{TrainBackend, Trainable};
 /// use kiln_train::prelude::*;
 ///
-/// /// Stops training after 100 steps.
+/// /// Stops training after 100 steps, and logs each epoch's loss.
 /// struct StopAt100;
 ///
-/// impl Callback for StopAt100 {
-///     fn on_step_end(&mut self, step: u64, _loss: f64) -> kiln_core::Result<Flow> {
-///         Ok(if step >= 100 { Flow::Stop } else { Flow::Continue })
+/// impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for StopAt100 {
+///     fn on_step_end(&mut self, cx: &mut Context<'_, B, M>, _loss: f64) -> kiln_core::Result<Flow> {
+///         Ok(if cx.state.step >= 100 { Flow::Stop } else { Flow::Continue })
+///     }
+///
+///     fn on_epoch_end(&mut self, cx: &mut Context<'_, B, M>, record: &EpochRecord) -> kiln_core::Result<Flow> {
+///         log::info!("epoch {}: loss {}", cx.state.epoch, record["loss"]);
+///         Ok(Flow::Continue)
 ///     }
 /// }
-/// # assert_eq!(StopAt100.on_step_end(100, 0.0)?, Flow::Stop);
-/// # Ok::<(), kiln_core::Error>(())
 /// ```
 pub mod prelude {
     pub use crate::{
-        Accuracy, Callback, Checkpoint, Checkpointer, EarlyStopping, Flow, Metric, Trainer,
-        TrainerConfig, TrainingState,
+        Accuracy, Callback, Checkpoint, Checkpointer, Context, EarlyStopping, EpochRecord, Flow,
+        Metric, Trainer, TrainerConfig, TrainingState,
     };
 }

@@ -60,6 +60,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),
         epoch_loss: Some((12.5, 40)),
         averaged: None,
+        callbacks: Default::default(),
     }
 }
 

@@ -125,6 +125,7 @@ mod tests {
             metrics: Default::default(),
             epoch_loss: None,
             averaged: None,
+            callbacks: Default::default(),
         };
         let err = checkpoint
             .check_finite(Path::new("c.safetensors"))

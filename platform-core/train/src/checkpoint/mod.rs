@@ -21,6 +21,7 @@
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
 //! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
+//! | metadata `kiln.callbacks` | the callbacks' states by [`state_key`](crate::Callback::state_key) (JSON; absent: none) |
 //!
 //! Files are written atomically (temporary file, fsync, rename), so a crash
 //! mid-write never leaves a broken checkpoint under the final name. A file whose
@@ -115,6 +116,9 @@ pub struct Checkpoint<S = StateDict> {
     /// The run's weight average ([`WeightAveraging`](crate::WeightAveraging)),
     /// if it keeps one: the averaged tensors and how many updates made them.
     pub averaged: Option<Averaged<S>>,
+    /// The training callbacks' states ([`Callback::state_dict`](crate::Callback::state_dict)),
+    /// by their [`state_key`](crate::Callback::state_key).
+    pub callbacks: BTreeMap<String, serde_json::Value>,
 }
 
 /// A weight average as a checkpoint holds it.
@@ -222,6 +226,9 @@ impl<S: WritableState> Checkpoint<S> {
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
         if let Some(loss) = &self.epoch_loss {
             meta.insert("kiln.epoch_loss".to_owned(), to_json(loss, path)?);
+        }
+        if !self.callbacks.is_empty() {
+            meta.insert("kiln.callbacks".to_owned(), to_json(&self.callbacks, path)?);
         }
         if let Some(averaged) = &self.averaged {
             meta.insert(AVERAGED_UPDATES.to_owned(), averaged.updates.to_string());
@@ -460,6 +467,15 @@ impl Checkpoint {
                 None => None,
             },
             averaged,
+            callbacks: match parse_json("kiln.callbacks")? {
+                Some(v) => serde_json::from_value(v).map_err(|e| {
+                    bad_json(
+                        "metadata `kiln.callbacks` is not an object of states".to_owned(),
+                        e,
+                    )
+                })?,
+                None => BTreeMap::new(),
+            },
         })
     }
 }
@@ -496,6 +512,7 @@ impl<S: Default> Checkpoint<S> {
             metrics: BTreeMap::new(),
             epoch_loss: None,
             averaged: None,
+            callbacks: BTreeMap::new(),
         }
     }
 }

@@ -166,6 +166,7 @@ pub fn save_sharded_checkpoint<S: WritableState>(
             metrics: part.metrics.clone(),
             epoch_loss: part.epoch_loss,
             averaged: None,
+            callbacks: part.callbacks.clone(),
         };
         let wrote_index = serde_json::to_string(&listing)
             .map_err(|e| Error::checkpoint_caused_by(&index, "cannot serialise `kiln.shards`", e))

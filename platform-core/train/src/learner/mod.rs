@@ -3,16 +3,20 @@
 mod averaging;
 mod batch_norm;
 mod callback;
+mod early_stopping;
 mod lr_finder;
 mod state;
+mod tools;
 mod trainer;
 
 pub use averaging::{AveragingConfig, EmaConfig, SwaConfig, SwaStart, WeightAveraging};
 pub use batch_norm::update_batch_norm;
-pub use callback::{Callback, EarlyStopping, Flow};
+pub use callback::{Callback, Context, FitInfo, Flow, Sinks, ValidationBatch};
+pub use early_stopping::EarlyStopping;
 pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
-pub use trainer::{
-    EpochRecord, LossReads, MisclassifiedImages, ProfileConfig, ScheduleInterval, StepViews,
-    Trainer, TrainerConfig, MISCLASSIFIED_TAG,
+pub use tools::{
+    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
+    MISCLASSIFIED_TAG,
 };
+pub use trainer::{EpochRecord, LossReads, ScheduleInterval, Trainer, TrainerConfig};

@@ -32,6 +32,11 @@ pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>:
     /// updates it after the optimizer steps its config names, checkpoints it,
     /// and validates with it when the config says so.
     pub averaging: Option<WeightAveraging<B>>,
+    /// The callbacks' states from the checkpoint this state was restored
+    /// from, by [`state_key`](crate::Callback::state_key): `fit` gives each
+    /// callback its own ([`Callback::load_state_dict`](crate::Callback::load_state_dict))
+    /// before the first step.
+    pub callback_states: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for TrainingState<B, M> {
@@ -60,6 +65,7 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
             batch_in_epoch: 0,
             epoch_loss: LossMetric::new("loss"),
             averaging: None,
+            callback_states: Default::default(),
         }
     }
 
@@ -154,6 +160,7 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
         // running mean: the epoch's loss then covers the batches after it.
         let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
         self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
+        self.callback_states = checkpoint.callbacks.clone();
         Ok(())
     }
 

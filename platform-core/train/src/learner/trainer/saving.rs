@@ -1,6 +1,7 @@
 //! How the trainer writes its checkpoints: one file from rank 0, or under a
 //! sharded strategy, each rank's part of a sharded set.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::{EpochRecord, Trainer};
@@ -58,7 +59,30 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 .as_ref()
                 .map(|a| a.checkpoint_part())
                 .transpose()?,
+            callbacks: self.callback_states()?,
         })
+    }
+
+    /// Every callback's state, by its key; two callbacks that keep state
+    /// under one key are refused.
+    fn callback_states(&self) -> Result<BTreeMap<String, serde_json::Value>> {
+        let mut states = BTreeMap::new();
+        for callback in &self.callbacks {
+            let Some(state) = callback.state_dict()? else {
+                continue;
+            };
+            let key = callback.state_key();
+            if states.insert(key.clone(), state).is_some() {
+                return Err(Error::invalid_argument(
+                    "callbacks",
+                    format!(
+                        "two callbacks keep their state under the key `{key}`: give one of \
+                         them another (Callback::state_key)"
+                    ),
+                ));
+            }
+        }
+        Ok(states)
     }
 
     pub(super) fn save_checkpoint(

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::Trainer;
+use crate::learner::callback::{Callback, Context, FitInfo, ValidationBatch};
 use crate::logger::LoggedImage;
 use crate::metric::argmax;
 use kiln_core::backend::{TrainBackend, Trainable};
@@ -102,6 +102,7 @@ impl MisclassifiedImages {
 }
 
 /// One misclassified sample.
+#[derive(Debug)]
 struct Found {
     /// Its number in the validation data.
     sample: usize,
@@ -114,6 +115,7 @@ struct Found {
 }
 
 /// Gathers one validation's misclassified samples, batch by batch.
+#[derive(Debug)]
 pub(crate) struct Collector {
     config: MisclassifiedImages,
     /// The number of ranks; with more than one, rank 0's share is numbered
@@ -280,29 +282,77 @@ impl Collector {
     }
 }
 
-impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// Logs the misclassified samples of epoch `epoch`'s validation to every
-    /// sink: the grid as an image, the table as text.
-    pub(super) fn log_misclassified(&mut self, epoch: u64, found: Collector) -> Result<()> {
-        let (image, table) = found.finish(epoch)?;
-        for sink in &mut self.sinks {
-            if let Some(image) = &image {
-                sink.log_images(epoch, std::slice::from_ref(image))?;
-            }
-            sink.log_text(epoch, MISCLASSIFIED_TAG, &table)?;
+/// The callback that logs a run's [`MisclassifiedImages`]
+/// ([`Trainer::with_misclassified_images`](crate::Trainer::with_misclassified_images)
+/// registers it): a collector per epoch's validation, on rank 0.
+#[derive(Debug)]
+pub struct MisclassifiedLogger {
+    config: MisclassifiedImages,
+    collecting: Option<Collector>,
+}
+
+impl MisclassifiedLogger {
+    /// Logs `config`'s images.
+    pub fn new(config: MisclassifiedImages) -> Self {
+        Self {
+            config,
+            collecting: None,
+        }
+    }
+}
+
+impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for MisclassifiedLogger {
+    /// Checks the loss, and that there is validation data to draw from.
+    fn on_fit_start(&mut self, _cx: &mut Context<'_, B, M>, run: &FitInfo<'_>) -> Result<()> {
+        self.config.validate(run.loss)?;
+        if !run.has_validation {
+            return Err(Error::invalid_argument(
+                "logging.misclassified_images",
+                "draws from the validation data, and there is none (give fit a validation \
+                 loader)",
+            ));
         }
         Ok(())
     }
 
-    /// A collector for this validation, on rank 0 when the run logs
-    /// misclassified images.
-    pub(super) fn misclassified_collector(&self, model: &M) -> Option<Collector> {
-        let config = self.misclassified.clone()?;
-        match model.collectives() {
+    /// A collector for this validation, on rank 0.
+    fn on_validation_start(&mut self, cx: &mut Context<'_, B, M>) -> Result<()> {
+        let config = self.config.clone();
+        self.collecting = match cx.state.model.collectives() {
             Some(group) if group.rank() != 0 => None,
             Some(group) => Some(Collector::new(config, group.world_size())),
             None => Some(Collector::new(config, 1)),
+        };
+        Ok(())
+    }
+
+    fn on_validation_batch_end(&mut self, batch: &ValidationBatch<'_>) -> Result<()> {
+        match self.collecting.as_mut() {
+            Some(found) => found.add(batch.inputs, batch.outputs, batch.targets),
+            None => Ok(()),
         }
+    }
+
+    /// Logs the samples found to every sink: the grid as an image, the table
+    /// as text, at the epoch's number.
+    fn on_validation_end(
+        &mut self,
+        cx: &mut Context<'_, B, M>,
+        _metrics: &[(String, f64)],
+    ) -> Result<()> {
+        let Some(found) = self.collecting.take() else {
+            return Ok(());
+        };
+        let epoch = cx.state.epoch;
+        let (image, table) = found.finish(epoch)?;
+        if let Some(image) = &image {
+            cx.sinks.log_images(epoch, std::slice::from_ref(image))?;
+        }
+        cx.sinks.log_text(epoch, MISCLASSIFIED_TAG, &table)
+    }
+
+    fn needs_step_loss(&self) -> bool {
+        false
     }
 }
 

@@ -1,5 +1,6 @@
-//! The trainer's profiler: a window of steps recorded by the backend's profiler
-//! (`kiln train --profile steps=10..20`, [`Trainer::with_profiler`]).
+//! The profiler as a callback: a window of steps recorded by the backend's
+//! profiler (`kiln train --profile steps=10..20`,
+//! [`Trainer::with_profiler`](crate::Trainer::with_profiler)).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -10,7 +11,7 @@ use kiln_core::device::Device;
 use kiln_core::error::{Error, Result};
 use kiln_core::profile::{OpTable, StepProfiler, DATA_LOADER_WAIT, STEP_PREFIX};
 
-use super::{Trainer, TrainingState};
+use crate::learner::callback::{Callback, Context, FitInfo, Flow};
 
 /// The files a profile writes in its directory.
 pub(crate) const TRACE_FILE: &str = "trace.json";
@@ -131,6 +132,8 @@ pub(crate) struct ProfileRun {
     prepared: bool,
     recording: bool,
     in_step: bool,
+    /// Inside a wait for the data loader.
+    waiting: bool,
     done: bool,
 }
 
@@ -170,6 +173,7 @@ impl ProfileRun {
             prepared: false,
             recording: false,
             in_step: false,
+            waiting: false,
             done: false,
         })
     }
@@ -199,15 +203,22 @@ impl ProfileRun {
         Ok(())
     }
 
-    /// Runs `next` (the data loader's next batch) inside a wait range.
-    pub(crate) fn wait<T>(&mut self, next: impl FnOnce() -> T) -> Result<T> {
-        if !self.recording {
-            return Ok(next());
+    /// Opens the range of a wait for the data loader, while recording.
+    pub(crate) fn begin_wait(&mut self) -> Result<()> {
+        if self.recording {
+            self.profiler.begin_range(DATA_LOADER_WAIT)?;
+            self.waiting = true;
         }
-        self.profiler.begin_range(DATA_LOADER_WAIT)?;
-        let value = next();
-        self.profiler.end_range()?;
-        Ok(value)
+        Ok(())
+    }
+
+    /// Closes it.
+    pub(crate) fn end_wait(&mut self) -> Result<()> {
+        if self.waiting {
+            self.waiting = false;
+            self.profiler.end_range()?;
+        }
+        Ok(())
     }
 
     /// After step `step`: closes its range, and after the window's last step writes
@@ -290,29 +301,73 @@ fn rename_new(from: &Path, to: &Path) -> Result<()> {
     std::fs::remove_file(from).map_err(|e| Error::io(from, e))
 }
 
-impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// Records steps `profile.steps` with the backend's profiler and writes the
-    /// trace and the operator tables (see [`ProfileConfig`]). The window is checked
-    /// before the first step; a backend that cannot profile fails there too.
-    pub fn with_profiler(mut self, profile: ProfileConfig) -> Self {
-        self.profile = Some(profile);
-        self
+/// The callback that records a [`ProfileConfig`]'s window
+/// ([`Trainer::with_profiler`](crate::Trainer::with_profiler) registers it).
+pub struct Profiler {
+    config: ProfileConfig,
+    run: Option<ProfileRun>,
+}
+
+impl std::fmt::Debug for Profiler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Profiler")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Profiler {
+    /// Records `config`'s window.
+    pub fn new(config: ProfileConfig) -> Self {
+        Self { config, run: None }
+    }
+}
+
+impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for Profiler {
+    /// Checks the window against the run and starts the backend's profiler
+    /// (one that cannot profile fails here).
+    fn on_fit_start(&mut self, cx: &mut Context<'_, B, M>, run: &FitInfo<'_>) -> Result<()> {
+        self.run = Some(ProfileRun::new::<B>(
+            &self.config,
+            run.device,
+            cx.state.step + 1,
+            run.last_step,
+        )?);
+        Ok(())
     }
 
-    /// The run's last step, as far as the data and the config tell before it starts
-    /// (early stopping may end it sooner): a micro-batch left over at an epoch's end
-    /// (`accumulate` not dividing the batches) makes no step.
-    pub(super) fn last_step(&self, state: &TrainingState<B, M>, batches: u64) -> u64 {
-        let accumulate = self.config.accumulate.max(1);
-        let per_epoch = batches / accumulate;
-        let this_epoch = batches.saturating_sub(state.batch_in_epoch) / accumulate;
-        let later = self.config.epochs.saturating_sub(state.epoch + 1) * per_epoch;
-        let last = if state.epoch < self.config.epochs {
-            state.step + this_epoch + later
-        } else {
-            state.step
+    /// The step's range opens before its first micro-batch is fetched; each
+    /// wait for the loader is a range of its own.
+    fn on_train_batch_start(&mut self, step: u64, micro: u64) -> Result<()> {
+        let Some(run) = self.run.as_mut() else {
+            return Ok(());
         };
-        self.config.max_steps.map_or(last, |m| last.min(m))
+        if micro == 0 {
+            run.before_step(step)?;
+        }
+        run.begin_wait()
+    }
+
+    fn on_train_batch_fetched(&mut self, _step: u64) -> Result<()> {
+        self.run.as_mut().map_or(Ok(()), ProfileRun::end_wait)
+    }
+
+    fn on_step_end(&mut self, cx: &mut Context<'_, B, M>, _loss: f64) -> Result<Flow> {
+        if let Some(run) = self.run.as_mut() {
+            run.after_step(cx.state.step)?;
+        }
+        Ok(Flow::Continue)
+    }
+
+    fn on_fit_end(&mut self, cx: &mut Context<'_, B, M>) -> Result<()> {
+        match self.run.as_mut() {
+            Some(run) => run.end_of_run(cx.state.step),
+            None => Ok(()),
+        }
+    }
+
+    fn needs_step_loss(&self) -> bool {
+        false
     }
 }
 

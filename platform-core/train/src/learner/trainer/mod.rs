@@ -1,0 +1,452 @@
+//! The training loop, split by concern: the trainer and its configuration
+//! here; `fit` and the epoch's end (`fit.rs`); one epoch's batches and what
+//! follows each optimizer step (`step.rs`); validation and evaluation
+//! (`evaluate.rs`); checkpoints (`saving.rs`); the weight average's part
+//! (`averaging.rs`). The training tools are callbacks (`learner/tools`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::averaging::{AveragingConfig, EmaConfig, SwaConfig};
+use super::callback::Callback;
+use super::state::TrainingState;
+use super::tools::{
+    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
+};
+use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
+use crate::logger::MetricSink;
+use crate::metric::Metric;
+use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::device::Device;
+use kiln_core::error::{Error, Result};
+use kiln_core::loss::Loss;
+use kiln_core::model::Layer;
+use kiln_core::optim::GradClip;
+use kiln_core::precision::FloatPrecision;
+use kiln_core::rng::SplitMix64;
+
+mod averaging;
+mod evaluate;
+mod fit;
+mod saving;
+mod step;
+
+/// When the learning-rate schedule advances.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScheduleInterval {
+    /// After every optimizer step (warm-up, one-cycle).
+    Step,
+    /// After every epoch (PyTorch's usual `scheduler.step()` per epoch).
+    #[default]
+    Epoch,
+}
+
+/// How to train, independent of the model and the data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// Epochs to train for.
+    #[serde(default = "ten")]
+    pub epochs: u64,
+    /// Stop after this many optimizer steps, if reached before `epochs`.
+    #[serde(default)]
+    pub max_steps: Option<u64>,
+    /// Micro-batches whose gradients add up before each optimizer step (>= 1).
+    #[serde(default = "one")]
+    pub accumulate: u64,
+    /// Gradient clipping before each optimizer step.
+    #[serde(default)]
+    pub clip: Option<GradClip>,
+    /// The run's seed: initial weights, data order and dropout derive from it
+    /// (in a config file: the top-level `seed`).
+    #[serde(skip)]
+    pub seed: u64,
+    /// Where the model and batches live (in a config file: the top-level `device`).
+    #[serde(skip)]
+    pub device: Device,
+    /// When the schedule advances.
+    #[serde(default)]
+    pub schedule_interval: ScheduleInterval,
+    /// Log the step's training loss and learning rate (`steps.csv`, TensorBoard)
+    /// every this many optimizer steps, as Lightning's `log_every_n_steps`
+    /// (0: only the per-epoch record).
+    #[serde(default = "fifty")]
+    pub log_every: u64,
+    /// Keep host memory that tensors free for the next step instead of
+    /// returning it to the OS (see [`host_memory`](kiln_core::host_memory); on by
+    /// default, glibc only). `fit` applies it process-wide.
+    #[serde(default = "yes")]
+    pub retain_host_memory: bool,
+    /// The dtype of parameters and of the forward pass, like Lightning's
+    /// `precision` (`32-true`, `bf16-mixed`, `bf16-true`). The model must have
+    /// been given it ([`TrainBackend::set_precision`]) before its optimizer was
+    /// built; `fit` checks.
+    #[serde(default)]
+    pub precision: FloatPrecision,
+    /// Keep an exponential moving average of the weights
+    /// (`ema = { decay = 0.999 }`; see [`EmaConfig`]). `fit` starts one from
+    /// the model's weights when the state has none
+    /// ([`TrainingState::with_weight_averaging`] gives one before a resume, so
+    /// that the checkpoint's average is restored).
+    #[serde(default)]
+    pub ema: Option<EmaConfig>,
+    /// Stochastic weight averaging (`swa = { lrs = 0.05 }`; see [`SwaConfig`]),
+    /// instead of `ema`: its learning-rate schedule replaces the run's from
+    /// its first epoch on, and [`Trainer::apply_average`] ends the run with
+    /// the average and its batch-norm statistics.
+    #[serde(default)]
+    pub swa: Option<SwaConfig>,
+}
+
+fn ten() -> u64 {
+    10
+}
+fn one() -> u64 {
+    1
+}
+fn fifty() -> u64 {
+    50
+}
+fn yes() -> bool {
+    true
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            max_steps: None,
+            accumulate: 1,
+            clip: None,
+            seed: 0,
+            device: Device::Cpu,
+            schedule_interval: ScheduleInterval::Epoch,
+            log_every: 50,
+            retain_host_memory: true,
+            precision: FloatPrecision::F32,
+            ema: None,
+            swa: None,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Rejects settings that cannot work, naming the field.
+    pub fn validate(&self) -> Result<()> {
+        if self.accumulate == 0 {
+            return Err(Error::invalid_argument("accumulate", "must be at least 1"));
+        }
+        if self.epochs == 0 && self.max_steps.is_none() {
+            return Err(Error::invalid_argument("epochs", "must be at least 1"));
+        }
+        if let Some(clip) = &self.clip {
+            clip.validate()?;
+        }
+        if let Some(ema) = &self.ema {
+            ema.validate()?;
+        }
+        if let Some(swa) = &self.swa {
+            if self.ema.is_some() {
+                return Err(Error::invalid_argument(
+                    "training.swa",
+                    "a run keeps one weight average: set training.ema or training.swa, not both",
+                ));
+            }
+            swa.validate()?;
+            swa.start_epoch(self.epochs)?;
+        }
+        Ok(())
+    }
+
+    /// The weight average the run keeps, if any.
+    pub fn averaging(&self) -> Option<AveragingConfig> {
+        match (&self.ema, &self.swa) {
+            (Some(ema), _) => Some(ema.clone().into()),
+            (None, Some(swa)) => Some(swa.clone().into()),
+            (None, None) => None,
+        }
+    }
+}
+
+/// The metrics of one epoch, by name.
+pub type EpochRecord = BTreeMap<String, f64>;
+
+/// When [`Trainer::fit`] reads each step's loss back from the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReads {
+    /// After every step ([`Trainable::train_step`]): a non-finite loss stops
+    /// training before its update is applied. What the CPU does by default, where
+    /// reading costs nothing.
+    EveryStep,
+    /// Only when a value is needed: at a logged step
+    /// ([`log_every`](TrainerConfig::log_every)), before a checkpoint, at the end of
+    /// an epoch and of training ([`Trainable::train_step_deferred`]), so that an
+    /// asynchronous device (CUDA) runs steps ahead of the host. A non-finite loss
+    /// stops training at the next read, naming its step; the steps in between
+    /// have been applied, and no checkpoint is written after it. The progress bar
+    /// advances at each read. The default on CUDA. A callback whose
+    /// [`needs_step_loss`](Callback::needs_step_loss) is true turns it back into
+    /// `EveryStep`.
+    WhenLogged,
+}
+
+/// The training loop, generic over the backend: callbacks, metric sinks,
+/// checkpoints, gradient accumulation and clipping, and a schedule.
+///
+/// `B` is the backend and `M` the module it trains: any
+/// [`Trainable`] module of `B`, by default the models the backend builds from
+/// Kiln definitions (`Trainer<TorchBackend>`, `Trainer<TfBackend>`: one type
+/// parameter switches engine). Other modules name themselves:
+/// `Trainer<TorchBackend, ScriptModule>` fine-tunes a TorchScript model,
+/// `Trainer<TorchBackend, Chain>` a pretrained part with new layers,
+/// `Trainer<TfBackend, SavedModelModule>` a SavedModel through its training
+/// signature.
+///
+/// ```
+/// use kiln_core::backend::{TrainBackend, Trainable};
+/// use kiln_core::loss::Loss;
+/// use kiln_train::{Trainer, TrainerConfig};
+///
+/// /// A trainer for any module of any backend.
+/// fn trainer_for<B: TrainBackend, M: Trainable<B>>() -> kiln_core::Result<Trainer<B, M>> {
+///     Trainer::<B, M>::new(TrainerConfig::default(), Loss::cross_entropy())
+/// }
+/// ```
+pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
+    config: TrainerConfig,
+    loss: Loss,
+    metrics: Vec<Box<dyn Fn() -> Box<dyn Metric> + Send>>,
+    callbacks: Vec<Box<dyn Callback<B, M>>>,
+    sinks: Vec<Box<dyn MetricSink>>,
+    checkpointer: Option<Checkpointer>,
+    /// On a rank that writes no checkpoint: when rank 0 writes one.
+    checkpoint_turns: Option<CheckpointPolicy>,
+    /// Where every rank writes its shard of a sharded checkpoint.
+    sharded_checkpoints: Option<PathBuf>,
+    model_definition: Option<Layer>,
+    lora: Option<kiln_core::lora::LoraConfig>,
+    data_identity: Option<serde_json::Value>,
+    loss_reads: Option<LossReads>,
+    _backend: std::marker::PhantomData<fn() -> (B, M)>,
+}
+
+impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for Trainer<B, M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("config", &self.config)
+            .field("loss", &self.loss)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `splitmix64(seed ^ step)`: the seed of one step's randomness (dropout), so a
+/// resumed run draws exactly what an uninterrupted one would.
+fn step_seed(seed: u64, step: u64) -> u64 {
+    SplitMix64::new(seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
+    /// A trainer minimising `loss`.
+    pub fn new(config: TrainerConfig, loss: Loss) -> Result<Self> {
+        config.validate()?;
+        loss.validate()?;
+        Ok(Self {
+            config,
+            loss,
+            metrics: Vec::new(),
+            callbacks: Vec::new(),
+            sinks: Vec::new(),
+            checkpointer: None,
+            checkpoint_turns: None,
+            sharded_checkpoints: None,
+            model_definition: None,
+            lora: None,
+            data_identity: None,
+            loss_reads: None,
+            _backend: std::marker::PhantomData,
+        })
+    }
+
+    /// Logs the [`StepViews`] beside each step's loss (the [`StepViewLogger`]
+    /// callback); `fit` refuses views the optimizer cannot give before the
+    /// first step.
+    pub fn with_step_views(self, views: StepViews) -> Self {
+        if views == StepViews::default() {
+            return self;
+        }
+        self.with_callback(StepViewLogger::new(views))
+    }
+
+    /// Logs the first misclassified validation samples of each epoch to the
+    /// sinks, as images ([`MisclassifiedImages`], the [`MisclassifiedLogger`]
+    /// callback); `fit` checks the loss and that there is validation data
+    /// before the first step.
+    pub fn with_misclassified_images(self, view: MisclassifiedImages) -> Self {
+        self.with_callback(MisclassifiedLogger::new(view))
+    }
+
+    /// Records steps `profile.steps` with the backend's profiler and writes the
+    /// trace and the operator tables (see [`ProfileConfig`]; the [`Profiler`]
+    /// callback). The window is checked before the first step; a backend that
+    /// cannot profile fails there too.
+    pub fn with_profiler(self, profile: ProfileConfig) -> Self {
+        self.with_callback(Profiler::new(profile))
+    }
+
+    /// When `fit` reads the step losses back (see [`LossReads`]); by default
+    /// [`LossReads::WhenLogged`] on CUDA and [`LossReads::EveryStep`] on the CPU.
+    pub fn with_loss_reads(mut self, reads: LossReads) -> Self {
+        self.loss_reads = Some(reads);
+        self
+    }
+
+    /// The [`LossReads`] `fit` uses: the one given, else the device's default;
+    /// `EveryStep` when a callback needs every step's loss.
+    pub fn loss_reads(&self) -> LossReads {
+        if self.callbacks.iter().any(|c| c.needs_step_loss()) {
+            return LossReads::EveryStep;
+        }
+        self.loss_reads.unwrap_or(if self.config.device.is_cuda() {
+            LossReads::WhenLogged
+        } else {
+            LossReads::EveryStep
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// Adds a metric computed on validation (and `evaluate`) batches; `make`
+    /// creates a fresh one per evaluation.
+    pub fn with_metric(mut self, make: impl Fn() -> Box<dyn Metric> + Send + 'static) -> Self {
+        self.metrics.push(Box::new(make));
+        self
+    }
+
+    /// Adds a callback; hooks run in the order callbacks were added.
+    pub fn with_callback(mut self, callback: impl Callback<B, M> + 'static) -> Self {
+        self.callbacks.push(Box::new(callback));
+        self
+    }
+
+    /// Adds a metric sink (CSV, TensorBoard, progress, log).
+    pub fn with_sink(mut self, sink: impl MetricSink + 'static) -> Self {
+        self.sinks.push(Box::new(sink));
+        self
+    }
+
+    /// Saves checkpoints with `checkpointer`; `definition` is recorded in them.
+    pub fn with_checkpointer(
+        mut self,
+        checkpointer: Checkpointer,
+        definition: Option<Layer>,
+    ) -> Self {
+        self.checkpointer = Some(checkpointer);
+        self.model_definition = definition;
+        self
+    }
+
+    /// On a rank that writes no checkpoint (every rank but 0): takes part in
+    /// each checkpoint rank 0 writes under `policy`, which an optimizer whose
+    /// state is sharded over the ranks needs
+    /// ([`Optimizer::state_is_collective`](kiln_core::optim::Optimizer::state_is_collective):
+    /// its state is gathered by every rank at once). For any other optimizer
+    /// it does nothing.
+    pub fn with_checkpoint_turns(mut self, policy: CheckpointPolicy) -> Self {
+        self.checkpoint_turns = Some(policy);
+        self
+    }
+
+    /// Writes sharded checkpoints into `dir` (on every rank, the same
+    /// directory): each rank writes its part of the model's and optimizer's
+    /// state ([`Trainable::shard_state_tensors`],
+    /// [`Optimizer::shard_state_tensors`](kiln_core::optim::Optimizer::shard_state_tensors);
+    /// a state every rank holds whole is written by rank 0), and rank 0,
+    /// whose [`with_checkpointer`](Self::with_checkpointer) decides when,
+    /// the index ([`save_sharded_checkpoint`](crate::save_sharded_checkpoint)).
+    /// The other ranks save on the policy given to
+    /// [`with_checkpoint_turns`](Self::with_checkpoint_turns).
+    pub fn with_sharded_checkpoints(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.sharded_checkpoints = Some(dir.into());
+        self
+    }
+
+    /// Records the LoRA adapters the model trains with in every checkpoint
+    /// ([`Checkpoint::lora`]), so that exports and generation can apply them.
+    pub fn with_lora(mut self, lora: Option<kiln_core::lora::LoraConfig>) -> Self {
+        self.lora = lora;
+        self
+    }
+
+    /// Records `identity` (what identifies the training data: its kind, path,
+    /// size, a fingerprint) in every checkpoint, as [`Checkpoint::data`], so
+    /// that a resume can check it trains on the same data.
+    pub fn with_data_identity(mut self, identity: serde_json::Value) -> Self {
+        self.data_identity = Some(identity);
+        self
+    }
+
+    /// Loads the checkpoint at `path` into `state` (see [`TrainingState::restore`]);
+    /// a checkpoint of another model is [`Error::Checkpoint`] naming the file, with
+    /// the error naming the first key or shape that does not fit as its source.
+    pub fn resume(state: &mut TrainingState<B, M>, path: &Path) -> Result<Checkpoint> {
+        let checkpoint = Checkpoint::load(path)?;
+        Self::resume_from(state, &checkpoint, path)?;
+        Ok(checkpoint)
+    }
+
+    /// As [`resume`](Self::resume), from a checkpoint already read from `path`
+    /// (for a caller that checks it first, as the CLI checks its definition and seed).
+    /// A checkpoint holding NaN or infinite values is refused, naming them
+    /// ([`Checkpoint::check_finite`]), and so is one written mid-epoch under
+    /// another data order than this Kiln's, or by a Kiln that recorded none
+    /// ([`Checkpoint::check_data_order`]); `state` is then left as it was.
+    pub fn resume_from(
+        state: &mut TrainingState<B, M>,
+        checkpoint: &Checkpoint,
+        path: &Path,
+    ) -> Result<()> {
+        checkpoint.check_finite(path)?;
+        checkpoint.check_data_order(path)?;
+        state.restore(checkpoint).map_err(|e| {
+            Error::checkpoint_caused_by(path, "does not fit this model and optimizer", e)
+        })?;
+        log::info!(
+            "resumed from {} at step {} (epoch {}, batch {})",
+            path.display(),
+            checkpoint.step,
+            checkpoint.epoch,
+            checkpoint.batch_in_epoch
+        );
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_seeds_differ_per_step_and_repeat_per_seed() {
+        // The mix written out, as it was before it went through SplitMix64: the
+        // same seeds, so runs resume as before.
+        let written_out = |seed: u64, step: u64| {
+            let golden = 0x9E37_79B9_7F4A_7C15u64;
+            let mut z = (seed ^ step.wrapping_mul(golden)).wrapping_add(golden);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        for (seed, step) in [(0, 0), (7, 3), (u64::MAX, 12_345)] {
+            assert_eq!(step_seed(seed, step), written_out(seed, step));
+        }
+        assert_eq!(step_seed(7, 3), step_seed(7, 3));
+        assert_ne!(step_seed(7, 3), step_seed(7, 4));
+        assert_ne!(step_seed(7, 3), step_seed(8, 3));
+    }
+}
