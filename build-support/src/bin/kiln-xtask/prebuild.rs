@@ -9,11 +9,13 @@
 //! profile, and a `LIBTORCH` that does not exist yet, so `torch-sys` (and what
 //! depends on it) fails at once while everything else compiles. Its units are
 //! exactly the ones the real build then finds fresh; what failed is built then.
-//! It runs at the lowest CPU priority, so that the installation (libtorch's
-//! C++ waits for it) is not slowed. When the virtualenv is ready the real build
-//! waits for the prebuild to end rather than stopping it: both cores are busy
-//! either way (measured: stopping it lost the units in flight and took 36 s
-//! longer), and what it compiles the real build would compile next.
+//! When the virtualenv is ready the real build waits for the prebuild to end
+//! rather than stopping it: the machine's cores are busy either way, and what
+//! it compiles the real build would compile next. (Measured on two cores, a
+//! cold `cargo xtask kiln train`: 555 s so; 591 s stopping the prebuild when
+//! the virtualenv was ready, which lost the units in flight; 583 s with the
+//! prebuild at the lowest CPU priority, which gave pip the CPU and left more
+//! of the build for after it.)
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -49,10 +51,7 @@ impl Prebuild {
             .skip(1)
             .take_while(|a| a.as_os_str() != "--");
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        // `nice` runs cargo in its own process (the pid `stop` signals).
-        let child = Command::new("nice")
-            .args(["-n", "19"])
-            .arg(cargo)
+        let child = Command::new(cargo)
             .arg("build")
             .args(until_args)
             .arg("--keep-going")
