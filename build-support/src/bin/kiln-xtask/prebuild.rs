@@ -12,7 +12,8 @@
 //! When the virtualenv is ready the real build waits for the prebuild to end
 //! rather than stopping it: the machine's cores are busy either way, and what
 //! it compiles the real build would compile next. (Measured on two cores, a
-//! cold `cargo xtask kiln train`: 555 s so; 591 s stopping the prebuild when
+//! cold `cargo xtask kiln train`: 555 s and 594 s so, as the network's share
+//! varied; 591 s stopping the prebuild when
 //! the virtualenv was ready, which lost the units in flight; 583 s with the
 //! prebuild at the lowest CPU priority, which gave pip the CPU and left more
 //! of the build for after it.)
