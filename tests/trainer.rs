@@ -339,6 +339,26 @@ fn early_stopping_resumes_its_count_from_the_checkpoint() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Two callbacks keeping their state under one key would overwrite each
+/// other in checkpoints: `fit` refuses them before the first step.
+#[test]
+fn two_callbacks_with_one_state_key_are_refused_before_training() {
+    let _serial = serial();
+    let mut s = state(7);
+    let err = Trainer::<B>::new(TrainerConfig::default(), Loss::mse())
+        .unwrap()
+        .with_callback(EarlyStopping::new("loss", MonitorMode::Min, 2, 0.0))
+        .with_callback(EarlyStopping::new("loss", MonitorMode::Min, 5, 0.0))
+        .fit(&mut s, &loader(16, None), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`EarlyStopping`") && err.contains("state_key"),
+        "{err}"
+    );
+    assert_eq!(s.step, 0, "no step taken");
+}
+
 /// Resume in one process, bitwise: train 12 steps with a checkpoint every 3; a
 /// fresh state restored from step 6 (mid-epoch) and trained on ends with exactly the weights,
 /// buffers and optimizer state of the uninterrupted run. Dropout makes the

@@ -196,7 +196,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         for key in saved.keys() {
             log::info!("the checkpoint's state of callback `{key}` is left out: this run has none");
         }
-        Ok(())
+        // Two callbacks keeping state under one key are refused now, not at
+        // the first checkpoint.
+        self.callback_states().map(drop)
     }
 
     /// The run's last step, as far as the data and the config tell before it starts

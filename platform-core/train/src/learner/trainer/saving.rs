@@ -64,8 +64,8 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     }
 
     /// Every callback's state, by its key; two callbacks that keep state
-    /// under one key are refused.
-    fn callback_states(&self) -> Result<BTreeMap<String, serde_json::Value>> {
+    /// under one key are refused (by `fit`, before the first step).
+    pub(super) fn callback_states(&self) -> Result<BTreeMap<String, serde_json::Value>> {
         let mut states = BTreeMap::new();
         for callback in &self.callbacks {
             let Some(state) = callback.state_dict()? else {

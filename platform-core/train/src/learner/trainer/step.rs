@@ -68,15 +68,14 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             // The wait for the batch is part of the step (a profiler records
             // it as such); the pull that ends the epoch belongs to no step.
             let expected = state.batch_in_epoch < batches;
+            let step = state.step + 1;
             if expected {
-                let step = state.step + 1;
                 for cb in &mut self.callbacks {
                     cb.on_train_batch_start(step, micro)?;
                 }
             }
             let next = pulls.next();
             if expected {
-                let step = state.step + 1;
                 for cb in &mut self.callbacks {
                     cb.on_train_batch_fetched(step)?;
                 }
