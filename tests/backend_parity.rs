@@ -437,6 +437,7 @@ fn checkpoints_resume_across_backends() {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            epoch_metrics: Default::default(),
             averaged: None,
             callbacks: Default::default(),
         };

@@ -2,7 +2,8 @@
 //! batch, a non-finite loss stops training naming the step and leaves the
 //! checkpoints intact, early stopping, evaluate and predict, resuming bitwise in every
 //! precision; weight averaging against PyTorch's `AveragedModel` (`trainer/weight_averaging.rs`,
-//! `trainer/swa.rs`); the profiler (`trainer/profile.rs`).
+//! `trainer/swa.rs`); the profiler (`trainer/profile.rs`); an objective other
+//! than a supervised loss, distillation against PyTorch (`trainer/objective.rs`).
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -24,6 +25,8 @@ use kiln::train::{
 
 #[path = "trainer/lr_finder.rs"]
 mod lr_finder;
+#[path = "trainer/objective.rs"]
+mod objective;
 #[path = "trainer/profile.rs"]
 mod profile;
 #[path = "trainer/step_views.rs"]

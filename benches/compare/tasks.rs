@@ -805,6 +805,7 @@ fn checkpoint(a: &TaskArgs) -> Result<Value> {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            epoch_metrics: Default::default(),
             averaged: None,
             callbacks: Default::default(),
         };

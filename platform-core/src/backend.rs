@@ -2,7 +2,10 @@
 
 mod train;
 
-pub use train::{check_lerp_pairs, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable};
+pub use train::{
+    check_lerp_pairs, objective_unsupported, EagerBackend, StepLoss, StepPlan, TrainBackend,
+    Trainable, UpdatePlan,
+};
 
 use crate::device::Device;
 use crate::dtype::DType;

@@ -11,6 +11,8 @@
 //! * [`model`]: declarative model definitions ([`Layer`](model::Layer)) that
 //!   know their output shapes and their PyTorch-compatible parameter names,
 //!   shapes and initial distributions, built natively by each backend;
+//! * [`objective`]: what a training step minimises, the seam between the
+//!   loop and the method ([`Supervised`](objective::Supervised) first);
 //! * [`loss`], [`optim`] and [`schedule`]: what to train with, as serde-readable
 //!   configs with PyTorch's defaults, the [`Optimizer`](optim::Optimizer) trait
 //!   and the portable optimizer-state layout, and the learning-rate schedulers,
@@ -50,6 +52,7 @@ pub mod lora;
 pub mod loss;
 pub mod model;
 pub mod module;
+pub mod objective;
 pub mod optim;
 pub mod precision;
 pub mod profile;

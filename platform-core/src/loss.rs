@@ -254,6 +254,18 @@ impl From<BceWithLogitsConfig> for Loss {
 }
 
 impl Loss {
+    /// The loss's name as configs write it (`"cross_entropy"`, `"mse"`...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Loss::CrossEntropy(_) => "cross_entropy",
+            Loss::Nll(_) => "nll",
+            Loss::Mse { .. } => "mse",
+            Loss::L1 { .. } => "l1",
+            Loss::SmoothL1(_) => "smooth_l1",
+            Loss::BceWithLogits(_) => "bce_with_logits",
+        }
+    }
+
     /// Cross-entropy with PyTorch's defaults.
     pub fn cross_entropy() -> Self {
         Loss::CrossEntropy(CrossEntropyConfig::new())

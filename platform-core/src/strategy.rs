@@ -42,11 +42,12 @@
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, Mode, StepLoss, StepPlan, Trainable};
+use crate::backend::{Backend, Mode, StepLoss, StepPlan, Trainable, UpdatePlan};
 use crate::distributed::Collectives;
 use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::module::Module;
+use crate::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use crate::optim::{OptimizerConfig, ParamGroup};
 use crate::precision::FloatPrecision;
 use crate::state_dict::StateDict;
@@ -403,6 +404,36 @@ where
     ) -> Result<StepLoss<B::Tensor>> {
         self.module
             .train_step_hooked(optimizer, inputs, targets, plan, &mut self.sync, true)
+    }
+
+    fn train_objective_step(
+        &mut self,
+        optimizer: &mut M::Optim,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+        plan: &UpdatePlan<'_>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<B::Tensor>> {
+        self.module.train_objective_step_hooked(
+            optimizer,
+            objective,
+            batch,
+            plan,
+            &mut self.sync,
+            deferred,
+        )
+    }
+
+    fn runs_any_objective(&self) -> bool {
+        self.module.runs_any_objective()
+    }
+
+    fn eval_objective(
+        &self,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+    ) -> Result<ObjectiveEval> {
+        self.module.eval_objective(objective, batch)
     }
 
     fn eval_step(

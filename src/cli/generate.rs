@@ -60,10 +60,11 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
         let pretrained = Pretrained::open(path)?;
         if !pretrained.is_decoder() {
             anyhow::bail!(
-                "{} is a {} model, not a causal language model: kiln generate runs the \
-                 llama, mistral, qwen2, qwen3 and gpt2 families",
+                "{} is a {} model, not a causal language model: kiln generate runs the {} \
+                 families",
                 path.display(),
-                pretrained.family()
+                pretrained.family(),
+                kiln_hf::Family::list(kiln_hf::FAMILIES.iter().copied().filter(|f| f.is_decoder()))
             );
         }
         let mut model = TorchModel::new(pretrained.layer(), device)?;

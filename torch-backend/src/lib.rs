@@ -47,6 +47,7 @@ mod custom;
 mod custom_layer;
 pub mod cxx_tensor;
 mod device;
+mod distillation;
 mod error;
 mod export;
 mod freeze;
@@ -73,6 +74,7 @@ pub use custom_layer::{
     torchscript_lowering_registered, CustomLayerFn, TorchScriptLowering, TorchScriptLoweringFn,
 };
 pub use device::{cuda_device_count, cuda_is_available, device_from_tch, device_to_tch};
+pub use distillation::{Distillation, DistillationConfig};
 pub use error::{torch_error, TorchError};
 pub use export::export_torchscript;
 pub use freeze::Freeze;
@@ -84,7 +86,7 @@ pub use optim::{
 };
 pub use profile::TorchProfiler;
 pub use script::{resolve_torchscript_shapes, ScriptModule};
-pub use train::train_step;
+pub use train::{eval_objective, objective_step, train_step};
 
 /// The libtorch version this crate is built for.
 pub const LIBTORCH_VERSION: &str = "2.11.0";

@@ -2,10 +2,11 @@
 //! and [`EagerBackend`], the primitives its steps are made of.
 
 use kiln_core::{
-    backend::{Backend, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable},
+    backend::{Backend, EagerBackend, StepLoss, StepPlan, TrainBackend, Trainable, UpdatePlan},
     loss::Loss,
     model::Layer,
     module::Module,
+    objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep},
     optim::{GradClip, OptimizerConfig, ParamGroup},
     precision::{FloatPrecision, LossScaling},
     strategy::{NoHooks, StepHooks},
@@ -71,6 +72,10 @@ impl TrainBackend for TorchBackend {
     /// [`TorchModel::checkpoint_activations`].
     fn checkpoint_activations(model: &mut TorchModel, patterns: &[&str]) -> Result<Vec<String>> {
         model.checkpoint_activations(patterns)
+    }
+
+    fn loss(loss: &Loss, output: &Tensor, target: &Tensor) -> Result<Tensor> {
+        compute_loss(loss, output, target)
     }
 
     fn copy_tensor(tensor: &Tensor) -> Result<Tensor> {
@@ -180,6 +185,49 @@ macro_rules! torch_steps {
             deferred: bool,
         ) -> Result<StepLoss<Tensor>> {
             train_step(self, optimizer, inputs, targets, plan, hooks, deferred)
+        }
+
+        fn train_objective_step(
+            &mut self,
+            optimizer: &mut TorchOptimizer,
+            objective: &dyn Objective<TorchBackend>,
+            batch: &ObjectiveBatch<'_, Tensor>,
+            plan: &UpdatePlan<'_>,
+            deferred: bool,
+        ) -> Result<ObjectiveStep<Tensor>> {
+            objective_step(
+                self,
+                optimizer,
+                objective,
+                batch,
+                plan,
+                &mut NoHooks,
+                deferred,
+            )
+        }
+
+        fn train_objective_step_hooked(
+            &mut self,
+            optimizer: &mut TorchOptimizer,
+            objective: &dyn Objective<TorchBackend>,
+            batch: &ObjectiveBatch<'_, Tensor>,
+            plan: &UpdatePlan<'_>,
+            hooks: &mut dyn StepHooks<TorchBackend>,
+            deferred: bool,
+        ) -> Result<ObjectiveStep<Tensor>> {
+            objective_step(self, optimizer, objective, batch, plan, hooks, deferred)
+        }
+
+        fn eval_objective(
+            &self,
+            objective: &dyn Objective<TorchBackend>,
+            batch: &ObjectiveBatch<'_, Tensor>,
+        ) -> Result<ObjectiveEval> {
+            eval_objective(self, objective, batch)
+        }
+
+        fn runs_any_objective(&self) -> bool {
+            true
         }
 
         fn eval_step(
@@ -301,11 +349,102 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
     hooks: &mut dyn StepHooks<TorchBackend>,
     deferred: bool,
 ) -> Result<StepLoss<Tensor>> {
+    let loss = |model: &M| -> Result<(Tensor, Vec<Tensor>)> {
+        let output = model.forward(inputs)?;
+        Ok((TorchBackend::loss(plan.loss, &output, targets)?, Vec::new()))
+    };
+    step_with(model, optimizer, loss, &plan.update(), hooks, deferred).map(|step| step.loss)
+}
+
+/// [`train_step`] for an [`Objective`]: its
+/// [`compute`](Objective::compute) gives the loss (and its metrics), and the
+/// rest of the step is the same. The metrics are read with the loss: now,
+/// or when deferred, left on the device as detached tensors.
+pub fn objective_step<M: Module<TorchBackend>>(
+    model: &M,
+    optimizer: &mut TorchOptimizer,
+    objective: &dyn Objective<TorchBackend>,
+    batch: &ObjectiveBatch<'_, Tensor>,
+    plan: &UpdatePlan<'_>,
+    hooks: &mut dyn StepHooks<TorchBackend>,
+    deferred: bool,
+) -> Result<ObjectiveStep<Tensor>> {
+    let expected = objective.metric_names().len();
+    let loss = |model: &M| -> Result<(Tensor, Vec<Tensor>)> {
+        let out = objective.compute(model, batch)?;
+        if out.metrics.len() != expected {
+            return Err(Error::invalid_argument(
+                "objective",
+                format!(
+                    "the {} objective returned {} metrics but names {expected}",
+                    objective.name(),
+                    out.metrics.len()
+                ),
+            ));
+        }
+        Ok((out.loss, out.metrics))
+    };
+    step_with(model, optimizer, loss, plan, hooks, deferred)
+}
+
+/// [`Trainable::eval_objective`] for an eager torch module: `compute` under
+/// `no_grad`, every number read.
+pub fn eval_objective<M: Module<TorchBackend>>(
+    model: &M,
+    objective: &dyn Objective<TorchBackend>,
+    batch: &ObjectiveBatch<'_, Tensor>,
+) -> Result<ObjectiveEval> {
+    TorchBackend::no_grad(|| {
+        let out = objective.compute(model, batch)?;
+        let outputs = out
+            .outputs
+            .as_ref()
+            .map(TorchBackend::to_host)
+            .transpose()?;
+        let metrics = out
+            .metrics
+            .iter()
+            .map(TorchBackend::item)
+            .collect::<Result<Vec<f64>>>()?;
+        Ok(ObjectiveEval {
+            loss: TorchBackend::item(&out.loss)?,
+            outputs,
+            metrics,
+        })
+    })
+}
+
+/// The step every torch training step is: `compute` gives the loss and the
+/// metrics (see [`train_step`] for the rest).
+fn step_with<M: Module<TorchBackend> + ?Sized>(
+    model: &M,
+    optimizer: &mut TorchOptimizer,
+    compute: impl FnOnce(&M) -> Result<(Tensor, Vec<Tensor>)>,
+    plan: &UpdatePlan<'_>,
+    hooks: &mut dyn StepHooks<TorchBackend>,
+    deferred: bool,
+) -> Result<ObjectiveStep<Tensor>> {
     let agree = hooks.agrees_on_loss();
     let on_device = deferred && !agree;
     hooks.before_forward(plan.apply)?;
-    let output = model.forward(inputs)?;
-    let loss = TorchBackend::loss(plan.loss, &output, targets)?;
+    let (loss, metrics) = compute(model)?;
+    // The metrics as the loss is: read now, or detached and left on the device.
+    let metrics = metrics
+        .iter()
+        .map(|m| {
+            if on_device {
+                m.f_detach()
+                    .map(StepLoss::Device)
+                    .map_err(|e| torch_error("keeping an objective's metric", e))
+            } else {
+                TorchBackend::item(m).map(StepLoss::Host)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let done = |loss: f64, metrics: Vec<StepLoss<Tensor>>| ObjectiveStep {
+        loss: StepLoss::Host(loss),
+        metrics,
+    };
     // The loss on the host, or kept on the device.
     let local = if on_device {
         StepLoss::Device(
@@ -315,7 +454,7 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
     } else {
         let value = TorchBackend::item(&loss)?;
         if !value.is_finite() && !agree {
-            return Ok(StepLoss::Host(value));
+            return Ok(done(value, metrics));
         }
         StepLoss::Host(value)
     };
@@ -335,7 +474,7 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
             let agreed = hooks.agreed_loss(value)?;
             if !agreed.is_finite() {
                 hooks.skipped()?;
-                return Ok(StepLoss::Host(agreed));
+                return Ok(done(agreed, metrics));
             }
             StepLoss::Host(agreed)
         }
@@ -345,7 +484,10 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
         apply_update(model, optimizer, plan.clip, on_device, hooks)?;
         hooks.after_update()?;
     }
-    Ok(result)
+    Ok(ObjectiveStep {
+        loss: result,
+        metrics,
+    })
 }
 
 /// The end of a micro-batch that applies: under loss scaling the gradients are
@@ -399,10 +541,6 @@ impl EagerBackend for TorchBackend {
             });
         }
         loss.f_backward().map_err(|e| torch_error("backward", e))
-    }
-
-    fn loss(loss: &Loss, output: &Tensor, target: &Tensor) -> Result<Tensor> {
-        compute_loss(loss, output, target)
     }
 
     fn scale(tensor: &Tensor, factor: f64) -> Result<Tensor> {

@@ -262,6 +262,7 @@ fn checkpoints_read_libtorch_memory_in_place_and_write_what_host_copies_would() 
                 scheduler: None,
                 metrics: Default::default(),
                 epoch_loss: None,
+                epoch_metrics: Default::default(),
                 averaged: None,
                 callbacks: Default::default(),
             }

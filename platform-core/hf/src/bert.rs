@@ -10,7 +10,19 @@ use kiln_core::model::{
 
 use crate::config::HfConfig;
 use crate::error::Result;
+use crate::family::{Family, FamilyTask};
 use crate::names::NameMap;
+
+/// BERT (`BertForSequenceClassification`, or the bare `BertModel`).
+pub(crate) static BERT: Family = Family {
+    model_type: "bert",
+    name: "BERT",
+    task: FamilyTask::Encoder,
+    architectures: &["ForSequenceClassification", "BertModel"],
+    hidden_size_key: "hidden_size",
+    fan_in_fan_out: false,
+    build: |c, archs| build(c, !archs.iter().any(|a| a == "BertModel")),
+};
 
 /// The model of `config` and the names of its tensors in the checkpoint;
 /// `classifier` builds `BertForSequenceClassification`, else `BertModel`.

@@ -10,7 +10,19 @@ use kiln_core::model::{
 
 use crate::config::HfConfig;
 use crate::error::Result;
+use crate::family::{Family, FamilyTask};
 use crate::names::{Mapping, NameMap};
+
+/// GPT-2 (`GPT2LMHeadModel`).
+pub(crate) static GPT2: Family = Family {
+    model_type: "gpt2",
+    name: "GPT-2",
+    task: FamilyTask::CausalLm,
+    architectures: &["ForCausalLM", "LMHeadModel"],
+    hidden_size_key: "n_embd",
+    fan_in_fan_out: true,
+    build: |c, _| build(c),
+};
 
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {

@@ -26,6 +26,7 @@ mod bert;
 mod bounds;
 mod config;
 mod error;
+mod family;
 mod gpt2;
 mod llama;
 mod names;
@@ -43,15 +44,10 @@ use kiln_core::{DType, HostTensor};
 
 pub use config::HfConfig;
 pub use error::{HfError, Result};
+pub use family::{Family, FamilyTask, FAMILIES};
 pub use names::{Mapping, NameMap};
 pub use peft::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 pub use tokenizer::TextTokenizer;
-
-/// The model families Kiln builds from a `config.json`'s `model_type`.
-pub const FAMILIES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2", "bert", "vit"];
-
-/// The families that are causal language models (and generate).
-const DECODERS: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gpt2"];
 
 /// A Hugging Face model directory's configuration file.
 pub const CONFIG: &str = "config.json";
@@ -65,7 +61,7 @@ const INDEX: &str = "model.safetensors.index.json";
 pub struct Pretrained {
     dir: PathBuf,
     config: HfConfig,
-    family: &'static str,
+    family: &'static Family,
     layer: Layer,
     names: NameMap,
     /// Whether [`with_head`](Pretrained::with_head) replaced the LM head.
@@ -135,44 +131,27 @@ impl Pretrained {
                     .collect()
             })
             .unwrap_or_default();
-        let wants = |suffixes: &[&str], family: &str| -> Result<()> {
-            match archs
-                .iter()
-                .find(|a| !suffixes.iter().any(|s| a.ends_with(s)))
-            {
-                Some(arch) => Err(config.unsupported(
-                    "architectures",
-                    format!("{arch}: Kiln builds {family} as {}", suffixes.join(" or ")),
-                )),
-                None => Ok(()),
-            }
+        let Some(family) = Family::of(&model_type) else {
+            return Err(HfError::UnknownFamily {
+                path: config.path().to_owned(),
+                model_type,
+                supported: Family::list(FAMILIES.iter().copied()),
+            });
         };
-        let (family, (layer, names)) = match model_type.as_str() {
-            "llama" => ("llama", llama::build(&config, "llama")?),
-            "mistral" => ("mistral", llama::build(&config, "mistral")?),
-            "qwen2" => ("qwen2", llama::build(&config, "qwen2")?),
-            "qwen3" => ("qwen3", llama::build(&config, "qwen3")?),
-            "gpt2" => ("gpt2", gpt2::build(&config)?),
-            "bert" => {
-                wants(&["ForSequenceClassification", "BertModel"], "BERT")?;
-                let bare = archs.iter().any(|a| a == "BertModel");
-                ("bert", bert::build(&config, !bare)?)
-            }
-            "vit" => {
-                wants(&["ForImageClassification"], "ViT")?;
-                ("vit", vit::build(&config)?)
-            }
-            _ => {
-                return Err(HfError::UnknownFamily {
-                    path: config.path().to_owned(),
-                    model_type,
-                    supported: FAMILIES.join(", "),
-                })
-            }
-        };
-        if DECODERS.contains(&family) {
-            wants(&["ForCausalLM", "LMHeadModel"], family)?;
+        if let Some(arch) = archs
+            .iter()
+            .find(|a| !family.architectures.iter().any(|s| a.ends_with(s)))
+        {
+            return Err(config.unsupported(
+                "architectures",
+                format!(
+                    "{arch}: Kiln builds {} as {}",
+                    family.name,
+                    family.architectures.join(" or ")
+                ),
+            ));
         }
+        let (layer, names) = (family.build)(&config, &archs)?;
         layer.validate()?;
         Ok(Pretrained {
             dir,
@@ -248,19 +227,16 @@ impl Pretrained {
 
     /// The width of the hidden states (`hidden_size`, GPT-2's `n_embd`).
     pub fn hidden_size(&self) -> Result<usize> {
-        match self.family {
-            "gpt2" => self.config.usize("n_embd"),
-            _ => self.config.usize("hidden_size"),
-        }
+        self.config.usize(self.family.hidden_size_key)
     }
 
     /// Whether the model is a causal language model (which generates).
     pub fn is_decoder(&self) -> bool {
-        DECODERS.contains(&self.family)
+        self.family.is_decoder()
     }
 
-    /// The family (`llama`, `qwen2`, `gpt2`, ...).
-    pub fn family(&self) -> &'static str {
+    /// The family (`llama`, `qwen2`, `gpt2`, ...; it displays as its `model_type`).
+    pub fn family(&self) -> &'static Family {
         self.family
     }
 
@@ -327,7 +303,7 @@ impl Pretrained {
                     return Err(HfError::UnexpectedTensor {
                         file,
                         name,
-                        family: self.family,
+                        family: self.family.model_type,
                     });
                 };
                 // Never cast: an integer tensor where the model has float
@@ -382,7 +358,7 @@ impl Pretrained {
             return Err(HfError::MissingTensor {
                 dir: self.dir.clone(),
                 name: missing.hf.clone(),
-                family: self.family,
+                family: self.family.model_type,
             });
         }
         Ok(out)

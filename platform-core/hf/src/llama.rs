@@ -10,7 +10,34 @@ use serde_json::Value;
 
 use crate::config::HfConfig;
 use crate::error::Result;
+use crate::family::{Family, FamilyTask};
 use crate::names::NameMap;
+
+/// A row of the LLaMA block's families.
+const fn decoder(
+    model_type: &'static str,
+    name: &'static str,
+    build: crate::family::Build,
+) -> Family {
+    Family {
+        model_type,
+        name,
+        task: FamilyTask::CausalLm,
+        architectures: &["ForCausalLM", "LMHeadModel"],
+        hidden_size_key: "hidden_size",
+        fan_in_fan_out: false,
+        build,
+    }
+}
+
+/// LLaMA (`LlamaForCausalLM`).
+pub(crate) static LLAMA: Family = decoder("llama", "LLaMA", |c, _| build(c, "llama"));
+/// Mistral (`MistralForCausalLM`).
+pub(crate) static MISTRAL: Family = decoder("mistral", "Mistral", |c, _| build(c, "mistral"));
+/// Qwen2 (`Qwen2ForCausalLM`): biases on q, k and v.
+pub(crate) static QWEN2: Family = decoder("qwen2", "Qwen2", |c, _| build(c, "qwen2"));
+/// Qwen3 (`Qwen3ForCausalLM`): RMSNorm on q and k.
+pub(crate) static QWEN3: Family = decoder("qwen3", "Qwen3", |c, _| build(c, "qwen3"));
 
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {

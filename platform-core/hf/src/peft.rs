@@ -177,7 +177,7 @@ impl Pretrained {
             "auto_mapping": null,
             "base_model_name_or_path": self.dir.display().to_string(),
             "bias": "none",
-            "fan_in_fan_out": self.family == "gpt2",
+            "fan_in_fan_out": self.family.fan_in_fan_out,
             "inference_mode": true,
             "init_lora_weights": true,
             "layers_pattern": null,

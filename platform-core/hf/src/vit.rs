@@ -12,7 +12,19 @@ use kiln_core::model::{
 use crate::bert::num_labels;
 use crate::config::HfConfig;
 use crate::error::Result;
+use crate::family::{Family, FamilyTask};
 use crate::names::{Mapping, NameMap};
+
+/// ViT (`ViTForImageClassification`).
+pub(crate) static VIT: Family = Family {
+    model_type: "vit",
+    name: "ViT",
+    task: FamilyTask::Encoder,
+    architectures: &["ForImageClassification"],
+    hidden_size_key: "hidden_size",
+    fan_in_fan_out: false,
+    build: |c, _| build(c),
+};
 
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {

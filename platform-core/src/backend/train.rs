@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::model::Layer;
 use crate::module::Module;
+use crate::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use crate::optim::{GradClip, Optimizer, OptimizerConfig, ParamGroup};
 use crate::precision::FloatPrecision;
 use crate::strategy::StepHooks;
@@ -26,6 +27,42 @@ pub struct StepPlan<'a> {
     pub apply: bool,
     /// Gradient clipping applied before the optimizer step (only when `apply`).
     pub clip: Option<&'a GradClip>,
+}
+
+impl<'a> StepPlan<'a> {
+    /// What the plan asks of the update, without its loss.
+    pub fn update(&self) -> UpdatePlan<'a> {
+        UpdatePlan {
+            scale: self.scale,
+            apply: self.apply,
+            clip: self.clip,
+        }
+    }
+}
+
+/// What a training micro-batch does with the loss an objective computes, for
+/// [`Trainable::train_objective_step`]: [`StepPlan`] less its loss.
+#[derive(Clone, Copy, Debug)]
+pub struct UpdatePlan<'a> {
+    /// Factor applied to the loss before differentiation (`1 / accumulate`
+    /// with gradient accumulation, otherwise 1).
+    pub scale: f64,
+    /// Whether this micro-batch ends an accumulation: clip, then step the optimizer.
+    pub apply: bool,
+    /// Gradient clipping applied before the optimizer step (only when `apply`).
+    pub clip: Option<&'a GradClip>,
+}
+
+impl<'a> UpdatePlan<'a> {
+    /// The [`StepPlan`] that minimises `loss` this way.
+    pub fn with_loss(&self, loss: &'a Loss) -> StepPlan<'a> {
+        StepPlan {
+            loss,
+            scale: self.scale,
+            apply: self.apply,
+            clip: self.clip,
+        }
+    }
 }
 
 /// The loss of a training step as [`Trainable::train_step_deferred`] returns it:
@@ -166,6 +203,97 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
             .map(StepLoss::Host)
     }
 
+    /// One training micro-batch of `objective`: its
+    /// [`compute`](Objective::compute) inside the step, then as
+    /// [`train_step`](Self::train_step) (or, when `deferred`,
+    /// [`train_step_deferred`](Self::train_step_deferred)) with its loss. What
+    /// the `Trainer` calls.
+    ///
+    /// The default runs an objective that is a supervised loss
+    /// ([`Objective::supervised_loss`]) through `train_step`, and refuses any
+    /// other, naming it: what a module whose step is one compiled program
+    /// (TensorFlow's) can do. Eager modules (libtorch's) run every objective.
+    fn train_objective_step(
+        &mut self,
+        optimizer: &mut Self::Optim,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+        plan: &UpdatePlan<'_>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<B::Tensor>> {
+        let Some(loss) = objective.supervised_loss() else {
+            return Err(objective_unsupported(objective, &self.kind()));
+        };
+        let plan = plan.with_loss(loss);
+        let loss = if deferred {
+            self.train_step_deferred(optimizer, batch.inputs, batch.targets, &plan)?
+        } else {
+            StepLoss::Host(self.train_step(optimizer, batch.inputs, batch.targets, &plan)?)
+        };
+        Ok(ObjectiveStep {
+            loss,
+            metrics: Vec::new(),
+        })
+    }
+
+    /// [`train_objective_step`](Self::train_objective_step) with a strategy's
+    /// [`StepHooks`], as [`train_step_hooked`](Self::train_step_hooked) is
+    /// `train_step` with them. The default runs a supervised objective
+    /// through `train_step_hooked` and refuses any other.
+    fn train_objective_step_hooked(
+        &mut self,
+        optimizer: &mut Self::Optim,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+        plan: &UpdatePlan<'_>,
+        hooks: &mut dyn StepHooks<B>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<B::Tensor>> {
+        let Some(loss) = objective.supervised_loss() else {
+            return Err(objective_unsupported(objective, &self.kind()));
+        };
+        let plan = plan.with_loss(loss);
+        let loss = self.train_step_hooked(
+            optimizer,
+            batch.inputs,
+            batch.targets,
+            &plan,
+            hooks,
+            deferred,
+        )?;
+        Ok(ObjectiveStep {
+            loss,
+            metrics: Vec::new(),
+        })
+    }
+
+    /// `objective` on one evaluation batch, without gradients (in the
+    /// module's current mode; the trainer sets eval mode). The default
+    /// evaluates a supervised objective through
+    /// [`eval_step`](Self::eval_step) and refuses any other.
+    fn eval_objective(
+        &self,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+    ) -> Result<ObjectiveEval> {
+        let Some(loss) = objective.supervised_loss() else {
+            return Err(objective_unsupported(objective, &self.kind()));
+        };
+        let (loss, outputs) = self.eval_step(loss, batch.inputs, batch.targets)?;
+        Ok(ObjectiveEval {
+            loss,
+            outputs: Some(outputs),
+            metrics: Vec::new(),
+        })
+    }
+
+    /// Whether [`train_objective_step`](Self::train_objective_step) runs
+    /// objectives other than a supervised loss: the query the trainer makes
+    /// before the first step. `false` unless the module implements them.
+    fn runs_any_objective(&self) -> bool {
+        false
+    }
+
     /// The loss value and the module's output on one batch, without gradients
     /// (the module's current mode is used; the trainer sets eval mode).
     fn eval_step(
@@ -248,6 +376,15 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
     fn shard_state_tensors(&self) -> Result<Option<crate::state_tensors::ShardState<B>>> {
         Ok(None)
     }
+}
+
+/// The refusal of an objective that a module's step cannot compute.
+pub fn objective_unsupported<B: Backend>(objective: &dyn Objective<B>, kind: &str) -> Error {
+    Error::unsupported(format!(
+        "the {} objective on {kind}: its training step computes a supervised loss only \
+         (objectives that compute their own loss train on the torch backend)",
+        objective.name()
+    ))
 }
 
 /// A backend the `Trainer` (in `kiln-train`) can drive from Kiln [`Layer`]
@@ -353,6 +490,19 @@ pub trait TrainBackend: Backend {
         )))
     }
 
+    /// `loss(output, target)` as a tensor: on an eager engine one that
+    /// [`EagerBackend::backward`] accepts, what [`Supervised`](crate::objective::Supervised) computes
+    /// inside a step. The default refuses: a graph engine computes its losses
+    /// inside its compiled step.
+    fn loss(loss: &Loss, output: &Self::Tensor, target: &Self::Tensor) -> Result<Self::Tensor> {
+        let _ = (output, target);
+        Err(Error::unsupported(format!(
+            "computing the {} loss outside the {} backend's compiled training step",
+            loss.name(),
+            Self::NAME
+        )))
+    }
+
     /// A copy of `tensor` on its device that shares no storage with it and
     /// records nothing for autograd (`tensor.detach().clone()`): where a weight
     /// average starts.
@@ -443,9 +593,6 @@ pub trait EagerBackend: TrainBackend {
     /// Computes gradients of the scalar `loss` with respect to every parameter
     /// that requires them, accumulating into their `.grad` (PyTorch semantics).
     fn backward(loss: &Self::Tensor) -> Result<()>;
-
-    /// `loss(output, target)`, a tensor that [`backward`](Self::backward) accepts.
-    fn loss(loss: &Loss, output: &Self::Tensor, target: &Self::Tensor) -> Result<Self::Tensor>;
 
     /// `tensor * factor`, keeping the autograd graph (gradient accumulation scales losses).
     fn scale(tensor: &Self::Tensor, factor: f64) -> Result<Self::Tensor>;

@@ -59,6 +59,7 @@ fn sample(step: u64, val_loss: f64) -> Checkpoint {
         scheduler: Some(serde_json::json!({"last_epoch": step, "lrs": [0.01]})),
         metrics: BTreeMap::from([("val_loss".to_owned(), val_loss)]),
         epoch_loss: Some((12.5, 40)),
+        epoch_metrics: [("kl".to_owned(), (3.0, 40))].into(),
         averaged: None,
         callbacks: Default::default(),
     }

@@ -37,7 +37,7 @@ impl<S> Checkpoint<S> {
     /// #         model: Default::default(), optimizer: Default::default(), step: 7,
     /// #         epoch: 1, batch_in_epoch, seed: 0, world_size: 1, backend: "torch".into(),
     /// #         optimizer_kind: None, model_definition: None, lora: None, data: None, data_order,
-    /// #         scheduler: None, metrics: Default::default(), epoch_loss: None, averaged: None, callbacks: Default::default(),
+    /// #         scheduler: None, metrics: Default::default(), epoch_loss: None, epoch_metrics: Default::default(), averaged: None, callbacks: Default::default(),
     /// #     }
     /// # }
     /// let path = Path::new("old.safetensors");
@@ -96,6 +96,7 @@ mod tests {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            epoch_metrics: Default::default(),
             averaged: None,
             callbacks: Default::default(),
         }

@@ -124,6 +124,7 @@ mod tests {
             scheduler: None,
             metrics: Default::default(),
             epoch_loss: None,
+            epoch_metrics: Default::default(),
             averaged: None,
             callbacks: Default::default(),
         };

@@ -21,6 +21,7 @@
 //! | metadata `kiln.scheduler` | the learning-rate schedule's state (JSON) |
 //! | metadata `kiln.metrics` | the metrics of the last evaluation (JSON) |
 //! | metadata `kiln.epoch_loss` | the epoch's training loss so far, `[sum, samples]` (JSON) |
+//! | metadata `kiln.epoch_metrics` | the objective's metrics so far, `{name: [sum, samples]}` (JSON; only when it has some) |
 //! | metadata `kiln.callbacks` | the callbacks' states by [`state_key`](crate::Callback::state_key) (JSON; absent: none) |
 //!
 //! Files are written atomically (temporary file, fsync, rename), so a crash
@@ -113,6 +114,10 @@ pub struct Checkpoint<S = StateDict> {
     /// per-sample losses and the number of samples: a run resumed mid-epoch
     /// reports the epoch's loss over all its batches, as an uninterrupted one.
     pub epoch_loss: Option<(f64, u64)>,
+    /// The epoch's running means of the objective's metrics so far
+    /// ([`Objective::metric_names`](kiln_core::objective::Objective::metric_names)),
+    /// by name, as `[sum, samples]` each; empty for a supervised loss.
+    pub epoch_metrics: BTreeMap<String, (f64, u64)>,
     /// The run's weight average ([`WeightAveraging`](crate::WeightAveraging)),
     /// if it keeps one: the averaged tensors and how many updates made them.
     pub averaged: Option<Averaged<S>>,
@@ -226,6 +231,12 @@ impl<S: WritableState> Checkpoint<S> {
         meta.insert("kiln.metrics".to_owned(), to_json(&self.metrics, path)?);
         if let Some(loss) = &self.epoch_loss {
             meta.insert("kiln.epoch_loss".to_owned(), to_json(loss, path)?);
+        }
+        if !self.epoch_metrics.is_empty() {
+            meta.insert(
+                "kiln.epoch_metrics".to_owned(),
+                to_json(&self.epoch_metrics, path)?,
+            );
         }
         if !self.callbacks.is_empty() {
             meta.insert("kiln.callbacks".to_owned(), to_json(&self.callbacks, path)?);
@@ -466,6 +477,16 @@ impl Checkpoint {
                 })?),
                 None => None,
             },
+            epoch_metrics: match parse_json("kiln.epoch_metrics")? {
+                Some(v) => serde_json::from_value(v).map_err(|e| {
+                    bad_json(
+                        "metadata `kiln.epoch_metrics` is not an object of [sum, samples]"
+                            .to_owned(),
+                        e,
+                    )
+                })?,
+                None => BTreeMap::new(),
+            },
             averaged,
             callbacks: match parse_json("kiln.callbacks")? {
                 Some(v) => serde_json::from_value(v).map_err(|e| {
@@ -511,6 +532,7 @@ impl<S: Default> Checkpoint<S> {
             scheduler: None,
             metrics: BTreeMap::new(),
             epoch_loss: None,
+            epoch_metrics: Default::default(),
             averaged: None,
             callbacks: BTreeMap::new(),
         }

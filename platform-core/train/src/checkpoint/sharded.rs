@@ -165,6 +165,7 @@ pub fn save_sharded_checkpoint<S: WritableState>(
             scheduler: part.scheduler.clone(),
             metrics: part.metrics.clone(),
             epoch_loss: part.epoch_loss,
+            epoch_metrics: part.epoch_metrics.clone(),
             averaged: None,
             callbacks: part.callbacks.clone(),
         };

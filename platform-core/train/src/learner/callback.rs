@@ -76,8 +76,10 @@ impl<'a> Sinks<'a> {
 /// What [`Callback::on_fit_start`] is told about the run, before its first step.
 #[derive(Clone, Copy, Debug)]
 pub struct FitInfo<'a> {
-    /// The loss the run minimises.
-    pub loss: &'a Loss,
+    /// The supervised loss the run minimises, if its objective is one.
+    pub loss: Option<&'a Loss>,
+    /// The objective's name ([`Objective::name`](kiln_core::objective::Objective::name)).
+    pub objective: &'a str,
     /// Where the model and batches live.
     pub device: Device,
     /// Whether `fit` was given validation data.

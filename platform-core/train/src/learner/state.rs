@@ -27,6 +27,9 @@ pub struct TrainingState<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>:
     pub batch_in_epoch: u64,
     /// The training loss of those micro-batches, for the epoch's record.
     pub epoch_loss: LossMetric,
+    /// The objective's metrics over those micro-batches, in its order
+    /// ([`Objective::metric_names`](kiln_core::objective::Objective::metric_names)).
+    pub epoch_metrics: Vec<LossMetric>,
     /// A moving average of the weights, if the run keeps one
     /// ([`with_weight_averaging`](Self::with_weight_averaging)): the trainer
     /// updates it after the optimizer steps its config names, checkpoints it,
@@ -64,6 +67,7 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
             epoch: 0,
             batch_in_epoch: 0,
             epoch_loss: LossMetric::new("loss"),
+            epoch_metrics: Vec::new(),
             averaging: None,
             callback_states: Default::default(),
         }
@@ -160,6 +164,11 @@ impl<B: TrainBackend, M: Trainable<B>> TrainingState<B, M> {
         // running mean: the epoch's loss then covers the batches after it.
         let (sum, samples) = checkpoint.epoch_loss.unwrap_or_default();
         self.epoch_loss = LossMetric::with_parts("loss", sum, samples);
+        self.epoch_metrics = checkpoint
+            .epoch_metrics
+            .iter()
+            .map(|(name, (sum, samples))| LossMetric::with_parts(name.clone(), *sum, *samples))
+            .collect();
         self.callback_states = checkpoint.callbacks.clone();
         Ok(())
     }

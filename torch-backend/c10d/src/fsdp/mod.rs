@@ -8,10 +8,11 @@
 
 use std::sync::Arc;
 
-use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable};
+use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable, UpdatePlan};
 use kiln_core::distributed::{Collectives, DistributedOptions};
 use kiln_core::loss::Loss;
 use kiln_core::module::Module;
+use kiln_core::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::state_dict::StateDict;
@@ -526,6 +527,38 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
             &mut self.hooks,
             true,
         )
+    }
+
+    fn train_objective_step(
+        &mut self,
+        optimizer: &mut FsdpOptimizer,
+        objective: &dyn Objective<TorchBackend>,
+        batch: &ObjectiveBatch<'_, Tensor>,
+        plan: &UpdatePlan<'_>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<Tensor>> {
+        self.model.train_objective_step_hooked(
+            &mut optimizer.inner,
+            objective,
+            batch,
+            plan,
+            &mut self.hooks,
+            deferred,
+        )
+    }
+
+    fn runs_any_objective(&self) -> bool {
+        self.model.runs_any_objective()
+    }
+
+    /// A collective, as every forward pass.
+    fn eval_objective(
+        &self,
+        objective: &dyn Objective<TorchBackend>,
+        batch: &ObjectiveBatch<'_, Tensor>,
+    ) -> Result<ObjectiveEval> {
+        self.hooks.schedule.begin(Pass::Eval)?;
+        self.model.eval_objective(objective, batch)
     }
 
     /// A collective, as every forward pass.

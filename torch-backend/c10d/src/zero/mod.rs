@@ -6,10 +6,11 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable};
+use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable, UpdatePlan};
 use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp};
 use kiln_core::loss::Loss;
 use kiln_core::module::Module;
+use kiln_core::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::state_dict::StateDict;
@@ -612,6 +613,36 @@ impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
             &mut self.hooks,
             true,
         )
+    }
+
+    fn train_objective_step(
+        &mut self,
+        optimizer: &mut ShardedOptimizer,
+        objective: &dyn Objective<TorchBackend>,
+        batch: &ObjectiveBatch<'_, Tensor>,
+        plan: &UpdatePlan<'_>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<Tensor>> {
+        self.module.train_objective_step_hooked(
+            &mut optimizer.inner,
+            objective,
+            batch,
+            plan,
+            &mut self.hooks,
+            deferred,
+        )
+    }
+
+    fn runs_any_objective(&self) -> bool {
+        self.module.runs_any_objective()
+    }
+
+    fn eval_objective(
+        &self,
+        objective: &dyn Objective<TorchBackend>,
+        batch: &ObjectiveBatch<'_, Tensor>,
+    ) -> Result<ObjectiveEval> {
+        self.module.eval_objective(objective, batch)
     }
 
     fn eval_step(

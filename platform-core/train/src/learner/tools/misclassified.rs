@@ -72,13 +72,22 @@ impl MisclassifiedImages {
     }
 
     /// Checks the settings against the run's loss, before the first step.
-    pub(crate) fn validate(&self, loss: &Loss) -> Result<()> {
+    pub(crate) fn validate(&self, loss: Option<&Loss>, objective: &str) -> Result<()> {
         if self.count == 0 {
             return Err(Error::invalid_argument(
                 "logging.misclassified_images",
                 "is 0: give the number of samples to show (at least 1)",
             ));
         }
+        let Some(loss) = loss else {
+            return Err(Error::invalid_argument(
+                "logging.misclassified_images",
+                format!(
+                    "needs a classifier trained on class indices (loss cross_entropy or nll); \
+                     this run trains the {objective} objective"
+                ),
+            ));
+        };
         if !matches!(loss, Loss::CrossEntropy(_) | Loss::Nll(_)) {
             return Err(Error::invalid_argument(
                 "logging.misclassified_images",
@@ -304,7 +313,7 @@ impl MisclassifiedLogger {
 impl<B: TrainBackend, M: Trainable<B>> Callback<B, M> for MisclassifiedLogger {
     /// Checks the loss, and that there is validation data to draw from.
     fn on_fit_start(&mut self, _cx: &mut Context<'_, B, M>, run: &FitInfo<'_>) -> Result<()> {
-        self.config.validate(run.loss)?;
+        self.config.validate(run.loss, run.objective)?;
         if !run.has_validation {
             return Err(Error::invalid_argument(
                 "logging.misclassified_images",
@@ -511,9 +520,11 @@ mod tests {
             err.to_string().contains("class 2 of validation sample 1"),
             "{err}"
         );
-        assert!(config.validate(&Loss::mse()).is_err());
+        assert!(config
+            .validate(Some(&Loss::mse()), "supervised mse")
+            .is_err());
         assert!(MisclassifiedImages::new(0)
-            .validate(&Loss::cross_entropy())
+            .validate(Some(&Loss::cross_entropy()), "supervised cross_entropy")
             .is_err());
         Ok(())
     }

@@ -9,6 +9,7 @@ use crate::metric::{LossMetric, Metric};
 use kiln_core::backend::{Mode, TrainBackend, Trainable};
 use kiln_core::distributed::{Collectives, ReduceOp};
 use kiln_core::error::{Error, Result};
+use kiln_core::objective::ObjectiveBatch;
 use kiln_core::tensor::HostTensor;
 use kiln_data::DataLoader;
 
@@ -150,22 +151,53 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
             rounds = Some(most[0] as usize);
         }
+        let mut objective_metrics: Vec<LossMetric> = self
+            .objective
+            .metric_names()
+            .into_iter()
+            .map(LossMetric::new)
+            .collect();
         let mut ran = 0;
         let mut last = None;
         for batch in loader.batches(0) {
             let batch = batch?;
             let inputs = B::from_host(&batch.inputs, self.config.device)?;
             let targets = B::from_host(&batch.targets, self.config.device)?;
-            let (value, output) = model.eval_step(&self.loss, &inputs, &targets)?;
-            loss.update_value(value, batch.targets.dims().first().copied().unwrap_or(1));
-            for metric in &mut metrics {
-                metric.update(&output, &batch.targets)?;
+            let on_device = ObjectiveBatch {
+                inputs: &inputs,
+                targets: &targets,
+            };
+            let evaluated = model.eval_objective(self.objective.as_ref(), &on_device)?;
+            let rows = batch.targets.dims().first().copied().unwrap_or(1);
+            loss.update_value(evaluated.loss, rows);
+            for (mean, value) in objective_metrics.iter_mut().zip(&evaluated.metrics) {
+                mean.update_value(*value, rows);
             }
-            if let Some(callbacks) = on_batch.as_deref_mut() {
+            match &evaluated.outputs {
+                Some(output) => {
+                    for metric in &mut metrics {
+                        metric.update(output, &batch.targets)?;
+                    }
+                }
+                None if !metrics.is_empty() => {
+                    return Err(Error::invalid_argument(
+                        "metrics",
+                        format!(
+                            "the {} objective gives no predictions to compute `{}` on",
+                            self.objective.name(),
+                            metrics[0].name()
+                        ),
+                    ));
+                }
+                None => {}
+            }
+            if let (Some(callbacks), Some(output)) =
+                (on_batch.as_deref_mut(), evaluated.outputs.as_ref())
+            {
                 let seen = ValidationBatch {
                     inputs: &batch.inputs,
                     targets: &batch.targets,
-                    outputs: &output,
+                    outputs: output,
                 };
                 for callback in callbacks.iter_mut() {
                     callback.on_validation_batch_end(&seen)?;
@@ -177,16 +209,21 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             }
         }
         if let (Some(rounds), Some((inputs, targets))) = (rounds, &last) {
+            let on_device = ObjectiveBatch { inputs, targets };
             for _ in ran..rounds {
-                drop(model.eval_step(&self.loss, inputs, targets)?);
+                drop(model.eval_objective(self.objective.as_ref(), &on_device)?);
             }
         }
         if let Some(group) = model.collectives() {
             let mut all: Vec<&mut dyn Metric> = vec![&mut loss];
+            all.extend(objective_metrics.iter_mut().map(|m| m as &mut dyn Metric));
             all.extend(metrics.iter_mut().map(|m| m.as_mut() as &mut dyn Metric));
             reduce_metrics(group.as_ref(), &mut all)?;
         }
         let mut out = vec![("loss".to_owned(), loss.compute()?)];
+        for mean in &objective_metrics {
+            out.push((mean.name().to_owned(), mean.compute()?));
+        }
         for metric in &metrics {
             out.push((metric.name().to_owned(), metric.compute()?));
         }

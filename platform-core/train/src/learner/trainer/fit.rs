@@ -74,8 +74,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     ) -> Result<History> {
         self.check_fit(state, val.is_some())?;
         self.restore_callbacks(state)?;
+        let objective = self.objective.name();
         let run = FitInfo {
-            loss: &self.loss,
+            loss: self.objective.supervised_loss(),
+            objective: &objective,
             device: self.config.device,
             has_validation: val.is_some(),
             batches_per_epoch: train.num_batches() as u64,
@@ -106,10 +108,32 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         Ok(history)
     }
 
-    /// What `fit` refuses before the first step: a model in another
-    /// precision, a schedule that cannot step as configured, a weight average
-    /// that does not fit the state or the strategy.
+    /// What `fit` refuses before the first step: an objective the model's
+    /// step cannot compute, a model in another precision, a schedule that
+    /// cannot step as configured, a weight average that does not fit the
+    /// state or the strategy. Gives the state the objective's running means.
     fn check_fit(&self, state: &mut TrainingState<B, M>, has_validation: bool) -> Result<()> {
+        if self.objective.supervised_loss().is_none() && !state.model.runs_any_objective() {
+            return Err(kiln_core::backend::objective_unsupported(
+                self.objective.as_ref(),
+                &state.model.kind(),
+            ));
+        }
+        // The epoch's means of the objective's metrics: those a checkpoint
+        // restored, by name, else new ones.
+        let restored = std::mem::take(&mut state.epoch_metrics);
+        state.epoch_metrics = self
+            .objective
+            .metric_names()
+            .into_iter()
+            .map(|name| {
+                restored
+                    .iter()
+                    .find(|m| m.name() == name)
+                    .cloned()
+                    .unwrap_or_else(|| LossMetric::new(name))
+            })
+            .collect();
         let precision = state.model.precision();
         if precision != self.config.precision {
             return Err(Error::invalid_argument(
@@ -300,6 +324,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         }
         let mut record = EpochRecord::new();
         record.insert("loss".to_owned(), state.epoch_loss.compute()?);
+        for metric in &state.epoch_metrics {
+            record.insert(metric.name().to_owned(), metric.compute()?);
+        }
         record.insert("lr".to_owned(), state.optimizer.learning_rate());
         if let Some(val) = val {
             for (name, value) in self.validate_epoch(state, val)? {
@@ -332,6 +359,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         state.epoch += 1;
         state.batch_in_epoch = 0;
         state.epoch_loss = LossMetric::new("loss");
+        for metric in &mut state.epoch_metrics {
+            *metric = LossMetric::new(metric.name());
+        }
         if self
             .checkpointer
             .as_ref()

@@ -23,6 +23,7 @@ use kiln_core::device::Device;
 use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::model::Layer;
+use kiln_core::objective::{Objective, Supervised};
 use kiln_core::optim::GradClip;
 use kiln_core::precision::FloatPrecision;
 use kiln_core::rng::SplitMix64;
@@ -217,7 +218,7 @@ pub enum LossReads {
 /// ```
 pub struct Trainer<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model> {
     config: TrainerConfig,
-    loss: Loss,
+    objective: Box<dyn Objective<B>>,
     metrics: Vec<Box<dyn Fn() -> Box<dyn Metric> + Send>>,
     callbacks: Vec<Box<dyn Callback<B, M>>>,
     sinks: Vec<Box<dyn MetricSink>>,
@@ -237,7 +238,7 @@ impl<B: TrainBackend, M: Trainable<B>> std::fmt::Debug for Trainer<B, M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Trainer")
             .field("config", &self.config)
-            .field("loss", &self.loss)
+            .field("objective", &self.objective.name())
             .finish_non_exhaustive()
     }
 }
@@ -249,13 +250,36 @@ fn step_seed(seed: u64, step: u64) -> u64 {
 }
 
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// A trainer minimising `loss`.
+    /// A trainer minimising `loss` (the [`Supervised`] objective).
     pub fn new(config: TrainerConfig, loss: Loss) -> Result<Self> {
-        config.validate()?;
         loss.validate()?;
+        Self::with_objective(config, Supervised::new(loss))
+    }
+
+    /// A trainer minimising `objective`: what the step computes, of which a
+    /// supervised loss ([`Trainer::new`]) is one (see
+    /// [`kiln_core::objective`]). `fit` refuses, before the first step, an
+    /// objective the model's step cannot compute (any but a supervised loss
+    /// on TensorFlow).
+    ///
+    /// ```
+    /// use kiln_core::backend::{TrainBackend, Trainable};
+    /// use kiln_core::loss::Loss;
+    /// use kiln_core::objective::Supervised;
+    /// use kiln_train::{Trainer, TrainerConfig};
+    ///
+    /// fn trainer_for<B: TrainBackend, M: Trainable<B>>() -> kiln_core::Result<Trainer<B, M>> {
+    ///     Trainer::<B, M>::with_objective(TrainerConfig::default(), Supervised::new(Loss::mse()))
+    /// }
+    /// ```
+    pub fn with_objective(
+        config: TrainerConfig,
+        objective: impl Objective<B> + 'static,
+    ) -> Result<Self> {
+        config.validate()?;
         Ok(Self {
             config,
-            loss,
+            objective: Box::new(objective),
             metrics: Vec::new(),
             callbacks: Vec::new(),
             sinks: Vec::new(),
@@ -319,6 +343,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// The configuration.
     pub fn config(&self) -> &TrainerConfig {
         &self.config
+    }
+
+    /// What the steps minimise.
+    pub fn objective(&self) -> &dyn Objective<B> {
+        self.objective.as_ref()
     }
 
     /// Adds a metric computed on validation (and `evaluate`) batches; `make`

@@ -1,6 +1,7 @@
 //! How the trainer writes its checkpoints: one file from rank 0, or under a
 //! sharded strategy, each rank's part of a sharded set.
 
+use crate::metric::Metric;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -54,6 +55,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             scheduler: state.scheduler.as_ref().map(|s| s.state()).transpose()?,
             metrics: metrics.clone(),
             epoch_loss: Some((state.epoch_loss.sum(), state.epoch_loss.samples())),
+            epoch_metrics: state
+                .epoch_metrics
+                .iter()
+                .map(|m| (Metric::name(m).to_owned(), (m.sum(), m.samples())))
+                .collect(),
             averaged: state
                 .averaging
                 .as_ref()

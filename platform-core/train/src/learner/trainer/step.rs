@@ -7,28 +7,49 @@ use super::fit::{any_stops, each_callback};
 use super::{step_seed, EpochRecord, LossReads, ScheduleInterval, Trainer};
 use crate::learner::callback::Flow;
 use crate::learner::state::TrainingState;
-use kiln_core::backend::{StepLoss, StepPlan, TrainBackend, Trainable};
+use crate::metric::Metric;
+use kiln_core::backend::{StepLoss, TrainBackend, Trainable, UpdatePlan};
 use kiln_core::error::{Error, Result};
+use kiln_core::objective::{ObjectiveBatch, ObjectiveStep};
 use kiln_core::optim::Optimizer;
 use kiln_data::DataLoader;
 
 /// A training micro-batch's loss not yet read: the optimizer step it belongs
-/// to, its rows, and the loss.
+/// to, its rows, the loss and the objective's metrics.
 pub(super) struct PendingLoss<T> {
     step: u64,
     rows: usize,
     loss: StepLoss<T>,
+    metrics: Vec<StepLoss<T>>,
+}
+
+/// The numbers of the last micro-batch read: its loss and the objective's
+/// metrics (NaN before any is read).
+#[derive(Clone, Debug)]
+pub(super) struct StepValues {
+    loss: f64,
+    metrics: Vec<f64>,
+}
+
+impl StepValues {
+    fn unread() -> Self {
+        Self {
+            loss: f64::NAN,
+            metrics: Vec::new(),
+        }
+    }
 }
 
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// Reads the pending losses in order into the epoch's loss and the sinks'
-    /// batch records; a non-finite one is [`Error::NonFiniteLoss`] naming its
-    /// step. Returns the last value read.
+    /// Reads the pending losses in order into the epoch's loss (and the
+    /// objective's metrics into theirs) and the sinks' batch records; a
+    /// non-finite loss is [`Error::NonFiniteLoss`] naming its step. Returns
+    /// the last values read.
     pub(super) fn read_losses(
         &mut self,
         state: &mut TrainingState<B, M>,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
-    ) -> Result<Option<f64>> {
+    ) -> Result<Option<StepValues>> {
         let mut last = None;
         for p in pending.drain(..) {
             let value = p.loss.value::<B>()?;
@@ -39,10 +60,19 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 });
             }
             state.epoch_loss.update_value(value, p.rows);
+            let mut metrics = Vec::with_capacity(p.metrics.len());
+            for (metric, mean) in p.metrics.iter().zip(&mut state.epoch_metrics) {
+                let value = metric.value::<B>()?;
+                mean.update_value(value, p.rows);
+                metrics.push(value);
+            }
             for sink in &mut self.sinks {
                 sink.log_batch(p.rows, value)?;
             }
-            last = Some(value);
+            last = Some(StepValues {
+                loss: value,
+                metrics,
+            });
         }
         Ok(last)
     }
@@ -92,8 +122,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             let inputs = B::from_host(&batch.inputs, device)?;
             let targets = B::from_host(&batch.targets, device)?;
             let apply = micro + 1 >= accumulate;
-            let plan = StepPlan {
-                loss: &self.loss,
+            let plan = UpdatePlan {
                 scale: if accumulate > 1 {
                     1.0 / accumulate as f64
                 } else {
@@ -102,27 +131,29 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 apply,
                 clip: self.config.clip.as_ref(),
             };
-            let loss = if deferred {
-                state
-                    .model
-                    .train_step_deferred(&mut state.optimizer, &inputs, &targets, &plan)?
-            } else {
-                StepLoss::Host(state.model.train_step(
-                    &mut state.optimizer,
-                    &inputs,
-                    &targets,
-                    &plan,
-                )?)
+            let batch_on_device = ObjectiveBatch {
+                inputs: &inputs,
+                targets: &targets,
             };
+            let ObjectiveStep { loss, metrics } = state.model.train_objective_step(
+                &mut state.optimizer,
+                self.objective.as_ref(),
+                &batch_on_device,
+                &plan,
+                deferred,
+            )?;
             pending.push(PendingLoss {
                 step: state.step + 1,
                 rows: batch.targets.dims().first().copied().unwrap_or(1),
                 loss,
+                metrics,
             });
-            // The last value read: this micro-batch's unless reads are deferred.
-            let mut value = f64::NAN;
+            // The last values read: this micro-batch's unless reads are deferred.
+            let mut value = StepValues::unread();
             if !deferred {
-                value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
+                value = self
+                    .read_losses(state, pending)?
+                    .unwrap_or_else(StepValues::unread);
             }
             micro += 1;
             state.batch_in_epoch += 1;
@@ -144,7 +175,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         &mut self,
         state: &mut TrainingState<B, M>,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
-        mut value: f64,
+        mut value: StepValues,
         deferred: bool,
         averaging_epoch: bool,
     ) -> Result<Flow> {
@@ -169,13 +200,18 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 .as_ref()
                 .is_some_and(|p| p.due_after_step(state.step));
         if deferred && (logged || checkpoint_due) {
-            value = self.read_losses(state, pending)?.unwrap_or(f64::NAN);
+            value = self
+                .read_losses(state, pending)?
+                .unwrap_or_else(StepValues::unread);
         }
         if logged {
             let mut row = vec![
-                ("loss".to_owned(), value),
+                ("loss".to_owned(), value.loss),
                 ("lr".to_owned(), state.optimizer.learning_rate()),
             ];
+            for (metric, v) in state.epoch_metrics.iter().zip(&value.metrics) {
+                row.push((Metric::name(metric).to_owned(), *v));
+            }
             each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
                 cb.on_log_step(cx, &mut row)
             })?;
@@ -187,7 +223,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             sink.end_step(state.step)?;
         }
         let stop = any_stops(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
-            cb.on_step_end(cx, value)
+            cb.on_step_end(cx, value.loss)
         })?;
         if checkpoint_due {
             self.save_checkpoint(state, &EpochRecord::new())?;
