@@ -584,6 +584,16 @@ fn fsdp_equals_ddp_and_refuses_what_cannot_work() -> Result<()> {
     );
     assert!(loss_diff < 1e-6, "losses differ by {loss_diff}");
     assert!(weight_diff < 1e-6, "weights differ by {weight_diff}");
+    // The wrapper tells what the model it wraps would: its batch norms (SWA's
+    // statistics pass needs them) and, frozen, the whole model's names.
+    let stats = sharded.running_stats()?;
+    assert_eq!(stats, ddp.running_stats()?);
+    assert_eq!(stats.len(), 1, "{stats:?}");
+    assert_eq!(sharded.frozen_parameters()?, Vec::<String>::new());
+    let mut frozen = model(7)?;
+    kiln_torch::Freeze::freeze(&mut frozen, &["0.*"])?;
+    let frozen = fully_shard(frozen, group.clone(), &shard, &options)?;
+    assert_eq!(frozen.frozen_parameters()?, ["0.weight", "0.bias"]);
 
     // Evaluation through the Trainer, rank 0 on 3 batches and rank 1 on 2:
     // every forward pass is a collective, so rank 1 runs its last batch once

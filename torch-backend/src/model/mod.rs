@@ -1,4 +1,12 @@
 //! [`TorchModel`]: a Kiln [`Layer`] definition built natively on libtorch.
+//!
+//! The model, its nodes and its forward pass are here; each feature is an
+//! `impl TorchModel` block of its own file: building from the definition
+//! (`build.rs`), [`Module`] (`module.rs`), dtype and precision
+//! (`precision.rs`), LoRA (`lora.rs`), activation checkpointing
+//! (`activation_checkpointing.rs`), frozen batch norm
+//! (`frozen_batch_norm.rs`), cached decoding (`decode.rs`), TorchScript
+//! layers (`script_layers.rs`) and sharded units (`sharding.rs`).
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -7,25 +15,32 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kiln_core::{
     backend::Mode,
     lora::LoraConfig,
-    model::{InitDistribution, Layer, ParamKind, ParamSpec},
+    model::{Layer, ParamKind},
     module::Module,
     precision::FloatPrecision,
     state_dict::StateDict,
-    state_tensors::StateTensors,
     DType, Device, Error, Result,
 };
-use tch::{Kind, TchError, Tensor};
+use tch::{TchError, Tensor};
 
-use crate::backend::TorchBackend;
 use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
-use crate::custom::copy_state;
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
-use crate::freeze::{all_frozen, Freeze};
-use crate::layers::{self, join, DecodeStep, Failure, Forward, ForwardResult, Lookup};
+use crate::layers::{join, Failure, Forward, ForwardResult};
 use crate::script::ScriptModule;
 
+mod activation_checkpointing;
+mod build;
+mod decode;
+mod frozen_batch_norm;
+mod lora;
+mod module;
+mod precision;
+mod script_layers;
 mod sharding;
+
+use build::{build, collect_entries};
+use precision::cast_float;
 
 use kiln_core::module::name_matches;
 pub use sharding::ShardedUnit;
@@ -317,215 +332,6 @@ impl TorchModel {
         })
     }
 
-    /// Adds LoRA adapters to the projections `lora` targets and freezes
-    /// everything else, as `peft.get_peft_model` does: each targeted
-    /// projection gains `{module}.lora_A.weight` (`[r, in]`, PEFT's
-    /// initialisation) and `{module}.lora_B.weight` (`[out, r]`, zero), so
-    /// the model computes what it did until the adapters train. Returns the
-    /// adapters' parameter names. Call it before [`set_precision`](TorchModel::set_precision)
-    /// and before building the optimizer, which then holds the adapters only.
-    ///
-    /// A target that matches no projection, a model that already has
-    /// adapters, or one with TorchScript layers, is an error; the model is
-    /// unchanged then.
-    ///
-    /// ```no_run
-    /// use kiln_core::{lora::LoraConfig, model::{Layer, LinearConfig}, Device};
-    /// use kiln_torch::TorchModel;
-    ///
-    /// let spec = Layer::sequential([LinearConfig::new(64, 64).into(), Layer::Relu,
-    ///                               LinearConfig::new(64, 10).into()]);
-    /// let mut model = TorchModel::new(&spec, Device::Cpu)?;
-    /// let adapters = model.add_lora(&LoraConfig::new(8, 16.0).with_target_modules(["0"]))?;
-    /// assert_eq!(adapters, ["0.lora_A.weight", "0.lora_B.weight"]);
-    /// # Ok::<(), kiln_core::Error>(())
-    /// ```
-    pub fn add_lora(&mut self, lora: &LoraConfig) -> Result<Vec<String>> {
-        if has_sharded(&self.root) {
-            return Err(Error::invalid_argument(
-                "lora",
-                "the model is sharded: add the adapters before sharding it (the units are \
-                 planned over the parameters there are)",
-            ));
-        }
-        if let Some(existing) = &self.lora {
-            return Err(Error::invalid_argument(
-                "lora",
-                format!(
-                    "the model already has LoRA adapters (r = {}, on {:?})",
-                    existing.r, existing.target_modules
-                ),
-            ));
-        }
-        if self.has_scripts() {
-            return Err(Error::unsupported(
-                "LoRA adapters on a model with torchscript layers: Kiln adapts its own \
-                 linear, attention and MLP projections",
-            ));
-        }
-        let specs = lora.parameter_specs(&self.spec)?;
-        let target = device_to_tch(self.device)?;
-        let kind = self
-            .float_dtype
-            .map(kind_from_dtype)
-            .transpose()?
-            .unwrap_or(Kind::Float);
-        let mut added = Vec::with_capacity(specs.len());
-        tch::no_grad(|| -> Result<()> {
-            for spec in &specs {
-                let tensor = init_tensor(spec, target)
-                    .and_then(|t| t.f_to_kind(kind))
-                    .and_then(|t| t.f_set_requires_grad(true))
-                    .map_err(|e| torch_error(&format!("initialising {}", spec.name), e))?;
-                added.push(Entry {
-                    name: spec.name.clone(),
-                    kind: ParamKind::Parameter,
-                    tensor,
-                });
-            }
-            Ok(())
-        })?;
-        let mut entries: Vec<&str> = self.entries.iter().map(|e| e.name.as_str()).collect();
-        entries.extend(added.iter().map(|e| e.name.as_str()));
-        let index: HashMap<&str, usize> =
-            entries.iter().enumerate().map(|(i, n)| (*n, i)).collect();
-        let root = build(
-            &self.spec,
-            "",
-            &index,
-            Some((lora.scale(), lora.dropout)),
-            &mut HashMap::new(),
-        )?;
-        // Built: now the model changes, all at once.
-        for entry in &mut self.entries {
-            if entry.kind == ParamKind::Parameter && entry.tensor.requires_grad() {
-                let _ = entry
-                    .tensor
-                    .f_set_requires_grad(false)
-                    .map_err(|e| torch_error(&format!("freezing {}", entry.name), e))?;
-            }
-        }
-        let names = added.iter().map(|e| e.name.clone()).collect();
-        self.entries.extend(added);
-        self.root = root;
-        self.lora = Some(lora.clone());
-        // The rebuilt tree's parts, checkpointed again.
-        let patterns = std::mem::take(&mut self.checkpointed);
-        if !patterns.is_empty() {
-            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
-            self.checkpoint_activations(&patterns)?;
-        }
-        Ok(names)
-    }
-
-    /// Activation checkpointing (PyTorch's `torch.utils.checkpoint`): each
-    /// layer whose path matches one of `patterns` (globs, as for
-    /// [`Freeze::freeze`]: `"2"`, `"1.*"`; the outermost match wins) keeps
-    /// only its input while training; the backward pass runs it again, with
-    /// the random generators as they were (dropout draws the same mask) and
-    /// under the model's autocast, to compute its gradients. The gradients are
-    /// an ordinary run's; the activations inside the parts are not held
-    /// between the forward and backward passes, at the cost of a second
-    /// forward pass through them. Evaluation and generation run the parts
-    /// plainly. Returns the checkpointed paths.
-    ///
-    /// A pattern that matches no layer, or a part holding a batch norm (its
-    /// running statistics would be updated twice) or a torchscript layer, is
-    /// an error, and nothing changes.
-    ///
-    /// ```no_run
-    /// use kiln_core::{model::{Layer, LinearConfig}, Device};
-    /// use kiln_torch::TorchModel;
-    ///
-    /// let block = Layer::sequential([LinearConfig::new(64, 64).into(), Layer::Tanh]);
-    /// let spec = Layer::sequential([block.clone(), block, LinearConfig::new(64, 10).into()]);
-    /// let mut model = TorchModel::new(&spec, Device::Cpu)?;
-    /// assert_eq!(model.checkpoint_activations(&["0", "1"])?, ["0", "1"]);
-    /// # Ok::<(), kiln_core::Error>(())
-    /// ```
-    pub fn checkpoint_activations(&mut self, patterns: &[&str]) -> Result<Vec<String>> {
-        fn refusal(node: &Node) -> Option<String> {
-            match node {
-                Node::Leaf {
-                    batch_norm: true,
-                    path,
-                    ..
-                } => Some(format!(
-                    "the batch norm `{path}` (a second forward pass would update its running \
-                     statistics twice)"
-                )),
-                Node::Leaf { .. } => None,
-                Node::Script { path, .. } => Some(format!("the torchscript layer `{path}`")),
-                Node::Sequential(children) => children.iter().find_map(refusal),
-                Node::Residual(block) => refusal(block),
-                Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => refusal(inner),
-            }
-        }
-        fn wrap(node: &mut Node, path: &str, patterns: &[&str], out: &mut Vec<String>) {
-            if matches!(node, Node::Checkpoint { .. }) {
-                return;
-            }
-            // Checkpointing goes inside a sharded unit (its second run then
-            // reads the parameters gathered again for the backward pass).
-            if let Node::Sharded { inner, .. } = node {
-                if let Some(inner) = Arc::get_mut(inner) {
-                    wrap(inner, path, patterns, out);
-                }
-                return;
-            }
-            if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
-                let inner = std::mem::replace(node, Node::Sequential(Vec::new()));
-                *node = Node::Checkpoint {
-                    inner: Arc::new(inner),
-                    path: path.to_owned(),
-                };
-                out.push(path.to_owned());
-                return;
-            }
-            match node {
-                Node::Sequential(children) => {
-                    for (i, child) in children.iter_mut().enumerate() {
-                        wrap(child, &join(path, &i.to_string()), patterns, out);
-                    }
-                }
-                Node::Residual(block) => wrap(block, &join(path, "block"), patterns, out),
-                _ => {}
-            }
-        }
-        // Checked first: nothing changes on a refusal.
-        every_pattern_matches(&self.root, patterns, "activation_checkpointing")?;
-        fn check(node: &Node, path: &str, patterns: &[&str]) -> Result<()> {
-            if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
-                if let Some(why) = refusal(node) {
-                    return Err(Error::unsupported(format!(
-                        "activation checkpointing of `{path}`: it holds {why}"
-                    )));
-                }
-                return Ok(());
-            }
-            match node {
-                Node::Sequential(children) => children
-                    .iter()
-                    .enumerate()
-                    .try_for_each(|(i, c)| check(c, &join(path, &i.to_string()), patterns)),
-                Node::Residual(block) => check(block, &join(path, "block"), patterns),
-                Node::Sharded { inner, .. } => check(inner, path, patterns),
-                _ => Ok(()),
-            }
-        }
-        check(&self.root, "", patterns)?;
-        let mut wrapped = Vec::new();
-        wrap(&mut self.root, "", patterns, &mut wrapped);
-        self.checkpointed
-            .extend(patterns.iter().map(|p| (*p).to_owned()));
-        Ok(wrapped)
-    }
-
-    /// The LoRA adapters added by [`add_lora`](TorchModel::add_lora), if any.
-    pub fn lora(&self) -> Option<&LoraConfig> {
-        self.lora.as_ref()
-    }
-
     /// The definition this model was built from.
     pub fn spec(&self) -> &Layer {
         &self.spec
@@ -545,125 +351,6 @@ impl TorchModel {
         }
         self.replace_entries(&format!("moving to {device}"), |t| t.f_to_device(target))?;
         self.device = device;
-        Ok(())
-    }
-
-    /// The dtype of the floating-point parameters and buffers (`float32` when
-    /// built; `None` for a model without any), which floating-point inputs must have.
-    pub fn dtype(&self) -> Option<DType> {
-        self.float_dtype
-    }
-
-    /// Converts the floating-point parameters and buffers to `dtype`, like
-    /// `model.to(torch.bfloat16)`; integer buffers stay as they are. Inputs
-    /// must then have `dtype` too. Build optimizers after converting: they
-    /// hold the parameters they update, and keep their state in the
-    /// parameters' dtype (pure bf16 training, as PyTorch's with a bf16 model).
-    ///
-    /// ```no_run
-    /// use kiln_core::{model::{Layer, LinearConfig}, DType, Device};
-    /// use kiln_torch::TorchModel;
-    ///
-    /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
-    /// model.to_dtype(DType::BF16)?;
-    /// assert_eq!(model.dtype(), Some(DType::BF16));
-    /// # Ok::<(), kiln_core::Error>(())
-    /// ```
-    pub fn to_dtype(&mut self, dtype: DType) -> Result<()> {
-        if !dtype.is_float() {
-            return Err(Error::invalid_argument(
-                "dtype",
-                format!("a model's parameters convert to a floating-point dtype, not {dtype}"),
-            ));
-        }
-        if self.float_dtype.is_none_or(|current| current == dtype) {
-            return Ok(()); // already there: nothing to convert
-        }
-        let kind = kind_from_dtype(dtype)?;
-        self.replace_entries(&format!("converting to {dtype}"), |t| {
-            if is_float_kind(t.kind()) {
-                t.f_to_kind(kind)
-            } else {
-                Ok(t.shallow_clone())
-            }
-        })?;
-        if self.float_dtype.is_some() {
-            self.float_dtype = Some(dtype);
-        }
-        Ok(())
-    }
-
-    /// Trains and runs at `precision`, like Lightning's `Trainer(precision=...)`
-    /// (see [`FloatPrecision`]): converts the floating-point parameters and buffers to
-    /// [`FloatPrecision::parameter_dtype`] and sets how [`forward`](Module::forward)
-    /// computes:
-    ///
-    /// - `bf16-mixed`: float32 parameters; the layers run under
-    ///   [`autocast`](crate::autocast) to bfloat16, and a floating-point output
-    ///   comes back in float32 (what Keras recommends for a mixed-precision
-    ///   model's last layer), so losses and metrics are computed in float32.
-    /// - `bf16-true`: bfloat16 parameters; float inputs are cast to bfloat16 (as
-    ///   Lightning's precision plugin does), the output is bfloat16.
-    /// - `16-mixed` and `16-true`: the same with float16; `16-mixed` optimizers
-    ///   scale the loss ([`TorchOptimizer::set_loss_scaling`](crate::TorchOptimizer::set_loss_scaling)).
-    /// - `32-true`: float32 throughout (the default).
-    ///
-    /// Build optimizers after this: they hold the parameters they update.
-    /// Nothing changes on error.
-    ///
-    /// ```no_run
-    /// use kiln_core::{model::{Layer, LinearConfig}, module::Module, precision::FloatPrecision, Device};
-    /// use kiln_torch::TorchModel;
-    ///
-    /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
-    /// model.set_precision(FloatPrecision::Bf16Mixed)?;
-    /// let x = tch::Tensor::randn([8, 64], (tch::Kind::Float, tch::Device::Cpu));
-    /// assert_eq!(model.forward(&x)?.kind(), tch::Kind::Float); // computed in bf16
-    /// # Ok::<(), kiln_core::Error>(())
-    /// ```
-    pub fn set_precision(&mut self, precision: FloatPrecision) -> Result<()> {
-        self.to_dtype(precision.parameter_dtype())?;
-        self.precision = precision;
-        Ok(())
-    }
-
-    /// The precision set by [`set_precision`](Self::set_precision) (`32-true`
-    /// when built; [`to_dtype`](Self::to_dtype) does not change it).
-    pub fn precision(&self) -> FloatPrecision {
-        self.precision
-    }
-
-    /// Replaces every parameter and buffer with `f` of it (detached, parameters
-    /// requiring gradients again); nothing changes unless every one succeeds.
-    fn replace_entries(
-        &mut self,
-        what: &str,
-        f: impl Fn(&Tensor) -> std::result::Result<Tensor, TchError>,
-    ) -> Result<()> {
-        if self.has_scripts() {
-            return Err(Error::unsupported(format!(
-                "{what} a model with a torchscript layer: its tensors live in the \
-                 TorchScript module; build the model on the device it trains on, in float32"
-            )));
-        }
-        let mut replaced = Vec::with_capacity(self.entries.len());
-        for e in &self.entries {
-            let t = f(&e.tensor)
-                .and_then(|t| t.f_detach())
-                .and_then(|t| {
-                    if e.kind == ParamKind::Parameter {
-                        // A frozen parameter stays frozen.
-                        t.f_set_requires_grad(e.tensor.requires_grad())
-                    } else {
-                        Ok(t)
-                    }
-                })
-                .map_err(|err| torch_error(&format!("{what}: {}", e.name), err))?;
-            replaced.push(t);
-        }
-        for (e, t) in self.entries.iter_mut().zip(replaced) {
-            e.tensor = t;
-        }
         Ok(())
     }
 
@@ -726,82 +413,11 @@ impl TorchModel {
         &self.entries[index].tensor
     }
 
-    /// Runs `node` on one cached decoding step (eval behaviour).
-    fn run_decode(&self, node: &Node, x: &Tensor, step: &mut DecodeStep) -> ForwardResult {
-        match node {
-            Node::Sequential(children) => {
-                let mut out = x.shallow_clone();
-                for child in children {
-                    out = self.run_decode(child, &out, step)?;
-                }
-                Ok(out)
-            }
-            Node::Residual(block) => Ok(x.f_add(&self.run_decode(block, x, step)?)?),
-            Node::Leaf { layer, .. } => layer.decode(self, x, step),
-            Node::Checkpoint { inner, .. } => self.run_decode(inner, x, step),
-            Node::Sharded { .. } => Err(Failure::Layer(Error::unsupported(
-                "cached decoding through a sharded unit: generate from the consolidated \
-                 weights (a model that is not sharded)",
-            ))),
-            Node::Script { path, .. } => Err(Failure::Layer(Error::unsupported(format!(
-                "cached decoding through the torchscript layer `{path}`: Kiln cannot give it \
-                 positions or a key/value cache"
-            )))),
-        }
-    }
-
-    /// Runs the model on one step of cached decoding (`step`), in eval
-    /// behaviour with the model's precision; the output is float32.
-    pub(crate) fn decode_step(&self, tokens: &Tensor, step: &mut DecodeStep) -> Result<Tensor> {
-        self.check_input(tokens)?;
-        let mut run = || {
-            self.run_decode(&self.root, tokens, step)
-                .map_err(|e| match e {
-                    Failure::Torch(e) => torch_error("decoding", e),
-                    Failure::Layer(e) => e,
-                })
-        };
-        let output = match self.precision.autocast_dtype() {
-            None => run()?,
-            Some(dtype) => crate::autocast(self.device, dtype, run)??,
-        };
-        cast_float(&output, Kind::Float, "casting the logits to float32")
-    }
-
     fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {
         let part = PartContext {
             autocast: self.precision.autocast_dtype().map(|d| (self.device, d)),
         };
         run_node(self, node, x, train, Some(part))
-    }
-
-    /// Saves the [`Layer::TorchScript`] layer at `layer` (its path in the
-    /// model, `"0"`) with its current weights and buffers as a TorchScript
-    /// file that Python's `torch.jit.load` reads (see [`ScriptModule::save`]):
-    /// a fine-tuned backbone goes back to Python as it came. An unknown path,
-    /// or one that is not a torchscript layer, is [`Error::InvalidArgument`].
-    pub fn save_torchscript_layer(&self, layer: &str, path: impl AsRef<Path>) -> Result<()> {
-        let module = self.script_layer(layer).ok_or_else(|| {
-            let layers: Vec<String> = self
-                .spec
-                .torchscript_layers()
-                .into_iter()
-                .map(|(p, _)| format!("`{p}`"))
-                .collect();
-            Error::invalid_argument(
-                "layer",
-                format!(
-                    "`{layer}` is not a torchscript layer of this model (its torchscript \
-                     layers: {})",
-                    if layers.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        layers.join(", ")
-                    }
-                ),
-            )
-        })?;
-        lock_script(module)?.save(path)
     }
 
     /// The module of the [`Layer::TorchScript`] layer at `layer` (its path), if any.
@@ -836,174 +452,6 @@ impl TorchModel {
         walk(&self.root, &mut out);
         out
     }
-
-    /// Whether the model has a [`Layer::TorchScript`] layer.
-    fn has_scripts(&self) -> bool {
-        self.spec
-            .layers()
-            .iter()
-            .any(|(_, l)| matches!(l, Layer::TorchScript(_)))
-    }
-}
-
-fn init_tensor(spec: &ParamSpec, device: tch::Device) -> std::result::Result<Tensor, TchError> {
-    let kind = match spec.dtype {
-        DType::I64 => Kind::Int64,
-        DType::F64 => Kind::Double,
-        _ => Kind::Float,
-    };
-    let dims: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
-    let mut t = Tensor::f_empty(dims.as_slice(), (kind, device))?;
-    match spec.init {
-        InitDistribution::Constant { value } => {
-            let _ = t.f_fill_(value)?;
-        }
-        InitDistribution::Uniform { low, high } => {
-            let _ = t.f_uniform_(low, high)?;
-        }
-        InitDistribution::Normal { mean, std } => {
-            let _ = t.f_normal_(mean, std)?;
-        }
-    }
-    if let Some(row) = spec.zero_row {
-        let _ = t.f_get(row as i64)?.f_zero_()?;
-    }
-    if spec.kind == ParamKind::Parameter {
-        t = t.f_set_requires_grad(true)?;
-    }
-    Ok(t)
-}
-
-/// Creates the tensors of `layer` at `prefix` in state-dict order: initialised
-/// from the definition, or loaded from a TorchScript file (kept in `scripts`
-/// by path). Sets `float` when one is floating-point.
-fn collect_entries(
-    layer: &Layer,
-    prefix: &str,
-    device: Device,
-    target: tch::Device,
-    entries: &mut Vec<Entry>,
-    scripts: &mut HashMap<String, ScriptModule>,
-    float: &mut bool,
-) -> Result<()> {
-    match layer {
-        Layer::Sequential { layers } => {
-            for (i, child) in layers.iter().enumerate() {
-                collect_entries(
-                    child,
-                    &join(prefix, &i.to_string()),
-                    device,
-                    target,
-                    entries,
-                    scripts,
-                    float,
-                )?;
-            }
-        }
-        Layer::Residual { block } => {
-            collect_entries(
-                block,
-                &join(prefix, "block"),
-                device,
-                target,
-                entries,
-                scripts,
-                float,
-            )?;
-        }
-        Layer::TorchScript(config) => {
-            // Its errors name the file: Io when missing, Data when not TorchScript.
-            let mut module = ScriptModule::load(&config.path, device)?;
-            if !config.trainable {
-                module
-                    .freeze(&["*"])
-                    .or_else(|e| match module.num_parameters() {
-                        Ok(0) => Ok(Vec::new()), // nothing to freeze
-                        _ => Err(e),
-                    })?;
-            }
-            for (name, tensor) in Module::<TorchBackend>::named_parameters(&module)? {
-                *float |= is_float_kind(tensor.kind());
-                entries.push(Entry {
-                    name: join(prefix, &name),
-                    kind: ParamKind::Parameter,
-                    tensor,
-                });
-            }
-            for (name, tensor) in Module::<TorchBackend>::named_buffers(&module)? {
-                *float |= is_float_kind(tensor.kind());
-                entries.push(Entry {
-                    name: join(prefix, &name),
-                    kind: ParamKind::Buffer,
-                    tensor,
-                });
-            }
-            scripts.insert(prefix.to_owned(), module);
-        }
-        leaf => {
-            for p in leaf.parameter_specs(prefix)? {
-                *float |= p.dtype.is_float();
-                let tensor = init_tensor(&p, target)
-                    .map_err(|e| torch_error(&format!("initialising {}", p.name), e))?;
-                entries.push(Entry {
-                    name: p.name,
-                    kind: p.kind,
-                    tensor,
-                });
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Builds the node for `layer` at `prefix`, finding its tensors by name and
-/// taking its TorchScript module from `scripts`.
-fn build(
-    layer: &Layer,
-    prefix: &str,
-    index: &HashMap<&str, usize>,
-    lora: Option<(f64, f64)>,
-    scripts: &mut HashMap<String, ScriptModule>,
-) -> Result<Node> {
-    Ok(match layer {
-        Layer::Sequential { layers } => Node::Sequential(
-            layers
-                .iter()
-                .enumerate()
-                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, lora, scripts))
-                .collect::<Result<_>>()?,
-        ),
-        Layer::Residual { block } => Node::Residual(Box::new(build(
-            block,
-            &join(prefix, "block"),
-            index,
-            lora,
-            scripts,
-        )?)),
-        Layer::TorchScript(_) => Node::Script {
-            module: Mutex::new(scripts.remove(prefix).ok_or_else(|| {
-                Error::backend(
-                    "torch",
-                    "building a torchscript layer",
-                    "its module was not loaded",
-                )
-            })?),
-            path: prefix.to_owned(),
-        },
-        leaf => Node::Leaf {
-            layer: layers::build(
-                leaf,
-                &Lookup {
-                    prefix,
-                    index,
-                    lora,
-                },
-            )?,
-            path: prefix.to_owned(),
-            batch_norm: matches!(leaf, Layer::BatchNorm1d(_) | Layer::BatchNorm2d(_)),
-            eval: false,
-        },
-    })
 }
 
 pub(crate) fn lock_script(module: &Mutex<ScriptModule>) -> Result<MutexGuard<'_, ScriptModule>> {
@@ -1014,165 +462,4 @@ pub(crate) fn lock_script(module: &Mutex<ScriptModule>) -> Result<MutexGuard<'_,
             "an earlier forward pass panicked while holding it",
         )
     })
-}
-
-/// Pins the frozen batch norms under `node` to eval mode; returns their names.
-fn pin_frozen_batch_norm(
-    node: &mut Node,
-    params: &[(String, Tensor)],
-    kept: &mut Vec<String>,
-) -> Result<()> {
-    match node {
-        Node::Sequential(children) => {
-            for child in children {
-                pin_frozen_batch_norm(child, params, kept)?;
-            }
-        }
-        Node::Residual(block) => pin_frozen_batch_norm(block, params, kept)?,
-        // Holds no batch norm and no torchscript layer (refused when wrapped).
-        Node::Checkpoint { .. } => {}
-        Node::Sharded { inner, .. } => {
-            if let Some(inner) = Arc::get_mut(inner) {
-                pin_frozen_batch_norm(inner, params, kept)?;
-            }
-        }
-        Node::Leaf {
-            path,
-            batch_norm,
-            eval,
-            ..
-        } => {
-            if *batch_norm && all_frozen(params, path) {
-                *eval = true;
-                kept.push(path.clone());
-            }
-        }
-        Node::Script { module, path } => {
-            let mut module = lock_script(module)?;
-            kept.extend(
-                module
-                    .keep_frozen_batch_norm_in_eval()?
-                    .into_iter()
-                    .map(|n| join(path, &n)),
-            );
-        }
-    }
-    Ok(())
-}
-
-impl Freeze for TorchModel {
-    /// Kiln's `BatchNorm1d`/`2d` layers whose weight and bias are frozen, and
-    /// the frozen batch norms inside TorchScript layers.
-    fn keep_frozen_batch_norm_in_eval(&mut self) -> Result<Vec<String>> {
-        let params = self.named_parameters()?;
-        let mut kept = Vec::new();
-        pin_frozen_batch_norm(&mut self.root, &params, &mut kept)?;
-        Ok(kept)
-    }
-}
-
-impl Module<TorchBackend> for TorchModel {
-    /// Shapes are checked by libtorch as the layers run; only on failure does the
-    /// definition's shape inference run, to name the layer and both shapes
-    /// (the training step does no shape bookkeeping of its own).
-    fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let cast;
-        let input = match self.precision {
-            FloatPrecision::Bf16True => {
-                cast = cast_float(input, Kind::BFloat16, "casting the input to bfloat16")?;
-                &cast
-            }
-            FloatPrecision::F16True => {
-                cast = cast_float(input, Kind::Half, "casting the input to float16")?;
-                &cast
-            }
-            FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
-        };
-        self.check_input(input)?;
-        let run = || {
-            self.run(&self.root, input, self.mode.is_train())
-                .map_err(|e| match e {
-                    Failure::Torch(e) => self.explain_failure(input, e),
-                    Failure::Layer(e) => e,
-                })
-        };
-        match self.precision.autocast_dtype() {
-            None => run(),
-            Some(dtype) => {
-                let output = crate::autocast(self.device, dtype, run)??;
-                cast_float(&output, Kind::Float, "casting the output to float32")
-            }
-        }
-    }
-
-    fn mode(&self) -> Mode {
-        self.mode
-    }
-
-    fn set_mode(&mut self, mode: Mode) {
-        self.mode = mode;
-    }
-
-    /// Handles sharing storage with the model; never fails.
-    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self
-            .entries
-            .iter()
-            .filter(|e| e.kind == ParamKind::Parameter)
-            .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
-            .collect())
-    }
-
-    /// Handles sharing storage with the model; never fails.
-    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        Ok(self
-            .entries
-            .iter()
-            .filter(|e| e.kind == ParamKind::Buffer)
-            .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
-            .collect())
-    }
-
-    /// The batch-norm layers of the definition (a TorchScript layer's own are
-    /// not described).
-    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
-        Ok(self.spec.running_stats())
-    }
-
-    /// Handles to the parameters and buffers: a checkpoint reads them in place.
-    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
-        StateTensors::from_handles(
-            self.named_parameters()?
-                .into_iter()
-                .chain(self.named_buffers()?),
-        )
-    }
-
-    /// Strict, like PyTorch's default: every parameter and buffer must be present
-    /// with its shape, and no other key; dtypes convert. Nothing changes on error.
-    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        let targets: Vec<(String, Tensor)> = self
-            .entries
-            .iter()
-            .map(|e| (e.name.clone(), e.tensor.shallow_clone()))
-            .collect();
-        copy_state(&targets, state)
-    }
-}
-
-/// `tensor` in `kind` when it is floating-point and of another kind; otherwise
-/// itself (integer inputs feed embeddings, and keep their kind).
-fn cast_float(tensor: &Tensor, kind: Kind, what: &str) -> Result<Tensor> {
-    let current = tensor.f_kind().map_err(|e| torch_error(what, e))?;
-    if is_float_kind(current) && current != kind {
-        tensor.f_to_kind(kind).map_err(|e| torch_error(what, e))
-    } else {
-        Ok(tensor.shallow_clone())
-    }
-}
-
-impl kiln_core::model::Definition for TorchModel {
-    fn definition(&self) -> &Layer {
-        &self.spec
-    }
 }

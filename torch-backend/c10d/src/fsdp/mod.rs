@@ -380,6 +380,13 @@ impl Module<TorchBackend> for FullyShardedDataParallel {
     fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
         self.model.named_buffers()
     }
+    /// The model's batch norms (their statistics are buffers, whole on every rank).
+    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
+        self.model.running_stats()
+    }
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        self.model.graph_def()
+    }
     /// The whole model: a collective.
     fn state_dict(&self) -> Result<StateDict> {
         self.state_tensors()?.to_state_dict()
@@ -456,6 +463,16 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
             .filter(|p| p.trained)
             .map(|p| (p.rows * p.row_numel) as usize)
             .sum())
+    }
+
+    /// The whole model's names of the parameters that do not train.
+    fn frozen_parameters(&self) -> Result<Vec<String>> {
+        Ok(self
+            .params
+            .iter()
+            .filter(|p| !p.trained)
+            .map(|p| p.name.clone())
+            .collect())
     }
 
     fn precision(&self) -> FloatPrecision {

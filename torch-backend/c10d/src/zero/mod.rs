@@ -525,6 +525,9 @@ impl<M: Module<TorchBackend>> Module<TorchBackend> for ZeroDataParallel<M> {
     fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
         self.module.running_stats()
     }
+    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
+        self.module.graph_def()
+    }
     fn state_dict(&self) -> Result<StateDict> {
         self.module.state_dict()
     }
