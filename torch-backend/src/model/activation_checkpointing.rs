@@ -11,7 +11,7 @@ use crate::layers::join;
 impl TorchModel {
     /// Activation checkpointing (PyTorch's `torch.utils.checkpoint`): each
     /// layer whose path matches one of `patterns` (globs, as for
-    /// [`Freeze::freeze`]: `"2"`, `"1.*"`; the outermost match wins) keeps
+    /// [`Freeze::freeze`](crate::Freeze::freeze): `"2"`, `"1.*"`; the outermost match wins) keeps
     /// only its input while training; the backward pass runs it again, with
     /// the random generators as they were (dropout draws the same mask) and
     /// under the model's autocast, to compute its gradients. The gradients are

@@ -56,7 +56,7 @@ impl TorchModel {
 
     /// Trains and runs at `precision`, like Lightning's `Trainer(precision=...)`
     /// (see [`FloatPrecision`]): converts the floating-point parameters and buffers to
-    /// [`FloatPrecision::parameter_dtype`] and sets how [`forward`](Module::forward)
+    /// [`FloatPrecision::parameter_dtype`] and sets how [`forward`](kiln_core::module::Module::forward)
     /// computes:
     ///
     /// - `bf16-mixed`: float32 parameters; the layers run under

@@ -9,7 +9,7 @@ use super::{lock_script, TorchModel};
 impl TorchModel {
     /// Saves the [`Layer::TorchScript`] layer at `layer` (its path in the
     /// model, `"0"`) with its current weights and buffers as a TorchScript
-    /// file that Python's `torch.jit.load` reads (see [`ScriptModule::save`]):
+    /// file that Python's `torch.jit.load` reads (see [`ScriptModule::save`](crate::ScriptModule::save)):
     /// a fine-tuned backbone goes back to Python as it came. An unknown path,
     /// or one that is not a torchscript layer, is [`Error::InvalidArgument`].
     pub fn save_torchscript_layer(&self, layer: &str, path: impl AsRef<Path>) -> Result<()> {
