@@ -73,7 +73,7 @@ impl TorchModel {
     /// Nothing changes on error.
     ///
     /// ```no_run
-    /// use kiln_core::{model::{Layer, LinearConfig}, precision::FloatPrecision, Device};
+    /// use kiln_core::{model::{Layer, LinearConfig}, module::Module, precision::FloatPrecision, Device};
     /// use kiln_torch::TorchModel;
     ///
     /// let mut model = TorchModel::new(&Layer::Linear(LinearConfig::new(64, 10)), Device::Cpu)?;
