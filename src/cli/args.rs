@@ -393,34 +393,6 @@ fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
         .map(SampleShape)
 }
 
-/// How a run was asked to start: `kiln train`'s `--resume` and
-/// `--resume-on-other-data`, or `kiln tune lr`'s range test instead of training.
-pub struct RunOptions {
-    /// A checkpoint file, or `auto`; `None` for a new run.
-    pub(crate) from: Option<String>,
-    /// Continue on data other than the checkpoint recorded.
-    pub(crate) on_other_data: bool,
-    /// Run the learning-rate range test instead of training.
-    pub(crate) lr_find: Option<LrFind>,
-    /// Print the model summary to this depth (`-1`: every layer) and stop
-    /// before anything is written (`kiln inspect CONFIG`).
-    pub(crate) summary_only: Option<i64>,
-    /// `--profile`: the steps to profile (written into the run's `profile/`).
-    pub(crate) profile: Option<kiln_train::ProfileConfig>,
-}
-
-/// `kiln tune lr`'s request, as the run carries it.
-pub(crate) struct LrFind {
-    /// The test's settings.
-    pub(crate) settings: kiln_train::LrFinderConfig,
-    /// The config file the run was read from (its copy gets the suggestion).
-    pub(crate) config_file: PathBuf,
-    /// Where `--save-config` writes the config with the suggested rate.
-    pub(crate) save_config: Option<PathBuf>,
-    /// Suggest by the slope against the rate's logarithm (`--suggestion log`).
-    pub(crate) suggest_on_log_scale: bool,
-}
-
 /// `kiln generate`'s arguments.
 #[derive(Args)]
 pub(crate) struct GenerateArgs {

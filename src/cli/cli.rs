@@ -8,7 +8,7 @@ use clap::Parser;
 use crate::args::{Cli, Command, TuneCommand};
 use crate::engines::{needs_tensorflow, Engines};
 use crate::forward::{self, NeedsTensorflow};
-use crate::{consolidate, evaluate, export, generate, inspect, launch, train};
+use crate::{consolidate, evaluate, export, generate, inspect, launch, train, tune_lr};
 
 /// Prints the error and exits as `kiln` does when a command fails.
 fn exit_with(error: &anyhow::Error) -> ! {
@@ -79,6 +79,6 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
         Command::Consolidate(args) => consolidate::consolidate(&args),
         Command::Generate(args) => generate::generate(args),
         Command::Launch(args) => launch::launch(args),
-        Command::Tune(TuneCommand::Lr(args)) => train::tune_lr::<E>(args),
+        Command::Tune(TuneCommand::Lr(args)) => tune_lr::tune_lr::<E>(args),
     }
 }

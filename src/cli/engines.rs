@@ -15,12 +15,12 @@ use kiln_c10d::{
     fully_shard, zero_data_parallel, DistributedDataParallel, FullShardOptions,
     FullyShardedDataParallel, ProcessGroup, ZeroDataParallel, ZeroStage,
 };
-use kiln_core::distributed::{DistributedOptions, Rendezvous};
+use kiln_core::distributed::DistributedOptions;
 use kiln_core::strategy::StepHooks;
 
-use crate::args::{CheckpointArgs, Command, ExportFormat, PredictArgs, RunOptions, TuneCommand};
+use crate::args::{Command, ExportFormat, TuneCommand};
 use crate::config::{BackendKind, RunConfig};
-use crate::formats::is_onnx;
+use crate::formats::{is_config, is_onnx};
 use crate::forward::NeedsTensorflow;
 use crate::prelude::*;
 use kiln_core::export::ExportOptions;
@@ -47,23 +47,10 @@ pub trait Engines {
     /// backends this executable runs.
     fn register_layers() -> Result<()>;
 
-    /// `kiln train` on the TensorFlow backend.
-    fn train_tensorflow(
-        _config: &RunConfig,
-        _resume: &RunOptions,
-        _rendezvous: Option<&Rendezvous>,
-    ) -> Result<()> {
-        Err(NeedsTensorflow::new("training on the TensorFlow backend").into())
-    }
-
-    /// `kiln eval` on the TensorFlow backend.
-    fn eval_tensorflow(_args: &CheckpointArgs, _config: &RunConfig) -> Result<()> {
-        Err(NeedsTensorflow::new("evaluating on the TensorFlow backend").into())
-    }
-
-    /// `kiln predict` on the TensorFlow backend.
-    fn predict_tensorflow(_args: &PredictArgs, _config: &RunConfig) -> Result<()> {
-        Err(NeedsTensorflow::new("predicting on the TensorFlow backend").into())
+    /// Runs `job` on the TensorFlow backend (data-parallel through its
+    /// host all-reduce and ZeRO).
+    fn run_on_tensorflow<J: BackendJob>(job: J) -> Result<()> {
+        Err(NeedsTensorflow::new(job.on_tensorflow()).into())
     }
 
     /// The model with each saved_model layer's output shape, from its signature.
@@ -89,6 +76,26 @@ pub trait Engines {
     /// What `kiln inspect` prints for a SavedModel directory.
     fn describe_saved_model(_path: &Path) -> Result<String> {
         Err(NeedsTensorflow::new("inspecting a SavedModel").into())
+    }
+}
+
+/// A command's work on one backend, written once for both engines: `kiln`
+/// runs it on libtorch ([`run_on`]), `kiln-tensorflow` on TensorFlow too
+/// ([`Engines::run_on_tensorflow`]).
+pub trait BackendJob {
+    /// What the job does on TensorFlow, as a refusal in `kiln` names it
+    /// (`"training on the TensorFlow backend"`).
+    fn on_tensorflow(&self) -> &'static str;
+
+    /// Runs the job on backend `B`, data-parallel through `P`, with `E`'s engines.
+    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()>;
+}
+
+/// Runs `job` on `backend`: libtorch here, TensorFlow through `E`.
+pub(crate) fn run_on<E: Engines, J: BackendJob>(backend: BackendKind, job: J) -> Result<()> {
+    match backend {
+        BackendKind::Torch => job.run::<E, kiln_torch::TorchBackend, TorchDdp>(),
+        BackendKind::Tensorflow => E::run_on_tensorflow(job),
     }
 }
 
@@ -221,7 +228,7 @@ pub(crate) fn needs_tensorflow(command: &Command) -> Option<NeedsTensorflow> {
             let config = RunConfig::load(&args.common.config).ok()?;
             uses_tensorflow(&config, "predicting on the TensorFlow backend")
         }
-        Command::Inspect { checkpoint, .. } if crate::inspect::is_config(checkpoint) => {
+        Command::Inspect { checkpoint, .. } if is_config(checkpoint) => {
             let config = RunConfig::load(checkpoint).ok()?;
             uses_tensorflow(&config, "summarising a model on the TensorFlow backend")
         }

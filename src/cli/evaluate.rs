@@ -8,9 +8,9 @@ use crate::prelude::*;
 use anyhow::{Context, Result};
 
 use crate::args::{CheckpointArgs, PredictArgs};
-use crate::config::{BackendKind, RunConfig};
+use crate::config::RunConfig;
 use crate::data::{loader, validation_split, RecordTargets};
-use crate::engines::Engines;
+use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
 use crate::formats::{is_onnx, open_checkpoint};
 use crate::model::{load_for_eval, resolve_model};
 use crate::output::{check_output, outln};
@@ -41,17 +41,27 @@ fn restore<E: Engines, B: TrainBackend>(
 
 pub(crate) fn eval<E: Engines>(args: CheckpointArgs) -> Result<()> {
     let config = RunConfig::load(&args.config)?;
-    match config.backend {
-        BackendKind::Torch => eval_on::<E, kiln_torch::TorchBackend>(&args, &config),
-        BackendKind::Tensorflow => E::eval_tensorflow(&args, &config),
+    run_on::<E, _>(config.backend, Eval { args, config })
+}
+
+/// `kiln eval`'s work on one backend.
+struct Eval {
+    args: CheckpointArgs,
+    config: RunConfig,
+}
+
+impl BackendJob for Eval {
+    fn on_tensorflow(&self) -> &'static str {
+        "evaluating on the TensorFlow backend"
+    }
+
+    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+        eval_on::<E, B>(&self.args, &self.config)
     }
 }
 
 /// `kiln eval` on backend `B`.
-pub fn eval_on<E: Engines, B: TrainBackend>(
-    args: &CheckpointArgs,
-    config: &RunConfig,
-) -> Result<()> {
+fn eval_on<E: Engines, B: TrainBackend>(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
     let device = args.device.unwrap_or(config.device);
     let checkpoint = open_checkpoint(&args.checkpoint)?;
     let (split, probe) = validation_split::<E>(config)?;
@@ -78,17 +88,27 @@ pub(crate) fn predict<E: Engines>(args: PredictArgs) -> Result<()> {
     if is_onnx(&args.common.checkpoint) {
         return predict_onnx::<E>(&args, &config);
     }
-    match config.backend {
-        BackendKind::Torch => predict_on::<E, kiln_torch::TorchBackend>(&args, &config),
-        BackendKind::Tensorflow => E::predict_tensorflow(&args, &config),
+    run_on::<E, _>(config.backend, Predict { args, config })
+}
+
+/// `kiln predict`'s work on one backend (a checkpoint, not an ONNX model).
+struct Predict {
+    args: PredictArgs,
+    config: RunConfig,
+}
+
+impl BackendJob for Predict {
+    fn on_tensorflow(&self) -> &'static str {
+        "predicting on the TensorFlow backend"
+    }
+
+    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+        predict_on::<E, B>(&self.args, &self.config)
     }
 }
 
 /// `kiln predict` on backend `B`.
-pub fn predict_on<E: Engines, B: TrainBackend>(
-    args: &PredictArgs,
-    config: &RunConfig,
-) -> Result<()> {
+fn predict_on<E: Engines, B: TrainBackend>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     let common = &args.common;
     let device = common.device.unwrap_or(config.device);
     check_output(&args.output, args.overwrite, "predict")?;
@@ -102,7 +122,6 @@ pub fn predict_on<E: Engines, B: TrainBackend>(
     write_predictions(&args.output, &val.targets(), outputs)
 }
 
-/// Whether `path` names an ONNX model (`*.onnx`).
 /// `kiln predict` with an ONNX model: ONNX Runtime over the config's
 /// validation split, in batches of `data.batch_size`.
 fn predict_onnx<E: Engines>(args: &PredictArgs, config: &RunConfig) -> Result<()> {

@@ -94,3 +94,9 @@ pub(crate) fn is_zip_archive(path: &Path) -> Result<bool> {
         std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     Ok(file.read(&mut magic)? == 4 && magic == *b"PK\x03\x04")
 }
+
+/// Whether `path` names a run's config (a `.toml` file) rather than a model file.
+pub(crate) fn is_config(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
+}

@@ -7,9 +7,11 @@ use crate::prelude::*;
 use anyhow::{Context, Result};
 use kiln_train::Checkpoint;
 
-use crate::engines::Engines;
-use crate::formats::is_zip_archive;
+use crate::config::RunConfig;
+use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
+use crate::formats::{is_config, is_zip_archive};
 use crate::output::{out, outln};
+use crate::run::prepare::{check_backend_supports, prepare};
 
 /// A TorchScript file's parameters and buffers, as libtorch loads them.
 pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
@@ -55,16 +57,10 @@ pub(crate) fn inspect_torchscript(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Whether `path` names a run's config (a `.toml` file) rather than a model file.
-pub(crate) fn is_config(path: &Path) -> bool {
-    path.extension()
-        .is_some_and(|e| e.eq_ignore_ascii_case("toml"))
-}
-
 pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()> {
     if is_config(path) {
         kiln_core::fs::check_regular_file(path)?;
-        return crate::train::summarize::<E>(path, depth.unwrap_or(-1));
+        return summarize::<E>(path, depth.unwrap_or(-1));
     }
     if depth.is_some() {
         anyhow::bail!(
@@ -183,4 +179,40 @@ pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()>
         }
     }
     Ok(())
+}
+
+/// `kiln inspect CONFIG`: the summary of the model the config trains, on its
+/// backend and data (pretrained weights, LoRA and freezing applied), down to
+/// `depth` (`-1`: every layer); nothing is written.
+fn summarize<E: Engines>(path: &Path, depth: i64) -> Result<()> {
+    let config = RunConfig::load(path)?;
+    run_on::<E, _>(config.backend, Summary { config, depth })
+}
+
+/// `kiln inspect CONFIG`'s work on the config's backend.
+struct Summary {
+    config: RunConfig,
+    /// The depth a summary table lists down to: all for a negative one.
+    depth: i64,
+}
+
+impl BackendJob for Summary {
+    fn on_tensorflow(&self) -> &'static str {
+        "summarising a model on the TensorFlow backend"
+    }
+
+    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+        let config = &self.config;
+        check_backend_supports::<B>(config)?;
+        let (prepared, _) = prepare::<E, B>(config, None, true)?;
+        let summary = prepared.summary?;
+        outln!(
+            "{} on {}: the model of {}, for one sample of the training data",
+            B::NAME,
+            config.device,
+            config.output_dir.display()
+        );
+        outln!("{}", summary.table(usize::try_from(self.depth).ok()));
+        Ok(())
+    }
 }

@@ -22,10 +22,13 @@
 //! Modules, leaves first (none imports a module after it): `config` (the
 //! TOML), `args` (the command line), `output` (what commands print, the output
 //! check), `formats` (what a checkpoint path holds), `launch`, `forward`
-//! (running `kiln-tensorflow`), `engines` (the [`Engines`] trait and the
-//! decision), `model`, `data`, `resume`, `ranks`, then the commands: `train`,
-//! `evaluate` (`eval`, `predict`), `export`, `inspect`, `generate`, and `cli`, which
-//! dispatches to them.
+//! (running `kiln-tensorflow`), `engines` (the [`Engines`] trait, the
+//! [`BackendJob`] a command runs on one backend, and the decision), `model`,
+//! `data`, `resume`, `ranks`, `run` (what the training commands share: the
+//! model and data prepared, the strategy, the trainer assembled, the run
+//! directory), then the commands, one file each: `train`, `tune_lr`,
+//! `evaluate` (`eval`, `predict`), `export`, `inspect`, `generate`,
+//! `consolidate`, and `cli`, which dispatches to them.
 
 mod args;
 mod cli;
@@ -44,17 +47,16 @@ mod model;
 mod output;
 mod ranks;
 mod resume;
+mod run;
 mod train;
+mod tune_lr;
 
-pub use args::{CheckpointArgs, PredictArgs, RunOptions};
 pub use cli::run;
 pub use config::RunConfig;
-pub use engines::{DataParallelEngine, Engines, Source};
-pub use evaluate::{eval_on, predict_on};
+pub use engines::{BackendJob, DataParallelEngine, Engines, Source};
 pub use forward::TENSORFLOW_MISSING_EXIT_CODE;
 pub use model::build_model;
 pub use output::{init_logging, CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};
-pub use train::train_on;
 
 /// The names the commands use from Kiln's crates (the facade's prelude,
 /// without the facade, which depends on this crate).

@@ -1,29 +1,30 @@
 //! `kiln train`: a run config trained on one backend, on one process or as
-//! one rank of a data-parallel job ([`train_on`]), with its run directory,
-//! checkpoints, metric sinks and summary on rank 0 ([`fit`]).
+//! one rank of a data-parallel job, with its run directory, checkpoints,
+//! metric sinks and summary on rank 0. The run is prepared, put under its
+//! strategy and assembled by `run/`; this file is the order of the steps and
+//! what the run leaves at its end.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use kiln_c10d::ProcessGroup;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::distributed::Rendezvous;
-use kiln_core::strategy::DataParallel;
-use kiln_train::{Checkpointer, EarlyStopping, RunDirectory, RunStart, Trainer, TrainingState};
+use kiln_train::{RunDirectory, RunStart, Trainer, TrainingState};
 
-use crate::args::{LrFind, LrFindArgs, RunOptions, TrainArgs};
-use crate::config::{BackendKind, FrozenBatchNorm, PretrainedModel, RunConfig, StrategyName};
-use crate::data::{load_data, loader, Split};
-use crate::engines::{DataParallelEngine, Engines, TorchDdp};
-use crate::model::resolve_model;
+use crate::args::TrainArgs;
+use crate::config::{PretrainedModel, RunConfig};
+use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
 use crate::output::outln;
 use crate::prelude::*;
 use crate::resume::{
-    check_resume_data, check_resume_not_complete, check_resume_position, data_identity,
-    follower_resume, load_resume_checkpoint, reshard, resolve_resume,
+    check_resume_data, check_resume_not_complete, check_resume_position, follower_resume,
+    load_resume_checkpoint, reshard, resolve_resume,
 };
+use crate::run::assemble::{self, checkpoints_dir};
+use crate::run::directory::{toml_string, write_new_file, UndoFailedStart};
+use crate::run::prepare::{check_backend_supports, prepare, Prepared};
+use crate::run::strategy::{under_strategy, WithTrainable};
 
 pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
     let mut config = args.config()?;
@@ -35,230 +36,331 @@ pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
             config.device = Device::Cuda(r.local_rank);
         }
     }
-    let resume = RunOptions {
-        from: args.resume,
+    let job = Train {
+        backend: config.backend,
+        config,
+        rendezvous,
+        resume: args.resume,
         on_other_data: args.resume_on_other_data,
-        lr_find: None,
-        summary_only: None,
         profile: args.profile,
     };
-    match config.backend {
-        BackendKind::Torch => {
-            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &resume, rendezvous.as_ref())
-        }
-        BackendKind::Tensorflow => E::train_tensorflow(&config, &resume, rendezvous.as_ref()),
-    }
+    run_on::<E, _>(job.backend, job)
 }
 
-/// `kiln tune lr`: the learning-rate range test on the config's data, model,
-/// loss and optimizer, in its own directory.
-pub(crate) fn tune_lr<E: Engines>(args: LrFindArgs) -> Result<()> {
-    let mut config = args.train_args().config()?;
-    if Rendezvous::from_env()?.is_some() {
-        anyhow::bail!(
-            "kiln tune lr runs in one process; it was started as one rank of a job \
-             (RANK/WORLD_SIZE are set)"
-        );
-    }
-    if args.early_stop_threshold.is_nan() || args.early_stop_threshold < 0.0 {
-        anyhow::bail!(
-            "--early-stop-threshold must be 0 (never stop early) or a positive factor, got {}",
-            args.early_stop_threshold
-        );
-    }
-    let settings = kiln_train::LrFinderConfig {
-        min_lr: args.min_lr,
-        max_lr: args.max_lr,
-        num_training: args.num_training,
-        mode: args.mode,
-        early_stop_threshold: (args.early_stop_threshold > 0.0)
-            .then_some(args.early_stop_threshold),
-        ..kiln_train::LrFinderConfig::default()
-    };
-    settings.validate().context("kiln tune lr")?;
-    if let Some(path) = &args.save_config {
-        // Checked before anything runs: a new file (not even a dangling link,
-        // which the write would follow), in a directory that exists.
-        if std::fs::symlink_metadata(path).is_ok() {
-            anyhow::bail!(
-                "--save-config {}: the path exists{}; kiln never writes over a file it did not \
-                 create (give a new path)",
-                path.display(),
-                if path.is_symlink() {
-                    " (a symbolic link)"
-                } else {
-                    ""
-                }
-            );
-        }
-        let parent = match path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p,
-            _ => Path::new("."),
-        };
-        if !parent.is_dir() {
-            anyhow::bail!(
-                "--save-config {}: its directory {} does not exist (create it first)",
-                path.display(),
-                parent.display()
-            );
-        }
-    }
-    // The results have their own directory, a new one (or empty), as a run's.
-    config.output_dir = args.output.clone().unwrap_or_else(|| {
-        let mut name = config.output_dir.clone().into_os_string();
-        name.push("-lr-find");
-        PathBuf::from(name)
-    });
-    let options = RunOptions {
-        from: None,
-        on_other_data: false,
-        lr_find: Some(LrFind {
-            settings,
-            config_file: args.config.clone(),
-            save_config: args.save_config.clone(),
-            suggest_on_log_scale: args.suggestion == "log",
-        }),
-        summary_only: None,
-        profile: None,
-    };
-    match config.backend {
-        BackendKind::Torch => {
-            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &options, None)
-        }
-        BackendKind::Tensorflow => E::train_tensorflow(&config, &options, None),
-    }
+/// `kiln train`'s work on one backend.
+struct Train {
+    backend: crate::config::BackendKind,
+    config: RunConfig,
+    rendezvous: Option<Rendezvous>,
+    /// `--resume`: a checkpoint file, or `auto`.
+    resume: Option<String>,
+    /// `--resume-on-other-data`.
+    on_other_data: bool,
+    /// `--profile`: the steps to profile (written into the run's `profile/`).
+    profile: Option<kiln_train::ProfileConfig>,
 }
 
-/// `kiln inspect CONFIG`: the summary of the model the config trains, on its
-/// backend and data (pretrained weights, LoRA and freezing applied), down to
-/// `depth` (`-1`: every layer); nothing is written.
-pub(crate) fn summarize<E: Engines>(path: &Path, depth: i64) -> Result<()> {
-    let config = RunConfig::load(path)?;
-    let options = RunOptions {
-        from: None,
-        on_other_data: false,
-        lr_find: None,
-        summary_only: Some(depth),
-        profile: None,
-    };
-    match config.backend {
-        BackendKind::Torch => {
-            train_on::<E, kiln_torch::TorchBackend, TorchDdp>(&config, &options, None)
-        }
-        BackendKind::Tensorflow => E::train_tensorflow(&config, &options, None),
+impl BackendJob for Train {
+    fn on_tensorflow(&self) -> &'static str {
+        "training on the TensorFlow backend"
     }
-}
 
-/// The depth a summary table lists down to: all for a negative one.
-fn summary_depth(depth: i64) -> Option<usize> {
-    usize::try_from(depth).ok()
-}
-
-/// The summary of `model`, built from `definition`, for one sample of `sample`.
-fn model_summary<B: TrainBackend>(
-    definition: &Layer,
-    sample: &[usize],
-    model: &B::Model,
-) -> Result<kiln_core::model::ModelSummary> {
-    let parameters: Vec<(String, usize)> = model
-        .named_parameters()?
-        .iter()
-        .map(|(name, t)| (name.clone(), B::shape(t).numel()))
-        .collect();
-    let frozen = model.frozen_parameters()?;
-    Ok(kiln_core::model::ModelSummary::new(
-        definition,
-        sample,
-        &parameters,
-        &frozen,
-    )?)
-}
-
-/// The range test of `kiln tune lr`, its table, plot and suggestion.
-fn find_lr_and_report<B: TrainBackend, M: Trainable<B>>(
-    config: &RunConfig,
-    request: &LrFind,
-    mut model: M,
-    train: &dyn kiln_data::DataLoader,
-) -> Result<()> {
-    let out = &config.output_dir;
-    let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, RunStart::New)?));
-    let result = kiln_train::find_lr(
-        &mut model,
-        &config.optimizer,
-        &config.param_groups,
-        &config.loss,
-        train,
-        config.device,
-        &request.settings,
-    )?;
-    let mut csv = String::from("step,lr,loss\n");
-    for (i, (lr, loss)) in result.lrs.iter().zip(&result.losses).enumerate() {
-        csv.push_str(&format!("{},{lr:e},{loss}\n", i + 1));
-    }
-    write_new_file(&out.join("lr_find.csv"), csv.as_bytes())?;
-    let suggestion = if request.suggest_on_log_scale {
-        result.suggestion_log()
-    } else {
-        result.suggestion()
-    };
-    let png = out.join("lr_find.png");
-    let log_scale = request.settings.mode == kiln_train::LrSweep::Exponential;
-    if let Err(e) = kiln_train::plot_lr_finder(&result, log_scale, suggestion, &png) {
-        log::warn!("no plot: {}", e.display_chain());
-    }
-    outln!(
-        "kiln: learning-rate range test, {} steps from {:e} to {:e}{}",
-        result.lrs.len(),
-        request.settings.min_lr,
-        result
-            .lrs
-            .last()
-            .copied()
-            .unwrap_or(request.settings.min_lr),
-        if result.stopped_early {
-            " (stopped: the loss diverged)"
+    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+        let started = Instant::now();
+        let config = &self.config;
+        let rendezvous = self.rendezvous.as_ref();
+        // Rank 0 of a data-parallel job (or a single process) writes the run
+        // directory, logs, plots and checkpoints; the other ranks only train.
+        let primary = rendezvous.is_none_or(Rendezvous::is_primary);
+        check_backend_supports::<B>(config)?;
+        // Everything that can be checked is checked before the first byte is written.
+        let resume_from = if primary {
+            resolve_resume(config, self.resume.as_deref())?
         } else {
-            ""
-        }
-    );
-    match suggestion {
-        Some(lr) => outln!("kiln: suggested learning rate {lr:e}"),
-        None => outln!(
-            "kiln: no suggestion: fewer than 2 finite losses after the first 10 steps and \
-             before the last (raise --num-training, or lower --max-lr)"
-        ),
+            follower_resume(config, self.resume.as_deref())?
+        };
+        let shard = rendezvous.map(|r| (r.rank, r.world_size));
+        let (prepared, model) = prepare::<E, B>(config, shard, resume_from.is_none())?;
+        let fit = Fit {
+            job: &self,
+            started,
+            primary,
+            resume_from,
+            prepared,
+        };
+        under_strategy::<B, P, _>(config, rendezvous, model, fit)
     }
-    if let (Some(path), Some(lr)) = (&request.save_config, suggestion) {
-        // The user's file with one value changed (their comments are lost: toml
-        // writes the values back), never the file itself.
-        let text = std::fs::read_to_string(&request.config_file)
-            .with_context(|| format!("reading {}", request.config_file.display()))?;
-        let mut document: toml::Value =
-            toml::from_str(&text).with_context(|| format!("{}", request.config_file.display()))?;
-        match document
-            .get_mut("optimizer")
-            .and_then(toml::Value::as_table_mut)
-        {
-            Some(table) => {
-                table.insert("lr".to_owned(), toml::Value::Float(lr));
-            }
-            None => anyhow::bail!(
-                "--save-config: {} has no [optimizer] table to put the rate in",
-                request.config_file.display()
+}
+
+/// The run on its model, once the model is under its strategy.
+struct Fit<'a> {
+    job: &'a Train,
+    started: Instant,
+    /// Rank 0 of a data-parallel job, or a single process: writes the run directory.
+    primary: bool,
+    resume_from: Option<PathBuf>,
+    prepared: Prepared,
+}
+
+impl<B: TrainBackend> WithTrainable<B> for Fit<'_> {
+    fn what_ranks_share(&self) -> Result<serde_json::Value> {
+        crate::ranks::what_ranks_share(
+            &self.job.config,
+            &self.prepared.definition,
+            &self.prepared.identity,
+            self.resume_from.as_deref(),
+        )
+    }
+
+    /// The optimizer and schedule, the resume, one `Trainer` (rank 0's with
+    /// the run's outputs: checkpoints, sinks), the final evaluation, and on
+    /// rank 0 the weights, plots and summary.
+    fn run<M: Trainable<B>>(self, model: M) -> Result<()> {
+        let config = &self.job.config;
+        let distributed = self.job.rendezvous.is_some();
+        let mut state = assemble::training_state::<B, M>(config, model, distributed)?;
+        if let Some(path) = &self.resume_from {
+            self.resume(&mut state, path)?;
+        }
+        let trainer = assemble::trainer::<B, M>(
+            config,
+            self.prepared.misclassified.clone(),
+            distributed,
+            self.primary,
+        )?;
+        if self.primary {
+            self.fit_and_save(trainer, state)
+        } else {
+            self.fit_beside_rank_0(trainer, state)
+        }
+    }
+}
+
+impl Fit<'_> {
+    /// Restores `state` from the checkpoint at `path`, once it is shown to
+    /// fit the config's model, the data and this job's number of ranks.
+    fn resume<B: TrainBackend, M: Trainable<B>>(
+        &self,
+        state: &mut TrainingState<B, M>,
+        path: &Path,
+    ) -> Result<()> {
+        let config = &self.job.config;
+        let prepared = &self.prepared;
+        let world_size = self
+            .job
+            .rendezvous
+            .as_ref()
+            .map_or(1, |r| r.world_size as u64);
+        let batches = prepared.train_loader.num_batches();
+        let mut checkpoint = load_resume_checkpoint(config, &prepared.definition, path)?;
+        check_resume_data(
+            &mut checkpoint,
+            &prepared.identity,
+            path,
+            self.job.on_other_data,
+        )?;
+        // Before resharding: a position under another data order means
+        // nothing for any number of ranks.
+        checkpoint.check_data_order(path)?;
+        reshard(&mut checkpoint, world_size, path)?;
+        check_resume_position(&checkpoint, batches, path)?;
+        check_resume_not_complete(config, &checkpoint, batches, path)?;
+        Trainer::<B, M>::resume_from(state, &checkpoint, path)?;
+        Ok(())
+    }
+
+    /// Another rank than rank 0: trains and joins rank 0's collectives (its
+    /// final evaluation, the gathering of the weights it saves).
+    fn fit_beside_rank_0<B: TrainBackend, M: Trainable<B>>(
+        self,
+        mut trainer: Trainer<B, M>,
+        mut state: TrainingState<B, M>,
+    ) -> Result<()> {
+        let Prepared {
+            train_loader,
+            val_loader,
+            ..
+        } = self.prepared;
+        trainer.fit(
+            &mut state,
+            train_loader.as_ref(),
+            val_loader.as_ref().map(|v| v.as_ref()),
+        )?;
+        use_average(&trainer, &mut state, train_loader.as_ref())?;
+        // Rank 0's final evaluation reduces over every rank.
+        if let Some(val) = &val_loader {
+            state.model.set_mode(Mode::Eval);
+            trainer.evaluate(&mut state.model, val.as_ref())?;
+        }
+        if state.model.shards_parameters() {
+            // Rank 0 gathers the whole weights to save them.
+            drop(state.model.state_tensors()?);
+        }
+        Ok(())
+    }
+
+    /// Rank 0 (or the only process): the run directory taken, the trainer
+    /// given its outputs, the run, and what it leaves.
+    fn fit_and_save<B: TrainBackend, M: Trainable<B>>(
+        self,
+        mut trainer: Trainer<B, M>,
+        mut state: TrainingState<B, M>,
+    ) -> Result<()> {
+        let config = &self.job.config;
+        let out = &config.output_dir;
+        // From here on the run writes, holding its directory's lock.
+        let start = if self.resume_from.is_some() {
+            RunStart::Resume
+        } else {
+            RunStart::New
+        };
+        if let Some(profile) = &self.job.profile {
+            let profile = profile.clone().in_dir(out.join("profile"));
+            // The window's files are checked before the run directory is written.
+            profile.validate()?;
+            trainer = trainer.with_profiler(profile);
+        }
+        let mut run = UndoFailedStart::new(RunDirectory::acquire(out, start)?);
+        // The resolved config is the run's own file: a new run's directory was
+        // empty; a run resumed into a directory without one records it too.
+        let config_file = out.join("config.toml");
+        if start == RunStart::New || !config_file.exists() {
+            write_new_file(&config_file, toml_string(config)?.as_bytes())?;
+        }
+        self.announce::<B, M>(&state)?;
+        let Prepared {
+            definition,
+            identity,
+            train_loader,
+            val_loader,
+            ..
+        } = self.prepared;
+        let resumed = self.resume_from.is_some().then_some(state.step);
+        trainer = assemble::with_outputs(trainer, config, &definition, identity, resumed)?;
+        let history = trainer.fit(
+            &mut state,
+            train_loader.as_ref(),
+            val_loader.as_ref().map(|v| v.as_ref()),
+        )?;
+        use_average(&trainer, &mut state, train_loader.as_ref())?;
+        state.model.set_mode(Mode::Eval);
+        let final_metrics = match &val_loader {
+            Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,
+            None => Vec::new(),
+        };
+        let weights = save_weights::<B, M>(config, &state)?;
+        if config.logging.plots && !history.is_empty() {
+            let png = out.join("curves.png");
+            kiln_train::plot_curves(&history, &png, &kiln_train::PlotOptions::default())?;
+            outln!("kiln: curves plotted to {}", png.display());
+        }
+        outln!(
+            "kiln: done in {:.1}s, {} steps; {}",
+            self.started.elapsed().as_secs_f64(),
+            state.step,
+            validation_summary(&final_metrics)
+        );
+        let skipped =
+            train_loader.skipped_samples() + val_loader.as_ref().map_or(0, |v| v.skipped_samples());
+        if skipped > 0 {
+            outln!(
+                "kiln: {skipped} images skipped because they could not be read or decoded \
+                 (data.on_error = \"skip\"; each is named in a warning above)"
+            );
+        }
+        let checkpoints = checkpoints_dir(config);
+        match kiln_train::Checkpointer::latest(&checkpoints) {
+            Ok(Some(_)) => outln!(
+                "kiln: weights in {}, checkpoints in {}",
+                weights.display(),
+                checkpoints.display()
+            ),
+            // --max-steps (or a short run) can end before the first checkpoint is due.
+            _ => outln!(
+                "kiln: weights in {}; no checkpoint was written (the run ended before the first \
+                 was due: see [checkpoint] every_n_steps / every_n_epochs)",
+                weights.display()
             ),
         }
-        let written = toml::to_string(&document).context("--save-config")?;
-        write_new_file(path, written.as_bytes())?;
-        outln!("kiln: {} is the config with lr = {lr:e}", path.display());
+        run.succeeded();
+        Ok(())
     }
-    outln!(
-        "kiln: losses in {}, plot in {}",
-        out.join("lr_find.csv").display(),
-        png.display()
-    );
-    run.succeeded();
-    Ok(())
+
+    /// The run's first lines: the backend, device, precision and directory,
+    /// the parameters and examples, and the model summary `[logging]` asks for.
+    fn announce<B: TrainBackend, M: Trainable<B>>(
+        &self,
+        state: &TrainingState<B, M>,
+    ) -> Result<()> {
+        let config = &self.job.config;
+        let (n_train, n_val) = self.prepared.examples;
+        let trainable = state.model.num_trainable_parameters()?;
+        let total = state.model.num_parameters()?;
+        outln!(
+            "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
+            B::NAME,
+            config.device,
+            config.training.precision,
+            config.output_dir.display(),
+            total,
+            if trainable < total {
+                format!(" ({trainable} trainable)")
+            } else {
+                String::new()
+            },
+            n_train,
+            n_val
+        );
+        // A summary that cannot be made does not stop the run.
+        match (&self.prepared.summary, config.logging.summary_depth()) {
+            (Ok(summary), Some(depth)) => outln!("{}", summary.table(depth)),
+            (Err(e), _) => log::warn!("no model summary: {e:#}"),
+            (Ok(_), None) => {}
+        }
+        Ok(())
+    }
+}
+
+/// Writes the trained model's weights to `model.safetensors` (and, for LoRA
+/// on a pretrained model, its adapter in PEFT's format); returns the weights' path.
+fn save_weights<B: TrainBackend, M: Trainable<B>>(
+    config: &RunConfig,
+    state: &TrainingState<B, M>,
+) -> Result<PathBuf> {
+    let out = &config.output_dir;
+    let weights = out.join("model.safetensors");
+    let mut metadata = std::collections::BTreeMap::new();
+    metadata.insert("format".to_owned(), "pt".to_owned());
+    // Read once: under full sharding, a collective the other ranks join once.
+    let final_state = state.model.state_tensors()?;
+    final_state.save_safetensors(&weights, &metadata)?;
+    if let (Some(lora), Some(source)) = (&config.lora, &config.pretrained) {
+        save_adapter(
+            lora,
+            source,
+            &final_state.to_state_dict()?,
+            &out.join("adapter"),
+        )?;
+    }
+    Ok(weights)
+}
+
+/// The final evaluation's line: losses to 4 places, the rest as percentages.
+fn validation_summary(metrics: &[(String, f64)]) -> String {
+    if metrics.is_empty() {
+        return "no validation split".to_owned();
+    }
+    let values: Vec<String> = metrics
+        .iter()
+        .map(|(k, v)| {
+            if k.contains("loss") {
+                format!("{k} {v:.4}")
+            } else {
+                format!("{k} {:.2}%", 100.0 * v)
+            }
+        })
+        .collect();
+    format!("validation {}", values.join(", "))
 }
 
 /// The run's model is its weight average, when it keeps one (as Lightning's
@@ -279,521 +381,6 @@ fn use_average<B: TrainBackend, M: Trainable<B>>(
             );
         }
     }
-    Ok(())
-}
-
-/// Loads the weights of `[model] pretrained` into `model`: every tensor of the
-/// checkpoint's model (a new head keeps its initial values).
-fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedModel) -> Result<()> {
-    let pretrained = source
-        .open()
-        .with_context(|| format!("config key `model.pretrained` ({})", source.dir.display()))?;
-    let weights = pretrained
-        .load_weights()
-        .with_context(|| format!("config key `model.pretrained` ({})", source.dir.display()))?;
-    let mut state = model.state_dict()?;
-    let count = weights.len();
-    for (name, tensor) in weights {
-        state.insert(name, tensor);
-    }
-    model.load_state_dict(&state)?;
-    log::info!(
-        "loaded {count} pretrained tensors ({} model) from {}",
-        pretrained.family(),
-        source.dir.display()
-    );
-    Ok(())
-}
-
-/// What a training run has prepared before its model trains: the checks done,
-/// the data loaded, the definition resolved.
-struct Prepared<'a> {
-    config: &'a RunConfig,
-    resume: &'a RunOptions,
-    rendezvous: Option<&'a Rendezvous>,
-    started: Instant,
-    /// Rank 0 of a data-parallel job, or a single process: writes the run directory.
-    primary: bool,
-    resume_from: Option<PathBuf>,
-    definition: Layer,
-    summary: Option<kiln_core::model::ModelSummary>,
-    identity: serde_json::Value,
-    train_loader: Box<dyn DataLoader>,
-    val_loader: Option<Box<dyn DataLoader>>,
-    examples: (usize, usize),
-    misclassified: Option<kiln_train::MisclassifiedImages>,
-}
-
-/// `kiln train` on backend `B`, data-parallel through `P` when started as one
-/// rank of a job.
-pub fn train_on<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(
-    config: &RunConfig,
-    resume: &RunOptions,
-    rendezvous: Option<&Rendezvous>,
-) -> Result<()> {
-    let started = Instant::now();
-    // Rank 0 of a data-parallel job (or a single process) writes the run
-    // directory, logs, plots and checkpoints; the other ranks only train.
-    let primary = rendezvous.is_none_or(Rendezvous::is_primary);
-    if !config.freeze.is_empty() && !B::CAN_FREEZE {
-        anyhow::bail!(
-            "config key `freeze`: freezing parameters is not supported on the {} backend",
-            B::NAME
-        );
-    }
-
-    if config.lora.is_some() && !B::CAN_LORA {
-        anyhow::bail!(
-            "config key `lora`: LoRA adapters are not supported on the {} backend",
-            B::NAME
-        );
-    }
-
-    // Everything that can be checked is checked before the first byte is written.
-    let resume_from = if resume.summary_only.is_some() {
-        None
-    } else if primary {
-        resolve_resume(config, resume.from.as_deref())?
-    } else {
-        follower_resume(config, resume.from.as_deref())?
-    };
-    let data = load_data::<E>(config)?;
-    let misclassified = config.logging.misclassified_view(
-        data.probe.dims(),
-        data.val.is_some(),
-        &config.loss,
-        data.class_names.as_deref(),
-    )?;
-    // Finding a torchscript layer's output shape runs it once (drawing nothing).
-    let definition = resolve_model::<E>(config, &data.probe, config.device)?;
-    let sample = data.probe.dims().get(1..).unwrap_or_default().to_vec();
-    let examples = (data.train.len(), data.val.as_ref().map_or(0, Split::len));
-    let identity = data_identity(config, &data);
-    let shard = rendezvous.map(|r| (r.rank, r.world_size));
-    let train_loader = loader(data.train, config, true, shard)?;
-    // Each rank validates on its share of the split (every sample once); the
-    // trainer adds the ranks' metric states up, so every rank gets the values
-    // over the whole split and early stopping and plateau schedules decide alike.
-    let val_loader = data
-        .val
-        .map(|v| loader(v, config, false, shard))
-        .transpose()?;
-
-    B::manual_seed(config.seed);
-    let mut model = B::build_model(&definition, config.device)?;
-    // A fresh run starts from the pretrained weights (a resumed one from its checkpoint's).
-    if let (Some(source), None) = (&config.pretrained, &resume_from) {
-        load_pretrained::<B>(&mut model, source)?;
-    }
-    if let Some(lora) = &config.lora {
-        let adapters = B::add_lora(&mut model, lora).context("config key `lora`")?;
-        // The adapter is written in PEFT's format at the end of the run: a
-        // target PEFT cannot hold (GPT-2's fused c_attn) is refused now.
-        if let Some(source) = &config.pretrained {
-            let modules: Vec<&str> = adapters
-                .iter()
-                .filter_map(|n| n.strip_suffix(&format!(".{}", kiln_core::lora::LORA_A)))
-                .collect();
-            source
-                .open()?
-                .check_adapter_modules(modules)
-                .context("config key `lora.target_modules`")?;
-        }
-        log::info!(
-            "LoRA: {} adapter tensors (r = {}, alpha = {}) on {}; the rest is frozen",
-            adapters.len(),
-            lora.r,
-            lora.alpha,
-            lora.target_modules.join(", ")
-        );
-    }
-    B::set_precision(&mut model, config.training.precision)?;
-    let patterns: Vec<&str> = config.freeze.iter().map(String::as_str).collect();
-    let (frozen, pinned) = B::freeze(
-        &mut model,
-        &patterns,
-        config.frozen_batch_norm == FrozenBatchNorm::Eval,
-    )
-    .context("config key `freeze`")?;
-    if !frozen.is_empty() {
-        log::info!(
-            "frozen: {} parameters ({})",
-            frozen.len(),
-            frozen.join(", ")
-        );
-    }
-    if !pinned.is_empty() {
-        log::info!("batch norm kept in eval mode: {}", pinned.join(", "));
-    }
-    if !config.activation_checkpointing.is_empty() {
-        let patterns: Vec<&str> = config
-            .activation_checkpointing
-            .iter()
-            .map(String::as_str)
-            .collect();
-        let parts = B::checkpoint_activations(&mut model, &patterns)
-            .context("config key `activation_checkpointing`")?;
-        log::info!("activation checkpointing: {}", parts.join(", "));
-    }
-    let summary = model_summary::<B>(&definition, &sample, &model);
-    if let Some(depth) = resume.summary_only {
-        let summary = summary?;
-        outln!(
-            "{} on {}: the model of {}, for one sample of the training data",
-            B::NAME,
-            config.device,
-            config.output_dir.display()
-        );
-        outln!("{}", summary.table(summary_depth(depth)));
-        return Ok(());
-    }
-    // A summary that cannot be made does not stop the run.
-    let summary = summary
-        .map_err(|e| log::warn!("no model summary: {e:#}"))
-        .ok();
-    let prepared = Prepared {
-        config,
-        resume,
-        rendezvous,
-        started,
-        primary,
-        resume_from,
-        definition,
-        summary,
-        identity,
-        train_loader,
-        val_loader,
-        examples,
-        misclassified,
-    };
-    let Some(r) = rendezvous else {
-        // One process: a strategy spreads a step over ranks, and there are none.
-        if config.distributed.strategy != StrategyName::Ddp {
-            log::warn!(
-                "[distributed] strategy = \"{}\" applies to data-parallel runs (kiln launch, \
-                 torchrun); this run is one process, so it trains unsharded",
-                config.distributed.strategy.name()
-            );
-        }
-        return fit::<B, _>(prepared, model);
-    };
-    let options = config.distributed.options(config.device);
-    let group = Arc::new(ProcessGroup::join(r, &options)?);
-    // Ranks that would run different steps would wait on each other forever.
-    crate::ranks::check_ranks_agree(
-        group.as_ref(),
-        &crate::ranks::what_ranks_share(
-            config,
-            &prepared.definition,
-            &prepared.identity,
-            prepared.resume_from.as_deref(),
-        )?,
-    )?;
-    if primary {
-        outln!(
-            "kiln: rank 0 of {} ({}, {} backend, {} strategy)",
-            r.world_size,
-            r.launcher,
-            options.backend,
-            config.distributed.strategy.name()
-        );
-    }
-    if config.distributed.strategy == StrategyName::Fsdp {
-        let shard = config.distributed.fsdp.options();
-        if primary {
-            outln!(
-                "kiln: fsdp units {:?} and the root; {}; {}",
-                shard.units,
-                if shard.reshard_after_forward {
-                    "parameters freed after each unit's forward pass"
-                } else {
-                    "parameters kept from each unit's forward to its backward pass"
-                },
-                if shard.prefetch {
-                    "the next unit's gather prefetched"
-                } else {
-                    "each unit gathered when it runs"
-                }
-            );
-        }
-        return fit::<B, _>(prepared, P::fully_shard(model, &group, &shard, &options)?);
-    }
-    match config.distributed.strategy.zero_stage() {
-        Some(stage) => fit::<B, _>(prepared, P::zero(model, &group, stage, &options)?),
-        None => {
-            let sync = P::data_parallel(&model, &group, &options)?;
-            fit::<B, _>(prepared, DataParallel::new(model, sync)?)
-        }
-    }
-}
-
-/// Trains `model` (a single process's, or one rank's inside its strategy) as
-/// `prepared` says: the optimizer and schedule, the resume, one `Trainer` (rank
-/// 0's with the run's outputs: checkpoints, sinks), the final evaluation, and on
-/// rank 0 the weights, plots and summary.
-fn fit<B: TrainBackend, M: Trainable<B>>(prepared: Prepared<'_>, model: M) -> Result<()> {
-    let Prepared {
-        config,
-        resume,
-        rendezvous,
-        started,
-        primary,
-        resume_from,
-        definition,
-        summary,
-        identity,
-        train_loader,
-        val_loader,
-        examples: (n_train, n_val),
-        misclassified,
-    } = prepared;
-    let out = &config.output_dir;
-    if let Some(request) = &resume.lr_find {
-        return find_lr_and_report::<B, M>(config, request, model, train_loader.as_ref());
-    }
-    let optimizer = model.build_optimizer(&config.optimizer, &config.param_groups)?;
-    let scheduler = match &config.schedule {
-        Some(s) => Some(s.build(&optimizer.learning_rates())?),
-        None => None,
-    };
-    if config.logging.grad_norms && !optimizer.keeps_gradients() {
-        anyhow::bail!(
-            "config key `logging.grad_norms`: the {} backend's optimizer keeps no gradients \
-             after its step (a graph engine computes them inside it); histograms still show \
-             the weights",
-            B::NAME
-        );
-    }
-    if config.logging.graph && model.graph_def()?.is_none() {
-        anyhow::bail!(
-            "config key `logging.graph`: the {} backend runs eagerly and keeps no dataflow \
-             graph for TensorBoard's Graphs view (the tensorflow backend does)",
-            B::NAME
-        );
-    }
-    let mut state = TrainingState::<B, M>::new(model, optimizer, scheduler);
-    if let Some(averaging) = config.training.averaging() {
-        if rendezvous.is_some()
-            && (config.distributed.strategy == StrategyName::Fsdp
-                || config.distributed.sharded_checkpoints())
-        {
-            anyhow::bail!(
-                "config key `training.{}`: weight averaging keeps whole tensors and checkpoints \
-                 them whole, so it runs under ddp, or zero1/zero2 with [distributed] checkpoint \
-                 = \"full\"; not under {} with {} checkpoints",
-                averaging.method().name(),
-                config.distributed.strategy.name(),
-                if config.distributed.sharded_checkpoints() {
-                    "sharded"
-                } else {
-                    "full"
-                }
-            );
-        }
-        // Before a resume restores the checkpoint's average into it.
-        state = state.with_weight_averaging(averaging)?;
-    }
-    let world_size = rendezvous.map_or(1, |r| r.world_size as u64);
-    if let Some(path) = &resume_from {
-        let mut checkpoint = load_resume_checkpoint(config, &definition, path)?;
-        check_resume_data(&mut checkpoint, &identity, path, resume.on_other_data)?;
-        // Before resharding: a position under another data order means
-        // nothing for any number of ranks.
-        checkpoint.check_data_order(path)?;
-        reshard(&mut checkpoint, world_size, path)?;
-        check_resume_position(&checkpoint, train_loader.num_batches(), path)?;
-        check_resume_not_complete(config, &checkpoint, train_loader.num_batches(), path)?;
-        Trainer::<B, M>::resume_from(&mut state, &checkpoint, path)?;
-    }
-
-    let mut training = config.training.clone();
-    training.seed = config.seed;
-    training.device = config.device;
-    let mut trainer = Trainer::<B, M>::new(training, config.loss.clone())?
-        .with_step_views(config.logging.step_views());
-    if let Some(view) = misclassified {
-        trainer = trainer.with_misclassified_images(view);
-    }
-    for name in &config.logging.metrics {
-        let make =
-            kiln_train::metric_by_name(name).with_context(|| format!("unknown metric {name}"))?;
-        trainer = trainer.with_metric(make);
-    }
-    if let Some(es) = &config.early_stopping {
-        trainer = trainer.with_callback(EarlyStopping::new(
-            es.monitor.clone(),
-            es.mode,
-            es.patience,
-            es.min_delta,
-        ));
-    }
-    let checkpoints = out.join("checkpoints");
-    if rendezvous.is_some() && config.distributed.sharded_checkpoints() {
-        trainer = trainer.with_sharded_checkpoints(&checkpoints);
-    }
-    if !primary {
-        // A sharded optimizer's state is gathered by every rank when rank 0
-        // saves it; under sharded checkpoints each rank writes its part.
-        trainer = trainer.with_checkpoint_turns(config.checkpoint.clone());
-        trainer.fit(
-            &mut state,
-            train_loader.as_ref(),
-            val_loader.as_ref().map(|v| v.as_ref()),
-        )?;
-        use_average(&trainer, &mut state, train_loader.as_ref())?;
-        // Rank 0's final evaluation reduces over every rank.
-        if let Some(val) = &val_loader {
-            state.model.set_mode(Mode::Eval);
-            trainer.evaluate(&mut state.model, val.as_ref())?;
-        }
-        if state.model.shards_parameters() {
-            // Rank 0 gathers the whole weights to save them.
-            drop(state.model.state_tensors()?);
-        }
-        return Ok(());
-    }
-
-    // From here on the run writes, holding its directory's lock.
-    let start = if resume_from.is_some() {
-        RunStart::Resume
-    } else {
-        RunStart::New
-    };
-    if let Some(profile) = &resume.profile {
-        let profile = profile.clone().in_dir(out.join("profile"));
-        // The window's files are checked before the run directory is written.
-        profile.validate()?;
-        trainer = trainer.with_profiler(profile);
-    }
-    let mut run = UndoFailedStart(Some(RunDirectory::acquire(out, start)?));
-    // The resolved config is the run's own file: a new run's directory was
-    // empty; a run resumed into a directory without one records it too.
-    let config_file = out.join("config.toml");
-    if start == RunStart::New || !config_file.exists() {
-        write_new_file(&config_file, toml_string(config)?.as_bytes())?;
-    }
-
-    let trainable = state.model.num_trainable_parameters()?;
-    let total = state.model.num_parameters()?;
-    outln!(
-        "kiln: {} on {} in {} ({}), {} parameters{}; {} training and {} validation examples",
-        B::NAME,
-        config.device,
-        config.training.precision,
-        config.output_dir.display(),
-        total,
-        if trainable < total {
-            format!(" ({trainable} trainable)")
-        } else {
-            String::new()
-        },
-        n_train,
-        n_val
-    );
-    if let (Some(depth), Some(summary)) = (config.logging.summary_depth(), &summary) {
-        outln!("{}", summary.table(depth));
-    }
-
-    // Rank 0's outputs: checkpoints and metric sinks.
-    trainer = trainer
-        .with_checkpointer(
-            Checkpointer::new(&checkpoints, config.checkpoint.clone())?,
-            Some(definition.clone()),
-        )
-        .with_data_identity(identity)
-        .with_lora(config.lora.clone());
-    if config.logging.csv {
-        trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln_train::CsvSink::resume(out, state.step)?,
-            None => kiln_train::CsvSink::new(out)?,
-        });
-    }
-    if config.logging.tensorboard {
-        let dir = out.join("tensorboard");
-        trainer = trainer.with_sink(match &resume_from {
-            Some(_) => kiln_train::TensorBoardSink::resume(dir, state.step)?,
-            None => kiln_train::TensorBoardSink::new(dir)?,
-        });
-    }
-    if config.logging.progress {
-        trainer = trainer.with_sink(kiln_train::ProgressSink::new());
-    } else {
-        trainer = trainer.with_sink(kiln_train::LogSink::new());
-    }
-
-    let history = trainer.fit(
-        &mut state,
-        train_loader.as_ref(),
-        val_loader.as_ref().map(|v| v.as_ref()),
-    )?;
-    use_average(&trainer, &mut state, train_loader.as_ref())?;
-    state.model.set_mode(Mode::Eval);
-    let final_metrics = match &val_loader {
-        Some(val) => trainer.evaluate(&mut state.model, val.as_ref())?,
-        None => Vec::new(),
-    };
-    let weights = out.join("model.safetensors");
-    let mut metadata = std::collections::BTreeMap::new();
-    metadata.insert("format".to_owned(), "pt".to_owned());
-    // Read once: under full sharding, a collective the other ranks join once.
-    let final_state = state.model.state_tensors()?;
-    final_state.save_safetensors(&weights, &metadata)?;
-    if let (Some(lora), Some(source)) = (&config.lora, &config.pretrained) {
-        save_adapter(
-            lora,
-            source,
-            &final_state.to_state_dict()?,
-            &out.join("adapter"),
-        )?;
-    }
-    if config.logging.plots && !history.is_empty() {
-        let png = out.join("curves.png");
-        kiln_train::plot_curves(&history, &png, &kiln_train::PlotOptions::default())?;
-        outln!("kiln: curves plotted to {}", png.display());
-    }
-    let summary = if final_metrics.is_empty() {
-        "no validation split".to_owned()
-    } else {
-        format!(
-            "validation {}",
-            final_metrics
-                .iter()
-                .map(|(k, v)| if k.contains("loss") {
-                    format!("{k} {v:.4}")
-                } else {
-                    format!("{k} {:.2}%", 100.0 * v)
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
-    };
-    outln!(
-        "kiln: done in {:.1}s, {} steps; {summary}",
-        started.elapsed().as_secs_f64(),
-        state.step,
-    );
-    let skipped =
-        train_loader.skipped_samples() + val_loader.as_ref().map_or(0, |v| v.skipped_samples());
-    if skipped > 0 {
-        outln!(
-            "kiln: {skipped} images skipped because they could not be read or decoded \
-             (data.on_error = \"skip\"; each is named in a warning above)"
-        );
-    }
-    match kiln_train::Checkpointer::latest(&checkpoints) {
-        Ok(Some(_)) => outln!(
-            "kiln: weights in {}, checkpoints in {}",
-            weights.display(),
-            checkpoints.display()
-        ),
-        // --max-steps (or a short run) can end before the first checkpoint is due.
-        _ => outln!(
-            "kiln: weights in {}; no checkpoint was written (the run ended before the first \
-             was due: see [checkpoint] every_n_steps / every_n_epochs)",
-            weights.display()
-        ),
-    }
-    run.succeeded();
     Ok(())
 }
 
@@ -841,54 +428,4 @@ fn save_adapter(
         dir.display()
     );
     Ok(())
-}
-
-/// Holds a run's directory; when the run fails before its first checkpoint,
-/// removes what it wrote there ([`RunDirectory::discard_failed_start`]), so
-/// that the same command can run again once the cause is fixed.
-struct UndoFailedStart(Option<RunDirectory>);
-
-impl UndoFailedStart {
-    /// The run finished: its directory stays as it is.
-    fn succeeded(&mut self) {
-        self.0.take();
-    }
-}
-
-impl Drop for UndoFailedStart {
-    fn drop(&mut self) {
-        let Some(run) = self.0.take() else {
-            return;
-        };
-        let dir = run.path().to_path_buf();
-        match run.discard_failed_start() {
-            Ok(removed) if !removed.is_empty() => log::info!(
-                "the run failed before its first checkpoint: removed what it wrote in {} ({}), \
-                 so that it can start there again",
-                dir.display(),
-                removed.join(", ")
-            ),
-            Ok(_) => {}
-            Err(error) => log::warn!(
-                "the run failed before its first checkpoint, and removing what it wrote in {} \
-                 failed too: {error}",
-                dir.display()
-            ),
-        }
-    }
-}
-
-/// Writes `bytes` to a new file at `path`, refusing to replace one.
-fn write_new_file(path: &Path, bytes: &[u8]) -> Result<()> {
-    use std::io::Write;
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
-        .and_then(|mut file| file.write_all(bytes))
-        .with_context(|| format!("writing {}", path.display()))
-}
-
-fn toml_string(config: &RunConfig) -> Result<String> {
-    toml::to_string_pretty(config).context("writing the resolved config")
 }

@@ -14,13 +14,11 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kiln::c10d::ProcessGroup;
-use kiln::core::distributed::{DistributedOptions, Rendezvous};
+use kiln::core::distributed::DistributedOptions;
 use kiln::core::export::ExportOptions;
 use kiln::prelude::*;
 use kiln::tf::{GradientAllReduce, TfBackend, TfModel};
-use kiln_cli::{
-    CheckpointArgs, DataParallelEngine, Engines, PredictArgs, RunConfig, RunOptions, Source,
-};
+use kiln_cli::{BackendJob, DataParallelEngine, Engines, Source};
 
 /// Both engines: the TensorFlow commands on the TensorFlow C API.
 struct Tensorflow;
@@ -34,20 +32,8 @@ impl Engines for Tensorflow {
         Ok(())
     }
 
-    fn train_tensorflow(
-        config: &RunConfig,
-        resume: &RunOptions,
-        rendezvous: Option<&Rendezvous>,
-    ) -> Result<()> {
-        kiln_cli::train_on::<Self, TfBackend, Self>(config, resume, rendezvous)
-    }
-
-    fn eval_tensorflow(args: &CheckpointArgs, config: &RunConfig) -> Result<()> {
-        kiln_cli::eval_on::<Self, TfBackend>(args, config)
-    }
-
-    fn predict_tensorflow(args: &PredictArgs, config: &RunConfig) -> Result<()> {
-        kiln_cli::predict_on::<Self, TfBackend>(args, config)
+    fn run_on_tensorflow<J: BackendJob>(job: J) -> Result<()> {
+        job.run::<Self, TfBackend, Self>()
     }
 
     fn resolve_saved_model_shapes(model: &Layer, example: &[usize], dtype: DType) -> Result<Layer> {

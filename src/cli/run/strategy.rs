@@ -1,0 +1,96 @@
+//! A prepared model under the config's `[distributed]` strategy: alone in a
+//! single process; on one rank of a job, joined to the ranks' process group
+//! (after checking that they agree on what they run) and wrapped in DDP, ZeRO
+//! or FSDP.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use kiln_c10d::ProcessGroup;
+use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::distributed::Rendezvous;
+use kiln_core::strategy::DataParallel;
+
+use crate::config::{RunConfig, StrategyName};
+use crate::engines::DataParallelEngine;
+use crate::output::outln;
+
+/// What runs on the model once it is under its strategy (whose type each
+/// strategy decides).
+pub(crate) trait WithTrainable<B: TrainBackend> {
+    /// What the ranks of a job must agree on before they run (the config, the
+    /// model's definition, the data, where they resume from): a rank that
+    /// would run other steps would wait on the others forever.
+    fn what_ranks_share(&self) -> Result<serde_json::Value>;
+
+    /// Runs on `model`.
+    fn run<M: Trainable<B>>(self, model: M) -> Result<()>;
+}
+
+/// Runs `then` on `model` under the config's strategy: the model itself in a
+/// single process, or, as one rank of `rendezvous`'s job, inside DDP, ZeRO
+/// or FSDP over the ranks' group, once every rank has shown that it runs
+/// what the others do.
+pub(crate) fn under_strategy<B, P, T>(
+    config: &RunConfig,
+    rendezvous: Option<&Rendezvous>,
+    model: B::Model,
+    then: T,
+) -> Result<()>
+where
+    B: TrainBackend,
+    P: DataParallelEngine<B>,
+    T: WithTrainable<B>,
+{
+    let Some(r) = rendezvous else {
+        // One process: a strategy spreads a step over ranks, and there are none.
+        if config.distributed.strategy != StrategyName::Ddp {
+            log::warn!(
+                "[distributed] strategy = \"{}\" applies to data-parallel runs (kiln launch, \
+                 torchrun); this run is one process, so it trains unsharded",
+                config.distributed.strategy.name()
+            );
+        }
+        return then.run(model);
+    };
+    let primary = r.is_primary();
+    let options = config.distributed.options(config.device);
+    let group = Arc::new(ProcessGroup::join(r, &options)?);
+    crate::ranks::check_ranks_agree(group.as_ref(), &then.what_ranks_share()?)?;
+    if primary {
+        outln!(
+            "kiln: rank 0 of {} ({}, {} backend, {} strategy)",
+            r.world_size,
+            r.launcher,
+            options.backend,
+            config.distributed.strategy.name()
+        );
+    }
+    if config.distributed.strategy == StrategyName::Fsdp {
+        let shard = config.distributed.fsdp.options();
+        if primary {
+            outln!(
+                "kiln: fsdp units {:?} and the root; {}; {}",
+                shard.units,
+                if shard.reshard_after_forward {
+                    "parameters freed after each unit's forward pass"
+                } else {
+                    "parameters kept from each unit's forward to its backward pass"
+                },
+                if shard.prefetch {
+                    "the next unit's gather prefetched"
+                } else {
+                    "each unit gathered when it runs"
+                }
+            );
+        }
+        return then.run(P::fully_shard(model, &group, &shard, &options)?);
+    }
+    match config.distributed.strategy.zero_stage() {
+        Some(stage) => then.run(P::zero(model, &group, stage, &options)?),
+        None => {
+            let sync = P::data_parallel(&model, &group, &options)?;
+            then.run(DataParallel::new(model, sync)?)
+        }
+    }
+}
