@@ -126,15 +126,28 @@ fn an_input_bound_run_shows_as_the_data_loader_wait() {
             .0,
         "kiln::data_loader_wait"
     );
+    // The table's line gives the wait per step and its share of the steps'
+    // time, consistent with the rows (how large the share is depends on how
+    // busy the machine is, so it is checked against the line's own numbers).
     let table = std::fs::read_to_string(profile.dir.join("ops.txt")).unwrap();
-    let share: f64 = table
-        .split("per step, ")
-        .nth(1)
-        .and_then(|s| s.split('%').next())
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!(share > 50.0, "{table}");
+    let line = table.lines().next().unwrap();
+    // The last word before `marker`, without a leading parenthesis.
+    let word_before = |marker: &str| -> &str {
+        let head = line.split(marker).next().unwrap();
+        head.rsplit(' ').next().unwrap().trim_start_matches('(')
+    };
+    // A duration as the table writes it (`263.467ms`, `1.054s`), in ms.
+    let ms = |word: &str| -> f64 {
+        let units = [("ms", 1.0), ("us", 1e-3), ("ns", 1e-6), ("s", 1e3)];
+        let (unit, scale) = units.iter().find(|(u, _)| word.ends_with(u)).unwrap();
+        word.trim_end_matches(unit).parse::<f64>().unwrap() * scale
+    };
+    let step_ms = ms(word_before(" per step)"));
+    let wait_ms = ms(word_before(" per step,"));
+    let share: f64 = word_before("% of the steps' time").parse().unwrap();
+    assert!((wait_ms - wait_us / 4.0 / 1000.0).abs() <= 0.01 * wait_ms, "{line}");
+    assert!((share - 100.0 * wait_ms / step_ms).abs() < 0.1, "{line}");
+    assert!(wait_ms <= step_ms, "{line}");
     // Two linear layers per step (forward), eight rows a batch.
     assert_eq!(rows["aten::linear"].0, 8);
     assert!(profile.dir.join("trace.json").is_file());

@@ -220,119 +220,19 @@ impl Pretrained {
     /// [`HfError::Adapter`] naming what does not fit.
     pub fn load_adapter(&self, dir: impl AsRef<Path>) -> Result<(LoraConfig, StateDict)> {
         let dir = dir.as_ref();
-        let config_path = dir.join(ADAPTER_CONFIG);
-        let fail = |reason: String| HfError::Adapter {
-            path: config_path.clone(),
-            reason,
-        };
-        let text = std::fs::read_to_string(&config_path).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::NotFound {
-                HfError::Adapter {
-                    path: dir.to_owned(),
-                    reason: format!("not a PEFT adapter directory: no {ADAPTER_CONFIG}"),
-                }
-            } else {
-                kiln_core::Error::io(&config_path, e).into()
-            }
-        })?;
-        let config: Value =
-            serde_json::from_str(&text).map_err(|e| fail(format!("not JSON: {e}")))?;
-        let get = |key: &str| config.get(key).filter(|v| !v.is_null());
-        match get("peft_type").and_then(Value::as_str) {
-            Some("LORA") => {}
-            Some(other) => {
-                return Err(fail(format!(
-                    "`peft_type` is \"{other}\": Kiln reads LoRA adapters (\"LORA\")"
-                )))
-            }
-            None => {
-                return Err(fail(
-                    "`peft_type` is missing: Kiln reads LoRA adapters (\"LORA\")".into(),
-                ))
-            }
-        }
-        if get("use_dora").and_then(Value::as_bool) == Some(true) {
-            return Err(fail(
-                "`use_dora` = true: DoRA adapters are not implemented".into(),
-            ));
-        }
-        for key in ["lora_bias", "use_qalora", "use_bdlora"] {
-            if get(key).and_then(Value::as_bool) == Some(true) {
-                return Err(fail(format!("`{key}` = true is not implemented")));
-            }
-        }
-        for key in [
-            "trainable_token_indices",
-            "target_parameters",
-            "layer_replication",
-        ] {
-            if get(key).is_some() {
-                return Err(fail(format!(
-                    "`{key}` is set: Kiln reads adapters of linear projections only"
-                )));
-            }
-        }
-        if let Some(bias) = get("bias").and_then(Value::as_str).filter(|b| *b != "none") {
-            return Err(fail(format!(
-                "`bias` = {bias:?}: Kiln's adapters train no biases (\"none\")"
-            )));
-        }
-        if get("modules_to_save")
-            .and_then(Value::as_array)
-            .is_some_and(|m| !m.is_empty())
-        {
-            return Err(fail(
-                "`modules_to_save` is set: Kiln reads the LoRA tensors only, not whole modules"
-                    .into(),
-            ));
-        }
-        for key in ["rank_pattern", "alpha_pattern"] {
-            if get(key)
-                .and_then(Value::as_object)
-                .is_some_and(|m| !m.is_empty())
-            {
-                return Err(fail(format!(
-                    "`{key}` is set: per-module ranks and alphas are not implemented"
-                )));
-            }
-        }
-        let number = |key: &str| {
-            get(key)
-                .and_then(Value::as_f64)
-                .ok_or_else(|| fail(format!("`{key}` is missing or not a number")))
-        };
-        let r = number("r")?;
-        if r < 1.0 || r.fract() != 0.0 {
-            return Err(fail(format!("`r` = {r} is not a rank")));
-        }
-        let alpha = number("lora_alpha")?;
-        // PEFT takes any number; a scale that is 0, negative or past float32
-        // would silently give another (or a broken) model once merged.
-        if !(alpha > 0.0 && alpha <= f64::from(f32::MAX) / r) {
-            return Err(fail(format!(
-                "`lora_alpha` = {alpha}: the update's scale alpha / r must be a positive, finite \
-                 float32 number"
-            )));
-        }
-        for key in [
-            "alora_invocation_tokens",
-            "velora_config",
-            "monteclora_config",
-            "arrow_config",
-            "kasa_config",
-        ] {
-            if get(key).is_some() {
-                return Err(fail(format!(
-                    "`{key}` is set: that PEFT extension of LoRA is not implemented (merging it as \
-                     plain LoRA would change the model)"
-                )));
-            }
-        }
-        let claimed = PeftTargets::from_config(get).map_err(fail)?;
-        let mut lora = LoraConfig::new(r as usize, alpha)
-            .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
-            .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
+        let (lora, claimed) = read_adapter_config(dir)?;
+        self.load_adapter_weights(dir, lora, &claimed)
+    }
 
+    /// The tensors of the adapter in `dir` for `lora` (its config, `claimed`
+    /// its target modules), checked against this model and renamed to
+    /// Kiln's; `lora.target_modules` become the modules they adapt.
+    fn load_adapter_weights(
+        &self,
+        dir: &Path,
+        mut lora: LoraConfig,
+        claimed: &PeftTargets,
+    ) -> Result<(LoraConfig, StateDict)> {
         let weights_path = dir.join(ADAPTER_WEIGHTS);
         if !weights_path.is_file() {
             return Err(HfError::Adapter {
@@ -464,6 +364,123 @@ impl Pretrained {
         lora.target_modules = modules.into_iter().map(|(m, _)| m).collect();
         Ok((lora, out))
     }
+}
+
+/// The LoRA settings and target modules of the adapter config in `dir`,
+/// refusing what Kiln does not implement (another PEFT method, DoRA, biases,
+/// `modules_to_save`, per-module ranks, LoRA's extensions) by key.
+fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, PeftTargets)> {
+    let config_path = dir.join(ADAPTER_CONFIG);
+    let fail = |reason: String| HfError::Adapter {
+        path: config_path.clone(),
+        reason,
+    };
+    let text = std::fs::read_to_string(&config_path).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            HfError::Adapter {
+                path: dir.to_owned(),
+                reason: format!("not a PEFT adapter directory: no {ADAPTER_CONFIG}"),
+            }
+        } else {
+            kiln_core::Error::io(&config_path, e).into()
+        }
+    })?;
+    let config: Value = serde_json::from_str(&text).map_err(|e| fail(format!("not JSON: {e}")))?;
+    let get = |key: &str| config.get(key).filter(|v| !v.is_null());
+    match get("peft_type").and_then(Value::as_str) {
+        Some("LORA") => {}
+        Some(other) => {
+            return Err(fail(format!(
+                "`peft_type` is \"{other}\": Kiln reads LoRA adapters (\"LORA\")"
+            )))
+        }
+        None => {
+            return Err(fail(
+                "`peft_type` is missing: Kiln reads LoRA adapters (\"LORA\")".into(),
+            ))
+        }
+    }
+    if get("use_dora").and_then(Value::as_bool) == Some(true) {
+        return Err(fail(
+            "`use_dora` = true: DoRA adapters are not implemented".into(),
+        ));
+    }
+    for key in ["lora_bias", "use_qalora", "use_bdlora"] {
+        if get(key).and_then(Value::as_bool) == Some(true) {
+            return Err(fail(format!("`{key}` = true is not implemented")));
+        }
+    }
+    for key in [
+        "trainable_token_indices",
+        "target_parameters",
+        "layer_replication",
+    ] {
+        if get(key).is_some() {
+            return Err(fail(format!(
+                "`{key}` is set: Kiln reads adapters of linear projections only"
+            )));
+        }
+    }
+    if let Some(bias) = get("bias").and_then(Value::as_str).filter(|b| *b != "none") {
+        return Err(fail(format!(
+            "`bias` = {bias:?}: Kiln's adapters train no biases (\"none\")"
+        )));
+    }
+    if get("modules_to_save")
+        .and_then(Value::as_array)
+        .is_some_and(|m| !m.is_empty())
+    {
+        return Err(fail(
+            "`modules_to_save` is set: Kiln reads the LoRA tensors only, not whole modules".into(),
+        ));
+    }
+    for key in ["rank_pattern", "alpha_pattern"] {
+        if get(key)
+            .and_then(Value::as_object)
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(fail(format!(
+                "`{key}` is set: per-module ranks and alphas are not implemented"
+            )));
+        }
+    }
+    let number = |key: &str| {
+        get(key)
+            .and_then(Value::as_f64)
+            .ok_or_else(|| fail(format!("`{key}` is missing or not a number")))
+    };
+    let r = number("r")?;
+    if r < 1.0 || r.fract() != 0.0 {
+        return Err(fail(format!("`r` = {r} is not a rank")));
+    }
+    let alpha = number("lora_alpha")?;
+    // PEFT takes any number; a scale that is 0, negative or past float32
+    // would silently give another (or a broken) model once merged.
+    if !(alpha > 0.0 && alpha <= f64::from(f32::MAX) / r) {
+        return Err(fail(format!(
+            "`lora_alpha` = {alpha}: the update's scale alpha / r must be a positive, finite \
+                 float32 number"
+        )));
+    }
+    for key in [
+        "alora_invocation_tokens",
+        "velora_config",
+        "monteclora_config",
+        "arrow_config",
+        "kasa_config",
+    ] {
+        if get(key).is_some() {
+            return Err(fail(format!(
+                "`{key}` is set: that PEFT extension of LoRA is not implemented (merging it as \
+                     plain LoRA would change the model)"
+            )));
+        }
+    }
+    let claimed = PeftTargets::from_config(get).map_err(fail)?;
+    let lora = LoraConfig::new(r as usize, alpha)
+        .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
+        .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
+    Ok((lora, claimed))
 }
 
 /// `"3 NaN and 1 infinite of 64 values"` when a floating-point `tensor` holds

@@ -1,7 +1,7 @@
 //! Image data (`image_folder`, `webdataset`): opened, its classes checked
 //! against the model, its transforms built; decoded by the loader's workers.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
@@ -122,162 +122,19 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
     let train_transform = kiln_data::vision::compose(&train_t).context("data.transforms")?;
     let val_transform = || kiln_data::vision::compose(&val_t).context("data.val_transforms");
     val_transform()?;
-    let transformed = |base: SampleDataset, t: Compose| -> SampleDataset {
-        Arc::new(TransformedDataset::new(base, t, config.seed))
-    };
-    let mut classes = None;
     check_mix_loss(config)?;
-    let (mut train, val) = match data.dataset {
+    let (mut train, val, classes) = match data.dataset {
         DatasetKind::ImageFolder => {
-            let path = data.path.as_deref().context("data.path is required")?;
-            let folder = open_folder(path, config)?;
-            classes = Some((path.to_path_buf(), folder.classes().to_vec()));
-            let folder = Arc::new(folder);
-            let (train_base, val_base): (SampleDataset, Option<SampleDataset>) =
-                if let Some(val_path) = &data.val_path {
-                    let val = open_folder(val_path, config)?;
-                    if val.classes() != folder.classes() {
-                        anyhow::bail!(
-                            "data.val_path {} has the classes {:?}, data.path {} has {:?}; \
-                             both need the same class folders (a class's index is its place \
-                             in the sorted names)",
-                            val_path.display(),
-                            val.classes(),
-                            path.display(),
-                            folder.classes()
-                        );
-                    }
-                    (folder, Some(Arc::new(val)))
-                } else if data.val_fraction() > 0.0 {
-                    let (tr, te) = split_indices(folder.len(), data.val_fraction(), config.seed)
-                        .context("data.val_fraction")?;
-                    (
-                        Arc::new(Subset::new(folder.clone(), tr)?),
-                        Some(Arc::new(Subset::new(folder, te)?)),
-                    )
-                } else {
-                    (folder, None)
-                };
-            let train = Split::Images(ImageSplit {
-                dataset: transformed(train_base, train_transform),
-                shards: None,
-                mix: None,
-            });
-            let val = match val_base {
-                Some(v) => Some(Split::Images(ImageSplit {
-                    dataset: transformed(v, val_transform()?),
-                    shards: None,
-                    mix: None,
-                })),
-                None => None,
-            };
-            (train, val)
+            let (train, val, classes) = folder_splits(config, train_transform, &val_transform)?;
+            (train, val, Some(classes))
         }
         DatasetKind::Webdataset => {
-            let member = |key: &str, value: &Option<String>| -> Result<Option<String>> {
-                match value.as_deref().map(|v| v.trim().trim_start_matches('.')) {
-                    Some("") => anyhow::bail!(
-                        "data.{key} is empty: give a member's extension, such as \"cls\" or \"json\""
-                    ),
-                    other => Ok(other.map(str::to_owned)),
-                }
-            };
-            let image_key = member("image_key", &data.image_key)?;
-            let label_key = member("label_key", &data.label_key)?;
-            let open = |key: &str, pattern: &str| -> Result<WebDataset> {
-                let mut shards = WebDataset::from_pattern(pattern)
-                    .with_context(|| format!("data.{key} = {pattern:?}"))?
-                    .color_mode(color_mode(config))
-                    .on_error(on_error(config));
-                if let Some(k) = &image_key {
-                    shards = shards.image_key(k);
-                }
-                if let Some(k) = &label_key {
-                    shards = shards.label_key(k);
-                }
-                Ok(shards)
-            };
-            let pattern = data.shards.as_deref().context("data.shards is required")?;
-            let train_shards = open("shards", pattern)?;
-            let val_shards = match &data.val_shards {
-                Some(pattern) => Some(open("val_shards", pattern)?),
-                None => None,
-            };
-            // Labels are read batch by batch: each is checked against the
-            // model's classes as it is read, naming its shard and member.
-            let classes = shard_classes::<E>(config, &train_shards, &train_transform)?;
-            let checked = |shards: WebDataset| {
-                Arc::new(match classes {
-                    Some((n, ignore_index)) => shards.num_classes(n, ignore_index),
-                    None => shards,
-                })
-            };
-            let shards = checked(train_shards);
-            let train = Split::Images(ImageSplit {
-                dataset: transformed(shards.clone(), train_transform),
-                shards: Some(shards),
-                mix: None,
-            });
-            let val = match val_shards {
-                Some(shards) => {
-                    let shards = checked(shards);
-                    Some(Split::Images(ImageSplit {
-                        dataset: transformed(shards.clone(), val_transform()?),
-                        shards: Some(shards),
-                        mix: None,
-                    }))
-                }
-                None => None,
-            };
-            (train, val)
+            let (train, val) = shard_splits::<E>(config, train_transform, &val_transform)?;
+            (train, val, None)
         }
         other => anyhow::bail!("dataset {} is not image data", other.name()),
     };
-    // One example through each split's transforms: they must agree, and fit the model.
-    let example = |split: &Split, which: &str| -> Result<(HostTensor, HostTensor)> {
-        let Split::Images(s) = split else {
-            anyhow::bail!("not image data")
-        };
-        if s.dataset.is_empty() {
-            anyhow::bail!("the {which} split has no images");
-        }
-        s.dataset
-            .get_for_epoch(0, 0)
-            .with_context(|| format!("the first {which} image"))
-    };
-    let (x, y) = example(&train, "training")?;
-    if let Some(size) = data.image_size {
-        let (h, w) = size.dims();
-        let dims = x.dims();
-        if dims.len() != 3 || dims[1] != h || dims[2] != w {
-            anyhow::bail!(
-                "data.transforms give images of shape {dims:?}, data.image_size is {:?}: \
-                 end them with a crop to that size (random_resized_crop, center_crop) and \
-                 to_tensor",
-                size
-            );
-        }
-    }
-    if let Some(val) = &val {
-        let (vx, _) = example(val, "validation")?;
-        if vx.dims() != x.dims() || vx.dtype() != x.dtype() {
-            anyhow::bail!(
-                "the training transforms give {} {:?}, the validation transforms {} {:?}; \
-                 the model takes one shape: make data.val_transforms crop to the same size",
-                x.dtype(),
-                x.dims(),
-                vx.dtype(),
-                vx.dims()
-            );
-        }
-    }
-    if x.dtype() != kiln_core::DType::F32 {
-        anyhow::bail!(
-            "data.transforms give {} images; the model takes float32: add \
-             {{ type = \"to_tensor\" }} (scales to [0, 1]) to the transforms",
-            x.dtype()
-        );
-    }
+    let (x, y) = check_examples(config, &train, val.as_ref())?;
     let batch_dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
     let probe = x.reshape(batch_dims)?;
     let label = y.to_dtype(kiln_core::DType::I64).reshape([1])?;
@@ -304,6 +161,188 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
         probe,
         class_names: classes.map(|(_, names)| names),
     })
+}
+
+/// An image folder's path and its classes' names, in index order.
+type FolderClasses = (PathBuf, Vec<String>);
+
+/// `base` through transform `t`, seeded by the config.
+fn transformed(base: SampleDataset, t: Compose, seed: u64) -> SampleDataset {
+    Arc::new(TransformedDataset::new(base, t, seed))
+}
+
+/// An image folder's splits (`data.path`, and `data.val_path` or
+/// `data.val_fraction`) with their transforms, and the folder's classes.
+fn folder_splits(
+    config: &RunConfig,
+    train_transform: Compose,
+    val_transform: &dyn Fn() -> Result<Compose>,
+) -> Result<(Split, Option<Split>, FolderClasses)> {
+    let data = &config.data;
+    let path = data.path.as_deref().context("data.path is required")?;
+    let folder = open_folder(path, config)?;
+    let classes = (path.to_path_buf(), folder.classes().to_vec());
+    let folder = Arc::new(folder);
+    let (train_base, val_base): (SampleDataset, Option<SampleDataset>) =
+        if let Some(val_path) = &data.val_path {
+            let val = open_folder(val_path, config)?;
+            if val.classes() != folder.classes() {
+                anyhow::bail!(
+                    "data.val_path {} has the classes {:?}, data.path {} has {:?}; \
+                     both need the same class folders (a class's index is its place \
+                     in the sorted names)",
+                    val_path.display(),
+                    val.classes(),
+                    path.display(),
+                    folder.classes()
+                );
+            }
+            (folder, Some(Arc::new(val)))
+        } else if data.val_fraction() > 0.0 {
+            let (tr, te) = split_indices(folder.len(), data.val_fraction(), config.seed)
+                .context("data.val_fraction")?;
+            (
+                Arc::new(Subset::new(folder.clone(), tr)?),
+                Some(Arc::new(Subset::new(folder, te)?)),
+            )
+        } else {
+            (folder, None)
+        };
+    let train = Split::Images(ImageSplit {
+        dataset: transformed(train_base, train_transform, config.seed),
+        shards: None,
+        mix: None,
+    });
+    let val = match val_base {
+        Some(v) => Some(Split::Images(ImageSplit {
+            dataset: transformed(v, val_transform()?, config.seed),
+            shards: None,
+            mix: None,
+        })),
+        None => None,
+    };
+    Ok((train, val, classes))
+}
+
+/// WebDataset shards' splits (`data.shards`, `data.val_shards`) with their
+/// transforms, their labels checked against the model's classes as they are read.
+fn shard_splits<E: Engines>(
+    config: &RunConfig,
+    train_transform: Compose,
+    val_transform: &dyn Fn() -> Result<Compose>,
+) -> Result<(Split, Option<Split>)> {
+    let data = &config.data;
+    let member = |key: &str, value: &Option<String>| -> Result<Option<String>> {
+        match value.as_deref().map(|v| v.trim().trim_start_matches('.')) {
+            Some("") => anyhow::bail!(
+                "data.{key} is empty: give a member's extension, such as \"cls\" or \"json\""
+            ),
+            other => Ok(other.map(str::to_owned)),
+        }
+    };
+    let image_key = member("image_key", &data.image_key)?;
+    let label_key = member("label_key", &data.label_key)?;
+    let open = |key: &str, pattern: &str| -> Result<WebDataset> {
+        let mut shards = WebDataset::from_pattern(pattern)
+            .with_context(|| format!("data.{key} = {pattern:?}"))?
+            .color_mode(color_mode(config))
+            .on_error(on_error(config));
+        if let Some(k) = &image_key {
+            shards = shards.image_key(k);
+        }
+        if let Some(k) = &label_key {
+            shards = shards.label_key(k);
+        }
+        Ok(shards)
+    };
+    let pattern = data.shards.as_deref().context("data.shards is required")?;
+    let train_shards = open("shards", pattern)?;
+    let val_shards = match &data.val_shards {
+        Some(pattern) => Some(open("val_shards", pattern)?),
+        None => None,
+    };
+    // Labels are read batch by batch: each is checked against the
+    // model's classes as it is read, naming its shard and member.
+    let classes = shard_classes::<E>(config, &train_shards, &train_transform)?;
+    let checked = |shards: WebDataset| {
+        Arc::new(match classes {
+            Some((n, ignore_index)) => shards.num_classes(n, ignore_index),
+            None => shards,
+        })
+    };
+    let shards = checked(train_shards);
+    let train = Split::Images(ImageSplit {
+        dataset: transformed(shards.clone(), train_transform, config.seed),
+        shards: Some(shards),
+        mix: None,
+    });
+    let val = match val_shards {
+        Some(shards) => {
+            let shards = checked(shards);
+            Some(Split::Images(ImageSplit {
+                dataset: transformed(shards.clone(), val_transform()?, config.seed),
+                shards: Some(shards),
+                mix: None,
+            }))
+        }
+        None => None,
+    };
+    Ok((train, val))
+}
+
+/// One example through each split's transforms: they must agree, and fit the
+/// model (`data.image_size`, float32). Returns the training example.
+fn check_examples(
+    config: &RunConfig,
+    train: &Split,
+    val: Option<&Split>,
+) -> Result<(HostTensor, HostTensor)> {
+    let data = &config.data;
+    let example = |split: &Split, which: &str| -> Result<(HostTensor, HostTensor)> {
+        let Split::Images(s) = split else {
+            anyhow::bail!("not image data")
+        };
+        if s.dataset.is_empty() {
+            anyhow::bail!("the {which} split has no images");
+        }
+        s.dataset
+            .get_for_epoch(0, 0)
+            .with_context(|| format!("the first {which} image"))
+    };
+    let (x, y) = example(train, "training")?;
+    if let Some(size) = data.image_size {
+        let (h, w) = size.dims();
+        let dims = x.dims();
+        if dims.len() != 3 || dims[1] != h || dims[2] != w {
+            anyhow::bail!(
+                "data.transforms give images of shape {dims:?}, data.image_size is {:?}: \
+                 end them with a crop to that size (random_resized_crop, center_crop) and \
+                 to_tensor",
+                size
+            );
+        }
+    }
+    if let Some(val) = val {
+        let (vx, _) = example(val, "validation")?;
+        if vx.dims() != x.dims() || vx.dtype() != x.dtype() {
+            anyhow::bail!(
+                "the training transforms give {} {:?}, the validation transforms {} {:?}; \
+                 the model takes one shape: make data.val_transforms crop to the same size",
+                x.dtype(),
+                x.dims(),
+                vx.dtype(),
+                vx.dims()
+            );
+        }
+    }
+    if x.dtype() != kiln_core::DType::F32 {
+        anyhow::bail!(
+            "data.transforms give {} images; the model takes float32: add \
+             {{ type = \"to_tensor\" }} (scales to [0, 1]) to the transforms",
+            x.dtype()
+        );
+    }
+    Ok((x, y))
 }
 
 /// MixUp and CutMix need a loss that takes class probabilities.

@@ -121,3 +121,15 @@ pub(crate) mod ffi {
         fn nccl_compiled() -> bool;
     }
 }
+
+// SAFETY: a c10d `Work` and a c10d `Reducer` have no thread affinity: PyTorch
+// waits on a `Work` from whichever thread needs its result (its state is
+// guarded by its own mutex), and drives a `Reducer` from the training thread
+// and from autograd's threads, which run its gradient hooks. Moving one to
+// another thread is therefore sound. They are not `Sync`: each is owned by one
+// Rust value, which calls it from one thread at a time.
+#[allow(unsafe_code)]
+unsafe impl Send for ffi::PendingWork {}
+// SAFETY: as for `PendingWork`.
+#[allow(unsafe_code)]
+unsafe impl Send for ffi::DdpReducer {}

@@ -44,15 +44,6 @@ pub struct DistributedDataParallel {
     pending_loss: Option<PendingMean>,
 }
 
-// SAFETY: the reducer and the pending collective are owned by this value alone;
-// c10d's Reducer is driven by PyTorch from the Python thread and autograd's
-// threads. Kiln calls it only from the training thread, through methods that the
-// training step calls in sequence.
-#[allow(unsafe_code)]
-unsafe impl Send for DistributedDataParallel {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for DistributedDataParallel {}
 
 /// A mean over the ranks under way ([`DistributedDataParallel::start_mean`]).
 pub(crate) struct PendingMean(PendingAllReduce);

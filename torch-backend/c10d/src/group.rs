@@ -506,10 +506,6 @@ pub(crate) struct PendingAllGather {
     group: Arc<ProcessGroup>,
 }
 
-// SAFETY: a c10d `Work` may be waited for from any thread (its state is
-// guarded by its own mutex); the tensors are handles only this value uses.
-#[allow(unsafe_code)]
-unsafe impl Send for PendingAllGather {}
 
 impl PendingAllGather {
     /// Waits for the collective; the gathered buffer.

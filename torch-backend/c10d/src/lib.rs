@@ -41,8 +41,11 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 //!
-//! `unsafe` is denied but for the cxx bridge (`bridge.rs`) and the `Send`/`Sync`
-//! promises of the two types that own C++ objects, each with a `// SAFETY:` note.
+//! `unsafe` is denied but for the cxx bridge (`bridge.rs`, with the `Send`
+//! promises of the c10d objects it declares), the process group's `Send` and
+//! `Sync` (`group.rs`), and the one type that confines the tensor handles a
+//! strategy's parts share to the training step's sequence
+//! (`step_shared.rs`), each with a `// SAFETY:` note.
 
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
@@ -51,6 +54,7 @@ mod bridge;
 mod ddp;
 mod fsdp;
 mod group;
+mod step_shared;
 mod zero;
 
 use std::sync::Arc;

@@ -454,6 +454,72 @@ impl TransformSpec {
         self.build().map(|_| ())
     }
 
+    /// `random_horizontal_flip` with probability `p` (0.5 by default).
+    fn random_horizontal_flip(p: Option<f64>) -> Result<RandomHorizontalFlip> {
+        let p = p.unwrap_or(0.5);
+        if !(0.0..=1.0).contains(&p) {
+            return Err(Error::invalid_argument(
+                "p",
+                format!("random_horizontal_flip probability must lie in [0, 1], got {p}"),
+            ));
+        }
+        Ok(RandomHorizontalFlip { p })
+    }
+
+    /// `normalize` by `mean` and `std` (one value each, or one per channel).
+    fn normalize(mean: &[f64], std: &[f64]) -> Result<Normalize> {
+        if mean.is_empty() || std.is_empty() {
+            return Err(Error::invalid_argument(
+                if mean.is_empty() { "mean" } else { "std" },
+                "normalize needs at least one value",
+            ));
+        }
+        if let Some(c) = std.iter().position(|&s| s == 0.0 || !s.is_finite()) {
+            return Err(Error::invalid_argument(
+                "std",
+                format!(
+                    "normalize: std[{c}] = {} must be finite and non-zero",
+                    std[c]
+                ),
+            ));
+        }
+        if mean.len() != std.len() && mean.len() != 1 && std.len() != 1 {
+            return Err(Error::invalid_argument(
+                "std",
+                format!(
+                    "normalize has {} means but {} standard deviations",
+                    mean.len(),
+                    std.len()
+                ),
+            ));
+        }
+        Ok(Normalize {
+            mean: mean.to_vec(),
+            std: std.to_vec(),
+        })
+    }
+
+    /// `random_erasing`, torchvision's defaults for what is not given.
+    fn random_erasing(
+        p: Option<f64>,
+        scale: Option<(f64, f64)>,
+        ratio: Option<(f64, f64)>,
+        value: Option<&EraseValueSpec>,
+    ) -> Result<RandomErasing> {
+        let mut t = RandomErasing::default();
+        t.p = p.unwrap_or(t.p);
+        t.scale = scale.unwrap_or(t.scale);
+        t.ratio = ratio.unwrap_or(t.ratio);
+        t.value = match value {
+            None => EraseValue::Constant(vec![0.0]),
+            Some(EraseValueSpec::Value(v)) => EraseValue::Constant(vec![*v]),
+            Some(EraseValueSpec::PerChannel(v)) => EraseValue::Constant(v.clone()),
+            Some(EraseValueSpec::Random(RandomWord::Random)) => EraseValue::Random,
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
     /// The transform this spec describes.
     pub fn build(&self) -> Result<Box<dyn Transform>> {
         Ok(match self {
@@ -473,14 +539,7 @@ impl TransformSpec {
                 Box::new(Self::random_resized_crop(*size, *scale, *ratio)?)
             }
             TransformSpec::RandomHorizontalFlip { p } => {
-                let p = p.unwrap_or(0.5);
-                if !(0.0..=1.0).contains(&p) {
-                    return Err(Error::invalid_argument(
-                        "p",
-                        format!("random_horizontal_flip probability must lie in [0, 1], got {p}"),
-                    ));
-                }
-                Box::new(RandomHorizontalFlip { p })
+                Box::new(Self::random_horizontal_flip(*p)?)
             }
             TransformSpec::ColorJitter {
                 brightness,
@@ -493,37 +552,7 @@ impl TransformSpec {
                 saturation.unwrap_or(0.0),
                 hue.unwrap_or(0.0),
             )?),
-            TransformSpec::Normalize { mean, std } => {
-                if mean.is_empty() || std.is_empty() {
-                    return Err(Error::invalid_argument(
-                        if mean.is_empty() { "mean" } else { "std" },
-                        "normalize needs at least one value",
-                    ));
-                }
-                if let Some(c) = std.iter().position(|&s| s == 0.0 || !s.is_finite()) {
-                    return Err(Error::invalid_argument(
-                        "std",
-                        format!(
-                            "normalize: std[{c}] = {} must be finite and non-zero",
-                            std[c]
-                        ),
-                    ));
-                }
-                if mean.len() != std.len() && mean.len() != 1 && std.len() != 1 {
-                    return Err(Error::invalid_argument(
-                        "std",
-                        format!(
-                            "normalize has {} means but {} standard deviations",
-                            mean.len(),
-                            std.len()
-                        ),
-                    ));
-                }
-                Box::new(Normalize {
-                    mean: mean.clone(),
-                    std: std.clone(),
-                })
-            }
+            TransformSpec::Normalize { mean, std } => Box::new(Self::normalize(mean, std)?),
             TransformSpec::ToTensor {} => Box::new(ToFloat),
             TransformSpec::Pad {
                 padding,
@@ -570,20 +599,7 @@ impl TransformSpec {
                 scale,
                 ratio,
                 value,
-            } => {
-                let mut t = RandomErasing::default();
-                t.p = p.unwrap_or(t.p);
-                t.scale = scale.unwrap_or(t.scale);
-                t.ratio = ratio.unwrap_or(t.ratio);
-                t.value = match value {
-                    None => EraseValue::Constant(vec![0.0]),
-                    Some(EraseValueSpec::Value(v)) => EraseValue::Constant(vec![*v]),
-                    Some(EraseValueSpec::PerChannel(v)) => EraseValue::Constant(v.clone()),
-                    Some(EraseValueSpec::Random(RandomWord::Random)) => EraseValue::Random,
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::random_erasing(*p, *scale, *ratio, value.as_ref())?),
             TransformSpec::RandomRotation {
                 degrees,
                 interpolation,

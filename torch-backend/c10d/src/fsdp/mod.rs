@@ -162,13 +162,6 @@ impl std::fmt::Debug for FsdpHooks {
     }
 }
 
-// SAFETY: as for `ZeroRedundancy`: the tensors are handles to the model's
-// buffers, used from the training thread in the step's sequence.
-#[allow(unsafe_code)]
-unsafe impl Send for FsdpHooks {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for FsdpHooks {}
 
 /// `model` trained fully sharded over `group`: rank 0's parameters and
 /// buffers are every rank's first, then each parameter is cut into this

@@ -72,14 +72,6 @@ pub(crate) struct GatherSchedule {
     state: Mutex<State>,
 }
 
-// SAFETY: the units' tensors are handles used only from the training thread
-// and from autograd's backward pass, which that thread waits for; the state is
-// behind a mutex.
-#[allow(unsafe_code)]
-unsafe impl Send for GatherSchedule {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for GatherSchedule {}
 
 impl std::fmt::Debug for GatherSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

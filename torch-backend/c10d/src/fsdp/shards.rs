@@ -13,6 +13,7 @@ use tch::{Kind, Tensor};
 
 use super::prefetch::GatherSchedule;
 use crate::group::PendingAllGather;
+use crate::step_shared::StepShared;
 use crate::ProcessGroup;
 
 /// One parameter and where its rows live: rank `r` holds rows
@@ -22,7 +23,7 @@ use crate::ProcessGroup;
 pub(crate) struct ParamShard {
     pub(crate) name: String,
     /// The model's parameter tensor: this rank's shard, once sharded.
-    pub(crate) param: Tensor,
+    pub(crate) param: StepShared<Tensor>,
     /// The whole parameter's shape.
     pub(crate) full_shape: Vec<i64>,
     /// The whole parameter's rows (its first dimension; 1 when it has none).
@@ -35,14 +36,6 @@ pub(crate) struct ParamShard {
     pub(crate) trained: bool,
 }
 
-// SAFETY: the tensors are handles to the module's parameters, used only from the
-// training thread (and by autograd's backward pass, which that thread waits for),
-// in the step's sequence, as ZeRO's are.
-#[allow(unsafe_code)]
-unsafe impl Send for ParamShard {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for ParamShard {}
 
 impl ParamShard {
     /// The layout of the whole parameter `param` over `world` ranks.
@@ -54,7 +47,7 @@ impl ParamShard {
         let world = world as i64;
         ParamShard {
             name: name.to_owned(),
-            param: param.shallow_clone(),
+            param: StepShared::new(param.shallow_clone()),
             full_shape,
             rows,
             shard_rows: (rows + world - 1) / world,

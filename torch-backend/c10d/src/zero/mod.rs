@@ -30,6 +30,7 @@ use crate::ddp::{
     broadcast_buffers, bucket_cap_bytes, check_device_suits_group, norm_over_shards, start_mean,
     take_rank_zeros_model, PendingMean,
 };
+use crate::step_shared::StepShared;
 use crate::{DistributedDataParallel, ProcessGroup};
 
 /// Which rank owns which parameter, and where it sits in its owner's flat
@@ -40,7 +41,7 @@ use crate::{DistributedDataParallel, ProcessGroup};
 pub struct Shards {
     group: Arc<ProcessGroup>,
     names: Vec<String>,
-    params: Vec<Tensor>,
+    params: StepShared<Vec<Tensor>>,
     owner: Vec<usize>,
     /// Each parameter's offset in its owner's segment, in elements.
     offset: Vec<i64>,
@@ -52,13 +53,6 @@ pub struct Shards {
     window_bytes: i64,
 }
 
-// SAFETY: the tensors are handles to the module's parameters, used only from the
-// training thread, in the step's sequence (as `DistributedDataParallel` is).
-#[allow(unsafe_code)]
-unsafe impl Send for Shards {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for Shards {}
 
 impl Shards {
     /// The shards of `trained` (the module's parameters that require
@@ -97,7 +91,7 @@ impl Shards {
         Ok(Shards {
             group,
             names: trained.iter().map(|(n, _)| n.clone()).collect(),
-            params: trained.iter().map(|(_, t)| t.shallow_clone()).collect(),
+            params: StepShared::new(trained.iter().map(|(_, t)| t.shallow_clone()).collect()),
             owner,
             offset,
             segment,
@@ -223,13 +217,6 @@ pub struct ZeroRedundancy {
     drop_others: tch::COptimizer,
 }
 
-// SAFETY: as for `DistributedDataParallel`: owned by this value alone, used from
-// the training thread in the step's sequence.
-#[allow(unsafe_code)]
-unsafe impl Send for ZeroRedundancy {}
-// SAFETY: as for `Send`.
-#[allow(unsafe_code)]
-unsafe impl Sync for ZeroRedundancy {}
 
 impl std::fmt::Debug for ZeroRedundancy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

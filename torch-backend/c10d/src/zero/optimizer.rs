@@ -37,10 +37,6 @@ pub struct ShardedOptimizer {
     grad_reset: tch::COptimizer,
 }
 
-// SAFETY: as for `TorchOptimizer` (which is `Send`): the reset optimizer holds
-// handles to the same parameters and is only used from the training thread.
-#[allow(unsafe_code)]
-unsafe impl Send for ShardedOptimizer {}
 
 impl ShardedOptimizer {
     pub(super) fn new(
@@ -63,7 +59,7 @@ impl ShardedOptimizer {
             TorchOptimizer::new_shard(config.clone(), params, groups, |name| owned.contains(name))?;
         let mut grad_reset = tch::COptimizer::sgd(0.0, 0.0, 0.0, 0.0, false)
             .map_err(|e| torch_error("creating the gradient reset", e))?;
-        for p in &shards.params {
+        for p in shards.params.iter() {
             grad_reset
                 .add_parameters(p, 0)
                 .map_err(|e| torch_error("creating the gradient reset", e))?;
