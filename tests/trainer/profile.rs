@@ -145,7 +145,10 @@ fn an_input_bound_run_shows_as_the_data_loader_wait() {
     let step_ms = ms(word_before(" per step)"));
     let wait_ms = ms(word_before(" per step,"));
     let share: f64 = word_before("% of the steps' time").parse().unwrap();
-    assert!((wait_ms - wait_us / 4.0 / 1000.0).abs() <= 0.01 * wait_ms, "{line}");
+    assert!(
+        (wait_ms - wait_us / 4.0 / 1000.0).abs() <= 0.01 * wait_ms,
+        "{line}"
+    );
     assert!((share - 100.0 * wait_ms / step_ms).abs() < 0.1, "{line}");
     assert!(wait_ms <= step_ms, "{line}");
     // Two linear layers per step (forward), eight rows a batch.

@@ -26,11 +26,11 @@ pub use checkpoint::{
     NonFinite, RunDirectory, RunStart, CHECKPOINT_FORMAT, LOCK_FILE, RUN_OUTPUTS,
 };
 pub use learner::{
-    find_lr, update_batch_norm, AveragingConfig, Callback, Context, EarlyStopping, EmaConfig,
-    EpochRecord, FitInfo, Flow, LossReads, LrFinderConfig, LrFinderResult, LrSweep,
-    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, ScheduleInterval, Sinks,
-    StepViewLogger, StepViews, SwaConfig, SwaStart, Trainer, TrainerConfig, TrainingState,
-    ValidationBatch, WeightAveraging, MISCLASSIFIED_TAG,
+    find_lr, update_batch_norm, AveragingConfig, Callback, Context, EarlyStopping,
+    EarlyStoppingConfig, EmaConfig, EpochRecord, FitInfo, Flow, LossReads, LrFinderConfig,
+    LrFinderResult, LrSweep, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler,
+    ScheduleInterval, Sinks, StepViewLogger, StepViews, SwaConfig, SwaStart, Trainer,
+    TrainerConfig, TrainingState, ValidationBatch, WeightAveraging, MISCLASSIFIED_TAG,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, LoggedImage,

@@ -72,30 +72,6 @@ impl ImageSize {
     }
 }
 
-/// `data.color_mode`: the channels images are decoded to.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ColorModeName {
-    /// Three channels (what torchvision's `ImageFolder` gives: PIL's `convert("RGB")`).
-    #[default]
-    Rgb,
-    /// One channel (PIL's `convert("L")`).
-    Gray,
-    /// Four channels, alpha last.
-    Rgba,
-}
-
-/// `data.on_error`: what a corrupt or unreadable image does.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnErrorName {
-    /// Stops the run with an error naming the file.
-    #[default]
-    Fail,
-    /// Leaves the image out of its batch with a warning naming it, and counts it.
-    Skip,
-}
-
 /// The data section: the dataset, how it is split, batched and shaped.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -146,10 +122,10 @@ pub struct DataConfig {
     pub image_size: Option<ImageSize>,
     /// Images: the channels they are decoded to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub color_mode: Option<ColorModeName>,
+    pub color_mode: Option<kiln_data::ColorMode>,
     /// Images: whether a corrupt image stops the run or is skipped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_error: Option<OnErrorName>,
+    pub on_error: Option<kiln_data::OnError>,
     /// Images: the training transforms, in order (torchvision's names:
     /// `resize`, `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
     /// `color_jitter`, `to_tensor`, `normalize`, `pad`, `random_crop`,
@@ -305,6 +281,22 @@ impl DataConfig {
                 return invalid("val_fraction", format!("must be in [0, 1), got {f}"));
             }
         }
+        self.check_keys_apply()?;
+        if kind == DatasetKind::Text {
+            self.validate_text()?;
+        }
+        self.check_source()?;
+        if kind.is_images() {
+            self.validate_images()?;
+        }
+        Ok(())
+    }
+
+    /// Refuses, naming it, a key that does not apply to the dataset kind.
+    fn check_keys_apply(&self) -> Result<()> {
+        let kind = self.dataset;
+        let invalid =
+            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         // Keys that only some kinds of data take.
         let set = |present: bool, key: &'static str| present.then_some(key);
         let image_keys = [
@@ -372,9 +364,16 @@ impl DataConfig {
                 ],
                 "text",
             )?;
-        } else {
-            self.validate_text()?;
         }
+        Ok(())
+    }
+
+    /// Checks where the data is read from: `path`, `shards`, and how the
+    /// validation split is given.
+    fn check_source(&self) -> Result<()> {
+        let kind = self.dataset;
+        let invalid =
+            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         match kind {
             DatasetKind::Digits => {}
             DatasetKind::Mnist
@@ -420,44 +419,49 @@ impl DataConfig {
                     .into(),
             );
         }
-        if kind.is_images() {
-            if let Some(size) = self.image_size {
-                let (h, w) = size.dims();
-                if h == 0 || w == 0 {
-                    return invalid("image_size", format!("must be positive, got {size:?}"));
-                }
+        Ok(())
+    }
+
+    /// Checks image data's size, mixing and transforms.
+    fn validate_images(&self) -> Result<()> {
+        let invalid =
+            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
+        if let Some(size) = self.image_size {
+            let (h, w) = size.dims();
+            if h == 0 || w == 0 {
+                return invalid("image_size", format!("must be positive, got {size:?}"));
             }
-            if self.transforms.is_none() && self.image_size.is_none() {
+        }
+        if self.transforms.is_none() && self.image_size.is_none() {
+            return invalid(
+                "image_size",
+                "image data needs image_size (images are resized and centre-cropped to it), \
+                 or a transforms list"
+                    .into(),
+            );
+        }
+        for (key, alpha) in [
+            ("mixup_alpha", self.mixup_alpha),
+            ("cutmix_alpha", self.cutmix_alpha),
+        ] {
+            if alpha.is_some_and(|a| !(a.is_finite() && a > 0.0)) {
                 return invalid(
-                    "image_size",
-                    "image data needs image_size (images are resized and centre-cropped to it), \
-                     or a transforms list"
-                        .into(),
+                    key,
+                    format!(
+                        "must be positive (the Beta distribution's parameter), got {}",
+                        alpha.unwrap_or_default()
+                    ),
                 );
             }
-            for (key, alpha) in [
-                ("mixup_alpha", self.mixup_alpha),
-                ("cutmix_alpha", self.cutmix_alpha),
-            ] {
-                if alpha.is_some_and(|a| !(a.is_finite() && a > 0.0)) {
-                    return invalid(
-                        key,
-                        format!(
-                            "must be positive (the Beta distribution's parameter), got {}",
-                            alpha.unwrap_or_default()
-                        ),
-                    );
-                }
-            }
-            for (key, specs) in [
-                ("transforms", &self.transforms),
-                ("val_transforms", &self.val_transforms),
-            ] {
-                for (i, spec) in specs.iter().flatten().enumerate() {
-                    spec.validate().map_err(|e| {
-                        Error::invalid_argument(format!("data.{key}[{i}]"), e.to_string())
-                    })?;
-                }
+        }
+        for (key, specs) in [
+            ("transforms", &self.transforms),
+            ("val_transforms", &self.val_transforms),
+        ] {
+            for (i, spec) in specs.iter().flatten().enumerate() {
+                spec.validate().map_err(|e| {
+                    Error::invalid_argument(format!("data.{key}[{i}]"), e.to_string())
+                })?;
             }
         }
         Ok(())

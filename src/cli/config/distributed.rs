@@ -4,9 +4,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use kiln_c10d::FullShardOptions;
 use kiln_core::device::Device;
 use kiln_core::distributed::{CommBackend, DistributedOptions};
-use kiln_core::dtype::DType;
 use kiln_core::error::{Error, Result};
 
 /// Data-parallel training (`[distributed]`): used when the run is started by a
@@ -26,8 +26,8 @@ pub struct DistributedConfig {
     #[serde(default)]
     pub strategy: StrategyName,
     /// `[distributed.fsdp]`: how `strategy = "fsdp"` cuts the model into units.
-    #[serde(default, skip_serializing_if = "FsdpConfig::is_default")]
-    pub fsdp: FsdpConfig,
+    #[serde(default, skip_serializing_if = "is_default_fsdp")]
+    pub fsdp: FullShardOptions,
     /// How checkpoints are written: `"sharded"` (each rank its part, and an
     /// index; the default of the sharded strategies) or `"full"` (rank 0
     /// gathers and writes one file; DDP's only way).
@@ -45,68 +45,10 @@ pub enum CheckpointLayout {
     Full,
 }
 
-/// `[distributed.fsdp]`: full sharding's units (PyTorch's `fully_shard` on
-/// each matching layer, then on the root).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FsdpConfig {
-    /// Globs over layer paths (as `activation_checkpointing`'s): each matching
-    /// layer gathers, runs and frees its parameters as one unit; the root unit
-    /// holds the rest. Empty: one unit, the whole model.
-    #[serde(default)]
-    pub units: Vec<String>,
-    /// Free a unit's gathered parameters after its forward pass (and gather
-    /// them again for its backward pass): `fully_shard`'s default. `false`
-    /// keeps them until the backward pass: more memory, one gather fewer.
-    #[serde(default = "yes")]
-    pub reshard_after_forward: bool,
-    /// The dtype the units gather their parameters in and compute with
-    /// (`"bf16"`: half the all-gather traffic; the shards and the optimizer
-    /// stay float32). Needs `precision = "bf16-mixed"`. Default: the
-    /// parameters' own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub param_dtype: Option<DType>,
-    /// The dtype gradients are reduce-scattered in. Default: the parameters' own.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reduce_dtype: Option<DType>,
-    /// Start the next unit's all-gather while a unit computes (FSDP2's
-    /// prefetch). `false` gathers each unit only when it runs: one unit's
-    /// whole parameters at a time instead of two.
-    #[serde(default = "yes")]
-    pub prefetch: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
-impl Default for FsdpConfig {
-    fn default() -> Self {
-        FsdpConfig {
-            units: Vec::new(),
-            reshard_after_forward: true,
-            param_dtype: None,
-            reduce_dtype: None,
-            prefetch: true,
-        }
-    }
-}
-
-impl FsdpConfig {
-    fn is_default(&self) -> bool {
-        *self == FsdpConfig::default()
-    }
-
-    /// The options of `kiln_c10d::fully_shard`.
-    pub fn options(&self) -> kiln_c10d::FullShardOptions {
-        kiln_c10d::FullShardOptions {
-            units: self.units.clone(),
-            reshard_after_forward: self.reshard_after_forward,
-            param_dtype: self.param_dtype,
-            reduce_dtype: self.reduce_dtype,
-            prefetch: self.prefetch,
-        }
-    }
+/// Whether `[distributed.fsdp]` is left as it is by default (and so is
+/// written back out of the resolved config).
+fn is_default_fsdp(fsdp: &FullShardOptions) -> bool {
+    *fsdp == FullShardOptions::default()
 }
 
 /// The `[distributed] strategy` names.
@@ -170,7 +112,7 @@ impl Default for DistributedConfig {
             backend: CommBackendName::Auto,
             timeout: thirty_minutes(),
             strategy: StrategyName::Ddp,
-            fsdp: FsdpConfig::default(),
+            fsdp: FullShardOptions::default(),
             checkpoint: None,
         }
     }
@@ -208,7 +150,7 @@ impl DistributedConfig {
                 format!("must be a positive number of seconds, got {}", self.timeout),
             ));
         }
-        if self.strategy != StrategyName::Fsdp && !self.fsdp.is_default() {
+        if self.strategy != StrategyName::Fsdp && !is_default_fsdp(&self.fsdp) {
             return Err(Error::invalid_argument(
                 "distributed.fsdp",
                 format!(

@@ -1,31 +1,9 @@
-//! `[logging]` (where metrics go) and `[early_stopping]`.
+//! `[logging]` (where metrics go); `[early_stopping]` is
+//! [`kiln_train::EarlyStoppingConfig`].
 
 use serde::{Deserialize, Serialize};
 
-use kiln_train::MonitorMode;
-
 use super::yes;
-
-/// Early stopping settings.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EarlyStoppingConfig {
-    /// The metric watched (`val_loss`, `val_accuracy`, ...).
-    pub monitor: String,
-    /// Whether smaller or larger is better.
-    #[serde(default)]
-    pub mode: MonitorMode,
-    /// Epochs without improvement before stopping.
-    #[serde(default = "five")]
-    pub patience: u64,
-    /// The least change that counts as an improvement.
-    #[serde(default)]
-    pub min_delta: f64,
-}
-
-fn five() -> u64 {
-    5
-}
 
 /// Where metrics go, besides the log.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

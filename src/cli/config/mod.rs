@@ -54,10 +54,11 @@ use kiln_train::metric_by_name;
 use kiln_train::CheckpointPolicy;
 use kiln_train::TrainerConfig;
 
-pub use data::{ColorModeName, DataConfig, DatasetKind, ImageSize, OnErrorName};
+pub use data::{DataConfig, DatasetKind, ImageSize};
 pub use distributed::{DistributedConfig, StrategyName};
 use key_path::tagged_key_path;
-pub use logging::{EarlyStoppingConfig, LoggingConfig};
+pub use kiln_train::EarlyStoppingConfig;
+pub use logging::LoggingConfig;
 
 /// Which engine runs the model.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -371,6 +372,55 @@ impl RunConfig {
 
     /// Checks every section's values.
     pub fn validate(&self) -> Result<()> {
+        self.validate_model()?;
+        self.training.validate()?;
+        self.optimizer.validate()?;
+        self.loss.validate()?;
+        self.checkpoint.validate()?;
+        self.distributed.validate(self.device)?;
+        if self.distributed.strategy == StrategyName::Fsdp && self.backend != BackendKind::Torch {
+            return Err(Error::invalid_argument(
+                "distributed.strategy",
+                "\"fsdp\" shards every parameter and needs the torch backend: a TensorFlow \
+                 model's variables live whole in its graph. TensorFlow shards its optimizer \
+                 state with \"zero1\" and its gradients too with \"zero2\"",
+            ));
+        }
+        if let Some(schedule) = &self.schedule {
+            schedule.validate()?;
+        }
+        if self.output_dir.as_os_str().is_empty() {
+            return Err(Error::invalid_argument(
+                "output_dir",
+                "is empty; name the directory the run writes to (e.g. \"runs/digits\")",
+            ));
+        }
+        self.data.validate()?;
+        if self.data.batch_size == 0 {
+            return Err(Error::invalid_argument(
+                "data.batch_size",
+                "must be at least 1",
+            ));
+        }
+        if self.data.scale == 0.0 || !self.data.scale.is_finite() {
+            return Err(Error::invalid_argument(
+                "data.scale",
+                "must be a finite, non-zero number",
+            ));
+        }
+        for metric in &self.logging.metrics {
+            if metric_by_name(metric).is_none() {
+                return Err(Error::invalid_argument(
+                    "logging.metrics",
+                    format!("unknown metric `{metric}`; allowed: accuracy, top5_accuracy, precision, recall, f1, mae"),
+                ));
+            }
+        }
+        self.validate_monitors()
+    }
+
+    /// Checks the model, its LoRA adapters, and what the backend can run of it.
+    fn validate_model(&self) -> Result<()> {
         self.model.validate()?;
         if let Some(lora) = &self.lora {
             lora.targets(&self.model)?;
@@ -443,49 +493,12 @@ impl RunConfig {
                 ));
             }
         }
-        self.training.validate()?;
-        self.optimizer.validate()?;
-        self.loss.validate()?;
-        self.checkpoint.validate()?;
-        self.distributed.validate(self.device)?;
-        if self.distributed.strategy == StrategyName::Fsdp && self.backend != BackendKind::Torch {
-            return Err(Error::invalid_argument(
-                "distributed.strategy",
-                "\"fsdp\" shards every parameter and needs the torch backend: a TensorFlow \
-                 model's variables live whole in its graph. TensorFlow shards its optimizer \
-                 state with \"zero1\" and its gradients too with \"zero2\"",
-            ));
-        }
-        if let Some(schedule) = &self.schedule {
-            schedule.validate()?;
-        }
-        if self.output_dir.as_os_str().is_empty() {
-            return Err(Error::invalid_argument(
-                "output_dir",
-                "is empty; name the directory the run writes to (e.g. \"runs/digits\")",
-            ));
-        }
-        self.data.validate()?;
-        if self.data.batch_size == 0 {
-            return Err(Error::invalid_argument(
-                "data.batch_size",
-                "must be at least 1",
-            ));
-        }
-        if self.data.scale == 0.0 || !self.data.scale.is_finite() {
-            return Err(Error::invalid_argument(
-                "data.scale",
-                "must be a finite, non-zero number",
-            ));
-        }
-        for metric in &self.logging.metrics {
-            if metric_by_name(metric).is_none() {
-                return Err(Error::invalid_argument(
-                    "logging.metrics",
-                    format!("unknown metric `{metric}`; allowed: accuracy, top5_accuracy, precision, recall, f1, mae"),
-                ));
-            }
-        }
+        Ok(())
+    }
+
+    /// Checks that every monitored metric (`checkpoint.monitor`,
+    /// `early_stopping.monitor`, `schedule.monitor`) is one the run records.
+    fn validate_monitors(&self) -> Result<()> {
         let monitors = [
             ("checkpoint.monitor", self.checkpoint.monitor.as_deref()),
             (

@@ -4,14 +4,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{ColorModeName, DatasetKind, OnErrorName, RunConfig};
+use crate::config::{DatasetKind, RunConfig};
 use crate::engines::Engines;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
 use kiln_data::vision::{BatchTransform, CutMix, MixUp, MixUpOrCutMix, TransformSpec};
 use kiln_data::{
-    split_indices, ColorMode, Compose, Dataset, ImageFolder, OnError, Subset, Transform,
-    TransformRng, TransformedDataset, WebDataset,
+    split_indices, Compose, Dataset, ImageFolder, Subset, Transform, TransformRng,
+    TransformedDataset, WebDataset,
 };
 
 use super::{check_fits, Data, ImageSplit, LabelOrigin, SampleDataset, Split};
@@ -95,23 +95,8 @@ fn open_folder(path: &Path, config: &RunConfig) -> Result<ImageFolder> {
     }
     .with_context(|| format!("data set {}", path.display()))?;
     Ok(folder
-        .color_mode(color_mode(config))
-        .on_error(on_error(config)))
-}
-
-fn on_error(config: &RunConfig) -> OnError {
-    match config.data.on_error.unwrap_or_default() {
-        OnErrorName::Fail => OnError::Fail,
-        OnErrorName::Skip => OnError::Skip,
-    }
-}
-
-fn color_mode(config: &RunConfig) -> ColorMode {
-    match config.data.color_mode.unwrap_or_default() {
-        ColorModeName::Rgb => ColorMode::Rgb,
-        ColorModeName::Gray => ColorMode::Gray,
-        ColorModeName::Rgba => ColorMode::Rgba,
-    }
+        .color_mode(config.data.color_mode.unwrap_or_default())
+        .on_error(config.data.on_error.unwrap_or_default()))
 }
 
 /// Image data: the files are listed (folders) or indexed (shard headers),
@@ -245,8 +230,8 @@ fn shard_splits<E: Engines>(
     let open = |key: &str, pattern: &str| -> Result<WebDataset> {
         let mut shards = WebDataset::from_pattern(pattern)
             .with_context(|| format!("data.{key} = {pattern:?}"))?
-            .color_mode(color_mode(config))
-            .on_error(on_error(config));
+            .color_mode(config.data.color_mode.unwrap_or_default())
+            .on_error(config.data.on_error.unwrap_or_default());
         if let Some(k) = &image_key {
             shards = shards.image_key(k);
         }

@@ -4,7 +4,7 @@
 
 use std::sync::Mutex;
 
-use crate::config::{OnErrorName, RunConfig};
+use crate::config::RunConfig;
 use anyhow::Result;
 use kiln_data::{Batch, DataLoader, InMemoryDataset, PrefetchLoader};
 
@@ -62,7 +62,7 @@ pub(crate) fn loader(
             let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
                 .num_workers(data.workers)
                 .drop_last(shuffle && data.drop_last)
-                .skip_failed_samples(config.data.on_error == Some(OnErrorName::Skip));
+                .skip_failed_samples(config.data.on_error == Some(kiln_data::OnError::Skip));
             match &split.shards {
                 // Training on shards: each epoch the shards are shuffled, the
                 // stream goes through the shuffle buffer, and each rank takes a block.

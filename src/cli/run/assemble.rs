@@ -87,12 +87,7 @@ pub(crate) fn trainer<B: TrainBackend, M: Trainable<B>>(
         trainer = trainer.with_metric(make);
     }
     if let Some(es) = &config.early_stopping {
-        trainer = trainer.with_callback(EarlyStopping::new(
-            es.monitor.clone(),
-            es.mode,
-            es.patience,
-            es.min_delta,
-        ));
+        trainer = trainer.with_callback(EarlyStopping::from_config(es));
     }
     if distributed && config.distributed.sharded_checkpoints() {
         trainer = trainer.with_sharded_checkpoints(checkpoints_dir(config));

@@ -67,7 +67,7 @@ where
         );
     }
     if config.distributed.strategy == StrategyName::Fsdp {
-        let shard = config.distributed.fsdp.options();
+        let shard = &config.distributed.fsdp;
         if primary {
             outln!(
                 "kiln: fsdp units {:?} and the root; {}; {}",
@@ -84,7 +84,7 @@ where
                 }
             );
         }
-        return then.run(P::fully_shard(model, &group, &shard, &options)?);
+        return then.run(P::fully_shard(model, &group, shard, &options)?);
     }
     match config.distributed.strategy.zero_stage() {
         Some(stage) => then.run(P::zero(model, &group, stage, &options)?),

@@ -44,7 +44,6 @@ pub struct DistributedDataParallel {
     pending_loss: Option<PendingMean>,
 }
 
-
 /// A mean over the ranks under way ([`DistributedDataParallel::start_mean`]).
 pub(crate) struct PendingMean(PendingAllReduce);
 

@@ -506,7 +506,6 @@ pub(crate) struct PendingAllGather {
     group: Arc<ProcessGroup>,
 }
 
-
 impl PendingAllGather {
     /// Waits for the collective; the gathered buffer.
     pub(crate) fn wait(self) -> Result<Tensor> {

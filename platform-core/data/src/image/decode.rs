@@ -25,8 +25,11 @@ use super::formats;
 /// Most bytes the PNG decoder may allocate for one image (a decompression bomb guard).
 const PNG_MEMORY_LIMIT: usize = 1 << 30;
 
-/// The channels [`decode_image`] returns.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// The channels [`decode_image`] returns (`"rgb"`, `"gray"`, `"rgba"` in a config).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum ColorMode {
     /// Three channels, what torchvision's `ImageFolder` gives (Pillow's
     /// `convert("RGB")`): grayscale replicated, alpha dropped (not blended),

@@ -17,8 +17,12 @@ pub const IMG_EXTENSIONS: [&str; 9] = [
     ".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp",
 ];
 
-/// What to do with a sample that cannot be read or decoded.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+/// What to do with a sample that cannot be read or decoded (`"fail"`,
+/// `"skip"` in a config).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum OnError {
     /// The batch fails with an error naming the file (the default).
     #[default]

@@ -520,6 +520,122 @@ impl TransformSpec {
         Ok(t)
     }
 
+    /// `random_affine`, torchvision's defaults for what is not given.
+    #[allow(clippy::too_many_arguments)]
+    fn random_affine(
+        degrees: &NumberOrRange,
+        translate: Option<(f64, f64)>,
+        scale: Option<(f64, f64)>,
+        shear: Option<&ShearSpec>,
+        interpolation: Option<Interpolation>,
+        fill: &Option<FillSpec>,
+        center: Option<[f64; 2]>,
+    ) -> Result<RandomAffine> {
+        let t = RandomAffine {
+            degrees: degrees.symmetric("degrees")?,
+            translate,
+            scale,
+            shear: shear.map(ShearSpec::range).transpose()?,
+            interpolation: interpolation.unwrap_or(Interpolation::Nearest),
+            fill: FillSpec::values(fill),
+            center: center.map(|[x, y]| (x, y)),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `rand_augment`, torchvision's defaults for what is not given.
+    fn rand_augment(
+        num_ops: Option<usize>,
+        magnitude: Option<usize>,
+        num_magnitude_bins: Option<usize>,
+        interpolation: Option<Interpolation>,
+        fill: &Option<FillSpec>,
+    ) -> Result<RandAugment> {
+        let d = RandAugment::default();
+        let t = RandAugment {
+            num_ops: num_ops.unwrap_or(d.num_ops),
+            magnitude: magnitude.unwrap_or(d.magnitude),
+            num_magnitude_bins: num_magnitude_bins.unwrap_or(d.num_magnitude_bins),
+            interpolation: interpolation.unwrap_or_default(),
+            fill: fill.as_ref().map(|_| FillSpec::values(fill)),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `random_perspective`, torchvision's defaults for what is not given.
+    fn random_perspective(
+        distortion_scale: Option<f64>,
+        p: Option<f64>,
+        interpolation: Option<Interpolation>,
+        fill: &Option<FillSpec>,
+    ) -> Result<RandomPerspective> {
+        let d = RandomPerspective::default();
+        let t = RandomPerspective {
+            distortion_scale: distortion_scale.unwrap_or(d.distortion_scale),
+            p: p.unwrap_or(d.p),
+            interpolation: interpolation.unwrap_or(d.interpolation),
+            fill: FillSpec::values(fill),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `random_rotation`, torchvision's defaults for what is not given.
+    fn random_rotation(
+        degrees: &NumberOrRange,
+        interpolation: Option<Interpolation>,
+        expand: Option<bool>,
+        center: Option<[f64; 2]>,
+        fill: &Option<FillSpec>,
+    ) -> Result<RandomRotation> {
+        let t = RandomRotation {
+            degrees: degrees.symmetric("degrees")?,
+            interpolation: interpolation.unwrap_or(Interpolation::Nearest),
+            expand: expand.unwrap_or(false),
+            center: center.map(|[x, y]| (x, y)),
+            fill: FillSpec::values(fill),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `trivial_augment_wide`, torchvision's defaults for what is not given.
+    fn trivial_augment_wide(
+        num_magnitude_bins: Option<usize>,
+        interpolation: Option<Interpolation>,
+        fill: &Option<FillSpec>,
+    ) -> Result<TrivialAugmentWide> {
+        let t = TrivialAugmentWide {
+            num_magnitude_bins: num_magnitude_bins.unwrap_or(31),
+            interpolation: interpolation.unwrap_or_default(),
+            fill: fill.as_ref().map(|_| FillSpec::values(fill)),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `random_grayscale` with probability `p` (0.1 by default).
+    fn random_grayscale(p: Option<f64>) -> Result<RandomGrayscale> {
+        let t = RandomGrayscale {
+            p: p.unwrap_or(0.1),
+        };
+        t.validate()?;
+        Ok(t)
+    }
+
+    /// `gaussian_blur` with a `kernel_size` and a `sigma` (drawn from
+    /// `[0.1, 2.0]` by default).
+    fn gaussian_blur(kernel_size: SizeSpec, sigma: Option<NumberOrRange>) -> Result<GaussianBlur> {
+        let k = match kernel_size {
+            SizeSpec::Square(k) => (k, k),
+            SizeSpec::HeightWidth([x, y]) => (x, y),
+        };
+        let sigma = sigma.map_or((0.1, 2.0), NumberOrRange::fixed);
+        GaussianBlur::new(k, sigma)
+    }
+
     /// The transform this spec describes.
     pub fn build(&self) -> Result<Box<dyn Transform>> {
         Ok(match self {
@@ -579,20 +695,9 @@ impl TransformSpec {
                 t.validate()?;
                 Box::new(t)
             }
-            TransformSpec::RandomGrayscale { p } => {
-                let t = RandomGrayscale {
-                    p: p.unwrap_or(0.1),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            TransformSpec::RandomGrayscale { p } => Box::new(Self::random_grayscale(*p)?),
             TransformSpec::GaussianBlur { kernel_size, sigma } => {
-                let k = match *kernel_size {
-                    SizeSpec::Square(k) => (k, k),
-                    SizeSpec::HeightWidth([x, y]) => (x, y),
-                };
-                let sigma = sigma.map_or((0.1, 2.0), NumberOrRange::fixed);
-                Box::new(GaussianBlur::new(k, sigma)?)
+                Box::new(Self::gaussian_blur(*kernel_size, *sigma)?)
             }
             TransformSpec::RandomErasing {
                 p,
@@ -606,17 +711,13 @@ impl TransformSpec {
                 expand,
                 center,
                 fill,
-            } => {
-                let t = RandomRotation {
-                    degrees: degrees.symmetric("degrees")?,
-                    interpolation: interpolation.unwrap_or(Interpolation::Nearest),
-                    expand: expand.unwrap_or(false),
-                    center: center.map(|[x, y]| (x, y)),
-                    fill: FillSpec::values(fill),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::random_rotation(
+                degrees,
+                *interpolation,
+                *expand,
+                *center,
+                fill,
+            )?),
             TransformSpec::RandomAffine {
                 degrees,
                 translate,
@@ -625,19 +726,15 @@ impl TransformSpec {
                 interpolation,
                 fill,
                 center,
-            } => {
-                let t = RandomAffine {
-                    degrees: degrees.symmetric("degrees")?,
-                    translate: *translate,
-                    scale: *scale,
-                    shear: shear.as_ref().map(ShearSpec::range).transpose()?,
-                    interpolation: interpolation.unwrap_or(Interpolation::Nearest),
-                    fill: FillSpec::values(fill),
-                    center: center.map(|[x, y]| (x, y)),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::random_affine(
+                degrees,
+                *translate,
+                *scale,
+                shear.as_ref(),
+                *interpolation,
+                fill,
+                *center,
+            )?),
             TransformSpec::AutoAugment {
                 policy,
                 interpolation,
@@ -657,47 +754,33 @@ impl TransformSpec {
                 num_magnitude_bins,
                 interpolation,
                 fill,
-            } => {
-                let d = RandAugment::default();
-                let t = RandAugment {
-                    num_ops: num_ops.unwrap_or(d.num_ops),
-                    magnitude: magnitude.unwrap_or(d.magnitude),
-                    num_magnitude_bins: num_magnitude_bins.unwrap_or(d.num_magnitude_bins),
-                    interpolation: interpolation.unwrap_or_default(),
-                    fill: fill.as_ref().map(|_| FillSpec::values(fill)),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::rand_augment(
+                *num_ops,
+                *magnitude,
+                *num_magnitude_bins,
+                *interpolation,
+                fill,
+            )?),
             TransformSpec::TrivialAugmentWide {
                 num_magnitude_bins,
                 interpolation,
                 fill,
-            } => {
-                let t = TrivialAugmentWide {
-                    num_magnitude_bins: num_magnitude_bins.unwrap_or(31),
-                    interpolation: interpolation.unwrap_or_default(),
-                    fill: fill.as_ref().map(|_| FillSpec::values(fill)),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::trivial_augment_wide(
+                *num_magnitude_bins,
+                *interpolation,
+                fill,
+            )?),
             TransformSpec::RandomPerspective {
                 distortion_scale,
                 p,
                 interpolation,
                 fill,
-            } => {
-                let d = RandomPerspective::default();
-                let t = RandomPerspective {
-                    distortion_scale: distortion_scale.unwrap_or(d.distortion_scale),
-                    p: p.unwrap_or(d.p),
-                    interpolation: interpolation.unwrap_or(d.interpolation),
-                    fill: FillSpec::values(fill),
-                };
-                t.validate()?;
-                Box::new(t)
-            }
+            } => Box::new(Self::random_perspective(
+                *distortion_scale,
+                *p,
+                *interpolation,
+                fill,
+            )?),
         })
     }
 }

@@ -368,21 +368,8 @@ impl Checkpoint {
                 })
                 .transpose()
         };
-        let model_definition = match parse_json("kiln.model")? {
-            Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                bad_json(
-                    "metadata `kiln.model` is not a model definition".to_owned(),
-                    e,
-                )
-            })?),
-            None => None,
-        };
-        let lora = match parse_json("kiln.lora")? {
-            Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                bad_json("metadata `kiln.lora` is not a LoRA config".to_owned(), e)
-            })?),
-            None => None,
-        };
+        let model_definition = metadata_json(meta, "kiln.model", "a model definition", path)?;
+        let lora = metadata_json(meta, "kiln.lora", "a LoRA config", path)?;
         let metrics = parse_metrics(meta, path)?;
         let mut model = StateDict::new();
         let mut optimizer = StateDict::new();
@@ -414,15 +401,7 @@ impl Checkpoint {
                         )))
                     }
                 },
-                swa_lrs_from: match parse_json(SWA_LRS_FROM)? {
-                    Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                        bad_json(
-                            format!("metadata `{SWA_LRS_FROM}` is not a list of rates"),
-                            e,
-                        )
-                    })?),
-                    None => None,
-                },
+                swa_lrs_from: metadata_json(meta, SWA_LRS_FROM, "a list of rates", path)?,
             }),
             None if averaged.is_empty() => None,
             None => {
@@ -468,35 +447,17 @@ impl Checkpoint {
             data_order: meta.get(DATA_ORDER_KEY).cloned(),
             scheduler: parse_json("kiln.scheduler")?,
             metrics,
-            epoch_loss: match parse_json("kiln.epoch_loss")? {
-                Some(v) => Some(serde_json::from_value(v).map_err(|e| {
-                    bad_json(
-                        "metadata `kiln.epoch_loss` is not [sum, samples]".to_owned(),
-                        e,
-                    )
-                })?),
-                None => None,
-            },
-            epoch_metrics: match parse_json("kiln.epoch_metrics")? {
-                Some(v) => serde_json::from_value(v).map_err(|e| {
-                    bad_json(
-                        "metadata `kiln.epoch_metrics` is not an object of [sum, samples]"
-                            .to_owned(),
-                        e,
-                    )
-                })?,
-                None => BTreeMap::new(),
-            },
+            epoch_loss: metadata_json(meta, "kiln.epoch_loss", "[sum, samples]", path)?,
+            epoch_metrics: metadata_json(
+                meta,
+                "kiln.epoch_metrics",
+                "an object of [sum, samples]",
+                path,
+            )?
+            .unwrap_or_default(),
             averaged,
-            callbacks: match parse_json("kiln.callbacks")? {
-                Some(v) => serde_json::from_value(v).map_err(|e| {
-                    bad_json(
-                        "metadata `kiln.callbacks` is not an object of states".to_owned(),
-                        e,
-                    )
-                })?,
-                None => BTreeMap::new(),
-            },
+            callbacks: metadata_json(meta, "kiln.callbacks", "an object of states", path)?
+                .unwrap_or_default(),
         })
     }
 }
@@ -612,6 +573,25 @@ pub fn first_difference(
         _ => {}
     }
     (at.to_owned(), a.to_string(), b.to_string())
+}
+
+/// The metadata `key`, JSON of type `T` (`what` it is, for the error), if the
+/// checkpoint has it.
+fn metadata_json<T: serde::de::DeserializeOwned>(
+    meta: &BTreeMap<String, String>,
+    key: &str,
+    what: &str,
+    path: &Path,
+) -> Result<Option<T>> {
+    let Some(text) = meta.get(key) else {
+        return Ok(None);
+    };
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        Error::checkpoint_caused_by(path, format!("metadata `{key}` is not valid JSON"), e)
+    })?;
+    serde_json::from_value(value).map(Some).map_err(|e| {
+        Error::checkpoint_caused_by(path, format!("metadata `{key}` is not {what}"), e)
+    })
 }
 
 /// The `kiln.metrics` metadata (none when absent).

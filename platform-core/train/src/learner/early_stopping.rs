@@ -31,7 +31,48 @@ struct Saved {
     bad_epochs: u64,
 }
 
+/// Early stopping's settings as a config section reads them (the `kiln` CLI's
+/// `[early_stopping]`): only `monitor` is required.
+///
+/// ```
+/// use kiln_train::{EarlyStopping, EarlyStoppingConfig, MonitorMode};
+///
+/// let config: EarlyStoppingConfig = serde_json::from_str(r#"{"monitor": "val_loss"}"#)?;
+/// assert_eq!((config.mode, config.patience, config.min_delta), (MonitorMode::Min, 5, 0.0));
+/// let _callback = EarlyStopping::from_config(&config);
+/// # Ok::<(), serde_json::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStoppingConfig {
+    /// The metric watched (`val_loss`, `val_accuracy`, ...).
+    pub monitor: String,
+    /// Whether smaller or larger is better.
+    #[serde(default)]
+    pub mode: MonitorMode,
+    /// Epochs without improvement before stopping (5 by default).
+    #[serde(default = "five")]
+    pub patience: u64,
+    /// The least change that counts as an improvement.
+    #[serde(default)]
+    pub min_delta: f64,
+}
+
+fn five() -> u64 {
+    5
+}
+
 impl EarlyStopping {
+    /// The callback `config` describes.
+    pub fn from_config(config: &EarlyStoppingConfig) -> Self {
+        Self::new(
+            config.monitor.clone(),
+            config.mode,
+            config.patience,
+            config.min_delta,
+        )
+    }
+
     /// Stops after `patience` epochs without an improvement of `monitor` by more
     /// than `min_delta` in the direction of `mode`.
     pub fn new(

@@ -12,7 +12,7 @@ mod trainer;
 pub use averaging::{AveragingConfig, EmaConfig, SwaConfig, SwaStart, WeightAveraging};
 pub use batch_norm::update_batch_norm;
 pub use callback::{Callback, Context, FitInfo, Flow, Sinks, ValidationBatch};
-pub use early_stopping::EarlyStopping;
+pub use early_stopping::{EarlyStopping, EarlyStoppingConfig};
 pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
 pub use tools::{

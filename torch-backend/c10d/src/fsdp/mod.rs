@@ -38,8 +38,11 @@ use crate::ddp::{
 };
 use crate::ProcessGroup;
 
-/// How [`fully_shard`] cuts a model into units.
+/// How [`fully_shard`] cuts a model into units. With the `serde` feature it
+/// reads as a config section, every key optional (the defaults below).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default, deny_unknown_fields))]
 pub struct FullShardOptions {
     /// Globs over layer paths (as `activation_checkpointing`'s): each
     /// matching layer is a unit; the root unit holds every other parameter.
@@ -54,9 +57,11 @@ pub struct FullShardOptions {
     /// all-gathers, while the shards and the optimizer stay in float32. It
     /// needs a `bf16-mixed` model (autocast casts each op's inputs). `None`:
     /// the parameters' own.
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
     pub param_dtype: Option<DType>,
     /// The dtype gradients are reduce-scattered in (`reduce_dtype`); `None`:
     /// the parameters' own (float32 keeps the average exact to float32).
+    #[cfg_attr(feature = "serde", serde(skip_serializing_if = "Option::is_none"))]
     pub reduce_dtype: Option<DType>,
     /// Start the next unit's all-gather when a unit's gather returns, so that
     /// it runs while the unit computes (FSDP2's forward and backward
@@ -161,7 +166,6 @@ impl std::fmt::Debug for FsdpHooks {
             .finish_non_exhaustive()
     }
 }
-
 
 /// `model` trained fully sharded over `group`: rank 0's parameters and
 /// buffers are every rank's first, then each parameter is cut into this

@@ -72,7 +72,6 @@ pub(crate) struct GatherSchedule {
     state: Mutex<State>,
 }
 
-
 impl std::fmt::Debug for GatherSchedule {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GatherSchedule")

@@ -36,7 +36,6 @@ pub(crate) struct ParamShard {
     pub(crate) trained: bool,
 }
 
-
 impl ParamShard {
     /// The layout of the whole parameter `param` over `world` ranks.
     pub(crate) fn plan(name: &str, param: &Tensor, world: usize) -> Self {

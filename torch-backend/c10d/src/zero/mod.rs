@@ -53,7 +53,6 @@ pub struct Shards {
     window_bytes: i64,
 }
 
-
 impl Shards {
     /// The shards of `trained` (the module's parameters that require
     /// gradients, in model order) over `group`. They must share one dtype and
@@ -216,7 +215,6 @@ pub struct ZeroRedundancy {
     /// to none (frees them).
     drop_others: tch::COptimizer,
 }
-
 
 impl std::fmt::Debug for ZeroRedundancy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -37,7 +37,6 @@ pub struct ShardedOptimizer {
     grad_reset: tch::COptimizer,
 }
 
-
 impl ShardedOptimizer {
     pub(super) fn new(
         config: &OptimizerConfig,
