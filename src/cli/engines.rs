@@ -80,7 +80,7 @@ pub trait Engines {
 }
 
 /// A command's work on one backend, written once for both engines: `kiln`
-/// runs it on libtorch ([`run_on`]), `kiln-tensorflow` on TensorFlow too
+/// runs it on libtorch (`run_on`), `kiln-tensorflow` on TensorFlow too
 /// ([`Engines::run_on_tensorflow`]).
 pub trait BackendJob {
     /// What the job does on TensorFlow, as a refusal in `kiln` names it

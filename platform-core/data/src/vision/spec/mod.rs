@@ -9,6 +9,15 @@ use super::autoaugment::AutoAugmentPolicy;
 use super::geometry::ResizeTo;
 use super::pad::{Padding, PaddingMode};
 use crate::transform::{Compose, Transform, TransformRng};
+// The transforms the variants' documentation links to.
+#[cfg(doc)]
+use super::{
+    AutoAugment, CenterCrop, ColorJitter, GaussianBlur, Pad, RandAugment, RandomAffine,
+    RandomErasing, RandomGrayscale, RandomPerspective, RandomResizedCrop, RandomRotation, Resize,
+    TrivialAugmentWide,
+};
+#[cfg(doc)]
+use crate::transform::{Normalize, RandomHorizontalFlip, ToFloat};
 
 mod build;
 
