@@ -196,6 +196,11 @@ fn unit() -> f64 {
     1.0
 }
 
+/// The error for `data.<key>`, giving the reason.
+fn invalid(key: &str, reason: String) -> Result<()> {
+    Err(Error::invalid_argument(format!("data.{key}"), reason))
+}
+
 impl DataConfig {
     /// The fraction of the examples held out for validation: `val_fraction`,
     /// by default 0.2 where the data has no split of its own, else 0.
@@ -274,8 +279,6 @@ impl DataConfig {
     /// Checks the keys against the dataset kind and each value.
     pub(super) fn validate(&self) -> Result<()> {
         let kind = self.dataset;
-        let invalid =
-            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         if let Some(f) = self.val_fraction {
             if !(0.0..1.0).contains(&f) {
                 return invalid("val_fraction", format!("must be in [0, 1), got {f}"));
@@ -295,8 +298,6 @@ impl DataConfig {
     /// Refuses, naming it, a key that does not apply to the dataset kind.
     fn check_keys_apply(&self) -> Result<()> {
         let kind = self.dataset;
-        let invalid =
-            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         // Keys that only some kinds of data take.
         let set = |present: bool, key: &'static str| present.then_some(key);
         let image_keys = [
@@ -372,8 +373,6 @@ impl DataConfig {
     /// validation split is given.
     fn check_source(&self) -> Result<()> {
         let kind = self.dataset;
-        let invalid =
-            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         match kind {
             DatasetKind::Digits => {}
             DatasetKind::Mnist
@@ -424,8 +423,6 @@ impl DataConfig {
 
     /// Checks image data's size, mixing and transforms.
     fn validate_images(&self) -> Result<()> {
-        let invalid =
-            |key: &str, reason: String| Err(Error::invalid_argument(format!("data.{key}"), reason));
         if let Some(size) = self.image_size {
             let (h, w) = size.dims();
             if h == 0 || w == 0 {
