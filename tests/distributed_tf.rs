@@ -15,6 +15,8 @@
 //!   clipping (the norm over every rank's share), a small transformer and the
 //!   CNN with batch norm (against DDP) included; their whole optimizer state is one process's, each rank holds
 //!   only its share, and a whole state loads back into shares.
+//! - DDP, ZeRO-1 and ZeRO-2 through the one strategy wrapper answer every
+//!   method of `Module` and `Trainable` as the model alone does.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -784,4 +786,180 @@ fn zero_on_four_ranks_equals_one_process() -> Result<()> {
         return Ok(());
     }
     zero_equals_one_process()
+}
+
+/// Asserts that `wrapped` (under `strategy` over `world` ranks, built from
+/// another seed on the other ranks) answers every method of `Module` and
+/// `Trainable` as `bare`, the same model alone, does: the one strategy
+/// wrapper over TensorFlow's strategies. Every rank trains on the same
+/// batch, so one step's mean gradient is the single process's.
+fn answers_as_alone<M: Trainable<TfBackend>>(
+    strategy: &str,
+    wrapped: &mut M,
+    bare: &mut TfModel,
+    world: usize,
+) -> Result<()> {
+    use kiln::core::backend::{Mode, UpdatePlan};
+    use kiln::core::objective::{ObjectiveBatch, Supervised};
+    let kind = wrapped.kind();
+    assert!(
+        kind.starts_with(strategy) && kind.contains(&bare.kind()),
+        "{strategy}: {kind}"
+    );
+    let names = |v: Vec<(String, TfTensor)>| v.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+    assert_eq!(
+        names(wrapped.named_parameters()?),
+        names(bare.named_parameters()?)
+    );
+    assert_eq!(
+        names(wrapped.named_buffers()?),
+        names(bare.named_buffers()?)
+    );
+    assert_eq!(
+        wrapped.running_stats()?,
+        bare.running_stats()?,
+        "{strategy}"
+    );
+    // The same graph, serialised by each model's own session (attribute
+    // order differs): both have one.
+    let graph = |g: Option<Vec<u8>>| g.is_some_and(|g| !g.is_empty());
+    assert!(
+        graph(wrapped.graph_def()?) && graph(bare.graph_def()?),
+        "{strategy}"
+    );
+    assert_eq!(wrapped.num_parameters()?, bare.num_parameters()?);
+    assert_eq!(
+        wrapped.num_trainable_parameters()?,
+        bare.num_trainable_parameters()?
+    );
+    assert_eq!(wrapped.frozen_parameters()?, bare.frozen_parameters()?);
+    assert_eq!(wrapped.precision(), bare.precision(), "{strategy}");
+    assert_eq!(wrapped.runs_any_objective(), bare.runs_any_objective());
+    assert!(!wrapped.shards_parameters() && wrapped.shard_state_tensors()?.is_none());
+    assert_eq!(wrapped.collectives().map(|c| c.world_size()), Some(world));
+    let reference = bare.state_dict()?;
+    assert_eq!(
+        state_diff(&wrapped.state_dict()?, &reference, strategy),
+        0.0
+    );
+    let tensors = wrapped.state_tensors()?.to_state_dict()?;
+    assert_eq!(state_diff(&tensors, &reference, strategy), 0.0);
+
+    let (x, y) = &data(true)?[0];
+    let (x, y) = (TfTensor::from_host(x)?, TfTensor::from_host(y)?);
+    let loss = Loss::cross_entropy();
+    for mode in [Mode::Eval, Mode::Train] {
+        wrapped.set_mode(mode);
+        Module::<TfBackend>::set_mode(bare, mode);
+        assert_eq!(wrapped.mode(), mode);
+        wrapped.sync_buffers()?;
+        assert_eq!(
+            wrapped.forward(&x)?.to_host()?,
+            bare.forward(&x)?.to_host()?
+        );
+        let many = wrapped.forward_many(std::slice::from_ref(&x))?;
+        let alone = bare.forward_many(std::slice::from_ref(&x))?;
+        assert_eq!(many[0].to_host()?, alone[0].to_host()?, "{strategy}");
+    }
+    wrapped.set_mode(Mode::Eval);
+    Module::<TfBackend>::set_mode(bare, Mode::Eval);
+    assert_eq!(
+        wrapped.eval_step(&loss, &x, &y)?,
+        bare.eval_step(&loss, &x, &y)?
+    );
+    assert_eq!(
+        wrapped.predict_step(&x)?,
+        bare.predict_step(&x)?,
+        "{strategy}"
+    );
+    let supervised = Supervised::new(loss.clone());
+    let batch = ObjectiveBatch {
+        inputs: &x,
+        targets: &y,
+    };
+    let a = wrapped.eval_objective(&supervised, &batch)?;
+    let b = bare.eval_objective(&supervised, &batch)?;
+    assert!((a.loss - b.loss).abs() < 1e-6, "{strategy}: eval_objective");
+
+    wrapped.set_mode(Mode::Train);
+    Module::<TfBackend>::set_mode(bare, Mode::Train);
+    let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1));
+    let mut wrapped_opt = wrapped.build_optimizer(&sgd, &[])?;
+    let mut bare_opt = bare.build_optimizer(&sgd, &[])?;
+    let plan = StepPlan {
+        loss: &loss,
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    let update = UpdatePlan {
+        scale: 1.0,
+        apply: true,
+        clip: None,
+    };
+    for step in ["train_step", "train_step_deferred", "train_objective_step"] {
+        wrapped_opt.zero_grad()?;
+        bare_opt.zero_grad()?;
+        let (a, b) = match step {
+            "train_step" => (
+                wrapped.train_step(&mut wrapped_opt, &x, &y, &plan)?,
+                bare.train_step(&mut bare_opt, &x, &y, &plan)?,
+            ),
+            "train_step_deferred" => (
+                wrapped
+                    .train_step_deferred(&mut wrapped_opt, &x, &y, &plan)?
+                    .value::<TfBackend>()?,
+                bare.train_step_deferred(&mut bare_opt, &x, &y, &plan)?
+                    .value::<TfBackend>()?,
+            ),
+            _ => (
+                wrapped
+                    .train_objective_step(&mut wrapped_opt, &supervised, &batch, &update, false)?
+                    .loss
+                    .value::<TfBackend>()?,
+                bare.train_objective_step(&mut bare_opt, &supervised, &batch, &update, false)?
+                    .loss
+                    .value::<TfBackend>()?,
+            ),
+        };
+        assert!(
+            (a - b).abs() < 1e-6,
+            "{strategy} {step}: loss {a} against {b}"
+        );
+        let diff = state_diff(&wrapped.state_dict()?, &bare.state_dict()?, strategy);
+        assert!(diff < 1e-6, "{strategy} {step}: weights differ by {diff}");
+    }
+
+    TfBackend::manual_seed(3);
+    let fresh = Module::<TfBackend>::state_dict(&TfBackend::build_model(&cnn(), Device::Cpu)?)?;
+    wrapped.load_state_dict(&fresh)?;
+    assert_eq!(state_diff(&wrapped.state_dict()?, &fresh, strategy), 0.0);
+    Ok(())
+}
+
+/// DDP, ZeRO-1 and ZeRO-2 on TensorFlow, each through the one strategy
+/// wrapper, answer every method of `Module` and `Trainable` as the model
+/// alone does.
+#[test]
+fn every_strategy_answers_every_wrapper_method() -> Result<()> {
+    if !is_rank() {
+        run_as_two_ranks("every_strategy_answers_every_wrapper_method");
+        return Ok(());
+    }
+    let group = join()?;
+    let (rank, world) = (group.rank() as u64, group.world_size());
+    let model = |seed: u64| {
+        TfBackend::manual_seed(seed);
+        TfBackend::build_model(&cnn(), Device::Cpu)
+    };
+    let options = DistributedOptions::default();
+    let mut ddp = kiln::tf::data_parallel(model(7 + rank)?, group.clone(), &options)?;
+    answers_as_alone("DataParallel", &mut ddp, &mut model(7)?, world)?;
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let mut zero =
+            kiln::tf::zero_data_parallel(model(7 + rank)?, group.clone(), stage, &options)?;
+        answers_as_alone(stage.name(), &mut zero, &mut model(7)?, world)?;
+    }
+    group.barrier()?;
+    Ok(())
 }

@@ -3,8 +3,8 @@
 mod train;
 
 pub use train::{
-    check_lerp_pairs, objective_unsupported, EagerBackend, StepLoss, StepPlan, TrainBackend,
-    Trainable, UpdatePlan,
+    check_lerp_pairs, objective_unsupported, supervised_objective_step, EagerBackend, StepLoss,
+    StepPlan, TrainBackend, Trainable, UpdatePlan,
 };
 
 use crate::device::Device;

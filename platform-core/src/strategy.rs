@@ -16,9 +16,12 @@
 //! | [`skipped`](StepHooks::skipped) | the agreed loss is not finite, nothing applied | undoes `before_forward` |
 //! | [`sync_buffers`](StepHooks::sync_buffers) | before evaluating | rank 0's buffers |
 //!
-//! The sharded strategies (kiln-c10d's ZeRO stages) are further
-//! implementations of [`StepHooks`] around the same modules; no model type
-//! changes.
+//! A [`Strategy`] is those hooks with the optimizer a module trains with and
+//! what the strategy changes of the module's view of its state; the one
+//! [`DataParallel`] wrapper implements [`Module`] and [`Trainable`] over any
+//! of them. Every [`StepHooks`] is a strategy that replicates the module (DDP);
+//! the sharded ones (ZeRO's stages, FSDP) are types of their own. No model
+//! type changes.
 //!
 //! ```
 //! use kiln_core::backend::Backend;
@@ -48,10 +51,10 @@ use crate::error::{Error, Result};
 use crate::loss::Loss;
 use crate::module::Module;
 use crate::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
-use crate::optim::{OptimizerConfig, ParamGroup};
+use crate::optim::{Optimizer, OptimizerConfig, ParamGroup};
 use crate::precision::FloatPrecision;
 use crate::state_dict::StateDict;
-use crate::state_tensors::StateTensors;
+use crate::state_tensors::{ShardState, StateTensors};
 use crate::tensor::HostTensor;
 
 /// What a ZeRO strategy shards across the ranks.
@@ -256,13 +259,187 @@ impl<B: Backend> StepHooks<B> for NoHooks {
     }
 }
 
-/// A module trained data-parallel: every rank holds the whole module, trains it
-/// on its share of each batch, and `sync` (the backend's engine: kiln-c10d's
-/// `DistributedDataParallel` on libtorch, kiln-tf's `GradientAllReduce` on
-/// TensorFlow) keeps the
-/// ranks identical, with `DistributedDataParallel`'s semantics: rank 0's
-/// parameters and buffers when built, gradients averaged over the ranks before
-/// every update, the loss averaged so that every rank takes the same decisions.
+/// How a training step is spread over ranks, around a module of type `M`:
+/// the hooks its step calls, the optimizer it trains with, and what it changes
+/// in the module's view of its state. [`DataParallel`] implements [`Module`]
+/// and [`Trainable`] once, over any strategy, by asking it:
+///
+/// | strategy | optimizer | state |
+/// |---|---|---|
+/// | any [`StepHooks`] (DDP: kiln-c10d's `DistributedDataParallel`, kiln-tf's `GradientAllReduce`) | the module's own | the module's own |
+/// | ZeRO-1/2 (kiln-c10d's and kiln-tf's `ZeroRedundancy`) | this rank's share of the state | the module's own |
+/// | FSDP (kiln-c10d's `FullShard`) | over this rank's shards | gathered from the shards |
+///
+/// Every [`StepHooks`] is a strategy in which every rank holds the whole
+/// module and its whole optimizer: that is data parallelism, and a
+/// single-process [`NoHooks`]. A strategy with an optimizer of its own is a
+/// type that is not itself [`StepHooks`] but holds some.
+///
+/// What has a default forwards to the module; a strategy overrides what it
+/// changes, so a method a wrapper forgets cannot drift from the others.
+pub trait Strategy<B: Backend, M: Trainable<B>>: Send {
+    /// The optimizer a module trains with under this strategy.
+    type Optim: Optimizer<B> + Send;
+
+    /// What the strategy is called in messages and in the wrapper's
+    /// [`kind`](Trainable::kind) (`"DataParallel"`, `"ZeRO-2"`, `"FSDP"`).
+    fn name(&self) -> &str;
+
+    /// The optimizer for `module`'s parameters in `groups`.
+    fn build_optimizer(
+        &self,
+        module: &M,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<Self::Optim>;
+
+    /// The module's optimizer inside `optimizer`, and the hooks the module's
+    /// step calls: what the default steps hand to
+    /// [`Trainable::train_step_hooked`].
+    fn step_parts<'a>(
+        &'a mut self,
+        optimizer: &'a mut Self::Optim,
+    ) -> (&'a mut M::Optim, &'a mut dyn StepHooks<B>);
+
+    /// One training micro-batch of `module` (see [`Trainable::train_step`]):
+    /// the module's hooked step by default.
+    fn train_step(
+        &mut self,
+        module: &mut M,
+        optimizer: &mut Self::Optim,
+        inputs: &B::Tensor,
+        targets: &B::Tensor,
+        plan: &StepPlan<'_>,
+        deferred: bool,
+    ) -> Result<StepLoss<B::Tensor>> {
+        let (optimizer, hooks) = self.step_parts(optimizer);
+        module.train_step_hooked(optimizer, inputs, targets, plan, hooks, deferred)
+    }
+
+    /// One training micro-batch of `objective` (see
+    /// [`Trainable::train_objective_step`]): the module's hooked step by default.
+    fn train_objective_step(
+        &mut self,
+        module: &mut M,
+        optimizer: &mut Self::Optim,
+        objective: &dyn Objective<B>,
+        batch: &ObjectiveBatch<'_, B::Tensor>,
+        plan: &UpdatePlan<'_>,
+        deferred: bool,
+    ) -> Result<ObjectiveStep<B::Tensor>> {
+        let (optimizer, hooks) = self.step_parts(optimizer);
+        module.train_objective_step_hooked(optimizer, objective, batch, plan, hooks, deferred)
+    }
+
+    /// Whether [`train_objective_step`](Self::train_objective_step) runs
+    /// objectives other than a supervised loss.
+    fn runs_any_objective(&self, module: &M) -> bool {
+        module.runs_any_objective()
+    }
+
+    /// Before every pass outside a training step (a forward pass, an
+    /// evaluation or prediction batch). A collective when parameters are
+    /// sharded (FSDP gathers them).
+    fn before_inference(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Gives every rank rank 0's buffers (before evaluating). A collective.
+    fn sync_buffers(&mut self) -> Result<()>;
+
+    /// The ranks the strategy spans, if it spans any.
+    fn collectives(&self) -> Option<Arc<dyn Collectives>>;
+
+    /// The whole module's state dict.
+    fn state_dict(&self, module: &M) -> Result<StateDict> {
+        module.state_dict()
+    }
+
+    /// The whole module's state.
+    fn state_tensors(&self, module: &M) -> Result<StateTensors<B>> {
+        module.state_tensors()
+    }
+
+    /// Loads a whole module's state.
+    fn load_state_dict(&mut self, module: &mut M, state: &StateDict) -> Result<()> {
+        module.load_state_dict(state)
+    }
+
+    /// The whole module's parameter elements.
+    fn num_parameters(&self, module: &M) -> Result<usize> {
+        module.num_parameters()
+    }
+
+    /// The whole module's trained parameter elements.
+    fn num_trainable_parameters(&self, module: &M) -> Result<usize> {
+        module.num_trainable_parameters()
+    }
+
+    /// The whole module's names of the parameters that do not train.
+    fn frozen_parameters(&self, module: &M) -> Result<Vec<String>> {
+        module.frozen_parameters()
+    }
+
+    /// Whether parameters are sharded over the ranks
+    /// ([`Trainable::shards_parameters`]).
+    fn shards_parameters(&self) -> bool {
+        false
+    }
+
+    /// This rank's part of the state when parameters are sharded
+    /// ([`Trainable::shard_state_tensors`]).
+    fn shard_state_tensors(&self, module: &M) -> Result<Option<ShardState<B>>> {
+        module.shard_state_tensors()
+    }
+}
+
+/// Replication: every rank holds the whole module and its optimizer, and the
+/// hooks keep them identical (or there are no ranks: [`NoHooks`]).
+impl<B, M, S> Strategy<B, M> for S
+where
+    B: Backend,
+    M: Trainable<B>,
+    S: StepHooks<B>,
+{
+    type Optim = M::Optim;
+
+    fn name(&self) -> &str {
+        StepHooks::name(self)
+    }
+
+    fn build_optimizer(
+        &self,
+        module: &M,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<M::Optim> {
+        module.build_optimizer(config, groups)
+    }
+
+    fn step_parts<'a>(
+        &'a mut self,
+        optimizer: &'a mut M::Optim,
+    ) -> (&'a mut M::Optim, &'a mut dyn StepHooks<B>) {
+        (optimizer, self)
+    }
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        StepHooks::sync_buffers(self)
+    }
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        StepHooks::collectives(self)
+    }
+}
+
+/// A module trained under a [`Strategy`] over ranks: data parallelism
+/// (`DataParallel<M, DistributedDataParallel>` on libtorch,
+/// `DataParallel<TfModel, GradientAllReduce>` on TensorFlow, with
+/// `DistributedDataParallel`'s semantics: rank 0's parameters and buffers
+/// when built, gradients averaged over the ranks before every update, the loss
+/// averaged so that every rank takes the same decisions), ZeRO's stages and
+/// FSDP. [`Module`] and [`Trainable`] are implemented here once, for every
+/// strategy.
 ///
 /// It is a [`Trainable`] like the module it wraps, so the `Trainer` and any
 /// hand-written loop train it unchanged; parameters and state-dict names are
@@ -275,36 +452,36 @@ impl<B: Backend> StepHooks<B> for NoHooks {
 #[derive(Debug)]
 pub struct DataParallel<M, S> {
     module: M,
-    sync: S,
+    strategy: S,
 }
 
 impl<M, S> DataParallel<M, S> {
-    /// Wraps `module`, kept identical across the ranks by `sync` (built from
-    /// the same module, which it has already made rank 0's).
-    pub fn new<B: Backend>(module: M, sync: S) -> Result<Self>
+    /// Wraps `module`, trained under `strategy` (built from the same module,
+    /// which it has already made rank 0's).
+    pub fn new<B: Backend>(module: M, strategy: S) -> Result<Self>
     where
         M: Trainable<B>,
-        S: StepHooks<B>,
+        S: Strategy<B, M>,
     {
         if !module.takes_step_hooks() {
             return Err(Error::unsupported(format!(
                 "{} cannot train under {}: its training step takes no strategy's hooks",
                 module.kind(),
-                sync.name()
+                strategy.name()
             )));
         }
-        Ok(DataParallel { module, sync })
+        Ok(DataParallel { module, strategy })
     }
 
-    /// The wrapped module. There is no mutable access: the engine holds the
+    /// The wrapped module. There is no mutable access: the strategy holds the
     /// module's tensors, so moving or converting them is done before wrapping.
     pub fn module(&self) -> &M {
         &self.module
     }
 
-    /// The synchronisation engine.
-    pub fn sync(&self) -> &S {
-        &self.sync
+    /// The strategy.
+    pub fn strategy(&self) -> &S {
+        &self.strategy
     }
 
     /// The module, unwrapped.
@@ -313,11 +490,18 @@ impl<M, S> DataParallel<M, S> {
     }
 }
 
-impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
+impl<B, M, S> Module<B> for DataParallel<M, S>
+where
+    B: Backend,
+    M: Trainable<B>,
+    S: Strategy<B, M>,
+{
     fn forward(&self, input: &B::Tensor) -> Result<B::Tensor> {
+        self.strategy.before_inference()?;
         self.module.forward(input)
     }
     fn forward_many(&self, inputs: &[B::Tensor]) -> Result<Vec<B::Tensor>> {
+        self.strategy.before_inference()?;
         self.module.forward_many(inputs)
     }
     fn mode(&self) -> Mode {
@@ -326,6 +510,7 @@ impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
     fn set_mode(&mut self, mode: Mode) {
         self.module.set_mode(mode);
     }
+    /// This rank's parameters (under FSDP, its shards: what its optimizer updates).
     fn named_parameters(&self) -> Result<Vec<(String, B::Tensor)>> {
         self.module.named_parameters()
     }
@@ -339,16 +524,16 @@ impl<B: Backend, M: Module<B>, S> Module<B> for DataParallel<M, S> {
         self.module.graph_def()
     }
     fn state_dict(&self) -> Result<StateDict> {
-        self.module.state_dict()
+        self.strategy.state_dict(&self.module)
     }
     fn state_tensors(&self) -> Result<StateTensors<B>> {
-        self.module.state_tensors()
+        self.strategy.state_tensors(&self.module)
     }
     fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        self.module.load_state_dict(state)
+        self.strategy.load_state_dict(&mut self.module, state)
     }
     fn num_parameters(&self) -> Result<usize> {
-        self.module.num_parameters()
+        self.strategy.num_parameters(&self.module)
     }
 }
 
@@ -356,20 +541,20 @@ impl<B, M, S> Trainable<B> for DataParallel<M, S>
 where
     B: Backend,
     M: Trainable<B>,
-    S: StepHooks<B>,
+    S: Strategy<B, M>,
 {
-    type Optim = M::Optim;
+    type Optim = S::Optim;
 
-    fn build_optimizer(&self, config: &OptimizerConfig, groups: &[ParamGroup]) -> Result<M::Optim> {
-        self.module.build_optimizer(config, groups)
+    fn build_optimizer(&self, config: &OptimizerConfig, groups: &[ParamGroup]) -> Result<S::Optim> {
+        self.strategy.build_optimizer(&self.module, config, groups)
     }
 
     fn num_trainable_parameters(&self) -> Result<usize> {
-        self.module.num_trainable_parameters()
+        self.strategy.num_trainable_parameters(&self.module)
     }
 
     fn frozen_parameters(&self) -> Result<Vec<String>> {
-        self.module.frozen_parameters()
+        self.strategy.frozen_parameters(&self.module)
     }
 
     fn precision(&self) -> FloatPrecision {
@@ -377,55 +562,55 @@ where
     }
 
     fn kind(&self) -> String {
-        format!("{} ({})", self.sync.name(), self.module.kind())
+        format!("{} ({})", self.strategy.name(), self.module.kind())
     }
 
-    /// The module's step with the engine's hooks: the loss averaged over the
+    /// The module's step under the strategy: the loss averaged over the
     /// ranks; when that mean is not finite, parameters and optimizer state are
     /// unchanged on every rank.
     fn train_step(
         &mut self,
-        optimizer: &mut M::Optim,
+        optimizer: &mut S::Optim,
         inputs: &B::Tensor,
         targets: &B::Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        self.module
-            .train_step_hooked(optimizer, inputs, targets, plan, &mut self.sync, false)?
+        self.strategy
+            .train_step(&mut self.module, optimizer, inputs, targets, plan, false)?
             .value::<B>()
     }
 
     fn train_step_deferred(
         &mut self,
-        optimizer: &mut M::Optim,
+        optimizer: &mut S::Optim,
         inputs: &B::Tensor,
         targets: &B::Tensor,
         plan: &StepPlan<'_>,
     ) -> Result<StepLoss<B::Tensor>> {
-        self.module
-            .train_step_hooked(optimizer, inputs, targets, plan, &mut self.sync, true)
+        self.strategy
+            .train_step(&mut self.module, optimizer, inputs, targets, plan, true)
     }
 
     fn train_objective_step(
         &mut self,
-        optimizer: &mut M::Optim,
+        optimizer: &mut S::Optim,
         objective: &dyn Objective<B>,
         batch: &ObjectiveBatch<'_, B::Tensor>,
         plan: &UpdatePlan<'_>,
         deferred: bool,
     ) -> Result<ObjectiveStep<B::Tensor>> {
-        self.module.train_objective_step_hooked(
+        self.strategy.train_objective_step(
+            &mut self.module,
             optimizer,
             objective,
             batch,
             plan,
-            &mut self.sync,
             deferred,
         )
     }
 
     fn runs_any_objective(&self) -> bool {
-        self.module.runs_any_objective()
+        self.strategy.runs_any_objective(&self.module)
     }
 
     fn eval_objective(
@@ -433,6 +618,7 @@ where
         objective: &dyn Objective<B>,
         batch: &ObjectiveBatch<'_, B::Tensor>,
     ) -> Result<ObjectiveEval> {
+        self.strategy.before_inference()?;
         self.module.eval_objective(objective, batch)
     }
 
@@ -442,18 +628,28 @@ where
         inputs: &B::Tensor,
         targets: &B::Tensor,
     ) -> Result<(f64, HostTensor)> {
+        self.strategy.before_inference()?;
         self.module.eval_step(loss, inputs, targets)
     }
 
     fn predict_step(&self, inputs: &B::Tensor) -> Result<HostTensor> {
+        self.strategy.before_inference()?;
         self.module.predict_step(inputs)
     }
 
     fn sync_buffers(&mut self) -> Result<()> {
-        self.sync.sync_buffers()
+        self.strategy.sync_buffers()
     }
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
-        self.sync.collectives()
+        self.strategy.collectives()
+    }
+
+    fn shards_parameters(&self) -> bool {
+        self.strategy.shards_parameters()
+    }
+
+    fn shard_state_tensors(&self) -> Result<Option<ShardState<B>>> {
+        self.strategy.shard_state_tensors(&self.module)
     }
 }

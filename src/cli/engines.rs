@@ -12,11 +12,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kiln_c10d::{
-    fully_shard, zero_data_parallel, DistributedDataParallel, FullShardOptions,
-    FullyShardedDataParallel, ProcessGroup, ZeroDataParallel, ZeroStage,
+    fully_shard, zero_data_parallel, DistributedDataParallel, FullShardOptions, ProcessGroup,
+    ZeroStage,
 };
+use kiln_core::backend::Trainable;
 use kiln_core::distributed::DistributedOptions;
-use kiln_core::strategy::StepHooks;
+use kiln_core::strategy::DataParallel;
 
 use crate::args::{Command, ExportFormat, TuneCommand};
 use crate::config::{BackendKind, RunConfig};
@@ -87,102 +88,97 @@ pub trait BackendJob {
     /// (`"training on the TensorFlow backend"`).
     fn on_tensorflow(&self) -> &'static str;
 
-    /// Runs the job on backend `B`, data-parallel through `P`, with `E`'s engines.
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()>;
+    /// Runs the job on backend `B`, over ranks through `P`'s strategies, with `E`'s engines.
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()>;
 }
 
 /// Runs `job` on `backend`: libtorch here, TensorFlow through `E`.
 pub(crate) fn run_on<E: Engines, J: BackendJob>(backend: BackendKind, job: J) -> Result<()> {
     match backend {
-        BackendKind::Torch => job.run::<E, kiln_torch::TorchBackend, TorchDdp>(),
+        BackendKind::Torch => job.run::<E, kiln_torch::TorchBackend, TorchStrategies>(),
         BackendKind::Tensorflow => E::run_on_tensorflow(job),
     }
 }
 
-/// How backend `B`'s models train data-parallel: the engine that keeps the
-/// ranks identical is the backend's own (DDP's `c10d::Reducer` on libtorch, a
-/// host all-reduce of the gradients on TensorFlow), inside the one
-/// [`DataParallel`](kiln_core::strategy::DataParallel) wrapper.
-pub trait DataParallelEngine<B: TrainBackend> {
-    /// The engine.
-    type Sync: StepHooks<B>;
+/// What runs on the model once it is under its strategy (whose type each
+/// strategy decides): the rest of a command, handed to
+/// [`StrategyEngine::run_under`].
+pub trait WithTrainable<B: TrainBackend> {
+    /// What the ranks of a job must agree on before they run (the config, the
+    /// model's definition, the data, where they resume from): a rank that
+    /// would run other steps would wait on the others forever.
+    fn what_ranks_share(&self) -> Result<serde_json::Value>;
 
-    /// The engine for `model` over `group` (rank 0's weights on every rank now).
-    fn data_parallel(
-        model: &B::Model,
-        group: &Arc<ProcessGroup>,
-        options: &DistributedOptions,
-    ) -> Result<Self::Sync>;
-
-    /// A model trained under a ZeRO stage (`strategy = "zero1"` or `"zero2"`).
-    type Sharded: Trainable<B>;
-
-    /// `model` under ZeRO `stage` over `group` (rank 0's weights on every rank
-    /// now). Backends without one refuse.
-    fn zero(
-        model: B::Model,
-        group: &Arc<ProcessGroup>,
-        stage: ZeroStage,
-        options: &DistributedOptions,
-    ) -> Result<Self::Sharded>;
-
-    /// A model trained fully sharded (`strategy = "fsdp"`).
-    type FullySharded: Trainable<B>;
-
-    /// `model` fully sharded over `group` as `shard` says (rank 0's weights,
-    /// cut into this rank's shards). Backends without it refuse.
-    fn fully_shard(
-        model: B::Model,
-        group: &Arc<ProcessGroup>,
-        shard: &FullShardOptions,
-        options: &DistributedOptions,
-    ) -> Result<Self::FullySharded>;
+    /// Runs on `model`.
+    fn run<M: Trainable<B>>(self, model: M) -> Result<()>;
 }
 
-/// libtorch's engine: DDP's reducer.
-pub(crate) struct TorchDdp;
+/// The strategy a config's `[distributed]` table chose for a job of
+/// several ranks.
+#[derive(Clone, Copy, Debug)]
+pub enum StrategyChoice<'a> {
+    /// `strategy = "ddp"`: data parallelism.
+    DataParallel,
+    /// `strategy = "zero1"` or `"zero2"`.
+    Zero(ZeroStage),
+    /// `strategy = "fsdp"`, with its `[distributed.fsdp]` options.
+    FullShard(&'a FullShardOptions),
+}
 
-impl DataParallelEngine<kiln_torch::TorchBackend> for TorchDdp {
-    type Sync = DistributedDataParallel;
-
-    fn data_parallel(
-        model: &kiln_torch::TorchModel,
-        group: &Arc<ProcessGroup>,
-        options: &DistributedOptions,
-    ) -> Result<DistributedDataParallel> {
-        Ok(DistributedDataParallel::of(
-            Arc::clone(group),
-            model,
-            options,
-        )?)
+impl StrategyChoice<'_> {
+    /// What the strategy is called in messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            StrategyChoice::DataParallel => "DDP",
+            StrategyChoice::Zero(stage) => stage.name(),
+            StrategyChoice::FullShard(_) => "FSDP",
+        }
     }
+}
 
-    type Sharded = ZeroDataParallel<kiln_torch::TorchModel>;
+/// How backend `B`'s models train over the ranks of a job: one match arm
+/// per strategy the backend has, each putting the model inside the one
+/// [`DataParallel`](kiln_core::strategy::DataParallel) wrapper with that
+/// strategy (DDP's `c10d::Reducer`, ZeRO or FSDP on libtorch; a host
+/// all-reduce of the gradients, or ZeRO, on TensorFlow), and refusing the
+/// others.
+pub trait StrategyEngine<B: TrainBackend> {
+    /// Runs `then` on `model` under `choice` over `group` (rank 0's weights
+    /// on every rank first).
+    fn run_under<T: WithTrainable<B>>(
+        model: B::Model,
+        group: &Arc<ProcessGroup>,
+        choice: StrategyChoice<'_>,
+        options: &DistributedOptions,
+        then: T,
+    ) -> Result<()>;
+}
 
-    fn zero(
+/// libtorch's strategies: DDP's reducer, ZeRO's stages, FSDP.
+pub(crate) struct TorchStrategies;
+
+impl StrategyEngine<kiln_torch::TorchBackend> for TorchStrategies {
+    fn run_under<T: WithTrainable<kiln_torch::TorchBackend>>(
         model: kiln_torch::TorchModel,
         group: &Arc<ProcessGroup>,
-        stage: ZeroStage,
+        choice: StrategyChoice<'_>,
         options: &DistributedOptions,
-    ) -> Result<Self::Sharded> {
-        Ok(zero_data_parallel(
-            model,
-            Arc::clone(group),
-            stage,
-            options,
-        )?)
-    }
-
-    type FullySharded = FullyShardedDataParallel;
-
-    fn fully_shard(
-        model: kiln_torch::TorchModel,
-        group: &Arc<ProcessGroup>,
-        shard: &FullShardOptions,
-        options: &DistributedOptions,
-    ) -> Result<FullyShardedDataParallel> {
-        fully_shard(model, Arc::clone(group), shard, options)
-            .map_err(|e| anyhow::Error::new(e).context("config key `distributed.fsdp`"))
+        then: T,
+    ) -> Result<()> {
+        let group = Arc::clone(group);
+        match choice {
+            StrategyChoice::DataParallel => {
+                let ddp = DistributedDataParallel::of(group, &model, options)?;
+                then.run(DataParallel::new(model, ddp)?)
+            }
+            StrategyChoice::Zero(stage) => {
+                then.run(zero_data_parallel(model, group, stage, options)?)
+            }
+            StrategyChoice::FullShard(shard) => then.run(
+                fully_shard(model, group, shard, options)
+                    .map_err(|e| anyhow::Error::new(e).context("config key `distributed.fsdp`"))?,
+            ),
+        }
     }
 }
 

@@ -10,7 +10,7 @@ use anyhow::{Context, Result};
 use crate::args::{CheckpointArgs, PredictArgs};
 use crate::config::RunConfig;
 use crate::data::{loader, validation_split, RecordTargets};
-use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
+use crate::engines::{run_on, BackendJob, Engines, StrategyEngine};
 use crate::formats::{is_onnx, open_checkpoint};
 use crate::model::{load_for_eval, resolve_model};
 use crate::output::{check_output, outln};
@@ -55,7 +55,7 @@ impl BackendJob for Eval {
         "evaluating on the TensorFlow backend"
     }
 
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()> {
         eval_on::<E, B>(&self.args, &self.config)
     }
 }
@@ -102,7 +102,7 @@ impl BackendJob for Predict {
         "predicting on the TensorFlow backend"
     }
 
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()> {
         predict_on::<E, B>(&self.args, &self.config)
     }
 }

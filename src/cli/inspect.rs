@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use kiln_train::Checkpoint;
 
 use crate::config::RunConfig;
-use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
+use crate::engines::{run_on, BackendJob, Engines, StrategyEngine};
 use crate::formats::{is_config, is_zip_archive};
 use crate::output::{out, outln};
 use crate::run::prepare::{check_backend_supports, prepare};
@@ -201,7 +201,7 @@ impl BackendJob for Summary {
         "summarising a model on the TensorFlow backend"
     }
 
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()> {
         let config = &self.config;
         check_backend_supports::<B>(config)?;
         let (prepared, _) = prepare::<E, B>(config, None, true)?;

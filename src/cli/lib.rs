@@ -53,7 +53,7 @@ mod tune_lr;
 
 pub use cli::run;
 pub use config::RunConfig;
-pub use engines::{BackendJob, DataParallelEngine, Engines, Source};
+pub use engines::{BackendJob, Engines, Source, StrategyChoice, StrategyEngine, WithTrainable};
 pub use forward::TENSORFLOW_MISSING_EXIT_CODE;
 pub use model::build_model;
 pub use output::{init_logging, CAPTURE_NAME, STDERR_FD_VAR, TENSORFLOW_LOG_TARGET};

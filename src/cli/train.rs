@@ -14,7 +14,8 @@ use kiln_train::{RunDirectory, RunStart, Trainer, TrainingState};
 
 use crate::args::TrainArgs;
 use crate::config::{PretrainedModel, RunConfig};
-use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
+use crate::engines::WithTrainable;
+use crate::engines::{run_on, BackendJob, Engines, StrategyEngine};
 use crate::output::outln;
 use crate::prelude::*;
 use crate::resume::{
@@ -24,7 +25,7 @@ use crate::resume::{
 use crate::run::assemble::{self, checkpoints_dir};
 use crate::run::directory::{toml_string, write_new_file, UndoFailedStart};
 use crate::run::prepare::{check_backend_supports, prepare, Prepared};
-use crate::run::strategy::{under_strategy, WithTrainable};
+use crate::run::strategy::under_strategy;
 
 pub(crate) fn train<E: Engines>(args: TrainArgs) -> Result<()> {
     let mut config = args.config()?;
@@ -65,7 +66,7 @@ impl BackendJob for Train {
         "training on the TensorFlow backend"
     }
 
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()> {
         let started = Instant::now();
         let config = &self.config;
         let rendezvous = self.rendezvous.as_ref();

@@ -11,7 +11,7 @@ use kiln_train::{RunDirectory, RunStart};
 
 use crate::args::LrFindArgs;
 use crate::config::RunConfig;
-use crate::engines::{run_on, BackendJob, DataParallelEngine, Engines};
+use crate::engines::{run_on, BackendJob, Engines, StrategyEngine};
 use crate::output::outln;
 use crate::run::directory::{write_new_file, UndoFailedStart};
 use crate::run::prepare::{check_backend_supports, prepare};
@@ -108,7 +108,7 @@ impl BackendJob for TuneLr {
         "the learning-rate finder on the TensorFlow backend"
     }
 
-    fn run<E: Engines, B: TrainBackend, P: DataParallelEngine<B>>(self) -> Result<()> {
+    fn run<E: Engines, B: TrainBackend, P: StrategyEngine<B>>(self) -> Result<()> {
         let config = &self.config;
         check_backend_supports::<B>(config)?;
         // The results' directory is new (or empty), as a new run's.

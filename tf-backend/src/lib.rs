@@ -54,4 +54,4 @@ pub use saved_model::{
     SavedModelModuleBuilder, SignatureInfo, SignatureOptimizer, TensorDType, TensorSpec,
     VariableRole, SERVING_SIGNATURE,
 };
-pub use zero::{zero_data_parallel, ZeroDataParallel};
+pub use zero::{zero_data_parallel, ZeroDataParallel, ZeroRedundancy};

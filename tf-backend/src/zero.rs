@@ -12,39 +12,37 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::{Mode, StepLoss, StepPlan, Trainable},
+    backend::{supervised_objective_step, StepLoss, StepPlan, Trainable, UpdatePlan},
     distributed::{Collectives, DistributedOptions},
-    loss::Loss,
-    module::Module,
+    objective::{Objective, ObjectiveBatch, ObjectiveStep},
     optim::{OptimizerConfig, ParamGroup},
-    precision::FloatPrecision,
-    state_dict::StateDict,
-    state_tensors::StateTensors,
-    strategy::{StepHooks, ZeroStage},
-    HostTensor, Result,
+    strategy::{DataParallel, StepHooks, Strategy, ZeroStage},
+    Result,
 };
 
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
 use crate::distributed::GradientAllReduce;
 use crate::model::TfModel;
-use crate::optim::TfShardedOptimizer;
+use crate::optim::{TfOptimizer, TfShardedOptimizer};
 
-/// A [`TfModel`] trained under a ZeRO stage: every rank holds the whole model
-/// and trains it on its share of each batch, as under
+/// ZeRO stage 1 or 2 on TensorFlow, as a [`Strategy`]: every rank holds the
+/// whole model and trains it on its share of each batch, as under
 /// [`data_parallel`](crate::data_parallel) (rank 0's variables when built,
-/// rank 0's buffers before each forward pass), but its optimizer keeps only
-/// this rank's share of the state, and under ZeRO-2 only this rank's share of
-/// the reduced gradients outlives a micro-batch. Losses and weights equal one
-/// process's on the global batch.
+/// rank 0's buffers before each forward pass), but its optimizer
+/// ([`TfShardedOptimizer`]) keeps only this rank's share of the state, and
+/// under ZeRO-2 only this rank's share of the reduced gradients outlives a
+/// micro-batch. Losses and weights equal one process's on the global batch.
 ///
-/// Build it with [`zero_data_parallel`].
-pub struct ZeroDataParallel {
-    model: TfModel,
+/// Build the wrapped model with [`zero_data_parallel`].
+pub struct ZeroRedundancy {
     sync: GradientAllReduce,
     group: Arc<dyn Collectives>,
     stage: ZeroStage,
 }
+
+/// A [`TfModel`] trained under a ZeRO stage.
+pub type ZeroDataParallel = DataParallel<TfModel, ZeroRedundancy>;
 
 /// `model` trained under ZeRO `stage` over `group`: every rank checks that it
 /// has rank 0's variables and takes them now (as
@@ -79,154 +77,94 @@ pub fn zero_data_parallel(
     options: &DistributedOptions,
 ) -> Result<ZeroDataParallel> {
     let sync = GradientAllReduce::new(&model, Arc::clone(&group), options)?;
-    Ok(ZeroDataParallel {
-        model,
-        sync,
-        group,
-        stage,
-    })
+    DataParallel::new(model, ZeroRedundancy { sync, group, stage })
 }
 
-impl std::fmt::Debug for ZeroDataParallel {
+impl std::fmt::Debug for ZeroRedundancy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZeroDataParallel")
+        f.debug_struct("ZeroRedundancy")
             .field("stage", &self.stage)
             .field("rank", &self.group.rank())
             .field("world_size", &self.group.world_size())
-            .field("model", &self.model)
             .finish_non_exhaustive()
     }
 }
 
-impl ZeroDataParallel {
-    /// The wrapped model.
-    pub fn module(&self) -> &TfModel {
-        &self.model
-    }
-
+impl ZeroRedundancy {
     /// The stage it trains under.
     pub fn stage(&self) -> ZeroStage {
         self.stage
     }
-
-    /// The model, unwrapped.
-    pub fn into_inner(self) -> TfModel {
-        self.model
-    }
 }
 
-impl Module<TfBackend> for ZeroDataParallel {
-    fn forward(&self, input: &TfTensor) -> Result<TfTensor> {
-        self.model.forward(input)
-    }
-    fn forward_many(&self, inputs: &[TfTensor]) -> Result<Vec<TfTensor>> {
-        self.model.forward_many(inputs)
-    }
-    fn mode(&self) -> Mode {
-        Module::<TfBackend>::mode(&self.model)
-    }
-    fn set_mode(&mut self, mode: Mode) {
-        Module::<TfBackend>::set_mode(&mut self.model, mode);
-    }
-    fn named_parameters(&self) -> Result<Vec<(String, TfTensor)>> {
-        self.model.named_parameters()
-    }
-    fn named_buffers(&self) -> Result<Vec<(String, TfTensor)>> {
-        self.model.named_buffers()
-    }
-    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
-        self.model.running_stats()
-    }
-    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
-        self.model.graph_def()
-    }
-    fn state_dict(&self) -> Result<StateDict> {
-        Module::<TfBackend>::state_dict(&self.model)
-    }
-    fn state_tensors(&self) -> Result<StateTensors<TfBackend>> {
-        Module::<TfBackend>::state_tensors(&self.model)
-    }
-    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        Module::<TfBackend>::load_state_dict(&mut self.model, state)
-    }
-    fn num_parameters(&self) -> Result<usize> {
-        Module::<TfBackend>::num_parameters(&self.model)
-    }
-}
-
-impl Trainable<TfBackend> for ZeroDataParallel {
+impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
     type Optim = TfShardedOptimizer;
+
+    fn name(&self) -> &str {
+        self.stage.name()
+    }
 
     /// This rank's share of the optimizer (state for the parameters it owns),
     /// groups resolved over every parameter.
     fn build_optimizer(
         &self,
+        model: &TfModel,
         config: &OptimizerConfig,
         groups: &[ParamGroup],
     ) -> Result<TfShardedOptimizer> {
-        TfShardedOptimizer::new(
-            config,
-            &self.model,
-            groups,
-            Arc::clone(&self.group),
-            self.stage,
-        )
+        TfShardedOptimizer::new(config, model, groups, Arc::clone(&self.group), self.stage)
     }
 
-    fn num_trainable_parameters(&self) -> Result<usize> {
-        self.model.num_trainable_parameters()
-    }
-
-    fn frozen_parameters(&self) -> Result<Vec<String>> {
-        self.model.frozen_parameters()
-    }
-
-    fn precision(&self) -> FloatPrecision {
-        self.model.precision()
-    }
-
-    fn kind(&self) -> String {
-        format!("{} ({})", self.stage.name(), self.model.kind())
+    /// What its own step uses: this rank's optimizer and the data-parallel
+    /// hooks (the sharded update is the [`TfShardedOptimizer`]'s).
+    fn step_parts<'a>(
+        &'a mut self,
+        optimizer: &'a mut TfShardedOptimizer,
+    ) -> (&'a mut TfOptimizer, &'a mut dyn StepHooks<TfBackend>) {
+        (optimizer.shard_mut(), &mut self.sync)
     }
 
     /// Two session runs (the gradients, then this rank's update) and the
-    /// strategy's collectives; see [`TfShardedOptimizer`].
+    /// strategy's collectives; see [`TfShardedOptimizer`]. The loss is read
+    /// back: the collectives need it.
     fn train_step(
         &mut self,
+        model: &mut TfModel,
         optimizer: &mut TfShardedOptimizer,
         inputs: &TfTensor,
         targets: &TfTensor,
         plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        optimizer.train_step(&self.model, &mut self.sync, inputs, targets, plan)
-    }
-
-    fn train_step_deferred(
-        &mut self,
-        optimizer: &mut TfShardedOptimizer,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-        plan: &StepPlan<'_>,
+        _deferred: bool,
     ) -> Result<StepLoss<TfTensor>> {
-        self.train_step(optimizer, inputs, targets, plan)
+        optimizer
+            .train_step(model, &mut self.sync, inputs, targets, plan)
             .map(StepLoss::Host)
     }
 
-    fn eval_step(
-        &self,
-        loss: &Loss,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-    ) -> Result<(f64, HostTensor)> {
-        self.model.eval_step(loss, inputs, targets)
+    /// A supervised loss, as the step computes; any other objective is refused.
+    fn train_objective_step(
+        &mut self,
+        model: &mut TfModel,
+        optimizer: &mut TfShardedOptimizer,
+        objective: &dyn Objective<TfBackend>,
+        batch: &ObjectiveBatch<'_, TfTensor>,
+        plan: &UpdatePlan<'_>,
+        _deferred: bool,
+    ) -> Result<ObjectiveStep<TfTensor>> {
+        let kind = format!("{} ({})", self.stage.name(), model.kind());
+        supervised_objective_step(objective, &kind, plan, |plan| {
+            optimizer
+                .train_step(model, &mut self.sync, batch.inputs, batch.targets, plan)
+                .map(StepLoss::Host)
+        })
     }
 
-    fn predict_step(&self, inputs: &TfTensor) -> Result<HostTensor> {
-        self.model.predict_step(inputs)
+    fn runs_any_objective(&self, _model: &TfModel) -> bool {
+        false
     }
 
     fn sync_buffers(&mut self) -> Result<()> {
-        self.sync.sync_buffers()
+        StepHooks::sync_buffers(&mut self.sync)
     }
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {

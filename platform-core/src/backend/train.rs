@@ -221,18 +221,13 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         plan: &UpdatePlan<'_>,
         deferred: bool,
     ) -> Result<ObjectiveStep<B::Tensor>> {
-        let Some(loss) = objective.supervised_loss() else {
-            return Err(objective_unsupported(objective, &self.kind()));
-        };
-        let plan = plan.with_loss(loss);
-        let loss = if deferred {
-            self.train_step_deferred(optimizer, batch.inputs, batch.targets, &plan)?
-        } else {
-            StepLoss::Host(self.train_step(optimizer, batch.inputs, batch.targets, &plan)?)
-        };
-        Ok(ObjectiveStep {
-            loss,
-            metrics: Vec::new(),
+        supervised_objective_step(objective, &self.kind(), plan, |plan| {
+            if deferred {
+                self.train_step_deferred(optimizer, batch.inputs, batch.targets, plan)
+            } else {
+                self.train_step(optimizer, batch.inputs, batch.targets, plan)
+                    .map(StepLoss::Host)
+            }
         })
     }
 
@@ -249,21 +244,15 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         hooks: &mut dyn StepHooks<B>,
         deferred: bool,
     ) -> Result<ObjectiveStep<B::Tensor>> {
-        let Some(loss) = objective.supervised_loss() else {
-            return Err(objective_unsupported(objective, &self.kind()));
-        };
-        let plan = plan.with_loss(loss);
-        let loss = self.train_step_hooked(
-            optimizer,
-            batch.inputs,
-            batch.targets,
-            &plan,
-            hooks,
-            deferred,
-        )?;
-        Ok(ObjectiveStep {
-            loss,
-            metrics: Vec::new(),
+        supervised_objective_step(objective, &self.kind(), plan, |plan| {
+            self.train_step_hooked(
+                optimizer,
+                batch.inputs,
+                batch.targets,
+                plan,
+                hooks,
+                deferred,
+            )
         })
     }
 
@@ -376,6 +365,25 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
     fn shard_state_tensors(&self) -> Result<Option<crate::state_tensors::ShardState<B>>> {
         Ok(None)
     }
+}
+
+/// One micro-batch of an objective that is a supervised loss, run by `step`
+/// (a module's plain training step, given the plan with that loss); any other
+/// objective is refused, naming `kind`: what a step that computes a supervised
+/// loss only (TensorFlow's one compiled program) does with an objective.
+pub fn supervised_objective_step<B: Backend>(
+    objective: &dyn Objective<B>,
+    kind: &str,
+    plan: &UpdatePlan<'_>,
+    step: impl FnOnce(&StepPlan<'_>) -> Result<StepLoss<B::Tensor>>,
+) -> Result<ObjectiveStep<B::Tensor>> {
+    let Some(loss) = objective.supervised_loss() else {
+        return Err(objective_unsupported(objective, kind));
+    };
+    Ok(ObjectiveStep {
+        loss: step(&plan.with_loss(loss))?,
+        metrics: Vec::new(),
+    })
 }
 
 /// The refusal of an objective that a module's step cannot compute.

@@ -16,9 +16,10 @@ use anyhow::Result;
 use kiln::c10d::ProcessGroup;
 use kiln::core::distributed::DistributedOptions;
 use kiln::core::export::ExportOptions;
+use kiln::core::strategy::DataParallel;
 use kiln::prelude::*;
 use kiln::tf::{GradientAllReduce, TfBackend, TfModel};
-use kiln_cli::{BackendJob, DataParallelEngine, Engines, Source};
+use kiln_cli::{BackendJob, Engines, Source, StrategyChoice, StrategyEngine, WithTrainable};
 
 /// Both engines: the TensorFlow commands on the TensorFlow C API.
 struct Tensorflow;
@@ -56,50 +57,35 @@ impl Engines for Tensorflow {
     }
 }
 
-/// TensorFlow models train data-parallel over c10d's Gloo group through a host
-/// all-reduce of their gradients.
-impl DataParallelEngine<TfBackend> for Tensorflow {
-    type Sync = GradientAllReduce;
-
-    fn data_parallel(
-        model: &TfModel,
-        group: &Arc<ProcessGroup>,
-        options: &DistributedOptions,
-    ) -> Result<GradientAllReduce> {
-        Ok(GradientAllReduce::new(model, group.clone(), options)?)
-    }
-
-    type Sharded = kiln::tf::ZeroDataParallel;
-
-    /// The optimizer state (and, under ZeRO-2, the reduced gradients) sharded
-    /// over the ranks of the same Gloo group.
-    fn zero(
+/// TensorFlow models train over c10d's Gloo group: data-parallel through a
+/// host all-reduce of their gradients, or under ZeRO's stages. Full sharding
+/// is refused (the config's validation already refuses it): TensorFlow's
+/// variables live in its graph, whole.
+impl StrategyEngine<TfBackend> for Tensorflow {
+    fn run_under<T: WithTrainable<TfBackend>>(
         model: TfModel,
         group: &Arc<ProcessGroup>,
-        stage: kiln::c10d::ZeroStage,
+        choice: StrategyChoice<'_>,
         options: &DistributedOptions,
-    ) -> Result<Self::Sharded> {
-        Ok(kiln::tf::zero_data_parallel(
-            model,
-            group.clone(),
-            stage,
-            options,
-        )?)
-    }
-    type FullySharded = kiln::core::strategy::DataParallel<TfModel, GradientAllReduce>;
-
-    /// Refused (the config's validation already refuses it): TensorFlow's
-    /// variables live in its graph, whole.
-    fn fully_shard(
-        _model: TfModel,
-        _group: &Arc<ProcessGroup>,
-        _shard: &kiln::c10d::FullShardOptions,
-        _options: &DistributedOptions,
-    ) -> Result<Self::FullySharded> {
-        Err(kiln::core::Error::unsupported(
-            "FSDP on the TensorFlow backend; train with strategy = \"zero2\" or \"ddp\"",
-        )
-        .into())
+        then: T,
+    ) -> Result<()> {
+        match choice {
+            StrategyChoice::DataParallel => {
+                let sync = GradientAllReduce::new(&model, group.clone(), options)?;
+                then.run(DataParallel::new(model, sync)?)
+            }
+            StrategyChoice::Zero(stage) => then.run(kiln::tf::zero_data_parallel(
+                model,
+                group.clone(),
+                stage,
+                options,
+            )?),
+            other => Err(kiln::core::Error::unsupported(format!(
+                "{} on the TensorFlow backend; train with strategy = \"zero2\" or \"ddp\"",
+                other.name()
+            ))
+            .into()),
+        }
     }
 }
 

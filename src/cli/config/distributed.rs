@@ -78,15 +78,6 @@ impl StrategyName {
             StrategyName::Fsdp => "fsdp",
         }
     }
-
-    /// The ZeRO stage, for the sharded strategies.
-    pub fn zero_stage(self) -> Option<kiln_c10d::ZeroStage> {
-        match self {
-            StrategyName::Ddp | StrategyName::Fsdp => None,
-            StrategyName::Zero1 => Some(kiln_c10d::ZeroStage::One),
-            StrategyName::Zero2 => Some(kiln_c10d::ZeroStage::Two),
-        }
-    }
 }
 
 /// The `[distributed] backend` names.

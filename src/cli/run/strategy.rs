@@ -7,25 +7,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kiln_c10d::ProcessGroup;
-use kiln_core::backend::{TrainBackend, Trainable};
+use kiln_core::backend::TrainBackend;
 use kiln_core::distributed::Rendezvous;
-use kiln_core::strategy::DataParallel;
 
 use crate::config::{RunConfig, StrategyName};
-use crate::engines::DataParallelEngine;
+use crate::engines::{StrategyChoice, StrategyEngine, WithTrainable};
 use crate::output::outln;
-
-/// What runs on the model once it is under its strategy (whose type each
-/// strategy decides).
-pub(crate) trait WithTrainable<B: TrainBackend> {
-    /// What the ranks of a job must agree on before they run (the config, the
-    /// model's definition, the data, where they resume from): a rank that
-    /// would run other steps would wait on the others forever.
-    fn what_ranks_share(&self) -> Result<serde_json::Value>;
-
-    /// Runs on `model`.
-    fn run<M: Trainable<B>>(self, model: M) -> Result<()>;
-}
 
 /// Runs `then` on `model` under the config's strategy: the model itself in a
 /// single process, or, as one rank of `rendezvous`'s job, inside DDP, ZeRO
@@ -39,7 +26,7 @@ pub(crate) fn under_strategy<B, P, T>(
 ) -> Result<()>
 where
     B: TrainBackend,
-    P: DataParallelEngine<B>,
+    P: StrategyEngine<B>,
     T: WithTrainable<B>,
 {
     let Some(r) = rendezvous else {
@@ -66,31 +53,30 @@ where
             config.distributed.strategy.name()
         );
     }
-    if config.distributed.strategy == StrategyName::Fsdp {
-        let shard = &config.distributed.fsdp;
-        if primary {
-            outln!(
-                "kiln: fsdp units {:?} and the root; {}; {}",
-                shard.units,
-                if shard.reshard_after_forward {
-                    "parameters freed after each unit's forward pass"
-                } else {
-                    "parameters kept from each unit's forward to its backward pass"
-                },
-                if shard.prefetch {
-                    "the next unit's gather prefetched"
-                } else {
-                    "each unit gathered when it runs"
-                }
-            );
+    let choice = match config.distributed.strategy {
+        StrategyName::Ddp => StrategyChoice::DataParallel,
+        StrategyName::Zero1 => StrategyChoice::Zero(kiln_c10d::ZeroStage::One),
+        StrategyName::Zero2 => StrategyChoice::Zero(kiln_c10d::ZeroStage::Two),
+        StrategyName::Fsdp => {
+            let shard = &config.distributed.fsdp;
+            if primary {
+                outln!(
+                    "kiln: fsdp units {:?} and the root; {}; {}",
+                    shard.units,
+                    if shard.reshard_after_forward {
+                        "parameters freed after each unit's forward pass"
+                    } else {
+                        "parameters kept from each unit's forward to its backward pass"
+                    },
+                    if shard.prefetch {
+                        "the next unit's gather prefetched"
+                    } else {
+                        "each unit gathered when it runs"
+                    }
+                );
+            }
+            StrategyChoice::FullShard(shard)
         }
-        return then.run(P::fully_shard(model, &group, shard, &options)?);
-    }
-    match config.distributed.strategy.zero_stage() {
-        Some(stage) => then.run(P::zero(model, &group, stage, &options)?),
-        None => {
-            let sync = P::data_parallel(&model, &group, &options)?;
-            then.run(DataParallel::new(model, sync)?)
-        }
-    }
+    };
+    P::run_under(model, &group, choice, &options, then)
 }

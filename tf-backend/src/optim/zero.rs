@@ -151,6 +151,10 @@ impl TfShardedOptimizer {
         &self.inner
     }
 
+    pub(crate) fn shard_mut(&mut self) -> &mut TfOptimizer {
+        &mut self.inner
+    }
+
     /// Whether this rank owns parameter `i`.
     fn owns(&self, i: usize) -> bool {
         self.owners.get(i) == Some(&self.group.rank())

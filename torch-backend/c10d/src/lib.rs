@@ -68,7 +68,8 @@ use kiln_torch::{TorchBackend, TorchOptimizer};
 
 pub use ddp::DistributedDataParallel;
 pub use fsdp::{
-    fully_shard, FsdpOptimizer, FullShardOptions, FullyShardedDataParallel, PrefetchStats,
+    fully_shard, FsdpOptimizer, FullShard, FullShardOptions, FullyShardedDataParallel,
+    PrefetchStats,
 };
 pub use group::ProcessGroup;
 pub use kiln_core::distributed::{Collectives, Rendezvous};
@@ -99,7 +100,7 @@ where
 }
 
 /// `module` wrapped to train under ZeRO `stage` over `group`
-/// ([`ZeroRedundancy::of`], then [`ZeroDataParallel::new`]): rank 0's
+/// ([`ZeroRedundancy::of`], then [`DataParallel::new`]): rank 0's
 /// parameters and buffers on every rank now; the optimizer it builds keeps
 /// this rank's share of the state. Call it on every rank, after setting
 /// precision and freezing, before building the optimizer.
@@ -134,6 +135,6 @@ where
             stage.name()
         )));
     }
-    let hooks = ZeroRedundancy::of(group, &module, stage, options)?;
-    ZeroDataParallel::new(module, hooks)
+    let strategy = ZeroRedundancy::of(group, &module, stage, options)?;
+    DataParallel::new(module, strategy)
 }

@@ -939,7 +939,7 @@ mod zero {
                 );
 
                 // This rank's optimizer: its share only.
-                let owned = sharded.hooks().shards().owned_names();
+                let owned = sharded.strategy().shards().owned_names();
                 let share = opt.shard().state_dict()?;
                 for (key, _) in share.iter() {
                     if let Some(rest) = key.strip_prefix("state.") {

@@ -8,19 +8,17 @@
 
 use std::sync::Arc;
 
-use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable, UpdatePlan};
+use kiln_core::backend::Trainable;
 use kiln_core::distributed::{Collectives, DistributedOptions};
-use kiln_core::loss::Loss;
 use kiln_core::module::Module;
-use kiln_core::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
 use kiln_core::precision::FloatPrecision;
 use kiln_core::state_dict::StateDict;
 use kiln_core::state_tensors::{ShardState, StateTensor, StateTensors};
-use kiln_core::strategy::StepHooks;
-use kiln_core::{DType, Error, HostTensor, Result};
+use kiln_core::strategy::{DataParallel, StepHooks, Strategy};
+use kiln_core::{DType, Error, Result};
 use kiln_torch::sharded_unit::UnitCollectives;
-use kiln_torch::{kind_from_dtype, TorchBackend, TorchModel};
+use kiln_torch::{kind_from_dtype, TorchBackend, TorchModel, TorchOptimizer};
 use tch::{Kind, Tensor};
 
 mod optimizer;
@@ -116,7 +114,7 @@ impl FullShardOptions {
     }
 }
 
-/// A [`TorchModel`] trained fully sharded over a process group: between
+/// Full sharding (FSDP) as a [`Strategy`] over a [`TorchModel`]: between
 /// steps each rank holds its shard of every parameter, gradient and optimizer
 /// state; each unit gathers its whole parameters while it runs and
 /// reduce-scatters their gradients into the shards. Losses and weights equal
@@ -130,16 +128,18 @@ impl FullShardOptions {
 /// whole model and optimizer state, as one process's, and so resumes on any
 /// number of ranks under any strategy.
 ///
-/// Build it with [`fully_shard`].
+/// Build the wrapped model with [`fully_shard`].
 #[derive(Debug)]
-pub struct FullyShardedDataParallel {
-    model: TorchModel,
+pub struct FullShard {
     params: Vec<Arc<ParamShard>>,
     units: Vec<String>,
     hooks: FsdpHooks,
 }
 
-impl FullyShardedDataParallel {
+/// A [`TorchModel`] trained fully sharded over a process group.
+pub type FullyShardedDataParallel = DataParallel<TorchModel, FullShard>;
+
+impl FullShard {
     /// How often the units' gathers were prefetched and used, or dropped.
     pub fn prefetch_stats(&self) -> PrefetchStats {
         self.hooks.schedule.stats()
@@ -265,8 +265,7 @@ pub fn fully_shard(
             .collect::<Vec<_>>()
             .join(", ")
     );
-    Ok(FullyShardedDataParallel {
-        model,
+    let strategy = FullShard {
         params: layout,
         units: plan.into_iter().map(|u| u.path).collect(),
         hooks: FsdpHooks {
@@ -276,15 +275,11 @@ pub fn fully_shard(
             pending_loss: None,
             schedule,
         },
-    })
+    };
+    DataParallel::new(model, strategy)
 }
 
-impl FullyShardedDataParallel {
-    /// The sharded model: its parameter tensors hold this rank's shards.
-    pub fn module(&self) -> &TorchModel {
-        &self.model
-    }
-
+impl FullShard {
     /// The units' layer paths, in the order they were planned (`""`: the root).
     pub fn units(&self) -> &[String] {
         &self.units
@@ -354,55 +349,79 @@ impl StepHooks<TorchBackend> for FsdpHooks {
     }
 }
 
-impl Module<TorchBackend> for FullyShardedDataParallel {
-    /// A collective: every rank runs each forward pass.
-    fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        self.hooks.schedule.begin(Pass::Eval)?;
-        self.model.forward(input)
+impl Strategy<TorchBackend, TorchModel> for FullShard {
+    type Optim = FsdpOptimizer;
+
+    fn name(&self) -> &str {
+        "FSDP"
     }
-    fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.hooks.schedule.begin(Pass::Eval)?;
-        self.model.forward_many(inputs)
+
+    /// An optimizer over this rank's shards, groups resolved by the whole
+    /// model's names. `16-mixed` loss scaling is refused: each rank would
+    /// decide to skip a step from its own shards' gradients.
+    fn build_optimizer(
+        &self,
+        model: &TorchModel,
+        config: &OptimizerConfig,
+        groups: &[ParamGroup],
+    ) -> Result<FsdpOptimizer> {
+        if model.precision().scales_loss() {
+            return Err(Error::unsupported(format!(
+                "FSDP with {} (its loss scaling skips steps by each rank's own gradients); \
+                 use bf16-mixed",
+                model.precision()
+            )));
+        }
+        let inner = model.build_optimizer(config, groups)?;
+        Ok(FsdpOptimizer::new(
+            inner,
+            Arc::clone(&self.hooks.group),
+            &self.params,
+            Arc::clone(&self.hooks.schedule),
+        ))
     }
-    fn mode(&self) -> Mode {
-        self.model.mode()
+
+    fn step_parts<'a>(
+        &'a mut self,
+        optimizer: &'a mut FsdpOptimizer,
+    ) -> (&'a mut TorchOptimizer, &'a mut dyn StepHooks<TorchBackend>) {
+        (&mut optimizer.inner, &mut self.hooks)
     }
-    fn set_mode(&mut self, mode: Mode) {
-        self.model.set_mode(mode);
+
+    /// Every forward pass is a collective: the units gather their parameters.
+    fn before_inference(&self) -> Result<()> {
+        self.hooks.schedule.begin(Pass::Eval)
     }
-    /// This rank's shards (what its optimizer updates).
-    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        self.model.named_parameters()
+
+    fn sync_buffers(&mut self) -> Result<()> {
+        StepHooks::sync_buffers(&mut self.hooks)
     }
-    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        self.model.named_buffers()
+
+    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
+        StepHooks::collectives(&self.hooks)
     }
-    /// The model's batch norms (their statistics are buffers, whole on every rank).
-    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
-        self.model.running_stats()
-    }
-    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
-        self.model.graph_def()
-    }
+
     /// The whole model: a collective.
-    fn state_dict(&self) -> Result<StateDict> {
-        self.state_tensors()?.to_state_dict()
+    fn state_dict(&self, model: &TorchModel) -> Result<StateDict> {
+        self.state_tensors(model)?.to_state_dict()
     }
+
     /// The whole parameters, gathered (a collective), and the buffers.
-    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
+    fn state_tensors(&self, model: &TorchModel) -> Result<StateTensors<TorchBackend>> {
         let mut out = StateTensors::<TorchBackend>::from(StateDict::new());
         for (name, t) in self.gather_parameters()? {
             out.insert(name, StateTensor::Backend(t))?;
         }
-        for (name, t) in self.model.named_buffers()? {
+        for (name, t) in model.named_buffers()? {
             out.insert(name, StateTensor::Backend(t))?;
         }
         Ok(out)
     }
+
     /// A whole model's state (of any strategy or number of ranks): this
     /// rank's rows of each parameter are kept. Not a collective; nothing
     /// changes on error.
-    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
+    fn load_state_dict(&mut self, model: &mut TorchModel, state: &StateDict) -> Result<()> {
         self.hooks.schedule.cancel()?;
         let rank = self.hooks.group.rank();
         let mut share = StateDict::new();
@@ -413,47 +432,20 @@ impl Module<TorchBackend> for FullyShardedDataParallel {
             };
             share.insert(key.clone(), value);
         }
-        self.model.load_state_dict(&share)
+        model.load_state_dict(&share)
     }
+
     /// The whole model's parameter elements.
-    fn num_parameters(&self) -> Result<usize> {
+    fn num_parameters(&self, _model: &TorchModel) -> Result<usize> {
         Ok(self
             .params
             .iter()
             .map(|p| (p.rows * p.row_numel) as usize)
             .sum())
     }
-}
-
-impl Trainable<TorchBackend> for FullyShardedDataParallel {
-    type Optim = FsdpOptimizer;
-
-    /// An optimizer over this rank's shards, groups resolved by the whole
-    /// model's names. `16-mixed` loss scaling is refused: each rank would
-    /// decide to skip a step from its own shards' gradients.
-    fn build_optimizer(
-        &self,
-        config: &OptimizerConfig,
-        groups: &[ParamGroup],
-    ) -> Result<FsdpOptimizer> {
-        if self.model.precision().scales_loss() {
-            return Err(Error::unsupported(format!(
-                "FSDP with {} (its loss scaling skips steps by each rank's own gradients); \
-                 use bf16-mixed",
-                self.model.precision()
-            )));
-        }
-        let inner = self.model.build_optimizer(config, groups)?;
-        Ok(FsdpOptimizer::new(
-            inner,
-            Arc::clone(&self.hooks.group),
-            &self.params,
-            Arc::clone(&self.hooks.schedule),
-        ))
-    }
 
     /// The whole model's trainable elements.
-    fn num_trainable_parameters(&self) -> Result<usize> {
+    fn num_trainable_parameters(&self, _model: &TorchModel) -> Result<usize> {
         Ok(self
             .params
             .iter()
@@ -463,21 +455,13 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
     }
 
     /// The whole model's names of the parameters that do not train.
-    fn frozen_parameters(&self) -> Result<Vec<String>> {
+    fn frozen_parameters(&self, _model: &TorchModel) -> Result<Vec<String>> {
         Ok(self
             .params
             .iter()
             .filter(|p| !p.trained)
             .map(|p| p.name.clone())
             .collect())
-    }
-
-    fn precision(&self) -> FloatPrecision {
-        self.model.precision()
-    }
-
-    fn kind(&self) -> String {
-        format!("FSDP ({})", self.model.kind())
     }
 
     fn shards_parameters(&self) -> bool {
@@ -487,7 +471,7 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
     /// This rank's rows of each parameter (its padding left out); rank 0
     /// also holds the buffers, which are the same on every rank. Not a
     /// collective.
-    fn shard_state_tensors(&self) -> Result<Option<ShardState<TorchBackend>>> {
+    fn shard_state_tensors(&self, model: &TorchModel) -> Result<Option<ShardState<TorchBackend>>> {
         let rank = self.hooks.group.rank();
         let mut part = ShardState::default();
         for p in &self.params {
@@ -500,103 +484,10 @@ impl Trainable<TorchBackend> for FullyShardedDataParallel {
             }
         }
         if rank == 0 {
-            for (name, t) in self.model.named_buffers()? {
+            for (name, t) in model.named_buffers()? {
                 part.tensors.insert(name, StateTensor::Backend(t))?;
             }
         }
         Ok(Some(part))
-    }
-
-    fn train_step(
-        &mut self,
-        optimizer: &mut FsdpOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        self.model
-            .train_step_hooked(
-                &mut optimizer.inner,
-                inputs,
-                targets,
-                plan,
-                &mut self.hooks,
-                false,
-            )?
-            .value::<TorchBackend>()
-    }
-
-    fn train_step_deferred(
-        &mut self,
-        optimizer: &mut FsdpOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<StepLoss<Tensor>> {
-        self.model.train_step_hooked(
-            &mut optimizer.inner,
-            inputs,
-            targets,
-            plan,
-            &mut self.hooks,
-            true,
-        )
-    }
-
-    fn train_objective_step(
-        &mut self,
-        optimizer: &mut FsdpOptimizer,
-        objective: &dyn Objective<TorchBackend>,
-        batch: &ObjectiveBatch<'_, Tensor>,
-        plan: &UpdatePlan<'_>,
-        deferred: bool,
-    ) -> Result<ObjectiveStep<Tensor>> {
-        self.model.train_objective_step_hooked(
-            &mut optimizer.inner,
-            objective,
-            batch,
-            plan,
-            &mut self.hooks,
-            deferred,
-        )
-    }
-
-    fn runs_any_objective(&self) -> bool {
-        self.model.runs_any_objective()
-    }
-
-    /// A collective, as every forward pass.
-    fn eval_objective(
-        &self,
-        objective: &dyn Objective<TorchBackend>,
-        batch: &ObjectiveBatch<'_, Tensor>,
-    ) -> Result<ObjectiveEval> {
-        self.hooks.schedule.begin(Pass::Eval)?;
-        self.model.eval_objective(objective, batch)
-    }
-
-    /// A collective, as every forward pass.
-    fn eval_step(
-        &self,
-        loss: &Loss,
-        inputs: &Tensor,
-        targets: &Tensor,
-    ) -> Result<(f64, HostTensor)> {
-        self.hooks.schedule.begin(Pass::Eval)?;
-        self.model.eval_step(loss, inputs, targets)
-    }
-
-    /// A collective, as every forward pass.
-    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
-        self.hooks.schedule.begin(Pass::Eval)?;
-        self.model.predict_step(inputs)
-    }
-
-    fn sync_buffers(&mut self) -> Result<()> {
-        StepHooks::sync_buffers(&mut self.hooks)
-    }
-
-    fn collectives(&self) -> Option<Arc<dyn Collectives>> {
-        self.hooks.collectives()
     }
 }

@@ -6,17 +6,12 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use kiln_core::backend::{Mode, StepLoss, StepPlan, Trainable, UpdatePlan};
+use kiln_core::backend::Trainable;
 use kiln_core::distributed::{Collectives, DistributedOptions, ReduceOp};
-use kiln_core::loss::Loss;
 use kiln_core::module::Module;
-use kiln_core::objective::{Objective, ObjectiveBatch, ObjectiveEval, ObjectiveStep};
 use kiln_core::optim::{OptimizerConfig, ParamGroup};
-use kiln_core::precision::FloatPrecision;
-use kiln_core::state_dict::StateDict;
-use kiln_core::state_tensors::StateTensors;
-use kiln_core::strategy::StepHooks;
-use kiln_core::{Error, HostTensor, Result};
+use kiln_core::strategy::{DataParallel, StepHooks, Strategy};
+use kiln_core::{Error, Result};
 use kiln_torch::torch_error;
 use kiln_torch::{TorchBackend, TorchOptimizer};
 use tch::Tensor;
@@ -199,8 +194,9 @@ impl Shards {
 /// The [`StepHooks`] of a ZeRO stage over one module's parameters: see
 /// [`ZeroStage`] for what each stage reduces and when. The loss is averaged
 /// over the ranks and buffers come from rank 0, as under DDP; clipping by norm
-/// takes the norm over every rank's shard.
-pub struct ZeroRedundancy {
+/// takes the norm over every rank's shard. Private: alone, as a replicating
+/// strategy, it would train with an unsharded optimizer.
+struct ZeroHooks {
     stage: ZeroStage,
     shards: Arc<Shards>,
     /// ZeRO-1's gradient all-reduce: DDP's reducer.
@@ -216,21 +212,17 @@ pub struct ZeroRedundancy {
     drop_others: tch::COptimizer,
 }
 
-impl std::fmt::Debug for ZeroRedundancy {
+impl std::fmt::Debug for ZeroHooks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZeroRedundancy")
+        f.debug_struct("ZeroHooks")
             .field("stage", &self.stage)
             .field("shares", &self.shards.shares())
             .finish_non_exhaustive()
     }
 }
 
-impl ZeroRedundancy {
-    /// ZeRO `stage` over `group` for `module`: rank 0's parameters and buffers
-    /// on every rank now, and the parameters that require gradients assigned
-    /// to owners. Call it on every rank, after setting precision and
-    /// freezing, before building the optimizer.
-    pub fn of<M: Module<TorchBackend> + ?Sized>(
+impl ZeroHooks {
+    fn of<M: Module<TorchBackend> + ?Sized>(
         group: Arc<ProcessGroup>,
         module: &M,
         stage: ZeroStage,
@@ -270,7 +262,7 @@ impl ZeroRedundancy {
             shards.shares()[group.rank()],
             shards.shares().iter().sum::<i64>()
         );
-        Ok(ZeroRedundancy {
+        Ok(ZeroHooks {
             stage,
             shards,
             ddp,
@@ -280,16 +272,6 @@ impl ZeroRedundancy {
             accumulated: None,
             drop_others,
         })
-    }
-
-    /// The stage.
-    pub fn stage(&self) -> ZeroStage {
-        self.stage
-    }
-
-    /// The partition of the parameters over the ranks.
-    pub fn shards(&self) -> &Arc<Shards> {
-        &self.shards
     }
 
     /// ZeRO-2, after a backward pass: every rank's gradients reduce-scattered,
@@ -364,7 +346,7 @@ impl ZeroRedundancy {
     }
 }
 
-impl StepHooks<TorchBackend> for ZeroRedundancy {
+impl StepHooks<TorchBackend> for ZeroHooks {
     fn name(&self) -> &str {
         self.stage.name()
     }
@@ -445,205 +427,82 @@ impl StepHooks<TorchBackend> for ZeroRedundancy {
     }
 }
 
-/// A torch module trained under a ZeRO stage: every rank holds the whole
-/// module and trains it on its share of each batch, as under
-/// [`DataParallel`](kiln_core::strategy::DataParallel), but its optimizer
-/// ([`ShardedOptimizer`]) keeps only this rank's share of the state, and under
-/// ZeRO-2 only this rank's share of the reduced gradients outlives the step.
-/// Losses and weights equal one process's on the global batch.
+/// ZeRO stage 1 or 2 as a [`Strategy`]: every rank holds the whole module
+/// and trains it on its share of each batch, as under
+/// [`DistributedDataParallel`], but its optimizer ([`ShardedOptimizer`])
+/// keeps only this rank's share of the state, and under ZeRO-2 only this
+/// rank's share of the reduced gradients outlives the step. Losses and
+/// weights equal one process's on the global batch.
 ///
-/// Build it with [`zero_data_parallel`](crate::zero_data_parallel).
+/// Build the wrapped module with [`zero_data_parallel`](crate::zero_data_parallel).
 #[derive(Debug)]
-pub struct ZeroDataParallel<M> {
-    module: M,
-    hooks: ZeroRedundancy,
+pub struct ZeroRedundancy {
+    hooks: ZeroHooks,
 }
 
-impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> ZeroDataParallel<M> {
-    /// Wraps `module`, made rank 0's by `hooks` (built over the same module).
-    pub fn new(module: M, hooks: ZeroRedundancy) -> Result<Self> {
-        if !module.takes_step_hooks() {
-            return Err(Error::unsupported(format!(
-                "{} cannot train under {}: its training step takes no strategy's hooks",
-                module.kind(),
-                hooks.stage.name()
-            )));
-        }
-        Ok(ZeroDataParallel { module, hooks })
+/// A module trained under a ZeRO stage.
+pub type ZeroDataParallel<M> = DataParallel<M, ZeroRedundancy>;
+
+impl ZeroRedundancy {
+    /// ZeRO `stage` over `group` for `module`: rank 0's parameters and buffers
+    /// on every rank now, and the parameters that require gradients assigned
+    /// to owners. Call it on every rank, after setting precision and
+    /// freezing, before building the optimizer.
+    pub fn of<M: Module<TorchBackend> + ?Sized>(
+        group: Arc<ProcessGroup>,
+        module: &M,
+        stage: ZeroStage,
+        options: &DistributedOptions,
+    ) -> Result<Self> {
+        let hooks = ZeroHooks::of(group, module, stage, options)?;
+        Ok(ZeroRedundancy { hooks })
     }
 
-    /// The wrapped module.
-    pub fn module(&self) -> &M {
-        &self.module
+    /// The stage.
+    pub fn stage(&self) -> ZeroStage {
+        self.hooks.stage
     }
 
-    /// The strategy's hooks.
-    pub fn hooks(&self) -> &ZeroRedundancy {
-        &self.hooks
-    }
-
-    /// The module, unwrapped.
-    pub fn into_inner(self) -> M {
-        self.module
-    }
-}
-
-impl<M: Module<TorchBackend>> Module<TorchBackend> for ZeroDataParallel<M> {
-    fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        self.module.forward(input)
-    }
-    fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        self.module.forward_many(inputs)
-    }
-    fn mode(&self) -> Mode {
-        self.module.mode()
-    }
-    fn set_mode(&mut self, mode: Mode) {
-        self.module.set_mode(mode);
-    }
-    fn named_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        self.module.named_parameters()
-    }
-    fn named_buffers(&self) -> Result<Vec<(String, Tensor)>> {
-        self.module.named_buffers()
-    }
-    fn running_stats(&self) -> Result<Vec<kiln_core::module::RunningStats>> {
-        self.module.running_stats()
-    }
-    fn graph_def(&self) -> Result<Option<Vec<u8>>> {
-        self.module.graph_def()
-    }
-    fn state_dict(&self) -> Result<StateDict> {
-        self.module.state_dict()
-    }
-    fn state_tensors(&self) -> Result<StateTensors<TorchBackend>> {
-        self.module.state_tensors()
-    }
-    fn load_state_dict(&mut self, state: &StateDict) -> Result<()> {
-        self.module.load_state_dict(state)
-    }
-    fn num_parameters(&self) -> Result<usize> {
-        self.module.num_parameters()
+    /// The partition of the parameters over the ranks.
+    pub fn shards(&self) -> &Arc<Shards> {
+        &self.hooks.shards
     }
 }
 
-impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
-    for ZeroDataParallel<M>
+impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Strategy<TorchBackend, M>
+    for ZeroRedundancy
 {
     type Optim = ShardedOptimizer;
+
+    fn name(&self) -> &str {
+        self.hooks.stage.name()
+    }
 
     /// This rank's share of the optimizer, groups resolved over every
     /// parameter. `16-mixed` loss scaling is refused: each rank would decide
     /// to skip a step from its own share of the gradients.
     fn build_optimizer(
         &self,
+        module: &M,
         config: &OptimizerConfig,
         groups: &[ParamGroup],
     ) -> Result<ShardedOptimizer> {
-        if self.module.precision().scales_loss() {
+        if module.precision().scales_loss() {
             return Err(Error::unsupported(format!(
                 "{} with {} (its loss scaling skips steps by each rank's own \
                  gradients); use bf16-mixed",
                 self.hooks.stage.name(),
-                self.module.precision()
+                module.precision()
             )));
         }
         ShardedOptimizer::new(config, groups, Arc::clone(&self.hooks.shards))
     }
 
-    fn num_trainable_parameters(&self) -> Result<usize> {
-        self.module.num_trainable_parameters()
-    }
-
-    fn frozen_parameters(&self) -> Result<Vec<String>> {
-        self.module.frozen_parameters()
-    }
-
-    fn precision(&self) -> FloatPrecision {
-        self.module.precision()
-    }
-
-    fn kind(&self) -> String {
-        format!("{} ({})", self.hooks.stage.name(), self.module.kind())
-    }
-
-    fn train_step(
-        &mut self,
-        optimizer: &mut ShardedOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        self.module
-            .train_step_hooked(
-                &mut optimizer.inner,
-                inputs,
-                targets,
-                plan,
-                &mut self.hooks,
-                false,
-            )?
-            .value::<TorchBackend>()
-    }
-
-    fn train_step_deferred(
-        &mut self,
-        optimizer: &mut ShardedOptimizer,
-        inputs: &Tensor,
-        targets: &Tensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<StepLoss<Tensor>> {
-        self.module.train_step_hooked(
-            &mut optimizer.inner,
-            inputs,
-            targets,
-            plan,
-            &mut self.hooks,
-            true,
-        )
-    }
-
-    fn train_objective_step(
-        &mut self,
-        optimizer: &mut ShardedOptimizer,
-        objective: &dyn Objective<TorchBackend>,
-        batch: &ObjectiveBatch<'_, Tensor>,
-        plan: &UpdatePlan<'_>,
-        deferred: bool,
-    ) -> Result<ObjectiveStep<Tensor>> {
-        self.module.train_objective_step_hooked(
-            &mut optimizer.inner,
-            objective,
-            batch,
-            plan,
-            &mut self.hooks,
-            deferred,
-        )
-    }
-
-    fn runs_any_objective(&self) -> bool {
-        self.module.runs_any_objective()
-    }
-
-    fn eval_objective(
-        &self,
-        objective: &dyn Objective<TorchBackend>,
-        batch: &ObjectiveBatch<'_, Tensor>,
-    ) -> Result<ObjectiveEval> {
-        self.module.eval_objective(objective, batch)
-    }
-
-    fn eval_step(
-        &self,
-        loss: &Loss,
-        inputs: &Tensor,
-        targets: &Tensor,
-    ) -> Result<(f64, HostTensor)> {
-        self.module.eval_step(loss, inputs, targets)
-    }
-
-    fn predict_step(&self, inputs: &Tensor) -> Result<HostTensor> {
-        self.module.predict_step(inputs)
+    fn step_parts<'a>(
+        &'a mut self,
+        optimizer: &'a mut ShardedOptimizer,
+    ) -> (&'a mut TorchOptimizer, &'a mut dyn StepHooks<TorchBackend>) {
+        (&mut optimizer.inner, &mut self.hooks)
     }
 
     fn sync_buffers(&mut self) -> Result<()> {
@@ -651,6 +510,6 @@ impl<M: Trainable<TorchBackend, Optim = TorchOptimizer>> Trainable<TorchBackend>
     }
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
-        self.hooks.collectives()
+        StepHooks::collectives(&self.hooks)
     }
 }
