@@ -1,8 +1,11 @@
-//! [`TfOptimizer`]'s training step under a strategy that needs the gradients
-//! ([`StepHooks::needs_gradients`]; data parallelism, kiln-tf's
-//! [`GradientAllReduce`](crate::GradientAllReduce)): the single-process step's
-//! result on the global batch, with the gradients averaged over the ranks
-//! between the session run that computes them and the one that applies them.
+//! The training step under a strategy that needs the gradients
+//! ([`StepHooks::needs_gradients`]): the single-process step's result on the
+//! global batch, with the gradients reduced over the ranks between the session
+//! run that computes them and the one that applies them. It is written once,
+//! [`hooked_step`], for data parallelism (kiln-tf's
+//! [`GradientAllReduce`](crate::GradientAllReduce) with a [`TfOptimizer`]) and
+//! ZeRO's stages (a [`TfShardedOptimizer`](super::TfShardedOptimizer)); what
+//! differs is a [`FlatUpdate`]: how the vector is reduced, kept and applied.
 //!
 //! Per micro-batch, on every rank:
 //!
@@ -100,6 +103,146 @@ pub(super) fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()>
     Ok(())
 }
 
+/// What a hooked step does with a micro-batch's flat gradient vector: the
+/// part in which data parallelism ([`TfOptimizer`]) and ZeRO's stages
+/// ([`TfShardedOptimizer`](super::TfShardedOptimizer)) differ. The step
+/// itself is [`hooked_step`], once for all of them.
+pub(super) trait FlatUpdate {
+    /// What the step is called in its errors.
+    const CONTEXT: &'static str;
+
+    /// The optimizer that computes the gradients (this rank's, for ZeRO).
+    fn optimizer(&self) -> &TfOptimizer;
+
+    /// Refuses to start a step the optimizer's state does not allow.
+    fn check_start(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Which parameters the earlier micro-batches of this step differentiated.
+    fn earlier(&self) -> Option<&[bool]>;
+
+    /// Reduces the micro-batch's vector `data` (gradients, then the loss)
+    /// over the ranks in place, before the loss is read; `present` says which
+    /// parameters it holds.
+    fn reduce(
+        &mut self,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        data: &mut [f32],
+        present: &[bool],
+        apply: bool,
+    ) -> Result<()>;
+
+    /// The agreed loss is finite: keeps the micro-batch's gradients, or, when
+    /// `plan.apply`, applies them with the earlier ones'.
+    fn finish(
+        &mut self,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        flat: TfTensor,
+        present: Vec<bool>,
+        plan: &StepPlan<'_>,
+    ) -> Result<()>;
+}
+
+/// One training micro-batch on `model` with `hooks` through `update` (see the
+/// [module docs](self)): the hooks' `before_forward`, one session run for the
+/// flat gradients, the reduction, the loss, then keep or apply. Returns the
+/// loss averaged over the ranks; when it is not finite, nothing changes.
+pub(super) fn hooked_step<U: FlatUpdate>(
+    update: &mut U,
+    model: &TfModel,
+    hooks: &mut dyn StepHooks<TfBackend>,
+    inputs: &TfTensor,
+    targets: &TfTensor,
+    plan: &StepPlan<'_>,
+) -> Result<f64> {
+    update.optimizer().check_step(model, plan)?;
+    if let Some(clip) = plan.clip {
+        clip.validate()?;
+    }
+    update.check_start()?;
+    hooks.before_forward(plan.apply)?;
+    let (mut flat, present) = update
+        .optimizer()
+        .flat_gradients(model, inputs, targets, plan)?;
+    if update.earlier().is_some_and(|p| p != present) {
+        return Err(Error::backend(
+            "tensorflow",
+            U::CONTEXT,
+            "the micro-batches of one step differentiate different parameters",
+        ));
+    }
+    let data = elements(&mut flat)?;
+    update.reduce(hooks, data, &present, plan.apply)?;
+    let loss = data[data.len() - 1];
+    if !loss.is_finite() {
+        hooks.skipped()?;
+        return Ok(f64::from(loss));
+    }
+    update.finish(hooks, flat, present, plan)?;
+    Ok(f64::from(loss))
+}
+
+/// Data parallelism: the whole vector averaged over the ranks on the
+/// micro-batch that applies (only the loss on the others, whose gradients
+/// stay on this rank), then applied in one session run.
+impl FlatUpdate for TfOptimizer {
+    const CONTEXT: &'static str = "a data-parallel training step";
+
+    fn optimizer(&self) -> &TfOptimizer {
+        self
+    }
+
+    fn check_start(&self) -> Result<()> {
+        if self.pending && self.local.is_none() {
+            return Err(Error::invalid_argument(
+                "optimizer",
+                "this optimizer holds gradients accumulated before the model was wrapped in \
+                 a strategy; call zero_grad() first",
+            ));
+        }
+        Ok(())
+    }
+
+    fn earlier(&self) -> Option<&[bool]> {
+        self.local.as_ref().map(|l| &l.present[..])
+    }
+
+    fn reduce(
+        &mut self,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        data: &mut [f32],
+        _present: &[bool],
+        apply: bool,
+    ) -> Result<()> {
+        if apply {
+            // The earlier micro-batches' sum, added into this one's vector, so
+            // that a skipped micro-batch leaves it as it was.
+            if let Some(local) = self.local.as_mut() {
+                add_gradients(data, &mut local.flat)?;
+            }
+        }
+        hooks.reduce_flat(data, apply)
+    }
+
+    fn finish(
+        &mut self,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        flat: TfTensor,
+        present: Vec<bool>,
+        plan: &StepPlan<'_>,
+    ) -> Result<()> {
+        if plan.apply {
+            self.apply_flat(flat, &present, plan.clip)?;
+            self.local = None;
+            self.pending = false;
+            Ok(())
+        } else {
+            self.keep_local(flat, present, hooks.collectives())
+        }
+    }
+}
+
 impl TfOptimizer {
     /// One training micro-batch on `model` with `hooks` (see the [module
     /// docs](self)). Returns the loss averaged over the ranks; when it is not
@@ -112,51 +255,7 @@ impl TfOptimizer {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        self.check_step(model, plan)?;
-        if let Some(clip) = plan.clip {
-            clip.validate()?;
-        }
-        if self.pending && self.local.is_none() {
-            return Err(Error::invalid_argument(
-                "optimizer",
-                "this optimizer holds gradients accumulated before the model was wrapped in \
-                 a strategy; call zero_grad() first",
-            ));
-        }
-        hooks.before_forward(plan.apply)?;
-        let (mut flat, present) = self.flat_gradients(model, inputs, targets, plan)?;
-        if let Some(local) = &self.local {
-            if local.present != present {
-                return Err(Error::backend(
-                    "tensorflow",
-                    "a data-parallel training step",
-                    "the micro-batches of one step differentiate different parameters",
-                ));
-            }
-        }
-        let data = elements(&mut flat)?;
-        let last = data.len() - 1;
-        if plan.apply {
-            // The earlier micro-batches' sum, added into this one's vector, so
-            // that a skipped micro-batch leaves it as it was.
-            if let Some(local) = self.local.as_mut() {
-                add_gradients(data, &mut local.flat)?;
-            }
-        }
-        hooks.reduce_flat(data, plan.apply)?;
-        let loss = data[last];
-        if !loss.is_finite() {
-            hooks.skipped()?;
-            return Ok(f64::from(loss));
-        }
-        if plan.apply {
-            self.apply_flat(flat, &present, plan.clip)?;
-            self.local = None;
-            self.pending = false;
-        } else {
-            self.keep_local(flat, present, hooks.collectives())?;
-        }
-        Ok(f64::from(loss))
+        hooked_step(self, model, hooks, inputs, targets, plan)
     }
 
     /// Keeps a micro-batch's gradients that do not apply on this rank (DDP's

@@ -42,7 +42,7 @@ use kiln_core::{
     DType, Error, HostTensor, Result,
 };
 
-use super::data_parallel::{add_gradients, elements};
+use super::data_parallel::{elements, hooked_step, FlatUpdate};
 use super::TfOptimizer;
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
@@ -192,91 +192,7 @@ impl TfShardedOptimizer {
         targets: &TfTensor,
         plan: &StepPlan<'_>,
     ) -> Result<f64> {
-        self.inner.check_step(model, plan)?;
-        if let Some(clip) = plan.clip {
-            clip.validate()?;
-        }
-        hooks.before_forward(plan.apply)?;
-        let (mut flat, present) = self.inner.flat_gradients(model, inputs, targets, plan)?;
-        let earlier = match self.stage {
-            ZeroStage::One => self.inner.local.as_ref().map(|l| &l.present),
-            ZeroStage::Two => self.owned_grads.as_ref().map(|g| &g.present),
-        };
-        if earlier.is_some_and(|p| *p != present) {
-            return Err(Error::backend(
-                "tensorflow",
-                CONTEXT,
-                "the micro-batches of one step differentiate different parameters",
-            ));
-        }
-        let ranges = self.element_ranges(&present);
-        let data = elements(&mut flat)?;
-        let last = data.len() - 1;
-        let end = ranges.last().map_or(0, |r| r.end);
-        if end > last {
-            return Err(Error::ShapeMismatch {
-                context: "a ZeRO step's flat gradients".to_owned(),
-                expected: format!("at least {} elements", end + 1),
-                actual: format!("{}", data.len()),
-            });
-        }
-        match self.stage {
-            ZeroStage::One => {
-                if plan.apply {
-                    if let Some(local) = self.inner.local.as_mut() {
-                        add_gradients(data, &mut local.flat)?;
-                    }
-                }
-                hooks.reduce_flat(data, plan.apply)?;
-                let loss = data[last];
-                if !loss.is_finite() {
-                    hooks.skipped()?;
-                    return Ok(f64::from(loss));
-                }
-                if plan.apply {
-                    let mut share = gather_ranges(data, &ranges)?;
-                    drop(flat);
-                    self.inner.local = None;
-                    self.inner.pending = false;
-                    self.apply_share(&mut share, &present, plan.clip)?;
-                } else {
-                    self.inner
-                        .keep_local(flat, present, Some(Arc::clone(&self.group)))?;
-                }
-                Ok(f64::from(loss))
-            }
-            ZeroStage::Two => {
-                // The reduce-scatter (see the module docs): the whole vector,
-                // loss included, averaged in place; this rank keeps its share.
-                self.group.all_reduce_f32(data, ReduceOp::Mean)?;
-                let loss = data[last];
-                if !loss.is_finite() {
-                    hooks.skipped()?;
-                    return Ok(f64::from(loss));
-                }
-                let share = gather_ranges(data, &ranges)?;
-                match self.owned_grads.as_mut() {
-                    Some(sum) => {
-                        for (a, b) in sum.values.iter_mut().zip(&share) {
-                            *a += *b;
-                        }
-                    }
-                    None => {
-                        self.owned_grads = Some(OwnedGradients {
-                            values: share,
-                            present,
-                        });
-                    }
-                }
-                drop(flat);
-                if plan.apply {
-                    self.apply_pending(plan.clip)?;
-                } else {
-                    self.inner.pending = true;
-                }
-                Ok(f64::from(loss))
-            }
-        }
+        hooked_step(self, model, hooks, inputs, targets, plan)
     }
 
     /// Applies the gradients accumulated by micro-batches that did not apply
@@ -410,6 +326,92 @@ fn clip_over_shards(group: &dyn Collectives, share: &mut [f32], clip: &GradClip)
                 }
             }
             Ok(())
+        }
+    }
+}
+
+/// ZeRO's stages: ZeRO-1 reduces as data parallelism does and applies this
+/// rank's share; ZeRO-2 averages every micro-batch's vector and keeps this
+/// rank's share of it.
+impl FlatUpdate for TfShardedOptimizer {
+    const CONTEXT: &'static str = CONTEXT;
+
+    fn optimizer(&self) -> &TfOptimizer {
+        &self.inner
+    }
+
+    fn earlier(&self) -> Option<&[bool]> {
+        match self.stage {
+            ZeroStage::One => self.inner.local.as_ref().map(|l| &l.present[..]),
+            ZeroStage::Two => self.owned_grads.as_ref().map(|g| &g.present[..]),
+        }
+    }
+
+    fn reduce(
+        &mut self,
+        hooks: &mut dyn StepHooks<TfBackend>,
+        data: &mut [f32],
+        present: &[bool],
+        apply: bool,
+    ) -> Result<()> {
+        let end = self.element_ranges(present).last().map_or(0, |r| r.end);
+        if end >= data.len() {
+            return Err(Error::ShapeMismatch {
+                context: "a ZeRO step's flat gradients".to_owned(),
+                expected: format!("at least {} elements", end + 1),
+                actual: format!("{}", data.len()),
+            });
+        }
+        match self.stage {
+            ZeroStage::One => self.inner.reduce(hooks, data, present, apply),
+            // The reduce-scatter (see the module docs): the whole vector,
+            // loss included, averaged in place; this rank keeps its share.
+            ZeroStage::Two => self.group.all_reduce_f32(data, ReduceOp::Mean),
+        }
+    }
+
+    fn finish(
+        &mut self,
+        _hooks: &mut dyn StepHooks<TfBackend>,
+        mut flat: TfTensor,
+        present: Vec<bool>,
+        plan: &StepPlan<'_>,
+    ) -> Result<()> {
+        let ranges = self.element_ranges(&present);
+        match self.stage {
+            ZeroStage::One if plan.apply => {
+                let mut share = gather_ranges(elements(&mut flat)?, &ranges)?;
+                drop(flat);
+                self.inner.local = None;
+                self.inner.pending = false;
+                self.apply_share(&mut share, &present, plan.clip)
+            }
+            ZeroStage::One => self
+                .inner
+                .keep_local(flat, present, Some(Arc::clone(&self.group))),
+            ZeroStage::Two => {
+                let share = gather_ranges(elements(&mut flat)?, &ranges)?;
+                drop(flat);
+                match self.owned_grads.as_mut() {
+                    Some(sum) => {
+                        for (a, b) in sum.values.iter_mut().zip(&share) {
+                            *a += *b;
+                        }
+                    }
+                    None => {
+                        self.owned_grads = Some(OwnedGradients {
+                            values: share,
+                            present,
+                        });
+                    }
+                }
+                if plan.apply {
+                    self.apply_pending(plan.clip)
+                } else {
+                    self.inner.pending = true;
+                    Ok(())
+                }
+            }
         }
     }
 }
