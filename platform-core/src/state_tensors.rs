@@ -11,52 +11,7 @@ use crate::error::{Error, Result};
 use crate::state_dict::StateDict;
 use crate::tensor::HostTensor;
 
-/// A tensor a safetensors writer can save: its dtype and dims, and its
-/// elements' native-endian bytes, row-major, handed over on demand.
-///
-/// Implemented by [`HostTensor`] and [`StateTensor`]; the writers are
-/// [`StateDict::save_safetensors`], [`StateTensors::save_safetensors`] and
-/// `Checkpoint::save`.
-pub trait WritableTensor {
-    /// The element type.
-    fn dtype(&self) -> Result<DType>;
-
-    /// The dims, outermost first.
-    fn dims(&self) -> Vec<usize>;
-
-    /// Calls `write` once with all the elements' bytes (`numel * dtype size`
-    /// of them).
-    fn with_bytes(&self, write: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()>;
-}
-
-impl WritableTensor for HostTensor {
-    fn dtype(&self) -> Result<DType> {
-        Ok(HostTensor::dtype(self))
-    }
-
-    fn dims(&self) -> Vec<usize> {
-        HostTensor::dims(self).to_vec()
-    }
-
-    fn with_bytes(&self, write: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
-        write(self.as_bytes())
-    }
-}
-
-/// Named tensors a checkpoint can hold: host copies ([`StateDict`]) or backend
-/// tensors read when the file is written ([`StateTensors`]).
-pub trait WritableState {
-    /// Every tensor with its name, in any order (writers lay them out themselves).
-    fn writable_tensors(&self) -> Vec<(&str, &dyn WritableTensor)>;
-}
-
-impl WritableState for StateDict {
-    fn writable_tensors(&self) -> Vec<(&str, &dyn WritableTensor)> {
-        self.iter()
-            .map(|(name, t)| (name.as_str(), t as &dyn WritableTensor))
-            .collect()
-    }
-}
+pub use crate::safetensors::{WritableState, WritableTensor};
 
 /// One tensor a checkpoint saves.
 #[derive(Debug)]

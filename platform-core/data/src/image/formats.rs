@@ -17,7 +17,7 @@ use std::path::Path;
 
 use kiln_core::error::{Error, Result};
 
-use super::decode::{cmyk_to_rgb, Pixels};
+use super::pixels::{cmyk_to_rgb, Pixels};
 use zune_bmp::zune_core::bytestream::ZCursor;
 
 /// Most pixels an image may have: Pillow's `MAX_IMAGE_PIXELS` guard, which

@@ -4,6 +4,7 @@
 mod decode;
 mod folder;
 mod formats;
+mod pixels;
 mod webdataset;
 
 pub use decode::{decode_image, ColorMode};

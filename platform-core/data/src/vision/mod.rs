@@ -104,6 +104,7 @@ mod pad;
 mod pixel;
 mod resize_u8;
 mod spec;
+mod taps;
 mod transforms;
 
 pub use crate::transform::ToFloat as ToTensor;

@@ -8,7 +8,7 @@
 //! width (zero weights pad the short ones), so the loops have no bounds to
 //! check. The sums are PyTorch's, term for term: the result is bit-exact.
 
-use super::geometry::{taps_i16, Taps};
+use super::taps::{taps_i16, Taps};
 
 /// The packed pixels' buffers, kept by each thread (a loader worker resizes
 /// image after image): allocating them anew took a page fault per 4 KiB.
