@@ -91,8 +91,7 @@ impl Trainable<TfBackend> for TfModel {
         _deferred: bool,
     ) -> Result<StepLoss<TfTensor>> {
         if hooks.needs_gradients() {
-            return optimizer
-                .hooked_step(self, hooks, inputs, targets, plan)
+            return crate::optim::hooked_step(optimizer, self, hooks, inputs, targets, plan)
                 .map(StepLoss::Host);
         }
         hooks.before_forward(plan.apply)?;

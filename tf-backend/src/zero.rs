@@ -24,7 +24,7 @@ use crate::backend::TfBackend;
 use crate::convert::TfTensor;
 use crate::distributed::GradientAllReduce;
 use crate::model::TfModel;
-use crate::optim::{TfOptimizer, TfShardedOptimizer};
+use crate::optim::{hooked_step, TfOptimizer, TfShardedOptimizer};
 
 /// ZeRO stage 1 or 2 on TensorFlow, as a [`Strategy`]: every rank holds the
 /// whole model and trains it on its share of each batch, as under
@@ -136,9 +136,7 @@ impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
         plan: &StepPlan<'_>,
         _deferred: bool,
     ) -> Result<StepLoss<TfTensor>> {
-        optimizer
-            .train_step(model, &mut self.sync, inputs, targets, plan)
-            .map(StepLoss::Host)
+        hooked_step(optimizer, model, &mut self.sync, inputs, targets, plan).map(StepLoss::Host)
     }
 
     /// A supervised loss, as the step computes; any other objective is refused.
@@ -153,9 +151,15 @@ impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
     ) -> Result<ObjectiveStep<TfTensor>> {
         let kind = format!("{} ({})", self.stage.name(), model.kind());
         supervised_objective_step(objective, &kind, plan, |plan| {
-            optimizer
-                .train_step(model, &mut self.sync, batch.inputs, batch.targets, plan)
-                .map(StepLoss::Host)
+            hooked_step(
+                optimizer,
+                model,
+                &mut self.sync,
+                batch.inputs,
+                batch.targets,
+                plan,
+            )
+            .map(StepLoss::Host)
         })
     }
 

@@ -107,7 +107,7 @@ pub(super) fn add_gradients(into: &mut [f32], from: &mut TfTensor) -> Result<()>
 /// part in which data parallelism ([`TfOptimizer`]) and ZeRO's stages
 /// ([`TfShardedOptimizer`](super::TfShardedOptimizer)) differ. The step
 /// itself is [`hooked_step`], once for all of them.
-pub(super) trait FlatUpdate {
+pub(crate) trait FlatUpdate {
     /// What the step is called in its errors.
     const CONTEXT: &'static str;
 
@@ -148,7 +148,7 @@ pub(super) trait FlatUpdate {
 /// [module docs](self)): the hooks' `before_forward`, one session run for the
 /// flat gradients, the reduction, the loss, then keep or apply. Returns the
 /// loss averaged over the ranks; when it is not finite, nothing changes.
-pub(super) fn hooked_step<U: FlatUpdate>(
+pub(crate) fn hooked_step<U: FlatUpdate>(
     update: &mut U,
     model: &TfModel,
     hooks: &mut dyn StepHooks<TfBackend>,
@@ -244,20 +244,6 @@ impl FlatUpdate for TfOptimizer {
 }
 
 impl TfOptimizer {
-    /// One training micro-batch on `model` with `hooks` (see the [module
-    /// docs](self)). Returns the loss averaged over the ranks; when it is not
-    /// finite, nothing changes.
-    pub(crate) fn hooked_step(
-        &mut self,
-        model: &TfModel,
-        hooks: &mut dyn StepHooks<TfBackend>,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        hooked_step(self, model, hooks, inputs, targets, plan)
-    }
-
     /// Keeps a micro-batch's gradients that do not apply on this rank (DDP's
     /// `no_sync`): `flat`, the earlier micro-batches' sum added into it, is
     /// the new sum, to be averaged over `group` when the step applies.

@@ -40,6 +40,7 @@ use crate::step::{
     UpdateRule,
 };
 use adam::AdamRule;
+pub(crate) use data_parallel::hooked_step;
 pub use zero::TfShardedOptimizer;
 
 /// One trainable parameter with its optimizer state variables.

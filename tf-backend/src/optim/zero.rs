@@ -42,7 +42,7 @@ use kiln_core::{
     DType, Error, HostTensor, Result,
 };
 
-use super::data_parallel::{elements, hooked_step, FlatUpdate};
+use super::data_parallel::{elements, FlatUpdate};
 use super::TfOptimizer;
 use crate::backend::TfBackend;
 use crate::convert::TfTensor;
@@ -180,19 +180,6 @@ impl TfShardedOptimizer {
             at += n;
         }
         ranges
-    }
-
-    /// One training micro-batch (see the [module docs](self)): the loss
-    /// averaged over the ranks; when it is not finite, nothing changes.
-    pub(crate) fn train_step(
-        &mut self,
-        model: &TfModel,
-        hooks: &mut dyn StepHooks<TfBackend>,
-        inputs: &TfTensor,
-        targets: &TfTensor,
-        plan: &StepPlan<'_>,
-    ) -> Result<f64> {
-        hooked_step(self, model, hooks, inputs, targets, plan)
     }
 
     /// Applies the gradients accumulated by micro-batches that did not apply
