@@ -270,3 +270,68 @@ fn bad_settings_are_errors_naming_the_key() {
     let err = ema.validate().unwrap_err();
     assert!(err.to_string().contains("every_n_steps"), "{err}");
 }
+
+/// Fails at the first validation batch it sees.
+struct FailingValidation;
+
+impl kiln::train::Callback<B> for FailingValidation {
+    fn on_validation_batch_end(
+        &mut self,
+        _batch: &kiln::train::ValidationBatch<'_>,
+    ) -> kiln::core::Result<()> {
+        Err(kiln::core::Error::unsupported("a validation that fails"))
+    }
+}
+
+/// A validation that fails while the average is in the model leaves the
+/// training weights there (the averager's `on_exception`), not the average.
+#[test]
+fn a_failed_validation_on_the_average_leaves_the_training_weights() {
+    let _serial = serial();
+    let ema = EmaConfig::new(0.9);
+    let mut s = state();
+    trainer(1, &ema).fit(&mut s, &loader(), None).unwrap();
+    let weights = s.model.state_dict().unwrap();
+    let average = s.averaging.as_ref().unwrap().state_dict().unwrap();
+    assert_ne!(weights, average);
+    // One more epoch that stops in its validation: the weights are those its
+    // steps left, not the average's.
+    let err = trainer(2, &ema)
+        .with_callback(FailingValidation)
+        .fit(&mut s, &loader(), Some(&loader()))
+        .unwrap_err();
+    assert!(err.to_string().contains("a validation that fails"), "{err}");
+    let after = s.model.state_dict().unwrap();
+    let average = s.averaging.as_ref().unwrap().state_dict().unwrap();
+    assert_ne!(after, weights, "the epoch trained");
+    for (name, tensor) in average.iter() {
+        assert_ne!(after.get(name), Some(tensor), "`{name}` is the average's");
+    }
+}
+
+/// An average the trainer does not keep, and one under sharded checkpoints,
+/// are refused before the first step.
+#[test]
+fn an_average_the_trainer_does_not_keep_or_cannot_checkpoint_is_refused() {
+    let _serial = serial();
+    let ema = EmaConfig::new(0.9);
+    let mut s = state().with_weight_averaging(ema.clone()).unwrap();
+    let err = Trainer::<B>::new(TrainerConfig::default(), Loss::cross_entropy())
+        .unwrap()
+        .fit(&mut s, &loader(), None)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the trainer is configured for none"),
+        "{err}"
+    );
+    assert_eq!(s.step, 0);
+    let dir = kiln_testkit::TempDir::new("ema-sharded");
+    let err = trainer(1, &ema)
+        .with_sharded_checkpoints(dir.path())
+        .fit(&mut s, &loader(), None)
+        .unwrap_err();
+    assert!(err.to_string().contains("training.ema"), "{err}");
+    assert!(err.to_string().contains("sharded checkpoints"), "{err}");
+    assert_eq!(s.step, 0);
+}

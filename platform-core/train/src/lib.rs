@@ -30,7 +30,8 @@ pub use learner::{
     EarlyStoppingConfig, EmaConfig, EpochRecord, FitInfo, Flow, LossReads, LrFinderConfig,
     LrFinderResult, LrSweep, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler,
     ScheduleInterval, Sinks, StepViewLogger, StepViews, SwaConfig, SwaStart, Trainer,
-    TrainerConfig, TrainingState, ValidationBatch, WeightAveraging, MISCLASSIFIED_TAG,
+    TrainerConfig, TrainingState, ValidationBatch, WeightAverager, WeightAveraging,
+    MISCLASSIFIED_TAG,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, LoggedImage,

@@ -4,12 +4,12 @@
 
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::device::Device;
-use kiln_core::error::Result;
+use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::tensor::HostTensor;
 
 use super::state::TrainingState;
-use super::trainer::EpochRecord;
+use super::trainer::{EpochRecord, TrainerConfig};
 use crate::logger::{LoggedImage, MetricSink};
 
 /// Whether training goes on after a callback ran.
@@ -82,6 +82,11 @@ pub struct FitInfo<'a> {
     pub objective: &'a str,
     /// Where the model and batches live.
     pub device: Device,
+    /// The trainer's configuration (epochs, `max_steps`, accumulation...).
+    pub config: &'a TrainerConfig,
+    /// Whether the run writes sharded checkpoints
+    /// ([`Trainer::with_sharded_checkpoints`](super::Trainer::with_sharded_checkpoints)).
+    pub sharded_checkpoints: bool,
     /// Whether `fit` was given validation data.
     pub has_validation: bool,
     /// The training loader's batches per epoch.
@@ -118,11 +123,16 @@ pub struct ValidationBatch<'a> {
 ///   after each optimizer step, [`on_log_step`](Self::on_log_step) at a logged
 ///   step (add values to the step's row), then [`on_step_end`](Self::on_step_end)
 ///   (before the step's checkpoint, if one is due);
+///   after the epoch's last step, [`on_train_epoch_end`](Self::on_train_epoch_end);
 ///   the epoch's validation, [`on_validation_start`](Self::on_validation_start),
 ///   [`on_validation_batch_end`](Self::on_validation_batch_end) per batch and
 ///   [`on_validation_end`](Self::on_validation_end);
 ///   then [`on_epoch_end`](Self::on_epoch_end) with the epoch's record;
-/// - [`on_fit_end`](Self::on_fit_end), once, when training ended without error.
+/// - [`on_fit_end`](Self::on_fit_end), once, when training ended without error,
+///   or [`on_exception`](Self::on_exception) when it ended with one.
+///
+/// While a callback [`holds_schedule`](Self::holds_schedule), the run's
+/// learning-rate schedule does not step (the callback sets the rates).
 ///
 /// Every checkpoint the trainer writes holds each callback's
 /// [`state_dict`](Self::state_dict) under its [`state_key`](Self::state_key).
@@ -197,6 +207,21 @@ pub trait Callback<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
         true
     }
 
+    /// After an epoch's last optimizer step (its losses read), before its
+    /// validation and its schedule step.
+    fn on_train_epoch_end(&mut self, _cx: &mut Context<'_, B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// Whether the run's learning-rate schedule is held now: while a callback
+    /// holds it, the trainer does not step it (after steps or epochs, as
+    /// [`TrainerConfig::schedule_interval`](super::TrainerConfig::schedule_interval)
+    /// says), because the callback sets the rates itself, as SWA's annealing
+    /// does from its first epoch on. `false` by default.
+    fn holds_schedule(&self) -> bool {
+        false
+    }
+
     /// Before an epoch's validation.
     fn on_validation_start(&mut self, _cx: &mut Context<'_, B, M>) -> Result<()> {
         Ok(())
@@ -226,6 +251,14 @@ pub trait Callback<B: TrainBackend, M: Trainable<B> = <B as TrainBackend>::Model
 
     /// When training ended without error (also after a [`Flow::Stop`]).
     fn on_fit_end(&mut self, _cx: &mut Context<'_, B, M>) -> Result<()> {
+        Ok(())
+    }
+
+    /// When training ended with `error` (Lightning's `on_exception`), before
+    /// `fit` returns it: undo what must not outlive the run (weights swapped
+    /// in for validation). An error this returns is logged, and `fit` returns
+    /// `error`.
+    fn on_exception(&mut self, _cx: &mut Context<'_, B, M>, _error: &Error) -> Result<()> {
         Ok(())
     }
 

@@ -17,6 +17,6 @@ pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
 pub use tools::{
     MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
-    MISCLASSIFIED_TAG,
+    WeightAverager, MISCLASSIFIED_TAG,
 };
 pub use trainer::{EpochRecord, LossReads, ScheduleInterval, Trainer, TrainerConfig};

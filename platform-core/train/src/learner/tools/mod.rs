@@ -5,7 +5,9 @@
 mod misclassified;
 mod profiler;
 mod step_views;
+mod weight_averager;
 
 pub use misclassified::{MisclassifiedImages, MisclassifiedLogger, MISCLASSIFIED_TAG};
 pub use profiler::{ProfileConfig, Profiler};
 pub use step_views::{StepViewLogger, StepViews};
+pub use weight_averager::WeightAverager;

@@ -1,5 +1,5 @@
-//! What the weight average adds to the loop: SWA's learning rates, and the
-//! average put into the model at the end.
+//! The weight average put into the model at the end of a run (the
+//! [`WeightAverager`](crate::WeightAverager) callback keeps it during the run).
 
 use super::Trainer;
 use crate::learner::averaging::AveragingConfig;
@@ -7,31 +7,9 @@ use crate::learner::batch_norm::update_batch_norm;
 use crate::learner::state::TrainingState;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::Result;
-use kiln_core::optim::Optimizer;
 use kiln_data::DataLoader;
 
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
-    /// Sets SWA's rates for its `k`-th epoch (0-based), recording the rates it
-    /// anneals from at its first.
-    pub(super) fn set_swa_rates(state: &mut TrainingState<B, M>, k: u64) -> Result<()> {
-        let Some(averaging) = state.averaging.as_mut() else {
-            return Ok(());
-        };
-        let AveragingConfig::Swa(swa) = averaging.config().clone() else {
-            return Ok(());
-        };
-        let from = match averaging.swa_lrs_from() {
-            Some(from) => from.to_vec(),
-            None => {
-                let from = state.optimizer.learning_rates();
-                averaging.set_swa_lrs_from(from.clone());
-                from
-            }
-        };
-        let lrs = swa.lrs_at(k, &from)?;
-        state.optimizer.set_learning_rates(&lrs)
-    }
-
     /// Ends a run that keeps a weight average with the average in the model,
     /// as Lightning's `WeightAveraging` and `StochasticWeightAveraging` leave
     /// it after `fit`: the averaged weights replace the training weights, and

@@ -49,9 +49,9 @@ type OnBatch<'a, B, M> = Option<&'a mut [Box<dyn Callback<B, M>>]>;
 impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// The epoch's validation: [`evaluate`](Self::evaluate) between the
     /// callbacks' `on_validation_start` and `on_validation_end`, each batch
-    /// given to their `on_validation_batch_end`; with the averaged weights in
-    /// the model when the run keeps an average that validates (the training
-    /// weights are put back afterwards, also on error).
+    /// given to their `on_validation_batch_end` (the
+    /// [`WeightAverager`](crate::WeightAverager) puts the average into the
+    /// model for it).
     pub(super) fn validate_epoch(
         &mut self,
         state: &mut TrainingState<B, M>,
@@ -60,21 +60,10 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
             cb.on_validation_start(cx)
         })?;
-        let averaged = state
-            .averaging
-            .as_ref()
-            .filter(|a| a.config().validates() && a.updates() > 0);
         // Out of `self` while the batches are evaluated (and put back before
         // any error returns).
         let mut callbacks = std::mem::take(&mut self.callbacks);
-        let metrics = match averaged {
-            None => self.evaluate_with(&mut state.model, val, Some(&mut callbacks)),
-            Some(averaging) => averaging.swap_into(&mut state.model).and_then(|training| {
-                let metrics = self.evaluate_with(&mut state.model, val, Some(&mut callbacks));
-                state.model.load_state_dict(&training)?;
-                metrics
-            }),
-        };
+        let metrics = self.evaluate_with(&mut state.model, val, Some(&mut callbacks));
         self.callbacks = callbacks;
         let metrics = metrics?;
         each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {

@@ -3,8 +3,6 @@
 
 use super::step::PendingLoss;
 use super::{EpochRecord, ScheduleInterval, Trainer};
-use crate::learner::averaging::{AveragingConfig, WeightAveraging};
-use crate::learner::batch_norm::batch_norm_layers;
 use crate::learner::callback::{Callback, Context, FitInfo, Flow, Sinks};
 use crate::learner::state::TrainingState;
 use crate::logger::{History, MetricSink};
@@ -75,27 +73,45 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         self.check_fit(state, val.is_some())?;
         self.restore_callbacks(state)?;
         let objective = self.objective.name();
+        let config = self.config.clone();
         let run = FitInfo {
             loss: self.objective.supervised_loss(),
             objective: &objective,
             device: self.config.device,
+            config: &config,
+            sharded_checkpoints: self.sharded_checkpoints.is_some(),
             has_validation: val.is_some(),
             batches_per_epoch: train.num_batches() as u64,
             last_step: self.last_step(state, train.num_batches() as u64),
         };
-        each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
-            cb.on_fit_start(cx, &run)
-        })?;
-        if self.config.retain_host_memory {
-            kiln_core::host_memory::retain_freed_memory();
-        }
         let mut history = History::new();
         let mut pending: Vec<PendingLoss<B::Tensor>> = Vec::new();
-        let mut result = self.fit_epochs(state, train, val, &mut history, &mut pending);
+        let mut result = each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
+            cb.on_fit_start(cx, &run)
+        });
+        if result.is_ok() {
+            if self.config.retain_host_memory {
+                kiln_core::host_memory::retain_freed_memory();
+            }
+            result = self.fit_epochs(state, train, val, &mut history, &mut pending);
+        }
         if result.is_ok() {
             result = each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
                 cb.on_fit_end(cx)
             });
+        }
+        if let Err(error) = &result {
+            // Every callback is told, whatever an earlier one answered.
+            let told = each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
+                if let Err(e) = cb.on_exception(cx, error) {
+                    log::error!(
+                        "callback `{}` failed on the run's error: {e}",
+                        cb.state_key()
+                    );
+                }
+                Ok(())
+            });
+            debug_assert!(told.is_ok());
         }
         // Whatever ended training, the losses of the steps taken are read (and a
         // non-finite one reported) before the sinks close.
@@ -110,8 +126,8 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
 
     /// What `fit` refuses before the first step: an objective the model's
     /// step cannot compute, a model in another precision, a schedule that
-    /// cannot step as configured, a weight average that does not fit the
-    /// state or the strategy. Gives the state the objective's running means.
+    /// cannot step as configured, a weight average the trainer does not keep
+    /// (the [`WeightAverager`](crate::WeightAverager) checks the rest). Gives the state the objective's running means.
     fn check_fit(&self, state: &mut TrainingState<B, M>, has_validation: bool) -> Result<()> {
         if self.objective.supervised_loss().is_none() && !state.model.runs_any_objective() {
             return Err(kiln_core::backend::objective_unsupported(
@@ -170,39 +186,14 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 }
             }
         }
-        if let (Some(config), None) = (self.config.averaging(), &state.averaging) {
-            state.averaging = Some(WeightAveraging::new(config, &state.model)?);
-        }
-        if let (Some(averaging), Some(config)) = (&state.averaging, self.config.averaging()) {
-            if *averaging.config() != config {
-                return Err(Error::invalid_argument(
-                    "training state",
-                    format!(
-                        "keeps a weight average by {:?}, but the trainer is configured for {config:?}",
-                        averaging.config(),
-                    ),
-                ));
-            }
-        }
-        if let Some(AveragingConfig::Swa(swa)) = state.averaging.as_ref().map(|a| a.config()) {
-            // One rate per parameter group, checked before the first epoch.
-            swa.lrs_at(0, &state.optimizer.learning_rates())?;
-            if swa.update_bn {
-                // Refused now rather than after the last epoch.
-                batch_norm_layers::<B, M>(&state.model)?;
-            }
-        }
-        if let Some(averaging) = state
-            .averaging
-            .as_ref()
-            .filter(|_| state.model.shards_parameters() || self.sharded_checkpoints.is_some())
-        {
+        if let (Some(averaging), None) = (&state.averaging, self.config.averaging()) {
             return Err(Error::invalid_argument(
-                format!("training.{}", averaging.config().method().name()),
-                "weight averaging keeps whole tensors and checkpoints them whole: it trains \
-                 one process, or ranks that hold whole parameters and write full checkpoints \
-                 (ddp, or zero1/zero2 with [distributed] checkpoint = \"full\"), not fsdp or \
-                 sharded checkpoints",
+                "training state",
+                format!(
+                    "keeps a weight average by {:?}, but the trainer is configured for none: \
+                     set the same `ema` or `swa` in its TrainerConfig",
+                    averaging.config(),
+                ),
             ));
         }
         Ok(())
@@ -264,26 +255,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 ),
             ));
         }
-        let swa_start = match state.averaging.as_ref().map(|a| a.config()) {
-            Some(AveragingConfig::Swa(swa)) => Some(swa.start_epoch(self.config.epochs)?),
-            Some(AveragingConfig::Ema(ema))
-                if state.averaging.as_ref().is_some_and(|a| a.updates() == 0) =>
-            {
-                ema.check_run(
-                    train.num_batches() as u64,
-                    self.config.accumulate,
-                    self.config.epochs,
-                    self.config.max_steps,
-                )?;
-                None
-            }
-            _ => None,
-        };
         while state.epoch < self.config.epochs {
-            let averaging_epoch = swa_start.is_some_and(|start| state.epoch >= start);
-            if let (Some(start), true) = (swa_start, averaging_epoch) {
-                Self::set_swa_rates(state, state.epoch - start)?;
-            }
             state.model.set_mode(Mode::Train);
             let batches = train.num_batches() as u64;
             for sink in &mut self.sinks {
@@ -295,17 +267,17 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
             each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
                 cb.on_train_epoch_start(cx)
             })?;
-            if self.train_epoch(state, train, pending, averaging_epoch)? == Flow::Stop {
+            if self.train_epoch(state, train, pending)? == Flow::Stop {
                 break;
             }
-            if self.end_epoch(state, val, history, pending, averaging_epoch)? == Flow::Stop {
+            if self.end_epoch(state, val, history, pending)? == Flow::Stop {
                 break;
             }
         }
         Ok(())
     }
 
-    /// The end of an epoch: the losses read, the average updated (SWA), the
+    /// The end of an epoch: the losses read, the callbacks told, the
     /// validation, the schedule, the record to the sinks and callbacks, the
     /// checkpoint.
     fn end_epoch(
@@ -314,14 +286,11 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         val: Option<&dyn DataLoader>,
         history: &mut History,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
-        averaging_epoch: bool,
     ) -> Result<Flow> {
         self.read_losses(state, pending)?;
-        if averaging_epoch {
-            if let Some(averaging) = state.averaging.as_mut() {
-                averaging.update(&state.model)?;
-            }
-        }
+        each_callback(&mut self.callbacks, state, &mut self.sinks, |cb, cx| {
+            cb.on_train_epoch_end(cx)
+        })?;
         let mut record = EpochRecord::new();
         record.insert("loss".to_owned(), state.epoch_loss.compute()?);
         for metric in &state.epoch_metrics {
@@ -333,7 +302,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 record.insert(format!("val_{name}"), value);
             }
         }
-        if self.config.schedule_interval == ScheduleInterval::Epoch && !averaging_epoch {
+        if self.config.schedule_interval == ScheduleInterval::Epoch && !self.schedule_held() {
             if let Some(s) = state.scheduler.as_mut() {
                 let lrs = match s.monitor() {
                     Some(monitor) => {

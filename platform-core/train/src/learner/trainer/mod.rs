@@ -1,8 +1,9 @@
 //! The training loop, split by concern: the trainer and its configuration
 //! here; `fit` and the epoch's end (`fit.rs`); one epoch's batches and what
 //! follows each optimizer step (`step.rs`); validation and evaluation
-//! (`evaluate.rs`); checkpoints (`saving.rs`); the weight average's part
-//! (`averaging.rs`). The training tools are callbacks (`learner/tools`).
+//! (`evaluate.rs`); checkpoints (`saving.rs`); the weight average put into
+//! the model at the end (`averaging.rs`). The training tools, the weight
+//! average's upkeep among them, are callbacks (`learner/tools`).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +15,7 @@ use super::callback::Callback;
 use super::state::TrainingState;
 use super::tools::{
     MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
+    WeightAverager,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
 use crate::logger::MetricSink;
@@ -277,11 +279,17 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         objective: impl Objective<B> + 'static,
     ) -> Result<Self> {
         config.validate()?;
+        // The weight average's upkeep is the first callback, so that the
+        // others validate and log with the average where it validates.
+        let callbacks: Vec<Box<dyn Callback<B, M>>> = match config.averaging() {
+            Some(averaging) => vec![Box::new(WeightAverager::new(averaging))],
+            None => Vec::new(),
+        };
         Ok(Self {
             config,
             objective: Box::new(objective),
             metrics: Vec::new(),
-            callbacks: Vec::new(),
+            callbacks,
             sinks: Vec::new(),
             checkpointer: None,
             checkpoint_turns: None,
@@ -338,6 +346,12 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         } else {
             LossReads::EveryStep
         })
+    }
+
+    /// Whether a callback holds the learning-rate schedule now
+    /// ([`Callback::holds_schedule`]).
+    fn schedule_held(&self) -> bool {
+        self.callbacks.iter().any(|c| c.holds_schedule())
     }
 
     /// The configuration.

@@ -1,6 +1,6 @@
 //! One epoch's batches: each micro-batch through the model (seeding and
 //! zeroing at a step's first, gradient accumulation, the loss read now or
-//! deferred), and what follows each optimizer step (the average, the
+//! deferred), and what follows each optimizer step (the
 //! schedule, the step's log, callbacks, a checkpoint).
 
 use super::fit::{any_stops, each_callback};
@@ -85,7 +85,6 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         state: &mut TrainingState<B, M>,
         train: &dyn DataLoader,
         pending: &mut Vec<PendingLoss<B::Tensor>>,
-        averaging_epoch: bool,
     ) -> Result<Flow> {
         let deferred = self.loss_reads() == LossReads::WhenLogged;
         let accumulate = self.config.accumulate;
@@ -161,14 +160,15 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
                 continue;
             }
             micro = 0;
-            if self.end_step(state, pending, value, deferred, averaging_epoch)? == Flow::Stop {
+            if self.end_step(state, pending, value, deferred)? == Flow::Stop {
                 return Ok(Flow::Stop);
             }
         }
         Ok(Flow::Continue)
     }
 
-    /// After an optimizer step: the average and the schedule advance, the
+    /// After an optimizer step: the schedule advances (unless a callback
+    /// holds it), the
     /// step is logged (every `log_every`), callbacks see it, and a checkpoint
     /// due after it is written. `value` is the step's loss when read already.
     fn end_step(
@@ -177,13 +177,9 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         pending: &mut Vec<PendingLoss<B::Tensor>>,
         mut value: StepValues,
         deferred: bool,
-        averaging_epoch: bool,
     ) -> Result<Flow> {
         state.step += 1;
-        if let Some(averaging) = state.averaging.as_mut() {
-            averaging.after_step(&state.model, state.step)?;
-        }
-        if self.config.schedule_interval == ScheduleInterval::Step && !averaging_epoch {
+        if self.config.schedule_interval == ScheduleInterval::Step && !self.schedule_held() {
             if let Some(s) = state.scheduler.as_mut() {
                 let lrs = s.step()?;
                 state.optimizer.set_learning_rates(&lrs)?;
