@@ -260,8 +260,8 @@ impl TrainArgs {
         set(&mut config.backend, &self.backend);
         set(&mut config.training.precision, &self.precision);
         set(&mut config.output_dir, &self.output);
-        set(&mut config.data.batch_size, &self.batch_size);
-        set(&mut config.data.workers, &self.workers);
+        set(&mut config.data.loader.batch_size, &self.batch_size);
+        set(&mut config.data.loader.workers, &self.workers);
         if let Some(lr) = self.lr {
             config.optimizer = config.optimizer.clone().with_lr(lr);
         }

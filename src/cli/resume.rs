@@ -183,14 +183,12 @@ pub(crate) fn data_identity(config: &RunConfig, data: &Data) -> serde_json::Valu
         }
         Split::Images(_) | Split::Text(_) => hash.eat(data.probe.as_bytes()),
     }
-    let location = config
-        .data
-        .path
-        .as_ref()
-        .map(|p| p.display().to_string())
-        .or_else(|| config.data.shards.clone());
+    let location = match &config.data.source {
+        crate::config::DataSource::Webdataset(s) => s.shards.clone(),
+        source => source.path().map(|p| p.display().to_string()),
+    };
     serde_json::json!({
-        "dataset": config.data.dataset.name(),
+        "dataset": config.data.kind().name(),
         "path": location,
         "train_samples": data.train.len(),
         "val_samples": data.val.as_ref().map_or(0, Split::len),

@@ -46,9 +46,28 @@ impl DatasetKind {
         }
     }
 
+    /// Every kind, in the order the guide lists them.
+    pub const ALL: [DatasetKind; 6] = [
+        DatasetKind::Digits,
+        DatasetKind::Mnist,
+        DatasetKind::Csv,
+        DatasetKind::ImageFolder,
+        DatasetKind::Webdataset,
+        DatasetKind::Text,
+    ];
+
     /// Whether the examples are image files, decoded and transformed by the loader.
     pub fn is_images(self) -> bool {
         matches!(self, DatasetKind::ImageFolder | DatasetKind::Webdataset)
+    }
+
+    /// Whether the examples are rows of numbers (digits, mnist, csv), scaled
+    /// and shaped by `scale` and `input_shape`.
+    pub fn is_tabular(self) -> bool {
+        matches!(
+            self,
+            DatasetKind::Digits | DatasetKind::Mnist | DatasetKind::Csv
+        )
     }
 }
 
@@ -72,121 +91,408 @@ impl ImageSize {
     }
 }
 
-/// The data section: the dataset, how it is split, batched and shaped.
+/// The data section: where the examples come from (`dataset` and the keys of
+/// that source), what image or tabular examples are made into, and how the
+/// loader splits and batches them. A key that another source takes is a
+/// parse error naming the sources it applies to.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DataConfig {
+    /// The source, tagged by `dataset`, with its own keys.
+    #[serde(flatten)]
+    pub source: DataSource,
+    /// Image sources' decoding, transforms and mixing (`Some` for them, `None`
+    /// for the others).
+    #[serde(flatten)]
+    pub images: Option<ImageKeys>,
+    /// Tabular sources' scale and shape (`Some` for digits, mnist and csv).
+    #[serde(flatten)]
+    pub tabular: Option<TabularKeys>,
+    /// The loader's keys, for every source.
+    #[serde(flatten)]
+    pub loader: LoaderKeys,
+}
+
+/// Where the examples come from: `dataset = "..."` and that source's keys.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "dataset", rename_all = "snake_case")]
+pub enum DataSource {
+    /// The UCI digits; `path` defaults to `.kiln/data/digits.csv.gz`.
+    Digits(FileSource),
+    /// MNIST IDX files in the directory `path`.
+    Mnist(FileSource),
+    /// A CSV file of numeric features and an integer label column.
+    Csv(CsvSource),
+    /// Images in class folders, or a list of `path,label`.
+    ImageFolder(ImageFolderSource),
+    /// WebDataset `.tar` shards.
+    Webdataset(ShardSource),
+    /// Text rows of a JSON Lines, CSV or Parquet file.
+    Text(TextSource),
+}
+
+/// digits and mnist: the file or directory.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileSource {
+    /// The file (digits, optional) or directory (mnist, required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+}
+
+/// csv: the file and its label column.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct DataConfig {
-    /// The source.
-    pub dataset: DatasetKind,
-    /// The file or directory (required for `mnist` and `csv`).
-    #[serde(default)]
+pub struct CsvSource {
+    /// The CSV file (required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
-    /// CSV only: the label column's name or 0-based index (default: the last column).
-    #[serde(default)]
+    /// The label column's name or 0-based index (default: the last column).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label_column: Option<String>,
-    /// CSV only: whether the first line names the columns.
+    /// Whether the first line names the columns.
     #[serde(default = "yes")]
     pub has_header: bool,
-    /// Fraction held out for validation, in `[0, 1)`, when the dataset has no
-    /// test split (default 0.2); 0 means no validation split (and no `val_*`
-    /// metrics). Not with `val_path` or `val_shards`, which give the split.
+}
+
+/// image_folder: the training images and, optionally, the validation ones.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageFolderSource {
+    /// Class folders, or a CSV or JSON list of `path,label` (required).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub val_fraction: Option<f64>,
-    /// image_folder: the validation images (class folders or a list), instead
-    /// of holding out `val_fraction` of `path`.
+    pub path: Option<PathBuf>,
+    /// The validation images (class folders or a list), instead of holding
+    /// out `val_fraction` of `path`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_path: Option<PathBuf>,
-    /// webdataset: the training shards, `"data/train-{000000..000099}.tar"`
-    /// (brace ranges and `{a,b}` lists expand).
+}
+
+/// webdataset: the shards and their members.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardSource {
+    /// The training shards, `"data/train-{000000..000099}.tar"` (brace ranges
+    /// and `{a,b}` lists expand; required).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<String>,
-    /// webdataset: the validation shards.
+    /// The validation shards.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_shards: Option<String>,
-    /// webdataset: the image member's extension, `;` between alternatives
-    /// (webdataset's `to_tuple("jpg;png", ...)`; default every image format Kiln decodes).
+    /// The image member's extension, `;` between alternatives (webdataset's
+    /// `to_tuple("jpg;png", ...)`; default every image format Kiln decodes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_key: Option<String>,
-    /// webdataset: the label member's extension: `cls` (an ASCII class
-    /// index, the default), `json` (its `"label"` field), or another that holds
-    /// an ASCII class index.
+    /// The label member's extension: `cls` (an ASCII class index, the
+    /// default), `json` (its `"label"` field), or another that holds an ASCII
+    /// class index.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label_key: Option<String>,
-    /// webdataset: samples in the shuffle buffer the training stream passes
-    /// through (after the shards are shuffled); 0 or 1 keeps the stream's order.
+    /// Samples in the shuffle buffer the training stream passes through
+    /// (after the shards are shuffled); 0 or 1 keeps the stream's order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shuffle_buffer: Option<usize>,
-    /// Images: the size the model takes; without `transforms`, images are
-    /// resized (shorter side) and centre-cropped to it.
+}
+
+/// text: the rows, the task their columns make, and how they are tokenized.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextSource {
+    /// The JSON Lines, CSV or Parquet file (required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// A validation file, instead of holding out `val_fraction` of `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<PathBuf>,
+    /// The column holding a language model's text (or, with `label_column`,
+    /// the text to classify).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text_column: Option<String>,
+    /// The label column of text classification.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label_column: Option<String>,
+    /// The prompt of an instruction pair, with `{column}` fields
+    /// (`"### Question:\n{question}\n\n### Answer:\n"`); no loss on its tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_template: Option<String>,
+    /// The response of an instruction pair (`"{answer}"`); EOS is appended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_template: Option<String>,
+    /// Tokens per example at most (with `packing`, the block length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_length: Option<usize>,
+    /// Cut examples longer than `max_length` instead of refusing the data.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncation: bool,
+    /// Join the examples and cut them into blocks of `max_length` tokens,
+    /// instead of padding each batch to its longest example.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub packing: bool,
+    /// The directory of `tokenizer.json` (default: `model.pretrained`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Image sources (image_folder, webdataset): what the images are decoded and
+/// transformed into.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ImageKeys {
+    /// The size the model takes; without `transforms`, images are resized
+    /// (shorter side) and centre-cropped to it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_size: Option<ImageSize>,
-    /// Images: the channels they are decoded to.
+    /// The channels they are decoded to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub color_mode: Option<kiln_data::ColorMode>,
-    /// Images: whether a corrupt image stops the run or is skipped.
+    /// Whether a corrupt image stops the run or is skipped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_error: Option<kiln_data::OnError>,
-    /// Images: the training transforms, in order (torchvision's names:
-    /// `resize`, `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
+    /// The training transforms, in order (torchvision's names: `resize`,
+    /// `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
     /// `color_jitter`, `to_tensor`, `normalize`, `pad`, `random_crop`,
     /// `random_rotation`, `random_affine`, `random_perspective`,
     /// `gaussian_blur`, `random_grayscale`, `random_erasing`, `auto_augment`,
     /// `rand_augment`, `trivial_augment_wide`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transforms: Option<Vec<TransformSpec>>,
-    /// Images: MixUp on the training batches, Beta(`mixup_alpha`,
-    /// `mixup_alpha`) (torchvision's recipe's `--mixup-alpha`); with
-    /// `cutmix_alpha`, MixUp or CutMix for each batch. Targets become class
-    /// probabilities: the loss must be `cross_entropy`.
+    /// MixUp on the training batches, Beta(`mixup_alpha`, `mixup_alpha`)
+    /// (torchvision's recipe's `--mixup-alpha`); with `cutmix_alpha`, MixUp or
+    /// CutMix for each batch. Targets become class probabilities: the loss
+    /// must be `cross_entropy`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mixup_alpha: Option<f64>,
-    /// Images: CutMix on the training batches (the recipe's `--cutmix-alpha`).
+    /// CutMix on the training batches (the recipe's `--cutmix-alpha`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cutmix_alpha: Option<f64>,
-    /// Images: the validation (and `eval`/`predict`) transforms; default the
+    /// The validation (and `eval`/`predict`) transforms; default the
     /// deterministic ones of `transforms` (`resize`, `center_crop`,
     /// `to_tensor`, `normalize`), or resize and centre-crop to `image_size`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub val_transforms: Option<Vec<TransformSpec>>,
+}
+
+/// Tabular sources (digits, mnist, csv): the features' scale and shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TabularKeys {
+    /// Shape of one example as the model takes it (e.g. `[1, 8, 8]`); default flat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub input_shape: Option<Vec<usize>>,
+    /// Features are divided by this (16 for digits, 255 for MNIST).
+    #[serde(default = "unit")]
+    pub scale: f64,
+}
+
+impl Default for TabularKeys {
+    fn default() -> Self {
+        Self {
+            input_shape: None,
+            scale: 1.0,
+        }
+    }
+}
+
+/// Every source: how the examples are split and batched.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoaderKeys {
+    /// Fraction held out for validation, in `[0, 1)`, when the dataset has no
+    /// split of its own (default 0.2); 0 means no validation split (and no
+    /// `val_*` metrics). Not with `val_path` or `val_shards`, which give the split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_fraction: Option<f64>,
     /// Examples per batch.
     #[serde(default = "batch")]
     pub batch_size: usize,
     /// Background loader threads (0 loads on the training thread).
     #[serde(default)]
     pub workers: usize,
-    /// Shape of one example as the model takes it (e.g. `[1, 8, 8]`); default flat.
-    #[serde(default)]
-    pub input_shape: Option<Vec<usize>>,
-    /// Features are divided by this (16 for digits, 255 for MNIST).
-    #[serde(default = "unit")]
-    pub scale: f64,
     /// Drop the last incomplete training batch.
     #[serde(default)]
     pub drop_last: bool,
-    /// text: the column holding a language model's text (or, with
-    /// `label_column`, the text to classify).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text_column: Option<String>,
-    /// text: the prompt of an instruction pair, with `{column}` fields
-    /// (`"### Question:\n{question}\n\n### Answer:\n"`); no loss on its tokens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prompt_template: Option<String>,
-    /// text: the response of an instruction pair (`"{answer}"`); EOS is appended.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub response_template: Option<String>,
-    /// text: tokens per example at most (with `packing`, the block length).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_length: Option<usize>,
-    /// text: cut examples longer than `max_length` instead of refusing the data.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub truncation: bool,
-    /// text: join the examples and cut them into blocks of `max_length`
-    /// tokens, instead of padding each batch to its longest example.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub packing: bool,
-    /// text: the directory of `tokenizer.json` (default: `model.pretrained`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tokenizer: Option<PathBuf>,
+}
+
+/// The field names serde's derive gives `deserialize_struct` for `T`: the
+/// keys a section's part takes, read from the type rather than listed by hand.
+fn fields_of<T: serde::de::DeserializeOwned>() -> &'static [&'static str] {
+    /// A deserializer that only records the fields a struct asks for.
+    struct Probe<'a>(&'a mut &'static [&'static str]);
+    #[derive(Debug)]
+    struct Stop;
+    impl std::fmt::Display for Stop {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("probed")
+        }
+    }
+    impl std::error::Error for Stop {}
+    impl serde::de::Error for Stop {
+        fn custom<T: std::fmt::Display>(_: T) -> Self {
+            Stop
+        }
+    }
+    impl<'de> serde::Deserializer<'de> for Probe<'_> {
+        type Error = Stop;
+        fn deserialize_any<V: serde::de::Visitor<'de>>(self, _: V) -> Result<V::Value, Stop> {
+            Err(Stop)
+        }
+        fn deserialize_struct<V: serde::de::Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _visitor: V,
+        ) -> Result<V::Value, Stop> {
+            *self.0 = fields;
+            Err(Stop)
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Probe(&mut fields));
+    fields
+}
+
+/// The keys of each part of `[data]` for `kind`: its source's, the image or
+/// tabular keys where it takes them, and the loader's.
+fn parts_of(kind: DatasetKind) -> [&'static [&'static str]; 3] {
+    let source = match kind {
+        DatasetKind::Digits | DatasetKind::Mnist => fields_of::<FileSource>(),
+        DatasetKind::Csv => fields_of::<CsvSource>(),
+        DatasetKind::ImageFolder => fields_of::<ImageFolderSource>(),
+        DatasetKind::Webdataset => fields_of::<ShardSource>(),
+        DatasetKind::Text => fields_of::<TextSource>(),
+    };
+    let shaping = if kind.is_images() {
+        fields_of::<ImageKeys>()
+    } else if kind.is_tabular() {
+        fields_of::<TabularKeys>()
+    } else {
+        &[]
+    };
+    [source, shaping, fields_of::<LoaderKeys>()]
+}
+
+/// A part of `[data]`: the keys of `table` that `T` takes, as `T`.
+fn take_part<T: serde::de::DeserializeOwned>(
+    table: &toml::Table,
+) -> std::result::Result<T, String> {
+    let fields = fields_of::<T>();
+    let part: toml::Table = table
+        .iter()
+        .filter(|(k, _)| fields.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    toml::Value::Table(part)
+        .try_into()
+        .map_err(|e: toml::de::Error| e.message().to_owned())
+}
+
+impl DataConfig {
+    /// `[data]` from its table: the source `dataset` names, then each key in
+    /// the part that takes it; a key of another source is refused, naming the
+    /// sources it applies to.
+    fn from_table(mut table: toml::Table) -> std::result::Result<Self, String> {
+        let kind: DatasetKind = table
+            .remove("dataset")
+            .ok_or("missing field `dataset`")?
+            .try_into()
+            .map_err(|e: toml::de::Error| e.message().to_owned())?;
+        let parts = parts_of(kind);
+        if let Some(key) = table
+            .keys()
+            .find(|k| !parts.iter().any(|p| p.contains(&k.as_str())))
+        {
+            let takers: Vec<&str> = DatasetKind::ALL
+                .into_iter()
+                .filter(|&other| parts_of(other).iter().any(|p| p.contains(&key.as_str())))
+                .map(DatasetKind::name)
+                .collect();
+            if kind == DatasetKind::Webdataset && key == "path" {
+                return Err(
+                    "a webdataset is read from `shards` (and `val_shards`), not `path`".into(),
+                );
+            }
+            return Err(match takers.split_last() {
+                None => format!(
+                    "unknown field `{key}`, expected one of {}",
+                    parts
+                        .iter()
+                        .flat_map(|p| p.iter())
+                        .map(|k| format!("`{k}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+                Some((last, [])) => {
+                    format!("applies to {last} data, not dataset = \"{}\"", kind.name())
+                }
+                Some((last, rest)) => format!(
+                    "applies to {} and {last} data, not dataset = \"{}\"",
+                    rest.join(", "),
+                    kind.name()
+                ),
+            });
+        }
+        let source = match kind {
+            DatasetKind::Digits => DataSource::Digits(take_part(&table)?),
+            DatasetKind::Mnist => DataSource::Mnist(take_part(&table)?),
+            DatasetKind::Csv => DataSource::Csv(take_part(&table)?),
+            DatasetKind::ImageFolder => DataSource::ImageFolder(take_part(&table)?),
+            DatasetKind::Webdataset => DataSource::Webdataset(take_part(&table)?),
+            DatasetKind::Text => DataSource::Text(take_part(&table)?),
+        };
+        Ok(Self {
+            source,
+            images: kind.is_images().then(|| take_part(&table)).transpose()?,
+            tabular: kind.is_tabular().then(|| take_part(&table)).transpose()?,
+            loader: take_part(&table)?,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for DataConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let table = toml::Table::deserialize(d)?;
+        Self::from_table(table).map_err(serde::de::Error::custom)
+    }
+}
+
+impl DataSource {
+    /// The source's kind (its `dataset`).
+    pub fn kind(&self) -> DatasetKind {
+        match self {
+            DataSource::Digits(_) => DatasetKind::Digits,
+            DataSource::Mnist(_) => DatasetKind::Mnist,
+            DataSource::Csv(_) => DatasetKind::Csv,
+            DataSource::ImageFolder(_) => DatasetKind::ImageFolder,
+            DataSource::Webdataset(_) => DatasetKind::Webdataset,
+            DataSource::Text(_) => DatasetKind::Text,
+        }
+    }
+
+    /// The file or directory read (`path`; shards have none).
+    pub fn path(&self) -> Option<&std::path::Path> {
+        match self {
+            DataSource::Digits(s) | DataSource::Mnist(s) => s.path.as_deref(),
+            DataSource::Csv(s) => s.path.as_deref(),
+            DataSource::ImageFolder(s) => s.path.as_deref(),
+            DataSource::Text(s) => s.path.as_deref(),
+            DataSource::Webdataset(_) => None,
+        }
+    }
+
+    /// Whether the source gives its own validation split (`val_path`,
+    /// `val_shards`, MNIST's test set).
+    fn has_own_split(&self) -> bool {
+        match self {
+            DataSource::Mnist(_) | DataSource::Webdataset(_) => true,
+            DataSource::ImageFolder(s) => s.val_path.is_some(),
+            DataSource::Text(s) => s.val_path.is_some(),
+            DataSource::Digits(_) | DataSource::Csv(_) => false,
+        }
+    }
 }
 
 fn batch() -> usize {
@@ -202,19 +508,119 @@ fn invalid(key: &str, reason: String) -> Result<()> {
 }
 
 impl DataConfig {
+    /// The source's kind (its `dataset`).
+    pub fn kind(&self) -> DatasetKind {
+        self.source.kind()
+    }
+
+    /// The image keys: those given for an image source, the defaults otherwise.
+    pub fn images(&self) -> std::borrow::Cow<'_, ImageKeys> {
+        match &self.images {
+            Some(keys) => std::borrow::Cow::Borrowed(keys),
+            None => std::borrow::Cow::Owned(ImageKeys::default()),
+        }
+    }
+
+    /// The tabular keys: those given for a tabular source, the defaults otherwise.
+    pub fn tabular(&self) -> std::borrow::Cow<'_, TabularKeys> {
+        match &self.tabular {
+            Some(keys) => std::borrow::Cow::Borrowed(keys),
+            None => std::borrow::Cow::Owned(TabularKeys::default()),
+        }
+    }
+
     /// The fraction of the examples held out for validation: `val_fraction`,
     /// by default 0.2 where the data has no split of its own, else 0.
     pub fn val_fraction(&self) -> f64 {
-        let own_split = self.dataset == DatasetKind::Mnist
-            || self.val_path.is_some()
-            || self.val_shards.is_some()
-            || self.dataset == DatasetKind::Webdataset;
-        self.val_fraction
+        let own_split = self.source.has_own_split();
+        self.loader
+            .val_fraction
             .unwrap_or(if own_split { 0.0 } else { 0.2 })
     }
 
-    /// The text task the keys describe (`dataset = "text"`).
-    pub fn text_task(&self) -> Result<kiln_data::text::TextTask> {
+    /// Whether the source gives a validation split of its own (MNIST's test
+    /// set, `val_path`, `val_shards`).
+    pub fn has_validation_split(&self) -> bool {
+        match &self.source {
+            DataSource::Mnist(_) => true,
+            DataSource::ImageFolder(s) => s.val_path.is_some(),
+            DataSource::Text(s) => s.val_path.is_some(),
+            DataSource::Webdataset(s) => s.val_shards.is_some(),
+            DataSource::Digits(_) | DataSource::Csv(_) => false,
+        }
+    }
+
+    /// Checks each value against the source.
+    pub(super) fn validate(&self) -> Result<()> {
+        if let Some(f) = self.loader.val_fraction {
+            if !(0.0..1.0).contains(&f) {
+                return invalid("val_fraction", format!("must be in [0, 1), got {f}"));
+            }
+        }
+        if let DataSource::Text(text) = &self.source {
+            text.validate()?;
+        }
+        self.check_source()?;
+        if let Some(images) = &self.images {
+            images.validate()?;
+        }
+        if self.loader.batch_size == 0 {
+            return invalid("batch_size", "must be at least 1".into());
+        }
+        if let Some(tabular) = &self.tabular {
+            if tabular.scale == 0.0 || !tabular.scale.is_finite() {
+                return invalid("scale", "must be a finite, non-zero number".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks where the data is read from: `path`, `shards`, and how the
+    /// validation split is given.
+    fn check_source(&self) -> Result<()> {
+        let kind = self.kind();
+        let fraction = self.loader.val_fraction.filter(|&f| f > 0.0);
+        match &self.source {
+            DataSource::Digits(_) => {}
+            DataSource::Webdataset(shards) => {
+                if shards.shards.is_none() {
+                    return invalid(
+                        "shards",
+                        "dataset = \"webdataset\" needs shards, e.g. \"data/train-{000000..000009}.tar\""
+                            .into(),
+                    );
+                }
+                if fraction.is_some() {
+                    return invalid(
+                        "val_fraction",
+                        "a webdataset's validation split is its own shards: set `val_shards`"
+                            .into(),
+                    );
+                }
+            }
+            source => {
+                if source.path().is_none() {
+                    return invalid(
+                        "path",
+                        format!("dataset = \"{}\" needs a path", kind.name()),
+                    );
+                }
+            }
+        }
+        if self.has_validation_split() && kind != DatasetKind::Mnist && fraction.is_some() {
+            return invalid(
+                "val_fraction",
+                "the validation split is given by val_path / val_shards; remove val_fraction"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+impl TextSource {
+    /// The text task the keys describe.
+    pub fn task(&self) -> Result<kiln_data::text::TextTask> {
         use kiln_data::text::{PromptTemplate, TextTask};
         let template = |key: &str, source: &str| {
             PromptTemplate::parse(source)
@@ -245,184 +651,40 @@ impl DataConfig {
     }
 
     /// Checks the text keys.
-    fn validate_text(&self) -> Result<()> {
-        let task = self.text_task()?;
+    fn validate(&self) -> Result<()> {
+        let task = self.task()?;
         if self.max_length == Some(0) {
-            return Err(Error::invalid_argument(
-                "data.max_length",
-                "must be at least 1, got 0",
-            ));
+            return invalid("max_length", "must be at least 1, got 0".into());
         }
         if self.packing {
             if self.max_length.is_none() {
-                return Err(Error::invalid_argument(
-                    "data.packing",
-                    "packing cuts the examples into blocks of `max_length` tokens: set max_length",
-                ));
+                return invalid(
+                    "packing",
+                    "packing cuts the examples into blocks of `max_length` tokens: set max_length"
+                        .into(),
+                );
             }
             if !task.is_causal() {
-                return Err(Error::invalid_argument(
-                    "data.packing",
-                    "packing joins language-model or instruction examples, not classification ones",
-                ));
+                return invalid(
+                    "packing",
+                    "packing joins language-model or instruction examples, not classification ones"
+                        .into(),
+                );
             }
         }
         if self.truncation && self.max_length.is_none() {
-            return Err(Error::invalid_argument(
-                "data.truncation",
-                "truncation cuts examples to `max_length` tokens: set max_length",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Checks the keys against the dataset kind and each value.
-    pub(super) fn validate(&self) -> Result<()> {
-        let kind = self.dataset;
-        if let Some(f) = self.val_fraction {
-            if !(0.0..1.0).contains(&f) {
-                return invalid("val_fraction", format!("must be in [0, 1), got {f}"));
-            }
-        }
-        self.check_keys_apply()?;
-        if kind == DatasetKind::Text {
-            self.validate_text()?;
-        }
-        self.check_source()?;
-        if kind.is_images() {
-            self.validate_images()?;
-        }
-        Ok(())
-    }
-
-    /// Refuses, naming it, a key that does not apply to the dataset kind.
-    fn check_keys_apply(&self) -> Result<()> {
-        let kind = self.dataset;
-        // Keys that only some kinds of data take.
-        let set = |present: bool, key: &'static str| present.then_some(key);
-        let image_keys = [
-            set(self.image_size.is_some(), "image_size"),
-            set(self.color_mode.is_some(), "color_mode"),
-            set(self.on_error.is_some(), "on_error"),
-            set(self.transforms.is_some(), "transforms"),
-            set(self.val_transforms.is_some(), "val_transforms"),
-            set(self.mixup_alpha.is_some(), "mixup_alpha"),
-            set(self.cutmix_alpha.is_some(), "cutmix_alpha"),
-        ];
-        let table_keys = [
-            set(self.input_shape.is_some(), "input_shape"),
-            set(self.scale != 1.0, "scale"),
-        ];
-        let only = |keys: &[Option<&'static str>], kinds: &str| -> Result<()> {
-            if let Some(key) = keys.iter().flatten().next() {
-                return invalid(
-                    key,
-                    format!("applies to {kinds} data, not dataset = \"{}\"", kind.name()),
-                );
-            }
-            Ok(())
-        };
-        if kind.is_images() || kind == DatasetKind::Text {
-            only(&table_keys, "tabular (digits, mnist, csv)")?;
-        }
-        if !kind.is_images() {
-            only(&image_keys, "image (image_folder, webdataset)")?;
-        }
-        if !matches!(kind, DatasetKind::ImageFolder | DatasetKind::Text) {
-            only(
-                &[set(self.val_path.is_some(), "val_path")],
-                "image_folder and text",
-            )?;
-        }
-        if kind != DatasetKind::Webdataset {
-            only(
-                &[
-                    set(self.shards.is_some(), "shards"),
-                    set(self.val_shards.is_some(), "val_shards"),
-                    set(self.shuffle_buffer.is_some(), "shuffle_buffer"),
-                    set(self.image_key.is_some(), "image_key"),
-                    set(self.label_key.is_some(), "label_key"),
-                ],
-                "webdataset",
-            )?;
-        }
-        if !matches!(kind, DatasetKind::Csv | DatasetKind::Text) {
-            only(
-                &[set(self.label_column.is_some(), "label_column")],
-                "csv and text",
-            )?;
-        }
-        if kind != DatasetKind::Text {
-            only(
-                &[
-                    set(self.text_column.is_some(), "text_column"),
-                    set(self.prompt_template.is_some(), "prompt_template"),
-                    set(self.response_template.is_some(), "response_template"),
-                    set(self.max_length.is_some(), "max_length"),
-                    set(self.truncation, "truncation"),
-                    set(self.packing, "packing"),
-                    set(self.tokenizer.is_some(), "tokenizer"),
-                ],
-                "text",
-            )?;
-        }
-        Ok(())
-    }
-
-    /// Checks where the data is read from: `path`, `shards`, and how the
-    /// validation split is given.
-    fn check_source(&self) -> Result<()> {
-        let kind = self.dataset;
-        match kind {
-            DatasetKind::Digits => {}
-            DatasetKind::Mnist
-            | DatasetKind::Csv
-            | DatasetKind::ImageFolder
-            | DatasetKind::Text => {
-                if self.path.is_none() {
-                    return invalid(
-                        "path",
-                        format!("dataset = \"{}\" needs a path", kind.name()),
-                    );
-                }
-            }
-            DatasetKind::Webdataset => {
-                if self.path.is_some() {
-                    return invalid(
-                        "path",
-                        "a webdataset is read from `shards` (and `val_shards`), not `path`".into(),
-                    );
-                }
-                if self.shards.is_none() {
-                    return invalid(
-                        "shards",
-                        "dataset = \"webdataset\" needs shards, e.g. \"data/train-{000000..000009}.tar\""
-                            .into(),
-                    );
-                }
-                if self.val_fraction.is_some_and(|f| f > 0.0) {
-                    return invalid(
-                        "val_fraction",
-                        "a webdataset's validation split is its own shards: set `val_shards`"
-                            .into(),
-                    );
-                }
-            }
-        }
-        if (self.val_path.is_some() || self.val_shards.is_some())
-            && self.val_fraction.is_some_and(|f| f > 0.0)
-        {
             return invalid(
-                "val_fraction",
-                "the validation split is given by val_path / val_shards; remove val_fraction"
-                    .into(),
+                "truncation",
+                "truncation cuts examples to `max_length` tokens: set max_length".into(),
             );
         }
         Ok(())
     }
+}
 
+impl ImageKeys {
     /// Checks image data's size, mixing and transforms.
-    fn validate_images(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         if let Some(size) = self.image_size {
             let (h, w) = size.dims();
             if h == 0 || w == 0 {
@@ -462,5 +724,83 @@ impl DataConfig {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> std::result::Result<DataConfig, String> {
+        let table: toml::Table = toml::from_str(text).map_err(|e| e.to_string())?;
+        DataConfig::from_table(table)
+    }
+
+    #[test]
+    fn the_parts_read_their_keys_from_their_types() {
+        assert_eq!(fields_of::<FileSource>(), ["path"]);
+        assert!(fields_of::<ShardSource>().contains(&"label_key"));
+        assert!(fields_of::<LoaderKeys>().contains(&"batch_size"));
+        let [source, shaping, loader] = parts_of(DatasetKind::Csv);
+        assert_eq!(source, ["path", "label_column", "has_header"]);
+        assert_eq!(shaping, ["input_shape", "scale"]);
+        assert_eq!(
+            loader,
+            ["val_fraction", "batch_size", "workers", "drop_last"]
+        );
+        assert!(parts_of(DatasetKind::Text)[1].is_empty());
+    }
+
+    #[test]
+    fn a_key_of_another_source_names_the_sources_it_applies_to() {
+        let err = parse("dataset = \"digits\"\nlabel_key = \"json\"").unwrap_err();
+        assert_eq!(err, "applies to webdataset data, not dataset = \"digits\"");
+        let err = parse("dataset = \"digits\"\nlabel_column = \"y\"").unwrap_err();
+        assert_eq!(
+            err,
+            "applies to csv and text data, not dataset = \"digits\""
+        );
+        let err = parse("dataset = \"text\"\npath = \"a\"\nscale = 2.0").unwrap_err();
+        assert_eq!(
+            err,
+            "applies to digits, mnist and csv data, not dataset = \"text\""
+        );
+        let err = parse("dataset = \"csv\"\nbatch_sise = 2").unwrap_err();
+        assert!(
+            err.starts_with("unknown field `batch_sise`, expected one of `path`"),
+            "{err}"
+        );
+        assert_eq!(
+            parse("path = \"a\"").unwrap_err(),
+            "missing field `dataset`"
+        );
+    }
+
+    #[test]
+    fn each_part_gets_its_keys_and_a_config_round_trips() {
+        let config = parse(
+            "dataset = \"image_folder\"\npath = \"imgs\"\nimage_size = 8\nbatch_size = 4\n\
+             mixup_alpha = 0.2",
+        )
+        .unwrap();
+        let DataSource::ImageFolder(folder) = &config.source else {
+            panic!("{config:?}")
+        };
+        assert_eq!(folder.path.as_deref(), Some(std::path::Path::new("imgs")));
+        let images = config.images.as_ref().unwrap();
+        assert_eq!(images.image_size, Some(ImageSize::Square(8)));
+        assert_eq!(images.mixup_alpha, Some(0.2));
+        assert_eq!(config.loader.batch_size, 4);
+        assert!(config.tabular.is_none());
+        let text = toml::to_string(&config).unwrap();
+        assert_eq!(parse(&text).unwrap(), config, "{text}");
+        let json = serde_json::to_value(&config).unwrap();
+        assert_eq!(json["dataset"], "image_folder");
+        assert_eq!(json["image_size"], 8);
+        let back: DataConfig = serde_json::from_value(json).unwrap();
+        assert_eq!(back, config);
+        let digits = parse("dataset = \"digits\"\nscale = 16.0").unwrap();
+        assert_eq!(digits.tabular().scale, 16.0);
+        assert_eq!(parse("dataset = \"csv\"").unwrap().tabular().scale, 1.0);
     }
 }

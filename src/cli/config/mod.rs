@@ -54,7 +54,7 @@ use kiln_train::metric_by_name;
 use kiln_train::CheckpointPolicy;
 use kiln_train::TrainerConfig;
 
-pub use data::{DataConfig, DatasetKind, ImageSize};
+pub use data::{DataConfig, DataSource, ImageFolderSource, ImageSize, ShardSource};
 pub use distributed::{DistributedConfig, StrategyName};
 use key_path::tagged_key_path;
 pub use kiln_train::EarlyStoppingConfig;
@@ -323,10 +323,10 @@ impl RunConfig {
     /// the targets being the next tokens with -100 where there is none, and
     /// cross-entropy ignores -100 (set when the config leaves it out).
     fn fit_text_data(&mut self) -> Result<()> {
-        if self.data.dataset != DatasetKind::Text {
+        let DataSource::Text(text) = &self.data.source else {
             return Ok(());
-        }
-        let task = self.data.text_task()?;
+        };
+        let task = text.task()?;
         if !task.is_causal() {
             return Ok(());
         }
@@ -396,18 +396,6 @@ impl RunConfig {
             ));
         }
         self.data.validate()?;
-        if self.data.batch_size == 0 {
-            return Err(Error::invalid_argument(
-                "data.batch_size",
-                "must be at least 1",
-            ));
-        }
-        if self.data.scale == 0.0 || !self.data.scale.is_finite() {
-            return Err(Error::invalid_argument(
-                "data.scale",
-                "must be a finite, non-zero number",
-            ));
-        }
         for metric in &self.logging.metrics {
             if metric_by_name(metric).is_none() {
                 return Err(Error::invalid_argument(
@@ -546,10 +534,7 @@ impl RunConfig {
     /// Whether the run validates after each epoch: the dataset has a test
     /// split (MNIST), or `data.val_fraction` holds one out.
     pub fn has_validation(&self) -> bool {
-        self.data.dataset == DatasetKind::Mnist
-            || self.data.val_path.is_some()
-            || self.data.val_shards.is_some()
-            || self.data.val_fraction() > 0.0
+        self.data.has_validation_split() || self.data.val_fraction() > 0.0
     }
 
     /// The names of the metrics each epoch records, which `monitor` keys can

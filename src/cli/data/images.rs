@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{DatasetKind, RunConfig};
+use crate::config::{DataSource, ImageFolderSource, RunConfig, ShardSource};
 use crate::engines::Engines;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
@@ -19,7 +19,7 @@ use super::{check_fits, Data, ImageSplit, LabelOrigin, SampleDataset, Split};
 /// The train and validation transforms of image data: `transforms` and
 /// `val_transforms`, or their defaults (see `DataConfig`).
 fn image_transforms(config: &RunConfig) -> Result<(Vec<TransformSpec>, Vec<TransformSpec>)> {
-    let data = &config.data;
+    let data = config.data.images();
     let spec = |value: serde_json::Value| -> Result<TransformSpec> {
         serde_json::from_value(value).context("a default transform")
     };
@@ -95,29 +95,29 @@ fn open_folder(path: &Path, config: &RunConfig) -> Result<ImageFolder> {
     }
     .with_context(|| format!("data set {}", path.display()))?;
     Ok(folder
-        .color_mode(config.data.color_mode.unwrap_or_default())
-        .on_error(config.data.on_error.unwrap_or_default()))
+        .color_mode(config.data.images().color_mode.unwrap_or_default())
+        .on_error(config.data.images().on_error.unwrap_or_default()))
 }
 
 /// Image data: the files are listed (folders) or indexed (shard headers),
 /// nothing is decoded but one example, which checks the transforms and the model.
 pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
-    let data = &config.data;
     let (train_t, val_t) = image_transforms(config)?;
     let train_transform = kiln_data::vision::compose(&train_t).context("data.transforms")?;
     let val_transform = || kiln_data::vision::compose(&val_t).context("data.val_transforms");
     val_transform()?;
     check_mix_loss(config)?;
-    let (mut train, val, classes) = match data.dataset {
-        DatasetKind::ImageFolder => {
-            let (train, val, classes) = folder_splits(config, train_transform, &val_transform)?;
-            (train, val, Some(classes))
+    let (mut train, val, classes, shards) = match &config.data.source {
+        DataSource::ImageFolder(folder) => {
+            let (train, val, classes) =
+                folder_splits(config, folder, train_transform, &val_transform)?;
+            (train, val, Some(classes), None)
         }
-        DatasetKind::Webdataset => {
-            let (train, val) = shard_splits::<E>(config, train_transform, &val_transform)?;
-            (train, val, None)
+        DataSource::Webdataset(shards) => {
+            let (train, val) = shard_splits::<E>(config, shards, train_transform, &val_transform)?;
+            (train, val, None, shards.shards.as_deref())
         }
-        other => anyhow::bail!("dataset {} is not image data", other.name()),
+        other => anyhow::bail!("dataset {} is not image data", other.kind().name()),
     };
     let (x, y) = check_examples(config, &train, val.as_ref())?;
     let batch_dims: Vec<usize> = std::iter::once(1).chain(x.dims().iter().copied()).collect();
@@ -132,7 +132,7 @@ pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
             }
         }
         None => LabelOrigin::Records {
-            path: Path::new(data.shards.as_deref().unwrap_or_default()),
+            path: Path::new(shards.unwrap_or_default()),
             split: "training",
         },
     };
@@ -160,16 +160,17 @@ fn transformed(base: SampleDataset, t: Compose, seed: u64) -> SampleDataset {
 /// `data.val_fraction`) with their transforms, and the folder's classes.
 fn folder_splits(
     config: &RunConfig,
+    source: &ImageFolderSource,
     train_transform: Compose,
     val_transform: &dyn Fn() -> Result<Compose>,
 ) -> Result<(Split, Option<Split>, FolderClasses)> {
     let data = &config.data;
-    let path = data.path.as_deref().context("data.path is required")?;
+    let path = source.path.as_deref().context("data.path is required")?;
     let folder = open_folder(path, config)?;
     let classes = (path.to_path_buf(), folder.classes().to_vec());
     let folder = Arc::new(folder);
     let (train_base, val_base): (SampleDataset, Option<SampleDataset>) =
-        if let Some(val_path) = &data.val_path {
+        if let Some(val_path) = &source.val_path {
             let val = open_folder(val_path, config)?;
             if val.classes() != folder.classes() {
                 anyhow::bail!(
@@ -213,10 +214,11 @@ fn folder_splits(
 /// transforms, their labels checked against the model's classes as they are read.
 fn shard_splits<E: Engines>(
     config: &RunConfig,
+    source: &ShardSource,
     train_transform: Compose,
     val_transform: &dyn Fn() -> Result<Compose>,
 ) -> Result<(Split, Option<Split>)> {
-    let data = &config.data;
+    let images = config.data.images();
     let member = |key: &str, value: &Option<String>| -> Result<Option<String>> {
         match value.as_deref().map(|v| v.trim().trim_start_matches('.')) {
             Some("") => anyhow::bail!(
@@ -225,13 +227,13 @@ fn shard_splits<E: Engines>(
             other => Ok(other.map(str::to_owned)),
         }
     };
-    let image_key = member("image_key", &data.image_key)?;
-    let label_key = member("label_key", &data.label_key)?;
+    let image_key = member("image_key", &source.image_key)?;
+    let label_key = member("label_key", &source.label_key)?;
     let open = |key: &str, pattern: &str| -> Result<WebDataset> {
         let mut shards = WebDataset::from_pattern(pattern)
             .with_context(|| format!("data.{key} = {pattern:?}"))?
-            .color_mode(config.data.color_mode.unwrap_or_default())
-            .on_error(config.data.on_error.unwrap_or_default());
+            .color_mode(images.color_mode.unwrap_or_default())
+            .on_error(images.on_error.unwrap_or_default());
         if let Some(k) = &image_key {
             shards = shards.image_key(k);
         }
@@ -240,9 +242,12 @@ fn shard_splits<E: Engines>(
         }
         Ok(shards)
     };
-    let pattern = data.shards.as_deref().context("data.shards is required")?;
+    let pattern = source
+        .shards
+        .as_deref()
+        .context("data.shards is required")?;
     let train_shards = open("shards", pattern)?;
-    let val_shards = match &data.val_shards {
+    let val_shards = match &source.val_shards {
         Some(pattern) => Some(open("val_shards", pattern)?),
         None => None,
     };
@@ -282,7 +287,7 @@ fn check_examples(
     train: &Split,
     val: Option<&Split>,
 ) -> Result<(HostTensor, HostTensor)> {
-    let data = &config.data;
+    let data = config.data.images();
     let example = |split: &Split, which: &str| -> Result<(HostTensor, HostTensor)> {
         let Split::Images(s) = split else {
             anyhow::bail!("not image data")
@@ -332,7 +337,7 @@ fn check_examples(
 
 /// MixUp and CutMix need a loss that takes class probabilities.
 fn check_mix_loss(config: &RunConfig) -> Result<()> {
-    let data = &config.data;
+    let data = config.data.images();
     let key = match (data.mixup_alpha, data.cutmix_alpha) {
         (None, None) => return Ok(()),
         (Some(_), _) => "data.mixup_alpha",
@@ -355,7 +360,7 @@ fn mix_transform<E: Engines>(
     config: &RunConfig,
     probe: &HostTensor,
 ) -> Result<Option<Arc<dyn BatchTransform>>> {
-    let data = &config.data;
+    let data = config.data.images();
     let key = match (data.mixup_alpha, data.cutmix_alpha) {
         (None, None) => return Ok(None),
         (Some(_), _) => "data.mixup_alpha",

@@ -32,14 +32,16 @@ pub(crate) fn loader(
         // `world_size` times the size. Evaluation: every sample once, the
         // metrics added up across ranks.
         Ok(Some(if shuffle {
-            sampler.shuffle(config.seed).drop_last(data.drop_last)
+            sampler
+                .shuffle(config.seed)
+                .drop_last(data.loader.drop_last)
         } else {
             sampler.without_padding()
         }))
     };
     match split {
         Split::Tensors(x, y) => {
-            let loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.batch_size)?;
+            let loader = PrefetchLoader::new(InMemoryDataset::new(x, y)?, data.loader.batch_size)?;
             Ok(Box::new(ordered(
                 loader,
                 config,
@@ -50,7 +52,8 @@ pub(crate) fn loader(
         Split::Text(split) => {
             let collate =
                 kiln_data::text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
-            let loader = PrefetchLoader::with_collate(split.dataset, data.batch_size, collate)?;
+            let loader =
+                PrefetchLoader::with_collate(split.dataset, data.loader.batch_size, collate)?;
             Ok(Box::new(ordered(
                 loader,
                 config,
@@ -59,17 +62,23 @@ pub(crate) fn loader(
             )))
         }
         Split::Images(split) => {
-            let mut loader = PrefetchLoader::new(split.dataset, data.batch_size)?
-                .num_workers(data.workers)
-                .drop_last(shuffle && data.drop_last)
-                .skip_failed_samples(config.data.on_error == Some(kiln_data::OnError::Skip));
+            let mut loader = PrefetchLoader::new(split.dataset, data.loader.batch_size)?
+                .num_workers(data.loader.workers)
+                .drop_last(shuffle && data.loader.drop_last)
+                .skip_failed_samples(
+                    config.data.images().on_error == Some(kiln_data::OnError::Skip),
+                );
             match &split.shards {
                 // Training on shards: each epoch the shards are shuffled, the
                 // stream goes through the shuffle buffer, and each rank takes a block.
                 // (Validation reads the shards in order, as a folder is read.)
                 Some(shards) if shuffle => {
                     let (rank, world_size) = shard.unwrap_or((0, 1));
-                    let buffer = data.shuffle_buffer.unwrap_or(DEFAULT_SHUFFLE_BUFFER);
+                    let buffer = match &data.source {
+                        crate::config::DataSource::Webdataset(s) => s.shuffle_buffer,
+                        _ => None,
+                    }
+                    .unwrap_or(DEFAULT_SHUFFLE_BUFFER);
                     loader =
                         loader.order(shards.epoch_order(config.seed, buffer, rank, world_size)?);
                 }
@@ -106,8 +115,8 @@ fn ordered<D: kiln_data::Dataset, C>(
     sampler: Option<kiln_data::DistributedSampler>,
 ) -> PrefetchLoader<D, C> {
     let mut loader = loader
-        .num_workers(config.data.workers)
-        .drop_last(shuffle && config.data.drop_last);
+        .num_workers(config.data.loader.workers)
+        .drop_last(shuffle && config.data.loader.drop_last);
     if shuffle {
         loader = loader.shuffle(config.seed);
     }

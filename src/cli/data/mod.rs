@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::config::{DatasetKind, RunConfig};
+use crate::config::{DataSource, RunConfig};
 use crate::engines::Engines;
 use crate::prelude::*;
 use anyhow::{Context, Result};
@@ -93,20 +93,17 @@ pub(crate) enum LabelOrigin<'a> {
 /// label against the loss and that output.
 pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
-    if data.dataset.is_images() {
-        return load_images::<E>(config);
-    }
-    if data.dataset == DatasetKind::Text {
-        return load_text::<E>(config);
-    }
     let path = || {
-        data.path
-            .clone()
+        data.source
+            .path()
+            .map(Path::to_path_buf)
             .context("data.path is required for this dataset")
     };
-    let (features, labels, origin_path, first_line) = match data.dataset {
-        DatasetKind::Digits => {
-            let path = data.path.clone().unwrap_or_else(default_digits);
+    let (features, labels, origin_path, first_line) = match &data.source {
+        DataSource::ImageFolder(_) | DataSource::Webdataset(_) => return load_images::<E>(config),
+        DataSource::Text(_) => return load_text::<E>(config),
+        DataSource::Digits(digits) => {
+            let path = digits.path.clone().unwrap_or_else(default_digits);
             let (x, y) = load_digits(&path).with_context(|| {
                 format!(
                     "loading the digits data set from {} (run `cargo xtask setup` to provision it)",
@@ -115,7 +112,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             })?;
             (x, y, path, 1)
         }
-        DatasetKind::Mnist => {
+        DataSource::Mnist(_) => {
             // MNIST has its own test split: it is the validation set.
             let dir = path()?;
             let mnist = kiln_data::load_mnist(&dir)?;
@@ -147,10 +144,10 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
                 class_names: None,
             });
         }
-        DatasetKind::Csv => {
+        DataSource::Csv(csv) => {
             let options = kiln_data::CsvOptions {
-                has_header: data.has_header,
-                label_column: match &data.label_column {
+                has_header: csv.has_header,
+                label_column: match &csv.label_column {
                     None => kiln_data::LabelColumn::Last,
                     Some(c) => match c.parse::<usize>() {
                         Ok(index) => kiln_data::LabelColumn::Index(index),
@@ -161,10 +158,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             };
             let path = path()?;
             let (x, y) = kiln_data::load_csv(&path, &options)?;
-            (x, y, path, if data.has_header { 2 } else { 1 })
-        }
-        DatasetKind::ImageFolder | DatasetKind::Webdataset | DatasetKind::Text => {
-            anyhow::bail!("image and text data are read by load_images and load_text")
+            (x, y, path, if csv.has_header { 2 } else { 1 })
         }
     };
     let features = scale_and_shape(features, data)?;
@@ -219,11 +213,11 @@ pub(crate) fn check_fits<E: Engines>(
     origin: &LabelOrigin<'_>,
 ) -> Result<()> {
     let mut input = features.dims().to_vec();
-    input[0] = config.data.batch_size;
+    input[0] = config.data.loader.batch_size;
     // A torchscript layer's output shape is found by running it once.
     let model = crate::model::resolve_model::<E>(config, features, config.device)?;
     let output = model.output_shape(&input).with_context(|| {
-        let shape = match &config.data.input_shape {
+        let shape = match &config.data.tabular().input_shape {
             Some(dims) => format!("data.input_shape = {dims:?}"),
             None => "flat examples: data.input_shape is not set".to_owned(),
         };
@@ -285,16 +279,17 @@ pub(crate) fn scale_and_shape(
     features: HostTensor,
     data: &crate::config::DataConfig,
 ) -> Result<HostTensor> {
+    let tabular = data.tabular();
     let n = features.dims().first().copied().unwrap_or(0);
     let numel = features.numel();
     let scaled: Vec<f32> = features
         .to_dtype(DType::F32)
         .as_slice::<f32>()?
         .iter()
-        .map(|v| (*v as f64 / data.scale) as f32)
+        .map(|v| (*v as f64 / tabular.scale) as f32)
         .collect();
     let mut shape = vec![n];
-    match &data.input_shape {
+    match &tabular.input_shape {
         Some(dims) => shape.extend(dims),
         None => shape.push(numel / n.max(1)),
     }

@@ -28,10 +28,11 @@ pub(crate) struct TextSplit {
 
 /// The directory of the tokenizer: `data.tokenizer`, else `model.pretrained`.
 pub(crate) fn tokenizer_dir(config: &RunConfig) -> Result<PathBuf> {
-    config
-        .data
-        .tokenizer
-        .clone()
+    let tokenizer = match &config.data.source {
+        crate::config::DataSource::Text(text) => text.tokenizer.clone(),
+        _ => None,
+    };
+    tokenizer
         .or_else(|| config.pretrained.as_ref().map(|p| p.dir.clone()))
         .context(
             "data.tokenizer: text data needs a tokenizer: set data.tokenizer to the directory \
@@ -54,7 +55,10 @@ fn special_tokens(dir: &Path, tokenizer: &TextTokenizer) -> (Option<i64>, i64) {
 /// Reads the configured text data set.
 pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
-    let task = data.text_task()?;
+    let crate::config::DataSource::Text(text_source) = &data.source else {
+        anyhow::bail!("dataset {} is not text data", data.kind().name());
+    };
+    let task = text_source.task()?;
     let dir = tokenizer_dir(config)?;
     let tokenizer = Arc::new(
         TextTokenizer::open(&dir).with_context(|| format!("data.tokenizer ({})", dir.display()))?,
@@ -78,11 +82,16 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
     }
     // Packed, `max_length` is the block: the documents themselves are never cut.
     let options = TextOptions {
-        max_length: if data.packing { None } else { data.max_length },
-        truncation: data.truncation && !data.packing,
+        max_length: if text_source.packing {
+            None
+        } else {
+            text_source.max_length
+        },
+        truncation: text_source.truncation && !text_source.packing,
         eos_token: if task.is_causal() { eos } else { None },
     };
     let threads = data
+        .loader
         .workers
         .max(std::thread::available_parallelism().map_or(1, usize::from));
     let open = |key: &str, path: &Path| -> Result<SampleDataset> {
@@ -91,8 +100,8 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
         if let TextTask::Classification { .. } = &task {
             check_labels::<E>(config, &text)?;
         }
-        Ok(if data.packing {
-            let block = data
+        Ok(if text_source.packing {
+            let block = text_source
                 .max_length
                 .context("data.packing needs data.max_length")?;
             let packed = PackedText::new(text, block, threads)
@@ -110,7 +119,7 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
                 .with_context(|| format!("data.{key} ({})", path.display()))?;
             // A classifier reads a position that depends on every token: padded
             // rows would need attention masks, which Kiln's layers do not take yet.
-            if !task.is_causal() && data.batch_size > 1 {
+            if !task.is_causal() && data.loader.batch_size > 1 {
                 if let (Some(lo), Some(hi)) = (lengths.iter().min(), lengths.iter().max()) {
                     if lo != hi {
                         anyhow::bail!(
@@ -131,9 +140,12 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
             Arc::new(text)
         })
     };
-    let path = data.path.as_deref().context("data.path is required")?;
+    let path = text_source
+        .path
+        .as_deref()
+        .context("data.path is required")?;
     let all = open("path", path)?;
-    let (train, val): (SampleDataset, Option<SampleDataset>) = match &data.val_path {
+    let (train, val): (SampleDataset, Option<SampleDataset>) = match &text_source.val_path {
         Some(val_path) => (all, Some(open("val_path", val_path)?)),
         None if data.val_fraction() > 0.0 => {
             let (tr, te) = split_indices(all.len(), data.val_fraction(), config.seed)
@@ -161,7 +173,7 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
     // The model takes a batch of token ids.
     let model = crate::model::resolve_model::<E>(config, &probe, config.device)?;
     model
-        .output_shape(&[data.batch_size, len])
+        .output_shape(&[data.loader.batch_size, len])
         .context("the model does not take batches of token ids [batch, length]")?;
     Ok(Data {
         train: split(train),
