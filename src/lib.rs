@@ -2,7 +2,9 @@
 //!
 //! This facade re-exports Kiln's backend-neutral crates as modules
 //! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
-//! datasets, loaders, readers, transforms; [`train`]: the `Trainer`, callbacks,
+//! datasets, loaders, readers, transforms; [`vision`]: image decoding, image
+//! datasets and torchvision's transforms; [`text`]: text rows tokenized for
+//! language models; [`train`]: the `Trainer`, callbacks,
 //! metrics, sinks and checkpoints), the most used names at the root and in
 //! [`prelude`], [`onnx`] (ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`),
 //! [`hf`] (Hugging Face checkpoints and tokenizers),
@@ -37,6 +39,7 @@ pub use kiln_data as data;
 pub use kiln_fused_ops as fused_ops;
 pub use kiln_hf as hf;
 pub use kiln_onnx as onnx;
+pub use kiln_text as text;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;
 /// Registers Rust ops ([`custom_op`]) in TensorFlow.
@@ -48,6 +51,7 @@ pub use kiln_torch as torch;
 #[cfg(feature = "torch")]
 pub use kiln_torch_op as torch_op;
 pub use kiln_train as train;
+pub use kiln_vision as vision;
 
 pub use kiln_core::backend::{Backend, Mode};
 pub use kiln_core::module::Module;

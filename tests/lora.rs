@@ -16,10 +16,10 @@ use std::sync::{Arc, OnceLock};
 use kiln::core::backend::{StepPlan, Trainable};
 use kiln::core::lora::LoraConfig;
 use kiln::core::optim::AdamWConfig;
-use kiln::data::text::{PadCollate, PromptTemplate, TextDataset, TextOptions, TextTask};
 use kiln::data::PrefetchLoader;
 use kiln::hf::{HfError, Pretrained, TextTokenizer};
 use kiln::prelude::*;
+use kiln::text::{PadCollate, PromptTemplate, TextDataset, TextOptions, TextTask};
 use kiln::torch::{from_tch, to_tch, TorchModel};
 use kiln_testkit::assert_close;
 

@@ -8,10 +8,10 @@ use std::path::Path;
 
 use anyhow::Result;
 use kiln::core::lora::LoraConfig;
-use kiln::data::text::{PackedText, PadCollate, TextDataset, TextOptions, TextTask};
 use kiln::data::PrefetchLoader;
 use kiln::hf::TextTokenizer;
 use kiln::prelude::*;
+use kiln::text::{PackedText, PadCollate, TextDataset, TextOptions, TextTask};
 use serde_json::{json, Value};
 
 use crate::llm::{BATCH, SEQ};

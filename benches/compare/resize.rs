@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::{bail, ensure, Result};
 use kiln::core::HostTensor;
-use kiln::data::vision::{resize, ResizeTo};
+use kiln::vision::transforms::{resize, ResizeTo};
 use serde_json::{json, Value};
 
 use crate::tasks::TaskArgs;

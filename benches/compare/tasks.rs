@@ -15,12 +15,11 @@ use kiln::core::{
     model::{Layer, LinearConfig},
     state_tensors::StateTensors,
 };
-use kiln::data::{
-    Compose, DataLoader, InMemoryDataset, Normalize, PrefetchLoader, ToFloat, TransformedDataset,
-};
+use kiln::data::{Compose, DataLoader, InMemoryDataset, PrefetchLoader, TransformedDataset};
 use kiln::prelude::*;
 use kiln::torch::{ScriptModule, TorchBackend};
 use kiln::train::Checkpoint;
+use kiln::vision::{Normalize, ToFloat};
 use serde_json::{json, Value};
 use tch::{Kind, Tensor};
 
@@ -635,8 +634,8 @@ fn time_epochs(
 /// (`64`, `224`, or `224-FORMAT`: the crop size first). Memory is this
 /// process's peak RSS (one process; PyTorch's is its processes' summed PSS).
 fn images(a: &TaskArgs, set: &str, shards: bool) -> Result<Value> {
-    use kiln::data::vision::RandomResizedCrop;
-    use kiln::data::{ImageFolder, RandomHorizontalFlip, WebDataset};
+    use kiln::vision::transforms::RandomResizedCrop;
+    use kiln::vision::{ImageFolder, RandomHorizontalFlip, WebDataset};
 
     let size: usize = set
         .split('-')

@@ -11,15 +11,14 @@
 //!   both loaders take one.
 //! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
 //!   raw or gzip), [`load_csv`].
-//! * Images: [`decode_image`] (JPEG and PNG), [`ImageFolder`] (torchvision's
-//!   class folders, or a list file) and [`WebDataset`] (`.tar` shards, with
-//!   [`ShardOrder`] as the loader's [`EpochOrder`]).
-//! * Text ([`text`]): JSON Lines and CSV rows tokenized for language
-//!   modelling, instruction tuning or classification, padded or packed.
-//! * Transforms ([`Transform`]): [`Normalize`], [`RandomCrop`],
-//!   [`RandomHorizontalFlip`], [`ToFloat`], [`Compose`], and [`one_hot`];
-//!   torchvision's image transforms (resize, crops, colour jitter) and their
-//!   configuration in [`vision`].
+//! * Transforms ([`Transform`], drawing from a [`TransformRng`] seeded per
+//!   sample and epoch): [`Compose`], closures, and [`one_hot`].
+//! * An epoch's order for a stream ([`EpochOrder`], [`IterableDataset`] and
+//!   [`IterableLoader`]).
+//!
+//! Images (decoders, class folders, WebDataset shards, torchvision's
+//! transforms) are in `kiln-vision`, text rows for language models in
+//! `kiln-text`: both are datasets and transforms of this crate.
 //!
 //! Samples are `kiln-core` [`HostTensor`]s. The loaders shuffle with
 //! [`kiln_core::rng::epoch_order`] (`torch.randperm` of `seed + epoch`, the
@@ -30,7 +29,6 @@ mod collate;
 mod csv;
 mod dataset;
 mod digits;
-mod image;
 mod indexable;
 mod iterable;
 mod loader;
@@ -43,18 +41,12 @@ mod split;
 mod subset;
 #[cfg(test)]
 mod testing;
-pub mod text;
 mod transform;
-pub mod vision;
 
 pub use collate::{Collate, StackCollate};
 pub use csv::{load_csv, CsvOptions, LabelColumn, LabelKind};
 pub use dataset::InMemoryDataset;
 pub use digits::load_digits;
-pub use image::{
-    decode_image, ColorMode, ImageFolder, OnError, ShardOrder, WebDataset, IMG_EXTENSIONS,
-    MAX_SHARDS,
-};
 pub use indexable::{EpochSampler, IndexableDataset};
 pub use iterable::{IterableDataset, IterableLoader};
 pub use loader::SequentialLoader;
@@ -64,9 +56,7 @@ pub use prefetch::{EpochOrder, PrefetchLoader};
 pub use sampler::{DistributedSampler, LoaderSampler, ShardSampler};
 pub use split::{split_indices, train_test_split, Split};
 pub use subset::Subset;
-pub use transform::{
-    one_hot, Compose, Normalize, RandomCrop, RandomHorizontalFlip, ToFloat, Transform, TransformRng,
-};
+pub use transform::{one_hot, Compose, Transform, TransformRng};
 
 use std::sync::Arc;
 

@@ -85,13 +85,20 @@ where
 /// [`get`](Dataset::get) is epoch 0.
 ///
 /// ```
-/// use kiln_data::{Dataset, InMemoryDataset, RandomHorizontalFlip, TransformedDataset};
-/// use kiln_core::HostTensor;
+/// use kiln_data::{Dataset, InMemoryDataset, TransformRng, TransformedDataset};
+/// use kiln_core::{HostTensor, Result};
 ///
-/// // Four 1x1x2 images [i, 10 + i].
+/// // Four 1x1x2 images [i, 10 + i], each flipped with probability 1/2.
 /// let x = HostTensor::new(vec![0u8, 10, 1, 11, 2, 12, 3, 13], [4, 1, 1, 2])?;
 /// let y = HostTensor::new(vec![0i64, 1, 2, 3], [4])?;
-/// let ds = TransformedDataset::new(InMemoryDataset::new(x, y)?, RandomHorizontalFlip { p: 0.5 }, 9);
+/// let flip = |x: HostTensor, rng: &mut TransformRng| -> Result<HostTensor> {
+///     if rng.next_f64() < 0.5 {
+///         let v: Vec<u8> = x.as_slice::<u8>()?.iter().rev().copied().collect();
+///         return HostTensor::new(v, x.dims().to_vec());
+///     }
+///     Ok(x)
+/// };
+/// let ds = TransformedDataset::new(InMemoryDataset::new(x, y)?, flip, 9);
 /// let (img, _) = ds.get_for_epoch(1, 3)?;
 /// assert!(img.as_slice::<u8>()? == [1, 11] || img.as_slice::<u8>()? == [11, 1]);
 /// assert_eq!(img, ds.get_for_epoch(1, 3)?.0);

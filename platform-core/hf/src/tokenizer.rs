@@ -95,7 +95,7 @@ impl TextTokenizer {
     }
 }
 
-impl kiln_data::text::TokenizeText for TextTokenizer {
+impl kiln_text::TokenizeText for TextTokenizer {
     fn encode_text(&self, text: &str, add_special_tokens: bool) -> kiln_core::Result<Vec<i64>> {
         Ok(self.encode_with(text, add_special_tokens)?)
     }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use kiln_core::error::{Error, Result};
-use kiln_data::vision::TransformSpec;
+use kiln_vision::transforms::TransformSpec;
 
 use super::yes;
 
@@ -243,10 +243,10 @@ pub struct ImageKeys {
     pub image_size: Option<ImageSize>,
     /// The channels they are decoded to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub color_mode: Option<kiln_data::ColorMode>,
+    pub color_mode: Option<kiln_vision::ColorMode>,
     /// Whether a corrupt image stops the run or is skipped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_error: Option<kiln_data::OnError>,
+    pub on_error: Option<kiln_vision::OnError>,
     /// The training transforms, in order (torchvision's names: `resize`,
     /// `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
     /// `color_jitter`, `to_tensor`, `normalize`, `pad`, `random_crop`,
@@ -620,8 +620,8 @@ impl DataConfig {
 
 impl TextSource {
     /// The text task the keys describe.
-    pub fn task(&self) -> Result<kiln_data::text::TextTask> {
-        use kiln_data::text::{PromptTemplate, TextTask};
+    pub fn task(&self) -> Result<kiln_text::TextTask> {
+        use kiln_text::{PromptTemplate, TextTask};
         let template = |key: &str, source: &str| {
             PromptTemplate::parse(source)
                 .map_err(|e| Error::invalid_argument(format!("data.{key}"), e.to_string()))

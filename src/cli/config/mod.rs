@@ -332,8 +332,8 @@ impl RunConfig {
         }
         match &mut self.loss {
             Loss::CrossEntropy(c) => match c.ignore_index {
-                None => c.ignore_index = Some(kiln_data::text::IGNORE_INDEX),
-                Some(kiln_data::text::IGNORE_INDEX) => {}
+                None => c.ignore_index = Some(kiln_text::IGNORE_INDEX),
+                Some(kiln_text::IGNORE_INDEX) => {}
                 Some(other) => {
                     return Err(Error::invalid_argument(
                         "loss.ignore_index",

@@ -8,11 +8,11 @@ use crate::config::{DataSource, ImageFolderSource, RunConfig, ShardSource};
 use crate::engines::Engines;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
-use kiln_data::vision::{BatchTransform, CutMix, MixUp, MixUpOrCutMix, TransformSpec};
 use kiln_data::{
-    split_indices, Compose, Dataset, ImageFolder, Subset, Transform, TransformRng,
-    TransformedDataset, WebDataset,
+    split_indices, Compose, Dataset, Subset, Transform, TransformRng, TransformedDataset,
 };
+use kiln_vision::transforms::{BatchTransform, CutMix, MixUp, MixUpOrCutMix, TransformSpec};
+use kiln_vision::{ImageFolder, WebDataset};
 
 use super::{check_fits, Data, ImageSplit, LabelOrigin, SampleDataset, Split};
 
@@ -103,8 +103,8 @@ fn open_folder(path: &Path, config: &RunConfig) -> Result<ImageFolder> {
 /// nothing is decoded but one example, which checks the transforms and the model.
 pub(super) fn load_images<E: Engines>(config: &RunConfig) -> Result<Data> {
     let (train_t, val_t) = image_transforms(config)?;
-    let train_transform = kiln_data::vision::compose(&train_t).context("data.transforms")?;
-    let val_transform = || kiln_data::vision::compose(&val_t).context("data.val_transforms");
+    let train_transform = kiln_vision::transforms::compose(&train_t).context("data.transforms")?;
+    let val_transform = || kiln_vision::transforms::compose(&val_t).context("data.val_transforms");
     val_transform()?;
     check_mix_loss(config)?;
     let (mut train, val, classes, shards) = match &config.data.source {

@@ -50,8 +50,7 @@ pub(crate) fn loader(
             )))
         }
         Split::Text(split) => {
-            let collate =
-                kiln_data::text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
+            let collate = kiln_text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
             let loader =
                 PrefetchLoader::with_collate(split.dataset, data.loader.batch_size, collate)?;
             Ok(Box::new(ordered(
@@ -66,7 +65,7 @@ pub(crate) fn loader(
                 .num_workers(data.loader.workers)
                 .drop_last(shuffle && data.loader.drop_last)
                 .skip_failed_samples(
-                    config.data.images().on_error == Some(kiln_data::OnError::Skip),
+                    config.data.images().on_error == Some(kiln_vision::OnError::Skip),
                 );
             match &split.shards {
                 // Training on shards: each epoch the shards are shuffled, the
@@ -96,7 +95,7 @@ pub(crate) fn loader(
                 Some(mix) if shuffle => {
                     let rank = shard.map_or(0, |(rank, _)| rank as u64);
                     let seed = config.seed ^ MIX_SEED ^ rank.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                    Ok(Box::new(kiln_data::vision::BatchTransformed::new(
+                    Ok(Box::new(kiln_vision::transforms::BatchTransformed::new(
                         loader, mix, seed,
                     )))
                 }

@@ -13,7 +13,8 @@ use crate::engines::Engines;
 use crate::prelude::*;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
-use kiln_data::{load_digits, train_test_split, Dataset, WebDataset};
+use kiln_data::{load_digits, train_test_split, Dataset};
+use kiln_vision::WebDataset;
 
 mod images;
 mod loader;
@@ -54,7 +55,7 @@ pub(crate) struct ImageSplit {
     /// shuffle buffer, then a block per rank) instead of the loader's shuffle.
     shards: Option<Arc<WebDataset>>,
     /// Training batches' MixUp / CutMix (`data.mixup_alpha`, `data.cutmix_alpha`).
-    mix: Option<Arc<dyn kiln_data::vision::BatchTransform>>,
+    mix: Option<Arc<dyn kiln_vision::transforms::BatchTransform>>,
 }
 
 impl Split {

@@ -8,9 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use kiln_data::text::{PackedText, TextDataset, TextOptions, TextTask};
 use kiln_data::{split_indices, Dataset, Subset};
 use kiln_hf::{Pretrained, TextTokenizer};
+use kiln_text::{PackedText, TextDataset, TextOptions, TextTask};
 
 use super::{Data, SampleDataset, Split};
 use crate::config::RunConfig;

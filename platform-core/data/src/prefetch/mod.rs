@@ -18,8 +18,8 @@ mod workers;
 pub use loader::PrefetchLoader;
 
 /// A loader's own sample order per epoch, replacing its shuffling and
-/// sampler ([`PrefetchLoader::order`]); e.g. [`ShardOrder`](crate::ShardOrder),
-/// which visits a [`WebDataset`](crate::WebDataset)'s shards in a shuffled order.
+/// sampler ([`PrefetchLoader::order`]); e.g. kiln-vision's `ShardOrder`,
+/// which visits a `WebDataset`'s shards in a shuffled order.
 ///
 /// Contract: the order depends only on `(len, epoch)` and the implementor's
 /// configuration, never on the thread or the number of workers, and every
