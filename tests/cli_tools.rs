@@ -3,7 +3,8 @@
 //! CONFIG` and at the start of a run), the TensorBoard views of `[logging]`, and
 //! the profiler (`kiln train --profile`); weight averaging in
 //! `cli_tools/averaging.rs`, the TensorBoard views in `cli_tools/views.rs`, the
-//! profiler in `cli_tools/profile.rs`.
+//! profiler in `cli_tools/profile.rs`, the time limit (`max_time`) in
+//! `cli_tools/timer.rs`.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -17,6 +18,8 @@ mod common;
 mod averaging;
 #[path = "cli_tools/profile.rs"]
 mod profile;
+#[path = "cli_tools/timer.rs"]
+mod timer;
 #[path = "cli_tools/views.rs"]
 mod views;
 

@@ -28,10 +28,10 @@ pub use checkpoint::{
 pub use learner::{
     find_lr, update_batch_norm, AveragingConfig, Callback, Context, EarlyStopping,
     EarlyStoppingConfig, EmaConfig, EpochRecord, FitInfo, Flow, LossReads, LrFinderConfig,
-    LrFinderResult, LrSweep, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler,
-    ScheduleInterval, Sinks, StepViewLogger, StepViews, SwaConfig, SwaStart, Trainer,
-    TrainerConfig, TrainingState, ValidationBatch, WeightAverager, WeightAveraging,
-    MISCLASSIFIED_TAG,
+    LrFinderResult, LrSweep, MaxTime, MisclassifiedImages, MisclassifiedLogger, ProfileConfig,
+    Profiler, ScheduleInterval, Sinks, StepViewLogger, StepViews, SwaConfig, SwaStart, Timer,
+    TimerInterval, Trainer, TrainerConfig, TrainingState, ValidationBatch, WeightAverager,
+    WeightAveraging, MISCLASSIFIED_TAG,
 };
 pub use logger::{
     plot_curves, plot_lr_finder, CsvSink, CurveSource, EpochValues, History, LogSink, LoggedImage,

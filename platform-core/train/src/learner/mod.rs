@@ -16,7 +16,7 @@ pub use early_stopping::{EarlyStopping, EarlyStoppingConfig};
 pub use lr_finder::{find_lr, LrFinderConfig, LrFinderResult, LrSweep};
 pub use state::TrainingState;
 pub use tools::{
-    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
-    WeightAverager, MISCLASSIFIED_TAG,
+    MaxTime, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger,
+    StepViews, Timer, TimerInterval, WeightAverager, MISCLASSIFIED_TAG,
 };
 pub use trainer::{EpochRecord, LossReads, ScheduleInterval, Trainer, TrainerConfig};

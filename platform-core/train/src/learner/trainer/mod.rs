@@ -14,8 +14,8 @@ use super::averaging::{AveragingConfig, EmaConfig, SwaConfig};
 use super::callback::Callback;
 use super::state::TrainingState;
 use super::tools::{
-    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
-    WeightAverager,
+    MaxTime, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger,
+    StepViews, Timer, WeightAverager,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
 use crate::logger::MetricSink;
@@ -57,6 +57,11 @@ pub struct TrainerConfig {
     /// Stop after this many optimizer steps, if reached before `epochs`.
     #[serde(default)]
     pub max_steps: Option<u64>,
+    /// Stop once training has run this long (Lightning's `max_time`,
+    /// `"DD:HH:MM:SS"`), looking after every step: the trainer registers a
+    /// [`Timer`](crate::Timer), whose elapsed time checkpoints keep.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_time: Option<MaxTime>,
     /// Micro-batches whose gradients add up before each optimizer step (>= 1).
     #[serde(default = "one")]
     pub accumulate: u64,
@@ -122,6 +127,7 @@ impl Default for TrainerConfig {
         Self {
             epochs: 10,
             max_steps: None,
+            max_time: None,
             accumulate: 1,
             clip: None,
             seed: 0,
@@ -281,10 +287,13 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         config.validate()?;
         // The weight average's upkeep is the first callback, so that the
         // others validate and log with the average where it validates.
-        let callbacks: Vec<Box<dyn Callback<B, M>>> = match config.averaging() {
+        let mut callbacks: Vec<Box<dyn Callback<B, M>>> = match config.averaging() {
             Some(averaging) => vec![Box::new(WeightAverager::new(averaging))],
             None => Vec::new(),
         };
+        if let Some(max_time) = config.max_time {
+            callbacks.push(Box::new(Timer::new(max_time.duration())));
+        }
         Ok(Self {
             config,
             objective: Box::new(objective),
