@@ -338,8 +338,9 @@ impl DataSource {
         }
     }
 
-    /// Whether the source gives its own validation split (`val_path`,
-    /// `val_shards`, MNIST's test set).
+    /// Whether `val_fraction` defaults to 0: the source gives a validation
+    /// split of its own (`val_path`, MNIST's test set), or is a stream of
+    /// shards, whose split is `val_shards` or none.
     fn has_own_split(&self) -> bool {
         match self {
             DataSource::Mnist(_) | DataSource::Webdataset(_) => true,

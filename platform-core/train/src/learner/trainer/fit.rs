@@ -127,7 +127,8 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     /// What `fit` refuses before the first step: an objective the model's
     /// step cannot compute, a model in another precision, a schedule that
     /// cannot step as configured, a weight average the trainer does not keep
-    /// (the [`WeightAverager`](crate::WeightAverager) checks the rest). Gives the state the objective's running means.
+    /// (the [`WeightAverager`](crate::WeightAverager) checks the rest). Gives
+    /// the state the objective's running means.
     fn check_fit(&self, state: &mut TrainingState<B, M>, has_validation: bool) -> Result<()> {
         if self.objective.supervised_loss().is_none() && !state.model.runs_any_objective() {
             return Err(kiln_core::backend::objective_unsupported(

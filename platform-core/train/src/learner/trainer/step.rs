@@ -1,7 +1,7 @@
 //! One epoch's batches: each micro-batch through the model (seeding and
 //! zeroing at a step's first, gradient accumulation, the loss read now or
-//! deferred), and what follows each optimizer step (the
-//! schedule, the step's log, callbacks, a checkpoint).
+//! deferred), and what follows each optimizer step (the schedule, the
+//! step's log, callbacks, a checkpoint).
 
 use super::fit::{any_stops, each_callback};
 use super::{step_seed, EpochRecord, LossReads, ScheduleInterval, Trainer};
@@ -168,9 +168,8 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     }
 
     /// After an optimizer step: the schedule advances (unless a callback
-    /// holds it), the
-    /// step is logged (every `log_every`), callbacks see it, and a checkpoint
-    /// due after it is written. `value` is the step's loss when read already.
+    /// holds it), the step is logged (every `log_every`), callbacks see it,
+    /// and a checkpoint due after it is written. `value` is the step's loss when read already.
     fn end_step(
         &mut self,
         state: &mut TrainingState<B, M>,
