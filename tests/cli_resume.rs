@@ -1,7 +1,7 @@
 //! The `kiln` CLI end to end: train from a config, get killed by a real signal
 //! mid-run, resume from the last checkpoint, and reproduce the per-step losses
-//! of an uninterrupted run bitwise. Also: inspect, eval and predict, and a
-//! config error that names the key.
+//! of an uninterrupted run bitwise. Also: inspect, eval and predict, a
+//! config error that names the key, and NumPy arrays as a data source.
 
 #![allow(clippy::unwrap_used)] // a test that fails should fail loudly
 
@@ -474,5 +474,85 @@ fn the_shipped_config_trains_and_writes_every_output() {
         epochs.lines().count(),
         4,
         "a header and three epochs:\n{epochs}"
+    );
+}
+
+/// `dataset = "npy"`: scikit-learn's digits saved by `numpy.save` train
+/// exactly as `dataset = "digits"` (the same losses, bit for bit), and the
+/// arrays a run cannot use are refused before training, naming the key.
+#[test]
+fn npy_arrays_train_as_the_digits_they_hold() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let Some(python) = kiln_testkit::python("npy_arrays_train_as_the_digits_they_hold") else {
+        return;
+    };
+    let dir = scratch("npy");
+    kiln_testkit::run_reference_script!(&python, "digits_npy.py", &[dir.as_os_str()]);
+    let plain = config(&dir, 0);
+    let text = std::fs::read_to_string(&plain).unwrap();
+    let with = |name: &str, keys: &str| {
+        let path = dir.join(name);
+        let source = format!("dataset = \"npy\"\n{keys}");
+        std::fs::write(&path, text.replace("dataset = \"digits\"\n", &source)).unwrap();
+        path.to_str().unwrap().to_owned()
+    };
+    let at = |file: &str| dir.join(file).display().to_string();
+    let npy = with(
+        "npy.toml",
+        &format!("path = \"{}\"\nlabels = \"{}\"\n", at("x.npy"), at("y.npy")),
+    );
+    let (a, b) = (dir.join("digits"), dir.join("npy"));
+    train(plain.to_str().unwrap(), &a, &["--epochs", "1"]);
+    train(&npy, &b, &["--epochs", "1"]);
+    assert!(!losses(&a).is_empty());
+    assert_eq!(
+        losses(&a),
+        losses(&b),
+        "the same examples, in the same order"
+    );
+
+    let refused = |config: &str| {
+        let out = dir.join("refused");
+        let err = kiln_fails(&[
+            "train",
+            "--config",
+            config,
+            "--output",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!out.exists(), "nothing written for a refused run");
+        err
+    };
+    let no_labels = with("no-labels.toml", &format!("path = \"{}\"\n", at("x.npy")));
+    let err = refused(&no_labels);
+    assert!(
+        err.contains("data.labels is required for dataset = \"npy\""),
+        "{err}"
+    );
+    let column = with(
+        "column.toml",
+        &format!(
+            "path = \"{}\"\nlabels = \"{}\"\n",
+            at("x.npy"),
+            at("y_column.npy")
+        ),
+    );
+    let err = refused(&column);
+    assert!(
+        err.contains("holds an array of shape [1797, 1]; expected [1797], one label for each"),
+        "{err}"
+    );
+    let csv_key = with(
+        "csv-key.toml",
+        &format!("path = \"{}\"\nlabel_column = \"y\"\n", at("x.npy")),
+    );
+    let err = refused(&csv_key);
+    assert!(
+        err.contains("label_column")
+            && err.contains("applies to csv and text data, not dataset = \"npy\""),
+        "{err}"
     );
 }

@@ -10,7 +10,7 @@
 //!   of every epoch, in exactly the order of PyTorch's `DistributedSampler`;
 //!   both loaders take one.
 //! * Readers: [`load_digits`], [`load_mnist`] and [`read_idx`] (IDX files,
-//!   raw or gzip), [`load_csv`].
+//!   raw or gzip), [`load_csv`], [`read_npy`] (NumPy's `.npy` files).
 //! * Transforms ([`Transform`], drawing from a [`TransformRng`] seeded per
 //!   sample and epoch): [`Compose`], closures, and [`one_hot`].
 //! * An epoch's order for a stream ([`EpochOrder`], [`IterableDataset`] and
@@ -34,6 +34,7 @@ mod iterable;
 mod loader;
 mod map;
 mod mnist;
+mod npy;
 mod prefetch;
 mod sampler;
 mod source;
@@ -52,6 +53,7 @@ pub use iterable::{IterableDataset, IterableLoader};
 pub use loader::SequentialLoader;
 pub use map::{MapDataset, TransformedDataset};
 pub use mnist::{load_mnist, load_mnist_images, load_mnist_labels, read_idx, Mnist};
+pub use npy::read_npy;
 pub use prefetch::{EpochOrder, PrefetchLoader};
 pub use sampler::{DistributedSampler, LoaderSampler, ShardSampler};
 pub use split::{split_indices, train_test_split, Split};

@@ -100,6 +100,8 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             .map(Path::to_path_buf)
             .context("data.path is required for this dataset")
     };
+    // The file the labels come from, and the line of its first example (None
+    // for a labels array, whose examples are its records).
     let (features, labels, origin_path, first_line) = match &data.source {
         DataSource::ImageFolder(_) | DataSource::Webdataset(_) => return load_images::<E>(config),
         DataSource::Text(_) => return load_text::<E>(config),
@@ -111,7 +113,7 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
                     path.display()
                 )
             })?;
-            (x, y, path, 1)
+            (x, y, path, Some(1))
         }
         DataSource::Mnist(_) => {
             // MNIST has its own test split: it is the validation set.
@@ -159,7 +161,16 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
             };
             let path = path()?;
             let (x, y) = kiln_data::load_csv(&path, &options)?;
-            (x, y, path, if csv.has_header { 2 } else { 1 })
+            (x, y, path, Some(if csv.has_header { 2 } else { 1 }))
+        }
+        DataSource::Npy(npy) => {
+            let path = path()?;
+            let labels = npy
+                .labels
+                .clone()
+                .context("data.labels is required for dataset = \"npy\"")?;
+            let (x, y) = npy_arrays(&path, &labels)?;
+            (x, y, labels, None)
         }
     };
     let features = scale_and_shape(features, data)?;
@@ -169,15 +180,17 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     } else {
         features
     };
-    check_fits::<E>(
-        config,
-        &features,
-        &labels,
-        &LabelOrigin::Lines {
+    let origin = match first_line {
+        Some(first_line) => LabelOrigin::Lines {
             path: &origin_path,
             first_line,
         },
-    )?;
+        None => LabelOrigin::Records {
+            path: &origin_path,
+            split: "training",
+        },
+    };
+    check_fits::<E>(config, &features, &labels, &origin)?;
     let probe = first_example(&features)?;
     if data.val_fraction() == 0.0 {
         return Ok(Data {
@@ -195,6 +208,37 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
         probe,
         class_names: None,
     })
+}
+
+/// The features and labels of `dataset = "npy"`: as many examples in each,
+/// the labels one number each, integer labels as int64 class indices and
+/// float ones as float32 regression targets.
+fn npy_arrays(path: &Path, labels: &Path) -> Result<(HostTensor, HostTensor)> {
+    let x = kiln_data::read_npy(path).context("data.path")?;
+    let y = kiln_data::read_npy(labels).context("data.labels")?;
+    let n = match x.dims().first() {
+        Some(&n) if n > 0 => n,
+        _ => anyhow::bail!(
+            "data.path: {} holds an array of shape {}; expected [examples, ...] with at least \
+             one example",
+            path.display(),
+            x.shape()
+        ),
+    };
+    if y.dims() != [n] {
+        anyhow::bail!(
+            "data.labels: {} holds an array of shape {}; expected [{n}], one label for each of \
+             the {n} examples of {}",
+            labels.display(),
+            y.shape(),
+            path.display()
+        );
+    }
+    let y = match y.dtype() {
+        DType::U8 | DType::I32 | DType::I64 => y.to_dtype(DType::I64),
+        _ => y.to_dtype(DType::F32),
+    };
+    Ok((x, y))
 }
 
 /// Example 0 of `features`, as a batch of one.

@@ -23,6 +23,9 @@ pub enum DatasetKind {
     Mnist,
     /// A CSV file `path` of numeric features and an integer label column.
     Csv,
+    /// NumPy arrays (`numpy.save`): the features `path`, `[N, ...]`, and the
+    /// labels `labels`, `[N]`.
+    Npy,
     /// Images in class folders under `path` (torchvision's `ImageFolder`), or a
     /// CSV or JSON list of `path,label`; decoded in the loader's workers.
     ImageFolder,
@@ -42,6 +45,7 @@ impl DatasetKind {
             DatasetKind::Digits => "digits",
             DatasetKind::Mnist => "mnist",
             DatasetKind::Csv => "csv",
+            DatasetKind::Npy => "npy",
             DatasetKind::ImageFolder => "image_folder",
             DatasetKind::Webdataset => "webdataset",
             DatasetKind::Text => "text",
@@ -49,10 +53,11 @@ impl DatasetKind {
     }
 
     /// Every kind, in the order the guide lists them.
-    pub const ALL: [DatasetKind; 6] = [
+    pub const ALL: [DatasetKind; 7] = [
         DatasetKind::Digits,
         DatasetKind::Mnist,
         DatasetKind::Csv,
+        DatasetKind::Npy,
         DatasetKind::ImageFolder,
         DatasetKind::Webdataset,
         DatasetKind::Text,
@@ -63,12 +68,12 @@ impl DatasetKind {
         matches!(self, DatasetKind::ImageFolder | DatasetKind::Webdataset)
     }
 
-    /// Whether the examples are rows of numbers (digits, mnist, csv), scaled
-    /// and shaped by `scale` and `input_shape`.
+    /// Whether the examples are rows of numbers (digits, mnist, csv, npy),
+    /// scaled and shaped by `scale` and `input_shape`.
     pub fn is_tabular(self) -> bool {
         matches!(
             self,
-            DatasetKind::Digits | DatasetKind::Mnist | DatasetKind::Csv
+            DatasetKind::Digits | DatasetKind::Mnist | DatasetKind::Csv | DatasetKind::Npy
         )
     }
 }
@@ -106,7 +111,7 @@ pub struct DataConfig {
     /// for the others).
     #[serde(flatten)]
     pub images: Option<ImageKeys>,
-    /// Tabular sources' scale and shape (`Some` for digits, mnist and csv).
+    /// Tabular sources' scale and shape (`Some` for digits, mnist, csv and npy).
     #[serde(flatten)]
     pub tabular: Option<TabularKeys>,
     /// The loader's keys, for every source.
@@ -124,6 +129,8 @@ pub enum DataSource {
     Mnist(FileSource),
     /// A CSV file of numeric features and an integer label column.
     Csv(CsvSource),
+    /// NumPy arrays of features and labels.
+    Npy(NpySource),
     /// Images in class folders, or a list of `path,label`.
     ImageFolder(ImageFolderSource),
     /// WebDataset `.tar` shards.
@@ -154,6 +161,19 @@ pub struct CsvSource {
     /// Whether the first line names the columns.
     #[serde(default = "yes")]
     pub has_header: bool,
+}
+
+/// npy: the features and the labels, each a `.npy` file (`numpy.save`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NpySource {
+    /// The features, `[N, ...]`, of any numeric dtype (required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// The labels, `[N]`: integers are class indices, floats regression
+    /// targets (required).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<PathBuf>,
 }
 
 /// image_folder: the training images and, optionally, the validation ones.
@@ -273,7 +293,7 @@ pub struct ImageKeys {
     pub val_transforms: Option<Vec<TransformSpec>>,
 }
 
-/// Tabular sources (digits, mnist, csv): the features' scale and shape.
+/// Tabular sources (digits, mnist, csv, npy): the features' scale and shape.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TabularKeys {
@@ -321,6 +341,7 @@ impl DataSource {
             DataSource::Digits(_) => DatasetKind::Digits,
             DataSource::Mnist(_) => DatasetKind::Mnist,
             DataSource::Csv(_) => DatasetKind::Csv,
+            DataSource::Npy(_) => DatasetKind::Npy,
             DataSource::ImageFolder(_) => DatasetKind::ImageFolder,
             DataSource::Webdataset(_) => DatasetKind::Webdataset,
             DataSource::Text(_) => DatasetKind::Text,
@@ -332,6 +353,7 @@ impl DataSource {
         match self {
             DataSource::Digits(s) | DataSource::Mnist(s) => s.path.as_deref(),
             DataSource::Csv(s) => s.path.as_deref(),
+            DataSource::Npy(s) => s.path.as_deref(),
             DataSource::ImageFolder(s) => s.path.as_deref(),
             DataSource::Text(s) => s.path.as_deref(),
             DataSource::Webdataset(_) => None,
@@ -346,7 +368,7 @@ impl DataSource {
             DataSource::Mnist(_) | DataSource::Webdataset(_) => true,
             DataSource::ImageFolder(s) => s.val_path.is_some(),
             DataSource::Text(s) => s.val_path.is_some(),
-            DataSource::Digits(_) | DataSource::Csv(_) => false,
+            DataSource::Digits(_) | DataSource::Csv(_) | DataSource::Npy(_) => false,
         }
     }
 }
@@ -402,7 +424,7 @@ impl DataConfig {
             DataSource::ImageFolder(s) => s.val_path.is_some(),
             DataSource::Text(s) => s.val_path.is_some(),
             DataSource::Webdataset(s) => s.val_shards.is_some(),
-            DataSource::Digits(_) | DataSource::Csv(_) => false,
+            DataSource::Digits(_) | DataSource::Csv(_) | DataSource::Npy(_) => false,
         }
     }
 

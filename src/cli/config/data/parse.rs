@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::{
     CsvSource, DataConfig, DataSource, DatasetKind, FileSource, ImageFolderSource, ImageKeys,
-    LoaderKeys, ShardSource, TabularKeys, TextSource,
+    LoaderKeys, NpySource, ShardSource, TabularKeys, TextSource,
 };
 
 /// The field names serde's derive gives `deserialize_struct` for `T`: the
@@ -58,6 +58,7 @@ fn parts_of(kind: DatasetKind) -> [&'static [&'static str]; 3] {
     let source = match kind {
         DatasetKind::Digits | DatasetKind::Mnist => fields_of::<FileSource>(),
         DatasetKind::Csv => fields_of::<CsvSource>(),
+        DatasetKind::Npy => fields_of::<NpySource>(),
         DatasetKind::ImageFolder => fields_of::<ImageFolderSource>(),
         DatasetKind::Webdataset => fields_of::<ShardSource>(),
         DatasetKind::Text => fields_of::<TextSource>(),
@@ -136,6 +137,7 @@ impl DataConfig {
             DatasetKind::Digits => DataSource::Digits(take_part(&table)?),
             DatasetKind::Mnist => DataSource::Mnist(take_part(&table)?),
             DatasetKind::Csv => DataSource::Csv(take_part(&table)?),
+            DatasetKind::Npy => DataSource::Npy(take_part(&table)?),
             DatasetKind::ImageFolder => DataSource::ImageFolder(take_part(&table)?),
             DatasetKind::Webdataset => DataSource::Webdataset(take_part(&table)?),
             DatasetKind::Text => DataSource::Text(take_part(&table)?),
@@ -193,7 +195,7 @@ mod tests {
         let err = parse("dataset = \"text\"\npath = \"a\"\nscale = 2.0").unwrap_err();
         assert_eq!(
             err,
-            "applies to digits, mnist and csv data, not dataset = \"text\""
+            "applies to digits, mnist, csv and npy data, not dataset = \"text\""
         );
         let err = parse("dataset = \"csv\"\nbatch_sise = 2").unwrap_err();
         assert!(
