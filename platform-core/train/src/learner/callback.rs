@@ -8,8 +8,8 @@ use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::tensor::HostTensor;
 
+use super::config::{EpochRecord, TrainerConfig};
 use super::state::TrainingState;
-use super::trainer::{EpochRecord, TrainerConfig};
 use crate::logger::{LoggedImage, MetricSink};
 
 /// Whether training goes on after a callback ran.

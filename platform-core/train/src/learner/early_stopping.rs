@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::callback::{Callback, Context, Flow};
-use super::trainer::EpochRecord;
+use super::config::EpochRecord;
 use crate::checkpoint::MonitorMode;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::{Error, Result};

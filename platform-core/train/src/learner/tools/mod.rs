@@ -11,5 +11,5 @@ mod weight_averager;
 pub use misclassified::{MisclassifiedImages, MisclassifiedLogger, MISCLASSIFIED_TAG};
 pub use profiler::{ProfileConfig, Profiler};
 pub use step_views::{StepViewLogger, StepViews};
-pub use timer::{MaxTime, Timer, TimerInterval};
+pub use timer::{Timer, TimerInterval};
 pub use weight_averager::WeightAverager;

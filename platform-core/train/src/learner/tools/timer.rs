@@ -3,145 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use crate::learner::callback::{Callback, Context, FitInfo, Flow};
-use crate::learner::trainer::EpochRecord;
+use crate::learner::config::{EpochRecord, MaxTime};
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::error::{Error, Result};
-
-/// How long a run may train: Lightning's `max_time`, written `"DD:HH:MM:SS"`
-/// (`"00:12:00:00"`: twelve hours) or as a table of `days`, `hours`,
-/// `minutes` and `seconds` (`{ hours = 1, minutes = 30 }`), as Lightning
-/// takes a string or a dict.
-///
-/// ```
-/// use std::time::Duration;
-/// use kiln_train::MaxTime;
-///
-/// let t: MaxTime = serde_json::from_str(r#""01:02:03:04""#)?;
-/// assert_eq!(t.duration(), Duration::from_secs(((24 + 2) * 60 + 3) * 60 + 4));
-/// let t: MaxTime = serde_json::from_str(r#"{"hours": 1, "minutes": 30}"#)?;
-/// assert_eq!(t.to_string(), "00:01:30:00");
-/// # Ok::<(), serde_json::Error>(())
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct MaxTime(Duration);
-
-impl MaxTime {
-    /// The limit `duration` (whole seconds count; a fraction is dropped when
-    /// it is written out).
-    pub fn new(duration: Duration) -> Self {
-        Self(duration)
-    }
-
-    /// The limit.
-    pub fn duration(self) -> Duration {
-        self.0
-    }
-
-    /// `"DD:HH:MM:SS"` read as Lightning's `Timer` reads it: four fields of
-    /// digits, hours below 24, minutes and seconds below 60.
-    pub fn parse(text: &str) -> Result<Self> {
-        let bad = |why: &str| {
-            Error::invalid_argument(
-                "max_time",
-                format!("{why} in {text:?}; expected \"DD:HH:MM:SS\", e.g. \"00:12:00:00\""),
-            )
-        };
-        let fields: Vec<&str> = text.split(':').collect();
-        let [days, hours, minutes, seconds] = fields.as_slice() else {
-            return Err(bad(&format!("{} fields", fields.len())));
-        };
-        let number = |field: &str, name: &str, below: Option<u64>| -> Result<u64> {
-            let value: u64 = field
-                .parse()
-                .ok()
-                .filter(|_| !field.is_empty() && field.bytes().all(|b| b.is_ascii_digit()))
-                .ok_or_else(|| bad(&format!("{name} {field:?} is not a whole number")))?;
-            match below {
-                Some(limit) if value >= limit => {
-                    Err(bad(&format!("{name} {value} is not below {limit}")))
-                }
-                _ => Ok(value),
-            }
-        };
-        Self::from_parts(
-            number(days, "days", None)?,
-            number(hours, "hours", Some(24))?,
-            number(minutes, "minutes", Some(60))?,
-            number(seconds, "seconds", Some(60))?,
-        )
-    }
-
-    fn from_parts(days: u64, hours: u64, minutes: u64, seconds: u64) -> Result<Self> {
-        days.checked_mul(24)
-            .and_then(|h| h.checked_add(hours))
-            .and_then(|h| h.checked_mul(60))
-            .and_then(|m| m.checked_add(minutes))
-            .and_then(|m| m.checked_mul(60))
-            .and_then(|s| s.checked_add(seconds))
-            .map(|s| Self(Duration::from_secs(s)))
-            .ok_or_else(|| Error::invalid_argument("max_time", "is too long to count in seconds"))
-    }
-}
-
-impl std::fmt::Display for MaxTime {
-    /// `"DD:HH:MM:SS"`.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = self.0.as_secs();
-        write!(
-            f,
-            "{:02}:{:02}:{:02}:{:02}",
-            s / 86_400,
-            s / 3_600 % 24,
-            s / 60 % 60,
-            s % 60
-        )
-    }
-}
-
-impl Serialize for MaxTime {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> Deserialize<'de> for MaxTime {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        /// Lightning's dict form.
-        #[derive(Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct Parts {
-            #[serde(default)]
-            days: u64,
-            #[serde(default)]
-            hours: u64,
-            #[serde(default)]
-            minutes: u64,
-            #[serde(default)]
-            seconds: u64,
-        }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Written {
-            Text(String),
-            Parts(Parts),
-        }
-        let parsed = match Written::deserialize(d).map_err(|_| {
-            serde::de::Error::custom(
-                "expected \"DD:HH:MM:SS\" or a table of days, hours, minutes and seconds",
-            )
-        })? {
-            Written::Text(text) => MaxTime::parse(&text),
-            Written::Parts(p) => MaxTime::from_parts(p.days, p.hours, p.minutes, p.seconds),
-        };
-        parsed.map_err(|e| match e {
-            Error::InvalidArgument { reason, .. } => serde::de::Error::custom(reason),
-            other => serde::de::Error::custom(other),
-        })
-    }
-}
 
 /// When a [`Timer`] looks at the clock.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -248,7 +113,7 @@ impl Timer {
         log::info!(
             "Time limit reached. Elapsed time is {:.1} s (max_time {}). Signaling Trainer to stop.",
             self.time_elapsed().as_secs_f64(),
-            MaxTime(self.duration)
+            MaxTime::new(self.duration)
         );
         Flow::Stop
     }

@@ -1,187 +1,35 @@
-//! The training loop, split by concern: the trainer and its configuration
-//! here; `fit` and the epoch's end (`fit.rs`); one epoch's batches and what
+//! The training loop, split by concern: the trainer here (its
+//! configuration in `learner/config.rs`); `fit` and the epoch's end (`fit.rs`); one epoch's batches and what
 //! follows each optimizer step (`step.rs`); validation and evaluation
 //! (`evaluate.rs`); checkpoints (`saving.rs`); the weight average put into
 //! the model at the end (`averaging.rs`). The training tools, the weight
 //! average's upkeep among them, are callbacks (`learner/tools`).
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
-
-use super::averaging::{AveragingConfig, EmaConfig, SwaConfig};
 use super::callback::Callback;
 use super::state::TrainingState;
 use super::tools::{
-    MaxTime, MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger,
-    StepViews, Timer, WeightAverager,
+    MisclassifiedImages, MisclassifiedLogger, ProfileConfig, Profiler, StepViewLogger, StepViews,
+    Timer, WeightAverager,
 };
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, Checkpointer};
 use crate::logger::MetricSink;
 use crate::metric::Metric;
 use kiln_core::backend::{TrainBackend, Trainable};
-use kiln_core::device::Device;
 use kiln_core::error::{Error, Result};
 use kiln_core::loss::Loss;
 use kiln_core::model::Layer;
 use kiln_core::objective::{Objective, Supervised};
-use kiln_core::optim::GradClip;
-use kiln_core::precision::FloatPrecision;
 use kiln_core::rng::SplitMix64;
+
+pub use super::config::{EpochRecord, ScheduleInterval, TrainerConfig};
 
 mod averaging;
 mod evaluate;
 mod fit;
 mod saving;
 mod step;
-
-/// When the learning-rate schedule advances.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ScheduleInterval {
-    /// After every optimizer step (warm-up, one-cycle).
-    Step,
-    /// After every epoch (PyTorch's usual `scheduler.step()` per epoch).
-    #[default]
-    Epoch,
-}
-
-/// How to train, independent of the model and the data.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrainerConfig {
-    /// Epochs to train for.
-    #[serde(default = "ten")]
-    pub epochs: u64,
-    /// Stop after this many optimizer steps, if reached before `epochs`.
-    #[serde(default)]
-    pub max_steps: Option<u64>,
-    /// Stop once training has run this long (Lightning's `max_time`,
-    /// `"DD:HH:MM:SS"`), looking after every step: the trainer registers a
-    /// [`Timer`](crate::Timer), whose elapsed time checkpoints keep.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_time: Option<MaxTime>,
-    /// Micro-batches whose gradients add up before each optimizer step (>= 1).
-    #[serde(default = "one")]
-    pub accumulate: u64,
-    /// Gradient clipping before each optimizer step.
-    #[serde(default)]
-    pub clip: Option<GradClip>,
-    /// The run's seed: initial weights, data order and dropout derive from it
-    /// (in a config file: the top-level `seed`).
-    #[serde(skip)]
-    pub seed: u64,
-    /// Where the model and batches live (in a config file: the top-level `device`).
-    #[serde(skip)]
-    pub device: Device,
-    /// When the schedule advances.
-    #[serde(default)]
-    pub schedule_interval: ScheduleInterval,
-    /// Log the step's training loss and learning rate (`steps.csv`, TensorBoard)
-    /// every this many optimizer steps, as Lightning's `log_every_n_steps`
-    /// (0: only the per-epoch record).
-    #[serde(default = "fifty")]
-    pub log_every: u64,
-    /// Keep host memory that tensors free for the next step instead of
-    /// returning it to the OS (see [`host_memory`](kiln_core::host_memory); on by
-    /// default, glibc only). `fit` applies it process-wide.
-    #[serde(default = "yes")]
-    pub retain_host_memory: bool,
-    /// The dtype of parameters and of the forward pass, like Lightning's
-    /// `precision` (`32-true`, `bf16-mixed`, `bf16-true`). The model must have
-    /// been given it ([`TrainBackend::set_precision`]) before its optimizer was
-    /// built; `fit` checks.
-    #[serde(default)]
-    pub precision: FloatPrecision,
-    /// Keep an exponential moving average of the weights
-    /// (`ema = { decay = 0.999 }`; see [`EmaConfig`]). `fit` starts one from
-    /// the model's weights when the state has none
-    /// ([`TrainingState::with_weight_averaging`] gives one before a resume, so
-    /// that the checkpoint's average is restored).
-    #[serde(default)]
-    pub ema: Option<EmaConfig>,
-    /// Stochastic weight averaging (`swa = { lrs = 0.05 }`; see [`SwaConfig`]),
-    /// instead of `ema`: its learning-rate schedule replaces the run's from
-    /// its first epoch on, and [`Trainer::apply_average`] ends the run with
-    /// the average and its batch-norm statistics.
-    #[serde(default)]
-    pub swa: Option<SwaConfig>,
-}
-
-fn ten() -> u64 {
-    10
-}
-fn one() -> u64 {
-    1
-}
-fn fifty() -> u64 {
-    50
-}
-fn yes() -> bool {
-    true
-}
-
-impl Default for TrainerConfig {
-    fn default() -> Self {
-        Self {
-            epochs: 10,
-            max_steps: None,
-            max_time: None,
-            accumulate: 1,
-            clip: None,
-            seed: 0,
-            device: Device::Cpu,
-            schedule_interval: ScheduleInterval::Epoch,
-            log_every: 50,
-            retain_host_memory: true,
-            precision: FloatPrecision::F32,
-            ema: None,
-            swa: None,
-        }
-    }
-}
-
-impl TrainerConfig {
-    /// Rejects settings that cannot work, naming the field.
-    pub fn validate(&self) -> Result<()> {
-        if self.accumulate == 0 {
-            return Err(Error::invalid_argument("accumulate", "must be at least 1"));
-        }
-        if self.epochs == 0 && self.max_steps.is_none() {
-            return Err(Error::invalid_argument("epochs", "must be at least 1"));
-        }
-        if let Some(clip) = &self.clip {
-            clip.validate()?;
-        }
-        if let Some(ema) = &self.ema {
-            ema.validate()?;
-        }
-        if let Some(swa) = &self.swa {
-            if self.ema.is_some() {
-                return Err(Error::invalid_argument(
-                    "training.swa",
-                    "a run keeps one weight average: set training.ema or training.swa, not both",
-                ));
-            }
-            swa.validate()?;
-            swa.start_epoch(self.epochs)?;
-        }
-        Ok(())
-    }
-
-    /// The weight average the run keeps, if any.
-    pub fn averaging(&self) -> Option<AveragingConfig> {
-        match (&self.ema, &self.swa) {
-            (Some(ema), _) => Some(ema.clone().into()),
-            (None, Some(swa)) => Some(swa.clone().into()),
-            (None, None) => None,
-        }
-    }
-}
-
-/// The metrics of one epoch, by name.
-pub type EpochRecord = BTreeMap<String, f64>;
 
 /// When [`Trainer::fit`] reads each step's loss back from the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
