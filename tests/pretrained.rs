@@ -1,6 +1,8 @@
 //! Hugging Face checkpoints against `transformers`: tiny LLaMA, Mistral, Qwen2,
 //! Qwen3, GPT-2, BERT (a sequence classifier) and ViT (an image classifier)
-//! with random weights, saved by `save_pretrained` (one sharded), load into
+//! with random weights, and decoders with every scaled RoPE (linear, dynamic
+//! NTK, YaRN, Llama 3, LongRoPE, proportional; one config in the Hub's older
+//! `rope_scaling` form), saved by `save_pretrained` (one sharded), load into
 //! Kiln; their logits match `transformers`' within 1e-5 on libtorch and on
 //! TensorFlow; greedy generation of left-padded
 //! prompts equals `generate(do_sample=False)` token for token, and cached
@@ -157,7 +159,16 @@ fn greedy_generation_equals_transformers_and_the_cache_changes_nothing() {
             .chunks(width)
             .map(|row| row[width - new..].to_vec())
             .collect();
-        for use_cache in [true, false] {
+        // Dynamic NTK's and LongRoPE's frequencies follow the length: a
+        // cached step rotates its token for the length so far while the
+        // cache keeps earlier rotations (as transformers' generate does),
+        // which a pass over the whole sequence cannot repeat.
+        let modes: &[bool] = if case["length_dependent_rope"].as_bool().unwrap_or(false) {
+            &[true]
+        } else {
+            &[true, false]
+        };
+        for &use_cache in modes {
             let config = GenerationConfig::greedy(new)
                 .with_pad_token(case["pad_id"].as_i64().unwrap())
                 .with_cache(use_cache);
@@ -317,20 +328,25 @@ fn bad_directories_are_typed_errors_naming_the_key_or_tensor() {
     assert!(matches!(err, HfError::UnknownFamily { .. }), "{err}");
     assert!(err.to_string().contains("\"t5\""), "{err}");
 
-    let err =
-        Pretrained::open(copy(
-            "yarn",
-            &|c| {
-                c["rope_parameters"] =
-                    serde_json::json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
-            },
-        ))
-        .unwrap_err();
+    // A rope_type transformers does not have, and one missing a key it needs.
+    let err = Pretrained::open(copy("xpos", &|c| {
+        c["rope_parameters"] = serde_json::json!({"rope_type": "xpos", "rope_theta": 10000.0})
+    }))
+    .unwrap_err();
     assert!(
-        matches!(err, HfError::UnsupportedKey { ref key, .. } if key == "rope_parameters"),
+        matches!(err, HfError::UnsupportedKey { ref key, .. } if key == "rope_parameters.rope_type"),
         "{err}"
     );
-    assert!(err.to_string().contains("yarn"), "{err}");
+    assert!(err.to_string().contains("\"xpos\""), "{err}");
+    let err = Pretrained::open(copy("llama3", &|c| {
+        c["rope_parameters"] =
+            serde_json::json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0})
+    }))
+    .unwrap_err();
+    assert!(
+        matches!(err, HfError::Config { ref key, .. } if key == "rope_parameters.low_freq_factor"),
+        "{err}"
+    );
 
     // Three layers in the config, two in the weights: refused from the
     // weights' headers, before the definition is built.

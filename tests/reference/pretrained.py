@@ -13,7 +13,10 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
     attention_mask    [3, 5] int64, 0 on the padding
     greedy            [3, 5 + NEW] transformers' `generate(do_sample=False)` (prompt included)
 
-and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens"}.
+and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
+"length_dependent_rope"}. The decoders include one model per scaled rope_type (linear, dynamic,
+yarn, llama3, longrope, proportional); dynamic NTK's and LongRoPE's frequencies follow the
+sequence's length, so only cached generation (transformers' own) is compared for them.
 Two encoders, BERT (`BertForSequenceClassification`, 3 labels) and ViT
 (`ViTForImageClassification`, 16x16 images, 5 labels), have only `input_ids` (`pixel_values`
 for ViT) and `logits`.
@@ -63,7 +66,51 @@ def configs():
         ("qwen2", Qwen2Config(**llama, use_sliding_window=False), False),
         ("qwen3", Qwen3Config(**llama, head_dim=12, use_sliding_window=False), False),
         ("gpt2", GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common), False),
+    ] + scaled_ropes(llama)
+
+
+# Every rope_type of transformers' ROPE_INIT_FUNCTIONS, each with the real checkpoint's
+# fields but its context lengths shrunk below the prompts' (7 tokens for the logits,
+# 5 + NEW when generating), so that ignoring the scaling changes the result.
+LENGTH_DEPENDENT = {"llama_dynamic", "llama_longrope"}
+# Written back in the Hub's older form (top-level rope_theta and rope_scaling), as
+# Llama 3.x's config.json files are.
+OLD_FORM = {"llama3_2"}
+
+
+def scaled_ropes(llama):
+    from transformers import LlamaConfig, Qwen3Config
+
+    # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    # Qwen3's documented YaRN setting (factor 4 over 32768 tokens, shrunk to 8).
+    yarn = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8}
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 4.0, 8.0, 16.0], "original_max_position_embeddings": 6}
+    dynamic = dict(llama, max_position_embeddings=6)
+    return [
+        ("llama3_2", LlamaConfig(**llama, rope_parameters=llama3, tie_word_embeddings=True), False),
+        ("qwen3_yarn", Qwen3Config(**llama, head_dim=12, use_sliding_window=False, rope_parameters=yarn), False),
+        ("llama_linear", LlamaConfig(**llama, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
+                                                                "factor": 4.0}), False),
+        ("llama_dynamic", LlamaConfig(**dynamic, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                   "factor": 4.0}), False),
+        ("llama_longrope", LlamaConfig(**llama, rope_parameters=longrope), False),
+        ("llama_proportional", LlamaConfig(**llama, rope_parameters={
+            "rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 2.0}), False),
     ]
+
+
+def old_form(d):
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = params
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def encoders():
@@ -121,6 +168,9 @@ def make(out):
         fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer(config.vocab_size), bos_token="<s>",
                                        eos_token="</s>", pad_token="<pad>")
         fast.save_pretrained(d)
+        if name in OLD_FORM:
+            old_form(d)
+            model = AutoModelForCausalLM.from_pretrained(d).eval()
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(3, config.vocab_size, (2, 7), generator=g)
         with torch.no_grad():
@@ -131,6 +181,8 @@ def make(out):
         mask[1, :2] = 0
         prompts[2, :1] = 0
         mask[2, :1] = 0
+        # A fresh copy: dynamic NTK keeps the longest length it has seen.
+        model = AutoModelForCausalLM.from_pretrained(d).eval()
         with torch.no_grad():
             greedy = model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
                                     max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
@@ -139,7 +191,8 @@ def make(out):
                   os.path.join(out, f"{name}.io.safetensors"))
         text = "the quick brown fox, slowly: a kiln!"
         cases.append({"name": name, "family": config.model_type, "sharded": sharded, "pad_id": 0,
-                      "new_tokens": NEW, "text": text, "text_ids": fast(text)["input_ids"], "decoder": True})
+                      "new_tokens": NEW, "text": text, "text_ids": fast(text)["input_ids"], "decoder": True,
+                      "length_dependent_rope": name in LENGTH_DEPENDENT})
     make_encoders(out, cases)
     with open(os.path.join(out, "cases.json"), "w") as f:
         json.dump(cases, f)

@@ -32,6 +32,7 @@ mod llama;
 mod names;
 mod peft;
 mod peft_targets;
+mod rope;
 mod tokenizer;
 mod vit;
 

@@ -4,7 +4,7 @@
 
 use kiln_core::model::{
     EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig,
-    RopeConfig, SelfAttentionConfig, TiedLinearConfig,
+    SelfAttentionConfig, TiedLinearConfig,
 };
 use serde_json::Value;
 
@@ -84,7 +84,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     };
     let mlp_bias = config.bool_or("mlp_bias", false)?;
     let qk_norm = (model_type == "qwen3").then_some(eps);
-    let rope = rope(config, head_dim)?;
+    let rope = crate::rope::rope(config, head_dim, "full_attention")?;
     let sliding = config.bool_or("use_sliding_window", config.get("sliding_window").is_some())?;
     if sliding && config.get("sliding_window").is_some() {
         return Err(config.unsupported(
@@ -169,60 +169,4 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     }
     map.ignored_suffixes.push(".rotary_emb.inv_freq".to_owned());
     Ok((model, map))
-}
-
-/// The rotary embedding of `config`: `rope_parameters` (transformers 5) or
-/// the older top-level `rope_theta` and `rope_scaling`.
-/// Whether a `rope_parameters` / `rope_scaling` object (or none) describes
-/// plain RoPE: no `rope_type` or `"default"`, or `"linear"` with factor 1
-/// (positions divided by 1), as `transformers` computes them.
-fn is_plain_rope(params: Option<&serde_json::Map<String, Value>>) -> bool {
-    let Some(params) = params else {
-        return true;
-    };
-    let rope_type = params
-        .get("rope_type")
-        .or_else(|| params.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    match rope_type {
-        "default" => true,
-        "linear" => params.get("factor").and_then(Value::as_f64) == Some(1.0),
-        _ => false,
-    }
-}
-
-fn rope(config: &HfConfig, head_dim: usize) -> Result<RopeConfig> {
-    let params = config.get("rope_parameters").and_then(Value::as_object);
-    let theta = match params.and_then(|p| p.get("rope_theta")) {
-        Some(v) => v.as_f64().ok_or_else(|| {
-            config.unsupported("rope_parameters", "`rope_theta` must be a number")
-        })?,
-        None => config.f64_or("rope_theta", 10_000.0)?,
-    };
-    if !is_plain_rope(params) {
-        let rope_type = params
-            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        return Err(config.unsupported(
-            "rope_parameters",
-            format!("rope_type {rope_type:?}: Kiln implements the default rotary embedding only"),
-        ));
-    }
-    if !is_plain_rope(config.get("rope_scaling").and_then(Value::as_object)) {
-        return Err(config.unsupported(
-            "rope_scaling",
-            "scaled rotary embeddings (linear, dynamic, yarn, llama3) are not implemented",
-        ));
-    }
-    let factor = match params.and_then(|p| p.get("partial_rotary_factor")) {
-        Some(v) => v.as_f64().unwrap_or(1.0),
-        None => config.f64_or("partial_rotary_factor", 1.0)?,
-    };
-    let mut rope = RopeConfig::new(theta);
-    if factor != 1.0 {
-        rope = rope.with_rotary_dim((head_dim as f64 * factor) as usize);
-    }
-    Ok(rope)
 }

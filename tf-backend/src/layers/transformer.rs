@@ -123,17 +123,10 @@ impl Ctx<'_> {
         }
         if let Some(rope) = &c.rope {
             let rot = rope.rotary_dim(d as usize);
-            let inv_freq = rope.inverse_frequencies(d as usize);
             // [seq, 1, rot]: broadcast over batch and heads of [b, seq, heads, d].
-            let mut cos = Vec::with_capacity(seq as usize * rot);
-            let mut sin = Vec::with_capacity(seq as usize * rot);
-            for t in 0..seq {
-                for i in 0..rot {
-                    let angle = t as f32 * inv_freq[i % (rot / 2)];
-                    cos.push(f64::from(angle).cos() as f32);
-                    sin.push(f64::from(angle).sin() as f32);
-                }
-            }
+            // The graph is built for `seq` positions: frequencies that depend
+            // on the length (dynamic NTK, LongRoPE) are those of `seq`.
+            let (cos, sin) = rope.tables(d as usize, seq as usize);
             let dims = [seq as u64, 1, rot as u64];
             let cos = self.b.constant(&cos, &dims)?;
             let sin = self.b.constant(&sin, &dims)?;

@@ -2,7 +2,9 @@
 //! libtorch, with the Hugging Face modules' arithmetic op for op (so that
 //! logits match `transformers`), and the cached decoding path generation uses.
 
-use kiln_core::model::{GatedActivation, Layer, PositionEncoding, SelfAttentionConfig};
+use kiln_core::model::{
+    GatedActivation, Layer, PositionEncoding, RopeConfig, RopeScaling, SelfAttentionConfig,
+};
 use kiln_core::{Error, Result};
 use tch::{Kind, Tensor};
 
@@ -22,8 +24,17 @@ struct Attention {
     head_dim: i64,
     causal: bool,
     dropout: f64,
-    /// `(theta, rotary_dim)`.
-    rope: Option<(f64, i64)>,
+    rope: Option<Rope>,
+}
+
+/// A built rotary embedding.
+#[derive(Debug)]
+struct Rope {
+    config: RopeConfig,
+    /// Features per head.
+    head_dim: usize,
+    /// Features rotated per head.
+    rot: i64,
 }
 
 /// A built [`Layer::GatedMlp`].
@@ -73,10 +84,11 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             head_dim: c.head_dim() as i64,
             causal: c.causal,
             dropout: c.dropout,
-            rope: c
-                .rope
-                .as_ref()
-                .map(|r| (r.theta, r.rotary_dim(c.head_dim()) as i64)),
+            rope: c.rope.as_ref().map(|r| Rope {
+                config: r.clone(),
+                head_dim: c.head_dim(),
+                rot: r.rotary_dim(c.head_dim()) as i64,
+            }),
         }),
         Layer::GatedMlp(c) => Box::new(GatedMlp {
             gate: proj("gate_proj")?,
@@ -106,25 +118,51 @@ pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> ForwardResult {
     Ok(weight.f_mul(&h.f_to_kind(dtype)?)?)
 }
 
-/// `[batch, 1, seq, rotary_dim]` cosines and sines of `positions` (`[batch, seq]`
-/// or `[1, seq]`), as `LlamaRotaryEmbedding` computes them.
-fn rope_tables(
-    positions: &Tensor,
-    theta: f64,
-    rot: i64,
-    kind: Kind,
-) -> Result<(Tensor, Tensor), Failure> {
-    let device = positions.device();
-    let exponents = Tensor::f_arange_start_step(0, rot, 2, (Kind::Int64, device))?
-        .f_to_kind(Kind::Float)?
-        .f_div_scalar(rot as f64)?;
-    let inv_freq = Tensor::f_pow_scalar(theta, &exponents)?.f_reciprocal()?;
-    let freqs = positions
-        .f_to_kind(Kind::Float)?
-        .f_unsqueeze(-1)?
-        .f_mul(&inv_freq)?;
-    let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_unsqueeze(1)?;
-    Ok((emb.f_cos()?.f_to_kind(kind)?, emb.f_sin()?.f_to_kind(kind)?))
+impl Rope {
+    /// `[batch, 1, seq, rotary_dim]` cosines and sines of `positions` (`[batch, seq]`
+    /// or `[1, seq]`), as the Hugging Face rotary modules compute them. Plain
+    /// RoPE computes its frequencies on the device (nothing crosses from the
+    /// host, so CUDA graphs capture it); a scaled one takes them from
+    /// [`RopeConfig::frequencies`], for `max(position) + 1` where they depend
+    /// on the length (dynamic NTK, LongRoPE), as `transformers` does.
+    fn tables(&self, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tensor), Failure> {
+        let device = positions.device();
+        let rot = self.rot;
+        let (inv_freq, factor) = match &self.config.scaling {
+            None => {
+                let exponents = Tensor::f_arange_start_step(0, rot, 2, (Kind::Int64, device))?
+                    .f_to_kind(Kind::Float)?
+                    .f_div_scalar(rot as f64)?;
+                (
+                    Tensor::f_pow_scalar(self.config.theta, &exponents)?.f_reciprocal()?,
+                    1.0,
+                )
+            }
+            Some(_) => {
+                let len = if self.config.depends_on_length() {
+                    positions.f_max()?.int64_value(&[]).max(0) as usize + 1
+                } else {
+                    0
+                };
+                let f = self.config.frequencies(self.head_dim, len);
+                (
+                    Tensor::from_slice(&f.inverse).f_to_device(device)?,
+                    f.attention_factor,
+                )
+            }
+        };
+        let freqs = positions
+            .f_to_kind(Kind::Float)?
+            .f_unsqueeze(-1)?
+            .f_mul(&inv_freq)?;
+        let emb = Tensor::f_cat(&[&freqs, &freqs], -1)?.f_unsqueeze(1)?;
+        let (mut cos, mut sin) = (emb.f_cos()?, emb.f_sin()?);
+        if factor != 1.0 {
+            cos = cos.f_mul_scalar(f64::from(factor))?;
+            sin = sin.f_mul_scalar(f64::from(factor))?;
+        }
+        Ok((cos.f_to_kind(kind)?, sin.f_to_kind(kind)?))
+    }
 }
 
 /// Rotates the first `rot` features of `x` (`[batch, heads, seq, head_dim]`).
@@ -173,12 +211,12 @@ impl Attention {
             k = rms_norm(&k, tensors.tensor(kn), eps)?;
         }
         let (mut q, mut k) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?);
-        if let Some((theta, rot)) = self.rope {
+        if let Some(rope) = &self.rope {
             // In the input's dtype, as transformers' rotary module returns them:
             // under autocast q is bfloat16 and the rotation runs in float32.
-            let (cos, sin) = rope_tables(positions, theta, rot, x.kind())?;
-            q = apply_rope(&q, &cos, &sin, rot, self.head_dim)?;
-            k = apply_rope(&k, &cos, &sin, rot, self.head_dim)?;
+            let (cos, sin) = rope.tables(positions, x.kind())?;
+            q = apply_rope(&q, &cos, &sin, rope.rot, self.head_dim)?;
+            k = apply_rope(&k, &cos, &sin, rope.rot, self.head_dim)?;
         }
         Ok((q, k, v))
     }
@@ -419,14 +457,7 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
     if let Some(rope) = &c.rope {
         let rot = rope.rotary_dim(d);
         let half = rot / 2;
-        body.push_str(&format!(
-            "    inv = torch.reciprocal(torch.pow({theta}, torch.arange(0, {rot}, 2, device=x.device).float() / {rot}))\n    \
-             freqs = torch.outer(torch.arange(s, device=x.device).float(), inv)\n    \
-             emb = torch.cat([freqs, freqs], -1)\n    \
-             cos = torch.cos(emb).to(x.dtype)\n    \
-             sin = torch.sin(emb).to(x.dtype)\n",
-            theta = float(rope.theta),
-        ));
+        body.push_str(&rope_script(rope, d));
         for t in ["q", "k"] {
             body.push_str(&format!(
                 "    r = {t}[:, :, :, :{rot}]\n    \
@@ -451,6 +482,82 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
         body,
         children,
     }
+}
+
+/// A TorchScript list literal of `values`, each printed exactly.
+fn float_list(values: &[f32]) -> String {
+    let items: Vec<String> = values.iter().map(|v| float(f64::from(*v))).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// The script lines that set `cos` and `sin` (`[s, rotary_dim]`, in `x`'s
+/// dtype) for positions `0..s`: plain RoPE computed as the layer computes it,
+/// a scaled one from [`RopeConfig::frequencies`] as constants, switched on the
+/// length `s` where they depend on it (LongRoPE) or recomputed (dynamic NTK).
+fn rope_script(rope: &RopeConfig, head_dim: usize) -> String {
+    let rot = rope.rotary_dim(head_dim);
+    let constant = |len: usize| {
+        let f = rope.frequencies(head_dim, len);
+        (
+            format!("torch.tensor({}, device=x.device)", float_list(&f.inverse)),
+            f.attention_factor,
+        )
+    };
+    let plain = format!(
+        "torch.reciprocal(torch.pow({theta}, torch.arange(0, {rot}, 2, device=x.device).float() / {rot}))",
+        theta = float(rope.theta),
+    );
+    let mut out = String::new();
+    let factor = match &rope.scaling {
+        None => {
+            out.push_str(&format!("    inv = {plain}\n"));
+            1.0
+        }
+        Some(RopeScaling::Dynamic {
+            factor,
+            max_positions,
+        }) => {
+            out.push_str(&format!(
+                "    inv = {plain}\n    \
+                 if s > {max_positions}:\n        \
+                 base = {theta} * ({f} * s / {max_positions} - {f1}) ** {exponent}\n        \
+                 inv = torch.reciprocal(torch.pow(base, torch.arange(0, {rot}, 2, device=x.device).float() / {rot}))\n",
+                theta = float(rope.theta),
+                f = float(*factor),
+                f1 = float(*factor - 1.0),
+                exponent = float(rot as f64 / (rot as f64 - 2.0)),
+            ));
+            1.0
+        }
+        Some(RopeScaling::LongRope {
+            original_max_positions,
+            ..
+        }) => {
+            let (short, factor) = constant(*original_max_positions);
+            let (long, _) = constant(original_max_positions + 1);
+            out.push_str(&format!(
+                "    inv = {short}\n    if s > {original_max_positions}:\n        inv = {long}\n"
+            ));
+            factor
+        }
+        Some(_) => {
+            let (inv, factor) = constant(0);
+            out.push_str(&format!("    inv = {inv}\n"));
+            factor
+        }
+    };
+    let scale = if factor == 1.0 {
+        String::new()
+    } else {
+        format!(" * {}", float(f64::from(factor)))
+    };
+    out.push_str(&format!(
+        "    freqs = torch.outer(torch.arange(s, device=x.device).float(), inv)\n    \
+         emb = torch.cat([freqs, freqs], -1)\n    \
+         cos = (torch.cos(emb){scale}).to(x.dtype)\n    \
+         sin = (torch.sin(emb){scale}).to(x.dtype)\n"
+    ));
+    out
 }
 
 /// The body of an RMSNorm module's forward (also `RmsNorm`'s, in `norm.rs`).

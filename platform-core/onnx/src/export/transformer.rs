@@ -226,15 +226,11 @@ impl Emitter<'_> {
         let mut v = self.g.op(path, "Transpose", &[&v], heads_first());
         if let Some(rope) = &c.rope {
             let rot = rope.rotary_dim(d);
-            let inv_freq = rope.inverse_frequencies(d);
-            let (mut cos, mut sin) = (Vec::new(), Vec::new());
-            for t in 0..seq {
-                for i in 0..rot {
-                    let angle = t as f32 * inv_freq[i % (rot / 2)];
-                    cos.push(f64::from(angle).cos() as f32 as f64);
-                    sin.push(f64::from(angle).sin() as f32 as f64);
-                }
-            }
+            // The graph is built for `seq` positions (as frequencies that
+            // depend on the length are).
+            let (cos, sin) = rope.tables(d, seq);
+            let cos: Vec<f64> = cos.into_iter().map(f64::from).collect();
+            let sin: Vec<f64> = sin.into_iter().map(f64::from).collect();
             let cos = self.g.floats(path, "rope_cos", &cos, &[seq, rot])?;
             let sin = self.g.floats(path, "rope_sin", &sin, &[seq, rot])?;
             q = self.rotate(path, &q, &cos, &sin, rot, d)?;

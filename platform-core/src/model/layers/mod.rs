@@ -23,6 +23,7 @@ pub(super) mod embedding;
 pub(super) mod linear;
 pub(super) mod norm;
 pub(super) mod pool;
+pub(super) mod rope;
 pub(super) mod saved_model;
 pub(super) mod structure;
 pub(super) mod torchscript;
@@ -38,11 +39,12 @@ pub use embedding::EmbeddingConfig;
 pub use linear::LinearConfig;
 pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig, RmsNormConfig};
 pub use pool::Pool2dConfig;
+pub use rope::{RopeConfig, RopeFrequencies, RopeScaling};
 pub use saved_model::SavedModelLayerConfig;
 pub use torchscript::TorchScriptConfig;
 pub use transformer::{
     ClassTokenConfig, GatedActivation, GatedMlpConfig, PositionEmbeddingConfig, PositionEncoding,
-    RopeConfig, SelfAttentionConfig, TiedLinearConfig, TokenTypeEmbeddingConfig,
+    SelfAttentionConfig, TiedLinearConfig, TokenTypeEmbeddingConfig,
 };
 
 pub(super) use context::{join, FieldCheck, Params, ShapeCheck};

@@ -8,73 +8,12 @@ use serde::{Deserialize, Serialize};
 
 use super::builder::config_builder;
 use super::context::join;
+use super::rope::RopeConfig;
 use super::{FieldCheck, LayerSpec, Params, ShapeCheck};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::model::init::InitDistribution;
 use crate::model::ParamKind;
-
-/// Rotary position embeddings (RoPE) in the "rotate half" layout of the
-/// Hugging Face models: the first `rotary_dim` features of each head are
-/// rotated, pairing feature `i` with feature `i + rotary_dim / 2`, at angle
-/// `position * theta^(-2i / rotary_dim)`; the rest pass unchanged.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RopeConfig {
-    /// The base of the frequencies (LLaMA 2: 10000, LLaMA 3: 500000; default 10000).
-    #[serde(default = "default_theta")]
-    pub theta: f64,
-    /// How many features of each head rotate (even; default: all, `head_dim`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rotary_dim: Option<usize>,
-}
-
-fn default_theta() -> f64 {
-    10_000.0
-}
-
-impl Default for RopeConfig {
-    fn default() -> Self {
-        RopeConfig {
-            theta: default_theta(),
-            rotary_dim: None,
-        }
-    }
-}
-
-impl RopeConfig {
-    /// RoPE with base `theta` over every feature of a head.
-    pub fn new(theta: f64) -> Self {
-        RopeConfig {
-            theta,
-            rotary_dim: None,
-        }
-    }
-
-    /// Rotates only the first `rotary_dim` features of each head.
-    pub fn with_rotary_dim(mut self, rotary_dim: usize) -> Self {
-        self.rotary_dim = Some(rotary_dim);
-        self
-    }
-
-    /// The rotated features per head, for heads of `head_dim` features.
-    pub fn rotary_dim(&self, head_dim: usize) -> usize {
-        self.rotary_dim.unwrap_or(head_dim)
-    }
-
-    /// The `rotary_dim / 2` inverse frequencies `theta^(-2i / rotary_dim)`,
-    /// computed in float64 and rounded once (as `transformers` computes them in
-    /// float32 from `arange(0, dim, 2) / dim`).
-    pub fn inverse_frequencies(&self, head_dim: usize) -> Vec<f32> {
-        let dim = self.rotary_dim(head_dim);
-        (0..dim / 2)
-            .map(|i| {
-                let exponent = (2 * i) as f32 / dim as f32;
-                1.0 / (self.theta as f32).powf(exponent)
-            })
-            .collect()
-    }
-}
 
 /// Self-attention with the Hugging Face modules' parameters: separate
 /// `q_proj`, `k_proj`, `v_proj` and `o_proj` projections, `num_kv_heads` key
@@ -202,20 +141,7 @@ impl LayerSpec for SelfAttentionConfig {
             ));
         }
         if let Some(rope) = &c.rope {
-            let head_dim = c.head_dim();
-            let rotary = rope.rotary_dim(head_dim);
-            if rotary == 0 || !rotary.is_multiple_of(2) || rotary > head_dim {
-                return Err(check.invalid(
-                    "rope.rotary_dim",
-                    format!("must be even and in 2..={head_dim} (head_dim), got {rotary}"),
-                ));
-            }
-            if !(rope.theta.is_finite() && rope.theta > 1.0) {
-                return Err(check.invalid(
-                    "rope.theta",
-                    format!("must be finite and above 1, got {}", rope.theta),
-                ));
-            }
+            rope.validate(c.head_dim(), check)?;
         }
         if let Some(eps) = c.qk_norm_eps {
             check.non_negative("qk_norm_eps", eps)?;
