@@ -108,6 +108,30 @@ class SelfAttention(nn.MultiheadAttention):
         return out
 
 
+def scaled_rope(rope, head_dim, seq_len):
+    """The inverse frequencies and cos/sin factor of Kiln's scaled `rope` for `seq_len`
+    positions, from transformers' own ROPE_INIT_FUNCTIONS (Kiln's fields mapped back
+    to a config's `rope_parameters`)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = dict(rope["scaling"])
+    kind = scaling.pop("type")
+    rot = rope.get("rotary_dim") or head_dim
+    names = {"original_max_positions": "original_max_position_embeddings", "fraction": "partial_rotary_factor",
+             "max_positions": None}
+    params = {"rope_type": {"long_rope": "longrope"}.get(kind, kind), "rope_theta": rope["theta"]}
+    for key, value in scaling.items():
+        if names.get(key, key) is not None:
+            params[names.get(key, key)] = value
+    max_positions = scaling.get("max_positions", 1 << 20)
+    extra = {} if rot == head_dim or kind == "proportional" else {"partial_rotary_factor": rot / head_dim}
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                         max_position_embeddings=max_positions, rope_parameters=params, **extra)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu", seq_len=seq_len)
+    return inv_freq, factor
+
+
 class GroupedQueryAttention(nn.Module):
     """Kiln's self_attention: the Hugging Face attention (LlamaAttention's projections,
     transformers' own rotate_half and RMSNorm for RoPE and QK-norm, as Qwen3 has them),
@@ -147,11 +171,16 @@ class GroupedQueryAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.rope is not None:
             rot = self.rope.get("rotary_dim") or self.head_dim
-            inv_freq = 1.0 / (self.rope["theta"] ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+            if self.rope.get("scaling") is None:
+                inv_freq = 1.0 / (self.rope["theta"] ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+                factor = 1.0
+            else:
+                inv_freq, factor = scaled_rope(self.rope, self.head_dim, s)
             pos = torch.arange(s, device=x.device)[None, :]
             freqs = pos[..., None].float() * inv_freq.to(x.device)
             emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+            cos = (emb.cos() * factor).to(x.dtype)[:, None]
+            sin = (emb.sin() * factor).to(x.dtype)[:, None]
 
             def apply(t):
                 r, rest = t[..., :rot], t[..., rot:]

@@ -98,6 +98,7 @@ pub enum RopeScaling {
     /// `longrope` (Phi-3, Phi-4): per-frequency divisors, `short_factor` while
     /// the sequence is within `original_max_positions` and `long_factor`
     /// beyond it, with cosines and sines scaled by `attention_factor`.
+    #[serde(rename = "longrope")]
     LongRope {
         /// The divisors within the original context (`rotary_dim / 2` of them).
         short_factor: Vec<f64>,
