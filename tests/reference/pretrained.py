@@ -66,6 +66,11 @@ def configs():
         ("qwen2", Qwen2Config(**llama, use_sliding_window=False), False),
         ("qwen3", Qwen3Config(**llama, head_dim=12, use_sliding_window=False), False),
         ("gpt2", GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **common), False),
+        # Sliding windows shorter than the prompts: Mistral v0.1's on every layer, Qwen2's
+        # from max_window_layers on.
+        ("mistral_sliding", MistralConfig(**llama, sliding_window=3), False),
+        ("qwen2_sliding", Qwen2Config(**llama, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+         False),
     ] + scaled_ropes(llama)
 
 

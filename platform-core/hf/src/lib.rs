@@ -28,6 +28,7 @@ mod config;
 mod error;
 mod family;
 mod gpt2;
+mod layer_types;
 mod llama;
 mod names;
 mod peft;

@@ -1,16 +1,18 @@
 //! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`): a token embedding,
 //! pre-norm decoder blocks of RMSNorm, grouped-query self-attention with RoPE
-//! and a SwiGLU MLP, a final RMSNorm and the language-model head.
+//! (every scaling, [`crate::rope`]) within a sliding window where the family
+//! has one ([`crate::layer_types`]) and a SwiGLU MLP, a final RMSNorm and the
+//! language-model head.
 
 use kiln_core::model::{
     EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig,
     SelfAttentionConfig, TiedLinearConfig,
 };
-use serde_json::Value;
 
 use crate::config::HfConfig;
 use crate::error::Result;
 use crate::family::{Family, FamilyTask};
+use crate::layer_types::{sliding_windows, Windows};
 use crate::names::NameMap;
 
 /// A row of the LLaMA block's families.
@@ -85,23 +87,12 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let mlp_bias = config.bool_or("mlp_bias", false)?;
     let qk_norm = (model_type == "qwen3").then_some(eps);
     let rope = crate::rope::rope(config, head_dim, "full_attention")?;
-    let sliding = config.bool_or("use_sliding_window", config.get("sliding_window").is_some())?;
-    if sliding && config.get("sliding_window").is_some() {
-        return Err(config.unsupported(
-            "sliding_window",
-            "Kiln's attention sees the whole causal context; set it to null (or \
-             use_sliding_window to false) for sequences within the window",
-        ));
-    }
-
-    if let Some(types) = config.get("layer_types").and_then(Value::as_array) {
-        if types.iter().any(|t| t.as_str() != Some("full_attention")) {
-            return Err(config.unsupported(
-                "layer_types",
-                "Kiln's attention is full causal attention in every layer (no sliding windows)",
-            ));
-        }
-    }
+    let rule = match model_type {
+        "mistral" => Windows::EveryLayer,
+        "qwen2" | "qwen3" => Windows::LayerTypes,
+        _ => Windows::Never,
+    };
+    let windows = sliding_windows(config, layers, rule)?;
     let attention = SelfAttentionConfig::new(hidden, heads)
         .with_num_kv_heads(kv_heads)
         .with_head_dim(head_dim)
@@ -118,11 +109,15 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         .with_activation(activation)
         .with_bias(mlp_bias);
     let mut stack = vec![Layer::from(EmbeddingConfig::new(vocab, hidden))];
-    for _ in 0..layers {
+    for window in &windows {
+        let attention = match window {
+            Some(w) => attention.clone().with_sliding_window(*w),
+            None => attention.clone(),
+        };
         stack.push(Layer::sequential([
             Layer::residual(Layer::sequential([
                 RmsNormConfig::new(hidden).with_eps(eps).into(),
-                attention.clone().into(),
+                attention.into(),
             ])),
             Layer::residual(Layer::sequential([
                 RmsNormConfig::new(hidden).with_eps(eps).into(),

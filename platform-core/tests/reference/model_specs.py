@@ -148,6 +148,7 @@ class GroupedQueryAttention(nn.Module):
         self.causal = spec["causal"]
         self.dropout = spec["dropout"]
         self.rope = spec.get("rope")
+        self.window = spec.get("sliding_window")
         qkv_bias, out_bias = spec["qkv_bias"], spec["out_bias"]
         self.q_proj = nn.Linear(e, h * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
@@ -188,8 +189,13 @@ class GroupedQueryAttention(nn.Module):
 
             q, k = apply(q), apply(k)
         # Grouped heads as transformers' SDPA path passes them (enable_gqa, torch >= 2.5).
+        mask, causal = None, self.causal
+        if self.window is not None:
+            # transformers' sliding_window_overlay on the causal mask.
+            qi, kj = torch.arange(s)[:, None], torch.arange(s)[None, :]
+            mask, causal = (kj <= qi) & (kj > qi - self.window), False
         out = nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal,
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
             enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -44,7 +44,7 @@ impl Ctx<'_> {
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
         let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
-        let scores = self.scaled_scores(&scores, head_dim, seq, c.causal)?;
+        let scores = self.scaled_scores(&scores, head_dim, seq, c.causal, None)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(
@@ -80,6 +80,7 @@ impl Ctx<'_> {
         head_dim: i64,
         seq: i64,
         causal: bool,
+        window: Option<usize>,
     ) -> Result<Output> {
         let scores = self
             .b
@@ -87,10 +88,14 @@ impl Ctx<'_> {
         if !causal {
             return Ok(scores);
         }
+        // Query i sees keys j <= i, within the window when there is one.
         let mut mask = vec![0f32; (seq * seq) as usize];
         for i in 0..seq {
-            for j in (i + 1)..seq {
-                mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
+            for j in 0..seq {
+                let seen = j <= i && window.is_none_or(|w| j + w as i64 > i);
+                if !seen {
+                    mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
+                }
             }
         }
         let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;

@@ -140,7 +140,7 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         let scores = self.b.einsum("bqngd,bknd->bngqk", &q, &k)?;
-        let scores = self.scaled_scores(&scores, d, seq, c.causal)?;
+        let scores = self.scaled_scores(&scores, d, seq, c.causal, c.sliding_window)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(

@@ -23,6 +23,8 @@ struct Attention {
     kv_heads: i64,
     head_dim: i64,
     causal: bool,
+    /// The sliding window of a causal layer, in tokens.
+    window: Option<i64>,
     dropout: f64,
     rope: Option<Rope>,
 }
@@ -83,6 +85,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             kv_heads: c.kv_heads() as i64,
             head_dim: c.head_dim() as i64,
             causal: c.causal,
+            window: c.sliding_window.map(|w| w as i64),
             dropout: c.dropout,
             rope: c.rope.as_ref().map(|r| Rope {
                 config: r.clone(),
@@ -165,6 +168,19 @@ impl Rope {
     }
 }
 
+/// `[seq, past + seq]` booleans: whether query `past + i` sees key `j`
+/// under causal attention within a window of `window` tokens
+/// (`j <= past + i` and `j > past + i - window`, as transformers'
+/// `sliding_window_overlay`).
+fn window_band(seq: i64, past: i64, window: i64, device: tch::Device) -> ForwardResult {
+    let queries =
+        Tensor::f_arange_start(past, past + seq, (Kind::Int64, device))?.f_unsqueeze(1)?;
+    let keys = Tensor::f_arange(past + seq, (Kind::Int64, device))?.f_unsqueeze(0)?;
+    let causal = keys.f_le_tensor(&queries)?;
+    let recent = keys.f_gt_tensor(&queries.f_sub_scalar(window)?)?;
+    Ok(causal.f_logical_and(&recent)?)
+}
+
 /// Rotates the first `rot` features of `x` (`[batch, heads, seq, head_dim]`).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, rot: i64, head_dim: i64) -> ForwardResult {
     let (xr, pass) = if rot == head_dim {
@@ -239,13 +255,18 @@ impl Forward for Attention {
         let positions = Tensor::f_arange(s, (Kind::Int64, x.device()))?.f_unsqueeze(0)?;
         let (q, k, v) = self.heads(tensors, x, &positions, train)?;
         let p = if train { self.dropout } else { 0.0 };
+        // A window as long as the sequence changes nothing: the causal kernel.
+        let band = match self.window {
+            Some(w) if s > w => Some(window_band(s, 0, w, x.device())?),
+            _ => None,
+        };
         let attended = Tensor::f_scaled_dot_product_attention(
             &q,
             &k,
             &v,
-            None::<Tensor>,
+            band.as_ref(),
             p,
-            self.causal,
+            self.causal && band.is_none(),
             None,
             self.kv_heads != self.heads,
         )?;
@@ -262,10 +283,20 @@ impl Forward for Attention {
             ),
             None => (k, v),
         };
-        let mask = if self.causal {
-            &step.causal_mask
-        } else {
-            &step.padding_mask
+        let banded;
+        let mask = match (self.causal, self.window) {
+            (true, Some(w)) => {
+                let (seq, total) = (x.size()[1], k.size()[2]);
+                banded = step.causal_mask.f_logical_and(&window_band(
+                    seq,
+                    total - seq,
+                    w,
+                    x.device(),
+                )?)?;
+                &banded
+            }
+            (true, None) => &step.causal_mask,
+            (false, _) => &step.padding_mask,
         };
         let attended = Tensor::f_scaled_dot_product_attention(
             &q,
@@ -466,13 +497,25 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
             ));
         }
     }
+    // A sliding window is a boolean band in place of the causal flag.
+    let (mask, causal) = match c.sliding_window {
+        Some(w) => {
+            body.push_str(&format!(
+                "    qi = torch.unsqueeze(torch.arange(s, device=x.device), 1)\n    \
+                 kj = torch.unsqueeze(torch.arange(s, device=x.device), 0)\n    \
+                 band = torch.logical_and(kj <= qi, kj > qi - {w})\n"
+            ));
+            ("band", false)
+        }
+        None => ("None", c.causal),
+    };
     body.push_str(&format!(
         "    p = 0.0\n    if self.training:\n        p = {}\n    \
-         a = torch.scaled_dot_product_attention(q, k, v, None, p, {}, scale=None, enable_gqa={})\n    \
+         a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale=None, enable_gqa={})\n    \
          a = torch.reshape(torch.transpose(a, 1, 2), [b, s, {}])\n    \
          return {}\n",
         float(c.dropout),
-        boolean(c.causal),
+        boolean(causal),
         boolean(kv != h),
         h * d,
         call("o_proj", "a"),

@@ -9,7 +9,6 @@
 
 use kiln_core::model::{GatedActivation, Layer, PositionEncoding, SelfAttentionConfig};
 
-use super::attention::causal_mask;
 use super::graph::attr;
 use super::Result;
 use super::{wrong_family, Emitter, Error, Value};
@@ -261,9 +260,13 @@ impl Emitter<'_> {
         let scale = self.g.scalar(path, "scale", 1.0 / (d as f64).sqrt())?;
         let mut scores = self.g.op(path, "Mul", &[&scores, &scale], vec![]);
         if c.causal {
-            let mask = self
-                .g
-                .floats(path, "causal_mask", &causal_mask(seq), &[seq, seq])?;
+            // Causal, within the sliding window when there is one.
+            let mask: Vec<f64> = (0..seq)
+                .flat_map(|i| {
+                    (0..seq).map(move |j| if c.sees(i, j) { 0.0 } else { f64::NEG_INFINITY })
+                })
+                .collect();
+            let mask = self.g.floats(path, "causal_mask", &mask, &[seq, seq])?;
             scores = self.g.op(path, "Add", &[&scores, &mask], vec![]);
         }
         let weights = self

@@ -67,6 +67,12 @@ pub struct SelfAttentionConfig {
     /// `k_norm`), applied before RoPE; none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qk_norm_eps: Option<f64>,
+    /// Causal attention within a window: position `i` attends to positions
+    /// `j` with `i - window < j <= i`, `window` tokens including itself
+    /// (Mistral's and Qwen2's `sliding_window`, Gemma's local layers); none
+    /// by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
     /// Dropout on the attention weights in training, in `[0, 1)` (default 0).
     #[serde(default)]
     pub dropout: f64,
@@ -85,6 +91,7 @@ config_builder! {
             out_bias: false,
             rope: None,
             qk_norm_eps: None,
+            sliding_window: None,
             dropout: 0.0,
         }
         /// Sets the number of key and value heads (grouped-query attention).
@@ -101,12 +108,24 @@ config_builder! {
         with_rope(rope: Some(RopeConfig));
         /// Normalises each query and key head with an RMSNorm of this epsilon.
         with_qk_norm_eps(qk_norm_eps: Some(f64));
+        /// Restricts causal attention to a window of this many tokens.
+        with_sliding_window(sliding_window: Some(usize));
         /// Sets the attention dropout.
         with_dropout(dropout: f64);
     }
 }
 
 impl SelfAttentionConfig {
+    /// Whether key `key` is visible to query `query` (indices in the
+    /// sequence, cache included): `key <= query` when causal, and within
+    /// the sliding window when there is one.
+    pub fn sees(&self, query: usize, key: usize) -> bool {
+        if !self.causal {
+            return true;
+        }
+        key <= query && self.sliding_window.is_none_or(|w| key + w > query)
+    }
+
     /// Features per head.
     pub fn head_dim(&self) -> usize {
         self.head_dim
@@ -142,6 +161,15 @@ impl LayerSpec for SelfAttentionConfig {
         }
         if let Some(rope) = &c.rope {
             rope.validate(c.head_dim(), check)?;
+        }
+        if let Some(window) = c.sliding_window {
+            check.positive("sliding_window", window)?;
+            if !c.causal {
+                return Err(check.invalid(
+                    "sliding_window",
+                    "a sliding window restricts causal attention; set causal = true",
+                ));
+            }
         }
         if let Some(eps) = c.qk_norm_eps {
             check.non_negative("qk_norm_eps", eps)?;
