@@ -1,8 +1,9 @@
 //! Hugging Face checkpoints against `transformers`: tiny LLaMA, Mistral, Qwen2,
 //! Qwen3, GPT-2, BERT (a sequence classifier) and ViT (an image classifier)
-//! with random weights, and decoders with every scaled RoPE (linear, dynamic
-//! NTK, YaRN, Llama 3, LongRoPE, proportional; one config in the Hub's older
-//! `rope_scaling` form), saved by `save_pretrained` (one sharded), load into
+//! with random weights, decoders with every scaled RoPE (linear, dynamic
+//! NTK, YaRN, Llama 3, proportional; one config in the Hub's older
+//! `rope_scaling` form) and sliding windows (Mistral, Qwen2), and Phi-3.5 /
+//! Phi-4-mini shapes (fused projections, LongRoPE, partial rotary), saved by `save_pretrained` (one sharded), load into
 //! Kiln; their logits match `transformers`' within 1e-5 on libtorch and on
 //! TensorFlow; greedy generation of left-padded
 //! prompts equals `generate(do_sample=False)` token for token, and cached
@@ -159,10 +160,10 @@ fn greedy_generation_equals_transformers_and_the_cache_changes_nothing() {
             .chunks(width)
             .map(|row| row[width - new..].to_vec())
             .collect();
-        // Dynamic NTK's and LongRoPE's frequencies follow the length: a
-        // cached step rotates its token for the length so far while the
-        // cache keeps earlier rotations (as transformers' generate does),
-        // which a pass over the whole sequence cannot repeat.
+        // Dynamic NTK's frequencies follow the length: a cached step rotates
+        // its token for the length so far while the cache keeps earlier
+        // rotations (as transformers' generate does), which a pass over the
+        // whole sequence cannot repeat.
         let modes: &[bool] = if case["length_dependent_rope"].as_bool().unwrap_or(false) {
             &[true]
         } else {

@@ -15,8 +15,9 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
 
 and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
 "length_dependent_rope"}. The decoders include one model per scaled rope_type (linear, dynamic,
-yarn, llama3, longrope, proportional); dynamic NTK's and LongRoPE's frequencies follow the
-sequence's length, so only cached generation (transformers' own) is compared for them.
+yarn, llama3, proportional; longrope is Phi-3's, whose generate recomputes the cache when the
+sequence outgrows the original context) and sliding windows; dynamic NTK's frequencies follow
+the sequence's length, so only cached generation (transformers' own) is compared for it.
 Two encoders, BERT (`BertForSequenceClassification`, 3 labels) and ViT
 (`ViTForImageClassification`, 16x16 images, 5 labels), have only `input_ids` (`pixel_values`
 for ViT) and `logits`.
@@ -77,31 +78,37 @@ def configs():
 # Every rope_type of transformers' ROPE_INIT_FUNCTIONS, each with the real checkpoint's
 # fields but its context lengths shrunk below the prompts' (7 tokens for the logits,
 # 5 + NEW when generating), so that ignoring the scaling changes the result.
-LENGTH_DEPENDENT = {"llama_dynamic", "llama_longrope"}
+LENGTH_DEPENDENT = {"llama_dynamic"}
 # Written back in the Hub's older form (top-level rope_theta and rope_scaling), as
 # Llama 3.x's config.json files are.
 OLD_FORM = {"llama3_2"}
 
 
 def scaled_ropes(llama):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Phi3Config, Qwen3Config
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
     # Qwen3's documented YaRN setting (factor 4 over 32768 tokens, shrunk to 8).
     yarn = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8}
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
-                "long_factor": [2.0, 4.0, 8.0, 16.0], "original_max_position_embeddings": 6}
     dynamic = dict(llama, max_position_embeddings=6)
+    # Phi-3.5-mini's config (LongRoPE with its context at the top level, a window on
+    # every layer) and Phi-4-mini's (partial rotary over 3/4 of each head, tied), shrunk.
+    phi = dict(llama, max_position_embeddings=64, original_max_position_embeddings=6)
+    phi3_5 = Phi3Config(**phi, sliding_window=5, resid_pdrop=0.0, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.5, 3.0, 6.0, 12.0]})
+    phi4 = Phi3Config(**phi, partial_rotary_factor=0.75, tie_word_embeddings=True, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3], "long_factor": [2.0, 5.0, 9.0]})
     return [
+        ("phi3_5_mini", phi3_5, False),
+        ("phi4_mini", phi4, False),
         ("llama3_2", LlamaConfig(**llama, rope_parameters=llama3, tie_word_embeddings=True), False),
         ("qwen3_yarn", Qwen3Config(**llama, head_dim=12, use_sliding_window=False, rope_parameters=yarn), False),
         ("llama_linear", LlamaConfig(**llama, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                                                 "factor": 4.0}), False),
         ("llama_dynamic", LlamaConfig(**dynamic, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
                                                                    "factor": 4.0}), False),
-        ("llama_longrope", LlamaConfig(**llama, rope_parameters=longrope), False),
         ("llama_proportional", LlamaConfig(**llama, rope_parameters={
             "rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 2.0}), False),
     ]

@@ -4,6 +4,7 @@
 //! padding never attended to) to their new tokens.
 
 use kiln_core::generation::{GenerationConfig, Sampler};
+use kiln_core::model::{Layer, RopeScaling};
 use kiln_core::{Error, Result};
 use tch::{Kind, Tensor};
 
@@ -226,7 +227,19 @@ pub fn generate(
     let mut cache = KvCache::new();
     let mut step_tokens = sequence.shallow_clone();
     let mut step_mask = Some(full_mask.shallow_clone());
+    let switch = longrope_switch(model.spec());
     for _ in 0..config.max_new_tokens {
+        // LongRoPE's keys change frequencies once the sequence outgrows the
+        // original context: the cache of shorter keys is recomputed then, as
+        // Phi-3's `prepare_inputs_for_generation` does.
+        if let Some(original) = switch {
+            let width = sequence.size()[1] as usize;
+            if !cache.is_empty() && cache.len() <= original && width > original {
+                cache = KvCache::new();
+                step_tokens = sequence.shallow_clone();
+                step_mask = Some(full_mask.shallow_clone());
+            }
+        }
         let logits = if config.use_cache {
             model.forward_cached(&step_tokens, step_mask.as_ref(), &mut cache)?
         } else {
@@ -279,4 +292,22 @@ pub fn generate(
             .map_err(err)?;
     }
     Ok(out)
+}
+
+/// The shortest original context of the LongRoPE attention layers of
+/// `spec`, past which their frequencies switch to the long factors.
+fn longrope_switch(spec: &Layer) -> Option<usize> {
+    spec.layers()
+        .into_iter()
+        .filter_map(|(_, layer)| match layer {
+            Layer::SelfAttention(c) => match &c.rope.as_ref()?.scaling {
+                Some(RopeScaling::LongRope {
+                    original_max_positions,
+                    ..
+                }) => Some(*original_max_positions),
+                _ => None,
+            },
+            _ => None,
+        })
+        .min()
 }

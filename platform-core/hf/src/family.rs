@@ -82,6 +82,7 @@ pub static FAMILIES: &[&Family] = &[
     &crate::llama::MISTRAL,
     &crate::llama::QWEN2,
     &crate::llama::QWEN3,
+    &crate::phi3::PHI3,
     &crate::gpt2::GPT2,
     &crate::bert::BERT,
     &crate::vit::VIT,

@@ -33,6 +33,7 @@ mod llama;
 mod names;
 mod peft;
 mod peft_targets;
+mod phi3;
 mod rope;
 mod tokenizer;
 mod vit;
@@ -337,14 +338,16 @@ impl Pretrained {
                         actual: tensor.dims().to_vec(),
                     });
                 }
-                let kiln_shape = shapes
-                    .get(mapping.kiln[0].as_str())
-                    .copied()
-                    .unwrap_or_default();
-                for (kiln, part) in mapping
+                let part_shapes: Vec<&[usize]> = mapping
                     .kiln
                     .iter()
-                    .zip(names::split(mapping, &tensor, kiln_shape)?)
+                    .map(|k| shapes.get(k.as_str()).copied().unwrap_or_default())
+                    .collect();
+                for (kiln, part) in
+                    mapping
+                        .kiln
+                        .iter()
+                        .zip(names::split(mapping, &tensor, &part_shapes)?)
                 {
                     out.insert(kiln.clone(), part);
                 }
@@ -536,7 +539,12 @@ fn expected_shape(mapping: &Mapping, shapes: &HashMap<&str, &[usize]>) -> Vec<us
         .map(|s| s.to_vec())
         .unwrap_or_default();
     if let Some(first) = dims.first_mut() {
-        *first *= mapping.kiln.len();
+        // Fused tensors stack their parts' rows.
+        *first = mapping
+            .kiln
+            .iter()
+            .filter_map(|k| shapes.get(k.as_str()).and_then(|s| s.first()))
+            .sum();
     }
     if mapping.transposed && dims.len() == 2 {
         dims.swap(0, 1);

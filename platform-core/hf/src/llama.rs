@@ -86,9 +86,14 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     };
     let mlp_bias = config.bool_or("mlp_bias", false)?;
     let qk_norm = (model_type == "qwen3").then_some(eps);
-    let rope = crate::rope::rope(config, head_dim, "full_attention")?;
+    // Phi-3 reads its older "su" and "yarn" rope_types as LongRoPE.
+    let aliases: &[(&str, &str)] = match model_type {
+        "phi3" => &[("su", "longrope"), ("yarn", "longrope")],
+        _ => &[],
+    };
+    let rope = crate::rope::rope(config, head_dim, "full_attention", aliases)?;
     let rule = match model_type {
-        "mistral" => Windows::EveryLayer,
+        "mistral" | "phi3" => Windows::EveryLayer,
         "qwen2" | "qwen3" => Windows::LayerTypes,
         _ => Windows::Never,
     };
@@ -108,21 +113,29 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let mlp = GatedMlpConfig::new(hidden, intermediate)
         .with_activation(activation)
         .with_bias(mlp_bias);
+    let residual_dropout = match model_type {
+        "phi3" => config.f64_or("resid_pdrop", 0.0)?,
+        _ => 0.0,
+    };
     let mut stack = vec![Layer::from(EmbeddingConfig::new(vocab, hidden))];
     for window in &windows {
         let attention = match window {
             Some(w) => attention.clone().with_sliding_window(*w),
             None => attention.clone(),
         };
+        // Phi-3 drops out each block's output before its residual add.
+        let residual = |block: Layer| {
+            let mut layers = vec![RmsNormConfig::new(hidden).with_eps(eps).into(), block];
+            if residual_dropout > 0.0 {
+                layers.push(Layer::Dropout {
+                    p: residual_dropout,
+                });
+            }
+            Layer::residual(Layer::sequential(layers))
+        };
         stack.push(Layer::sequential([
-            Layer::residual(Layer::sequential([
-                RmsNormConfig::new(hidden).with_eps(eps).into(),
-                attention.into(),
-            ])),
-            Layer::residual(Layer::sequential([
-                RmsNormConfig::new(hidden).with_eps(eps).into(),
-                mlp.clone().into(),
-            ])),
+            residual(attention.into()),
+            residual(mlp.clone().into()),
         ]));
     }
     stack.push(RmsNormConfig::new(hidden).with_eps(eps).into());

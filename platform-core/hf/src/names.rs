@@ -71,6 +71,36 @@ impl NameMap {
         }
     }
 
+    /// Replaces the mappings of checkpoint tensors `parts` by one tensor
+    /// `fused` whose rows hold theirs, in that order (Phi-3's `qkv_proj` of
+    /// `q_proj`, `k_proj` and `v_proj`); unchanged unless every part is mapped.
+    pub(crate) fn fuse(&mut self, parts: &[String], fused: &str) {
+        let found: Vec<usize> = parts
+            .iter()
+            .filter_map(|p| self.mappings.iter().position(|m| &m.hf == p))
+            .collect();
+        if found.len() != parts.len() {
+            return;
+        }
+        let kiln = found
+            .iter()
+            .flat_map(|&i| self.mappings[i].kiln.clone())
+            .collect();
+        let at = found.iter().copied().min().unwrap_or(0);
+        let transposed = self.mappings[at].transposed;
+        self.mappings[at] = Mapping {
+            hf: fused.to_owned(),
+            kiln,
+            transposed,
+            hf_shape: None,
+        };
+        let mut drop: Vec<usize> = found.into_iter().filter(|&i| i != at).collect();
+        drop.sort_unstable_by(|a, b| b.cmp(a));
+        for i in drop {
+            self.mappings.remove(i);
+        }
+    }
+
     /// Whether the checkpoint tensor `name` is one the model drops.
     pub fn is_ignored(&self, name: &str) -> bool {
         self.ignored.iter().any(|n| n == name)
@@ -98,33 +128,38 @@ fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 }
 
 /// The Kiln tensors (float32) of a checkpoint tensor, as `mapping` says;
-/// `kiln_shape` is the shape of each.
+/// `shapes` are theirs, in order (Phi-3's `qkv_proj` holds more query rows
+/// than key or value rows).
 pub(crate) fn split(
     mapping: &Mapping,
     tensor: &HostTensor,
-    kiln_shape: &[usize],
+    shapes: &[&[usize]],
 ) -> Result<Vec<HostTensor>> {
     let mut dims = tensor.dims().to_vec();
     if mapping.hf_shape.is_some() {
-        dims = kiln_shape.to_vec();
+        dims = shapes.first().map(|s| s.to_vec()).unwrap_or_default();
     }
     let mut values: Vec<f32> = tensor.to_dtype(DType::F32).into_vec()?;
     if mapping.transposed && dims.len() == 2 {
         values = transpose(&values, dims[0], dims[1]);
         dims.swap(0, 1);
     }
-    let parts = mapping.kiln.len();
-    if parts == 1 {
+    if mapping.kiln.len() == 1 {
         return Ok(vec![HostTensor::new(values, dims)?]);
     }
-    let rows = dims[0] / parts;
     let row_len: usize = dims[1..].iter().product();
-    let mut part_dims = dims.clone();
-    part_dims[0] = rows;
-    values
-        .chunks(rows * row_len)
-        .map(|chunk| HostTensor::from_slice(chunk, part_dims.clone()).map_err(Into::into))
-        .collect()
+    let mut out = Vec::with_capacity(shapes.len());
+    let mut start = 0;
+    for r in shapes.iter().map(|s| s.first().copied().unwrap_or(0)) {
+        let mut part_dims = dims.clone();
+        part_dims[0] = r;
+        out.push(HostTensor::from_slice(
+            &values[start..start + r * row_len],
+            part_dims,
+        )?);
+        start += r * row_len;
+    }
+    Ok(out)
 }
 
 /// The checkpoint tensor (float32) of Kiln tensors `parts`, the inverse of [`split`].
@@ -134,7 +169,7 @@ pub(crate) fn join(mapping: &Mapping, parts: &[&HostTensor]) -> Result<HostTenso
     for p in parts {
         values.extend(p.to_dtype(DType::F32).into_vec::<f32>()?);
     }
-    dims[0] *= parts.len();
+    dims[0] = parts.iter().map(|p| p.dims()[0]).sum();
     if mapping.transposed && dims.len() == 2 {
         values = transpose(&values, dims[0], dims[1]);
         dims.swap(0, 1);
@@ -160,7 +195,7 @@ mod tests {
             transposed: true,
             hf_shape: None,
         };
-        let parts = split(&m, &fused, &[2, 2]).expect("splits");
+        let parts = split(&m, &fused, &[&[2, 2], &[2, 2], &[2, 2]]).expect("splits");
         // q = columns 0..2 of the [2, 6] matrix, transposed to [out, in].
         assert_eq!(
             parts[0].as_slice::<f32>().expect("f32"),

@@ -117,8 +117,15 @@ impl Params<'_> {
 
 /// The rotary embedding of `config` for heads of `head_dim` features, of
 /// layers of `layer_type` where `rope_parameters` holds one object per layer
-/// type (`"full_attention"`, `"sliding_attention"`).
-pub(crate) fn rope(config: &HfConfig, head_dim: usize, layer_type: &str) -> Result<RopeConfig> {
+/// type (`"full_attention"`, `"sliding_attention"`), reading each `(old, new)`
+/// of `aliases` as the `rope_type` `new` (Phi-3 reads `"su"` and `"yarn"` as
+/// `"longrope"`).
+pub(crate) fn rope(
+    config: &HfConfig,
+    head_dim: usize,
+    layer_type: &str,
+    aliases: &[(&str, &str)],
+) -> Result<RopeConfig> {
     let (key, map) = match config.get("rope_parameters") {
         Some(Value::Object(m)) => match m.get(layer_type) {
             Some(Value::Object(nested)) => (format!("rope_parameters.{layer_type}"), Some(nested)),
@@ -158,6 +165,10 @@ pub(crate) fn rope(config: &HfConfig, head_dim: usize, layer_type: &str) -> Resu
             .as_str()
             .ok_or_else(|| p.error("rope_type", format!("expected a string, got {v}")))?,
     };
+    let rope_type = aliases
+        .iter()
+        .find(|(old, _)| *old == rope_type)
+        .map_or(rope_type, |(_, new)| new);
     if let Some(map) = p.map {
         let known = known_keys(rope_type);
         for name in map.keys() {
@@ -291,7 +302,7 @@ mod tests {
 
     fn parse(json: &str) -> Result<RopeConfig> {
         let config = HfConfig::parse(Path::new("config.json"), json)?;
-        rope(&config, 16, "full_attention")
+        rope(&config, 16, "full_attention", &[])
     }
 
     #[test]
