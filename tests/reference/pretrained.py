@@ -81,11 +81,11 @@ def configs():
 LENGTH_DEPENDENT = {"llama_dynamic"}
 # Written back in the Hub's older form (top-level rope_theta and rope_scaling), as
 # Llama 3.x's config.json files are.
-OLD_FORM = {"llama3_2"}
+OLD_FORM = {"llama3_2", "gemma3_1b"}
 
 
 def scaled_ropes(llama):
-    from transformers import LlamaConfig, Phi3Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -100,7 +100,19 @@ def scaled_ropes(llama):
         "rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.5, 3.0, 6.0, 12.0]})
     phi4 = Phi3Config(**phi, partial_rotary_factor=0.75, tie_word_embeddings=True, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3], "long_factor": [2.0, 5.0, 9.0]})
+    # Gemma 3: local layers (window 3) with their own RoPE base beside a global one with
+    # Gemma 3 4B's linear scaling, query_pre_attn_scalar apart from head_dim; and Gemma 3
+    # 1B's older config form (rope_local_base_freq, sliding_window_pattern).
+    gemma = dict(llama, head_dim=8, sliding_window=3, query_pre_attn_scalar=24)
+    gemma3 = Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    gemma3_1b = Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
     return [
+        ("gemma3_text", gemma3, False),
+        ("gemma3_1b", gemma3_1b, False),
         ("phi3_5_mini", phi3_5, False),
         ("phi4_mini", phi4, False),
         ("llama3_2", LlamaConfig(**llama, rope_parameters=llama3, tie_word_embeddings=True), False),
@@ -119,6 +131,16 @@ def old_form(d):
     with open(path) as f:
         config = json.load(f)
     params = config.pop("rope_parameters")
+    if "sliding_attention" in params:
+        # Gemma 3's: the global base, the local one, and the layers' pattern.
+        config["rope_theta"] = params["full_attention"]["rope_theta"]
+        config["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+        config["rope_scaling"] = None
+        assert config.pop("layer_types") == ["sliding_attention", "full_attention"]
+        config["sliding_window_pattern"] = 2
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+        return
     config["rope_theta"] = params.pop("rope_theta")
     config["rope_scaling"] = params
     with open(path, "w") as f:

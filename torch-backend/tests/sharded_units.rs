@@ -233,6 +233,7 @@ fn plans_that_cannot_work_are_refused() {
             embedding_dim: 4,
             padding_idx: None,
             weight_init: None,
+            scale: None,
         }),
         LinearConfig::new(4, 4).into(),
         Layer::TiedLinear(kiln_core::model::TiedLinearConfig::new("0.weight", 4, 10)),

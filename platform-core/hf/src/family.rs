@@ -83,6 +83,7 @@ pub static FAMILIES: &[&Family] = &[
     &crate::llama::QWEN2,
     &crate::llama::QWEN3,
     &crate::phi3::PHI3,
+    &crate::gemma3::GEMMA3_TEXT,
     &crate::gpt2::GPT2,
     &crate::bert::BERT,
     &crate::vit::VIT,

@@ -18,6 +18,9 @@ pub(crate) enum Windows {
     /// The layers `layer_types` names, by default those from
     /// `max_window_layers` on (Qwen2, Qwen3), when `use_sliding_window`.
     LayerTypes,
+    /// The layers `layer_types` names, by default all but every
+    /// `sliding_window_pattern`-th (Gemma 3: five local layers, one global).
+    Pattern,
 }
 
 /// The sliding window of each of `layers` layers (`None`: full causal attention).
@@ -28,7 +31,7 @@ pub(crate) fn sliding_windows(
 ) -> Result<Vec<Option<usize>>> {
     let window = match rule {
         Windows::Never => None,
-        Windows::EveryLayer => config.opt_usize("sliding_window")?,
+        Windows::EveryLayer | Windows::Pattern => config.opt_usize("sliding_window")?,
         Windows::LayerTypes => {
             if config.bool_or("use_sliding_window", false)? {
                 config.opt_usize("sliding_window")?
@@ -44,26 +47,40 @@ pub(crate) fn sliding_windows(
             reason: "is 0; a window holds at least the token itself".to_owned(),
         });
     }
-    match rule {
-        Windows::Never => Ok(vec![None; layers]),
-        Windows::EveryLayer => Ok(vec![window; layers]),
-        Windows::LayerTypes => match config.get("layer_types") {
-            None => {
-                let first = config.opt_usize("max_window_layers")?.unwrap_or(28);
-                Ok((0..layers).map(|i| window.filter(|_| i >= first)).collect())
-            }
-            Some(types) => layer_types(config, types, layers, window),
-        },
+    // Without a window (use_sliding_window false), transformers' sliding
+    // layers see the whole causal context.
+    Ok(sliding_layers(config, layers, rule)?
+        .into_iter()
+        .map(|sliding| window.filter(|_| sliding))
+        .collect())
+}
+
+/// Whether each of `layers` layers is a sliding-window layer
+/// (`"sliding_attention"`), by `layer_types` or the family's rule.
+pub(crate) fn sliding_layers(config: &HfConfig, layers: usize, rule: Windows) -> Result<Vec<bool>> {
+    if let (Windows::LayerTypes | Windows::Pattern, Some(types)) = (rule, config.get("layer_types"))
+    {
+        return layer_types(config, types, layers);
     }
+    Ok(match rule {
+        Windows::Never => vec![false; layers],
+        Windows::EveryLayer => vec![config.get("sliding_window").is_some(); layers],
+        Windows::LayerTypes => {
+            let first = config.opt_usize("max_window_layers")?.unwrap_or(28);
+            (0..layers).map(|i| i >= first).collect()
+        }
+        Windows::Pattern => {
+            let pattern = config
+                .opt_usize("sliding_window_pattern")?
+                .unwrap_or(6)
+                .max(1);
+            (0..layers).map(|i| (i + 1) % pattern != 0).collect()
+        }
+    })
 }
 
 /// `layer_types`: one entry per layer, full or sliding attention.
-fn layer_types(
-    config: &HfConfig,
-    types: &Value,
-    layers: usize,
-    window: Option<usize>,
-) -> Result<Vec<Option<usize>>> {
+fn layer_types(config: &HfConfig, types: &Value, layers: usize) -> Result<Vec<bool>> {
     let wrong = |reason: String| HfError::Config {
         path: config.path().to_owned(),
         key: "layer_types".to_owned(),
@@ -83,10 +100,8 @@ fn layer_types(
     types
         .iter()
         .map(|t| match t.as_str() {
-            Some("full_attention") => Ok(None),
-            // Without a window (use_sliding_window false), transformers'
-            // sliding layers see the whole causal context.
-            Some("sliding_attention") => Ok(window),
+            Some("full_attention") => Ok(false),
+            Some("sliding_attention") => Ok(true),
             _ => Err(config.unsupported(
                 "layer_types",
                 format!("layer type {t}: Kiln builds full_attention and sliding_attention layers"),

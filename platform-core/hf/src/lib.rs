@@ -27,6 +27,7 @@ mod bounds;
 mod config;
 mod error;
 mod family;
+mod gemma3;
 mod gpt2;
 mod layer_types;
 mod llama;

@@ -91,7 +91,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         "phi3" => &[("su", "longrope"), ("yarn", "longrope")],
         _ => &[],
     };
-    let rope = crate::rope::rope(config, head_dim, "full_attention", aliases)?;
+    let rope = crate::rope::rope(config, head_dim, "full_attention", aliases, 10_000.0)?;
     let rule = match model_type {
         "mistral" | "phi3" => Windows::EveryLayer,
         "qwen2" | "qwen3" => Windows::LayerTypes,

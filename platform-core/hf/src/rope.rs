@@ -119,12 +119,14 @@ impl Params<'_> {
 /// layers of `layer_type` where `rope_parameters` holds one object per layer
 /// type (`"full_attention"`, `"sliding_attention"`), reading each `(old, new)`
 /// of `aliases` as the `rope_type` `new` (Phi-3 reads `"su"` and `"yarn"` as
-/// `"longrope"`).
+/// `"longrope"`); `default_theta` is the family's base where the config
+/// gives none (10000; Gemma 3's global layers 1000000).
 pub(crate) fn rope(
     config: &HfConfig,
     head_dim: usize,
     layer_type: &str,
     aliases: &[(&str, &str)],
+    default_theta: f64,
 ) -> Result<RopeConfig> {
     let (key, map) = match config.get("rope_parameters") {
         Some(Value::Object(m)) => match m.get(layer_type) {
@@ -153,7 +155,7 @@ pub(crate) fn rope(
     let p = Params { config, key, map };
     let theta = match p.opt_f64("rope_theta")? {
         Some(theta) => theta,
-        None => config.f64_or("rope_theta", 10_000.0)?,
+        None => config.f64_or("rope_theta", default_theta)?,
     };
     let partial = match p.opt_f64("partial_rotary_factor")? {
         Some(f) => f,
@@ -302,7 +304,7 @@ mod tests {
 
     fn parse(json: &str) -> Result<RopeConfig> {
         let config = HfConfig::parse(Path::new("config.json"), json)?;
-        rope(&config, 16, "full_attention", &[])
+        rope(&config, 16, "full_attention", &[], 10_000.0)
     }
 
     #[test]

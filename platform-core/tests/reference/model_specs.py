@@ -154,7 +154,15 @@ class GroupedQueryAttention(nn.Module):
         self.k_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(h * self.head_dim, e, bias=out_bias)
-        if spec.get("qk_norm_eps") is not None:
+        self.scale = spec.get("scale")
+        if spec.get("qk_norm_eps") is not None and spec.get("qk_norm_offset", 0.0) == 1.0:
+            # Gemma 3's `1 + weight` norms.
+            from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+            self.q_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
+            self.k_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
+        elif spec.get("qk_norm_eps") is not None:
+            assert spec.get("qk_norm_offset", 0.0) == 0.0, "the reference has offsets 0 and 1"
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
             self.k_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
         else:
@@ -196,7 +204,7 @@ class GroupedQueryAttention(nn.Module):
             mask, causal = (kj <= qi) & (kj > qi - self.window), False
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
-            enable_gqa=self.kv_heads != self.heads)
+            scale=self.scale, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -353,7 +361,14 @@ def build_layer(spec):
     if kind == "dropout":
         return nn.Dropout(spec["p"])
     if kind == "embedding":
-        m = nn.Embedding(spec["num_embeddings"], spec["embedding_dim"], padding_idx=spec.get("padding_idx"))
+        if spec.get("scale") is not None:
+            # Gemma 3's scaled embedding: the factor in the weight's dtype.
+            from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+            m = Gemma3TextScaledWordEmbedding(spec["num_embeddings"], spec["embedding_dim"],
+                                              spec.get("padding_idx"), embed_scale=spec["scale"])
+        else:
+            m = nn.Embedding(spec["num_embeddings"], spec["embedding_dim"], padding_idx=spec.get("padding_idx"))
         if spec.get("weight_init") is not None:
             with torch.no_grad():
                 apply_init(m.weight, spec["weight_init"])

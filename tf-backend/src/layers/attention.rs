@@ -44,7 +44,8 @@ impl Ctx<'_> {
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
         let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
-        let scores = self.scaled_scores(&scores, head_dim, seq, c.causal, None)?;
+        let scores =
+            self.scaled_scores(&scores, 1.0 / (head_dim as f64).sqrt(), seq, c.causal, None)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(
@@ -72,19 +73,18 @@ impl Ctx<'_> {
         )
     }
 
-    /// `scores / sqrt(head_dim)`, with -inf above the diagonal of the last
-    /// two (`[seq, seq]`) dimensions when `causal`.
+    /// `scores * scale`, with -inf where a causal query does not see a key
+    /// (above the diagonal of the last two, `[seq, seq]`, dimensions, and
+    /// outside the sliding window).
     pub(super) fn scaled_scores(
         &mut self,
         scores: &Output,
-        head_dim: i64,
+        scale: f64,
         seq: i64,
         causal: bool,
         window: Option<usize>,
     ) -> Result<Output> {
-        let scores = self
-            .b
-            .mul_scalar(scores, (1.0 / (head_dim as f64).sqrt()) as f32)?;
+        let scores = self.b.mul_scalar(scores, scale as f32)?;
         if !causal {
             return Ok(scores);
         }

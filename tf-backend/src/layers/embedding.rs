@@ -30,7 +30,11 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
                 }
                 None => weight,
             };
-            let y = ctx.b.gather(&table, &x.out, DataType::Int64)?;
+            let mut y = ctx.b.gather(&table, &x.out, DataType::Int64)?;
+            if let Some(scale) = c.scale {
+                // Float32 weights: the factor rounded to float32.
+                y = ctx.b.mul_scalar(&y, scale as f32)?;
+            }
             let mut dims = x.dims.clone();
             dims.push(c.embedding_dim as i64);
             Ok(Val {

@@ -116,8 +116,12 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         if let Some(eps) = c.qk_norm_eps {
-            let qw = self.param(&p("q_norm.weight"))?;
-            let kw = self.param(&p("k_norm.weight"))?;
+            let mut qw = self.param(&p("q_norm.weight"))?;
+            let mut kw = self.param(&p("k_norm.weight"))?;
+            if c.qk_norm_offset != 0.0 {
+                qw = self.b.add_scalar(&qw, c.qk_norm_offset as f32)?;
+                kw = self.b.add_scalar(&kw, c.qk_norm_offset as f32)?;
+            }
             q = self.rms_norm(&q, Some(&qw), eps)?;
             k = self.rms_norm(&k, Some(&kw), eps)?;
         }
@@ -140,7 +144,8 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         let scores = self.b.einsum("bqngd,bknd->bngqk", &q, &k)?;
-        let scores = self.scaled_scores(&scores, d, seq, c.causal, c.sliding_window)?;
+        let scores =
+            self.scaled_scores(&scores, c.score_scale(), seq, c.causal, c.sliding_window)?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(

@@ -210,7 +210,7 @@ impl Forward for Norm {
                 return if *offset == 0.0 {
                     super::transformer::rms_norm(x, weight, *eps)
                 } else {
-                    super::transformer::rms_norm(x, &weight.f_add_scalar(*offset)?, *eps)
+                    super::transformer::offset_rms_norm(x, weight, *eps, *offset)
                 };
             }
         }?)

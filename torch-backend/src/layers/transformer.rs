@@ -18,7 +18,10 @@ struct Attention {
     k: Projection,
     v: Projection,
     o: Projection,
-    norms: Option<(usize, usize, f64)>,
+    /// `q_norm` and `k_norm`: their weights, eps and weight offset.
+    norms: Option<(usize, usize, f64, f64)>,
+    /// The factor of the scores (`None`: `1 / sqrt(head_dim)`).
+    scale: Option<f64>,
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
@@ -78,9 +81,15 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             v: proj("v_proj")?,
             o: proj("o_proj")?,
             norms: match c.qk_norm_eps {
-                Some(eps) => Some((at.need("q_norm.weight")?, at.need("k_norm.weight")?, eps)),
+                Some(eps) => Some((
+                    at.need("q_norm.weight")?,
+                    at.need("k_norm.weight")?,
+                    eps,
+                    c.qk_norm_offset,
+                )),
                 None => None,
             },
+            scale: c.scale,
             heads: c.num_heads as i64,
             kv_heads: c.kv_heads() as i64,
             head_dim: c.head_dim() as i64,
@@ -112,13 +121,25 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
     }))
 }
 
-/// `x / sqrt(mean(x², -1) + eps) * weight`, in float32 as `LlamaRMSNorm`.
-pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> ForwardResult {
-    let dtype = x.kind();
+/// `x / sqrt(mean(x², -1) + eps)` in float32.
+fn normalized(x: &Tensor, eps: f64) -> ForwardResult {
     let h = x.f_to_kind(Kind::Float)?;
     let var = h.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, None)?;
-    let h = h.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?;
-    Ok(weight.f_mul(&h.f_to_kind(dtype)?)?)
+    Ok(h.f_mul(&var.f_add_scalar(eps)?.f_rsqrt()?)?)
+}
+
+/// Gemma's RMSNorm: `x / sqrt(mean(x², -1) + eps) * (offset + weight)`, all
+/// in float32 and cast to `x`'s dtype at the end (`Gemma3RMSNorm`'s order,
+/// which differs from LLaMA's in reduced precision).
+pub(super) fn offset_rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: f64) -> ForwardResult {
+    let w = weight.f_to_kind(Kind::Float)?.f_add_scalar(offset)?;
+    Ok(normalized(x, eps)?.f_mul(&w)?.f_to_kind(x.kind())?)
+}
+
+/// `x / sqrt(mean(x², -1) + eps) * weight`, in float32 as `LlamaRMSNorm`
+/// (the weight scales after the cast back to `x`'s dtype).
+pub(super) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> ForwardResult {
+    Ok(weight.f_mul(&normalized(x, eps)?.f_to_kind(x.kind())?)?)
 }
 
 impl Rope {
@@ -222,9 +243,15 @@ impl Attention {
         let mut q = split(self.q.forward(tensors, x, train)?, self.heads)?;
         let mut k = split(self.k.forward(tensors, x, train)?, self.kv_heads)?;
         let v = split(self.v.forward(tensors, x, train)?, self.kv_heads)?.f_transpose(1, 2)?;
-        if let Some((qn, kn, eps)) = self.norms {
-            q = rms_norm(&q, tensors.tensor(qn), eps)?;
-            k = rms_norm(&k, tensors.tensor(kn), eps)?;
+        if let Some((qn, kn, eps, offset)) = self.norms {
+            let (qw, kw) = (tensors.tensor(qn), tensors.tensor(kn));
+            if offset == 0.0 {
+                q = rms_norm(&q, qw, eps)?;
+                k = rms_norm(&k, kw, eps)?;
+            } else {
+                q = offset_rms_norm(&q, qw, eps, offset)?;
+                k = offset_rms_norm(&k, kw, eps, offset)?;
+            }
         }
         let (mut q, mut k) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?);
         if let Some(rope) = &self.rope {
@@ -267,7 +294,7 @@ impl Forward for Attention {
             band.as_ref(),
             p,
             self.causal && band.is_none(),
-            None,
+            self.scale,
             self.kv_heads != self.heads,
         )?;
         self.merge(tensors, &attended, train)
@@ -305,7 +332,7 @@ impl Forward for Attention {
             Some(mask),
             0.0,
             false,
-            None,
+            self.scale,
             self.kv_heads != self.heads,
         )?;
         step.store(slot, k, v);
@@ -480,7 +507,7 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
             children.push(ScriptChild {
                 name: name.to_owned(),
                 class: "RMSNorm".to_owned(),
-                body: rms_norm_script(eps, 0.0),
+                body: rms_norm_script(eps, c.qk_norm_offset),
             });
         }
     }
@@ -509,9 +536,10 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
         }
         None => ("None", c.causal),
     };
+    let scale = c.scale.map_or_else(|| "None".to_owned(), float);
     body.push_str(&format!(
         "    p = 0.0\n    if self.training:\n        p = {}\n    \
-         a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale=None, enable_gqa={})\n    \
+         a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale={scale}, enable_gqa={})\n    \
          a = torch.reshape(torch.transpose(a, 1, 2), [b, s, {}])\n    \
          return {}\n",
         float(c.dropout),
@@ -605,15 +633,16 @@ fn rope_script(rope: &RopeConfig, head_dim: usize) -> String {
 
 /// The body of an RMSNorm module's forward (also `RmsNorm`'s, in `norm.rs`).
 pub(super) fn rms_norm_script(eps: f64, offset: f64) -> String {
-    let weight = if offset == 0.0 {
-        "self.weight".to_owned()
+    // LLaMA scales after the cast, Gemma (an offset) before it.
+    let scaled = if offset == 0.0 {
+        "self.weight * h.to(dtype)".to_owned()
     } else {
-        format!("(self.weight + {})", float(offset))
+        format!("(h * (self.weight.float() + {})).to(dtype)", float(offset))
     };
     format!(
         "    dtype = x.dtype\n    h = x.float()\n    \
          h = h * torch.rsqrt(torch.mean(torch.pow(h, 2), [-1], True) + {})\n    \
-         return {weight} * h.to(dtype)\n",
+         return {scaled}\n",
         float(eps)
     )
 }

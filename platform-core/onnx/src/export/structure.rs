@@ -19,14 +19,23 @@ impl Emitter<'_> {
     ) -> Result<String> {
         match layer {
             Layer::Dropout { .. } => Ok(self.g.op(path, "Identity", &[&x.name], vec![])),
-            Layer::Embedding(_) => {
+            Layer::Embedding(c) => {
                 let table = self.param(path, layer, "weight")?;
-                Ok(self.g.op(
+                let rows = self.g.op(
                     path,
                     "Gather",
                     &[&table, &x.name],
                     vec![attr::int("axis", 0)],
-                ))
+                );
+                Ok(match c.scale {
+                    Some(scale) => {
+                        let factor = self
+                            .g
+                            .scalar(path, "embed_scale", f64::from(scale as f32))?;
+                        self.g.op(path, "Mul", &[&rows, &factor], vec![])
+                    }
+                    None => rows,
+                })
             }
             Layer::Flatten { start_dim, .. } => {
                 let rank = x.shape.len();

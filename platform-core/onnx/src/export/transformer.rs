@@ -214,8 +214,13 @@ impl Emitter<'_> {
         let mut k = self.g.op(path, "Reshape", &[&k, &kv_heads], vec![]);
         let v = self.g.op(path, "Reshape", &[&v, &kv_heads], vec![]);
         if let Some(eps) = c.qk_norm_eps {
-            let qw = self.param(path, layer, "q_norm.weight")?;
-            let kw = self.param(path, layer, "k_norm.weight")?;
+            let mut qw = self.param(path, layer, "q_norm.weight")?;
+            let mut kw = self.param(path, layer, "k_norm.weight")?;
+            if c.qk_norm_offset != 0.0 {
+                let offset = self.g.scalar(path, "qk_norm_offset", c.qk_norm_offset)?;
+                qw = self.g.op(path, "Add", &[&qw, &offset], vec![]);
+                kw = self.g.op(path, "Add", &[&kw, &offset], vec![]);
+            }
             q = self.rms(path, &q, &qw, eps)?;
             k = self.rms(path, &k, &kw, eps)?;
         }
@@ -257,7 +262,7 @@ impl Emitter<'_> {
             vec![attr::ints("perm", &[0, 1, 3, 2])],
         );
         let scores = self.g.op(path, "MatMul", &[&q, &kt], vec![]);
-        let scale = self.g.scalar(path, "scale", 1.0 / (d as f64).sqrt())?;
+        let scale = self.g.scalar(path, "scale", c.score_scale())?;
         let mut scores = self.g.op(path, "Mul", &[&scores, &scale], vec![]);
         if c.causal {
             // Causal, within the sliding window when there is one.

@@ -23,6 +23,10 @@ pub struct EmbeddingConfig {
     /// Initialiser of `weight`; `None` is PyTorch's default, `N(0, 1)`.
     #[serde(default)]
     pub weight_init: Option<Init>,
+    /// A factor of every looked-up vector, rounded to the weight's dtype first
+    /// (Gemma's `sqrt(hidden_size)`); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<f64>,
 }
 
 config_builder! {
@@ -33,11 +37,14 @@ config_builder! {
             embedding_dim,
             padding_idx: None,
             weight_init: None,
+            scale: None,
         }
         /// Sets the padding row.
         with_padding_idx(padding_idx: Some(usize));
         /// Sets the initialiser of `weight` (the padding row is still zeroed).
         with_weight_init(weight_init: Some(Init));
+        /// Multiplies every looked-up vector by `scale` (Gemma's embedding scaling).
+        with_scale(scale: Some(f64));
     }
 }
 
@@ -46,6 +53,13 @@ impl LayerSpec for EmbeddingConfig {
         let c = self;
         check.positive("num_embeddings", c.num_embeddings)?;
         check.positive("embedding_dim", c.embedding_dim)?;
+        if let Some(scale) = c.scale {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(
+                    check.invalid("scale", format!("must be finite and above 0, got {scale}"))
+                );
+            }
+        }
         match c.padding_idx {
             Some(idx) if idx >= c.num_embeddings => Err(check.invalid(
                 "padding_idx",

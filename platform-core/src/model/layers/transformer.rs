@@ -67,6 +67,14 @@ pub struct SelfAttentionConfig {
     /// `k_norm`), applied before RoPE; none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub qk_norm_eps: Option<f64>,
+    /// Added to the query and key norms' weights before they scale (0 by
+    /// default; Gemma 3's `1 + weight`, its weights then starting at 0).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub qk_norm_offset: f64,
+    /// The factor of the attention scores (default `1 / sqrt(head_dim)`;
+    /// Gemma's `query_pre_attn_scalar ** -0.5`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<f64>,
     /// Causal attention within a window: position `i` attends to positions
     /// `j` with `i - window < j <= i`, `window` tokens including itself
     /// (Mistral's and Qwen2's `sliding_window`, Gemma's local layers); none
@@ -91,6 +99,8 @@ config_builder! {
             out_bias: false,
             rope: None,
             qk_norm_eps: None,
+            qk_norm_offset: 0.0,
+            scale: None,
             sliding_window: None,
             dropout: 0.0,
         }
@@ -108,6 +118,10 @@ config_builder! {
         with_rope(rope: Some(RopeConfig));
         /// Normalises each query and key head with an RMSNorm of this epsilon.
         with_qk_norm_eps(qk_norm_eps: Some(f64));
+        /// Sets the query and key norms' weight offset (1 for Gemma 3).
+        with_qk_norm_offset(qk_norm_offset: f64);
+        /// Sets the factor of the attention scores.
+        with_scale(scale: Some(f64));
         /// Restricts causal attention to a window of this many tokens.
         with_sliding_window(sliding_window: Some(usize));
         /// Sets the attention dropout.
@@ -115,7 +129,19 @@ config_builder! {
     }
 }
 
+/// Whether `v` is 0 (serde's test for a default offset).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
+}
+
 impl SelfAttentionConfig {
+    /// The factor of the attention scores: [`scale`](Self::scale), or
+    /// `1 / sqrt(head_dim)`.
+    pub fn score_scale(&self) -> f64 {
+        self.scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim() as f64).sqrt())
+    }
+
     /// Whether key `key` is visible to query `query` (indices in the
     /// sequence, cache included): `key <= query` when causal, and within
     /// the sliding window when there is one.
@@ -171,6 +197,19 @@ impl LayerSpec for SelfAttentionConfig {
                 ));
             }
         }
+        if let Some(scale) = c.scale {
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(
+                    check.invalid("scale", format!("must be finite and above 0, got {scale}"))
+                );
+            }
+        }
+        if !c.qk_norm_offset.is_finite() {
+            return Err(check.invalid(
+                "qk_norm_offset",
+                format!("must be finite, got {}", c.qk_norm_offset),
+            ));
+        }
         if let Some(eps) = c.qk_norm_eps {
             check.non_negative("qk_norm_eps", eps)?;
         }
@@ -198,8 +237,10 @@ impl LayerSpec for SelfAttentionConfig {
             linear_params(params, name, out, inp, bias)?;
         }
         if c.qk_norm_eps.is_some() {
-            params.constant("q_norm.weight", vec![d], 1.0, ParamKind::Parameter);
-            params.constant("k_norm.weight", vec![d], 1.0, ParamKind::Parameter);
+            // Norms start as the identity: weight + offset = 1.
+            let one = 1.0 - c.qk_norm_offset;
+            params.constant("q_norm.weight", vec![d], one, ParamKind::Parameter);
+            params.constant("k_norm.weight", vec![d], one, ParamKind::Parameter);
         }
         Ok(())
     }
