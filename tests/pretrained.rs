@@ -2,8 +2,9 @@
 //! Qwen3, GPT-2, BERT (a sequence classifier) and ViT (an image classifier)
 //! with random weights, decoders with every scaled RoPE (linear, dynamic
 //! NTK, YaRN, Llama 3, proportional; one config in the Hub's older
-//! `rope_scaling` form) and sliding windows (Mistral, Qwen2), and Phi-3.5 /
-//! Phi-4-mini shapes (fused projections, LongRoPE, partial rotary), saved by `save_pretrained` (one sharded), load into
+//! `rope_scaling` form) and sliding windows (Mistral, Qwen2), Phi-3.5 /
+//! Phi-4-mini shapes (fused projections, LongRoPE, partial rotary) and Gemma 3
+//! (local and global layers; its older config form too), saved by `save_pretrained` (one sharded), load into
 //! Kiln; their logits match `transformers`' within 1e-5 on libtorch and on
 //! TensorFlow; greedy generation of left-padded
 //! prompts equals `generate(do_sample=False)` token for token, and cached
