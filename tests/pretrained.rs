@@ -229,6 +229,67 @@ fn greedy_generation_equals_transformers_and_the_cache_changes_nothing() {
     }
 }
 
+/// One training step of every decoder on the next-token loss, as
+/// `model(input_ids, labels=input_ids).loss.backward()` takes it: the loss
+/// and every parameter's gradient (mapped back to the checkpoint's names by
+/// `Pretrained::save`, fused and tied tensors included) against `transformers`.
+#[test]
+fn one_training_step_gives_transformers_loss_and_gradients() {
+    let test = "one_training_step_gives_transformers_loss_and_gradients";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    let scratch =
+        kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "pretrained-grads");
+    for case in cases.iter().filter(|c| c["decoder"].as_bool().unwrap()) {
+        let name = case["name"].as_str().unwrap();
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        // In evaluation mode on both sides: GPT-2's dropout would draw masks.
+        let model = torch_model(&pretrained);
+        let ids = to_tch(io(dir, name).get("input_ids").unwrap(), Device::Cpu).unwrap();
+        let logits = model.forward(&ids).unwrap();
+        let (len, vocab) = (logits.size()[1], logits.size()[2]);
+        let loss = logits
+            .narrow(1, 0, len - 1)
+            .reshape([-1, vocab])
+            .cross_entropy_for_logits(&ids.narrow(1, 1, len - 1).reshape([-1]));
+        <kiln::torch::TorchBackend as kiln::core::backend::EagerBackend>::backward(&loss).unwrap();
+        let mut grads = StateDict::new();
+        for (param, tensor) in model.named_parameters().unwrap() {
+            grads.insert(param, from_tch(&tensor.grad()).unwrap());
+        }
+        let out = scratch.join(name);
+        pretrained.save(&grads, &out).unwrap();
+        let kiln = StateDict::load_safetensors(out.join("model.safetensors"))
+            .unwrap()
+            .0;
+        let reference = StateDict::load_safetensors(dir.join(format!("{name}.grads.safetensors")))
+            .unwrap()
+            .0;
+        assert_close(
+            &format!("{name}: loss"),
+            &[loss.double_value(&[])],
+            &floats(reference.get("loss").unwrap()),
+            1e-5,
+            "transformers",
+        );
+        let expected = reference.len() - 1;
+        assert_eq!(kiln.len(), expected, "{name}: gradients");
+        for (hf, grad) in kiln.iter() {
+            let want = reference
+                .get(&format!("grad.{hf}"))
+                .unwrap_or_else(|| panic!("{name}: transformers has no gradient for {hf}"));
+            assert_close(
+                &format!("{name}: grad {hf}"),
+                &floats(grad),
+                &floats(want),
+                1e-5,
+                "transformers",
+            );
+        }
+    }
+}
+
 #[test]
 fn saved_weights_load_in_transformers_and_nothing_is_overwritten() {
     let test = "saved_weights_load_in_transformers_and_nothing_is_overwritten";
@@ -236,7 +297,14 @@ fn saved_weights_load_in_transformers_and_nothing_is_overwritten() {
         return;
     };
     let python = kiln_testkit::python(test).unwrap();
-    for name in ["llama_tied_sharded", "gpt2", "qwen2", "bert"] {
+    for name in [
+        "llama_tied_sharded",
+        "gpt2",
+        "qwen2",
+        "bert",
+        "phi4_mini",
+        "gemma3_text",
+    ] {
         let pretrained = Pretrained::open(dir.join(name)).unwrap();
         let mut model = torch_model(&pretrained);
         // Changed weights, so that the check cannot pass on the original file.

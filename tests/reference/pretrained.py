@@ -13,7 +13,8 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
     attention_mask    [3, 5] int64, 0 on the padding
     greedy            [3, 5 + NEW] transformers' `generate(do_sample=False)` (prompt included)
 
-and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
+OUT_DIR/<case>.grads.safetensors (decoders) holds `loss` and `grad.<name>`, one training step of
+`model(input_ids, labels=input_ids)` from the saved weights; and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
 "length_dependent_rope"}. The decoders include one model per scaled rope_type (linear, dynamic,
 yarn, llama3, proportional; longrope is Phi-3's, whose generate recomputes the cache when the
 sequence outgrows the original context) and sliding windows; dynamic NTK's frequencies follow
@@ -220,6 +221,13 @@ def make(out):
         with torch.no_grad():
             greedy = model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
                                     max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+        # One training step: the next-token loss and every parameter's gradient.
+        # (in evaluation mode: GPT-2's dropout would draw masks).
+        model = AutoModelForCausalLM.from_pretrained(d).eval()
+        step = model(input_ids=ids, labels=ids)
+        step.loss.backward()
+        grads = {f"grad.{n}": p.grad.contiguous() for n, p in model.named_parameters()}
+        save_file({"loss": step.loss.detach().reshape(1), **grads}, os.path.join(out, f"{name}.grads.safetensors"))
         save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
                    "attention_mask": mask, "greedy": greedy.contiguous()},
                   os.path.join(out, f"{name}.io.safetensors"))
