@@ -396,10 +396,15 @@ fn parse_shape(text: &str) -> std::result::Result<SampleShape, String> {
 /// `kiln generate`'s arguments.
 #[derive(Args)]
 pub(crate) struct GenerateArgs {
-    /// A Hugging Face model directory (config.json and safetensors weights),
-    /// or a Kiln checkpoint (`checkpoints/last.safetensors`) of a language model.
+    /// A Hugging Face model directory (config.json and safetensors weights), a
+    /// model named as on the Hub (`Qwen/Qwen3-0.6B`, from the local Hugging
+    /// Face cache), or a Kiln checkpoint (`checkpoints/last.safetensors`) of a
+    /// language model.
     #[arg(long)]
-    pub(crate) model: PathBuf,
+    pub(crate) model: String,
+    /// The branch, tag or commit of a Hub model (default `main`).
+    #[arg(long)]
+    pub(crate) revision: Option<String>,
     /// A prompt (repeat for a batch; prompts of different lengths are padded on the left).
     #[arg(long, required_unless_present = "prompt_ids")]
     pub(crate) prompt: Vec<String>,

@@ -162,8 +162,10 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         Decoding::Greedy
     };
-    let mut loaded = load(&args.model, args.adapter.as_deref(), args.device)
-        .with_context(|| format!("--model {}", args.model.display()))?;
+    let model = kiln_hf::resolve_model(&args.model, args.revision.as_deref())
+        .with_context(|| format!("--model {}", args.model))?;
+    let mut loaded = load(&model, args.adapter.as_deref(), args.device)
+        .with_context(|| format!("--model {}", args.model))?;
     loaded.model.set_mode(Mode::Eval);
     let tokenizer = match (&args.tokenizer, args.prompt.is_empty()) {
         (_, true) => None,

@@ -15,6 +15,23 @@ pub enum HfError {
         /// What is missing (`config.json`, the weights).
         what: String,
     },
+    /// A model named as on the Hub that the local cache does not hold.
+    #[error(
+        "Hub model {repo_id:?} at revision {revision:?} {reason}, in the Hugging Face cache {} \
+         (HF_HUB_CACHE, or HF_HOME/hub): Kiln reads the cache and does not download; fetch \
+         it with `hf download {repo_id}` (or give a local directory)",
+        .cache.display()
+    )]
+    NotInCache {
+        /// The model's id (`"Qwen/Qwen3-0.6B"`).
+        repo_id: String,
+        /// The revision asked for.
+        revision: String,
+        /// The cache looked in.
+        cache: PathBuf,
+        /// What is missing.
+        reason: String,
+    },
     /// `config.json` (or another JSON file) is malformed or lacks a key.
     #[error("{}: `{key}`: {reason}", .path.display())]
     Config {
@@ -113,6 +130,7 @@ impl From<HfError> for kiln_core::Error {
                     HfError::NotAModel { dir, .. } | HfError::MissingTensor { dir, .. } => {
                         dir.clone()
                     }
+                    HfError::NotInCache { cache, .. } => cache.clone(),
                     HfError::Config { path, .. }
                     | HfError::UnknownFamily { path, .. }
                     | HfError::UnsupportedKey { path, .. }

@@ -89,11 +89,14 @@ fn yes() -> bool {
     true
 }
 
-/// `[model] pretrained = "dir"`: a Hugging Face model directory to start from,
-/// with the layers of `head` in place of its language-model head.
+/// `[model] pretrained = "dir"`: a Hugging Face model directory to start from
+/// (or a model named as on the Hub, `"Qwen/Qwen3-0.6B"`, at `revision`, found
+/// in the local Hugging Face cache), with the layers of `head` in place of
+/// its language-model head.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PretrainedModel {
-    /// The directory (`config.json`, `model.safetensors` or shards).
+    /// The directory (`config.json`, `model.safetensors` or shards): a Hub
+    /// model's snapshot in the cache.
     pub dir: PathBuf,
     /// The new head, when the config gives one.
     pub head: Option<Vec<Layer>>,
@@ -124,11 +127,23 @@ fn expand_pretrained(
     let Some(dir) = model.remove("pretrained") else {
         return Ok(None);
     };
+    let revision = match model.remove("revision") {
+        None => None,
+        Some(toml::Value::String(r)) => Some(r),
+        Some(other) => {
+            return Err(format!(
+            "key `model.revision`: expected a branch, tag or commit of the Hub model, got {other}"
+        ))
+        }
+    };
+    // A directory, or a model named as on the Hub (`"Qwen/Qwen3-0.6B"`)
+    // found in the local Hugging Face cache.
     let dir = match dir {
-        toml::Value::String(s) => PathBuf::from(s),
+        toml::Value::String(s) => kiln_hf::resolve_model(&s, revision.as_deref())
+            .map_err(|e| format!("key `model.pretrained`: {e}"))?,
         other => {
             return Err(format!(
-                "key `model.pretrained`: expected a directory, got {other}"
+                "key `model.pretrained`: expected a directory or a Hub model id, got {other}"
             ))
         }
     };
@@ -153,8 +168,8 @@ fn expand_pretrained(
     }
     if let Some(key) = model.keys().next() {
         return Err(format!(
-            "key `model.{key}`: a pretrained model takes `pretrained`, `head` and `num_labels` \
-             only (its layers come from the directory's config.json)"
+            "key `model.{key}`: a pretrained model takes `pretrained`, `revision`, `head` and \
+             `num_labels` only (its layers come from the directory's config.json)"
         ));
     }
     let source = PretrainedModel {

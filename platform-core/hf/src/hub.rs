@@ -1,0 +1,210 @@
+//! Models named as on the Hub (`"Qwen/Qwen3-0.6B"`), found in the local
+//! Hugging Face cache as `huggingface_hub` lays it out:
+//! `<cache>/models--<org>--<name>/refs/<revision>` holds a commit, whose
+//! files are under `snapshots/<commit>/`. The cache is `HF_HUB_CACHE`, else
+//! `HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
+//! `~/.cache/huggingface/hub`. Kiln reads the cache; it does not download.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{HfError, Result};
+
+/// The local Hugging Face cache of Hub repositories.
+///
+/// ```no_run
+/// use kiln_hf::HubCache;
+///
+/// let dir = HubCache::from_env().snapshot("Qwen/Qwen3-0.6B", "main")?;
+/// assert!(dir.join("config.json").is_file());
+/// # Ok::<(), kiln_hf::HfError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubCache {
+    root: PathBuf,
+}
+
+impl HubCache {
+    /// The cache at `root` (a `hub` directory).
+    pub fn at(root: impl Into<PathBuf>) -> Self {
+        HubCache { root: root.into() }
+    }
+
+    /// The cache `huggingface_hub` uses, from the environment.
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        if let Some(cache) = var("HF_HUB_CACHE").or_else(|| var("HUGGINGFACE_HUB_CACHE")) {
+            return HubCache::at(cache);
+        }
+        let home = var("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
+            var("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                .unwrap_or_else(|| PathBuf::from(".cache"))
+                .join("huggingface")
+        });
+        HubCache::at(home.join("hub"))
+    }
+
+    /// The cache's directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The snapshot directory of model `repo_id` at `revision` (a branch or
+    /// tag that `refs/` records, or a commit hash), holding its `config.json`.
+    pub fn snapshot(&self, repo_id: &str, revision: &str) -> Result<PathBuf> {
+        if !is_repo_id(repo_id) {
+            return Err(self.missing(repo_id, revision, "is not a Hub model id (`org/name`)"));
+        }
+        let repo = self
+            .root
+            .join(format!("models--{}", repo_id.replace('/', "--")));
+        if !repo.is_dir() {
+            return Err(self.missing(repo_id, revision, "is not in the cache"));
+        }
+        if revision.is_empty()
+            || revision.contains("..")
+            || revision.starts_with('/')
+            || revision.contains('\\')
+        {
+            return Err(self.missing(repo_id, revision, "is not a revision name"));
+        }
+        let commit = match std::fs::read_to_string(repo.join("refs").join(revision)) {
+            Ok(text) => text.trim().to_owned(),
+            Err(_) if is_commit(revision) => revision.to_owned(),
+            Err(_) => {
+                let known = refs(&repo.join("refs"));
+                return Err(self.missing(
+                    repo_id,
+                    revision,
+                    &format!(
+                        "has no revision {revision:?} in the cache (refs: {})",
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                ));
+            }
+        };
+        if !is_commit(&commit) {
+            return Err(self.missing(
+                repo_id,
+                revision,
+                &format!("has a damaged ref {revision:?} (not a commit hash: {commit:?})"),
+            ));
+        }
+        let snapshot = repo.join("snapshots").join(&commit);
+        if !snapshot.join("config.json").is_file() {
+            return Err(self.missing(
+                repo_id,
+                revision,
+                &format!(
+                    "has no config.json in snapshot {commit} (a partial download: fetch it again)"
+                ),
+            ));
+        }
+        Ok(snapshot)
+    }
+
+    fn missing(&self, repo_id: &str, revision: &str, reason: &str) -> HfError {
+        HfError::NotInCache {
+            repo_id: repo_id.to_owned(),
+            revision: revision.to_owned(),
+            cache: self.root.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+}
+
+/// The model directory `name` means: an existing path as it is, else a Hub
+/// model id (`"Qwen/Qwen3-0.6B"`) at `revision` (default `"main"`) in the
+/// cache of [`HubCache::from_env`].
+pub fn resolve_model(name: &str, revision: Option<&str>) -> Result<PathBuf> {
+    let path = Path::new(name);
+    if path.exists() {
+        if let Some(revision) = revision {
+            return Err(HfError::Core(kiln_core::Error::invalid_argument(
+                "revision",
+                format!("{revision:?} names a revision of a Hub model, but {name} is a local path"),
+            )));
+        }
+        return Ok(path.to_owned());
+    }
+    if !is_repo_id(name) {
+        return Err(HfError::Core(kiln_core::Error::io(
+            path,
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no such directory (nor a Hub model id, `org/name`)",
+            ),
+        )));
+    }
+    HubCache::from_env().snapshot(name, revision.unwrap_or("main"))
+}
+
+/// Whether `id` is a Hub repository id: `name` or `org/name`, of letters,
+/// digits, `-`, `_` and `.`, without `--` or `..`, at most 96 characters.
+pub fn is_repo_id(id: &str) -> bool {
+    let parts: Vec<&str> = id.split('/').collect();
+    id.len() <= 96
+        && (1..=2).contains(&parts.len())
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with(['-', '.'])
+                && !p.ends_with(['-', '.'])
+                && !p.contains("--")
+                && !p.contains("..")
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        })
+}
+
+/// Whether `s` is a full commit hash (40 lowercase hex digits).
+fn is_commit(s: &str) -> bool {
+    s.len() == 40 && s.chars().all(|c| matches!(c, '0'..='9' | 'a'..='f'))
+}
+
+/// The revisions `refs` records (branches and tags, `refs/pr/1` as `pr/1`).
+fn refs(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut stack = vec![(dir.to_owned(), String::new())];
+    while let Some((d, prefix)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let name = format!("{prefix}{}", e.file_name().to_string_lossy());
+            if e.path().is_dir() {
+                stack.push((e.path(), format!("{name}/")));
+            } else {
+                out.push(name);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_ids_are_told_from_paths() {
+        for id in [
+            "Qwen/Qwen3-0.6B",
+            "gpt2",
+            "meta-llama/Llama-3.2-1B",
+            "a.b/c_d",
+        ] {
+            assert!(is_repo_id(id), "{id}");
+        }
+        for id in [
+            "", "a/b/c", "../x", "a/..", "org--x/y", "/abs", "a/", "x y", "a/b..",
+        ] {
+            assert!(!is_repo_id(id), "{id}");
+        }
+    }
+}
