@@ -391,6 +391,61 @@ fn kiln_generate_decodes_as_transformers_generate() {
 /// `kiln predict` and `kiln eval` run a classifier straight from its Hugging
 /// Face directory (no training run first): BERT's scores are `transformers`'
 /// logits, and the loss is the cross entropy of those logits.
+/// A model whose `generation_config.json` samples (`do_sample`, its
+/// temperature and top-k) samples with them in `kiln generate`, as
+/// `transformers`' `generate()` does; flags override them; `--greedy` decodes
+/// greedily anyway.
+#[test]
+fn kiln_generate_honours_generation_config_sampling() {
+    let test = "kiln_generate_honours_generation_config_sampling";
+    let dir = scratch("generation-config");
+    let Some(models) = models(test) else {
+        return;
+    };
+    let original = models.join("llama");
+    let sampling = dir.join("llama-sampling");
+    std::fs::create_dir_all(&sampling).unwrap();
+    for entry in std::fs::read_dir(&original).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, sampling.join(path.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(
+        sampling.join("generation_config.json"),
+        r#"{"do_sample": true, "temperature": 0.7, "top_k": 5, "top_p": 1.0, "eos_token_id": [2]}"#,
+    )
+    .unwrap();
+    let run = |model: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "5,9,14",
+            "--max-new-tokens",
+            "8",
+            "--stop=-1",
+            "--seed",
+            "3",
+        ];
+        args.extend_from_slice(extra);
+        kiln_stdout(&args)
+    };
+    let sampled = run(&sampling, &[]);
+    assert_eq!(
+        sampled,
+        run(&original, &["--temperature", "0.7", "--top-k", "5"]),
+        "the file's settings"
+    );
+    let greedy = run(&original, &[]);
+    assert_ne!(sampled, greedy, "do_sample samples");
+    assert_eq!(run(&sampling, &["--greedy"]), greedy, "--greedy");
+    assert_eq!(
+        run(&sampling, &["--temperature", "1.3"]),
+        run(&original, &["--temperature", "1.3", "--top-k", "5"]),
+        "a flag overrides its own setting only"
+    );
+}
+
 /// `kiln` with `env` set, and what it printed (stdout, stderr, success).
 fn kiln_with_env(args: &[&str], env: &[(&str, &Path)]) -> (String, String, bool) {
     let mut command = std::process::Command::new(common::KILN);

@@ -421,9 +421,13 @@ pub(crate) struct GenerateArgs {
     /// New tokens per prompt at most.
     #[arg(long, default_value_t = 64)]
     pub(crate) max_new_tokens: usize,
-    /// Sample with this temperature instead of decoding greedily.
+    /// Sample with this temperature instead of decoding greedily (default:
+    /// the model's `generation_config.json`, which may sample).
     #[arg(long, allow_negative_numbers = true)]
     pub(crate) temperature: Option<f64>,
+    /// Decode greedily even where the model's `generation_config.json` samples.
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
+    pub(crate) greedy: bool,
     /// Sample from the k most likely tokens.
     #[arg(long)]
     pub(crate) top_k: Option<usize>,

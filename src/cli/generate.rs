@@ -149,19 +149,10 @@ fn load(path: &Path, adapter: Option<&Path>, device: Device) -> Result<Loaded> {
 pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     if args.temperature == Some(0.0) {
         anyhow::bail!(
-            "--temperature 0 is greedy decoding, which is the default: leave out --temperature \
-             (or give a temperature above 0 to sample)"
+            "--temperature 0 is greedy decoding: leave out --temperature and give --greedy (or a \
+             temperature above 0 to sample)"
         );
     }
-    let decoding = if args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some() {
-        Decoding::Sample {
-            temperature: args.temperature.unwrap_or(1.0),
-            top_k: args.top_k,
-            top_p: args.top_p,
-        }
-    } else {
-        Decoding::Greedy
-    };
     let model = kiln_hf::resolve_model(&args.model, args.revision.as_deref())
         .with_context(|| format!("--model {}", args.model))?;
     let mut loaded = load(&model, args.adapter.as_deref(), args.device)
@@ -206,6 +197,23 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
                 .with_context(|| format!("--tokenizer {}", dir.display()))?;
         }
     }
+    // The model's generation_config.json decides, as in transformers'
+    // generate(), unless a flag says otherwise.
+    let defaults = match loaded.dir.as_ref().or(args.tokenizer.as_ref()) {
+        Some(dir) => kiln_hf::sampling_defaults_in(dir)
+            .with_context(|| format!("{}", dir.join("generation_config.json").display()))?,
+        None => kiln_hf::SamplingDefaults::default(),
+    };
+    let flags = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some();
+    let decoding = if !args.greedy && (flags || defaults.do_sample) {
+        Decoding::Sample {
+            temperature: args.temperature.or(defaults.temperature).unwrap_or(1.0),
+            top_k: args.top_k.or(defaults.top_k),
+            top_p: args.top_p.or(defaults.top_p),
+        }
+    } else {
+        Decoding::Greedy
+    };
     let stop = if args.stop.is_empty() {
         loaded.eos.clone()
     } else {

@@ -510,6 +510,44 @@ pub fn eos_token_ids_in(dir: &Path) -> Result<Vec<i64>> {
     Ok(Vec::new())
 }
 
+/// The sampling settings a model's `generation_config.json` gives
+/// `generate()` by default (none when the file is absent): `transformers`
+/// samples when `do_sample` is true, with these unless a call overrides them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    /// `do_sample`: sample rather than decode greedily.
+    pub do_sample: bool,
+    /// `temperature`.
+    pub temperature: Option<f64>,
+    /// `top_k` (0, no filtering, reads as `None`).
+    pub top_k: Option<usize>,
+    /// `top_p` (1, no filtering, reads as `None`).
+    pub top_p: Option<f64>,
+}
+
+/// The [`SamplingDefaults`] of the model directory `dir`.
+pub fn sampling_defaults_in(dir: &Path) -> Result<SamplingDefaults> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(SamplingDefaults::default());
+    }
+    let config = HfConfig::read(&path)?;
+    let temperature = match config.get("temperature") {
+        None => None,
+        Some(_) => Some(config.f64_or("temperature", 1.0)?),
+    };
+    let top_p = match config.get("top_p") {
+        None => None,
+        Some(_) => Some(config.f64_or("top_p", 1.0)?).filter(|p| *p < 1.0),
+    };
+    Ok(SamplingDefaults {
+        do_sample: config.bool_or("do_sample", false)?,
+        temperature,
+        top_k: config.opt_usize("top_k")?.filter(|k| *k > 0),
+        top_p,
+    })
+}
+
 /// The `eos_token_id`s the JSON file at `path` names (none when it is absent).
 fn eos_token_ids_of(path: &Path) -> Result<Vec<i64>> {
     if !path.is_file() {
