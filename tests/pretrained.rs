@@ -3,7 +3,8 @@
 //! with random weights, decoders with every scaled RoPE (linear, dynamic
 //! NTK, YaRN, Llama 3, proportional; one config in the Hub's older
 //! `rope_scaling` form) and sliding windows (Mistral, Qwen2), Phi-3.5 /
-//! Phi-4-mini shapes (fused projections, LongRoPE, partial rotary) and Gemma 3
+//! Phi-4-mini shapes (fused projections, LongRoPE, partial rotary), Granite
+//! (its multipliers) and Gemma 3
 //! (local and global layers; its older config form too), saved by `save_pretrained` (one sharded), load into
 //! Kiln; their logits match `transformers`' within 1e-5 on libtorch and on
 //! TensorFlow; greedy generation of left-padded
@@ -304,6 +305,7 @@ fn saved_weights_load_in_transformers_and_nothing_is_overwritten() {
         "bert",
         "phi4_mini",
         "gemma3_text",
+        "granite",
     ] {
         let pretrained = Pretrained::open(dir.join(name)).unwrap();
         let mut model = torch_model(&pretrained);

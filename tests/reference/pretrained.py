@@ -86,7 +86,7 @@ OLD_FORM = {"llama3_2", "gemma3_1b"}
 
 
 def scaled_ropes(llama):
-    from transformers import Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen3Config
+    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, Phi3Config, Qwen3Config
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -111,7 +111,11 @@ def scaled_ropes(llama):
     gemma3_1b = Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    # Granite 3's multipliers (its attention_multiplier moved off 1/sqrt(head_dim)).
+    granite = GraniteConfig(**llama, embedding_multiplier=12.0, attention_multiplier=0.25,
+                            residual_multiplier=0.22, logits_scaling=8.0)
     return [
+        ("granite", granite, False),
         ("gemma3_text", gemma3, False),
         ("gemma3_1b", gemma3_1b, False),
         ("phi3_5_mini", phi3_5, False),

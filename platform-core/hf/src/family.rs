@@ -82,6 +82,7 @@ pub static FAMILIES: &[&Family] = &[
     &crate::llama::MISTRAL,
     &crate::llama::QWEN2,
     &crate::llama::QWEN3,
+    &crate::llama::GRANITE,
     &crate::phi3::PHI3,
     &crate::gemma3::GEMMA3_TEXT,
     &crate::gpt2::GPT2,

@@ -1,4 +1,5 @@
-//! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`): a token embedding,
+//! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`, and the block of
+//! `phi3` and `granite` with their multipliers): a token embedding,
 //! pre-norm decoder blocks of RMSNorm, grouped-query self-attention with RoPE
 //! (every scaling, [`crate::rope`]) within a sliding window where the family
 //! has one ([`crate::layer_types`]) and a SwiGLU MLP, a final RMSNorm and the
@@ -40,6 +41,9 @@ pub(crate) static MISTRAL: Family = decoder("mistral", "Mistral", |c, _| build(c
 pub(crate) static QWEN2: Family = decoder("qwen2", "Qwen2", |c, _| build(c, "qwen2"));
 /// Qwen3 (`Qwen3ForCausalLM`): RMSNorm on q and k.
 pub(crate) static QWEN3: Family = decoder("qwen3", "Qwen3", |c, _| build(c, "qwen3"));
+/// Granite (`GraniteForCausalLM`): the LLaMA block with multipliers of the
+/// embedding, the scores, the residual branches and the logits.
+pub(crate) static GRANITE: Family = decoder("granite", "Granite", |c, _| build(c, "granite"));
 
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
@@ -117,7 +121,31 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         "phi3" => config.f64_or("resid_pdrop", 0.0)?,
         _ => 0.0,
     };
-    let mut stack = vec![Layer::from(EmbeddingConfig::new(vocab, hidden))];
+    // Granite's multipliers: of the embedding, the scores, each block's
+    // output before its residual add, and (a divisor) the logits.
+    let multiplier = |key: &str| -> Result<f64> {
+        match model_type {
+            "granite" => config.f64_or(key, 1.0),
+            _ => Ok(1.0),
+        }
+    };
+    let (embedding_multiplier, residual_multiplier, logits_scaling) = (
+        multiplier("embedding_multiplier")?,
+        multiplier("residual_multiplier")?,
+        multiplier("logits_scaling")?,
+    );
+    if logits_scaling == 0.0 {
+        return Err(config.unsupported("logits_scaling", "the logits are divided by it: not 0"));
+    }
+    let attention = match model_type {
+        "granite" => attention.with_scale(config.f64_or("attention_multiplier", 1.0)?),
+        _ => attention,
+    };
+    let mut embedding = EmbeddingConfig::new(vocab, hidden);
+    if embedding_multiplier != 1.0 {
+        embedding = embedding.with_scale(embedding_multiplier);
+    }
+    let mut stack = vec![Layer::from(embedding)];
     for window in &windows {
         let attention = match window {
             Some(w) => attention.clone().with_sliding_window(*w),
@@ -131,6 +159,11 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
                     p: residual_dropout,
                 });
             }
+            if residual_multiplier != 1.0 {
+                layers.push(Layer::Scale {
+                    factor: residual_multiplier,
+                });
+            }
             Layer::residual(Layer::sequential(layers))
         };
         stack.push(Layer::sequential([
@@ -139,11 +172,25 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         ]));
     }
     stack.push(RmsNormConfig::new(hidden).with_eps(eps).into());
-    stack.push(if tied {
+    let head: Layer = if tied {
         TiedLinearConfig::new("0.weight", hidden, vocab).into()
     } else {
         LinearConfig::new(hidden, vocab).with_bias(false).into()
-    });
+    };
+    // The head stays the last layer (what a new head replaces), its logits
+    // scaling inside it.
+    let (head, head_path) = if logits_scaling == 1.0 {
+        (head, (layers + 2).to_string())
+    } else {
+        let scale = Layer::Scale {
+            factor: 1.0 / logits_scaling,
+        };
+        (
+            Layer::sequential([head, scale]),
+            format!("{}.0", layers + 2),
+        )
+    };
+    stack.push(head);
     let model = Layer::sequential(stack);
 
     let (mut map, names) = NameMap::for_model(&model)?;
@@ -173,7 +220,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         // Some writers store the tied head anyway: the same tensor, dropped.
         map.ignored.push("lm_head.weight".to_owned());
     } else {
-        map.prefix(&names, &(layers + 2).to_string(), "lm_head");
+        map.prefix(&names, &head_path, "lm_head");
     }
     map.ignored_suffixes.push(".rotary_emb.inv_freq".to_owned());
     Ok((model, map))

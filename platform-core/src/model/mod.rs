@@ -173,6 +173,12 @@ pub enum Layer {
     Silu,
     /// `nn.Tanh`.
     Tanh,
+    /// `x * factor`, a constant multiplier (Granite's residual and logit
+    /// multipliers; with `Tanh`, Gemma 2's logit softcapping).
+    Scale {
+        /// The multiplier (finite).
+        factor: f64,
+    },
     /// `nn.Sigmoid`.
     Sigmoid,
     /// `nn.Softmax` along `dim` (negative counts from the end).
@@ -283,6 +289,7 @@ macro_rules! with_spec {
             Gelu { .. } => &activation::Elementwise,
             Silu {} => &activation::Elementwise,
             Tanh {} => &activation::Elementwise,
+            Scale { factor } => &activation::Scale(*factor),
             Sigmoid {} => &activation::Elementwise,
             Softmax { dim } => &activation::Softmax(*dim),
             LogSoftmax { dim } => &activation::Softmax(*dim),

@@ -132,6 +132,17 @@ def scaled_rope(rope, head_dim, seq_len):
     return inv_freq, factor
 
 
+class Scale(nn.Module):
+    """Kiln's scale: `x * factor` (Granite's multipliers)."""
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
 class GroupedQueryAttention(nn.Module):
     """Kiln's self_attention: the Hugging Face attention (LlamaAttention's projections,
     transformers' own rotate_half and RMSNorm for RoPE and QK-norm, as Qwen3 has them),
@@ -395,6 +406,8 @@ def build_layer(spec):
         return nn.SiLU()
     if kind == "tanh":
         return nn.Tanh()
+    if kind == "scale":
+        return Scale(spec["factor"])
     if kind == "sigmoid":
         return nn.Sigmoid()
     if kind == "softmax":

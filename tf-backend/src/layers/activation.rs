@@ -25,6 +25,10 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, _prefix: &str, x: Val) -> 
         },
         Layer::Silu => ctx.elementwise(x, silu),
         Layer::Tanh => ctx.elementwise(x, |b, v| b.unary("Tanh", v)),
+        Layer::Scale { factor } => {
+            let factor = *factor as f32;
+            ctx.elementwise(x, move |b, v| b.mul_scalar(v, factor))
+        }
         Layer::Sigmoid => ctx.elementwise(x, |b, v| b.unary("Sigmoid", v)),
         Layer::Softmax { dim } => ctx.along(x, *dim, |b, v| b.softmax(v)),
         Layer::LogSoftmax { dim } => {

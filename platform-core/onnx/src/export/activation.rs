@@ -31,6 +31,10 @@ impl Emitter<'_> {
                 self.g.op(path, "Mul", &[x, &s], vec![])
             }
             Layer::Tanh => self.g.op(path, "Tanh", &[x], vec![]),
+            Layer::Scale { factor } => {
+                let factor = self.g.scalar(path, "factor", *factor)?;
+                self.g.op(path, "Mul", &[x, &factor], vec![])
+            }
             Layer::Sigmoid => self.g.op(path, "Sigmoid", &[x], vec![]),
             Layer::Softmax { dim } => {
                 self.g

@@ -49,6 +49,24 @@ impl LayerSpec for LeakyRelu {
     }
 }
 
+/// [`Layer::Scale`](crate::model::Layer::Scale)'s `factor`.
+pub(crate) struct Scale(pub(crate) f64);
+
+impl LayerSpec for Scale {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        let factor = self.0;
+        if factor.is_finite() {
+            Ok(())
+        } else {
+            Err(check.invalid("factor", format!("must be finite, got {factor}")))
+        }
+    }
+
+    fn output_shape(&self, input: &[usize], _at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        Ok(input.to_vec())
+    }
+}
+
 /// [`Layer::Softmax`](crate::model::Layer::Softmax)'s or
 /// [`Layer::LogSoftmax`](crate::model::Layer::LogSoftmax)'s `dim`.
 pub(crate) struct Softmax(pub(crate) isize);
