@@ -17,6 +17,7 @@ use crate::config::HfConfig;
 use crate::error::Result;
 use crate::family::{Family, FamilyTask};
 use crate::layer_types::{sliding_layers, sliding_windows, Windows};
+use crate::llama::DecoderSizes;
 use crate::names::NameMap;
 
 /// Gemma 3's text model (`Gemma3ForCausalLM`).
@@ -47,26 +48,15 @@ fn rope(config: &HfConfig, head_dim: usize, layer_type: &str) -> Result<RopeConf
 }
 
 fn build(config: &HfConfig, _architectures: &[String]) -> Result<(Layer, NameMap)> {
-    let vocab = config.usize("vocab_size")?;
-    let hidden = config.usize("hidden_size")?;
-    let layers = config.usize("num_hidden_layers")?;
-    let heads = config.usize("num_attention_heads")?;
-    config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
-    let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(crate::HfError::Config {
-            path: config.path().to_owned(),
-            key: "num_key_value_heads".to_owned(),
-            reason: format!(
-                "is {kv_heads}, which does not divide num_attention_heads = {heads}: each \
-                 key/value head serves a whole group of query heads"
-            ),
-        });
-    }
-    let head_dim = config
-        .opt_usize("head_dim")?
-        .unwrap_or(hidden / heads.max(1));
-    let intermediate = config.usize("intermediate_size")?;
+    let DecoderSizes {
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+    } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
     let tied = config.bool_or("tie_word_embeddings", true)?;
     let activation = match config.str_or("hidden_activation", "gelu_pytorch_tanh")? {

@@ -45,28 +45,60 @@ pub(crate) static QWEN3: Family = decoder("qwen3", "Qwen3", |c, _| build(c, "qwe
 /// embedding, the scores, the residual branches and the logits.
 pub(crate) static GRANITE: Family = decoder("granite", "Granite", |c, _| build(c, "granite"));
 
+/// The sizes every decoder's `config.json` gives, checked.
+pub(crate) struct DecoderSizes {
+    pub(crate) vocab: usize,
+    pub(crate) hidden: usize,
+    pub(crate) layers: usize,
+    pub(crate) heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) intermediate: usize,
+}
+
+impl DecoderSizes {
+    /// The sizes of `config`: its heads dividing its width (or a
+    /// `head_dim`), its key/value heads dividing its query heads.
+    pub(crate) fn of(config: &HfConfig) -> Result<Self> {
+        let hidden = config.usize("hidden_size")?;
+        let heads = config.usize("num_attention_heads")?;
+        config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
+        let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(crate::HfError::Config {
+                path: config.path().to_owned(),
+                key: "num_key_value_heads".to_owned(),
+                reason: format!(
+                    "is {kv_heads}, which does not divide num_attention_heads = {heads}: each \
+                     key/value head serves a whole group of query heads"
+                ),
+            });
+        }
+        Ok(DecoderSizes {
+            vocab: config.usize("vocab_size")?,
+            hidden,
+            layers: config.usize("num_hidden_layers")?,
+            heads,
+            kv_heads,
+            head_dim: config
+                .opt_usize("head_dim")?
+                .unwrap_or(hidden / heads.max(1)),
+            intermediate: config.usize("intermediate_size")?,
+        })
+    }
+}
+
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
-    let vocab = config.usize("vocab_size")?;
-    let hidden = config.usize("hidden_size")?;
-    let layers = config.usize("num_hidden_layers")?;
-    let heads = config.usize("num_attention_heads")?;
-    config.check_heads("hidden_size", hidden, "num_attention_heads", heads)?;
-    let kv_heads = config.opt_usize("num_key_value_heads")?.unwrap_or(heads);
-    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
-        return Err(crate::HfError::Config {
-            path: config.path().to_owned(),
-            key: "num_key_value_heads".to_owned(),
-            reason: format!(
-                "is {kv_heads}, which does not divide num_attention_heads = {heads}: each \
-                 key/value head serves a whole group of query heads"
-            ),
-        });
-    }
-    let head_dim = config
-        .opt_usize("head_dim")?
-        .unwrap_or(hidden / heads.max(1));
-    let intermediate = config.usize("intermediate_size")?;
+    let DecoderSizes {
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+    } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
     let tied = config.bool_or("tie_word_embeddings", false)?;
     let activation = match config.str_or("hidden_act", "silu")? {
