@@ -8,8 +8,8 @@
 //! tied to the embedding.
 
 use kiln_core::model::{
-    EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig,
-    RopeConfig, SelfAttentionConfig, TiedLinearConfig,
+    EmbeddingConfig, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig, RopeConfig,
+    SelfAttentionConfig, TiedLinearConfig,
 };
 use serde_json::Value;
 
@@ -17,7 +17,7 @@ use crate::config::HfConfig;
 use crate::error::Result;
 use crate::family::{Family, FamilyTask};
 use crate::layer_types::{sliding_layers, sliding_windows, Windows};
-use crate::llama::DecoderSizes;
+use crate::llama::{gated_activation, DecoderSizes};
 use crate::names::NameMap;
 
 /// Gemma 3's text model (`Gemma3ForCausalLM`).
@@ -59,17 +59,7 @@ fn build(config: &HfConfig, _architectures: &[String]) -> Result<(Layer, NameMap
     } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
     let tied = config.bool_or("tie_word_embeddings", true)?;
-    let activation = match config.str_or("hidden_activation", "gelu_pytorch_tanh")? {
-        "gelu_pytorch_tanh" | "gelu_new" => GatedActivation::GeluTanh,
-        "gelu" => GatedActivation::Gelu,
-        "silu" | "swish" => GatedActivation::Silu,
-        _ => {
-            return Err(config.unsupported(
-                "hidden_activation",
-                "Kiln's gated MLP takes gelu_pytorch_tanh, gelu or silu",
-            ))
-        }
-    };
+    let activation = gated_activation(config, "hidden_activation", "gelu_pytorch_tanh")?;
     for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
         if config.get(key).is_some() {
             return Err(config.unsupported(

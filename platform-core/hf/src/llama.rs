@@ -88,6 +88,26 @@ impl DecoderSizes {
     }
 }
 
+/// The gated MLP's activation that `key` names (`hidden_act`, Gemma's
+/// `hidden_activation`), `default` when absent.
+pub(crate) fn gated_activation(
+    config: &HfConfig,
+    key: &str,
+    default: &str,
+) -> Result<GatedActivation> {
+    Ok(match config.str_or(key, default)? {
+        "silu" | "swish" => GatedActivation::Silu,
+        "gelu" => GatedActivation::Gelu,
+        "gelu_pytorch_tanh" | "gelu_new" => GatedActivation::GeluTanh,
+        _ => {
+            return Err(config.unsupported(
+                key,
+                "Kiln's gated MLP takes silu, gelu or gelu_pytorch_tanh",
+            ))
+        }
+    })
+}
+
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
     let DecoderSizes {
@@ -101,17 +121,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
     let tied = config.bool_or("tie_word_embeddings", false)?;
-    let activation = match config.str_or("hidden_act", "silu")? {
-        "silu" | "swish" => GatedActivation::Silu,
-        "gelu" => GatedActivation::Gelu,
-        "gelu_pytorch_tanh" | "gelu_new" => GatedActivation::GeluTanh,
-        _ => {
-            return Err(config.unsupported(
-                "hidden_act",
-                "Kiln's gated MLP takes silu, gelu or gelu_pytorch_tanh",
-            ))
-        }
-    };
+    let activation = gated_activation(config, "hidden_act", "silu")?;
     let (qkv_bias, out_bias) = match model_type {
         // Qwen2 has biases on q, k and v only.
         "qwen2" => (true, false),

@@ -3,7 +3,8 @@
 //! logits match `transformers`), and the cached decoding path generation uses.
 
 use kiln_core::model::{
-    GatedActivation, Layer, PositionEncoding, RopeConfig, RopeScaling, SelfAttentionConfig,
+    GatedActivation, Layer, PositionEncoding, RopeConfig, RopeFrequencies, RopeScaling,
+    SelfAttentionConfig,
 };
 use kiln_core::{Error, Result};
 use tch::{Kind, Tensor};
@@ -40,6 +41,10 @@ struct Rope {
     head_dim: usize,
     /// Features rotated per head.
     rot: i64,
+    /// The frequencies of `config` where they do not depend on the length.
+    fixed: RopeFrequencies,
+    /// `fixed.inverse` on the device the model last ran on.
+    on_device: std::sync::Mutex<Option<Tensor>>,
 }
 
 /// A built [`Layer::GatedMlp`].
@@ -100,6 +105,8 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
                 config: r.clone(),
                 head_dim: c.head_dim(),
                 rot: r.rotary_dim(c.head_dim()) as i64,
+                fixed: r.frequencies(c.head_dim(), 0),
+                on_device: std::sync::Mutex::new(None),
             }),
         }),
         Layer::GatedMlp(c) => Box::new(GatedMlp {
@@ -147,8 +154,9 @@ impl Rope {
     /// or `[1, seq]`), as the Hugging Face rotary modules compute them. Plain
     /// RoPE computes its frequencies on the device (nothing crosses from the
     /// host, so CUDA graphs capture it); a scaled one takes them from
-    /// [`RopeConfig::frequencies`], for `max(position) + 1` where they depend
-    /// on the length (dynamic NTK, LongRoPE), as `transformers` does.
+    /// [`RopeConfig::frequencies`], copied to the device once, or for
+    /// `max(position) + 1` on every call where they depend on the length
+    /// (dynamic NTK, LongRoPE), as `transformers` does.
     fn tables(&self, positions: &Tensor, kind: Kind) -> Result<(Tensor, Tensor), Failure> {
         let device = positions.device();
         let rot = self.rot;
@@ -162,17 +170,30 @@ impl Rope {
                     1.0,
                 )
             }
-            Some(_) => {
-                let len = if self.config.depends_on_length() {
-                    positions.f_max()?.int64_value(&[]).max(0) as usize + 1
-                } else {
-                    0
-                };
+            Some(_) if self.config.depends_on_length() => {
+                let len = positions.f_max()?.int64_value(&[]).max(0) as usize + 1;
                 let f = self.config.frequencies(self.head_dim, len);
                 (
                     Tensor::from_slice(&f.inverse).f_to_device(device)?,
                     f.attention_factor,
                 )
+            }
+            // Fixed frequencies cross to the device once, not every step.
+            Some(_) => {
+                let f = &self.fixed;
+                let mut cached = self
+                    .on_device
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                let inv_freq = match cached.as_ref() {
+                    Some(t) if t.device() == device => t.shallow_clone(),
+                    _ => {
+                        let t = Tensor::from_slice(&f.inverse).f_to_device(device)?;
+                        *cached = Some(t.shallow_clone());
+                        t
+                    }
+                };
+                (inv_freq, f.attention_factor)
             }
         };
         let freqs = positions
