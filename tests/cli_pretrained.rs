@@ -450,7 +450,7 @@ progress = false
     let all = [
         ", scale = 4.0",
         ", scaling = { type = \"llama3\", factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_positions = 4 }",
-        ", sliding_window = 3, qk_norm_offset = 1.0, scale = 0.2",
+        ", sliding_window = 3, qk_norm_offset = 1.0, scale = 0.2, softcap = 2.0",
         "\n  { type = \"scale\", factor = 0.5 },",
     ];
     let base = run("base", "torch", ["", "", "", ""]);
@@ -466,6 +466,7 @@ progress = false
         ("sliding-window", one(2, ", sliding_window = 3")),
         ("qk-norm-offset", one(2, ", qk_norm_offset = 1.0")),
         ("attention-scale", one(2, ", scale = 0.2")),
+        ("attention-softcap", one(2, ", softcap = 0.5")),
         ("scale-layer", one(3, all[3])),
     ] {
         let losses = run(name, "torch", keys);

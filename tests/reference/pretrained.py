@@ -82,11 +82,14 @@ def configs():
 LENGTH_DEPENDENT = {"llama_dynamic"}
 # Written back in the Hub's older form (top-level rope_theta and rope_scaling), as
 # Llama 3.x's config.json files are.
-OLD_FORM = {"llama3_2", "gemma3_1b"}
+# Gemma's as google/gemma-2b has it (the legacy hidden_act "gelu", which transformers reads as
+# the tanh approximation), Gemma 2's as gemma-2-2b has it (no layer_types: they alternate).
+OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2"}
 
 
 def scaled_ropes(llama):
-    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, Phi3Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
+                              Phi3Config, Qwen3Config, SmolLM3Config)
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -111,10 +114,22 @@ def scaled_ropes(llama):
     gemma3_1b = Gemma3TextConfig(**gemma, layer_types=["sliding_attention", "full_attention"], rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    # Gemma 2: its softcaps (50 and 30 in gemma-2-2b) shrunk to where the scores and logits
+    # reach them, local layers alternating with global ones.
+    gemma2 = Gemma2Config(**gemma, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    gemma1 = GemmaConfig(**llama, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     # Granite 3's multipliers (its attention_multiplier moved off 1/sqrt(head_dim)).
     granite = GraniteConfig(**llama, embedding_multiplier=12.0, attention_multiplier=0.25,
                             residual_multiplier=0.22, logits_scaling=8.0)
+    # SmolLM3: a NoPE layer every no_rope_layer_interval-th, here the second of two, which
+    # also slides (its default layer_types with use_sliding_window).
+    smollm3 = SmolLM3Config(**llama, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3,
+                            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})
     return [
+        ("gemma", gemma1, False),
+        ("gemma2", gemma2, False),
+        ("smollm3", smollm3, False),
         ("granite", granite, False),
         ("gemma3_text", gemma3, False),
         ("gemma3_1b", gemma3_1b, False),
@@ -136,6 +151,17 @@ def old_form(d):
     with open(path) as f:
         config = json.load(f)
     params = config.pop("rope_parameters")
+    if config["model_type"] in ("gemma", "gemma2"):
+        config["rope_theta"] = params["rope_theta"]
+        if config["model_type"] == "gemma":
+            config["hidden_act"] = "gelu"
+            config["hidden_activation"] = None
+        else:
+            types = config.pop("layer_types")
+            assert types == ["sliding_attention", "full_attention"] * (len(types) // 2), types
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+        return
     if "sliding_attention" in params:
         # Gemma 3's: the global base, the local one, and the layers' pattern.
         config["rope_theta"] = params["full_attention"]["rope_theta"]

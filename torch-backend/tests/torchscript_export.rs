@@ -276,7 +276,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
     common::make_fixtures(&python, "torchscript_models.py", &dir);
 
     let mut cases = layer_cases();
-    assert_eq!(cases.len(), 61, "the layer suite");
+    assert_eq!(cases.len(), 62, "the layer suite");
     cases.push(digits_cnn());
     cases.push(transformer_block());
     cases.push(backbone_case(&dir.join("mlp_bn.pt")));

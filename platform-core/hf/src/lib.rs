@@ -27,7 +27,7 @@ mod bounds;
 mod config;
 mod error;
 mod family;
-mod gemma3;
+mod gemma;
 mod gpt2;
 mod hub;
 mod layer_types;

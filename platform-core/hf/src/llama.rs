@@ -1,5 +1,6 @@
-//! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`, and the block of
-//! `phi3` and `granite` with their multipliers): a token embedding,
+//! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`, `smollm3` with
+//! its NoPE layers, and the block of `phi3` and `granite` with their
+//! multipliers): a token embedding,
 //! pre-norm decoder blocks of RMSNorm, grouped-query self-attention with RoPE
 //! (every scaling, [`crate::rope`]) within a sliding window where the family
 //! has one ([`crate::layer_types`]) and a SwiGLU MLP, a final RMSNorm and the
@@ -44,6 +45,71 @@ pub(crate) static QWEN3: Family = decoder("qwen3", "Qwen3", |c, _| build(c, "qwe
 /// Granite (`GraniteForCausalLM`): the LLaMA block with multipliers of the
 /// embedding, the scores, the residual branches and the logits.
 pub(crate) static GRANITE: Family = decoder("granite", "Granite", |c, _| build(c, "granite"));
+/// SmolLM3 (`SmolLM3ForCausalLM`): every `no_rope_layer_interval`-th layer
+/// (or those `no_rope_layers` marks 0) attends without RoPE.
+pub(crate) static SMOLLM3: Family = decoder("smollm3", "SmolLM3", |c, _| build(c, "smollm3"));
+
+/// Whether each of `layers` layers rotates its queries and keys: SmolLM3's
+/// `no_rope_layers` (1 where a layer uses RoPE), by default all but every
+/// `no_rope_layer_interval`-th; every layer in the other families.
+fn rope_layers(config: &HfConfig, layers: usize, model_type: &str) -> Result<Vec<bool>> {
+    if model_type != "smollm3" {
+        return Ok(vec![true; layers]);
+    }
+    let wrong = |reason: String| crate::HfError::Config {
+        path: config.path().to_owned(),
+        key: "no_rope_layers".to_owned(),
+        reason,
+    };
+    match config.get("no_rope_layers").filter(|v| !v.is_null()) {
+        Some(list) => {
+            let Some(list) = list.as_array() else {
+                return Err(wrong(format!("expected a list of 0 and 1, got {list}")));
+            };
+            if list.len() != layers {
+                return Err(wrong(format!(
+                    "has {} entries for num_hidden_layers = {layers}; one per layer",
+                    list.len()
+                )));
+            }
+            list.iter()
+                .map(|v| match v.as_u64() {
+                    Some(0) => Ok(false),
+                    Some(1) => Ok(true),
+                    _ => Err(wrong(format!(
+                        "has {v}; each entry is 1 (the layer uses RoPE) or 0 (NoPE)"
+                    ))),
+                })
+                .collect()
+        }
+        None => {
+            let interval = config.opt_usize("no_rope_layer_interval")?.unwrap_or(4);
+            if interval == 0 {
+                return Err(config.unsupported(
+                    "no_rope_layer_interval",
+                    "is 0; every interval-th layer is a NoPE layer, so it is at least 1",
+                ));
+            }
+            Ok((0..layers).map(|i| (i + 1) % interval != 0).collect())
+        }
+    }
+}
+
+/// SmolLM3's sliding layers without `layer_types`: the NoPE layers, when
+/// `use_sliding_window` and `sliding_window` are set (its config's default).
+fn smollm3_windows(config: &HfConfig, ropes: &[bool]) -> Result<Option<Vec<Option<usize>>>> {
+    if config.get("layer_types").is_some_and(|v| !v.is_null()) {
+        return Ok(None);
+    }
+    let window = if config.bool_or("use_sliding_window", false)? {
+        config.opt_usize("sliding_window")?
+    } else {
+        None
+    };
+    Ok(Some(
+        ropes.iter().map(|rope| window.filter(|_| !rope)).collect(),
+    ))
+}
 
 /// The sizes every decoder's `config.json` gives, checked.
 pub(crate) struct DecoderSizes {
@@ -120,7 +186,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         intermediate,
     } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
-    let tied = config.bool_or("tie_word_embeddings", false)?;
+    let tied = config.bool_or("tie_word_embeddings", model_type == "smollm3")?;
     let activation = gated_activation(config, "hidden_act", "silu")?;
     let (qkv_bias, out_bias) = match model_type {
         // Qwen2 has biases on q, k and v only.
@@ -140,17 +206,24 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let rope = crate::rope::rope(config, head_dim, "full_attention", aliases, 10_000.0)?;
     let rule = match model_type {
         "mistral" | "phi3" => Windows::EveryLayer,
-        "qwen2" | "qwen3" => Windows::LayerTypes,
+        "qwen2" | "qwen3" | "smollm3" => Windows::LayerTypes,
         _ => Windows::Never,
     };
-    let windows = sliding_windows(config, layers, rule)?;
+    let ropes = rope_layers(config, layers, model_type)?;
+    let windows = match model_type {
+        "smollm3" => smollm3_windows(config, &ropes)?,
+        _ => None,
+    };
+    let windows = match windows {
+        Some(windows) => windows,
+        None => sliding_windows(config, layers, rule)?,
+    };
     let attention = SelfAttentionConfig::new(hidden, heads)
         .with_num_kv_heads(kv_heads)
         .with_head_dim(head_dim)
         .with_causal(true)
         .with_qkv_bias(qkv_bias)
         .with_out_bias(out_bias)
-        .with_rope(rope)
         .with_dropout(config.f64_or("attention_dropout", 0.0)?);
     let attention = match qk_norm {
         Some(eps) => attention.with_qk_norm_eps(eps),
@@ -188,11 +261,14 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         embedding = embedding.with_scale(embedding_multiplier);
     }
     let mut stack = vec![Layer::from(embedding)];
-    for window in &windows {
-        let attention = match window {
-            Some(w) => attention.clone().with_sliding_window(*w),
-            None => attention.clone(),
-        };
+    for (window, rotates) in windows.iter().zip(&ropes) {
+        let mut attention = attention.clone();
+        if *rotates {
+            attention = attention.with_rope(rope.clone());
+        }
+        if let Some(w) = window {
+            attention = attention.with_sliding_window(*w);
+        }
         // Phi-3 drops out each block's output before its residual add.
         let residual = |block: Layer| {
             let mut layers = vec![RmsNormConfig::new(hidden).with_eps(eps).into(), block];
@@ -266,4 +342,58 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     }
     map.ignored_suffixes.push(".rotary_emb.inv_freq".to_owned());
     Ok((model, map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn config(json: &str) -> HfConfig {
+        HfConfig::parse(Path::new("config.json"), json).unwrap()
+    }
+
+    #[test]
+    fn smollm3_drops_rope_every_interval_and_slides_its_nope_layers_by_default() {
+        let c = config(
+            r#"{"no_rope_layer_interval": 3, "use_sliding_window": true, "sliding_window": 5}"#,
+        );
+        let ropes = rope_layers(&c, 6, "smollm3").unwrap();
+        assert_eq!(ropes, [true, true, false, true, true, false]);
+        assert_eq!(
+            smollm3_windows(&c, &ropes).unwrap().unwrap(),
+            [None, None, Some(5), None, None, Some(5)]
+        );
+        // The default interval is 4; other families always rotate.
+        let c = config("{}");
+        assert_eq!(
+            rope_layers(&c, 4, "smollm3").unwrap(),
+            [true, true, true, false]
+        );
+        assert_eq!(
+            smollm3_windows(&c, &[true, false]).unwrap().unwrap(),
+            [None, None]
+        );
+        assert_eq!(rope_layers(&c, 4, "llama").unwrap(), [true; 4]);
+        // An explicit list wins, and layer_types then decide the windows.
+        let c = config(
+            r#"{"no_rope_layers": [0, 1], "layer_types": ["full_attention", "full_attention"]}"#,
+        );
+        assert_eq!(rope_layers(&c, 2, "smollm3").unwrap(), [false, true]);
+        assert!(smollm3_windows(&c, &[false, true]).unwrap().is_none());
+        for (json, needle) in [
+            (
+                r#"{"no_rope_layers": [1]}"#,
+                "has 1 entries for num_hidden_layers = 2",
+            ),
+            (r#"{"no_rope_layers": [1, 2]}"#, "each entry is 1"),
+            (r#"{"no_rope_layers": "all"}"#, "expected a list"),
+            (r#"{"no_rope_layer_interval": 0}"#, "at least 1"),
+        ] {
+            let err = rope_layers(&config(json), 2, "smollm3")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+    }
 }

@@ -166,6 +166,8 @@ class GroupedQueryAttention(nn.Module):
         self.v_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(h * self.head_dim, e, bias=out_bias)
         self.scale = spec.get("scale")
+        self.softcap = spec.get("softcap")
+        self.num_key_value_groups = self.heads // self.kv_heads
         if spec.get("qk_norm_eps") is not None and spec.get("qk_norm_offset", 0.0) == 1.0:
             # Gemma 3's `1 + weight` norms.
             from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
@@ -213,6 +215,17 @@ class GroupedQueryAttention(nn.Module):
             # transformers' sliding_window_overlay on the causal mask.
             qi, kj = torch.arange(s)[:, None], torch.arange(s)[None, :]
             mask, causal = (kj <= qi) & (kj > qi - self.window), False
+        if self.softcap is not None:
+            # Gemma 2's own eager attention (SDPA cannot softcap), with its additive mask.
+            from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+            if mask is None and causal:
+                mask = torch.ones(s, s, dtype=torch.bool).tril()
+            additive = None if mask is None else torch.zeros(s, s, dtype=x.dtype).masked_fill(
+                ~mask, torch.finfo(x.dtype).min)[None, None]
+            out, _ = eager_attention_forward(self, q, k, v, additive, dropout=self.dropout,
+                                             scaling=self.scale or self.head_dim ** -0.5, softcap=self.softcap)
+            return self.o_proj(out.reshape(b, s, -1))
         out = nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
             scale=self.scale, enable_gqa=self.kv_heads != self.heads)

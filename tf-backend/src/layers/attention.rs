@@ -44,8 +44,14 @@ impl Ctx<'_> {
         };
         let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
         let scores = self.b.einsum("bqhd,bkhd->bhqk", &q, &k)?;
-        let scores =
-            self.scaled_scores(&scores, 1.0 / (head_dim as f64).sqrt(), seq, c.causal, None)?;
+        let scores = self.scaled_scores(
+            &scores,
+            1.0 / (head_dim as f64).sqrt(),
+            None,
+            seq,
+            c.causal,
+            None,
+        )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(
@@ -73,18 +79,26 @@ impl Ctx<'_> {
         )
     }
 
-    /// `scores * scale`, with -inf where a causal query does not see a key
+    /// `scores * scale`, softcapped (`cap * tanh(scores / cap)`) when
+    /// `softcap` is set, with -inf where a causal query does not see a key
     /// (above the diagonal of the last two, `[seq, seq]`, dimensions, and
     /// outside the sliding window).
     pub(super) fn scaled_scores(
         &mut self,
         scores: &Output,
         scale: f64,
+        softcap: Option<f64>,
         seq: i64,
         causal: bool,
         window: Option<usize>,
     ) -> Result<Output> {
-        let scores = self.b.mul_scalar(scores, scale as f32)?;
+        let mut scores = self.b.mul_scalar(scores, scale as f32)?;
+        if let Some(cap) = softcap {
+            let cap_value = self.b.scalar(cap as f32)?;
+            let divided = self.b.div(&scores, &cap_value)?;
+            let tanh = self.b.unary("Tanh", &divided)?;
+            scores = self.b.mul_scalar(&tanh, cap as f32)?;
+        }
         if !causal {
             return Ok(scores);
         }

@@ -144,8 +144,14 @@ impl Ctx<'_> {
             DataType::Float,
         )?;
         let scores = self.b.einsum("bqngd,bknd->bngqk", &q, &k)?;
-        let scores =
-            self.scaled_scores(&scores, c.score_scale(), seq, c.causal, c.sliding_window)?;
+        let scores = self.scaled_scores(
+            &scores,
+            c.score_scale(),
+            c.softcap,
+            seq,
+            c.causal,
+            c.sliding_window,
+        )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
             .dropout(

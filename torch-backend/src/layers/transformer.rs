@@ -23,6 +23,8 @@ struct Attention {
     norms: Option<(usize, usize, f64, f64)>,
     /// The factor of the scores (`None`: `1 / sqrt(head_dim)`).
     scale: Option<f64>,
+    /// The scores' softcap: `cap * tanh(scores / cap)`.
+    softcap: Option<f64>,
     heads: i64,
     kv_heads: i64,
     head_dim: i64,
@@ -95,6 +97,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
                 None => None,
             },
             scale: c.scale,
+            softcap: c.softcap,
             heads: c.num_heads as i64,
             kv_heads: c.kv_heads() as i64,
             head_dim: c.head_dim() as i64,
@@ -223,6 +226,17 @@ fn window_band(seq: i64, past: i64, window: i64, device: tch::Device) -> Forward
     Ok(causal.f_logical_and(&recent)?)
 }
 
+/// `torch.finfo(kind).min`, what transformers' masks add.
+fn lowest(kind: Kind) -> f64 {
+    match kind {
+        Kind::Half => -65504.0,
+        // bfloat16's lowest finite value, exactly: float32's bits 0xff7f0000.
+        Kind::BFloat16 => f64::from(f32::from_bits(0xff7f_0000)),
+        Kind::Double => f64::MIN,
+        _ => f64::from(f32::MIN),
+    }
+}
+
 /// Rotates the first `rot` features of `x` (`[batch, heads, seq, head_dim]`).
 fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor, rot: i64, head_dim: i64) -> ForwardResult {
     let (xr, pass) = if rot == head_dim {
@@ -285,6 +299,72 @@ impl Attention {
         Ok((q, k, v))
     }
 
+    /// The attended values `[b, heads, s, d]` of queries `q` over keys `k`
+    /// and values `v` where the boolean `mask` (or, without one, `causal`)
+    /// lets them see, with dropout `p`: the fused kernel, or, with a softcap,
+    /// transformers' eager arithmetic (which the kernel cannot do).
+    fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        p: f64,
+        causal: bool,
+    ) -> ForwardResult {
+        let Some(cap) = self.softcap else {
+            return Ok(Tensor::f_scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                p,
+                causal,
+                self.scale,
+                self.kv_heads != self.heads,
+            )?);
+        };
+        // `repeat_kv`: each key/value head serves its group of query heads.
+        let groups = self.heads / self.kv_heads;
+        let repeat = |t: &Tensor| -> ForwardResult {
+            if groups == 1 {
+                Ok(t.shallow_clone())
+            } else {
+                Ok(t.f_repeat_interleave_self_int(groups, Some(1), None)?)
+            }
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scale = self
+            .scale
+            .unwrap_or_else(|| 1.0 / (self.head_dim as f64).sqrt());
+        let scores = q
+            .f_matmul(&k.f_transpose(2, 3)?)?
+            .f_mul_scalar(scale)?
+            .f_div_scalar(cap)?
+            .f_tanh()?
+            .f_mul_scalar(cap)?;
+        let causal_mask;
+        let mask = match mask {
+            Some(m) => Some(m),
+            None if causal => {
+                let (s, t) = (q.size()[2], k.size()[2]);
+                causal_mask = Tensor::f_ones([s, t], (Kind::Bool, q.device()))?.f_tril(t - s)?;
+                Some(&causal_mask)
+            }
+            None => None,
+        };
+        // transformers adds the dtype's lowest value where a key is hidden.
+        let scores = match mask {
+            Some(m) => scores.f_masked_fill(&m.f_logical_not()?, lowest(scores.kind()))?,
+            None => scores,
+        };
+        let mut weights = scores.f_softmax(-1, Kind::Float)?.f_to_kind(q.kind())?;
+        if p > 0.0 {
+            weights = weights.f_dropout(p, true)?;
+        }
+        Ok(weights.f_matmul(&v)?)
+    }
+
     /// `o_proj` of the attended heads `[b, heads, s, d]`.
     fn merge(&self, tensors: &dyn Tensors, attended: &Tensor, train: bool) -> ForwardResult {
         let size = attended.size();
@@ -308,16 +388,7 @@ impl Forward for Attention {
             Some(w) if s > w => Some(window_band(s, 0, w, x.device())?),
             _ => None,
         };
-        let attended = Tensor::f_scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            band.as_ref(),
-            p,
-            self.causal && band.is_none(),
-            self.scale,
-            self.kv_heads != self.heads,
-        )?;
+        let attended = self.attend(&q, &k, &v, band.as_ref(), p, self.causal && band.is_none())?;
         self.merge(tensors, &attended, train)
     }
 
@@ -346,16 +417,7 @@ impl Forward for Attention {
             (true, None) => &step.causal_mask,
             (false, _) => &step.padding_mask,
         };
-        let attended = Tensor::f_scaled_dot_product_attention(
-            &q,
-            &k,
-            &v,
-            Some(mask),
-            0.0,
-            false,
-            self.scale,
-            self.kv_heads != self.heads,
-        )?;
+        let attended = self.attend(&q, &k, &v, Some(mask), 0.0, false)?;
         step.store(slot, k, v);
         self.merge(tensors, &attended, false)
     }
@@ -559,13 +621,57 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
     };
     let scale = c.scale.map_or_else(|| "None".to_owned(), float);
     body.push_str(&format!(
-        "    p = 0.0\n    if self.training:\n        p = {}\n    \
-         a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale={scale}, enable_gqa={})\n    \
-         a = torch.reshape(torch.transpose(a, 1, 2), [b, s, {}])\n    \
+        "    p = 0.0\n    if self.training:\n        p = {}\n",
+        float(c.dropout)
+    ));
+    match c.softcap {
+        // transformers' eager attention: the fused kernel cannot softcap.
+        Some(cap) => {
+            let mask = match (c.sliding_window, c.causal) {
+                (Some(_), _) => "band".to_owned(),
+                (None, true) => {
+                    body.push_str(
+                        "    band = torch.tril(torch.ones([s, s], device=x.device)) > 0\n",
+                    );
+                    "band".to_owned()
+                }
+                (None, false) => String::new(),
+            };
+            if kv != h {
+                body.push_str(&format!(
+                    "    k = torch.repeat_interleave(k, {g}, 1)\n    \
+                     v = torch.repeat_interleave(v, {g}, 1)\n",
+                    g = h / kv
+                ));
+            }
+            body.push_str(&format!(
+                "    w = torch.matmul(q, torch.transpose(k, 2, 3)) * {}\n    \
+                 w = torch.tanh(w / {cap}) * {cap}\n",
+                float(c.score_scale()),
+                cap = float(cap)
+            ));
+            // -inf (TorchScript has no finfo): the diagonal is always
+            // visible, so no row is empty.
+            if !mask.is_empty() {
+                body.push_str(&format!(
+                    "    w = torch.masked_fill(w, torch.logical_not({mask}), float(\"-inf\"))\n"
+                ));
+            }
+            body.push_str(
+                "    w = torch.softmax(w.float(), -1).to(q.dtype)\n    \
+                 w = torch.dropout(w, p, self.training)\n    \
+                 a = torch.matmul(w, v)\n",
+            );
+        }
+        None => body.push_str(&format!(
+            "    a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale={scale}, enable_gqa={})\n",
+            boolean(causal),
+            boolean(kv != h),
+        )),
+    }
+    body.push_str(&format!(
+        "    a = torch.reshape(torch.transpose(a, 1, 2), [b, s, {}])\n    \
          return {}\n",
-        float(c.dropout),
-        boolean(causal),
-        boolean(kv != h),
         h * d,
         call("o_proj", "a"),
     ));

@@ -264,6 +264,13 @@ impl Emitter<'_> {
         let scores = self.g.op(path, "MatMul", &[&q, &kt], vec![]);
         let scale = self.g.scalar(path, "scale", c.score_scale())?;
         let mut scores = self.g.op(path, "Mul", &[&scores, &scale], vec![]);
+        if let Some(cap) = c.softcap {
+            // Softcapped: cap * tanh(scores / cap), before the mask.
+            let cap = self.g.scalar(path, "softcap", cap)?;
+            let divided = self.g.op(path, "Div", &[&scores, &cap], vec![]);
+            let tanh = self.g.op(path, "Tanh", &[&divided], vec![]);
+            scores = self.g.op(path, "Mul", &[&tanh, &cap], vec![]);
+        }
         if c.causal {
             // Causal, within the sliding window when there is one.
             let mask: Vec<f64> = (0..seq)

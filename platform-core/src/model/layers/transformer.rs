@@ -81,6 +81,10 @@ pub struct SelfAttentionConfig {
     /// by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// Softcapping of the scaled attention scores, `cap * tanh(scores / cap)`,
+    /// before the mask (Gemma 2's `attn_logit_softcapping`); none by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub softcap: Option<f64>,
     /// Dropout on the attention weights in training, in `[0, 1)` (default 0).
     #[serde(default)]
     pub dropout: f64,
@@ -102,6 +106,7 @@ config_builder! {
             qk_norm_offset: 0.0,
             scale: None,
             sliding_window: None,
+            softcap: None,
             dropout: 0.0,
         }
         /// Sets the number of key and value heads (grouped-query attention).
@@ -124,6 +129,8 @@ config_builder! {
         with_scale(scale: Some(f64));
         /// Restricts causal attention to a window of this many tokens.
         with_sliding_window(sliding_window: Some(usize));
+        /// Softcaps the attention scores at this value.
+        with_softcap(softcap: Some(f64));
         /// Sets the attention dropout.
         with_dropout(dropout: f64);
     }
@@ -197,11 +204,9 @@ impl LayerSpec for SelfAttentionConfig {
                 ));
             }
         }
-        if let Some(scale) = c.scale {
-            if !(scale.is_finite() && scale > 0.0) {
-                return Err(
-                    check.invalid("scale", format!("must be finite and above 0, got {scale}"))
-                );
+        for (key, value) in [("scale", c.scale), ("softcap", c.softcap)] {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(check.invalid(key, format!("must be finite and above 0, got {v}")));
             }
         }
         if !c.qk_norm_offset.is_finite() {
@@ -248,7 +253,7 @@ impl LayerSpec for SelfAttentionConfig {
 
 /// The `weight` (and `bias`) of an `nn.Linear(inp, out)` child named `name`,
 /// with PyTorch's default initialisation.
-fn linear_params(
+pub(super) fn linear_params(
     params: &mut Params<'_>,
     name: &str,
     out: usize,
