@@ -392,16 +392,18 @@ fn kiln_generate_decodes_as_transformers_generate() {
 
 /// The layer keys the families are built from, written in a `[model]` by
 /// hand: a run with each (`embedding.scale`, `rope.scaling`,
-/// `sliding_window`, `qk_norm_offset`, the attention's `scale`, a `scale`
-/// layer) trains through `kiln train` to other losses than the run without
-/// it, on libtorch, and all of them together on TensorFlow.
+/// `sliding_window`, `qk_norm_offset`, `qk_norm_across_heads`, the
+/// attention's `scale` and `softcap`, a `scale` layer, a `sparse_moe`'s
+/// `norm_topk_prob`, `activation` and `shared_expert_dim`) trains through
+/// `kiln train` to other losses than the run without it, on libtorch, and
+/// all of them together on TensorFlow.
 #[test]
 fn the_families_layer_keys_train_through_the_cli_and_each_changes_the_run() {
     let _serial = serial();
     let dir = scratch("layer-keys");
     let csv = token_csv(&dir);
-    let run = |name: &str, backend: &str, keys: [&str; 4]| -> Vec<(String, String)> {
-        let [emb, rope, att, scale] = keys;
+    let run = |name: &str, backend: &str, keys: [&str; 5]| -> Vec<(String, String)> {
+        let [emb, rope, att, scale, moe] = keys;
         let text = format!(
             r#"
 seed = 3
@@ -418,6 +420,7 @@ type = "sequential"
 layers = [
   {{ type = "embedding", num_embeddings = 300, embedding_dim = 16{emb} }},
   {{ type = "self_attention", embed_dim = 16, num_heads = 2, causal = true, qk_norm_eps = 1e-6, rope = {{ theta = 10000.0{rope} }}{att} }},
+  {{ type = "sparse_moe", dim = 16, hidden_dim = 8, num_experts = 4, top_k = 2{moe} }},
   {{ type = "select", dim = 1, index = -1 }},{scale}
   {{ type = "linear", in_features = 16, out_features = 2 }},
 ]
@@ -452,11 +455,12 @@ progress = false
         ", scaling = { type = \"llama3\", factor = 8.0, low_freq_factor = 1.0, high_freq_factor = 4.0, original_max_positions = 4 }",
         ", sliding_window = 3, qk_norm_offset = 1.0, scale = 0.2, softcap = 2.0",
         "\n  { type = \"scale\", factor = 0.5 },",
+        ", norm_topk_prob = true, activation = \"gelu_tanh\", shared_expert_dim = 8",
     ];
-    let base = run("base", "torch", ["", "", "", ""]);
+    let base = run("base", "torch", ["", "", "", "", ""]);
     assert!(!base.is_empty());
     let one = |i: usize, value: &'static str| {
-        let mut keys = ["", "", "", ""];
+        let mut keys = ["", "", "", "", ""];
         keys[i] = value;
         keys
     };
@@ -468,6 +472,13 @@ progress = false
         ("attention-scale", one(2, ", scale = 0.2")),
         ("attention-softcap", one(2, ", softcap = 0.5")),
         ("scale-layer", one(3, all[3])),
+        (
+            "qk-norm-across-heads",
+            one(2, ", qk_norm_across_heads = true"),
+        ),
+        ("moe-norm-topk-prob", one(4, ", norm_topk_prob = true")),
+        ("moe-activation", one(4, ", activation = \"gelu\"")),
+        ("moe-shared-expert", one(4, ", shared_expert_dim = 8")),
     ] {
         let losses = run(name, "torch", keys);
         assert_eq!(losses.len(), base.len(), "{name}");

@@ -335,6 +335,19 @@ fn layers_match_torch_nn() {
         ("cnn", cnn(), vec![2, 1, 28, 28], "float32"),
         ("transformer", transformer(), vec![2, 7], "int64"),
         ("decoder", decoder(), vec![2, 6], "int64"),
+        (
+            "mixture_of_experts",
+            Layer::sequential([
+                kiln_core::model::SparseMoeConfig::new(16, 12, 6, 2)
+                    .with_shared_expert_dim(20)
+                    .into(),
+                kiln_core::model::SparseMoeConfig::new(16, 8, 4, 3)
+                    .with_norm_topk_prob(true)
+                    .into(),
+            ]),
+            vec![2, 5, 16],
+            "float32",
+        ),
         ("misc", misc(), vec![3, 4, 10], "float32"),
         (
             "attention_and_norms",

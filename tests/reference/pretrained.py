@@ -14,7 +14,8 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
     greedy            [3, 5 + NEW] transformers' `generate(do_sample=False)` (prompt included)
 
 OUT_DIR/<case>.grads.safetensors (decoders) holds `loss` and `grad.<name>`, one training step of
-`model(input_ids, labels=input_ids)` from the saved weights; and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
+`model(input_ids, labels=input_ids)` from the saved weights (a mixture of experts' named as its
+checkpoint names them, one tensor per expert); and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
 "length_dependent_rope"}. The decoders include one model per scaled rope_type (linear, dynamic,
 yarn, llama3, proportional; longrope is Phi-3's, whose generate recomputes the cache when the
 sequence outgrows the original context) and sliding windows; dynamic NTK's frequencies follow
@@ -89,7 +90,8 @@ OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2"}
 
 def scaled_ropes(llama):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
-                              Phi3Config, Qwen3Config, SmolLM3Config)
+                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SmolLM3Config)
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -126,7 +128,22 @@ def scaled_ropes(llama):
     # also slides (its default layer_types with use_sliding_window).
     smollm3 = SmolLM3Config(**llama, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=3,
                             rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})
+    # Mixtures of experts, each with its published checkpoint's routing (Mixtral 8x7B's
+    # renormalised top-2 of 8, Qwen3-30B-A3B's norm_topk_prob, OLMoE's un-normalised top-k and
+    # whole-projection QK-norm, Qwen1.5-MoE's gated shared expert beside a dense first layer),
+    # fewer and smaller experts.
+    moe = dict(llama, num_experts_per_tok=2)
+    mixtral = MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
+    qwen2_moe = Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                               mlp_only_layers=[0], use_sliding_window=False)
+    qwen3_moe = Qwen3MoeConfig(**dict(moe, num_experts_per_tok=3), head_dim=12, num_experts=6,
+                               moe_intermediate_size=16, norm_topk_prob=True)
+    olmoe = OlmoeConfig(**moe, num_experts=4)
     return [
+        ("mixtral", mixtral, False),
+        ("qwen2_moe", qwen2_moe, False),
+        ("qwen3_moe", qwen3_moe, False),
+        ("olmoe", olmoe, False),
         ("gemma", gemma1, False),
         ("gemma2", gemma2, False),
         ("smollm3", smollm3, False),
@@ -257,6 +274,15 @@ def make(out):
         step = model(input_ids=ids, labels=ids)
         step.loss.backward()
         grads = {f"grad.{n}": p.grad.contiguous() for n, p in model.named_parameters()}
+        if "experts" in "".join(grads):
+            # transformers 5 holds each layer's experts as 3-d tensors and saves them one
+            # tensor per expert: the gradients, named as the checkpoint names them.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+            grad_dir = os.path.join(out, f"{name}.grads")
+            model.save_pretrained(grad_dir)
+            grads = {f"grad.{n}": t for n, t in load_file(os.path.join(grad_dir, "model.safetensors")).items()}
         save_file({"loss": step.loss.detach().reshape(1), **grads}, os.path.join(out, f"{name}.grads.safetensors"))
         save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
                    "attention_mask": mask, "greedy": greedy.contiguous()},

@@ -379,10 +379,20 @@ impl Builder {
     }
     /// `x[..., begin:begin+size, ...]` on every axis (`-1` size: to the end).
     pub(crate) fn slice(&mut self, x: &Output, begin: &[i32], size: &[i32]) -> Result<Output> {
+        self.slice_of(x, begin, size, DataType::Float)
+    }
+    /// [`slice`](Self::slice) of a tensor of `dtype`.
+    pub(crate) fn slice_of(
+        &mut self,
+        x: &Output,
+        begin: &[i32],
+        size: &[i32],
+        dtype: DataType,
+    ) -> Result<Output> {
         let b = self.ints(begin)?;
         let s = self.ints(size)?;
         self.op("Slice", &[x, &b, &s], &|nd| {
-            nd.set_attr_type("T", DataType::Float)?;
+            nd.set_attr_type("T", dtype)?;
             nd.set_attr_type("Index", DataType::Int32)?;
             Ok(())
         })

@@ -52,6 +52,17 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// How many positions the `layer`-th attention layer (in the order they
+    /// run) holds keys and values for: [`len`](Self::len) for full
+    /// attention, at most `sliding_window - 1` for a sliding-window layer;
+    /// `None` before that layer has run.
+    pub fn keys_held(&self, layer: usize) -> Option<usize> {
+        self.layers
+            .get(layer)?
+            .as_ref()
+            .map(|(keys, _)| keys.size()[2] as usize)
+    }
 }
 
 impl TorchModel {
@@ -310,4 +321,46 @@ fn longrope_switch(spec: &Layer) -> Option<usize> {
             _ => None,
         })
         .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_core::model::{EmbeddingConfig, LinearConfig, RopeConfig, SelfAttentionConfig};
+
+    use super::*;
+
+    #[test]
+    fn a_sliding_window_layer_keeps_only_its_window_and_changes_no_logit() {
+        let attention = SelfAttentionConfig::new(8, 2)
+            .with_causal(true)
+            .with_rope(RopeConfig::new(10_000.0));
+        let spec = Layer::sequential([
+            EmbeddingConfig::new(20, 8).into(),
+            attention.clone().with_sliding_window(3).into(),
+            attention.into(),
+            LinearConfig::new(8, 20).into(),
+        ]);
+        let model = TorchModel::new(&spec, kiln_core::Device::Cpu).expect("model");
+        let ids = Tensor::from_slice(&[3i64, 7, 1, 9, 4, 12, 5, 8, 2]).view([1, 9]);
+        let whole = tch::no_grad(|| model.forward_cached(&ids, None, &mut KvCache::new()))
+            .expect("one step");
+        let mut cache = KvCache::new();
+        let mut steps = vec![model
+            .forward_cached(&ids.narrow(1, 0, 6), None, &mut cache)
+            .expect("prompt")];
+        assert_eq!((cache.keys_held(0), cache.keys_held(1)), (Some(2), Some(6)));
+        for t in 6..9 {
+            steps.push(
+                model
+                    .forward_cached(&ids.narrow(1, t, 1), None, &mut cache)
+                    .expect("step"),
+            );
+            assert_eq!(cache.keys_held(0), Some(2), "the window's keys only");
+            assert_eq!(cache.keys_held(1), Some(t as usize + 1));
+        }
+        assert_eq!(cache.keys_held(2), None);
+        let stepped = Tensor::cat(&steps, 1);
+        let diff = (stepped - whole).abs().max().double_value(&[]);
+        assert!(diff < 1e-5, "cached logits differ by {diff}");
+    }
 }

@@ -142,6 +142,16 @@ fn parity(test: &str, numerics: Numerics) {
             Tolerance::AllClose(BF16)
         };
         for case in &cases {
+            // transformers 5 holds each expert's gate and up projections as
+            // one `[2 * hidden, dim]` tensor, whose single matmul rounds the
+            // input's gradient to bfloat16 once where Kiln's two (the
+            // checkpoints' per-expert tensors) round twice: within 8e-3 of
+            // max(1, |expected|) (bfloat16's step at 1 is 7.8e-3), not
+            // torch.testing's elementwise rule.
+            let tol = match (&case.layer, tol) {
+                (Layer::SparseMoe(_), Tolerance::AllClose(_)) => Tolerance::Scaled(8e-3),
+                _ => tol,
+            };
             check_case(case, &dir, device, numerics, tol);
         }
     }

@@ -32,6 +32,7 @@ mod gpt2;
 mod hub;
 mod layer_types;
 mod llama;
+mod moe;
 mod names;
 mod peft;
 mod peft_targets;

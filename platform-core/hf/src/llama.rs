@@ -174,8 +174,23 @@ pub(crate) fn gated_activation(
     })
 }
 
+/// What a family on the LLaMA block puts in place of layer `i`'s MLP: the
+/// layer, and its module's name in the checkpoint (`mlp`, Mixtral's
+/// `block_sparse_moe`); `None` keeps the dense MLP.
+pub(crate) type FeedForward<'a> = &'a dyn Fn(usize) -> Result<Option<(Layer, &'static str)>>;
+
 /// The model of `config` and the names of its tensors in the checkpoint.
 pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
+    build_with(config, model_type, &|_| Ok(None))
+}
+
+/// [`build`] with each layer's feed-forward block chosen by `feed_forward`
+/// (the mixtures of experts).
+pub(crate) fn build_with(
+    config: &HfConfig,
+    model_type: &str,
+    feed_forward: FeedForward<'_>,
+) -> Result<(Layer, NameMap)> {
     let DecoderSizes {
         vocab,
         hidden,
@@ -191,13 +206,16 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     let (qkv_bias, out_bias) = match model_type {
         // Qwen2 has biases on q, k and v only.
         "qwen2" => (true, false),
+        "qwen2_moe" => (config.bool_or("qkv_bias", true)?, false),
+        "mixtral" => (false, false),
         _ => {
             let b = config.bool_or("attention_bias", false)?;
             (b, b)
         }
     };
     let mlp_bias = config.bool_or("mlp_bias", false)?;
-    let qk_norm = (model_type == "qwen3").then_some(eps);
+    // Qwen3 normalises each query and key head; OLMoE each whole projection.
+    let qk_norm = matches!(model_type, "qwen3" | "qwen3_moe" | "olmoe").then_some(eps);
     // Phi-3 reads its older "su" and "yarn" rope_types as LongRoPE.
     let aliases: &[(&str, &str)] = match model_type {
         "phi3" => &[("su", "longrope"), ("yarn", "longrope")],
@@ -205,8 +223,9 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
     };
     let rope = crate::rope::rope(config, head_dim, "full_attention", aliases, 10_000.0)?;
     let rule = match model_type {
-        "mistral" | "phi3" => Windows::EveryLayer,
-        "qwen2" | "qwen3" | "smollm3" => Windows::LayerTypes,
+        // Qwen3-MoE's attention reads `sliding_window` whatever `use_sliding_window` says.
+        "mistral" | "phi3" | "mixtral" | "qwen3_moe" => Windows::EveryLayer,
+        "qwen2" | "qwen3" | "smollm3" | "qwen2_moe" => Windows::LayerTypes,
         _ => Windows::Never,
     };
     let ropes = rope_layers(config, layers, model_type)?;
@@ -226,7 +245,9 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         .with_out_bias(out_bias)
         .with_dropout(config.f64_or("attention_dropout", 0.0)?);
     let attention = match qk_norm {
-        Some(eps) => attention.with_qk_norm_eps(eps),
+        Some(eps) => attention
+            .with_qk_norm_eps(eps)
+            .with_qk_norm_across_heads(model_type == "olmoe"),
         None => attention,
     };
     let mlp = GatedMlpConfig::new(hidden, intermediate)
@@ -261,7 +282,13 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         embedding = embedding.with_scale(embedding_multiplier);
     }
     let mut stack = vec![Layer::from(embedding)];
-    for (window, rotates) in windows.iter().zip(&ropes) {
+    let mut ffn_names = Vec::with_capacity(layers);
+    for (i, (window, rotates)) in windows.iter().zip(&ropes).enumerate() {
+        let (ffn, ffn_name) = match feed_forward(i)? {
+            Some(chosen) => chosen,
+            None => (mlp.clone().into(), "mlp"),
+        };
+        ffn_names.push(ffn_name);
         let mut attention = attention.clone();
         if *rotates {
             attention = attention.with_rope(rope.clone());
@@ -286,7 +313,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
         };
         stack.push(Layer::sequential([
             residual(attention.into()),
-            residual(mlp.clone().into()),
+            residual(ffn),
         ]));
     }
     stack.push(RmsNormConfig::new(hidden).with_eps(eps).into());
@@ -313,7 +340,7 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
 
     let (mut map, names) = NameMap::for_model(&model)?;
     map.prefix(&names, "0", "model.embed_tokens");
-    for i in 0..layers {
+    for (i, ffn_name) in ffn_names.iter().enumerate() {
         let k = i + 1;
         let hf = format!("model.layers.{i}");
         map.prefix(
@@ -331,7 +358,11 @@ pub(crate) fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameM
             &format!("{k}.1.block.0"),
             &format!("{hf}.post_attention_layernorm"),
         );
-        map.prefix(&names, &format!("{k}.1.block.1"), &format!("{hf}.mlp"));
+        map.prefix(
+            &names,
+            &format!("{k}.1.block.1"),
+            &format!("{hf}.{ffn_name}"),
+        );
     }
     map.prefix(&names, &(layers + 1).to_string(), "model.norm");
     if tied {

@@ -28,8 +28,8 @@ pub use layers::{
     ConvTranspose2dConfig, CustomConfig, CustomParam, EmbeddingConfig, GatedActivation,
     GatedMlpConfig, GeluApproximation, GroupNormConfig, LayerNormConfig, LinearConfig,
     Pool2dConfig, PositionEmbeddingConfig, PositionEncoding, RmsNormConfig, RopeConfig,
-    RopeFrequencies, RopeScaling, SavedModelLayerConfig, SelfAttentionConfig, TiedLinearConfig,
-    TokenTypeEmbeddingConfig, TorchScriptConfig,
+    RopeFrequencies, RopeScaling, SavedModelLayerConfig, SelfAttentionConfig, SparseMoeConfig,
+    TiedLinearConfig, TokenTypeEmbeddingConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 pub use summary::{LayerSummary, ModelSummary};
@@ -199,6 +199,8 @@ pub enum Layer {
     SelfAttention(SelfAttentionConfig),
     /// A gated feed-forward block (SwiGLU, GeGLU).
     GatedMlp(GatedMlpConfig),
+    /// A sparse mixture of gated experts with top-k routing (Mixtral, Qwen-MoE, OLMoE).
+    SparseMoe(SparseMoeConfig),
     /// Adds a learned or sinusoidal position embedding to `[batch, seq, dim]`.
     PositionEmbedding(PositionEmbeddingConfig),
     /// An output projection sharing another layer's weight (tied embeddings).
@@ -296,6 +298,7 @@ macro_rules! with_spec {
             MultiHeadSelfAttention(c) => c,
             SelfAttention(c) => c,
             GatedMlp(c) => c,
+            SparseMoe(c) => c,
             PositionEmbedding(c) => c,
             TiedLinear(c) => c,
             TokenTypeEmbedding(c) => c,
@@ -701,6 +704,7 @@ layer_from_config! {
     RmsNormConfig => RmsNorm,
     SelfAttentionConfig => SelfAttention,
     GatedMlpConfig => GatedMlp,
+    SparseMoeConfig => SparseMoe,
     PositionEmbeddingConfig => PositionEmbedding,
     TiedLinearConfig => TiedLinear,
     TokenTypeEmbeddingConfig => TokenTypeEmbedding,

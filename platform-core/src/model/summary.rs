@@ -302,6 +302,13 @@ fn leaf_macs(layer: &Layer, input: &[usize], output: &[usize]) -> Option<u64> {
             let tokens = inp / last(input).max(1);
             3 * tokens * (c.dim * c.hidden_dim) as u64
         }
+        Layer::SparseMoe(c) => {
+            // The router, each token's top_k experts, and the shared expert.
+            let tokens = inp / last(input).max(1);
+            let expert = 3 * (c.dim * c.hidden_dim) as u64;
+            let shared = c.shared_expert_dim.map_or(0, |s| (3 * s + 1) * c.dim) as u64;
+            tokens * ((c.num_experts * c.dim) as u64 + c.top_k as u64 * expert + shared)
+        }
         Layer::TorchScript(_) | Layer::SavedModel(_) | Layer::Custom(_) => return None,
         _ => 0,
     })

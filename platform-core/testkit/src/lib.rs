@@ -494,6 +494,24 @@ pub struct LayerCase {
     pub train: bool,
 }
 
+impl LayerCase {
+    /// Whether the case's layer is, or holds, a layer of type `ty`
+    /// (`"sparse_moe"`), for the exporters that refuse one by name.
+    pub fn has_layer_type(&self, ty: &str) -> bool {
+        fn walk(v: &serde_json::Value, ty: &str) -> bool {
+            match v {
+                serde_json::Value::Object(map) => {
+                    map.get("type").and_then(|t| t.as_str()) == Some(ty)
+                        || map.values().any(|v| walk(v, ty))
+                }
+                serde_json::Value::Array(items) => items.iter().any(|v| walk(v, ty)),
+                _ => false,
+            }
+        }
+        walk(&self.layer, ty)
+    }
+}
+
 /// Every case of `tests/fixtures/layer_cases.json`.
 pub fn layer_cases() -> Vec<LayerCase> {
     let path = workspace_root().join("tests/fixtures/layer_cases.json");

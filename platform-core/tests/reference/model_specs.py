@@ -166,6 +166,7 @@ class GroupedQueryAttention(nn.Module):
         self.v_proj = nn.Linear(e, self.kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(h * self.head_dim, e, bias=out_bias)
         self.scale = spec.get("scale")
+        self.across_heads = bool(spec.get("qk_norm_across_heads"))
         self.softcap = spec.get("softcap")
         self.num_key_value_groups = self.heads // self.kv_heads
         if spec.get("qk_norm_eps") is not None and spec.get("qk_norm_offset", 0.0) == 1.0:
@@ -174,6 +175,13 @@ class GroupedQueryAttention(nn.Module):
 
             self.q_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
             self.k_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
+        elif spec.get("qk_norm_eps") is not None and spec.get("qk_norm_across_heads"):
+            # OLMoE's norms over each whole projection, as OlmoeAttention has them.
+            from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+
+            assert spec.get("qk_norm_offset", 0.0) == 0.0, "OLMoE's norms have no offset"
+            self.q_norm = OlmoeRMSNorm(h * self.head_dim, eps=spec["qk_norm_eps"])
+            self.k_norm = OlmoeRMSNorm(self.kv_heads * self.head_dim, eps=spec["qk_norm_eps"])
         elif spec.get("qk_norm_eps") is not None:
             assert spec.get("qk_norm_offset", 0.0) == 0.0, "the reference has offsets 0 and 1"
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
@@ -185,10 +193,13 @@ class GroupedQueryAttention(nn.Module):
         from transformers.models.llama.modeling_llama import rotate_half
 
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and self.across_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, -1, self.head_dim)
+        k = k.view(b, s, -1, self.head_dim)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if self.rope is not None:
@@ -244,6 +255,53 @@ class GatedMlp(nn.Module):
                              hidden_act=act, mlp_bias=spec["bias"],
                              num_attention_heads=1, num_key_value_heads=1)
         return LlamaMLP(config)
+
+
+class SparseMoe(nn.Module):
+    """Kiln's sparse_moe: transformers' own MoE block (Qwen2-MoE's, with its shared expert
+    when the spec has one; Qwen3-MoE's otherwise) run on Kiln's per-expert tensors, which
+    are stacked into the block's 3-d expert weights on each forward (gradients flow back
+    through the stacking)."""
+
+    def __init__(self, spec):
+        super().__init__()
+        from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        d, h, e = spec["dim"], spec["hidden_dim"], spec["num_experts"]
+        act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.get("activation", "silu")]
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = nn.ModuleList([
+            nn.ModuleDict({"gate_proj": nn.Linear(d, h, bias=False), "up_proj": nn.Linear(d, h, bias=False),
+                           "down_proj": nn.Linear(h, d, bias=False)}) for _ in range(e)])
+        shared = spec.get("shared_expert_dim")
+        common = dict(hidden_size=d, moe_intermediate_size=h, num_experts=e, num_experts_per_tok=spec["top_k"],
+                      norm_topk_prob=spec.get("norm_topk_prob", False), hidden_act=act)
+        if shared:
+            self.shared_expert = nn.ModuleDict({
+                "gate_proj": nn.Linear(d, shared, bias=False), "up_proj": nn.Linear(d, shared, bias=False),
+                "down_proj": nn.Linear(shared, d, bias=False)})
+            self.shared_expert_gate = nn.Linear(d, 1, bias=False)
+            block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(shared_expert_intermediate_size=shared, **common))
+        else:
+            block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**common))
+        self.block = [block]  # a list: not a submodule, so not in the state dict
+
+    def forward(self, x):
+        block = self.block[0]
+        params = {
+            "gate.weight": self.gate.weight,
+            "experts.gate_up_proj": torch.stack(
+                [torch.cat([ex["gate_proj"].weight, ex["up_proj"].weight]) for ex in self.experts]),
+            "experts.down_proj": torch.stack([ex["down_proj"].weight for ex in self.experts]),
+        }
+        if hasattr(self, "shared_expert"):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                params[f"shared_expert.{name}.weight"] = self.shared_expert[name].weight
+            params["shared_expert_gate.weight"] = self.shared_expert_gate.weight
+        block.train(self.training)
+        return torch.func.functional_call(block, params, (x,))
 
 
 class PositionEmbedding(nn.Module):
@@ -449,6 +507,8 @@ def build_layer(spec):
         return GroupedQueryAttention(spec)
     if kind == "gated_mlp":
         return GatedMlp(spec)
+    if kind == "sparse_moe":
+        return SparseMoe(spec)
     if kind == "position_embedding":
         return PositionEmbedding(spec)
     if kind == "tied_linear":

@@ -14,6 +14,7 @@ mod custom;
 mod dropout;
 mod embedding;
 mod linear;
+mod moe;
 mod norm;
 mod pool;
 mod saved_model;
@@ -106,7 +107,7 @@ enum Built {
 type Build = fn(&mut Ctx<'_>, &Layer, &str, Val) -> Result<Built>;
 
 /// Every family's [`Build`].
-const FAMILIES: [Build; 12] = [
+const FAMILIES: [Build; 13] = [
     linear::build,
     conv::build,
     pool::build,
@@ -119,6 +120,7 @@ const FAMILIES: [Build; 12] = [
     custom::build,
     saved_model::build,
     transformer::build,
+    moe::build,
 ];
 
 fn join(prefix: &str, name: &str) -> String {

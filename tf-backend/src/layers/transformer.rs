@@ -97,8 +97,25 @@ impl Ctx<'_> {
         let seq = x.dims[0];
         let (h, kv, d) = (c.num_heads as i64, c.kv_heads() as i64, c.head_dim() as i64);
         let group = h / kv;
-        let q = self.linear(x.clone(), &p("q_proj.weight"), &p("q_proj.bias"), h * d)?;
-        let k = self.linear(x.clone(), &p("k_proj.weight"), &p("k_proj.bias"), kv * d)?;
+        let mut q = self.linear(x.clone(), &p("q_proj.weight"), &p("q_proj.bias"), h * d)?;
+        let mut k = self.linear(x.clone(), &p("k_proj.weight"), &p("k_proj.bias"), kv * d)?;
+        let norms = match c.qk_norm_eps {
+            Some(eps) => {
+                let mut qw = self.param(&p("q_norm.weight"))?;
+                let mut kw = self.param(&p("k_norm.weight"))?;
+                if c.qk_norm_offset != 0.0 {
+                    qw = self.b.add_scalar(&qw, c.qk_norm_offset as f32)?;
+                    kw = self.b.add_scalar(&kw, c.qk_norm_offset as f32)?;
+                }
+                Some((qw, kw, eps))
+            }
+            None => None,
+        };
+        // OLMoE's norms take each whole projection, before the heads split.
+        if let (Some((qw, kw, eps)), true) = (&norms, c.qk_norm_across_heads) {
+            q.out = self.rms_norm(&q.out, Some(qw), *eps)?;
+            k.out = self.rms_norm(&k.out, Some(kw), *eps)?;
+        }
         let v = self.linear(x, &p("v_proj.weight"), &p("v_proj.bias"), kv * d)?;
         let mut q = self.b.reshape(
             &q.out,
@@ -115,15 +132,9 @@ impl Ctx<'_> {
             &[-1, seq as i32, kv as i32, d as i32],
             DataType::Float,
         )?;
-        if let Some(eps) = c.qk_norm_eps {
-            let mut qw = self.param(&p("q_norm.weight"))?;
-            let mut kw = self.param(&p("k_norm.weight"))?;
-            if c.qk_norm_offset != 0.0 {
-                qw = self.b.add_scalar(&qw, c.qk_norm_offset as f32)?;
-                kw = self.b.add_scalar(&kw, c.qk_norm_offset as f32)?;
-            }
-            q = self.rms_norm(&q, Some(&qw), eps)?;
-            k = self.rms_norm(&k, Some(&kw), eps)?;
+        if let (Some((qw, kw, eps)), false) = (&norms, c.qk_norm_across_heads) {
+            q = self.rms_norm(&q, Some(qw), *eps)?;
+            k = self.rms_norm(&k, Some(kw), *eps)?;
         }
         if let Some(rope) = &c.rope {
             let rot = rope.rotary_dim(d as usize);

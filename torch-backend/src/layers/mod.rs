@@ -14,6 +14,7 @@ mod custom;
 mod dropout;
 mod embedding;
 mod linear;
+mod moe;
 mod norm;
 mod pool;
 pub(crate) mod script;
@@ -234,7 +235,7 @@ impl Lookup<'_> {
 type Build = fn(&Layer, &Lookup<'_>) -> Result<Option<Box<dyn Forward>>>;
 
 /// Every family's [`Build`].
-const FAMILIES: [Build; 11] = [
+const FAMILIES: [Build; 12] = [
     linear::build,
     conv::build,
     pool::build,
@@ -246,6 +247,7 @@ const FAMILIES: [Build; 11] = [
     attention::build,
     custom::build,
     transformer::build,
+    moe::build,
 ];
 
 /// Builds the node of `layer`, a layer without children, at `at.prefix`.

@@ -21,6 +21,8 @@ struct Attention {
     o: Projection,
     /// `q_norm` and `k_norm`: their weights, eps and weight offset.
     norms: Option<(usize, usize, f64, f64)>,
+    /// Whether the norms take the whole projections (OLMoE), not each head.
+    norms_across_heads: bool,
     /// The factor of the scores (`None`: `1 / sqrt(head_dim)`).
     scale: Option<f64>,
     /// The scores' softcap: `cap * tanh(scores / cap)`.
@@ -96,6 +98,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
                 )),
                 None => None,
             },
+            norms_across_heads: c.qk_norm_across_heads,
             scale: c.scale,
             softcap: c.softcap,
             heads: c.num_heads as i64,
@@ -275,18 +278,33 @@ impl Attention {
         let size = x.size();
         let (b, s) = (size[0], size[1]);
         let split = |t: Tensor, heads: i64| t.f_reshape([b, s, heads, self.head_dim]);
-        let mut q = split(self.q.forward(tensors, x, train)?, self.heads)?;
-        let mut k = split(self.k.forward(tensors, x, train)?, self.kv_heads)?;
-        let v = split(self.v.forward(tensors, x, train)?, self.kv_heads)?.f_transpose(1, 2)?;
-        if let Some((qn, kn, eps, offset)) = self.norms {
-            let (qw, kw) = (tensors.tensor(qn), tensors.tensor(kn));
-            if offset == 0.0 {
-                q = rms_norm(&q, qw, eps)?;
-                k = rms_norm(&k, kw, eps)?;
-            } else {
-                q = offset_rms_norm(&q, qw, eps, offset)?;
-                k = offset_rms_norm(&k, kw, eps, offset)?;
+        let norm = |t: Tensor, which: usize| -> ForwardResult {
+            match self.norms {
+                None => Ok(t),
+                Some((qn, kn, eps, offset)) => {
+                    let w = tensors.tensor(if which == 0 { qn } else { kn });
+                    if offset == 0.0 {
+                        rms_norm(&t, w, eps)
+                    } else {
+                        offset_rms_norm(&t, w, eps, offset)
+                    }
+                }
             }
+        };
+        let (mut q, mut k) = (
+            self.q.forward(tensors, x, train)?,
+            self.k.forward(tensors, x, train)?,
+        );
+        if self.norms_across_heads {
+            q = norm(q, 0)?;
+            k = norm(k, 1)?;
+        }
+        let mut q = split(q, self.heads)?;
+        let mut k = split(k, self.kv_heads)?;
+        let v = split(self.v.forward(tensors, x, train)?, self.kv_heads)?.f_transpose(1, 2)?;
+        if !self.norms_across_heads {
+            q = norm(q, 0)?;
+            k = norm(k, 1)?;
         }
         let (mut q, mut k) = (q.f_transpose(1, 2)?, k.f_transpose(1, 2)?);
         if let Some(rope) = &self.rope {
@@ -403,21 +421,32 @@ impl Forward for Attention {
             None => (k, v),
         };
         let banded;
+        let (seq, kept) = (x.size()[1], k.size()[2]);
         let mask = match (self.causal, self.window) {
             (true, Some(w)) => {
-                let (seq, total) = (x.size()[1], k.size()[2]);
-                banded = step.causal_mask.f_logical_and(&window_band(
-                    seq,
-                    total - seq,
-                    w,
-                    x.device(),
-                )?)?;
+                // This layer holds only the last `kept` keys of the sequence
+                // (see below): their columns of the mask, and the band over
+                // them (it depends on distances only).
+                let full = step.causal_mask.size()[3];
+                banded = step
+                    .causal_mask
+                    .f_narrow(3, full - kept, kept)?
+                    .f_logical_and(&window_band(seq, kept - seq, w, x.device())?)?;
                 &banded
             }
             (true, None) => &step.causal_mask,
             (false, _) => &step.padding_mask,
         };
         let attended = self.attend(&q, &k, &v, Some(mask), 0.0, false)?;
+        // A sliding-window layer keeps only its window: the next token sees
+        // the `window - 1` keys before it and itself, never further back.
+        let (k, v) = match (self.causal, self.window) {
+            (true, Some(w)) if kept > w - 1 => (
+                k.f_narrow(2, kept - (w - 1), w - 1)?,
+                v.f_narrow(2, kept - (w - 1), w - 1)?,
+            ),
+            _ => (k, v),
+        };
         step.store(slot, k, v);
         self.merge(tensors, &attended, false)
     }
@@ -581,11 +610,21 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
     );
     let mut children = Vec::new();
     if let Some(eps) = c.qk_norm_eps {
-        body.push_str(&format!(
-            "    q = {}\n    k = {}\n",
-            call("q_norm", "q"),
-            call("k_norm", "k")
-        ));
+        if c.qk_norm_across_heads {
+            // Over each whole projection: the heads flattened back.
+            body.push_str(&format!(
+                "    q = torch.reshape({}, [b, s, {h}, {d}])\n    \
+                 k = torch.reshape({}, [b, s, {kv}, {d}])\n",
+                call("q_norm", &format!("torch.reshape(q, [b, s, {}])", h * d)),
+                call("k_norm", &format!("torch.reshape(k, [b, s, {}])", kv * d)),
+            ));
+        } else {
+            body.push_str(&format!(
+                "    q = {}\n    k = {}\n",
+                call("q_norm", "q"),
+                call("k_norm", "k")
+            ));
+        }
         for name in ["q_norm", "k_norm"] {
             children.push(ScriptChild {
                 name: name.to_owned(),

@@ -203,8 +203,26 @@ impl Emitter<'_> {
         let seq = x.shape[1];
         let (h, kv, d) = (c.num_heads, c.kv_heads(), c.head_dim());
         let bias = |name: &'static str| c.qkv_bias.then_some(name);
-        let q = self.project(path, layer, &x.name, "q_proj.weight", bias("q_proj.bias"))?;
-        let k = self.project(path, layer, &x.name, "k_proj.weight", bias("k_proj.bias"))?;
+        let mut q = self.project(path, layer, &x.name, "q_proj.weight", bias("q_proj.bias"))?;
+        let mut k = self.project(path, layer, &x.name, "k_proj.weight", bias("k_proj.bias"))?;
+        let norms = match c.qk_norm_eps {
+            Some(eps) => {
+                let mut qw = self.param(path, layer, "q_norm.weight")?;
+                let mut kw = self.param(path, layer, "k_norm.weight")?;
+                if c.qk_norm_offset != 0.0 {
+                    let offset = self.g.scalar(path, "qk_norm_offset", c.qk_norm_offset)?;
+                    qw = self.g.op(path, "Add", &[&qw, &offset], vec![]);
+                    kw = self.g.op(path, "Add", &[&kw, &offset], vec![]);
+                }
+                Some((qw, kw, eps))
+            }
+            None => None,
+        };
+        // OLMoE's norms take each whole projection, before the heads split.
+        if let (Some((qw, kw, eps)), true) = (&norms, c.qk_norm_across_heads) {
+            q = self.rms(path, &q, qw, *eps)?;
+            k = self.rms(path, &k, kw, *eps)?;
+        }
         let v = self.project(path, layer, &x.name, "v_proj.weight", bias("v_proj.bias"))?;
         let q_heads = self.g.ints(path, "q_heads", &[0, 0, h as i64, d as i64])?;
         let kv_heads = self
@@ -213,16 +231,9 @@ impl Emitter<'_> {
         let mut q = self.g.op(path, "Reshape", &[&q, &q_heads], vec![]);
         let mut k = self.g.op(path, "Reshape", &[&k, &kv_heads], vec![]);
         let v = self.g.op(path, "Reshape", &[&v, &kv_heads], vec![]);
-        if let Some(eps) = c.qk_norm_eps {
-            let mut qw = self.param(path, layer, "q_norm.weight")?;
-            let mut kw = self.param(path, layer, "k_norm.weight")?;
-            if c.qk_norm_offset != 0.0 {
-                let offset = self.g.scalar(path, "qk_norm_offset", c.qk_norm_offset)?;
-                qw = self.g.op(path, "Add", &[&qw, &offset], vec![]);
-                kw = self.g.op(path, "Add", &[&kw, &offset], vec![]);
-            }
-            q = self.rms(path, &q, &qw, eps)?;
-            k = self.rms(path, &k, &kw, eps)?;
+        if let (Some((qw, kw, eps)), false) = (&norms, c.qk_norm_across_heads) {
+            q = self.rms(path, &q, qw, *eps)?;
+            k = self.rms(path, &k, kw, *eps)?;
         }
         let heads_first = || vec![attr::ints("perm", &[0, 2, 1, 3])];
         let mut q = self.g.op(path, "Transpose", &[&q], heads_first());

@@ -19,7 +19,7 @@ use crate::model::ParamKind;
 /// `q_proj`, `k_proj`, `v_proj` and `o_proj` projections, `num_kv_heads` key
 /// and value heads shared by groups of query heads (grouped-query attention;
 /// multi-query with one), optional rotary position embeddings and per-head
-/// RMSNorm of queries and keys (QK-norm, as Qwen3 and OLMo 2 have). Runs on
+/// RMSNorm of queries and keys (QK-norm, per head as Qwen3 has it, or over each projection as OLMoE). Runs on
 /// `[batch, seq, embed_dim]` through `scaled_dot_product_attention`.
 ///
 /// ```
@@ -71,6 +71,11 @@ pub struct SelfAttentionConfig {
     /// default; Gemma 3's `1 + weight`, its weights then starting at 0).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub qk_norm_offset: f64,
+    /// Whether the query and key norms normalise each whole projection
+    /// (`[heads * head_dim]` weights: OLMoE) rather than each head
+    /// (default `false`: Qwen3, Gemma 3).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm_across_heads: bool,
     /// The factor of the attention scores (default `1 / sqrt(head_dim)`;
     /// Gemma's `query_pre_attn_scalar ** -0.5`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,6 +109,7 @@ config_builder! {
             rope: None,
             qk_norm_eps: None,
             qk_norm_offset: 0.0,
+            qk_norm_across_heads: false,
             scale: None,
             sliding_window: None,
             softcap: None,
@@ -125,6 +131,8 @@ config_builder! {
         with_qk_norm_eps(qk_norm_eps: Some(f64));
         /// Sets the query and key norms' weight offset (1 for Gemma 3).
         with_qk_norm_offset(qk_norm_offset: f64);
+        /// Normalises the whole query and key projections, not each head.
+        with_qk_norm_across_heads(qk_norm_across_heads: bool);
         /// Sets the factor of the attention scores.
         with_scale(scale: Some(f64));
         /// Restricts causal attention to a window of this many tokens.
@@ -244,8 +252,13 @@ impl LayerSpec for SelfAttentionConfig {
         if c.qk_norm_eps.is_some() {
             // Norms start as the identity: weight + offset = 1.
             let one = 1.0 - c.qk_norm_offset;
-            params.constant("q_norm.weight", vec![d], one, ParamKind::Parameter);
-            params.constant("k_norm.weight", vec![d], one, ParamKind::Parameter);
+            let (qd, kd) = if c.qk_norm_across_heads {
+                (q, kv)
+            } else {
+                (d, d)
+            };
+            params.constant("q_norm.weight", vec![qd], one, ParamKind::Parameter);
+            params.constant("k_norm.weight", vec![kd], one, ParamKind::Parameter);
         }
         Ok(())
     }
