@@ -394,7 +394,8 @@ fn kiln_generate_decodes_as_transformers_generate() {
 /// hand: a run with each (`embedding.scale`, `rope.scaling`,
 /// `sliding_window`, `qk_norm_offset`, `qk_norm_across_heads`, the
 /// attention's `scale` and `softcap`, a `scale` layer, a `sparse_moe`'s
-/// `norm_topk_prob`, `activation` and `shared_expert_dim`) trains through
+/// `norm_topk_prob`, `activation` and `shared_expert_dim`; in bf16-true, the
+/// norms' `scale_in_float32` and `qk_norm_scale_in_float32`) trains through
 /// `kiln train` to other losses than the run without it, on libtorch, and
 /// all of them together on TensorFlow.
 #[test]
@@ -402,8 +403,9 @@ fn the_families_layer_keys_train_through_the_cli_and_each_changes_the_run() {
     let _serial = serial();
     let dir = scratch("layer-keys");
     let csv = token_csv(&dir);
-    let run = |name: &str, backend: &str, keys: [&str; 5]| -> Vec<(String, String)> {
-        let [emb, rope, att, scale, moe] = keys;
+    // keys[5] goes to the RMSNorm, keys[6] to `[training]` (a precision).
+    let run = |name: &str, backend: &str, keys: [&str; 7]| -> Vec<(String, String)> {
+        let [emb, rope, att, scale, moe, norm, training] = keys;
         let text = format!(
             r#"
 seed = 3
@@ -420,6 +422,7 @@ type = "sequential"
 layers = [
   {{ type = "embedding", num_embeddings = 300, embedding_dim = 16{emb} }},
   {{ type = "self_attention", embed_dim = 16, num_heads = 2, causal = true, qk_norm_eps = 1e-6, rope = {{ theta = 10000.0{rope} }}{att} }},
+  {{ type = "rms_norm", dim = 16{norm} }},
   {{ type = "sparse_moe", dim = 16, hidden_dim = 8, num_experts = 4, top_k = 2{moe} }},
   {{ type = "select", dim = 1, index = -1 }},{scale}
   {{ type = "linear", in_features = 16, out_features = 2 }},
@@ -433,7 +436,7 @@ type = "adamw"
 lr = 0.01
 
 [training]
-epochs = 1
+epochs = 1{training}
 log_every = 1
 
 [logging]
@@ -457,10 +460,10 @@ progress = false
         "\n  { type = \"scale\", factor = 0.5 },",
         ", norm_topk_prob = true, activation = \"gelu_tanh\", shared_expert_dim = 8",
     ];
-    let base = run("base", "torch", ["", "", "", "", ""]);
+    let base = run("base", "torch", ["", "", "", "", "", "", ""]);
     assert!(!base.is_empty());
     let one = |i: usize, value: &'static str| {
-        let mut keys = ["", "", "", "", ""];
+        let mut keys = ["", "", "", "", "", "", ""];
         keys[i] = value;
         keys
     };
@@ -484,6 +487,52 @@ progress = false
         assert_eq!(losses.len(), base.len(), "{name}");
         assert_ne!(losses, base, "{name} changes the run");
     }
+    // Where the weight scales (before or after the cast back) shows in
+    // bfloat16 only, and the weights start at 1, where both orders agree:
+    // those keys change a bf16-true run's trained weights (its three bf16
+    // losses are too coarse to show it).
+    let bf16 = "\nprecision = \"bf16-true\"";
+    let with_bf16 = |i: usize, value: &'static str| {
+        let mut keys = one(i, value);
+        keys[6] = bf16;
+        keys
+    };
+    let weights = |name: &str| std::fs::read(dir.join(name).join("model.safetensors")).unwrap();
+    for (name, keys, reference, reference_keys) in [
+        (
+            "rms-norm-scale-in-float32",
+            with_bf16(5, ", scale_in_float32 = true"),
+            "base-bf16",
+            one(6, bf16),
+        ),
+        (
+            "qk-norm-scale-in-float32",
+            with_bf16(
+                2,
+                ", qk_norm_across_heads = true, qk_norm_scale_in_float32 = true",
+            ),
+            "qk-norm-across-heads-bf16",
+            with_bf16(2, ", qk_norm_across_heads = true"),
+        ),
+    ] {
+        let losses = run(name, "torch", keys);
+        assert_eq!(losses.len(), base.len(), "{name}");
+        run(reference, "torch", reference_keys);
+        assert_ne!(
+            weights(name),
+            weights(reference),
+            "{name} changes a bf16 run"
+        );
+    }
+    let all = [
+        all[0],
+        all[1],
+        all[2],
+        all[3],
+        all[4],
+        ", scale_in_float32 = true, weight_offset = 1.0",
+        "",
+    ];
     let tf = run("tensorflow", "tensorflow", all);
     assert_eq!(tf.len(), base.len());
     assert!(

@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use anyhow::{ensure, Result};
+use anyhow::Result;
 use kiln::core::backend::StepPlan;
 use kiln::core::generation::GenerationConfig;
 use kiln::core::lora::LoraConfig;
@@ -27,6 +27,15 @@ pub const DESCRIBE: &str = "(k) a LLaMA-style model, 101M parameters (hidden 768
      heads, 4 key/value heads, SwiGLU 2048, vocabulary 32000, tied), from a Hugging Face \
      directory: training at sequence 256 and generation of 128 tokens";
 
+pub const MOE_DESCRIBE: &str = "(k, MoE) a Qwen3-MoE-shaped mixture of experts, 139M parameters, \
+     51M active (hidden 512, 8 layers, 8 heads over 2 key/value heads, 32 experts of 256 with 4 \
+     per token, renormalised, vocabulary 32000), from a Hugging Face directory: the work of (k)";
+
+pub const QWEN3_DESCRIBE: &str = "(k, Qwen3-0.6B) the Qwen3-0.6B shape with random weights, \
+     596M parameters (28 layers, hidden 1024, 16 heads over 8 key/value heads of 128, SwiGLU \
+     3072, vocabulary 151936, tied), from a Hugging Face directory: training at sequence 512 and \
+     generation of 128 tokens";
+
 pub const VARIANTS: [&str; 6] = [
     "kiln-train-f32",
     "pytorch-train-f32",
@@ -36,7 +45,8 @@ pub const VARIANTS: [&str; 6] = [
     "transformers-generate",
 ];
 
-/// Sequences per training batch, tokens per sequence.
+/// Sequences per training batch, tokens per sequence (the Python side's
+/// token file decides; these are (k)'s).
 pub const BATCH: usize = 2;
 pub const SEQ: usize = 256;
 /// New tokens per generation, and the batch sizes generated at.
@@ -114,19 +124,19 @@ pub fn train(a: &TaskArgs, bf16: bool, lora: Option<&LoraConfig>) -> Result<Valu
     }
     let mut optimizer =
         model.build_optimizer(&OptimizerConfig::AdamW(AdamWConfig::new(1e-4)), &[])?;
-    ensure!(
-        ids.dims() == [BATCH, SEQ + 1],
-        "train tokens {:?}",
-        ids.dims()
-    );
+    // [batch, seq + 1] tokens: (k)'s 2 x 257, the Qwen3-0.6B row's 2 x 513.
+    let (batch, seq) = match *ids.dims() {
+        [batch, width] if width > 1 => (batch, width - 1),
+        _ => anyhow::bail!("train tokens {:?}: expected [batch, seq + 1]", ids.dims()),
+    };
     let all = ids.as_slice::<i64>()?;
     let inputs: Vec<i64> = all
-        .chunks(SEQ + 1)
-        .flat_map(|r| r[..SEQ].to_vec())
+        .chunks(seq + 1)
+        .flat_map(|r| r[..seq].to_vec())
         .collect();
-    let targets: Vec<i64> = all.chunks(SEQ + 1).flat_map(|r| r[1..].to_vec()).collect();
-    let x = TorchBackend::from_host(&HostTensor::new(inputs, [BATCH, SEQ])?, a.device)?;
-    let y = TorchBackend::from_host(&HostTensor::new(targets, [BATCH * SEQ])?, a.device)?;
+    let targets: Vec<i64> = all.chunks(seq + 1).flat_map(|r| r[1..].to_vec()).collect();
+    let x = TorchBackend::from_host(&HostTensor::new(inputs, [batch, seq])?, a.device)?;
+    let y = TorchBackend::from_host(&HostTensor::new(targets, [batch * seq])?, a.device)?;
     let loss_fn = Loss::cross_entropy();
     let plan = StepPlan {
         loss: &loss_fn,
@@ -144,7 +154,9 @@ pub fn train(a: &TaskArgs, bf16: bool, lora: Option<&LoraConfig>) -> Result<Valu
     Ok(json!({
         "repeats_s": times,
         "steps_per_s": 1.0 / m,
-        "tokens_per_s": (BATCH * SEQ) as f64 / m,
+        "tokens_per_s": (batch * seq) as f64 / m,
+        "batch": batch,
+        "seq": seq,
         "losses": losses,
         "parameters": pretrained.layer().num_parameters()?,
         "trainable": model.num_trainable_parameters()?,
@@ -154,8 +166,14 @@ pub fn train(a: &TaskArgs, bf16: bool, lora: Option<&LoraConfig>) -> Result<Valu
 /// The table of (k).
 pub fn table<'a>(ok: impl Fn(&str) -> Option<&'a Value>) -> String {
     let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    // The batch the rows trained on (every task's default is (k)'s).
+    let (batch, seq) = ok("kiln-train-bf16")
+        .or_else(|| ok("pytorch-train-bf16"))
+        .map_or((BATCH as f64, SEQ as f64), |r| {
+            (num(r, "batch"), num(r, "seq"))
+        });
     let mut t = format!(
-        "Training: one AdamW step (lr 1e-4) per repeat on {BATCH} x {SEQ} tokens, loss over every \
+        "Training: one AdamW step (lr 1e-4) per repeat on {batch} x {seq} tokens, loss over every \
          position; bf16 is parameters, gradients and optimizer state in bfloat16 on both sides. \
          Generation: {NEW_TOKENS} new tokens after 16-token prompts, greedy, cached keys and \
          values; tokens/s counts new tokens over all rows. `same tokens` compares the first \
@@ -213,10 +231,11 @@ pub fn table<'a>(ok: impl Fn(&str) -> Option<&'a Value>) -> String {
     t
 }
 
-/// The model directory and token file, made by the Python side.
-pub fn prepare(dir: &Path, mut python: std::process::Command) -> Result<()> {
+/// The model directory and token file of `task` (`llm`, `moe`), made by the
+/// Python side.
+pub fn prepare(dir: &Path, mut python: std::process::Command, task: &str) -> Result<()> {
     python
-        .args(["--task", "llm", "--variant", "prepare", "--dir"])
+        .args(["--task", task, "--variant", "prepare", "--dir"])
         .arg(dir);
-    crate::run_json(python, "making the LLaMA model directory").map(drop)
+    crate::run_json(python, "making the model directory").map(drop)
 }

@@ -289,7 +289,7 @@ Kiln against Python PyTorch, TensorFlow and Keras on the same work (BENCHMARKS.m
 usage: cargo xtask cargo bench --bench compare [--features cuda] -- [FLAGS]
 
   --workloads W,W   mlp, cnn, transformer, transformer-bf16, transformer-bf16-mixed,
-                    data, script, ops, checkpoint, ddp, serve, images, resize, llm, finetune, zero (default: all of
+                    data, script, ops, checkpoint, ddp, serve, images, resize, llm, moe, qwen3, finetune, zero (default: all of
                     them; on a GPU all but data, checkpoint and ddp)
   --variants V,V    only these variants (kiln-torch, raw-tch, pytorch-eager, kiln-tf,
                     tf-function, keras-fit, kiln-torch-graph, pytorch-graph, ...)
@@ -343,6 +343,8 @@ fn main() -> Result<()> {
         Task::Images,
         Task::Resize,
         Task::Llm,
+        Task::Moe,
+        Task::Qwen3,
         Task::Finetune,
         Task::Zero,
     ];

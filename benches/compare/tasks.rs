@@ -48,6 +48,10 @@ pub enum Task {
     Resize,
     /// (k) a 100M LLaMA-style model: training and generation against transformers.
     Llm,
+    /// (k, MoE) a small Qwen3-MoE shape: the same work as (k).
+    Moe,
+    /// (k, Qwen3-0.6B) the real Qwen3-0.6B shape, at sequence 512.
+    Qwen3,
     Finetune,
     /// (m) sharded strategies and activation checkpointing on two ranks.
     Zero,
@@ -87,6 +91,8 @@ impl Task {
             "images" => Task::Images,
             "resize" => Task::Resize,
             "llm" => Task::Llm,
+            "moe" => Task::Moe,
+            "qwen3" => Task::Qwen3,
             "finetune" => Task::Finetune,
             "zero" => Task::Zero,
             _ => return None,
@@ -104,6 +110,8 @@ impl Task {
             Task::Images => "images",
             Task::Resize => "resize",
             Task::Llm => "llm",
+            Task::Moe => "moe",
+            Task::Qwen3 => "qwen3",
             Task::Finetune => "finetune",
             Task::Zero => "zero",
         }
@@ -124,6 +132,8 @@ impl Task {
             Task::Ddp => ddp::DESCRIBE,
             Task::Serve => serve::DESCRIBE,
             Task::Llm => llm::DESCRIBE,
+            Task::Moe => llm::MOE_DESCRIBE,
+            Task::Qwen3 => llm::QWEN3_DESCRIBE,
             Task::Finetune => finetune::DESCRIBE,
             Task::Zero => zero::DESCRIBE,
             Task::Resize => resize::DESCRIBE,
@@ -147,7 +157,7 @@ impl Task {
             Task::Checkpoint => &["kiln-checkpoint", "pytorch-save"],
             Task::Ddp => &ddp::VARIANTS,
             Task::Serve => &serve::VARIANTS,
-            Task::Llm => &llm::VARIANTS,
+            Task::Llm | Task::Moe | Task::Qwen3 => &llm::VARIANTS,
             Task::Finetune => &finetune::VARIANTS,
             Task::Zero => &zero::VARIANTS,
             Task::Images => &[
@@ -182,7 +192,7 @@ impl Task {
             Task::Serve => serve::prepare(dir),
             Task::Images => write_images(dir),
             Task::Resize => resize::prepare(dir, python()),
-            Task::Llm => llm::prepare(dir, python()),
+            Task::Llm | Task::Moe | Task::Qwen3 => llm::prepare(dir, python(), self.name()),
             Task::Finetune => finetune::prepare(dir, python()),
         }
     }
@@ -234,7 +244,9 @@ impl Task {
             Task::Serve => num(&r["cnn"], "latency_us") + num(&r["transformer"], "latency_us"),
             Task::Images => num(r, "samples_per_s"),
             Task::Resize => num(r, "images_per_s"),
-            Task::Llm => num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s"),
+            Task::Llm | Task::Moe | Task::Qwen3 => {
+                num(r, "tokens_per_s") + num(&r["b1"], "tokens_per_s")
+            }
             Task::Finetune => num(r, "tokens_per_s"),
             Task::Zero => num(r, "steps_per_s"),
         }
@@ -244,12 +256,14 @@ impl Task {
     pub fn summary(self, r: &Value) -> String {
         match self {
             Task::Data | Task::Images => format!("{:>9.0} samples/s", num(r, "samples_per_s")),
-            Task::Llm if r.get("b1").is_some() => format!(
+            Task::Llm | Task::Moe | Task::Qwen3 if r.get("b1").is_some() => format!(
                 "{:.1} tokens/s at batch 1, {:.1} at batch 8",
                 num(&r["b1"], "tokens_per_s"),
                 num(&r["b8"], "tokens_per_s")
             ),
-            Task::Llm | Task::Finetune => format!("{:.0} tokens/s", num(r, "tokens_per_s")),
+            Task::Llm | Task::Moe | Task::Qwen3 | Task::Finetune => {
+                format!("{:.0} tokens/s", num(r, "tokens_per_s"))
+            }
             Task::Script => format!("{:>9.1} us/call", num(r, "latency_us")),
             Task::Ops => ["bias_gelu", "softmax_xent", "swish"]
                 .iter()
@@ -297,7 +311,9 @@ impl Task {
         };
         // (k)'s steps take seconds: at most 3 repeats after 1 warm-up.
         let (repeats, warmup) = match self {
-            Task::Llm | Task::Finetune => (s.repeats.min(3), s.warmup.min(1)),
+            Task::Llm | Task::Moe | Task::Qwen3 | Task::Finetune => {
+                (s.repeats.min(3), s.warmup.min(1))
+            }
             _ => (s.repeats, s.warmup),
         };
         let threads = if self == Task::Resize { 1 } else { s.threads };
@@ -386,7 +402,7 @@ impl Task {
             }
             Task::Ops => t += &ops::table(ok),
             Task::Resize => t += &resize::table(ok),
-            Task::Llm => t += &llm::table(ok),
+            Task::Llm | Task::Moe | Task::Qwen3 => t += &llm::table(ok),
             Task::Finetune => t += &finetune::table(ok),
             // Three tables of its own (`ddp.rs`).
             Task::Ddp => return ddp::table(s, rows),
@@ -568,7 +584,9 @@ pub fn worker(task: Task, variant: &str, a: &TaskArgs) -> Result<Value> {
         (Task::Ops, "kiln-composed") => ops::run(a, ops::Kernels::Composed)?,
         (Task::Checkpoint, "kiln-checkpoint") => checkpoint(a)?,
         (Task::Serve, variant) if variant.starts_with("kiln-") => serve::worker(variant, a)?,
-        (Task::Llm, variant) if variant.starts_with("kiln-") => llm::worker(variant, a)?,
+        (Task::Llm | Task::Moe | Task::Qwen3, variant) if variant.starts_with("kiln-") => {
+            llm::worker(variant, a)?
+        }
         (Task::Finetune, variant) if variant.starts_with("kiln-") => finetune::worker(variant, a)?,
         _ => bail!(
             "{variant} is not a Rust variant of the {} workload",

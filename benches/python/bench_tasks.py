@@ -427,28 +427,51 @@ def serve(args, variant):
 LLM_BATCH, LLM_SEQ, LLM_NEW = 2, 256, 128
 
 
+def llm_config(task):
+    """(k)'s LLaMA, (k, MoE)'s Qwen3-MoE shape (Qwen3-30B-A3B's routing, smaller), or Qwen3-0.6B's
+    config.json (random weights)."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    if task == "qwen3":
+        return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                           max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+    if task == "moe":
+        return Qwen3MoeConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=32,
+                              num_experts_per_tok=4, moe_intermediate_size=256, norm_topk_prob=True,
+                              max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+                              eos_token_id=2, pad_token_id=0)
+    return LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
+                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                       max_position_embeddings=1024, tie_word_embeddings=True,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
 def llm(args, variant):
-    """(k): the LLaMA-style model of benches/compare/llm.rs, in transformers."""
+    """(k): the LLaMA-style model of benches/compare/llm.rs, in transformers; (k, MoE) with
+    `--task moe`."""
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     model_dir = os.path.join(args.dir, "model")
     if variant == "prepare":
         if not os.path.exists(os.path.join(model_dir, "config.json")):
-            config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048,
-                                 num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                                 max_position_embeddings=1024, tie_word_embeddings=True,
-                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)
             torch.manual_seed(0)
-            LlamaForCausalLM(config).save_pretrained(model_dir)
+            AutoModelForCausalLM.from_config(llm_config(args.task)).save_pretrained(model_dir)
             g = torch.Generator().manual_seed(1)
-            save_file({"train": torch.randint(3, 32000, (LLM_BATCH, LLM_SEQ + 1), generator=g),
-                       "prompts": torch.randint(3, 32000, (8, 16), generator=g)},
+            vocab = llm_config(args.task).vocab_size
+            seq = 512 if args.task == "qwen3" else LLM_SEQ
+            save_file({"train": torch.randint(3, vocab, (LLM_BATCH, seq + 1), generator=g),
+                       "prompts": torch.randint(3, vocab, (8, 16), generator=g)},
                       os.path.join(args.dir, "tokens.safetensors"))
         return {}
     tokens = load_file(os.path.join(args.dir, "tokens.safetensors"))
     device = torch.device(args.device)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     if variant == "transformers-generate":
         model.eval()
         out = {}
@@ -493,8 +516,9 @@ def train_steps(args, model, tokens, device):
 
     times = timed(argparse.Namespace(warmup=min(args.warmup, 1), repeats=min(args.repeats, 3)), step)
     m = statistics.median(times)
-    return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": LLM_BATCH * LLM_SEQ / m,
-            "losses": losses, "trainable": sum(p.numel() for p in params)}
+    return {"repeats_s": times, "steps_per_s": 1.0 / m, "tokens_per_s": x.numel() / m,
+            "batch": x.shape[0], "seq": x.shape[1], "losses": losses,
+            "trainable": sum(p.numel() for p in params)}
 
 
 FT_BLOCK, FT_TEXT_BATCH = 256, 8
@@ -588,7 +612,8 @@ def finetune(args, variant):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", required=True, choices=["data", "images", "resize", "script", "ops", "checkpoint", "serve", "llm", "finetune"])
+    parser.add_argument("--task", required=True, choices=["data", "images", "resize", "script", "ops", "checkpoint", "serve", "llm", "moe",
+                                                               "qwen3", "finetune"])
     parser.add_argument("--variant", required=True)
     parser.add_argument("--dir", required=True)
     parser.add_argument("--warmup", type=int, default=1)
@@ -619,6 +644,14 @@ def main():
         ("llm", "pytorch-train-f32"): lambda: llm(args, "pytorch-train-f32"),
         ("llm", "pytorch-train-bf16"): lambda: llm(args, "pytorch-train-bf16"),
         ("llm", "transformers-generate"): lambda: llm(args, "transformers-generate"),
+        ("moe", "prepare"): lambda: llm(args, "prepare"),
+        ("qwen3", "prepare"): lambda: llm(args, "prepare"),
+        ("qwen3", "pytorch-train-f32"): lambda: llm(args, "pytorch-train-f32"),
+        ("qwen3", "pytorch-train-bf16"): lambda: llm(args, "pytorch-train-bf16"),
+        ("qwen3", "transformers-generate"): lambda: llm(args, "transformers-generate"),
+        ("moe", "pytorch-train-f32"): lambda: llm(args, "pytorch-train-f32"),
+        ("moe", "pytorch-train-bf16"): lambda: llm(args, "pytorch-train-bf16"),
+        ("moe", "transformers-generate"): lambda: llm(args, "transformers-generate"),
         ("finetune", "prepare"): lambda: finetune(args, "prepare"),
         ("finetune", "pytorch-full"): lambda: finetune(args, "pytorch-full"),
         ("finetune", "peft-lora"): lambda: finetune(args, "peft-lora"),

@@ -123,6 +123,7 @@ fn decoder() -> Layer {
             dim: 16,
             eps: 1e-6,
             weight_offset: 0.0,
+            scale_in_float32: false,
         })
     };
     Layer::sequential([

@@ -90,7 +90,7 @@ OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2"}
 
 def scaled_ropes(llama):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
-                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
+                              MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig, SmolLM3Config)
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
@@ -139,7 +139,9 @@ def scaled_ropes(llama):
     qwen3_moe = Qwen3MoeConfig(**dict(moe, num_experts_per_tok=3), head_dim=12, num_experts=6,
                                moe_intermediate_size=16, norm_topk_prob=True)
     olmoe = OlmoeConfig(**moe, num_experts=4)
+    olmo2 = Olmo2Config(**llama, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     return [
+        ("olmo2", olmo2, False),
         ("mixtral", mixtral, False),
         ("qwen2_moe", qwen2_moe, False),
         ("qwen3_moe", qwen3_moe, False),

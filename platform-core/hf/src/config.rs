@@ -15,6 +15,12 @@ pub struct HfConfig {
 }
 
 impl HfConfig {
+    /// `json` as a `config.json` (the unit tests' configs).
+    #[cfg(test)]
+    pub(crate) fn test(json: &str) -> Self {
+        HfConfig::parse(Path::new("config.json"), json).expect("a test config")
+    }
+
     /// Reads and parses `path`.
     pub fn read(path: &Path) -> Result<Self> {
         let text = kiln_core::fs::read_regular_to_string(path)?;

@@ -46,6 +46,24 @@ pub struct Family {
 }
 
 impl Family {
+    /// The row of a causal language model whose architectures end in
+    /// `ForCausalLM` and whose width is `hidden_size`.
+    pub(crate) const fn causal_lm(
+        model_type: &'static str,
+        name: &'static str,
+        build: Build,
+    ) -> Self {
+        Family {
+            model_type,
+            name,
+            task: FamilyTask::CausalLm,
+            architectures: &["ForCausalLM"],
+            hidden_size_key: "hidden_size",
+            fan_in_fan_out: false,
+            build,
+        }
+    }
+
     /// Whether its models are causal language models (and generate).
     pub fn is_decoder(&self) -> bool {
         self.task == FamilyTask::CausalLm
@@ -89,6 +107,7 @@ pub static FAMILIES: &[&Family] = &[
     &crate::moe::QWEN2_MOE,
     &crate::moe::QWEN3_MOE,
     &crate::moe::OLMOE,
+    &crate::olmo2::OLMO2,
     &crate::gemma::GEMMA,
     &crate::gemma::GEMMA2,
     &crate::gemma::GEMMA3_TEXT,

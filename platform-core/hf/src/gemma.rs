@@ -13,16 +13,16 @@
 //! `rope_local_base_freq`).
 
 use kiln_core::model::{
-    EmbeddingConfig, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig, RopeConfig,
-    SelfAttentionConfig, TiedLinearConfig,
+    GatedMlpConfig, Layer, LinearConfig, RmsNormConfig, RopeConfig, SelfAttentionConfig,
+    TiedLinearConfig,
 };
 use serde_json::Value;
 
 use crate::config::HfConfig;
 use crate::error::Result;
-use crate::family::{Family, FamilyTask};
+use crate::family::Family;
 use crate::layer_types::{sliding_layers, sliding_windows, Windows};
-use crate::llama::{gated_activation, DecoderSizes};
+use crate::llama::{gated_activation, padded_embedding, DecoderSizes};
 use crate::names::NameMap;
 
 /// A generation of Gemma.
@@ -33,28 +33,14 @@ enum Generation {
     Gemma3,
 }
 
-const fn family(
-    model_type: &'static str,
-    name: &'static str,
-    build: crate::family::Build,
-) -> Family {
-    Family {
-        model_type,
-        name,
-        task: FamilyTask::CausalLm,
-        architectures: &["ForCausalLM"],
-        hidden_size_key: "hidden_size",
-        fan_in_fan_out: false,
-        build,
-    }
-}
-
 /// Gemma (`GemmaForCausalLM`).
-pub(crate) static GEMMA: Family = family("gemma", "Gemma", |c, _| build(c, Generation::Gemma));
+pub(crate) static GEMMA: Family =
+    Family::causal_lm("gemma", "Gemma", |c, _| build(c, Generation::Gemma));
 /// Gemma 2 (`Gemma2ForCausalLM`).
-pub(crate) static GEMMA2: Family = family("gemma2", "Gemma 2", |c, _| build(c, Generation::Gemma2));
+pub(crate) static GEMMA2: Family =
+    Family::causal_lm("gemma2", "Gemma 2", |c, _| build(c, Generation::Gemma2));
 /// Gemma 3's text model (`Gemma3ForCausalLM`).
-pub(crate) static GEMMA3_TEXT: Family = family("gemma3_text", "Gemma 3", |c, _| {
+pub(crate) static GEMMA3_TEXT: Family = Family::causal_lm("gemma3_text", "Gemma 3", |c, _| {
     build(c, Generation::Gemma3)
 });
 
@@ -190,11 +176,7 @@ fn build(config: &HfConfig, generation: Generation) -> Result<(Layer, NameMap)> 
     let mlp: Layer = GatedMlpConfig::new(hidden, intermediate)
         .with_activation(activation)
         .into();
-    let mut embedding = EmbeddingConfig::new(vocab, hidden).with_scale((hidden as f64).sqrt());
-    if let Some(pad) = config.opt_usize("pad_token_id")?.filter(|p| *p < vocab) {
-        // `nn.Embedding(..., padding_idx)`: the padding row gets no gradient.
-        embedding = embedding.with_padding_idx(pad);
-    }
+    let embedding = padded_embedding(config, vocab, hidden)?.with_scale((hidden as f64).sqrt());
     // Gemma normalises before each branch; Gemma 2 and 3 after it as well.
     let branch = |inner: Layer| -> Layer {
         match generation {

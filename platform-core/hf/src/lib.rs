@@ -34,6 +34,7 @@ mod layer_types;
 mod llama;
 mod moe;
 mod names;
+mod olmo2;
 mod peft;
 mod peft_targets;
 mod phi3;

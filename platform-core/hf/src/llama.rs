@@ -154,6 +154,23 @@ impl DecoderSizes {
     }
 }
 
+/// The token embedding, with `pad_token_id` as its `padding_idx` when the
+/// config names one in the vocabulary (`nn.Embedding(..., padding_idx)`, as
+/// every decoder of `transformers` builds it: the padding row gets no gradient).
+pub(crate) fn padded_embedding(
+    config: &HfConfig,
+    vocab: usize,
+    hidden: usize,
+) -> Result<EmbeddingConfig> {
+    let embedding = EmbeddingConfig::new(vocab, hidden);
+    Ok(
+        match config.opt_usize("pad_token_id")?.filter(|p| *p < vocab) {
+            Some(pad) => embedding.with_padding_idx(pad),
+            None => embedding,
+        },
+    )
+}
+
 /// The gated MLP's activation that `key` names (`hidden_act`, Gemma's
 /// `hidden_activation`), `default` when absent.
 pub(crate) fn gated_activation(
@@ -277,7 +294,7 @@ pub(crate) fn build_with(
         "granite" => attention.with_scale(config.f64_or("attention_multiplier", 1.0)?),
         _ => attention,
     };
-    let mut embedding = EmbeddingConfig::new(vocab, hidden);
+    let mut embedding = padded_embedding(config, vocab, hidden)?;
     if embedding_multiplier != 1.0 {
         embedding = embedding.with_scale(embedding_multiplier);
     }
@@ -378,10 +395,9 @@ pub(crate) fn build_with(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn config(json: &str) -> HfConfig {
-        HfConfig::parse(Path::new("config.json"), json).unwrap()
+        HfConfig::test(json)
     }
 
     #[test]

@@ -11,36 +11,21 @@ use serde_json::Value;
 
 use crate::config::HfConfig;
 use crate::error::{HfError, Result};
-use crate::family::{Family, FamilyTask};
+use crate::family::Family;
 use crate::llama::{build_with, gated_activation};
 use crate::names::NameMap;
 
-const fn family(
-    model_type: &'static str,
-    name: &'static str,
-    build: crate::family::Build,
-) -> Family {
-    Family {
-        model_type,
-        name,
-        task: FamilyTask::CausalLm,
-        architectures: &["ForCausalLM"],
-        hidden_size_key: "hidden_size",
-        fan_in_fan_out: false,
-        build,
-    }
-}
-
 /// Mixtral (`MixtralForCausalLM`).
-pub(crate) static MIXTRAL: Family = family("mixtral", "Mixtral", |c, _| build(c, "mixtral"));
+pub(crate) static MIXTRAL: Family =
+    Family::causal_lm("mixtral", "Mixtral", |c, _| build(c, "mixtral"));
 /// Qwen2-MoE (`Qwen2MoeForCausalLM`).
 pub(crate) static QWEN2_MOE: Family =
-    family("qwen2_moe", "Qwen2-MoE", |c, _| build(c, "qwen2_moe"));
+    Family::causal_lm("qwen2_moe", "Qwen2-MoE", |c, _| build(c, "qwen2_moe"));
 /// Qwen3-MoE (`Qwen3MoeForCausalLM`).
 pub(crate) static QWEN3_MOE: Family =
-    family("qwen3_moe", "Qwen3-MoE", |c, _| build(c, "qwen3_moe"));
+    Family::causal_lm("qwen3_moe", "Qwen3-MoE", |c, _| build(c, "qwen3_moe"));
 /// OLMoE (`OlmoeForCausalLM`).
-pub(crate) static OLMOE: Family = family("olmoe", "OLMoE", |c, _| build(c, "olmoe"));
+pub(crate) static OLMOE: Family = Family::causal_lm("olmoe", "OLMoE", |c, _| build(c, "olmoe"));
 
 /// Whether each of `layers` layers is sparse: Qwen's `mlp_only_layers` and
 /// `decoder_sparse_step`; every layer in Mixtral and OLMoE.
@@ -178,10 +163,9 @@ fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     fn config(json: &str) -> HfConfig {
-        HfConfig::parse(Path::new("config.json"), json).unwrap()
+        HfConfig::test(json)
     }
 
     #[test]

@@ -7,19 +7,11 @@ use kiln_core::model::Layer;
 
 use crate::config::HfConfig;
 use crate::error::Result;
-use crate::family::{Family, FamilyTask};
+use crate::family::Family;
 use crate::names::NameMap;
 
 /// Phi-3 (`Phi3ForCausalLM`).
-pub(crate) static PHI3: Family = Family {
-    model_type: "phi3",
-    name: "Phi-3",
-    task: FamilyTask::CausalLm,
-    architectures: &["ForCausalLM"],
-    hidden_size_key: "hidden_size",
-    fan_in_fan_out: false,
-    build,
-};
+pub(crate) static PHI3: Family = Family::causal_lm("phi3", "Phi-3", build);
 
 fn build(config: &HfConfig, _architectures: &[String]) -> Result<(Layer, NameMap)> {
     let (model, mut map) = crate::llama::build(config, "phi3")?;

@@ -176,12 +176,15 @@ class GroupedQueryAttention(nn.Module):
             self.q_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
             self.k_norm = Gemma3RMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
         elif spec.get("qk_norm_eps") is not None and spec.get("qk_norm_across_heads"):
-            # OLMoE's norms over each whole projection, as OlmoeAttention has them.
+            # OLMoE's and OLMo 2's norms over each whole projection, as their attention has
+            # them (OLMo 2's scaling before the cast back).
+            from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
             from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
-            assert spec.get("qk_norm_offset", 0.0) == 0.0, "OLMoE's norms have no offset"
-            self.q_norm = OlmoeRMSNorm(h * self.head_dim, eps=spec["qk_norm_eps"])
-            self.k_norm = OlmoeRMSNorm(self.kv_heads * self.head_dim, eps=spec["qk_norm_eps"])
+            assert spec.get("qk_norm_offset", 0.0) == 0.0, "OLMo's norms have no offset"
+            norm = Olmo2RMSNorm if spec.get("qk_norm_scale_in_float32") else OlmoeRMSNorm
+            self.q_norm = norm(h * self.head_dim, eps=spec["qk_norm_eps"])
+            self.k_norm = norm(self.kv_heads * self.head_dim, eps=spec["qk_norm_eps"])
         elif spec.get("qk_norm_eps") is not None:
             assert spec.get("qk_norm_offset", 0.0) == 0.0, "the reference has offsets 0 and 1"
             self.q_norm = LlamaRMSNorm(self.head_dim, eps=spec["qk_norm_eps"])
@@ -494,6 +497,12 @@ def build_layer(spec):
         # Their weights start as torch.ones / torch.zeros, which the recorder
         # does not see: the same values, set through torch.nn.init.
         offset = spec["weight_offset"]
+        if offset == 0 and spec.get("scale_in_float32"):
+            from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+            norm = Olmo2RMSNorm(spec["dim"], eps=spec["eps"])
+            nn.init.ones_(norm.weight)
+            return norm
         if offset == 0:
             norm = LlamaRMSNorm(spec["dim"], eps=spec["eps"])
             nn.init.ones_(norm.weight)

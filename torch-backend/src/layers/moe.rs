@@ -106,7 +106,7 @@ impl Forward for SparseMoe {
         let flat_weights = weights.f_reshape([-1])?;
         // One expert after another: its tokens gathered, its weighted outputs
         // added into the output (each add rounded to the output's dtype), in
-        // transformers' order, which bfloat16's sums and gradients follow.
+        // transformers' order, which decides bfloat16's rounding of the sums.
         let mut out = tokens.f_zeros_like()?;
         let mut start = 0;
         for (expert, &n) in self.experts.iter().zip(&counts) {

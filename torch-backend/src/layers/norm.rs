@@ -37,6 +37,8 @@ enum Norm {
         weight: usize,
         eps: f64,
         offset: f64,
+        /// The weight scales before the cast back (OLMo 2's order).
+        in_float32: bool,
     },
 }
 
@@ -68,6 +70,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
             weight: at.need("weight")?,
             eps: c.eps,
             offset: c.weight_offset,
+            in_float32: c.scale_in_float32,
         },
         _ => return Ok(None),
     };
@@ -138,7 +141,7 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
         ),
         Layer::RmsNorm(c) => Scripted {
             class: "RMSNorm".to_owned(),
-            body: super::transformer::rms_norm_script(c.eps, c.weight_offset),
+            body: super::transformer::rms_norm_script(c.eps, c.weight_offset, c.scale_in_float32),
             children: Vec::new(),
         },
         _ => return Ok(None),
@@ -205,9 +208,10 @@ impl Forward for Norm {
                 weight,
                 eps,
                 offset,
+                in_float32,
             } => {
                 let weight = tensors.tensor(*weight);
-                return if *offset == 0.0 {
+                return if *offset == 0.0 && !*in_float32 {
                     super::transformer::rms_norm(x, weight, *eps)
                 } else {
                     super::transformer::offset_rms_norm(x, weight, *eps, *offset)

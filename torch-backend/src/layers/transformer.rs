@@ -19,8 +19,9 @@ struct Attention {
     k: Projection,
     v: Projection,
     o: Projection,
-    /// `q_norm` and `k_norm`: their weights, eps and weight offset.
-    norms: Option<(usize, usize, f64, f64)>,
+    /// `q_norm` and `k_norm`: their weights, eps, weight offset, and whether
+    /// the weight scales before the cast back.
+    norms: Option<(usize, usize, f64, f64, bool)>,
     /// Whether the norms take the whole projections (OLMoE), not each head.
     norms_across_heads: bool,
     /// The factor of the scores (`None`: `1 / sqrt(head_dim)`).
@@ -95,6 +96,7 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
                     at.need("k_norm.weight")?,
                     eps,
                     c.qk_norm_offset,
+                    c.qk_norm_scale_in_float32,
                 )),
                 None => None,
             },
@@ -143,7 +145,8 @@ fn normalized(x: &Tensor, eps: f64) -> ForwardResult {
 
 /// Gemma's RMSNorm: `x / sqrt(mean(x², -1) + eps) * (offset + weight)`, all
 /// in float32 and cast to `x`'s dtype at the end (`Gemma3RMSNorm`'s order,
-/// which differs from LLaMA's in reduced precision).
+/// and `Olmo2RMSNorm`'s with offset 0, which differs from LLaMA's in reduced
+/// precision).
 pub(super) fn offset_rms_norm(x: &Tensor, weight: &Tensor, eps: f64, offset: f64) -> ForwardResult {
     let w = weight.f_to_kind(Kind::Float)?.f_add_scalar(offset)?;
     Ok(normalized(x, eps)?.f_mul(&w)?.f_to_kind(x.kind())?)
@@ -281,9 +284,9 @@ impl Attention {
         let norm = |t: Tensor, which: usize| -> ForwardResult {
             match self.norms {
                 None => Ok(t),
-                Some((qn, kn, eps, offset)) => {
+                Some((qn, kn, eps, offset, in_float32)) => {
                     let w = tensors.tensor(if which == 0 { qn } else { kn });
-                    if offset == 0.0 {
+                    if offset == 0.0 && !in_float32 {
                         rms_norm(&t, w, eps)
                     } else {
                         offset_rms_norm(&t, w, eps, offset)
@@ -629,7 +632,7 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
             children.push(ScriptChild {
                 name: name.to_owned(),
                 class: "RMSNorm".to_owned(),
-                body: rms_norm_script(eps, c.qk_norm_offset),
+                body: rms_norm_script(eps, c.qk_norm_offset, c.qk_norm_scale_in_float32),
             });
         }
     }
@@ -798,9 +801,9 @@ fn rope_script(rope: &RopeConfig, head_dim: usize) -> String {
 }
 
 /// The body of an RMSNorm module's forward (also `RmsNorm`'s, in `norm.rs`).
-pub(super) fn rms_norm_script(eps: f64, offset: f64) -> String {
-    // LLaMA scales after the cast, Gemma (an offset) before it.
-    let scaled = if offset == 0.0 {
+pub(super) fn rms_norm_script(eps: f64, offset: f64, in_float32: bool) -> String {
+    // LLaMA scales after the cast, Gemma (an offset) and OLMo 2 before it.
+    let scaled = if offset == 0.0 && !in_float32 {
         "self.weight * h.to(dtype)".to_owned()
     } else {
         format!("(h * (self.weight.float() + {})).to(dtype)", float(offset))

@@ -41,6 +41,12 @@ def run_case(case, out_dir, device):
     torch.manual_seed(case["seed"])
     dtype = getattr(torch, case.get("dtype", "float32"))
     model = build(case["layer"]).to(dtype)
+    # Norms' scales moved off the constant torch starts them at (1, or Gemma's 0), so
+    # that the order of a norm's scaling and its cast back, which agree at 1, is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.split(".")[-1] == "weight" and p.dim() == 1 and bool((p == p[0]).all()):
+                p.add_(torch.empty_like(p).uniform_(-0.25, 0.25))
     model.train(case["train"])
     state = {f"state.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     if case.get("input_dtype") == "int64":

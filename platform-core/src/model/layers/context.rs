@@ -116,6 +116,15 @@ impl ShapeCheck<'_> {
         }
     }
 
+    /// The input itself when its last dimension is `dim` (a layer over the
+    /// features of `[*, dim]`: RMSNorm, the gated MLP, the experts).
+    pub(crate) fn same_with_last(&self, input: &[usize], dim: usize) -> Result<Vec<usize>> {
+        match input.last() {
+            Some(&d) if d == dim => Ok(input.to_vec()),
+            _ => Err(self.mismatch(format!("[*, {dim}]"))),
+        }
+    }
+
     /// The layer expected an input like `expected` and got this one.
     pub(crate) fn mismatch(&self, expected: String) -> Error {
         Error::ShapeMismatch {

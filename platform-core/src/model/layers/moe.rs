@@ -98,10 +98,7 @@ impl LayerSpec for SparseMoeConfig {
     }
 
     fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
-        match input.last() {
-            Some(&d) if d == self.dim => Ok(input.to_vec()),
-            _ => Err(at.mismatch(format!("[*, {}]", self.dim))),
-        }
+        at.same_with_last(input, self.dim)
     }
 
     fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {

@@ -278,6 +278,12 @@ pub struct RmsNormConfig {
     /// Added to `weight` before it scales (default 0; Gemma: 1).
     #[serde(default)]
     pub weight_offset: f64,
+    /// Whether the weight scales the float32 normalised values before the
+    /// cast back to the input's dtype (OLMo 2's order, and Gemma's, which a
+    /// `weight_offset` implies) rather than after it (default `false`:
+    /// LLaMA's). The two differ in bfloat16 only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub scale_in_float32: bool,
 }
 
 fn default_rms_eps() -> f64 {
@@ -291,11 +297,14 @@ config_builder! {
             dim,
             eps: 1e-6,
             weight_offset: 0.0,
+            scale_in_float32: false,
         }
         /// Sets `eps`.
         with_eps(eps: f64);
         /// Sets the weight offset (1 for Gemma's `1 + weight`).
         with_weight_offset(weight_offset: f64);
+        /// Sets whether the weight scales before the cast back (OLMo 2).
+        with_scale_in_float32(scale_in_float32: bool);
     }
 }
 
@@ -310,10 +319,7 @@ impl LayerSpec for RmsNormConfig {
     }
 
     fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
-        match input.last() {
-            Some(&d) if d == self.dim => Ok(input.to_vec()),
-            _ => Err(at.mismatch(format!("[*, {}]", self.dim))),
-        }
+        at.same_with_last(input, self.dim)
     }
 
     fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {

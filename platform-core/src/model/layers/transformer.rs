@@ -76,6 +76,11 @@ pub struct SelfAttentionConfig {
     /// (default `false`: Qwen3, Gemma 3).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub qk_norm_across_heads: bool,
+    /// Whether the query and key norms' weights scale before the cast back
+    /// to the input's dtype (OLMo 2's order; see
+    /// [`RmsNormConfig::scale_in_float32`](super::RmsNormConfig::scale_in_float32)).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm_scale_in_float32: bool,
     /// The factor of the attention scores (default `1 / sqrt(head_dim)`;
     /// Gemma's `query_pre_attn_scalar ** -0.5`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -110,6 +115,7 @@ config_builder! {
             qk_norm_eps: None,
             qk_norm_offset: 0.0,
             qk_norm_across_heads: false,
+            qk_norm_scale_in_float32: false,
             scale: None,
             sliding_window: None,
             softcap: None,
@@ -133,6 +139,8 @@ config_builder! {
         with_qk_norm_offset(qk_norm_offset: f64);
         /// Normalises the whole query and key projections, not each head.
         with_qk_norm_across_heads(qk_norm_across_heads: bool);
+        /// Sets whether the query and key norms scale before the cast back.
+        with_qk_norm_scale_in_float32(qk_norm_scale_in_float32: bool);
         /// Sets the factor of the attention scores.
         with_scale(scale: Some(f64));
         /// Restricts causal attention to a window of this many tokens.
@@ -349,10 +357,7 @@ impl LayerSpec for GatedMlpConfig {
     }
 
     fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
-        match input.last() {
-            Some(&d) if d == self.dim => Ok(input.to_vec()),
-            _ => Err(at.mismatch(format!("[*, {}]", self.dim))),
-        }
+        at.same_with_last(input, self.dim)
     }
 
     fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
