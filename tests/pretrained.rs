@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use kiln::core::generation::GenerationConfig;
+use kiln::core::loss::{CrossEntropyConfig, Loss};
 use kiln::hf::{HfError, Pretrained, TextTokenizer};
 use kiln::prelude::*;
 use kiln::tf::TfBackend;
@@ -67,6 +68,23 @@ fn torch_logits(model: &TorchModel, ids: &HostTensor) -> HostTensor {
     from_tch(&tch::no_grad(|| model.forward(&x)).unwrap()).unwrap()
 }
 
+/// Logits within 1e-5 of `transformers`' relative to the largest of them (at
+/// least 1): the softmax reads differences on that scale, and a logit near 0
+/// in a row that reaches 7 (Gemma's) carries the rounding of the larger sums
+/// that made it (TensorFlow's float32 kernels round otherwise than PyTorch's,
+/// and otherwise on another CPU).
+fn logits_close(what: &str, actual: &[f64], expected: &[f64]) {
+    let scale = expected.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    let scaled = |v: &[f64]| -> Vec<f64> { v.iter().map(|x| x / scale).collect() };
+    assert_close(
+        what,
+        &scaled(actual),
+        &scaled(expected),
+        1e-5,
+        "transformers",
+    );
+}
+
 #[test]
 fn every_family_loads_and_matches_transformers_on_both_engines() {
     let test = "every_family_loads_and_matches_transformers_on_both_engines";
@@ -94,12 +112,10 @@ fn every_family_loads_and_matches_transformers_on_both_engines() {
         let expected = floats(io.get("logits").unwrap());
         let model = torch_model(&pretrained);
         let logits = torch_logits(&model, ids);
-        assert_close(
+        logits_close(
             &format!("{name}: torch logits"),
             &floats(&logits),
             &expected,
-            1e-5,
-            "transformers",
         );
 
         let mut tf = TfBackend::build_model(pretrained.layer(), Device::Cpu).unwrap();
@@ -110,12 +126,10 @@ fn every_family_loads_and_matches_transformers_on_both_engines() {
             .forward(&TfBackend::from_host(ids, Device::Cpu).unwrap())
             .unwrap();
         let tf_logits = TfBackend::to_host(&out).unwrap();
-        assert_close(
+        logits_close(
             &format!("{name}: TensorFlow logits"),
             &floats(&tf_logits),
             &expected,
-            1e-5,
-            "transformers",
         );
     }
 }
@@ -254,6 +268,8 @@ fn one_training_step_gives_transformers_loss_and_gradients() {
             .narrow(1, 0, len - 1)
             .reshape([-1, vocab])
             .cross_entropy_for_logits(&ids.narrow(1, 1, len - 1).reshape([-1]));
+        // A mixture of experts' load-balancing loss, where its config weighs it in.
+        let loss = model.add_auxiliary_losses(loss).unwrap().loss;
         <kiln::torch::TorchBackend as kiln::core::backend::EagerBackend>::backward(&loss).unwrap();
         let mut grads = StateDict::new();
         for (param, tensor) in model.named_parameters().unwrap() {
@@ -280,7 +296,7 @@ fn one_training_step_gives_transformers_loss_and_gradients() {
             1e-5,
             "transformers",
         );
-        let expected = reference.len() - 1;
+        let expected = reference.keys().filter(|k| k.starts_with("grad.")).count();
         assert_eq!(kiln.len(), expected, "{name}: gradients");
         for (hf, grad) in kiln.iter() {
             let want = reference
@@ -295,6 +311,154 @@ fn one_training_step_gives_transformers_loss_and_gradients() {
             );
         }
     }
+}
+
+/// Every mixture of experts' router losses as `transformers` computes them:
+/// the load-balancing loss (its `aux_loss`) and the z-loss over the same
+/// router logits, logged on libtorch; and where the config weighs the
+/// load-balancing loss in (`output_router_logits`), the training loss and
+/// every gradient on both engines, through Kiln's language-model loss (the
+/// logits flattened, cross-entropy ignoring -100) as the CLI trains it.
+#[test]
+fn mixtures_of_experts_train_with_transformers_router_losses_on_both_engines() {
+    let test = "mixtures_of_experts_train_with_transformers_router_losses_on_both_engines";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    let scratch =
+        kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "pretrained-router");
+    let loss = Loss::CrossEntropy(CrossEntropyConfig::new().with_ignore_index(-100));
+    let (mut checked, mut weighed) = (Vec::new(), Vec::new());
+    for case in cases.iter().filter(|c| c["decoder"].as_bool().unwrap()) {
+        let name = case["name"].as_str().unwrap();
+        let reference = StateDict::load_safetensors(dir.join(format!("{name}.grads.safetensors")))
+            .unwrap()
+            .0;
+        let Some(aux) = reference.get("aux_loss") else {
+            continue;
+        };
+        checked.push(name);
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        let mut layers = match pretrained.layer().clone() {
+            Layer::Sequential { layers } => layers,
+            single => vec![single],
+        };
+        layers.push(Layer::Flatten {
+            start_dim: 0,
+            end_dim: 1,
+        });
+        let spec = Layer::Sequential { layers };
+        let ids = io(dir, name).get("input_ids").unwrap().clone();
+        let (rows, len) = (ids.dims()[0], ids.dims()[1]);
+        let tokens = ids.as_slice::<i64>().unwrap();
+        let targets: Vec<i64> = (0..rows * len)
+            .map(|i| {
+                if (i + 1) % len == 0 {
+                    -100
+                } else {
+                    tokens[i + 1]
+                }
+            })
+            .collect();
+        let targets = HostTensor::new(targets, [rows * len]).unwrap();
+        let weights = pretrained.load_weights().unwrap();
+
+        let mut torch = TorchModel::new(&spec, Device::Cpu).unwrap();
+        torch.load_state_dict(&weights).unwrap();
+        torch.set_mode(Mode::Eval);
+        assert_eq!(torch.auxiliary_loss_names(), ["aux_loss", "router_z_loss"]);
+        let out = torch
+            .forward(&TorchBackend::from_host(&ids, Device::Cpu).unwrap())
+            .unwrap();
+        let plain = TorchBackend::loss(
+            &loss,
+            &out,
+            &TorchBackend::from_host(&targets, Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let plain_value = TorchBackend::item(&plain).unwrap();
+        let with = torch.add_auxiliary_losses(plain).unwrap();
+        let values: Vec<f64> = with
+            .values
+            .iter()
+            .map(|t| TorchBackend::item(t).unwrap())
+            .collect();
+        assert_close(
+            &format!("{name}: aux_loss"),
+            &values[..1],
+            &floats(aux),
+            1e-5,
+            "transformers",
+        );
+        assert_close(
+            &format!("{name}: router_z_loss"),
+            &values[1..],
+            &floats(reference.get("router_z_loss").unwrap()),
+            1e-5,
+            "a z-loss over transformers' router logits",
+        );
+        let total = TorchBackend::item(&with.loss).unwrap();
+        let want = floats(reference.get("loss").unwrap());
+        assert_close(
+            &format!("{name}: torch loss"),
+            &[total],
+            &want,
+            1e-5,
+            "transformers",
+        );
+        if (total - plain_value).abs() < 1e-3 {
+            // Not weighed in: the published checkpoints' setting.
+            continue;
+        }
+        weighed.push(name);
+
+        let mut tf = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+        tf.load_state_dict(&weights).unwrap();
+        tf.set_mode(Mode::Eval);
+        let (tf_loss, mut grads) = tf
+            .gradients(
+                &loss,
+                &TfBackend::from_host(&ids, Device::Cpu).unwrap(),
+                &TfBackend::from_host(&targets, Device::Cpu).unwrap(),
+            )
+            .unwrap();
+        assert_close(
+            &format!("{name}: TensorFlow loss"),
+            &[tf_loss],
+            &want,
+            1e-5,
+            "transformers",
+        );
+        // An expert no token chose: no gradient, which transformers holds as zeros.
+        for (key, w) in weights.iter() {
+            if grads.get(key).is_none() {
+                grads.insert(
+                    key.clone(),
+                    HostTensor::zeros(w.dtype(), w.dims().to_vec()).unwrap(),
+                );
+            }
+        }
+        let out_dir = scratch.join(name);
+        pretrained.save(&grads, &out_dir).unwrap();
+        let kiln = StateDict::load_safetensors(out_dir.join("model.safetensors"))
+            .unwrap()
+            .0;
+        for (hf, grad) in kiln.iter() {
+            assert_close(
+                &format!("{name}: TensorFlow grad {hf}"),
+                &floats(grad),
+                &floats(reference.get(&format!("grad.{hf}")).unwrap()),
+                1e-5,
+                "transformers",
+            );
+        }
+    }
+    assert_eq!(checked, ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]);
+    assert_eq!(
+        weighed,
+        ["qwen2_moe", "olmoe"],
+        "output_router_logits in their configs"
+    );
 }
 
 #[test]

@@ -172,6 +172,37 @@ pub trait Module<B: Backend> {
             .map(|(_, t)| B::shape(t).numel())
             .sum())
     }
+
+    /// The names of the auxiliary losses the module's forward pass computes
+    /// (a mixture of experts' `aux_loss` and `router_z_loss`): what the
+    /// supervised objective adds to its loss and logs as `train_<name>` and
+    /// `val_<name>`. None by default.
+    fn auxiliary_loss_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// `loss` plus the auxiliary losses of the last forward pass, each times
+    /// its weight, and their unweighted values in
+    /// [`auxiliary_loss_names`](Module::auxiliary_loss_names)' order. It
+    /// consumes what that pass recorded: call it once, after the forward pass
+    /// `loss` comes from. The default returns `loss` unchanged and no values.
+    fn add_auxiliary_losses(&self, loss: B::Tensor) -> Result<WithAuxiliaryLosses<B::Tensor>> {
+        Ok(WithAuxiliaryLosses {
+            loss,
+            values: Vec::new(),
+        })
+    }
+}
+
+/// What [`Module::add_auxiliary_losses`] returns.
+#[derive(Debug)]
+pub struct WithAuxiliaryLosses<T> {
+    /// The loss with each auxiliary loss times its weight added: what is
+    /// differentiated.
+    pub loss: T,
+    /// Each auxiliary loss, unweighted and detached from autograd, in
+    /// [`Module::auxiliary_loss_names`]' order.
+    pub values: Vec<T>,
 }
 
 /// A batch-norm layer's running statistics: the dotted path of its
@@ -268,6 +299,12 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     }
     fn num_parameters(&self) -> Result<usize> {
         (**self).num_parameters()
+    }
+    fn auxiliary_loss_names(&self) -> Vec<String> {
+        (**self).auxiliary_loss_names()
+    }
+    fn add_auxiliary_losses(&self, loss: B::Tensor) -> Result<WithAuxiliaryLosses<B::Tensor>> {
+        (**self).add_auxiliary_losses(loss)
     }
 }
 

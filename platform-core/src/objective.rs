@@ -101,9 +101,10 @@ pub trait Objective<B: Backend>: Send {
         None
     }
 
-    /// The names of the metrics [`compute`](Self::compute) returns, in its
-    /// order; none by default.
-    fn metric_names(&self) -> Vec<String> {
+    /// The names of the metrics [`compute`](Self::compute) returns for
+    /// `model`, in its order; none by default.
+    fn metric_names(&self, model: &dyn Module<B>) -> Vec<String> {
+        let _ = model;
         Vec::new()
     }
 
@@ -144,8 +145,15 @@ impl<B: TrainBackend> Objective<B> for Supervised {
         Some(&self.loss)
     }
 
+    /// The model's auxiliary losses ([`Module::auxiliary_loss_names`]).
+    fn metric_names(&self, model: &dyn Module<B>) -> Vec<String> {
+        model.auxiliary_loss_names()
+    }
+
     /// The forward pass, then [`TrainBackend::loss`] of the output against
-    /// the targets.
+    /// the targets, with the model's auxiliary losses added
+    /// ([`Module::add_auxiliary_losses`]: a mixture of experts' router
+    /// losses), which are its metrics.
     fn compute(
         &self,
         model: &dyn Module<B>,
@@ -153,10 +161,11 @@ impl<B: TrainBackend> Objective<B> for Supervised {
     ) -> Result<ObjectiveOutput<B::Tensor>> {
         let output = model.forward(batch.inputs)?;
         let loss = B::loss(&self.loss, &output, batch.targets)?;
+        let with = model.add_auxiliary_losses(loss)?;
         Ok(ObjectiveOutput {
-            loss,
+            loss: with.loss,
             outputs: Some(output),
-            metrics: Vec::new(),
+            metrics: with.values,
         })
     }
 }

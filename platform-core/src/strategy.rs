@@ -535,6 +535,15 @@ where
     fn num_parameters(&self) -> Result<usize> {
         self.strategy.num_parameters(&self.module)
     }
+    fn auxiliary_loss_names(&self) -> Vec<String> {
+        self.module.auxiliary_loss_names()
+    }
+    fn add_auxiliary_losses(
+        &self,
+        loss: B::Tensor,
+    ) -> Result<crate::module::WithAuxiliaryLosses<B::Tensor>> {
+        self.module.add_auxiliary_losses(loss)
+    }
 }
 
 impl<B, M, S> Trainable<B> for DataParallel<M, S>

@@ -15,7 +15,8 @@ downloaded), one directory per case under OUT_DIR, each with a byte-level BPE
 
 OUT_DIR/<case>.grads.safetensors (decoders) holds `loss` and `grad.<name>`, one training step of
 `model(input_ids, labels=input_ids)` from the saved weights (a mixture of experts' named as its
-checkpoint names them, one tensor per expert); and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
+checkpoint names them, one tensor per expert; a mixture of experts' also `aux_loss`, transformers'
+load-balancing loss, and `router_z_loss`, both whether or not its loss includes them); and OUT_DIR/cases.json lists {"name", "family", "sharded", "decoder", "pad_id", "new_tokens",
 "length_dependent_rope"}. The decoders include one model per scaled rope_type (linear, dynamic,
 yarn, llama3, proportional; longrope is Phi-3's, whose generate recomputes the cache when the
 sequence outgrows the original context) and sliding windows; dynamic NTK's frequencies follow
@@ -91,7 +92,7 @@ OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2"}
 def scaled_ropes(llama):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
                               MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig, SmolLM3Config)
+                              Qwen3MoeConfig, SmolLM3Config, StableLmConfig)
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
@@ -131,17 +132,24 @@ def scaled_ropes(llama):
     # Mixtures of experts, each with its published checkpoint's routing (Mixtral 8x7B's
     # renormalised top-2 of 8, Qwen3-30B-A3B's norm_topk_prob, OLMoE's un-normalised top-k and
     # whole-projection QK-norm, Qwen1.5-MoE's gated shared expert beside a dense first layer),
-    # fewer and smaller experts.
+    # fewer and smaller experts. Qwen2-MoE and OLMoE train with their load-balancing loss
+    # (output_router_logits, as fine-tuning turns it on), weighed heavily so that leaving it
+    # out changes the loss and every router's gradient.
     moe = dict(llama, num_experts_per_tok=2)
     mixtral = MixtralConfig(**moe, num_local_experts=4, sliding_window=None)
     qwen2_moe = Qwen2MoeConfig(**moe, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                               mlp_only_layers=[0], use_sliding_window=False)
+                               mlp_only_layers=[0], use_sliding_window=False, output_router_logits=True,
+                               router_aux_loss_coef=0.3)
     qwen3_moe = Qwen3MoeConfig(**dict(moe, num_experts_per_tok=3), head_dim=12, num_experts=6,
                                moe_intermediate_size=16, norm_topk_prob=True)
-    olmoe = OlmoeConfig(**moe, num_experts=4)
+    olmoe = OlmoeConfig(**moe, num_experts=4, output_router_logits=True, router_aux_loss_coef=0.5)
     olmo2 = Olmo2Config(**llama, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    # StableLM 2 1.6B's block: LayerNorms, biases on q, k and v, a quarter of each head rotated
+    # (transformers' default partial_rotary_factor).
+    stablelm = StableLmConfig(**llama, use_qkv_bias=True)
     return [
         ("olmo2", olmo2, False),
+        ("stablelm", stablelm, False),
         ("mixtral", mixtral, False),
         ("qwen2_moe", qwen2_moe, False),
         ("qwen3_moe", qwen3_moe, False),
@@ -268,15 +276,27 @@ def make(out):
         # A fresh copy: dynamic NTK keeps the longest length it has seen.
         model = AutoModelForCausalLM.from_pretrained(d).eval()
         with torch.no_grad():
+            # (without the router losses: transformers' load_balancing_loss_func fails on
+            # a cached step, its router logits being the new token's only.)
+            extra = {"output_router_logits": False} if getattr(config, "output_router_logits", False) else {}
             greedy = model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
-                                    max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None)
+                                    max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, eos_token_id=None,
+                                    **extra)
         # One training step: the next-token loss and every parameter's gradient.
         # (in evaluation mode: GPT-2's dropout would draw masks).
         model = AutoModelForCausalLM.from_pretrained(d).eval()
         step = model(input_ids=ids, labels=ids)
         step.loss.backward()
         grads = {f"grad.{n}": p.grad.contiguous() for n, p in model.named_parameters()}
+        router = {}
         if "experts" in "".join(grads):
+            # The router losses, weighed in or not: transformers' load-balancing loss, and the
+            # z-loss (ST-MoE's mean squared logsumexp) over the same router logits.
+            with torch.no_grad():
+                r = model(input_ids=ids, output_router_logits=True)
+                logits_all = torch.cat([l.float() for l in r.router_logits])
+                router = {"aux_loss": r.aux_loss.float().reshape(1),
+                          "router_z_loss": logits_all.logsumexp(-1).pow(2).mean().reshape(1)}
             # transformers 5 holds each layer's experts as 3-d tensors and saves them one
             # tensor per expert: the gradients, named as the checkpoint names them.
             with torch.no_grad():
@@ -285,7 +305,8 @@ def make(out):
             grad_dir = os.path.join(out, f"{name}.grads")
             model.save_pretrained(grad_dir)
             grads = {f"grad.{n}": t for n, t in load_file(os.path.join(grad_dir, "model.safetensors")).items()}
-        save_file({"loss": step.loss.detach().reshape(1), **grads}, os.path.join(out, f"{name}.grads.safetensors"))
+        save_file({"loss": step.loss.detach().reshape(1), **router, **grads},
+                  os.path.join(out, f"{name}.grads.safetensors"))
         save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
                    "attention_mask": mask, "greedy": greedy.contiguous()},
                   os.path.join(out, f"{name}.io.safetensors"))

@@ -79,6 +79,8 @@ impl TfModel {
     pub fn new(spec: &Layer, device: Device) -> Result<Self> {
         crate::backend::check_device(device)?;
         spec.validate()?;
+        // Mixture-of-experts layers that the router losses cannot pool.
+        kiln_core::model::RouterLosses::of(spec)?;
         if let Some((path, layer)) = spec.torchscript_layers().first() {
             return Err(Error::unsupported(format!(
                 "the torchscript layer `{}` ({}) on the TensorFlow backend: TorchScript \

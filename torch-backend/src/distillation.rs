@@ -157,7 +157,7 @@ impl Objective<TorchBackend> for Distillation {
         "distillation".to_owned()
     }
 
-    fn metric_names(&self) -> Vec<String> {
+    fn metric_names(&self, _model: &dyn Module<TorchBackend>) -> Vec<String> {
         vec!["distill_kl".to_owned(), "hard_loss".to_owned()]
     }
 

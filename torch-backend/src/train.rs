@@ -351,7 +351,8 @@ pub fn train_step<M: Module<TorchBackend> + ?Sized>(
 ) -> Result<StepLoss<Tensor>> {
     let loss = |model: &M| -> Result<(Tensor, Vec<Tensor>)> {
         let output = model.forward(inputs)?;
-        Ok((TorchBackend::loss(plan.loss, &output, targets)?, Vec::new()))
+        let loss = TorchBackend::loss(plan.loss, &output, targets)?;
+        Ok((model.add_auxiliary_losses(loss)?.loss, Vec::new()))
     };
     step_with(model, optimizer, loss, &plan.update(), hooks, deferred).map(|step| step.loss)
 }
@@ -369,7 +370,7 @@ pub fn objective_step<M: Module<TorchBackend>>(
     hooks: &mut dyn StepHooks<TorchBackend>,
     deferred: bool,
 ) -> Result<ObjectiveStep<Tensor>> {
-    let expected = objective.metric_names().len();
+    let expected = objective.metric_names(model).len();
     let loss = |model: &M| -> Result<(Tensor, Vec<Tensor>)> {
         let out = objective.compute(model, batch)?;
         if out.metrics.len() != expected {

@@ -9,7 +9,7 @@
 use kiln_core::{
     backend::{Backend, StepPlan, Trainable},
     loss::Loss,
-    model::{BatchNormConfig, Layer, LayerNormConfig, LinearConfig},
+    model::{BatchNormConfig, Layer, LayerNormConfig, LinearConfig, SparseMoeConfig},
     module::Module,
     optim::{AdamConfig, GradClip, Optimizer, OptimizerConfig},
     precision::FloatPrecision,
@@ -203,4 +203,53 @@ fn evaluation_and_refusals() {
     );
     // Nothing changed: "0" alone still wraps.
     assert_eq!(model.checkpoint_activations(&["0"]).unwrap(), ["0"]);
+}
+
+/// A mixture of experts whose router losses are weighed into the loss cannot
+/// be checkpointed (their gradient would not reach its router), and nothing
+/// changes; with the weights at 0 it can, and its logged router losses are
+/// an ordinary forward pass's.
+#[test]
+fn a_weighted_router_is_refused_and_an_unweighted_one_still_logs() {
+    let _turn = one_at_a_time();
+    let spec = |coef: f64| {
+        Layer::sequential([
+            LinearConfig::new(12, 8).into(),
+            Layer::sequential([SparseMoeConfig::new(8, 16, 4, 2)
+                .with_router_aux_loss_coef(coef)
+                .into()]),
+            LinearConfig::new(8, 3).into(),
+        ])
+    };
+    TorchBackend::manual_seed(5);
+    let mut weighted = TorchModel::new(&spec(0.1), Device::Cpu).unwrap();
+    let err = weighted.checkpoint_activations(&["1"]).unwrap_err();
+    assert!(
+        matches!(&err, Error::Unsupported { .. })
+            && err.to_string().contains("`1.0`")
+            && err.to_string().contains("router_aux_loss_coef"),
+        "{err}"
+    );
+    assert_eq!(weighted.checkpoint_activations(&["0"]).unwrap(), ["0"]);
+
+    let x = Tensor::randn([6, 12], (Kind::Float, tch::Device::Cpu));
+    let logged = |model: &TorchModel| -> Vec<f64> {
+        let out = model.forward(&x).unwrap();
+        let with = model.add_auxiliary_losses(out.sum(Kind::Float)).unwrap();
+        with.values.iter().map(|v| v.double_value(&[])).collect()
+    };
+    TorchBackend::manual_seed(5);
+    let plain = TorchModel::new(&spec(0.0), Device::Cpu).unwrap();
+    TorchBackend::manual_seed(5);
+    let mut checkpointed = TorchModel::new(&spec(0.0), Device::Cpu).unwrap();
+    assert_eq!(checkpointed.checkpoint_activations(&["1"]).unwrap(), ["1"]);
+    let (a, b) = (logged(&plain), logged(&checkpointed));
+    assert_eq!(a.len(), 2);
+    assert!(a[0] > 0.0 && a[1] > 0.0, "{a:?}");
+    assert_eq!(a, b, "the checkpointed part records its router logits");
+    // Each forward pass's losses are taken once.
+    let err = plain
+        .add_auxiliary_losses(Tensor::from(0.0f32))
+        .unwrap_err();
+    assert!(err.to_string().contains("forward pass"), "{err}");
 }

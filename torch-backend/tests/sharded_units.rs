@@ -4,7 +4,8 @@
 //! given. The model's output and those gradients equal an unsharded copy's
 //! output and gradients, bit for bit, with resharding after the forward pass,
 //! with dropout, residual blocks, a checkpointed unit and a unit nested in
-//! the root unit; plans that cannot work are refused.
+//! the root unit; plans that cannot work (and a mixture of experts whose
+//! router losses are in the loss) are refused.
 
 #![allow(clippy::unwrap_used)]
 
@@ -248,4 +249,20 @@ fn plans_that_cannot_work_are_refused() {
     assert!(err.contains("tied"), "{err}");
     // Both in the root unit, or the block's own unit beside them: fine.
     assert_eq!(m.plan_shard_units(&["1"]).unwrap().len(), 2);
+
+    // A router whose losses are weighed into the loss: its gradient would not
+    // reach it inside a unit.
+    let moe = Layer::sequential([
+        LinearConfig::new(4, 4).into(),
+        kiln_core::model::SparseMoeConfig::new(4, 8, 4, 2)
+            .with_router_z_loss_coef(0.01)
+            .into(),
+    ]);
+    let mut m = TorchModel::new(&moe, kiln_core::Device::Cpu).unwrap();
+    let plan = m.plan_shard_units(&["1"]).unwrap();
+    let err = m.shard_units(&plan, Vec::new(), true).unwrap_err();
+    assert!(
+        matches!(err, Error::Unsupported { .. }) && err.to_string().contains("router_z_loss_coef"),
+        "{err}"
+    );
 }

@@ -108,6 +108,7 @@ pub static FAMILIES: &[&Family] = &[
     &crate::moe::QWEN3_MOE,
     &crate::moe::OLMOE,
     &crate::olmo2::OLMO2,
+    &crate::stablelm::STABLELM,
     &crate::gemma::GEMMA,
     &crate::gemma::GEMMA2,
     &crate::gemma::GEMMA3_TEXT,

@@ -39,6 +39,7 @@ mod peft;
 mod peft_targets;
 mod phi3;
 mod rope;
+mod stablelm;
 mod tokenizer;
 mod vit;
 
@@ -84,6 +85,27 @@ impl Pretrained {
     /// with [`HfError::UnsupportedKey`] naming a key whose value Kiln does not
     /// implement (scaled RoPE, sliding-window attention, ...).
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with_config(dir, &serde_json::Map::new())
+    }
+
+    /// [`open`](Pretrained::open) with `overrides` in place of the keys of
+    /// `config.json` they name, as `from_pretrained(dir, **kwargs)` sets
+    /// config attributes (`{"output_router_logits": true}` turns a mixture of
+    /// experts' load-balancing loss on). The overridden config is what is
+    /// checked against the weights, built, and written by
+    /// [`save`](Pretrained::save).
+    ///
+    /// ```no_run
+    /// use kiln_hf::Pretrained;
+    ///
+    /// let overrides = serde_json::json!({ "output_router_logits": true });
+    /// let moe = Pretrained::open_with_config("models/tiny-qwen3-moe", overrides.as_object().unwrap())?;
+    /// # Ok::<(), kiln_hf::HfError>(())
+    /// ```
+    pub fn open_with_config(
+        dir: impl AsRef<Path>,
+        overrides: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Self> {
         let dir = dir.as_ref().to_owned();
         match std::fs::metadata(&dir) {
             Ok(m) if m.is_dir() => {}
@@ -114,7 +136,10 @@ impl Pretrained {
             };
             return Err(HfError::NotAModel { what, dir });
         }
-        let config = HfConfig::read(&path)?;
+        let mut config = HfConfig::read(&path)?;
+        for (key, value) in overrides {
+            config.set(key, value.clone());
+        }
         // The sizes are bounded by the weights' headers before the definition
         // is built: a config alone must not decide how much memory Kiln takes.
         // (A directory without weights has nothing to compare; loading it

@@ -1,14 +1,14 @@
 //! The LLaMA family (`llama`, `mistral`, `qwen2`, `qwen3`, `smollm3` with
-//! its NoPE layers, and the block of `phi3` and `granite` with their
-//! multipliers): a token embedding,
+//! its NoPE layers, and the block of `phi3`, `granite` with its multipliers
+//! and `stablelm` with its LayerNorms): a token embedding,
 //! pre-norm decoder blocks of RMSNorm, grouped-query self-attention with RoPE
 //! (every scaling, [`crate::rope`]) within a sliding window where the family
 //! has one ([`crate::layer_types`]) and a SwiGLU MLP, a final RMSNorm and the
 //! language-model head.
 
 use kiln_core::model::{
-    EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LinearConfig, RmsNormConfig,
-    SelfAttentionConfig, TiedLinearConfig,
+    EmbeddingConfig, GatedActivation, GatedMlpConfig, Layer, LayerNormConfig, LinearConfig,
+    RmsNormConfig, SelfAttentionConfig, TiedLinearConfig,
 };
 
 use crate::config::HfConfig;
@@ -18,7 +18,7 @@ use crate::layer_types::{sliding_windows, Windows};
 use crate::names::NameMap;
 
 /// A row of the LLaMA block's families.
-const fn decoder(
+pub(crate) const fn decoder(
     model_type: &'static str,
     name: &'static str,
     build: crate::family::Build,
@@ -218,12 +218,20 @@ pub(crate) fn build_with(
         intermediate,
     } = DecoderSizes::of(config)?;
     let eps = config.f64_or("rms_norm_eps", 1e-6)?;
+    // StableLM's norms are LayerNorms with a bias; every other family's RMSNorms.
+    let norm: Layer = match model_type {
+        "stablelm" => LayerNormConfig::new([hidden])
+            .with_eps(config.f64_or("layer_norm_eps", 1e-5)?)
+            .into(),
+        _ => RmsNormConfig::new(hidden).with_eps(eps).into(),
+    };
     let tied = config.bool_or("tie_word_embeddings", model_type == "smollm3")?;
     let activation = gated_activation(config, "hidden_act", "silu")?;
     let (qkv_bias, out_bias) = match model_type {
         // Qwen2 has biases on q, k and v only.
         "qwen2" => (true, false),
         "qwen2_moe" => (config.bool_or("qkv_bias", true)?, false),
+        "stablelm" => (config.bool_or("use_qkv_bias", false)?, false),
         "mixtral" => (false, false),
         _ => {
             let b = config.bool_or("attention_bias", false)?;
@@ -270,9 +278,15 @@ pub(crate) fn build_with(
     let mlp = GatedMlpConfig::new(hidden, intermediate)
         .with_activation(activation)
         .with_bias(mlp_bias);
-    let residual_dropout = match model_type {
-        "phi3" => config.f64_or("resid_pdrop", 0.0)?,
-        _ => 0.0,
+    // The dropout of each block's output before its residual add: Phi-3's
+    // of both, StableLM's of the MLP's only.
+    let (attention_dropout, mlp_dropout) = match model_type {
+        "phi3" => {
+            let p = config.f64_or("resid_pdrop", 0.0)?;
+            (p, p)
+        }
+        "stablelm" => (0.0, config.f64_or("hidden_dropout", 0.0)?),
+        _ => (0.0, 0.0),
     };
     // Granite's multipliers: of the embedding, the scores, each block's
     // output before its residual add, and (a divisor) the logits.
@@ -313,13 +327,10 @@ pub(crate) fn build_with(
         if let Some(w) = window {
             attention = attention.with_sliding_window(*w);
         }
-        // Phi-3 drops out each block's output before its residual add.
-        let residual = |block: Layer| {
-            let mut layers = vec![RmsNormConfig::new(hidden).with_eps(eps).into(), block];
-            if residual_dropout > 0.0 {
-                layers.push(Layer::Dropout {
-                    p: residual_dropout,
-                });
+        let residual = |block: Layer, dropout: f64| {
+            let mut layers = vec![norm.clone(), block];
+            if dropout > 0.0 {
+                layers.push(Layer::Dropout { p: dropout });
             }
             if residual_multiplier != 1.0 {
                 layers.push(Layer::Scale {
@@ -329,11 +340,11 @@ pub(crate) fn build_with(
             Layer::residual(Layer::sequential(layers))
         };
         stack.push(Layer::sequential([
-            residual(attention.into()),
-            residual(ffn),
+            residual(attention.into(), attention_dropout),
+            residual(ffn, mlp_dropout),
         ]));
     }
-    stack.push(RmsNormConfig::new(hidden).with_eps(eps).into());
+    stack.push(norm.clone());
     let head: Layer = if tied {
         TiedLinearConfig::new("0.weight", hidden, vocab).into()
     } else {

@@ -4,7 +4,9 @@
 //! [`SparseMoeConfig`]: the router's softmax and top-k in float32
 //! (renormalised where `norm_topk_prob` says, always in Mixtral), each expert
 //! on the tokens routed to it. Qwen's `decoder_sparse_step` and
-//! `mlp_only_layers` keep some layers dense.
+//! `mlp_only_layers` keep some layers dense. With `output_router_logits`,
+//! the load-balancing loss times `router_aux_loss_coef` joins the training
+//! loss, as in `transformers` ([`kiln_core::model::RouterLosses`]).
 
 use kiln_core::model::{GatedMlpConfig, Layer, SparseMoeConfig};
 use serde_json::Value;
@@ -96,6 +98,19 @@ fn experts(config: &HfConfig, model_type: &str) -> Result<SparseMoeConfig> {
     let mut moe = SparseMoeConfig::new(hidden, width, num_experts, top_k)
         .with_norm_topk_prob(norm)
         .with_activation(gated_activation(config, "hidden_act", "silu")?);
+    // transformers adds the load-balancing loss, times its weight, when the
+    // model outputs its router logits; Kiln logs it either way.
+    if config.bool_or("output_router_logits", false)? {
+        let default = if model_type == "olmoe" { 0.01 } else { 0.001 };
+        let coef = config.f64_or("router_aux_loss_coef", default)?;
+        if !(coef.is_finite() && coef >= 0.0) {
+            return Err(config.unsupported(
+                "router_aux_loss_coef",
+                format!("is {coef}; a loss weight is 0 or more"),
+            ));
+        }
+        moe = moe.with_router_aux_loss_coef(coef);
+    }
     if model_type == "qwen2_moe" {
         let shared = config.usize("shared_expert_intermediate_size")?;
         if shared > 0 {
@@ -106,13 +121,6 @@ fn experts(config: &HfConfig, model_type: &str) -> Result<SparseMoeConfig> {
 }
 
 fn build(config: &HfConfig, model_type: &str) -> Result<(Layer, NameMap)> {
-    if config.bool_or("output_router_logits", false)? {
-        return Err(config.unsupported(
-            "output_router_logits",
-            "adds the router's load-balancing loss to the loss, which Kiln does not compute \
-             yet; set it to false (the published checkpoints do)",
-        ));
-    }
     if config.f64_or("router_jitter_noise", 0.0)? != 0.0 {
         return Err(config.unsupported(
             "router_jitter_noise",
@@ -205,5 +213,30 @@ mod tests {
         .unwrap();
         assert!(moe.norm_topk_prob);
         assert_eq!((moe.num_experts, moe.hidden_dim), (8, 16));
+        assert_eq!(
+            moe.router_aux_loss_coef, 0.0,
+            "off without output_router_logits"
+        );
+    }
+
+    #[test]
+    fn output_router_logits_weighs_the_load_balancing_loss_with_the_familys_default() {
+        let base = r#""hidden_size": 8, "intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2, "output_router_logits": true"#;
+        let coef = |json: &str, family: &str| {
+            experts(&config(&format!("{{{base}{json}}}")), family).map(|m| m.router_aux_loss_coef)
+        };
+        assert_eq!(coef("", "olmoe").unwrap(), 0.01);
+        assert_eq!(coef("", "mixtral").unwrap(), 0.001);
+        assert_eq!(
+            coef(r#", "router_aux_loss_coef": 0.02"#, "mixtral").unwrap(),
+            0.02
+        );
+        let err = coef(r#", "router_aux_loss_coef": -1"#, "olmoe")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("router_aux_loss_coef") && err.contains("0 or more"),
+            "{err}"
+        );
     }
 }

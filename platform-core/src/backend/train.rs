@@ -614,7 +614,9 @@ pub trait EagerBackend: TrainBackend {
     /// Runs `f` without recording operations for autograd (evaluation).
     fn no_grad<T>(f: impl FnOnce() -> T) -> T;
 
-    /// [`Trainable::eval_step`] as forward and loss under [`no_grad`](Self::no_grad).
+    /// [`Trainable::eval_step`] as forward and loss (with the model's
+    /// auxiliary losses, [`Module::add_auxiliary_losses`]) under
+    /// [`no_grad`](Self::no_grad).
     fn eager_eval_step<M: Module<Self> + ?Sized>(
         model: &M,
         loss: &Loss,
@@ -623,7 +625,8 @@ pub trait EagerBackend: TrainBackend {
     ) -> Result<(f64, HostTensor)> {
         Self::no_grad(|| {
             let output = model.forward(inputs)?;
-            let value = Self::item(&Self::loss(loss, &output, targets)?)?;
+            let value = model.add_auxiliary_losses(Self::loss(loss, &output, targets)?)?;
+            let value = Self::item(&value.loss)?;
             Ok((value, Self::to_host(&output)?))
         })
     }

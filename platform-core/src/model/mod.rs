@@ -28,8 +28,8 @@ pub use layers::{
     ConvTranspose2dConfig, CustomConfig, CustomParam, EmbeddingConfig, GatedActivation,
     GatedMlpConfig, GeluApproximation, GroupNormConfig, LayerNormConfig, LinearConfig,
     Pool2dConfig, PositionEmbeddingConfig, PositionEncoding, RmsNormConfig, RopeConfig,
-    RopeFrequencies, RopeScaling, SavedModelLayerConfig, SelfAttentionConfig, SparseMoeConfig,
-    TiedLinearConfig, TokenTypeEmbeddingConfig, TorchScriptConfig,
+    RopeFrequencies, RopeScaling, RouterLosses, SavedModelLayerConfig, SelfAttentionConfig,
+    SparseMoeConfig, TiedLinearConfig, TokenTypeEmbeddingConfig, TorchScriptConfig,
 };
 pub use registry::CustomLayerRegistry;
 pub use summary::{LayerSummary, ModelSummary};

@@ -102,12 +102,15 @@ pub struct PretrainedModel {
     pub head: Option<Vec<Layer>>,
     /// A classification head for this many labels (`*ForSequenceClassification`).
     pub num_labels: Option<usize>,
+    /// Keys of `config.json` replaced (`[model] config = { output_router_logits
+    /// = true }`), as `from_pretrained`'s keyword arguments replace them.
+    pub config: serde_json::Map<String, serde_json::Value>,
 }
 
 impl PretrainedModel {
-    /// The directory read, with the head.
+    /// The directory read, with the config's overrides and the head.
     pub fn open(&self) -> std::result::Result<kiln_hf::Pretrained, kiln_hf::HfError> {
-        let pretrained = kiln_hf::Pretrained::open(&self.dir)?;
+        let pretrained = kiln_hf::Pretrained::open_with_config(&self.dir, &self.config)?;
         match (&self.head, self.num_labels) {
             (Some(head), _) => pretrained.with_head(head.clone()),
             (None, Some(n)) => pretrained.with_num_labels(n),
@@ -166,16 +169,34 @@ fn expand_pretrained(
     if head.is_some() && num_labels.is_some() {
         return Err("key `model.num_labels`: give `head` or `num_labels`, not both".to_owned());
     }
+    let config = match model.remove("config") {
+        None => serde_json::Map::new(),
+        Some(toml::Value::Table(table)) => match serde_json::to_value(&table) {
+            Ok(serde_json::Value::Object(map)) => map,
+            _ => {
+                return Err(
+                    "key `model.config`: its values must be JSON values (no dates)".to_owned(),
+                )
+            }
+        },
+        Some(other) => {
+            return Err(format!(
+                "key `model.config`: expected a table of config.json keys to replace \
+                 (`config = {{ output_router_logits = true }}`), got {other}"
+            ))
+        }
+    };
     if let Some(key) = model.keys().next() {
         return Err(format!(
-            "key `model.{key}`: a pretrained model takes `pretrained`, `revision`, `head` and \
-             `num_labels` only (its layers come from the directory's config.json)"
+            "key `model.{key}`: a pretrained model takes `pretrained`, `revision`, `config`, \
+             `head` and `num_labels` only (its layers come from the directory's config.json)"
         ));
     }
     let source = PretrainedModel {
         dir,
         head,
         num_labels,
+        config,
     };
     let pretrained = source
         .open()

@@ -15,6 +15,7 @@ mod dropout;
 mod embedding;
 mod linear;
 mod moe;
+pub(crate) use moe::{router_losses, RouterTerms};
 mod norm;
 mod pool;
 mod saved_model;
@@ -60,6 +61,9 @@ pub(crate) struct Ctx<'a> {
     /// State updates this forward makes in training (batch-norm running
     /// statistics), created by the caller with the control dependencies it needs.
     pub(crate) updates: Vec<Update>,
+    /// What each mixture-of-experts layer contributes to the router losses,
+    /// in the order they were built.
+    pub(crate) routers: Vec<RouterTerms>,
 }
 
 /// A variable update a forward pass makes, not yet added as an op.

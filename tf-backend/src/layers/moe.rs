@@ -6,12 +6,70 @@
 //! (`TopKV2`'s indices, `Where`) gets none, and each expert's weight is its
 //! probability under a mask of the choices.
 
-use kiln_core::model::{GatedActivation, Layer, SparseMoeConfig};
+use kiln_core::model::{GatedActivation, Layer, RouterLosses, SparseMoeConfig};
 use kiln_core::Result;
 use tensorflow::{DataType, Output};
 
 use super::activation::{gelu, gelu_tanh, silu};
 use super::{join, Built, Ctx, Val};
+use crate::graph::Builder;
+
+/// One MoE layer's part of the router losses ([`RouterLosses`]): how many of
+/// its rows chose each expert (`[experts]`, no gradient), its router
+/// probabilities summed over the rows (`[experts]`), and its rows'
+/// `logsumexp(logits)^2` summed (a scalar).
+#[derive(Clone, Debug)]
+pub(crate) struct RouterTerms {
+    counts: Output,
+    probs: Output,
+    z: Output,
+}
+
+/// The router losses over every MoE layer's `terms`, times their weights: a
+/// float scalar to add to the loss. The rows are counted by the choices
+/// (`top_k` per row).
+pub(crate) fn router_losses(
+    b: &mut Builder,
+    terms: &[RouterTerms],
+    losses: &RouterLosses,
+) -> Result<Output> {
+    let mut sums: Option<(Output, Output, Output)> = None;
+    for t in terms {
+        sums = Some(match sums {
+            None => (t.counts.clone(), t.probs.clone(), t.z.clone()),
+            Some((c, p, z)) => (
+                b.add(&c, &t.counts)?,
+                b.add(&p, &t.probs)?,
+                b.add(&z, &t.z)?,
+            ),
+        });
+    }
+    let Some((counts, probs, z)) = sums else {
+        return b.scalar(0.0);
+    };
+    let chosen = b.reduce("Sum", &counts, &[0], false)?;
+    let rows = b.mul_scalar(&chosen, 1.0 / losses.top_k as f32)?;
+    let share = b.div(&counts, &rows)?;
+    let mean_p = b.div(&probs, &rows)?;
+    let product = b.mul(&share, &mean_p)?;
+    let aux = b.reduce("Sum", &product, &[0], false)?;
+    let aux = b.mul_scalar(&aux, losses.num_experts as f32)?;
+    let z = b.div(&z, &rows)?;
+    let mut total: Option<Output> = None;
+    for (coef, term) in [(losses.aux_loss_coef, aux), (losses.z_loss_coef, z)] {
+        if coef > 0.0 {
+            let weighted = b.mul_scalar(&term, coef as f32)?;
+            total = Some(match total {
+                None => weighted,
+                Some(t) => b.add(&t, &weighted)?,
+            });
+        }
+    }
+    match total {
+        Some(t) => Ok(t),
+        None => b.scalar(0.0),
+    }
+}
 
 /// Builds `layer` on `x` when it is a `SparseMoe`; hands `x` back otherwise.
 pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> Result<Built> {
@@ -22,6 +80,24 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 }
 
 impl Ctx<'_> {
+    /// This layer's [`RouterTerms`] from its `[rows, experts]` logits, their
+    /// softmax and the mask of each row's choices.
+    fn record_router(&mut self, logits: &Output, probs: &Output, mask: &Output) -> Result<()> {
+        let counts = self.b.reduce("Sum", mask, &[0], false)?;
+        let probs = self.b.reduce("Sum", probs, &[0], false)?;
+        let top = self.b.reduce("Max", logits, &[-1], true)?;
+        let top = self.b.stop_gradient(&top)?;
+        let shifted = self.b.sub(logits, &top)?;
+        let exp = self.b.unary("Exp", &shifted)?;
+        let total = self.b.reduce("Sum", &exp, &[-1], true)?;
+        let log = self.b.unary("Log", &total)?;
+        let lse = self.b.add(&log, &top)?;
+        let squared = self.b.mul(&lse, &lse)?;
+        let z = self.b.reduce("Sum", &squared, &[0, 1], false)?;
+        self.routers.push(RouterTerms { counts, probs, z });
+        Ok(())
+    }
+
     /// One gated MLP under `prefix` on token rows `x` (`[n, dim]`, dims `[dim]`).
     fn expert(
         &mut self,
@@ -101,6 +177,7 @@ impl Ctx<'_> {
         })?;
         let mask = self.b.reduce("Sum", &one_hot, &[1], false)?;
         let mask = self.b.stop_gradient(&mask)?;
+        self.record_router(&logits.out, &probs, &mask)?;
         let mut weights = self.b.mul(&probs, &mask)?;
         if c.norm_topk_prob {
             let total = self.b.reduce("Sum", &weights, &[-1], true)?;

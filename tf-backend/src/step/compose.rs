@@ -9,7 +9,12 @@
 
 use std::collections::HashMap;
 
-use kiln_core::{loss::Loss, model::Layer, optim::GradClip, Error, HostTensor, Result};
+use kiln_core::{
+    loss::Loss,
+    model::{Layer, RouterLosses},
+    optim::GradClip,
+    Error, HostTensor, Result,
+};
 use tensorflow::{DataType, Operation, Output};
 
 use super::key::{GradientSource, ProgramKey, ProgramKind, Signature};
@@ -33,6 +38,9 @@ pub(crate) struct Forward {
     pub(crate) updates: Vec<Update>,
     /// The reads of each parameter, by state-dict name (what gradients are taken against).
     pub(crate) reads: HashMap<String, Output>,
+    /// The model's router losses times their weights, a scalar added to every
+    /// loss built on this pass (`None`: no mixture of experts, or no weight).
+    pub(crate) auxiliary: Option<Output>,
 }
 
 impl Forward {
@@ -318,6 +326,7 @@ fn compose_forward(
         seed: None,
         random_ops: 0,
         updates: Vec::new(),
+        routers: Vec::new(),
     };
     let x = Val {
         out: placeholder.clone(),
@@ -326,7 +335,15 @@ fn compose_forward(
     };
     let y = ctx.layer(model.spec, "", x)?;
     let y = ctx.nchw(y)?;
-    let (seed, updates, reads) = (ctx.seed, ctx.updates, ctx.reads);
+    let (seed, updates, reads, routers) = (ctx.seed, ctx.updates, ctx.reads, ctx.routers);
+    let auxiliary = match RouterLosses::of(model.spec)? {
+        Some(losses) if losses.adds_to_loss() => Some(crate::layers::router_losses(
+            &mut engine.b,
+            &routers,
+            &losses,
+        )?),
+        _ => None,
+    };
     // A named output that is never the input itself (eval-mode dropout is the identity).
     let output = engine.b.op("Identity", &[&y.out], &|nd| {
         nd.set_attr_type("T", DataType::Float)?;
@@ -340,6 +357,7 @@ fn compose_forward(
         seed,
         updates,
         reads,
+        auxiliary,
     };
     Ok(Program {
         input: Some(forward.input.clone()),
@@ -351,24 +369,28 @@ fn compose_forward(
     })
 }
 
-/// A target placeholder and `loss(output, target)`.
+/// A target placeholder and `loss(output, target)` on `forward`, with its
+/// weighted router losses added.
 fn loss_on(
     b: &mut Builder,
     loss: &Loss,
-    output: &Output,
-    output_dims: &[i64],
+    forward: &Forward,
     target: &Signature,
 ) -> Result<(Output, Output)> {
     let placeholder = b.placeholder(tf_dtype(target.dtype)?, Some(&target.dims))?;
     let value = crate::loss::build_loss(
         b,
         loss,
-        output,
-        output_dims,
+        &forward.output,
+        &forward.output_batch_dims(),
         &placeholder,
         target.dtype,
         &target.dims,
     )?;
+    let value = match &forward.auxiliary {
+        Some(aux) => b.add(&value, aux)?,
+        None => value,
+    };
     Ok((placeholder, value))
 }
 
@@ -380,7 +402,7 @@ fn compose_eval(
     target: &Signature,
 ) -> Result<Program> {
     let pieces = pieces(&forward)?;
-    let (target, value) = loss_on(b, loss, &pieces.output, &pieces.output_batch_dims(), target)?;
+    let (target, value) = loss_on(b, loss, pieces, target)?;
     Ok(Program {
         target: Some(target),
         loss: Some(value),
@@ -397,13 +419,7 @@ fn compose_gradients(
     loss: &Loss,
     target: &Signature,
 ) -> Result<Program> {
-    let (target, value) = loss_on(
-        b,
-        loss,
-        &forward.output,
-        &forward.output_batch_dims(),
-        target,
-    )?;
+    let (target, value) = loss_on(b, loss, forward, target)?;
     let params: Vec<&str> = model
         .vars
         .iter()
@@ -459,13 +475,7 @@ fn compose_train(
     apply: bool,
     clip: Option<&GradClip>,
 ) -> Result<Program> {
-    let (target, value) = loss_on(
-        b,
-        loss,
-        &forward.output,
-        &forward.output_batch_dims(),
-        target,
-    )?;
+    let (target, value) = loss_on(b, loss, forward, target)?;
     let scale = b.placeholder(DataType::Float, Some(&[]))?;
     let scaled = b.mul(&value, &scale)?;
     let params = rule.parameters();
@@ -534,13 +544,7 @@ fn compose_flat_gradients(
     loss: &Loss,
     target: &Signature,
 ) -> Result<Program> {
-    let (target, value) = loss_on(
-        b,
-        loss,
-        &forward.output,
-        &forward.output_batch_dims(),
-        target,
-    )?;
+    let (target, value) = loss_on(b, loss, forward, target)?;
     let scale = b.placeholder(DataType::Float, Some(&[]))?;
     let scaled = b.mul(&value, &scale)?;
     let params = rule.parameters();

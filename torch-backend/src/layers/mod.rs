@@ -15,11 +15,13 @@ mod dropout;
 mod embedding;
 mod linear;
 mod moe;
+pub(crate) use moe::router_losses;
 mod norm;
 mod pool;
 pub(crate) mod script;
 mod structure;
 mod transformer;
+mod transformer_script;
 
 use std::collections::HashMap;
 
@@ -54,6 +56,46 @@ pub(crate) trait Tensors {
     /// The parameter or buffer at `index`, when the layer has it.
     fn opt(&self, index: Option<usize>) -> Option<&Tensor> {
         index.map(|i| self.tensor(i))
+    }
+
+    /// Where the mixture-of-experts layers record their router logits for the
+    /// model's router losses; `None` (the default) where nothing records.
+    fn router_log(&self) -> Option<&std::sync::Arc<RouterLog>> {
+        None
+    }
+}
+
+/// The router logits of one forward pass's mixture-of-experts layers, in the
+/// order they ran: what [`RouterLosses`](kiln_core::model::RouterLosses) are
+/// computed from. Records only between [`start`](RouterLog::start) and
+/// [`take`](RouterLog::take) (a model's forward pass and its loss), so that a
+/// part run again in the backward pass, or generation, adds nothing.
+#[derive(Debug, Default)]
+pub(crate) struct RouterLog(std::sync::Mutex<Option<Vec<Tensor>>>);
+
+impl RouterLog {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Vec<Tensor>>> {
+        // A panic elsewhere while holding it leaves only a list of handles.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts recording a new pass (what an earlier pass left is dropped).
+    pub(crate) fn start(&self) {
+        *self.slot() = Some(Vec::new());
+    }
+
+    /// Records one layer's `[tokens, experts]` logits, when recording.
+    pub(crate) fn record(&self, logits: &Tensor) {
+        if let Some(all) = self.slot().as_mut() {
+            all.push(logits.shallow_clone());
+        }
+    }
+
+    /// What the pass recorded, and stops recording (`None`: not started).
+    pub(crate) fn take(&self) -> Option<Vec<Tensor>> {
+        self.slot().take()
     }
 }
 

@@ -3,11 +3,11 @@
 //! tokens gathered, each expert's weighted outputs added back at their rows),
 //! as `transformers`' MoE blocks compute it.
 
-use kiln_core::model::{GatedActivation, Layer};
+use kiln_core::model::{GatedActivation, Layer, RouterLosses};
 use kiln_core::Result;
 use tch::{Kind, Tensor};
 
-use super::{Forward, ForwardResult, Lookup, Projection, Tensors};
+use super::{DecodeStep, Forward, ForwardResult, Lookup, Projection, Tensors};
 
 /// One expert's (or the shared expert's) gated MLP.
 #[derive(Debug)]
@@ -80,6 +80,19 @@ pub(super) fn build(layer: &Layer, at: &Lookup<'_>) -> Result<Option<Box<dyn For
 
 impl Forward for SparseMoe {
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        self.run(tensors, x, train, true)
+    }
+
+    /// Generation records no router logits.
+    fn decode(&self, tensors: &dyn Tensors, x: &Tensor, _step: &mut DecodeStep) -> ForwardResult {
+        self.run(tensors, x, false, false)
+    }
+}
+
+impl SparseMoe {
+    /// The block on `x`; its router logits go to the model's
+    /// [`RouterLog`](super::RouterLog) when `record`.
+    fn run(&self, tensors: &dyn Tensors, x: &Tensor, train: bool, record: bool) -> ForwardResult {
         let size = x.size();
         let dim = size.last().copied().unwrap_or(0);
         let tokens = x.f_reshape([-1, dim])?;
@@ -89,6 +102,9 @@ impl Forward for SparseMoe {
             None => None,
         };
         let logits = self.router.forward(tensors, &tokens, train)?;
+        if let (true, Some(log)) = (record, tensors.router_log()) {
+            log.record(&logits);
+        }
         let probs = logits.f_softmax(-1, Kind::Float)?;
         let (mut weights, chosen) = probs.f_topk(self.top_k, -1, true, true)?;
         if self.norm_topk_prob {
@@ -126,4 +142,45 @@ impl Forward for SparseMoe {
         }
         Ok(out.f_reshape(size)?)
     }
+}
+
+/// The router losses over every MoE layer's `logits` (`[tokens, experts]`
+/// each), as [`RouterLosses`] defines them: `(aux_loss, router_z_loss)`,
+/// float32 scalars. The load-balancing loss follows `transformers`'
+/// `load_balancing_loss_func`: the softmax in the logits' dtype, its top-k
+/// counted per expert (no gradient), its probabilities summed in float32.
+pub(crate) fn router_losses(
+    logits: &[Tensor],
+    losses: &RouterLosses,
+) -> Result<(Tensor, Tensor), tch::TchError> {
+    let experts = losses.num_experts as i64;
+    let device = logits.first().map_or(tch::Device::Cpu, Tensor::device);
+    let mut counts = Tensor::f_zeros([experts], (Kind::Float, device))?;
+    let mut probs = Tensor::f_zeros([experts], (Kind::Float, device))?;
+    let mut z = Tensor::f_zeros([], (Kind::Float, device))?;
+    let mut rows = 0i64;
+    for l in logits {
+        let p = l.f_softmax(-1, l.kind())?;
+        let (_, chosen) = p.f_topk(losses.top_k as i64, -1, true, true)?;
+        // Counted by a scatter, not `bincount`, which reads the largest index
+        // back to the host on CUDA.
+        let flat = chosen.f_reshape([-1])?;
+        let ones = flat.f_ones_like()?.f_to_kind(Kind::Float)?;
+        counts = counts.f_scatter_add(0, &flat, &ones)?;
+        probs = probs.f_add(&p.f_to_kind(Kind::Float)?.f_sum_dim_intlist(
+            0,
+            false,
+            Kind::Float,
+        )?)?;
+        let lse = l.f_to_kind(Kind::Float)?.f_logsumexp(-1, false)?;
+        z = z.f_add(&lse.f_square()?.f_sum(Kind::Float)?)?;
+        rows += l.size().first().copied().unwrap_or(0);
+    }
+    let rows = rows.max(1) as f64;
+    let aux = counts
+        .f_div_scalar(rows)?
+        .f_mul(&probs.f_div_scalar(rows)?)?
+        .f_sum(Kind::Float)?
+        .f_mul_scalar(experts as f64)?;
+    Ok((aux, z.f_div_scalar(rows)?))
 }

@@ -141,7 +141,11 @@ pub(super) fn script(layer: &Layer, leaf: &ScriptLeaf<'_>) -> Result<Option<Scri
         ),
         Layer::RmsNorm(c) => Scripted {
             class: "RMSNorm".to_owned(),
-            body: super::transformer::rms_norm_script(c.eps, c.weight_offset, c.scale_in_float32),
+            body: super::transformer_script::rms_norm_script(
+                c.eps,
+                c.weight_offset,
+                c.scale_in_float32,
+            ),
             children: Vec::new(),
         },
         _ => return Ok(None),

@@ -100,7 +100,7 @@ const FAMILIES: [Script; 11] = [
     super::activation::script,
     super::attention::script,
     super::custom::script,
-    super::transformer::script,
+    super::transformer_script::script,
 ];
 
 /// The class and forward of `layer`, a layer without children; `None` for a

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kiln_core::{module::name_matches, Error, Result};
+use kiln_core::{model::Layer, module::name_matches, Error, Result};
 
 use super::{every_pattern_matches, Node, TorchModel};
 use crate::layers::join;
@@ -85,26 +85,49 @@ impl TorchModel {
         }
         // Checked first: nothing changes on a refusal.
         every_pattern_matches(&self.root, patterns, "activation_checkpointing")?;
-        fn check(node: &Node, path: &str, patterns: &[&str]) -> Result<()> {
+        // The routers whose losses are part of the training loss: a part run
+        // again in the backward pass would record their logits without the
+        // graph their gradient needs.
+        let routers: Vec<String> = match &self.routers {
+            Some((losses, _)) if losses.adds_to_loss() => self
+                .spec
+                .layers()
+                .into_iter()
+                .filter(|(_, l)| matches!(l, Layer::SparseMoe(_)))
+                .map(|(p, _)| p)
+                .collect(),
+            _ => Vec::new(),
+        };
+        fn check(node: &Node, path: &str, patterns: &[&str], routers: &[String]) -> Result<()> {
             if !path.is_empty() && patterns.iter().any(|p| name_matches(p, path)) {
                 if let Some(why) = refusal(node) {
                     return Err(Error::unsupported(format!(
                         "activation checkpointing of `{path}`: it holds {why}"
                     )));
                 }
+                let inside = |r: &&String| *r == path || r.starts_with(&format!("{path}."));
+                if let Some(router) = routers.iter().find(inside) {
+                    return Err(Error::unsupported(format!(
+                        "activation checkpointing of `{path}`: it holds the mixture of experts \
+                         `{router}`, whose router losses are part of the training loss \
+                         (router_aux_loss_coef or router_z_loss_coef above 0), and their \
+                         gradient cannot reach a part that runs again in the backward pass; \
+                         checkpoint other layers, or set both weights to 0 (the losses are \
+                         still logged)"
+                    )));
+                }
                 return Ok(());
             }
             match node {
-                Node::Sequential(children) => children
-                    .iter()
-                    .enumerate()
-                    .try_for_each(|(i, c)| check(c, &join(path, &i.to_string()), patterns)),
-                Node::Residual(block) => check(block, &join(path, "block"), patterns),
-                Node::Sharded { inner, .. } => check(inner, path, patterns),
+                Node::Sequential(children) => children.iter().enumerate().try_for_each(|(i, c)| {
+                    check(c, &join(path, &i.to_string()), patterns, routers)
+                }),
+                Node::Residual(block) => check(block, &join(path, "block"), patterns, routers),
+                Node::Sharded { inner, .. } => check(inner, path, patterns, routers),
                 _ => Ok(()),
             }
         }
-        check(&self.root, "", patterns)?;
+        check(&self.root, "", patterns, &routers)?;
         let mut wrapped = Vec::new();
         wrap(&mut self.root, "", patterns, &mut wrapped);
         self.checkpointed

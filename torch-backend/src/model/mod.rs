@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kiln_core::{
     backend::Mode,
     lora::LoraConfig,
-    model::{Layer, ParamKind},
+    model::{Layer, ParamKind, RouterLosses},
     module::Module,
     precision::FloatPrecision,
     state_dict::StateDict,
@@ -26,7 +26,7 @@ use tch::{TchError, Tensor};
 use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
-use crate::layers::{join, Failure, Forward, ForwardResult};
+use crate::layers::{join, Failure, Forward, ForwardResult, RouterLog};
 use crate::script::ScriptModule;
 
 mod activation_checkpointing;
@@ -90,7 +90,19 @@ enum Node {
 
 /// Handles to every parameter and buffer of a model, for a checkpointed part's
 /// second run (the model itself may have moved by then).
-struct Snapshot(Vec<Tensor>);
+struct Snapshot(Vec<Tensor>, Option<Arc<RouterLog>>);
+
+impl Snapshot {
+    /// Handles to every tensor of `tensors`, and where its routers record.
+    fn of(tensors: &dyn crate::layers::Tensors) -> Self {
+        Self(
+            (0..tensors.count())
+                .map(|i| tensors.tensor(i).shallow_clone())
+                .collect(),
+            tensors.router_log().cloned(),
+        )
+    }
+}
 
 impl crate::layers::Tensors for Snapshot {
     fn tensor(&self, index: usize) -> &Tensor {
@@ -98,6 +110,9 @@ impl crate::layers::Tensors for Snapshot {
     }
     fn count(&self) -> usize {
         self.0.len()
+    }
+    fn router_log(&self) -> Option<&Arc<RouterLog>> {
+        self.1.as_ref()
     }
 }
 
@@ -137,11 +152,7 @@ fn run_node(
         }
         Node::Checkpoint { inner, path } => match part {
             Some(PartContext { autocast }) if train => {
-                let snapshot = Snapshot(
-                    (0..tensors.count())
-                        .map(|i| tensors.tensor(i).shallow_clone())
-                        .collect(),
-                );
+                let snapshot = Snapshot::of(tensors);
                 // Every trainable tensor: the part's own, and any it shares (tied weights).
                 let params: Vec<Tensor> = snapshot
                     .0
@@ -169,11 +180,7 @@ fn run_node(
         },
         Node::Sharded { inner, unit } => {
             // The other tensors (buffers, other units' shards) as they are now.
-            let snapshot = Snapshot(
-                (0..tensors.count())
-                    .map(|i| tensors.tensor(i).shallow_clone())
-                    .collect(),
-            );
+            let snapshot = Snapshot::of(tensors);
             let inner = Arc::clone(inner);
             let indices = unit.indices.clone();
             crate::sharded_unit::sharded_unit(
@@ -275,6 +282,9 @@ pub struct TorchModel {
     lora: Option<LoraConfig>,
     /// The patterns of [`checkpoint_activations`](TorchModel::checkpoint_activations).
     checkpointed: Vec<String>,
+    /// The router losses of its mixture-of-experts layers, if it has any,
+    /// and where a forward pass records their logits.
+    routers: Option<(RouterLosses, Arc<RouterLog>)>,
 }
 
 impl crate::layers::Tensors for TorchModel {
@@ -283,6 +293,9 @@ impl crate::layers::Tensors for TorchModel {
     }
     fn count(&self) -> usize {
         self.entries.len()
+    }
+    fn router_log(&self) -> Option<&Arc<RouterLog>> {
+        self.routers.as_ref().map(|(_, log)| log)
     }
 }
 
@@ -329,6 +342,7 @@ impl TorchModel {
             precision: FloatPrecision::F32,
             lora: None,
             checkpointed: Vec::new(),
+            routers: RouterLosses::of(spec)?.map(|r| (r, Arc::default())),
         })
     }
 

@@ -2,18 +2,19 @@
 
 use kiln_core::{
     backend::Mode,
-    model::{Layer, ParamKind},
-    module::Module,
+    model::{Layer, ParamKind, RouterLosses},
+    module::{Module, WithAuxiliaryLosses},
     precision::FloatPrecision,
     state_dict::StateDict,
     state_tensors::StateTensors,
-    Result,
+    Error, Result,
 };
 use tch::{Kind, Tensor};
 
 use super::{cast_float, TorchModel};
 use crate::backend::TorchBackend;
 use crate::custom::copy_state;
+use crate::error::torch_error;
 use crate::layers::Failure;
 
 impl Module<TorchBackend> for TorchModel {
@@ -34,6 +35,9 @@ impl Module<TorchBackend> for TorchModel {
             FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
         };
         self.check_input(input)?;
+        if let Some((_, log)) = &self.routers {
+            log.start();
+        }
         let run = || {
             self.run(&self.root, input, self.mode.is_train())
                 .map_err(|e| match e {
@@ -52,6 +56,53 @@ impl Module<TorchBackend> for TorchModel {
 
     fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// `aux_loss` and `router_z_loss` for a model with mixture-of-experts
+    /// layers ([`RouterLosses`]); none otherwise.
+    fn auxiliary_loss_names(&self) -> Vec<String> {
+        match &self.routers {
+            Some(_) => RouterLosses::names(),
+            None => Vec::new(),
+        }
+    }
+
+    /// The router losses of the last forward pass, over every MoE layer's
+    /// router logits, added to `loss` with their weights.
+    fn add_auxiliary_losses(&self, loss: Tensor) -> Result<WithAuxiliaryLosses<Tensor>> {
+        let Some((losses, log)) = &self.routers else {
+            return Ok(WithAuxiliaryLosses {
+                loss,
+                values: Vec::new(),
+            });
+        };
+        let logits = log.take().ok_or_else(|| {
+            Error::invalid_argument(
+                "model",
+                "its router losses come from a forward pass, and none was run since they \
+                 were last added",
+            )
+        })?;
+        let (aux, z) = crate::layers::router_losses(&logits, losses)
+            .map_err(|e| torch_error("the router losses of the mixtures of experts", e))?;
+        let mut total = loss;
+        for (coef, term) in [(losses.aux_loss_coef, &aux), (losses.z_loss_coef, &z)] {
+            if coef > 0.0 {
+                total = term
+                    .f_mul_scalar(coef)
+                    .and_then(|t| total.f_add(&t))
+                    .map_err(|e| torch_error("adding a router loss to the loss", e))?;
+            }
+        }
+        let values = [aux, z]
+            .iter()
+            .map(|t| t.f_detach())
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| torch_error("reading the router losses", e))?;
+        Ok(WithAuxiliaryLosses {
+            loss: total,
+            values,
+        })
     }
 
     fn set_mode(&mut self, mode: Mode) {

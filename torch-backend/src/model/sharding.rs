@@ -59,6 +59,9 @@ impl crate::layers::Tensors for Overlay<'_> {
     fn count(&self) -> usize {
         self.base.count()
     }
+    fn router_log(&self) -> Option<&Arc<crate::layers::RouterLog>> {
+        self.base.router_log()
+    }
 }
 
 /// Whether `node` is or holds a sharded unit.
@@ -224,6 +227,17 @@ impl TorchModel {
             .filter(|u| !u.path.is_empty())
             .map(|u| u.path.as_str())
             .collect();
+        if let Some((losses, _)) = self.routers.as_ref().filter(|(l, _)| l.adds_to_loss()) {
+            // A unit runs its part inside one autograd node, whose only
+            // inputs are the part's input and parameters.
+            return Err(Error::unsupported(format!(
+                "sharding the parameters of a model whose mixture-of-experts router losses \
+                 are part of the training loss (router_aux_loss_coef = {}, router_z_loss_coef \
+                 = {}): their gradient cannot reach the routers inside a sharded unit; set \
+                 both to 0 (the losses are still logged) or train with ddp",
+                losses.aux_loss_coef, losses.z_loss_coef
+            )));
+        }
         if self.plan_shard_units(&patterns)? != plan {
             return Err(Error::invalid_argument(
                 "units",

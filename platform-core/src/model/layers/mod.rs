@@ -38,7 +38,7 @@ pub use conv::{Conv1dConfig, Conv2dConfig, ConvTranspose2dConfig};
 pub use custom::{CustomConfig, CustomParam};
 pub use embedding::EmbeddingConfig;
 pub use linear::LinearConfig;
-pub use moe::SparseMoeConfig;
+pub use moe::{RouterLosses, SparseMoeConfig};
 pub use norm::{BatchNormConfig, GroupNormConfig, LayerNormConfig, RmsNormConfig};
 pub use pool::Pool2dConfig;
 pub use rope::{RopeConfig, RopeFrequencies, RopeScaling};

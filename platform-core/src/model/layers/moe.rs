@@ -7,6 +7,7 @@ use super::builder::config_builder;
 use super::transformer::{linear_params, GatedActivation};
 use super::{FieldCheck, LayerSpec, Params, ShapeCheck};
 use crate::error::Result;
+use crate::model::Layer;
 
 /// A sparse mixture of experts on `[*, dim]`, with the parameters of the
 /// Hugging Face MoE blocks (`gate.weight` the router, `experts.{j}.gate_proj`,
@@ -52,6 +53,26 @@ pub struct SparseMoeConfig {
     /// `shared_expert_intermediate_size`); none by default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_expert_dim: Option<usize>,
+    /// Weight of the load-balancing loss added to the training loss
+    /// (`router_aux_loss_coef` of a checkpoint with `output_router_logits`):
+    /// `num_experts * sum_e f_e * P_e` over every MoE layer's tokens, with
+    /// `f_e` the share of assignments expert `e` gets and `P_e` its mean router
+    /// probability (Switch Transformer, as `transformers`' MoE models compute
+    /// it). 0 (the default) logs it as the metric `aux_loss` without adding it.
+    /// Every MoE layer of a model gives the same weights.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub router_aux_loss_coef: f64,
+    /// Weight of the router z-loss added to the training loss: the mean over
+    /// tokens and MoE layers of `logsumexp(router logits)^2` (ST-MoE), which
+    /// keeps the router's logits small. 0 (the default) logs it as the metric
+    /// `router_z_loss` without adding it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub router_z_loss_coef: f64,
+}
+
+/// Whether `v` is 0 (serde's test for an unset coefficient).
+fn is_zero(v: &f64) -> bool {
+    *v == 0.0
 }
 
 config_builder! {
@@ -66,6 +87,8 @@ config_builder! {
             norm_topk_prob: false,
             activation: GatedActivation::Silu,
             shared_expert_dim: None,
+            router_aux_loss_coef: 0.0,
+            router_z_loss_coef: 0.0,
         }
         /// Sets whether the top-k probabilities are renormalised.
         with_norm_topk_prob(norm_topk_prob: bool);
@@ -73,6 +96,10 @@ config_builder! {
         with_activation(activation: GatedActivation);
         /// Adds a gated shared expert of this width.
         with_shared_expert_dim(shared_expert_dim: Some(usize));
+        /// Sets the weight of the load-balancing loss in the training loss.
+        with_router_aux_loss_coef(router_aux_loss_coef: f64);
+        /// Sets the weight of the router z-loss in the training loss.
+        with_router_z_loss_coef(router_z_loss_coef: f64);
     }
 }
 
@@ -93,6 +120,14 @@ impl LayerSpec for SparseMoeConfig {
         }
         if let Some(d) = self.shared_expert_dim {
             check.positive("shared_expert_dim", d)?;
+        }
+        for (field, v) in [
+            ("router_aux_loss_coef", self.router_aux_loss_coef),
+            ("router_z_loss_coef", self.router_z_loss_coef),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(check.invalid(field, format!("is {v}; a loss weight is 0 or more")));
+            }
         }
         Ok(())
     }
@@ -116,5 +151,99 @@ impl LayerSpec for SparseMoeConfig {
             linear_params(params, "shared_expert_gate", 1, d, false)?;
         }
         Ok(())
+    }
+}
+
+/// The router losses of a model's mixture-of-experts layers, which every
+/// engine computes over all of them together, as `transformers`'
+/// `load_balancing_loss_func` does over the router logits of every layer:
+///
+/// ```text
+/// aux_loss      = num_experts * sum_e (n_e / T) * (sum_t p_te / T)
+/// router_z_loss = sum_t logsumexp(logits_t)^2 / T
+/// ```
+///
+/// over the `T` rows (tokens times MoE layers), with `p_t = softmax(logits_t)`
+/// and `n_e` the number of rows whose top-k holds expert `e`. The training
+/// loss gains `router_aux_loss_coef * aux_loss + router_z_loss_coef *
+/// router_z_loss`, and both are logged as metrics.
+///
+/// ```
+/// use kiln_core::model::{Layer, RouterLosses, SparseMoeConfig};
+///
+/// let moe = SparseMoeConfig::new(8, 16, 4, 2).with_router_aux_loss_coef(0.01);
+/// let model = Layer::sequential([moe.clone().into(), moe.into()]);
+/// let losses = RouterLosses::of(&model)?.expect("two MoE layers");
+/// assert_eq!((losses.num_experts, losses.top_k, losses.adds_to_loss()), (4, 2, true));
+/// assert_eq!(RouterLosses::NAMES, ["aux_loss", "router_z_loss"]);
+///
+/// // Layers that would pool rows of different meanings are refused.
+/// let other = SparseMoeConfig::new(8, 16, 6, 2);
+/// let mixed = Layer::sequential([SparseMoeConfig::new(8, 16, 4, 2).into(), other.into()]);
+/// assert!(RouterLosses::of(&mixed).unwrap_err().to_string().contains("`0` and `1` differ"));
+/// assert!(RouterLosses::of(&Layer::Relu)?.is_none());
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterLosses {
+    /// Experts per layer.
+    pub num_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// The load-balancing loss's weight in the training loss.
+    pub aux_loss_coef: f64,
+    /// The z-loss's weight in the training loss.
+    pub z_loss_coef: f64,
+}
+
+impl RouterLosses {
+    /// The metrics' names, in the order engines report them.
+    pub const NAMES: [&'static str; 2] = ["aux_loss", "router_z_loss"];
+
+    /// The router losses of `model`: `None` when it has no
+    /// [`Layer::SparseMoe`], an error naming the layers when two of them
+    /// differ in their experts, top-k or loss weights (the losses pool every
+    /// layer's rows, so they must agree).
+    pub fn of(model: &Layer) -> Result<Option<Self>> {
+        let mut found: Option<(String, Self)> = None;
+        for (path, layer) in model.layers() {
+            let Layer::SparseMoe(c) = layer else {
+                continue;
+            };
+            let this = Self {
+                num_experts: c.num_experts,
+                top_k: c.top_k,
+                aux_loss_coef: c.router_aux_loss_coef,
+                z_loss_coef: c.router_z_loss_coef,
+            };
+            match &found {
+                None => found = Some((path, this)),
+                Some((first, that)) if *that != this => {
+                    return Err(crate::Error::invalid_argument(
+                        "model",
+                        format!(
+                            "the mixture-of-experts layers `{first}` and `{path}` differ in \
+                             num_experts, top_k, router_aux_loss_coef or router_z_loss_coef \
+                             ({that:?} against {this:?}); the router losses pool every MoE \
+                             layer, so they must agree"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(found.map(|(_, l)| l))
+    }
+
+    /// Whether either loss has a weight: then its gradient is part of the
+    /// training step (and a part of the model that runs again in the
+    /// backward pass cannot hold a router).
+    pub fn adds_to_loss(&self) -> bool {
+        self.aux_loss_coef > 0.0 || self.z_loss_coef > 0.0
+    }
+
+    /// The metrics' names, as [`Module::auxiliary_loss_names`](crate::module::Module::auxiliary_loss_names) gives them.
+    pub fn names() -> Vec<String> {
+        Self::NAMES.iter().map(|n| (*n).to_owned()).collect()
     }
 }

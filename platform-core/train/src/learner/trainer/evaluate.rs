@@ -142,7 +142,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         }
         let mut objective_metrics: Vec<LossMetric> = self
             .objective
-            .metric_names()
+            .metric_names(model)
             .into_iter()
             .map(LossMetric::new)
             .collect();

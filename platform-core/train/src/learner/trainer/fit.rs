@@ -141,7 +141,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
         let restored = std::mem::take(&mut state.epoch_metrics);
         state.epoch_metrics = self
             .objective
-            .metric_names()
+            .metric_names(&state.model)
             .into_iter()
             .map(|name| {
                 restored
