@@ -257,6 +257,46 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
     );
     assert!(printed.contains("8 training"), "{printed}");
     assert_eq!(losses(&dir.join("classify-run")).len(), 8);
+    // Rows of several lengths in one batch: padded, with their attention mask,
+    // the validation loss is the one of the rows taken one at a time (an
+    // unpadded row sees no padding), the optimizer standing still.
+    let val_loss = |batch_size: usize| -> f64 {
+        let name = format!("classify-val{batch_size}");
+        let cfg = config(
+            &dir,
+            &refs,
+            &name,
+            &classify_data.replace(
+                "val_fraction = 0",
+                &format!("val_path = \"{}\"", labelled.display()),
+            ),
+            "",
+        );
+        let text = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
+            .replace("lr = 0.01", "lr = 1e-30")
+            .replace("[data]", "num_labels = 2\n\n[data]");
+        std::fs::write(&cfg, text).unwrap();
+        train(cfg.to_str().unwrap(), &dir.join(&name), &["--epochs", "1"]);
+        let epochs = std::fs::read_to_string(dir.join(&name).join("epochs.csv")).unwrap();
+        let mut lines = epochs.lines();
+        let header: Vec<&str> = lines.next().unwrap().split(',').collect();
+        let col = header.iter().position(|h| *h == "val_loss").unwrap();
+        lines
+            .next()
+            .unwrap()
+            .split(',')
+            .nth(col)
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (padded, one_by_one) = (val_loss(4), val_loss(1));
+    assert!(
+        (padded - one_by_one).abs() <= 1e-5 * one_by_one.abs().max(1.0),
+        "validation loss over padded batches {padded}, one row at a time {one_by_one}"
+    );
     // With LoRA, a new head would stay frozen: refused.
     let with_lora = dir.join("classify-lora.toml");
     std::fs::write(
@@ -321,7 +361,7 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
                 "path = \"{}\"\ntext_column = \"text\"\nlabel_column = \"label\"\nval_fraction = 0",
                 classify.display()
             ),
-            String::new(),
+            "backend = \"tensorflow\"".into(),
             "needs attention masks",
         ),
     ];

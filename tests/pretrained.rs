@@ -640,3 +640,113 @@ fn the_tokenizer_reads_tokenizer_json_as_python_does() {
     assert_eq!(tok.decode(&ids).unwrap(), text);
     assert_eq!(tok.token_id("</s>"), Some(2));
 }
+
+/// The values of `[batch, seq, ...]` `t` at the positions `mask` keeps.
+fn kept(t: &HostTensor, mask: &HostTensor) -> Vec<f64> {
+    let per = t.numel() / mask.numel();
+    let values = floats(t);
+    let mask = mask.as_slice::<i64>().unwrap();
+    (0..mask.len())
+        .filter(|&i| mask[i] == 1)
+        .flat_map(|i| values[i * per..(i + 1) * per].to_vec())
+        .collect()
+}
+
+/// A batch padded on the right (row 0) and on the left (row 1), with its
+/// attention mask, gives `transformers`' logits at every token on libtorch,
+/// for every family (sliding windows, softcaps, NoPE and encoders
+/// included), through `forward_many([ids, mask])` and the stacked input
+/// the CLI's batches carry alike; nothing is NaN, padding rows or
+/// gradients; a decoder classifier pools each row's last token as
+/// `LlamaForSequenceClassification` does; TensorFlow and mixtures of
+/// experts refuse the mask by name.
+#[test]
+fn padded_batches_with_attention_masks_match_transformers() {
+    let test = "padded_batches_with_attention_masks_match_transformers";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    let mut checked = 0;
+    for case in cases.iter().filter(|c| c["name"] != "vit") {
+        let name = case["name"].as_str().unwrap();
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        let io = io(dir, name);
+        let (ids, mask) = (
+            io.get("padded_ids").unwrap(),
+            io.get("padded_mask").unwrap(),
+        );
+        let stacked = kiln::core::model::stack_attention_mask(ids, mask).unwrap();
+        let mut model = torch_model(&pretrained);
+        let (tids, tmask) = (
+            to_tch(ids, Device::Cpu).unwrap(),
+            to_tch(mask, Device::Cpu).unwrap(),
+        );
+        let Some(expected) = io.get("padded_logits") else {
+            // A mixture of experts: its router losses would count the padding.
+            let err = model.forward_many(&[tids, tmask]).unwrap_err();
+            assert!(
+                err.to_string().contains("mixture of experts"),
+                "{name}: {err}"
+            );
+            continue;
+        };
+        let many = tch::no_grad(|| model.forward_many(&[tids.shallow_clone(), tmask])).unwrap();
+        let logits = from_tch(&many[0]).unwrap();
+        logits_close(
+            &format!("{name}: padded logits"),
+            &kept(&logits, mask),
+            &kept(expected, mask),
+        );
+        let one = torch_logits(&model, &stacked);
+        assert_eq!(floats(&one), floats(&logits), "{name}: stacked input");
+        assert!(floats(&logits).iter().all(|v| v.is_finite()), "{name}: NaN");
+        // Training through the padding: every gradient finite.
+        model.set_mode(Mode::Train);
+        let x = to_tch(&stacked, Device::Cpu).unwrap();
+        let out = model.forward(&x).unwrap();
+        out.sum(tch::Kind::Float).backward();
+        for (param, t) in model.named_parameters().unwrap() {
+            let g = t.grad();
+            if g.defined() {
+                assert!(
+                    floats(&from_tch(&g).unwrap()).iter().all(|v| v.is_finite()),
+                    "{name}: gradient of {param}"
+                );
+            }
+        }
+        // TensorFlow refuses the stacked input by name.
+        let mut tf = TfBackend::build_model(pretrained.layer(), Device::Cpu).unwrap();
+        tf.set_mode(Mode::Eval);
+        let err = tf
+            .forward(&TfBackend::from_host(&stacked, Device::Cpu).unwrap())
+            .unwrap_err();
+        assert!(err.to_string().contains("attention mask"), "{name}: {err}");
+        checked += 1;
+
+        if let Some(want) = io.get("classifier_logits") {
+            let classifier = Pretrained::open(dir.join(name))
+                .unwrap()
+                .with_num_labels(3)
+                .unwrap();
+            let mut cls = TorchModel::new(classifier.layer(), Device::Cpu).unwrap();
+            let mut state = classifier.load_weights().unwrap();
+            let missing: Vec<String> = cls
+                .named_parameters()
+                .unwrap()
+                .into_iter()
+                .map(|(n, _)| n)
+                .filter(|n| !state.contains_key(n))
+                .collect();
+            assert_eq!(missing.len(), 1, "{name}: the new head: {missing:?}");
+            state.insert(missing[0].clone(), io.get("score.weight").unwrap().clone());
+            cls.load_state_dict(&state).unwrap();
+            cls.set_mode(Mode::Eval);
+            logits_close(
+                &format!("{name}: padded classifier logits"),
+                &floats(&torch_logits(&cls, &stacked)),
+                &floats(want),
+            );
+        }
+    }
+    assert!(checked >= 15, "only {checked} families checked");
+}

@@ -205,6 +205,17 @@ def old_form(d):
         json.dump(config, f, indent=2)
 
 
+def padded(ids):
+    """`ids` with row 0 padded (id 0) on its last 2 positions and row 1 on its first 3, and the mask."""
+    ids = ids.clone()
+    mask = torch.ones_like(ids)
+    ids[0, -2:] = 0
+    mask[0, -2:] = 0
+    ids[1, :3] = 0
+    mask[1, :3] = 0
+    return ids, mask
+
+
 def encoders():
     from transformers import BertConfig, ViTConfig
 
@@ -237,9 +248,13 @@ def make_encoders(out, cases):
             save_file({"pixel_values": x, "logits": logits.contiguous()}, os.path.join(out, f"{name}.io.safetensors"))
         else:
             ids = torch.randint(3, config.vocab_size, (2, 7), generator=g)
+            pad_ids, pad_mask = padded(ids)
             with torch.no_grad():
                 logits = model(input_ids=ids).logits.float()
-            save_file({"input_ids": ids, "logits": logits.contiguous()}, os.path.join(out, f"{name}.io.safetensors"))
+                padded_logits = model(input_ids=pad_ids, attention_mask=pad_mask).logits.float()
+            save_file({"input_ids": ids, "logits": logits.contiguous(), "padded_ids": pad_ids,
+                       "padded_mask": pad_mask, "padded_logits": padded_logits.contiguous()},
+                      os.path.join(out, f"{name}.io.safetensors"))
         cases.append({"name": name, "family": name, "sharded": False, "decoder": False})
 
 
@@ -307,8 +322,23 @@ def make(out):
             grads = {f"grad.{n}": t for n, t in load_file(os.path.join(grad_dir, "model.safetensors")).items()}
         save_file({"loss": step.loss.detach().reshape(1), **router, **grads},
                   os.path.join(out, f"{name}.grads.safetensors"))
+        # A padded batch with its attention mask: row 0 padded on the right, row 1 on the left.
+        pad_ids, pad_mask = padded(ids)
+        padded_out = {"padded_ids": pad_ids, "padded_mask": pad_mask}
+        if "experts" not in "".join(grads):
+            model = AutoModelForCausalLM.from_pretrained(d).eval()
+            with torch.no_grad():
+                padded_out["padded_logits"] = model(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
+            if name == "llama":
+                # The sequence classifier over the same batch: its last non-padding token.
+                from transformers import AutoModelForSequenceClassification
+                torch.manual_seed(2)
+                cls = AutoModelForSequenceClassification.from_pretrained(d, num_labels=3).eval()
+                with torch.no_grad():
+                    padded_out["classifier_logits"] = cls(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
+                padded_out["score.weight"] = cls.score.weight.detach().contiguous()
         save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
-                   "attention_mask": mask, "greedy": greedy.contiguous()},
+                   "attention_mask": mask, "greedy": greedy.contiguous(), **padded_out},
                   os.path.join(out, f"{name}.io.safetensors"))
         text = "the quick brown fox, slowly: a kiln!"
         cases.append({"name": name, "family": config.model_type, "sharded": sharded, "pad_id": 0,

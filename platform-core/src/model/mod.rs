@@ -11,6 +11,7 @@
 //! holds the [`Layer`] enum and the one table (`with_spec!`) that sends each
 //! variant to them.
 
+mod attention_mask;
 mod init;
 mod layers;
 mod registry;
@@ -22,6 +23,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::shape::Shape;
 
+pub use attention_mask::stack_attention_mask;
 pub use init::{fan_in_and_fan_out, FanMode, Init, InitDistribution, Nonlinearity};
 pub use layers::{
     AttentionConfig, BatchNormConfig, ClassTokenConfig, Conv1dConfig, Conv2dConfig,
@@ -142,6 +144,11 @@ pub enum Layer {
     /// `torch.select(x, dim, index)`: the slice at `index` of dimension `dim`,
     /// which it removes (`{ dim = 1, index = -1 }` takes a sequence's last
     /// token, `index = 0` its first, as classification heads pool).
+    ///
+    /// Over the sequence (`dim = 1`) of a padded batch (an input with its
+    /// attention mask, see [`Layer::takes_attention_mask`]), a negative
+    /// `index` counts back from each row's last token that is not padding,
+    /// as `*ForSequenceClassification` pools a decoder's last token.
     Select {
         /// The dimension (not the batch's, 0; negative counts from the end).
         dim: isize,
@@ -447,8 +454,49 @@ impl Layer {
     /// let err = net.output_shape(&[2, 4]).expect_err("8 features reach a Linear(16, 8)");
     /// assert_eq!(err.to_string(), "2.block.0 (Linear): expected shape [*, 16], got [2, 8]");
     /// ```
+    ///
+    /// A model that [takes an attention mask](Layer::takes_attention_mask)
+    /// also takes `[batch, 2, seq]`: its token ids and their mask stacked
+    /// ([`stack_attention_mask`](crate::model::stack_attention_mask)).
     pub fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
-        self.infer("", input)
+        self.infer("", &self.token_ids_dims(input))
+    }
+
+    /// Whether the model reads an attention mask beside its token ids: it
+    /// embeds ids first and has `SelfAttention` layers. Such a model takes a
+    /// `[batch, 2, seq]` int64 input as the ids (`[:, 0]`) and their mask
+    /// (`[:, 1]`: 1 on the tokens, 0 on the padding), what `transformers`
+    /// reads from `model(input_ids, attention_mask=...)`.
+    ///
+    /// ```
+    /// use kiln_core::model::{EmbeddingConfig, Layer, SelfAttentionConfig};
+    ///
+    /// let ids_only = Layer::sequential([EmbeddingConfig::new(10, 8).into()]);
+    /// assert!(!ids_only.takes_attention_mask());
+    /// let attends = Layer::sequential([
+    ///     EmbeddingConfig::new(10, 8).into(),
+    ///     Layer::SelfAttention(SelfAttentionConfig::new(8, 2)),
+    /// ]);
+    /// assert!(attends.takes_attention_mask());
+    /// assert_eq!(attends.output_shape(&[3, 2, 5])?, [3, 5, 8]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn takes_attention_mask(&self) -> bool {
+        matches!(self.first_leaf(), Some(Layer::Embedding(_)))
+            && self
+                .layers()
+                .iter()
+                .any(|(_, l)| matches!(l, Layer::SelfAttention(_)))
+    }
+
+    /// The dims of the token ids in an input of `dims`: `[batch, seq]` for a
+    /// stacked `[batch, 2, seq]` input of a model that
+    /// [takes an attention mask](Layer::takes_attention_mask); `dims` otherwise.
+    pub fn token_ids_dims(&self, dims: &[usize]) -> Vec<usize> {
+        match dims {
+            [batch, 2, seq] if self.takes_attention_mask() => vec![*batch, *seq],
+            _ => dims.to_vec(),
+        }
     }
 
     fn infer(&self, path: &str, input: &[usize]) -> Result<Vec<usize>> {

@@ -491,6 +491,7 @@ impl Dataset for PackedText {
 pub struct PadCollate {
     pad_id: i64,
     flatten_targets: bool,
+    attention_mask: bool,
 }
 
 impl PadCollate {
@@ -499,7 +500,29 @@ impl PadCollate {
         PadCollate {
             pad_id,
             flatten_targets: false,
+            attention_mask: false,
         }
+    }
+
+    /// Gives inputs as `[batch, 2, len]`: the padded ids and their attention
+    /// mask (1 on the tokens, 0 on the padding) stacked, as
+    /// [`stack_attention_mask`](kiln_core::model::stack_attention_mask) makes
+    /// them, for a model that reads the mask (a classifier over padded rows).
+    ///
+    /// ```
+    /// use kiln_text::PadCollate;
+    /// use kiln_data::Collate;
+    /// use kiln_core::HostTensor;
+    ///
+    /// let ex = |ids: Vec<i64>| (HostTensor::new(ids.clone(), [ids.len()]).unwrap(), HostTensor::scalar(0i64));
+    /// let batch = PadCollate::new(0).with_attention_mask(true).collate(vec![ex(vec![5, 6]), ex(vec![8])])?;
+    /// assert_eq!(batch.inputs.dims(), [2, 2, 2]);
+    /// assert_eq!(batch.inputs.as_slice::<i64>()?, &[5, 6, 1, 1, 8, 0, 1, 0]);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn with_attention_mask(mut self, attention_mask: bool) -> Self {
+        self.attention_mask = attention_mask;
+        self
     }
 
     /// Gives sequence targets as one `[batch * len]` row, for a model whose
@@ -538,10 +561,19 @@ impl Collate<(HostTensor, HostTensor)> for PadCollate {
             (true, false) => HostTensor::new(targets, [n, longest])?,
             (true, true) => HostTensor::new(targets, [n * longest])?,
         };
-        Ok(Batch {
-            inputs: HostTensor::new(inputs, [n, longest])?,
-            targets,
-        })
+        let ids = HostTensor::new(inputs, [n, longest])?;
+        let inputs = if self.attention_mask {
+            let mut mask = Vec::with_capacity(n * longest);
+            for (x, _) in &batch {
+                let len = x.numel();
+                mask.extend(std::iter::repeat_n(1i64, len));
+                mask.extend(std::iter::repeat_n(0i64, longest - len));
+            }
+            kiln_core::model::stack_attention_mask(&ids, &HostTensor::new(mask, [n, longest])?)?
+        } else {
+            ids
+        };
+        Ok(Batch { inputs, targets })
     }
 }
 

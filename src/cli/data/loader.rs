@@ -50,7 +50,9 @@ pub(crate) fn loader(
             )))
         }
         Split::Text(split) => {
-            let collate = kiln_text::PadCollate::new(split.pad_id).flatten_targets(split.causal);
+            let collate = kiln_text::PadCollate::new(split.pad_id)
+                .flatten_targets(split.causal)
+                .with_attention_mask(split.attention_mask);
             let loader =
                 PrefetchLoader::with_collate(split.dataset, data.loader.batch_size, collate)?;
             Ok(Box::new(ordered(

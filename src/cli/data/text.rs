@@ -24,6 +24,9 @@ pub(crate) struct TextSplit {
     pub(crate) pad_id: i64,
     /// Whether targets are a language model's (flattened with the logits).
     pub(crate) causal: bool,
+    /// Whether inputs carry their attention mask (`[batch, 2, len]`): a
+    /// classifier over rows of several lengths, on libtorch.
+    pub(crate) attention_mask: bool,
 }
 
 /// The directory of the tokenizer: `data.tokenizer`, else `model.pretrained`.
@@ -118,14 +121,16 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
                 .check_lengths(threads)
                 .with_context(|| format!("data.{key} ({})", path.display()))?;
             // A classifier reads a position that depends on every token: padded
-            // rows would need attention masks, which Kiln's layers do not take yet.
-            if !task.is_causal() && data.loader.batch_size > 1 {
+            // rows need their attention mask, which TensorFlow's layers do not take yet.
+            let torch = config.backend == crate::config::BackendKind::Torch;
+            if !task.is_causal() && data.loader.batch_size > 1 && !torch {
                 if let (Some(lo), Some(hi)) = (lengths.iter().min(), lengths.iter().max()) {
                     if lo != hi {
                         anyhow::bail!(
                             "data.{key} ({}): the rows are {lo} to {hi} tokens long; a classifier \
-                             over padded batches needs attention masks, which Kiln's models do \
-                             not take yet: set data.batch_size = 1, or give rows of one length",
+                             over padded batches needs attention masks, which Kiln's TensorFlow \
+                             layers do not take yet: use backend = \"torch\", set \
+                             data.batch_size = 1, or give rows of one length",
                             path.display()
                         );
                     }
@@ -168,6 +173,9 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
             dataset,
             pad_id,
             causal: task.is_causal(),
+            attention_mask: !task.is_causal()
+                && data.loader.batch_size > 1
+                && config.backend == crate::config::BackendKind::Torch,
         })
     };
     // The model takes a batch of token ids.

@@ -276,6 +276,13 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
             actual: "a scalar".to_owned(),
         });
     }
+    if spec.token_ids_dims(model.batch_dims) != model.batch_dims {
+        return Err(Error::unsupported(
+            "token ids stacked with their attention mask ([batch, 2, seq]) on TensorFlow: \
+             padded batches run on libtorch for now; give TensorFlow unpadded batches"
+                .to_owned(),
+        ));
+    }
     spec.output_shape(model.batch_dims)?;
     // A SavedModel layer's input is checked against its signature when imported.
     let Some(expected) = spec.input_dtype() else {

@@ -99,12 +99,53 @@ impl RouterLog {
     }
 }
 
+/// What one forward pass gives every layer besides its input: training
+/// behaviour, and which tokens of the batch are padding.
+#[derive(Debug)]
+pub(crate) struct Pass {
+    /// Training behaviour (dropout, batch statistics).
+    pub(crate) train: bool,
+    /// `[batch, seq]` booleans, `true` on the tokens and `false` on the
+    /// padding (`transformers`' `attention_mask`); `None`: no padding.
+    pub(crate) padding: Option<Tensor>,
+}
+
+impl Pass {
+    /// A pass over a batch without padding.
+    pub(crate) fn plain(train: bool) -> Self {
+        Pass {
+            train,
+            padding: None,
+        }
+    }
+
+    /// The same pass with training behaviour `train`.
+    pub(crate) fn with_train(&self, train: bool) -> Self {
+        Pass {
+            train,
+            padding: self.padding.as_ref().map(Tensor::shallow_clone),
+        }
+    }
+}
+
+impl Clone for Pass {
+    fn clone(&self) -> Self {
+        self.with_train(self.train)
+    }
+}
+
 /// A built layer without children. Its tensors are indices into the model's
 /// entries, so that moving the model to another device only replaces the entries.
 pub(crate) trait Forward: std::fmt::Debug + Send + Sync {
     /// Runs the layer on `x` with the model's `tensors`, in training behaviour
     /// (dropout, batch statistics) when `train`.
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult;
+
+    /// Runs the layer in `pass`: by default, as [`forward`](Forward::forward)
+    /// (a layer that reads no padding mask).
+    fn forward_pass(&self, tensors: &dyn Tensors, x: &Tensor, pass: &Pass) -> ForwardResult {
+        self.forward(tensors, x, pass.train)
+    }
 
     /// Runs the layer on this decoding step's tokens `x` in eval behaviour,
     /// reading and extending `step`'s cache; by default, as [`forward`](Forward::forward).

@@ -2,10 +2,10 @@
 //! the model's tree: `model.rs` builds and walks them).
 
 use kiln_core::{model::Layer, Result};
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::script::{ScriptLeaf, Scripted};
-use super::{Forward, ForwardResult, Lookup, Tensors};
+use super::{Forward, ForwardResult, Lookup, Pass, Tensors};
 
 /// A built [`Layer::Flatten`].
 #[derive(Debug)]
@@ -50,6 +50,31 @@ impl Forward for Transpose {
 impl Forward for Select {
     fn forward(&self, _tensors: &dyn Tensors, x: &Tensor, _train: bool) -> ForwardResult {
         Ok(x.f_select(self.dim, self.index)?)
+    }
+
+    /// Over a padded batch's sequence, a negative index counts back from
+    /// each row's last token (`transformers`' `last_non_pad_token`:
+    /// the argmax of the positions times the mask).
+    fn forward_pass(&self, tensors: &dyn Tensors, x: &Tensor, pass: &Pass) -> ForwardResult {
+        match &pass.padding {
+            Some(mask)
+                if self.dim == 1
+                    && self.index < 0
+                    && x.dim() >= 2
+                    && mask.size()[1] == x.size()[1] =>
+            {
+                let (batch, seq) = (x.size()[0], x.size()[1]);
+                let positions = Tensor::f_arange(seq, (Kind::Int64, x.device()))?;
+                let last = positions
+                    .f_unsqueeze(0)?
+                    .f_mul(&mask.f_to_kind(Kind::Int64)?)?
+                    .f_argmax(1, false)?;
+                let at = last.f_add_scalar(self.index + 1)?.f_clamp_min(0)?;
+                let rows = Tensor::f_arange(batch, (Kind::Int64, x.device()))?;
+                Ok(x.f_index(&[Some(rows), Some(at)])?)
+            }
+            _ => self.forward(tensors, x, pass.train),
+        }
     }
 }
 

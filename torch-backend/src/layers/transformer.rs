@@ -6,7 +6,7 @@ use kiln_core::model::{GatedActivation, Layer, PositionEncoding, RopeConfig, Rop
 use kiln_core::{Error, Result};
 use tch::{Kind, Tensor};
 
-use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Projection, Tensors};
+use super::{DecodeStep, Failure, Forward, ForwardResult, Lookup, Pass, Projection, Tensors};
 
 /// A built [`Layer::SelfAttention`].
 #[derive(Debug)]
@@ -394,8 +394,35 @@ impl Attention {
     }
 }
 
+/// `[batch, 1, seq, seq]` booleans: which keys each query sees in a padded
+/// batch, `band` (`[seq, seq]`, `None`: every key) and the keys that are
+/// tokens (`padding`, `[batch, seq]`, `true` on them), as `transformers`'
+/// `and_masks(..., padding_mask_function)`; and always the query itself,
+/// so that a padding query that would see nothing (left padding under a
+/// causal mask) attends somewhere instead of giving NaN. Only padding
+/// queries see more than `transformers` lets them: their outputs are
+/// never read.
+fn padded_mask(band: Option<&Tensor>, padding: &Tensor) -> ForwardResult {
+    let size = padding.size();
+    let (batch, seq) = (size[0], size[1]);
+    let keys = padding
+        .f_to_kind(Kind::Bool)?
+        .f_reshape([batch, 1, 1, seq])?;
+    let seen = match band {
+        Some(band) => keys.f_logical_and(band)?,
+        None => keys.f_expand([batch, 1, seq, seq], false)?,
+    };
+    let itself = Tensor::f_eye(seq, (Kind::Bool, padding.device()))?;
+    Ok(seen.f_logical_or(&itself)?)
+}
+
 impl Forward for Attention {
     fn forward(&self, tensors: &dyn Tensors, x: &Tensor, train: bool) -> ForwardResult {
+        self.forward_pass(tensors, x, &Pass::plain(train))
+    }
+
+    fn forward_pass(&self, tensors: &dyn Tensors, x: &Tensor, pass: &Pass) -> ForwardResult {
+        let train = pass.train;
         let s = x.size()[1];
         let positions = Tensor::f_arange(s, (Kind::Int64, x.device()))?.f_unsqueeze(0)?;
         let (q, k, v) = self.heads(tensors, x, &positions, train)?;
@@ -405,7 +432,22 @@ impl Forward for Attention {
             Some(w) if s > w => Some(window_band(s, 0, w, x.device())?),
             _ => None,
         };
-        let attended = self.attend(&q, &k, &v, band.as_ref(), p, self.causal && band.is_none())?;
+        let attended = match &pass.padding {
+            None => self.attend(&q, &k, &v, band.as_ref(), p, self.causal && band.is_none())?,
+            Some(padding) => {
+                let causal;
+                let band = match (&band, self.causal) {
+                    (Some(band), _) => Some(band),
+                    (None, true) => {
+                        causal = Tensor::f_ones([s, s], (Kind::Bool, x.device()))?.f_tril(0)?;
+                        Some(&causal)
+                    }
+                    (None, false) => None,
+                };
+                let mask = padded_mask(band, padding)?;
+                self.attend(&q, &k, &v, Some(&mask), p, false)?
+            }
+        };
         self.merge(tensors, &attended, train)
     }
 

@@ -26,7 +26,7 @@ use tch::{TchError, Tensor};
 use crate::convert::{dtype_from_kind, is_float_kind, kind_from_dtype};
 use crate::device::{device_from_tch, device_to_tch};
 use crate::error::torch_error;
-use crate::layers::{join, Failure, Forward, ForwardResult, RouterLog};
+use crate::layers::{join, Failure, Forward, ForwardResult, Pass, RouterLog};
 use crate::script::ScriptModule;
 
 mod activation_checkpointing;
@@ -129,19 +129,23 @@ fn run_node(
     tensors: &dyn crate::layers::Tensors,
     node: &Node,
     x: &Tensor,
-    train: bool,
+    pass: &Pass,
     part: Option<PartContext>,
 ) -> ForwardResult {
+    let train = pass.train;
     match node {
         Node::Sequential(children) => {
             let mut out = x.shallow_clone();
             for child in children {
-                out = run_node(tensors, child, &out, train, part)?;
+                out = run_node(tensors, child, &out, pass, part)?;
             }
             Ok(out)
         }
-        Node::Residual(block) => Ok(x.f_add(&run_node(tensors, block, x, train, part)?)?),
-        Node::Leaf { layer, eval, .. } => layer.forward(tensors, x, train && !eval),
+        Node::Residual(block) => Ok(x.f_add(&run_node(tensors, block, x, pass, part)?)?),
+        Node::Leaf { layer, eval, .. } if *eval && train => {
+            layer.forward_pass(tensors, x, &pass.with_train(false))
+        }
+        Node::Leaf { layer, .. } => layer.forward_pass(tensors, x, pass),
         Node::Script { module, .. } => {
             let mut module = lock_script(module).map_err(Failure::Layer)?;
             let mode = if train { Mode::Train } else { Mode::Eval };
@@ -161,10 +165,11 @@ fn run_node(
                     .map(Tensor::shallow_clone)
                     .collect();
                 let inner = Arc::clone(inner);
+                let pass = pass.clone();
                 let what = format!("the checkpointed part `{path}`");
                 crate::checkpoint::checkpoint(x, &params, move |x| {
                     let run = || {
-                        run_node(&snapshot, &inner, x, true, None).map_err(|e| match e {
+                        run_node(&snapshot, &inner, x, &pass, None).map_err(|e| match e {
                             Failure::Torch(e) => torch_error(&what, e),
                             Failure::Layer(e) => e,
                         })
@@ -176,13 +181,14 @@ fn run_node(
                 })
                 .map_err(Failure::Layer)
             }
-            _ => run_node(tensors, inner, x, train, None),
+            _ => run_node(tensors, inner, x, pass, None),
         },
         Node::Sharded { inner, unit } => {
             // The other tensors (buffers, other units' shards) as they are now.
             let snapshot = Snapshot::of(tensors);
             let inner = Arc::clone(inner);
             let indices = unit.indices.clone();
+            let pass = pass.clone();
             crate::sharded_unit::sharded_unit(
                 x,
                 Arc::clone(&unit.collectives),
@@ -193,7 +199,7 @@ fn run_node(
                         indices: &indices,
                         full,
                     };
-                    run_node(&view, &inner, x, train, part).map_err(|e| match e {
+                    run_node(&view, &inner, x, &pass, part).map_err(|e| match e {
                         Failure::Torch(e) => torch_error("a sharded unit of the model", e),
                         Failure::Layer(e) => e,
                     })
@@ -427,11 +433,11 @@ impl TorchModel {
         &self.entries[index].tensor
     }
 
-    fn run(&self, node: &Node, x: &Tensor, train: bool) -> ForwardResult {
+    fn run(&self, node: &Node, x: &Tensor, pass: &Pass) -> ForwardResult {
         let part = PartContext {
             autocast: self.precision.autocast_dtype().map(|d| (self.device, d)),
         };
-        run_node(self, node, x, train, Some(part))
+        run_node(self, node, x, pass, Some(part))
     }
 
     /// The module of the [`Layer::TorchScript`] layer at `layer` (its path), if any.

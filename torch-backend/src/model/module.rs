@@ -15,42 +15,57 @@ use super::{cast_float, TorchModel};
 use crate::backend::TorchBackend;
 use crate::custom::copy_state;
 use crate::error::torch_error;
-use crate::layers::Failure;
+use crate::layers::{Failure, Pass};
 
 impl Module<TorchBackend> for TorchModel {
     /// Shapes are checked by libtorch as the layers run; only on failure does the
     /// definition's shape inference run, to name the layer and both shapes
     /// (the training step does no shape bookkeeping of its own).
+    ///
+    /// A model that [takes an attention mask](Layer::takes_attention_mask)
+    /// reads a `[batch, 2, seq]` int64 input as its token ids and their
+    /// attention mask ([`kiln_core::model::stack_attention_mask`]).
     fn forward(&self, input: &Tensor) -> Result<Tensor> {
-        let cast;
-        let input = match self.precision {
-            FloatPrecision::Bf16True => {
-                cast = cast_float(input, Kind::BFloat16, "casting the input to bfloat16")?;
-                &cast
-            }
-            FloatPrecision::F16True => {
-                cast = cast_float(input, Kind::Half, "casting the input to float16")?;
-                &cast
-            }
-            FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
-        };
-        self.check_input(input)?;
-        if let Some((_, log)) = &self.routers {
-            log.start();
+        if input.dim() == 3 && input.size()[1] == 2 && self.spec.takes_attention_mask() {
+            let ids = input
+                .f_select(1, 0)
+                .map_err(|e| torch_error("the token ids", e))?;
+            let mask = input
+                .f_select(1, 1)
+                .map_err(|e| torch_error("the attention mask", e))?;
+            return self.forward_masked(&ids, Some(&mask));
         }
-        let run = || {
-            self.run(&self.root, input, self.mode.is_train())
-                .map_err(|e| match e {
-                    Failure::Torch(e) => self.explain_failure(input, e),
-                    Failure::Layer(e) => e,
-                })
-        };
-        match self.precision.autocast_dtype() {
-            None => run(),
-            Some(dtype) => {
-                let output = crate::autocast(self.device, dtype, run)??;
-                cast_float(&output, Kind::Float, "casting the output to float32")
+        self.forward_masked(input, None)
+    }
+
+    /// `[input_ids]`, or `[input_ids, attention_mask]` (both `[batch, seq]`,
+    /// the mask 1 on the tokens and 0 on the padding) for a model that
+    /// [takes an attention mask](Layer::takes_attention_mask).
+    fn forward_many(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        match inputs {
+            [input] => Ok(vec![self.forward(input)?]),
+            [ids, mask] if self.spec.takes_attention_mask() => {
+                if mask.size() != ids.size() {
+                    return Err(Error::ShapeMismatch {
+                        context: "the attention mask (one entry per token id)".to_owned(),
+                        expected: format!("{:?}", ids.size()),
+                        actual: format!("{:?}", mask.size()),
+                    });
+                }
+                Ok(vec![self.forward_masked(ids, Some(mask))?])
             }
+            _ => Err(Error::invalid_argument(
+                "inputs",
+                format!(
+                    "this model takes [input_ids]{}, got {} inputs",
+                    if self.spec.takes_attention_mask() {
+                        " or [input_ids, attention_mask]"
+                    } else {
+                        ""
+                    },
+                    inputs.len()
+                ),
+            )),
         }
     }
 
@@ -159,5 +174,58 @@ impl Module<TorchBackend> for TorchModel {
 impl kiln_core::model::Definition for TorchModel {
     fn definition(&self) -> &Layer {
         &self.spec
+    }
+}
+
+impl TorchModel {
+    /// The forward pass over token ids `input` with their attention `mask`
+    /// (`None`: no padding).
+    pub(crate) fn forward_masked(&self, input: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
+        if mask.is_some() && self.routers.is_some() {
+            return Err(Error::unsupported(
+                "an attention mask on a mixture of experts: its router losses would count \
+                 the padding, which transformers leaves out; give unpadded batches"
+                    .to_owned(),
+            ));
+        }
+        let cast;
+        let input = match self.precision {
+            FloatPrecision::Bf16True => {
+                cast = cast_float(input, Kind::BFloat16, "casting the input to bfloat16")?;
+                &cast
+            }
+            FloatPrecision::F16True => {
+                cast = cast_float(input, Kind::Half, "casting the input to float16")?;
+                &cast
+            }
+            FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
+        };
+        self.check_input(input)?;
+        if let Some((_, log)) = &self.routers {
+            log.start();
+        }
+        let pass = Pass {
+            train: self.mode.is_train(),
+            padding: match mask {
+                Some(m) => Some(
+                    m.f_ne(0)
+                        .map_err(|e| torch_error("the attention mask", e))?,
+                ),
+                None => None,
+            },
+        };
+        let run = || {
+            self.run(&self.root, input, &pass).map_err(|e| match e {
+                Failure::Torch(e) => self.explain_failure(input, e),
+                Failure::Layer(e) => e,
+            })
+        };
+        match self.precision.autocast_dtype() {
+            None => run(),
+            Some(dtype) => {
+                let output = crate::autocast(self.device, dtype, run)??;
+                cast_float(&output, Kind::Float, "casting the output to float32")
+            }
+        }
     }
 }
