@@ -3,15 +3,16 @@
 //! This facade re-exports Kiln's backend-neutral crates as modules
 //! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
 //! datasets, loaders, readers, transforms; [`vision`]: image decoding, image
-//! datasets and torchvision's transforms; [`text`]: text rows tokenized for
-//! language models; [`train`]: the `Trainer`, callbacks,
+//! datasets and torchvision's transforms; [`train`]: the `Trainer`, callbacks,
 //! metrics, sinks and checkpoints), the most used names at the root and in
-//! [`prelude`], [`onnx`] (ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`),
-//! [`hf`] (Hugging Face checkpoints and tokenizers),
-//! and, behind features, the backends: `torch` (`kiln-torch`,
-//! libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API) and `ops`
-//! (`kiln-fused-ops` as `fused_ops`: Kiln's own fused C++/CUDA ops). Writing
-//! your own ops in Rust is [`custom_op`] (`kiln-custom-op`), always present.
+//! [`prelude`], and, behind features (all on by default), the backends: `torch`
+//! (`kiln-torch`, libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API);
+//! `ops` (`kiln-fused-ops` as `fused_ops`: Kiln's own fused C++/CUDA ops, and
+//! `torch_op`: ops written in Rust registered in libtorch);
+//! `text` ([`text`]: text rows tokenized for language models; [`hf`]: Hugging
+//! Face checkpoints, tokenizers and PEFT adapters) and `onnx` ([`onnx`]: ONNX
+//! export, `OnnxModel` on ONNX Runtime, `ModelInfo`). Writing your own ops in
+//! Rust is [`custom_op`] (`kiln-custom-op`), always present.
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
 //!
@@ -37,8 +38,11 @@ pub use kiln_custom_op as custom_op;
 pub use kiln_data as data;
 #[cfg(feature = "ops")]
 pub use kiln_fused_ops as fused_ops;
+#[cfg(feature = "text")]
 pub use kiln_hf as hf;
+#[cfg(feature = "onnx")]
 pub use kiln_onnx as onnx;
+#[cfg(feature = "text")]
 pub use kiln_text as text;
 #[cfg(feature = "tf")]
 pub use kiln_tf as tf;
@@ -48,7 +52,7 @@ pub use kiln_tf_op as tf_op;
 #[cfg(feature = "torch")]
 pub use kiln_torch as torch;
 /// Registers Rust ops ([`custom_op`]) in libtorch.
-#[cfg(feature = "torch")]
+#[cfg(feature = "ops")]
 pub use kiln_torch_op as torch_op;
 pub use kiln_train as train;
 pub use kiln_vision as vision;

@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 use crate::error::{BuildError, Result};
 use crate::layout::Layout;
 use crate::tensorflow::replace_symlink;
-use crate::versions::{PYTHON_REQUIREMENTS, VENV_SIZE_GB};
+use crate::versions::{PYTHON_REQUIREMENTS, TORCH_VERSION, VENV_SIZE_GB};
 
 /// The file provisioning writes last into a virtualenv: the requirements'
 /// fingerprint, `site-packages`, and the requirement list.
@@ -200,6 +200,7 @@ fn provision(venv_dir: &Path, layout: &Layout) -> Result<Venv> {
         PYTHON_REQUIREMENTS.join(" "),
         layout.pip_log().display()
     );
+    install_libtorch_first(&venv_python, layout)?;
     pip_install(&venv_python, PYTHON_REQUIREMENTS, &layout.pip_log())?;
 
     let site_packages = verify_imports(&venv_python)?;
@@ -209,6 +210,54 @@ fn provision(venv_dir: &Path, layout: &Layout) -> Result<Venv> {
         python: venv_python,
         site_packages,
     })
+}
+
+/// Installs the torch wheel alone (without its dependencies, a sixth of the
+/// download) and links `.kiln/libtorch` to it: the build's longest chain
+/// (tch's and Kiln's C++ against libtorch's headers) can then compile while
+/// the rest of the virtualenv downloads. Nothing links or runs against it
+/// before the whole install is done (`cargo xtask` builds the executables
+/// after it), and the full install that follows keeps this wheel, being the
+/// pinned version.
+fn install_libtorch_first(python: &Path, layout: &Layout) -> Result<()> {
+    let torch = torch_requirement();
+    pip_install(python, &["--no-deps", &torch], &layout.pip_log())?;
+    let site_packages = purelib(python)?;
+    replace_symlink(&site_packages.join("torch"), &layout.libtorch())?;
+    log::info!(
+        "libtorch is in place ({}); the rest of the virtualenv follows",
+        layout.libtorch().display()
+    );
+    Ok(())
+}
+
+/// The pinned torch wheel, as [`PYTHON_REQUIREMENTS`] lists it.
+fn torch_requirement() -> String {
+    format!("torch=={TORCH_VERSION}")
+}
+
+/// The `site-packages` directory of the interpreter `python`.
+fn purelib(python: &Path) -> Result<PathBuf> {
+    let command = |detail: String| BuildError::Command {
+        command: format!("{} -c 'import sysconfig'", python.display()),
+        detail,
+    };
+    let output = Command::new(python)
+        .args([
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ])
+        .output()
+        .map_err(|e| command(e.to_string()))?;
+    if !output.status.success() {
+        return Err(command(last_lines(
+            &String::from_utf8_lossy(&output.stderr),
+            10,
+        )));
+    }
+    Ok(PathBuf::from(
+        String::from_utf8_lossy(&output.stdout).trim(),
+    ))
 }
 
 fn check_free_space(dir: &Path) -> Result<()> {
@@ -471,6 +520,11 @@ fn last_lines(text: &str, n: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_wheel_installed_first_is_the_pinned_torch() {
+        assert!(PYTHON_REQUIREMENTS.contains(&torch_requirement().as_str()));
+    }
 
     #[test]
     fn pip_offline_is_reported_as_registry_unreachable() {

@@ -54,11 +54,15 @@ pub fn setup(workspace_root: &Path) -> Result<Setup> {
     let venv = ensure_venv(&layout)?;
 
     let venv_torch = venv.site_packages.join("torch");
+    replace_symlink(&venv_torch, &layout.libtorch())?;
+    // The virtualenv's libtorch is named through `.kiln/libtorch`, as
+    // `.cargo/config.toml` names it for a plain `cargo build` and as the build
+    // that starts while the virtualenv installs names it: the same `LIBTORCH`
+    // for every build, so none recompiles another's C++.
     let libtorch = match user_path_var("LIBTORCH", &layout.libtorch()) {
         Some(dir) => Libtorch::at(&dir, "LIBTORCH")?,
-        None => Libtorch::at(&venv_torch, "the project virtualenv")?,
+        None => Libtorch::at(&layout.libtorch(), "the project virtualenv")?,
     };
-    replace_symlink(&venv_torch, &layout.libtorch())?;
 
     let tensorflow = match user_path_var("LIBTENSORFLOW", Path::new("")) {
         Some(dir) => Tensorflow::at(&dir, "LIBTENSORFLOW")?,

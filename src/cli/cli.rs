@@ -7,8 +7,14 @@ use clap::Parser;
 
 use crate::args::{Cli, Command, TuneCommand};
 use crate::engines::{needs_tensorflow, Engines};
+#[cfg(not(feature = "text"))]
+use crate::features::Feature;
+use crate::features::{FeatureMissing, FEATURES_MISSING_EXIT_CODE};
 use crate::forward::{self, NeedsTensorflow};
-use crate::{consolidate, evaluate, export, generate, inspect, launch, train, tune_lr};
+#[cfg(feature = "text")]
+use crate::generate;
+use crate::needs::missing_feature;
+use crate::{consolidate, evaluate, export, inspect, launch, train, tune_lr};
 
 /// Prints the error and exits as `kiln` does when a command fails.
 fn exit_with(error: &anyhow::Error) -> ! {
@@ -19,6 +25,8 @@ fn exit_with(error: &anyhow::Error) -> ! {
         .map_or(1, launch::Interrupted::exit_code);
     let code = if error.downcast_ref::<forward::TensorflowMissing>().is_some() {
         forward::TENSORFLOW_MISSING_EXIT_CODE
+    } else if error.downcast_ref::<FeatureMissing>().is_some() {
+        FEATURES_MISSING_EXIT_CODE
     } else {
         code
     };
@@ -46,6 +54,10 @@ pub fn run<E: Engines>() {
             // Returns only when kiln-tensorflow could not be run.
             exit_with(&forward::run_tensorflow(&needs));
         }
+    }
+    // `kiln-tensorflow` has every feature; `kiln` may lack some.
+    if let Some(missing) = missing_feature(&cli.command) {
+        exit_with(&missing.into());
     }
     let error = match run_command::<E>(cli.command) {
         Ok(()) => match crate::output::stdout_failure() {
@@ -77,7 +89,10 @@ fn run_command<E: Engines>(command: Command) -> Result<()> {
         Command::Inspect { checkpoint, depth } => inspect::inspect::<E>(&checkpoint, depth),
         Command::Export(args) => export::export::<E>(args),
         Command::Consolidate(args) => consolidate::consolidate(&args),
+        #[cfg(feature = "text")]
         Command::Generate(args) => generate::generate(args),
+        #[cfg(not(feature = "text"))]
+        Command::Generate(_) => Err(FeatureMissing::new(Feature::Text, "kiln generate").into()),
         Command::Launch(args) => launch::launch(args),
         Command::Tune(TuneCommand::Lr(args)) => tune_lr::tune_lr::<E>(args),
     }

@@ -11,6 +11,8 @@ use crate::args::{CheckpointArgs, PredictArgs};
 use crate::config::RunConfig;
 use crate::data::{loader, validation_split, RecordTargets};
 use crate::engines::{run_on, BackendJob, Engines, StrategyEngine};
+#[cfg(not(feature = "onnx"))]
+use crate::features::{Feature, FeatureMissing};
 use crate::formats::{is_onnx, open_checkpoint};
 use crate::model::{load_for_eval, resolve_model};
 use crate::output::{check_output, outln};
@@ -122,8 +124,16 @@ fn predict_on<E: Engines, B: TrainBackend>(args: &PredictArgs, config: &RunConfi
     write_predictions(&args.output, &val.targets(), outputs)
 }
 
+/// Without the `onnx` feature an ONNX model is refused as needing it.
+#[cfg(not(feature = "onnx"))]
+fn predict_onnx<E: Engines>(args: &PredictArgs, _: &RunConfig) -> Result<()> {
+    let what = format!("the ONNX model {}", args.common.checkpoint.display());
+    Err(FeatureMissing::new(Feature::Onnx, what).into())
+}
+
 /// `kiln predict` with an ONNX model: ONNX Runtime over the config's
 /// validation split, in batches of `data.batch_size`.
+#[cfg(feature = "onnx")]
 fn predict_onnx<E: Engines>(args: &PredictArgs, config: &RunConfig) -> Result<()> {
     if args.common.device.is_some_and(|d| d != Device::Cpu) {
         anyhow::bail!("--device: ONNX models run on the CPU (ONNX Runtime's CPU provider)");

@@ -15,6 +15,8 @@ use crate::config::RunConfig;
 use crate::data::validation_split;
 use crate::engines::Engines;
 use crate::engines::Source;
+#[cfg(not(feature = "onnx"))]
+use crate::features::{require, Feature};
 use crate::formats::{open_checkpoint, refuse_other_formats};
 use crate::model::{build_model, resolve_model};
 use crate::output::{check_output, outln};
@@ -60,10 +62,13 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
         options = options.with_output_name(name);
     }
     match args.format {
+        #[cfg(feature = "onnx")]
         ExportFormat::Onnx => {
             kiln_onnx::OnnxExport::new(&source.definition, &source.state, &options)
                 .write(&args.output)?;
         }
+        #[cfg(not(feature = "onnx"))]
+        ExportFormat::Onnx => require(Feature::Onnx, "exporting ONNX")?,
         ExportFormat::Torchscript => {
             let model = build_model::<kiln_torch::TorchBackend>(&source, &args.checkpoint)?;
             kiln_torch::export_torchscript(&model, &args.output, &options)?;

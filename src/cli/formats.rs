@@ -6,6 +6,9 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use kiln_train::Checkpoint;
 
+#[cfg(not(feature = "text"))]
+use crate::features::{Feature, FeatureMissing};
+
 /// Reads the Kiln checkpoint at `path` to evaluate, predict with or export it,
 /// after checking that it is one: a pipe, a device, a TorchScript file or an
 /// ONNX model is named as what it is, and a checkpoint holding NaN or infinite
@@ -31,10 +34,18 @@ pub(crate) fn open_checkpoint(path: &Path) -> Result<Checkpoint> {
     Ok(checkpoint)
 }
 
+/// Without the `text` feature a directory is refused as needing it.
+#[cfg(not(feature = "text"))]
+fn open_pretrained(path: &Path) -> Result<Checkpoint> {
+    let what = format!("the model directory {}", path.display());
+    Err(FeatureMissing::new(Feature::Text, what).into())
+}
+
 /// A Hugging Face model directory (`config.json` and its safetensors) as the
 /// weights of a checkpoint: what `kiln eval` and `kiln predict` run under the
 /// config's model (`[model] pretrained` naming this directory, so that its
 /// head is the checkpoint's own), with no training position.
+#[cfg(feature = "text")]
 fn open_pretrained(path: &Path) -> Result<Checkpoint> {
     if !path.join(kiln_hf::CONFIG).is_file() {
         anyhow::bail!(

@@ -77,7 +77,10 @@ pub(crate) fn inspect<E: Engines>(path: &Path, depth: Option<i64>) -> Result<()>
         return inspect_torchscript(path);
     }
     if crate::formats::is_onnx(path) {
+        #[cfg(feature = "onnx")]
         out!("{}", kiln_onnx::ModelInfo::read(path)?);
+        #[cfg(not(feature = "onnx"))]
+        crate::features::require(crate::features::Feature::Onnx, "inspecting an ONNX model")?;
         return Ok(());
     }
     let checkpoint = Checkpoint::load(path)?;

@@ -46,7 +46,7 @@ pub struct LaunchArgs {
     max_restarts: u32,
     /// Run PROGRAM in each worker instead of this kiln binary.
     #[arg(long, value_name = "PROGRAM")]
-    exec: Option<PathBuf>,
+    pub(crate) exec: Option<PathBuf>,
     /// Start each line a worker prints with `[rank N] `.
     #[arg(long)]
     prefix_output: bool,
@@ -56,7 +56,7 @@ pub struct LaunchArgs {
     grace_period: f64,
     /// Each worker's arguments: a kiln command (`train --config CFG`), or PROGRAM's.
     #[arg(last = true, value_name = "ARGS")]
-    args: Vec<OsString>,
+    pub(crate) args: Vec<OsString>,
 }
 
 /// The launcher stopped because it received a signal, which it forwarded to

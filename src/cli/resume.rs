@@ -181,7 +181,9 @@ pub(crate) fn data_identity(config: &RunConfig, data: &Data) -> serde_json::Valu
             hash.eat(x.as_bytes());
             hash.eat(y.as_bytes());
         }
-        Split::Images(_) | Split::Text(_) => hash.eat(data.probe.as_bytes()),
+        Split::Images(_) => hash.eat(data.probe.as_bytes()),
+        #[cfg(feature = "text")]
+        Split::Text(_) => hash.eat(data.probe.as_bytes()),
     }
     let location = match &config.data.source {
         crate::config::DataSource::Webdataset(s) => s.shards.clone(),

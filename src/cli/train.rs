@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kiln_core::backend::{TrainBackend, Trainable};
 use kiln_core::distributed::Rendezvous;
 use kiln_train::{RunDirectory, RunStart, Trainer, TrainingState};
@@ -385,16 +385,30 @@ fn use_average<B: TrainBackend, M: Trainable<B>>(
     Ok(())
 }
 
+/// Without the `text` feature a pretrained model is refused as needing it.
+#[cfg(not(feature = "text"))]
+fn save_adapter(
+    _: &kiln_core::lora::LoraConfig,
+    _: &PretrainedModel,
+    _: &StateDict,
+    _: &Path,
+) -> Result<()> {
+    let missing = crate::features::Feature::Text;
+    Err(crate::features::FeatureMissing::new(missing, "a Hugging Face model").into())
+}
+
 /// Writes the trained LoRA adapters of a pretrained model to `dir` in PEFT's
 /// format (`PeftModel.from_pretrained(base, dir)` loads them). A resumed run
 /// replaces the adapter its directory holds (written beside it, then moved
 /// into place); a `dir` holding anything else is left alone with an error.
+#[cfg(feature = "text")]
 fn save_adapter(
     lora: &kiln_core::lora::LoraConfig,
     source: &PretrainedModel,
     weights: &StateDict,
     dir: &Path,
 ) -> Result<()> {
+    use anyhow::Context;
     use kiln_hf::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
     let pretrained = source.open()?;
     if !dir.exists() {

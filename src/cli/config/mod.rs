@@ -54,6 +54,11 @@ use kiln_train::metric_by_name;
 use kiln_train::CheckpointPolicy;
 use kiln_train::TrainerConfig;
 
+#[cfg(not(feature = "text"))]
+use crate::features::{Feature, FeatureMissing};
+#[cfg(feature = "text")]
+use kiln_text::IGNORE_INDEX;
+
 pub use data::{DataConfig, DataSource, ImageFolderSource, ImageSize, ShardSource};
 pub use distributed::{DistributedConfig, StrategyName};
 use key_path::tagged_key_path;
@@ -109,6 +114,7 @@ pub struct PretrainedModel {
 
 impl PretrainedModel {
     /// The directory read, with the config's overrides and the head.
+    #[cfg(feature = "text")]
     pub fn open(&self) -> std::result::Result<kiln_hf::Pretrained, kiln_hf::HfError> {
         let pretrained = kiln_hf::Pretrained::open_with_config(&self.dir, &self.config)?;
         match (&self.head, self.num_labels) {
@@ -142,7 +148,7 @@ fn expand_pretrained(
     // A directory, or a model named as on the Hub (`"Qwen/Qwen3-0.6B"`)
     // found in the local Hugging Face cache.
     let dir = match dir {
-        toml::Value::String(s) => kiln_hf::resolve_model(&s, revision.as_deref())
+        toml::Value::String(s) => resolve_pretrained(&s, revision.as_deref())
             .map_err(|e| format!("key `model.pretrained`: {e}"))?,
         other => {
             return Err(format!(
@@ -198,14 +204,54 @@ fn expand_pretrained(
         num_labels,
         config,
     };
+    root["model"] = pretrained_definition(&source)?;
+    Ok(Some(source))
+}
+
+/// The directory of a pretrained model: `id` itself, or a model named as on the
+/// Hub in the local Hugging Face cache.
+#[cfg(feature = "text")]
+fn resolve_pretrained(id: &str, revision: Option<&str>) -> std::result::Result<PathBuf, String> {
+    kiln_hf::resolve_model(id, revision).map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "text"))]
+fn resolve_pretrained(_: &str, _: Option<&str>) -> std::result::Result<PathBuf, String> {
+    Err(FeatureMissing::new(Feature::Text, "a Hugging Face model").to_string())
+}
+
+/// The definition (as TOML) of the model `source` describes.
+#[cfg(feature = "text")]
+fn pretrained_definition(source: &PretrainedModel) -> std::result::Result<toml::Value, String> {
     let pretrained = source
         .open()
         .map_err(|e| format!("key `model.pretrained`: {e}"))?;
-    let layer = toml::Value::try_from(pretrained.layer())
-        .map_err(|e| format!("key `model.pretrained`: the definition does not fit TOML: {e}"))?;
-    root["model"] = layer;
-    Ok(Some(source))
+    toml::Value::try_from(pretrained.layer())
+        .map_err(|e| format!("key `model.pretrained`: the definition does not fit TOML: {e}"))
 }
+
+#[cfg(not(feature = "text"))]
+fn pretrained_definition(_: &PretrainedModel) -> std::result::Result<toml::Value, String> {
+    Err(FeatureMissing::new(Feature::Text, "a Hugging Face model").to_string())
+}
+
+/// Whether text data trains a causal language model (next-token targets).
+#[cfg(feature = "text")]
+fn is_causal(text: &data::TextSource) -> Result<bool> {
+    Ok(text.task()?.is_causal())
+}
+
+#[cfg(not(feature = "text"))]
+fn is_causal(_: &data::TextSource) -> Result<bool> {
+    Err(Error::invalid_argument(
+        "data.dataset",
+        FeatureMissing::new(Feature::Text, "text data").to_string(),
+    ))
+}
+
+/// The target of a position that has none (PyTorch's `ignore_index` default).
+#[cfg(not(feature = "text"))]
+const IGNORE_INDEX: i64 = -100;
 
 /// A whole run: model, data, optimisation, outputs.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -362,14 +408,13 @@ impl RunConfig {
         let DataSource::Text(text) = &self.data.source else {
             return Ok(());
         };
-        let task = text.task()?;
-        if !task.is_causal() {
+        if !is_causal(text)? {
             return Ok(());
         }
         match &mut self.loss {
             Loss::CrossEntropy(c) => match c.ignore_index {
-                None => c.ignore_index = Some(kiln_text::IGNORE_INDEX),
-                Some(kiln_text::IGNORE_INDEX) => {}
+                None => c.ignore_index = Some(IGNORE_INDEX),
+                Some(IGNORE_INDEX) => {}
                 Some(other) => {
                     return Err(Error::invalid_argument(
                         "loss.ignore_index",

@@ -49,6 +49,7 @@ pub(crate) fn loader(
                 sampler(shuffle)?,
             )))
         }
+        #[cfg(feature = "text")]
         Split::Text(split) => {
             let collate = kiln_text::PadCollate::new(split.pad_id)
                 .flatten_targets(split.causal)

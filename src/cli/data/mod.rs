@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use crate::config::{DataSource, RunConfig};
 use crate::engines::Engines;
+#[cfg(not(feature = "text"))]
+use crate::features::{Feature, FeatureMissing};
 use crate::prelude::*;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
@@ -18,11 +20,13 @@ use kiln_vision::WebDataset;
 
 mod images;
 mod loader;
+#[cfg(feature = "text")]
 mod text;
 
 use images::load_images;
 pub(crate) use loader::{loader, RecordTargets};
-use text::{load_text, TextSplit};
+#[cfg(feature = "text")]
+use text::load_text;
 
 /// The workspace's provisioned data directory, for the default digits path
 /// (this crate is `src/cli/` in the workspace).
@@ -44,7 +48,21 @@ pub(crate) enum Split {
     /// Image files, decoded and transformed by the loader's workers.
     Images(ImageSplit),
     /// Text rows, tokenized by the loader's workers and padded per batch.
+    #[cfg(feature = "text")]
     Text(TextSplit),
+}
+
+/// A split of tokenized text examples, padded per batch.
+#[cfg(feature = "text")]
+pub(crate) struct TextSplit {
+    pub(crate) dataset: SampleDataset,
+    /// The id padding inputs.
+    pub(crate) pad_id: i64,
+    /// Whether targets are a language model's (flattened with the logits).
+    pub(crate) causal: bool,
+    /// Whether inputs carry their attention mask (`[batch, 2, len]`): a
+    /// classifier over rows of several lengths, on libtorch.
+    pub(crate) attention_mask: bool,
 }
 
 /// A split of image files.
@@ -64,6 +82,7 @@ impl Split {
         match self {
             Split::Tensors(_, y) => y.dims().first().copied().unwrap_or(0),
             Split::Images(s) => s.dataset.len(),
+            #[cfg(feature = "text")]
             Split::Text(s) => s.dataset.len(),
         }
     }
@@ -104,7 +123,12 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     // for a labels array, whose examples are its records).
     let (features, labels, origin_path, first_line) = match &data.source {
         DataSource::ImageFolder(_) | DataSource::Webdataset(_) => return load_images::<E>(config),
+        #[cfg(feature = "text")]
         DataSource::Text(_) => return load_text::<E>(config),
+        #[cfg(not(feature = "text"))]
+        DataSource::Text(_) => {
+            return Err(FeatureMissing::new(Feature::Text, "text data").into());
+        }
         DataSource::Digits(digits) => {
             let path = digits.path.clone().unwrap_or_else(default_digits);
             let (x, y) = load_digits(&path).with_context(|| {

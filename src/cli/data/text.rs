@@ -12,22 +12,10 @@ use kiln_data::{split_indices, Dataset, Subset};
 use kiln_hf::{Pretrained, TextTokenizer};
 use kiln_text::{PackedText, TextDataset, TextOptions, TextTask};
 
-use super::{Data, SampleDataset, Split};
+use super::{Data, SampleDataset, Split, TextSplit};
 use crate::config::RunConfig;
 use crate::engines::Engines;
 use crate::prelude::*;
-
-/// A split of tokenized text examples, padded per batch.
-pub(crate) struct TextSplit {
-    pub(crate) dataset: SampleDataset,
-    /// The id padding inputs.
-    pub(crate) pad_id: i64,
-    /// Whether targets are a language model's (flattened with the logits).
-    pub(crate) causal: bool,
-    /// Whether inputs carry their attention mask (`[batch, 2, len]`): a
-    /// classifier over rows of several lengths, on libtorch.
-    pub(crate) attention_mask: bool,
-}
 
 /// The directory of the tokenizer: `data.tokenizer`, else `model.pretrained`.
 pub(crate) fn tokenizer_dir(config: &RunConfig) -> Result<PathBuf> {

@@ -9,6 +9,8 @@ use kiln_core::backend::TrainBackend;
 use crate::config::{FrozenBatchNorm, PretrainedModel, RunConfig};
 use crate::data::{load_data, loader, Split};
 use crate::engines::Engines;
+#[cfg(not(feature = "text"))]
+use crate::features::{Feature, FeatureMissing};
 use crate::model::resolve_model;
 use crate::prelude::*;
 use crate::resume::data_identity;
@@ -115,6 +117,7 @@ pub(crate) fn prepare<E: Engines, B: TrainBackend>(
 
 /// Loads the weights of `[model] pretrained` into `model`: every tensor of the
 /// checkpoint's model (a new head keeps its initial values).
+#[cfg(feature = "text")]
 fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedModel) -> Result<()> {
     let pretrained = source
         .open()
@@ -136,6 +139,12 @@ fn load_pretrained<B: TrainBackend>(model: &mut B::Model, source: &PretrainedMod
     Ok(())
 }
 
+/// Without the `text` feature a pretrained model is refused as needing it.
+#[cfg(not(feature = "text"))]
+fn load_pretrained<B: TrainBackend>(_: &mut B::Model, _: &PretrainedModel) -> Result<()> {
+    Err(FeatureMissing::new(Feature::Text, "a Hugging Face model").into())
+}
+
 /// Adds `[lora]`'s adapters to `model`; the adapter is written in PEFT's
 /// format at the end of the run, so a target PEFT cannot hold (GPT-2's fused
 /// `c_attn`) is refused now.
@@ -146,14 +155,7 @@ fn add_lora<B: TrainBackend>(
 ) -> Result<()> {
     let adapters = B::add_lora(model, lora).context("config key `lora`")?;
     if let Some(source) = &config.pretrained {
-        let modules: Vec<&str> = adapters
-            .iter()
-            .filter_map(|n| n.strip_suffix(&format!(".{}", kiln_core::lora::LORA_A)))
-            .collect();
-        source
-            .open()?
-            .check_adapter_modules(modules)
-            .context("config key `lora.target_modules`")?;
+        check_peft_targets(source, &adapters)?;
     }
     log::info!(
         "LoRA: {} adapter tensors (r = {}, alpha = {}) on {}; the rest is frozen",
@@ -163,6 +165,26 @@ fn add_lora<B: TrainBackend>(
         lora.target_modules.join(", ")
     );
     Ok(())
+}
+
+/// Refuses adapters PEFT's format cannot hold on `source`'s model (GPT-2's
+/// fused `c_attn`), given the adapters' tensor names.
+#[cfg(feature = "text")]
+fn check_peft_targets(source: &PretrainedModel, adapters: &[String]) -> Result<()> {
+    let modules: Vec<&str> = adapters
+        .iter()
+        .filter_map(|n| n.strip_suffix(&format!(".{}", kiln_core::lora::LORA_A)))
+        .collect();
+    source
+        .open()?
+        .check_adapter_modules(modules)
+        .context("config key `lora.target_modules`")?;
+    Ok(())
+}
+
+#[cfg(not(feature = "text"))]
+fn check_peft_targets(_: &PretrainedModel, _: &[String]) -> Result<()> {
+    Err(FeatureMissing::new(Feature::Text, "a Hugging Face model").into())
 }
 
 /// Freezes the parameters `freeze` names (and, with `frozen_batch_norm =

@@ -8,7 +8,8 @@
 //!                              one at a time, as cargo runs them)
 //! cargo xtask run [ARGS]       setup, then `cargo run ARGS`
 //! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS (built with
-//!                              libtorch only; kiln-tensorflow is built when a command first needs it;
+//!                              libtorch only, and without the optional features until a command
+//!                              needs one; kiln-tensorflow is built when a command first needs it;
 //!                              on a fresh machine, what needs no native library compiles while the
 //!                              virtualenv installs)
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
@@ -61,23 +62,10 @@ fn main() -> ExitCode {
         Some("run") => std::iter::once(OsString::from("run"))
             .chain(rest.iter().cloned())
             .collect(),
-        // libtorch only: the TensorFlow crates are not compiled for a torch run.
-        Some("kiln") => [
-            "run",
-            "--release",
-            "-p",
-            "kiln",
-            "--no-default-features",
-            "--features",
-            TORCH_FEATURES,
-            "--bin",
-            "kiln",
-            "--",
-        ]
-        .into_iter()
-        .map(OsString::from)
-        .chain(rest.iter().cloned())
-        .collect(),
+        // libtorch only, and at first without the optional features: neither
+        // the TensorFlow crates nor tokenizers, parquet and ONNX are compiled
+        // for a torch run that does not need them.
+        Some("kiln") => kiln_run(kiln_features(), &rest),
         Some("cargo") if !rest.is_empty() => rest.clone(),
         _ => {
             eprintln!("{USAGE}");
@@ -116,6 +104,25 @@ fn main() -> ExitCode {
         // `kiln` then exits with TENSORFLOW_MISSING having read and written
         // nothing, and the command runs again once it is there.
         Some("kiln") => match cargo_status(&ready, &cargo_args) {
+            Some(FEATURES_MISSING) if kiln_features() == LEAN_FEATURES => {
+                log::info!(
+                    "this command needs more of Kiln than the main job: building kiln with every \
+                     feature (once; later runs use that build)"
+                );
+                let full = kiln_run(FULL_FEATURES, &rest);
+                let build: Vec<OsString> = std::iter::once(OsString::from("build"))
+                    .chain(full[1..].iter().take_while(|a| *a != "--").cloned())
+                    .collect();
+                match run_cargo(&ready, &build) {
+                    built if built == ExitCode::SUCCESS => {
+                        if let Err(error) = std::fs::write(full_features_marker(), FULL_FEATURES) {
+                            log::warn!("cannot remember that kiln has every feature: {error}");
+                        }
+                        run_cargo(&ready, &full)
+                    }
+                    failed => failed,
+                }
+            }
             Some(TENSORFLOW_MISSING) if !tensorflow_exe().is_file() => {
                 log::info!(
                     "this command needs TensorFlow: building kiln-tensorflow (once; later runs \
@@ -179,9 +186,53 @@ fn cuda_buildable(ready: &Setup) -> bool {
     ready.libtorch.has_cuda() && (given || provisioned)
 }
 
-/// The features of `kiln`, the CLI with libtorch only (its default features
-/// add TensorFlow, which `kiln-tensorflow` holds).
-const TORCH_FEATURES: &str = "torch,ops";
+/// The features of `kiln` (the CLI with libtorch only; TensorFlow is in
+/// `kiln-tensorflow`) for the main job: libtorch and nothing optional.
+const LEAN_FEATURES: &str = "torch";
+
+/// Every feature of `kiln` but TensorFlow: Kiln's fused ops, language models
+/// (tokenizers, text data, Hugging Face checkpoints) and ONNX.
+const FULL_FEATURES: &str = "torch,ops,text,onnx";
+
+/// `kiln`'s exit status when a command needs a feature it was built without
+/// (`kiln_cli::FEATURES_MISSING_EXIT_CODE`): nothing was read or written.
+const FEATURES_MISSING: i32 = 69;
+
+/// `cargo run` of the release `kiln` with `features` and the arguments `rest`.
+fn kiln_run(features: &str, rest: &[OsString]) -> Vec<OsString> {
+    [
+        "run",
+        "--release",
+        "-p",
+        "kiln",
+        "--no-default-features",
+        "--features",
+        features,
+        "--bin",
+        "kiln",
+        "--",
+    ]
+    .into_iter()
+    .map(OsString::from)
+    .chain(rest.iter().cloned())
+    .collect()
+}
+
+/// The features `cargo xtask kiln` builds `kiln` with: [`LEAN_FEATURES`] until
+/// a command has needed more, then [`FULL_FEATURES`] (remembered beside the
+/// build, so that the two builds do not replace each other in turn).
+fn kiln_features() -> &'static str {
+    if full_features_marker().is_file() {
+        FULL_FEATURES
+    } else {
+        LEAN_FEATURES
+    }
+}
+
+/// The file that says `target/release/kiln` has every feature.
+fn full_features_marker() -> PathBuf {
+    release_dir().join("kiln.all-features")
+}
 
 /// `kiln`'s exit status when a command needs `kiln-tensorflow` and it is not
 /// built (`kiln_cli::TENSORFLOW_MISSING_EXIT_CODE`; this crate builds before
@@ -190,10 +241,15 @@ const TENSORFLOW_MISSING: i32 = 78;
 
 /// Where `cargo build --release` puts `kiln-tensorflow`.
 fn tensorflow_exe() -> PathBuf {
+    release_dir().join("kiln-tensorflow")
+}
+
+/// Where `cargo build --release` puts executables.
+fn release_dir() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_root().join("target"));
-    target.join("release").join("kiln-tensorflow")
+    target.join("release")
 }
 
 /// The workspace this binary was built from (cargo sets `CARGO_MANIFEST_DIR` for

@@ -1,22 +1,23 @@
 //! Compiling while the virtualenv installs.
 //!
 //! On a fresh machine, `cargo xtask kiln` first installs the project virtualenv
-//! (minutes of downloading and unpacking wheels), and only then can cargo build
-//! the CLI: libtorch comes from that virtualenv. But most of the build (every
-//! third-party crate, and Kiln's crates that link no native library) needs
-//! nothing from it. [`Prebuild`] runs that part of the same build alongside the
-//! install: `cargo build --keep-going` with the same package, features and
-//! profile, and a `LIBTORCH` that does not exist yet, so `torch-sys` (and what
-//! depends on it) fails at once while everything else compiles. Its units are
-//! exactly the ones the real build then finds fresh; what failed is built then.
-//! When the virtualenv is ready the real build waits for the prebuild to end
-//! rather than stopping it: the machine's cores are busy either way, and what
-//! it compiles the real build would compile next. (Measured on two cores, a
-//! cold `cargo xtask kiln train`: 555 s and 594 s so, as the network's share
-//! varied; 591 s stopping the prebuild when
-//! the virtualenv was ready, which lost the units in flight; 583 s with the
-//! prebuild at the lowest CPU priority, which gave pip the CPU and left more
-//! of the build for after it.)
+//! (minutes of downloading and unpacking wheels), and only then can cargo link
+//! the CLI: libtorch comes from that virtualenv. But most of the build needs
+//! nothing from it (every third-party crate, and Kiln's crates that link no
+//! native library), and the C++ against libtorch needs only its headers, which
+//! the provisioning installs first (the torch wheel alone, linked as
+//! `.kiln/libtorch`) before the rest. [`Prebuild`] runs the same build
+//! alongside the install: `cargo build --keep-going` with the same package,
+//! features, profile and `LIBTORCH`, so its units are exactly the ones the
+//! real build then finds fresh; a unit that reached for the virtualenv too
+//! early fails, and the real build makes it. When the virtualenv is ready the
+//! real build waits for the prebuild to end rather than stopping it: the
+//! machine's cores are busy either way, and what it compiles the real build
+//! would compile next. (Measured on two cores, a cold `cargo xtask kiln
+//! train` before the torch wheel came first: 555 s and 594 s, as the network's
+//! share varied; 591 s stopping the prebuild when the virtualenv was ready,
+//! which lost the units in flight; 583 s with the prebuild at the lowest CPU
+//! priority, which gave pip the CPU and left more of the build for after it.)
 
 use std::ffi::OsString;
 use std::fs::File;
@@ -56,9 +57,12 @@ impl Prebuild {
             .arg("build")
             .args(until_args)
             .arg("--keep-going")
-            // Absent until the virtualenv is in place: whatever needs libtorch
-            // fails now and is built for real afterwards.
-            .env("LIBTORCH", layout.root().join("libtorch-not-yet-installed"))
+            // As the real build sets it. The provisioning links it to the
+            // torch wheel as soon as that is installed (before the rest of the
+            // virtualenv), so the C++ against libtorch compiles alongside the
+            // install; whatever reaches for it before that fails now and is
+            // built afterwards.
+            .env("LIBTORCH", layout.libtorch())
             // As the real build sets it, so that no unit's fingerprint differs.
             .env("PKG_CONFIG_PATH", kiln_build::pkg_config_path(&layout))
             .current_dir(root)

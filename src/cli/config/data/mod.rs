@@ -498,6 +498,7 @@ impl DataConfig {
 
 impl TextSource {
     /// The text task the keys describe.
+    #[cfg(feature = "text")]
     pub fn task(&self) -> Result<kiln_text::TextTask> {
         use kiln_text::{PromptTemplate, TextTask};
         let template = |key: &str, source: &str| {
@@ -528,7 +529,16 @@ impl TextSource {
         }
     }
 
+    /// Without the `text` feature, text data is refused as needing it.
+    #[cfg(not(feature = "text"))]
+    fn validate(&self) -> Result<()> {
+        let missing =
+            crate::features::FeatureMissing::new(crate::features::Feature::Text, "text data");
+        Err(Error::invalid_argument("data.dataset", missing.to_string()))
+    }
+
     /// Checks the text keys.
+    #[cfg(feature = "text")]
     fn validate(&self) -> Result<()> {
         let task = self.task()?;
         if self.max_length == Some(0) {
