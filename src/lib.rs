@@ -2,17 +2,17 @@
 //!
 //! This facade re-exports Kiln's backend-neutral crates as modules
 //! ([`core`]: tensors, traits, model/loss/optimizer definitions; [`data`]:
-//! datasets, loaders, readers, transforms; [`vision`]: image decoding, image
-//! datasets and torchvision's transforms; [`train`]: the `Trainer`, callbacks,
-//! metrics, sinks and checkpoints), the most used names at the root and in
-//! [`prelude`], and, behind features (all on by default), the backends: `torch`
-//! (`kiln-torch`, libtorch through tch), `tf` (`kiln-tf`, the TensorFlow C API);
-//! `ops` (`kiln-fused-ops` as `fused_ops`: Kiln's own fused C++/CUDA ops, and
-//! `torch_op`: ops written in Rust registered in libtorch);
+//! datasets, loaders, readers, transforms; [`train`]: the `Trainer`,
+//! callbacks, metrics, sinks and checkpoints), the most used names at the root
+//! and in [`prelude`], and, behind features (all on by default), the backends:
+//! `torch` (`kiln-torch`, libtorch through tch), `tf` (`kiln-tf`, the
+//! TensorFlow C API); `ops` (`kiln-fused-ops` as `fused_ops`: Kiln's own fused
+//! C++/CUDA ops, and `torch_op`: ops written in Rust registered in libtorch);
 //! `text` ([`text`]: text rows tokenized for language models; [`hf`]: Hugging
-//! Face checkpoints, tokenizers and PEFT adapters) and `onnx` ([`onnx`]: ONNX
-//! export, `OnnxModel` on ONNX Runtime, `ModelInfo`). Writing your own ops in
-//! Rust is [`custom_op`] (`kiln-custom-op`), always present.
+//! Face checkpoints, tokenizers and PEFT adapters), `vision` ([`vision`]: image
+//! decoding, image datasets and torchvision's transforms) and `onnx`
+//! ([`onnx`]: ONNX export, `OnnxModel` on ONNX Runtime, `ModelInfo`). Writing
+//! your own ops in Rust is [`custom_op`] (`kiln-custom-op`), always present.
 //! Training code is written against [`Backend`], [`Module`], [`Optimizer`] and
 //! [`DataLoader`] and monomorphised for a backend.
 //!
@@ -55,6 +55,7 @@ pub use kiln_torch as torch;
 #[cfg(feature = "ops")]
 pub use kiln_torch_op as torch_op;
 pub use kiln_train as train;
+#[cfg(feature = "vision")]
 pub use kiln_vision as vision;
 
 pub use kiln_core::backend::{Backend, Mode};

@@ -15,13 +15,13 @@ mkdir -p "$out/kiln-gpu/bin"
 json="$out/build.jsonl"
 : >"$json"
 build() { cargo xtask cargo "$@" --message-format=json-render-diagnostics >>"$json"; }
-build bench --bench compare --no-default-features --features torch,cuda,text --no-run
+build bench --bench compare --no-default-features --features torch,cuda,text,vision --no-run
 build test -p kiln-fused-ops --no-default-features --features cuda --no-run
 build bench -p kiln-fused-ops --bench cuda_ops --no-default-features --features cuda --no-run
 build test -p kiln-torch --features cuda --no-run
 build test -p kiln-c10d --features cuda --no-run
 build build --release --example digits --no-default-features --features torch,cuda
-build build --release --bin kiln --no-default-features --features torch,cuda,text
+build build --release --bin kiln --no-default-features --features torch,cuda,text,vision
 python3 - "$json" "$out/kiln-gpu" "$PWD" <<'PY'
 import json, os, shutil, subprocess, sys
 

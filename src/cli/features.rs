@@ -3,10 +3,10 @@
 //!
 //! `cargo xtask kiln` builds `kiln` with libtorch alone at first (the main job,
 //! a CNN on the digits, needs nothing more), and a command that needs more
-//! (a Hugging Face model or text data, ONNX, Kiln's fused ops as layers) makes
-//! `kiln` exit with [`FEATURES_MISSING_EXIT_CODE`] having read and written
-//! nothing: the xtask then builds `kiln` with every feature, once, and runs the
-//! command again. `needs.rs` decides from the command line and the config's
+//! (a Hugging Face model or text data, image files, ONNX, Kiln's fused ops as
+//! layers) makes `kiln` exit with [`FEATURES_MISSING_EXIT_CODE`] having read
+//! and written nothing: the xtask then builds `kiln` with every feature, once,
+//! and runs the command again. `needs.rs` decides from the command line and the config's
 //! TOML alone (no data, checkpoint or model read), as `needs_tensorflow` does
 //! for TensorFlow; [`FeatureMissing`] in the code that a feature removes is the
 //! safety net, for a case it did not foresee. A leaf: it imports no module of
@@ -28,6 +28,9 @@ pub(crate) enum Feature {
     /// Language models: Hugging Face checkpoints, tokenizers, text data,
     /// PEFT adapters and generation (kiln-hf, kiln-text).
     Text,
+    /// Image data: decoders, image folders, WebDataset shards and
+    /// torchvision's transforms (kiln-vision).
+    Vision,
     /// ONNX export, and ONNX models to predict with or inspect (kiln-onnx).
     Onnx,
     /// Kiln's fused C++ ops as layers (`type = "custom", op = "kiln::..."`).
@@ -39,6 +42,7 @@ impl Feature {
     pub(crate) fn name(self) -> &'static str {
         match self {
             Feature::Text => "text",
+            Feature::Vision => "vision",
             Feature::Onnx => "onnx",
             Feature::Ops => "ops",
         }
@@ -48,6 +52,7 @@ impl Feature {
     pub(crate) fn compiled(self) -> bool {
         match self {
             Feature::Text => cfg!(feature = "text"),
+            Feature::Vision => cfg!(feature = "vision"),
             Feature::Onnx => cfg!(feature = "onnx"),
             Feature::Ops => cfg!(feature = "ops"),
         }

@@ -111,6 +111,15 @@ fn toml_needs(root: &toml::Value, found: &mut Vec<FeatureMissing>) {
             "text data (`data.dataset = \"text\"`)",
         ));
     }
+    if let Some(kind @ ("image_folder" | "webdataset")) = data
+        .and_then(|d| d.get("dataset"))
+        .and_then(toml::Value::as_str)
+    {
+        found.push(FeatureMissing::new(
+            Feature::Vision,
+            format!("image data (`data.dataset = \"{kind}\"`)"),
+        ));
+    }
     if let Some(op) = model.and_then(fused_op) {
         found.push(FeatureMissing::new(
             Feature::Ops,
@@ -174,6 +183,11 @@ mod tests {
             "ops.toml",
             "[model]\nlayers = [{ type = \"sequential\", layers = [{ type = \"custom\", op = \"kiln::swish\" }] }]\n",
         );
+        let images = config(
+            &dir,
+            "images.toml",
+            "[model]\nlayers = []\n[data]\ndataset = \"webdataset\"\nshards = \"s-{0..1}.tar\"\n",
+        );
         let mine = config(
             &dir,
             "mine.toml",
@@ -188,6 +202,7 @@ mod tests {
         assert!(features_of(&["train", "--config", &mine]).is_empty());
         assert_eq!(features_of(&["train", "--config", &hf]), ["text", "text"]);
         assert_eq!(features_of(&["tune", "lr", "--config", &ops]), ["ops"]);
+        assert_eq!(features_of(&["train", "--config", &images]), ["vision"]);
         assert_eq!(
             features_of(&["eval", "--config", &plain, "--checkpoint", &hf_dir]),
             ["text"]

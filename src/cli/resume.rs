@@ -181,6 +181,7 @@ pub(crate) fn data_identity(config: &RunConfig, data: &Data) -> serde_json::Valu
             hash.eat(x.as_bytes());
             hash.eat(y.as_bytes());
         }
+        #[cfg(feature = "vision")]
         Split::Images(_) => hash.eat(data.probe.as_bytes()),
         #[cfg(feature = "text")]
         Split::Text(_) => hash.eat(data.probe.as_bytes()),

@@ -59,7 +59,9 @@ use crate::features::{Feature, FeatureMissing};
 #[cfg(feature = "text")]
 use kiln_text::IGNORE_INDEX;
 
-pub use data::{DataConfig, DataSource, ImageFolderSource, ImageSize, ShardSource};
+pub use data::{DataConfig, DataSource};
+#[cfg(feature = "vision")]
+pub use data::{ImageFolderSource, ImageSize, ShardSource};
 pub use distributed::{DistributedConfig, StrategyName};
 use key_path::tagged_key_path;
 pub use kiln_train::EarlyStoppingConfig;

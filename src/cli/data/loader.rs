@@ -63,6 +63,7 @@ pub(crate) fn loader(
                 sampler(shuffle)?,
             )))
         }
+        #[cfg(feature = "vision")]
         Split::Images(split) => {
             let mut loader = PrefetchLoader::new(split.dataset, data.loader.batch_size)?
                 .num_workers(data.loader.workers)
@@ -129,9 +130,11 @@ fn ordered<D: kiln_data::Dataset, C>(
 }
 
 /// Told apart from the samples' transforms' seed, for the batches' MixUp and CutMix draws.
+#[cfg(feature = "vision")]
 const MIX_SEED: u64 = 0x6d69_7875_705f_6375;
 
 /// `data.shuffle_buffer` when not set: webdataset's common choice.
+#[cfg(feature = "vision")]
 pub(crate) const DEFAULT_SHUFFLE_BUFFER: usize = 1000;
 
 /// A loader that keeps the targets of the batches it gives, in order: the

@@ -6,23 +6,25 @@
 //! split's loader, sharded per rank.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use crate::config::{DataSource, RunConfig};
 use crate::engines::Engines;
-#[cfg(not(feature = "text"))]
+#[cfg(not(all(feature = "text", feature = "vision")))]
 use crate::features::{Feature, FeatureMissing};
 use crate::prelude::*;
 use anyhow::{Context, Result};
 use kiln_core::{loss::Loss, HostTensor};
-use kiln_data::{load_digits, train_test_split, Dataset};
+use kiln_data::{load_digits, train_test_split};
+#[cfg(feature = "vision")]
 use kiln_vision::WebDataset;
 
+#[cfg(feature = "vision")]
 mod images;
 mod loader;
 #[cfg(feature = "text")]
 mod text;
 
+#[cfg(feature = "vision")]
 use images::load_images;
 pub(crate) use loader::{loader, RecordTargets};
 #[cfg(feature = "text")]
@@ -39,13 +41,16 @@ pub(crate) fn default_digits() -> PathBuf {
 }
 
 /// Image samples, transformed: `([C, H, W]` float image, label`)`.
-pub(crate) type SampleDataset = Arc<dyn Dataset<Item = (HostTensor, HostTensor)>>;
+#[cfg(any(feature = "text", feature = "vision"))]
+pub(crate) type SampleDataset =
+    std::sync::Arc<dyn kiln_data::Dataset<Item = (HostTensor, HostTensor)>>;
 
 /// One split of the configured data.
 pub(crate) enum Split {
     /// Examples held in memory: features and labels.
     Tensors(HostTensor, HostTensor),
     /// Image files, decoded and transformed by the loader's workers.
+    #[cfg(feature = "vision")]
     Images(ImageSplit),
     /// Text rows, tokenized by the loader's workers and padded per batch.
     #[cfg(feature = "text")]
@@ -66,14 +71,15 @@ pub(crate) struct TextSplit {
 }
 
 /// A split of image files.
+#[cfg(feature = "vision")]
 pub(crate) struct ImageSplit {
     /// The transformed samples.
     dataset: SampleDataset,
     /// A webdataset's shards, which order each epoch (shards shuffled, then a
     /// shuffle buffer, then a block per rank) instead of the loader's shuffle.
-    shards: Option<Arc<WebDataset>>,
+    shards: Option<std::sync::Arc<WebDataset>>,
     /// Training batches' MixUp / CutMix (`data.mixup_alpha`, `data.cutmix_alpha`).
-    mix: Option<Arc<dyn kiln_vision::transforms::BatchTransform>>,
+    mix: Option<std::sync::Arc<dyn kiln_vision::transforms::BatchTransform>>,
 }
 
 impl Split {
@@ -81,6 +87,7 @@ impl Split {
     pub(crate) fn len(&self) -> usize {
         match self {
             Split::Tensors(_, y) => y.dims().first().copied().unwrap_or(0),
+            #[cfg(feature = "vision")]
             Split::Images(s) => s.dataset.len(),
             #[cfg(feature = "text")]
             Split::Text(s) => s.dataset.len(),
@@ -122,7 +129,12 @@ pub(crate) fn load_data<E: Engines>(config: &RunConfig) -> Result<Data> {
     // The file the labels come from, and the line of its first example (None
     // for a labels array, whose examples are its records).
     let (features, labels, origin_path, first_line) = match &data.source {
+        #[cfg(feature = "vision")]
         DataSource::ImageFolder(_) | DataSource::Webdataset(_) => return load_images::<E>(config),
+        #[cfg(not(feature = "vision"))]
+        DataSource::ImageFolder(_) | DataSource::Webdataset(_) => {
+            return Err(FeatureMissing::new(Feature::Vision, "image data").into());
+        }
         #[cfg(feature = "text")]
         DataSource::Text(_) => return load_text::<E>(config),
         #[cfg(not(feature = "text"))]

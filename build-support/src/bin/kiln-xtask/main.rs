@@ -63,8 +63,8 @@ fn main() -> ExitCode {
             .chain(rest.iter().cloned())
             .collect(),
         // libtorch only, and at first without the optional features: neither
-        // the TensorFlow crates nor tokenizers, parquet and ONNX are compiled
-        // for a torch run that does not need them.
+        // the TensorFlow crates nor tokenizers, parquet, the image decoders and
+        // ONNX are compiled for a torch run that does not need them.
         Some("kiln") => kiln_run(kiln_features(), &rest),
         Some("cargo") if !rest.is_empty() => rest.clone(),
         _ => {
@@ -191,8 +191,8 @@ fn cuda_buildable(ready: &Setup) -> bool {
 const LEAN_FEATURES: &str = "torch";
 
 /// Every feature of `kiln` but TensorFlow: Kiln's fused ops, language models
-/// (tokenizers, text data, Hugging Face checkpoints) and ONNX.
-const FULL_FEATURES: &str = "torch,ops,text,onnx";
+/// (tokenizers, text data, Hugging Face checkpoints), image data and ONNX.
+const FULL_FEATURES: &str = "torch,ops,text,vision,onnx";
 
 /// `kiln`'s exit status when a command needs a feature it was built without
 /// (`kiln_cli::FEATURES_MISSING_EXIT_CODE`): nothing was read or written.

@@ -5,7 +5,17 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use kiln_core::error::{Error, Result};
-use kiln_vision::transforms::TransformSpec;
+#[cfg(feature = "vision")]
+use kiln_vision::{transforms::TransformSpec, ColorMode, OnError};
+
+/// Without the `vision` feature the image keys are kept as written, and image
+/// data is refused as needing the feature ([`ImageKeys`]' validation).
+#[cfg(not(feature = "vision"))]
+type TransformSpec = toml::Value;
+#[cfg(not(feature = "vision"))]
+type ColorMode = toml::Value;
+#[cfg(not(feature = "vision"))]
+type OnError = toml::Value;
 
 use super::yes;
 
@@ -265,10 +275,10 @@ pub struct ImageKeys {
     pub image_size: Option<ImageSize>,
     /// The channels they are decoded to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub color_mode: Option<kiln_vision::ColorMode>,
+    pub color_mode: Option<ColorMode>,
     /// Whether a corrupt image stops the run or is skipped.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_error: Option<kiln_vision::OnError>,
+    pub on_error: Option<OnError>,
     /// The training transforms, in order (torchvision's names: `resize`,
     /// `center_crop`, `random_resized_crop`, `random_horizontal_flip`,
     /// `color_jitter`, `to_tensor`, `normalize`, `pad`, `random_crop`,
@@ -571,7 +581,16 @@ impl TextSource {
 }
 
 impl ImageKeys {
+    /// Without the `vision` feature, image data is refused as needing it.
+    #[cfg(not(feature = "vision"))]
+    fn validate(&self) -> Result<()> {
+        let missing =
+            crate::features::FeatureMissing::new(crate::features::Feature::Vision, "image data");
+        Err(Error::invalid_argument("data.dataset", missing.to_string()))
+    }
+
     /// Checks image data's size, mixing and transforms.
+    #[cfg(feature = "vision")]
     fn validate(&self) -> Result<()> {
         if let Some(size) = self.image_size {
             let (h, w) = size.dims();
