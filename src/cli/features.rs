@@ -6,11 +6,11 @@
 //! (a Hugging Face model or text data, image files, ONNX, Kiln's fused ops as
 //! layers) makes `kiln` exit with [`FEATURES_MISSING_EXIT_CODE`] having read
 //! and written nothing: the xtask then builds `kiln` with every feature, once,
-//! and runs the command again. `needs.rs` decides from the command line and the config's
-//! TOML alone (no data, checkpoint or model read), as `needs_tensorflow` does
-//! for TensorFlow; [`FeatureMissing`] in the code that a feature removes is the
-//! safety net, for a case it did not foresee. A leaf: it imports no module of
-//! the crate.
+//! and runs the command again. `needs.rs` decides from the command line and
+//! the config's TOML alone (no data, checkpoint or model read), as
+//! `needs_tensorflow` does for TensorFlow; [`FeatureMissing`] in the code that
+//! a feature removes is the safety net, for a case it did not foresee. A leaf:
+//! it imports no module of the crate.
 
 use std::fmt;
 
@@ -67,7 +67,7 @@ pub struct FeatureMissing {
 }
 
 impl FeatureMissing {
-    /// `what` (`"a Hugging Face model (`[model] pretrained`)"`) needs `feature`.
+    /// `what` (for example "text data") needs `feature`.
     pub(crate) fn new(feature: Feature, what: impl Into<String>) -> FeatureMissing {
         FeatureMissing {
             feature,

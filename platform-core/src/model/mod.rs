@@ -457,7 +457,7 @@ impl Layer {
     ///
     /// A model that [takes an attention mask](Layer::takes_attention_mask)
     /// also takes `[batch, 2, seq]`: its token ids and their mask stacked
-    /// ([`stack_attention_mask`](crate::model::stack_attention_mask)).
+    /// ([`stack_attention_mask`]).
     pub fn output_shape(&self, input: &[usize]) -> Result<Vec<usize>> {
         self.infer("", &self.token_ids_dims(input))
     }

@@ -72,7 +72,7 @@ impl Prebuild {
             .spawn()
             .ok()?;
         log::info!(
-            "compiling what needs no native library while the virtualenv installs (log: {})",
+            "compiling while the virtualenv installs, libtorch first (log: {})",
             log.display()
         );
         Some(Self {
@@ -84,11 +84,11 @@ impl Prebuild {
 
     /// Waits for the prebuild to end, once the virtualenv is ready (the real
     /// build then finds what it compiled fresh). Its failures are expected:
-    /// they are the units that need the virtualenv.
+    /// they are the units that reached for the virtualenv before it was there.
     pub fn finish(mut self) {
         match self.child.wait() {
             Ok(_) => log::info!(
-                "compiled what needs no native library in {:.0?} (log: {})",
+                "compiled alongside the virtualenv in {:.0?} (log: {})",
                 self.started.elapsed(),
                 self.log.display()
             ),
