@@ -124,8 +124,10 @@ fn predict_on<E: Engines, B: TrainBackend>(args: &PredictArgs, config: &RunConfi
     write_predictions(&args.output, &val.targets(), outputs)
 }
 
-/// Without the `onnx` feature an ONNX model is refused as needing it.
+/// Without the `onnx` feature an ONNX model is refused as needing it (the
+/// signature of the ONNX build's, engines and all).
 #[cfg(not(feature = "onnx"))]
+#[allow(clippy::extra_unused_type_parameters)]
 fn predict_onnx<E: Engines>(args: &PredictArgs, _: &RunConfig) -> Result<()> {
     let what = format!("the ONNX model {}", args.common.checkpoint.display());
     Err(FeatureMissing::new(Feature::Onnx, what).into())
