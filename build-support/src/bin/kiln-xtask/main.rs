@@ -10,8 +10,8 @@
 //! cargo xtask kiln [ARGS]      setup, then the `kiln` CLI in release mode with ARGS (built with
 //!                              libtorch only, and without the optional features until a command
 //!                              needs one; kiln-tensorflow is built when a command first needs it;
-//!                              on a fresh machine, what needs no native library compiles while the
-//!                              virtualenv installs)
+//!                              on a fresh machine, the build runs while the virtualenv installs,
+//!                              the torch wheel first)
 //! cargo xtask cargo ARGS       setup, then `cargo ARGS` (clippy, doc, bench, ...)
 //! cargo xtask env              print shell `export` lines for the provisioned libraries
 //! cargo xtask book             build the guide (docs/) into target/book and check its links
