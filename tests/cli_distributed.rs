@@ -424,6 +424,119 @@ fn sharded_validation_equals_one_process_evaluating_rank_zeros_model() {
     }
 }
 
+/// `strategy = "post_local_sgd"`: two ranks step alone after the warm-up and
+/// average their weights every `period` steps, which DDP does not (their
+/// weights differ from a DDP run's); a run stopped at step 10 and resumed
+/// with `--resume auto` ends with the weights of an uninterrupted one, which
+/// needs the averaging schedule to continue at the checkpoint's step (a
+/// schedule restarted at 0 would run the warm-up's synchronised steps again).
+/// Steps 5, 10, 15 and 20 end with an average and `every_n_steps = 5` writes
+/// checkpoints there, so rank 0's replica is every rank's, and SGD without
+/// momentum keeps no per-rank state: the resume is exact.
+#[test]
+fn post_local_sgd_trains_apart_from_ddp_and_resumes_its_schedule() {
+    let _serial = serial();
+    if !digits_available() {
+        return;
+    }
+    let dir = scratch("ddp-local-sgd");
+    let ddp_cfg = config(&dir);
+    let text = std::fs::read_to_string(&ddp_cfg)
+        .unwrap()
+        .replace("type = \"adam\"\nlr = 0.003", "type = \"sgd\"\nlr = 0.05");
+    std::fs::write(&ddp_cfg, &text).unwrap();
+    let local_cfg = dir.join("local.toml");
+    std::fs::write(
+        &local_cfg,
+        text.replace(
+            "timeout = 60\n",
+            "timeout = 60\nstrategy = \"post_local_sgd\"\n\n\
+             [distributed.post_local_sgd]\nwarmup_steps = 4\nperiod = 5\n",
+        ),
+    )
+    .unwrap();
+    let (whole, stopped, ddp) = (dir.join("whole"), dir.join("stopped"), dir.join("ddp"));
+    let extra = ["--batch-size", "16", "--epochs", "1"];
+    let out = launch(2, &local_cfg, &whole, &extra);
+    succeeded(&out, "post-local SGD");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(
+            "post-local SGD: gradients averaged for 4 steps, then each rank steps alone and \
+             the parameters are averaged every 5 steps"
+        ),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    succeeded(&launch(2, &ddp_cfg, &ddp, &extra), "DDP");
+    let first = [&extra[..], &["--max-steps", "10"]].concat();
+    succeeded(
+        &launch(2, &local_cfg, &stopped, &first),
+        "stopped at step 10",
+    );
+    let at = Checkpoint::load(&stopped.join("checkpoints/last.safetensors")).unwrap();
+    assert_eq!(at.step, 10);
+    let again = [&extra[..], &["--resume", "auto"]].concat();
+    succeeded(&launch(2, &local_cfg, &stopped, &again), "resumed");
+    let steps = losses(&whole).len();
+    assert!(steps > 20, "{steps} steps");
+    let (resumed, apart) = (
+        max_weight_diff(&whole, &stopped),
+        max_weight_diff(&whole, &ddp),
+    );
+    eprintln!(
+        "post-local SGD, {steps} steps: resumed at 10 vs uninterrupted {resumed:e}; vs DDP {apart:e}"
+    );
+    assert!(
+        resumed < 1e-6,
+        "the resumed run's weights differ by {resumed}"
+    );
+    assert!(
+        apart > 1e-4,
+        "post-local SGD trained DDP's weights ({apart})"
+    );
+
+    // Its keys are checked before anything runs.
+    for (edit, key, expected) in [
+        (
+            text.replace("timeout = 60\n", "timeout = 60\n[distributed.post_local_sgd]\nperiod = 2\n"),
+            "distributed.post_local_sgd",
+            "is read by strategy = \"post_local_sgd\" only, and the strategy is \"ddp\"",
+        ),
+        (
+            text.replace(
+                "timeout = 60\n",
+                "timeout = 60\nstrategy = \"post_local_sgd\"\n[distributed.post_local_sgd]\nperiod = 0\n",
+            ),
+            "distributed.post_local_sgd.period",
+            "must be at least 1",
+        ),
+        (
+            text.replace(
+                "timeout = 60\n",
+                "timeout = 60\nstrategy = \"post_local_sgd\"\ncheckpoint = \"sharded\"\n",
+            ),
+            "distributed.checkpoint",
+            "strategy = \"post_local_sgd\" holds the whole state on every rank",
+        ),
+        (
+            text.replace("timeout = 60\n", "timeout = 60\nstrategy = \"post_local_sgd\"\n")
+                .replace("seed = 5", "seed = 5\nbackend = \"tensorflow\""),
+            "distributed.strategy",
+            "\"post_local_sgd\" needs the torch backend",
+        ),
+    ] {
+        let bad = dir.join("bad.toml");
+        std::fs::write(&bad, edit).unwrap();
+        let out = run(KILN, &["train", "--config", bad.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success());
+        assert!(
+            stderr.contains(key) && stderr.contains(expected),
+            "{key}: {stderr}"
+        );
+    }
+}
+
 /// `[distributed] timeout`: one rank of two started alone fails after that
 /// many seconds, saying how many joined; `backend = "nccl"` on a CPU run is a
 /// config error naming the key, judged after `--device`.

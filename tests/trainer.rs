@@ -27,6 +27,8 @@ use kiln::train::{
 mod lr_finder;
 #[path = "trainer/objective.rs"]
 mod objective;
+#[path = "trainer/preference.rs"]
+mod preference;
 #[path = "trainer/profile.rs"]
 mod profile;
 #[path = "trainer/step_views.rs"]

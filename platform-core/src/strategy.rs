@@ -15,6 +15,7 @@
 //! | [`reduce_flat`](StepHooks::reduce_flat) | graph engines, gradients fetched as one vector | averages them (and the loss) in place |
 //! | [`skipped`](StepHooks::skipped) | the agreed loss is not finite, nothing applied | undoes `before_forward` |
 //! | [`sync_buffers`](StepHooks::sync_buffers) | before evaluating | rank 0's buffers |
+//! | [`start_at_step`](StepHooks::start_at_step) | training starts or resumes | (post-local SGD: its step counter) |
 //!
 //! A [`Strategy`] is those hooks with the optimizer a module trains with and
 //! what the strategy changes of the module's view of its state; the one
@@ -198,6 +199,14 @@ pub trait StepHooks<B: Backend>: Send {
         Ok(())
     }
 
+    /// The optimizer steps taken when training starts or resumes
+    /// ([`Trainable::start_at_step`]): a strategy whose schedule counts
+    /// steps sets its counter from it.
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        let _ = step;
+        Ok(())
+    }
+
     /// The ranks this strategy spans, if it spans any.
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
         None
@@ -243,6 +252,9 @@ impl<B: Backend> StepHooks<B> for Box<dyn StepHooks<B>> {
     }
     fn sync_buffers(&mut self) -> Result<()> {
         (**self).sync_buffers()
+    }
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        (**self).start_at_step(step)
     }
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
         (**self).collectives()
@@ -347,6 +359,13 @@ pub trait Strategy<B: Backend, M: Trainable<B>>: Send {
     /// Gives every rank rank 0's buffers (before evaluating). A collective.
     fn sync_buffers(&mut self) -> Result<()>;
 
+    /// The optimizer steps taken when training starts or resumes
+    /// ([`Trainable::start_at_step`]); nothing by default.
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        let _ = step;
+        Ok(())
+    }
+
     /// The ranks the strategy spans, if it spans any.
     fn collectives(&self) -> Option<Arc<dyn Collectives>>;
 
@@ -425,6 +444,10 @@ where
 
     fn sync_buffers(&mut self) -> Result<()> {
         StepHooks::sync_buffers(self)
+    }
+
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        StepHooks::start_at_step(self, step)
     }
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {
@@ -648,6 +671,10 @@ where
 
     fn sync_buffers(&mut self) -> Result<()> {
         self.strategy.sync_buffers()
+    }
+
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        self.strategy.start_at_step(step)
     }
 
     fn collectives(&self) -> Option<Arc<dyn Collectives>> {

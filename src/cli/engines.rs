@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use kiln_c10d::{
-    fully_shard, zero_data_parallel, DistributedDataParallel, FullShardOptions, ProcessGroup,
-    ZeroStage,
+    fully_shard, post_local_sgd, zero_data_parallel, DistributedDataParallel, FullShardOptions,
+    PostLocalSgdOptions, ProcessGroup, ZeroStage,
 };
 use kiln_core::backend::Trainable;
 use kiln_core::distributed::DistributedOptions;
@@ -123,6 +123,8 @@ pub enum StrategyChoice<'a> {
     Zero(ZeroStage),
     /// `strategy = "fsdp"`, with its `[distributed.fsdp]` options.
     FullShard(&'a FullShardOptions),
+    /// `strategy = "post_local_sgd"`, with its `[distributed.post_local_sgd]`.
+    PostLocalSgd(&'a PostLocalSgdOptions),
 }
 
 impl StrategyChoice<'_> {
@@ -132,6 +134,7 @@ impl StrategyChoice<'_> {
             StrategyChoice::DataParallel => "DDP",
             StrategyChoice::Zero(stage) => stage.name(),
             StrategyChoice::FullShard(_) => "FSDP",
+            StrategyChoice::PostLocalSgd(_) => "post-local SGD",
         }
     }
 }
@@ -178,6 +181,9 @@ impl StrategyEngine<kiln_torch::TorchBackend> for TorchStrategies {
                 fully_shard(model, group, shard, options)
                     .map_err(|e| anyhow::Error::new(e).context("config key `distributed.fsdp`"))?,
             ),
+            StrategyChoice::PostLocalSgd(local) => {
+                then.run(post_local_sgd(model, group, local, options)?)
+            }
         }
     }
 }

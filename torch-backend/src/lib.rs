@@ -59,6 +59,7 @@ mod layers;
 mod loss;
 mod model;
 mod optim;
+mod preference;
 mod profile;
 mod script;
 pub mod sharded_unit;
@@ -84,6 +85,7 @@ pub use model::{ShardedUnit, TorchModel};
 pub use optim::{
     clip_grad_norm, clip_grad_norm_on_device, clip_grad_norm_with, clip_grad_value, TorchOptimizer,
 };
+pub use preference::{Simpo, SimpoConfig};
 pub use profile::TorchProfiler;
 pub use script::{resolve_torchscript_shapes, ScriptModule};
 pub use train::{eval_objective, objective_step, train_step};

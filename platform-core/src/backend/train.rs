@@ -349,6 +349,15 @@ pub trait Trainable<B: Backend>: Module<B> + Send {
         None
     }
 
+    /// Tells the module how many optimizer steps training has taken when it
+    /// starts or resumes (`0`, or a checkpoint's step): what a strategy whose
+    /// schedule counts steps needs (post-local SGD's warm-up and averaging
+    /// period). The trainer calls it before the first step; nothing by default.
+    fn start_at_step(&mut self, step: u64) -> Result<()> {
+        let _ = step;
+        Ok(())
+    }
+
     /// Whether the module's parameters are sharded over its ranks (full
     /// sharding): then every forward pass, evaluation's included, and
     /// [`Module::state_tensors`](crate::module::Module::state_tensors) (which

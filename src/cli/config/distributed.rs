@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use kiln_c10d::FullShardOptions;
+use kiln_c10d::{FullShardOptions, PostLocalSgdOptions};
 use kiln_core::device::Device;
 use kiln_core::distributed::{CommBackend, DistributedOptions};
 use kiln_core::error::{Error, Result};
@@ -22,12 +22,18 @@ pub struct DistributedConfig {
     pub timeout: f64,
     /// What each rank holds: `"ddp"` (everything), `"zero1"` (its share of
     /// the optimizer state), `"zero2"` (and of the reduced gradients) or
-    /// `"fsdp"` (and of the parameters).
+    /// `"fsdp"` (and of the parameters); or `"post_local_sgd"` (everything,
+    /// synchronised by averaging the parameters periodically after a DDP
+    /// warm-up).
     #[serde(default)]
     pub strategy: StrategyName,
     /// `[distributed.fsdp]`: how `strategy = "fsdp"` cuts the model into units.
     #[serde(default, skip_serializing_if = "is_default_fsdp")]
     pub fsdp: FullShardOptions,
+    /// `[distributed.post_local_sgd]`: the warm-up and averaging period of
+    /// `strategy = "post_local_sgd"`.
+    #[serde(default, skip_serializing_if = "is_default_post_local_sgd")]
+    pub post_local_sgd: PostLocalSgdOptions,
     /// How checkpoints are written: `"sharded"` (each rank its part, and an
     /// index; the default of the sharded strategies) or `"full"` (rank 0
     /// gathers and writes one file; DDP's only way).
@@ -51,6 +57,11 @@ fn is_default_fsdp(fsdp: &FullShardOptions) -> bool {
     *fsdp == FullShardOptions::default()
 }
 
+/// Whether `[distributed.post_local_sgd]` is left as it is by default.
+fn is_default_post_local_sgd(options: &PostLocalSgdOptions) -> bool {
+    *options == PostLocalSgdOptions::default()
+}
+
 /// The `[distributed] strategy` names.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -66,6 +77,10 @@ pub enum StrategyName {
     /// Full sharding (FSDP): parameters, gradients and optimizer state
     /// sharded, each unit's parameters gathered while it runs.
     Fsdp,
+    /// Post-local SGD: DDP for a warm-up, then each rank's own steps with
+    /// the parameters averaged over the ranks every `period` steps.
+    #[serde(rename = "post_local_sgd")]
+    PostLocalSgd,
 }
 
 impl StrategyName {
@@ -76,7 +91,14 @@ impl StrategyName {
             StrategyName::Zero1 => "zero1",
             StrategyName::Zero2 => "zero2",
             StrategyName::Fsdp => "fsdp",
+            StrategyName::PostLocalSgd => "post_local_sgd",
         }
+    }
+
+    /// Whether every rank holds the whole state (DDP, post-local SGD): a
+    /// checkpoint is then rank 0's, whole.
+    pub fn replicates(self) -> bool {
+        matches!(self, StrategyName::Ddp | StrategyName::PostLocalSgd)
     }
 }
 
@@ -104,6 +126,7 @@ impl Default for DistributedConfig {
             timeout: thirty_minutes(),
             strategy: StrategyName::Ddp,
             fsdp: FullShardOptions::default(),
+            post_local_sgd: PostLocalSgdOptions::default(),
             checkpoint: None,
         }
     }
@@ -130,7 +153,7 @@ impl DistributedConfig {
     pub fn sharded_checkpoints(&self) -> bool {
         match self.checkpoint {
             Some(layout) => layout == CheckpointLayout::Sharded,
-            None => self.strategy != StrategyName::Ddp,
+            None => !self.strategy.replicates(),
         }
     }
 
@@ -150,13 +173,32 @@ impl DistributedConfig {
                 ),
             ));
         }
-        if self.strategy == StrategyName::Ddp && self.checkpoint == Some(CheckpointLayout::Sharded)
+        if self.strategy != StrategyName::PostLocalSgd
+            && !is_default_post_local_sgd(&self.post_local_sgd)
         {
             return Err(Error::invalid_argument(
+                "distributed.post_local_sgd",
+                format!(
+                    "is read by strategy = \"post_local_sgd\" only, and the strategy is \"{}\"",
+                    self.strategy.name()
+                ),
+            ));
+        }
+        self.post_local_sgd.validate().map_err(|_| {
+            Error::invalid_argument(
+                "distributed.post_local_sgd.period",
+                "must be at least 1 (the parameters are averaged every `period` steps)",
+            )
+        })?;
+        if self.strategy.replicates() && self.checkpoint == Some(CheckpointLayout::Sharded) {
+            return Err(Error::invalid_argument(
                 "distributed.checkpoint",
-                "\"sharded\" writes each rank's part of a sharded state, but strategy = \"ddp\" \
-                 holds the whole state on every rank: use a sharded strategy (zero1, zero2, \
-                 fsdp) or leave it out",
+                format!(
+                    "\"sharded\" writes each rank's part of a sharded state, but strategy = \
+                     \"{}\" holds the whole state on every rank: use a sharded strategy \
+                     (zero1, zero2, fsdp) or leave it out",
+                    self.strategy.name()
+                ),
             ));
         }
         match (self.backend, device.is_cuda()) {

@@ -461,6 +461,15 @@ impl RunConfig {
         self.loss.validate()?;
         self.checkpoint.validate()?;
         self.distributed.validate(self.device)?;
+        if self.distributed.strategy == StrategyName::PostLocalSgd
+            && self.backend != BackendKind::Torch
+        {
+            return Err(Error::invalid_argument(
+                "distributed.strategy",
+                "\"post_local_sgd\" needs the torch backend (its DDP runs on libtorch's \
+                 c10d::Reducer); TensorFlow trains data-parallel with \"ddp\"",
+            ));
+        }
         if self.distributed.strategy == StrategyName::Fsdp && self.backend != BackendKind::Torch {
             return Err(Error::invalid_argument(
                 "distributed.strategy",

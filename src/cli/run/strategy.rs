@@ -1,7 +1,7 @@
 //! A prepared model under the config's `[distributed]` strategy: alone in a
 //! single process; on one rank of a job, joined to the ranks' process group
-//! (after checking that they agree on what they run) and wrapped in DDP, ZeRO
-//! or FSDP.
+//! (after checking that they agree on what they run) and wrapped in DDP, ZeRO,
+//! FSDP or post-local SGD.
 
 use std::sync::Arc;
 
@@ -76,6 +76,18 @@ where
                 );
             }
             StrategyChoice::FullShard(shard)
+        }
+        StrategyName::PostLocalSgd => {
+            let local = &config.distributed.post_local_sgd;
+            if primary {
+                outln!(
+                    "kiln: post-local SGD: gradients averaged for {} steps, then each rank \
+                     steps alone and the parameters are averaged every {} steps",
+                    local.warmup_steps,
+                    local.period
+                );
+            }
+            StrategyChoice::PostLocalSgd(local)
         }
     };
     P::run_under(model, &group, choice, &options, then)

@@ -16,6 +16,8 @@
 //!   in buckets while the backward pass runs, buffers broadcast before each
 //!   training forward pass, and no synchronisation on the micro-batches
 //!   gradient accumulation does not apply. [`data_parallel`] builds the wrapper.
+//! - Post-local SGD ([`post_local_sgd`]): DDP for a warm-up, then local
+//!   steps with the parameters averaged periodically.
 //! - ZeRO stages 1 and 2 ([`zero_data_parallel`]): the optimizer state, and the
 //!   reduced gradients, sharded over the ranks.
 //! - Full sharding ([`fully_shard`], PyTorch's FSDP): parameters, gradients and
@@ -54,6 +56,7 @@ mod bridge;
 mod ddp;
 mod fsdp;
 mod group;
+mod post_local_sgd;
 mod step_shared;
 mod zero;
 
@@ -73,6 +76,7 @@ pub use fsdp::{
 };
 pub use group::ProcessGroup;
 pub use kiln_core::distributed::{Collectives, Rendezvous};
+pub use post_local_sgd::{PostLocalSgd, PostLocalSgdOptions};
 pub use zero::{partition, ShardedOptimizer, Shards, ZeroDataParallel, ZeroRedundancy, ZeroStage};
 
 /// `module` wrapped to train data-parallel over `group`
@@ -136,5 +140,46 @@ where
         )));
     }
     let strategy = ZeroRedundancy::of(group, &module, stage, options)?;
+    DataParallel::new(module, strategy)
+}
+
+/// `module` wrapped to train under post-local SGD over `group`
+/// ([`PostLocalSgd::of`], then [`DataParallel::new`]): DDP for
+/// `options.warmup_steps` optimizer steps, then each rank's own steps with
+/// the parameters averaged over the ranks every `options.period` steps, as
+/// PyTorch's `post_localSGD_hook` with `PostLocalSGDOptimizer` and
+/// `PeriodicModelAverager` train. Call it on every rank, after setting
+/// precision and freezing, before building the optimizer.
+///
+/// ```no_run
+/// use kiln_c10d::{post_local_sgd, PostLocalSgdOptions, ProcessGroup};
+/// use kiln_core::distributed::{DistributedOptions, Rendezvous};
+/// use kiln_core::{model::{Layer, LinearConfig}, Device};
+/// use std::sync::Arc;
+///
+/// let rendezvous = Rendezvous::from_env()?.expect("started by a launcher");
+/// let options = DistributedOptions::default();
+/// let group = Arc::new(ProcessGroup::join(&rendezvous, &options)?);
+/// let model = kiln_torch::TorchModel::new(&Layer::Linear(LinearConfig::new(4, 2)), Device::Cpu)?;
+/// let local = PostLocalSgdOptions { warmup_steps: 100, period: 4 };
+/// let model = post_local_sgd(model, group, &local, &options)?;
+/// # Ok::<(), kiln_core::Error>(())
+/// ```
+pub fn post_local_sgd<M>(
+    module: M,
+    group: Arc<ProcessGroup>,
+    options: &PostLocalSgdOptions,
+    distributed: &DistributedOptions,
+) -> Result<DataParallel<M, PostLocalSgd>>
+where
+    M: Trainable<TorchBackend> + Module<TorchBackend>,
+{
+    if !module.takes_step_hooks() {
+        return Err(kiln_core::Error::unsupported(format!(
+            "{} under post-local SGD: its training step cannot be hooked",
+            module.kind()
+        )));
+    }
+    let strategy = PostLocalSgd::of(group, &module, options, distributed)?;
     DataParallel::new(module, strategy)
 }

@@ -837,6 +837,8 @@ fn answers_as_alone<M: Trainable<TorchBackend>>(
     // The three steps, each one SGD update of the same batch.
     wrapped.train();
     bare.train();
+    wrapped.start_at_step(0)?;
+    bare.start_at_step(0)?;
     let sgd = OptimizerConfig::Sgd(SgdConfig::new(0.1));
     let mut wrapped_opt = wrapped.build_optimizer(&sgd, &[])?;
     let mut bare_opt = bare.build_optimizer(&sgd, &[])?;
@@ -904,7 +906,7 @@ fn cnn_frozen(seed: u64) -> Result<TorchModel> {
     Ok(model)
 }
 
-/// DDP, ZeRO-1, ZeRO-2 and FSDP, each through the one strategy wrapper,
+/// DDP, ZeRO-1, ZeRO-2, FSDP and post-local SGD, each through the one strategy wrapper,
 /// answer every method of `Module` and `Trainable` as the model alone does.
 #[test]
 fn every_strategy_answers_every_wrapper_method() -> Result<()> {
@@ -927,6 +929,21 @@ fn every_strategy_answers_every_wrapper_method() -> Result<()> {
     };
     let mut sharded = fully_shard(cnn_frozen(7 + rank)?, group.clone(), &shard, &options)?;
     answers_as_alone("FSDP", &mut sharded, &mut cnn_frozen(7)?, world)?;
+    // Warm-up 1, period 2: the three steps are synchronised, local then
+    // averaged, and local alone; each rank's batch is the same, so each
+    // answers as the model alone.
+    let local = kiln_c10d::PostLocalSgdOptions {
+        warmup_steps: 1,
+        period: 2,
+    };
+    let mut post =
+        kiln_c10d::post_local_sgd(cnn_frozen(7 + rank)?, group.clone(), &local, &options)?;
+    answers_as_alone("PostLocalSGD", &mut post, &mut cnn_frozen(7)?, world)?;
+    assert_eq!(
+        post.strategy().step(),
+        3,
+        "post-local SGD counts the optimizer steps"
+    );
     Collectives::barrier(group.as_ref())?;
     Ok(())
 }

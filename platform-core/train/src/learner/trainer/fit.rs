@@ -72,6 +72,7 @@ impl<B: TrainBackend, M: Trainable<B>> Trainer<B, M> {
     ) -> Result<History> {
         self.check_fit(state, val.is_some())?;
         self.restore_callbacks(state)?;
+        state.model.start_at_step(state.step)?;
         let objective = self.objective.name();
         let config = self.config.clone();
         let run = FitInfo {
