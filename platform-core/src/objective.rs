@@ -14,11 +14,14 @@
 //!
 //! * **knowledge distillation** (`kiln_torch::Distillation`): the student's
 //!   logits against a frozen teacher's, softened by a temperature;
-//! * **preference training** (DPO): a batch holds the chosen and the rejected
-//!   completions one after the other along the batch dimension (TRL's
-//!   `concatenated_forward`), and the objective holds the frozen reference
-//!   model whose log-probabilities the loss compares with the policy's;
-//!   `rewards/chosen`, `rewards/margins` and the accuracy are its metrics;
+//! * **preference training without a reference model** (`kiln_torch::Simpo`,
+//!   TRL's SimPO): a batch holds pairs, `[pairs, 2, length]` (chosen,
+//!   rejected), and both completions of every pair go through the model in
+//!   one forward pass (TRL's `concatenated_forward`); `rewards_chosen`,
+//!   `rewards_margins` and the accuracy are among its metrics;
+//! * **preference training against a reference** (DPO): the same pairs, and
+//!   the objective holds the frozen reference model whose log-probabilities
+//!   the loss compares with the policy's;
 //! * **policy gradients over sampled groups** (GRPO): the batch holds the
 //!   prompts, and the objective holds the generator and the reward
 //!   functions, samples the group's completions inside
