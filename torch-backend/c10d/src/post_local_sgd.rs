@@ -72,7 +72,7 @@ impl PostLocalSgdOptions {
     /// assert_eq!(averaged, [2, 5, 8]);
     /// ```
     pub fn averages_after(&self, step: u64) -> bool {
-        step >= self.warmup_steps && (step - self.warmup_steps) % self.period.max(1) == 0
+        step >= self.warmup_steps && (step - self.warmup_steps).is_multiple_of(self.period.max(1))
     }
 }
 
