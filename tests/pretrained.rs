@@ -658,15 +658,16 @@ fn kept(t: &HostTensor, mask: &HostTensor) -> Vec<f64> {
 /// included), through `forward_many([ids, mask])` and the stacked input
 /// the CLI's batches carry alike; nothing is NaN, padding rows or
 /// gradients; a decoder classifier pools each row's last token as
-/// `LlamaForSequenceClassification` does; TensorFlow and mixtures of
-/// experts refuse the mask by name.
+/// `LlamaForSequenceClassification` does; a mixture of experts' router
+/// losses leave the padding out as `transformers`' do; TensorFlow refuses
+/// the mask by name.
 #[test]
 fn padded_batches_with_attention_masks_match_transformers() {
     let test = "padded_batches_with_attention_masks_match_transformers";
     let Some((dir, cases)) = references(test) else {
         return;
     };
-    let mut checked = 0;
+    let (mut checked, mut moe_checked) = (0, 0);
     for case in cases.iter().filter(|c| c["name"] != "vit") {
         let name = case["name"].as_str().unwrap();
         let pretrained = Pretrained::open(dir.join(name)).unwrap();
@@ -681,15 +682,7 @@ fn padded_batches_with_attention_masks_match_transformers() {
             to_tch(ids, Device::Cpu).unwrap(),
             to_tch(mask, Device::Cpu).unwrap(),
         );
-        let Some(expected) = io.get("padded_logits") else {
-            // A mixture of experts: its router losses would count the padding.
-            let err = model.forward_many(&[tids, tmask]).unwrap_err();
-            assert!(
-                err.to_string().contains("mixture of experts"),
-                "{name}: {err}"
-            );
-            continue;
-        };
+        let expected = io.get("padded_logits").unwrap();
         let many = tch::no_grad(|| model.forward_many(&[tids.shallow_clone(), tmask])).unwrap();
         let logits = from_tch(&many[0]).unwrap();
         logits_close(
@@ -699,6 +692,31 @@ fn padded_batches_with_attention_masks_match_transformers() {
         );
         let one = torch_logits(&model, &stacked);
         assert_eq!(floats(&one), floats(&logits), "{name}: stacked input");
+        if let Some(aux) = io.get("padded_aux_loss") {
+            // A mixture of experts' router losses leave the padding out.
+            let zero = tch::Tensor::from(0.0f32);
+            let with = model.add_auxiliary_losses(zero).unwrap();
+            let values: Vec<f64> = with
+                .values
+                .iter()
+                .map(|t| TorchBackend::item(t).unwrap())
+                .collect();
+            assert_close(
+                &format!("{name}: padded aux_loss"),
+                &values[..1],
+                &floats(aux),
+                1e-5,
+                "transformers given attention_mask",
+            );
+            assert_close(
+                &format!("{name}: padded router_z_loss"),
+                &values[1..],
+                &floats(io.get("padded_router_z_loss").unwrap()),
+                1e-5,
+                "a z-loss over transformers' router logits of the tokens",
+            );
+            moe_checked += 1;
+        }
         assert!(floats(&logits).iter().all(|v| v.is_finite()), "{name}: NaN");
         // Training through the padding: every gradient finite.
         model.set_mode(Mode::Train);
@@ -749,4 +767,8 @@ fn padded_batches_with_attention_masks_match_transformers() {
         }
     }
     assert!(checked >= 15, "only {checked} families checked");
+    assert!(
+        moe_checked >= 4,
+        "only {moe_checked} mixtures of experts checked"
+    );
 }

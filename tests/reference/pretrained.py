@@ -325,18 +325,25 @@ def make(out):
         # A padded batch with its attention mask: row 0 padded on the right, row 1 on the left.
         pad_ids, pad_mask = padded(ids)
         padded_out = {"padded_ids": pad_ids, "padded_mask": pad_mask}
-        if "experts" not in "".join(grads):
-            model = AutoModelForCausalLM.from_pretrained(d).eval()
+        model = AutoModelForCausalLM.from_pretrained(d).eval()
+        with torch.no_grad():
+            padded_out["padded_logits"] = model(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
+            if router:
+                # transformers' load-balancing loss given the mask (its attention_mask
+                # branch), and the z-loss over the same logits' tokens.
+                r = model(input_ids=pad_ids, attention_mask=pad_mask, output_router_logits=True)
+                lse = torch.cat([l.float() for l in r.router_logits]).logsumexp(-1)
+                kept = pad_mask.reshape(-1).bool().repeat(len(r.router_logits))
+                padded_out["padded_aux_loss"] = r.aux_loss.float().reshape(1)
+                padded_out["padded_router_z_loss"] = lse[kept].pow(2).mean().reshape(1)
+        if name == "llama":
+            # The sequence classifier over the same batch: its last non-padding token.
+            from transformers import AutoModelForSequenceClassification
+            torch.manual_seed(2)
+            cls = AutoModelForSequenceClassification.from_pretrained(d, num_labels=3).eval()
             with torch.no_grad():
-                padded_out["padded_logits"] = model(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
-            if name == "llama":
-                # The sequence classifier over the same batch: its last non-padding token.
-                from transformers import AutoModelForSequenceClassification
-                torch.manual_seed(2)
-                cls = AutoModelForSequenceClassification.from_pretrained(d, num_labels=3).eval()
-                with torch.no_grad():
-                    padded_out["classifier_logits"] = cls(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
-                padded_out["score.weight"] = cls.score.weight.detach().contiguous()
+                padded_out["classifier_logits"] = cls(input_ids=pad_ids, attention_mask=pad_mask).logits.float().contiguous()
+            padded_out["score.weight"] = cls.score.weight.detach().contiguous()
         save_file({"input_ids": ids, "logits": logits.contiguous(), "prompt_ids": prompts,
                    "attention_mask": mask, "greedy": greedy.contiguous(), **padded_out},
                   os.path.join(out, f"{name}.io.safetensors"))

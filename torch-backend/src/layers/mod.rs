@@ -71,30 +71,52 @@ pub(crate) trait Tensors {
 /// [`take`](RouterLog::take) (a model's forward pass and its loss), so that a
 /// part run again in the backward pass, or generation, adds nothing.
 #[derive(Debug, Default)]
-pub(crate) struct RouterLog(std::sync::Mutex<Option<Vec<Tensor>>>);
+pub(crate) struct RouterLog(std::sync::Mutex<Option<RouterRecord>>);
+
+/// What a [`RouterLog`] recorded over one forward pass.
+#[derive(Debug)]
+pub(crate) struct RouterRecord {
+    /// Each MoE layer's `[tokens, experts]` router logits, in the order they ran.
+    pub(crate) logits: Vec<Tensor>,
+    /// `[tokens]` booleans over the batch's tokens in the layers' order
+    /// (row-major `[batch, seq]`), `true` on the tokens and `false` on the
+    /// padding, when the pass had an attention mask: the padding is left out
+    /// of the losses, as `transformers` leaves it out given `attention_mask`.
+    pub(crate) tokens: Option<Tensor>,
+}
 
 impl RouterLog {
-    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Vec<Tensor>>> {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<RouterRecord>> {
         // A panic elsewhere while holding it leaves only a list of handles.
         self.0
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Starts recording a new pass (what an earlier pass left is dropped).
-    pub(crate) fn start(&self) {
-        *self.slot() = Some(Vec::new());
+    /// Starts recording a new pass over a batch whose tokens are
+    /// `padding`'s `true` entries (`[batch, seq]`; `None`: every token);
+    /// what an earlier pass left is dropped.
+    pub(crate) fn start(&self, padding: Option<&Tensor>) -> Result<(), TchError> {
+        let tokens = match padding {
+            Some(mask) => Some(mask.f_reshape([-1])?),
+            None => None,
+        };
+        *self.slot() = Some(RouterRecord {
+            logits: Vec::new(),
+            tokens,
+        });
+        Ok(())
     }
 
     /// Records one layer's `[tokens, experts]` logits, when recording.
     pub(crate) fn record(&self, logits: &Tensor) {
-        if let Some(all) = self.slot().as_mut() {
-            all.push(logits.shallow_clone());
+        if let Some(record) = self.slot().as_mut() {
+            record.logits.push(logits.shallow_clone());
         }
     }
 
     /// What the pass recorded, and stops recording (`None`: not started).
-    pub(crate) fn take(&self) -> Option<Vec<Tensor>> {
+    pub(crate) fn take(&self) -> Option<RouterRecord> {
         self.slot().take()
     }
 }

@@ -7,7 +7,7 @@ use kiln_core::model::{GatedActivation, Layer, RouterLosses};
 use kiln_core::Result;
 use tch::{Kind, Tensor};
 
-use super::{DecodeStep, Forward, ForwardResult, Lookup, Projection, Tensors};
+use super::{DecodeStep, Forward, ForwardResult, Lookup, Projection, RouterRecord, Tensors};
 
 /// One expert's (or the shared expert's) gated MLP.
 #[derive(Debug)]
@@ -144,43 +144,66 @@ impl SparseMoe {
     }
 }
 
-/// The router losses over every MoE layer's `logits` (`[tokens, experts]`
-/// each), as [`RouterLosses`] defines them: `(aux_loss, router_z_loss)`,
-/// float32 scalars. The load-balancing loss follows `transformers`'
-/// `load_balancing_loss_func`: the softmax in the logits' dtype, its top-k
-/// counted per expert (no gradient), its probabilities summed in float32.
+/// The router losses over every MoE layer's router logits in `record`
+/// (`[tokens, experts]` each), as [`RouterLosses`] defines them:
+/// `(aux_loss, router_z_loss)`, float32 scalars. The load-balancing loss
+/// follows `transformers`' `load_balancing_loss_func`: the softmax in the
+/// logits' dtype, its top-k counted per expert (no gradient), its
+/// probabilities summed in float32; with an attention mask, only the tokens
+/// count, in both means (its `attention_mask` branch), and the z-loss is the
+/// mean over the tokens too.
 pub(crate) fn router_losses(
-    logits: &[Tensor],
+    record: &RouterRecord,
     losses: &RouterLosses,
 ) -> Result<(Tensor, Tensor), tch::TchError> {
+    let logits = &record.logits;
     let experts = losses.num_experts as i64;
     let device = logits.first().map_or(tch::Device::Cpu, Tensor::device);
+    let tokens = match &record.tokens {
+        Some(mask) => Some(mask.f_to_kind(Kind::Float)?.f_to_device(device)?),
+        None => None,
+    };
     let mut counts = Tensor::f_zeros([experts], (Kind::Float, device))?;
     let mut probs = Tensor::f_zeros([experts], (Kind::Float, device))?;
     let mut z = Tensor::f_zeros([], (Kind::Float, device))?;
-    let mut rows = 0i64;
+    let mut rows = Tensor::f_zeros([], (Kind::Float, device))?;
     for l in logits {
+        let n = l.size().first().copied().unwrap_or(0);
+        let weight = match &tokens {
+            Some(mask) if mask.size() == [n] => mask.f_unsqueeze(1)?,
+            Some(mask) => {
+                return Err(tch::TchError::Shape(format!(
+                    "a router's {n} tokens against the attention mask's {:?}",
+                    mask.size()
+                )))
+            }
+            None => Tensor::f_ones([n, 1], (Kind::Float, device))?,
+        };
         let p = l.f_softmax(-1, l.kind())?;
         let (_, chosen) = p.f_topk(losses.top_k as i64, -1, true, true)?;
         // Counted by a scatter, not `bincount`, which reads the largest index
         // back to the host on CUDA.
         let flat = chosen.f_reshape([-1])?;
-        let ones = flat.f_ones_like()?.f_to_kind(Kind::Float)?;
-        counts = counts.f_scatter_add(0, &flat, &ones)?;
-        probs = probs.f_add(&p.f_to_kind(Kind::Float)?.f_sum_dim_intlist(
-            0,
-            false,
-            Kind::Float,
-        )?)?;
+        let each = weight.f_expand_as(&chosen)?.f_reshape([-1])?;
+        counts = counts.f_scatter_add(0, &flat, &each)?;
+        probs = probs.f_add(
+            &p.f_to_kind(Kind::Float)?
+                .f_mul(&weight)?
+                .f_sum_dim_intlist(0, false, Kind::Float)?,
+        )?;
         let lse = l.f_to_kind(Kind::Float)?.f_logsumexp(-1, false)?;
-        z = z.f_add(&lse.f_square()?.f_sum(Kind::Float)?)?;
-        rows += l.size().first().copied().unwrap_or(0);
+        z = z.f_add(
+            &lse.f_square()?
+                .f_mul(&weight.f_squeeze_dim(1)?)?
+                .f_sum(Kind::Float)?,
+        )?;
+        rows = rows.f_add(&weight.f_sum(Kind::Float)?)?;
     }
-    let rows = rows.max(1) as f64;
+    let rows = rows.f_clamp_min(1.0)?;
     let aux = counts
-        .f_div_scalar(rows)?
-        .f_mul(&probs.f_div_scalar(rows)?)?
+        .f_div(&rows)?
+        .f_mul(&probs.f_div(&rows)?)?
         .f_sum(Kind::Float)?
         .f_mul_scalar(experts as f64)?;
-    Ok((aux, z.f_div_scalar(rows)?))
+    Ok((aux, z.f_div(&rows)?))
 }

@@ -91,14 +91,14 @@ impl Module<TorchBackend> for TorchModel {
                 values: Vec::new(),
             });
         };
-        let logits = log.take().ok_or_else(|| {
+        let record = log.take().ok_or_else(|| {
             Error::invalid_argument(
                 "model",
                 "its router losses come from a forward pass, and none was run since they \
                  were last added",
             )
         })?;
-        let (aux, z) = crate::layers::router_losses(&logits, losses)
+        let (aux, z) = crate::layers::router_losses(&record, losses)
             .map_err(|e| torch_error("the router losses of the mixtures of experts", e))?;
         let mut total = loss;
         for (coef, term) in [(losses.aux_loss_coef, &aux), (losses.z_loss_coef, &z)] {
@@ -181,13 +181,6 @@ impl TorchModel {
     /// The forward pass over token ids `input` with their attention `mask`
     /// (`None`: no padding).
     pub(crate) fn forward_masked(&self, input: &Tensor, mask: Option<&Tensor>) -> Result<Tensor> {
-        if mask.is_some() && self.routers.is_some() {
-            return Err(Error::unsupported(
-                "an attention mask on a mixture of experts: its router losses would count \
-                 the padding, which transformers leaves out; give unpadded batches"
-                    .to_owned(),
-            ));
-        }
         let cast;
         let input = match self.precision {
             FloatPrecision::Bf16True => {
@@ -201,9 +194,6 @@ impl TorchModel {
             FloatPrecision::F32 | FloatPrecision::Bf16Mixed | FloatPrecision::F16Mixed => input,
         };
         self.check_input(input)?;
-        if let Some((_, log)) = &self.routers {
-            log.start();
-        }
         let pass = Pass {
             train: self.mode.is_train(),
             padding: match mask {
@@ -214,6 +204,10 @@ impl TorchModel {
                 None => None,
             },
         };
+        if let Some((_, log)) = &self.routers {
+            log.start(pass.padding.as_ref())
+                .map_err(|e| torch_error("the attention mask of the router losses", e))?;
+        }
         let run = || {
             self.run(&self.root, input, &pass).map_err(|e| match e {
                 Failure::Torch(e) => self.explain_failure(input, e),
