@@ -659,8 +659,9 @@ fn kept(t: &HostTensor, mask: &HostTensor) -> Vec<f64> {
 /// the CLI's batches carry alike; nothing is NaN, padding rows or
 /// gradients; a decoder classifier pools each row's last token as
 /// `LlamaForSequenceClassification` does; a mixture of experts' router
-/// losses leave the padding out as `transformers`' do; TensorFlow refuses
-/// the mask by name.
+/// losses leave the padding out as `transformers`' do; and TensorFlow gives
+/// the same logits, classifier logits, and mixture-of-experts loss and
+/// gradients through the mask.
 #[test]
 fn padded_batches_with_attention_masks_match_transformers() {
     let test = "padded_batches_with_attention_masks_match_transformers";
@@ -732,13 +733,27 @@ fn padded_batches_with_attention_masks_match_transformers() {
                 );
             }
         }
-        // TensorFlow refuses the stacked input by name.
+        // TensorFlow: the same logits through the stacked input.
         let mut tf = TfBackend::build_model(pretrained.layer(), Device::Cpu).unwrap();
+        tf.load_state_dict(&pretrained.load_weights().unwrap())
+            .unwrap();
         tf.set_mode(Mode::Eval);
-        let err = tf
+        let out = tf
             .forward(&TfBackend::from_host(&stacked, Device::Cpu).unwrap())
-            .unwrap_err();
-        assert!(err.to_string().contains("attention mask"), "{name}: {err}");
+            .unwrap();
+        let tf_logits = TfBackend::to_host(&out).unwrap();
+        logits_close(
+            &format!("{name}: TensorFlow padded logits"),
+            &kept(&tf_logits, mask),
+            &kept(expected, mask),
+        );
+        assert!(
+            floats(&tf_logits).iter().all(|v| v.is_finite()),
+            "{name}: TensorFlow NaN"
+        );
+        if io.get("padded_aux_loss").is_some() {
+            padded_moe_loss_and_gradients_agree(name, &pretrained, &stacked, mask);
+        }
         checked += 1;
 
         if let Some(want) = io.get("classifier_logits") {
@@ -764,6 +779,17 @@ fn padded_batches_with_attention_masks_match_transformers() {
                 &floats(&torch_logits(&cls, &stacked)),
                 &floats(want),
             );
+            let mut tf = TfBackend::build_model(classifier.layer(), Device::Cpu).unwrap();
+            tf.load_state_dict(&state).unwrap();
+            tf.set_mode(Mode::Eval);
+            let out = tf
+                .forward(&TfBackend::from_host(&stacked, Device::Cpu).unwrap())
+                .unwrap();
+            logits_close(
+                &format!("{name}: TensorFlow padded classifier logits"),
+                &floats(&TfBackend::to_host(&out).unwrap()),
+                &floats(want),
+            );
         }
     }
     assert!(checked >= 15, "only {checked} families checked");
@@ -771,4 +797,97 @@ fn padded_batches_with_attention_masks_match_transformers() {
         moe_checked >= 4,
         "only {moe_checked} mixtures of experts checked"
     );
+}
+
+/// A mixture of experts' language-model loss over a padded batch (the
+/// padding's targets -100), with its router losses as its config weighs
+/// them, and every gradient: TensorFlow's equal libtorch's, whose router
+/// losses the caller has checked against `transformers`.
+fn padded_moe_loss_and_gradients_agree(
+    name: &str,
+    pretrained: &Pretrained,
+    stacked: &HostTensor,
+    mask: &HostTensor,
+) {
+    let mut layers = match pretrained.layer().clone() {
+        Layer::Sequential { layers } => layers,
+        single => vec![single],
+    };
+    layers.push(Layer::Flatten {
+        start_dim: 0,
+        end_dim: 1,
+    });
+    let spec = Layer::Sequential { layers };
+    let (rows, len) = (mask.dims()[0], mask.dims()[1]);
+    let ids = &stacked.as_slice::<i64>().unwrap();
+    let kept = mask.as_slice::<i64>().unwrap();
+    // The next token where both are tokens, -100 elsewhere.
+    let targets: Vec<i64> = (0..rows * len)
+        .map(|i| {
+            let (r, t) = (i / len, i % len);
+            if t + 1 < len && kept[i] == 1 && kept[i + 1] == 1 {
+                ids[r * 2 * len + t + 1]
+            } else {
+                -100
+            }
+        })
+        .collect();
+    let targets = HostTensor::new(targets, [rows * len]).unwrap();
+    let loss = Loss::CrossEntropy(CrossEntropyConfig::new().with_ignore_index(-100));
+    let weights = pretrained.load_weights().unwrap();
+
+    let mut torch = TorchModel::new(&spec, Device::Cpu).unwrap();
+    torch.load_state_dict(&weights).unwrap();
+    torch.set_mode(Mode::Eval);
+    let out = torch
+        .forward(&TorchBackend::from_host(stacked, Device::Cpu).unwrap())
+        .unwrap();
+    let plain = TorchBackend::loss(
+        &loss,
+        &out,
+        &TorchBackend::from_host(&targets, Device::Cpu).unwrap(),
+    )
+    .unwrap();
+    let total = torch.add_auxiliary_losses(plain).unwrap().loss;
+    total.backward();
+    let torch_loss = TorchBackend::item(&total).unwrap();
+
+    let mut tf = TfBackend::build_model(&spec, Device::Cpu).unwrap();
+    tf.load_state_dict(&weights).unwrap();
+    tf.set_mode(Mode::Eval);
+    let (tf_loss, grads) = tf
+        .gradients(
+            &loss,
+            &TfBackend::from_host(stacked, Device::Cpu).unwrap(),
+            &TfBackend::from_host(&targets, Device::Cpu).unwrap(),
+        )
+        .unwrap();
+    assert_close(
+        &format!("{name}: TensorFlow padded loss"),
+        &[tf_loss],
+        &[torch_loss],
+        1e-5,
+        "libtorch",
+    );
+    let mut compared = 0;
+    for (param, t) in torch.named_parameters().unwrap() {
+        let Some(tf_grad) = grads.get(&param) else {
+            continue;
+        };
+        let g = t.grad();
+        let want = if g.defined() {
+            floats(&from_tch(&g).unwrap())
+        } else {
+            vec![0.0; tf_grad.numel()]
+        };
+        assert_close(
+            &format!("{name}: TensorFlow padded grad {param}"),
+            &floats(tf_grad),
+            &want,
+            1e-5,
+            "libtorch",
+        );
+        compared += 1;
+    }
+    assert!(compared > 10, "{name}: {compared} gradients compared");
 }

@@ -51,6 +51,7 @@ impl Ctx<'_> {
             seq,
             c.causal,
             None,
+            4,
         )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
@@ -79,10 +80,11 @@ impl Ctx<'_> {
         )
     }
 
-    /// `scores * scale`, softcapped (`cap * tanh(scores / cap)`) when
-    /// `softcap` is set, with -inf where a causal query does not see a key
-    /// (above the diagonal of the last two, `[seq, seq]`, dimensions, and
-    /// outside the sliding window).
+    /// `scores * scale` (of `rank` dimensions, `[batch, ..., seq, seq]`),
+    /// softcapped (`cap * tanh(scores / cap)`) when `softcap` is set, with
+    /// -inf where a causal query does not see a key (above the diagonal of
+    /// the last two dimensions, and outside the sliding window) and, in a
+    /// padded batch, where the key is padding.
     pub(super) fn scaled_scores(
         &mut self,
         scores: &Output,
@@ -91,6 +93,7 @@ impl Ctx<'_> {
         seq: i64,
         causal: bool,
         window: Option<usize>,
+        rank: usize,
     ) -> Result<Output> {
         let mut scores = self.b.mul_scalar(scores, scale as f32)?;
         if let Some(cap) = softcap {
@@ -98,6 +101,9 @@ impl Ctx<'_> {
             let divided = self.b.div(&scores, &cap_value)?;
             let tanh = self.b.unary("Tanh", &divided)?;
             scores = self.b.mul_scalar(&tanh, cap as f32)?;
+        }
+        if let Some(padding) = self.padding.as_ref().map(|p| p.mask.clone()) {
+            return self.padded_scores(&scores, &padding, seq, causal, window, rank);
         }
         if !causal {
             return Ok(scores);
@@ -114,5 +120,49 @@ impl Ctx<'_> {
         }
         let mask = self.b.constant(&mask, &[seq as u64, seq as u64])?;
         self.b.add(&scores, &mask)
+    }
+
+    /// `scores` (`[batch, ..., seq, seq]`) with -inf where a query does not
+    /// see a key of a padded batch: keys that are padding (`padding`,
+    /// `[batch, seq]`, 1 on the tokens), and, for a causal layer, keys after
+    /// the query or outside its window; a query always sees itself, so that
+    /// a padding query that would see nothing (left padding under a causal
+    /// mask) gives no NaN, as on libtorch. Only padding queries see more
+    /// than `transformers` lets them, and their outputs are never read.
+    fn padded_scores(
+        &mut self,
+        scores: &Output,
+        padding: &Output,
+        seq: i64,
+        causal: bool,
+        window: Option<usize>,
+        rank: usize,
+    ) -> Result<Output> {
+        let (mut band, mut itself) = (
+            vec![0f32; (seq * seq) as usize],
+            vec![0f32; (seq * seq) as usize],
+        );
+        for i in 0..seq {
+            for j in 0..seq {
+                let seen = !causal || (j <= i && window.is_none_or(|w| j + w as i64 > i));
+                band[(i * seq + j) as usize] = f32::from(u8::from(seen));
+                itself[(i * seq + j) as usize] = f32::from(u8::from(i == j));
+            }
+        }
+        let dims = [seq as u64, seq as u64];
+        let band = self.b.constant(&band, &dims)?;
+        let itself = self.b.constant(&itself, &dims)?;
+        // [batch, 1, ..., 1, seq]: each row's keys, broadcast over the
+        // heads and the queries.
+        let mut shape = vec![-1i32];
+        shape.extend(std::iter::repeat_n(1, rank.saturating_sub(2)));
+        shape.push(seq as i32);
+        let keys = self.b.reshape(padding, &shape, DataType::Float)?;
+        let seen = self.b.mul(&keys, &band)?;
+        let seen = self.b.maximum(&seen, &itself)?;
+        // log(1) = 0 where a key is seen, log(0) = -inf where it is not.
+        let mask = self.b.unary("Log", &seen)?;
+        let mask = self.b.stop_gradient(&mask)?;
+        self.b.add(scores, &mask)
     }
 }

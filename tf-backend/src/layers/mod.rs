@@ -64,6 +64,21 @@ pub(crate) struct Ctx<'a> {
     /// What each mixture-of-experts layer contributes to the router losses,
     /// in the order they were built.
     pub(crate) routers: Vec<RouterTerms>,
+    /// `[batch, seq]` float32, 1 on the tokens and 0 on the padding, when the
+    /// input is token ids stacked with their attention mask (`transformers`'
+    /// `attention_mask`): the attention layers hide the padding keys, a
+    /// `select` over the sequence reads each row's last token, and the
+    /// router losses leave the padding out.
+    pub(crate) padding: Option<Padding>,
+}
+
+/// Which tokens of a padded batch are padding ([`Ctx::padding`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Padding {
+    /// `[batch, seq]` float32, 1 on the tokens and 0 on the padding.
+    pub(crate) mask: Output,
+    /// `seq`.
+    pub(crate) seq: i64,
 }
 
 /// A variable update a forward pass makes, not yet added as an op.

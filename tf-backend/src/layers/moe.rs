@@ -82,9 +82,20 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 impl Ctx<'_> {
     /// This layer's [`RouterTerms`] from its `[rows, experts]` logits, their
     /// softmax and the mask of each row's choices.
+    /// In a padded batch only the tokens count, as in `transformers`'
+    /// `load_balancing_loss_func` given `attention_mask`.
     fn record_router(&mut self, logits: &Output, probs: &Output, mask: &Output) -> Result<()> {
-        let counts = self.b.reduce("Sum", mask, &[0], false)?;
-        let probs = self.b.reduce("Sum", probs, &[0], false)?;
+        // [rows, 1]: each row's weight, 1 on a token and 0 on padding.
+        let weight = match self.padding.clone() {
+            Some(p) => Some(self.b.reshape(&p.mask, &[-1, 1], DataType::Float)?),
+            None => None,
+        };
+        let (mask, probs) = match &weight {
+            Some(w) => (self.b.mul(mask, w)?, self.b.mul(probs, w)?),
+            None => (mask.clone(), probs.clone()),
+        };
+        let counts = self.b.reduce("Sum", &mask, &[0], false)?;
+        let probs = self.b.reduce("Sum", &probs, &[0], false)?;
         let top = self.b.reduce("Max", logits, &[-1], true)?;
         let top = self.b.stop_gradient(&top)?;
         let shifted = self.b.sub(logits, &top)?;
@@ -92,7 +103,10 @@ impl Ctx<'_> {
         let total = self.b.reduce("Sum", &exp, &[-1], true)?;
         let log = self.b.unary("Log", &total)?;
         let lse = self.b.add(&log, &top)?;
-        let squared = self.b.mul(&lse, &lse)?;
+        let mut squared = self.b.mul(&lse, &lse)?;
+        if let Some(w) = &weight {
+            squared = self.b.mul(&squared, w)?;
+        }
         let z = self.b.reduce("Sum", &squared, &[0, 1], false)?;
         self.routers.push(RouterTerms { counts, probs, z });
         Ok(())

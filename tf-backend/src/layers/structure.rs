@@ -4,7 +4,7 @@
 use kiln_core::{model::Layer, Error, Result};
 use tensorflow::DataType;
 
-use super::{batched, i32s, join, Built, Ctx, Val};
+use super::{batched, i32s, join, Built, Ctx, Padding, Val};
 
 /// How the graph computes one child (or a run of children) of a
 /// [`Layer::Sequential`]; see [`plan`].
@@ -123,6 +123,13 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
             let rank = x.dims.len() as isize + 1;
             let d = (if *dim < 0 { dim + rank } else { *dim }) as usize;
             let size = x.dims[d - 1];
+            if let (Some(padding), 1, true) = (ctx.padding.clone(), d, *index < 0) {
+                if padding.seq == size {
+                    return ctx
+                        .select_last_tokens(x, &padding, *index as i64)
+                        .map(Built::Out);
+                }
+            }
             let i = if *index < 0 {
                 *index as i64 + size
             } else {
@@ -251,5 +258,49 @@ mod tests {
             approximate: GeluApproximation::None,
         };
         assert_eq!(plan(&[conv(true), gelu, pool()]), vec![L(0), L(1), L(2)]);
+    }
+}
+
+impl Ctx<'_> {
+    /// `x[:, index]` (`index` negative) over a padded batch's sequence,
+    /// counted back from each row's last token (`transformers`'
+    /// `last_non_pad_token`: the argmax of the positions times the mask), as
+    /// on libtorch.
+    fn select_last_tokens(&mut self, x: Val, padding: &Padding, index: i64) -> Result<Val> {
+        let seq = padding.seq;
+        let positions: Vec<f32> = (0..seq).map(|p| p as f32).collect();
+        let positions = self.b.constant(&positions, &[seq as u64])?;
+        let scored = self.b.mul(&padding.mask, &positions)?;
+        let axis = self.b.constant(&[1i32], &[])?;
+        let last = self.b.op("ArgMax", &[&scored, &axis], &|nd| {
+            nd.set_attr_type("T", DataType::Float)?;
+            nd.set_attr_type("Tidx", DataType::Int32)?;
+            nd.set_attr_type("output_type", DataType::Int32)?;
+            Ok(())
+        })?;
+        let shift = self.b.constant(&[(index + 1) as i32], &[])?;
+        let at = self.b.op("AddV2", &[&last, &shift], &|nd| {
+            nd.set_attr_type("T", DataType::Int32)?;
+            Ok(())
+        })?;
+        let zero = self.b.constant(&[0i32], &[])?;
+        let at = self.b.op("Maximum", &[&at, &zero], &|nd| {
+            nd.set_attr_type("T", DataType::Int32)?;
+            Ok(())
+        })?;
+        let y = self.b.op("GatherV2", &[&x.out, &at, &axis], &|nd| {
+            nd.set_attr_type("Tparams", DataType::Float)?;
+            nd.set_attr_type("Tindices", DataType::Int32)?;
+            nd.set_attr_type("Taxis", DataType::Int32)?;
+            nd.set_attr_int("batch_dims", 1)?;
+            Ok(())
+        })?;
+        let mut dims = x.dims;
+        dims.remove(0);
+        Ok(Val {
+            out: y,
+            dims,
+            nhwc: false,
+        })
     }
 }

@@ -162,6 +162,7 @@ impl Ctx<'_> {
             seq,
             c.causal,
             c.sliding_window,
+            5,
         )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self

@@ -13,7 +13,7 @@ use kiln_core::{
     loss::Loss,
     model::{Layer, RouterLosses},
     optim::GradClip,
-    Error, HostTensor, Result,
+    DType, Error, HostTensor, Result,
 };
 use tensorflow::{DataType, Operation, Output};
 
@@ -21,7 +21,7 @@ use super::key::{GradientSource, ProgramKey, ProgramKind, Signature};
 use crate::convert::TfTensor;
 use crate::engine::{seed_tensor, tf_dtype, Engine, Var};
 use crate::graph::Builder;
-use crate::layers::{add_updates, Ctx, Update, Val};
+use crate::layers::{add_updates, Ctx, Padding, Update, Val};
 use crate::saved_model::SavedModelLayers;
 
 /// The graph pieces of a forward pass, which the other programs build on.
@@ -276,13 +276,6 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
             actual: "a scalar".to_owned(),
         });
     }
-    if spec.token_ids_dims(model.batch_dims) != model.batch_dims {
-        return Err(Error::unsupported(
-            "token ids stacked with their attention mask ([batch, 2, seq]) on TensorFlow: \
-             padded batches run on libtorch for now; give TensorFlow unpadded batches"
-                .to_owned(),
-        ));
-    }
     spec.output_shape(model.batch_dims)?;
     // A SavedModel layer's input is checked against its signature when imported.
     let Some(expected) = spec.input_dtype() else {
@@ -296,6 +289,43 @@ fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Whether `model` reads a `[batch, 2, seq]` input as token ids and their
+/// attention mask ([`Layer::takes_attention_mask`](kiln_core::model::Layer::takes_attention_mask)).
+fn spec_takes_mask(model: ModelGraph<'_>) -> bool {
+    model.spec.token_ids_dims(model.batch_dims) != model.batch_dims
+}
+
+/// `[batch, 2, seq]` `stacked` (of `dtype`) as its token ids (`[:, 0]`) and
+/// their attention mask as float32 (`[:, 1] != 0`), both `[batch, seq]`.
+fn split_attention_mask(
+    b: &mut Builder,
+    stacked: &Output,
+    dtype: DType,
+) -> Result<(Output, Output)> {
+    let dtype = tf_dtype(dtype)?;
+    let axis = b.constant(&[1i32], &[])?;
+    let part = |b: &mut Builder, i: i32| -> Result<Output> {
+        let index = b.constant(&[i], &[])?;
+        b.op("GatherV2", &[stacked, &index, &axis], &|nd| {
+            nd.set_attr_type("Tparams", dtype)?;
+            nd.set_attr_type("Tindices", DataType::Int32)?;
+            nd.set_attr_type("Taxis", DataType::Int32)?;
+            nd.set_attr_int("batch_dims", 0)?;
+            Ok(())
+        })
+    };
+    let ids = part(b, 0)?;
+    let mask = part(b, 1)?;
+    // `check_input` has made the ids int64.
+    let zero = b.constant(&[0i64], &[])?;
+    let kept = b.op("NotEqual", &[&mask, &zero], &|nd| {
+        nd.set_attr_type("T", dtype)?;
+        Ok(())
+    })?;
+    let mask = b.cast(&kept, DataType::Bool, DataType::Float)?;
+    Ok((ids, mask))
 }
 
 /// The forward pass: `[batch, sample...]` in, the model's output out, and in
@@ -323,6 +353,30 @@ fn compose_forward(
         .placeholder(tf_dtype(input.dtype)?, Some(&input.dims));
     engine.b.set_scope(&saved);
     let placeholder = placeholder?;
+    // Token ids stacked with their attention mask: the ids go through the
+    // model, the mask to the layers that read it.
+    let (ids, padding) = match model.batch_dims {
+        [_, 2, seq] if spec_takes_mask(model) => {
+            let (ids, padding) = split_attention_mask(&mut engine.b, &placeholder, input.dtype)?;
+            let seq = *seq as i64;
+            (
+                Val {
+                    out: ids,
+                    dims: vec![seq],
+                    nhwc: false,
+                },
+                Some(Padding { mask: padding, seq }),
+            )
+        }
+        _ => (
+            Val {
+                out: placeholder.clone(),
+                dims: input.sample().to_vec(),
+                nhwc: false,
+            },
+            None,
+        ),
+    };
     let mut ctx = Ctx {
         b: &mut engine.b,
         custom_ops: &engine.custom_ops,
@@ -334,12 +388,9 @@ fn compose_forward(
         random_ops: 0,
         updates: Vec::new(),
         routers: Vec::new(),
+        padding,
     };
-    let x = Val {
-        out: placeholder.clone(),
-        dims: input.sample().to_vec(),
-        nhwc: false,
-    };
+    let x = ids;
     let y = ctx.layer(model.spec, "", x)?;
     let y = ctx.nchw(y)?;
     let (seed, updates, reads, routers) = (ctx.seed, ctx.updates, ctx.reads, ctx.routers);
