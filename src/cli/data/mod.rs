@@ -66,7 +66,7 @@ pub(crate) struct TextSplit {
     /// Whether targets are a language model's (flattened with the logits).
     pub(crate) causal: bool,
     /// Whether inputs carry their attention mask (`[batch, 2, len]`): a
-    /// classifier over rows of several lengths, on libtorch.
+    /// classifier over rows of several lengths.
     pub(crate) attention_mask: bool,
 }
 

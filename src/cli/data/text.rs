@@ -108,22 +108,6 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
             let lengths = text
                 .check_lengths(threads)
                 .with_context(|| format!("data.{key} ({})", path.display()))?;
-            // A classifier reads a position that depends on every token: padded
-            // rows need their attention mask, which TensorFlow's layers do not take yet.
-            let torch = config.backend == crate::config::BackendKind::Torch;
-            if !task.is_causal() && data.loader.batch_size > 1 && !torch {
-                if let (Some(lo), Some(hi)) = (lengths.iter().min(), lengths.iter().max()) {
-                    if lo != hi {
-                        anyhow::bail!(
-                            "data.{key} ({}): the rows are {lo} to {hi} tokens long; a classifier \
-                             over padded batches needs attention masks, which Kiln's TensorFlow \
-                             layers do not take yet: use backend = \"torch\", set \
-                             data.batch_size = 1, or give rows of one length",
-                            path.display()
-                        );
-                    }
-                }
-            }
             log::info!(
                 "{}: {} examples, {} tokens",
                 path.display(),
@@ -161,9 +145,7 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
             dataset,
             pad_id,
             causal: task.is_causal(),
-            attention_mask: !task.is_causal()
-                && data.loader.batch_size > 1
-                && config.backend == crate::config::BackendKind::Torch,
+            attention_mask: !task.is_causal() && data.loader.batch_size > 1,
         })
     };
     // The model takes a batch of token ids.
