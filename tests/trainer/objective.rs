@@ -9,7 +9,7 @@ use super::serial;
 use kiln::core::{
     backend::TrainBackend,
     loss::Loss,
-    model::{Layer, LinearConfig},
+    model::{Layer, LinearConfig, SparseMoeConfig},
     module::Module,
     objective::{Objective, ObjectiveBatch, ObjectiveOutput, Supervised},
     optim::{OptimizerConfig, SgdConfig},
@@ -302,4 +302,57 @@ fn distillation_settings_that_cannot_work_are_refused_naming_the_key() {
         .unwrap_err();
     assert!(err.to_string().contains("teacher's logits"), "{err}");
     assert_eq!(state.model.state_dict().unwrap(), before);
+}
+
+/// A student that is a mixture of experts adds its router losses to the
+/// distillation loss with their weights, as its supervised training does,
+/// and reports them after the distillation terms: the loss is
+/// `α·T²·KL + (1 − α)·hard + 0.3·aux_loss + 0.01·router_z_loss` from the
+/// reported terms, and the router terms are those `Supervised` reports for
+/// the same batch.
+#[test]
+fn a_mixture_of_experts_student_adds_its_router_losses() {
+    let _serial = serial();
+    let moe = SparseMoeConfig::new(6, 5, 4, 2)
+        .with_router_aux_loss_coef(0.3)
+        .with_router_z_loss_coef(0.01);
+    let spec = Layer::sequential([
+        LinearConfig::new(4, 6).into(),
+        Layer::SparseMoe(moe),
+        LinearConfig::new(6, 3).into(),
+    ]);
+    B::manual_seed(4);
+    let student = B::build_model(&spec, Device::Cpu).unwrap();
+    let distillation = Distillation::new(teacher(), config()).unwrap();
+    assert_eq!(
+        Objective::<B>::metric_names(&distillation, &student),
+        ["distill_kl", "hard_loss", "aux_loss", "router_z_loss"]
+    );
+    let (x, y) = split(5, 12);
+    let (x, y) = (
+        B::from_host(&x, Device::Cpu).unwrap(),
+        B::from_host(&y, Device::Cpu).unwrap(),
+    );
+    let batch = ObjectiveBatch {
+        inputs: &x,
+        targets: &y,
+    };
+    let value = |t: &tch::Tensor| B::item(t).unwrap();
+    let out = distillation.compute(&student, &batch).unwrap();
+    let m: Vec<f64> = out.metrics.iter().map(value).collect();
+    let c = config();
+    let expected = c.alpha * c.temperature * c.temperature * m[0]
+        + (1.0 - c.alpha) * m[1]
+        + 0.3 * m[2]
+        + 0.01 * m[3];
+    assert!(
+        kiln_testkit::close(value(&out.loss), expected, 1e-6),
+        "{} vs {expected} from {m:?}",
+        value(&out.loss)
+    );
+    let supervised =
+        Objective::<B>::compute(&Supervised::new(Loss::cross_entropy()), &student, &batch).unwrap();
+    let s: Vec<f64> = supervised.metrics.iter().map(value).collect();
+    assert_eq!(s, m[2..], "the router losses Supervised reports");
+    assert!(m[2] > 0.0 && m[3] > 0.0, "{m:?}");
 }

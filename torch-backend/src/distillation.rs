@@ -84,7 +84,10 @@ impl DistillationConfig {
 /// configured loss against the labels (cross-entropy). The teacher is frozen:
 /// it runs in eval mode without autograd, on the batch's inputs. The metrics
 /// are `distill_kl` (the KL term before its weights) and `hard_loss`; the
-/// predictions given to the run's metrics are the student's logits.
+/// predictions given to the run's metrics are the student's logits. A
+/// student with auxiliary losses (a mixture of experts' `aux_loss` and
+/// `router_z_loss`) adds them with their weights, as under [`Supervised`](kiln_core::objective::Supervised),
+/// and reports them as metrics after those two.
 ///
 /// ```no_run
 /// use kiln_core::{backend::TrainBackend, loss::Loss, model::{Layer, LinearConfig}, Device};
@@ -157,8 +160,12 @@ impl Objective<TorchBackend> for Distillation {
         "distillation".to_owned()
     }
 
-    fn metric_names(&self, _model: &dyn Module<TorchBackend>) -> Vec<String> {
-        vec!["distill_kl".to_owned(), "hard_loss".to_owned()]
+    /// `distill_kl` and `hard_loss`, then the student's auxiliary losses
+    /// (a mixture of experts' router losses).
+    fn metric_names(&self, model: &dyn Module<TorchBackend>) -> Vec<String> {
+        let mut names = vec!["distill_kl".to_owned(), "hard_loss".to_owned()];
+        names.extend(model.auxiliary_loss_names());
+        names
     }
 
     fn compute(
@@ -184,13 +191,17 @@ impl Objective<TorchBackend> for Distillation {
             .f_mul_scalar(soft_weight)
             .and_then(|soft| soft.f_add(&hard.f_mul_scalar(1.0 - alpha)?))
             .map_err(|e| torch_error("distillation: the loss", e))?;
+        // The student's router losses, as its supervised training adds them.
+        let with = model.add_auxiliary_losses(loss)?;
         let detach = |t: &Tensor| {
             t.f_detach()
                 .map_err(|e| torch_error("distillation: a metric", e))
         };
+        let mut metrics = vec![detach(&kl)?, detach(&hard)?];
+        metrics.extend(with.values);
         Ok(ObjectiveOutput {
-            metrics: vec![detach(&kl)?, detach(&hard)?],
-            loss,
+            metrics,
+            loss: with.loss,
             outputs: Some(student),
         })
     }
