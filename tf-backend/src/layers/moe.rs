@@ -81,9 +81,9 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
 
 impl Ctx<'_> {
     /// This layer's [`RouterTerms`] from its `[rows, experts]` logits, their
-    /// softmax and the mask of each row's choices.
-    /// In a padded batch only the tokens count, as in `transformers`'
-    /// `load_balancing_loss_func` given `attention_mask`.
+    /// softmax and the mask of each row's choices. In a padded batch only
+    /// the tokens count, as in `transformers`' `load_balancing_loss_func`
+    /// given `attention_mask`.
     fn record_router(&mut self, logits: &Output, probs: &Output, mask: &Output) -> Result<()> {
         // [rows, 1]: each row's weight, 1 on a token and 0 on padding.
         let weight = match self.padding.clone() {

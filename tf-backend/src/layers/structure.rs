@@ -194,6 +194,50 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
     y.map(Built::Out)
 }
 
+impl Ctx<'_> {
+    /// `x[:, index]` (`index` negative) over a padded batch's sequence,
+    /// counted back from each row's last token (`transformers`'
+    /// `last_non_pad_token`: the argmax of the positions times the mask), as
+    /// on libtorch.
+    fn select_last_tokens(&mut self, x: Val, padding: &Padding, index: i64) -> Result<Val> {
+        let seq = padding.seq;
+        let positions: Vec<f32> = (0..seq).map(|p| p as f32).collect();
+        let positions = self.b.constant(&positions, &[seq as u64])?;
+        let scored = self.b.mul(&padding.mask, &positions)?;
+        let axis = self.b.constant(&[1i32], &[])?;
+        let last = self.b.op("ArgMax", &[&scored, &axis], &|nd| {
+            nd.set_attr_type("T", DataType::Float)?;
+            nd.set_attr_type("Tidx", DataType::Int32)?;
+            nd.set_attr_type("output_type", DataType::Int32)?;
+            Ok(())
+        })?;
+        let shift = self.b.constant(&[(index + 1) as i32], &[])?;
+        let at = self.b.op("AddV2", &[&last, &shift], &|nd| {
+            nd.set_attr_type("T", DataType::Int32)?;
+            Ok(())
+        })?;
+        let zero = self.b.constant(&[0i32], &[])?;
+        let at = self.b.op("Maximum", &[&at, &zero], &|nd| {
+            nd.set_attr_type("T", DataType::Int32)?;
+            Ok(())
+        })?;
+        let y = self.b.op("GatherV2", &[&x.out, &at, &axis], &|nd| {
+            nd.set_attr_type("Tparams", DataType::Float)?;
+            nd.set_attr_type("Tindices", DataType::Int32)?;
+            nd.set_attr_type("Taxis", DataType::Int32)?;
+            nd.set_attr_int("batch_dims", 1)?;
+            Ok(())
+        })?;
+        let mut dims = x.dims;
+        dims.remove(0);
+        Ok(Val {
+            out: y,
+            dims,
+            nhwc: false,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use kiln_core::model::{Conv2dConfig, GeluApproximation, Layer, Pool2dConfig};
@@ -258,49 +302,5 @@ mod tests {
             approximate: GeluApproximation::None,
         };
         assert_eq!(plan(&[conv(true), gelu, pool()]), vec![L(0), L(1), L(2)]);
-    }
-}
-
-impl Ctx<'_> {
-    /// `x[:, index]` (`index` negative) over a padded batch's sequence,
-    /// counted back from each row's last token (`transformers`'
-    /// `last_non_pad_token`: the argmax of the positions times the mask), as
-    /// on libtorch.
-    fn select_last_tokens(&mut self, x: Val, padding: &Padding, index: i64) -> Result<Val> {
-        let seq = padding.seq;
-        let positions: Vec<f32> = (0..seq).map(|p| p as f32).collect();
-        let positions = self.b.constant(&positions, &[seq as u64])?;
-        let scored = self.b.mul(&padding.mask, &positions)?;
-        let axis = self.b.constant(&[1i32], &[])?;
-        let last = self.b.op("ArgMax", &[&scored, &axis], &|nd| {
-            nd.set_attr_type("T", DataType::Float)?;
-            nd.set_attr_type("Tidx", DataType::Int32)?;
-            nd.set_attr_type("output_type", DataType::Int32)?;
-            Ok(())
-        })?;
-        let shift = self.b.constant(&[(index + 1) as i32], &[])?;
-        let at = self.b.op("AddV2", &[&last, &shift], &|nd| {
-            nd.set_attr_type("T", DataType::Int32)?;
-            Ok(())
-        })?;
-        let zero = self.b.constant(&[0i32], &[])?;
-        let at = self.b.op("Maximum", &[&at, &zero], &|nd| {
-            nd.set_attr_type("T", DataType::Int32)?;
-            Ok(())
-        })?;
-        let y = self.b.op("GatherV2", &[&x.out, &at, &axis], &|nd| {
-            nd.set_attr_type("Tparams", DataType::Float)?;
-            nd.set_attr_type("Tindices", DataType::Int32)?;
-            nd.set_attr_type("Taxis", DataType::Int32)?;
-            nd.set_attr_int("batch_dims", 1)?;
-            Ok(())
-        })?;
-        let mut dims = x.dims;
-        dims.remove(0);
-        Ok(Val {
-            out: y,
-            dims,
-            nhwc: false,
-        })
     }
 }
