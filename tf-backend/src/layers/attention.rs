@@ -14,6 +14,19 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
     y.map(Built::Out)
 }
 
+/// Which keys each query of an attention layer sees ([`Ctx::scaled_scores`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct KeysSeen {
+    /// The sequence's length.
+    pub(super) seq: i64,
+    /// Only keys at or before the query.
+    pub(super) causal: bool,
+    /// Only the last `window` keys (with `causal`).
+    pub(super) window: Option<usize>,
+    /// The scores' rank, `[batch, ..., seq, seq]`.
+    pub(super) rank: usize,
+}
+
 impl Ctx<'_> {
     fn attention(
         &mut self,
@@ -48,10 +61,12 @@ impl Ctx<'_> {
             &scores,
             1.0 / (head_dim as f64).sqrt(),
             None,
-            seq,
-            c.causal,
-            None,
-            4,
+            &KeysSeen {
+                seq,
+                causal: c.causal,
+                window: None,
+                rank: 4,
+            },
         )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
@@ -80,7 +95,7 @@ impl Ctx<'_> {
         )
     }
 
-    /// `scores * scale` (of `rank` dimensions, `[batch, ..., seq, seq]`),
+    /// `scores * scale` (of `keys.rank` dimensions, `[batch, ..., seq, seq]`),
     /// softcapped (`cap * tanh(scores / cap)`) when `softcap` is set, with
     /// -inf where a causal query does not see a key (above the diagonal of
     /// the last two dimensions, and outside the sliding window) and, in a
@@ -90,11 +105,14 @@ impl Ctx<'_> {
         scores: &Output,
         scale: f64,
         softcap: Option<f64>,
-        seq: i64,
-        causal: bool,
-        window: Option<usize>,
-        rank: usize,
+        keys: &KeysSeen,
     ) -> Result<Output> {
+        let &KeysSeen {
+            seq,
+            causal,
+            window,
+            ..
+        } = keys;
         let mut scores = self.b.mul_scalar(scores, scale as f32)?;
         if let Some(cap) = softcap {
             let cap_value = self.b.scalar(cap as f32)?;
@@ -103,7 +121,7 @@ impl Ctx<'_> {
             scores = self.b.mul_scalar(&tanh, cap as f32)?;
         }
         if let Some(padding) = self.padding.as_ref().map(|p| p.mask.clone()) {
-            return self.padded_scores(&scores, &padding, seq, causal, window, rank);
+            return self.padded_scores(&scores, &padding, keys);
         }
         if !causal {
             return Ok(scores);
@@ -133,11 +151,14 @@ impl Ctx<'_> {
         &mut self,
         scores: &Output,
         padding: &Output,
-        seq: i64,
-        causal: bool,
-        window: Option<usize>,
-        rank: usize,
+        keys: &KeysSeen,
     ) -> Result<Output> {
+        let &KeysSeen {
+            seq,
+            causal,
+            window,
+            rank,
+        } = keys;
         let (mut band, mut itself) = (
             vec![0f32; (seq * seq) as usize],
             vec![0f32; (seq * seq) as usize],

@@ -10,6 +10,7 @@ use kiln_core::Result;
 use tensorflow::{DataType, Output};
 
 use super::activation::{gelu, gelu_tanh, silu};
+use super::attention::KeysSeen;
 use super::{join, Built, Ctx, Val};
 
 /// Builds `layer` on `x` when it is one of this family's; hands `x` back otherwise.
@@ -159,10 +160,12 @@ impl Ctx<'_> {
             &scores,
             c.score_scale(),
             c.softcap,
-            seq,
-            c.causal,
-            c.sliding_window,
-            5,
+            &KeysSeen {
+                seq,
+                causal: c.causal,
+                window: c.sliding_window,
+                rank: 5,
+            },
         )?;
         let weights = self.b.softmax(&scores)?;
         let weights = self
