@@ -13,7 +13,7 @@ use kiln_core::{
     loss::Loss,
     model::{Layer, RouterLosses},
     optim::GradClip,
-    DType, Error, HostTensor, Result,
+    Error, HostTensor, Result,
 };
 use tensorflow::{DataType, Operation, Output};
 
@@ -21,7 +21,7 @@ use super::key::{GradientSource, ProgramKey, ProgramKind, Signature};
 use crate::convert::TfTensor;
 use crate::engine::{seed_tensor, tf_dtype, Engine, Var};
 use crate::graph::Builder;
-use crate::layers::{add_updates, Ctx, Padding, Update, Val};
+use crate::layers::{add_updates, Ctx, Update};
 use crate::saved_model::SavedModelLayers;
 
 /// The graph pieces of a forward pass, which the other programs build on.
@@ -264,70 +264,6 @@ fn pieces(program: &Program) -> Result<&Forward> {
         .ok_or_else(|| Error::backend("tensorflow", "building a program", "no forward pass"))
 }
 
-/// Checks the batch a program is first built for against the model's
-/// definition, for errors naming the layer and the expected dtype, before any
-/// graph is built for it.
-fn check_input(model: ModelGraph<'_>, input: &Signature) -> Result<()> {
-    let spec = model.spec;
-    if model.batch_dims.is_empty() {
-        return Err(Error::ShapeMismatch {
-            context: "TfModel::forward".to_owned(),
-            expected: "a batch: at least one dimension".to_owned(),
-            actual: "a scalar".to_owned(),
-        });
-    }
-    spec.output_shape(model.batch_dims)?;
-    // A SavedModel layer's input is checked against its signature when imported.
-    let Some(expected) = spec.input_dtype() else {
-        return Ok(());
-    };
-    if input.dtype != expected {
-        return Err(Error::DTypeMismatch {
-            context: "TfModel::forward input".to_owned(),
-            expected,
-            actual: input.dtype,
-        });
-    }
-    Ok(())
-}
-
-/// Whether `model` reads a `[batch, 2, seq]` input as token ids and their
-/// attention mask ([`Layer::takes_attention_mask`](kiln_core::model::Layer::takes_attention_mask)).
-fn spec_takes_mask(model: ModelGraph<'_>) -> bool {
-    model.spec.token_ids_dims(model.batch_dims) != model.batch_dims
-}
-
-/// `[batch, 2, seq]` `stacked` (of `dtype`) as its token ids (`[:, 0]`) and
-/// their attention mask as float32 (`[:, 1] != 0`), both `[batch, seq]`.
-fn split_attention_mask(
-    b: &mut Builder,
-    stacked: &Output,
-    dtype: DType,
-) -> Result<(Output, Output)> {
-    let dtype = tf_dtype(dtype)?;
-    let axis = b.constant(&[1i32], &[])?;
-    let part = |b: &mut Builder, i: i32| -> Result<Output> {
-        let index = b.constant(&[i], &[])?;
-        b.op("GatherV2", &[stacked, &index, &axis], &|nd| {
-            nd.set_attr_type("Tparams", dtype)?;
-            nd.set_attr_type("Tindices", DataType::Int32)?;
-            nd.set_attr_type("Taxis", DataType::Int32)?;
-            nd.set_attr_int("batch_dims", 0)?;
-            Ok(())
-        })
-    };
-    let ids = part(b, 0)?;
-    let mask = part(b, 1)?;
-    // `check_input` has made the ids int64.
-    let zero = b.constant(&[0i64], &[])?;
-    let kept = b.op("NotEqual", &[&mask, &zero], &|nd| {
-        nd.set_attr_type("T", dtype)?;
-        Ok(())
-    })?;
-    let mask = b.cast(&kept, DataType::Bool, DataType::Float)?;
-    Ok((ids, mask))
-}
-
 /// The forward pass: `[batch, sample...]` in, the model's output out, and in
 /// training mode its state updates as ops of their own (batch-norm statistics).
 fn compose_forward(
@@ -337,7 +273,7 @@ fn compose_forward(
     input: &Signature,
     train: bool,
 ) -> Result<Program> {
-    check_input(model, input)?;
+    super::input::check_input(model, input)?;
     let handles: HashMap<String, (Output, DataType)> = model
         .vars
         .iter()
@@ -353,30 +289,8 @@ fn compose_forward(
         .placeholder(tf_dtype(input.dtype)?, Some(&input.dims));
     engine.b.set_scope(&saved);
     let placeholder = placeholder?;
-    // Token ids stacked with their attention mask: the ids go through the
-    // model, the mask to the layers that read it.
-    let (ids, padding) = match model.batch_dims {
-        [_, 2, seq] if spec_takes_mask(model) => {
-            let (ids, padding) = split_attention_mask(&mut engine.b, &placeholder, input.dtype)?;
-            let seq = *seq as i64;
-            (
-                Val {
-                    out: ids,
-                    dims: vec![seq],
-                    nhwc: false,
-                },
-                Some(Padding { mask: padding, seq }),
-            )
-        }
-        _ => (
-            Val {
-                out: placeholder.clone(),
-                dims: input.sample().to_vec(),
-                nhwc: false,
-            },
-            None,
-        ),
-    };
+    // The first layer's input, and a padded batch's mask for the layers that read it.
+    let (x, padding) = super::input::model_input(&mut engine.b, model, input, &placeholder)?;
     let mut ctx = Ctx {
         b: &mut engine.b,
         custom_ops: &engine.custom_ops,
@@ -390,7 +304,6 @@ fn compose_forward(
         routers: Vec::new(),
         padding,
     };
-    let x = ids;
     let y = ctx.layer(model.spec, "", x)?;
     let y = ctx.nchw(y)?;
     let (seed, updates, reads, routers) = (ctx.seed, ctx.updates, ctx.reads, ctx.routers);

@@ -21,6 +21,7 @@
 //! | `compose.rs` | building programs on a [`CompiledGraph`] ([`program`]) and running them ([`run`]) |
 
 mod compose;
+mod input;
 mod key;
 
 pub(crate) use compose::{flat_len, program, run, CompiledGraph, ModelGraph, UpdateRule};
