@@ -27,6 +27,14 @@ pub(super) struct KeysSeen {
     pub(super) rank: usize,
 }
 
+impl KeysSeen {
+    /// Whether query `i` sees key `j` by position: every key, or, when
+    /// causal, `j <= i` within the window.
+    fn sees(&self, i: i64, j: i64) -> bool {
+        !self.causal || (j <= i && self.window.is_none_or(|w| j + w as i64 > i))
+    }
+}
+
 impl Ctx<'_> {
     fn attention(
         &mut self,
@@ -107,12 +115,7 @@ impl Ctx<'_> {
         softcap: Option<f64>,
         keys: &KeysSeen,
     ) -> Result<Output> {
-        let &KeysSeen {
-            seq,
-            causal,
-            window,
-            ..
-        } = keys;
+        let seq = keys.seq;
         let mut scores = self.b.mul_scalar(scores, scale as f32)?;
         if let Some(cap) = softcap {
             let cap_value = self.b.scalar(cap as f32)?;
@@ -123,15 +126,13 @@ impl Ctx<'_> {
         if let Some(padding) = self.padding.as_ref().map(|p| p.mask.clone()) {
             return self.padded_scores(&scores, &padding, keys);
         }
-        if !causal {
+        if !keys.causal {
             return Ok(scores);
         }
-        // Query i sees keys j <= i, within the window when there is one.
         let mut mask = vec![0f32; (seq * seq) as usize];
         for i in 0..seq {
             for j in 0..seq {
-                let seen = j <= i && window.is_none_or(|w| j + w as i64 > i);
-                if !seen {
+                if !keys.sees(i, j) {
                     mask[(i * seq + j) as usize] = f32::NEG_INFINITY;
                 }
             }
@@ -153,20 +154,14 @@ impl Ctx<'_> {
         padding: &Output,
         keys: &KeysSeen,
     ) -> Result<Output> {
-        let &KeysSeen {
-            seq,
-            causal,
-            window,
-            rank,
-        } = keys;
+        let (seq, rank) = (keys.seq, keys.rank);
         let (mut band, mut itself) = (
             vec![0f32; (seq * seq) as usize],
             vec![0f32; (seq * seq) as usize],
         );
         for i in 0..seq {
             for j in 0..seq {
-                let seen = !causal || (j <= i && window.is_none_or(|w| j + w as i64 > i));
-                band[(i * seq + j) as usize] = f32::from(u8::from(seen));
+                band[(i * seq + j) as usize] = f32::from(u8::from(keys.sees(i, j)));
                 itself[(i * seq + j) as usize] = f32::from(u8::from(i == j));
             }
         }
