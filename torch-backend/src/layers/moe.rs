@@ -166,44 +166,61 @@ pub(crate) fn router_losses(
     let mut counts = Tensor::f_zeros([experts], (Kind::Float, device))?;
     let mut probs = Tensor::f_zeros([experts], (Kind::Float, device))?;
     let mut z = Tensor::f_zeros([], (Kind::Float, device))?;
-    let mut rows = Tensor::f_zeros([], (Kind::Float, device))?;
+    // The rows counted: every row (known here), or the tokens of a padded
+    // batch (a sum on the device, not read back).
+    let (mut rows, mut kept) = (0i64, None::<Tensor>);
     for l in logits {
         let n = l.size().first().copied().unwrap_or(0);
+        // `[rows, 1]`: 1 on a token, 0 on padding; `None`: every row counts.
         let weight = match &tokens {
-            Some(mask) if mask.size() == [n] => mask.f_unsqueeze(1)?,
+            Some(mask) if mask.size() == [n] => Some(mask.f_unsqueeze(1)?),
             Some(mask) => {
                 return Err(tch::TchError::Shape(format!(
                     "a router's {n} tokens against the attention mask's {:?}",
                     mask.size()
                 )))
             }
-            None => Tensor::f_ones([n, 1], (Kind::Float, device))?,
+            None => None,
         };
         let p = l.f_softmax(-1, l.kind())?;
         let (_, chosen) = p.f_topk(losses.top_k as i64, -1, true, true)?;
+        let mut p = p.f_to_kind(Kind::Float)?;
+        let mut squared = l
+            .f_to_kind(Kind::Float)?
+            .f_logsumexp(-1, false)?
+            .f_square()?;
+        let each = match &weight {
+            Some(w) => {
+                p = p.f_mul(w)?;
+                squared = squared.f_mul(&w.f_squeeze_dim(1)?)?;
+                let sum = w.f_sum(Kind::Float)?;
+                kept = Some(match kept {
+                    Some(k) => k.f_add(&sum)?,
+                    None => sum,
+                });
+                w.f_expand_as(&chosen)?.f_reshape([-1])?
+            }
+            None => {
+                rows += n;
+                chosen
+                    .f_ones_like()?
+                    .f_to_kind(Kind::Float)?
+                    .f_reshape([-1])?
+            }
+        };
         // Counted by a scatter, not `bincount`, which reads the largest index
         // back to the host on CUDA.
-        let flat = chosen.f_reshape([-1])?;
-        let each = weight.f_expand_as(&chosen)?.f_reshape([-1])?;
-        counts = counts.f_scatter_add(0, &flat, &each)?;
-        probs = probs.f_add(
-            &p.f_to_kind(Kind::Float)?
-                .f_mul(&weight)?
-                .f_sum_dim_intlist(0, false, Kind::Float)?,
-        )?;
-        let lse = l.f_to_kind(Kind::Float)?.f_logsumexp(-1, false)?;
-        z = z.f_add(
-            &lse.f_square()?
-                .f_mul(&weight.f_squeeze_dim(1)?)?
-                .f_sum(Kind::Float)?,
-        )?;
-        rows = rows.f_add(&weight.f_sum(Kind::Float)?)?;
+        counts = counts.f_scatter_add(0, &chosen.f_reshape([-1])?, &each)?;
+        probs = probs.f_add(&p.f_sum_dim_intlist(0, false, Kind::Float)?)?;
+        z = z.f_add(&squared.f_sum(Kind::Float)?)?;
     }
-    let rows = rows.f_clamp_min(1.0)?;
-    let aux = counts
-        .f_div(&rows)?
-        .f_mul(&probs.f_div(&rows)?)?
+    let per_row = |t: &Tensor| match &kept {
+        Some(k) => t.f_div(&k.f_clamp_min(1.0)?),
+        None => t.f_div_scalar(rows.max(1) as f64),
+    };
+    let aux = per_row(&counts)?
+        .f_mul(&per_row(&probs)?)?
         .f_sum(Kind::Float)?
         .f_mul_scalar(experts as f64)?;
-    Ok((aux, z.f_div(&rows)?))
+    Ok((aux, per_row(&z)?))
 }
