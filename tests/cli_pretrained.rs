@@ -14,6 +14,8 @@ mod common;
 mod hub;
 #[path = "cli_pretrained/keys.rs"]
 mod keys;
+#[path = "cli_pretrained/mock_hub.rs"]
+mod mock_hub;
 
 use std::path::{Path, PathBuf};
 

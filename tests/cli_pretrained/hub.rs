@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use super::common::{kiln_stdout, scratch};
+use super::mock_hub::{MockHub, MockRepo};
 use super::{config, models, token_csv};
 
 /// A model whose `generation_config.json` samples (`do_sample`, its
@@ -63,7 +64,10 @@ fn kiln_generate_honours_generation_config_sampling() {
 }
 
 /// `kiln` with `env` set, and what it printed (stdout, stderr, success).
-fn kiln_with_env(args: &[&str], env: &[(&str, &Path)]) -> (String, String, bool) {
+fn kiln_with_env<V: AsRef<std::ffi::OsStr>>(
+    args: &[&str],
+    env: &[(&str, V)],
+) -> (String, String, bool) {
     let mut command = std::process::Command::new(super::common::KILN);
     command
         .args(args)
@@ -71,7 +75,12 @@ fn kiln_with_env(args: &[&str], env: &[(&str, &Path)]) -> (String, String, bool)
         .env("TF_CPP_MIN_LOG_LEVEL", "2")
         .env_remove("HF_HUB_CACHE")
         .env_remove("HUGGINGFACE_HUB_CACHE")
-        .env_remove("HF_HOME");
+        .env_remove("HF_HOME")
+        .env_remove("HF_TOKEN")
+        .env_remove("HF_HUB_OFFLINE")
+        // No test asks the real Hub: a closed port unless a test names its own.
+        .env("HF_ENDPOINT", "http://127.0.0.1:9")
+        .env("HF_HUB_DISABLE_PROGRESS_BARS", "1");
     for (name, value) in env {
         command.env(name, value);
     }
@@ -150,13 +159,28 @@ fn models_named_as_on_the_hub_resolve_through_the_hugging_face_cache() {
         assert_eq!(&printed, expected, "{what}: against the directory itself");
     }
 
-    let (_, stderr, ok) = generate("kiln-test/absent", &[], &by_cache);
+    let offline = [
+        ("HF_HUB_CACHE", cache.as_path()),
+        ("HF_HUB_OFFLINE", Path::new("1")),
+    ];
+    let (_, stderr, ok) = generate("kiln-test/absent", &[], &offline);
     assert!(!ok);
     assert!(
-        stderr.contains("not in the cache") && stderr.contains("hf download kiln-test/absent"),
+        stderr.contains("not in the cache")
+            && stderr.contains("HF_HUB_OFFLINE is set")
+            && stderr.contains("hf download kiln-test/absent"),
         "{stderr}"
     );
     assert!(stderr.contains(cache.to_str().unwrap()), "{stderr}");
+    // Online, the cache's answer comes with the download's.
+    let (_, stderr, ok) = generate("kiln-test/absent", &[], &by_cache);
+    assert!(!ok);
+    assert!(
+        stderr.contains("is not in the cache")
+            && stderr.contains("downloading it from http://127.0.0.1:9 (HF_ENDPOINT) failed")
+            && stderr.contains("could not reach the Hub"),
+        "{stderr}"
+    );
     let (_, stderr, ok) = generate(repo, &["--revision", "v9"], &by_cache);
     assert!(!ok);
     assert!(stderr.contains("refs: main, v1"), "{stderr}");
@@ -183,4 +207,190 @@ fn models_named_as_on_the_hub_resolve_through_the_hugging_face_cache() {
             || main.contains("self_attention"),
         "{main}"
     );
+}
+
+/// A model named as on the Hub that the cache lacks is downloaded from
+/// `HF_ENDPOINT` (a mock Hub on loopback that answers as huggingface.co does)
+/// into the cache, as `huggingface_hub` lays it out: its own
+/// `try_to_load_from_cache` finds every file, byte for byte. Only the files
+/// Kiln reads are fetched (not `pytorch_model.bin`), sharded weights come
+/// with their index, and a second run asks nothing. A gated model wants
+/// `HF_TOKEN`; a damaged file, a repository without safetensors, an unknown
+/// model, `HF_HUB_OFFLINE` and an unreachable Hub are errors that say so.
+#[test]
+fn hub_models_the_cache_lacks_are_downloaded_into_it() {
+    let test = "hub_models_the_cache_lacks_are_downloaded_into_it";
+    let dir = scratch("hub-download");
+    let Some(models) = models(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    let llama = models.join("llama");
+    let tiny = MockRepo::new("kiln-test/tiny-llama", &llama).with_file("pytorch_model.bin", b"x");
+    let commit = tiny.commit().to_owned();
+    let hub = MockHub::start(vec![
+        tiny,
+        MockRepo::new("kiln-test/sharded", &models.join("llama_tied_sharded")),
+        MockRepo::new("kiln-test/gated", &llama).gated("hf_secret"),
+        MockRepo::new("kiln-test/damaged", &llama).damaged("model.safetensors"),
+        MockRepo::new("kiln-test/bin-only", &llama)
+            .only(|name| name == "config.json")
+            .with_file("pytorch_model.bin", b"x"),
+    ]);
+    let cache = dir.join("hub");
+    let generate = |model: &str, env: &[(&str, &str)]| {
+        let mut all = vec![("HF_HUB_CACHE", cache.to_str().unwrap())];
+        all.extend_from_slice(env);
+        kiln_with_env(
+            &[
+                "generate",
+                "--model",
+                model,
+                "--prompt-ids",
+                "5,9,14,20",
+                "--max-new-tokens",
+                "4",
+                "--stop=-1",
+            ],
+            &all,
+        )
+    };
+    let online = [("HF_ENDPOINT", hub.url.as_str())];
+    let direct = |dir: &Path| generate(dir.to_str().unwrap(), &[]).0;
+
+    let (printed, stderr, ok) = generate("kiln-test/tiny-llama", &online);
+    assert!(ok, "{stderr}");
+    assert_eq!(printed, direct(&llama), "downloaded against the directory");
+    let asked = hub.requests();
+    assert!(
+        asked.contains(&"GET /api/models/kiln-test/tiny-llama/revision/main".to_owned()),
+        "{asked:?}"
+    );
+    assert!(
+        !asked.iter().any(|r| r.contains("pytorch_model.bin")),
+        "{asked:?}"
+    );
+    // huggingface_hub reads what Kiln downloaded, at main and at the commit.
+    let files = [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ];
+    for revision in ["main", commit.as_str()] {
+        let mut args = vec![
+            kiln_testkit::workspace_root()
+                .join("tests/reference/hub_cache.py")
+                .to_string_lossy()
+                .into_owned(),
+            "--read".into(),
+            cache.to_string_lossy().into_owned(),
+            "kiln-test/tiny-llama".into(),
+            revision.into(),
+        ];
+        args.extend(files.iter().map(|f| (*f).to_owned()));
+        let out = std::process::Command::new(&python)
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let found: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        for file in files {
+            let path = found[file].as_str().unwrap();
+            assert!(path.contains(&commit), "{file} at {revision}: {path}");
+            assert_eq!(
+                std::fs::read(path).unwrap(),
+                std::fs::read(llama.join(file)).unwrap(),
+                "{file} at {revision}"
+            );
+        }
+    }
+    let refs = std::fs::read_dir(cache.join("models--kiln-test--tiny-llama/refs")).unwrap();
+    let refs: Vec<String> = refs
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        refs,
+        ["main"],
+        "branches only, as huggingface_hub keeps refs"
+    );
+
+    // Cached: nothing is asked, even of a Hub that cannot be reached.
+    let before = hub.requests().len();
+    let (again, stderr, ok) = generate("kiln-test/tiny-llama", &[]);
+    assert!(ok, "{stderr}");
+    assert_eq!(again, printed);
+    assert_eq!(hub.requests().len(), before, "a cached model asks nothing");
+
+    let (printed, stderr, ok) = generate("kiln-test/sharded", &online);
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        printed,
+        direct(&models.join("llama_tied_sharded")),
+        "sharded"
+    );
+
+    let (_, stderr, ok) = generate("kiln-test/gated", &online);
+    assert!(!ok);
+    assert!(
+        stderr.contains("401") && stderr.contains("set HF_TOKEN"),
+        "{stderr}"
+    );
+    let with_token = [("HF_ENDPOINT", hub.url.as_str()), ("HF_TOKEN", "hf_secret")];
+    let (printed, stderr, ok) = generate("kiln-test/gated", &with_token);
+    assert!(ok, "{stderr}");
+    assert_eq!(printed, again, "gated, with its token");
+
+    let (_, stderr, ok) = generate("kiln-test/damaged", &online);
+    assert!(!ok);
+    assert!(
+        stderr.contains("arrived damaged: its sha256 is"),
+        "{stderr}"
+    );
+    let snapshot = cache.join("models--kiln-test--damaged/snapshots");
+    assert!(
+        walk(&snapshot)
+            .iter()
+            .all(|p| !p.ends_with("model.safetensors")),
+        "the damaged file is not left in the cache"
+    );
+
+    let (_, stderr, ok) = generate("kiln-test/bin-only", &online);
+    assert!(!ok);
+    assert!(
+        stderr.contains("Kiln reads safetensors weights only (it has pytorch_model.bin)"),
+        "{stderr}"
+    );
+    let (_, stderr, ok) = generate("kiln-test/absent", &online);
+    assert!(!ok);
+    assert!(
+        stderr.contains("404") && stderr.contains(&hub.url),
+        "{stderr}"
+    );
+
+    let before = hub.requests().len();
+    let offline = [("HF_ENDPOINT", hub.url.as_str()), ("HF_HUB_OFFLINE", "1")];
+    let (_, stderr, ok) = generate("kiln-test/other", &offline);
+    assert!(!ok);
+    assert!(stderr.contains("HF_HUB_OFFLINE is set"), "{stderr}");
+    assert_eq!(hub.requests().len(), before, "HF_HUB_OFFLINE asks nothing");
+}
+
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
 }

@@ -1,6 +1,7 @@
 """A Hugging Face cache laid out as huggingface_hub lays it out (tests/cli_pretrained.rs).
 
 Usage: python hub_cache.py CACHE REPO_ID MAIN_DIR TAG_DIR
+       python hub_cache.py --read CACHE REPO_ID REVISION FILE...
 
 Writes CACHE/models--<org>--<name>/ with the files of MAIN_DIR as the commit that
 refs/main names and those of TAG_DIR as the commit that refs/v1 names: each file a blob
@@ -8,6 +9,10 @@ named by its sha256 under blobs/, linked from snapshots/<commit>/ (as `hf downlo
 leaves them). Then reads config.json back through huggingface_hub's own
 try_to_load_from_cache for "main", "v1" and the second commit, and prints
 {"main": path, "v1": path, "commit": hash, "by_commit": path} as JSON.
+
+With --read, finds each FILE of REPO_ID at REVISION in CACHE (a cache Kiln
+downloaded into) through try_to_load_from_cache, and prints {FILE: path} as JSON;
+a file it does not find is an error.
 """
 
 import hashlib
@@ -53,5 +58,18 @@ def main(cache, repo_id, main_dir, tag_dir):
                       "by_commit": found[commits["v1"]]}))
 
 
+def read(cache, repo_id, revision, *files):
+    found = {}
+    for name in files:
+        path = try_to_load_from_cache(repo_id, name, cache_dir=cache, revision=revision)
+        if not isinstance(path, str):
+            raise AssertionError(f"huggingface_hub does not find {name} at {revision}: {path}")
+        found[name] = path
+    print(json.dumps(found))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[1] == "--read":
+        read(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:5])

@@ -18,8 +18,7 @@ pub enum HfError {
     /// A model named as on the Hub that the local cache does not hold.
     #[error(
         "Hub model {repo_id:?} at revision {revision:?} {reason}, in the Hugging Face cache {} \
-         (HF_HUB_CACHE, or HF_HOME/hub): Kiln reads the cache and does not download; fetch \
-         it with `hf download {repo_id}` (or give a local directory)",
+         (HF_HUB_CACHE, or HF_HOME/hub)",
         .cache.display()
     )]
     NotInCache {
@@ -32,6 +31,20 @@ pub enum HfError {
         /// What is missing.
         reason: String,
     },
+    /// A model the cache lacks, with downloads switched off by `HF_HUB_OFFLINE`.
+    #[error(
+        "{not_in_cache}; HF_HUB_OFFLINE is set, so Kiln does not download it: unset \
+         HF_HUB_OFFLINE, fetch it with `hf download {repo_id}`, or give a local directory"
+    )]
+    Offline {
+        /// What the cache lacks ([`HfError::NotInCache`]).
+        not_in_cache: Box<HfError>,
+        /// The model's id.
+        repo_id: String,
+    },
+    /// A model the cache lacks, which could not be downloaded.
+    #[error("{0}")]
+    Download(Box<DownloadFailure>),
     /// `config.json` (or another JSON file) is malformed or lacks a key.
     #[error("{}: `{key}`: {reason}", .path.display())]
     Config {
@@ -118,6 +131,31 @@ pub enum HfError {
     Core(#[from] kiln_core::Error),
 }
 
+/// A failed download ([`HfError::Download`]): the model, where it was to come
+/// from and go, and what failed.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "Hub model {repo_id:?} at revision {revision:?} {in_cache}, in the Hugging Face cache {} \
+     (HF_HUB_CACHE, or HF_HOME/hub), and downloading it from {endpoint} (HF_ENDPOINT) failed: \
+     {reason}",
+    .cache.display()
+)]
+#[non_exhaustive]
+pub struct DownloadFailure {
+    /// The model's id.
+    pub repo_id: String,
+    /// The revision asked for.
+    pub revision: String,
+    /// The Hub asked (`HF_ENDPOINT`).
+    pub endpoint: String,
+    /// The cache it was to go into.
+    pub cache: PathBuf,
+    /// What the cache lacks (`"is not in the cache"`).
+    pub in_cache: String,
+    /// What failed, and what to do about it.
+    pub reason: String,
+}
+
 /// Results of this crate.
 pub type Result<T, E = HfError> = std::result::Result<T, E>;
 
@@ -131,6 +169,11 @@ impl From<HfError> for kiln_core::Error {
                         dir.clone()
                     }
                     HfError::NotInCache { cache, .. } => cache.clone(),
+                    HfError::Download(failure) => failure.cache.clone(),
+                    HfError::Offline { not_in_cache, .. } => match not_in_cache.as_ref() {
+                        HfError::NotInCache { cache, .. } => cache.clone(),
+                        _ => PathBuf::new(),
+                    },
                     HfError::Config { path, .. }
                     | HfError::UnknownFamily { path, .. }
                     | HfError::UnsupportedKey { path, .. }

@@ -3,11 +3,13 @@
 //! `<cache>/models--<org>--<name>/refs/<revision>` holds a commit, whose
 //! files are under `snapshots/<commit>/`. The cache is `HF_HUB_CACHE`, else
 //! `HF_HOME/hub`, else `$XDG_CACHE_HOME/huggingface/hub`, else
-//! `~/.cache/huggingface/hub`. Kiln reads the cache; it does not download.
+//! `~/.cache/huggingface/hub`. A model the cache lacks is downloaded into it
+//! ([`HubClient`](crate::HubClient)) unless `HF_HUB_OFFLINE` is set.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{HfError, Result};
+use crate::HubClient;
 
 /// The local Hugging Face cache of Hub repositories.
 ///
@@ -53,21 +55,10 @@ impl HubCache {
     /// The snapshot directory of model `repo_id` at `revision` (a branch or
     /// tag that `refs/` records, or a commit hash), holding its `config.json`.
     pub fn snapshot(&self, repo_id: &str, revision: &str) -> Result<PathBuf> {
-        if !is_repo_id(repo_id) {
-            return Err(self.missing(repo_id, revision, "is not a Hub model id (`org/name`)"));
-        }
-        let repo = self
-            .root
-            .join(format!("models--{}", repo_id.replace('/', "--")));
+        self.check_names(repo_id, revision)?;
+        let repo = self.repo_dir(repo_id);
         if !repo.is_dir() {
             return Err(self.missing(repo_id, revision, "is not in the cache"));
-        }
-        if revision.is_empty()
-            || revision.contains("..")
-            || revision.starts_with('/')
-            || revision.contains('\\')
-        {
-            return Err(self.missing(repo_id, revision, "is not a revision name"));
         }
         let commit = match std::fs::read_to_string(repo.join("refs").join(revision)) {
             Ok(text) => text.trim().to_owned(),
@@ -108,6 +99,28 @@ impl HubCache {
         Ok(snapshot)
     }
 
+    /// Refuses a `repo_id` that is not a Hub model id and a `revision` that
+    /// could name a path outside the cache.
+    pub(crate) fn check_names(&self, repo_id: &str, revision: &str) -> Result<()> {
+        if !is_repo_id(repo_id) {
+            return Err(self.missing(repo_id, revision, "is not a Hub model id (`org/name`)"));
+        }
+        if revision.is_empty()
+            || revision.contains("..")
+            || revision.starts_with('/')
+            || revision.contains('\\')
+        {
+            return Err(self.missing(repo_id, revision, "is not a revision name"));
+        }
+        Ok(())
+    }
+
+    /// The directory of model `repo_id` in the cache (`models--org--name`).
+    pub(crate) fn repo_dir(&self, repo_id: &str) -> PathBuf {
+        self.root
+            .join(format!("models--{}", repo_id.replace('/', "--")))
+    }
+
     fn missing(&self, repo_id: &str, revision: &str, reason: &str) -> HfError {
         HfError::NotInCache {
             repo_id: repo_id.to_owned(),
@@ -120,7 +133,10 @@ impl HubCache {
 
 /// The model directory `name` means: an existing path as it is, else a Hub
 /// model id (`"Qwen/Qwen3-0.6B"`) at `revision` (default `"main"`) in the
-/// cache of [`HubCache::from_env`].
+/// cache of [`HubCache::from_env`], downloaded into it first by
+/// [`HubClient::from_env`] when the cache lacks any file Kiln reads, unless
+/// `HF_HUB_OFFLINE` is set (then [`HfError::Offline`]). A revision the cache
+/// has whole is used as it is, without asking the Hub.
 pub fn resolve_model(name: &str, revision: Option<&str>) -> Result<PathBuf> {
     let path = Path::new(name);
     if path.exists() {
@@ -141,7 +157,26 @@ pub fn resolve_model(name: &str, revision: Option<&str>) -> Result<PathBuf> {
             ),
         )));
     }
-    HubCache::from_env().snapshot(name, revision.unwrap_or("main"))
+    let cache = HubCache::from_env();
+    let revision = revision.unwrap_or("main");
+    let cached = cache.snapshot(name, revision);
+    match &cached {
+        Ok(dir) if crate::download::complete(dir) => return cached,
+        Err(HfError::NotInCache { .. }) | Ok(_) => {}
+        Err(_) => return cached,
+    }
+    cache.check_names(name, revision)?;
+    if crate::download::flag("HF_HUB_OFFLINE") {
+        return match cached {
+            // Whatever it lacks is named when it is read.
+            Ok(dir) => Ok(dir),
+            Err(e) => Err(HfError::Offline {
+                not_in_cache: Box::new(e),
+                repo_id: name.to_owned(),
+            }),
+        };
+    }
+    HubClient::from_env().download(&cache, name, revision)
 }
 
 /// Whether `id` is a Hub repository id: `name` or `org/name`, of letters,
@@ -162,7 +197,7 @@ pub fn is_repo_id(id: &str) -> bool {
 }
 
 /// Whether `s` is a full commit hash (40 lowercase hex digits).
-fn is_commit(s: &str) -> bool {
+pub(crate) fn is_commit(s: &str) -> bool {
     s.len() == 40 && s.chars().all(|c| matches!(c, '0'..='9' | 'a'..='f'))
 }
 

@@ -25,6 +25,7 @@
 mod bert;
 mod bounds;
 mod config;
+mod download;
 mod error;
 mod family;
 mod gemma;
@@ -51,7 +52,8 @@ use kiln_core::state_dict::StateDict;
 use kiln_core::{DType, HostTensor};
 
 pub use config::HfConfig;
-pub use error::{HfError, Result};
+pub use download::HubClient;
+pub use error::{DownloadFailure, HfError, Result};
 pub use family::{Family, FamilyTask, FAMILIES};
 pub use hub::{is_repo_id, resolve_model, HubCache};
 pub use names::{Mapping, NameMap};
