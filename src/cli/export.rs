@@ -86,10 +86,19 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
         }
         format!("[{}]", dims.join(", "))
     };
-    let (input, output) = (shape(&source.input_shape), shape(&output_shape));
+    let ids_shape = source.definition.token_ids_dims(&source.input_shape);
+    let (input, output) = (shape(&ids_shape), shape(&output_shape));
     let what = match args.format {
+        #[cfg(feature = "onnx")]
+        ExportFormat::Onnx if source.definition.takes_attention_mask() => format!(
+            "inputs {input_name} {input} and {} {input}, output {output_name} {output}",
+            kiln_onnx::ATTENTION_MASK_INPUT
+        ),
         ExportFormat::Onnx => format!("input {input_name} {input}, output {output_name} {output}"),
         // A TorchScript module's forward takes positional tensors of any batch size.
+        ExportFormat::Torchscript if source.definition.takes_attention_mask() => format!(
+            "forward takes {input} and an optional attention_mask {input}, returns {output}"
+        ),
         ExportFormat::Torchscript => format!("forward takes {input}, returns {output}"),
         ExportFormat::Savedmodel => format!(
             "signature serving_default: input {input_name} {input}, output {output_name} {output}"

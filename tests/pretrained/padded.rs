@@ -5,7 +5,7 @@
 use super::*;
 
 /// The values of `[batch, seq, ...]` `t` at the positions `mask` keeps.
-fn kept(t: &HostTensor, mask: &HostTensor) -> Vec<f64> {
+pub(super) fn kept(t: &HostTensor, mask: &HostTensor) -> Vec<f64> {
     let per = t.numel() / mask.numel();
     let values = floats(t);
     let mask = mask.as_slice::<i64>().unwrap();

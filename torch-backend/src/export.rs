@@ -209,21 +209,25 @@ impl Exporter<'_> {
                     self.graph.add_child(node, &name, child_node)?;
                     // TorchScript reaches a submodule with a numeric name this way;
                     // a module is called through its `forward` (C++ TorchScript has no `__call__`).
-                    let _ = writeln!(body, "    x = getattr(self, \"{name}\").forward(x)");
+                    let _ = writeln!(
+                        body,
+                        "    x = getattr(self, \"{name}\").forward({})",
+                        arguments(child)
+                    );
                 }
                 body.push_str("    return x\n");
-                self.graph.define(node, &forward(&body), &what)?;
+                self.graph.define(node, &forward_of(layer, &body), &what)?;
                 Ok(node)
             }
             Layer::Residual { block } => {
                 let node = self.graph.add_module("Residual", path)?;
                 let child = self.emit(block, &join(path, "block"))?;
                 self.graph.add_child(node, "block", child)?;
-                self.graph.define(
-                    node,
-                    &forward("    return torch.add(x, self.block.forward(x))\n"),
-                    &what,
-                )?;
+                let body = format!(
+                    "    return torch.add(x, self.block.forward({}))\n",
+                    arguments(block)
+                );
+                self.graph.define(node, &forward_of(layer, &body), &what)?;
                 Ok(node)
             }
             Layer::TorchScript(config) => {
@@ -347,8 +351,44 @@ impl Exporter<'_> {
                 .define(child, &forward(&body), &format!("{child_path} ({class})"))?;
             self.graph.add_child(node, name, child)?;
         }
-        self.graph.define(node, &forward(&body), what)?;
+        self.graph.define(node, &forward_of(layer, &body), what)?;
         Ok(node)
+    }
+}
+
+/// Whether `layer` reads a padded batch's attention mask (a `SelfAttention`,
+/// a `Select` counting back from each row's last token), or holds a layer
+/// that does: its module's `forward` then takes the mask as well.
+fn reads_mask(layer: &Layer) -> bool {
+    match layer {
+        Layer::Sequential { layers } => layers.iter().any(reads_mask),
+        Layer::Residual { block } => reads_mask(block),
+        Layer::SelfAttention(_) => true,
+        Layer::Select { dim: 1, index } => *index < 0,
+        _ => false,
+    }
+}
+
+/// The arguments a container passes to `child`'s `forward`.
+fn arguments(child: &Layer) -> &'static str {
+    if reads_mask(child) {
+        "x, attention_mask"
+    } else {
+        "x"
+    }
+}
+
+/// The `forward` of `layer` with `body`: of one tensor, or of the tensor and
+/// an optional attention mask (`[batch, seq]`, nonzero on the tokens) for a
+/// layer that [reads one](reads_mask), as `transformers`' models take
+/// `attention_mask`.
+fn forward_of(layer: &Layer, body: &str) -> String {
+    if reads_mask(layer) {
+        format!(
+            "def forward(self, x: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:\n{body}"
+        )
+    } else {
+        forward(body)
     }
 }
 

@@ -26,7 +26,8 @@ pub mod proto {
 
 pub use error::{Error, Result};
 pub use export::{
-    export_onnx, onnx_lowering_registered, register_onnx_lowering, CustomOp, CustomOpFn, OnnxExport,
+    export_onnx, onnx_lowering_registered, register_onnx_lowering, CustomOp, CustomOpFn,
+    OnnxExport, ATTENTION_MASK_INPUT,
 };
 pub use inspect::{Dim, ModelInfo, Opset, TensorInfo};
 pub use runtime::{OnnxModel, OnnxModelBuilder, OptimizationLevel, PredictTiming};

@@ -85,6 +85,23 @@ pub(super) fn script(layer: &Layer, _leaf: &ScriptLeaf<'_>) -> Result<Option<Scr
             "Flatten",
             format!("torch.flatten(x, {start_dim}, {end_dim})"),
         )),
+        // Over a padded batch's sequence (the module's `attention_mask`), a
+        // negative index counts back from each row's last token, as
+        // `Select::forward_pass` does.
+        Layer::Select { dim: 1, index } if *index < 0 => Some(Scripted {
+            class: "Select".to_owned(),
+            body: format!(
+                "    if attention_mask is not None:\n        \
+                 if x.dim() >= 2 and attention_mask.size(1) == x.size(1):\n            \
+                 positions = torch.unsqueeze(torch.arange(x.size(1), device=x.device), 0)\n            \
+                 last = torch.argmax(positions * (attention_mask != 0).long(), 1)\n            \
+                 at = torch.clamp_min(last + {}, 0)\n            \
+                 return x[torch.arange(x.size(0), device=x.device), at]\n    \
+                 return torch.select(x, 1, {index})\n",
+                index + 1
+            ),
+            children: Vec::new(),
+        }),
         Layer::Select { dim, index } => Some(Scripted::returning(
             "Select",
             format!("torch.select(x, {dim}, {index})"),

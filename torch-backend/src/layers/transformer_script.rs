@@ -130,35 +130,60 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
         }
     }
     // A sliding window is a boolean band in place of the causal flag.
-    let (mask, causal) = match c.sliding_window {
+    let causal = match c.sliding_window {
         Some(w) => {
             body.push_str(&format!(
                 "    qi = torch.unsqueeze(torch.arange(s, device=x.device), 1)\n    \
                  kj = torch.unsqueeze(torch.arange(s, device=x.device), 0)\n    \
                  band = torch.logical_and(kj <= qi, kj > qi - {w})\n"
             ));
-            ("band", false)
+            false
         }
-        None => ("None", c.causal),
+        None => c.causal,
     };
     let scale = c.scale.map_or_else(|| "None".to_owned(), float);
     body.push_str(&format!(
         "    p = 0.0\n    if self.training:\n        p = {}\n",
         float(c.dropout)
     ));
+    // `m`: the boolean mask, `c`: the causal flag of the fused kernel. A
+    // padded batch's mask (the module's `attention_mask`) hides the padding
+    // keys within the band, and always shows each query itself, as
+    // `Attention::forward_pass` does.
+    let causal_band = "torch.tril(torch.ones([s, s], device=x.device)) > 0";
+    let band = match (c.sliding_window, c.causal, c.softcap) {
+        (Some(_), _, _) => Some("band".to_owned()),
+        (None, true, Some(_)) => {
+            body.push_str(&format!("    band = {causal_band}\n"));
+            Some("band".to_owned())
+        }
+        (None, true, None) => None,
+        (None, false, _) => None,
+    };
+    let fused_causal = causal && c.softcap.is_none();
+    body.push_str(&format!(
+        "    m: Optional[Tensor] = {}\n    c = {}\n    \
+         if attention_mask is not None:\n        \
+         seen = torch.reshape(attention_mask != 0, [b, 1, 1, s])\n",
+        band.as_deref().unwrap_or("None"),
+        boolean(fused_causal),
+    ));
+    match (&band, fused_causal) {
+        (Some(band), _) => {
+            body.push_str(&format!("        seen = torch.logical_and(seen, {band})\n"))
+        }
+        (None, true) => body.push_str(&format!(
+            "        seen = torch.logical_and(seen, {causal_band})\n"
+        )),
+        (None, false) => {}
+    }
+    body.push_str(
+        "        m = torch.logical_or(seen, torch.eye(s, device=x.device) > 0)\n        \
+         c = False\n",
+    );
     match c.softcap {
         // transformers' eager attention: the fused kernel cannot softcap.
         Some(cap) => {
-            let mask = match (c.sliding_window, c.causal) {
-                (Some(_), _) => "band".to_owned(),
-                (None, true) => {
-                    body.push_str(
-                        "    band = torch.tril(torch.ones([s, s], device=x.device)) > 0\n",
-                    );
-                    "band".to_owned()
-                }
-                (None, false) => String::new(),
-            };
             if kv != h {
                 body.push_str(&format!(
                     "    k = torch.repeat_interleave(k, {g}, 1)\n    \
@@ -174,20 +199,16 @@ fn attention_script(c: &SelfAttentionConfig) -> Scripted {
             ));
             // -inf (TorchScript has no finfo): the diagonal is always
             // visible, so no row is empty.
-            if !mask.is_empty() {
-                body.push_str(&format!(
-                    "    w = torch.masked_fill(w, torch.logical_not({mask}), float(\"-inf\"))\n"
-                ));
-            }
             body.push_str(
-                "    w = torch.softmax(w.float(), -1).to(q.dtype)\n    \
+                "    if m is not None:\n        \
+                 w = torch.masked_fill(w, torch.logical_not(m), float(\"-inf\"))\n    \
+                 w = torch.softmax(w.float(), -1).to(q.dtype)\n    \
                  w = torch.dropout(w, p, self.training)\n    \
                  a = torch.matmul(w, v)\n",
             );
         }
         None => body.push_str(&format!(
-            "    a = torch.scaled_dot_product_attention(q, k, v, {mask}, p, {}, scale={scale}, enable_gqa={})\n",
-            boolean(causal),
+            "    a = torch.scaled_dot_product_attention(q, k, v, m, p, c, scale={scale}, enable_gqa={})\n",
             boolean(kv != h),
         )),
     }

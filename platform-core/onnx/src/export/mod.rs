@@ -96,13 +96,28 @@ pub(crate) fn kind_of(layer: &Layer) -> String {
     }
 }
 
-/// Walks the graph being built: the graph, the weights and the custom-op
-/// mappings.
+/// Walks the graph being built: the graph, the weights, the custom-op
+/// mappings, and the attention mask of a model that takes one.
 pub(crate) struct Emitter<'a> {
     pub(crate) g: Graph,
     state: &'a StateDict,
     custom: &'a HashMap<String, Arc<CustomOpFn>>,
+    pub(crate) padding: Option<Padding>,
 }
+
+/// The graph's `attention_mask` input as the layers read it.
+pub(crate) struct Padding {
+    /// `[batch, 1, 1, seq]` booleans, true on the tokens (the keys a query may see).
+    pub(crate) keys: String,
+    /// `[batch, seq]` booleans, true on the tokens.
+    pub(crate) tokens: String,
+    /// The sequence length.
+    pub(crate) seq: usize,
+}
+
+/// The name of the attention-mask input of a model that
+/// [takes one](Layer::takes_attention_mask), as `transformers` names it.
+pub const ATTENTION_MASK_INPUT: &str = "attention_mask";
 
 impl Emitter<'_> {
     /// The initializer of the layer's state-dict entry `name` (checked up
@@ -351,23 +366,43 @@ impl<'a> OnnxExport<'a> {
         let float = self.check_weights()?;
         let input_dtype = self.resolve_input_dtype(float)?;
 
+        // A model that reads an attention mask takes it as a second input
+        // beside its token ids, whether the shape given is the ids' or
+        // Kiln's stacked `[batch, 2, seq]`.
+        let takes_mask = self.spec.takes_attention_mask();
+        let input_shape = self.spec.token_ids_dims(&self.options.input_shape);
         let reserved = [
             self.options.input_name.as_str(),
             self.options.output_name.as_str(),
+            ATTENTION_MASK_INPUT,
         ];
         let mut emitter = Emitter {
             g: Graph::new(float, &reserved),
             state: self.state,
             custom: &self.custom,
+            padding: None,
         };
         let dim0 = if self.options.dynamic_batch {
             Dim0::Batch
         } else {
             Dim0::Static
         };
+        if takes_mask {
+            let g = &mut emitter.g;
+            let zero = g.ints("", "mask_zero", &[0])?;
+            let padded = g.op("", "Equal", &[ATTENTION_MASK_INPUT, &zero], vec![]);
+            let tokens = g.op("", "Not", &[&padded], vec![]);
+            let axes = g.ints("", "mask_axes", &[1, 2])?;
+            let keys = g.op("", "Unsqueeze", &[&tokens, &axes], vec![]);
+            emitter.padding = Some(Padding {
+                keys,
+                tokens,
+                seq: input_shape.get(1).copied().unwrap_or(0),
+            });
+        }
         let x = Value {
             name: self.options.input_name.clone(),
-            shape: self.options.input_shape.clone(),
+            shape: input_shape.clone(),
             dtype: input_dtype,
             dim0,
         };
@@ -398,12 +433,23 @@ impl<'a> OnnxExport<'a> {
             name: Some("kiln".to_owned()),
             node: g.nodes,
             initializer: g.initializers,
-            input: vec![value_info(
-                &self.options.input_name,
-                input_dtype,
-                &self.options.input_shape,
-                dim0,
-            )],
+            input: {
+                let mut inputs = vec![value_info(
+                    &self.options.input_name,
+                    input_dtype,
+                    &input_shape,
+                    dim0,
+                )];
+                if takes_mask {
+                    inputs.push(value_info(
+                        ATTENTION_MASK_INPUT,
+                        DType::I64,
+                        &input_shape,
+                        dim0,
+                    ));
+                }
+                inputs
+            },
             output: vec![value_info(
                 &self.options.output_name,
                 y.dtype,
@@ -469,6 +515,15 @@ impl<'a> OnnxExport<'a> {
                 return Err(Error::invalid(
                     what,
                     format!("`{name}` is also a weight's name; choose another"),
+                ));
+            }
+            if name == ATTENTION_MASK_INPUT && self.spec.takes_attention_mask() {
+                return Err(Error::invalid(
+                    what,
+                    format!(
+                        "`{name}` is the name of the model's second input, the attention mask \
+                         beside its token ids; choose another"
+                    ),
                 ));
             }
         }

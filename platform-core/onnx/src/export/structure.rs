@@ -60,6 +60,47 @@ impl Emitter<'_> {
                     vec![attr::ints("perm", &perm)],
                 ))
             }
+            Layer::Select { dim, index }
+                if *dim == 1
+                    && *index < 0
+                    && x.shape.len() >= 2
+                    && self.padding.as_ref().is_some_and(|p| p.seq == x.shape[1]) =>
+            {
+                // Over a padded batch's sequence, a negative index counts
+                // back from each row's last token: the argmax of the
+                // positions times the mask, as Kiln's forward pass does.
+                let seq = x.shape[1];
+                let tokens = self
+                    .padding
+                    .as_ref()
+                    .map(|p| p.tokens.clone())
+                    .unwrap_or_default();
+                let positions: Vec<f64> = (0..seq).map(|i| i as f64).collect();
+                let positions = self.g.floats(path, "positions", &positions, &[1, seq])?;
+                let tokens = self
+                    .g
+                    .op(path, "Cast", &[&tokens], vec![attr::int("to", 1)]);
+                let positions = self
+                    .g
+                    .op(path, "Cast", &[&positions], vec![attr::int("to", 1)]);
+                let scored = self.g.op(path, "Mul", &[&positions, &tokens], vec![]);
+                let last = self.g.op(
+                    path,
+                    "ArgMax",
+                    &[&scored],
+                    vec![attr::int("axis", 1), attr::int("keepdims", 1)],
+                );
+                let offset = self.g.ints(path, "offset", &[*index as i64 + 1])?;
+                let zero = self.g.ints(path, "zero", &[0])?;
+                let at = self.g.op(path, "Add", &[&last, &offset], vec![]);
+                let at = self.g.op(path, "Max", &[&at, &zero], vec![]);
+                Ok(self.g.op(
+                    path,
+                    "GatherND",
+                    &[&x.name, &at],
+                    vec![attr::int("batch_dims", 1)],
+                ))
+            }
             Layer::Select { dim, index } => {
                 // A scalar index removes the axis, as torch.select does.
                 let index = self.g.constant(

@@ -282,15 +282,43 @@ impl Emitter<'_> {
             let tanh = self.g.op(path, "Tanh", &[&divided], vec![]);
             scores = self.g.op(path, "Mul", &[&tanh, &cap], vec![]);
         }
-        if c.causal {
-            // Causal, within the sliding window when there is one.
-            let mask: Vec<f64> = (0..seq)
-                .flat_map(|i| {
-                    (0..seq).map(move |j| if c.sees(i, j) { 0.0 } else { f64::NEG_INFINITY })
-                })
-                .collect();
-            let mask = self.g.floats(path, "causal_mask", &mask, &[seq, seq])?;
-            scores = self.g.op(path, "Add", &[&scores, &mask], vec![]);
+        match (&self.padding, c.causal) {
+            (None, true) => {
+                // Causal, within the sliding window when there is one.
+                let mask: Vec<f64> = (0..seq)
+                    .flat_map(|i| {
+                        (0..seq).map(move |j| if c.sees(i, j) { 0.0 } else { f64::NEG_INFINITY })
+                    })
+                    .collect();
+                let mask = self.g.floats(path, "causal_mask", &mask, &[seq, seq])?;
+                scores = self.g.op(path, "Add", &[&scores, &mask], vec![]);
+            }
+            (None, false) => {}
+            (Some(padding), _) => {
+                // The keys that are tokens, within the causal band (and
+                // window) when there is one, and always the query itself, as
+                // Kiln's forward pass sees them over a padded batch.
+                let keys = padding.keys.clone();
+                let band: Vec<f64> = (0..seq)
+                    .flat_map(|i| {
+                        (0..seq).map(move |j| f64::from(u8::from(!c.causal || c.sees(i, j))))
+                    })
+                    .collect();
+                let itself: Vec<f64> = (0..seq)
+                    .flat_map(|i| (0..seq).map(move |j| f64::from(u8::from(i == j))))
+                    .collect();
+                let to_bool = || vec![attr::int("to", 9)];
+                let band = self.g.floats(path, "band", &band, &[seq, seq])?;
+                let band = self.g.op(path, "Cast", &[&band], to_bool());
+                let itself = self.g.floats(path, "itself", &itself, &[seq, seq])?;
+                let itself = self.g.op(path, "Cast", &[&itself], to_bool());
+                let seen = self.g.op(path, "And", &[&keys, &band], vec![]);
+                let seen = self.g.op(path, "Or", &[&seen, &itself], vec![]);
+                let zero = self.g.scalar(path, "zero", 0.0)?;
+                let hidden = self.g.scalar(path, "hidden", f64::NEG_INFINITY)?;
+                let mask = self.g.op(path, "Where", &[&seen, &zero, &hidden], vec![]);
+                scores = self.g.op(path, "Add", &[&scores, &mask], vec![]);
+            }
         }
         let weights = self
             .g
