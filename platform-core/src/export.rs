@@ -122,6 +122,11 @@ pub struct ExportOptions {
 pub const DEFAULT_INPUT_NAME: &str = "input";
 /// The default output name of every format.
 pub const DEFAULT_OUTPUT_NAME: &str = "output";
+/// The name of the second input of a model that
+/// [takes an attention mask](crate::model::Layer::takes_attention_mask)
+/// (ONNX and SavedModel; TorchScript's `forward` argument), as
+/// `transformers` names it: `[batch, seq]` int64, nonzero on the tokens.
+pub const ATTENTION_MASK_INPUT: &str = "attention_mask";
 
 impl Default for ExportOptions {
     /// The default settings without an input shape, which only a TorchScript

@@ -89,10 +89,9 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
     let ids_shape = source.definition.token_ids_dims(&source.input_shape);
     let (input, output) = (shape(&ids_shape), shape(&output_shape));
     let what = match args.format {
-        #[cfg(feature = "onnx")]
         ExportFormat::Onnx if source.definition.takes_attention_mask() => format!(
             "inputs {input_name} {input} and {} {input}, output {output_name} {output}",
-            kiln_onnx::ATTENTION_MASK_INPUT
+            kiln_core::export::ATTENTION_MASK_INPUT
         ),
         ExportFormat::Onnx => format!("input {input_name} {input}, output {output_name} {output}"),
         // A TorchScript module's forward takes positional tensors of any batch size.
@@ -100,6 +99,11 @@ pub(crate) fn export<E: Engines>(args: ExportArgs) -> Result<()> {
             "forward takes {input} and an optional attention_mask {input}, returns {output}"
         ),
         ExportFormat::Torchscript => format!("forward takes {input}, returns {output}"),
+        ExportFormat::Savedmodel if source.definition.takes_attention_mask() => format!(
+            "signature serving_default: inputs {input_name} {input} and {} {input}, output \
+             {output_name} {output}",
+            kiln_core::export::ATTENTION_MASK_INPUT
+        ),
         ExportFormat::Savedmodel => format!(
             "signature serving_default: input {input_name} {input}, output {output_name} {output}"
         ),

@@ -6,6 +6,7 @@
 use super::*;
 use kiln::core::export::ExportOptions;
 use kiln::onnx::{OnnxExport, OnnxModel, ATTENTION_MASK_INPUT};
+use kiln::tf::{export_saved_model, SavedModel};
 use kiln::torch::export_torchscript;
 
 /// The ONNX export of every decoder and encoder family (mixtures of experts
@@ -60,7 +61,7 @@ fn exported_onnx_models_take_the_attention_mask() {
         assert!(floats(&logits).iter().all(|v| v.is_finite()), "{name}: NaN");
         if let Some(want) = io.get("classifier_logits") {
             let classifier = pretrained.clone().with_num_labels(3).unwrap();
-            let mut state = weights.clone();
+            let mut state = classifier.load_weights().unwrap();
             let head = classifier
                 .layer()
                 .parameter_specs("")
@@ -162,5 +163,75 @@ fn exported_torchscript_models_take_the_attention_mask() {
         checked += 1;
     }
     assert!(checked >= 15, "only {checked} families checked");
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
+/// The SavedModel export's `serving_default` signature takes `input` and
+/// `attention_mask`: on a padded batch, `transformers`' logits at the tokens
+/// within 1e-5 and a classifier's pooled logits, for every decoder and
+/// encoder family and each mixture of experts (router losses are not part of
+/// a served model), read back through a TensorFlow session.
+#[test]
+fn exported_saved_models_take_the_attention_mask() {
+    let test = "exported_saved_models_take_the_attention_mask";
+    let Some((dir, cases)) = references(test) else {
+        return;
+    };
+    let scratch = std::env::temp_dir().join(format!("kiln-exported-sm-{}", std::process::id()));
+    std::fs::create_dir_all(&scratch).unwrap();
+    let mut checked = 0;
+    for case in cases.iter().filter(|c| c["name"] != "vit") {
+        let name = case["name"].as_str().unwrap();
+        let io = io(dir, name);
+        let pretrained = Pretrained::open(dir.join(name)).unwrap();
+        let (ids, mask) = (
+            io.get("padded_ids").unwrap(),
+            io.get("padded_mask").unwrap(),
+        );
+        let run = |layer: &Layer, state: &StateDict, file: &str| -> HostTensor {
+            let mut tf = TfBackend::build_model(layer, Device::Cpu).unwrap();
+            tf.load_state_dict(state).unwrap();
+            tf.set_mode(Mode::Eval);
+            let path = scratch.join(file);
+            export_saved_model(&tf, &path, &ExportOptions::new(ids.dims()))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let served = SavedModel::load(&path).unwrap();
+            let mut out = served
+                .run(
+                    "serving_default",
+                    &[("input", ids), (ATTENTION_MASK_INPUT, mask)],
+                )
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            out.remove("output").unwrap()
+        };
+        let weights = pretrained.load_weights().unwrap();
+        let logits = run(pretrained.layer(), &weights, name);
+        logits_close(
+            &format!("{name}: SavedModel padded logits"),
+            &padded::kept(&logits, mask),
+            &padded::kept(io.get("padded_logits").unwrap(), mask),
+        );
+        if let Some(want) = io.get("classifier_logits") {
+            let classifier = pretrained.clone().with_num_labels(3).unwrap();
+            let mut state = classifier.load_weights().unwrap();
+            let head = classifier
+                .layer()
+                .parameter_specs("")
+                .unwrap()
+                .into_iter()
+                .map(|p| p.name)
+                .find(|n| !state.contains_key(n))
+                .unwrap();
+            state.insert(head, io.get("score.weight").unwrap().clone());
+            let pooled = run(classifier.layer(), &state, &format!("{name}-cls"));
+            logits_close(
+                &format!("{name}: SavedModel padded classifier logits"),
+                &floats(&pooled),
+                &floats(want),
+            );
+        }
+        checked += 1;
+    }
+    assert!(checked >= 19, "only {checked} families checked");
     let _ = std::fs::remove_dir_all(&scratch);
 }

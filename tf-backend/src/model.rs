@@ -184,6 +184,7 @@ impl TfModel {
             spec: &self.spec,
             vars: &self.vars,
             batch_dims,
+            separate_mask: false,
         }
     }
 

@@ -28,6 +28,9 @@ use crate::saved_model::SavedModelLayers;
 #[derive(Debug, Clone)]
 pub(crate) struct Forward {
     pub(crate) input: Output,
+    /// The attention mask's own placeholder, read beside the ids in `input`
+    /// ([`ModelGraph::separate_mask`]).
+    pub(crate) mask_input: Option<Output>,
     /// The output, in PyTorch's logical layout.
     pub(crate) output: Output,
     /// The output's per-sample dims.
@@ -103,6 +106,10 @@ pub(crate) struct ModelGraph<'a> {
     pub(crate) spec: &'a Layer,
     pub(crate) vars: &'a [Var],
     pub(crate) batch_dims: &'a [usize],
+    /// Whether a `[batch, 2, seq]` batch of ids and their attention mask is
+    /// read from two `[batch, seq]` placeholders (a SavedModel's signature)
+    /// instead of one stacked placeholder.
+    pub(crate) separate_mask: bool,
 }
 
 /// The optimizer a program updates with: its trainable parameters and update rule.
@@ -284,13 +291,14 @@ fn compose_forward(
     } else {
         "eval_forward"
     });
-    let placeholder = engine
-        .b
-        .placeholder(tf_dtype(input.dtype)?, Some(&input.dims));
+    let placeholders = super::input::placeholders(&mut engine.b, model, input);
     engine.b.set_scope(&saved);
-    let placeholder = placeholder?;
+    let (placeholder, mask_input) = placeholders?;
     // The first layer's input, and a padded batch's mask for the layers that read it.
-    let (x, padding) = super::input::model_input(&mut engine.b, model, input, &placeholder)?;
+    let (x, padding) = match &mask_input {
+        Some(mask) => super::input::separate_input(&mut engine.b, model, &placeholder, mask)?,
+        None => super::input::model_input(&mut engine.b, model, input, &placeholder)?,
+    };
     let mut ctx = Ctx {
         b: &mut engine.b,
         custom_ops: &engine.custom_ops,
@@ -323,6 +331,7 @@ fn compose_forward(
     let targets = add_updates(&mut engine.b, &updates, &[])?;
     let forward = Forward {
         input: placeholder,
+        mask_input,
         output,
         output_dims: y.dims,
         seed,

@@ -107,3 +107,52 @@ pub(super) fn model_input(
         ),
     })
 }
+
+/// The forward pass's input placeholders: one of `input`'s dims, or, for a
+/// model reading `[batch, 2, seq]` ids and mask from
+/// [two placeholders](ModelGraph::separate_mask), the ids' and the mask's,
+/// each `[batch, seq]` int64.
+pub(super) fn placeholders(
+    b: &mut Builder,
+    model: ModelGraph<'_>,
+    input: &Signature,
+) -> Result<(Output, Option<Output>)> {
+    match (model.batch_dims, input.dims.as_slice()) {
+        ([_, 2, _], [batch, 2, seq]) if model.separate_mask && spec_takes_mask(model) => {
+            let dims = [*batch, *seq];
+            let ids = b.placeholder(DataType::Int64, Some(&dims))?;
+            let mask = b.placeholder(DataType::Int64, Some(&dims))?;
+            Ok((ids, Some(mask)))
+        }
+        _ => Ok((
+            b.placeholder(tf_dtype(input.dtype)?, Some(&input.dims))?,
+            None,
+        )),
+    }
+}
+
+/// What the layers take from the ids' and the mask's own placeholders: the
+/// ids, and the mask as float32 (`mask != 0`), as [`model_input`] takes them
+/// from a stacked placeholder.
+pub(super) fn separate_input(
+    b: &mut Builder,
+    model: ModelGraph<'_>,
+    ids: &Output,
+    mask: &Output,
+) -> Result<(Val, Option<Padding>)> {
+    let seq = model.batch_dims.last().copied().unwrap_or(0) as i64;
+    let zero = b.constant(&[0i64], &[])?;
+    let kept = b.op("NotEqual", &[mask, &zero], &|nd| {
+        nd.set_attr_type("T", DataType::Int64)?;
+        Ok(())
+    })?;
+    let mask = b.cast(&kept, DataType::Bool, DataType::Float)?;
+    Ok((
+        Val {
+            out: ids.clone(),
+            dims: vec![seq],
+            nhwc: false,
+        },
+        Some(Padding { mask, seq }),
+    ))
+}

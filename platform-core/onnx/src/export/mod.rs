@@ -115,9 +115,7 @@ pub(crate) struct Padding {
     pub(crate) seq: usize,
 }
 
-/// The name of the attention-mask input of a model that
-/// [takes one](Layer::takes_attention_mask), as `transformers` names it.
-pub const ATTENTION_MASK_INPUT: &str = "attention_mask";
+pub use kiln_core::export::ATTENTION_MASK_INPUT;
 
 impl Emitter<'_> {
     /// The initializer of the layer's state-dict entry `name` (checked up

@@ -139,6 +139,8 @@ pub(super) struct ExportGraph {
     pub(super) compiled: CompiledGraph,
     pub(super) vars: Vec<Var>,
     pub(super) input: Output,
+    /// The attention mask's placeholder, of a model that reads one.
+    pub(super) mask_input: Option<Output>,
     pub(super) input_dtype: DataType,
     pub(super) input_dims: Vec<i64>,
     pub(super) output: Output,
@@ -161,6 +163,18 @@ impl ExportGraph {
             .collect::<kiln_core::Result<Vec<_>>>()?;
         let mut compiled = CompiledGraph::new(engine);
         let dtype = spec.input_dtype().unwrap_or(DType::F32);
+        // A model reading an attention mask is built for its stacked
+        // `[batch, 2, seq]` batch, read from the ids' and the mask's own
+        // placeholders.
+        let separate_mask = spec.takes_attention_mask();
+        let stacked;
+        let input_shape = match spec.token_ids_dims(input_shape).as_slice() {
+            [batch, seq] if separate_mask => {
+                stacked = [*batch, 2, *seq];
+                &stacked[..]
+            }
+            _ => input_shape,
+        };
         let mut dims: Vec<i64> = input_shape.iter().map(|&d| d as i64).collect();
         if let Some(first) = dims.first_mut() {
             *first = -1;
@@ -178,6 +192,7 @@ impl ExportGraph {
             spec,
             vars: &vars,
             batch_dims: input_shape,
+            separate_mask,
         };
         let program = step::program(&mut compiled, &key, Some(model), None)?;
         let missing = |what: &str| {
@@ -191,10 +206,15 @@ impl ExportGraph {
         } else {
             Some(add_saver(&mut compiled.engine.b, &vars)?)
         };
+        // The ids' (and the mask's) placeholder is `[batch, seq]`.
+        if forward.mask_input.is_some() {
+            dims.remove(1);
+        }
         Ok(ExportGraph {
             compiled,
             vars,
             input: forward.input,
+            mask_input: forward.mask_input,
             input_dtype: tf_dtype(dtype)?,
             input_dims: dims,
             output: forward.output,

@@ -40,7 +40,9 @@ use crate::saved_model::load::{files, SERVE_TAG};
 use graph::{
     check_layers, check_ops, op_name, standard_ops, tensor_name, ExportGraph, ExportResult,
 };
-use kiln_core::export::{existing_parent, ExportError, ExportFormat, ExportOptions};
+use kiln_core::export::{
+    existing_parent, ExportError, ExportFormat, ExportOptions, ATTENTION_MASK_INPUT,
+};
 use proto::{SavedModelDef, SaverNames, SignatureDefSpec, TensorInfoDef, VariableDefSpec};
 
 /// The signature key TensorFlow Serving and `tf.saved_model.load(..).signatures` use by default.
@@ -148,7 +150,22 @@ impl<'a> SavedModelExport<'a> {
     }
 
     fn check_settings(&self) -> ExportResult<()> {
-        self.options.check(ExportFormat::SavedModel)
+        self.options.check(ExportFormat::SavedModel)?;
+        for (what, name) in [
+            ("input name", &self.options.input_name),
+            ("output name", &self.options.output_name),
+        ] {
+            if name == ATTENTION_MASK_INPUT && self.model.spec().takes_attention_mask() {
+                return Err(ExportError::invalid(
+                    what,
+                    format!(
+                        "`{name}` is the name of the signature's second input, the attention \
+                         mask beside the token ids; choose another"
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The target's parent and name, after refusing what may not be replaced.
@@ -244,14 +261,27 @@ impl<'a> SavedModelExport<'a> {
         let signature = SignatureDefSpec {
             key: SERVING_SIGNATURE.to_owned(),
             method_name: PREDICT_METHOD.to_owned(),
-            inputs: vec![(
-                self.options.input_name.clone(),
-                TensorInfoDef {
-                    name: tensor_name(&export.input)?,
-                    dtype: export.input_dtype,
-                    dims: export.input_dims.clone(),
-                },
-            )],
+            inputs: {
+                let mut inputs = vec![(
+                    self.options.input_name.clone(),
+                    TensorInfoDef {
+                        name: tensor_name(&export.input)?,
+                        dtype: export.input_dtype,
+                        dims: export.input_dims.clone(),
+                    },
+                )];
+                if let Some(mask) = &export.mask_input {
+                    inputs.push((
+                        ATTENTION_MASK_INPUT.to_owned(),
+                        TensorInfoDef {
+                            name: tensor_name(mask)?,
+                            dtype: DataType::Int64,
+                            dims: export.input_dims.clone(),
+                        },
+                    ));
+                }
+                inputs
+            },
             outputs: vec![(
                 self.options.output_name.clone(),
                 TensorInfoDef {
