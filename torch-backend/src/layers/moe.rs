@@ -119,22 +119,32 @@ impl SparseMoe {
         let (_, order) = flat.f_sort_stable(true, 0, false)?;
         let counts: Vec<i64> = Vec::<i64>::try_from(&flat.f_bincount(None::<Tensor>, experts)?)?;
         let rows = order.f_floor_divide_scalar(self.top_k)?;
-        let flat_weights = weights.f_reshape([-1])?;
-        // One expert after another: its tokens gathered, its weighted outputs
-        // added into the output (each add rounded to the output's dtype), in
-        // transformers' order, which decides bfloat16's rounding of the sums.
-        let mut out = tokens.f_zeros_like()?;
+        // Every assignment's token and weight, gathered once in expert order;
+        // each expert reads its run of them as a view.
+        let inputs = tokens.f_index_select(0, &rows)?;
+        let scales = weights
+            .f_reshape([-1])?
+            .f_index_select(0, &order)?
+            .f_unsqueeze(1)?;
+        // One expert after another on its tokens, its outputs weighted; then
+        // one `index_add` adds them into the output in this order, row by
+        // row (each add rounded to the output's dtype), which is
+        // transformers' order and decides bfloat16's rounding of the sums.
+        let mut outputs = Vec::with_capacity(self.experts.len());
         let mut start = 0;
         for (expert, &n) in self.experts.iter().zip(&counts) {
             if n == 0 {
                 continue;
             }
-            let (at, picks) = (rows.f_narrow(0, start, n)?, order.f_narrow(0, start, n)?);
-            let input = tokens.f_index_select(0, &at)?;
+            let input = inputs.f_narrow(0, start, n)?;
             let y = expert.forward(tensors, &input, self.activation, train)?;
-            let scale = flat_weights.f_index_select(0, &picks)?.f_unsqueeze(1)?;
-            out = out.f_index_add(0, &at, &y.f_mul(&scale)?.f_to_kind(out.kind())?)?;
+            outputs.push(y.f_mul(&scales.f_narrow(0, start, n)?)?);
             start += n;
+        }
+        let mut out = tokens.f_zeros_like()?;
+        if !outputs.is_empty() {
+            let added = Tensor::f_cat(&outputs, 0)?.f_to_kind(out.kind())?;
+            out = out.f_index_add(0, &rows, &added)?;
         }
         if let (Some(y), Some((_, gate))) = (shared, &self.shared) {
             let g = gate.forward(tensors, &tokens, train)?.f_sigmoid()?;
