@@ -204,7 +204,10 @@ lr = 0.001
         // The ONNX classifier takes the ids and their attention mask.
         let onnx = dir.join(format!("{family}-model.onnx"));
         let inspected = kiln_stdout(&["inspect", onnx.to_str().unwrap()]);
-        assert!(inspected.contains("attention_mask"), "{family}: {inspected}");
+        assert!(
+            inspected.contains("attention_mask"),
+            "{family}: {inspected}"
+        );
     }
 
     // The TensorFlow backend trains the same model (without freezing, which it lacks).

@@ -66,10 +66,10 @@ fn case(name: &str, spec: Layer, input: &[usize]) -> Case {
 }
 
 fn json_cases() -> Vec<Case> {
-    // A mixture of experts is refused by name (a_mixture_of_experts_is_unsupported).
+    // Mixtures of experts included: every expert on every token, weighted by
+    // a dense table of the router's choices.
     kiln_testkit::layer_cases()
         .into_iter()
-        .filter(|c| !c.has_layer_type("sparse_moe"))
         .map(|c| Case {
             name: c.name,
             spec: serde_json::from_value(c.layer).unwrap(),
@@ -434,29 +434,6 @@ fn a_user_op_without_a_mapping_is_unsupported_naming_it() {
             .contains("kiln_onnx::register_onnx_lowering"),
         "{err}"
     );
-}
-
-#[test]
-fn a_mixture_of_experts_is_unsupported_naming_it() {
-    let moe: Vec<_> = kiln_testkit::layer_cases()
-        .into_iter()
-        .filter(|c| c.has_layer_type("sparse_moe"))
-        .collect();
-    assert!(!moe.is_empty());
-    for c in moe {
-        let spec: Layer = serde_json::from_value(c.layer).unwrap();
-        let model = TorchBackend::build_model(&spec, Device::Cpu).unwrap();
-        let state = model.state_dict().unwrap();
-        let err = OnnxExport::new(&spec, &state, &ExportOptions::new(&c.input))
-            .to_model()
-            .unwrap_err();
-        assert!(
-            matches!(&err, ExportError::Unsupported { layer, .. } if layer == "SparseMoe"),
-            "{}: {err}",
-            c.name
-        );
-        assert!(err.to_string().contains("mixture of experts"), "{err}");
-    }
 }
 
 #[test]

@@ -17,7 +17,7 @@ use std::path::Path;
 
 use kiln_core::{
     export::{shown_path, ExportError, ExportFormat, ExportOptions, FileTarget},
-    model::{Layer, ParamKind},
+    model::{GatedActivation, Layer, ParamKind, SparseMoeConfig},
     module::Module,
     Error,
 };
@@ -252,8 +252,141 @@ impl Exporter<'_> {
                 }
                 Ok(self.graph.add_script_module(module.c_module(), path)?)
             }
+            Layer::SparseMoe(c) => self.emit_moe(c, path, &what),
             leaf => self.emit_leaf(leaf, path, &what),
         }
+    }
+
+    /// A `Linear` module at `path` with its `weight` (and `bias` when the
+    /// model has one).
+    fn emit_linear(&mut self, path: &str) -> Result<NodeId> {
+        let node = self.graph.add_module("Linear", path)?;
+        let mut bias = "None";
+        for (name, required) in [("weight", true), ("bias", false)] {
+            let key = join(path, name);
+            match self.tensors.get(&key) {
+                Some((tensor, kind)) => {
+                    self.graph
+                        .add_tensor(node, name, tensor, *kind == ParamKind::Buffer)?;
+                    if name == "bias" {
+                        bias = "self.bias";
+                    }
+                }
+                None if required => {
+                    return Err(Error::MissingKey {
+                        key,
+                        available: self.tensors.len(),
+                    }
+                    .into())
+                }
+                None => {}
+            }
+        }
+        self.graph.define(
+            node,
+            &forward(&format!(
+                "    return torch.linear(x, self.weight, {bias})\n"
+            )),
+            &format!("{path} (Linear)"),
+        )?;
+        Ok(node)
+    }
+
+    /// An expert's gated MLP at `path`: `gate_proj`, `up_proj`, `down_proj`.
+    fn emit_expert(&mut self, path: &str, activation: GatedActivation) -> Result<NodeId> {
+        let node = self.graph.add_module("Expert", path)?;
+        for name in ["gate_proj", "up_proj", "down_proj"] {
+            let child = self.emit_linear(&join(path, name))?;
+            self.graph.add_child(node, name, child)?;
+        }
+        let act = match activation {
+            GatedActivation::Silu => "torch.silu(g)",
+            GatedActivation::Gelu => "torch.gelu(g)",
+            GatedActivation::GeluTanh => "torch.gelu(g, approximate=\"tanh\")",
+        };
+        let body = format!(
+            "    g = self.gate_proj.forward(x)\n    \
+             return self.down_proj.forward({act} * self.up_proj.forward(x))\n"
+        );
+        self.graph
+            .define(node, &forward(&body), &format!("{path} (Expert)"))?;
+        Ok(node)
+    }
+
+    /// A mixture of experts as `SparseMoe`'s libtorch node computes it: the
+    /// router's top-k in float32 (renormalised when the config says so), the
+    /// assignments sorted by expert, each expert on its tokens, one
+    /// `index_add` of their weighted outputs, and the shared expert gated.
+    fn emit_moe(&mut self, c: &SparseMoeConfig, path: &str, what: &str) -> Result<NodeId> {
+        let node = self.graph.add_module("SparseMoe", path)?;
+        let gate = self.emit_linear(&join(path, "gate"))?;
+        self.graph.add_child(node, "gate", gate)?;
+        let experts_path = join(path, "experts");
+        let experts = self.graph.add_module("Experts", &experts_path)?;
+        let mut calls = String::new();
+        for j in 0..c.num_experts {
+            let expert = self.emit_expert(&join(&experts_path, &j.to_string()), c.activation)?;
+            self.graph.add_child(experts, &j.to_string(), expert)?;
+            let _ = write!(
+                calls,
+                "    n = counts[{j}]\n    if n > 0:\n        \
+                 y = getattr(self.experts, \"{j}\").forward(torch.narrow(inputs, 0, start, n))\n        \
+                 outs.append(y * torch.narrow(scales, 0, start, n))\n        \
+                 start += n\n"
+            );
+        }
+        self.graph.define(
+            experts,
+            &forward("    return x\n"),
+            &format!("{experts_path} (Experts)"),
+        )?;
+        self.graph.add_child(node, "experts", experts)?;
+        let (shared, gated) = match c.shared_expert_dim {
+            Some(_) => {
+                let expert = self.emit_expert(&join(path, "shared_expert"), c.activation)?;
+                self.graph.add_child(node, "shared_expert", expert)?;
+                let gate = self.emit_linear(&join(path, "shared_expert_gate"))?;
+                self.graph.add_child(node, "shared_expert_gate", gate)?;
+                (
+                    "    shared = self.shared_expert.forward(t)\n",
+                    "    out = out + torch.sigmoid(self.shared_expert_gate.forward(t)) * shared\n",
+                )
+            }
+            None => ("", ""),
+        };
+        let renormalise = if c.norm_topk_prob {
+            "    w = w / torch.sum(w, -1, True)\n"
+        } else {
+            ""
+        };
+        let body = format!(
+            "    size = x.size()\n    \
+             t = torch.reshape(x, [-1, size[-1]])\n\
+             {shared}    \
+             logits = self.gate.forward(t)\n    \
+             probs = torch.softmax(logits.float(), -1)\n    \
+             w, chosen = torch.topk(probs, {k}, -1, True, True)\n\
+             {renormalise}    \
+             w = w.to(logits.dtype)\n    \
+             flat = torch.reshape(chosen, [-1])\n    \
+             order = torch.sort(flat, stable=True)[1]\n    \
+             counts: List[int] = torch.bincount(flat, None, {e}).tolist()\n    \
+             rows = torch.div(order, {k}, rounding_mode=\"floor\")\n    \
+             inputs = torch.index_select(t, 0, rows)\n    \
+             scales = torch.unsqueeze(torch.index_select(torch.reshape(w, [-1]), 0, order), 1)\n    \
+             outs: List[Tensor] = []\n    \
+             start = 0\n\
+             {calls}    \
+             out = torch.zeros_like(t)\n    \
+             if len(outs) > 0:\n        \
+             out = torch.index_add(out, 0, rows, torch.cat(outs, 0).to(out.dtype))\n\
+             {gated}    \
+             return torch.reshape(out, size)\n",
+            k = c.top_k,
+            e = c.num_experts,
+        );
+        self.graph.define(node, &forward(&body), what)?;
+        Ok(node)
     }
 
     /// A layer without children: its tensors under their local names (a

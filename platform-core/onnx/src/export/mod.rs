@@ -22,6 +22,7 @@ mod attention;
 mod conv;
 mod custom;
 mod graph;
+mod moe;
 mod norm;
 mod pool;
 mod structure;
@@ -217,16 +218,7 @@ impl Emitter<'_> {
             | Layer::TokenTypeEmbedding(_)
             | Layer::ClassToken(_) => self.transformer(path, layer, &x)?,
             Layer::Custom(c) => self.custom_op(path, layer, c, &x)?,
-            Layer::SparseMoe(_) => {
-                return Err(Error::Unsupported {
-                    format: ExportFormat::Onnx,
-                    path: shown(path),
-                    layer: kind_of(layer),
-                    reason: "kiln-onnx does not map a mixture of experts yet; export the model \
-                             as TorchScript or a SavedModel, or as a Hugging Face directory"
-                        .to_owned(),
-                })
-            }
+            Layer::SparseMoe(c) => self.sparse_moe(path, layer, c, &x)?,
             Layer::Dropout { .. }
             | Layer::Embedding(_)
             | Layer::Flatten { .. }

@@ -7,7 +7,7 @@
 //! learned table, or the sinusoidal table as a constant) and `TiedLinear`
 //! (`MatMul` with the shared initializer, transposed).
 
-use kiln_core::model::{GatedActivation, Layer, PositionEncoding, SelfAttentionConfig};
+use kiln_core::model::{Layer, PositionEncoding, SelfAttentionConfig};
 
 use super::graph::attr;
 use super::Result;
@@ -27,44 +27,7 @@ impl Emitter<'_> {
                 self.rms(path, &x.name, &weight, c.eps)
             }
             Layer::SelfAttention(c) => self.self_attention(path, layer, c, x),
-            Layer::GatedMlp(c) => {
-                let bias = |name: &'static str| c.bias.then_some(name);
-                let gate = self.project(
-                    path,
-                    layer,
-                    &x.name,
-                    "gate_proj.weight",
-                    bias("gate_proj.bias"),
-                )?;
-                let act = match c.activation {
-                    GatedActivation::Silu => {
-                        let s = self.g.op(path, "Sigmoid", &[&gate], vec![]);
-                        self.g.op(path, "Mul", &[&gate, &s], vec![])
-                    }
-                    GatedActivation::Gelu => self.g.op(
-                        path,
-                        "Gelu",
-                        &[&gate],
-                        vec![attr::string("approximate", "none")],
-                    ),
-                    GatedActivation::GeluTanh => self.g.op(
-                        path,
-                        "Gelu",
-                        &[&gate],
-                        vec![attr::string("approximate", "tanh")],
-                    ),
-                };
-                let up =
-                    self.project(path, layer, &x.name, "up_proj.weight", bias("up_proj.bias"))?;
-                let hidden = self.g.op(path, "Mul", &[&act, &up], vec![]);
-                self.project(
-                    path,
-                    layer,
-                    &hidden,
-                    "down_proj.weight",
-                    bias("down_proj.bias"),
-                )
-            }
+            Layer::GatedMlp(c) => self.gated_mlp(path, layer, &x.name, "", c.activation, c.bias),
             Layer::PositionEmbedding(c) => {
                 let seq = x.shape[1];
                 let rows = match c.encoding {
