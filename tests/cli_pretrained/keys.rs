@@ -172,7 +172,8 @@ progress = false
 /// `config.json`, as `from_pretrained(dir, **kwargs)` does: Qwen3-MoE with
 /// `output_router_logits` trains with its load-balancing loss weighed in
 /// (its first loss is the plain run's plus the weight times the logged
-/// `aux_loss`), and a value that is not a table is refused.
+/// `aux_loss`), TensorFlow logs the same `aux_loss`, and a value that is not
+/// a table is refused.
 #[test]
 fn a_pretrained_configs_keys_are_replaced_from_the_run_config() {
     let test = "a_pretrained_configs_keys_are_replaced_from_the_run_config";
@@ -222,6 +223,28 @@ fn a_pretrained_configs_keys_are_replaced_from_the_run_config() {
         (weighed_loss - plain_loss - 0.5 * aux).abs() < 1e-5,
         "{weighed_loss} - {plain_loss} against 0.5 * {aux}"
     );
+    // TensorFlow logs the same router losses, fetched by its compiled step:
+    // the first step's aux_loss is libtorch's (the same weights and batch;
+    // the router does not see the new head), each epoch's train and
+    // validation means are logged, and the loss weighs it in.
+    let tf = dir.join("weighed-tf");
+    train(cfg.to_str().unwrap(), &tf, &["--backend", "tensorflow"]);
+    let (tf_loss, tf_aux) = first(&tf);
+    assert!(
+        (tf_aux - aux).abs() < 1e-5,
+        "TensorFlow {tf_aux} against {aux}"
+    );
+    assert!(tf_loss.is_finite());
+    let epochs = std::fs::read_to_string(tf.join("epochs.csv")).unwrap();
+    let header = epochs.lines().next().unwrap();
+    for name in [
+        "aux_loss",
+        "val_aux_loss",
+        "router_z_loss",
+        "val_router_z_loss",
+    ] {
+        assert!(header.split(',').any(|h| h == name), "{name} in {header}");
+    }
     let bad = run("bad", "config = 3");
     let err = kiln_fails(&["train", "--config", bad.to_str().unwrap()]);
     assert!(

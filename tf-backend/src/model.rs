@@ -219,6 +219,18 @@ fn init_value(spec: &ParamSpec) -> Result<HostTensor> {
 }
 
 impl Module<TfBackend> for TfModel {
+    /// A mixture of experts' `aux_loss` and `router_z_loss`, which the
+    /// training and evaluation steps fetch beside the loss.
+    fn auxiliary_loss_names(&self) -> Vec<String> {
+        match kiln_core::model::RouterLosses::of(&self.spec) {
+            Ok(Some(_)) => kiln_core::model::RouterLosses::NAMES
+                .iter()
+                .map(|n| (*n).to_owned())
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     fn forward(&self, input: &TfTensor) -> Result<TfTensor> {
         let key = ProgramKey {
             kind: ProgramKind::Forward,

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use kiln_core::{
-    backend::{supervised_objective_step, StepLoss, StepPlan, Trainable, UpdatePlan},
+    backend::{StepLoss, StepPlan, Trainable, UpdatePlan},
     distributed::{Collectives, DistributedOptions},
     objective::{Objective, ObjectiveBatch, ObjectiveStep},
     optim::{OptimizerConfig, ParamGroup},
@@ -136,7 +136,8 @@ impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
         plan: &StepPlan<'_>,
         _deferred: bool,
     ) -> Result<StepLoss<TfTensor>> {
-        hooked_step(optimizer, model, &mut self.sync, inputs, targets, plan).map(StepLoss::Host)
+        hooked_step(optimizer, model, &mut self.sync, inputs, targets, plan)
+            .map(|(loss, _)| StepLoss::Host(loss))
     }
 
     /// A supervised loss, as the step computes; any other objective is refused.
@@ -150,7 +151,7 @@ impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
         _deferred: bool,
     ) -> Result<ObjectiveStep<TfTensor>> {
         let kind = format!("{} ({})", self.stage.name(), model.kind());
-        supervised_objective_step(objective, &kind, plan, |plan| {
+        crate::train::with_metrics(objective, &kind, plan, |plan| {
             hooked_step(
                 optimizer,
                 model,
@@ -159,7 +160,6 @@ impl Strategy<TfBackend, TfModel> for ZeroRedundancy {
                 batch.targets,
                 plan,
             )
-            .map(StepLoss::Host)
         })
     }
 

@@ -25,14 +25,15 @@ pub(crate) struct RouterTerms {
     z: Output,
 }
 
-/// The router losses over every MoE layer's `terms`, times their weights: a
-/// float scalar to add to the loss. The rows are counted by the choices
-/// (`top_k` per row).
+/// The router losses over every MoE layer's `terms`: `aux_loss` and
+/// `router_z_loss` (float scalars, unweighted: the metrics), and their sum
+/// times their weights (`None` when neither has a weight: nothing is added
+/// to the loss). The rows are counted by the choices (`top_k` per row).
 pub(crate) fn router_losses(
     b: &mut Builder,
     terms: &[RouterTerms],
     losses: &RouterLosses,
-) -> Result<Output> {
+) -> Result<([Output; 2], Option<Output>)> {
     let mut sums: Option<(Output, Output, Output)> = None;
     for t in terms {
         sums = Some(match sums {
@@ -45,7 +46,8 @@ pub(crate) fn router_losses(
         });
     }
     let Some((counts, probs, z)) = sums else {
-        return b.scalar(0.0);
+        let zero = b.scalar(0.0)?;
+        return Ok(([zero.clone(), zero], None));
     };
     let chosen = b.reduce("Sum", &counts, &[0], false)?;
     let rows = b.mul_scalar(&chosen, 1.0 / losses.top_k as f32)?;
@@ -56,19 +58,16 @@ pub(crate) fn router_losses(
     let aux = b.mul_scalar(&aux, losses.num_experts as f32)?;
     let z = b.div(&z, &rows)?;
     let mut total: Option<Output> = None;
-    for (coef, term) in [(losses.aux_loss_coef, aux), (losses.z_loss_coef, z)] {
+    for (coef, term) in [(losses.aux_loss_coef, &aux), (losses.z_loss_coef, &z)] {
         if coef > 0.0 {
-            let weighted = b.mul_scalar(&term, coef as f32)?;
+            let weighted = b.mul_scalar(term, coef as f32)?;
             total = Some(match total {
                 None => weighted,
                 Some(t) => b.add(&t, &weighted)?,
             });
         }
     }
-    match total {
-        Some(t) => Ok(t),
-        None => b.scalar(0.0),
-    }
+    Ok(([aux, z], total))
 }
 
 /// Builds `layer` on `x` when it is a `SparseMoe`; hands `x` back otherwise.

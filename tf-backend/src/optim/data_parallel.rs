@@ -147,7 +147,8 @@ pub(crate) trait FlatUpdate {
 /// One training micro-batch on `model` with `hooks` through `update` (see the
 /// [module docs](self)): the hooks' `before_forward`, one session run for the
 /// flat gradients, the reduction, the loss, then keep or apply. Returns the
-/// loss averaged over the ranks; when it is not finite, nothing changes.
+/// loss averaged over the ranks, and this rank's metrics (as libtorch's
+/// strategies report them); when the loss is not finite, nothing changes.
 pub(crate) fn hooked_step<U: FlatUpdate>(
     update: &mut U,
     model: &TfModel,
@@ -155,14 +156,14 @@ pub(crate) fn hooked_step<U: FlatUpdate>(
     inputs: &TfTensor,
     targets: &TfTensor,
     plan: &StepPlan<'_>,
-) -> Result<f64> {
+) -> Result<(f64, Vec<f64>)> {
     update.optimizer().check_step(model, plan)?;
     if let Some(clip) = plan.clip {
         clip.validate()?;
     }
     update.check_start()?;
     hooks.before_forward(plan.apply)?;
-    let (mut flat, present) = update
+    let (mut flat, present, metrics) = update
         .optimizer()
         .flat_gradients(model, inputs, targets, plan)?;
     if update.earlier().is_some_and(|p| p != present) {
@@ -177,10 +178,10 @@ pub(crate) fn hooked_step<U: FlatUpdate>(
     let loss = data[data.len() - 1];
     if !loss.is_finite() {
         hooks.skipped()?;
-        return Ok(f64::from(loss));
+        return Ok((f64::from(loss), metrics));
     }
     update.finish(hooks, flat, present, plan)?;
-    Ok(f64::from(loss))
+    Ok((f64::from(loss), metrics))
 }
 
 /// Data parallelism: the whole vector averaged over the ranks on the
@@ -266,14 +267,15 @@ impl TfOptimizer {
     }
 
     /// Runs the [`ProgramKind::FlatGradients`] program on one micro-batch:
-    /// the flat vector and which parameters it holds gradients of.
+    /// the flat vector, which parameters it holds gradients of, and this
+    /// rank's metrics (a mixture of experts' router losses).
     pub(super) fn flat_gradients(
         &self,
         model: &TfModel,
         inputs: &TfTensor,
         targets: &TfTensor,
         plan: &StepPlan<'_>,
-    ) -> Result<(TfTensor, Vec<bool>)> {
+    ) -> Result<(TfTensor, Vec<bool>, Vec<f64>)> {
         let key = ProgramKey {
             kind: ProgramKind::FlatGradients {
                 optimizer: self.id,
@@ -298,7 +300,7 @@ impl TfOptimizer {
                 TfTensor::from_host(&HostTensor::scalar(plan.scale as f32))?,
             ));
         }
-        let fetched = step::run(
+        let mut fetched = step::run(
             &mut graph.engine,
             &program,
             Some(inputs),
@@ -313,7 +315,7 @@ impl TfOptimizer {
                 "no flat gradient vector was fetched",
             )
         })?;
-        Ok((flat, program.present))
+        Ok((flat, program.present, std::mem::take(&mut fetched.metrics)))
     }
 
     /// Applies a flat gradient vector (already averaged over the ranks) in one

@@ -146,6 +146,9 @@ pub struct TfOptimizer {
     /// A data-parallel step's gradients of micro-batches that did not apply,
     /// summed on this rank only.
     local: Option<data_parallel::LocalGradients>,
+    /// The metrics (a mixture of experts' router losses) of the last
+    /// training step's micro-batch, on this rank.
+    metrics: Vec<f64>,
 }
 
 fn scalar_ph(b: &mut Builder) -> Result<Output> {
@@ -230,6 +233,7 @@ impl TfOptimizer {
             step: 0,
             pending: false,
             local: None,
+            metrics: Vec::new(),
         })
     }
 
@@ -486,7 +490,7 @@ impl TfOptimizer {
                 TfTensor::from_host(&HostTensor::scalar(plan.scale as f32))?,
             ));
         }
-        let fetched = step::run(
+        let mut fetched = step::run(
             &mut graph.engine,
             &program,
             Some(inputs),
@@ -502,7 +506,14 @@ impl TfOptimizer {
                 self.pending = true;
             }
         }
+        self.metrics = std::mem::take(&mut fetched.metrics);
         fetched.loss_value()
+    }
+
+    /// The metrics of the last training step's micro-batch (a mixture of
+    /// experts' unweighted `aux_loss` and `router_z_loss`), taken.
+    pub(crate) fn take_metrics(&mut self) -> Vec<f64> {
+        std::mem::take(&mut self.metrics)
     }
 
     /// The parameters this optimizer updates and holds state for.

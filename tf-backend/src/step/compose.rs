@@ -44,6 +44,9 @@ pub(crate) struct Forward {
     /// The model's router losses times their weights, a scalar added to every
     /// loss built on this pass (`None`: no mixture of experts, or no weight).
     pub(crate) auxiliary: Option<Output>,
+    /// The model's router losses, unweighted, in
+    /// [`RouterLosses::NAMES`]' order (none without a mixture of experts).
+    pub(crate) router_values: Vec<Output>,
 }
 
 impl Forward {
@@ -77,6 +80,9 @@ pub(crate) struct Program {
     pub(crate) finite: Option<Output>,
     /// Fetched: each parameter's gradient, by name.
     pub(crate) gradients: Vec<(String, Output)>,
+    /// Fetched: the objective's metrics (a mixture of experts' router
+    /// losses), float scalars.
+    pub(crate) metrics: Vec<Output>,
     /// Fetched: the gradients and the loss as one float vector
     /// ([`ProgramKind::FlatGradients`]).
     pub(crate) flat: Option<Output>,
@@ -97,6 +103,8 @@ pub(crate) struct Fetched {
     pub(crate) gradients: Vec<(String, TfTensor)>,
     /// The flat gradient vector, in the memory TensorFlow allocated for it.
     pub(crate) flat: Option<TfTensor>,
+    /// The metrics' values, in the program's order.
+    pub(crate) metrics: Vec<f64>,
 }
 
 /// The model a program runs: its definition and variables, and the dims of the
@@ -315,13 +323,15 @@ fn compose_forward(
     let y = ctx.layer(model.spec, "", x)?;
     let y = ctx.nchw(y)?;
     let (seed, updates, reads, routers) = (ctx.seed, ctx.updates, ctx.reads, ctx.routers);
-    let auxiliary = match RouterLosses::of(model.spec)? {
-        Some(losses) if losses.adds_to_loss() => Some(crate::layers::router_losses(
-            &mut engine.b,
-            &routers,
-            &losses,
-        )?),
-        _ => None,
+    // A mixture of experts' router losses: their values (the metrics), and
+    // their weighted sum, added to every loss built on this pass.
+    let (router_values, auxiliary) = match RouterLosses::of(model.spec)? {
+        Some(losses) => {
+            let (values, weighted) =
+                crate::layers::router_losses(&mut engine.b, &routers, &losses)?;
+            (values.to_vec(), weighted)
+        }
+        None => (Vec::new(), None),
     };
     // A named output that is never the input itself (eval-mode dropout is the identity).
     let output = engine.b.op("Identity", &[&y.out], &|nd| {
@@ -338,6 +348,7 @@ fn compose_forward(
         updates,
         reads,
         auxiliary,
+        router_values,
     };
     Ok(Program {
         input: Some(forward.input.clone()),
@@ -383,9 +394,11 @@ fn compose_eval(
 ) -> Result<Program> {
     let pieces = pieces(&forward)?;
     let (target, value) = loss_on(b, loss, pieces, target)?;
+    let metrics = pieces.router_values.clone();
     Ok(Program {
         target: Some(target),
         loss: Some(value),
+        metrics,
         ..forward
     })
 }
@@ -502,6 +515,7 @@ fn compose_train(
     }
     let finite = b.cast(&finite, DataType::Bool, DataType::UInt8)?;
     Ok(Program {
+        metrics: forward.router_values.clone(),
         input: Some(forward.input.clone()),
         seed: forward.seed.clone(),
         target: Some(target),
@@ -548,6 +562,7 @@ fn compose_flat_gradients(
     parts.push(b.reshape(&value, &[1], DataType::Float)?);
     let flat = b.concat(&parts, 0)?;
     Ok(Program {
+        metrics: forward.router_values.clone(),
         input: Some(forward.input.clone()),
         seed: forward.seed.clone(),
         target: Some(target),
@@ -700,6 +715,7 @@ pub(crate) fn run(
     if let Some(flat) = &program.flat {
         fetches.push((flat, DataType::Float));
     }
+    fetches.extend(program.metrics.iter().map(|m| (m, DataType::Float)));
     let targets: Vec<&Operation> = program.targets.iter().collect();
     let mut values = engine.run(&feeds, &fetches, &targets, context)?.into_iter();
     let missing = || Error::backend("tensorflow", context, "a fetched value is missing");
@@ -723,6 +739,11 @@ pub(crate) fn run(
     }
     if program.flat.is_some() {
         fetched.flat = Some(values.next().ok_or_else(missing)?);
+    }
+    for _ in &program.metrics {
+        fetched
+            .metrics
+            .push(scalar(&values.next().ok_or_else(missing)?)?);
     }
     Ok(fetched)
 }
