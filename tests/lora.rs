@@ -313,3 +313,93 @@ fn trainable_elements(lora: &LoraConfig, base: &Pretrained) -> usize {
         .map(|s| s.shape.iter().product::<usize>())
         .sum()
 }
+
+/// Adapters of fused modules go both ways with PEFT, for Phi-3 (`qkv_proj`,
+/// `gate_up_proj`) and GPT-2 (`c_attn`, a transposed Conv1D): PEFT's
+/// rank-2 adapters load into Kiln's separate projections with PEFT's
+/// logits; Kiln's adapters, each part with its own `lora_A`, are written as
+/// one block-diagonal adapter per fused module (`rank_pattern`,
+/// `alpha_pattern`) that `PeftModel.from_pretrained` runs with Kiln's
+/// logits, and that Kiln reads back tensor for tensor.
+#[test]
+fn fused_modules_adapters_go_both_ways_with_peft() {
+    let test = "fused_modules_adapters_go_both_ways_with_peft";
+    let Some(python) = kiln_testkit::python(test) else {
+        return;
+    };
+    let root = kiln_testkit::workspace_root().join("tests/reference");
+    let models = kiln_testkit::made_once_per_run(
+        &python,
+        &root.join("pretrained.py"),
+        &["make"],
+        "pretrained-models",
+    );
+    let out = kiln_testkit::scratch_dir(Path::new(env!("CARGO_TARGET_TMPDIR")), "peft-fused");
+    kiln_testkit::run_reference(
+        &python,
+        &root.join("peft_fused.py"),
+        &[Path::new("make"), &models, &out],
+    );
+    for family in ["phi3_5_mini", "gpt2"] {
+        let base = Pretrained::open(models.join(family)).unwrap();
+        let (lora, adapters) = base
+            .load_adapter(out.join(format!("{family}-peft")))
+            .unwrap();
+        let io = io(&out.join(format!("{family}.io.safetensors")));
+        let probe = io.get("probe").unwrap();
+        let run = |adapters: &StateDict| {
+            let mut model = TorchModel::new(base.layer(), Device::Cpu).unwrap();
+            model
+                .load_state_dict(&base.load_weights().unwrap())
+                .unwrap();
+            model.add_lora(&lora).unwrap();
+            load_adapters(&mut model, adapters);
+            model.set_mode(Mode::Eval);
+            logits(&model, probe).to_f64_vec()
+        };
+        assert_close(
+            &format!("{family}: logits with PEFT's fused adapters"),
+            &run(&adapters),
+            &io.get("peft_logits").unwrap().to_f64_vec(),
+            1e-5,
+            "peft",
+        );
+        // Each part's lora_A of its own, as Kiln trains them.
+        let mut trained = StateDict::new();
+        for (i, (name, t)) in adapters.iter().enumerate() {
+            let scale = 1.0 + 0.1 * (i % 7) as f32;
+            let values: Vec<f32> = t
+                .as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v * scale)
+                .collect();
+            trained.insert(
+                name.clone(),
+                HostTensor::new(values, t.dims().to_vec()).unwrap(),
+            );
+        }
+        let ours = run(&trained);
+        let dir = out.join(format!("{family}-kiln"));
+        base.save_adapter(&lora, &trained, &dir).unwrap();
+        let check = out.join(format!("{family}-check.safetensors"));
+        kiln_testkit::run_reference(
+            &python,
+            &root.join("peft_fused.py"),
+            &[Path::new("check"), &models, Path::new(family), &dir, &check],
+        );
+        assert_close(
+            &format!("{family}: PEFT on Kiln's fused adapters"),
+            &ours,
+            &self::io(&check).get("peft_logits").unwrap().to_f64_vec(),
+            1e-5,
+            "peft",
+        );
+        let (again, back) = base.load_adapter(&dir).unwrap();
+        assert_eq!((again.r, again.alpha), (lora.r, lora.alpha));
+        assert_eq!(back.len(), trained.len(), "{family}");
+        for (name, t) in trained.iter() {
+            assert_eq!(back.get(name), Some(t), "{family}: {name} read back");
+        }
+    }
+}

@@ -37,6 +37,7 @@ mod moe;
 mod names;
 mod olmo2;
 mod peft;
+mod peft_fused;
 mod peft_targets;
 mod phi3;
 mod rope;

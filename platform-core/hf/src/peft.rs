@@ -7,9 +7,11 @@ use std::path::Path;
 
 use kiln_core::lora::{LoraConfig, LORA_A, LORA_B};
 use kiln_core::state_dict::StateDict;
+use kiln_core::HostTensor;
 use serde_json::{json, Value};
 
 use crate::error::{HfError, Result};
+use crate::peft_fused::{self, Pair, Part};
 use crate::peft_targets::PeftTargets;
 use crate::{write_new, Pretrained};
 
@@ -33,39 +35,61 @@ impl Pretrained {
             .and_then(|m| m.hf.strip_suffix(".weight"))
     }
 
+    /// The fused checkpoint module (`model.layers.0.self_attn.qkv_proj`)
+    /// holding the Kiln projection `module` with others, and its parts in
+    /// row order.
+    fn fused_of(&self, module: &str) -> Option<(String, Vec<Part>)> {
+        let weight = format!("{module}.weight");
+        let mapping = self
+            .names
+            .mappings
+            .iter()
+            .find(|m| m.kiln.len() > 1 && m.kiln.contains(&weight))?;
+        let specs = self.layer.parameter_specs("").ok()?;
+        let parts = mapping
+            .kiln
+            .iter()
+            .map(|k| {
+                let rows = specs
+                    .iter()
+                    .find(|s| &s.name == k)?
+                    .shape
+                    .first()
+                    .copied()?;
+                Some(Part {
+                    module: k.strip_suffix(".weight")?.to_owned(),
+                    rows,
+                })
+            })
+            .collect::<Option<Vec<Part>>>()?;
+        Some((mapping.hf.strip_suffix(".weight")?.to_owned(), parts))
+    }
+
+    /// The checkpoint module PEFT adapts for the Kiln projection `module`:
+    /// its own, or the fused one holding it.
+    fn peft_module(&self, module: &str) -> Option<String> {
+        self.hf_module(module)
+            .map(str::to_owned)
+            .or_else(|| self.fused_of(module).map(|(hf, _)| hf))
+    }
+
     /// Checks, before any training, that adapters on the Kiln projections
     /// `modules` (`3.0.block.1.q_proj`, as [`LoraConfig::targets`] finds them)
-    /// can be saved in PEFT's format for this checkpoint: each must be stored
-    /// as one tensor of its own. GPT-2's fused `c_attn` holds q, k and v in one
-    /// weight, so an adapter of `q_proj` alone has no PEFT module to go to.
+    /// can be saved in PEFT's format for this checkpoint: each must be a
+    /// checkpoint module of its own or a part of a fused one (GPT-2's
+    /// `c_attn`, Phi-3's `qkv_proj`), whose adapter then holds its parts'.
     pub fn check_adapter_modules<'m>(
         &self,
         modules: impl IntoIterator<Item = &'m str>,
     ) -> Result<()> {
-        let fused: Vec<&str> = modules
-            .into_iter()
-            .filter(|m| self.hf_module(m).is_none())
-            .collect();
-        let Some(first) = fused.first() else {
+        let Some(first) = modules.into_iter().find(|m| self.peft_module(m).is_none()) else {
             return Ok(());
         };
-        let hf = self
-            .names
-            .mappings
-            .iter()
-            .find(|m| m.kiln.iter().any(|k| k == &format!("{first}.weight")))
-            .map(|m| m.hf.trim_end_matches(".weight").to_owned());
         Err(HfError::Adapter {
             path: self.dir.clone(),
             reason: format!(
-                "the LoRA target `{first}`{} (and {} more) cannot be saved as a PEFT adapter: \
-                 the {} checkpoint stores it fused with other projections{}; choose targets \
-                 the checkpoint stores alone (for {}: `c_proj`, `c_fc`)",
-                hf.as_deref()
-                    .map_or(String::new(), |h| format!(" (in `{h}`)")),
-                fused.len() - 1,
-                self.family,
-                hf.map_or(String::new(), |h| format!(" in `{h}`")),
+                "the LoRA target `{first}` cannot be saved as a PEFT adapter: the {} \
+                 checkpoint has no module for it",
                 self.family,
             ),
         })
@@ -81,8 +105,8 @@ impl Pretrained {
         leaves.dedup();
         let mut complete = true;
         for projection in kiln_core::lora::projections(&self.layer)? {
-            if let Some(hf) = self.hf_module(&projection.module) {
-                if leaves.contains(&leaf(hf)) && !adapted.iter().any(|a| a == hf) {
+            if let Some(hf) = self.peft_module(&projection.module) {
+                if leaves.contains(&leaf(&hf)) && !adapted.contains(&hf) {
                     complete = false;
                 }
             }
@@ -138,6 +162,7 @@ impl Pretrained {
         }
         let mut out = StateDict::new();
         let mut adapted: Vec<String> = Vec::new();
+        let mut fused: Vec<(String, Vec<Part>)> = Vec::new();
         for (name, tensor) in adapters.iter() {
             let (module, suffix) = match name.strip_suffix(&format!(".{LORA_A}")) {
                 Some(m) => (m, LORA_A),
@@ -146,17 +171,55 @@ impl Pretrained {
                     LORA_B,
                 ),
             };
-            let hf = self.hf_module(module).ok_or_else(|| {
+            if let Some(hf) = self.hf_module(module) {
+                if !adapted.iter().any(|a| a == hf) {
+                    adapted.push(hf.to_owned());
+                }
+                out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor.clone());
+                continue;
+            }
+            let (hf, parts) = self.fused_of(module).ok_or_else(|| {
                 fail(format!(
-                    "`{name}`: the {} checkpoint stores `{module}` fused with other projections \
-                     (or not at all), so PEFT cannot hold an adapter of it alone",
+                    "`{name}`: the {} checkpoint has no module `{module}`",
                     self.family
                 ))
             })?;
-            if !adapted.iter().any(|a| a == hf) {
-                adapted.push(hf.to_owned());
+            if !fused.iter().any(|(h, _)| *h == hf) {
+                fused.push((hf, parts));
             }
-            out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor.clone());
+        }
+        // A fused module's adapter holds its parts' as blocks, with the rank
+        // and alpha that keep each part's scale.
+        let (mut rank_pattern, mut alpha_pattern) =
+            (serde_json::Map::new(), serde_json::Map::new());
+        for (hf, parts) in &fused {
+            let pairs: Vec<Option<Pair>> = parts
+                .iter()
+                .map(|p| {
+                    let get = |suffix: &str| adapters.get(&format!("{}.{suffix}", p.module));
+                    match (get(LORA_A), get(LORA_B)) {
+                        (Some(a), Some(b)) => Some((a.clone(), b.clone())),
+                        _ => None,
+                    }
+                })
+                .collect();
+            let blocks: Vec<(usize, Option<&Pair>)> = parts
+                .iter()
+                .zip(&pairs)
+                .map(|(p, pair)| (p.rows, pair.as_ref()))
+                .collect();
+            let (a, b) = peft_fused::fuse(&blocks).map_err(|e| fail(format!("`{hf}`: {e}")))?;
+            out.insert(format!("{PREFIX}{hf}.{LORA_A}"), a);
+            out.insert(format!("{PREFIX}{hf}.{LORA_B}"), b);
+            adapted.push(hf.clone());
+            let n = parts.len() as f64;
+            rank_pattern.insert(hf.clone(), json!(lora.r * parts.len()));
+            let alpha = if lora.use_rslora {
+                lora.alpha * n.sqrt()
+            } else {
+                lora.alpha * n
+            };
+            alpha_pattern.insert(hf.clone(), json!(alpha));
         }
         let targets = self.target_modules_of(&adapted)?;
         for file in [ADAPTER_CONFIG, ADAPTER_WEIGHTS] {
@@ -173,7 +236,7 @@ impl Pretrained {
             json!(lora.alpha)
         };
         let config = json!({
-            "alpha_pattern": {},
+            "alpha_pattern": alpha_pattern,
             "auto_mapping": null,
             "base_model_name_or_path": self.dir.display().to_string(),
             "bias": "none",
@@ -187,7 +250,7 @@ impl Pretrained {
             "modules_to_save": null,
             "peft_type": "LORA",
             "r": lora.r,
-            "rank_pattern": {},
+            "rank_pattern": rank_pattern,
             "revision": null,
             "target_modules": targets,
             "task_type": if self.is_decoder() { json!("CAUSAL_LM") } else { Value::Null },
@@ -220,8 +283,8 @@ impl Pretrained {
     /// [`HfError::Adapter`] naming what does not fit.
     pub fn load_adapter(&self, dir: impl AsRef<Path>) -> Result<(LoraConfig, StateDict)> {
         let dir = dir.as_ref();
-        let (lora, claimed) = read_adapter_config(dir)?;
-        self.load_adapter_weights(dir, lora, &claimed)
+        let (lora, claimed, patterns) = read_adapter_config(dir)?;
+        self.load_adapter_weights(dir, lora, &claimed, &patterns)
     }
 
     /// The tensors of the adapter in `dir` for `lora` (its config, `claimed`
@@ -232,6 +295,7 @@ impl Pretrained {
         dir: &Path,
         mut lora: LoraConfig,
         claimed: &PeftTargets,
+        patterns: &Patterns,
     ) -> Result<(LoraConfig, StateDict)> {
         let weights_path = dir.join(ADAPTER_WEIGHTS);
         if !weights_path.is_file() {
@@ -258,6 +322,9 @@ impl Pretrained {
         let mut out = StateDict::new();
         // The Kiln projections adapted, with the checkpoint's module of each.
         let mut modules: Vec<(String, String)> = Vec::new();
+        // Fused modules: the name, a part's Kiln module, lora_A and lora_B.
+        type Fused = (String, String, Option<HostTensor>, Option<HostTensor>);
+        let mut fused: Vec<Fused> = Vec::new();
         for (key, tensor) in tensors {
             let local = key.strip_prefix(PREFIX).unwrap_or(&key);
             let (hf, suffix) = match local.strip_suffix(&format!(".{LORA_A}")) {
@@ -281,25 +348,44 @@ impl Pretrained {
                     self.dir.display()
                 ))
             })?;
-            let module = match mapping.kiln.as_slice() {
-                [one] => one.strip_suffix(".weight"),
-                _ => None,
-            }
-            .ok_or_else(|| {
-                wrong(format!(
-                    "`{key}` adapts `{hf}`, which the {} checkpoint stores fused ({}): PEFT's \
-                     adapter there shares one lora_A between them, and Kiln's adapters are one \
-                     per projection, so it cannot be loaded exactly",
-                    self.family,
-                    mapping.kiln.join(", ")
-                ))
-            })?
-            .to_owned();
             if !claimed.adapts(hf) {
                 return Err(wrong(format!(
                     "`{key}` adapts `{hf}`, which {ADAPTER_CONFIG}'s target_modules ({}) does \
                      not name: the config and the weights disagree",
                     claimed.written()
+                )));
+            }
+            if let Some(bad) = non_finite(&tensor) {
+                return Err(wrong(format!(
+                    "`{key}` holds {bad}: the adapter is damaged"
+                )));
+            }
+            let module = match mapping.kiln.as_slice() {
+                [one] => one.strip_suffix(".weight").unwrap_or(one).to_owned(),
+                parts => {
+                    // A fused module's adapter, split once both tensors are read.
+                    let first = parts[0].strip_suffix(".weight").unwrap_or(&parts[0]);
+                    let entry = match fused.iter_mut().find(|(h, ..)| h == hf) {
+                        Some(entry) => entry,
+                        None => {
+                            fused.push((hf.to_owned(), first.to_owned(), None, None));
+                            fused.last_mut().expect("just pushed")
+                        }
+                    };
+                    if suffix == LORA_A {
+                        entry.2 = Some(tensor);
+                    } else {
+                        entry.3 = Some(tensor);
+                    }
+                    continue;
+                }
+            };
+            if Patterns::of(&patterns.rank, hf).is_some()
+                || Patterns::of(&patterns.alpha, hf).is_some()
+            {
+                return Err(wrong(format!(
+                    "{ADAPTER_CONFIG}'s rank_pattern or alpha_pattern names `{hf}`: per-module \
+                     ranks and alphas are read for fused modules only (as Kiln writes them)"
                 )));
             }
             let base = shape_of(&format!("{module}.weight")).unwrap_or_default();
@@ -321,11 +407,6 @@ impl Pretrained {
                     self.dir.display()
                 )));
             }
-            if let Some(bad) = non_finite(&tensor) {
-                return Err(wrong(format!(
-                    "`{key}` holds {bad}: the adapter is damaged"
-                )));
-            }
             if !modules.iter().any(|(m, _)| *m == module) {
                 modules.push((module.clone(), hf.to_owned()));
             }
@@ -333,6 +414,55 @@ impl Pretrained {
                 format!("{module}.{suffix}"),
                 tensor.to_dtype(kiln_core::DType::F32),
             );
+        }
+        for (hf, first, a, b) in fused {
+            let (Some(a), Some(b)) = (a, b) else {
+                return Err(wrong(format!(
+                    "`{PREFIX}{hf}`: each adapted module needs both lora_A and lora_B"
+                )));
+            };
+            let (_, parts) = self
+                .fused_of(&first)
+                .ok_or_else(|| wrong(format!("`{hf}`: its parts are not in the model")))?;
+            let rows: Vec<usize> = parts.iter().map(|p| p.rows).collect();
+            let split = peft_fused::split(&a, &b, &rows, lora.r)
+                .map_err(|e| wrong(format!("the adapter of the fused `{hf}`: {e}")))?;
+            // A block per part keeps each part's scale only with the alpha
+            // (and rank) Kiln writes for it.
+            let n = parts.len() as f64;
+            let blocks = a.dims().first().copied() != Some(lora.r);
+            let want_alpha = if lora.use_rslora {
+                lora.alpha * n.sqrt()
+            } else {
+                lora.alpha * n
+            };
+            let (rank, alpha) = (
+                Patterns::of(&patterns.rank, &hf),
+                Patterns::of(&patterns.alpha, &hf),
+            );
+            let consistent = if blocks {
+                rank == a.dims().first().map(|&r| r as f64)
+                    && alpha.is_some_and(|al| (al - want_alpha).abs() <= 1e-9 * want_alpha)
+            } else {
+                rank.is_none_or(|r| r == lora.r as f64)
+                    && alpha.is_none_or(|al| (al - lora.alpha).abs() <= 1e-9 * lora.alpha)
+            };
+            if !consistent {
+                return Err(wrong(format!(
+                    "the adapter of the fused `{hf}` has rank {} with rank_pattern {rank:?} and \
+                     alpha_pattern {alpha:?}: Kiln reads a rank-{r} adapter of it at the file's \
+                     lora_alpha, or one block of rank {r} per part at rank {} and alpha \
+                     {want_alpha} (as Kiln writes it)",
+                    a.dims().first().copied().unwrap_or(0),
+                    parts.len() * lora.r,
+                    r = lora.r,
+                )));
+            }
+            for (part, (pa, pb)) in parts.iter().zip(split) {
+                out.insert(format!("{}.{LORA_A}", part.module), pa);
+                out.insert(format!("{}.{LORA_B}", part.module), pb);
+                modules.push((part.module.clone(), hf.clone()));
+            }
         }
         if modules.is_empty() {
             return Err(wrong("the file holds no tensor".into()));
@@ -350,10 +480,10 @@ impl Pretrained {
         // Every module the config names has its tensors (PEFT would start a
         // missing one afresh, with a warning).
         for projection in kiln_core::lora::projections(&self.layer)? {
-            let Some(hf) = self.hf_module(&projection.module) else {
+            let Some(hf) = self.peft_module(&projection.module) else {
                 continue;
             };
-            if claimed.adapts(hf) && !modules.iter().any(|(_, h)| h == hf) {
+            if claimed.adapts(&hf) && !modules.iter().any(|(_, h)| *h == hf) {
                 return Err(wrong(format!(
                     "`{PREFIX}{hf}.{LORA_A}` is missing: {ADAPTER_CONFIG}'s target_modules ({}) \
                      names `{hf}`, but the file holds no adapter of it",
@@ -369,7 +499,7 @@ impl Pretrained {
 /// The LoRA settings and target modules of the adapter config in `dir`,
 /// refusing what Kiln does not implement (another PEFT method, DoRA, biases,
 /// `modules_to_save`, per-module ranks, LoRA's extensions) by key.
-fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, PeftTargets)> {
+fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, PeftTargets, Patterns)> {
     let config_path = dir.join(ADAPTER_CONFIG);
     let fail = |reason: String| HfError::Adapter {
         path: config_path.clone(),
@@ -434,16 +564,29 @@ fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, PeftTargets)> {
             "`modules_to_save` is set: Kiln reads the LoRA tensors only, not whole modules".into(),
         ));
     }
-    for key in ["rank_pattern", "alpha_pattern"] {
-        if get(key)
-            .and_then(Value::as_object)
-            .is_some_and(|m| !m.is_empty())
-        {
-            return Err(fail(format!(
-                "`{key}` is set: per-module ranks and alphas are not implemented"
-            )));
-        }
-    }
+    // Per-module ranks and alphas: read for fused modules only (checked
+    // against them once the weights are read).
+    let pattern = |key: &str| -> Result<Vec<(String, f64)>> {
+        let Some(map) = get(key) else {
+            return Ok(Vec::new());
+        };
+        let map = map.as_object().ok_or_else(|| {
+            fail(format!(
+                "`{key}` is not an object of module names to numbers"
+            ))
+        })?;
+        map.iter()
+            .map(|(k, v)| {
+                v.as_f64()
+                    .map(|v| (k.clone(), v))
+                    .ok_or_else(|| fail(format!("`{key}`: `{k}` is not a number")))
+            })
+            .collect()
+    };
+    let patterns = Patterns {
+        rank: pattern("rank_pattern")?,
+        alpha: pattern("alpha_pattern")?,
+    };
     let number = |key: &str| {
         get(key)
             .and_then(Value::as_f64)
@@ -480,7 +623,27 @@ fn read_adapter_config(dir: &Path) -> Result<(LoraConfig, PeftTargets)> {
     let lora = LoraConfig::new(r as usize, alpha)
         .with_dropout(get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0))
         .with_rslora(get("use_rslora").and_then(Value::as_bool) == Some(true));
-    Ok((lora, claimed))
+    Ok((lora, claimed, patterns))
+}
+
+/// An adapter config's `rank_pattern` and `alpha_pattern`: module names (or
+/// their last names) and the rank or alpha PEFT gives them.
+#[derive(Debug, Default)]
+struct Patterns {
+    rank: Vec<(String, f64)>,
+    alpha: Vec<(String, f64)>,
+}
+
+impl Patterns {
+    /// The value `pattern` gives checkpoint module `hf`: the entry of its
+    /// full name, else of a name it ends with.
+    fn of(pattern: &[(String, f64)], hf: &str) -> Option<f64> {
+        pattern
+            .iter()
+            .find(|(k, _)| k == hf)
+            .or_else(|| pattern.iter().find(|(k, _)| hf.ends_with(&format!(".{k}"))))
+            .map(|(_, v)| *v)
+    }
 }
 
 /// `"3 NaN and 1 infinite of 64 values"` when a floating-point `tensor` holds
