@@ -1285,16 +1285,34 @@ fn lora_mistakes_are_refused_at_start_up_and_on_resume() {
         limit,
         &dir,
         KILN,
-        &["train", "--config", s(&cfg), "--output", s(&out), "--max-steps", "1"],
+        &[
+            "train",
+            "--config",
+            s(&cfg),
+            "--output",
+            s(&out),
+            "--max-steps",
+            "1",
+        ],
     );
     assert!(ended.status.success(), "{}", ended.stderr);
     let adapter: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(out.join("adapter/adapter_config.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(adapter["target_modules"], serde_json::json!(["c_attn"]), "{adapter}");
-    assert_eq!(adapter["rank_pattern"]["transformer.h.0.attn.c_attn"], 12, "{adapter}");
-    assert_eq!(adapter["alpha_pattern"]["transformer.h.0.attn.c_attn"], 24.0, "{adapter}");
+    assert_eq!(
+        adapter["target_modules"],
+        serde_json::json!(["c_attn"]),
+        "{adapter}"
+    );
+    assert_eq!(
+        adapter["rank_pattern"]["transformer.h.0.attn.c_attn"], 12,
+        "{adapter}"
+    );
+    assert_eq!(
+        adapter["alpha_pattern"]["transformer.h.0.attn.c_attn"], 24.0,
+        "{adapter}"
+    );
 
     // A LoRA run interrupted, resumed with another alpha or rsLoRA: refused.
     let targets = r#"["q_proj", "v_proj"]"#;

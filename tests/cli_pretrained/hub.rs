@@ -280,26 +280,15 @@ fn hub_models_the_cache_lacks_are_downloaded_into_it() {
     ];
     for revision in ["main", commit.as_str()] {
         let mut args = vec![
-            kiln_testkit::workspace_root()
-                .join("tests/reference/hub_cache.py")
-                .to_string_lossy()
-                .into_owned(),
-            "--read".into(),
+            "--read".to_owned(),
             cache.to_string_lossy().into_owned(),
             "kiln-test/tiny-llama".into(),
             revision.into(),
         ];
         args.extend(files.iter().map(|f| (*f).to_owned()));
-        let out = std::process::Command::new(&python)
-            .args(&args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let found: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let script = kiln_testkit::workspace_root().join("tests/reference/hub_cache.py");
+        let stdout = kiln_testkit::run_reference(&python, &script, &args);
+        let found: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
         for file in files {
             let path = found[file].as_str().unwrap();
             assert!(path.contains(&commit), "{file} at {revision}: {path}");
