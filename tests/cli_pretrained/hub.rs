@@ -228,8 +228,11 @@ fn hub_models_the_cache_lacks_are_downloaded_into_it() {
     let llama = models.join("llama");
     let tiny = MockRepo::new("kiln-test/tiny-llama", &llama).with_file("pytorch_model.bin", b"x");
     let commit = tiny.commit().to_owned();
+    let pinned = MockRepo::new("kiln-test/pinned", &llama);
+    let pinned_commit = pinned.commit().to_owned();
     let hub = MockHub::start(vec![
         tiny,
+        pinned,
         MockRepo::new("kiln-test/sharded", &models.join("llama_tied_sharded")),
         MockRepo::new("kiln-test/gated", &llama).gated("hf_secret"),
         MockRepo::new("kiln-test/damaged", &llama).damaged("model.safetensors"),
@@ -315,6 +318,36 @@ fn hub_models_the_cache_lacks_are_downloaded_into_it() {
     assert!(ok, "{stderr}");
     assert_eq!(again, printed);
     assert_eq!(hub.requests().len(), before, "a cached model asks nothing");
+
+    // A commit downloads as that snapshot, and leaves no ref named by it.
+    let (_, stderr, ok) = kiln_with_env(
+        &[
+            "generate",
+            "--model",
+            "kiln-test/pinned",
+            "--revision",
+            &pinned_commit,
+            "--prompt-ids",
+            "5,9",
+            "--max-new-tokens",
+            "2",
+        ],
+        &[
+            ("HF_HUB_CACHE", cache.to_str().unwrap()),
+            ("HF_ENDPOINT", hub.url.as_str()),
+        ],
+    );
+    assert!(ok, "{stderr}");
+    let pinned_dir = cache.join("models--kiln-test--pinned");
+    assert!(pinned_dir
+        .join("snapshots")
+        .join(&pinned_commit)
+        .join("config.json")
+        .is_file());
+    assert!(
+        !pinned_dir.join("refs").join(&pinned_commit).exists(),
+        "no ref for a commit"
+    );
 
     let (printed, stderr, ok) = generate("kiln-test/sharded", &online);
     assert!(ok, "{stderr}");

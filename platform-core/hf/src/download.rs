@@ -161,6 +161,11 @@ impl HubClient {
             self.endpoint,
             cache.root().display()
         );
+        // hf-hub names a ref after the revision asked for, even a commit;
+        // `huggingface_hub` keeps refs for branches and tags only, so one this
+        // download adds for a commit is removed after it.
+        let commit_ref = cache.repo_dir(repo_id).join("refs").join(revision);
+        let added_ref = is_commit(revision) && !commit_ref.exists();
         let listed: BTreeSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
         let snapshot = cache.repo_dir(repo_id).join("snapshots").join(&info.sha);
         let fetch = |name: &str| -> Result<PathBuf> {
@@ -179,10 +184,8 @@ impl HubClient {
             other => fail(other.to_string()),
         })?;
         log::info!("downloaded Hub model {repo_id}: {}", wanted.join(", "));
-        // hf-hub names a ref after the revision asked for, even a commit:
-        // `huggingface_hub` keeps refs for branches and tags only.
-        if is_commit(revision) {
-            let _ = std::fs::remove_file(cache.repo_dir(repo_id).join("refs").join(revision));
+        if added_ref {
+            let _ = std::fs::remove_file(&commit_ref);
         }
         drop(lock);
         let dir = snapshot;
