@@ -364,18 +364,18 @@ impl Pretrained {
                 [one] => one.strip_suffix(".weight").unwrap_or(one).to_owned(),
                 parts => {
                     // A fused module's adapter, split once both tensors are read.
-                    let first = parts[0].strip_suffix(".weight").unwrap_or(&parts[0]);
-                    let entry = match fused.iter_mut().find(|(h, ..)| h == hf) {
-                        Some(entry) => entry,
-                        None => {
-                            fused.push((hf.to_owned(), first.to_owned(), None, None));
-                            fused.last_mut().expect("just pushed")
+                    if !fused.iter().any(|(h, ..)| h == hf) {
+                        let first = parts
+                            .first()
+                            .map_or("", |p| p.strip_suffix(".weight").unwrap_or(p));
+                        fused.push((hf.to_owned(), first.to_owned(), None, None));
+                    }
+                    if let Some(entry) = fused.iter_mut().find(|(h, ..)| h == hf) {
+                        if suffix == LORA_A {
+                            entry.2 = Some(tensor);
+                        } else {
+                            entry.3 = Some(tensor);
                         }
-                    };
-                    if suffix == LORA_A {
-                        entry.2 = Some(tensor);
-                    } else {
-                        entry.3 = Some(tensor);
                     }
                     continue;
                 }
