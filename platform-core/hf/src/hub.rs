@@ -37,14 +37,7 @@ impl HubCache {
         if let Some(cache) = var("HF_HUB_CACHE").or_else(|| var("HUGGINGFACE_HUB_CACHE")) {
             return HubCache::at(cache);
         }
-        let home = var("HF_HOME").map(PathBuf::from).unwrap_or_else(|| {
-            var("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
-                .unwrap_or_else(|| PathBuf::from(".cache"))
-                .join("huggingface")
-        });
-        HubCache::at(home.join("hub"))
+        HubCache::at(crate::download::hf_home().join("hub"))
     }
 
     /// The cache's directory.
