@@ -340,7 +340,7 @@ fn fused_modules_adapters_go_both_ways_with_peft() {
         &root.join("peft_fused.py"),
         &[Path::new("make"), &models, &out],
     );
-    for family in ["phi3_5_mini", "gpt2"] {
+    for family in ["phi3_5_mini", "gpt2", "gpt_neox", "cohere"] {
         let base = Pretrained::open(models.join(family)).unwrap();
         let (lora, adapters) = base
             .load_adapter(out.join(format!("{family}-peft")))

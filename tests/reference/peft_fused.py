@@ -1,9 +1,10 @@
 """PEFT adapters of fused modules (tests/lora.rs): Phi-3's qkv_proj and
-gate_up_proj, GPT-2's c_attn (a Conv1D, fan_in_fan_out).
+gate_up_proj, GPT-2's c_attn (a Conv1D, fan_in_fan_out), GPT-NeoX's query_key_value
+(its rows head by head); and of Cohere's q_proj and k_proj, whose rows Kiln reorders.
 
 Usage:
   python peft_fused.py make MODELS OUT
-      For each of phi3_5_mini and gpt2 in MODELS (tests/reference/pretrained.py's tiny
+      For each of phi3_5_mini, gpt2, gpt_neox and cohere in MODELS (tests/reference/pretrained.py's tiny
       models): a PEFT LoRA adapter with random lora_A and lora_B (PEFT's own
       layout: one rank-2 adapter per fused module) in OUT/<family>-peft, and
       OUT/<family>.io.safetensors with a probe of token ids and PEFT's logits.
@@ -23,6 +24,8 @@ from transformers import AutoModelForCausalLM
 TARGETS = {
     "phi3_5_mini": ["qkv_proj", "gate_up_proj", "o_proj"],
     "gpt2": ["c_attn", "c_proj"],
+    "gpt_neox": ["query_key_value", "dense_h_to_4h"],
+    "cohere": ["q_proj", "k_proj", "v_proj"],
 }
 
 

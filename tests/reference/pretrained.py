@@ -86,12 +86,12 @@ LENGTH_DEPENDENT = {"llama_dynamic"}
 # Llama 3.x's config.json files are.
 # Gemma's as google/gemma-2b has it (the legacy hidden_act "gelu", which transformers reads as
 # the tanh approximation), Gemma 2's as gemma-2-2b has it (no layer_types: they alternate).
-OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2"}
+OLD_FORM = {"llama3_2", "gemma3_1b", "gemma", "gemma2", "gpt_neox"}
 
 
 def scaled_ropes(llama):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig,
-                              MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
+    from transformers import (CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GPTNeoXConfig,
+                              GraniteConfig, LlamaConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig, SmolLM3Config, StableLmConfig)
 
     # Llama 3.2 1B's rope_scaling (factor 32, 8192 tokens shrunk to 16).
@@ -147,7 +147,22 @@ def scaled_ropes(llama):
     # StableLM 2 1.6B's block: LayerNorms, biases on q, k and v, a quarter of each head rotated
     # (transformers' default partial_rotary_factor).
     stablelm = StableLmConfig(**llama, use_qkv_bias=True)
+    # Pythia's block (written back with its rotary_pct and rotary_emb_base, as its config.json
+    # has them): the parallel residual, a fused query_key_value laid out head by head, a
+    # quarter of each head rotated, GELU, an untied embed_out; and the sequential residual
+    # with half of each head rotated and a tied head.
+    neox = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    gpt_neox = GPTNeoXConfig(**neox, rotary_pct=0.25, rotary_emb_base=10000)
+    gpt_neox_sequential = GPTNeoXConfig(**neox, use_parallel_residual=False, rotary_pct=0.5,
+                                        tie_word_embeddings=True)
+    # Command R's block: one LayerNorm without a bias before the attention and the MLP side by
+    # side, interleaved RoPE, grouped-query heads, a tied head scaled by logit_scale.
+    cohere = CohereConfig(**llama)
     return [
+        ("gpt_neox", gpt_neox, False),
+        ("gpt_neox_sequential", gpt_neox_sequential, False),
+        ("cohere", cohere, False),
         ("olmo2", olmo2, False),
         ("stablelm", stablelm, False),
         ("mixtral", mixtral, False),
@@ -178,6 +193,12 @@ def old_form(d):
     with open(path) as f:
         config = json.load(f)
     params = config.pop("rope_parameters")
+    if config["model_type"] == "gpt_neox":
+        config["rotary_pct"] = params["partial_rotary_factor"]
+        config["rotary_emb_base"] = params["rope_theta"]
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+        return
     if config["model_type"] in ("gemma", "gemma2"):
         config["rope_theta"] = params["rope_theta"]
         if config["model_type"] == "gemma":
@@ -303,6 +324,9 @@ def make(out):
         step = model(input_ids=ids, labels=ids)
         step.loss.backward()
         grads = {f"grad.{n}": p.grad.contiguous() for n, p in model.named_parameters()}
+        if config.model_type == "gpt_neox" and "grad.lm_head.weight" in grads:
+            # transformers 5's lm_head is the checkpoint's embed_out (its conversion mapping).
+            grads["grad.embed_out.weight"] = grads.pop("grad.lm_head.weight")
         router = {}
         if "experts" in "".join(grads):
             # The router losses, weighed in or not: transformers' load-balancing loss, and the

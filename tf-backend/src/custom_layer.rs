@@ -152,7 +152,7 @@ impl CustomOps {
             }
         };
         match layer {
-            Layer::Sequential { layers } => {
+            Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
                 for (i, l) in layers.iter().enumerate() {
                     self.collect(l, &child(&i.to_string()))?;
                 }

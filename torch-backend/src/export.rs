@@ -8,8 +8,8 @@
 //! ops kiln-torch's own layers call (`torch.linear`, `torch.batch_norm`,
 //! `torch.scaled_dot_product_attention`, ...), so the exported model computes
 //! what the Kiln model does, bit for bit on the same device. Containers keep
-//! their children as submodules named `"0"`, `"1"`, ... (`Sequential`) and
-//! `"block"` (`Residual`), which is what makes the state-dict names Kiln's.
+//! their children as submodules named `"0"`, `"1"`, ... (`Sequential`,
+//! `Parallel`) and `"block"` (`Residual`), which is what makes the state-dict names Kiln's.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
@@ -146,7 +146,7 @@ fn unsupported(path: &str, layer: &Layer, reason: String) -> ExportError {
 /// its configuration.
 fn check_supported(layer: &Layer, path: &str) -> Result<()> {
     match layer {
-        Layer::Sequential { layers } => layers
+        Layer::Sequential { layers } | Layer::Parallel { branches: layers } => layers
             .iter()
             .enumerate()
             .try_for_each(|(i, child)| check_supported(child, &join(path, &i.to_string()))),
@@ -216,6 +216,30 @@ impl Exporter<'_> {
                     );
                 }
                 body.push_str("    return x\n");
+                self.graph.define(node, &forward_of(layer, &body), &what)?;
+                Ok(node)
+            }
+            Layer::Parallel { branches } => {
+                let node = self.graph.add_module("Parallel", path)?;
+                let mut terms = Vec::new();
+                for (i, child) in branches.iter().enumerate() {
+                    let name = i.to_string();
+                    let child_node = self.emit(child, &join(path, &name))?;
+                    self.graph.add_child(node, &name, child_node)?;
+                    terms.push(format!(
+                        "getattr(self, \"{name}\").forward({})",
+                        arguments(child)
+                    ));
+                }
+                let mut body = String::new();
+                for (i, term) in terms.iter().enumerate() {
+                    if i == 0 {
+                        let _ = writeln!(body, "    y = {term}");
+                    } else {
+                        let _ = writeln!(body, "    y = torch.add(y, {term})");
+                    }
+                }
+                body.push_str("    return y\n");
                 self.graph.define(node, &forward_of(layer, &body), &what)?;
                 Ok(node)
             }
@@ -494,7 +518,9 @@ impl Exporter<'_> {
 /// that does: its module's `forward` then takes the mask as well.
 fn reads_mask(layer: &Layer) -> bool {
     match layer {
-        Layer::Sequential { layers } => layers.iter().any(reads_mask),
+        Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
+            layers.iter().any(reads_mask)
+        }
         Layer::Residual { block } => reads_mask(block),
         Layer::SelfAttention(_) => true,
         Layer::Select { dim: 1, index } => *index < 0,

@@ -112,6 +112,8 @@ pub static FAMILIES: &[&Family] = &[
     &crate::gemma::GEMMA,
     &crate::gemma::GEMMA2,
     &crate::gemma::GEMMA3_TEXT,
+    &crate::gpt_neox::GPT_NEOX,
+    &crate::cohere::COHERE,
     &crate::gpt2::GPT2,
     &crate::bert::BERT,
     &crate::vit::VIT,

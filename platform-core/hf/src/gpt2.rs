@@ -11,7 +11,7 @@ use kiln_core::model::{
 use crate::config::HfConfig;
 use crate::error::Result;
 use crate::family::{Family, FamilyTask};
-use crate::names::{Mapping, NameMap};
+use crate::names::{Mapping, NameMap, RowOrder};
 
 /// GPT-2 (`GPT2LMHeadModel`).
 pub(crate) static GPT2: Family = Family {
@@ -120,6 +120,7 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
                     .collect(),
                 transposed: part == "weight",
                 hf_shape: None,
+                rows: RowOrder::Concatenated,
             });
         }
         map.prefix_with(

@@ -24,12 +24,14 @@
 
 mod bert;
 mod bounds;
+mod cohere;
 mod config;
 mod download;
 mod error;
 mod family;
 mod gemma;
 mod gpt2;
+mod gpt_neox;
 mod hub;
 mod layer_types;
 mod llama;
@@ -57,7 +59,7 @@ pub use download::HubClient;
 pub use error::{DownloadFailure, HfError, Result};
 pub use family::{Family, FamilyTask, FAMILIES};
 pub use hub::{is_repo_id, resolve_model, HubCache};
-pub use names::{Mapping, NameMap};
+pub use names::{Mapping, NameMap, RowOrder};
 pub use peft::{ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 pub use tokenizer::TextTokenizer;
 

@@ -65,6 +65,28 @@ impl Pretrained {
         Some((mapping.hf.strip_suffix(".weight")?.to_owned(), parts))
     }
 
+    /// `lora_B` of the checkpoint module `hf` with its rows in Kiln's order
+    /// (`to_kiln`) or the checkpoint's, where the checkpoint orders the
+    /// module's rows otherwise ([`crate::RowOrder`]: GPT-NeoX's
+    /// `query_key_value`, Cohere's `q_proj` and `k_proj`).
+    fn rows_of(&self, hf: &str, b: &HostTensor, to_kiln: bool) -> Result<HostTensor, String> {
+        let Some(mapping) = self.names.find(&format!("{hf}.weight")) else {
+            return Ok(b.clone());
+        };
+        if mapping.rows == crate::RowOrder::Concatenated {
+            return Ok(b.clone());
+        }
+        let first = mapping
+            .kiln
+            .first()
+            .map_or("", |k| k.strip_suffix(".weight").unwrap_or(k));
+        let parts = match self.fused_of(first) {
+            Some((_, parts)) => parts.iter().map(|p| p.rows).collect(),
+            None => vec![b.dims().first().copied().unwrap_or(0)],
+        };
+        crate::names::reorder_tensor(&mapping.rows, &parts, b, to_kiln)
+    }
+
     /// The checkpoint module PEFT adapts for the Kiln projection `module`:
     /// its own, or the fused one holding it.
     fn peft_module(&self, module: &str) -> Option<String> {
@@ -175,7 +197,13 @@ impl Pretrained {
                 if !adapted.iter().any(|a| a == hf) {
                     adapted.push(hf.to_owned());
                 }
-                out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor.clone());
+                let tensor = if suffix == LORA_B {
+                    self.rows_of(hf, tensor, false)
+                        .map_err(|e| fail(format!("`{name}`: {e}")))?
+                } else {
+                    tensor.clone()
+                };
+                out.insert(format!("{PREFIX}{hf}.{suffix}"), tensor);
                 continue;
             }
             let (hf, parts) = self.fused_of(module).ok_or_else(|| {
@@ -209,6 +237,9 @@ impl Pretrained {
                 .map(|(p, pair)| (p.rows, pair.as_ref()))
                 .collect();
             let (a, b) = peft_fused::fuse(&blocks).map_err(|e| fail(format!("`{hf}`: {e}")))?;
+            let b = self
+                .rows_of(hf, &b, false)
+                .map_err(|e| fail(format!("`{hf}`: {e}")))?;
             out.insert(format!("{PREFIX}{hf}.{LORA_A}"), a);
             out.insert(format!("{PREFIX}{hf}.{LORA_B}"), b);
             adapted.push(hf.clone());
@@ -410,6 +441,12 @@ impl Pretrained {
             if !modules.iter().any(|(m, _)| *m == module) {
                 modules.push((module.clone(), hf.to_owned()));
             }
+            let tensor = if suffix == LORA_B {
+                self.rows_of(hf, &tensor, true)
+                    .map_err(|e| wrong(format!("`{key}`: {e}")))?
+            } else {
+                tensor
+            };
             out.insert(
                 format!("{module}.{suffix}"),
                 tensor.to_dtype(kiln_core::DType::F32),
@@ -425,6 +462,9 @@ impl Pretrained {
                 .fused_of(&first)
                 .ok_or_else(|| wrong(format!("`{hf}`: its parts are not in the model")))?;
             let rows: Vec<usize> = parts.iter().map(|p| p.rows).collect();
+            let b = self
+                .rows_of(&hf, &b, true)
+                .map_err(|e| wrong(format!("`{PREFIX}{hf}`: {e}")))?;
             let split = peft_fused::split(&a, &b, &rows, lora.r)
                 .map_err(|e| wrong(format!("the adapter of the fused `{hf}`: {e}")))?;
             // A block per part keeps each part's scale only with the alpha

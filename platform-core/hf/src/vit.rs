@@ -13,7 +13,7 @@ use crate::bert::num_labels;
 use crate::config::HfConfig;
 use crate::error::Result;
 use crate::family::{Family, FamilyTask};
-use crate::names::{Mapping, NameMap};
+use crate::names::{Mapping, NameMap, RowOrder};
 
 /// ViT (`ViTForImageClassification`).
 pub(crate) static VIT: Family = Family {
@@ -100,12 +100,14 @@ pub(crate) fn build(config: &HfConfig) -> Result<(Layer, NameMap)> {
         kiln: vec!["3.weight".to_owned()],
         transposed: false,
         hf_shape: None,
+        rows: RowOrder::Concatenated,
     });
     map.mappings.push(Mapping {
         hf: "vit.embeddings.position_embeddings".to_owned(),
         kiln: vec!["4.weight".to_owned()],
         transposed: false,
         hf_shape: Some(vec![1, n + 1, hidden]),
+        rows: RowOrder::Concatenated,
     });
     for i in 0..layers {
         let k = i + 6;

@@ -226,6 +226,15 @@ pub enum Layer {
         /// The residual branch; its output shape must equal its input shape.
         block: Box<Layer>,
     },
+    /// `y = branches[0](x) + branches[1](x) + ...`: every branch applied to the
+    /// same input and their outputs summed; children are named `"0"`, `"1"`, ...
+    ///
+    /// Inside a [`Layer::Residual`] it is the parallel residual of GPT-NeoX,
+    /// GPT-J and Cohere, `x + attn(ln1(x)) + mlp(ln2(x))`.
+    Parallel {
+        /// The branches, at least one; each must give the same output shape.
+        branches: Vec<Layer>,
+    },
     /// An op registered by a backend extension (kiln-fused-ops, or a user's crate),
     /// with the parameters the layer declares; see [`CustomConfig`].
     Custom(CustomConfig),
@@ -312,6 +321,7 @@ macro_rules! with_spec {
             ClassToken(c) => c,
             Sequential { layers } => &structure::Sequential(layers),
             Residual { block } => &structure::Residual(block),
+            Parallel { branches } => &structure::Parallel(branches),
             Custom(c) => c,
             TorchScript(c) => c,
             SavedModel(c) => c,
@@ -335,8 +345,9 @@ impl Layer {
         with_spec!(self, |kind, _spec| kind)
     }
 
-    /// The first layer the input reaches, through `Sequential` and `Residual`
-    /// containers; `None` for an empty `Sequential`.
+    /// The first layer the input reaches, through `Sequential`, `Residual`
+    /// and `Parallel` containers (a `Parallel`'s first branch); `None` for an
+    /// empty `Sequential`.
     ///
     /// ```
     /// use kiln_core::model::{Layer, LinearConfig};
@@ -348,6 +359,7 @@ impl Layer {
         match self {
             Layer::Sequential { layers } => layers.first().and_then(Layer::first_leaf),
             Layer::Residual { block } => block.first_leaf(),
+            Layer::Parallel { branches } => branches.first().and_then(Layer::first_leaf),
             leaf => Some(leaf),
         }
     }
@@ -561,7 +573,7 @@ impl Layer {
         fn walk<'a>(layer: &'a Layer, path: String, out: &mut Vec<(String, &'a Layer)>) {
             out.push((path.clone(), layer));
             match layer {
-                Layer::Sequential { layers } => {
+                Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
                     for (i, child) in layers.iter().enumerate() {
                         walk(child, layers::join(&path, &i.to_string()), out);
                     }
@@ -606,8 +618,8 @@ impl Layer {
 
     /// The output shape for `input`, as [`output_shape`](Layer::output_shape),
     /// letting `fill` complete each layer first: `fill(path, layer, input,
-    /// dtype)` is called on every layer that is not a `Sequential` or
-    /// `Residual`, with the shape reaching it and its dtype (`dtype`, the
+    /// dtype)` is called on every layer that is not a `Sequential`,
+    /// `Residual` or `Parallel`, with the shape reaching it and its dtype (`dtype`, the
     /// data's, for the first layer; float32 features after it), before its own
     /// output shape is inferred. Backends use
     /// it to record what only running a layer tells (the output shape of a
@@ -665,6 +677,22 @@ impl Layer {
                 // The residual's own rule checks that the block keeps the shape.
                 self.infer(path, input)
             }
+            Layer::Parallel { branches } => {
+                // Every branch takes the data as it reaches the container.
+                let data = *first;
+                for (i, child) in branches.iter_mut().enumerate() {
+                    let mut dtype = data;
+                    child.resolve_at(
+                        &layers::join(path, &i.to_string()),
+                        input,
+                        &mut dtype,
+                        fill,
+                    )?;
+                }
+                first.take();
+                // The container's own rule checks that the branches agree.
+                self.infer(path, input)
+            }
             leaf => {
                 fill(path, leaf, input, first.take().unwrap_or(DType::F32))?;
                 leaf.infer(path, input)
@@ -692,7 +720,7 @@ impl Layer {
             out: &mut Vec<(String, &'a mut TorchScriptConfig)>,
         ) {
             match layer {
-                Layer::Sequential { layers } => {
+                Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
                     for (i, child) in layers.iter_mut().enumerate() {
                         walk(child, layers::join(&path, &i.to_string()), out);
                     }

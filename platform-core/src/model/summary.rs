@@ -205,7 +205,7 @@ fn owns(path: &str, name: &str) -> bool {
 }
 
 fn is_container(kind: &str) -> bool {
-    matches!(kind, "Sequential" | "Residual")
+    matches!(kind, "Sequential" | "Residual" | "Parallel")
 }
 
 fn is_opaque(kind: &str) -> bool {
@@ -246,6 +246,15 @@ fn walk(
             let first = rows.len();
             walk(block, &join("block"), depth + 1, input, rows)?;
             (layer.output_shape(input)?, rows[first].macs)
+        }
+        Layer::Parallel { branches } => {
+            let mut macs = Some(0u64);
+            for (i, child) in branches.iter().enumerate() {
+                let first = rows.len();
+                walk(child, &join(&i.to_string()), depth + 1, input, rows)?;
+                macs = macs.zip(rows[first].macs).map(|(a, b)| a + b);
+            }
+            (layer.output_shape(input)?, macs)
         }
         leaf => {
             let output = leaf.infer(path, input)?;

@@ -1,5 +1,5 @@
 //! Structure as TensorFlow graph ops: `Flatten`, and the containers
-//! `Sequential` (with its plan around max pools) and `Residual`.
+//! `Sequential` (with its plan around max pools), `Residual` and `Parallel`.
 
 use kiln_core::{model::Layer, Error, Result};
 use tensorflow::DataType;
@@ -188,6 +188,29 @@ pub(super) fn build(ctx: &mut Ctx<'_>, layer: &Layer, prefix: &str, x: Val) -> R
                 dims: x.dims,
                 nhwc: x.nhwc,
             })
+        }
+        Layer::Parallel { branches } => {
+            let mut sum: Option<Val> = None;
+            for (i, branch) in branches.iter().enumerate() {
+                let y = ctx.layer(branch, &join(prefix, &i.to_string()), x.clone())?;
+                sum = Some(match sum {
+                    None => y,
+                    Some(s) => {
+                        let (s, y) = if s.nhwc == y.nhwc {
+                            (s, y)
+                        } else {
+                            (ctx.nchw(s)?, ctx.nchw(y)?)
+                        };
+                        let out = ctx.b.add(&s.out, &y.out)?;
+                        Val {
+                            out,
+                            dims: s.dims,
+                            nhwc: s.nhwc,
+                        }
+                    }
+                });
+            }
+            sum.ok_or_else(|| Error::invalid_argument(join(prefix, "branches"), "no branch"))
         }
         _ => return Ok(Built::Pass(x)),
     };

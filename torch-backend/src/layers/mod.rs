@@ -1,7 +1,7 @@
 //! Kiln's layers on libtorch, one file per family: each turns its layers'
 //! definitions into nodes, finding their tensors by name, and runs them.
-//! [`TorchModel`](crate::TorchModel) keeps the tree (`Sequential`, `Residual`)
-//! and walks it, giving the layers its tensors ([`Tensors`]).
+//! [`TorchModel`](crate::TorchModel) keeps the tree (`Sequential`, `Residual`,
+//! `Parallel`) and walks it, giving the layers its tensors ([`Tensors`]).
 //!
 //! Adding a layer to a family touches only that family's file: [`build`] asks
 //! each family in turn, and so does [`script::script`], the TorchScript each

@@ -1,5 +1,5 @@
-//! `Flatten` on libtorch (the containers, `Sequential` and `Residual`, are
-//! the model's tree: `model.rs` builds and walks them).
+//! `Flatten` on libtorch (the containers, `Sequential`, `Residual` and
+//! `Parallel`, are the model's tree: `model.rs` builds and walks them).
 
 use kiln_core::{model::Layer, Result};
 use tch::{Kind, Tensor};

@@ -47,7 +47,9 @@ impl TorchModel {
                 )),
                 Node::Leaf { .. } => None,
                 Node::Script { path, .. } => Some(format!("the torchscript layer `{path}`")),
-                Node::Sequential(children) => children.iter().find_map(refusal),
+                Node::Sequential(children) | Node::Parallel(children) => {
+                    children.iter().find_map(refusal)
+                }
                 Node::Residual(block) => refusal(block),
                 Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => refusal(inner),
             }
@@ -74,7 +76,7 @@ impl TorchModel {
                 return;
             }
             match node {
-                Node::Sequential(children) => {
+                Node::Sequential(children) | Node::Parallel(children) => {
                     for (i, child) in children.iter_mut().enumerate() {
                         wrap(child, &join(path, &i.to_string()), patterns, out);
                     }
@@ -119,9 +121,11 @@ impl TorchModel {
                 return Ok(());
             }
             match node {
-                Node::Sequential(children) => children.iter().enumerate().try_for_each(|(i, c)| {
-                    check(c, &join(path, &i.to_string()), patterns, routers)
-                }),
+                Node::Sequential(children) | Node::Parallel(children) => {
+                    children.iter().enumerate().try_for_each(|(i, c)| {
+                        check(c, &join(path, &i.to_string()), patterns, routers)
+                    })
+                }
                 Node::Residual(block) => check(block, &join(path, "block"), patterns, routers),
                 Node::Sharded { inner, .. } => check(inner, path, patterns, routers),
                 _ => Ok(()),

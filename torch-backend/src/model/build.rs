@@ -62,7 +62,7 @@ pub(super) fn collect_entries(
     float: &mut bool,
 ) -> Result<()> {
     match layer {
-        Layer::Sequential { layers } => {
+        Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
             for (i, child) in layers.iter().enumerate() {
                 collect_entries(
                     child,
@@ -143,6 +143,13 @@ pub(super) fn build(
     Ok(match layer {
         Layer::Sequential { layers } => Node::Sequential(
             layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, lora, scripts))
+                .collect::<Result<_>>()?,
+        ),
+        Layer::Parallel { branches } => Node::Parallel(
+            branches
                 .iter()
                 .enumerate()
                 .map(|(i, l)| build(l, &join(prefix, &i.to_string()), index, lora, scripts))

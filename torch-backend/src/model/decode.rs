@@ -20,6 +20,17 @@ impl TorchModel {
                 Ok(out)
             }
             Node::Residual(block) => Ok(x.f_add(&self.run_decode(block, x, step)?)?),
+            Node::Parallel(branches) => {
+                let mut sum: Option<Tensor> = None;
+                for branch in branches {
+                    let y = self.run_decode(branch, x, step)?;
+                    sum = Some(match sum {
+                        Some(s) => s.f_add(&y)?,
+                        None => y,
+                    });
+                }
+                sum.ok_or_else(|| Failure::Layer(Error::invalid_argument("branches", "no branch")))
+            }
             Node::Leaf { layer, .. } => layer.decode(self, x, step),
             Node::Checkpoint { inner, .. } => self.run_decode(inner, x, step),
             Node::Sharded { .. } => Err(Failure::Layer(Error::unsupported(

@@ -17,7 +17,7 @@ fn pin_frozen_batch_norm(
     kept: &mut Vec<String>,
 ) -> Result<()> {
     match node {
-        Node::Sequential(children) => {
+        Node::Sequential(children) | Node::Parallel(children) => {
             for child in children {
                 pin_frozen_batch_norm(child, params, kept)?;
             }

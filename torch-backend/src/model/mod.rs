@@ -74,6 +74,8 @@ enum Node {
     },
     Sequential(Vec<Node>),
     Residual(Box<Node>),
+    /// [`Layer::Parallel`]: every branch on the same input, summed.
+    Parallel(Vec<Node>),
     /// A part whose activations are not kept while training: the backward
     /// pass runs it again ([`TorchModel::checkpoint_activations`]).
     Checkpoint {
@@ -142,6 +144,17 @@ fn run_node(
             Ok(out)
         }
         Node::Residual(block) => Ok(x.f_add(&run_node(tensors, block, x, pass, part)?)?),
+        Node::Parallel(branches) => {
+            let mut sum: Option<Tensor> = None;
+            for branch in branches {
+                let y = run_node(tensors, branch, x, pass, part)?;
+                sum = Some(match sum {
+                    Some(s) => s.f_add(&y)?,
+                    None => y,
+                });
+            }
+            sum.ok_or_else(|| Failure::Layer(Error::invalid_argument("branches", "no branch")))
+        }
         Node::Leaf { layer, eval, .. } if *eval && train => {
             layer.forward_pass(tensors, x, &pass.with_train(false))
         }
@@ -241,7 +254,7 @@ fn layer_paths(node: &Node, path: &str, out: &mut Vec<String>) {
         out.push(path.to_owned());
     }
     match node {
-        Node::Sequential(children) => {
+        Node::Sequential(children) | Node::Parallel(children) => {
             for (i, child) in children.iter().enumerate() {
                 layer_paths(child, &join(path, &i.to_string()), out);
             }
@@ -445,7 +458,9 @@ impl TorchModel {
         fn find<'a>(node: &'a Node, wanted: &str) -> Option<&'a Mutex<ScriptModule>> {
             match node {
                 Node::Script { module, path } if path == wanted => Some(module),
-                Node::Sequential(children) => children.iter().find_map(|c| find(c, wanted)),
+                Node::Sequential(children) | Node::Parallel(children) => {
+                    children.iter().find_map(|c| find(c, wanted))
+                }
                 Node::Residual(block) => find(block, wanted),
                 Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => find(inner, wanted),
                 _ => None,
@@ -462,7 +477,9 @@ impl TorchModel {
                 Node::Leaf {
                     path, eval: true, ..
                 } => out.push(path.clone()),
-                Node::Sequential(children) => children.iter().for_each(|c| walk(c, out)),
+                Node::Sequential(children) | Node::Parallel(children) => {
+                    children.iter().for_each(|c| walk(c, out))
+                }
                 Node::Residual(block) => walk(block, out),
                 Node::Checkpoint { inner, .. } | Node::Sharded { inner, .. } => walk(inner, out),
                 Node::Leaf { .. } | Node::Script { .. } => {}

@@ -68,7 +68,7 @@ impl crate::layers::Tensors for Overlay<'_> {
 pub(super) fn has_sharded(node: &Node) -> bool {
     match node {
         Node::Sharded { .. } => true,
-        Node::Sequential(children) => children.iter().any(has_sharded),
+        Node::Sequential(children) | Node::Parallel(children) => children.iter().any(has_sharded),
         Node::Residual(block) => has_sharded(block),
         Node::Checkpoint { inner, .. } => has_sharded(inner),
         Node::Leaf { .. } | Node::Script { .. } => false,
@@ -105,7 +105,7 @@ impl TorchModel {
                 return;
             }
             match node {
-                Node::Sequential(children) => {
+                Node::Sequential(children) | Node::Parallel(children) => {
                     for (i, child) in children.iter().enumerate() {
                         matched(child, &join(path, &i.to_string()), patterns, out);
                     }
@@ -155,7 +155,7 @@ impl TorchModel {
                         .into_iter()
                         .map(|i| (path.to_owned(), i)),
                 ),
-                Node::Sequential(children) => {
+                Node::Sequential(children) | Node::Parallel(children) => {
                     for (i, child) in children.iter().enumerate() {
                         readers(child, &join(path, &i.to_string()), out);
                     }
@@ -260,7 +260,7 @@ impl TorchModel {
                 return;
             }
             match node {
-                Node::Sequential(children) => {
+                Node::Sequential(children) | Node::Parallel(children) => {
                     for (i, child) in children.iter_mut().enumerate() {
                         wrap_at(child, &join(path, &i.to_string()), at, unit);
                     }

@@ -167,6 +167,23 @@ impl Emitter<'_> {
                 }
                 Ok(x)
             }
+            Layer::Parallel { branches } => {
+                let mut sum: Option<Value> = None;
+                for (i, child) in branches.iter().enumerate() {
+                    let y = self.layer(&join(path, &i.to_string()), child, x.clone())?;
+                    sum = Some(match sum {
+                        None => y,
+                        Some(s) => {
+                            let name = self.g.op(path, "Add", &[&s.name, &y.name], vec![]);
+                            Value { name, ..y }
+                        }
+                    });
+                }
+                sum.ok_or_else(|| Error::Invalid {
+                    what: format!("{} (Parallel)", shown(path)),
+                    reason: "has no branch".to_owned(),
+                })
+            }
             Layer::Residual { block } => {
                 let y = self.layer(&join(path, "block"), block, x.clone())?;
                 let name = self.g.op(path, "Add", &[&x.name, &y.name], vec![]);
@@ -558,7 +575,10 @@ impl<'a> OnnxExport<'a> {
     fn check_weights(&self) -> Result<DType> {
         let mut float: Option<(DType, String)> = None;
         for (path, layer) in self.spec.layers() {
-            if matches!(layer, Layer::Sequential { .. } | Layer::Residual { .. }) {
+            if matches!(
+                layer,
+                Layer::Sequential { .. } | Layer::Residual { .. } | Layer::Parallel { .. }
+            ) {
                 continue;
             }
             for spec in layer.parameter_specs(&path)? {

@@ -1,7 +1,7 @@
 //! `Dropout` (`Identity` at inference), `Embedding` (`Gather` on the table;
 //! `padding_idx` only matters to training) and `Flatten` (`Flatten` for
-//! `start_dim=1, end_dim=-1`, otherwise `Reshape`). `Sequential` and
-//! `Residual` (`Add`) are walked by `Emitter::layer`.
+//! `start_dim=1, end_dim=-1`, otherwise `Reshape`). `Sequential`, `Residual`
+//! and `Parallel` (`Add`) are walked by `Emitter::layer`.
 
 use kiln_core::model::Layer;
 

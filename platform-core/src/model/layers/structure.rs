@@ -1,8 +1,8 @@
-//! Structure: `Flatten`, and the containers `Sequential` and `Residual`, with
-//! the constructors that compose layers.
+//! Structure: `Flatten`, and the containers `Sequential`, `Residual` and
+//! `Parallel`, with the constructors that compose layers.
 
 use super::context::{context, dims, join};
-use super::{LayerSpec, Params, ShapeCheck};
+use super::{FieldCheck, LayerSpec, Params, ShapeCheck};
 use crate::error::{Error, Result};
 use crate::model::{AttentionConfig, GeluApproximation, Layer, LayerNormConfig, LinearConfig};
 
@@ -27,6 +27,26 @@ impl Layer {
     pub fn residual(block: Layer) -> Self {
         Layer::Residual {
             block: Box::new(block),
+        }
+    }
+
+    /// A [`Layer::Parallel`] of `branches`, their outputs summed.
+    ///
+    /// ```
+    /// use kiln_core::model::{Layer, LayerNormConfig, LinearConfig};
+    ///
+    /// // GPT-NeoX's parallel residual: x + attn(ln1(x)) + mlp(ln2(x)).
+    /// let block = Layer::residual(Layer::parallel([
+    ///     Layer::sequential([LayerNormConfig::new([8]).into(), LinearConfig::new(8, 8).into()]),
+    ///     Layer::sequential([LayerNormConfig::new([8]).into(), LinearConfig::new(8, 8).into()]),
+    /// ]));
+    /// assert_eq!(block.output_shape(&[2, 5, 8])?, vec![2, 5, 8]);
+    /// assert_eq!(block.parameter_specs("")?[4].name, "block.1.0.weight");
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    pub fn parallel(branches: impl IntoIterator<Item = Layer>) -> Self {
+        Layer::Parallel {
+            branches: branches.into_iter().collect(),
         }
     }
 
@@ -209,5 +229,49 @@ impl LayerSpec for Residual<'_> {
     fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
         self.0
             .collect_specs(&join(params.path, "block"), params.out)
+    }
+}
+
+/// [`Layer::Parallel`]'s branches: children named `"0"`, `"1"`, ...
+pub(crate) struct Parallel<'a>(pub(crate) &'a [Layer]);
+
+impl LayerSpec for Parallel<'_> {
+    fn validate(&self, check: &FieldCheck<'_>) -> Result<()> {
+        if self.0.is_empty() {
+            return Err(check.invalid(
+                "branches",
+                "has no branch; a parallel container sums the outputs of at least one",
+            ));
+        }
+        Ok(())
+    }
+
+    fn output_shape(&self, input: &[usize], at: &ShapeCheck<'_>) -> Result<Vec<usize>> {
+        let mut shape: Option<Vec<usize>> = None;
+        for (i, layer) in self.0.iter().enumerate() {
+            let out = layer.infer(&join(at.path, &i.to_string()), input)?;
+            match &shape {
+                Some(first) if *first != out => {
+                    return Err(Error::ShapeMismatch {
+                        context: format!(
+                            "{}: branch {i}'s output, added to branch 0's",
+                            context(at.path, at.kind)
+                        ),
+                        expected: dims(first),
+                        actual: dims(&out),
+                    })
+                }
+                Some(_) => {}
+                None => shape = Some(out),
+            }
+        }
+        shape.ok_or_else(|| at.mismatch("a parallel container with at least one branch".into()))
+    }
+
+    fn param_specs(&self, params: &mut Params<'_>) -> Result<()> {
+        for (i, layer) in self.0.iter().enumerate() {
+            layer.collect_specs(&join(params.path, &i.to_string()), params.out)?;
+        }
+        Ok(())
     }
 }

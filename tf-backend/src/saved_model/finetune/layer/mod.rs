@@ -301,7 +301,7 @@ fn saved_model_layers_mut(spec: &mut Layer) -> Vec<(String, &mut SavedModelLayer
             }
         };
         match layer {
-            Layer::Sequential { layers } => {
+            Layer::Sequential { layers } | Layer::Parallel { branches: layers } => {
                 for (i, child) in layers.iter_mut().enumerate() {
                     walk(child, join(&i.to_string()), out);
                 }
