@@ -276,7 +276,7 @@ fn every_layer_case_exports_and_python_runs_and_trains_it() {
     common::make_fixtures(&python, "torchscript_models.py", &dir);
 
     let cases = layer_cases();
-    assert_eq!(cases.len(), 67, "the layer suite");
+    assert_eq!(cases.len(), 68, "the layer suite");
     // The two mixture-of-experts cases export too (each expert a submodule).
     assert_eq!(
         cases

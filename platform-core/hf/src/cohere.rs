@@ -122,3 +122,37 @@ fn build(config: &HfConfig, _architectures: &[String]) -> Result<(Layer, NameMap
     map.ignored_suffixes.push(".rotary_emb.inv_freq".to_owned());
     Ok((model, map))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZES: &str = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 32"#;
+
+    #[test]
+    fn cohere_reorders_its_rotary_rows_and_refuses_command_r_plus_qk_norms() {
+        let (model, map) = build(&HfConfig::test(&format!("{{{SIZES}}}")), &[]).unwrap();
+        for proj in ["q_proj", "k_proj"] {
+            let m = map
+                .find(&format!("model.layers.0.self_attn.{proj}.weight"))
+                .unwrap();
+            assert_eq!(m.rows, RowOrder::RotaryPairs { head_dim: 8 }, "{proj}");
+        }
+        let v = map.find("model.layers.0.self_attn.v_proj.weight").unwrap();
+        assert_eq!(v.rows, RowOrder::Concatenated);
+        let scale = model.layers().into_iter().find_map(|(_, l)| match l {
+            Layer::Scale { factor } => Some(*factor),
+            _ => None,
+        });
+        assert_eq!(scale, Some(0.0625), "transformers' default logit_scale");
+        for (key, value) in [("use_qk_norm", "true"), ("partial_rotary_factor", "0.5")] {
+            let err = build(
+                &HfConfig::test(&format!("{{{SIZES}, \"{key}\": {value}}}")),
+                &[],
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains(key), "{err}");
+        }
+    }
+}

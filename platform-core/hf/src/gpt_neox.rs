@@ -188,3 +188,66 @@ fn build(config: &HfConfig, _architectures: &[String]) -> Result<(Layer, NameMap
     }
     Ok((model, map))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZES: &str = r#""vocab_size": 64, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32"#;
+
+    fn rotated(model: &Layer) -> Vec<(usize, f64)> {
+        model
+            .layers()
+            .into_iter()
+            .filter_map(|(_, l)| match l {
+                Layer::SelfAttention(a) => a.rope.as_ref().map(|r| (r.rotary_dim(8), r.theta)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn pythia_files_rotate_their_rotary_pct_in_a_parallel_residual() {
+        let (model, map) = build(
+            &HfConfig::test(&format!(
+                "{{{SIZES}, \"rotary_pct\": 0.5, \"rotary_emb_base\": 5000}}"
+            )),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(rotated(&model), [(4, 5000.0)]);
+        assert!(matches!(model.layers()[3].1, Layer::Residual { .. }));
+        assert!(matches!(model.layers()[4].1, Layer::Parallel { .. }));
+        let qkv = map
+            .find("gpt_neox.layers.0.attention.query_key_value.weight")
+            .unwrap();
+        assert_eq!(
+            qkv.kiln,
+            [
+                "2.block.0.1.q_proj.weight",
+                "2.block.0.1.k_proj.weight",
+                "2.block.0.1.v_proj.weight"
+            ]
+        );
+        assert_eq!(qkv.rows, RowOrder::PerHead { heads: 2 });
+        // transformers' defaults: a quarter of each head, base 10000; and the
+        // sequential residual when the config turns the parallel one off.
+        let (model, _) = build(
+            &HfConfig::test(&format!("{{{SIZES}, \"use_parallel_residual\": false}}")),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(rotated(&model), [(2, 10_000.0)]);
+        assert!(!model
+            .layers()
+            .iter()
+            .any(|(_, l)| matches!(l, Layer::Parallel { .. })));
+        let err = build(
+            &HfConfig::test(&format!("{{{SIZES}, \"hidden_act\": \"mish\"}}")),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("hidden_act"), "{err}");
+    }
+}

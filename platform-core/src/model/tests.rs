@@ -254,6 +254,28 @@ fn composite_shapes_and_error_paths() {
         "0 (Residual): block output, added to the input: expected shape [3, 4], got [3, 5]"
     );
 
+    let bad_parallel = Layer::parallel([
+        LinearConfig::new(4, 4).into(),
+        LinearConfig::new(4, 5).into(),
+    ]);
+    assert_eq!(
+        shape_err(bad_parallel, &[3, 4]),
+        "Parallel: branch 1's output, added to branch 0's: expected shape [3, 4], got [3, 5]"
+    );
+    let empty = Layer::parallel([]).validate().unwrap_err().to_string();
+    assert!(
+        empty.contains("`branches`") && empty.contains("no branch"),
+        "{empty}"
+    );
+    let json = serde_json::json!({"type": "parallel", "branches": [
+        {"type": "linear", "in_features": 4, "out_features": 2},
+        {"type": "relu"},
+    ]});
+    assert_eq!(
+        serde_json::from_value::<Layer>(json).unwrap(),
+        Layer::parallel([LinearConfig::new(4, 2).into(), Layer::Relu])
+    );
+
     let nested = Layer::sequential([
         Layer::Relu,
         Layer::Relu,

@@ -88,6 +88,22 @@ class Residual(nn.Module):
         return x + self.block(x)
 
 
+class Parallel(nn.Module):
+    """Kiln's Parallel: every branch on the same input, the outputs summed."""
+
+    def __init__(self, branches):
+        super().__init__()
+        for i, branch in enumerate(branches):
+            self.add_module(str(i), branch)
+
+    def forward(self, x):
+        out = None
+        for branch in self.children():
+            y = branch(x)
+            out = y if out is None else out + y
+        return out
+
+
 class SelfAttention(nn.MultiheadAttention):
     """nn.MultiheadAttention (same parameters) called with query = key = value."""
 
@@ -526,6 +542,8 @@ def build_layer(spec):
         return nn.Sequential(*[build_layer(child) for child in spec["layers"]])
     if kind == "residual":
         return Residual(build_layer(spec["block"]))
+    if kind == "parallel":
+        return Parallel([build_layer(child) for child in spec["branches"]])
     raise ValueError(f"unknown layer type {kind}")
 
 
