@@ -58,7 +58,7 @@ impl RowOrder {
         match *self {
             RowOrder::Concatenated => Ok(None),
             RowOrder::PerHead { heads } => {
-                if heads == 0 || parts.iter().any(|n| n % heads != 0) {
+                if heads == 0 || parts.iter().any(|n| !n.is_multiple_of(heads)) {
                     return Err(format!(
                         "parts of {parts:?} rows do not divide into {heads} heads"
                     ));
@@ -75,7 +75,7 @@ impl RowOrder {
                 Ok(Some(out))
             }
             RowOrder::RotaryPairs { head_dim } => {
-                if head_dim == 0 || head_dim % 2 != 0 || total % head_dim != 0 {
+                if head_dim == 0 || !head_dim.is_multiple_of(2) || !total.is_multiple_of(head_dim) {
                     return Err(format!(
                         "{total} rows do not divide into heads of an even {head_dim} rows"
                     ));
