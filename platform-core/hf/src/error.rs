@@ -117,6 +117,18 @@ pub enum HfError {
         /// The tokenizers crate's message.
         reason: String,
     },
+    /// A chat template that cannot be read, parsed or rendered: `origin` is
+    /// its file (`tokenizer_config.json`, `chat_template.jinja`), `line` the
+    /// template line where it failed when known.
+    #[error("{origin}{}: {reason}", .line.map(|l| format!(", template line {l}")).unwrap_or_default())]
+    ChatTemplate {
+        /// Where the template comes from.
+        origin: String,
+        /// The template's line (1-based) where parsing or rendering failed.
+        line: Option<usize>,
+        /// What went wrong, as the template engine or the template says.
+        reason: String,
+    },
     /// A PEFT adapter that does not fit: another base model, another kind of
     /// adapter, a setting Kiln does not implement.
     #[error("{}: {reason}", .path.display())]
@@ -183,6 +195,7 @@ impl From<HfError> for kiln_core::Error {
                         file.clone()
                     }
                     HfError::Core(_) => PathBuf::new(),
+                    HfError::ChatTemplate { origin, .. } => PathBuf::from(origin),
                 },
                 reason: other.to_string(),
                 source: None,

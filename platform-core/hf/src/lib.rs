@@ -24,6 +24,7 @@
 
 mod bert;
 mod bounds;
+mod chat;
 mod cohere;
 mod config;
 mod download;
@@ -54,6 +55,7 @@ use kiln_core::model::Layer;
 use kiln_core::state_dict::StateDict;
 use kiln_core::{DType, HostTensor};
 
+pub use chat::{ChatOptions, ChatTemplate, RenderedChat};
 pub use config::HfConfig;
 pub use download::HubClient;
 pub use error::{DownloadFailure, HfError, Result};
