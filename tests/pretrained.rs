@@ -26,6 +26,8 @@ use kiln::tf::TfBackend;
 use kiln::torch::{from_tch, generate, to_tch, KvCache, TorchModel};
 use kiln_testkit::assert_close;
 
+#[path = "pretrained/chat.rs"]
+mod chat;
 #[path = "pretrained/exported.rs"]
 mod exported;
 #[path = "pretrained/padded.rs"]

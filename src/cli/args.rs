@@ -406,11 +406,32 @@ pub(crate) struct GenerateArgs {
     #[arg(long)]
     pub(crate) revision: Option<String>,
     /// A prompt (repeat for a batch; prompts of different lengths are padded on the left).
-    #[arg(long, required_unless_present = "prompt_ids")]
+    #[arg(long, required_unless_present_any = ["prompt_ids", "messages"])]
     pub(crate) prompt: Vec<String>,
     /// A prompt as comma-separated token ids, without a tokenizer (repeatable).
     #[arg(long, conflicts_with = "prompt")]
     pub(crate) prompt_ids: Vec<String>,
+    /// Chat: each prompt is a user's message, rendered through the model's chat
+    /// template with its assistant header after it (`add_generation_prompt`);
+    /// generation stops at the end of the assistant's turn and the reply alone
+    /// is printed.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub(crate) chat: bool,
+    /// A system message before each prompt's conversation (with --chat).
+    #[arg(long, requires = "chat")]
+    pub(crate) system: Option<String>,
+    /// A conversation to answer, as a JSON file: a list of messages
+    /// (`{"role": "user", "content": "..."}`, ...), rendered through the chat
+    /// template as --chat renders a prompt.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_ids"])]
+    pub(crate) messages: Option<PathBuf>,
+    /// A variable of the chat template, `NAME=VALUE` with VALUE in JSON
+    /// (`enable_thinking=false`; a bare word is a string). Repeatable.
+    #[arg(long = "chat-var", value_name = "NAME=VALUE")]
+    pub(crate) chat_vars: Vec<String>,
+    /// A Jinja chat template file to render with instead of the model's.
+    #[arg(long)]
+    pub(crate) chat_template: Option<PathBuf>,
     /// The directory of `tokenizer.json` (default: the model directory).
     #[arg(long)]
     pub(crate) tokenizer: Option<PathBuf>,

@@ -158,7 +158,8 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     let mut loaded = load(&model, args.adapter.as_deref(), args.device)
         .with_context(|| format!("--model {}", args.model))?;
     loaded.model.set_mode(Mode::Eval);
-    let tokenizer = match (&args.tokenizer, args.prompt.is_empty()) {
+    let chat = args.chat || args.messages.is_some();
+    let tokenizer = match (&args.tokenizer, args.prompt.is_empty() && !chat) {
         (_, true) => None,
         (Some(dir), false) => Some(TextTokenizer::open(dir)?),
         (None, false) => match &loaded.dir {
@@ -169,7 +170,34 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
             ),
         },
     };
+    let mut chat_stop = Vec::new();
     let prompts: Vec<Vec<i64>> = match &tokenizer {
+        Some(tok) if chat => {
+            let dir = args.tokenizer.as_ref().or(loaded.dir.as_ref());
+            let template = chat_template(&args, dir)?;
+            let options = chat_options(&args.chat_vars)?;
+            let conversations = conversations(&args)?;
+            if let Some(turn_end) = end_of_turn(&template, tok, &options) {
+                log::info!("chat: generation stops at the end of a turn, {turn_end:?}");
+                chat_stop.push(turn_end.1);
+            }
+            conversations
+                .iter()
+                .enumerate()
+                .map(|(i, conversation)| {
+                    let rendered = template.render(conversation, &options).with_context(|| {
+                        match &args.messages {
+                            Some(file) => format!("--messages {}", file.display()),
+                            None => format!("--prompt {}", i + 1),
+                        }
+                    })?;
+                    log::debug!("chat prompt {i}: {:?}", rendered.text);
+                    // apply_chat_template's ids: the template writes the special tokens.
+                    tok.encode_with(&rendered.text, false)
+                        .map_err(anyhow::Error::from)
+                })
+                .collect::<Result<_>>()?
+        }
         Some(tok) => args
             .prompt
             .iter()
@@ -214,11 +242,16 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     } else {
         Decoding::Greedy
     };
-    let stop = if args.stop.is_empty() {
+    let mut stop = if args.stop.is_empty() {
         loaded.eos.clone()
     } else {
         args.stop.clone()
     };
+    for id in chat_stop {
+        if !stop.contains(&id) {
+            stop.push(id);
+        }
+    }
     let config = GenerationConfig::greedy(args.max_new_tokens)
         .with_decoding(decoding)
         .with_stop_tokens(stop)
@@ -228,6 +261,8 @@ pub(crate) fn generate(args: GenerateArgs) -> Result<()> {
     let out = kiln_torch::generate(&loaded.model, &prompts, &config)?;
     for (i, tokens) in out.iter().enumerate() {
         match &tokenizer {
+            // The reply alone, its special tokens (the end of the turn) skipped.
+            Some(tok) if chat => outln!("{}", tok.decode(tokens)?),
             Some(tok) => outln!("{}{}", args.prompt[i], tok.decode(tokens)?),
             None => outln!(
                 "{}",
@@ -273,4 +308,128 @@ fn check_prompts(prompts: &[Vec<i64>], max_new_tokens: usize, loaded: &Loaded) -
         }
     }
     Ok(())
+}
+
+/// The chat template: `--chat-template`'s file (with the special tokens of the
+/// tokenizer's directory), else the model's.
+fn chat_template(args: &GenerateArgs, dir: Option<&PathBuf>) -> Result<kiln_hf::ChatTemplate> {
+    let from_dir = match dir {
+        Some(dir) => kiln_hf::ChatTemplate::open(dir)?,
+        None => None,
+    };
+    if let Some(file) = &args.chat_template {
+        let source = std::fs::read_to_string(file)
+            .with_context(|| format!("--chat-template {}", file.display()))?;
+        let special: Vec<(String, String)> = match &from_dir {
+            Some(t) => ["bos_token", "eos_token", "unk_token", "pad_token"]
+                .iter()
+                .filter_map(|n| t.special_token(n).map(|v| ((*n).to_owned(), v.to_owned())))
+                .collect(),
+            None => Vec::new(),
+        };
+        return Ok(kiln_hf::ChatTemplate::new(
+            source,
+            special,
+            file.display().to_string(),
+        )?);
+    }
+    from_dir.with_context(|| {
+        format!(
+            "--chat: {} has no chat template (no chat_template.jinja, and tokenizer_config.json \
+             has no chat_template): give one with --chat-template",
+            dir.map_or_else(|| "the model".to_owned(), |d| d.display().to_string())
+        )
+    })
+}
+
+/// The template's variables from `--chat-var NAME=VALUE`, with the
+/// assistant header after the conversation.
+fn chat_options(vars: &[String]) -> Result<kiln_hf::ChatOptions> {
+    let mut options = kiln_hf::ChatOptions::generation_prompt();
+    for var in vars {
+        let Some((name, value)) = var.split_once('=') else {
+            anyhow::bail!("--chat-var {var:?}: expected NAME=VALUE (`enable_thinking=false`)");
+        };
+        let name = name.trim();
+        if name.is_empty() {
+            anyhow::bail!("--chat-var {var:?}: the variable has no name");
+        }
+        let value = serde_json::from_str(value.trim())
+            .unwrap_or_else(|_| serde_json::Value::String(value.to_owned()));
+        options = options.with_variable(name, value);
+    }
+    Ok(options)
+}
+
+/// The conversations to answer: `--messages`' file, or each `--prompt` as a
+/// user's message after `--system`.
+fn conversations(args: &GenerateArgs) -> Result<Vec<Vec<serde_json::Value>>> {
+    use serde_json::{json, Value};
+    if let Some(file) = &args.messages {
+        let what = || format!("--messages {}", file.display());
+        let text = std::fs::read_to_string(file).with_context(what)?;
+        let value: Value = serde_json::from_str(&text).with_context(what)?;
+        // A list of messages, or {"messages": [...]} as a data set's row holds it.
+        let list = match value {
+            Value::Array(list) => list,
+            Value::Object(mut row) => match row.remove("messages") {
+                Some(Value::Array(list)) => list,
+                _ => anyhow::bail!(
+                    "{}: expected a list of messages, or an object with a `messages` list",
+                    what()
+                ),
+            },
+            _ => anyhow::bail!("{}: expected a list of messages", what()),
+        };
+        for (i, m) in list.iter().enumerate() {
+            if m.get("role").and_then(Value::as_str).is_none() {
+                anyhow::bail!("{}: message {i} has no `role` string: {m}", what());
+            }
+        }
+        let mut list = list;
+        if let Some(system) = &args.system {
+            if list
+                .first()
+                .and_then(|m| m.get("role"))
+                .and_then(Value::as_str)
+                != Some("system")
+            {
+                list.insert(0, json!({"role": "system", "content": system}));
+            }
+        }
+        return Ok(vec![list]);
+    }
+    Ok(args
+        .prompt
+        .iter()
+        .map(|prompt| {
+            let mut conversation = Vec::new();
+            if let Some(system) = &args.system {
+                conversation.push(json!({"role": "system", "content": system}));
+            }
+            conversation.push(json!({"role": "user", "content": prompt}));
+            conversation
+        })
+        .collect())
+}
+
+/// The special token that ends an assistant's turn in `template` (Qwen's
+/// `<|im_end|>`, Llama 3's `<|eot_id|>`, Gemma's `<end_of_turn>`): what the
+/// template writes right after an assistant message, when the tokenizer has
+/// it as a special token.
+fn end_of_turn(
+    template: &kiln_hf::ChatTemplate,
+    tok: &TextTokenizer,
+    options: &kiln_hf::ChatOptions,
+) -> Option<(String, i64)> {
+    const PROBE: &str = "Kiln probes the end of a turn";
+    let conversation = [
+        serde_json::json!({"role": "user", "content": "Hello"}),
+        serde_json::json!({"role": "assistant", "content": PROBE}),
+    ];
+    let mut options = options.clone();
+    options.add_generation_prompt = false;
+    let text = template.render(&conversation, &options).ok()?.text;
+    let after = &text[text.rfind(PROBE)? + PROBE.len()..];
+    tok.special_token_at_start(after.trim_start_matches([' ', '\t']))
 }

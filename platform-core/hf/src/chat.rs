@@ -16,7 +16,9 @@
 use std::ops::Range;
 use std::path::Path;
 
-use minijinja::value::{Kwargs, Value as JValue, ValueKind};
+use std::sync::Arc;
+
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Value as JValue, ValueKind};
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::Value;
 
@@ -24,6 +26,8 @@ use crate::error::{HfError, Result};
 
 /// The template's name inside its environment.
 const NAME: &str = "chat_template";
+/// The context variable holding [`ChatOptions::now`].
+const NOW: &str = "__kiln_now";
 /// Marks where a `{% generation %}` block starts and ends in the rendered
 /// text (private-use characters, removed before the text is returned).
 const GENERATION_START: char = '\u{F8F0}';
@@ -78,6 +82,9 @@ pub struct ChatOptions {
     /// Further variables the template reads (`enable_thinking`,
     /// `date_string`, ...); they replace special tokens of the same name.
     pub variables: serde_json::Map<String, Value>,
+    /// The time `strftime_now` gives (default: the local time now), so that
+    /// a data set renders the same text on any day.
+    pub now: Option<chrono::NaiveDateTime>,
 }
 
 impl ChatOptions {
@@ -106,6 +113,45 @@ pub struct RenderedChat {
     pub generation: Vec<Range<usize>>,
 }
 
+/// A rendered conversation's tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizedChat {
+    /// The ids, as `apply_chat_template(..., tokenize=True)` gives them (the
+    /// tokenizer's own special tokens not added: the template writes them).
+    pub ids: Vec<i64>,
+    /// For each id, whether a `{% generation %}` block rendered it
+    /// (`return_assistant_tokens_mask`): the tokens assistant-only loss trains.
+    pub assistant_mask: Vec<bool>,
+}
+
+impl RenderedChat {
+    /// The text's tokens, and which of them the generation blocks rendered,
+    /// as `transformers` finds them: from the token holding a block's first
+    /// character to the one holding its last.
+    pub fn tokenize(&self, tokenizer: &crate::TextTokenizer) -> Result<TokenizedChat> {
+        let (ids, offsets) = tokenizer.encode_with_offsets(&self.text, false)?;
+        let token_at = |pos: usize| offsets.iter().position(|r| r.start <= pos && pos < r.end);
+        let mut assistant_mask = vec![false; ids.len()];
+        for span in self.generation.iter().filter(|s| !s.is_empty()) {
+            let Some(first) = token_at(span.start) else {
+                break;
+            };
+            // transformers' `range(start, end + 1 if end else len)`.
+            let end = match token_at(span.end - 1) {
+                Some(last) if last > 0 => last + 1,
+                _ => ids.len(),
+            };
+            for m in &mut assistant_mask[first..end] {
+                *m = true;
+            }
+        }
+        Ok(TokenizedChat {
+            ids,
+            assistant_mask,
+        })
+    }
+}
+
 impl ChatTemplate {
     /// The template `source`, given the special tokens it reads
     /// (`bos_token`, `eos_token`, ...) as `(name, text)` pairs; `origin`
@@ -126,6 +172,7 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_global(NOW, JValue::UNDEFINED);
         env.add_function("__kiln_generation", |start: bool| {
             JValue::from(if start {
                 GENERATION_START
@@ -280,32 +327,37 @@ impl ChatTemplate {
             }
             chat.push(Value::Object(fields));
         }
-        let mut context = serde_json::Map::new();
+        // The data as Python values: lists and dicts print as Python's repr.
+        let mut context = std::collections::BTreeMap::new();
         for (name, text) in &self.special_tokens {
-            context.insert(name.clone(), Value::String(text.clone()));
+            context.insert(name.clone(), JValue::from(text.as_str()));
         }
         for (name, value) in &options.variables {
-            context.insert(name.clone(), value.clone());
+            context.insert(name.clone(), python_value(value));
         }
-        context.insert("messages".into(), Value::Array(chat));
-        context.insert(
-            "tools".into(),
-            options.tools.clone().map_or(Value::Null, Value::Array),
-        );
-        context.insert(
-            "documents".into(),
-            options.documents.clone().map_or(Value::Null, Value::Array),
-        );
+        context.insert("messages".into(), python_value(&Value::Array(chat)));
+        let list = |items: &Option<Vec<Value>>| match items {
+            Some(items) => python_value(&Value::Array(items.clone())),
+            None => JValue::from(()),
+        };
+        context.insert("tools".into(), list(&options.tools));
+        context.insert("documents".into(), list(&options.documents));
         context.insert(
             "add_generation_prompt".into(),
-            Value::Bool(options.add_generation_prompt),
+            JValue::from(options.add_generation_prompt),
         );
+        if let Some(now) = options.now {
+            context.insert(
+                NOW.into(),
+                JValue::from(now.format("%Y-%m-%dT%H:%M:%S%.f").to_string()),
+            );
+        }
         let template = self
             .env
             .get_template(NAME)
             .map_err(|e| engine_error(&self.origin, &e))?;
         let marked = template
-            .render(JValue::from_serialize(&context))
+            .render(JValue::from(context))
             .map_err(|e| engine_error(&self.origin, &e))?;
         let mut text = String::with_capacity(marked.len());
         let mut generation = Vec::new();
@@ -322,6 +374,75 @@ impl ChatTemplate {
             }
         }
         Ok(RenderedChat { text, generation })
+    }
+}
+
+/// A JSON value as the template sees it: lists and dicts as Python's, which
+/// print (and `| string` and `~` convert) as Python's `repr`.
+fn python_value(value: &Value) -> JValue {
+    match value {
+        Value::Array(items) => {
+            JValue::from_object(PyList(items.iter().map(python_value).collect()))
+        }
+        Value::Object(map) => JValue::from_object(PyDict(
+            map.iter()
+                .map(|(k, v)| (JValue::from(k.as_str()), python_value(v)))
+                .collect(),
+        )),
+        scalar => JValue::from_serialize(scalar),
+    }
+}
+
+/// A Python list.
+#[derive(Debug)]
+struct PyList(Vec<JValue>);
+
+impl Object for PyList {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Seq
+    }
+
+    fn get_value(self: &Arc<Self>, key: &JValue) -> Option<JValue> {
+        self.0.get(key.as_usize()?).cloned()
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Seq(self.0.len())
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = String::new();
+        python_repr(&JValue::from_dyn_object(self.clone()), &mut text)
+            .map_err(|_| std::fmt::Error)?;
+        f.write_str(&text)
+    }
+}
+
+/// A Python dict, in its keys' order.
+#[derive(Debug)]
+struct PyDict(Vec<(JValue, JValue)>);
+
+impl Object for PyDict {
+    fn repr(self: &Arc<Self>) -> ObjectRepr {
+        ObjectRepr::Map
+    }
+
+    fn get_value(self: &Arc<Self>, key: &JValue) -> Option<JValue> {
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
+    }
+
+    fn enumerate(self: &Arc<Self>) -> Enumerator {
+        Enumerator::Values(self.0.iter().map(|(k, _)| k.clone()).collect())
+    }
+
+    fn render(self: &Arc<Self>, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut text = String::new();
+        python_repr(&JValue::from_dyn_object(self.clone()), &mut text)
+            .map_err(|_| std::fmt::Error)?;
+        f.write_str(&text)
     }
 }
 
@@ -363,9 +484,11 @@ fn named_default(template: &Value) -> std::result::Result<String, String> {
                 match (name, source) {
                     (Some("default"), Some(source)) => return Ok(source.to_owned()),
                     (Some(name), Some(_)) => names.push(name.to_owned()),
-                    _ => return Err(format!(
+                    _ => {
+                        return Err(format!(
                         "has an entry {entry}; each named template is {{\"name\", \"template\"}}"
-                    )),
+                    ))
+                    }
                 }
             }
             Err(format!(
@@ -421,8 +544,12 @@ fn raise_exception(message: String) -> std::result::Result<JValue, JError> {
     ))
 }
 
-/// `strftime_now(format)`: the local time in `format` (Python's `strftime`).
-fn strftime_now(format: String) -> std::result::Result<JValue, JError> {
+/// `strftime_now(format)`: the local time (or [`ChatOptions::now`]) in
+/// `format` (Python's `strftime`).
+fn strftime_now(
+    state: &minijinja::State<'_, '_>,
+    format: String,
+) -> std::result::Result<JValue, JError> {
     use chrono::format::{Item, StrftimeItems};
     use std::fmt::Write as _;
     let items: Vec<Item<'_>> = StrftimeItems::new(&format).collect();
@@ -432,13 +559,13 @@ fn strftime_now(format: String) -> std::result::Result<JValue, JError> {
             format!("strftime_now: {format:?} is not a strftime format"),
         ));
     }
+    let now = state
+        .lookup(NOW)
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .and_then(|s| chrono::NaiveDateTime::parse_from_str(&s, "%Y-%m-%dT%H:%M:%S%.f").ok())
+        .unwrap_or_else(|| chrono::Local::now().naive_local());
     let mut out = String::new();
-    write!(
-        out,
-        "{}",
-        chrono::Local::now().format_with_items(items.into_iter())
-    )
-    .map_err(|_| {
+    write!(out, "{}", now.format_with_items(items.into_iter())).map_err(|_| {
         JError::new(
             ErrorKind::InvalidOperation,
             format!("strftime_now: cannot format {format:?}"),
@@ -447,24 +574,92 @@ fn strftime_now(format: String) -> std::result::Result<JValue, JError> {
     Ok(JValue::from(out))
 }
 
-/// Prints values as Python's Jinja2 does: `None`, `True`, `False`.
+/// Prints values as Python's Jinja2 does (`str()`): `None`, `True`,
+/// `False`, and lists and dicts as Python's `repr` writes them.
 fn python_formatter(
     out: &mut minijinja::Output<'_>,
     state: &minijinja::State<'_, '_>,
     value: &JValue,
 ) -> std::result::Result<(), JError> {
-    let word = match value.kind() {
-        ValueKind::None => Some("None"),
-        ValueKind::Bool if value.is_true() => Some("True"),
-        ValueKind::Bool => Some("False"),
-        _ => None,
+    let text = match value.kind() {
+        ValueKind::None | ValueKind::Bool | ValueKind::Seq | ValueKind::Map => {
+            let mut text = String::new();
+            python_repr(value, &mut text)?;
+            text
+        }
+        ValueKind::Number if !value.is_integer() => {
+            python_float(f64::try_from(value.clone()).unwrap_or(f64::NAN))
+        }
+        _ => return minijinja::escape_formatter(out, state, value),
     };
-    match word {
-        Some(word) => out
-            .write_str(word)
-            .map_err(|_| JError::new(ErrorKind::WriteFailure, "writing the template's output")),
-        None => minijinja::escape_formatter(out, state, value),
+    out.write_str(&text)
+        .map_err(|_| JError::new(ErrorKind::WriteFailure, "writing the template's output"))
+}
+
+/// Python's `repr` of a value: `None`, `True`, `'text'`, `[1, 2.0]`,
+/// `{'key': 'value'}`.
+fn python_repr(v: &JValue, out: &mut String) -> std::result::Result<(), JError> {
+    match v.kind() {
+        ValueKind::None | ValueKind::Undefined => out.push_str("None"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
+        ValueKind::Number if v.is_integer() => out.push_str(&v.to_string()),
+        ValueKind::Number => {
+            out.push_str(&python_float(f64::try_from(v.clone()).unwrap_or(f64::NAN)))
+        }
+        ValueKind::String => python_str_repr(v.as_str().unwrap_or_default(), out),
+        ValueKind::Seq | ValueKind::Iterable => {
+            out.push('[');
+            for (i, item) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&item, out)?;
+            }
+            out.push(']');
+        }
+        ValueKind::Map => {
+            out.push('{');
+            for (i, key) in v.try_iter()?.enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                python_repr(&key, out)?;
+                out.push_str(": ");
+                python_repr(&v.get_item(&key)?, out)?;
+            }
+            out.push('}');
+        }
+        _ => out.push_str(&v.to_string()),
     }
+    Ok(())
+}
+
+/// Python's `repr` of a string: single quotes, or double quotes when it
+/// holds a single quote and no double one.
+fn python_str_repr(s: &str, out: &mut String) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32));
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
 }
 
 /// `tojson`: Python's `json.dumps(value, ensure_ascii=False, indent=None,

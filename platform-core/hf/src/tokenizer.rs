@@ -64,6 +64,39 @@ impl TextTokenizer {
         Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
     }
 
+    /// The ids of `text` and, for each, the byte range of `text` it covers
+    /// (Python's `return_offsets_mapping`, in bytes), with the tokenizer's
+    /// special tokens when `add_special_tokens`.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<i64>, Vec<std::ops::Range<usize>>)> {
+        let encoding =
+            self.inner
+                .encode(text, add_special_tokens)
+                .map_err(|e| HfError::Tokenizer {
+                    path: self.path.clone(),
+                    reason: format!("encoding {text:?}: {e}"),
+                })?;
+        Ok((
+            encoding.get_ids().iter().map(|&id| i64::from(id)).collect(),
+            encoding.get_offsets().iter().map(|&(a, b)| a..b).collect(),
+        ))
+    }
+
+    /// The special token (an added token marked special, such as
+    /// `<|im_end|>`) that `text` starts with, the longest if several do,
+    /// with its id.
+    pub fn special_token_at_start(&self, text: &str) -> Option<(String, i64)> {
+        self.inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.content.is_empty() && text.starts_with(&t.content))
+            .max_by_key(|(_, t)| t.content.len())
+            .map(|(id, t)| (t.content, i64::from(id)))
+    }
+
     /// The text of `ids`, special tokens skipped.
     pub fn decode(&self, ids: &[i64]) -> Result<String> {
         let ids: Vec<u32> = ids

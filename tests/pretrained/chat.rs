@@ -1,0 +1,78 @@
+//! Chat templates against `apply_chat_template`: the real templates of
+//! `tests/fixtures/chat_templates` (LLaMA 3.2, Qwen2.5, Qwen3, Gemma 2,
+//! Phi-3.5, Mistral v0.3, SmolLM2, SmolLM3), each in a tokenizer directory
+//! as `save_pretrained` writes it, render every conversation of
+//! `tests/reference/chat_templates.py` (system prompts, several turns, a
+//! generation prompt, tools and a tool call, reasoning with
+//! `enable_thinking = false`) to the same text, the same ids and, for
+//! SmolLM3's `{% generation %}` blocks, the same assistant masks; where the
+//! template raises, Kiln fails with its message.
+
+use kiln::hf::{ChatOptions, ChatTemplate, TextTokenizer};
+use serde_json::Value;
+
+#[test]
+fn chat_templates_render_as_apply_chat_template_does() {
+    let test = "chat_templates_render_as_apply_chat_template_does";
+    let Some(python) = kiln_testkit::python(test) else {
+        return;
+    };
+    let script = kiln_testkit::workspace_root().join("tests/reference/chat_templates.py");
+    let dir = kiln_testkit::made_once_per_run(&python, &script, &[] as &[&str], "chat-templates");
+    let cases: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let (mut rendered, mut masked, mut raised) = (0, 0, 0);
+    for case in &cases {
+        let name = case["template"].as_str().unwrap();
+        let what = format!("{name} / {}", case["case"].as_str().unwrap());
+        let template = ChatTemplate::open(dir.join(name))
+            .unwrap_or_else(|e| panic!("{what}: {e}"))
+            .unwrap_or_else(|| panic!("{what}: no template found"));
+        let tokenizer = TextTokenizer::open(dir.join(name)).unwrap();
+        let options = ChatOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+            tools: case["tools"].as_array().cloned(),
+            documents: None,
+            variables: case["variables"].as_object().cloned().unwrap(),
+            now: chrono::NaiveDate::from_ymd_opt(2024, 7, 26)
+                .and_then(|d| d.and_hms_opt(12, 30, 0)),
+        };
+        let messages = case["messages"].as_array().unwrap();
+        let result = template.render(messages, &options);
+        if let Some(error) = case["error"].as_str() {
+            let err = result.expect_err(&what).to_string();
+            assert!(
+                err.contains(error),
+                "{what}: Kiln says {err:?}, Python {error:?}"
+            );
+            raised += 1;
+            continue;
+        }
+        let chat = result.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!(
+            chat.text,
+            case["text"].as_str().unwrap(),
+            "{what}: the text"
+        );
+        let tokens = chat.tokenize(&tokenizer).unwrap();
+        let ids: Vec<i64> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(tokens.ids, ids, "{what}: the ids");
+        if let Some(mask) = case.get("assistant_masks") {
+            let mask: Vec<i64> = serde_json::from_value(mask.clone()).unwrap();
+            let ours: Vec<i64> = tokens
+                .assistant_mask
+                .iter()
+                .map(|&m| i64::from(m))
+                .collect();
+            assert_eq!(ours, mask, "{what}: the assistant mask");
+            assert!(template.has_generation_blocks(), "{what}");
+            masked += 1;
+        }
+        rendered += 1;
+    }
+    assert_eq!(
+        (rendered, masked, raised),
+        (38, 5, 2),
+        "the reference's cases"
+    );
+}
