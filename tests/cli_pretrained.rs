@@ -401,6 +401,110 @@ fn kiln_generate_decodes_as_transformers_generate() {
     assert!(err.contains("[batch, seq, vocab]"), "{err}");
 }
 
+/// `kiln generate --chat` renders the prompt through the model's chat
+/// template (`--system`, `--chat-var`, a conversation from `--messages`),
+/// stops at the end of the assistant's turn (the token the template writes
+/// after an assistant message, here `<pad>`, not the EOS) and prints the
+/// reply that `generate(apply_chat_template(...))` decodes.
+#[test]
+fn kiln_generate_chat_answers_as_transformers_does() {
+    let test = "kiln_generate_chat_answers_as_transformers_does";
+    let Some(models) = models(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    let out = scratch("generate-chat");
+    kiln_testkit::run_reference(
+        &python,
+        &kiln_testkit::workspace_root().join("tests/reference/chat_generate.py"),
+        &[models.as_path(), out.as_path()],
+    );
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("expected.json")).unwrap()).unwrap();
+    let model = out.join("llama_chat");
+    let chat = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--chat",
+            "--max-new-tokens",
+            "8",
+        ];
+        args.extend_from_slice(extra);
+        kiln_stdout(&args)
+    };
+    let reply = |case: &str| format!("{}\n", expected[case]["reply"].as_str().unwrap());
+    assert_eq!(
+        chat(&["--system", "be brief", "--prompt", "the quick brown fox"]),
+        reply("prompt"),
+        "a prompt with a system message"
+    );
+    assert_eq!(
+        chat(&[
+            "--system",
+            "be brief",
+            "--prompt",
+            "the quick brown fox",
+            "--chat-var",
+            "terse=true"
+        ]),
+        reply("terse"),
+        "a template variable"
+    );
+    let conversation = out.join("conversation.json");
+    assert_eq!(
+        chat(&["--messages", conversation.to_str().unwrap()]),
+        reply("conversation"),
+        "a conversation from a file"
+    );
+    // Without a template, --chat says where it looked and what to give.
+    let bare = out.join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+        std::fs::copy(model.join(file), bare.join(file)).unwrap();
+    }
+    let err = kiln_fails(&[
+        "generate",
+        "--model",
+        bare.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "hi",
+    ]);
+    assert!(
+        err.contains("no chat template") && err.contains("--chat-template"),
+        "{err}"
+    );
+    // ... and --chat-template gives one.
+    let printed = kiln_stdout(&[
+        "generate",
+        "--model",
+        bare.to_str().unwrap(),
+        "--chat",
+        "--chat-template",
+        model.join("chat_template.jinja").to_str().unwrap(),
+        "--system",
+        "be brief",
+        "--prompt",
+        "the quick brown fox",
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert_eq!(printed, reply("prompt"), "--chat-template");
+    let err = kiln_fails(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--chat-var",
+        "terse",
+    ]);
+    assert!(err.contains("NAME=VALUE"), "{err}");
+}
+
 /// `kiln predict` and `kiln eval` run a classifier straight from its Hugging
 /// Face directory (no training run first): BERT's scores are `transformers`'
 /// logits, and the loss is the cross entropy of those logits.
