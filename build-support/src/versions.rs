@@ -21,7 +21,9 @@ pub const ONNXRUNTIME_VERSION: &str = "1.31.1";
 /// `ImageFolder`, and the data-loading benchmark's Python side; transformers and
 /// tokenizers are the reference for the Hugging Face model families, their
 /// checkpoints (`save_pretrained`/`from_pretrained`), tokenizers and generation
-/// (tiny models made locally: nothing is downloaded at test time). cuda-toolkit
+/// (tiny models made locally: nothing is downloaded at test time); trl is the reference
+/// for supervised fine-tuning's data (`SFTTrainer`'s tokenized conversations, labels and
+/// packing) and the preference trainers. cuda-toolkit
 /// gives nvcc (`nvidia/cu13/bin/nvcc`, CUDA 13.0, the toolkit torch's `+cu130`
 /// wheel was built with) and the CUDA C++ headers, for kiln-fused-ops' `cuda` feature,
 /// which compiles without a GPU. Its extras pin every piece to 13.0: nvcc alone
@@ -42,6 +44,7 @@ pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "tokenizers==0.23.3",
     "peft==0.21.2",
     "datasets==5.2.0",
+    "trl==1.16.0",
     "cuda-toolkit[nvcc,nvvm,crt,cccl]==13.0.2",
 ];
 

@@ -76,3 +76,136 @@ fn chat_templates_render_as_apply_chat_template_does() {
         "the reference's cases"
     );
 }
+
+/// Conversations as TRL's `SFTTrainer` tokenizes them: for a `messages`
+/// column with and without `assistant_only_loss` (the template's `{%
+/// generation %}` blocks), with a system prompt added and template variables,
+/// and for conversational prompt-completion with and without
+/// `completion_only_loss`, every row's ids and labels equal the trainer's
+/// `train_dataset` (`tests/reference/sft_conversations.py`); a template
+/// without generation blocks is refused for assistant-only loss.
+#[test]
+fn conversations_tokenize_as_trl_sft_trainer_does() {
+    use kiln::hf::ChatTokenizer;
+    use kiln::data::Dataset;
+    use kiln::text::{TextDataset, TextOptions, TextTask, TokenizeChat};
+    use std::sync::Arc;
+
+    let test = "conversations_tokenize_as_trl_sft_trainer_does";
+    let Some((models, _)) = super::references(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    let script = kiln_testkit::workspace_root().join("tests/reference/sft_conversations.py");
+    let out =
+        kiln_testkit::made_once_per_run(&python, &script, &[models.as_path()], "sft-conversations");
+    let expected: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("expected.json")).unwrap()).unwrap();
+    let model = out.join("llama_chat");
+    let tokenizer = Arc::new(TextTokenizer::open(&model).unwrap());
+    let chat = |system: bool, shout: bool| -> Arc<dyn TokenizeChat> {
+        let template = ChatTemplate::open(&model).unwrap().unwrap();
+        let mut options = ChatOptions::default();
+        if shout {
+            options = options.with_variable("shout", true);
+        }
+        let mut chat = ChatTokenizer::new(template, tokenizer.clone(), options);
+        if system {
+            chat = chat.with_system_prompt("be kind");
+        }
+        Arc::new(chat)
+    };
+    let conversation = |assistant_only| TextTask::Conversation {
+        messages: "messages".into(),
+        assistant_only,
+    };
+    let completion = |completion_only| TextTask::ChatCompletion {
+        prompt: "prompt".into(),
+        completion: "completion".into(),
+        completion_only,
+        assistant_only: false,
+    };
+    let settings = [
+        (
+            "conversation_all",
+            "conversations.jsonl",
+            conversation(false),
+            false,
+            false,
+        ),
+        (
+            "conversation_assistant",
+            "conversations.jsonl",
+            conversation(true),
+            false,
+            false,
+        ),
+        (
+            "conversation_system_kwargs",
+            "conversations.jsonl",
+            conversation(true),
+            true,
+            true,
+        ),
+        (
+            "completion_only",
+            "prompt_completion.jsonl",
+            completion(true),
+            false,
+            false,
+        ),
+        (
+            "completion_all",
+            "prompt_completion.jsonl",
+            completion(false),
+            false,
+            false,
+        ),
+    ];
+    let options = TextOptions {
+        max_length: None,
+        truncation: false,
+        eos_token: None,
+    };
+    for (name, file, task, system, shout) in settings {
+        let data = TextDataset::open(out.join(file), task, options.clone(), tokenizer.clone())
+            .unwrap()
+            .with_chat(chat(system, shout))
+            .unwrap();
+        let want = &expected[name];
+        let rows = want["input_ids"].as_array().unwrap().len();
+        assert_eq!(data.len(), rows, "{name}");
+        for i in 0..rows {
+            let (ids, labels) = data.tokens(i).unwrap();
+            let want_ids: Vec<i64> = serde_json::from_value(want["input_ids"][i].clone()).unwrap();
+            let want_labels: Vec<i64> = serde_json::from_value(want["labels"][i].clone()).unwrap();
+            assert_eq!(ids, want_ids, "{name}, row {i}: ids");
+            assert_eq!(labels, want_labels, "{name}, row {i}: labels");
+        }
+    }
+    // The tiny model's own tokenizer directory has no generation blocks.
+    let plain = ChatTemplate::new(
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+        Vec::<(String, String)>::new(),
+        "plain.jinja",
+    )
+    .unwrap();
+    let err = TextDataset::open(
+        out.join("conversations.jsonl"),
+        conversation(true),
+        options,
+        tokenizer.clone(),
+    )
+    .unwrap()
+    .with_chat(Arc::new(ChatTokenizer::new(
+        plain,
+        tokenizer,
+        ChatOptions::default(),
+    )))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("plain.jinja") && err.contains("{% generation %}"),
+        "{err}"
+    );
+}

@@ -44,6 +44,97 @@ const SPECIAL_TOKENS: [&str; 7] = [
     "mask_token",
 ];
 
+/// A chat template with the tokenizer its text goes through and the options
+/// every conversation renders with: what `kiln_text`'s conversational tasks
+/// tokenize rows with ([`kiln_text::TokenizeChat`]).
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use kiln_hf::{ChatOptions, ChatTemplate, ChatTokenizer, TextTokenizer};
+/// use kiln_text::{TextDataset, TextOptions, TextTask};
+///
+/// let dir = "models/tiny-chat";
+/// let template = ChatTemplate::open(dir)?.expect("a chat template");
+/// let tokenizer = Arc::new(TextTokenizer::open(dir)?);
+/// let chat = ChatTokenizer::new(template, tokenizer.clone(), ChatOptions::default());
+/// let task = TextTask::Conversation { messages: "messages".into(), assistant_only: true };
+/// let options = TextOptions { max_length: Some(1024), truncation: true, eos_token: None };
+/// let data = TextDataset::open("chats.jsonl", task, options, tokenizer)?
+///     .with_chat(Arc::new(chat))?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct ChatTokenizer {
+    template: ChatTemplate,
+    tokenizer: Arc<crate::TextTokenizer>,
+    options: ChatOptions,
+    system_prompt: Option<String>,
+}
+
+impl ChatTokenizer {
+    /// Conversations rendered by `template` with `options` (its
+    /// `add_generation_prompt` set per call) and tokenized by `tokenizer`.
+    pub fn new(
+        template: ChatTemplate,
+        tokenizer: Arc<crate::TextTokenizer>,
+        options: ChatOptions,
+    ) -> Self {
+        ChatTokenizer {
+            template,
+            tokenizer,
+            options,
+            system_prompt: None,
+        }
+    }
+
+    /// Puts a system message with `text` first in every conversation that
+    /// does not start with one.
+    pub fn with_system_prompt(mut self, text: impl Into<String>) -> Self {
+        self.system_prompt = Some(text.into());
+        self
+    }
+
+    /// The template.
+    pub fn template(&self) -> &ChatTemplate {
+        &self.template
+    }
+}
+
+impl kiln_text::TokenizeChat for ChatTokenizer {
+    fn tokenize_chat(
+        &self,
+        messages: &[Value],
+        add_generation_prompt: bool,
+    ) -> kiln_core::Result<(Vec<i64>, Vec<bool>)> {
+        let mut options = self.options.clone();
+        options.add_generation_prompt = add_generation_prompt;
+        let starts_with_system = messages
+            .first()
+            .and_then(|m| m.get("role"))
+            .and_then(Value::as_str)
+            == Some("system");
+        let rendered = match &self.system_prompt {
+            Some(system) if !starts_with_system => {
+                let mut with_system = Vec::with_capacity(messages.len() + 1);
+                with_system.push(serde_json::json!({"role": "system", "content": system}));
+                with_system.extend(messages.iter().cloned());
+                self.template.render(&with_system, &options)?
+            }
+            _ => self.template.render(messages, &options)?,
+        };
+        let tokens = rendered.tokenize(&self.tokenizer)?;
+        Ok((tokens.ids, tokens.assistant_mask))
+    }
+
+    fn marks_assistant_turns(&self) -> bool {
+        self.template.has_generation_blocks()
+    }
+
+    fn origin(&self) -> String {
+        self.template.origin().to_owned()
+    }
+}
+
 /// A chat template, ready to render conversations.
 ///
 /// ```

@@ -55,7 +55,7 @@ use kiln_core::model::Layer;
 use kiln_core::state_dict::StateDict;
 use kiln_core::{DType, HostTensor};
 
-pub use chat::{ChatOptions, ChatTemplate, RenderedChat, TokenizedChat};
+pub use chat::{ChatOptions, ChatTemplate, ChatTokenizer, RenderedChat, TokenizedChat};
 pub use config::HfConfig;
 pub use download::HubClient;
 pub use error::{DownloadFailure, HfError, Result};

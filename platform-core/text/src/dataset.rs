@@ -20,6 +20,28 @@ pub trait TokenizeText: Send + Sync {
     fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>>;
 }
 
+/// Conversations to token ids through a chat template: what the
+/// conversational tasks of [`TextDataset`] need (`kiln_hf::ChatTokenizer`
+/// implements it with the model's template and `tokenizer.json`).
+pub trait TokenizeChat: Send + Sync {
+    /// The ids of `messages` rendered by the template (ending with the
+    /// assistant's header when `add_generation_prompt`), as
+    /// `apply_chat_template(messages, tokenize=True)` gives them, and for each
+    /// whether the template's `{% generation %}` blocks rendered it.
+    fn tokenize_chat(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<(Vec<i64>, Vec<bool>)>;
+
+    /// Whether the template marks the assistant's turns with `{% generation
+    /// %}` blocks (what assistant-only loss reads).
+    fn marks_assistant_turns(&self) -> bool;
+
+    /// Where the template comes from, for messages.
+    fn origin(&self) -> String;
+}
+
 /// What a row becomes.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TextTask {
@@ -37,6 +59,31 @@ pub enum TextTask {
         prompt: PromptTemplate,
         /// The response's template.
         response: PromptTemplate,
+    },
+    /// A conversation (TRL's conversational language modelling): a column of
+    /// messages (`[{"role", "content"}, ...]`) rendered by the chat template;
+    /// the loss on every token, or with `assistant_only` on the tokens of the
+    /// template's `{% generation %}` blocks (TRL's `assistant_only_loss`).
+    Conversation {
+        /// The messages column.
+        messages: String,
+        /// Train on the assistant's turns only.
+        assistant_only: bool,
+    },
+    /// A conversational prompt and completion (TRL's conversational
+    /// prompt-completion): two columns of messages, the prompt's rendered with
+    /// the generation prompt; the completion starts where the prompt's ids and
+    /// the whole conversation's part (TRL's `common_prefix_length`).
+    ChatCompletion {
+        /// The prompt's messages column.
+        prompt: String,
+        /// The completion's messages column.
+        completion: String,
+        /// The loss on the completion only (TRL's `completion_only_loss`,
+        /// its default).
+        completion_only: bool,
+        /// The loss on the template's `{% generation %}` blocks only.
+        assistant_only: bool,
     },
     /// Sequence classification: a text column and an integer label column.
     Classification {
@@ -61,8 +108,39 @@ impl TextTask {
                 }
                 cols
             }
+            TextTask::Conversation { messages, .. } => vec![messages.clone()],
+            TextTask::ChatCompletion {
+                prompt, completion, ..
+            } => vec![prompt.clone(), completion.clone()],
             TextTask::Classification { text, label } => vec![text.clone(), label.clone()],
         }
+    }
+
+    /// The columns that hold messages (JSON lists) rather than text.
+    pub fn message_columns(&self) -> Vec<String> {
+        match self {
+            TextTask::Conversation { .. } | TextTask::ChatCompletion { .. } => self.columns(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether the task renders conversations through a chat template.
+    pub fn is_conversational(&self) -> bool {
+        !self.message_columns().is_empty()
+    }
+
+    /// Whether the loss is on the template's `{% generation %}` blocks only.
+    pub fn assistant_only(&self) -> bool {
+        matches!(
+            self,
+            TextTask::Conversation {
+                assistant_only: true,
+                ..
+            } | TextTask::ChatCompletion {
+                assistant_only: true,
+                ..
+            }
+        )
     }
 
     /// Whether the targets are next tokens (a language model's).
@@ -109,6 +187,7 @@ pub struct TextDataset {
     task: TextTask,
     options: TextOptions,
     tokenizer: Arc<dyn TokenizeText>,
+    chat: Option<Arc<dyn TokenizeChat>>,
 }
 
 impl std::fmt::Debug for TextDataset {
@@ -140,13 +219,116 @@ impl TextDataset {
         }
         let columns = task.columns();
         let names: Vec<&str> = columns.iter().map(String::as_str).collect();
-        let records = TextRecords::open_bounded(path, &names, max_row_bytes(&options))?;
+        let lists = task.message_columns();
+        let lists: Vec<&str> = lists.iter().map(String::as_str).collect();
+        let records = TextRecords::open_with_lists(path, &names, &lists, max_row_bytes(&options))?;
         Ok(TextDataset {
             records,
             task,
             options,
             tokenizer,
+            chat: None,
         })
+    }
+
+    /// These examples rendering their conversations through `chat` (a
+    /// conversational task needs it). Fails when the task trains on the
+    /// assistant's turns only and the template does not mark them.
+    pub fn with_chat(mut self, chat: Arc<dyn TokenizeChat>) -> Result<Self> {
+        if self.task.assistant_only() && !chat.marks_assistant_turns() {
+            return Err(Error::invalid_argument(
+                "assistant_only_loss",
+                format!(
+                    "the chat template ({}) has no {{% generation %}} blocks, which mark the \
+                     assistant's tokens: use a template that has them (TRL ships training \
+                     templates with them), or train on every token",
+                    chat.origin()
+                ),
+            ));
+        }
+        self.chat = Some(chat);
+        Ok(self)
+    }
+
+    /// The messages of row `index`'s column `k` (JSON text of a list).
+    fn messages(&self, index: usize, k: usize, text: &str) -> Result<Vec<serde_json::Value>> {
+        let column = &self.task.columns()[k];
+        match serde_json::from_str(text) {
+            Ok(serde_json::Value::Array(list)) => Ok(list),
+            _ => Err(Error::invalid_argument(
+                "data",
+                format!(
+                    "{}: column `{column}` is not a list of messages ([{{\"role\": ..., \
+                     \"content\": ...}}, ...])",
+                    self.records.place(index)
+                ),
+            )),
+        }
+    }
+
+    /// Ids and labels of a conversational row.
+    fn chat_tokens(&self, index: usize, values: &[String]) -> Result<(Vec<i64>, Vec<i64>)> {
+        let chat = self.chat.as_ref().ok_or_else(|| {
+            Error::invalid_argument(
+                "data",
+                "a conversational task renders its rows through a chat template: give the \
+                 examples one (TextDataset::with_chat)",
+            )
+        })?;
+        let place = || self.records.place(index);
+        let render = |messages: &[serde_json::Value], prompt: bool| {
+            chat.tokenize_chat(messages, prompt)
+                .map_err(|e| Error::invalid_argument("data", format!("{}: {e}", place())))
+        };
+        match &self.task {
+            TextTask::Conversation { assistant_only, .. } => {
+                let (ids, mask) = render(&self.messages(index, 0, &values[0])?, false)?;
+                let labels = ids
+                    .iter()
+                    .zip(&mask)
+                    .map(|(&id, &m)| {
+                        if m || !assistant_only {
+                            id
+                        } else {
+                            IGNORE_INDEX
+                        }
+                    })
+                    .collect();
+                Ok((ids, labels))
+            }
+            TextTask::ChatCompletion {
+                completion_only,
+                assistant_only,
+                ..
+            } => {
+                let prompt = self.messages(index, 0, &values[0])?;
+                let mut whole = prompt.clone();
+                whole.extend(self.messages(index, 1, &values[1])?);
+                let (prompt_ids, _) = render(&prompt, true)?;
+                let (ids, mask) = render(&whole, false)?;
+                let start = prompt_ids
+                    .iter()
+                    .zip(&ids)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                let labels = ids
+                    .iter()
+                    .zip(&mask)
+                    .enumerate()
+                    .map(|(i, (&id, &m))| {
+                        let completion = i >= start || !completion_only;
+                        let assistant = m || !assistant_only;
+                        if completion && assistant {
+                            id
+                        } else {
+                            IGNORE_INDEX
+                        }
+                    })
+                    .collect();
+                Ok((ids, labels))
+            }
+            _ => Err(Error::invalid_argument("data", "not a conversational task")),
+        }
     }
 
     /// The rows.
@@ -167,6 +349,9 @@ impl TextDataset {
         let place = || self.records.place(index);
         let tok = &self.tokenizer;
         let (mut ids, mut labels) = match &self.task {
+            TextTask::Conversation { .. } | TextTask::ChatCompletion { .. } => {
+                self.chat_tokens(index, &values)?
+            }
             TextTask::LanguageModel { .. } => {
                 let mut ids = tok.encode_text(&values[0], true)?;
                 ids.extend(self.options.eos_token);
@@ -301,6 +486,26 @@ impl TextDataset {
             }
             (TextTask::Instruction { .. }, _) => {
                 "the response gives no token to learn from".to_owned()
+            }
+            (TextTask::Conversation { .. } | TextTask::ChatCompletion { .. }, Some(max))
+                if self.options.truncation && len == max =>
+            {
+                format!(
+                    "after truncation to max_length = {max}, no trained token is left; raise \
+                     data.max_length"
+                )
+            }
+            (
+                TextTask::Conversation {
+                    assistant_only: true,
+                    ..
+                },
+                _,
+            ) => "the template's {% generation %} blocks mark none of its tokens (no assistant \
+                  turn, or one without content?)"
+                .to_owned(),
+            (TextTask::ChatCompletion { .. }, _) => {
+                "the completion gives no token to learn from".to_owned()
             }
             _ => format!(
                 "{len} token{}: a language model needs at least 2 to predict one",

@@ -32,8 +32,8 @@ mod records;
 mod template;
 
 pub use dataset::{
-    shift_labels, PackedText, PadCollate, TextDataset, TextOptions, TextTask, TokenizeText,
-    IGNORE_INDEX,
+    shift_labels, PackedText, PadCollate, TextDataset, TextOptions, TextTask, TokenizeChat,
+    TokenizeText, IGNORE_INDEX,
 };
 pub use records::{TextFormat, TextRecords};
 pub use template::PromptTemplate;

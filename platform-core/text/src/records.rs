@@ -70,6 +70,9 @@ pub struct TextRecords {
     file: Mutex<File>,
     /// The most bytes a row may have.
     max_row_bytes: u64,
+    /// For each column, whether it holds a list of messages (given as its
+    /// JSON text) rather than text.
+    lists: Vec<bool>,
 }
 
 /// The UTF-8 byte-order mark, skipped at the start of a file.
@@ -98,9 +101,23 @@ impl TextRecords {
         columns: &[&str],
         max_row_bytes: u64,
     ) -> Result<Self> {
+        Self::open_with_lists(path, columns, &[], max_row_bytes)
+    }
+
+    /// [`open_bounded`](Self::open_bounded), where the columns `lists` hold
+    /// lists (a conversation's messages: a JSON list in JSON Lines, its JSON
+    /// text in CSV, a list of structs in Parquet), each given by
+    /// [`get`](Self::get) as its JSON text.
+    pub fn open_with_lists(
+        path: impl AsRef<Path>,
+        columns: &[&str],
+        lists: &[&str],
+        max_row_bytes: u64,
+    ) -> Result<Self> {
         let path = path.as_ref().to_owned();
         let format = TextFormat::from_path(&path)?;
         let file = kiln_core::fs::open_regular_file(&path)?;
+        let list_flags: Vec<bool> = columns.iter().map(|c| lists.contains(c)).collect();
         let columns: Vec<String> = columns.iter().map(|c| (*c).to_owned()).collect();
         let mut records = TextRecords {
             path,
@@ -112,6 +129,7 @@ impl TextRecords {
             values: Vec::new(),
             file: Mutex::new(file.try_clone().map_err(|e| Error::io("text file", e))?),
             max_row_bytes,
+            lists: list_flags,
         };
         match format {
             TextFormat::JsonLines => records.index_json_lines(file)?,
@@ -225,8 +243,14 @@ impl TextRecords {
         };
         self.columns
             .iter()
-            .map(|c| match object.get(c) {
+            .zip(&self.lists)
+            .map(|(c, &list)| match object.get(c) {
+                Some(v @ serde_json::Value::Array(_)) if list => Ok(v.to_string()),
                 Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                Some(other) if list => Err(self.bad(
+                    line,
+                    format!("column `{c}` holds {other}, not a list of messages"),
+                )),
                 Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => {
                     Ok(v.to_string())
                 }
@@ -391,7 +415,8 @@ impl TextRecords {
                     names.join(", ")
                 )));
             };
-            if field.is_group() {
+            let list = self.lists[self.columns.iter().position(|x| x == c).unwrap_or(0)];
+            if field.is_group() && !list {
                 let info = field.get_basic_info();
                 let what = match (info.logical_type_ref(), info.converted_type()) {
                     (Some(parquet::basic::LogicalType::List), _)
@@ -421,6 +446,7 @@ impl TextRecords {
                     continue;
                 };
                 values[k] = Some(match field {
+                    Field::ListInternal(_) if self.lists[k] => field.to_json_value().to_string(),
                     Field::Str(s) => s.clone(),
                     Field::Null => {
                         return Err(bad(format!("row {}: column `{name}` is null", i + 1)))

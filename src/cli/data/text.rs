@@ -43,6 +43,51 @@ fn special_tokens(dir: &Path, tokenizer: &TextTokenizer) -> (Option<i64>, i64) {
     (eos, pad.or(eos).unwrap_or(0))
 }
 
+/// The chat template conversations render through: `data.chat_template`'s
+/// file, else the tokenizer directory's, with `chat_template_kwargs` and
+/// `system_prompt`.
+fn chat_tokenizer(
+    source: &crate::config::TextSource,
+    dir: &Path,
+    tokenizer: Arc<TextTokenizer>,
+) -> Result<Arc<dyn kiln_text::TokenizeChat>> {
+    let from_dir = kiln_hf::ChatTemplate::open(dir)
+        .with_context(|| format!("the chat template of {}", dir.display()))?;
+    let template = match &source.chat_template {
+        Some(file) => {
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("data.chat_template ({})", file.display()))?;
+            let special: Vec<(String, String)> = from_dir
+                .iter()
+                .flat_map(|t| {
+                    ["bos_token", "eos_token", "unk_token", "pad_token"]
+                        .iter()
+                        .filter_map(|n| t.special_token(n).map(|v| ((*n).to_owned(), v.to_owned())))
+                })
+                .collect();
+            kiln_hf::ChatTemplate::new(text, special, file.display().to_string())
+                .context("data.chat_template")?
+        }
+        None => from_dir.with_context(|| {
+            format!(
+                "data.messages_column: conversations are rendered by the model's chat template, \
+                 and {} has none (no chat_template.jinja, and tokenizer_config.json has no \
+                 chat_template): set data.chat_template to a .jinja file",
+                dir.display()
+            )
+        })?,
+    };
+    let mut options = kiln_hf::ChatOptions::default();
+    if let Some(kwargs) = &source.chat_template_kwargs {
+        options.variables = kwargs.clone();
+    }
+    let mut chat = kiln_hf::ChatTokenizer::new(template, tokenizer, options);
+    if let Some(system) = &source.system_prompt {
+        chat = chat.with_system_prompt(system.clone());
+    }
+    Ok(Arc::new(chat))
+}
+
 /// Reads the configured text data set.
 pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
     let data = &config.data;
@@ -85,9 +130,19 @@ pub(crate) fn load_text<E: Engines>(config: &RunConfig) -> Result<Data> {
         .loader
         .workers
         .max(std::thread::available_parallelism().map_or(1, usize::from));
+    let chat = if task.is_conversational() {
+        Some(chat_tokenizer(text_source, &dir, tokenizer.clone())?)
+    } else {
+        None
+    };
     let open = |key: &str, path: &Path| -> Result<SampleDataset> {
-        let text = TextDataset::open(path, task.clone(), options.clone(), tokenizer.clone())
+        let mut text = TextDataset::open(path, task.clone(), options.clone(), tokenizer.clone())
             .with_context(|| format!("data.{key} ({})", path.display()))?;
+        if let Some(chat) = &chat {
+            text = text
+                .with_chat(chat.clone())
+                .context("data.assistant_only_loss")?;
+        }
         if let TextTask::Classification { .. } = &task {
             check_labels::<E>(config, &text)?;
         }

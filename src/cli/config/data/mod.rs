@@ -249,6 +249,37 @@ pub struct TextSource {
     /// The response of an instruction pair (`"{answer}"`); EOS is appended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_template: Option<String>,
+    /// The column holding a conversation (`[{"role": "user", "content": ...},
+    /// ...]`), rendered by the model's chat template (TRL's conversational
+    /// language modelling).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub messages_column: Option<String>,
+    /// The column holding a conversational prompt (a list of messages), with
+    /// `completion_column` (TRL's conversational prompt-completion).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_column: Option<String>,
+    /// The column holding the completion's messages, with `prompt_column`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_column: Option<String>,
+    /// Train on the assistant's turns only: the tokens of the chat template's
+    /// `{% generation %}` blocks (TRL's `assistant_only_loss`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub assistant_only_loss: bool,
+    /// With `prompt_column`: the loss on the completion only (default true,
+    /// as TRL's `completion_only_loss`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_only_loss: Option<bool>,
+    /// A system message put first in every conversation that has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub system_prompt: Option<String>,
+    /// A Jinja chat template file to render conversations with (default: the
+    /// tokenizer directory's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<PathBuf>,
+    /// Variables of the chat template (`{ enable_thinking = false }`), as
+    /// TRL's `chat_template_kwargs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
     /// Tokens per example at most (with `packing`, the block length).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_length: Option<usize>,
@@ -515,6 +546,27 @@ impl TextSource {
             PromptTemplate::parse(source)
                 .map_err(|e| Error::invalid_argument(format!("data.{key}"), e.to_string()))
         };
+        let conversational = self.messages_column.is_some()
+            || self.prompt_column.is_some()
+            || self.completion_column.is_some();
+        if conversational {
+            return self.chat_task();
+        }
+        for (key, given) in [
+            ("assistant_only_loss", self.assistant_only_loss),
+            ("completion_only_loss", self.completion_only_loss.is_some()),
+            ("system_prompt", self.system_prompt.is_some()),
+            ("chat_template", self.chat_template.is_some()),
+            ("chat_template_kwargs", self.chat_template_kwargs.is_some()),
+        ] {
+            if given {
+                return Err(Error::invalid_argument(
+                    format!("data.{key}"),
+                    "applies to conversations (`messages_column`, or `prompt_column` and \
+                     `completion_column`), rendered through a chat template",
+                ));
+            }
+        }
         match (
             &self.text_column,
             &self.prompt_template,
@@ -535,6 +587,57 @@ impl TextSource {
                 "dataset = \"text\" takes `text_column` (a language model's text), \
                  `text_column` and `label_column` (classification), or `prompt_template` and \
                  `response_template` (instruction pairs)",
+            )),
+        }
+    }
+
+    /// The conversational task the keys describe.
+    #[cfg(feature = "text")]
+    fn chat_task(&self) -> Result<kiln_text::TextTask> {
+        use kiln_text::TextTask;
+        let plain = [
+            ("text_column", self.text_column.is_some()),
+            ("label_column", self.label_column.is_some()),
+            ("prompt_template", self.prompt_template.is_some()),
+            ("response_template", self.response_template.is_some()),
+        ];
+        if let Some((key, _)) = plain.iter().find(|(_, given)| *given) {
+            return Err(Error::invalid_argument(
+                format!("data.{key}"),
+                "conversations (`messages_column`, `prompt_column`) are rendered by the chat \
+                 template: remove the plain-text keys",
+            ));
+        }
+        match (
+            &self.messages_column,
+            &self.prompt_column,
+            &self.completion_column,
+        ) {
+            (Some(messages), None, None) => {
+                if self.completion_only_loss.is_some() {
+                    return Err(Error::invalid_argument(
+                        "data.completion_only_loss",
+                        "applies to a prompt and a completion (`prompt_column`, \
+                         `completion_column`); a conversation trains on every token or, with \
+                         assistant_only_loss, on the assistant's turns",
+                    ));
+                }
+                Ok(TextTask::Conversation {
+                    messages: messages.clone(),
+                    assistant_only: self.assistant_only_loss,
+                })
+            }
+            (None, Some(prompt), Some(completion)) => Ok(TextTask::ChatCompletion {
+                prompt: prompt.clone(),
+                completion: completion.clone(),
+                completion_only: self.completion_only_loss.unwrap_or(true),
+                assistant_only: self.assistant_only_loss,
+            }),
+            _ => Err(Error::invalid_argument(
+                "data",
+                "conversations are `messages_column` (a conversation per row), or \
+                 `prompt_column` and `completion_column` (a prompt and its completion, both \
+                 lists of messages)",
             )),
         }
     }
