@@ -505,6 +505,120 @@ fn kiln_generate_chat_answers_as_transformers_does() {
     assert!(err.contains("NAME=VALUE"), "{err}");
 }
 
+/// Conversations through the CLI's keys: a `messages_column` with
+/// `assistant_only_loss`, `system_prompt` and `chat_template_kwargs`, and a
+/// `prompt_column` / `completion_column` pair with `completion_only_loss =
+/// false` and a `chat_template` file: the first step's loss (one row, before
+/// any update) is the loss of the row as TRL's `SFTTrainer` tokenizes it
+/// (`tests/reference/sft_conversations.py`); the conversational keys on plain
+/// text are refused by name.
+#[test]
+fn conversations_train_through_the_cli_as_trl_tokenizes_them() {
+    let test = "conversations_train_through_the_cli_as_trl_tokenizes_them";
+    let Some(models) = models(test) else {
+        return;
+    };
+    let python = kiln_testkit::python(test).unwrap();
+    let dir = scratch("cli-conversations");
+    let refs = dir.join("refs");
+    std::fs::create_dir_all(&refs).unwrap();
+    kiln_testkit::run_reference(
+        &python,
+        &kiln_testkit::workspace_root().join("tests/reference/sft_conversations.py"),
+        &[models.as_path(), refs.as_path()],
+    );
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(refs.join("expected.json")).unwrap())
+            .unwrap();
+    let model = refs.join("llama_chat");
+    let run = |name: &str, file: &str, data: &str| -> f64 {
+        let first = std::fs::read_to_string(refs.join(file)).unwrap();
+        let row = dir.join(format!("{name}.jsonl"));
+        std::fs::write(&row, first.lines().next().unwrap()).unwrap();
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                r#"
+seed = 1
+output_dir = "{out}"
+
+[model]
+pretrained = "{model}"
+
+[data]
+dataset = "text"
+path = "{row}"
+val_fraction = 0
+batch_size = 1
+{data}
+
+[loss]
+type = "cross_entropy"
+
+[optimizer]
+type = "sgd"
+lr = 0.001
+
+[training]
+epochs = 1
+log_every = 1
+
+[logging]
+tensorboard = false
+plots = false
+progress = false
+"#,
+                out = dir.join(name).display(),
+                model = model.display(),
+                row = row.display(),
+            ),
+        )
+        .unwrap();
+        let out = dir.join(name);
+        train(cfg.to_str().unwrap(), &out, &[]);
+        losses(&out)[0].1.parse().unwrap()
+    };
+    let close = |ours: f64, case: &str| {
+        let want = expected[case]["first_loss"].as_f64().unwrap();
+        assert!(
+            (ours - want).abs() <= 1e-4 * want.abs(),
+            "{case}: {ours} vs TRL's {want}"
+        );
+    };
+    close(
+        run(
+            "conversation",
+            "conversations.jsonl",
+            "messages_column = \"messages\"\nassistant_only_loss = true\nsystem_prompt = \"be kind\"\nchat_template_kwargs = { shout = true }",
+        ),
+        "conversation_system_kwargs",
+    );
+    close(
+        run(
+            "completion",
+            "prompt_completion.jsonl",
+            &format!(
+                "prompt_column = \"prompt\"\ncompletion_column = \"completion\"\ncompletion_only_loss = false\nchat_template = \"{}\"",
+                model.join("chat_template.jinja").display()
+            ),
+        ),
+        "completion_all",
+    );
+    let good = std::fs::read_to_string(dir.join("conversation.toml")).unwrap();
+    let cfg = dir.join("bad.toml");
+    std::fs::write(
+        &cfg,
+        good.replace(
+            "messages_column = \"messages\"",
+            "text_column = \"messages\"",
+        ),
+    )
+    .unwrap();
+    let err = kiln_fails(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(err.contains("data.assistant_only_loss"), "{err}");
+}
+
 /// `kiln predict` and `kiln eval` run a classifier straight from its Hugging
 /// Face directory (no training run first): BERT's scores are `transformers`'
 /// logits, and the loss is the cross entropy of those logits.

@@ -86,8 +86,8 @@ fn chat_templates_render_as_apply_chat_template_does() {
 /// without generation blocks is refused for assistant-only loss.
 #[test]
 fn conversations_tokenize_as_trl_sft_trainer_does() {
-    use kiln::hf::ChatTokenizer;
     use kiln::data::Dataset;
+    use kiln::hf::ChatTokenizer;
     use kiln::text::{TextDataset, TextOptions, TextTask, TokenizeChat};
     use std::sync::Arc;
 
