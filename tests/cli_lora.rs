@@ -443,6 +443,66 @@ fn the_shipped_lora_config_teaches_the_example_model_its_answers() {
     assert!(after >= 30, "{after} of 40 answers right after fine-tuning");
 }
 
+/// The shipped chat config fine-tunes the example's tiny LLaMA on its
+/// conversations (assistant-only loss through its chat template's `{%
+/// generation %}` blocks); `kiln generate --chat` then answers the held-out
+/// questions with the data's answers: none before, nearly all after.
+#[test]
+fn the_shipped_chat_config_teaches_the_example_model_to_answer_in_chat() {
+    let test = "the_shipped_chat_config_teaches_the_example_model_to_answer_in_chat";
+    let Some(python) = kiln_testkit::python(test) else {
+        return;
+    };
+    let _serial = serial();
+    let dir = scratch("chat-shipped");
+    let models = dir.join("models/tiny-llama");
+    common::tiny_llama(&python, &models);
+    let config = kiln_testkit::workspace_root().join("examples/configs/chat-llama.toml");
+    let out = std::process::Command::new(common::KILN)
+        .current_dir(&dir)
+        .args(["train", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let val = std::fs::read_to_string(models.join("conversations_val.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = val
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    // One question a call: a reply may run over several lines.
+    let right = |adapter: Option<&Path>| -> usize {
+        rows.iter()
+            .filter(|row| {
+                let mut args = vec![
+                    "generate",
+                    "--model",
+                    models.to_str().unwrap(),
+                    "--chat",
+                    "--max-new-tokens",
+                    "16",
+                    "--prompt",
+                    row["messages"][0]["content"].as_str().unwrap(),
+                ];
+                if let Some(a) = adapter {
+                    args.extend(["--adapter", a.to_str().unwrap()]);
+                }
+                kiln_stdout(&args).trim() == row["messages"][1]["content"].as_str().unwrap()
+            })
+            .count()
+    };
+    let before = right(None);
+    let after = right(Some(&dir.join("runs/chat-llama/adapter")));
+    eprintln!("held-out chat answers right: {before} of 40 before, {after} after fine-tuning");
+    assert_eq!(before, 0);
+    assert!(after >= 30, "{after} of 40 answers right after fine-tuning");
+}
+
 /// LoRA under data parallelism: two ranks under `kiln launch` (batches of 2
 /// each) train the adapters as one process does with batches of 4.
 #[test]

@@ -5,7 +5,9 @@ text as train.txt; and classify.csv, for examples/configs/pretrained-llama.toml:
 sentence of the text per row as 12 token ids (left-padded with <pad>) and a label, 1 for
 "The ... by the ..." sentences and 0 for "... sees the ..." ones; and instructions.jsonl
 and instructions_val.jsonl, for examples/configs/lora-llama.toml: question/answer pairs
-(each animal always sleeps at its own place), which a LoRA fine-tune learns.
+(each animal always sleeps at its own place), which a LoRA fine-tune learns; the same pairs
+as conversations (conversations.jsonl, conversations_val.jsonl: a `messages` column) and a
+chat template (chat_template.jinja), for examples/configs/chat-llama.toml.
 
 Usage: .kiln/venv/bin/python examples/pretrained/make_tiny_llama.py OUT_DIR
 """
@@ -24,6 +26,16 @@ ANIMALS = ["cat", "dog", "fox", "owl", "horse", "duck", "mouse", "bear"]
 ADJECTIVES = ["little", "old", "brown", "quiet", "happy", "sleepy", "clever", "big"]
 PLACES = ["garden", "river", "forest", "barn", "hill", "market"]
 RESTS = ["sleeps", "sings", "runs", "waits", "dances", "rests"]
+
+
+# A turn is `<s>role\ncontent</s>\n`; the assistant's content is a {% generation %} block, so
+# that assistant-only loss (TRL's assistant_only_loss) finds it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}</s>{% endgeneration %}"
+    "{% else %}{{ m.content }}</s>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 
 
 def story(seed, sentences):
@@ -81,6 +93,15 @@ def main():
         with open(os.path.join(out, name), "w") as f:
             for pair in part:
                 f.write(json.dumps(pair) + "\n")
+    # The same pairs as conversations, rendered by the directory's chat template.
+    for name, part in [("conversations.jsonl", pairs[:200]), ("conversations_val.jsonl", pairs[200:])]:
+        with open(os.path.join(out, name), "w") as f:
+            for pair in part:
+                messages = [{"role": "user", "content": pair["question"]},
+                            {"role": "assistant", "content": pair["answer"]}]
+                f.write(json.dumps({"messages": messages}) + "\n")
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
     print(f"wrote a {sum(p.numel() for p in LlamaForCausalLM(config).parameters())}-parameter "
           f"LLaMA, its tokenizer and train.txt to {out}")
 
