@@ -183,6 +183,29 @@ fn conversations_tokenize_as_trl_sft_trainer_does() {
             assert_eq!(labels, want_labels, "{name}, row {i}: labels");
         }
     }
+    // The conversations as `datasets` writes them to Parquet (lists of structs) give the same.
+    let parquet = TextDataset::open(
+        out.join("conversations.parquet"),
+        conversation(true),
+        options.clone(),
+        tokenizer.clone(),
+    )
+    .unwrap()
+    .with_chat(chat(false, false))
+    .unwrap();
+    let want = &expected["conversation_assistant"];
+    assert_eq!(parquet.len(), want["input_ids"].as_array().unwrap().len());
+    for i in 0..parquet.len() {
+        let (ids, labels) = parquet.tokens(i).unwrap();
+        assert_eq!(
+            ids,
+            serde_json::from_value::<Vec<i64>>(want["input_ids"][i].clone()).unwrap()
+        );
+        assert_eq!(
+            labels,
+            serde_json::from_value::<Vec<i64>>(want["labels"][i].clone()).unwrap()
+        );
+    }
     // The tiny model's own tokenizer directory has no generation blocks.
     let plain = ChatTemplate::new(
         "{% for m in messages %}{{ m.content }}{% endfor %}",

@@ -5,7 +5,8 @@ Usage: python sft_conversations.py MODELS OUT_DIR
 
 Copies MODELS/llama (tests/reference/pretrained.py's tiny LLaMA) to OUT_DIR/llama_chat with a
 chat template whose assistant turns are `{% generation %}` blocks (TRL's assistant_only_loss),
-writes OUT_DIR/conversations.jsonl (a `messages` column) and OUT_DIR/prompt_completion.jsonl
+writes OUT_DIR/conversations.jsonl (a `messages` column; also as `datasets` writes it to
+OUT_DIR/conversations.parquet) and OUT_DIR/prompt_completion.jsonl
 (`prompt` and `completion` columns of messages), and OUT_DIR/expected.json: for each setting,
 the `input_ids` and `labels` of every row of `SFTTrainer(...).train_dataset` (TRL 1.16, no
 packing, no truncation), and the first row's loss `model(input_ids, labels=labels).loss` with
@@ -85,6 +86,9 @@ def main(models, out):
     with open(os.path.join(out, "prompt_completion.jsonl"), "w") as f:
         for prompt, completion in completions:
             f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    # The same conversations as `datasets` writes them to Parquet (a list of structs).
+    Dataset.from_list([{"messages": m} for m in conversations]).to_parquet(
+        os.path.join(out, "conversations.parquet"))
     shout = {"shout": True}
     expected = {
         "conversation_all": prepared(d, [{"messages": m} for m in conversations]),
