@@ -506,7 +506,8 @@ fn kiln_generate_chat_answers_as_transformers_does() {
 }
 
 /// Conversations through the CLI's keys: a `messages_column` with
-/// `assistant_only_loss`, `system_prompt` and `chat_template_kwargs`, and a
+/// `assistant_only_loss`, `system_prompt` and `chat_template_kwargs`, with a
+/// `tools_column`, and a
 /// `prompt_column` / `completion_column` pair with `completion_only_loss =
 /// false` and a `chat_template` file: the first step's loss (one row, before
 /// any update) is the loss of the row as TRL's `SFTTrainer` tokenizes it
@@ -604,6 +605,14 @@ progress = false
             ),
         ),
         "completion_all",
+    );
+    close(
+        run(
+            "tools",
+            "conversations_tools.jsonl",
+            "messages_column = \"messages\"\ntools_column = \"tools\"\nassistant_only_loss = true",
+        ),
+        "conversation_tools",
     );
     let good = std::fs::read_to_string(dir.join("conversation.toml")).unwrap();
     let cfg = dir.join("bad.toml");

@@ -117,13 +117,20 @@ fn conversations_tokenize_as_trl_sft_trainer_does() {
     };
     let conversation = |assistant_only| TextTask::Conversation {
         messages: "messages".into(),
+        tools: None,
         assistant_only,
     };
     let completion = |completion_only| TextTask::ChatCompletion {
         prompt: "prompt".into(),
         completion: "completion".into(),
+        tools: None,
         completion_only,
         assistant_only: false,
+    };
+    let with_tools = TextTask::Conversation {
+        messages: "messages".into(),
+        tools: Some("tools".into()),
+        assistant_only: true,
     };
     let settings = [
         (
@@ -146,6 +153,13 @@ fn conversations_tokenize_as_trl_sft_trainer_does() {
             conversation(true),
             true,
             true,
+        ),
+        (
+            "conversation_tools",
+            "conversations_tools.jsonl",
+            with_tools,
+            false,
+            false,
         ),
         (
             "completion_only",

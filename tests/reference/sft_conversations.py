@@ -6,7 +6,7 @@ Usage: python sft_conversations.py MODELS OUT_DIR
 Copies MODELS/llama (tests/reference/pretrained.py's tiny LLaMA) to OUT_DIR/llama_chat with a
 chat template whose assistant turns are `{% generation %}` blocks (TRL's assistant_only_loss),
 writes OUT_DIR/conversations.jsonl (a `messages` column; also as `datasets` writes it to
-OUT_DIR/conversations.parquet) and OUT_DIR/prompt_completion.jsonl
+OUT_DIR/conversations.parquet, and with a `tools` column to OUT_DIR/conversations_tools.jsonl) and OUT_DIR/prompt_completion.jsonl
 (`prompt` and `completion` columns of messages), and OUT_DIR/expected.json: for each setting,
 the `input_ids` and `labels` of every row of `SFTTrainer(...).train_dataset` (TRL 1.16, no
 packing, no truncation), and the first row's loss `model(input_ids, labels=labels).loss` with
@@ -27,12 +27,16 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 TEMPLATE = (
+    "{% if tools %}<s>tools\n{{ tools | tojson }}</s>\n{% endif %}"
     "{% for m in messages %}<s>{{ m.role }}\n"
     "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}</s>{% endgeneration %}"
     "{% else %}{{ m.content }}{% if shout is defined and shout %}!{% endif %}</s>{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 SYSTEM = "be kind"
+TOOL = {"type": "function", "function": {"name": "fire", "description": "Fires the kiln.",
+                                         "parameters": {"type": "object", "properties": {
+                                             "hours": {"type": "integer"}}, "required": ["hours"]}}}
 
 
 def rows():
@@ -86,6 +90,10 @@ def main(models, out):
     with open(os.path.join(out, "prompt_completion.jsonl"), "w") as f:
         for prompt, completion in completions:
             f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    # A `tools` column: a schema list on the first row, null on the others.
+    with open(os.path.join(out, "conversations_tools.jsonl"), "w") as f:
+        for i, messages in enumerate(conversations):
+            f.write(json.dumps({"messages": messages, "tools": [TOOL] if i == 0 else None}) + "\n")
     # The same conversations as `datasets` writes them to Parquet (a list of structs).
     Dataset.from_list([{"messages": m} for m in conversations]).to_parquet(
         os.path.join(out, "conversations.parquet"))
@@ -96,6 +104,9 @@ def main(models, out):
         # Kiln's system_prompt and chat_template_kwargs, as the rows and TRL's kwargs give them.
         "conversation_system_kwargs": prepared(
             d, [{"messages": with_system(m), "chat_template_kwargs": shout} for m in conversations],
+            assistant_only_loss=True),
+        "conversation_tools": prepared(
+            d, [{"messages": m, "tools": [TOOL] if i == 0 else None} for i, m in enumerate(conversations)],
             assistant_only_loss=True),
         "completion_only": prepared(d, [{"prompt": p, "completion": c} for p, c in completions]),
         "completion_all": prepared(d, [{"prompt": p, "completion": c} for p, c in completions],

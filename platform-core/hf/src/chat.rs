@@ -57,7 +57,11 @@ const SPECIAL_TOKENS: [&str; 7] = [
 /// let template = ChatTemplate::open(dir)?.expect("a chat template");
 /// let tokenizer = Arc::new(TextTokenizer::open(dir)?);
 /// let chat = ChatTokenizer::new(template, tokenizer.clone(), ChatOptions::default());
-/// let task = TextTask::Conversation { messages: "messages".into(), assistant_only: true };
+/// let task = TextTask::Conversation {
+///     messages: "messages".into(),
+///     tools: None,
+///     assistant_only: true,
+/// };
 /// let options = TextOptions { max_length: Some(1024), truncation: true, eos_token: None };
 /// let data = TextDataset::open("chats.jsonl", task, options, tokenizer)?
 ///     .with_chat(Arc::new(chat))?;
@@ -104,10 +108,14 @@ impl kiln_text::TokenizeChat for ChatTokenizer {
     fn tokenize_chat(
         &self,
         messages: &[Value],
+        tools: Option<&[Value]>,
         add_generation_prompt: bool,
     ) -> kiln_core::Result<(Vec<i64>, Vec<bool>)> {
         let mut options = self.options.clone();
         options.add_generation_prompt = add_generation_prompt;
+        if let Some(tools) = tools {
+            options.tools = Some(tools.to_vec());
+        }
         let starts_with_system = messages
             .first()
             .and_then(|m| m.get("role"))

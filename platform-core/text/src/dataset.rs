@@ -28,9 +28,11 @@ pub trait TokenizeChat: Send + Sync {
     /// assistant's header when `add_generation_prompt`), as
     /// `apply_chat_template(messages, tokenize=True)` gives them, and for each
     /// whether the template's `{% generation %}` blocks rendered it.
+    /// `tools` are the row's tool schemas, for templates that take them.
     fn tokenize_chat(
         &self,
         messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
         add_generation_prompt: bool,
     ) -> Result<(Vec<i64>, Vec<bool>)>;
 
@@ -67,6 +69,9 @@ pub enum TextTask {
     Conversation {
         /// The messages column.
         messages: String,
+        /// A column of tool schemas (a list, its JSON text, or null) the
+        /// template is given as `tools`, as TRL reads a row's `tools`.
+        tools: Option<String>,
         /// Train on the assistant's turns only.
         assistant_only: bool,
     },
@@ -79,6 +84,8 @@ pub enum TextTask {
         prompt: String,
         /// The completion's messages column.
         completion: String,
+        /// A column of tool schemas, as [`TextTask::Conversation`]'s.
+        tools: Option<String>,
         /// The loss on the completion only (TRL's `completion_only_loss`,
         /// its default).
         completion_only: bool,
@@ -108,10 +115,20 @@ impl TextTask {
                 }
                 cols
             }
-            TextTask::Conversation { messages, .. } => vec![messages.clone()],
+            TextTask::Conversation {
+                messages, tools, ..
+            } => std::iter::once(messages.clone())
+                .chain(tools.clone())
+                .collect(),
             TextTask::ChatCompletion {
-                prompt, completion, ..
-            } => vec![prompt.clone(), completion.clone()],
+                prompt,
+                completion,
+                tools,
+                ..
+            } => [prompt.clone(), completion.clone()]
+                .into_iter()
+                .chain(tools.clone())
+                .collect(),
             TextTask::Classification { text, label } => vec![text.clone(), label.clone()],
         }
     }
@@ -276,8 +293,31 @@ impl TextDataset {
             )
         })?;
         let place = || self.records.place(index);
+        // The row's tools: the column after the messages, a list or null.
+        let tools_at = match &self.task {
+            TextTask::Conversation { tools: Some(_), .. } => Some(1),
+            TextTask::ChatCompletion { tools: Some(_), .. } => Some(2),
+            _ => None,
+        };
+        let tools = match tools_at {
+            Some(k) => match serde_json::from_str(&values[k]) {
+                Ok(serde_json::Value::Array(list)) => Some(list),
+                Ok(serde_json::Value::Null) => None,
+                _ => {
+                    return Err(Error::invalid_argument(
+                        "data",
+                        format!(
+                            "{}: column `{}` is not a list of tool schemas (or null)",
+                            place(),
+                            self.task.columns()[k]
+                        ),
+                    ))
+                }
+            },
+            None => None,
+        };
         let render = |messages: &[serde_json::Value], prompt: bool| {
-            chat.tokenize_chat(messages, prompt)
+            chat.tokenize_chat(messages, tools.as_deref(), prompt)
                 .map_err(|e| Error::invalid_argument("data", format!("{}: {e}", place())))
         };
         match &self.task {

@@ -245,7 +245,9 @@ impl TextRecords {
             .iter()
             .zip(&self.lists)
             .map(|(c, &list)| match object.get(c) {
-                Some(v @ serde_json::Value::Array(_)) if list => Ok(v.to_string()),
+                Some(v @ (serde_json::Value::Array(_) | serde_json::Value::Null)) if list => {
+                    Ok(v.to_string())
+                }
                 Some(serde_json::Value::String(s)) => Ok(s.clone()),
                 Some(other) if list => Err(self.bad(
                     line,
@@ -446,7 +448,9 @@ impl TextRecords {
                     continue;
                 };
                 values[k] = Some(match field {
-                    Field::ListInternal(_) if self.lists[k] => field.to_json_value().to_string(),
+                    Field::ListInternal(_) | Field::Null if self.lists[k] => {
+                        field.to_json_value().to_string()
+                    }
                     Field::Str(s) => s.clone(),
                     Field::Null => {
                         return Err(bad(format!("row {}: column `{name}` is null", i + 1)))

@@ -261,6 +261,10 @@ pub struct TextSource {
     /// The column holding the completion's messages, with `prompt_column`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_column: Option<String>,
+    /// A column of tool schemas (a list, its JSON text, or null) given to the
+    /// chat template as `tools`, as TRL reads a row's `tools`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools_column: Option<String>,
     /// Train on the assistant's turns only: the tokens of the chat template's
     /// `{% generation %}` blocks (TRL's `assistant_only_loss`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
@@ -558,6 +562,7 @@ impl TextSource {
             ("system_prompt", self.system_prompt.is_some()),
             ("chat_template", self.chat_template.is_some()),
             ("chat_template_kwargs", self.chat_template_kwargs.is_some()),
+            ("tools_column", self.tools_column.is_some()),
         ] {
             if given {
                 return Err(Error::invalid_argument(
@@ -624,12 +629,14 @@ impl TextSource {
                 }
                 Ok(TextTask::Conversation {
                     messages: messages.clone(),
+                    tools: self.tools_column.clone(),
                     assistant_only: self.assistant_only_loss,
                 })
             }
             (None, Some(prompt), Some(completion)) => Ok(TextTask::ChatCompletion {
                 prompt: prompt.clone(),
                 completion: completion.clone(),
+                tools: self.tools_column.clone(),
                 completion_only: self.completion_only_loss.unwrap_or(true),
                 assistant_only: self.assistant_only_loss,
             }),
