@@ -146,7 +146,7 @@ pub enum DataSource {
     /// WebDataset `.tar` shards.
     Webdataset(ShardSource),
     /// Text rows of a JSON Lines, CSV or Parquet file.
-    Text(TextSource),
+    Text(Box<TextSource>),
 }
 
 /// digits and mnist: the file or directory.

@@ -140,7 +140,7 @@ impl DataConfig {
             DatasetKind::Npy => DataSource::Npy(take_part(&table)?),
             DatasetKind::ImageFolder => DataSource::ImageFolder(take_part(&table)?),
             DatasetKind::Webdataset => DataSource::Webdataset(take_part(&table)?),
-            DatasetKind::Text => DataSource::Text(take_part(&table)?),
+            DatasetKind::Text => DataSource::Text(Box::new(take_part(&table)?)),
         };
         Ok(Self {
             source,
