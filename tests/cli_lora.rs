@@ -371,6 +371,30 @@ fn packed_and_csv_text_train_and_bad_inputs_are_refused() {
     }
 }
 
+/// Makes the example's tiny LLaMA in `dir/models/tiny-llama` (returned) and
+/// trains the shipped `examples/configs/{config}` from `dir`, its paths
+/// relative to where kiln runs, as for a user in the workspace.
+fn train_shipped(python: &Path, dir: &Path, config: &str) -> PathBuf {
+    let models = dir.join("models/tiny-llama");
+    common::tiny_llama(python, &models);
+    let config = kiln_testkit::workspace_root()
+        .join("examples/configs")
+        .join(config);
+    let out = std::process::Command::new(common::KILN)
+        .current_dir(dir)
+        .args(["train", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    models
+}
+
 /// The shipped config fine-tunes the example's tiny LLaMA on its instruction
 /// pairs; the answers to the held-out questions, greedy, move to the data's:
 /// none is right without the adapter, nearly all with it.
@@ -382,22 +406,7 @@ fn the_shipped_lora_config_teaches_the_example_model_its_answers() {
     };
     let _serial = serial();
     let dir = scratch("lora-shipped");
-    let models = dir.join("models/tiny-llama");
-    common::tiny_llama(&python, &models);
-    // The config's paths are relative to where kiln runs, as for a user in the workspace.
-    let config = kiln_testkit::workspace_root().join("examples/configs/lora-llama.toml");
-    let out = std::process::Command::new(common::KILN)
-        .current_dir(&dir)
-        .args(["train", "--config", config.to_str().unwrap()])
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let models = train_shipped(&python, &dir, "lora-llama.toml");
     let run = dir.join("runs/lora-llama");
     let val = std::fs::read_to_string(models.join("instructions_val.jsonl")).unwrap();
     let pairs: Vec<serde_json::Value> = val
@@ -455,21 +464,7 @@ fn the_shipped_chat_config_teaches_the_example_model_to_answer_in_chat() {
     };
     let _serial = serial();
     let dir = scratch("chat-shipped");
-    let models = dir.join("models/tiny-llama");
-    common::tiny_llama(&python, &models);
-    let config = kiln_testkit::workspace_root().join("examples/configs/chat-llama.toml");
-    let out = std::process::Command::new(common::KILN)
-        .current_dir(&dir)
-        .args(["train", "--config", config.to_str().unwrap()])
-        .env("RUST_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let models = train_shipped(&python, &dir, "chat-llama.toml");
     let val = std::fs::read_to_string(models.join("conversations_val.jsonl")).unwrap();
     let rows: Vec<serde_json::Value> = val
         .lines()
