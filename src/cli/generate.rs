@@ -320,18 +320,11 @@ fn chat_template(args: &GenerateArgs, dir: Option<&PathBuf>) -> Result<kiln_hf::
     if let Some(file) = &args.chat_template {
         let source = std::fs::read_to_string(file)
             .with_context(|| format!("--chat-template {}", file.display()))?;
-        let special: Vec<(String, String)> = match &from_dir {
-            Some(t) => ["bos_token", "eos_token", "unk_token", "pad_token"]
-                .iter()
-                .filter_map(|n| t.special_token(n).map(|v| ((*n).to_owned(), v.to_owned())))
-                .collect(),
-            None => Vec::new(),
-        };
-        return Ok(kiln_hf::ChatTemplate::new(
-            source,
-            special,
-            file.display().to_string(),
-        )?);
+        let origin = file.display().to_string();
+        return Ok(match &from_dir {
+            Some(own) => own.with_source(source, origin)?,
+            None => kiln_hf::ChatTemplate::new(source, Vec::<(String, String)>::new(), origin)?,
+        });
     }
     from_dir.with_context(|| {
         format!(

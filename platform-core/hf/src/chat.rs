@@ -351,6 +351,16 @@ impl ChatTemplate {
         Ok(None)
     }
 
+    /// Another template, `source` (from `origin`), given the same special
+    /// tokens as this one: a template file that replaces a model's own.
+    pub fn with_source(
+        &self,
+        source: impl Into<String>,
+        origin: impl Into<String>,
+    ) -> Result<Self> {
+        Self::new(source, self.special_tokens.iter().cloned(), origin)
+    }
+
     /// The template's text, as written.
     pub fn source(&self) -> &str {
         &self.source

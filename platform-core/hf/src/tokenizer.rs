@@ -54,14 +54,7 @@ impl TextTokenizer {
     /// The ids of `text`, with the tokenizer's special tokens when
     /// `add_special_tokens` (Python's `tokenizer(text, add_special_tokens=...)`).
     pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<i64>> {
-        let encoding =
-            self.inner
-                .encode(text, add_special_tokens)
-                .map_err(|e| HfError::Tokenizer {
-                    path: self.path.clone(),
-                    reason: format!("encoding {text:?}: {e}"),
-                })?;
-        Ok(encoding.get_ids().iter().map(|&id| i64::from(id)).collect())
+        Ok(self.encode_with_offsets(text, add_special_tokens)?.0)
     }
 
     /// The ids of `text` and, for each, the byte range of `text` it covers

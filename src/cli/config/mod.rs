@@ -59,7 +59,9 @@ use crate::features::{Feature, FeatureMissing};
 #[cfg(feature = "text")]
 use kiln_text::IGNORE_INDEX;
 
-pub use data::{DataConfig, DataSource, TextSource};
+#[cfg(feature = "text")]
+pub use data::TextSource;
+pub use data::{DataConfig, DataSource};
 #[cfg(feature = "vision")]
 pub use data::{ImageFolderSource, ImageSize, ShardSource};
 pub use distributed::{DistributedConfig, StrategyName};

@@ -57,16 +57,12 @@ fn chat_tokenizer(
         Some(file) => {
             let text = std::fs::read_to_string(file)
                 .with_context(|| format!("data.chat_template ({})", file.display()))?;
-            let special: Vec<(String, String)> = from_dir
-                .iter()
-                .flat_map(|t| {
-                    ["bos_token", "eos_token", "unk_token", "pad_token"]
-                        .iter()
-                        .filter_map(|n| t.special_token(n).map(|v| ((*n).to_owned(), v.to_owned())))
-                })
-                .collect();
-            kiln_hf::ChatTemplate::new(text, special, file.display().to_string())
-                .context("data.chat_template")?
+            let origin = file.display().to_string();
+            match &from_dir {
+                Some(own) => own.with_source(text, origin),
+                None => kiln_hf::ChatTemplate::new(text, Vec::<(String, String)>::new(), origin),
+            }
+            .context("data.chat_template")?
         }
         None => from_dir.with_context(|| {
             format!(
