@@ -269,15 +269,16 @@ impl TextDataset {
 
     /// The messages of row `index`'s column `k` (JSON text of a list).
     fn messages(&self, index: usize, k: usize, text: &str) -> Result<Vec<serde_json::Value>> {
-        let column = &self.task.columns()[k];
         match serde_json::from_str(text) {
             Ok(serde_json::Value::Array(list)) => Ok(list),
+            // The column's name is looked up only for the message.
             _ => Err(Error::invalid_argument(
                 "data",
                 format!(
-                    "{}: column `{column}` is not a list of messages ([{{\"role\": ..., \
+                    "{}: column `{}` is not a list of messages ([{{\"role\": ..., \
                      \"content\": ...}}, ...])",
-                    self.records.place(index)
+                    self.records.place(index),
+                    self.task.columns().get(k).map_or("?", String::as_str)
                 ),
             )),
         }

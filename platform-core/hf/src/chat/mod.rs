@@ -489,8 +489,12 @@ impl ChatTemplate {
 }
 
 /// `{% generation %}` and `{% endgeneration %}` with either whitespace control.
-fn generation_tag() -> regex::Regex {
-    regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("a valid pattern")
+/// Compiled once: every template and every data set asks it.
+fn generation_tag() -> &'static regex::Regex {
+    static TAG: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"\{%(-?)\s*(end)?generation\s*(-?)%\}").expect("a valid pattern")
+    });
+    &TAG
 }
 
 /// `source` with each `{% generation %}` block made plain Jinja that emits
